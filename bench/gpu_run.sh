@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
+#   source .device-kit/env.sh && bash bench/gpu_run.sh [tests1] [tests2] [tests4] [kernels] [a2a2] [a2a4] [pipe2] [pipe4]
+# Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
+# short still returns what it finished; logs to $OUT/gpu.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+res=/tmp/mxcomm-results
+mkdir -p "$OUT" "$res"
+log="$OUT/gpu.log"
+export MXCOMM_COMMIT=${MXCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+ngpu=$(nvidia-smi -L | wc -l)
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 secs=$2; shift 2
+    echo "=== $name ($(date -u +%H:%M:%S))" | tee -a "$log"
+    timeout "$secs" "$@" 2>&1 | tee -a "$log" | tail -n 60
+    echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$log"
+    tar -czf "$OUT/results.tar.gz" -C "$res" . 2>/dev/null
+}
+
+{ nvidia-smi -L; python3 -c "import torch, cupy, numba_cuda, numpy; from cupy.cuda import nccl; \
+print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba-cuda', numba_cuda.__version__, \
+'numpy', numpy.__version__, 'nccl', nccl.get_version())"; } 2>&1 | tee -a "$log"
+
+for phase in "$@"; do
+    case $phase in
+    tests1) step "gpu tests, 1 process" 300 python3 -m pytest -q -m "gpu and not mpi" tests ;;
+    tests2) step "gpu tests, 2 ranks" 300 mpirun_env -n 2 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
+    tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 mpirun_env -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
+    kernels) step "bench kernels" 300 python3 -m mxcomm.bench kernels \
+        --json "$res/kernels.json" --markdown "$res/kernels.md" ;;
+    a2a2) step "bench a2a, 2 ranks" 400 mpirun_env -n 2 python3 -m mxcomm.bench a2a \
+        --json "$res/a2a_w2.json" --markdown "$res/a2a_w2.md" ;;
+    a2a4) [ "$ngpu" -ge 4 ] && step "bench a2a, 4 ranks" 400 mpirun_env -n 4 python3 -m mxcomm.bench a2a \
+        --json "$res/a2a_w4.json" --markdown "$res/a2a_w4.md" ;;
+    pipe2) step "bench pipeline, 2 ranks" 400 mpirun_env -n 2 python3 -m mxcomm.bench pipeline \
+        --json "$res/pipeline_w2.json" --markdown "$res/pipeline_w2.md" --plot "$res/pipeline_w2.png" ;;
+    pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 mpirun_env -n 4 python3 -m mxcomm.bench pipeline \
+        --json "$res/pipeline_w4.json" --markdown "$res/pipeline_w4.md" --plot "$res/pipeline_w4.png" ;;
+    *) echo "unknown phase $phase" | tee -a "$log" ;;
+    esac
+done

@@ -1,0 +1,7 @@
+"""Numba CUDA kernels of mxcomm (installed as ``mxcomm.kernels``): MXFP8 quantize/dequantize,
+token permute/unpermute, fp8 bit conversions. Imports numba only; never imports ``mxcomm``."""
+
+from ._device import array_module, simulated  # first: decides simulator vs GPU before numba loads
+from ._launch import launch_1d
+
+__all__ = ["array_module", "simulated", "launch_1d"]

@@ -1,0 +1,65 @@
+"""Arrays in, arrays out: conversion of caller arrays and streams for the kernels and communicators.
+
+Device arrays are CuPy arrays on a GPU and NumPy arrays under Numba's CUDA simulator; which one is
+decided once, in ``mxcomm.kernels`` (:func:`array_module`). Anything exporting
+``__cuda_array_interface__`` or DLPack is accepted zero-copy.
+"""
+
+import ml_dtypes
+import numpy
+
+from .kernels import array_module, simulated
+
+#: bf16 as an array dtype (CuPy and NumPy both use ml_dtypes' type).
+bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
+float32 = numpy.dtype(numpy.float32)
+
+
+def as_device_array(x, name):
+    """``x`` as an array of the array module, zero-copy.
+
+    Args:
+        x: a CuPy/NumPy array, or any object exporting ``__cuda_array_interface__`` or DLPack.
+        name: the argument's name, for the error message.
+    Raises:
+        TypeError: ``x`` is not an array the current device can use.
+    """
+    xp = array_module()
+    if isinstance(x, xp.ndarray):
+        return x
+    if not simulated():
+        if hasattr(x, "__cuda_array_interface__"):
+            return xp.asarray(x)
+        if hasattr(x, "__dlpack__"):
+            return xp.from_dlpack(x)
+    elif hasattr(x, "__array__") or hasattr(x, "__array_interface__"):
+        return numpy.asarray(x)
+    where = "host (simulator)" if simulated() else "CUDA device"
+    raise TypeError(f"{name}: expected a {where} array ({xp.__name__}.ndarray, DLPack or "
+                    f"__cuda_array_interface__), got {type(x).__name__}")
+
+
+def stream_ptr(stream=None):
+    """The raw CUDA stream handle of ``stream`` (0 under the simulator).
+
+    Args:
+        stream: None for CuPy's current stream, a CuPy stream (``.ptr``), a torch stream
+            (``.cuda_stream``), or an int handle.
+    """
+    if simulated():
+        return 0
+    if stream is None:
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    for attr in ("ptr", "cuda_stream"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    return int(stream)
+
+
+def kernel_stream(ptr):
+    """A numba stream for the raw handle ``ptr``, to launch kernels on (0 under the simulator)."""
+    if simulated():
+        return 0
+    from numba import cuda
+    return cuda.external_stream(ptr)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The test command of README.md: the serial suite, the MPI suites at 2 and 3 ranks, and the CPU smoke
+# run of the main job. Without a GPU everything runs in Numba's CUDA simulator with the MPI backend.
+# Every stage runs under `timeout` so a hung rank fails the run instead of stalling it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+status=0
+stage() {  # stage NAME COMMAND...: run, treat pytest's exit 5 (no tests collected) as success
+    echo "=== $1"
+    shift
+    "$@"
+    local rc=$?
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+        echo "=== FAILED (exit $rc)"
+        status=1
+    fi
+}
+
+stage "serial suite" timeout 2400 python -m pytest -q -m "not mpi" tests
+stage "MPI suite, 2 ranks" timeout 900 mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests
+stage "MPI suite, 3 ranks" timeout 900 mpiexec -n 3 python -m pytest -q --with-mpi -m mpi tests
+stage "main job, CPU smoke run" timeout 600 mpiexec -n 2 python -m mxcomm.bench pipeline
+exit $status
