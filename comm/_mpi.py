@@ -1,0 +1,147 @@
+"""MPI communicator: all-to-all of rows of host (NumPy) arrays with mpi4py.
+
+The CPU path and CI use it, and it is the fallback where NCCL is unavailable. Data moves with
+nonblocking ``Ialltoallv`` whose MPI datatype is one whole row (a contiguous run of the row's
+bytes), so counts and displacements are in rows and stay far below the int32 limit of MPI counts
+even for arrays of many GiB. Every request is polled until ``timeout`` (see ``_base``).
+"""
+
+import math
+
+import numpy
+
+from ._base import Communicator
+
+_INT32_MAX = 2**31 - 1
+
+
+class MpiCommunicator(Communicator):
+    """All-to-all of rows of host NumPy arrays over MPI.
+
+    Args:
+        mpi_comm: an mpi4py communicator; None for ``MPI.COMM_WORLD`` (duplicated, not consumed).
+        timeout: seconds a collective may take before the communicator is aborted (> 0).
+        validate: default of the per-call ``validate`` flag (cross-rank count checks).
+
+    Collective: every rank of ``mpi_comm`` constructs it. Every method that moves data is
+    collective and blocks the host until done (or ``timeout``).
+    """
+
+    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True):
+        super().__init__(mpi_comm, timeout=timeout, validate=validate)
+        self._row_types = {}  # row bytes -> committed MPI contiguous datatype
+
+    # --------------------------------------------------------------------------------- hooks
+    def _as_array(self, x, name):
+        if isinstance(x, numpy.ndarray):
+            return x
+        if hasattr(x, "__cuda_array_interface__") or not (
+                hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
+            raise TypeError(f"{name} on rank {self.rank}: MpiCommunicator moves host arrays "
+                            f"(NumPy), got {type(x).__name__}")
+        return numpy.asarray(x)
+
+    def _empty(self, shape, dtype):
+        return numpy.empty(shape, dtype=dtype)
+
+    def _close_backend(self, clean):
+        for datatype in self._row_types.values():
+            datatype.Free()
+        self._row_types.clear()
+
+    def _row_type(self, row_bytes):
+        """The committed MPI datatype of one row of ``row_bytes`` bytes (cached)."""
+        datatype = self._row_types.get(row_bytes)
+        if datatype is None:
+            datatype = self._MPI.BYTE.Create_contiguous(row_bytes).Commit()
+            self._row_types[row_bytes] = datatype
+        return datatype
+
+    # ----------------------------------------------------------------------------- collectives
+    def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
+                  recv_offsets=None, stream=None, validate=None):
+        """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
+
+        Rows are first-axis slices. Rows for rank ``r`` start at row ``send_offsets[r]`` of
+        ``send``; rows from rank ``r`` land at row ``recv_offsets[r]`` of ``out``. Collective;
+        blocks the host until the exchange is done.
+
+        Args:
+            send: (M, ...) C-contiguous NumPy array of any dtype (bf16 as ``ml_dtypes.bfloat16``,
+                uint8 fp8 bits, int32, ...), or a tuple of such arrays with equal M moved
+                together (e.g. fp8 data (M, D) and scales (M, D/32)). Read.
+            send_counts: W non-negative host ints, rows sent to each rank.
+            recv_counts: W non-negative host ints, rows received from each rank.
+            out: (N, ...) arrays like ``send`` (same dtypes and row shapes, same tuple
+                structure), or None to allocate N = sum(recv_counts) rows (max(recv_offsets +
+                recv_counts) with explicit offsets). Written.
+            send_offsets: W host ints, first row sent to each rank; default the exclusive
+                cumulative sum of ``send_counts`` (then sum(send_counts) must equal M).
+            recv_offsets: W host ints, first row of ``out`` received from each rank; default the
+                exclusive cumulative sum of ``recv_counts`` (then sum(recv_counts) must equal N).
+            stream: ignored (host arrays); accepted for a backend-independent call.
+            validate: check counts across ranks first (one small MPI allgather); None for the
+                communicator's default.
+        Returns:
+            ``out`` (an array, or a tuple if ``send`` was a tuple).
+        Raises:
+            ValueError: counts of the wrong length, negative, beyond the arrays or not adding up
+                to the rows; counts inconsistent across ranks (same message on every rank).
+            TypeError: a non-host array, non-integer counts, or ``out`` of another dtype.
+            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
+            RuntimeError: the communicator is aborted or closed.
+        """
+        self._check_usable()
+        sends, outs, single, sc, rc, so, ro = self._plan(
+            send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
+        for name, v in (("send", so + sc), ("recv", ro + rc)):
+            if len(v) and int(v.max()) > _INT32_MAX:
+                raise ValueError(f"alltoallv: {name} rows beyond 2**31 - 1 on rank {self.rank}")
+        counts = (sc.astype(numpy.int32), so.astype(numpy.int32),
+                  rc.astype(numpy.int32), ro.astype(numpy.int32))
+        requests = []
+        for s, o in zip(sends, outs):
+            row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
+            if row_bytes == 0:
+                continue
+            datatype = self._row_type(row_bytes)
+            requests.append(self._mpi.Ialltoallv(
+                [_bytes(s), (counts[0], counts[1]), datatype],
+                [_bytes(o), (counts[2], counts[3]), datatype]))
+        if requests:
+            self._wait_mpi(requests, "alltoallv", keep=(sends, outs, counts))
+        return outs[0] if single else outs
+
+    def alltoall_counts(self, counts, *, stream=None):
+        """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.
+
+        Collective; blocks the host until done.
+
+        Args:
+            counts: (W·k,) integer NumPy array; entries ``[r·k, (r+1)·k)`` go to rank ``r``.
+                Read.
+            stream: ignored (host arrays).
+        Returns:
+            (W·k,) array of the same dtype: entries ``[r·k, (r+1)·k)`` came from rank ``r``.
+        Raises:
+            ValueError: a length not a multiple of W, or different k across ranks (same message
+                on every rank).
+            TypeError: not a 1-D integer host array.
+            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
+        """
+        self._check_usable()
+        counts, k = self._check_counts_array(counts)
+        counts = numpy.ascontiguousarray(counts)
+        out = numpy.empty_like(counts)
+        nbytes = k * counts.dtype.itemsize
+        if nbytes:
+            request = self._mpi.Ialltoall([_bytes(counts), nbytes, self._MPI.BYTE],
+                                          [_bytes(out), nbytes, self._MPI.BYTE])
+            self._wait_mpi([request], "alltoall_counts", keep=(counts, out))
+        return out
+
+
+def _bytes(a):
+    """A 1-D uint8 view of C-contiguous ``a`` (MPI sees bytes; any dtype, ml_dtypes included)."""
+    return a.reshape(-1).view(numpy.uint8)
+

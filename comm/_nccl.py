@@ -1,0 +1,408 @@
+"""NCCL communicator: all-to-all of rows of CuPy device arrays with grouped send/recv.
+
+One process per GPU. The GPU is picked from the node-local rank (an MPI shared-memory split), the
+NCCL unique id is made on rank 0 and broadcast over MPI, and ``alltoallv`` is one NCCL group of
+``send``/``recv`` calls (NCCL has no alltoallv), one pair per peer and array, zero-size ones
+skipped. Rows travel as raw bytes (``NCCL_UINT8``), so every dtype works: bf16, fp8 bits, scales.
+
+Nothing here blocks the host except :meth:`NcclCommunicator.wait`, which polls with the timeout.
+A per-instance watchdog thread polls a CUDA event recorded after each group; if one is not done
+``timeout`` seconds after it became the oldest outstanding, the watchdog calls ``ncclCommAbort``
+and stores a ``TimeoutError`` that the next call raises. Events come from a small pool on the
+instance and go back to it when done, so nothing grows with the number of calls.
+
+This is the only module that imports ``cupy.cuda.nccl``.
+"""
+
+import collections
+import threading
+import time
+
+from ._base import Communicator
+
+_CUDA_SUCCESS = 0
+_CUDA_NOT_READY = 600          # cudaErrorNotReady
+_EVENT_DISABLE_TIMING = 0x2    # cudaEventDisableTiming
+_WATCH_POLL_S = 1e-3           # watchdog polling period while operations are in flight
+_ASYNC_CHECK_S = 1.0           # period of ncclCommGetAsyncError checks while in flight
+_IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in flight
+
+
+class NcclCommunicator(Communicator):
+    """All-to-all of rows of CuPy device arrays over NCCL, one process per GPU.
+
+    Args:
+        mpi_comm: an mpi4py communicator over the processes (one per GPU); None for
+            ``MPI.COMM_WORLD``. Duplicated, not consumed; it bootstraps NCCL and carries the
+            argument checks (host ints).
+        timeout: seconds a collective may take before the communicator is aborted (> 0).
+        validate: default of the per-call ``validate`` flag (cross-rank count checks).
+        device: the CUDA device of this process; None for ``local_rank % device_count``, where
+            ``local_rank`` is the rank among the processes of this node.
+
+    Attributes:
+        device: the CUDA device ordinal used (made current by the constructor).
+        local_rank: this process's rank among the processes of its node.
+
+    Collective: every rank of ``mpi_comm`` constructs it (blocking, bounded by ``timeout``
+    up to NCCL's own initialization).
+    """
+
+    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True, device=None):
+        super().__init__(mpi_comm, timeout=timeout, validate=validate)
+        import cupy
+        from cupy.cuda import nccl
+        self._cupy = cupy
+        self._runtime = cupy.cuda.runtime
+        self._nccl_mod = nccl
+        self._uint8 = nccl.NCCL_UINT8
+        node = self._mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = node.Get_rank()
+        node.Free()
+        if device is None:
+            device = self.local_rank % self._runtime.getDeviceCount()
+        self.device = int(device)
+        cupy.cuda.Device(self.device).use()
+        # The unique id is broadcast as CuPy returned it (its spelling differs between CuPy
+        # versions: a tuple of ints, or of bytes under Cython 3), pickled, so it is rebuilt as is.
+        unique_id = self._bcast_object(nccl.get_unique_id() if self.rank == 0 else None,
+                                       "NCCL bootstrap (unique id)")
+        self._nccl = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+        # Watchdog state, shared with the thread under self._lock.
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._free_events = []                   # event handles ready for reuse
+        self._in_flight = collections.deque()    # (event handle, host time recorded)
+        self._stopping = False
+        self._host_since = None  # when the host entered an NCCL group call still running
+        self._watchdog = threading.Thread(target=self._watch, name=f"mxcomm-nccl-watchdog-"
+                                          f"{self.rank}", daemon=True)
+        self._watchdog.start()
+
+    def _bcast_object(self, obj, what):
+        """Broadcast a picklable ``obj`` from rank 0 with nonblocking requests (``timeout``)."""
+        import pickle
+
+        import numpy
+        size = numpy.zeros(1, dtype=numpy.int64)
+        payload = pickle.dumps(obj) if self.rank == 0 else b""
+        size[0] = len(payload)
+        self._wait_mpi([self._mpi.Ibcast(size, root=0)], what, keep=(size,))
+        buf = numpy.frombuffer(payload, dtype=numpy.uint8).copy() if self.rank == 0 else \
+            numpy.empty(int(size[0]), dtype=numpy.uint8)
+        self._wait_mpi([self._mpi.Ibcast(buf, root=0)], what, keep=(buf,))
+        return pickle.loads(buf.tobytes())
+
+    # --------------------------------------------------------------------------------- hooks
+    def _as_array(self, x, name):
+        cupy = self._cupy
+        if isinstance(x, cupy.ndarray):
+            return x
+        if hasattr(x, "__cuda_array_interface__"):
+            return cupy.asarray(x)
+        if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
+            try:
+                return cupy.from_dlpack(x)
+            except Exception:
+                pass
+        raise TypeError(f"{name} on rank {self.rank}: NcclCommunicator moves device arrays "
+                        f"(CuPy, DLPack or __cuda_array_interface__), got {type(x).__name__}")
+
+    def _empty(self, shape, dtype):
+        return self._cupy.empty(shape, dtype=dtype)
+
+    def _stream(self, stream):
+        """The raw handle of ``stream``: None for CuPy's current stream, ``.ptr``,
+        ``.cuda_stream`` (torch), or an int."""
+        if stream is None:
+            return self._cupy.cuda.get_current_stream().ptr
+        ptr = getattr(stream, "ptr", None)
+        if ptr is None:
+            ptr = getattr(stream, "cuda_stream", stream)
+        return int(ptr)
+
+    # ------------------------------------------------------------------------------ watchdog
+    def _record(self, stream_ptr):
+        """Record a pooled event on ``stream_ptr`` and hand it to the watchdog."""
+        with self._lock:
+            event = self._free_events.pop() if self._free_events else None
+        if event is None:
+            event = self._runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+        self._runtime.eventRecord(event, stream_ptr)
+        with self._lock:
+            self._in_flight.append((event, time.monotonic()))
+            if len(self._in_flight) == 1:
+                self._wake.notify()
+
+    def _watch(self):
+        """Watchdog thread: recycle finished events; abort NCCL on a timeout or async error."""
+        runtime = self._runtime
+        try:
+            runtime.setDevice(self.device)
+        except Exception:  # event queries work across devices anyway
+            pass
+        oldest_since = None  # when the current oldest event became the oldest
+        last_async_check = 0.0
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+                head = self._in_flight[0] if self._in_flight else None
+                if head is None:
+                    oldest_since = None
+                    self._wake.wait(min(_IDLE_WAKE_S, self.timeout / 4))
+            host_since = self._host_since
+            if host_since is not None and time.monotonic() - host_since > self.timeout:
+                self._fail(TimeoutError(
+                    f"alltoallv: NCCL did not accept an exchange within {self.timeout:g} s on "
+                    f"rank {self.rank} of {self.size} (blocked in ncclGroupEnd, e.g. connecting "
+                    f"to a peer that does not call); the communicator is aborted"))
+                return
+            if head is None:
+                continue
+            event, recorded = head
+            status = runtime.eventQuery(event)
+            now = time.monotonic()
+            if status == _CUDA_SUCCESS:
+                with self._lock:
+                    self._in_flight.popleft()
+                    self._free_events.append(event)
+                oldest_since = now
+                continue
+            oldest_since = recorded if oldest_since is None else max(oldest_since, recorded)
+            if status != _CUDA_NOT_READY:
+                self._fail(RuntimeError(f"NcclCommunicator on rank {self.rank}: CUDA error "
+                                        f"{status} while waiting for an NCCL group; the "
+                                        f"communicator is aborted"))
+                return
+            if now - oldest_since > self.timeout:
+                self._fail(TimeoutError(
+                    f"alltoallv: an NCCL exchange did not finish within {self.timeout:g} s on "
+                    f"rank {self.rank} of {self.size}; the communicator is aborted (a rank may "
+                    f"have stopped calling it or called another collective)"))
+                return
+            if now - last_async_check > _ASYNC_CHECK_S:
+                last_async_check = now
+                try:
+                    with self._lock:
+                        if self._state == "open":
+                            self._nccl.check_async_error()
+                except Exception as exc:  # NcclError: a peer or the network failed
+                    self._fail(RuntimeError(f"NcclCommunicator on rank {self.rank}: NCCL "
+                                            f"reported an asynchronous error ({exc}); the "
+                                            f"communicator is aborted"))
+                    return
+            time.sleep(_WATCH_POLL_S)
+
+    def _fail(self, error):
+        """Abort NCCL from any thread and store ``error`` for the next call to raise."""
+        with self._lock:
+            if self._state != "open":
+                return
+            self._pending_error = error
+            self._mark_aborted(str(error))
+        self._abort_backend()
+
+    def _abort_backend(self):
+        try:
+            self._nccl.abort()  # ncclCommAbort; a no-op once aborted or destroyed
+        except Exception:  # NCCL without abort support: nothing more we can do
+            pass
+
+    def _close_backend(self, clean):
+        if clean:
+            try:
+                self.wait()
+            except (TimeoutError, RuntimeError):
+                clean = False
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=max(1.0, 10 * _WATCH_POLL_S))
+        if clean:
+            self._nccl.destroy()
+        else:
+            self._abort_backend()
+        with self._lock:
+            events = self._free_events + ([e for e, _ in self._in_flight] if clean else [])
+            self._free_events = []
+            self._in_flight.clear()
+        for event in events:
+            self._runtime.eventDestroy(event)
+
+    def wait(self, stream=None):
+        """Block the host until the work enqueued on ``stream`` so far is done, or ``timeout``.
+
+        Use it instead of a device synchronize before the host reads a result, e.g. the output
+        of :meth:`alltoall_counts`: it polls a CUDA event, so a peer that never joins produces a
+        ``TimeoutError`` rather than a hang. This is the only method that syncs the host.
+
+        Args:
+            stream: None for CuPy's current stream, a stream object (``.ptr``/``.cuda_stream``),
+                or a raw handle.
+        Raises:
+            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
+            RuntimeError: the communicator is aborted or closed.
+        """
+        self._check_usable()
+        runtime = self._runtime
+        with self._lock:
+            event = self._free_events.pop() if self._free_events else None
+        if event is None:
+            event = runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+        runtime.eventRecord(event, self._stream(stream))
+        start = time.monotonic()
+        sleep = 1e-5
+        try:
+            while True:
+                status = runtime.eventQuery(event)
+                if status == _CUDA_SUCCESS:
+                    return
+                if status != _CUDA_NOT_READY:
+                    self._fail(RuntimeError(f"NcclCommunicator.wait on rank {self.rank}: CUDA "
+                                            f"error {status}; the communicator is aborted"))
+                    self._check_usable()
+                if self._pending_error is not None or self._state != "open":
+                    self._check_usable()
+                if time.monotonic() - start > self.timeout:
+                    self._fail(TimeoutError(f"wait: the stream's work did not finish within "
+                                            f"{self.timeout:g} s on rank {self.rank}; the "
+                                            f"communicator is aborted"))
+                    self._check_usable()
+                time.sleep(sleep)
+                sleep = min(2 * sleep, 1e-3)
+        finally:
+            with self._lock:
+                self._free_events.append(event)
+
+    # ----------------------------------------------------------------------------- collectives
+    def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
+                  recv_offsets=None, stream=None, validate=None):
+        """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
+
+        Rows are first-axis slices. Rows for rank ``r`` start at row ``send_offsets[r]`` of
+        ``send``; rows from rank ``r`` land at row ``recv_offsets[r]`` of ``out``. Collective,
+        asynchronous: enqueued on ``stream`` as ONE NCCL group (all arrays of a tuple included);
+        it never syncs the host. Offsets let a caller pipeline one exchange in chunks by calling
+        it on slices (row ranges) of the same full arrays.
+
+        Args:
+            send: (M, ...) C-contiguous CuPy array (or DLPack / ``__cuda_array_interface__``
+                exporter) of any dtype: bf16 (``ml_dtypes.bfloat16``), uint8 fp8 bits, int32...;
+                or a tuple of such arrays with equal M moved together (e.g. MXFP8 data (M, D) and
+                scales (M, D/32) uint8). Read.
+            send_counts: W non-negative host ints, rows sent to each rank.
+            recv_counts: W non-negative host ints, rows received from each rank.
+            out: (N, ...) arrays like ``send`` (same dtypes, row shapes and tuple structure), or
+                None to allocate N = sum(recv_counts) rows (max(recv_offsets + recv_counts)
+                with explicit offsets). Written.
+            send_offsets: W host ints, first row sent to each rank; default the exclusive
+                cumulative sum of ``send_counts`` (then sum(send_counts) must equal M).
+            recv_offsets: W host ints, first row of ``out`` received from each rank; default the
+                exclusive cumulative sum of ``recv_counts`` (then sum(recv_counts) must equal N).
+            stream: None for CuPy's current stream, a stream object (``.ptr``/``.cuda_stream``)
+                or a raw handle. ``send`` must be ready on it; ``out`` is ready on it after.
+            validate: check counts across ranks first (one small MPI allgather of host ints);
+                None for the communicator's default.
+        Returns:
+            ``out`` (an array, or a tuple if ``send`` was a tuple).
+        Raises:
+            ValueError: counts of the wrong length, negative, beyond the arrays or not adding up
+                to the rows; counts inconsistent across ranks (same message on every rank).
+            TypeError: a non-device array, non-integer counts, or ``out`` of another dtype.
+            TimeoutError: the argument check did not finish in ``timeout`` s, or an earlier
+                exchange did not (found by the watchdog); the communicator is aborted.
+            RuntimeError: the communicator is aborted or closed.
+        """
+        self._check_usable()
+        stream_ptr = self._stream(stream)
+        if out is None and stream is not None and \
+                stream_ptr != self._cupy.cuda.get_current_stream().ptr:
+            with self._cupy.cuda.ExternalStream(stream_ptr):  # allocate out stream-ordered
+                plan = self._plan(send, send_counts, recv_counts, out, send_offsets,
+                                  recv_offsets, validate)
+        else:
+            plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
+                              validate)
+        sends, outs, single, sc, rc, so, ro = plan
+        sc, rc, so, ro = sc.tolist(), rc.tolist(), so.tolist(), ro.tolist()
+        blocks = []  # (send ptr, recv ptr, row bytes) per array
+        for s, o in zip(sends, outs):
+            row_bytes = s.itemsize * _prod(s.shape[1:])
+            if row_bytes:
+                blocks.append((s.data.ptr, o.data.ptr, row_bytes))
+        self._group(blocks, sc, so, rc, ro, stream_ptr)
+        return outs[0] if single else outs
+
+    def alltoall_counts(self, counts, *, stream=None):
+        """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.
+
+        Collective, asynchronous on ``stream`` (one NCCL group). The host reading the result
+        must first call :meth:`wait` (a bounded wait) or otherwise synchronize ``stream``.
+
+        Args:
+            counts: (W·k,) integer device array (int32 or int64); entries ``[r·k, (r+1)·k)``
+                go to rank ``r``. Read.
+            stream: as in :meth:`alltoallv`.
+        Returns:
+            (W·k,) device array of the same dtype: entries ``[r·k, (r+1)·k)`` came from rank r.
+        Raises:
+            ValueError: a length not a multiple of W, or a different k across ranks (same
+                message on every rank).
+            TypeError: not a 1-D integer device array.
+            TimeoutError: the check did not finish in ``timeout`` s, or an earlier exchange did
+                not; the communicator is aborted.
+        """
+        self._check_usable()
+        counts, k = self._check_counts_array(counts)
+        counts = self._cupy.ascontiguousarray(counts)
+        out = self._cupy.empty_like(counts)
+        ones = [1] * self.size
+        offsets = list(range(self.size))
+        if k:
+            chunk = k * counts.itemsize
+            self._group([(counts.data.ptr, out.data.ptr, chunk)], ones, offsets, ones, offsets,
+                        self._stream(stream))
+        return out
+
+    def _group(self, blocks, sc, so, rc, ro, stream_ptr):
+        """Enqueue one NCCL group: for each peer and block, send and receive rows as bytes.
+
+        Args:
+            blocks: (send ptr, recv ptr, row bytes) per array.
+            sc, so, rc, ro: W host ints each: rows and first rows to send / receive per peer.
+            stream_ptr: raw CUDA stream handle.
+        """
+        comm = self._nccl
+        uint8 = self._uint8
+        nccl = self._nccl_mod
+        # ncclGroupEnd may block the host (first connection to a peer): the watchdog watches it.
+        self._host_since = time.monotonic()
+        try:
+            nccl.groupStart()
+            try:
+                for peer in range(self.size):
+                    n_send, n_recv = sc[peer], rc[peer]
+                    for send_ptr, recv_ptr, row in blocks:
+                        if n_send:
+                            comm.send(send_ptr + so[peer] * row, n_send * row, uint8, peer,
+                                      stream_ptr)
+                        if n_recv:
+                            comm.recv(recv_ptr + ro[peer] * row, n_recv * row, uint8, peer,
+                                      stream_ptr)
+            finally:
+                nccl.groupEnd()
+        except Exception:
+            self._check_usable()  # the watchdog's TimeoutError, if it aborted us meanwhile
+            raise
+        finally:
+            self._host_since = None
+        self._record(stream_ptr)
+
+
+def _prod(shape):
+    result = 1
+    for n in shape:
+        result *= n
+    return result

@@ -1,0 +1,8 @@
+"""Entry point of ``python -m mxcomm.bench``."""
+
+import sys
+
+from ._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

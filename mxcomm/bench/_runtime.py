@@ -1,0 +1,184 @@
+"""The process a benchmark runs in: MPI rank and size, the device, the communicators, progress lines.
+
+Benchmarks run one process per GPU under ``mpirun``/``mpiexec`` (or alone). On a GPU the device is
+chosen from the node-local rank before anything touches CUDA; under Numba's CUDA simulator arrays
+are NumPy arrays on the host and the communicator is the MPI backend. Only rank 0 prints.
+"""
+
+import os
+import socket
+import sys
+
+import numpy
+
+from mxcomm.kernels import array_module, simulated
+from mxcomm._array import bfloat16
+
+
+class Runtime:
+    """This process's place in the run.
+
+    Args:
+        need_comm: create an mxcomm communicator (``mxcomm.comm.init``) on ``mpi_comm``.
+    Attributes:
+        rank, size: MPI rank and world size. simulated: True under the CUDA simulator.
+        xp: the array module (``numpy`` or ``cupy``). comm: the mxcomm communicator or None.
+        clock_kind: ``"host"`` under the simulator, else ``"cupy"``.
+    """
+
+    def __init__(self, need_comm=True):
+        from mpi4py import MPI
+        self._mpi = MPI
+        self.mpi_comm = MPI.COMM_WORLD
+        self.rank = self.mpi_comm.Get_rank()
+        self.size = self.mpi_comm.Get_size()
+        node = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+        self.simulated = simulated()
+        self.xp = array_module()
+        self.clock_kind = "host" if self.simulated else "cupy"
+        self.torch_dist = False
+        if not self.simulated:
+            import cupy
+            cupy.cuda.Device(self.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+            torch = _torch_or_none()
+            if torch is not None and torch.cuda.is_available():
+                torch.cuda.set_device(cupy.cuda.Device().id)
+        self.comm = None
+        if need_comm:
+            from mxcomm import comm as comm_module
+            self.comm = comm_module.init("auto", self.mpi_comm)
+
+    # ---- output -------------------------------------------------------------------------------
+    def log(self, message):
+        """A progress line on stderr, rank 0 only."""
+        if self.rank == 0:
+            print(f"[mxcomm.bench] {message}", file=sys.stderr, flush=True)
+
+    def print(self, text):
+        """Print on stdout, rank 0 only."""
+        if self.rank == 0:
+            print(text, flush=True)
+
+    # ---- synchronization ----------------------------------------------------------------------
+    def sync(self):
+        """Wait for this process's queued device work (no-op under the simulator)."""
+        if self.simulated:
+            return
+        import cupy
+        cupy.cuda.runtime.deviceSynchronize()
+
+    def barrier(self):
+        """Device work done here, then every rank at the same point: the start of a timed region."""
+        self.sync()
+        self.mpi_comm.Barrier()
+
+    def allreduce_max(self, values):
+        """Element-wise maximum of a list of floats over ranks (host MPI)."""
+        buf = numpy.asarray(values, dtype=numpy.float64)
+        out = numpy.empty_like(buf)
+        self.mpi_comm.Allreduce(buf, out, op=self._mpi.MAX)
+        return [float(v) for v in out]
+
+    def bcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        return self.mpi_comm.bcast(obj, root=0)
+
+    # ---- torch --------------------------------------------------------------------------------
+    def init_torch_distributed(self):
+        """Initialize ``torch.distributed`` on the MPI ranks: NCCL on GPUs, gloo on the CPU.
+
+        Rank 0 picks a free TCP port and broadcasts it with mpi4py; the address is 127.0.0.1 when
+        all ranks share a node, else rank 0's host name.
+        """
+        import torch.distributed as dist
+        if dist.is_initialized():
+            self.torch_dist = True
+            return
+        port = None
+        if self.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        host = "127.0.0.1" if self.local_size == self.size else socket.gethostname()
+        host, port = self.bcast((host, port))
+        os.environ.setdefault("MASTER_ADDR", host)
+        os.environ["MASTER_PORT"] = str(port)
+        backend = "gloo" if self.simulated else "nccl"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.size)
+        self.torch_dist = True
+
+    def torch_device(self):
+        """``"cpu"`` under the simulator, else the current CUDA device."""
+        import torch
+        return torch.device("cpu") if self.simulated else torch.device("cuda", torch.cuda.current_device())
+
+    def to_torch(self, a):
+        """A torch tensor on the same memory as array ``a`` (DLPack; bf16 through an int16 view,
+        as ``mxcomm.torch`` does)."""
+        import torch
+        if a.dtype == bfloat16:
+            return torch.from_dlpack(a.view(numpy.int16)).view(torch.bfloat16)
+        return torch.from_dlpack(a)
+
+    def from_torch(self, t):
+        """An array of the array module on the same memory as tensor ``t``."""
+        import torch
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            return self.xp.from_dlpack(t.view(torch.int16)).view(bfloat16)
+        return self.xp.from_dlpack(t)
+
+    # ---- data ---------------------------------------------------------------------------------
+    def random_bf16(self, shape, seed):
+        """(shape) bf16 standard-normal array of the array module, seeded (never zeros)."""
+        if self.simulated:
+            rng = numpy.random.default_rng(seed)
+            return rng.standard_normal(shape, dtype=numpy.float32).astype(bfloat16)
+        torch = _torch_or_none()
+        if torch is not None:
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            return self.from_torch(torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=g))
+        import cupy
+        x = cupy.random.RandomState(seed).standard_normal(shape, dtype=cupy.float32)
+        return x.astype(bfloat16)
+
+    def random_bytes(self, shape, seed):
+        """(shape) uint8 array of uniformly random bytes, seeded."""
+        if self.simulated:
+            return numpy.random.default_rng(seed).integers(0, 256, shape, dtype=numpy.uint8)
+        import cupy
+        return cupy.random.RandomState(seed).randint(0, 256, size=shape, dtype=cupy.uint8)
+
+    def memory_used(self):
+        """Bytes in use: CuPy's memory pool plus torch's allocator on a GPU; host RSS on the CPU."""
+        if self.simulated:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        import cupy
+        used = cupy.get_default_memory_pool().used_bytes()
+        torch = _torch_or_none()
+        if torch is not None and torch.cuda.is_available():
+            used += torch.cuda.memory_allocated()
+        return int(used)
+
+    def close(self):
+        """Close the communicators this runtime opened."""
+        if self.torch_dist:
+            import torch.distributed as dist
+            dist.barrier()
+            dist.destroy_process_group()
+            self.torch_dist = False
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+
+
+def _torch_or_none():
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None

@@ -1,0 +1,230 @@
+"""``mpirun -n W python -m mxcomm.bench a2a``: all-to-all-v throughput, ours vs torch.distributed.
+
+Three tables:
+
+- ``alltoallv``: mxcomm's ``comm.alltoallv`` and ``torch.distributed.all_to_all_single`` on the same
+  send buffer (torch tensors wrap the same memory through DLPack), nccl-tests columns: size (bytes
+  sent per rank), count (elements per rank), type, time, algbw = size / time, busbw =
+  algbw·(W−1)/W; ratio = our throughput / torch's (target >= 0.97).
+- ``drop_in``: ``mxcomm.a2a.all_to_all_single(x, ..., precision, chunks=c)`` (bf16 in, bf16 out)
+  vs torch's bf16 ``all_to_all_single`` (target: MXFP8 >= 1.5x faster), with the SQNR of the
+  output against the exact exchange.
+- ``leak``: device memory in use before and after ``--leak-iters`` allocating ``alltoallv`` calls.
+
+Every timed iteration starts after a device synchronize and an MPI barrier; the reported time is
+the largest over ranks of each rank's median.
+"""
+
+import inspect
+
+import numpy
+
+from . import _report, _timing, _workload
+
+GPU_ROWS = [16384, 65536, 131072]
+SIM_ROWS = [64]
+RATIO_TARGET = 0.97
+DROP_IN_TARGET = 1.5
+SPLIT_SEED = 2024
+A2A_COLUMNS = ["size", "count", "type", "splits", "ours_ms", "ours_algbw", "ours_busbw",
+               "torch_ms", "torch_algbw", "torch_busbw", "ratio", "target", "ok"]
+DROP_COLUMNS = ["impl", "precision", "chunks", "rows", "dim", "ms", "p90_ms", "speedup_vs_torch",
+                "target", "sqnr_db"]
+LEAK_COLUMNS = ["op", "iters", "rows", "before_bytes", "after_bytes", "grew"]
+
+
+def add_arguments(parser):
+    """The ``a2a`` subcommand's options."""
+    parser.add_argument("--rows", type=int, nargs="+", help="rows per rank (default 16384 65536 131072)")
+    parser.add_argument("--dim", type=int, help="row length in elements (default 7168)")
+    parser.add_argument("--types", nargs="+", default=["bf16", "uint8"], choices=["bf16", "uint8"])
+    parser.add_argument("--splits", nargs="+", default=["uniform", "skewed"],
+                        choices=["uniform", "skewed"])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="chunks of the drop-in all_to_all_single")
+    parser.add_argument("--leak-iters", type=int, help="alltoallv calls of the leak check "
+                        "(default 1000 on a GPU, 10 on the CPU; 0 skips)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed columns")
+
+
+def _exact_sqnr(rt, ref, out):
+    """SQNR (dB) of ``out`` against ``ref`` (bf16 arrays), float64 sums over row chunks on the
+    device (through torch when it is installed, else on a host copy)."""
+    try:
+        from .pipeline import _sqnr
+        return _sqnr(rt.to_torch(ref), rt.to_torch(out))
+    except ImportError:
+        asnumpy = getattr(rt.xp, "asnumpy", numpy.asarray)
+        return _workload.sqnr_db(asnumpy(ref).astype(numpy.float32),
+                                 asnumpy(out).astype(numpy.float32))
+
+
+def _verdict(passed, simulated):
+    return "n/a (sim)" if simulated else ("yes" if passed else "no")
+
+
+class _Bench:
+    """Shared state of one ``a2a`` run: runtime, clock, iteration counts, torch availability."""
+
+    def __init__(self, args, rt):
+        self.args, self.rt = args, rt
+        self.clock = _timing.Clock(rt.clock_kind)
+        self.use_torch = not args.no_torch
+        if self.use_torch:
+            rt.init_torch_distributed()
+
+    def time(self, fn):
+        stats = _timing.measure(fn, self.clock, iters=self.args.iters, warmup=self.args.warmup,
+                                before=self.rt.barrier)
+        return _timing.max_over_ranks(stats, self.rt.allreduce_max)
+
+    def splits(self, rows, kind):
+        matrix = _workload.split_matrix(self.rt.size, rows, kind, seed=SPLIT_SEED)
+        return _workload.rank_splits(matrix, self.rt.rank)
+
+    def payload(self, rows, dim, dtype, seed):
+        if dtype == "bf16":
+            return self.rt.random_bf16((rows, dim), seed)
+        return self.rt.random_bytes((rows, dim), seed)
+
+    def torch_a2a(self, t_out, t_in, send, recv):
+        import torch.distributed as dist
+        return lambda: dist.all_to_all_single(t_out, t_in, output_split_sizes=recv,
+                                              input_split_sizes=send)
+
+    # -------------------------------------------------------------------------------- tables
+    def alltoallv_rows(self, rows_list, dim):
+        rt, comm, out_rows = self.rt, self.rt.comm, []
+        for rows in rows_list:
+            for dtype in self.args.types:
+                x = self.payload(rows, dim, dtype, seed=100 + rt.rank)
+                item = 2 if dtype == "bf16" else 1
+                size = rows * dim * item
+                for kind in self.args.splits:
+                    rt.log(f"alltoallv {dtype} {rows}x{dim} {kind}")
+                    send, recv = self.splits(rows, kind)
+                    out = rt.xp.empty((sum(recv), dim), dtype=x.dtype)
+                    ours = self.time(lambda: comm.alltoallv(x, send, recv, out=out))
+                    row = {"size": size, "count": rows * dim, "type": dtype, "splits": kind,
+                           "rows": rows, "dim": dim}
+                    algbw = _workload.gbps(size, ours.median)
+                    row.update(ours.as_dict("ours_"), ours_algbw=algbw,
+                               ours_busbw=_workload.busbw(algbw, rt.size))
+                    if self.use_torch:
+                        ref = rt.xp.empty_like(out)
+                        fn = self.torch_a2a(rt.to_torch(ref), rt.to_torch(x), send, recv)
+                        theirs = self.time(fn)
+                        t_algbw = _workload.gbps(size, theirs.median)
+                        ratio = theirs.median / ours.median
+                        same = bool(rt.xp.array_equal(out.view(numpy.uint8), ref.view(numpy.uint8)))
+                        row.update(theirs.as_dict("torch_"), torch_algbw=t_algbw,
+                                   torch_busbw=_workload.busbw(t_algbw, rt.size), ratio=ratio,
+                                   target=RATIO_TARGET, same_output=same,
+                                   ok=_verdict(ratio >= RATIO_TARGET and same, rt.simulated))
+                        del ref
+                    out_rows.append(row)
+                    del out
+                del x
+        return out_rows
+
+    def drop_in_rows(self, rows, dim):
+        from mxcomm.a2a import all_to_all_single
+        rt, comm = self.rt, self.rt.comm
+        kind = self.args.splits[0]
+        send, recv = self.splits(rows, kind)
+        x = rt.random_bf16((rows, dim), seed=200 + rt.rank)
+        exact = rt.xp.empty((sum(recv), dim), dtype=x.dtype)
+        comm.alltoallv(x, send, recv, out=exact)
+        has_chunks = "chunks" in inspect.signature(all_to_all_single).parameters
+        chunk_list = self.args.chunks if has_chunks else [1]
+        out_rows, torch_ms = [], float("nan")
+        base = {"rows": rows, "dim": dim, "splits": kind}
+        if self.use_torch:
+            rt.log(f"drop-in torch bf16 {rows}x{dim}")
+            ref = rt.xp.empty_like(exact)
+            stats = self.time(self.torch_a2a(rt.to_torch(ref), rt.to_torch(x), send, recv))
+            torch_ms = stats.median
+            out_rows.append({"impl": "torch", "precision": "bf16", "chunks": 1, **base,
+                             **stats.as_dict(), "speedup_vs_torch": 1.0, "target": "",
+                             "sqnr_db": _exact_sqnr(rt, exact, ref)})
+            del ref
+        for precision in ("mxfp8", "bf16"):
+            for c in chunk_list if precision == "mxfp8" else [1]:
+                rt.log(f"drop-in mxcomm {precision} chunks={c} {rows}x{dim}")
+                kw = {"chunks": c} if has_chunks else {}
+                fn = lambda: all_to_all_single(x, recv, send, comm, precision=precision, **kw)  # noqa: E731
+                stats = self.time(fn)
+                out = fn()
+                rt.sync()
+                out_rows.append({"impl": "mxcomm", "precision": precision, "chunks": c, **base,
+                                 **stats.as_dict(), "speedup_vs_torch": torch_ms / stats.median,
+                                 "target": DROP_IN_TARGET if precision == "mxfp8" else "",
+                                 "sqnr_db": _exact_sqnr(rt, exact, out)})
+                del out
+        return out_rows, has_chunks
+
+    def leak_rows(self, rows, dim, iters):
+        rt, comm = self.rt, self.rt.comm
+        send, recv = self.splits(rows, "skewed")
+        x = rt.random_bf16((rows, dim), seed=300 + rt.rank)
+        rt.log(f"leak check: {iters} alltoallv calls, {rows}x{dim} bf16")
+        comm.alltoallv(x, send, recv)  # first call: pools and caches settle
+        rt.barrier()
+        before = rt.memory_used()
+        for _ in range(iters):
+            comm.alltoallv(x, send, recv)
+        rt.barrier()
+        after = rt.memory_used()
+        before, after = rt.allreduce_max([before, after])
+        # Host RSS (the CPU path) moves by pages for reasons of its own: allow 1 MiB there.
+        slack = (1 << 20) if rt.simulated else 0
+        return [{"op": "alltoallv (out=None)", "iters": iters, "rows": rows, "before_bytes": int(before),
+                 "after_bytes": int(after), "grew": "yes" if after > before + slack else "no"}]
+
+
+def measure(args, rt):
+    """Run the all-to-all benchmarks; returns ``(meta, tables)``."""
+    sim = rt.simulated
+    rows_list = args.rows or (SIM_ROWS if sim else GPU_ROWS)
+    dim = args.dim or (32 if sim else 7168)
+    bench = _Bench(args, rt)
+    tables = {"alltoallv": bench.alltoallv_rows(rows_list, dim)}
+    tables["drop_in"], has_chunks = bench.drop_in_rows(max(rows_list), dim)
+    leak_iters = args.leak_iters if args.leak_iters is not None else (10 if sim else 1000)
+    tables["leak"] = bench.leak_rows(min(rows_list), dim, leak_iters) if leak_iters > 0 else []
+    notes = ["time = max over ranks of each rank's median; every iteration starts after a device "
+             "sync + MPI barrier", "size = bytes sent per rank; algbw = size/time (GB = 1e9); "
+             "busbw = algbw*(W-1)/W; ratio = torch_ms/ours_ms",
+             f"split matrices built from seed {SPLIT_SEED} on every rank (skewed: Dirichlet(1) rows)"]
+    if not has_chunks:
+        notes.append("mxcomm.a2a.all_to_all_single takes no chunks= argument: chunks=1 only")
+    if not bench.use_torch:
+        notes.append("torch.distributed columns skipped (--no-torch)")
+    elif sim:
+        notes.append("CPU: mxcomm uses its MPI backend, torch.distributed uses gloo")
+    if sim:
+        notes.append("leak check on the CPU: host RSS, not device memory")
+    meta = _report.metadata("a2a", rt.size, {"rows_per_rank": rows_list, "dim": dim,
+                                             "types": args.types, "splits": args.splits},
+                            notes, iters=args.iters, warmup=args.warmup, leak_iters=leak_iters)
+    return meta, tables
+
+
+def _display(tables):
+    a2a = [dict(r, ours_algbw=r.get("ours_algbw"), ratio=r.get("ratio", float("nan")))
+           for r in tables["alltoallv"]]
+    drop = [dict(r, speedup_vs_torch=_report.speedup(r["speedup_vs_torch"])) for r in tables["drop_in"]]
+    return [("alltoallv (nccl-tests columns; ms, GB/s)", a2a, A2A_COLUMNS),
+            ("drop-in all_to_all_single vs torch bf16", drop, DROP_COLUMNS),
+            ("leak check", tables["leak"], LEAK_COLUMNS)]
+
+
+def render(meta, tables):
+    """Text report of :func:`measure`'s result."""
+    sections = [(c, _report.format_table(r, cols)) for c, r, cols in _display(tables)]
+    return _report.render_text("All-to-all-v benchmark", meta, sections)
+
+
+def markdown_sections(tables):
+    """``(caption, rows, columns)`` for ``--markdown``."""
+    return _display(tables)

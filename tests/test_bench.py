@@ -1,0 +1,194 @@
+"""Pure parts of the benchmarks (serial, no GPU, no MPI job): workloads, SQNR, timing statistics,
+report metadata and tables, the command line."""
+
+import json
+import math
+
+import numpy
+import pytest
+
+from mxcomm.bench import _report, _timing, _workload
+from mxcomm.bench._cli import build_parser
+from mxcomm.bench.pipeline import shapes_from_args, summary_rows
+
+
+# ------------------------------------------------------------------------------ workloads
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+def test_split_matrix_rows_sum_and_columns_are_receives(world, kind):
+    rows = 1000 + world
+    m = _workload.split_matrix(world, rows, kind, seed=7)
+    assert m.shape == (world, world)
+    assert (m >= 0).all()
+    assert (m.sum(axis=1) == rows).all()
+    for rank in range(world):
+        send, recv = _workload.rank_splits(m, rank)
+        assert sum(send) == rows
+        assert recv == [int(m[r, rank]) for r in range(world)]
+    # What rank a sends to rank b is what b receives from a.
+    for a in range(world):
+        for b in range(world):
+            assert _workload.rank_splits(m, a)[0][b] == _workload.rank_splits(m, b)[1][a]
+
+
+def test_split_matrix_same_seed_same_matrix_and_skewed_is_skewed():
+    a = _workload.split_matrix(4, 4096, "skewed", seed=3)
+    b = _workload.split_matrix(4, 4096, "skewed", seed=3)
+    assert numpy.array_equal(a, b)
+    assert not numpy.array_equal(a, _workload.split_matrix(4, 4096, "uniform"))
+    assert _workload.split_matrix(3, 10, "uniform").tolist() == [[4, 3, 3]] * 3
+
+
+def test_split_matrix_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="kind"):
+        _workload.split_matrix(2, 10, "zipf")
+
+
+def test_integer_split_is_exact():
+    assert _workload.integer_split(10, [1, 1, 1]) == [4, 3, 3]
+    assert sum(_workload.integer_split(12345, numpy.random.default_rng(0).random(17))) == 12345
+    assert _workload.integer_split(0, [1, 2]) == [0, 0]
+    with pytest.raises(ValueError, match="weights"):
+        _workload.integer_split(5, [0, 0])
+
+
+@pytest.mark.parametrize("routing", ["uniform", "topk"])
+@pytest.mark.parametrize("rows,experts", [(131072, 16), (64, 4), (100, 3), (1000, 64)])
+def test_expert_counts_sum_to_rows(routing, rows, experts):
+    counts = _workload.expert_counts(routing, rows, experts, seed=1, rank=1)
+    assert counts.dtype == numpy.int32 and counts.shape == (experts,)
+    assert int(counts.sum()) == rows and (counts >= 0).all()
+
+
+def test_topk_is_skewed_and_seeded():
+    a = _workload.topk_expert_counts(8192, 16, seed=5, rank=0)
+    assert numpy.array_equal(a, _workload.topk_expert_counts(8192, 16, seed=5, rank=0))
+    assert a.max() > 2 * a.min()  # Zipf popularity
+    uniform = _workload.uniform_expert_counts(8192, 16)
+    assert (uniform == 512).all()
+
+
+def test_padded_rows_bandwidth_helpers():
+    assert _workload.padded_rows(64, 2, 32) == 128
+    assert _workload.padded_rows(65, 2, 32) == 160
+    assert _workload.gbps(2e9, 1000.0) == pytest.approx(2.0)
+    assert _workload.busbw(100.0, 4) == pytest.approx(75.0)
+    assert math.isnan(_workload.gbps(1, 0.0))
+
+
+# ----------------------------------------------------------------------------------- SQNR
+def test_sqnr_db():
+    ref = numpy.random.default_rng(0).standard_normal((64, 32))
+    assert _workload.sqnr_db(ref, ref) == math.inf
+    assert _workload.sqnr_db(ref, ref * 1.1) == pytest.approx(20.0)      # noise = 0.1 * signal
+    assert _workload.sqnr_db(ref, ref + 0.01 * ref) == pytest.approx(40.0)
+    bad = ref.copy()
+    bad[0, 0] = numpy.nan
+    assert math.isnan(_workload.sqnr_db(ref, bad))
+    assert math.isnan(_workload.sqnr_db(numpy.zeros(3), numpy.ones(3)))
+    with pytest.raises(ValueError, match="shape"):
+        _workload.sqnr_db(ref, ref[:3])
+
+
+def test_pipeline_sqnr_torch_matches_numpy():
+    torch = pytest.importorskip("torch")
+    from mxcomm.bench.pipeline import _sqnr
+    ref = torch.randn(9000, 8, dtype=torch.float64)  # more rows than one chunk
+    out = ref + 0.05 * torch.randn(9000, 8, dtype=torch.float64)
+    assert _sqnr(ref, out) == pytest.approx(_workload.sqnr_db(ref.numpy(), out.numpy()))
+
+
+# --------------------------------------------------------------------------------- timing
+def test_stats_and_measure_with_host_clock():
+    s = _timing.Stats.of([3.0, 1.0, 2.0, 10.0])
+    assert (s.median, s.min, s.iters) == (2.5, 1.0, 4)
+    assert s.p90 == pytest.approx(numpy.percentile([3, 1, 2, 10], 90))
+    calls = []
+    stats = _timing.measure(lambda v: calls.append(v), _timing.Clock("host"), iters=4, warmup=2,
+                            before=lambda: calls.append("b"), inputs=["x", "y"])
+    assert stats.iters == 4 and stats.min >= 0
+    assert calls == ["b", "x", "b", "y"] * 3  # rotated inputs, before() every iteration
+    with pytest.raises(ValueError):
+        _timing.measure(lambda: None, _timing.Clock("host"), iters=0, warmup=0)
+    with pytest.raises(ValueError):
+        _timing.Clock("wall")
+
+
+def test_max_over_ranks():
+    s = _timing.max_over_ranks(_timing.Stats(1.0, 0.5, 2.0, 3), lambda v: [x * 2 for x in v])
+    assert (s.median, s.min, s.p90, s.iters) == (2.0, 1.0, 4.0, 3)
+
+
+# --------------------------------------------------------------------------------- report
+def test_metadata_has_every_field(monkeypatch):
+    monkeypatch.setenv("MXCOMM_COMMIT", "abc1234")
+    meta = _report.metadata("a2a", 4, {"rows": [64]}, ["a note"], iters=3)
+    for field in _report.META_FIELDS:
+        assert field in meta
+    assert meta["world_size"] == 4 and meta["iters"] == 3 and meta["notes"] == ["a note"]
+    assert meta["device"]
+    assert meta["commit"]  # git's short hash, or the variable, or "unknown"
+    for lib in ("torch", "cupy", "numba-cuda", "nccl (cupy)", "nccl (torch)"):
+        assert lib in meta["versions"]
+    assert meta["date"].endswith("+00:00")
+
+
+def test_git_commit_falls_back_to_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MXCOMM_COMMIT", "feedbee")
+    assert _report.git_commit(cwd=str(tmp_path)) == "feedbee"  # not a git checkout
+    monkeypatch.delenv("MXCOMM_COMMIT")
+    assert _report.git_commit(cwd=str(tmp_path)) == "unknown"
+
+
+def test_tables_and_files(tmp_path):
+    rows = [{"op": "quantize", "ms": 1.23456, "ratio": float("nan"), "n": 3},
+            {"op": "permute", "ms": float("inf"), "ratio": 0.9, "n": 4}]
+    text = _report.format_table(rows, ["op", "ms", "ratio"])
+    assert "1.235" in text and "n/a" in text and "inf" in text and "+=" in text  # grid format
+    assert _report.format_table([]) == "(no rows)"
+    assert _report.speedup(1.5) == "1.50x" and _report.speedup(float("nan")) == "n/a"
+    meta = _report.metadata("kernels", 1, {}, ["note"])
+    _report.write_json(tmp_path / "r.json", meta, {"kernels": rows})
+    loaded = json.loads((tmp_path / "r.json").read_text())  # strict JSON: no NaN literals
+    assert loaded["tables"]["kernels"][0]["ratio"] is None
+    assert loaded["tables"]["kernels"][1]["ms"] == "inf"
+    assert loaded["meta"]["world_size"] == 1
+    _report.write_markdown(tmp_path / "r.md", "title", meta, [("kernels", rows, ["op", "ms"])])
+    md = (tmp_path / "r.md").read_text()
+    assert md.startswith("# title") and "| op" in md and "device:" in md
+
+
+def test_pipeline_summary_rows_seed_style():
+    end_to_end = [
+        {"tokens": 8, "dim": 32, "hidden_dim": 32, "experts_per_rank": 2, "variant": v,
+         "fwd_ms": f, "bwd_ms": b, "total_ms": f + b}
+        for v, f, b in (("bf16", 3.0, 6.0), ("mxfp8", 2.0, 4.0), ("mxfp8_all", 1.5, 3.0))]
+    (row,) = summary_rows(end_to_end, "mxfp8")
+    assert row["fwd_speedup"] == "1.50x" and row["bwd_speedup"] == "1.50x"
+    assert row["total_speedup"] == "1.50x" and row["fwd_bf16_ms"] == 3.0
+    (row,) = summary_rows(end_to_end, "mxfp8_all")
+    assert row["total_speedup"] == "2.00x"
+
+
+# ----------------------------------------------------------------------------------- CLI
+def test_cli_parses_every_subcommand():
+    p = build_parser()
+    a = p.parse_args(["pipeline", "--tokens", "131072", "--dim", "8192", "7168", "--hidden",
+                      "5120", "2048", "--routing", "topk", "--json", "x.json"])
+    assert a.command == "pipeline" and a.routing == "topk" and a.json == "x.json"
+    assert shapes_from_args(a, False) == [(131072, 8192, 5120, 8), (131072, 7168, 2048, 8)]
+    a = p.parse_args(["a2a", "--rows", "64", "--leak-iters", "5", "--splits", "skewed"])
+    assert a.leak_iters == 5 and a.splits == ["skewed"] and a.iters is None
+    a = p.parse_args(["kernels", "--iters", "3", "--warmup", "0"])
+    assert (a.iters, a.warmup) == (3, 0)
+    with pytest.raises(SystemExit):
+        p.parse_args(["nccl"])
+
+
+def test_pipeline_shapes_default_and_mismatch():
+    p = build_parser()
+    assert len(shapes_from_args(p.parse_args(["pipeline"]), False)) == 3
+    assert shapes_from_args(p.parse_args(["pipeline"]), True) == [(64, 32, 32, 2)]
+    with pytest.raises(ValueError, match="lists of one length"):
+        shapes_from_args(p.parse_args(["pipeline", "--dim", "1", "2", "--hidden", "1", "2", "3"]),
+                         False)

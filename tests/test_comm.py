@@ -1,0 +1,491 @@
+"""Communicators: alltoallv / alltoall_counts against an independent reference, argument checks
+that fail the same way on every rank, and timeouts that abort instead of hanging.
+
+Run under MPI with any number of ranks:
+
+    timeout 300 mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_comm.py
+    timeout 300 mpiexec -n 3 python -m pytest -q --with-mpi -m mpi tests/test_comm.py
+
+The reference never uses MPI: every rank regenerates every peer's send data from the peer's seed
+(``SEED + peer``) and the shared count matrix, and builds the expected receive buffer locally.
+"""
+
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy
+import pytest
+
+from mxcomm import comm as mxc
+
+SEED = 1234
+TIMEOUT_S = 2.0  # timeout of the timeout tests: expiry must come within this, plus slack
+DTYPES = [numpy.dtype(ml_dtypes.bfloat16), numpy.dtype(numpy.uint8), numpy.dtype(numpy.int32)]
+
+
+# --------------------------------------------------------------------------------- references
+def world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def count_matrix(pattern, size, seed=SEED):
+    """(W, W) int counts, ``counts[src, dst]`` = rows src sends to dst; identical on every rank."""
+    rng = numpy.random.default_rng(seed)
+    if pattern == "random":
+        return rng.integers(0, 7, size=(size, size))
+    if pattern == "zeros":  # random with many zero blocks
+        return rng.integers(0, 4, size=(size, size)) * (rng.random((size, size)) < 0.4)
+    if pattern == "one_receiver":  # every rank sends everything to the last rank
+        counts = numpy.zeros((size, size), dtype=numpy.int64)
+        counts[:, size - 1] = rng.integers(1, 9, size=size)
+        return counts
+    if pattern == "empty":  # nobody sends anything: 0-row arrays
+        return numpy.zeros((size, size), dtype=numpy.int64)
+    raise ValueError(pattern)
+
+
+def rows_of(rank, n, dtype, row_shape, salt=0):
+    """Rank ``rank``'s deterministic (n, *row_shape) send rows (seed SEED + rank)."""
+    rng = numpy.random.default_rng([SEED + rank, salt])
+    if dtype == numpy.dtype(ml_dtypes.bfloat16):
+        return rng.standard_normal((n,) + row_shape).astype(dtype)
+    info = numpy.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=(n,) + row_shape, endpoint=True, dtype=dtype)
+
+
+def expected_recv(me, counts, make):
+    """Rows ``me`` receives: from each source in rank order, its block addressed to ``me``."""
+    blocks = []
+    for src in range(counts.shape[0]):
+        data = make(src, int(counts[src].sum()))
+        start = int(counts[src, :me].sum())
+        blocks.append(data[start:start + counts[src, me]])
+    return numpy.concatenate(blocks)
+
+
+def bits(a):
+    """Exact-comparison view (bf16 compared bit for bit)."""
+    a = numpy.ascontiguousarray(a)
+    return a.view(numpy.uint16) if a.dtype == numpy.dtype(ml_dtypes.bfloat16) else a
+
+
+def same_error_everywhere(exc):
+    """All ranks' messages (gathered with mpi4py); assert they are identical and return it."""
+    messages = world().allgather(f"{type(exc).__name__}: {exc}")
+    assert len(set(messages)) == 1, messages
+    return messages[0]
+
+
+@pytest.fixture
+def comm():
+    c = mxc.init("mpi", timeout=60.0)
+    yield c
+    c.close()
+
+
+# ------------------------------------------------------------------------------- data movement
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["random", "zeros", "one_receiver", "empty"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_alltoallv_matches_reference(comm, pattern, dtype):
+    w, me = comm.size, comm.rank
+    counts = count_matrix(pattern, w)
+    row_shape = (3, 4) if dtype == numpy.int32 else (8,)  # rows may have any shape
+
+    def make(rank, n):
+        return rows_of(rank, n, dtype, row_shape)
+
+    send = make(me, int(counts[me].sum()))
+    out = comm.alltoallv(send, counts[me], counts[:, me])
+    assert out.dtype == dtype and out.shape == (int(counts[:, me].sum()),) + row_shape
+    numpy.testing.assert_array_equal(bits(out), bits(expected_recv(me, counts, make)))
+
+
+@pytest.mark.mpi
+def test_alltoallv_tuple_moves_data_and_scales_together(comm):
+    """fp8-like data (M, 64) and scales (M, 2) uint8 in one call, into caller-given buffers."""
+    w, me = comm.size, comm.rank
+    counts = count_matrix("random", w, seed=SEED + 1)
+    data = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (64,), salt=1)  # noqa: E731
+    scales = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (2,), salt=2)  # noqa: E731
+    m, n = int(counts[me].sum()), int(counts[:, me].sum())
+    out = (numpy.full((n, 64), 0xAA, numpy.uint8), numpy.full((n, 2), 0xAA, numpy.uint8))
+    got = comm.alltoallv((data(me, m), scales(me, m)), list(counts[me]),
+                         tuple(int(c) for c in counts[:, me]), out=out)
+    assert isinstance(got, tuple) and got[0] is out[0] and got[1] is out[1]
+    numpy.testing.assert_array_equal(got[0], expected_recv(me, counts, data))
+    numpy.testing.assert_array_equal(got[1], expected_recv(me, counts, scales))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_alltoallv_chunked_with_offsets_equals_unchunked(comm, chunks):
+    """Pipelining: the exchange split into chunks of every peer block, called on the same full
+    arrays with send_offsets/recv_offsets, equals the one-shot exchange."""
+    w, me = comm.size, comm.rank
+    counts = count_matrix("random", w, seed=SEED + 2)
+    dtype = numpy.dtype(ml_dtypes.bfloat16)
+    send = rows_of(me, int(counts[me].sum()), dtype, (16,))
+    whole = comm.alltoallv(send, counts[me], counts[:, me])
+
+    send_base = numpy.concatenate([[0], numpy.cumsum(counts[me])[:-1]])
+    recv_base = numpy.concatenate([[0], numpy.cumsum(counts[:, me])[:-1]])
+    out = numpy.zeros_like(whole)
+
+    def chunk(total, c):  # rows [lo, hi) of chunk c of a block of `total` rows
+        return total * c // chunks, total * (c + 1) // chunks
+
+    for c in range(chunks):
+        s_lo, s_hi = zip(*(chunk(int(n), c) for n in counts[me]))
+        r_lo, r_hi = zip(*(chunk(int(n), c) for n in counts[:, me]))
+        comm.alltoallv(send, numpy.subtract(s_hi, s_lo), numpy.subtract(r_hi, r_lo), out=out,
+                       send_offsets=send_base + s_lo, recv_offsets=recv_base + r_lo)
+    numpy.testing.assert_array_equal(bits(out), bits(whole))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [numpy.int32, numpy.int64])
+@pytest.mark.parametrize("k", [1, 3])
+def test_alltoall_counts(comm, dtype, k):
+    w, me = comm.size, comm.rank
+    counts = (numpy.arange(w * k) + 1000 * me).astype(dtype)
+    got = comm.alltoall_counts(counts)
+    expected = numpy.concatenate([numpy.arange(me * k, (me + 1) * k) + 1000 * src
+                                  for src in range(w)]).astype(dtype)
+    assert got.dtype == dtype
+    numpy.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.mpi
+def test_barrier_and_context_manager():
+    with mxc.init("mpi", timeout=30.0) as c:
+        c.barrier()
+        c.wait()  # nothing in flight on MPI: returns at once
+    with pytest.raises(RuntimeError, match="closed"):
+        c.barrier()
+    c.close()  # idempotent
+
+
+# ---------------------------------------------------------------------------- argument checks
+def bad_arguments(comm, case):
+    """Arguments of an alltoallv call where only the last rank (``bad``) is wrong, and the
+    message (a substring) every rank is expected to see: ``(args, kwargs, expect)``."""
+    w, me = comm.size, comm.rank
+    bad = w - 1
+    counts = count_matrix("random", w, seed=SEED + 3) + 1  # every block non-empty
+    sc, rc = counts[me].copy(), counts[:, me].copy()
+    send = rows_of(me, int(sc.sum()), numpy.dtype(numpy.uint8), (4,))
+    kwargs = {}
+    expect = None
+    if case == "wrong_length":
+        if me == bad:
+            sc = list(sc) + [1]
+        expect = f"alltoallv: send_counts on rank {bad} has {w + 1} entries, expected {w} " \
+                 f"(one per rank)"
+    elif case == "negative":
+        if me == bad:
+            rc[0] = -2
+        expect = f"alltoallv: recv_counts on rank {bad} is negative for rank 0: -2"
+    elif case == "sum_mismatch":
+        if me == bad:
+            send = numpy.concatenate([send, send[:1]])
+        total = int(counts[bad].sum())
+        expect = f"alltoallv: send_counts on rank {bad} add up to {total} rows, but " \
+                 f"send has {total + 1} rows"
+    elif case == "cross_rank":
+        if me == bad:
+            rc[0] += 1
+        expect = f"alltoallv: rank {bad} expects {int(counts[0, bad]) + 1} rows from rank 0, " \
+                 f"but rank 0 sends {int(counts[0, bad])}"
+    elif case == "offsets_past_end":
+        if me == bad:
+            kwargs["send_offsets"] = [int(sc.sum())] * w
+        expect = f"on rank {bad} runs past the {int(counts[bad].sum())} rows of send"
+    elif case == "float_counts":
+        if me == bad:
+            sc = [float(v) for v in sc]
+        expect = f"alltoallv: send_counts on rank {bad} must hold integers"
+    elif case == "out_dtype":
+        if me == bad:
+            kwargs["out"] = numpy.empty((int(rc.sum()), 4), numpy.int8)
+        expect = f"alltoallv: out on rank {bad} has dtype int8, send uint8"
+    elif case == "row_shape_across_ranks":
+        if me == bad:
+            send = numpy.zeros((int(sc.sum()), 5), numpy.uint8)
+        expect = "rows differ across ranks"
+    return (send, sc, rc), kwargs, expect
+
+
+BAD_CASES = {"wrong_length": ValueError, "negative": ValueError, "sum_mismatch": ValueError,
+             "cross_rank": ValueError, "offsets_past_end": ValueError,
+             "float_counts": TypeError, "out_dtype": TypeError,
+             "row_shape_across_ranks": ValueError}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_arguments_raise_same_error_on_every_rank(comm, case):
+    if case == "row_shape_across_ranks" and comm.size == 1:
+        pytest.skip("needs two ranks")
+    args, kwargs, expect = bad_arguments(comm, case)
+    with pytest.raises(BAD_CASES[case]) as info:
+        comm.alltoallv(*args, **kwargs)
+    message = same_error_everywhere(info.value)
+    assert expect in message, (expect, message)
+    # Nothing was aborted: the communicator still works.
+    assert list(comm.alltoall_counts(numpy.arange(comm.size, dtype=numpy.int32))) == \
+        [comm.rank] * comm.size
+
+
+@pytest.mark.mpi
+def test_bad_counts_length_for_alltoall_counts(comm):
+    w, me = comm.size, comm.rank
+    k = 2 if me == w - 1 else 1
+    if w == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(ValueError) as info:
+        comm.alltoall_counts(numpy.zeros(w * k, numpy.int32))
+    message = same_error_everywhere(info.value)
+    assert "alltoall_counts: rank" in message and "entries" in message
+
+
+@pytest.mark.mpi
+def test_validate_false_still_checks_locally(comm):
+    me = comm.rank
+    # Every rank is wrong the same way, so every rank raises locally and nobody waits.
+    with pytest.raises(ValueError, match=f"send_counts on rank {me} has {comm.size + 1} "
+                                         f"entries"):
+        comm.alltoallv(numpy.zeros((1, 2), numpy.uint8), [1] + [0] * comm.size,
+                       [1] * comm.size, validate=False)
+    if comm.size > 1:
+        w = comm.size
+        counts = count_matrix("random", w, seed=SEED + 4)
+        send = rows_of(me, int(counts[me].sum()), numpy.dtype(numpy.int32), (2,))
+        make = lambda r, n: rows_of(r, n, numpy.dtype(numpy.int32), (2,))  # noqa: E731
+        got = comm.alltoallv(send, counts[me], counts[:, me], validate=False)
+        numpy.testing.assert_array_equal(got, expected_recv(me, counts, make))
+
+
+@pytest.mark.mpi
+def test_host_only_and_init_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        mxc.init("gloo")
+    with pytest.raises(ValueError, match="timeout"):
+        mxc.init("mpi", timeout=0)
+    from mxcomm.kernels import simulated
+    c = mxc.init("auto")  # MPI under the simulator, NCCL on a GPU
+    try:
+        assert type(c).__name__ == ("MpiCommunicator" if simulated() else "NcclCommunicator")
+        assert (c.rank, c.size) == (world().Get_rank(), world().Get_size())
+    finally:
+        c.close()
+
+
+# ----------------------------------------------------------------------------------- timeouts
+@pytest.mark.mpi
+def test_timeout_when_a_rank_stops_participating():
+    """The last rank skips a collective; the others raise TimeoutError within the timeout, and
+    the communicator is aborted for them (later calls raise RuntimeError).
+
+    MPI cannot cancel a collective, so the late rank must eventually join what the others left
+    pending, or its peers could not finalize MPI cleanly: after the others have raised, it makes
+    the matching call (a test convenience, not something an application would do).
+    Three rounds: a barrier; an alltoallv stopped in its argument check (the late rank joins with
+    a call that fails the check, so the vote completes and nobody moves data); and an alltoallv
+    with validate=False stopped in the data exchange itself (the late rank joins with the same
+    call and receives correct data: the timed-out ranks kept their buffers alive).
+    """
+    w0 = world()
+    w, me = w0.Get_size(), w0.Get_rank()
+    if w == 1:
+        pytest.skip("needs two ranks")
+    late = w - 1
+    counts = count_matrix("random", w, seed=SEED + 5) + 1
+    make = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (8,))  # noqa: E731
+    send = make(me, int(counts[me].sum()))
+
+    def round_(call, late_join, late_check=None):
+        c = mxc.init("mpi", timeout=TIMEOUT_S)
+        if me != late:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="did not finish within 2 s"):
+                call(c)
+            elapsed = time.monotonic() - start
+            assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5.0, elapsed
+            assert c.aborted
+            with pytest.raises(RuntimeError, match="communicator aborted"):
+                call(c)
+        w0.Barrier()           # the late rank waits until the others gave up ...
+        if me == late:
+            late_join(c)       # ... then joins, completing their pending requests
+        w0.Barrier()           # progress for everybody until the late rank is through
+        c.close()
+
+    round_(lambda c: c.barrier(), lambda c: c.barrier())
+
+    def late_invalid(c):
+        with pytest.raises(ValueError, match=f"send_counts on rank {late} has 1 entries"):
+            c.alltoallv(send, [1], counts[:, me])
+    round_(lambda c: c.alltoallv(send, counts[me], counts[:, me]), late_invalid)
+
+    def late_data(c):
+        got = c.alltoallv(send, counts[me], counts[:, me], validate=False)
+        numpy.testing.assert_array_equal(got, expected_recv(me, counts, make))
+    round_(lambda c: c.alltoallv(send, counts[me], counts[:, me], validate=False), late_data)
+
+
+def test_import_needs_no_cupy_nor_mpi():
+    """``import mxcomm.comm`` loads neither CuPy nor mpi4py (backends load on first use)."""
+    code = ("import sys, mxcomm.comm as c; assert callable(c.init); "
+            "print('cupy' in sys.modules, 'mpi4py.MPI' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+# ------------------------------------------------------------------------------- GPU (H200s)
+@pytest.fixture(scope="module")
+def torch_dist():
+    """torch.distributed over NCCL on this process's GPU (node-local rank), rendezvous address
+    broadcast over MPI. Yields the ``torch`` module."""
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    w0 = MPI.COMM_WORLD
+    node = w0.Split_type(MPI.COMM_TYPE_SHARED, key=w0.Get_rank())
+    local_rank = node.Get_rank()
+    node.Free()
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    port = None
+    if w0.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = w0.bcast(port, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("nccl", rank=w0.Get_rank(), world_size=w0.Get_size(),
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    yield torch
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def nccl_comm():
+    c = mxc.init("nccl", timeout=120.0)
+    yield c
+    c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("pattern", ["random", "zeros", "one_receiver", "empty"])
+def test_nccl_alltoallv_equals_torch_and_mpi(nccl_comm, torch_dist, dtype, pattern):
+    import cupy
+    torch = torch_dist
+    import torch.distributed as dist
+    w, me = nccl_comm.size, nccl_comm.rank
+    counts = count_matrix(pattern, w, seed=SEED + 6) * 97  # a few hundred rows per block
+    hidden = 256
+    host = rows_of(me, int(counts[me].sum()), dtype, (hidden,))
+    send = cupy.asarray(host)
+    got = nccl_comm.alltoallv(send, counts[me], counts[:, me])
+    # torch.distributed on the same bits (bf16 via DLPack; ints as they are)
+    t_in = torch.from_dlpack(send)
+    t_out = torch.empty((int(counts[:, me].sum()), hidden), dtype=t_in.dtype, device=t_in.device)
+    dist.all_to_all_single(t_out, t_in, [int(c) for c in counts[:, me]],
+                           [int(c) for c in counts[me]])
+    torch.cuda.synchronize()
+    ours = cupy.asnumpy(got)
+    theirs = cupy.asnumpy(cupy.from_dlpack(t_out))
+    numpy.testing.assert_array_equal(bits(ours), bits(theirs))
+    with mxc.init("mpi", timeout=60.0) as mpi:
+        numpy.testing.assert_array_equal(bits(ours),
+                                         bits(mpi.alltoallv(host, counts[me], counts[:, me])))
+    make = lambda r, n: rows_of(r, n, dtype, (hidden,))  # noqa: E731
+    numpy.testing.assert_array_equal(bits(ours), bits(expected_recv(me, counts, make)))
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_nccl_tuple_offsets_counts_and_no_growth(nccl_comm):
+    """(data, scales) in one group, chunked with offsets, alltoall_counts + wait, and no
+    growth of the event pool or CuPy's pool over 1000 calls."""
+    import cupy
+    w, me = nccl_comm.size, nccl_comm.rank
+    counts = count_matrix("random", w, seed=SEED + 7) * 53
+    data = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (512,), salt=1)  # noqa: E731
+    scales = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (16,), salt=2)  # noqa: E731
+    m, n = int(counts[me].sum()), int(counts[:, me].sum())
+    send = (cupy.asarray(data(me, m)), cupy.asarray(scales(me, m)))
+    out = (cupy.zeros((n, 512), cupy.uint8), cupy.zeros((n, 16), cupy.uint8))
+    send_base = numpy.concatenate([[0], numpy.cumsum(counts[me])[:-1]])
+    recv_base = numpy.concatenate([[0], numpy.cumsum(counts[:, me])[:-1]])
+    half_s, half_r = counts[me] // 2, counts[:, me] // 2
+    nccl_comm.alltoallv(send, half_s, half_r, out=out, send_offsets=send_base,
+                        recv_offsets=recv_base)
+    nccl_comm.alltoallv(send, counts[me] - half_s, counts[:, me] - half_r, out=out,
+                        send_offsets=send_base + half_s, recv_offsets=recv_base + half_r)
+    nccl_comm.wait()
+    numpy.testing.assert_array_equal(cupy.asnumpy(out[0]), expected_recv(me, counts, data))
+    numpy.testing.assert_array_equal(cupy.asnumpy(out[1]), expected_recv(me, counts, scales))
+
+    got = nccl_comm.alltoall_counts(cupy.asarray(numpy.arange(w * 2, dtype=numpy.int32) +
+                                                 1000 * me))
+    nccl_comm.wait()
+    expected = numpy.concatenate([numpy.arange(me * 2, me * 2 + 2) + 1000 * s for s in range(w)])
+    numpy.testing.assert_array_equal(cupy.asnumpy(got), expected)
+
+    pool = cupy.get_default_memory_pool()
+    for i in range(1000):
+        nccl_comm.alltoallv(send, counts[me], counts[:, me], out=out, validate=(i % 100 == 0))
+        if i == 99:
+            nccl_comm.wait()
+            used, events = pool.used_bytes(), len(nccl_comm._free_events)
+    nccl_comm.wait()
+    time.sleep(0.05)  # let the watchdog recycle the last events
+    assert pool.used_bytes() <= used
+    assert len(nccl_comm._in_flight) + len(nccl_comm._free_events) <= max(events, 1) + 1100
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_nccl_timeout_aborts():
+    """The last rank skips an NCCL exchange: the others' wait() raises TimeoutError within the
+    timeout (watchdog or wait: ncclCommAbort), later calls raise RuntimeError; the late rank
+    aborts its own communicator (its peers are gone) and the GPU stays usable."""
+    import faulthandler
+
+    import cupy
+    w0 = world()
+    w, me = w0.Get_size(), w0.Get_rank()
+    if w == 1:
+        pytest.skip("needs two ranks")
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang here shows its stacks, then ends
+    c = mxc.init("nccl", timeout=TIMEOUT_S)
+    counts = numpy.ones((w, w), dtype=numpy.int64) * 64
+    send = cupy.zeros((64 * w, 128), cupy.uint8)
+    c.alltoallv(send, counts[me], counts[:, me])  # connect the peers first: the stall is then
+    c.wait()                                      # on the GPU, where the watchdog sees it
+    if me != w - 1:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            c.alltoallv(send, counts[me], counts[:, me], validate=False)
+            c.wait()
+        assert time.monotonic() - start < TIMEOUT_S + 10.0
+        assert c.aborted
+        with pytest.raises(RuntimeError, match="aborted"):
+            c.wait()
+    w0.Barrier()
+    if me == w - 1:
+        c.abort()
+    c.close()
+    assert int(cupy.arange(10).sum()) == 45
+    faulthandler.cancel_dump_traceback_later()

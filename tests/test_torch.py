@@ -1,0 +1,398 @@
+"""mxcomm.torch: MXFP8Tensor and the EP token path under torch autograd.
+
+CPU (simulator + MPI) tests compare forward values and every gradient exactly with a NumPy
+reference of the whole token path (tests/test_ep.py's routing; the grouped GEMM is a per-expert
+loop of float64 matmuls on bf16 values, exact, so any row order gives the same bits). GPU tests
+run the pipeline with ``torch._grouped_mm`` against a bf16 reference built on
+``torch.distributed``'s all-to-all, by SQNR (torchao's thresholds, DESIGN.md).
+
+Run: ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_torch.py`` (and ``-n 3``);
+``python -m pytest -q -m "not mpi" tests/test_torch.py`` for the serial tests.
+"""
+
+import numpy
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mxcomm.torch as mt  # noqa: E402
+from mxcomm import comm as mxc  # noqa: E402
+from mxcomm.kernels import simulated  # noqa: E402
+from reference import dequantize_mxfp8_ref, quantize_mxfp8_ref  # noqa: E402
+from test_ep import (BF16, D, E_LOCAL, H, SEED, TIMEOUT_S, Routed, expert_ref,  # noqa: E402
+                     expert_weights, fake_quantize, layout_ref, move_ref)
+
+ALIGN = 8
+
+
+# ------------------------------------------------------------------------------- helpers
+def to_torch(a, device):
+    """A NumPy array (bf16, int or float) as a torch tensor on ``device``."""
+    if a.dtype == BF16:
+        return torch.from_numpy(numpy.ascontiguousarray(a).view(numpy.int16)).view(
+            torch.bfloat16).to(device)
+    return torch.from_numpy(numpy.ascontiguousarray(a)).to(device)
+
+
+def to_numpy(t):
+    """A torch tensor as NumPy (bf16 as ml_dtypes bf16)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+def bits(a):
+    a = numpy.asarray(a)
+    return a.view(numpy.uint16) if a.dtype == BF16 else a
+
+
+def sqnr(ref, out):
+    """Signal-to-quantization-noise ratio in dB: 20·log10(‖ref‖ / ‖ref − out‖)."""
+    ref, out = ref.detach().double(), out.detach().double()
+    return (20 * torch.log10(torch.linalg.vector_norm(ref)
+                             / torch.linalg.vector_norm(ref - out))).item()
+
+
+def grads_ref(world, me, dispatch, dispatch_grad, combine, combine_grad):
+    """Expected (out, x.grad, w.grad) of rank ``me`` for loss = sum(out * G), all in NumPy.
+
+    Every rank's rows, output gradients G (seed SEED + 500 + r) and the expert weights are
+    regenerated here; MXFP8 legs use the reference quantizer (a per-row round trip).
+    """
+    routed = [Routed(r, world) for r in range(world)]
+    weights = expert_weights(world)
+    grads = [numpy.random.default_rng(SEED + 500 + r).standard_normal(
+        (len(routed[r].x), H)).astype(BF16) for r in range(world)]
+
+    def wire(rows, precision):
+        return fake_quantize(rows) if precision == "mxfp8" and len(rows) else rows
+
+    xq = [wire(r.x, dispatch) for r in routed]
+    gq = [wire(g, combine_grad) for g in grads]
+    out = numpy.zeros((len(routed[me].x), H), BF16)
+    dx = numpy.zeros(routed[me].x.shape, BF16)
+    for i, e in enumerate(routed[me].experts):
+        out[i] = expert_ref(xq[me][i:i + 1], weights[e])[0]
+        dx[i] = expert_ref(gq[me][i:i + 1], weights[e].T)[0]
+    dw = numpy.zeros((E_LOCAL, D, H))
+    for r in range(world):
+        for i, e in enumerate(routed[r].experts):
+            if e // E_LOCAL == me:
+                dw[e % E_LOCAL] += numpy.outer(xq[r][i].astype(numpy.float64),
+                                               gq[r][i].astype(numpy.float64))
+    return wire(out, combine), wire(dx, dispatch_grad), dw, grads[me]
+
+
+def expert_loop(permuted, weights, offsets):
+    """The grouped GEMM of the CPU tests: a per-expert float64 matmul of bf16 rows, to bf16.
+
+    Slicing an MXFP8Tensor dequantizes it (``__torch_dispatch__``), with a straight-through
+    gradient; padding rows past the last group give zero rows.
+    """
+    parts, start = [], 0
+    for j, end in enumerate(offsets.tolist()):
+        rows = permuted[start:end].float().double()
+        parts.append((rows @ weights[j]).float().to(torch.bfloat16))
+        start = end
+    parts.append(torch.zeros(permuted.shape[0] - start, weights.shape[2], dtype=torch.bfloat16,
+                             device=weights.device))
+    return torch.cat(parts)
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = mxc.init(timeout=TIMEOUT_S)
+    if not simulated():
+        torch.cuda.set_device(c.device)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def device(comm):
+    return torch.device("cpu") if simulated() else torch.device("cuda", torch.cuda.current_device())
+
+
+# ------------------------------------------------------------------------- serial: tensors
+def quantized_tensor(rng, m=4, d=64, device="cpu"):
+    x = rng.standard_normal((m, d)).astype(BF16)
+    data, scales = quantize_mxfp8_ref(x, "rceil")
+    return mt.MXFP8Tensor(torch.from_numpy(data).to(device), torch.from_numpy(scales).to(device)), \
+        dequantize_mxfp8_ref(data, scales)
+
+
+def test_mxfp8_tensor_is_bf16_and_dequantizes(rng):
+    t, values = quantized_tensor(rng)
+    assert t.dtype == torch.bfloat16 and t.shape == (4, 64)
+    assert t.data_e4m3.dtype == torch.float8_e4m3fn and t.scales_e8m0.dtype == torch.float8_e8m0fnu
+    numpy.testing.assert_array_equal(bits(to_numpy(t.dequantize())), bits(values))
+    assert "MXFP8Tensor" in repr(t)
+
+
+def test_mxfp8_tensor_ops_run_on_dequantized_values(rng):
+    t, values = quantized_tensor(rng)
+    d = t.detach()
+    assert isinstance(d, mt.MXFP8Tensor) and d.data_e4m3 is t.data_e4m3
+    s = t[1:3]
+    assert type(s) is torch.Tensor and s.dtype == torch.bfloat16
+    numpy.testing.assert_array_equal(bits(to_numpy(s)), bits(values[1:3]))
+    w = torch.ones(64, 8, dtype=torch.bfloat16)
+    numpy.testing.assert_array_equal(bits(to_numpy(t @ w)),
+                                     bits(to_numpy(to_torch(values, "cpu") @ w)))
+
+
+def test_mxfp8_tensor_gradient_is_straight_through(rng):
+    t, _ = quantized_tensor(rng)
+    t.requires_grad_()
+    (t.dequantize().float() * 3).sum().backward()
+    assert t.grad.dtype == torch.bfloat16 and t.grad.shape == t.shape
+    assert (t.grad == 3).all()
+
+
+def test_mxfp8_tensor_rejects_bad_parts():
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        mt.MXFP8Tensor(torch.zeros(2, 32), torch.zeros(2, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\(M, D // 32\)"):
+        mt.MXFP8Tensor(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
+
+
+def test_torch_precision_errors():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grad_precision: 'fp8_rowwise' is planned but not "
+                                         "implemented yet"):
+        mt.a2a_dispatch(x, [2], [2], None, grad_precision="fp8_rowwise")
+    with pytest.raises(ValueError, match="expected one of 'bf16', 'mxfp8', got 'e4m3'"):
+        mt.a2a_combine(x, [2], [2], None, precision="e4m3")
+
+
+# -------------------------------------------------------------------------- MPI: autograd
+@pytest.mark.mpi
+def test_exchange_layout_tensors(comm, device):
+    me, world = comm.rank, comm.size
+    routed = Routed(me, world)
+    group, input_splits, output_splits = mt.exchange_layout(to_torch(routed.counts, device), comm)
+    group_ref, input_ref, output_ref = layout_ref([Routed(r, world) for r in range(world)], me)
+    assert isinstance(group, torch.Tensor) and group.dtype == torch.int32
+    numpy.testing.assert_array_equal(to_numpy(group), group_ref)
+    assert (input_splits, output_splits) == (input_ref, output_ref)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dispatch,dispatch_grad,combine,combine_grad", [
+    ("bf16", "bf16", "bf16", "bf16"),
+    ("mxfp8", "bf16", "bf16", "mxfp8"),      # the defaults
+    ("mxfp8", "mxfp8", "mxfp8", "bf16"),
+])
+def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, combine_grad):
+    """Forward and all gradients of the whole path equal the reference exactly."""
+    me, world = comm.rank, comm.size
+    routed = Routed(me, world)
+    out_ref, dx_ref, dw_ref, grad = grads_ref(world, me, dispatch, dispatch_grad, combine,
+                                              combine_grad)
+    x = to_torch(routed.x, device).requires_grad_()
+    weights = to_torch(expert_weights(world)[me * E_LOCAL:(me + 1) * E_LOCAL],
+                       device).requires_grad_()
+    group, input_splits, output_splits = mt.exchange_layout(to_torch(routed.counts, device), comm)
+
+    received = mt.a2a_dispatch(x, input_splits, output_splits, comm, dispatch, dispatch_grad,
+                               chunks=2)
+    assert isinstance(received, mt.MXFP8Tensor) == (dispatch == "mxfp8")
+    seen = {}
+    received.register_hook(lambda g: seen.setdefault("received", g))
+    permuted, indices, offsets = mt.permute(received, group, E_LOCAL, ALIGN)
+    assert isinstance(permuted, mt.MXFP8Tensor) == (dispatch == "mxfp8")
+    y = expert_loop(permuted, weights, offsets)
+    back = mt.unpermute(y, indices, received.shape[0])
+    back.register_hook(lambda g: seen.setdefault("back", g))
+    out = mt.a2a_combine(back, input_splits, output_splits, comm, combine, combine_grad,
+                         chunks=2)
+    (out.float() * to_torch(grad, device).float()).sum().backward()
+
+    numpy.testing.assert_array_equal(bits(to_numpy(out)), bits(out_ref))
+    numpy.testing.assert_array_equal(bits(to_numpy(x.grad)), bits(dx_ref))
+    numpy.testing.assert_array_equal(to_numpy(weights.grad), dw_ref)
+    # The dispatch output gets a bf16 gradient of its shape; combine's input gets an MXFP8Tensor
+    # when its backward runs in MXFP8.
+    assert seen["received"].dtype == torch.bfloat16
+    assert seen["received"].shape == received.shape
+    assert isinstance(seen["back"], mt.MXFP8Tensor) == (combine_grad == "mxfp8")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_all_to_all_single_autograd(comm, device, precision):
+    me, world = comm.rank, comm.size
+    routed = [Routed(r, world) for r in range(world)]
+    _, input_splits, output_splits = layout_ref(routed, me)
+    splits = [layout_ref(routed, r)[1] for r in range(world)]
+    back_splits = [layout_ref(routed, r)[2] for r in range(world)]
+    received = [move_ref([r.x for r in routed], splits, s) for s in range(world)]
+    grads = [numpy.random.default_rng(SEED + 700 + s).standard_normal(
+        received[s].shape).astype(BF16) for s in range(world)]
+
+    def wire(rows):
+        return fake_quantize(rows) if precision == "mxfp8" and len(rows) else rows
+
+    x = to_torch(routed[me].x, device).requires_grad_()
+    out = mt.all_to_all_single(x, output_splits, input_splits, comm, precision, chunks=3)
+    (out.float() * to_torch(grads[me], device).float()).sum().backward()
+    assert type(out) is torch.Tensor and out.dtype == torch.bfloat16
+    numpy.testing.assert_array_equal(bits(to_numpy(out)),
+                                     bits(move_ref([wire(r.x) for r in routed], splits, me)))
+    numpy.testing.assert_array_equal(bits(to_numpy(x.grad)),
+                                     bits(move_ref([wire(g) for g in grads], back_splits, me)))
+
+
+# ----------------------------------------------------------------------- GPU: SQNR vs bf16
+GPU_TOKENS, GPU_TOPK, GPU_D, GPU_H, GPU_E_LOCAL, GPU_ALIGN = 4096, 4, 1024, 512, 4, 32
+
+
+@pytest.fixture(scope="module")
+def torch_dist(comm):
+    """torch.distributed (NCCL) over the same ranks, for the reference all-to-all."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    port = None
+    if world.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(world.bcast(port, root=0))
+    dist.init_process_group("nccl", rank=comm.rank, world_size=comm.size,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _gpu_problem(rank, world, device):
+    """Routed rows (sorted by expert), counts, expert weights and output gradient of one rank."""
+    gen = torch.Generator(device="cpu").manual_seed(SEED + rank)
+    experts = world * GPU_E_LOCAL
+    chosen = torch.rand(GPU_TOKENS, experts, generator=gen).topk(GPU_TOPK, dim=1).indices
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = torch.randn(GPU_TOKENS, GPU_D, generator=gen).to(torch.bfloat16)
+    x = tokens[torch.arange(GPU_TOKENS).repeat_interleave(GPU_TOPK)[order]].to(device)
+    counts = torch.bincount(flat, minlength=experts).to(torch.int32).to(device)
+    w = (torch.randn(GPU_E_LOCAL, GPU_D, GPU_H, generator=gen) / GPU_D ** 0.5).to(
+        torch.bfloat16).to(device)
+    g = torch.randn(len(x), GPU_H, generator=gen).to(torch.bfloat16).to(device)
+    return x, counts, w, g
+
+
+def _reference_permutation(group_counts, e_local, align, rows):
+    """(positions, sources, offsets, P) of the padded expert-major layout, built on the host."""
+    counts = group_counts.tolist()
+    ranks = len(counts) // e_local
+    starts, row = {}, 0
+    for r in range(ranks):
+        for e in range(e_local):
+            starts[r, e] = row
+            row += counts[r * e_local + e]
+    positions, sources, offsets, pos = [], [], [], 0
+    for e in range(e_local):
+        for r in range(ranks):
+            n = counts[r * e_local + e]
+            positions += range(pos, pos + n)
+            sources += range(starts[r, e], starts[r, e] + n)
+            pos += n
+        pos = -(-pos // align) * align
+        offsets.append(pos)
+    total = -(-(rows + e_local * align) // align) * align
+    return positions, sources, offsets, total
+
+
+def _bf16_reference(x, counts, w, g, group):
+    """The bf16 pipeline on torch.distributed: returns (received, out, x.grad, w.grad)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    import torch.distributed as dist
+    world = dist.get_world_size(group)
+    device = x.device
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    group_counts = torch.empty_like(counts)
+    dist.all_to_all_single(group_counts, counts, group=group)
+    input_splits = counts.view(world, -1).sum(1).tolist()
+    output_splits = group_counts.view(world, -1).sum(1).tolist()
+    received = all_to_all_single_autograd(x, output_splits, input_splits, group)
+    received.retain_grad()
+    rows = received.shape[0]
+    positions, sources, offsets, total = _reference_permutation(group_counts, GPU_E_LOCAL,
+                                                                GPU_ALIGN, rows)
+    pos = torch.tensor(positions, dtype=torch.int64, device=device)
+    src = torch.tensor(sources, dtype=torch.int64, device=device)
+    permuted = received.new_zeros(total, x.shape[1]).index_copy(0, pos, received[src])
+    y = torch._grouped_mm(permuted, w, offs=torch.tensor(offsets, dtype=torch.int32,
+                                                         device=device))
+    back = y.new_zeros(rows, y.shape[1]).index_copy(0, src, y[pos])
+    out = all_to_all_single_autograd(back, input_splits, output_splits, group)
+    (out.float() * g.float()).sum().backward()
+    return received.detach(), out.detach(), x.grad, w.grad
+
+
+def _mxcomm_pipeline(x, counts, w, g, comm, dispatch, dispatch_grad, combine, combine_grad):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    group, input_splits, output_splits = mt.exchange_layout(counts, comm)
+    received = mt.a2a_dispatch(x, input_splits, output_splits, comm, dispatch, dispatch_grad)
+    permuted, indices, offsets = mt.permute(received, group, GPU_E_LOCAL, GPU_ALIGN)
+    rows = permuted.dequantize() if isinstance(permuted, mt.MXFP8Tensor) else permuted
+    y = torch._grouped_mm(rows, w, offs=offsets)
+    back = mt.unpermute(y, indices, received.shape[0])
+    out = mt.a2a_combine(back, input_splits, output_splits, comm, combine, combine_grad)
+    (out.float() * g.float()).sum().backward()
+    values = received.dequantize() if isinstance(received, mt.MXFP8Tensor) else received
+    return values.detach(), out.detach(), x.grad, w.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_pipeline_gpu_sqnr(comm, torch_dist):
+    """Default precisions (MXFP8 dispatch and combine-grad) against the bf16 pipeline."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, counts, w, g = _gpu_problem(comm.rank, comm.size, device)
+    ref = _bf16_reference(x, counts, w, g, torch_dist)
+    got = _mxcomm_pipeline(x, counts, w, g, comm, "mxfp8", "bf16", "bf16", "mxfp8")
+    thresholds = {"dispatch": 30.0, "output": 28.0, "input gradient": 26.0,
+                  "weight gradient": 25.0}
+    for (name, limit), r, o in zip(thresholds.items(), ref, got):
+        assert sqnr(r, o) >= limit, f"{name}: SQNR {sqnr(r, o):.1f} dB < {limit} dB"
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_pipeline_gpu_bf16_bit_identical(comm, torch_dist):
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, counts, w, g = _gpu_problem(comm.rank, comm.size, device)
+    ref = _bf16_reference(x, counts, w, g, torch_dist)
+    got = _mxcomm_pipeline(x, counts, w, g, comm, "bf16", "bf16", "bf16", "bf16")
+    for name, r, o in zip(("dispatch", "output", "input gradient", "weight gradient"), ref, got):
+        assert torch.equal(r, o), f"{name} differs from the bf16 reference"
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_all_to_all_single_gpu_sqnr(comm, torch_dist):
+    """The drop-in against torch's all_to_all_single_autograd: forward and gradient."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, counts, _, _ = _gpu_problem(comm.rank, comm.size, device)
+    _, input_splits, output_splits = mt.exchange_layout(counts, comm)
+    gen = torch.Generator(device="cpu").manual_seed(SEED + 900 + comm.rank)
+    g = torch.randn(sum(output_splits), GPU_D, generator=gen).to(torch.bfloat16).to(device)
+    results = []
+    for fn in (lambda t: all_to_all_single_autograd(t, output_splits, input_splits, torch_dist),
+               lambda t: mt.all_to_all_single(t, output_splits, input_splits, comm)):
+        t = x.detach().clone().requires_grad_()
+        out = fn(t)
+        (out.float() * g.float()).sum().backward()
+        results.append((out.detach(), t.grad))
+    (ref_out, ref_grad), (out, grad) = results
+    assert sqnr(ref_out, out) >= 30.0
+    assert sqnr(ref_grad, grad) >= 30.0
