@@ -1,3 +1,20 @@
-"""mxcomm: low-precision (MXFP8) expert-parallel communication primitives for MoE training."""
+"""mxcomm: low-precision (MXFP8) expert-parallel communication primitives for MoE training.
+
+Arrays in, arrays out (CuPy on a GPU, NumPy under Numba's CUDA simulator); torch adapters live in
+``mxcomm.torch`` (imported explicitly: torch is optional); communicators in ``mxcomm.comm``.
+"""
 
 __version__ = "0.1.0"
+
+from . import comm
+from .a2a import (a2a_combine, a2a_combine_backward, a2a_dispatch, a2a_dispatch_backward,
+                  all_to_all_single)
+from .layout import exchange_layout
+from .mxfp8 import MXFP8Array, dequantize_mxfp8, quantize_mxfp8
+from .permutation import permute, permute_backward, unpermute, unpermute_backward
+
+__all__ = [
+    "__version__", "comm", "MXFP8Array", "quantize_mxfp8", "dequantize_mxfp8", "exchange_layout",
+    "a2a_dispatch", "a2a_dispatch_backward", "permute", "permute_backward", "unpermute",
+    "unpermute_backward", "a2a_combine", "a2a_combine_backward", "all_to_all_single",
+]

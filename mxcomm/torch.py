@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 
 from . import a2a as _a2a
 from . import layout as _layout
-from . import permute as _permute
+from . import permutation as _permutation
 from ._array import as_device_array, bfloat16
 from .mxfp8 import MXFP8Array, dequantize_mxfp8
 
@@ -205,7 +205,7 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align):
-        permuted, indices, offsets = _permute.permute(
+        permuted, indices, offsets = _permutation.permute(
             _rows(x, "x"), _array(num_tokens_per_expert_group, "num_tokens_per_expert_group"),
             num_local_experts, align, stream=_stream(x))
         indices, offsets = _tensor(indices), _tensor(offsets)
@@ -217,7 +217,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, grad_indices, grad_offsets):
         (indices,) = ctx.saved_tensors
-        dx = _permute.permute_backward(_rows(grad, "grad"), _array(indices, "permuted_indices"),
+        dx = _permutation.permute_backward(_rows(grad, "grad"), _array(indices, "permuted_indices"),
                                        ctx.num_rows, stream=_stream(grad))
         # None for: num_tokens_per_expert_group, num_local_experts, align
         return _wrap(dx), None, None, None
@@ -234,13 +234,13 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, permuted_indices, num_rows):
         ctx.save_for_backward(permuted_indices)
-        return _wrap(_permute.unpermute(_rows(y, "y"), _array(permuted_indices, "permuted_indices"),
+        return _wrap(_permutation.unpermute(_rows(y, "y"), _array(permuted_indices, "permuted_indices"),
                                         num_rows, stream=_stream(y)))
 
     @staticmethod
     def backward(ctx, grad):
         (indices,) = ctx.saved_tensors
-        dy = _permute.unpermute_backward(_rows(grad, "grad"), _array(indices, "permuted_indices"),
+        dy = _permutation.unpermute_backward(_rows(grad, "grad"), _array(indices, "permuted_indices"),
                                          stream=_stream(grad))
         # None for: permuted_indices, num_rows
         return _wrap(dy), None, None

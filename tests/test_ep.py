@@ -17,7 +17,7 @@ from mxcomm.a2a import (DEFAULT_CHUNKS, a2a_combine, a2a_combine_backward, a2a_d
 from mxcomm.kernels import array_module
 from mxcomm.layout import exchange_layout
 from mxcomm.mxfp8 import MXFP8Array, dequantize_mxfp8
-from mxcomm.permute import permute, unpermute
+from mxcomm.permutation import permute, unpermute
 from reference import dequantize_mxfp8_ref, quantize_mxfp8_ref
 
 SEED = 1234

@@ -73,7 +73,7 @@ def _row(op, dtype, shape, stats, nbytes, copy_gbps, simulated=False):
 def measure(args, rt):
     """Run the kernel benchmarks; returns ``(meta, {"kernels": rows})``."""
     from mxcomm.mxfp8 import dequantize_mxfp8, quantize_mxfp8
-    from mxcomm.permute import permute, unpermute
+    from mxcomm.permutation import permute, unpermute
 
     sim = rt.simulated
     dim = args.dim or (SIM_QUANT_SHAPES[0][1] if sim else 7168)

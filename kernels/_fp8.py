@@ -1,0 +1,200 @@
+"""Scalar bit helpers for MXFP8 (OCP Microscaling v1.0): e4m3fn elements, e8m0 scales, bf16.
+
+Every helper is a ``@cuda.jit(device=True)`` function on integers or float32 scalars. Two of them
+need the hardware (a bit cast and the f32 -> e4m3 conversion); for those, this module picks at import
+either inline PTX (on a GPU) or a pure-Python form with the same bits (under Numba's CUDA simulator).
+That choice, on :func:`simulated`, is the only branch on the device in the kernels.
+
+Bit layouts:
+
+    e4m3fn  s eeee mmm   bias 7, max 448 (0x7E), no inf, NaN = 0x7F / 0xFF
+    e8m0    eeeeeeee     2^(e - 127), 0xFF = NaN
+    bf16    s eeeeeeee mmmmmmm   the upper half of an f32
+"""
+
+import math
+import struct
+
+from numba import cuda, float32, uint16, uint32
+
+from ._device import simulated
+
+#: Elements per MX block (along the last dimension).
+MX_BLOCK = 32
+#: Largest finite e4m3fn magnitude.
+E4M3_MAX = 448.0
+#: Bias of the e8m0 scale: scale bits s stand for 2^(s - E8M0_BIAS).
+E8M0_BIAS = 127
+#: e8m0 NaN: the scale of a block holding NaN or +-Inf.
+E8M0_NAN = 0xFF
+#: e4m3fn NaN (positive); every element of a non-finite block is set to it.
+E4M3_NAN = 0x7F
+#: bf16 quiet NaN, what dequantization writes for NaN.
+BF16_NAN = 0x7FC0
+#: f32 quiet NaN.
+F32_NAN = 0x7FC00000
+#: Absolute-value bits at and above which a bf16 / f32 is Inf or NaN.
+BF16_INF = 0x7F80
+F32_INF = 0x7F800000
+#: Mantissa of 1.75 (448 = 1.75 * 2^8) in bf16 / f32: above it, amax / 448 needs one more exponent.
+BF16_MANT_1_75 = 0x60
+F32_MANT_1_75 = 0x600000
+#: 2^120, see :func:`f32_from_e4m3`.
+E4M3_F32_SHIFT = float32(2.0 ** 120)
+#: floor(log2(448)) = 8: the e4m3 exponent of the block's largest element.
+E4M3_EMAX = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware-dependent helpers: inline PTX on a GPU, identical bits in pure Python in the simulator.
+# ---------------------------------------------------------------------------------------------
+
+def _e4m3_bits_py(x):
+    """e4m3fn bits of the float ``x``: round to nearest even, saturate to +-448, NaN -> 0x7F|sign.
+
+    The exact semantics of PTX ``cvt.rn.satfinite.e4m3x2.f32`` for one lane (Inf saturates too).
+    """
+    x = float(x)
+    sign = 0x80 if math.copysign(1.0, x) < 0 else 0
+    if math.isnan(x):
+        return 0x7F | sign
+    v = abs(x)
+    if v >= E4M3_MAX:  # includes Inf: satfinite
+        return 0x7E | sign
+    if v < 2.0 ** -6:  # subnormal range: a grid of 2^-9
+        return round(v * 512.0) | sign  # 8 * 2^-9 = 2^-6 encodes as 0x08: the smallest normal
+    _, e = math.frexp(v)  # v = f * 2^e, f in [0.5, 1): exponent e - 1, ulp 2^(e - 4)
+    q = round(math.ldexp(v, 4 - e))  # in [8, 16]; Python's round is half-to-even
+    exp = e - 1 + 7
+    if q == 16:
+        q, exp = 8, exp + 1
+    if exp > 15 or (exp == 15 and q - 8 == 7):  # rounding reached 480 (never: v < 448 rounds <= 448)
+        return 0x7E | sign
+    return (exp << 3) | (q - 8) | sign
+
+
+if simulated():
+    @cuda.jit(device=True)
+    def cvt_e4m3x2(a, b):
+        """e4m3fn bits of two f32 values in one uint16: ``a`` in the upper byte, ``b`` in the lower.
+
+        Round to nearest even, saturate to +-448 (Inf too), NaN -> 0x7F with its sign
+        (PTX ``cvt.rn.satfinite.e4m3x2.f32``).
+        """
+        return uint16((_e4m3_bits_py(a) << 8) | _e4m3_bits_py(b))
+
+    @cuda.jit(device=True)
+    def f32_from_bits(bits):
+        """The float32 whose bit pattern is the uint32 ``bits``."""
+        return float32(struct.unpack("<f", struct.pack("<I", int(bits) & 0xFFFFFFFF))[0])
+
+    @cuda.jit(device=True)
+    def bits_from_f32(x):
+        """The uint32 bit pattern of the float32 ``x``."""
+        return uint32(struct.unpack("<I", struct.pack("<f", float32(x)))[0])
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def cvt_e4m3x2(typingctx, a, b):
+        """e4m3fn bits of two f32 values in one uint16: ``a`` in the upper byte, ``b`` in the lower.
+
+        One PTX instruction, ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+): round to nearest even,
+        saturate to +-448 (Inf too), NaN -> 0x7F with its sign.
+        """
+        sig = types.uint16(types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(16), [ir.FloatType(), ir.FloatType()])
+            asm = ir.InlineAsm(fnty, "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f")
+            return builder.call(asm, list(args))
+
+        return sig, codegen
+
+    @intrinsic
+    def f32_from_bits(typingctx, bits):
+        """The float32 whose bit pattern is the uint32 ``bits``."""
+        sig = types.float32(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def bits_from_f32(typingctx, x):
+        """The uint32 bit pattern of the float32 ``x``."""
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# Integer helpers (the same code on a GPU and in the simulator).
+# ---------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def e8m0_from_bf16_amax(amax_bits, rceil):
+    """Biased e8m0 scale of a block from its max-abs bf16 bits (finite: < 0x7F80).
+
+    With exp = amax_bits >> 7 (biased) and mant = amax_bits & 0x7F, exactly:
+      floor (OCP): clamp(floor(log2 amax) - 8, -127, 127) + 127 = clamp(exp - 8, 0, 254)
+      rceil (NVIDIA/TransformerEngine): clamp(ceil(log2(amax / 448)), -127, 127) + 127
+            = clamp(exp - 8 + (mant > 0x60), 0, 254), since 448 = 1.75 * 2^8 and 0x60 is .75.
+    Zero and subnormal amax give 0 (2^-127).
+    """
+    e = int(amax_bits >> 7)
+    if rceil and (amax_bits & 0x7F) > BF16_MANT_1_75:
+        e += 1
+    return uint32(min(max(e - E4M3_EMAX, 0), 254))
+
+
+@cuda.jit(device=True)
+def e8m0_from_f32_amax(amax_bits, rceil):
+    """Biased e8m0 scale of a block from its max-abs f32 bits (finite); as
+    :func:`e8m0_from_bf16_amax` with exp = bits >> 23 and the 1.75 threshold 0x600000."""
+    e = int(amax_bits >> 23)
+    if rceil and (amax_bits & 0x7FFFFF) > F32_MANT_1_75:
+        e += 1
+    return uint32(min(max(e - E4M3_EMAX, 0), 254))
+
+
+@cuda.jit(device=True)
+def inv_scale_f32_bits(s):
+    """f32 bits of 2^(127 - s) for a biased scale 0 <= s <= 253: the quantization multiplier."""
+    return uint32(254 - s) << uint32(23)
+
+
+@cuda.jit(device=True)
+def scale_f32_bits(s):
+    """f32 bits of 2^(s - 127) for a biased scale 0 <= s <= 254 (s = 0: the subnormal 2^-127)."""
+    if s == 0:
+        return uint32(0x00400000)
+    return uint32(s) << uint32(23)
+
+
+@cuda.jit(device=True)
+def bf16_bits_from_f32_bits(bits):
+    """bf16 bits (in a uint32) of the f32 with bits ``bits``: round to nearest even; NaN -> 0x7FC0."""
+    if (bits & uint32(0x7FFFFFFF)) > uint32(F32_INF):
+        return uint32(BF16_NAN)
+    return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
+
+
+@cuda.jit(device=True)
+def f32_from_e4m3(b):
+    """The float32 value of the non-NaN e4m3fn bits ``b`` (a uint32, 0..255), exact and branch-free.
+
+    The f32 with bits (sign << 31) | (magnitude << 20) has the e4m3 exponent field as its own and
+    the 3 mantissa bits on top of its mantissa: it is the e4m3 value times 2^-120, for normals and
+    subnormals alike (an f32 subnormal then), so one exact multiply by 2^120 decodes. NaN bits
+    (0x7F, 0xFF) decode as +-480: callers test for them.
+    """
+    bits = ((b & uint32(0x80)) << uint32(24)) | ((b & uint32(0x7F)) << uint32(20))
+    return f32_from_bits(bits) * E4M3_F32_SHIFT

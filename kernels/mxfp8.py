@@ -1,0 +1,292 @@
+"""MXFP8 quantize / dequantize kernels (OCP Microscaling v1.0, e4m3fn elements, e8m0 scales).
+
+Memory layout, for an (M, D) tensor of N = M * D elements, D % 32 == 0, everything flat, C order:
+MX block b covers elements 32b .. 32b + 31 (one row never straddles: D % 32 == 0), and its scale is
+``scales[b]``.
+
+Coalescing without warp shuffles (the simulator has none): the input is read as 8-byte words, one
+word per thread per load, consecutive threads on consecutive words. An MX block is 8 words of bf16
+(16 of fp32) held by 8 (16) consecutive threads; their partial max-abs values meet in shared memory.
+A CUDA block works on tiles of ``blockDim.x * WORDS_PER_THREAD`` words (WORDS_PER_THREAD independent
+loads per thread, words ``t + k * blockDim.x``) in a grid-stride loop that is uniform per CUDA block, so
+``syncthreads`` inside it is legal; the shared array is double-buffered by tile parity, so one
+``syncthreads`` per tile suffices. Everything on the block max is integer arithmetic on the bits.
+"""
+
+from numba import cuda, uint8, uint16, uint32, uint64
+
+from ._device import simulated
+from ._fp8 import (BF16_INF, BF16_NAN, E4M3_NAN, E8M0_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits,
+                   bits_from_f32, cvt_e4m3x2, e8m0_from_bf16_amax, e8m0_from_f32_amax, f32_from_bits,
+                   f32_from_e4m3, inv_scale_f32_bits, scale_f32_bits)
+from ._launch import THREADS_PER_BLOCK
+
+#: Input words each thread loads per tile (independent loads in flight).
+WORDS_PER_THREAD = 4
+#: 8-byte words per MX block: bf16 (4 per word) and fp32 (2 per word).
+BF16_WORDS_PER_BLOCK = 8
+F32_WORDS_PER_BLOCK = 16
+#: e4m3 bytes of one MX block packed 4 per uint32: 8 words.
+E4M3_WORDS_PER_BLOCK = 8
+
+_CACHE = not simulated()  # on-disk kernel cache on a GPU; meaningless in the simulator
+
+_HIGH16 = uint32(0xFFFF0000)
+_E4M3_NAN_X4 = uint32(E4M3_NAN * 0x01010101)
+#: Scales s for which e4m3 * 2^(s - 127) is a normal finite bf16 for every finite e4m3:
+#: 2^-9 * 2^(s - 127) >= 2^-126 and 448 * 2^(s - 127) <= bf16 max.
+BF16_EXACT_SCALES = (10, 246)
+
+
+@cuda.jit(device=True)
+def bf16x4_absmax(w):
+    """Max of the |x| bits (sign cleared) of the 4 bf16 packed in the uint64 ``w``, as uint32."""
+    lo = uint32(w & uint64(0xFFFFFFFF))
+    hi = uint32(w >> uint64(32))
+    a = max(lo & uint32(0x7FFF), (lo >> uint32(16)) & uint32(0x7FFF))
+    b = max(hi & uint32(0x7FFF), (hi >> uint32(16)) & uint32(0x7FFF))
+    return max(a, b)
+
+
+@cuda.jit(device=True)
+def f32x2_absmax(w):
+    """Max of the |x| bits of the 2 f32 packed in the uint64 ``w``, as uint32."""
+    lo = uint32(w & uint64(0x7FFFFFFF))
+    hi = uint32(w >> uint64(32)) & uint32(0x7FFFFFFF)
+    return max(lo, hi)
+
+
+@cuda.jit(device=True)
+def group_max(partial, buf, half, first, width):
+    """Max of ``partial[buf, half, first:first + width]`` (broadcast reads of shared memory)."""
+    m = partial[buf, half, first]
+    for k in range(1, width):
+        m = max(m, partial[buf, half, first + k])
+    return m
+
+
+@cuda.jit(device=True)
+def encode_bf16x4(w, mult):
+    """4 e4m3 bytes (in a uint32, element 0 lowest) of the 4 bf16 in ``w`` times ``mult``."""
+    lo = uint32(w & uint64(0xFFFFFFFF))
+    hi = uint32(w >> uint64(32))
+    p01 = cvt_e4m3x2(f32_from_bits(lo & _HIGH16) * mult, f32_from_bits(lo << uint32(16)) * mult)
+    p23 = cvt_e4m3x2(f32_from_bits(hi & _HIGH16) * mult, f32_from_bits(hi << uint32(16)) * mult)
+    return uint32(p01) | (uint32(p23) << uint32(16))
+
+
+@cuda.jit(device=True)
+def encode_f32x2(w, mult):
+    """2 e4m3 bytes (in a uint16, element 0 lowest) of the 2 f32 in ``w`` times ``mult``."""
+    lo = uint32(w & uint64(0xFFFFFFFF))
+    hi = uint32(w >> uint64(32))
+    return cvt_e4m3x2(f32_from_bits(hi) * mult, f32_from_bits(lo) * mult)
+
+
+@cuda.jit(device=True)
+def quantize_bf16_word(data_words, scales, i, w, amax, lead, rceil):
+    """Write word ``i``'s 4 e4m3 bytes, and its block's scale when ``lead``, from the block amax."""
+    if amax >= uint32(BF16_INF):
+        data_words[i] = _E4M3_NAN_X4
+        s = uint32(E8M0_NAN)
+    else:
+        s = e8m0_from_bf16_amax(amax, rceil)
+        data_words[i] = encode_bf16x4(w, f32_from_bits(inv_scale_f32_bits(s)))
+    if lead:
+        scales[i // BF16_WORDS_PER_BLOCK] = uint8(s)
+
+
+@cuda.jit(cache=_CACHE)
+def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
+    """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64 formulas.
+
+    scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil, NVIDIA/
+    TransformerEngine: ceil(log2(amax / 448)); both clamped to [-127, 127], biased by 127); element =
+    round-to-nearest-even(x * 2^(127 - s)) saturated to +-448. A block holding NaN or Inf gets
+    s = 0xFF and elements 0x7F.
+
+    Args:
+        x_words: (N // 4,) uint64, bf16 bits, 4 elements per word (element 0 lowest). Read.
+        data_words: (N // 4,) uint32, e4m3fn bits, 4 per word. Written.
+        scales: (N // 32,) uint8, e8m0 bits, one per MX block. Written.
+        rceil: bool; True for the rceil scale, False for floor.
+    Launch: launch_1d(ceil(N / 4 / WORDS_PER_THREAD)), blockDim.x <= THREADS_PER_BLOCK, a multiple
+        of 8: WORDS_PER_THREAD words per thread per tile, grid-stride over tiles.
+    """
+    partial = cuda.shared.array((2, WORDS_PER_THREAD, THREADS_PER_BLOCK), uint32)
+    words = cuda.local.array(WORDS_PER_THREAD, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    n = x_words.shape[0]
+    tile = nthreads * WORDS_PER_THREAD
+    first = tid - tid % BF16_WORDS_PER_BLOCK
+    lead = tid == first
+    buf = 0
+    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+        for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
+            i = base + k * nthreads
+            words[k] = x_words[i] if i < n else uint64(0)
+        for k in range(WORDS_PER_THREAD):
+            partial[buf, k, tid] = bf16x4_absmax(words[k])
+        cuda.syncthreads()
+        for k in range(WORDS_PER_THREAD):
+            i = base + k * nthreads
+            if i < n:
+                amax = group_max(partial, buf, k, first, BF16_WORDS_PER_BLOCK)
+                quantize_bf16_word(data_words, scales, i, words[k], amax, lead, rceil)
+        buf = 1 - buf
+
+
+@cuda.jit(device=True)
+def quantize_f32_word(data_half, scales, i, w, amax, lead, rceil):
+    """Write word ``i``'s 2 e4m3 bytes, and its block's scale when ``lead``, from the block amax."""
+    if amax >= uint32(F32_INF):
+        data_half[i] = uint16(E4M3_NAN * 0x0101)
+        s = uint32(E8M0_NAN)
+    else:
+        s = e8m0_from_f32_amax(amax, rceil)
+        data_half[i] = encode_f32x2(w, f32_from_bits(inv_scale_f32_bits(s)))
+    if lead:
+        scales[i // F32_WORDS_PER_BLOCK] = uint8(s)
+
+
+@cuda.jit(cache=_CACHE)
+def quantize_mxfp8_f32_kernel(x_words, data_half, scales, rceil):
+    """MXFP8-quantize fp32 input; the same formulas as :func:`quantize_mxfp8_bf16_kernel`.
+
+    Args:
+        x_words: (N // 2,) uint64, f32 bits, 2 elements per word (element 0 lowest). Read.
+        data_half: (N // 2,) uint16, e4m3fn bits, 2 per word. Written.
+        scales: (N // 32,) uint8, e8m0 bits, one per MX block. Written.
+        rceil: bool; True for the rceil scale, False for floor.
+    Launch: launch_1d(ceil(N / 2 / WORDS_PER_THREAD)), blockDim.x <= THREADS_PER_BLOCK, a multiple
+        of 16: WORDS_PER_THREAD words per thread per tile, grid-stride over tiles.
+    """
+    partial = cuda.shared.array((2, WORDS_PER_THREAD, THREADS_PER_BLOCK), uint32)
+    words = cuda.local.array(WORDS_PER_THREAD, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    n = x_words.shape[0]
+    tile = nthreads * WORDS_PER_THREAD
+    first = tid - tid % F32_WORDS_PER_BLOCK
+    lead = tid == first
+    buf = 0
+    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+        for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
+            i = base + k * nthreads
+            words[k] = x_words[i] if i < n else uint64(0)
+        for k in range(WORDS_PER_THREAD):
+            partial[buf, k, tid] = f32x2_absmax(words[k])
+        cuda.syncthreads()
+        for k in range(WORDS_PER_THREAD):
+            i = base + k * nthreads
+            if i < n:
+                amax = group_max(partial, buf, k, first, F32_WORDS_PER_BLOCK)
+                quantize_f32_word(data_half, scales, i, words[k], amax, lead, rceil)
+        buf = 1 - buf
+
+
+@cuda.jit(device=True)
+def dequantize_e4m3(b, mult):
+    """f32 bits of the e4m3 byte ``b`` (in a uint32) times ``mult`` = 2^(s - 127), exact (4
+    significant bits times a power of two, f32 subnormals included); F32_NAN for a NaN element."""
+    bits = bits_from_f32(f32_from_e4m3(b) * mult)
+    return uint32(F32_NAN) if (b & uint32(0x7F)) == uint32(E4M3_NAN) else bits
+
+
+@cuda.jit(device=True)
+def dequantize_word_bf16(d, s, out_words, i):
+    """Decode the 4 e4m3 in ``d`` (block scale ``s``) into 4 bf16 (one uint64) at ``out_words[i]``.
+
+    For BF16_EXACT_SCALES[0] <= s <= BF16_EXACT_SCALES[1] every product is a normal, finite bf16
+    (4 significant bits), so the upper half of its f32 bits is already the bf16: no rounding.
+    """
+    if s == uint32(E8M0_NAN):
+        out_words[i] = uint64(BF16_NAN * 0x0001000100010001)
+        return
+    mult = f32_from_bits(scale_f32_bits(s))
+    f0 = dequantize_e4m3(d & uint32(0xFF), mult)
+    f1 = dequantize_e4m3((d >> uint32(8)) & uint32(0xFF), mult)
+    f2 = dequantize_e4m3((d >> uint32(16)) & uint32(0xFF), mult)
+    f3 = dequantize_e4m3(d >> uint32(24), mult)
+    if s >= uint32(BF16_EXACT_SCALES[0]) and s <= uint32(BF16_EXACT_SCALES[1]):
+        lo = (f0 >> uint32(16)) | (f1 & _HIGH16)
+        hi = (f2 >> uint32(16)) | (f3 & _HIGH16)
+    else:
+        lo = bf16_bits_from_f32_bits(f0) | (bf16_bits_from_f32_bits(f1) << uint32(16))
+        hi = bf16_bits_from_f32_bits(f2) | (bf16_bits_from_f32_bits(f3) << uint32(16))
+    out_words[i] = uint64(lo) | (uint64(hi) << uint64(32))
+
+
+@cuda.jit(cache=_CACHE)
+def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
+    """MXFP8 -> bf16: x = e4m3 * 2^(s - 127) (OCP MX v1.0), exact in f32, then round-to-nearest-even
+    to bf16. A NaN scale (0xFF) or NaN element gives NaN (0x7FC0).
+
+    Args:
+        data_words: (N // 4,) uint32, e4m3fn bits, 4 per word. Read.
+        scales: (N // 32,) uint8, e8m0 bits. Read.
+        out_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Written.
+    Launch: launch_1d(ceil(N / 4 / WORDS_PER_THREAD)): words t + k * blockDim.x, k <
+        WORDS_PER_THREAD, of each tile per thread (all loads issued first), grid-stride.
+    """
+    words = cuda.local.array(WORDS_PER_THREAD, uint32)
+    svals = cuda.local.array(WORDS_PER_THREAD, uint32)
+    n = data_words.shape[0]
+    nthreads = cuda.blockDim.x
+    tile = nthreads * WORDS_PER_THREAD
+    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
+        for k in range(WORDS_PER_THREAD):
+            i = base + k * nthreads
+            if i < n:
+                words[k] = data_words[i]
+                svals[k] = uint32(scales[i // E4M3_WORDS_PER_BLOCK])
+        for k in range(WORDS_PER_THREAD):
+            i = base + k * nthreads
+            if i < n:
+                dequantize_word_bf16(words[k], svals[k], out_words, i)
+
+
+@cuda.jit(device=True)
+def dequantize_word_f32(d, s, out_words, i):
+    """Decode the 4 e4m3 in ``d`` (block scale ``s``) into 4 f32 (two uint64) at
+    ``out_words[2i:2i + 2]``."""
+    if s == uint32(E8M0_NAN):
+        out_words[2 * i] = uint64(F32_NAN * 0x0000000100000001)
+        out_words[2 * i + 1] = uint64(F32_NAN * 0x0000000100000001)
+        return
+    mult = f32_from_bits(scale_f32_bits(s))
+    f0 = uint64(dequantize_e4m3(d & uint32(0xFF), mult))
+    f1 = uint64(dequantize_e4m3((d >> uint32(8)) & uint32(0xFF), mult))
+    f2 = uint64(dequantize_e4m3((d >> uint32(16)) & uint32(0xFF), mult))
+    f3 = uint64(dequantize_e4m3(d >> uint32(24), mult))
+    out_words[2 * i] = f0 | (f1 << uint64(32))
+    out_words[2 * i + 1] = f2 | (f3 << uint64(32))
+
+
+@cuda.jit(cache=_CACHE)
+def dequantize_mxfp8_f32_kernel(data_words, scales, out_words):
+    """MXFP8 -> fp32: x = e4m3 * 2^(s - 127) (OCP MX v1.0), exact; NaN scale or element -> NaN
+    (0x7FC00000).
+
+    Args:
+        data_words: (N // 4,) uint32, e4m3fn bits, 4 per word. Read.
+        scales: (N // 32,) uint8, e8m0 bits. Read.
+        out_words: (N // 2,) uint64, f32 bits, 2 per word (element 0 lowest). Written.
+    Launch: launch_1d(ceil(N / 4 / WORDS_PER_THREAD)): as :func:`dequantize_mxfp8_bf16_kernel`.
+    """
+    words = cuda.local.array(WORDS_PER_THREAD, uint32)
+    svals = cuda.local.array(WORDS_PER_THREAD, uint32)
+    n = data_words.shape[0]
+    nthreads = cuda.blockDim.x
+    tile = nthreads * WORDS_PER_THREAD
+    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
+        for k in range(WORDS_PER_THREAD):
+            i = base + k * nthreads
+            if i < n:
+                words[k] = data_words[i]
+                svals[k] = uint32(scales[i // E4M3_WORDS_PER_BLOCK])
+        for k in range(WORDS_PER_THREAD):
+            i = base + k * nthreads
+            if i < n:
+                dequantize_word_f32(words[k], svals[k], out_words, i)

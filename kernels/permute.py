@@ -1,0 +1,150 @@
+"""Token permutation kernels of the EP path: received order <-> expert-major order, padded groups.
+
+Rows arrive ordered by source rank, then local expert (``counts`` is rank-major: entry
+r * E_local + e = rows from rank r for my local expert e). ``permute`` puts them expert-major
+(local expert, then source rank), each expert's group padded with zero rows to a multiple of
+``align``. The index is built on the device (no host sync); rows then move as machine words,
+one CUDA block per row, threads striding over the row's words.
+"""
+
+from numba import cuda, int32
+
+from ._device import simulated
+
+_CACHE = not simulated()  # on-disk kernel cache on a GPU; meaningless in the simulator
+
+
+@cuda.jit(cache=_CACHE)
+def permute_layout_kernel(counts, num_local, align, src_start, dst_start, group_offsets):
+    """Source and destination starts of every (rank, local expert) segment, and padded group ends.
+
+    Args:
+        counts: (E,) int32, rank-major row counts (E = W * E_local). Read.
+        num_local: E_local.
+        align: rows; each non-empty group is padded to a multiple of it (> 0).
+        src_start: (E,) int32, first received row of segment (r, e), at r * E_local + e. Written.
+        dst_start: (E,) int32, first permuted row of segment (r, e). Written.
+        group_offsets: (E_local,) int32, cumulative padded group ends. Written.
+    Launch: one thread (launch_1d(1)); E is small.
+    """
+    if cuda.grid(1) != 0:
+        return
+    n = counts.shape[0]
+    row = 0
+    for k in range(n):
+        src_start[k] = row
+        row += counts[k]
+    end = 0
+    for e in range(num_local):
+        for k in range(e, n, num_local):
+            dst_start[k] = end
+            end += counts[k]
+        end = (end + align - 1) // align * align
+        group_offsets[e] = end
+
+
+@cuda.jit(cache=_CACHE)
+def permute_indices_kernel(counts, src_start, dst_start, group_offsets, num_rows, indices):
+    """``indices[p]``: the received row that lands on permuted row p, or -1 (padding, or past the end).
+
+    Args:
+        counts, src_start, dst_start: (E,) int32, from :func:`permute_layout_kernel`. Read.
+        group_offsets: (E_local,) int32. Read.
+        num_rows: M_recv; a source row at or beyond it (counts summing to more) gives -1.
+        indices: (P,) int32. Written.
+    Launch: launch_1d(P): one thread per permuted row, grid-stride.
+    """
+    num_local = group_offsets.shape[0]
+    n = counts.shape[0]
+    for p in range(cuda.grid(1), indices.shape[0], cuda.gridsize(1)):
+        src = -1
+        e = 0
+        while e < num_local and p >= group_offsets[e]:
+            e += 1
+        if e < num_local:
+            for k in range(e, n, num_local):
+                off = p - dst_start[k]
+                if off >= 0 and off < counts[k]:
+                    src = src_start[k] + off
+        if src >= num_rows:
+            src = -1
+        indices[p] = int32(src)
+
+
+#: Words each thread loads before storing, in the row copy (independent loads in flight).
+ROW_UNROLL = 4
+
+
+@cuda.jit(device=True)
+def copy_row(src, i, dst, p, ncols, tid, nthreads):
+    """dst[p, :ncols] = src[i, :ncols], thread ``tid`` of ``nthreads`` taking words tid + k * nthreads,
+    ROW_UNROLL loads in flight per thread."""
+    step = nthreads * ROW_UNROLL
+    w = tid
+    while w + step - nthreads < ncols:  # ROW_UNROLL full words
+        a = src[i, w]
+        b = src[i, w + nthreads]
+        c = src[i, w + 2 * nthreads]
+        d = src[i, w + 3 * nthreads]
+        dst[p, w] = a
+        dst[p, w + nthreads] = b
+        dst[p, w + 2 * nthreads] = c
+        dst[p, w + 3 * nthreads] = d
+        w += step
+    while w < ncols:
+        dst[p, w] = src[i, w]
+        w += nthreads
+
+
+@cuda.jit(cache=_CACHE)
+def gather_rows_kernel(indices, src0, dst0, src1, dst1):
+    """dst[p, :] = src[indices[p], :], zero where indices[p] < 0, for two (src, dst) pairs at once.
+
+    Args:
+        indices: (P,) int32 source rows or -1; a row >= src.shape[0] is treated as -1. Read.
+        src0, dst0: (M, W0) and (P, W0) words (uint64/32/16/8) of the rows, C-contiguous.
+            src0 read, dst0 written.
+        src1, dst1: a second pair (MXFP8 scales) with the same rows, or an empty (0, 0) pair.
+            Same roles.
+    Launch: launch_1d(P * blockDim): one CUDA block per row, grid-stride over rows, threads
+        striding over the words of the row.
+    """
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    nsrc = src0.shape[0]
+    ncols0 = dst0.shape[1]
+    ncols1 = dst1.shape[1]
+    for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
+        i = indices[p]
+        if i >= 0 and i < nsrc:
+            copy_row(src0, i, dst0, p, ncols0, tid, nthreads)
+            for w in range(tid, ncols1, nthreads):
+                dst1[p, w] = src1[i, w]
+        else:
+            for w in range(tid, ncols0, nthreads):
+                dst0[p, w] = 0
+            for w in range(tid, ncols1, nthreads):
+                dst1[p, w] = 0
+
+
+@cuda.jit(cache=_CACHE)
+def scatter_rows_kernel(indices, src0, dst0, src1, dst1):
+    """dst[indices[p], :] = src[p, :] for 0 <= indices[p] < dst.shape[0], for two pairs at once.
+
+    Args:
+        indices: (P,) int32 destination rows or -1 (dropped). Read.
+        src0, dst0: (P, W0) and (M, W0) words of the rows, C-contiguous. src0 read, dst0 written.
+        src1, dst1: a second pair (MXFP8 scales), or an empty (0, 0) pair. Same roles.
+    Launch: launch_1d(P * blockDim): one CUDA block per row, as :func:`gather_rows_kernel`.
+    """
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    ndst = dst0.shape[0]
+    ncols0 = dst0.shape[1]
+    ncols1 = dst1.shape[1]
+    for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
+        i = indices[p]
+        if i >= 0 and i < ndst:
+            copy_row(src0, p, dst0, i, ncols0, tid, nthreads)
+            for w in range(tid, ncols1, nthreads):
+                dst1[i, w] = src1[p, w]

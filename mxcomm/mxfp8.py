@@ -1,0 +1,203 @@
+"""MXFP8 (OCP Microscaling v1.0) arrays: quantize bf16/fp32 rows into e4m3 data + e8m0 scales, and back.
+
+Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive elements of a row;
+``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 holds e8m0 bits (2^(s - 127),
+0xFF = NaN). fp8 has no CuPy dtype, hence the uint8 bit arrays.
+"""
+
+import numpy
+
+from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
+from ._array import as_device_array, bfloat16, float32, kernel_stream, stream_ptr
+from .kernels._fp8 import MX_BLOCK
+from .kernels.mxfp8 import (WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
+                            dequantize_mxfp8_f32_kernel, quantize_mxfp8_bf16_kernel,
+                            quantize_mxfp8_f32_kernel)
+
+SCALE_MODES = ("rceil", "floor")
+_DTYPES = (bfloat16, float32)
+
+
+def _kernel_array(a):
+    """``a`` as a kernel argument that never makes the launch wait on the host.
+
+    CuPy arrays would reach numba-cuda 0.30 through DLPack (a capsule per launch, plus a second
+    export to type the argument); ``cuda.as_cuda_array(..., sync=False)`` makes a numba device view
+    once, without the stream synchronization numba performs on ``__cuda_array_interface__`` streams
+    by default (``NUMBA_CUDA_ARRAY_INTERFACE_SYNC``). Launches are ordered by the launch stream.
+    Host (simulator) arrays pass through unchanged.
+    """
+    if getattr(a, "__cuda_array_interface__", None) is not None:
+        from numba import cuda
+        return cuda.as_cuda_array(a, sync=False)
+    return a
+
+
+def _address(a):
+    """Device (or host) address of ``a``'s first element."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return iface["data"][0]
+
+
+def _words(a, dtype, name):
+    """The C-contiguous array ``a`` as a flat array of ``dtype`` words (zero-copy)."""
+    if a.size and _address(a) % dtype.itemsize:
+        raise ValueError(f"{name}: expected an address aligned to {dtype.itemsize} bytes, "
+                         f"got {_address(a):#x}")
+    return a.reshape(-1).view(dtype)
+
+
+def _check_rows(x, name, dtypes=None):
+    """Validate a 2-D, C-contiguous (M, D) array with D % 32 == 0 (and a dtype from ``dtypes``)."""
+    if x.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D (M, D) array, got {x.ndim}-D shape {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
+    if x.shape[1] % MX_BLOCK:
+        raise ValueError(f"{name}: expected the last dimension D to be a multiple of {MX_BLOCK}, "
+                         f"got D = {x.shape[1]}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
+
+
+class MXFP8Array:
+    """An (M, D) MXFP8 tensor: e4m3fn elements and one e8m0 scale per 32 elements of a row.
+
+    Attributes:
+        data: (M, D) uint8, e4m3fn bit patterns, C-contiguous.
+        scales: (M, D // 32) uint8, e8m0 bit patterns (value 2^(s - 127); 0xFF = NaN), C-contiguous.
+    Raises:
+        TypeError: ``data`` or ``scales`` is not a device uint8 array.
+        ValueError: not 2-D, D % 32 != 0, scales shape not (M, D // 32), or not C-contiguous.
+    """
+
+    __slots__ = ("data", "scales")
+
+    def __init__(self, data, scales):
+        data = as_device_array(data, "data")
+        scales = as_device_array(scales, "scales")
+        for a, name in ((data, "data"), (scales, "scales")):
+            if a.dtype != "uint8":
+                raise TypeError(f"{name}: expected dtype uint8 (fp8 bit patterns), got {a.dtype}")
+            if a.ndim != 2:
+                raise ValueError(f"{name}: expected a 2-D array, got {a.ndim}-D shape {tuple(a.shape)}")
+            if not a.flags.c_contiguous:
+                raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
+        m, d = data.shape
+        if d % MX_BLOCK:
+            raise ValueError(f"data: expected the last dimension D to be a multiple of {MX_BLOCK}, "
+                             f"got D = {d}")
+        if tuple(scales.shape) != (m, d // MX_BLOCK):
+            raise ValueError(f"scales: expected shape {(m, d // MX_BLOCK)} for data of shape {(m, d)}, "
+                             f"got {tuple(scales.shape)}")
+        self.data = data
+        self.scales = scales
+
+    @property
+    def shape(self):
+        """(M, D): the shape of the tensor (of ``data``)."""
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype=bfloat16, *, out=None, stream=None):
+        """This tensor as (M, D) ``dtype`` (bf16 or fp32); see :func:`dequantize_mxfp8`."""
+        return dequantize_mxfp8(self, dtype, out=out, stream=stream)
+
+    def __repr__(self):
+        return f"MXFP8Array(shape={self.shape}, data={type(self.data).__module__}.ndarray)"
+
+
+def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
+    """MXFP8-quantize the rows of ``x`` in blocks of 32 (OCP Microscaling v1.0).
+
+    With amax = max |x| over a block (exact arithmetic), the e8m0 scale is
+      "floor" (OCP, torchao default):        s = clamp(floor(log2(amax)) - 8, -127, 127) + 127
+      "rceil" (NVIDIA cuBLAS/TransformerEngine, torchao's EP default):
+                                             s = clamp(ceil(log2(amax / 448)), -127, 127) + 127
+    and each element is round-to-nearest-even(x / 2^(s - 127)) as e4m3fn, saturated to +-448.
+    All-zero blocks give zeros (s = 0). A block holding NaN or +-Inf gets scale 0xFF and elements
+    0x7F, so it dequantizes to NaN. Bit-identical to a float64 evaluation of these formulas.
+
+    Args:
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 32 == 0. Read.
+        scale_mode: "rceil" or "floor".
+        out: an MXFP8Array of shape (M, D) to write, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        The MXFP8Array written.
+    Raises:
+        TypeError: ``x`` is not a device array, or its dtype is not bf16/fp32; ``out`` is not an
+            MXFP8Array.
+        ValueError: ``x`` not 2-D, D % 32 != 0 or not C-contiguous; unknown ``scale_mode``;
+            ``out`` of another shape.
+    """
+    x = as_device_array(x, "x")
+    _check_rows(x, "x", _DTYPES)
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
+    m, d = x.shape
+    if out is None:
+        xp = array_module()
+        out = MXFP8Array(xp.empty((m, d), dtype="uint8"), xp.empty((m, d // MX_BLOCK), dtype="uint8"))
+    elif not isinstance(out, MXFP8Array):
+        raise TypeError(f"out: expected an MXFP8Array or None, got {type(out).__name__}")
+    elif out.shape != (m, d):
+        raise ValueError(f"out: expected shape {(m, d)}, got {out.shape}")
+    if x.size == 0:
+        return out
+    x_words = _words(x, numpy.dtype(numpy.uint64), "x")
+    # bf16: 4 elements per input word -> 4 e4m3 bytes (uint32); fp32: 2 -> 2 bytes (uint16)
+    bf16 = x.dtype == bfloat16
+    kernel = quantize_mxfp8_bf16_kernel if bf16 else quantize_mxfp8_f32_kernel
+    data_words = _words(out.data, numpy.dtype(numpy.uint32 if bf16 else numpy.uint16), "out.data")
+    n_threads = -(-x_words.size // WORDS_PER_THREAD)
+    kernel[launch_1d(n_threads, kernel_stream(stream_ptr(stream)))](
+        _kernel_array(x_words), _kernel_array(data_words), _kernel_array(out.scales.reshape(-1)),
+        scale_mode == "rceil")
+    return out
+
+
+def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
+    """Decode an MXFP8Array: x = e4m3 * 2^(s - 127) (OCP Microscaling v1.0).
+
+    Exact in f32; bf16 output is the round-to-nearest-even of it. Scale 0xFF or a NaN element
+    gives NaN (canonical quiet NaN: bf16 0x7FC0, fp32 0x7FC00000).
+
+    Args:
+        mx: MXFP8Array of shape (M, D). Read.
+        dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
+        out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        ``out``: (M, D) ``dtype``.
+    Raises:
+        TypeError: ``mx`` is not an MXFP8Array; ``dtype`` not bf16/fp32; ``out`` of another dtype.
+        ValueError: ``out`` of another shape or not C-contiguous.
+    """
+    if not isinstance(mx, MXFP8Array):
+        raise TypeError(f"mx: expected an MXFP8Array, got {type(mx).__name__}")
+    try:
+        dtype = numpy.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype!r}") from None
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
+    m, d = mx.shape
+    if out is None:
+        out = array_module().empty((m, d), dtype=dtype)
+    else:
+        out = as_device_array(out, "out")
+        if out.dtype != dtype:
+            raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+        if tuple(out.shape) != (m, d):
+            raise ValueError(f"out: expected shape {(m, d)}, got {tuple(out.shape)}")
+        if not out.flags.c_contiguous:
+            raise ValueError(f"out: expected a C-contiguous array, got strides {out.strides}")
+    if out.size == 0:
+        return out
+    data_words = _words(mx.data, numpy.dtype(numpy.uint32), "mx.data")
+    kernel = dequantize_mxfp8_bf16_kernel if dtype == bfloat16 else dequantize_mxfp8_f32_kernel
+    n_threads = -(-data_words.size // WORDS_PER_THREAD)
+    kernel[launch_1d(n_threads, kernel_stream(stream_ptr(stream)))](
+        _kernel_array(data_words), _kernel_array(mx.scales.reshape(-1)),
+        _kernel_array(_words(out, numpy.dtype(numpy.uint64), "out")))
+    return out

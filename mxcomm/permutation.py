@@ -1,0 +1,214 @@
+"""EP steps 2 and 4: permute received rows into expert-major, ``align``-padded groups, and back.
+
+Glossary: W ranks, E_local experts per rank, E = W * E_local, M_recv received rows, P permuted rows.
+Received rows are ordered by source rank, then local expert; ``num_tokens_per_expert_group`` (E,)
+is rank-major: entry r * E_local + e = rows rank r sent to my local expert e. Example, W = 2,
+E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align = 4:
+
+    received row   0    1    2    3    4    5
+    (rank, expert) 0,e0 0,e0 0,e1 1,e1 1,e1 1,e1
+
+    permuted row   0  1  2  3  |  4  5  6  7  |  8  ..  15
+    expert         e0 e0 -  -  |  e1 e1 e1 e1 |  -       (P = round_up(6 + 2 * 4, 4) = 16)
+    indices        0  1  -1 -1 |  2  3  4  5  |  -1 ..  -1
+    group_offsets  [4, 8]
+
+A group with no rows takes no rows (no padding). Nothing here synchronizes with the host: P is a
+static bound computed from the shapes, and the index is built on the device.
+"""
+
+import numpy
+
+from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
+from .kernels._launch import THREADS_PER_BLOCK
+from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
+                              scatter_rows_kernel)
+from ._array import as_device_array, kernel_stream, stream_ptr
+from .mxfp8 import MXFP8Array, _address, _kernel_array
+
+_WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
+
+
+def _round_up(n, k):
+    return -(-n // k) * k
+
+
+def _check_int(value, name, minimum):
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, (int, numpy.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def _rows(x, name):
+    """The row arrays of ``x`` (data, and scales for an MXFP8Array), validated, and whether MXFP8."""
+    if isinstance(x, MXFP8Array):
+        return [x.data, x.scales], True
+    x = as_device_array(x, name)
+    if x.ndim < 1:
+        raise ValueError(f"{name}: expected an array of rows (at least 1-D), got a 0-D array")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
+    return [x], False
+
+
+def _as_words(arrays):
+    """The (rows, D...) arrays ``arrays`` (same row size) as 2-D (rows, words) views in the widest
+    word of 8/4/2/1 bytes dividing the row and every address (so src and dst rows match)."""
+    first = arrays[0]
+    row_bytes = first.dtype.itemsize * int(numpy.prod(first.shape[1:], dtype=numpy.int64))
+    addrs = [_address(a) for a in arrays if a.size]
+    for word in _WORDS:
+        if row_bytes % word.itemsize == 0 and all(addr % word.itemsize == 0 for addr in addrs):
+            return [a.reshape(-1).view(word).reshape(a.shape[0], row_bytes // word.itemsize)
+                    for a in arrays]
+    raise AssertionError("unreachable: a uint8 word divides every row")
+
+
+def _move_rows(kernel, indices, srcs, dsts, stream):
+    """Launch ``kernel`` (gather or scatter) moving one or two (src, dst) row-array pairs; a
+    missing second pair is an empty one (never an alias of the first: the simulator copies every
+    argument in and back out)."""
+    pairs = [_as_words([s, d]) for s, d in zip(srcs, dsts)]
+    if len(pairs) == 1:
+        empty = array_module().empty((0, 0), dtype=pairs[0][0].dtype)
+        pairs.append((empty, empty[:]))
+    (s0, d0), (s1, d1) = pairs
+    p = indices.shape[0]
+    if p == 0 or (d0.shape[1] == 0 and d1.shape[1] == 0):
+        return
+    kernel[launch_1d(p * THREADS_PER_BLOCK, kernel_stream(stream_ptr(stream)))](
+        _kernel_array(indices), _kernel_array(s0), _kernel_array(d0), _kernel_array(s1),
+        _kernel_array(d1))
+
+
+def _check_indices(permuted_indices, rows, name):
+    idx = as_device_array(permuted_indices, "permuted_indices")
+    if idx.dtype != numpy.int32:
+        raise TypeError(f"permuted_indices: expected dtype int32, got {idx.dtype}")
+    if idx.ndim != 1:
+        raise ValueError(f"permuted_indices: expected a 1-D array, got shape {tuple(idx.shape)}")
+    if rows is not None and idx.shape[0] != rows:
+        raise ValueError(f"permuted_indices: expected length {rows} (the rows of {name}), "
+                         f"got {idx.shape[0]}")
+    return idx
+
+
+def _wrap(arrays, mx):
+    return MXFP8Array(*arrays) if mx else arrays[0]
+
+
+def permute(x, num_tokens_per_expert_group, num_local_experts, align=32, *, stream=None):
+    """Received rows -> expert-major order, each expert's group zero-padded to a multiple of ``align``.
+
+    Layout: see the module docstring. Rows of a group keep their received order (by source rank).
+
+    Args:
+        x: (M_recv, ...) C-contiguous device array of any dtype, or an MXFP8Array (data and scales
+            permuted together in one launch). Read.
+        num_tokens_per_expert_group: (E,) int32 device array, rank-major counts; must sum to M_recv
+            (not checked: that would need a host sync; extra counts give -1 indices). Read.
+        num_local_experts: E_local, a positive int dividing E.
+        align: rows, a positive int (32 for MX grouped GEMMs).
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        ``(permuted, permuted_indices, group_offsets)``: permuted (P, ...) same dtype as ``x`` (or an
+        MXFP8Array; padding rows have data 0 and scales 0, so they dequantize to 0), P =
+        round_up(M_recv + E_local * align, align); permuted_indices (P,) int32, the received row
+        of each permuted row or -1; group_offsets (E_local,) int32, cumulative padded group ends.
+    Raises:
+        TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
+        ValueError: counts not 1-D or its length not a multiple of ``num_local_experts``;
+            ``num_local_experts`` or ``align`` < 1; ``x`` not C-contiguous.
+    """
+    srcs, mx = _rows(x, "x")
+    counts = as_device_array(num_tokens_per_expert_group, "num_tokens_per_expert_group")
+    if counts.dtype != numpy.int32:
+        raise TypeError(f"num_tokens_per_expert_group: expected dtype int32, got {counts.dtype}")
+    if counts.ndim != 1:
+        raise ValueError(f"num_tokens_per_expert_group: expected a 1-D (E,) array, "
+                         f"got shape {tuple(counts.shape)}")
+    e_local = _check_int(num_local_experts, "num_local_experts", 1)
+    align = _check_int(align, "align", 1)
+    if counts.shape[0] == 0 or counts.shape[0] % e_local:
+        raise ValueError(f"num_tokens_per_expert_group: expected a length that is a positive "
+                         f"multiple of num_local_experts = {e_local}, got {counts.shape[0]}")
+    m_recv = srcs[0].shape[0]
+    p = _round_up(m_recv + e_local * align, align)
+    xp = array_module()
+    src_start = xp.empty(counts.shape[0], dtype=numpy.int32)
+    dst_start = xp.empty(counts.shape[0], dtype=numpy.int32)
+    group_offsets = xp.empty(e_local, dtype=numpy.int32)
+    indices = xp.empty(p, dtype=numpy.int32)
+    dsts = [xp.empty((p,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
+    launch_stream = kernel_stream(stream_ptr(stream))
+    k_counts, k_src, k_dst, k_off = (_kernel_array(a) for a in (counts, src_start, dst_start,
+                                                                 group_offsets))
+    permute_layout_kernel[launch_1d(1, launch_stream)](k_counts, e_local, align, k_src, k_dst, k_off)
+    permute_indices_kernel[launch_1d(p, launch_stream)](k_counts, k_src, k_dst, k_off, m_recv,
+                                                        _kernel_array(indices))
+    _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
+    return _wrap(dsts, mx), indices, group_offsets
+
+
+def unpermute(y, permuted_indices, num_rows, *, stream=None):
+    """Permuted rows back to received order, padding dropped: out[permuted_indices[p]] = y[p].
+
+    Args:
+        y: (P, H...) C-contiguous device array (any dtype) or an MXFP8Array. Read.
+        permuted_indices: (P,) int32 device array from :func:`permute`. Read.
+        num_rows: M_recv, an int >= 0. Rows no index names are left unwritten (every received row
+            is named once by indices from :func:`permute`); indices >= num_rows are dropped.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (num_rows, H...) array of ``y``'s dtype, or an MXFP8Array.
+    Raises:
+        TypeError: indices not int32; non-int ``num_rows``; ``y`` not an array.
+        ValueError: indices not 1-D or not of length P; ``num_rows`` < 0; ``y`` not C-contiguous.
+    """
+    srcs, mx = _rows(y, "y")
+    idx = _check_indices(permuted_indices, srcs[0].shape[0], "y")
+    num_rows = _check_int(num_rows, "num_rows", 0)
+    xp = array_module()
+    dsts = [xp.empty((num_rows,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
+    if num_rows:
+        _move_rows(scatter_rows_kernel, idx, srcs, dsts, stream)
+    return _wrap(dsts, mx)
+
+
+def permute_backward(grad, permuted_indices, num_rows, *, stream=None):
+    """Backward of :func:`permute`: the gradient of the permuted rows back to received order
+    (padding rows' gradient ignored). The same scatter as :func:`unpermute`.
+
+    Args:
+        grad: (P, D...) C-contiguous device array (bf16 in the EP path) or an MXFP8Array. Read.
+        permuted_indices: (P,) int32, from :func:`permute`. Read.
+        num_rows: M_recv, an int >= 0.
+    Returns:
+        (num_rows, D...) array of ``grad``'s dtype (or an MXFP8Array).
+    """
+    return unpermute(grad, permuted_indices, num_rows, stream=stream)
+
+
+def unpermute_backward(grad, permuted_indices, *, stream=None):
+    """Backward of :func:`unpermute`: gather the received-order gradient into permuted order,
+    zero rows where permuted_indices is -1: out[p] = grad[permuted_indices[p]].
+
+    Args:
+        grad: (M_recv, H...) C-contiguous device array or an MXFP8Array (scales travel with their
+            rows; padding rows get data 0 and scales 0, which dequantize to 0). Read.
+        permuted_indices: (P,) int32, from :func:`permute`. Read.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (P, H...) array of ``grad``'s dtype, or an MXFP8Array.
+    Raises:
+        TypeError: indices not int32; ``grad`` not an array.
+        ValueError: indices not 1-D; ``grad`` not C-contiguous.
+    """
+    srcs, mx = _rows(grad, "grad")
+    idx = _check_indices(permuted_indices, None, "grad")
+    xp = array_module()
+    dsts = [xp.empty((idx.shape[0],) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
+    _move_rows(gather_rows_kernel, idx, srcs, dsts, stream)
+    return _wrap(dsts, mx)
