@@ -2,6 +2,6 @@
 token permute/unpermute, fp8 bit conversions. Imports numba only; never imports ``mxcomm``."""
 
 from ._device import array_module, simulated  # first: decides simulator vs GPU before numba loads
-from ._launch import launch_1d
+from ._launch import Kernel, kernel, launch_1d
 
-__all__ = ["array_module", "simulated", "launch_1d"]
+__all__ = ["array_module", "simulated", "Kernel", "kernel", "launch_1d"]

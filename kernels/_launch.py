@@ -1,6 +1,18 @@
-"""Grid sizing for every kernel launch: one helper, no block sizes scattered around."""
+"""Kernel launches: grid sizing (one helper, no block sizes scattered around) and the launcher.
 
-from numba import cuda
+Numba's dispatcher costs 50-130 us of host time per launch (argument typing and conversion, measured
+on an H200 with CuPy arrays), more than some of our kernels take on the device. So on a GPU a
+:class:`Kernel` compiles each argument-type combination once with numba (``cuda.compile_ptx`` for the
+device's compute capability), loads the PTX through CuPy and launches it with CuPy's ``Function``,
+passing the arguments in numba's kernel ABI. Under the simulator it is numba's dispatcher.
+"""
+
+import functools
+import re
+
+import numpy
+from numba import cuda, types
+from numba.np.numpy_support import from_dtype
 
 from ._device import simulated
 
@@ -12,13 +24,12 @@ BLOCKS_PER_SM = 8
 SIM_THREADS_PER_BLOCK = 32
 SIM_MAX_BLOCKS = 2
 
-_sm_count = []  # filled on first use: the current device's multiprocessor count
 
-
-def _multiprocessors():
-    if not _sm_count:
-        _sm_count.append(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    return _sm_count[0]
+@functools.cache
+def _device_properties():
+    """(multiprocessor count, (major, minor) compute capability) of the current device."""
+    device = cuda.get_current_device()
+    return device.MULTIPROCESSOR_COUNT, device.compute_capability
 
 
 def launch_1d(n, stream=0, *, threads=None):
@@ -29,15 +40,96 @@ def launch_1d(n, stream=0, *, threads=None):
 
     Args:
         n: number of work items (threads' worth of work), >= 0.
-        stream: a numba stream (``cuda.external_stream(ptr)``) or 0 for the default stream.
+        stream: the raw CUDA stream handle (int) to launch on; ignored under the simulator.
         threads: threads per block, a multiple of 32; default ``THREADS_PER_BLOCK``.
     Returns:
-        A tuple to index a kernel with: ``kernel[launch_1d(n, stream)](...)``.
+        A tuple to index a :class:`Kernel` with: ``kernel[launch_1d(n, stream)](...)``.
     """
     if simulated():
         threads = min(threads or SIM_THREADS_PER_BLOCK, SIM_THREADS_PER_BLOCK)
         blocks = max(1, min(SIM_MAX_BLOCKS, -(-n // threads)))
         return blocks, threads, 0
     threads = threads or THREADS_PER_BLOCK
-    blocks = max(1, min(-(-n // threads), BLOCKS_PER_SM * _multiprocessors()))
-    return blocks, threads, stream
+    blocks = max(1, min(-(-n // threads), BLOCKS_PER_SM * _device_properties()[0]))
+    return blocks, threads, int(stream)
+
+
+class _Stream:
+    """A raw stream handle in the shape CuPy's ``Function`` call expects (``.ptr``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _argument_type(a):
+    """The numba type of a kernel argument: a device array, a bool or an int."""
+    if isinstance(a, (bool, numpy.bool_)):
+        return types.boolean
+    if isinstance(a, (int, numpy.integer)):
+        return types.int64
+    layout = "C" if a.flags.c_contiguous else "A"
+    return types.Array(from_dtype(a.dtype), a.ndim, layout)
+
+
+def _append_abi(params, a):
+    """Append argument ``a`` in numba's kernel ABI: an array is (meminfo, parent, nitems,
+    itemsize, data, *shape, *strides), a scalar its value."""
+    if isinstance(a, (bool, numpy.bool_)):
+        params.append(numpy.uint8(a))
+    elif isinstance(a, (int, numpy.integer)):
+        params.append(numpy.int64(a))
+    else:
+        params += (numpy.uint64(0), numpy.uint64(0), numpy.int64(a.size), numpy.int64(a.itemsize),
+                   numpy.uint64(a.data.ptr))
+        params += map(numpy.int64, a.shape)
+        params += map(numpy.int64, a.strides)
+
+
+class Kernel:
+    """A numba CUDA kernel with a cheap launch: ``kernel[blocks, threads, stream](*args)``.
+
+    Args:
+        pyfunc: the kernel's Python function, written for ``numba.cuda.jit``.
+    """
+
+    def __init__(self, pyfunc):
+        functools.update_wrapper(self, pyfunc)
+        self.py_func = pyfunc
+        self._dispatcher = cuda.jit(pyfunc) if simulated() else None
+        self._functions = {}  # argument types -> CuPy Function
+
+    def __getitem__(self, config):
+        blocks, threads, stream = config
+        if self._dispatcher is not None:
+            return self._dispatcher[blocks, threads]
+        return functools.partial(self._launch, (blocks,), (threads,), _Stream(stream))
+
+    def compile(self, argument_types):
+        """PTX of the kernel specialised for ``argument_types`` (numba types), for this device."""
+        ptx, _ = cuda.compile_ptx(self.py_func, argument_types, cc=_device_properties()[1])
+        return ptx
+
+    def _function(self, argument_types):
+        function = self._functions.get(argument_types)
+        if function is None:
+            import cupy
+            ptx = self.compile(argument_types)
+            name = re.search(r"\.entry\s+([\w$]+)\s*\(", ptx).group(1)
+            module = cupy.cuda.function.Module()
+            module.load(ptx.encode())
+            function = self._functions[argument_types] = module.get_function(name)
+        return function
+
+    def _launch(self, grid, block, stream, *args):
+        function = self._function(tuple(map(_argument_type, args)))
+        params = []
+        for a in args:
+            _append_abi(params, a)
+        function(grid, block, tuple(params), 0, stream)
+
+
+def kernel(pyfunc):
+    """Decorator: a :class:`Kernel` from a Python function written for ``numba.cuda.jit``."""
+    return Kernel(pyfunc)

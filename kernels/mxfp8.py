@@ -4,32 +4,35 @@ Memory layout, for an (M, D) tensor of N = M * D elements, D % 32 == 0, everythi
 MX block b covers elements 32b .. 32b + 31 (one row never straddles: D % 32 == 0), and its scale is
 ``scales[b]``.
 
-Coalescing without warp shuffles (the simulator has none): the input is read as 8-byte words, one
-word per thread per load, consecutive threads on consecutive words. An MX block is 8 words of bf16
-(16 of fp32) held by 8 (16) consecutive threads; their partial max-abs values meet in shared memory.
-A CUDA block works on tiles of ``blockDim.x * WORDS_PER_THREAD`` words (WORDS_PER_THREAD independent
-loads per thread, words ``t + k * blockDim.x``) in a grid-stride loop that is uniform per CUDA block, so
-``syncthreads`` inside it is legal; the shared array is double-buffered by tile parity, so one
-``syncthreads`` per tile suffices. Everything on the block max is integer arithmetic on the bits.
+Coalescing: the input is read as 8-byte words, one word per thread per load, consecutive threads on
+consecutive words. An MX block is 8 words of bf16 (16 of fp32) held by 8 (16) consecutive lanes,
+whose partial max-abs values meet through warp shuffles on a GPU and through shared memory under
+the simulator (which has no shuffles): ``lanes_max``, chosen once at import. A CUDA block works on
+tiles of ``blockDim.x * WORDS_PER_THREAD`` words (WORDS_PER_THREAD independent loads per thread,
+words ``t + k * blockDim.x``) in a grid-stride loop that is uniform per CUDA block, so every lane
+reaches every shuffle (and ``syncthreads``). Everything on the block max is integer arithmetic on
+the bits.
 """
 
-from numba import cuda, uint8, uint16, uint32, uint64
+from numba import cuda, int32, uint8, uint16, uint32, uint64
 
 from ._device import simulated
+
 from ._fp8 import (BF16_INF, BF16_NAN, E4M3_NAN, E8M0_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits,
                    bits_from_f32, cvt_e4m3x2, e8m0_from_bf16_amax, e8m0_from_f32_amax, f32_from_bits,
                    f32_from_e4m3, inv_scale_f32_bits, scale_f32_bits)
-from ._launch import THREADS_PER_BLOCK
+from ._launch import THREADS_PER_BLOCK, kernel
 
+#: All 32 lanes of a warp, for warp shuffles.
+FULL_WARP = 0xFFFFFFFF
 #: Input words each thread loads per tile (independent loads in flight).
 WORDS_PER_THREAD = 4
 #: 8-byte words per MX block: bf16 (4 per word) and fp32 (2 per word).
 BF16_WORDS_PER_BLOCK = 8
 F32_WORDS_PER_BLOCK = 16
-#: e4m3 bytes of one MX block packed 4 per uint32: 8 words.
-E4M3_WORDS_PER_BLOCK = 8
+#: e4m3 bytes of one MX block packed 8 per uint64 (dequantize input): 4 words.
+E4M3_WORDS_PER_BLOCK = 4
 
-_CACHE = not simulated()  # on-disk kernel cache on a GPU; meaningless in the simulator
 
 _HIGH16 = uint32(0xFFFF0000)
 _E4M3_NAN_X4 = uint32(E4M3_NAN * 0x01010101)
@@ -56,13 +59,34 @@ def f32x2_absmax(w):
     return max(lo, hi)
 
 
-@cuda.jit(device=True)
-def group_max(partial, buf, half, first, width):
-    """Max of ``partial[buf, half, first:first + width]`` (broadcast reads of shared memory)."""
-    m = partial[buf, half, first]
-    for k in range(1, width):
-        m = max(m, partial[buf, half, first + k])
-    return m
+if simulated():
+    @cuda.jit(device=True)
+    def lanes_max(v, scratch, width):
+        """Max of ``v`` (uint32) over each aligned group of ``width`` consecutive threads.
+
+        The simulator has no warp shuffles: the values meet in the shared array ``scratch``
+        (one uint32 per thread). Every thread of the CUDA block must call it.
+        """
+        tid = cuda.threadIdx.x
+        scratch[tid] = v
+        cuda.syncthreads()
+        first = tid - tid % width
+        m = scratch[first]
+        for j in range(1, width):
+            m = max(m, scratch[first + j])
+        cuda.syncthreads()
+        return m
+else:
+    @cuda.jit(device=True)
+    def lanes_max(v, scratch, width):
+        """Max of ``v`` (uint32 < 2^31) over each aligned group of ``width`` (a power of two <= 32)
+        consecutive lanes: a butterfly of warp shuffles. Every lane of the warp must call it."""
+        m = int32(v)
+        lane = 1
+        while lane < width:
+            m = max(m, cuda.shfl_xor_sync(FULL_WARP, m, lane))
+            lane *= 2
+        return uint32(m)
 
 
 @cuda.jit(device=True)
@@ -96,7 +120,7 @@ def quantize_bf16_word(data_words, scales, i, w, amax, lead, rceil):
         scales[i // BF16_WORDS_PER_BLOCK] = uint8(s)
 
 
-@cuda.jit(cache=_CACHE)
+@kernel
 def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
     """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64 formulas.
 
@@ -113,28 +137,22 @@ def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
     Launch: launch_1d(ceil(N / 4 / WORDS_PER_THREAD)), blockDim.x <= THREADS_PER_BLOCK, a multiple
         of 8: WORDS_PER_THREAD words per thread per tile, grid-stride over tiles.
     """
-    partial = cuda.shared.array((2, WORDS_PER_THREAD, THREADS_PER_BLOCK), uint32)
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     words = cuda.local.array(WORDS_PER_THREAD, uint64)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     n = x_words.shape[0]
     tile = nthreads * WORDS_PER_THREAD
-    first = tid - tid % BF16_WORDS_PER_BLOCK
-    lead = tid == first
-    buf = 0
+    lead = tid % BF16_WORDS_PER_BLOCK == 0
     for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
         for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
             i = base + k * nthreads
             words[k] = x_words[i] if i < n else uint64(0)
-        for k in range(WORDS_PER_THREAD):
-            partial[buf, k, tid] = bf16x4_absmax(words[k])
-        cuda.syncthreads()
-        for k in range(WORDS_PER_THREAD):
+        for k in range(WORDS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
+            amax = lanes_max(bf16x4_absmax(words[k]), scratch, BF16_WORDS_PER_BLOCK)
             i = base + k * nthreads
             if i < n:
-                amax = group_max(partial, buf, k, first, BF16_WORDS_PER_BLOCK)
                 quantize_bf16_word(data_words, scales, i, words[k], amax, lead, rceil)
-        buf = 1 - buf
 
 
 @cuda.jit(device=True)
@@ -150,7 +168,7 @@ def quantize_f32_word(data_half, scales, i, w, amax, lead, rceil):
         scales[i // F32_WORDS_PER_BLOCK] = uint8(s)
 
 
-@cuda.jit(cache=_CACHE)
+@kernel
 def quantize_mxfp8_f32_kernel(x_words, data_half, scales, rceil):
     """MXFP8-quantize fp32 input; the same formulas as :func:`quantize_mxfp8_bf16_kernel`.
 
@@ -162,28 +180,22 @@ def quantize_mxfp8_f32_kernel(x_words, data_half, scales, rceil):
     Launch: launch_1d(ceil(N / 2 / WORDS_PER_THREAD)), blockDim.x <= THREADS_PER_BLOCK, a multiple
         of 16: WORDS_PER_THREAD words per thread per tile, grid-stride over tiles.
     """
-    partial = cuda.shared.array((2, WORDS_PER_THREAD, THREADS_PER_BLOCK), uint32)
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     words = cuda.local.array(WORDS_PER_THREAD, uint64)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     n = x_words.shape[0]
     tile = nthreads * WORDS_PER_THREAD
-    first = tid - tid % F32_WORDS_PER_BLOCK
-    lead = tid == first
-    buf = 0
+    lead = tid % F32_WORDS_PER_BLOCK == 0
     for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
         for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
             i = base + k * nthreads
             words[k] = x_words[i] if i < n else uint64(0)
-        for k in range(WORDS_PER_THREAD):
-            partial[buf, k, tid] = f32x2_absmax(words[k])
-        cuda.syncthreads()
-        for k in range(WORDS_PER_THREAD):
+        for k in range(WORDS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
+            amax = lanes_max(f32x2_absmax(words[k]), scratch, F32_WORDS_PER_BLOCK)
             i = base + k * nthreads
             if i < n:
-                amax = group_max(partial, buf, k, first, F32_WORDS_PER_BLOCK)
                 quantize_f32_word(data_half, scales, i, words[k], amax, lead, rceil)
-        buf = 1 - buf
 
 
 @cuda.jit(device=True)
@@ -218,33 +230,34 @@ def dequantize_word_bf16(d, s, out_words, i):
     out_words[i] = uint64(lo) | (uint64(hi) << uint64(32))
 
 
-@cuda.jit(cache=_CACHE)
+@kernel
 def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
     """MXFP8 -> bf16: x = e4m3 * 2^(s - 127) (OCP MX v1.0), exact in f32, then round-to-nearest-even
     to bf16. A NaN scale (0xFF) or NaN element gives NaN (0x7FC0).
 
     Args:
-        data_words: (N // 4,) uint32, e4m3fn bits, 4 per word. Read.
+        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
         scales: (N // 32,) uint8, e8m0 bits. Read.
         out_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Written.
-    Launch: launch_1d(ceil(N / 4 / WORDS_PER_THREAD)): words t + k * blockDim.x, k <
+    Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): words t + k * blockDim.x, k <
         WORDS_PER_THREAD, of each tile per thread (all loads issued first), grid-stride.
     """
-    words = cuda.local.array(WORDS_PER_THREAD, uint32)
+    words = cuda.local.array(WORDS_PER_THREAD, uint64)
     svals = cuda.local.array(WORDS_PER_THREAD, uint32)
     n = data_words.shape[0]
     nthreads = cuda.blockDim.x
     tile = nthreads * WORDS_PER_THREAD
     for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-        for k in range(WORDS_PER_THREAD):
+        for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
             i = base + k * nthreads
             if i < n:
                 words[k] = data_words[i]
                 svals[k] = uint32(scales[i // E4M3_WORDS_PER_BLOCK])
         for k in range(WORDS_PER_THREAD):
             i = base + k * nthreads
-            if i < n:
-                dequantize_word_bf16(words[k], svals[k], out_words, i)
+            if i < n:  # 8 elements of one MX block: two halves of 4
+                dequantize_word_bf16(uint32(words[k] & uint64(0xFFFFFFFF)), svals[k], out_words, 2 * i)
+                dequantize_word_bf16(uint32(words[k] >> uint64(32)), svals[k], out_words, 2 * i + 1)
 
 
 @cuda.jit(device=True)
@@ -264,29 +277,30 @@ def dequantize_word_f32(d, s, out_words, i):
     out_words[2 * i + 1] = f2 | (f3 << uint64(32))
 
 
-@cuda.jit(cache=_CACHE)
+@kernel
 def dequantize_mxfp8_f32_kernel(data_words, scales, out_words):
     """MXFP8 -> fp32: x = e4m3 * 2^(s - 127) (OCP MX v1.0), exact; NaN scale or element -> NaN
     (0x7FC00000).
 
     Args:
-        data_words: (N // 4,) uint32, e4m3fn bits, 4 per word. Read.
+        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
         scales: (N // 32,) uint8, e8m0 bits. Read.
         out_words: (N // 2,) uint64, f32 bits, 2 per word (element 0 lowest). Written.
-    Launch: launch_1d(ceil(N / 4 / WORDS_PER_THREAD)): as :func:`dequantize_mxfp8_bf16_kernel`.
+    Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): as :func:`dequantize_mxfp8_bf16_kernel`.
     """
-    words = cuda.local.array(WORDS_PER_THREAD, uint32)
+    words = cuda.local.array(WORDS_PER_THREAD, uint64)
     svals = cuda.local.array(WORDS_PER_THREAD, uint32)
     n = data_words.shape[0]
     nthreads = cuda.blockDim.x
     tile = nthreads * WORDS_PER_THREAD
     for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-        for k in range(WORDS_PER_THREAD):
+        for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
             i = base + k * nthreads
             if i < n:
                 words[k] = data_words[i]
                 svals[k] = uint32(scales[i // E4M3_WORDS_PER_BLOCK])
         for k in range(WORDS_PER_THREAD):
             i = base + k * nthreads
-            if i < n:
-                dequantize_word_f32(words[k], svals[k], out_words, i)
+            if i < n:  # 8 elements of one MX block: two halves of 4
+                dequantize_word_f32(uint32(words[k] & uint64(0xFFFFFFFF)), svals[k], out_words, 2 * i)
+                dequantize_word_f32(uint32(words[k] >> uint64(32)), svals[k], out_words, 2 * i + 1)

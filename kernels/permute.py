@@ -9,12 +9,11 @@ one CUDA block per row, threads striding over the row's words.
 
 from numba import cuda, int32
 
-from ._device import simulated
-
-_CACHE = not simulated()  # on-disk kernel cache on a GPU; meaningless in the simulator
+from ._launch import kernel
 
 
-@cuda.jit(cache=_CACHE)
+
+@kernel
 def permute_layout_kernel(counts, num_local, align, src_start, dst_start, group_offsets):
     """Source and destination starts of every (rank, local expert) segment, and padded group ends.
 
@@ -43,7 +42,7 @@ def permute_layout_kernel(counts, num_local, align, src_start, dst_start, group_
         group_offsets[e] = end
 
 
-@cuda.jit(cache=_CACHE)
+@kernel
 def permute_indices_kernel(counts, src_start, dst_start, group_offsets, num_rows, indices):
     """``indices[p]``: the received row that lands on permuted row p, or -1 (padding, or past the end).
 
@@ -96,7 +95,7 @@ def copy_row(src, i, dst, p, ncols, tid, nthreads):
         w += nthreads
 
 
-@cuda.jit(cache=_CACHE)
+@kernel
 def gather_rows_kernel(indices, src0, dst0, src1, dst1):
     """dst[p, :] = src[indices[p], :], zero where indices[p] < 0, for two (src, dst) pairs at once.
 
@@ -127,7 +126,7 @@ def gather_rows_kernel(indices, src0, dst0, src1, dst1):
                 dst1[p, w] = 0
 
 
-@cuda.jit(cache=_CACHE)
+@kernel
 def scatter_rows_kernel(indices, src0, dst0, src1, dst1):
     """dst[indices[p], :] = src[p, :] for 0 <= indices[p] < dst.shape[0], for two pairs at once.
 

@@ -55,11 +55,3 @@ def stream_ptr(stream=None):
         if hasattr(stream, attr):
             return int(getattr(stream, attr))
     return int(stream)
-
-
-def kernel_stream(ptr):
-    """A numba stream for the raw handle ``ptr``, to launch kernels on (0 under the simulator)."""
-    if simulated():
-        return 0
-    from numba import cuda
-    return cuda.external_stream(ptr)

@@ -8,7 +8,7 @@ Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive el
 import numpy
 
 from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
-from ._array import as_device_array, bfloat16, float32, kernel_stream, stream_ptr
+from ._array import as_device_array, bfloat16, float32, stream_ptr
 from .kernels._fp8 import MX_BLOCK
 from .kernels.mxfp8 import (WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, quantize_mxfp8_bf16_kernel,
@@ -16,21 +16,6 @@ from .kernels.mxfp8 import (WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
 
 SCALE_MODES = ("rceil", "floor")
 _DTYPES = (bfloat16, float32)
-
-
-def _kernel_array(a):
-    """``a`` as a kernel argument that never makes the launch wait on the host.
-
-    CuPy arrays would reach numba-cuda 0.30 through DLPack (a capsule per launch, plus a second
-    export to type the argument); ``cuda.as_cuda_array(..., sync=False)`` makes a numba device view
-    once, without the stream synchronization numba performs on ``__cuda_array_interface__`` streams
-    by default (``NUMBA_CUDA_ARRAY_INTERFACE_SYNC``). Launches are ordered by the launch stream.
-    Host (simulator) arrays pass through unchanged.
-    """
-    if getattr(a, "__cuda_array_interface__", None) is not None:
-        from numba import cuda
-        return cuda.as_cuda_array(a, sync=False)
-    return a
 
 
 def _address(a):
@@ -150,9 +135,8 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
     kernel = quantize_mxfp8_bf16_kernel if bf16 else quantize_mxfp8_f32_kernel
     data_words = _words(out.data, numpy.dtype(numpy.uint32 if bf16 else numpy.uint16), "out.data")
     n_threads = -(-x_words.size // WORDS_PER_THREAD)
-    kernel[launch_1d(n_threads, kernel_stream(stream_ptr(stream)))](
-        _kernel_array(x_words), _kernel_array(data_words), _kernel_array(out.scales.reshape(-1)),
-        scale_mode == "rceil")
+    kernel[launch_1d(n_threads, stream_ptr(stream))](
+        x_words, data_words, out.scales.reshape(-1), scale_mode == "rceil")
     return out
 
 
@@ -194,10 +178,9 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
             raise ValueError(f"out: expected a C-contiguous array, got strides {out.strides}")
     if out.size == 0:
         return out
-    data_words = _words(mx.data, numpy.dtype(numpy.uint32), "mx.data")
+    data_words = _words(mx.data, numpy.dtype(numpy.uint64), "mx.data")
     kernel = dequantize_mxfp8_bf16_kernel if dtype == bfloat16 else dequantize_mxfp8_f32_kernel
     n_threads = -(-data_words.size // WORDS_PER_THREAD)
-    kernel[launch_1d(n_threads, kernel_stream(stream_ptr(stream)))](
-        _kernel_array(data_words), _kernel_array(mx.scales.reshape(-1)),
-        _kernel_array(_words(out, numpy.dtype(numpy.uint64), "out")))
+    kernel[launch_1d(n_threads, stream_ptr(stream))](
+        data_words, mx.scales.reshape(-1), _words(out, numpy.dtype(numpy.uint64), "out"))
     return out

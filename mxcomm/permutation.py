@@ -23,8 +23,8 @@ from .kernels import array_module, launch_1d  # first: decides simulator vs GPU 
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
                               scatter_rows_kernel)
-from ._array import as_device_array, kernel_stream, stream_ptr
-from .mxfp8 import MXFP8Array, _address, _kernel_array
+from ._array import as_device_array, stream_ptr
+from .mxfp8 import MXFP8Array, _address
 
 _WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
 
@@ -78,9 +78,7 @@ def _move_rows(kernel, indices, srcs, dsts, stream):
     p = indices.shape[0]
     if p == 0 or (d0.shape[1] == 0 and d1.shape[1] == 0):
         return
-    kernel[launch_1d(p * THREADS_PER_BLOCK, kernel_stream(stream_ptr(stream)))](
-        _kernel_array(indices), _kernel_array(s0), _kernel_array(d0), _kernel_array(s1),
-        _kernel_array(d1))
+    kernel[launch_1d(p * THREADS_PER_BLOCK, stream_ptr(stream))](indices, s0, d0, s1, d1)
 
 
 def _check_indices(permuted_indices, rows, name):
@@ -142,12 +140,11 @@ def permute(x, num_tokens_per_expert_group, num_local_experts, align=32, *, stre
     group_offsets = xp.empty(e_local, dtype=numpy.int32)
     indices = xp.empty(p, dtype=numpy.int32)
     dsts = [xp.empty((p,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
-    launch_stream = kernel_stream(stream_ptr(stream))
-    k_counts, k_src, k_dst, k_off = (_kernel_array(a) for a in (counts, src_start, dst_start,
-                                                                 group_offsets))
-    permute_layout_kernel[launch_1d(1, launch_stream)](k_counts, e_local, align, k_src, k_dst, k_off)
-    permute_indices_kernel[launch_1d(p, launch_stream)](k_counts, k_src, k_dst, k_off, m_recv,
-                                                        _kernel_array(indices))
+    ptr = stream_ptr(stream)
+    permute_layout_kernel[launch_1d(1, ptr)](counts, e_local, align, src_start, dst_start,
+                                             group_offsets)
+    permute_indices_kernel[launch_1d(p, ptr)](counts, src_start, dst_start, group_offsets, m_recv,
+                                              indices)
     _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
     return _wrap(dsts, mx), indices, group_offsets
 
