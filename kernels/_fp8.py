@@ -15,7 +15,7 @@ Bit layouts:
 import math
 import struct
 
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32
 
 from ._device import simulated
 
@@ -149,20 +149,20 @@ def e8m0_from_bf16_amax(amax_bits, rceil):
             = clamp(exp - 8 + (mant > 0x60), 0, 254), since 448 = 1.75 * 2^8 and 0x60 is .75.
     Zero and subnormal amax give 0 (2^-127).
     """
-    e = int(amax_bits >> 7)
-    if rceil and (amax_bits & 0x7F) > BF16_MANT_1_75:
-        e += 1
-    return uint32(min(max(e - E4M3_EMAX, 0), 254))
+    e = int32(amax_bits >> uint32(7))
+    if rceil and (amax_bits & uint32(0x7F)) > uint32(BF16_MANT_1_75):
+        e = int32(e + int32(1))
+    return uint32(min(max(int32(e - int32(E4M3_EMAX)), int32(0)), int32(254)))
 
 
 @cuda.jit(device=True)
 def e8m0_from_f32_amax(amax_bits, rceil):
     """Biased e8m0 scale of a block from its max-abs f32 bits (finite); as
     :func:`e8m0_from_bf16_amax` with exp = bits >> 23 and the 1.75 threshold 0x600000."""
-    e = int(amax_bits >> 23)
-    if rceil and (amax_bits & 0x7FFFFF) > F32_MANT_1_75:
-        e += 1
-    return uint32(min(max(e - E4M3_EMAX, 0), 254))
+    e = int32(amax_bits >> uint32(23))
+    if rceil and (amax_bits & uint32(0x7FFFFF)) > uint32(F32_MANT_1_75):
+        e = int32(e + int32(1))
+    return uint32(min(max(int32(e - int32(E4M3_EMAX)), int32(0)), int32(254)))
 
 
 @cuda.jit(device=True)

@@ -32,6 +32,8 @@ BF16_WORDS_PER_BLOCK = 8
 F32_WORDS_PER_BLOCK = 16
 #: e4m3 bytes of one MX block packed 8 per uint64 (dequantize input): 4 words.
 E4M3_WORDS_PER_BLOCK = 4
+#: log2 of the words per MX block (block index = word index >> log2; indices are never negative).
+BF16_WORDS_PER_BLOCK_LOG2, F32_WORDS_PER_BLOCK_LOG2, E4M3_WORDS_PER_BLOCK_LOG2 = 3, 4, 2
 
 
 _HIGH16 = uint32(0xFFFF0000)
@@ -44,10 +46,9 @@ BF16_EXACT_SCALES = (10, 246)
 @cuda.jit(device=True)
 def bf16x4_absmax(w):
     """Max of the |x| bits (sign cleared) of the 4 bf16 packed in the uint64 ``w``, as uint32."""
-    lo = uint32(w & uint64(0xFFFFFFFF))
-    hi = uint32(w >> uint64(32))
-    a = max(lo & uint32(0x7FFF), (lo >> uint32(16)) & uint32(0x7FFF))
-    b = max(hi & uint32(0x7FFF), (hi >> uint32(16)) & uint32(0x7FFF))
+    m = w & uint64(0x7FFF7FFF7FFF7FFF)
+    a = max(uint32(m & uint64(0xFFFF)), uint32((m >> uint64(16)) & uint64(0xFFFF)))
+    b = max(uint32((m >> uint64(32)) & uint64(0xFFFF)), uint32(m >> uint64(48)))
     return max(a, b)
 
 
@@ -117,7 +118,7 @@ def quantize_bf16_word(data_words, scales, i, w, amax, lead, rceil):
         s = e8m0_from_bf16_amax(amax, rceil)
         data_words[i] = encode_bf16x4(w, f32_from_bits(inv_scale_f32_bits(s)))
     if lead:
-        scales[i // BF16_WORDS_PER_BLOCK] = uint8(s)
+        scales[i >> BF16_WORDS_PER_BLOCK_LOG2] = uint8(s)
 
 
 @kernel
@@ -165,7 +166,7 @@ def quantize_f32_word(data_half, scales, i, w, amax, lead, rceil):
         s = e8m0_from_f32_amax(amax, rceil)
         data_half[i] = encode_f32x2(w, f32_from_bits(inv_scale_f32_bits(s)))
     if lead:
-        scales[i // F32_WORDS_PER_BLOCK] = uint8(s)
+        scales[i >> F32_WORDS_PER_BLOCK_LOG2] = uint8(s)
 
 
 @kernel
@@ -252,7 +253,7 @@ def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
             i = base + k * nthreads
             if i < n:
                 words[k] = data_words[i]
-                svals[k] = uint32(scales[i // E4M3_WORDS_PER_BLOCK])
+                svals[k] = uint32(scales[i >> E4M3_WORDS_PER_BLOCK_LOG2])
         for k in range(WORDS_PER_THREAD):
             i = base + k * nthreads
             if i < n:  # 8 elements of one MX block: two halves of 4
@@ -298,7 +299,7 @@ def dequantize_mxfp8_f32_kernel(data_words, scales, out_words):
             i = base + k * nthreads
             if i < n:
                 words[k] = data_words[i]
-                svals[k] = uint32(scales[i // E4M3_WORDS_PER_BLOCK])
+                svals[k] = uint32(scales[i >> E4M3_WORDS_PER_BLOCK_LOG2])
         for k in range(WORDS_PER_THREAD):
             i = base + k * nthreads
             if i < n:  # 8 elements of one MX block: two halves of 4
