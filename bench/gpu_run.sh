@@ -10,6 +10,9 @@ mkdir -p "$OUT" "$res"
 log="$OUT/gpu.log"
 export MXCOMM_COMMIT=${MXCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 ngpu=$(nvidia-smi -L | wc -l)
+# mpirun_env of the kit, as a command (timeout cannot run a shell function)
+mpirun_env=(mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
+    -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS -x PYTHONUNBUFFERED -x MXCOMM_COMMIT)
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 secs=$2; shift 2
@@ -26,17 +29,17 @@ print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba-cuda', numba_
 for phase in "$@"; do
     case $phase in
     tests1) step "gpu tests, 1 process" 300 python3 -m pytest -q -m "gpu and not mpi" tests ;;
-    tests2) step "gpu tests, 2 ranks" 300 mpirun_env -n 2 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
-    tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 mpirun_env -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
+    tests2) step "gpu tests, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
+    tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
     kernels) step "bench kernels" 300 python3 -m mxcomm.bench kernels \
         --json "$res/kernels.json" --markdown "$res/kernels.md" ;;
-    a2a2) step "bench a2a, 2 ranks" 400 mpirun_env -n 2 python3 -m mxcomm.bench a2a \
+    a2a2) step "bench a2a, 2 ranks" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench a2a \
         --json "$res/a2a_w2.json" --markdown "$res/a2a_w2.md" ;;
-    a2a4) [ "$ngpu" -ge 4 ] && step "bench a2a, 4 ranks" 400 mpirun_env -n 4 python3 -m mxcomm.bench a2a \
+    a2a4) [ "$ngpu" -ge 4 ] && step "bench a2a, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench a2a \
         --json "$res/a2a_w4.json" --markdown "$res/a2a_w4.md" ;;
-    pipe2) step "bench pipeline, 2 ranks" 400 mpirun_env -n 2 python3 -m mxcomm.bench pipeline \
+    pipe2) step "bench pipeline, 2 ranks" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w2.json" --markdown "$res/pipeline_w2.md" --plot "$res/pipeline_w2.png" ;;
-    pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 mpirun_env -n 4 python3 -m mxcomm.bench pipeline \
+    pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w4.json" --markdown "$res/pipeline_w4.md" --plot "$res/pipeline_w4.png" ;;
     *) echo "unknown phase $phase" | tee -a "$log" ;;
     esac

@@ -15,6 +15,8 @@ Bit layouts:
 import math
 import struct
 
+import numpy
+
 from numba import cuda, float32, int32, uint16, uint32
 
 from ._device import simulated
@@ -48,6 +50,15 @@ E4M3_EMAX = 8
 # ---------------------------------------------------------------------------------------------
 # Hardware-dependent helpers: inline PTX on a GPU, identical bits in pure Python in the simulator.
 # ---------------------------------------------------------------------------------------------
+
+def _e4m3_value_py(b):
+    """The value of the non-NaN e4m3fn byte ``b`` as a Python float (the simulator's decoder)."""
+    sign = -1.0 if b & 0x80 else 1.0
+    exp, mant = (b >> 3) & 0xF, b & 0x7
+    if exp == 0:
+        return sign * math.ldexp(mant, -9)
+    return sign * math.ldexp(8 + mant, exp - 10)
+
 
 def _e4m3_bits_py(x):
     """e4m3fn bits of the float ``x``: round to nearest even, saturate to +-448, NaN -> 0x7F|sign.
@@ -93,6 +104,26 @@ if simulated():
         """The uint32 bit pattern of the float32 ``x``."""
         return uint32(struct.unpack("<I", struct.pack("<f", float32(x)))[0])
 
+    @cuda.jit(device=True)
+    def cvt_f16x2_e4m3x2(a):
+        """Two f16 (in a uint32) of the two e4m3fn in the uint16 ``a``: the upper byte to the upper
+        half (PTX ``cvt.rn.f16x2.e4m3x2``, exact; NaN bytes are the caller's to avoid)."""
+        hi = numpy.float16(_e4m3_value_py(int(a) >> 8)).view(numpy.uint16)
+        lo = numpy.float16(_e4m3_value_py(int(a) & 0xFF)).view(numpy.uint16)
+        return uint32((int(hi) << 16) | int(lo))
+
+    @cuda.jit(device=True)
+    def f32_from_f16_bits(h):
+        """The float32 value of the f16 with bits ``h`` (exact; PTX ``cvt.f32.f16``)."""
+        return float32(numpy.uint16(h).view(numpy.float16))
+
+    @cuda.jit(device=True)
+    def cvt_bf16x2_f32(a, b):
+        """Two bf16 (in a uint32) of the f32 values ``a`` (upper half) and ``b`` (lower), round to
+        nearest even (PTX ``cvt.rn.bf16x2.f32``; finite inputs)."""
+        return uint32((int(bf16_bits_from_f32_bits(bits_from_f32(a))) << 16)
+                      | int(bf16_bits_from_f32_bits(bits_from_f32(b))))
+
 else:
     from llvmlite import ir
     from numba import types
@@ -121,6 +152,44 @@ else:
 
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def cvt_f16x2_e4m3x2(typingctx, a):
+        """Two f16 (in a uint32) of the two e4m3fn in the uint16 ``a``: the upper byte to the upper
+        half. One PTX instruction, ``cvt.rn.f16x2.e4m3x2`` (sm_89+), exact."""
+        sig = types.uint32(types.uint16)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(16)])
+            asm = ir.InlineAsm(fnty, "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
+            return builder.call(asm, list(args))
+
+        return sig, codegen
+
+    @intrinsic
+    def f32_from_f16_bits(typingctx, h):
+        """The float32 value of the f16 with bits ``h`` (uint16): ``cvt.f32.f16``, exact."""
+        sig = types.float32(types.uint16)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(16)])
+            asm = ir.InlineAsm(fnty, "cvt.f32.f16 $0, $1;", "=f,h")
+            return builder.call(asm, list(args))
+
+        return sig, codegen
+
+    @intrinsic
+    def cvt_bf16x2_f32(typingctx, a, b):
+        """Two bf16 (in a uint32) of the f32 values ``a`` (upper half) and ``b`` (lower): one PTX
+        instruction, ``cvt.rn.bf16x2.f32`` (sm_80+), round to nearest even."""
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
+            asm = ir.InlineAsm(fnty, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, list(args))
 
         return sig, codegen
 

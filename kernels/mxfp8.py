@@ -19,8 +19,9 @@ from numba import cuda, int32, uint8, uint16, uint32, uint64
 from ._device import simulated
 
 from ._fp8 import (BF16_INF, BF16_NAN, E4M3_NAN, E8M0_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits,
-                   bits_from_f32, cvt_e4m3x2, e8m0_from_bf16_amax, e8m0_from_f32_amax, f32_from_bits,
-                   f32_from_e4m3, inv_scale_f32_bits, scale_f32_bits)
+                   bits_from_f32, cvt_bf16x2_f32, cvt_e4m3x2, cvt_f16x2_e4m3x2, e8m0_from_bf16_amax,
+                   e8m0_from_f32_amax, f32_from_bits, f32_from_e4m3, f32_from_f16_bits,
+                   inv_scale_f32_bits, scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
 
 #: All 32 lanes of a warp, for warp shuffles.
@@ -231,6 +232,38 @@ def dequantize_word_bf16(d, s, out_words, i):
     out_words[i] = uint64(lo) | (uint64(hi) << uint64(32))
 
 
+@cuda.jit(device=True)
+def bf16x2_from_e4m3x2(pair, mult):
+    """Two bf16 (uint32, element 0 lowest) of the two e4m3 in the uint16 ``pair`` times ``mult``:
+    e4m3 -> f16 -> f32 are exact, the product is exact (4 significant bits times a power of two,
+    down to 2^-136), and one round-to-nearest-even to bf16 matches the float64 reference."""
+    h = cvt_f16x2_e4m3x2(pair)
+    return cvt_bf16x2_f32(f32_from_f16_bits(uint16(h >> uint32(16))) * mult,
+                          f32_from_f16_bits(uint16(h & uint32(0xFFFF))) * mult)
+
+
+@cuda.jit(device=True)
+def dequantize_word8_bf16(d, s, out_words, j):
+    """Decode the 8 e4m3 in the uint64 ``d`` (block scale ``s``) into ``out_words[j:j + 2]``.
+
+    Words without NaN (no 0x7F/0xFF byte, finite scale) take the hardware conversions; the rest
+    (never produced by quantize_mxfp8 outside NaN blocks) the integer path, for identical NaN bits.
+    """
+    low7 = d & uint64(0x7F7F7F7F7F7F7F7F)
+    nan_byte = ((low7 + uint64(0x0101010101010101)) & uint64(0x8080808080808080)) != uint64(0)
+    lo = uint32(d & uint64(0xFFFFFFFF))
+    hi = uint32(d >> uint64(32))
+    if nan_byte or s == uint32(E8M0_NAN):
+        dequantize_word_bf16(lo, s, out_words, j)
+        dequantize_word_bf16(hi, s, out_words, j + 1)
+        return
+    mult = f32_from_bits(scale_f32_bits(s))
+    out_words[j] = uint64(bf16x2_from_e4m3x2(uint16(lo & uint32(0xFFFF)), mult)) | (
+        uint64(bf16x2_from_e4m3x2(uint16(lo >> uint32(16)), mult)) << uint64(32))
+    out_words[j + 1] = uint64(bf16x2_from_e4m3x2(uint16(hi & uint32(0xFFFF)), mult)) | (
+        uint64(bf16x2_from_e4m3x2(uint16(hi >> uint32(16)), mult)) << uint64(32))
+
+
 @kernel
 def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
     """MXFP8 -> bf16: x = e4m3 * 2^(s - 127) (OCP MX v1.0), exact in f32, then round-to-nearest-even
@@ -256,9 +289,8 @@ def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
                 svals[k] = uint32(scales[i >> E4M3_WORDS_PER_BLOCK_LOG2])
         for k in range(WORDS_PER_THREAD):
             i = base + k * nthreads
-            if i < n:  # 8 elements of one MX block: two halves of 4
-                dequantize_word_bf16(uint32(words[k] & uint64(0xFFFFFFFF)), svals[k], out_words, 2 * i)
-                dequantize_word_bf16(uint32(words[k] >> uint64(32)), svals[k], out_words, 2 * i + 1)
+            if i < n:  # 8 elements of one MX block
+                dequantize_word8_bf16(words[k], svals[k], out_words, 2 * i)
 
 
 @cuda.jit(device=True)

@@ -13,7 +13,11 @@ Directions and default precisions (torchtitan's conventions, DESIGN.md "EP seman
     a2a_combine_backward     input_splits     output_splits    "mxfp8"    MXFP8Array | bf16
     all_to_all_single        input_splits     output_splits    "mxfp8"    x's dtype
 
-Overlap. In MXFP8 the exchange is pipelined in ``chunks`` pieces: every peer's row segment is cut
+Host time. With ``chunks=1`` (the default) an MXFP8 exchange is one quantize launch, the cross-rank
+check of the splits (``_vote``, host MPI, which runs while the device quantizes), one grouped
+exchange of data and scales, and one dequantize launch: no side stream, no events.
+
+Overlap (``chunks > 1``). The exchange is pipelined in ``chunks`` pieces: every peer's row segment is cut
 into ``chunks`` near-equal pieces; piece k of every segment is quantized on the caller's stream, a
 side stream waits for it and exchanges piece k (data and scales in one grouped call, at offsets into
 the full buffers), and the caller's stream waits for that exchange and dequantizes the received rows
@@ -37,8 +41,9 @@ from ._array import as_device_array, bfloat16, float32, stream_ptr
 from .kernels import array_module, simulated
 from .mxfp8 import MXFP8Array, dequantize_mxfp8, quantize_mxfp8
 
-#: Pieces the MXFP8 exchange is pipelined in (benchmarks pick the best of 1, 2, 4, 8).
-DEFAULT_CHUNKS = 4
+#: Pieces the MXFP8 exchange is pipelined in. 1: on 2 and 4 H200s (NVLink) the pipelined
+#: exchange measured no faster than one grouped exchange (bench/results/a2a_w*.md).
+DEFAULT_CHUNKS = 1
 #: Precisions implemented, and those planned (named in the error message).
 PRECISIONS = ("bf16", "mxfp8")
 PLANNED_PRECISIONS = ("fp8_rowwise", "fp8_block128")
@@ -61,14 +66,24 @@ class _Streams:
 
     def __init__(self, stream):
         self.caller_ptr = stream_ptr(stream)
-        self.side_ptr = self.caller_ptr
-        self._caller = self._side = None
+        self._caller = self._side_stream = None
         if not simulated():
             import cupy
             self._cupy = cupy
             self._caller = cupy.cuda.ExternalStream(self.caller_ptr)
-            self._side = cupy.cuda.Stream(non_blocking=True)
-            self.side_ptr = self._side.ptr
+
+    @property
+    def _side(self):
+        """The side stream, made on first use (only a pipelined exchange needs one)."""
+        if self._side_stream is None and self._caller is not None:
+            self._side_stream = self._cupy.cuda.Stream(non_blocking=True)
+        return self._side_stream
+
+    @property
+    def side_ptr(self):
+        """Raw handle of the side stream (the caller's under the simulator)."""
+        side = self._side
+        return self.caller_ptr if side is None else side.ptr
 
     def on_caller(self):
         """Context in which CuPy allocates and runs array operations on the caller's stream."""
@@ -235,18 +250,21 @@ def _exchange(x, send_counts, recv_counts, comm, precision, *, what, dequantize,
     if precision == "mxfp8" and width % MX_BLOCK:
         raise ValueError(f"{name}: D = {width} is not a multiple of the MX block size {MX_BLOCK}")
     streams = _Streams(stream)
-    _vote(x, send_counts, recv_counts, comm, validate, streams.caller_ptr,
-          f"{function}({send_name} sent, {recv_name} received)")
-    send_counts = _check_splits(send_counts, send_name, comm)
-    recv_counts = _check_splits(recv_counts, recv_name, comm)
-    if sum(send_counts) != rows:
-        raise ValueError(f"{send_name}: adds up to {sum(send_counts)} rows, but {name} has {rows} "
-                         f"rows")
+
+    def vote():
+        _vote(x, send_counts, recv_counts, comm, validate, streams.caller_ptr,
+              f"{function}({send_name} sent, {recv_name} received)")
+        counts = (_check_splits(send_counts, send_name, comm),
+                  _check_splits(recv_counts, recv_name, comm))
+        if sum(counts[0]) != rows:
+            raise ValueError(f"{send_name}: adds up to {sum(counts[0])} rows, but {name} has "
+                             f"{rows} rows")
+        return counts
+
     dequantize = _dtype_of(x) if dequantize else None
     if precision == "bf16":
-        return _exchange_bf16(x, send_counts, recv_counts, comm, streams, dequantize)
-    return _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scale_mode,
-                           chunks)
+        return _exchange_bf16(x, *vote(), comm, streams, dequantize)
+    return _exchange_mxfp8(x, vote, comm, streams, dequantize, scale_mode, chunks)
 
 
 def _exchange_bf16(x, send_counts, recv_counts, comm, streams, dequantize):
@@ -280,40 +298,50 @@ def _bf16_to_f32(x):
     return (x.view(numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
 
 
-def _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scale_mode, chunks):
-    """The pipelined MXFP8 exchange (module docstring, "Overlap")."""
+def _exchange_mxfp8(x, vote, comm, streams, dequantize, scale_mode, chunks):
+    """The MXFP8 exchange (module docstring, "Overlap").
+
+    The quantization is launched before ``vote`` runs, so the host's cross-rank check overlaps
+    the device's quantization; no data moves before the vote has passed on every rank.
+
+    Args:
+        vote: callable checking the exchange across ranks; returns (send_counts, recv_counts).
+    """
     xp = array_module()
     quantized = isinstance(x, MXFP8Array)
-    if quantized and dequantize is None:
-        chunks = 1  # nothing to overlap the exchange with
     rows, width = x.shape
-    recv_rows = sum(recv_counts)
-    send_offsets, recv_offsets = _offsets(send_counts), _offsets(recv_counts)
     caller = streams.caller_ptr
     with streams.on_caller():
-        if quantized:
-            sent = x
+        if quantized or chunks > 1:
+            sent = x if quantized else MXFP8Array(
+                xp.empty((rows, width), dtype=numpy.uint8),
+                xp.empty((rows, width // MX_BLOCK), dtype=numpy.uint8))
         else:
-            sent = MXFP8Array(xp.empty((rows, width), dtype=numpy.uint8),
-                              xp.empty((rows, width // MX_BLOCK), dtype=numpy.uint8))
+            sent = quantize_mxfp8(x, scale_mode, stream=caller)
+        if chunks == 1 or quantized:
+            send_counts, recv_counts = vote()
+            pieces = None
+        else:
+            pieces, send_counts, recv_counts = _pieces(x, sent, vote, scale_mode, chunks, streams)
+        recv_rows = sum(recv_counts)
         received = MXFP8Array(xp.empty((recv_rows, width), dtype=numpy.uint8),
                               xp.empty((recv_rows, width // MX_BLOCK), dtype=numpy.uint8))
         out = None if dequantize is None else xp.empty((recv_rows, width), dtype=dequantize)
-
+        if pieces is None:  # one grouped exchange on the caller's stream, then decode it all
+            comm.alltoallv((sent.data, sent.scales), send_counts, recv_counts,
+                           (received.data, received.scales), stream=caller, validate=False)
+            if out is not None:
+                dequantize_mxfp8(received, dequantize, out=out, stream=caller)
+            return received if out is None else out
         exchanged = []  # one side-stream event per piece
-        for k in range(chunks):
-            starts, sizes = _piece(send_counts, send_offsets, k, chunks)
-            if not quantized:
-                for begin, end in _row_ranges(starts, sizes):
-                    quantize_mxfp8(x[begin:end], scale_mode, stream=caller,
-                                   out=MXFP8Array(sent.data[begin:end], sent.scales[begin:end]))
-            streams.side_waits(streams.caller_event())
+        recv_offsets = _offsets(recv_counts)
+        for k, (sizes, starts, quantized_k) in enumerate(pieces):
+            streams.side_waits(quantized_k)
             recv_starts, recv_sizes = _piece(recv_counts, recv_offsets, k, chunks)
             comm.alltoallv((sent.data, sent.scales), sizes, recv_sizes,
                            (received.data, received.scales), send_offsets=starts,
                            recv_offsets=recv_starts, stream=streams.side_ptr, validate=False)
             exchanged.append(streams.side_event())
-
         for k in range(chunks):
             streams.caller_waits(exchanged[k])
             if out is None:
@@ -326,6 +354,25 @@ def _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scal
     # The caller's stream now follows every exchange: later work on it (reusing `sent`'s memory,
     # reading `received`) is ordered after the side stream's reads and writes.
     return received if out is None else out
+
+
+def _pieces(x, sent, vote, scale_mode, chunks, streams):
+    """Vote, then quantize ``x`` into ``sent`` piece by piece, each followed by an event.
+
+    Returns:
+        ([(send sizes, send starts, event after the piece's quantization)] per piece,
+        send_counts, recv_counts), the splits as voted.
+    """
+    send_counts, recv_counts = vote()
+    offsets = _offsets(send_counts)
+    pieces = []
+    for k in range(chunks):
+        starts, sizes = _piece(send_counts, offsets, k, chunks)
+        for begin, end in _row_ranges(starts, sizes):
+            quantize_mxfp8(x[begin:end], scale_mode, stream=streams.caller_ptr,
+                           out=MXFP8Array(sent.data[begin:end], sent.scales[begin:end]))
+        pieces.append((sizes, starts, streams.caller_event()))
+    return pieces, send_counts, recv_counts
 
 
 def _dtype_of(x):
