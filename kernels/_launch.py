@@ -18,8 +18,8 @@ from ._device import simulated
 
 #: Threads per block on a GPU (a multiple of the 32-thread warp).
 THREADS_PER_BLOCK = 256
-#: Resident blocks per multiprocessor a grid-stride launch aims for.
-BLOCKS_PER_SM = 8
+#: Resident threads per multiprocessor a grid-stride launch aims for (Hopper's maximum).
+RESIDENT_THREADS_PER_SM = 2048
 #: Under the simulator every CUDA thread is a Python thread: keep launches tiny.
 SIM_THREADS_PER_BLOCK = 32
 SIM_MAX_BLOCKS = 2
@@ -36,7 +36,7 @@ def launch_1d(n, stream=0, *, threads=None):
     """Launch configuration ``(blocks, threads, stream)`` for ``n`` work items, grid-stride.
 
     Kernels launched with it must loop ``for i in range(start, n, stride)``: the grid is capped at
-    ``BLOCKS_PER_SM`` blocks per multiprocessor (a persistent grid), and never empty.
+    ``RESIDENT_THREADS_PER_SM`` threads per multiprocessor (a persistent grid), and never empty.
 
     Args:
         n: number of work items (threads' worth of work), >= 0.
@@ -50,7 +50,8 @@ def launch_1d(n, stream=0, *, threads=None):
         blocks = max(1, min(SIM_MAX_BLOCKS, -(-n // threads)))
         return blocks, threads, 0
     threads = threads or THREADS_PER_BLOCK
-    blocks = max(1, min(-(-n // threads), BLOCKS_PER_SM * _device_properties()[0]))
+    per_sm = max(1, RESIDENT_THREADS_PER_SM // threads)
+    blocks = max(1, min(-(-n // threads), per_sm * _device_properties()[0]))
     return blocks, threads, int(stream)
 
 

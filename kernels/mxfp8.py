@@ -28,17 +28,20 @@ from ._launch import THREADS_PER_BLOCK, kernel
 FULL_WARP = 0xFFFFFFFF
 #: Input words each thread loads per tile (independent loads in flight).
 WORDS_PER_THREAD = 4
+#: bf16 quantize: pairs of input words (8 elements) per thread per tile, and pairs per MX block.
+PAIRS_PER_THREAD = 2
+BF16_PAIRS_PER_BLOCK = 4
+BF16_PAIRS_PER_BLOCK_LOG2 = 2
 #: 8-byte words per MX block: bf16 (4 per word) and fp32 (2 per word).
-BF16_WORDS_PER_BLOCK = 8
 F32_WORDS_PER_BLOCK = 16
 #: e4m3 bytes of one MX block packed 8 per uint64 (dequantize input): 4 words.
 E4M3_WORDS_PER_BLOCK = 4
 #: log2 of the words per MX block (block index = word index >> log2; indices are never negative).
-BF16_WORDS_PER_BLOCK_LOG2, F32_WORDS_PER_BLOCK_LOG2, E4M3_WORDS_PER_BLOCK_LOG2 = 3, 4, 2
+F32_WORDS_PER_BLOCK_LOG2, E4M3_WORDS_PER_BLOCK_LOG2 = 4, 2
 
 
 _HIGH16 = uint32(0xFFFF0000)
-_E4M3_NAN_X4 = uint32(E4M3_NAN * 0x01010101)
+_E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
 #: Scales s for which e4m3 * 2^(s - 127) is a normal finite bf16 for every finite e4m3:
 #: 2^-9 * 2^(s - 127) >= 2^-126 and 448 * 2^(s - 127) <= bf16 max.
 BF16_EXACT_SCALES = (10, 246)
@@ -110,16 +113,19 @@ def encode_f32x2(w, mult):
 
 
 @cuda.jit(device=True)
-def quantize_bf16_word(data_words, scales, i, w, amax, lead, rceil):
-    """Write word ``i``'s 4 e4m3 bytes, and its block's scale when ``lead``, from the block amax."""
+def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
+    """Write pair ``p``'s 8 e4m3 bytes (words ``w0``, ``w1``: 8 bf16) as one uint64, and its
+    block's scale when ``lead``, from the block amax."""
     if amax >= uint32(BF16_INF):
-        data_words[i] = _E4M3_NAN_X4
+        data_words[p] = _E4M3_NAN_X8
         s = uint32(E8M0_NAN)
     else:
         s = e8m0_from_bf16_amax(amax, rceil)
-        data_words[i] = encode_bf16x4(w, f32_from_bits(inv_scale_f32_bits(s)))
+        mult = f32_from_bits(inv_scale_f32_bits(s))
+        data_words[p] = uint64(encode_bf16x4(w0, mult)) | (
+            uint64(encode_bf16x4(w1, mult)) << uint64(32))
     if lead:
-        scales[i >> BF16_WORDS_PER_BLOCK_LOG2] = uint8(s)
+        scales[p >> BF16_PAIRS_PER_BLOCK_LOG2] = uint8(s)
 
 
 @kernel
@@ -131,30 +137,36 @@ def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
     round-to-nearest-even(x * 2^(127 - s)) saturated to +-448. A block holding NaN or Inf gets
     s = 0xFF and elements 0x7F.
 
+    Each thread handles pairs of input words (16 bytes, 8 elements; an MX block is 4 pairs held
+    by 4 consecutive lanes) and writes their 8 e4m3 bytes as one uint64.
+
     Args:
         x_words: (N // 4,) uint64, bf16 bits, 4 elements per word (element 0 lowest). Read.
-        data_words: (N // 4,) uint32, e4m3fn bits, 4 per word. Written.
+        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
         scales: (N // 32,) uint8, e8m0 bits, one per MX block. Written.
         rceil: bool; True for the rceil scale, False for floor.
-    Launch: launch_1d(ceil(N / 4 / WORDS_PER_THREAD)), blockDim.x <= THREADS_PER_BLOCK, a multiple
-        of 8: WORDS_PER_THREAD words per thread per tile, grid-stride over tiles.
+    Launch: launch_1d(ceil(N / 8 / PAIRS_PER_THREAD)), blockDim.x a multiple of 32: pairs
+        t + k * blockDim.x, k < PAIRS_PER_THREAD, of each tile per thread, grid-stride over tiles.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    words = cuda.local.array(WORDS_PER_THREAD, uint64)
+    first = cuda.local.array(PAIRS_PER_THREAD, uint64)
+    second = cuda.local.array(PAIRS_PER_THREAD, uint64)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    n = x_words.shape[0]
-    tile = nthreads * WORDS_PER_THREAD
-    lead = tid % BF16_WORDS_PER_BLOCK == 0
+    n = x_words.shape[0] >> 1
+    tile = nthreads * PAIRS_PER_THREAD
+    lead = tid % BF16_PAIRS_PER_BLOCK == 0
     for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
-            i = base + k * nthreads
-            words[k] = x_words[i] if i < n else uint64(0)
-        for k in range(WORDS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = lanes_max(bf16x4_absmax(words[k]), scratch, BF16_WORDS_PER_BLOCK)
-            i = base + k * nthreads
-            if i < n:
-                quantize_bf16_word(data_words, scales, i, words[k], amax, lead, rceil)
+        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
+            p = base + k * nthreads
+            first[k] = x_words[2 * p] if p < n else uint64(0)
+            second[k] = x_words[2 * p + 1] if p < n else uint64(0)
+        for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
+            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
+                             BF16_PAIRS_PER_BLOCK)
+            p = base + k * nthreads
+            if p < n:
+                quantize_bf16_pair(data_words, scales, p, first[k], second[k], amax, lead, rceil)
 
 
 @cuda.jit(device=True)

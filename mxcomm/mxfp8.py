@@ -10,7 +10,7 @@ import numpy
 from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from .kernels._fp8 import MX_BLOCK
-from .kernels.mxfp8 import (WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
+from .kernels.mxfp8 import (PAIRS_PER_THREAD, WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, quantize_mxfp8_bf16_kernel,
                             quantize_mxfp8_f32_kernel)
 
@@ -130,11 +130,15 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
     if x.size == 0:
         return out
     x_words = _words(x, numpy.dtype(numpy.uint64), "x")
-    # bf16: 4 elements per input word -> 4 e4m3 bytes (uint32); fp32: 2 -> 2 bytes (uint16)
-    bf16 = x.dtype == bfloat16
-    kernel = quantize_mxfp8_bf16_kernel if bf16 else quantize_mxfp8_f32_kernel
-    data_words = _words(out.data, numpy.dtype(numpy.uint32 if bf16 else numpy.uint16), "out.data")
-    n_threads = -(-x_words.size // WORDS_PER_THREAD)
+    # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
+    if x.dtype == bfloat16:
+        kernel = quantize_mxfp8_bf16_kernel
+        data_words = _words(out.data, numpy.dtype(numpy.uint64), "out.data")
+        n_threads = -(-data_words.size // PAIRS_PER_THREAD)
+    else:
+        kernel = quantize_mxfp8_f32_kernel
+        data_words = _words(out.data, numpy.dtype(numpy.uint16), "out.data")
+        n_threads = -(-x_words.size // WORDS_PER_THREAD)
     kernel[launch_1d(n_threads, stream_ptr(stream))](
         x_words, data_words, out.scales.reshape(-1), scale_mode == "rceil")
     return out

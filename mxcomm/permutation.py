@@ -27,6 +27,8 @@ from ._array import as_device_array, stream_ptr
 from .mxfp8 import MXFP8Array, _address
 
 _WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
+#: Words of a row each thread of a row-moving block aims to copy (a 4-load unroll, twice).
+WORDS_PER_ROW_THREAD = 8
 
 
 def _round_up(n, k):
@@ -66,6 +68,16 @@ def _as_words(arrays):
     raise AssertionError("unreachable: a uint8 word divides every row")
 
 
+def _row_threads(words):
+    """Threads per block moving a row of ``words`` words: about WORDS_PER_ROW_THREAD each, a power
+    of two in [32, THREADS_PER_BLOCK]. Short rows (MXFP8 data: 896 words at D = 7168) get smaller
+    blocks, so more rows, and their index loads, are in flight per multiprocessor."""
+    threads = 32
+    while threads < THREADS_PER_BLOCK and threads * WORDS_PER_ROW_THREAD < words:
+        threads *= 2
+    return threads
+
+
 def _move_rows(kernel, indices, srcs, dsts, stream):
     """Launch ``kernel`` (gather or scatter) moving one or two (src, dst) row-array pairs; a
     missing second pair is an empty one (never an alias of the first: the simulator copies every
@@ -78,7 +90,8 @@ def _move_rows(kernel, indices, srcs, dsts, stream):
     p = indices.shape[0]
     if p == 0 or (d0.shape[1] == 0 and d1.shape[1] == 0):
         return
-    kernel[launch_1d(p * THREADS_PER_BLOCK, stream_ptr(stream))](indices, s0, d0, s1, d1)
+    threads = _row_threads(max(d0.shape[1], d1.shape[1]))
+    kernel[launch_1d(p * threads, stream_ptr(stream), threads=threads)](indices, s0, d0, s1, d1)
 
 
 def _check_indices(permuted_indices, rows, name):
