@@ -11,9 +11,8 @@ alive (with its buffers) on the instance, since MPI cannot cancel a collective: 
 late may still complete it and write into those buffers.
 """
 
+import operator
 import time
-
-import numpy
 
 from . import _validate
 
@@ -99,6 +98,7 @@ class Communicator:
         self.timeout = timeout
         self.validate = bool(validate)
         self._ballot = _validate.Ballot(self.rank, self.size)
+        self._ballot_request = self._persistent_vote(self._ballot)
         self._descriptions = {}       # (dtype, row shape) per array -> text for the vote
         self._state = "open"          # "open" | "aborted" | "closed"
         self._reason = ""             # why it was aborted
@@ -161,11 +161,23 @@ class Communicator:
             return
         clean = self._state == "open" and not self._abandoned
         self._close_backend(clean)
+        if clean and self._ballot_request is not None:
+            self._ballot_request.Free()  # inactive: every vote completed
+        self._ballot_request = None
         if clean:
             # A communicator with abandoned requests is leaked on purpose: freeing it while a late
             # peer may still complete those requests would be erroneous.
             self._mpi.Free()
         self._state = "closed"
+
+    def _persistent_vote(self, ballot):
+        """A persistent allgather of ``ballot`` (MPI-4 ``MPI_Allgather_init``), or None if the
+        MPI library has none (then each vote starts an ``Iallgather``). Collective: called by
+        every rank from the constructor, in the same order as the other collectives."""
+        try:
+            return self._mpi.Allgather_init(ballot.mine, ballot.table)
+        except (NotImplementedError, self._MPI.Exception):
+            return None
 
     def _abort_backend(self):
         """Backend hook: abort device-side operations (default: nothing)."""
@@ -184,13 +196,17 @@ class Communicator:
         Raises:
             TimeoutError: not complete in time; the communicator is aborted.
         """
-        testall = self._MPI.Request.Testall
-        if testall(requests):
+        if len(requests) == 1:
+            test = requests[0].Test
+        else:
+            def test(testall=self._MPI.Request.Testall):
+                return testall(requests)
+        if test():
             return
         start = time.monotonic()
         deadline = start + self.timeout
         sleep = _MIN_SLEEP_S
-        while not testall(requests):
+        while not test():
             now = time.monotonic()
             if now > deadline:
                 self._abandoned.append((list(requests), keep))
@@ -232,7 +248,7 @@ class Communicator:
         Args:
             op: an ``_validate.OP_*`` code.
             error: this rank's local exception, or None.
-            send_counts, recv_counts: (W,) int64 units, or None with ``error``.
+            send_counts, recv_counts: W ints (units) each, or None with ``error``.
             description: text naming this rank's rows (compared across ranks).
             validate: True to vote; False to raise ``error`` locally (if any) and skip the vote.
             unit: what the counts count, for messages.
@@ -246,13 +262,17 @@ class Communicator:
             return
         ballot = self._ballot
         ballot.fill(op, error, send_counts, recv_counts, description)
-        request = self._mpi.Iallgather(ballot.mine, ballot.table)
-        try:
-            self._wait_mpi([request], _validate.OP_NAMES[op] + " (argument check)",
-                           keep=(ballot.mine, ballot.table))
-        except TimeoutError:
-            self._ballot = _validate.Ballot(self.rank, self.size)  # the old buffers stay pending
-            raise
+        request = self._ballot_request
+        if request is not None:
+            request.Start()
+        else:
+            request = self._mpi.Iallgather(ballot.mine, ballot.table)
+        # On a timeout the communicator is aborted (no later vote), the request abandoned with
+        # its buffers.
+        self._wait_mpi([request], _validate.OP_NAMES[op] + " (argument check)",
+                       keep=(ballot.mine, ballot.table))
+        if ballot.all_valid():
+            return
         verdict = ballot.verdict(unit)
         if verdict is not None:
             raise verdict
@@ -262,7 +282,7 @@ class Communicator:
 
         Returns:
             ``(sends, outs, single, sc, rc, so, ro)``: tuples of backend arrays, whether ``send``
-            was a single array, and (W,) int64 counts and offsets in rows.
+            was a single array, and counts and offsets in rows (W Python ints each).
         """
         rank, size = self.rank, self.size
         error = None
@@ -271,7 +291,8 @@ class Communicator:
         single = not isinstance(send, (tuple, list))
         description = ""
         try:
-            sends = tuple(self._as_array(a, "send") for a in ((send,) if single else send))
+            sends = (self._as_array(send, "send"),) if single else \
+                tuple([self._as_array(a, "send") for a in send])
             if not sends:
                 raise ValueError("send is an empty tuple; expected one or more arrays")
             rows = self._check_arrays(sends, "send")
@@ -300,13 +321,14 @@ class Communicator:
                                          f"{o.shape[1:]}, send{at} {s.shape[1:]}")
                 _validate.check_region(rc, ro, out_rows, "recv", rank, recv_offsets is not None)
             elif recv_offsets is not None:
-                _validate.check_region(rc, ro, int((ro + rc).max(initial=0)), "recv", rank, True)
+                _validate.check_region(rc, ro, max(map(operator.add, ro, rc), default=0), "recv",
+                                       rank, True)
         except (TypeError, ValueError) as exc:
             error = exc
         if validate is None:
             validate = self.validate
         if validate and error is None:
-            key = tuple((a.dtype, a.shape[1:]) for a in sends)
+            key = tuple([(a.dtype, a.shape[1:]) for a in sends])
             description = self._descriptions.get(key)
             if description is None:
                 if len(self._descriptions) > 64:
@@ -315,8 +337,9 @@ class Communicator:
                     f"{dtype.name} rows of shape {shape}" for dtype, shape in key)
         self._vote(_validate.OP_ALLTOALLV, error, sc, rc, description, validate)
         if not outs:
-            nrows = int((ro + rc).max(initial=0)) if recv_offsets is not None else int(rc.sum())
-            outs = tuple(self._empty((nrows,) + a.shape[1:], a.dtype) for a in sends)
+            nrows = max(map(operator.add, ro, rc), default=0) if recv_offsets is not None \
+                else sum(rc)
+            outs = tuple([self._empty((nrows,) + a.shape[1:], a.dtype) for a in sends])
         return sends, outs, single, sc, rc, so, ro
 
     def _check_arrays(self, arrays, name):
@@ -357,7 +380,7 @@ class Communicator:
             description = f"{counts.dtype.name} counts"
         except (TypeError, ValueError) as exc:
             error = exc
-        per_rank = None if error is not None else numpy.full(self.size, k, dtype=numpy.int64)
+        per_rank = None if error is not None else [k] * self.size
         self._vote(_validate.OP_ALLTOALL_COUNTS, error, per_rank, per_rank, description,
                    self.validate, unit="entries")
         return counts, k

@@ -7,6 +7,7 @@ even for arrays of many GiB. Every request is polled until ``timeout`` (see ``_b
 """
 
 import math
+import operator
 
 import numpy
 
@@ -94,22 +95,22 @@ class MpiCommunicator(Communicator):
         self._check_usable()
         sends, outs, single, sc, rc, so, ro = self._plan(
             send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
-        for name, v in (("send", so + sc), ("recv", ro + rc)):
-            if len(v) and int(v.max()) > _INT32_MAX:
-                raise ValueError(f"alltoallv: {name} rows beyond 2**31 - 1 on rank {self.rank}")
-        counts = (sc.astype(numpy.int32), so.astype(numpy.int32),
-                  rc.astype(numpy.int32), ro.astype(numpy.int32))
         requests = []
         for s, o in zip(sends, outs):
             row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
-            if row_bytes == 0:
+            if row_bytes == 0:  # nothing to move (e.g. a zero-byte stand-in that only votes)
                 continue
+            if not requests:  # MPI counts and displacements are C ints
+                for name, ends in (("send", map(operator.add, so, sc)),
+                                   ("recv", map(operator.add, ro, rc))):
+                    if max(ends, default=0) > _INT32_MAX:
+                        raise ValueError(f"alltoallv: {name} rows beyond 2**31 - 1 on rank "
+                                         f"{self.rank}")
             datatype = self._row_type(row_bytes)
-            requests.append(self._mpi.Ialltoallv(
-                [_bytes(s), (counts[0], counts[1]), datatype],
-                [_bytes(o), (counts[2], counts[3]), datatype]))
+            requests.append(self._mpi.Ialltoallv([_bytes(s), (sc, so), datatype],
+                                                 [_bytes(o), (rc, ro), datatype]))
         if requests:
-            self._wait_mpi(requests, "alltoallv", keep=(sends, outs, counts))
+            self._wait_mpi(requests, "alltoallv", keep=(sends, outs))
         return outs[0] if single else outs
 
     def alltoall_counts(self, counts, *, stream=None):

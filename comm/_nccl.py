@@ -56,6 +56,7 @@ class NcclCommunicator(Communicator):
         self._runtime = cupy.cuda.runtime
         self._nccl_mod = nccl
         self._uint8 = nccl.NCCL_UINT8
+        self._current_stream = cupy.cuda.get_current_stream
         node = self._mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank = node.Get_rank()
         node.Free()
@@ -115,7 +116,7 @@ class NcclCommunicator(Communicator):
         """The raw handle of ``stream``: None for CuPy's current stream, ``.ptr``,
         ``.cuda_stream`` (torch), or an int."""
         if stream is None:
-            return self._cupy.cuda.get_current_stream().ptr
+            return self._current_stream().ptr
         ptr = getattr(stream, "ptr", None)
         if ptr is None:
             ptr = getattr(stream, "cuda_stream", stream)
@@ -317,8 +318,7 @@ class NcclCommunicator(Communicator):
         """
         self._check_usable()
         stream_ptr = self._stream(stream)
-        if out is None and stream is not None and \
-                stream_ptr != self._cupy.cuda.get_current_stream().ptr:
+        if out is None and stream is not None and stream_ptr != self._current_stream().ptr:
             with self._cupy.cuda.ExternalStream(stream_ptr):  # allocate out stream-ordered
                 plan = self._plan(send, send_counts, recv_counts, out, send_offsets,
                                   recv_offsets, validate)
@@ -326,13 +326,15 @@ class NcclCommunicator(Communicator):
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                               validate)
         sends, outs, single, sc, rc, so, ro = plan
-        sc, rc, so, ro = sc.tolist(), rc.tolist(), so.tolist(), ro.tolist()
         blocks = []  # (send ptr, recv ptr, row bytes) per array
         for s, o in zip(sends, outs):
             row_bytes = s.itemsize * _prod(s.shape[1:])
             if row_bytes:
                 blocks.append((s.data.ptr, o.data.ptr, row_bytes))
-        self._group(blocks, sc, so, rc, ro, stream_ptr)
+        # Nothing to move (zero-byte rows, e.g. a stand-in that only votes, or no rows at all):
+        # no NCCL group and no event.
+        if blocks and (any(sc) or any(rc)):
+            self._group(blocks, sc, so, rc, ro, stream_ptr)
         return outs[0] if single else outs
 
     def alltoall_counts(self, counts, *, stream=None):
@@ -374,7 +376,7 @@ class NcclCommunicator(Communicator):
             sc, so, rc, ro: W host ints each: rows and first rows to send / receive per peer.
             stream_ptr: raw CUDA stream handle.
         """
-        comm = self._nccl
+        send, recv = self._nccl.send, self._nccl.recv
         uint8 = self._uint8
         nccl = self._nccl_mod
         # ncclGroupEnd may block the host (first connection to a peer): the watchdog watches it.
@@ -386,11 +388,11 @@ class NcclCommunicator(Communicator):
                     n_send, n_recv = sc[peer], rc[peer]
                     for send_ptr, recv_ptr, row in blocks:
                         if n_send:
-                            comm.send(send_ptr + so[peer] * row, n_send * row, uint8, peer,
-                                      stream_ptr)
+                            send(send_ptr + so[peer] * row, n_send * row, uint8, peer,
+                                 stream_ptr)
                         if n_recv:
-                            comm.recv(recv_ptr + ro[peer] * row, n_recv * row, uint8, peer,
-                                      stream_ptr)
+                            recv(recv_ptr + ro[peer] * row, n_recv * row, uint8, peer,
+                                 stream_ptr)
             finally:
                 nccl.groupEnd()
         except Exception:

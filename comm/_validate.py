@@ -20,6 +20,9 @@ same exception with the same text on every rank, and no rank goes on to move dat
 has given up. Units are rows for ``alltoallv`` and entries for ``alltoall_counts``.
 """
 
+import operator
+import struct
+
 import numpy
 
 #: Operation codes carried in a ballot.
@@ -35,6 +38,7 @@ _ERRORS = {BAD_VALUE: ValueError, BAD_TYPE: TypeError}
 TEXT_BYTES = 256
 _TEXT_WORDS = TEXT_BYTES // 8
 _HEADER = 2
+_INT64_MAX = 2**63 - 1
 
 
 def ballot_size(size):
@@ -44,10 +48,15 @@ def ballot_size(size):
 
 def encode_text(text):
     """``text`` as ``TEXT_BYTES // 8`` int64 words (UTF-8, zero padded, cut with "...")."""
+    return numpy.frombuffer(_text_bytes(text), dtype=numpy.int64)
+
+
+def _text_bytes(text):
+    """``text`` as exactly ``TEXT_BYTES`` bytes: UTF-8, zero padded, cut with "..."."""
     raw = text.encode("utf-8", "replace")
     if len(raw) > TEXT_BYTES:
         raw = raw[:TEXT_BYTES - 3] + b"..."
-    return numpy.frombuffer(raw.ljust(TEXT_BYTES, b"\0"), dtype=numpy.int64)
+    return raw.ljust(TEXT_BYTES, b"\0")
 
 
 def decode_text(words):
@@ -56,7 +65,7 @@ def decode_text(words):
 
 
 def as_counts(values, name, rank, size):
-    """``values`` as a length-``size`` int64 NumPy array of non-negative host ints.
+    """``values`` as a list of ``size`` non-negative Python ints (each fits in int64).
 
     Args:
         values: a sequence (list, tuple, 1-D NumPy array) of ``size`` integers.
@@ -67,6 +76,23 @@ def as_counts(values, name, rank, size):
         TypeError: ``values`` is not a sequence of integers.
         ValueError: wrong length or a negative entry.
     """
+    # Fast paths (every call takes one): plain ints in a list/tuple, or a 1-D integer array.
+    # Anything else, or anything wrong, goes through NumPy below, which words the messages.
+    kind = type(values)
+    if kind is list or kind is tuple:
+        if size and len(values) == size and all(type(v) is int for v in values) and \
+                min(values) >= 0 and max(values) <= _INT64_MAX:
+            return list(values)
+    elif kind is numpy.ndarray and values.ndim == 1 and len(values) == size and \
+            values.dtype.kind in "iu":
+        out = values.tolist()
+        if not size or (min(out) >= 0 and max(out) <= _INT64_MAX):
+            return out
+    return _as_counts_numpy(values, name, rank, size).tolist()
+
+
+def _as_counts_numpy(values, name, rank, size):
+    """:func:`as_counts` for any input, as a (W,) int64 array; raises the argument errors."""
     try:
         arr = numpy.asarray(values)
     except Exception:  # ragged or exotic input: report it, do not crash the vote
@@ -91,8 +117,11 @@ def as_counts(values, name, rank, size):
 
 def exclusive_cumsum(counts):
     """Offsets of consecutive blocks of ``counts`` units: ``[0, c0, c0+c1, ...]`` (length W)."""
-    offsets = numpy.zeros_like(counts)
-    numpy.cumsum(counts[:-1], out=offsets[1:])
+    offsets = []
+    total = 0
+    for c in counts:
+        offsets.append(total)
+        total += c
     return offsets
 
 
@@ -100,7 +129,7 @@ def check_region(counts, offsets, rows, what, rank, explicit):
     """Check that blocks ``[offsets[r], offsets[r] + counts[r])`` fit in ``rows`` rows.
 
     Args:
-        counts, offsets: (W,) int64, non-negative.
+        counts, offsets: W non-negative Python ints each.
         rows: rows of the array the blocks index.
         what: ``"send"`` or ``"recv"``, for messages.
         rank: this rank, for messages.
@@ -112,28 +141,29 @@ def check_region(counts, offsets, rows, what, rank, explicit):
     """
     noun = "out" if what == "recv" else "send"
     if not explicit:
-        total = int(counts.sum())
+        total = sum(counts)
         if total != rows:
             raise ValueError(f"{what}_counts on rank {rank} add up to {total} rows, but {noun} "
                              f"has {rows} rows")
         return
-    ends = offsets + counts
-    if len(ends) and int(ends.max()) > rows:
-        r = int(numpy.argmax(ends))
-        raise ValueError(f"{what}_offsets[{r}] + {what}_counts[{r}] = {int(offsets[r])} + "
-                         f"{int(counts[r])} on rank {rank} runs past the {rows} rows of {noun}")
+    ends = list(map(operator.add, offsets, counts))
+    if ends and max(ends) > rows:
+        r = ends.index(max(ends))
+        raise ValueError(f"{what}_offsets[{r}] + {what}_counts[{r}] = {offsets[r]} + "
+                         f"{counts[r]} on rank {rank} runs past the {rows} rows of {noun}")
     if what == "recv":
-        used = numpy.flatnonzero(counts)
-        order = used[numpy.argsort(offsets[used], kind="stable")]
-        clash = numpy.flatnonzero(ends[order[:-1]] > offsets[order[1:]])
-        if len(clash):
-            a, b = int(order[clash[0]]), int(order[clash[0] + 1])
-            raise ValueError(f"recv_offsets on rank {rank}: the blocks from ranks {a} and {b} "
-                             f"overlap in out")
+        order = sorted((r for r, c in enumerate(counts) if c), key=offsets.__getitem__)
+        for a, b in zip(order, order[1:]):
+            if ends[a] > offsets[b]:
+                raise ValueError(f"recv_offsets on rank {rank}: the blocks from ranks {a} and "
+                                 f"{b} overlap in out")
 
 
 class Ballot:
     """One rank's ballot and the gathered table, in buffers reused from call to call.
+
+    The valid path packs and reads the buffers with one ``struct`` call each (no per-call NumPy
+    on arrays of a few words); the messages of an invalid call are composed with NumPy.
 
     Args:
         rank, size: this process's rank and the number of ranks.
@@ -146,6 +176,10 @@ class Ballot:
         self.mine = numpy.zeros(n, dtype=numpy.int64)
         self.table = numpy.zeros((size, n), dtype=numpy.int64)
         self._text_cache = {}
+        record = f"{_HEADER + 2 * size}q{TEXT_BYTES}s"
+        self._pack = struct.Struct("=" + record).pack_into
+        self._unpack = struct.Struct("=" + record * size).unpack_from
+        self._stride = _HEADER + 2 * size + 1  # items per rank in the unpacked table
 
     def fill(self, op, error, send_counts, recv_counts, description):
         """Write this rank's ballot.
@@ -153,26 +187,45 @@ class Ballot:
         Args:
             op: an ``OP_*`` code.
             error: the local exception (``ValueError``/``TypeError``), or None.
-            send_counts, recv_counts: (W,) int64 units, or None when unreadable.
+            send_counts, recv_counts: W ints each (units), or None when unreadable.
             description: text naming the rows (dtypes, row shapes); compared across ranks.
         """
         w = self.size
         mine = self.mine
-        mine[1] = op
         if error is not None:
             mine[0] = BAD_TYPE if isinstance(error, TypeError) else BAD_VALUE
+            mine[1] = op
             mine[_HEADER:_HEADER + 2 * w] = -1
             mine[_HEADER + 2 * w:] = encode_text(str(error))
             return
-        mine[0] = VALID
-        mine[_HEADER:_HEADER + w] = send_counts
-        mine[_HEADER + w:_HEADER + 2 * w] = recv_counts
-        words = self._text_cache.get(description)
-        if words is None:
+        text = self._text_cache.get(description)
+        if text is None:
             if len(self._text_cache) > 64:
                 self._text_cache.clear()
-            words = self._text_cache[description] = encode_text(description)
-        mine[_HEADER + 2 * w:] = words
+            text = self._text_cache[description] = _text_bytes(description)
+        self._pack(mine, 0, VALID, op, *send_counts, *recv_counts, text)
+
+    def all_valid(self):
+        """True when the gathered table shows a valid call everywhere: no local error, one
+        operation, one description of the rows, and every rank expecting what its peers send.
+
+        The plain-Python test of the common case; :meth:`verdict` says what is wrong.
+        """
+        w = self.size
+        stride = self._stride
+        flat = self._unpack(self.table)
+        if any(flat[0::stride]):
+            return False
+        ops = flat[1::stride]
+        if ops.count(ops[0]) != w:
+            return False
+        texts = flat[_HEADER + 2 * w::stride]
+        if texts.count(texts[0]) != w:
+            return False
+        sent = [flat[j * stride + _HEADER:j * stride + _HEADER + w] for j in range(w)]
+        received = zip(*sent)  # received[i]: what each rank j sends to rank i
+        return all(flat[i * stride + _HEADER + w:i * stride + _HEADER + 2 * w] == column
+                   for i, column in enumerate(received))
 
     def verdict(self, unit="rows"):
         """The exception every rank raises for the gathered table, or None if all is well.
