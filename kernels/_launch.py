@@ -18,8 +18,9 @@ from ._device import simulated
 
 #: Threads per block on a GPU (a multiple of the 32-thread warp).
 THREADS_PER_BLOCK = 256
-#: Resident threads per multiprocessor a grid-stride launch aims for (Hopper's maximum).
+#: Resident threads and blocks per multiprocessor a grid-stride launch aims for (Hopper's maxima).
 RESIDENT_THREADS_PER_SM = 2048
+RESIDENT_BLOCKS_PER_SM = 32
 #: Under the simulator every CUDA thread is a Python thread: keep launches tiny.
 SIM_THREADS_PER_BLOCK = 32
 SIM_MAX_BLOCKS = 2
@@ -50,7 +51,7 @@ def launch_1d(n, stream=0, *, threads=None):
         blocks = max(1, min(SIM_MAX_BLOCKS, -(-n // threads)))
         return blocks, threads, 0
     threads = threads or THREADS_PER_BLOCK
-    per_sm = max(1, RESIDENT_THREADS_PER_SM // threads)
+    per_sm = max(1, min(RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM // threads))
     blocks = max(1, min(-(-n // threads), per_sm * _device_properties()[0]))
     return blocks, threads, int(stream)
 

@@ -27,8 +27,10 @@ from ._array import as_device_array, stream_ptr
 from .mxfp8 import MXFP8Array, _address
 
 _WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
-#: Words of a row each thread of a row-moving block aims to copy (a 4-load unroll, twice).
-WORDS_PER_ROW_THREAD = 8
+#: Words of a row each thread of a row-moving block aims to copy. Measured on an H200 (MXFP8 rows,
+#: 131072x7168, 896 words a row): 4 -> 0.608 ms, 8 -> 0.587, 16 -> 0.534, 32 -> 0.504 per permute:
+#: smaller blocks put more rows, and their dependent index loads, in flight.
+WORDS_PER_ROW_THREAD = 32
 
 
 def _round_up(n, k):
