@@ -140,6 +140,23 @@ class Communicator:
             self._state = "aborted"
             self._reason = reason
 
+    def reject(self, error):
+        """Vote this rank's local ``error`` into the argument check of the peers' ``alltoallv``.
+
+        For layers above the communicator: a rank that finds its own arguments bad calls
+        ``reject`` where its peers call ``alltoallv``, so they do not wait for it until the
+        timeout; every rank then raises the same error, naming this rank. Nothing moves.
+
+        Args:
+            error: the local ``TypeError`` or ``ValueError``.
+        Raises:
+            TypeError, ValueError: always (``error``'s type; the same message on every rank).
+            TimeoutError: a peer did not join within ``timeout`` s; the communicator is aborted.
+        """
+        self._check_usable()
+        self._vote(_validate.OP_ALLTOALLV, error, None, None, "", True)
+        raise type(error)(str(error))  # reached only if the vote found nothing to raise
+
     def abort(self):
         """Abort the communicator: later calls raise ``RuntimeError``. Local, never blocks.
 

@@ -39,6 +39,7 @@ import numpy
 
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from .kernels import array_module, simulated
+from .kernels._fp8 import MX_BLOCK
 from .mxfp8 import MXFP8Array, dequantize_mxfp8, quantize_mxfp8
 
 #: Pieces the MXFP8 exchange is pipelined in. 1: on 2 and 4 H200s (NVLink) the pipelined
@@ -47,8 +48,6 @@ DEFAULT_CHUNKS = 1
 #: Precisions implemented, and those planned (named in the error message).
 PRECISIONS = ("bf16", "mxfp8")
 PLANNED_PRECISIONS = ("fp8_rowwise", "fp8_block128")
-#: Elements per MX block (one e8m0 scale each).
-MX_BLOCK = 32
 _INPUT_DTYPES = (bfloat16, float32)
 
 
@@ -154,12 +153,13 @@ def _check_chunks(chunks):
     return int(chunks)
 
 
-def _vote(x, send_counts, recv_counts, comm, validate, stream, context):
+def _vote(x, precision, send_counts, recv_counts, comm, validate, stream, context):
     """Check the whole exchange across ranks once, before any data moves.
 
-    A zero-byte stand-in for ``x``'s rows, (M, 0, D) of ``x``'s dtype, goes through
-    ``comm.alltoallv``: the communicator checks the split lists (length, sign, sum against M) and
-    the peers' counts, and compares dtype and D across ranks, raising the same error on every rank
+    A zero-byte stand-in for ``x``'s rows, (M, 0, D) of the wire dtype (uint8 for ``"mxfp8"``,
+    bf16 for ``"bf16"``), goes through ``comm.alltoallv``: the communicator checks the split lists
+    (length, sign, sum against M) and the peers' counts, and compares the wire dtype and D across
+    ranks (so ranks disagreeing on the precision are caught too), raising the same error on every rank
     (a rank with bad splits does not leave its peers waiting); nothing moves. The pieces of the
     exchange then skip the check (``validate=False``).
 
@@ -172,8 +172,8 @@ def _vote(x, send_counts, recv_counts, comm, validate, stream, context):
     if not validate:
         return
     xp = array_module()
-    data = x.data if isinstance(x, MXFP8Array) else x
-    stand_in = xp.empty((data.shape[0], 0, data.shape[1]), dtype=data.dtype)
+    wire = numpy.uint8 if precision == "mxfp8" else bfloat16  # ranks must agree on the wire format
+    stand_in = xp.empty((x.shape[0], 0, x.shape[1]), dtype=wire)
     try:
         comm.alltoallv(stand_in, send_counts, recv_counts, stream=stream, validate=True)
     except (TypeError, ValueError) as exc:
@@ -227,6 +227,12 @@ def _row_ranges(starts, sizes):
 
 
 # ---------------------------------------------------------------------------------- the engine
+def _context(what):
+    """The call and its splits, prefixed to the cross-rank check's messages."""
+    function, _, send_name, recv_name = what
+    return f"{function}({send_name} sent, {recv_name} received)"
+
+
 def _exchange(x, send_counts, recv_counts, comm, precision, *, what, dequantize, scale_mode,
               stream, chunks, validate):
     """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
@@ -243,17 +249,28 @@ def _exchange(x, send_counts, recv_counts, comm, precision, *, what, dequantize,
         (N, D) MXFP8Array or array, N = sum(recv_counts).
     """
     function, name, send_name, recv_name = what
-    precision = _check_precision(precision)
-    chunks = _check_chunks(chunks)
-    x = _check_rows(x, name)
+    try:
+        precision = _check_precision(precision)
+        chunks = _check_chunks(chunks)
+        x = _check_rows(x, name)
+        if precision == "mxfp8" and x.shape[1] % MX_BLOCK:
+            raise ValueError(f"{name}: D = {x.shape[1]} is not a multiple of the MX block size "
+                             f"{MX_BLOCK}")
+    except (TypeError, ValueError) as exc:
+        # The peers are about to check the exchange together: join them with the error, so they
+        # raise it too instead of waiting for this rank until the timeout.
+        if validate is False or (validate is None and not comm.validate):
+            raise
+        try:
+            comm.reject(type(exc)(f"rank {comm.rank}: {exc}"))
+        except (TypeError, ValueError) as voted:
+            raise type(voted)(f"{_context(what)}: {voted}") from None
     rows, width = x.shape
-    if precision == "mxfp8" and width % MX_BLOCK:
-        raise ValueError(f"{name}: D = {width} is not a multiple of the MX block size {MX_BLOCK}")
     streams = _Streams(stream)
 
     def vote():
-        _vote(x, send_counts, recv_counts, comm, validate, streams.caller_ptr,
-              f"{function}({send_name} sent, {recv_name} received)")
+        _vote(x, precision, send_counts, recv_counts, comm, validate, streams.caller_ptr,
+              _context(what))
         counts = (_check_splits(send_counts, send_name, comm),
                   _check_splits(recv_counts, recv_name, comm))
         if sum(counts[0]) != rows:

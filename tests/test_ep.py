@@ -313,11 +313,7 @@ def test_precision_errors(comm, routed):
 
 
 def test_bad_arrays(comm, routed):
-    """Wrong dtype, shape, layout or width: raised before any communication.
-
-    Every rank passes the same kind of bad array here: these checks are local (a rank with a bad
-    array raises at once; its peers would fail in their next collective, by timeout).
-    """
+    """Wrong dtype, shape, layout or width: raised before any data moves (every rank bad)."""
     me = comm.rank
     _, input_splits, output_splits = layout_ref(routed, me)
     x = routed[me].x
@@ -331,6 +327,29 @@ def test_bad_arrays(comm, routed):
     with pytest.raises(ValueError, match="multiple of the MX block size 32"):
         all_to_all_single(to_device(numpy.zeros((x.shape[0], 48), BF16)), output_splits,
                           input_splits, comm)
+
+
+def test_bad_array_on_one_rank_raises_on_every_rank(comm, routed):
+    """Only the last rank passes a bad array: it votes its error into the peers' check, so every
+    rank raises the same TypeError at once (nobody waits for the timeout); then a rank that
+    disagrees on the wire precision is caught the same way."""
+    from mpi4py import MPI
+
+    me, last = comm.rank, comm.size - 1
+    _, input_splits, output_splits = layout_ref(routed, me)
+    x = routed[me].x
+    bad = to_device(x.astype(numpy.float16) if me == last else x)
+    with pytest.raises(TypeError, match="bfloat16 or float32, got float16") as info:
+        a2a_dispatch(bad, input_splits, output_splits, comm)
+    messages = MPI.COMM_WORLD.allgather(str(info.value))
+    assert len(set(messages)) == 1 and f"rank {last}" in messages[0]
+    if comm.size > 1:
+        precision = "bf16" if me == last else "mxfp8"
+        with pytest.raises(ValueError) as info:
+            all_to_all_single(to_device(x), output_splits, input_splits, comm, precision)
+        assert len(set(MPI.COMM_WORLD.allgather(str(info.value)))) == 1
+    got = a2a_dispatch(to_device(x), input_splits, output_splits, comm, "bf16")
+    assert got.shape == (sum(output_splits), D)
 
 
 def test_bad_splits_raise_on_every_rank(comm, routed):
