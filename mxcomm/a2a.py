@@ -17,12 +17,12 @@ Host time. With ``chunks=1`` (the default) an MXFP8 exchange is one quantize lau
 check of the splits (``_vote``, host MPI, which runs while the device quantizes), one grouped
 exchange of data and scales, and one dequantize launch: no side stream, no events.
 
-Overlap (``chunks > 1``). The exchange is pipelined in ``chunks`` pieces: every peer's row segment is cut
-into ``chunks`` near-equal pieces; piece k of every segment is quantized on the caller's stream, a
-side stream waits for it and exchanges piece k (data and scales in one grouped call, at offsets into
-the full buffers), and the caller's stream waits for that exchange and dequantizes the received rows
-of piece k (when the result is dequantized). All quantizations are enqueued first, so quantizing
-piece k+1 overlaps sending piece k, and dequantizing piece k overlaps sending piece k+1::
+Overlap (``chunks > 1``). The exchange is pipelined in ``chunks`` pieces: every peer's row segment
+is cut into ``chunks`` near-equal pieces; piece k of every segment is quantized on the caller's
+stream, a side stream waits for it and exchanges piece k (data and scales in one grouped call, at
+offsets into the full buffers), and the caller's stream waits for that exchange and dequantizes the
+received rows of piece k (when the result is dequantized). All quantizations are enqueued first, so
+quantizing piece k+1 overlaps sending piece k, and dequantizing piece k overlaps sending piece k+1::
 
     caller stream:  q0 q1 q2 q3 ........ dq0 ...... dq1 ...... dq2 ...... dq3
     side stream:        a2a0 ...... a2a1 ...... a2a2 ...... a2a3 ......
@@ -159,8 +159,8 @@ def _vote(x, precision, send_counts, recv_counts, comm, validate, stream, contex
     A zero-byte stand-in for ``x``'s rows, (M, 0, D) of the wire dtype (uint8 for ``"mxfp8"``,
     bf16 for ``"bf16"``), goes through ``comm.alltoallv``: the communicator checks the split lists
     (length, sign, sum against M) and the peers' counts, and compares the wire dtype and D across
-    ranks (so ranks disagreeing on the precision are caught too), raising the same error on every rank
-    (a rank with bad splits does not leave its peers waiting); nothing moves. The pieces of the
+    ranks (so ranks disagreeing on the precision are caught too), raising the same error on
+    every rank (a rank with bad splits does not leave its peers waiting); nothing moves. The pieces of the
     exchange then skip the check (``validate=False``).
 
     Args:
@@ -494,8 +494,9 @@ def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *
                       scale_mode="rceil", chunks=DEFAULT_CHUNKS, stream=None, validate=None):
     """The drop-in for torch's ``all_to_all_single_autograd``: quantize, exchange, dequantize.
 
-    Argument order as torch's (output splits first). In MXFP8 data and scales travel, pipelined
-    in ``chunks`` pieces (module docstring). Its backward is the same call with the splits swapped.
+    Argument order as torch's (output splits first). In MXFP8 data and scales travel together,
+    in one grouped exchange (or ``chunks`` pipelined pieces; module docstring). Its backward is
+    the same call with the splits swapped.
 
     Args:
         x: (M, D) bf16/fp32, C-contiguous; D % 32 == 0 for MXFP8. Read.
