@@ -11,6 +11,7 @@ alive (with its buffers) on the instance, since MPI cannot cancel a collective: 
 late may still complete it and write into those buffers.
 """
 
+import contextlib
 import operator
 import time
 
@@ -25,7 +26,7 @@ _MIN_SLEEP_S = 5e-5
 _MAX_SLEEP_S = 5e-3
 
 
-def init(backend="auto", mpi_comm=None, *, timeout=300.0, validate=True):
+def init(backend="auto", mpi_comm=None, *, timeout=300.0, validate=True, peer_memory=None):
     """A communicator over the ranks of ``mpi_comm``.
 
     Collective: every rank of ``mpi_comm`` must call it, with the same ``backend``.
@@ -38,12 +39,18 @@ def init(backend="auto", mpi_comm=None, *, timeout=300.0, validate=True):
         timeout: seconds a collective may take before the communicator is aborted (> 0).
         validate: default of the per-call ``validate``: check counts across ranks before moving
             data (one small MPI allgather per call).
+        peer_memory: transport of ``alltoallv_staged`` (the MXFP8 exchanges use it): None
+            (auto) pulls rows from the peers' memory where every rank is on one node (CUDA IPC
+            on GPUs, an MPI shared window on the host), else one ``alltoallv``; True requires
+            the pull; False never pulls.
     Returns:
-        A communicator: ``rank``, ``size``, ``timeout``, ``alltoallv``, ``alltoall_counts``,
-        ``wait``, ``barrier``, ``abort``, ``close``; usable as a context manager.
+        A communicator: ``rank``, ``size``, ``timeout``, ``transport``, ``alltoallv``,
+        ``alltoallv_staged``, ``alltoall_counts``, ``wait``, ``barrier``, ``abort``, ``close``;
+        usable as a context manager.
     Raises:
-        ValueError: an unknown ``backend``, or a non-positive ``timeout``.
-        RuntimeError: ``backend="nccl"`` where CuPy's NCCL is unavailable.
+        ValueError: an unknown ``backend``, a non-positive ``timeout`` or a bad ``peer_memory``.
+        RuntimeError: ``backend="nccl"`` where CuPy's NCCL is unavailable; ``peer_memory=True``
+            where some rank cannot map its peers' memory.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, _BACKENDS))}, "
@@ -55,9 +62,10 @@ def init(backend="auto", mpi_comm=None, *, timeout=300.0, validate=True):
         backend = "nccl" if parent.allreduce(_nccl_available(), op=MPI.LAND) else "mpi"
     if backend == "nccl":
         from ._nccl import NcclCommunicator
-        return NcclCommunicator(mpi_comm, timeout=timeout, validate=validate)
+        return NcclCommunicator(mpi_comm, timeout=timeout, validate=validate,
+                                peer_memory=peer_memory)
     from ._mpi import MpiCommunicator
-    return MpiCommunicator(mpi_comm, timeout=timeout, validate=validate)
+    return MpiCommunicator(mpi_comm, timeout=timeout, validate=validate, peer_memory=peer_memory)
 
 
 def _nccl_available():
@@ -80,13 +88,19 @@ class Communicator:
         size: W, the number of ranks.
         timeout: seconds a collective may take before the communicator is aborted.
         validate: default of the per-call ``validate`` flag.
+        transport: how :meth:`alltoallv_staged` moves rows: ``"pull"`` (from peer memory) or
+            ``"grouped"`` (one ``alltoallv``); see ``_staged``.
 
     Subclasses implement ``alltoallv``, ``alltoall_counts`` and the hooks ``_as_array``,
-    ``_empty`` and ``_abort_backend``.
+    ``_empty``, ``_abort_backend`` and ``_peer_memory_here``; their constructors end with
+    :meth:`_choose_transport`.
     """
 
-    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True):
+    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True, peer_memory=None):
         from mpi4py import MPI
+        if peer_memory not in (None, True, False):
+            raise ValueError(f"peer_memory: expected None (auto), True or False, got "
+                             f"{peer_memory!r}")
         timeout = float(timeout)
         if not timeout > 0:
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout}")
@@ -104,6 +118,8 @@ class Communicator:
         self._reason = ""             # why it was aborted
         self._pending_error = None    # raised by the next call (e.g. found by a watchdog)
         self._abandoned = []          # (requests, buffers) of timed-out MPI operations
+        self._peer_memory = peer_memory
+        self._transport = None        # of alltoallv_staged, chosen by _choose_transport
 
     # ----------------------------------------------------------------------------------- state
     def __enter__(self):
@@ -171,12 +187,15 @@ class Communicator:
     def close(self):
         """Release the communicator's resources. Idempotent; after it, calls raise RuntimeError.
 
-        Not collective and not blocking, except that the NCCL backend first waits (with the
-        timeout) for its operations in flight.
+        Not blocking, except that the NCCL backend first waits (with the timeout) for its
+        operations in flight. With the ``"pull"`` transport it frees memory the peers map; on the
+        MPI backend that is an MPI window, whose release MPI makes collective: close every rank.
         """
         if self._state == "closed":
             return
         clean = self._state == "open" and not self._abandoned
+        if self._transport is not None and clean:
+            self._transport.close()
         self._close_backend(clean)
         if clean and self._ballot_request is not None:
             self._ballot_request.Free()  # inactive: every vote completed
@@ -237,6 +256,110 @@ class Communicator:
             if now - start > _SPIN_S:
                 time.sleep(sleep)
                 sleep = min(2 * sleep, _MAX_SLEEP_S)
+
+    def _allgather_bytes(self, payload, what):
+        """Every rank's ``payload`` (bytes of one length on all ranks), concatenated in rank
+        order; bounded by the timeout."""
+        import numpy
+        mine = numpy.frombuffer(payload, dtype=numpy.uint8).copy()
+        table = numpy.empty(self.size * mine.size, dtype=numpy.uint8)
+        self._wait_mpi([self._mpi.Iallgather(mine, table)], what, keep=(mine, table))
+        return table.tobytes()
+
+    def _choose_transport(self):
+        """Pick the transport of :meth:`alltoallv_staged`; collective (from the constructors).
+
+        ``"pull"`` needs every rank on this node and the backend's peer memory
+        (``_peer_memory_here``); ``peer_memory=None`` takes it where every rank can,
+        ``True`` requires it (RuntimeError on every rank otherwise), ``False`` never uses it.
+        """
+        from . import _staged
+        node = self._mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        one_node = node.Get_size() == self.size
+        node.Free()
+        here = self._peer_memory is not False and one_node and self._peer_memory_here()
+        votes = self._allgather_bytes(bytes([here]), "peer memory setup (vote)")
+        everywhere = all(votes)
+        if self._peer_memory and not everywhere:
+            ranks = [r for r, v in enumerate(votes) if not v]
+            raise RuntimeError(f"peer_memory=True: ranks {ranks} cannot map their peers' memory "
+                               f"(all ranks must share one node, with peer access between GPUs)")
+        if everywhere:
+            self._transport = _staged.PullTransport(self, self._new_peer_memory())
+        else:
+            self._transport = _staged.GroupedTransport(self)
+
+    @property
+    def transport(self):
+        """``"pull"`` or ``"grouped"``: how :meth:`alltoallv_staged` moves rows."""
+        return self._transport.name
+
+    def _peer_memory_here(self):
+        """Backend hook: can this rank map its peers' memory? (all ranks are on this node)."""
+        return False
+
+    def _new_peer_memory(self):
+        """Backend hook: the pull transport's staging memory (collective)."""
+        raise NotImplementedError
+
+    def alltoallv_staged(self, arrays, send_counts, recv_counts, fill, *, out=None, arrived=None,
+                         stream=None):
+        """An all-to-all whose rows the caller writes in place and reads as they arrive.
+
+        Collective. The caller's ``fill`` writes each peer's rows straight into memory the
+        transport picked (no staging copy), and ``arrived`` is called for each sender's rows as
+        soon as they are in ``out``, so producing (e.g. quantizing) and consuming (e.g.
+        dequantizing) overlap the transfer. The transport (:attr:`transport`) is ``"pull"`` where
+        every rank can map its peers' memory (one node: CUDA IPC on GPUs, an MPI shared window
+        on the host): receivers copy from the senders' memory with copy engines; else
+        ``"grouped"``: one :meth:`alltoallv` after all fills. Counts are always checked across
+        ranks (the pull transport needs every rank's counts).
+
+        Args:
+            arrays: ``((row shape, dtype), ...)``: the arrays moved together, e.g.
+                ``(((D,), uint8), ((D // 32,), uint8))`` for MXFP8 data and scales.
+            send_counts: W non-negative host ints, rows sent to each rank (in the send order:
+                rank 0's rows first).
+            recv_counts: W non-negative host ints, rows received from each rank.
+            fill: ``fill(peer, begin, end, slots)``: write rows ``[begin, end)`` of the send
+                order (those for ``peer``) into ``slots``, one array per entry of ``arrays``,
+                each ``(end - begin, *row shape)``; on the device, enqueue on ``stream``. Called
+                once per rank, own rows last, before any row moves.
+            out: arrays of ``sum(recv_counts)`` rows, one per entry of ``arrays``, or None to
+                allocate them. Written.
+            arrived: optional ``arrived(peer, begin, end)``: rows ``[begin, end)`` of ``out``,
+                from ``peer``, are complete on ``stream`` (own rows first). Not called for a peer
+                that sends nothing.
+            stream: as in :meth:`alltoallv`; fills and arrivals are ordered on it.
+        Returns:
+            the tuple of ``out`` arrays, complete on ``stream``.
+        Raises:
+            ValueError, TypeError: bad arrays or counts, here or on another rank (the same message
+                on every rank, before ``fill`` is called).
+            TimeoutError: a peer did not join within ``timeout`` s; the communicator is aborted.
+            RuntimeError: the communicator is aborted or closed.
+        An exception raised by ``fill`` or ``arrived`` leaves the peers waiting until the timeout.
+        """
+        from . import _staged
+        self._check_usable()
+        stream_ptr = self._stream_ptr(stream)
+        with self._on_stream(stream_ptr):  # allocations ordered on the caller's stream
+            exchange = _staged.Exchange(self, arrays, send_counts, recv_counts, out, fill,
+                                        arrived, stream_ptr)
+            self._transport.run(exchange)
+        self._staged_done(stream_ptr)
+        return exchange.outs
+
+    def _stream_ptr(self, stream):
+        """Backend hook: the raw stream handle of ``stream`` (0 on the host)."""
+        return 0
+
+    def _on_stream(self, stream_ptr):
+        """Backend hook: a context in which allocations are ordered on ``stream_ptr``."""
+        return contextlib.nullcontext()
+
+    def _staged_done(self, stream_ptr):
+        """Backend hook: a staged exchange was enqueued on ``stream_ptr``."""
 
     def barrier(self):
         """Block until every rank has called ``barrier`` (host-side, over MPI).

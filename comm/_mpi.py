@@ -23,14 +23,18 @@ class MpiCommunicator(Communicator):
         mpi_comm: an mpi4py communicator; None for ``MPI.COMM_WORLD`` (duplicated, not consumed).
         timeout: seconds a collective may take before the communicator is aborted (> 0).
         validate: default of the per-call ``validate`` flag (cross-rank count checks).
+        peer_memory: transport of :meth:`alltoallv_staged`: None (auto) pulls from an MPI
+            shared-memory window where every rank is on this node; True requires that; False
+            uses one ``alltoallv``.
 
     Collective: every rank of ``mpi_comm`` constructs it. Every method that moves data is
     collective and blocks the host until done (or ``timeout``).
     """
 
-    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True):
-        super().__init__(mpi_comm, timeout=timeout, validate=validate)
+    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True, peer_memory=None):
+        super().__init__(mpi_comm, timeout=timeout, validate=validate, peer_memory=peer_memory)
         self._row_types = {}  # row bytes -> committed MPI contiguous datatype
+        self._choose_transport()
 
     # --------------------------------------------------------------------------------- hooks
     def _as_array(self, x, name):
@@ -44,6 +48,12 @@ class MpiCommunicator(Communicator):
 
     def _empty(self, shape, dtype):
         return numpy.empty(shape, dtype=dtype)
+
+    def _peer_memory_here(self):
+        return True  # every rank is on this node: the window is plain shared memory
+
+    def _new_peer_memory(self):
+        return HostPeerMemory(self)
 
     def _close_backend(self, clean):
         for datatype in self._row_types.values():
@@ -146,3 +156,70 @@ def _bytes(a):
     """A 1-D uint8 view of C-contiguous ``a`` (MPI sees bytes; any dtype, ml_dtypes included)."""
     return a.reshape(-1).view(numpy.uint8)
 
+
+
+class HostPeerMemory:
+    """Staging memory of the pull transport on the host: one MPI shared-memory window.
+
+    Every rank of the communicator (all on one node) owns a segment of the window and reads the
+    peers' segments directly (``MPI_Win_shared_query``). Work on the host is synchronous, so the
+    pulls need no events: the barrier after the fills orders them after every peer's fills, and
+    the next call's vote orders the next fills after every peer's pulls.
+
+    Args:
+        comm: the MPI communicator (its MPI communicator allocates the window).
+    """
+
+    _GROWTH = 1.25
+
+    def __init__(self, comm):
+        self._comm = comm
+        self._window = None
+        self._segments = {}
+        self.capacity = 0
+
+    def reserve(self, nbytes, stream):
+        """Make every rank's segment hold ``nbytes`` (same value on every rank: collective)."""
+        if nbytes <= self.capacity:
+            return
+        self.close()
+        capacity = max(1, int(nbytes * self._GROWTH))
+        mpi = self._comm._mpi
+        self._window = self._comm._MPI.Win.Allocate_shared(capacity, 1, comm=mpi)
+        for peer in range(mpi.Get_size()):
+            buf, _ = self._window.Shared_query(peer)
+            self._segments[peer] = numpy.frombuffer(buf, dtype=numpy.uint8)
+        self.capacity = capacity
+
+    def local(self, offset, shape, dtype):
+        """A NumPy view of this rank's segment: ``shape`` of ``dtype`` from byte ``offset``."""
+        dtype = numpy.dtype(dtype)
+        count = math.prod(shape)
+        raw = self._segments[self._comm.rank][offset:offset + count * dtype.itemsize]
+        return raw.view(dtype).reshape(shape)
+
+    def fetch(self, step, peer, copies, stream):
+        """Copy ``peer``'s rows: ``copies`` = ``[(byte offset in its segment, out array), ...]``."""
+        segment = self._segments[peer]
+        for offset, out in copies:
+            _bytes(out)[:] = segment[offset:offset + out.nbytes]
+
+    def begin(self, stream):
+        pass
+
+    def ready(self, step, stream):
+        pass
+
+    def finish(self, stream):
+        pass
+
+    def arrived(self, step, stream):
+        pass
+
+    def close(self):
+        """Free the window (collective, as its allocation was)."""
+        if self._window is not None:
+            self._segments.clear()
+            self._window.Free()
+            self._window = None
+            self.capacity = 0

@@ -15,6 +15,7 @@ This is the only module that imports ``cupy.cuda.nccl``.
 """
 
 import collections
+import math
 import threading
 import time
 
@@ -39,6 +40,9 @@ class NcclCommunicator(Communicator):
         validate: default of the per-call ``validate`` flag (cross-rank count checks).
         device: the CUDA device of this process; None for ``local_rank % device_count``, where
             ``local_rank`` is the rank among the processes of this node.
+        peer_memory: transport of :meth:`alltoallv_staged`: None (auto) pulls over CUDA IPC
+            where every rank is on this node and every pair of GPUs has peer access; True
+            requires that; False uses one NCCL group.
 
     Attributes:
         device: the CUDA device ordinal used (made current by the constructor).
@@ -48,8 +52,9 @@ class NcclCommunicator(Communicator):
     up to NCCL's own initialization).
     """
 
-    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True, device=None):
-        super().__init__(mpi_comm, timeout=timeout, validate=validate)
+    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True, device=None,
+                 peer_memory=None):
+        super().__init__(mpi_comm, timeout=timeout, validate=validate, peer_memory=peer_memory)
         import cupy
         from cupy.cuda import nccl
         self._cupy = cupy
@@ -79,6 +84,10 @@ class NcclCommunicator(Communicator):
         self._watchdog = threading.Thread(target=self._watch, name=f"mxcomm-nccl-watchdog-"
                                           f"{self.rank}", daemon=True)
         self._watchdog.start()
+        devices = self._allgather_bytes(self.device.to_bytes(4, "little"), "device ids")
+        self._peer_devices = [int.from_bytes(devices[4 * r:4 * r + 4], "little")
+                              for r in range(self.size) if r != self.rank]
+        self._choose_transport()
 
     def _bcast_object(self, obj, what):
         """Broadcast a picklable ``obj`` from rank 0 with nonblocking requests (``timeout``)."""
@@ -111,6 +120,23 @@ class NcclCommunicator(Communicator):
 
     def _empty(self, shape, dtype):
         return self._cupy.empty(shape, dtype=dtype)
+
+    def _peer_memory_here(self):
+        can = self._runtime.deviceCanAccessPeer
+        return all(d == self.device or can(self.device, d) for d in self._peer_devices)
+
+    def _new_peer_memory(self):
+        from ._ipc import CudaPeerMemory
+        return CudaPeerMemory(self)
+
+    def _stream_ptr(self, stream):
+        return self._stream(stream)
+
+    def _on_stream(self, stream_ptr):
+        return self._cupy.cuda.ExternalStream(stream_ptr)
+
+    def _staged_done(self, stream_ptr):
+        self._record(stream_ptr)  # the watchdog bounds the pulls' waits too
 
     def _stream(self, stream):
         """The raw handle of ``stream``: None for CuPy's current stream, ``.ptr``,
@@ -328,7 +354,7 @@ class NcclCommunicator(Communicator):
         sends, outs, single, sc, rc, so, ro = plan
         blocks = []  # (send ptr, recv ptr, row bytes) per array
         for s, o in zip(sends, outs):
-            row_bytes = s.itemsize * _prod(s.shape[1:])
+            row_bytes = s.itemsize * math.prod(s.shape[1:])
             if row_bytes:
                 blocks.append((s.data.ptr, o.data.ptr, row_bytes))
         # Nothing to move (zero-byte rows, e.g. a stand-in that only votes, or no rows at all):
@@ -401,10 +427,3 @@ class NcclCommunicator(Communicator):
         finally:
             self._host_since = None
         self._record(stream_ptr)
-
-
-def _prod(shape):
-    result = 1
-    for n in shape:
-        result *= n
-    return result

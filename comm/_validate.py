@@ -205,6 +205,11 @@ class Ballot:
             text = self._text_cache[description] = _text_bytes(description)
         self._pack(mine, 0, VALID, op, *send_counts, *recv_counts, text)
 
+    def sent_counts(self):
+        """``sent[j][i]``: units rank j sends to rank i, from the last gathered table."""
+        w = self.size
+        return self.table[:, _HEADER:_HEADER + w].tolist()
+
     def all_valid(self):
         """True when the gathered table shows a valid call everywhere: no local error, one
         operation, one description of the rows, and every rank expecting what its peers send.

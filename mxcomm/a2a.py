@@ -13,23 +13,18 @@ Directions and default precisions (torchtitan's conventions, DESIGN.md "EP seman
     a2a_combine_backward     input_splits     output_splits    "mxfp8"    MXFP8Array | bf16
     all_to_all_single        input_splits     output_splits    "mxfp8"    x's dtype
 
-Host time. With ``chunks=1`` (the default) an MXFP8 exchange is one quantize launch, the cross-rank
-check of the splits (``_vote``, host MPI, which runs while the device quantizes), one grouped
-exchange of data and scales, and one dequantize launch: no side stream, no events.
+The MXFP8 exchange is one :meth:`~mxcomm.comm.Communicator.alltoallv_staged`: each peer's rows
+are quantized straight into the memory they travel from, and, when the result is dequantized,
+each sender's rows are dequantized as soon as they have arrived. On one node (``comm.transport ==
+"pull"``) the receivers pull with copy engines from the senders' memory (CUDA IPC), so quantizing
+the rows of later peers, the transfers and dequantizing the rows already received overlap, and
+the kernels keep every SM::
 
-Overlap (``chunks > 1``). The exchange is pipelined in ``chunks`` pieces: every peer's row segment
-is cut into ``chunks`` near-equal pieces; piece k of every segment is quantized on the caller's
-stream, a side stream waits for it and exchanges piece k (data and scales in one grouped call, at
-offsets into the full buffers), and the caller's stream waits for that exchange and dequantizes the
-received rows of piece k (when the result is dequantized). All quantizations are enqueued first, so
-quantizing piece k+1 overlaps sending piece k, and dequantizing piece k overlaps sending piece k+1::
+    caller stream:  q(r+1) q(r+2) q(r+3) q(r) | dq(r) ... dq(r-1) ..... dq(r-2) ..... dq(r-3)
+    copy engines:          pull(r-1) ....... pull(r-2) ........ pull(r-3) .......
 
-    caller stream:  q0 q1 q2 q3 ........ dq0 ...... dq1 ...... dq2 ...... dq3
-    side stream:        a2a0 ...... a2a1 ...... a2a2 ...... a2a3 ......
-
-Under the simulator there are no streams: the same code runs in program order (handles are 0).
-Counts are checked across ranks once per call (one small vote, ``_vote``); the pieces skip it.
-Every rank must pass the same ``chunks``.
+Elsewhere (``"grouped"``) the rows are quantized into a staging array, move in one NCCL group
+(or MPI call), and are then dequantized. bf16 exchanges are one ``comm.alltoallv`` either way.
 """
 
 import contextlib
@@ -42,9 +37,6 @@ from .kernels import array_module, simulated
 from .kernels._fp8 import MX_BLOCK
 from .mxfp8 import MXFP8Array, dequantize_mxfp8, quantize_mxfp8
 
-#: Pieces the MXFP8 exchange is pipelined in. 1: on 2 and 4 H200s (NVLink) the pipelined
-#: exchange measured no faster than one grouped exchange (bench/results/a2a_w*.md).
-DEFAULT_CHUNKS = 1
 #: Precisions implemented, and those planned (named in the error message).
 PRECISIONS = ("bf16", "mxfp8")
 PLANNED_PRECISIONS = ("fp8_rowwise", "fp8_block128")
@@ -52,12 +44,11 @@ _INPUT_DTYPES = (bfloat16, float32)
 
 
 class _Streams:
-    """The caller's stream, a side stream for the exchange, and events ordering work between them.
+    """The caller's stream: its raw handle, and where CuPy allocates and runs array operations.
 
-    On a GPU these are CuPy streams and events (``ExternalStream`` wraps the caller's handle, so
-    torch's or CuPy's current stream both work); under the simulator every handle is 0 and every
-    method a no-op, since work there runs in program order. Only this class asks which it is. A
-    side stream is cheap to create (no device synchronization), so one is made per call.
+    On a GPU ``ExternalStream`` wraps the caller's handle, so torch's or CuPy's current stream
+    both work; under the simulator the handle is 0 and work runs in program order. Only this
+    class asks which it is.
 
     Args:
         stream: the caller's stream: None (CuPy's current), a CuPy/torch stream, or an int handle.
@@ -65,59 +56,20 @@ class _Streams:
 
     def __init__(self, stream):
         self.caller_ptr = stream_ptr(stream)
-        self._caller = self._side_stream = None
+        self._caller = None
         if not simulated():
             import cupy
-            self._cupy = cupy
             self._caller = cupy.cuda.ExternalStream(self.caller_ptr)
-
-    @property
-    def _side(self):
-        """The side stream, made on first use (only a pipelined exchange needs one)."""
-        if self._side_stream is None and self._caller is not None:
-            self._side_stream = self._cupy.cuda.Stream(non_blocking=True)
-        return self._side_stream
-
-    @property
-    def side_ptr(self):
-        """Raw handle of the side stream (the caller's under the simulator)."""
-        side = self._side
-        return self.caller_ptr if side is None else side.ptr
 
     def on_caller(self):
         """Context in which CuPy allocates and runs array operations on the caller's stream."""
         return self._caller if self._caller is not None else contextlib.nullcontext()
-
-    def caller_event(self):
-        """An event marking the work enqueued so far on the caller's stream (None: simulator)."""
-        return self._record(self._caller)
-
-    def side_event(self):
-        """An event marking the work enqueued so far on the side stream (None: simulator)."""
-        return self._record(self._side)
-
-    def side_waits(self, event):
-        """Make later side-stream work wait for ``event``."""
-        if event is not None:
-            self._side.wait_event(event)
-
-    def caller_waits(self, event):
-        """Make later caller-stream work wait for ``event``."""
-        if event is not None:
-            self._caller.wait_event(event)
 
     def to_host(self, array):
         """``array`` as a NumPy array (a device-to-host copy on a GPU; already there otherwise)."""
         if self._caller is None:
             return numpy.asarray(array)
         return array.get(stream=self._caller)
-
-    def _record(self, stream):
-        if stream is None:
-            return None
-        event = self._cupy.cuda.Event(disable_timing=True)
-        event.record(stream)
-        return event
 
 
 # ---------------------------------------------------------------------------------- arguments
@@ -147,33 +99,23 @@ def _check_rows(x, name):
     return x
 
 
-def _check_chunks(chunks):
-    if isinstance(chunks, bool) or not isinstance(chunks, (int, numpy.integer)) or chunks < 1:
-        raise ValueError(f"chunks: expected a positive int, got {chunks!r}")
-    return int(chunks)
+def _vote(x, send_counts, recv_counts, comm, validate, stream, context):
+    """Check a bf16 exchange across ranks once, before any data moves.
 
-
-def _vote(x, precision, send_counts, recv_counts, comm, validate, stream, context):
-    """Check the whole exchange across ranks once, before any data moves.
-
-    A zero-byte stand-in for ``x``'s rows, (M, 0, D) of the wire dtype (uint8 for ``"mxfp8"``,
-    bf16 for ``"bf16"``), goes through ``comm.alltoallv``: the communicator checks the split lists
-    (length, sign, sum against M) and the peers' counts, and compares the wire dtype and D across
-    ranks (so ranks disagreeing on the precision are caught too), raising the same error on
-    every rank (a rank with bad splits does not leave its peers waiting); nothing moves. The pieces of the
-    exchange then skip the check (``validate=False``).
+    A zero-byte stand-in for ``x``'s rows, (M, 0, D) bf16, goes through ``comm.alltoallv``: the
+    communicator checks the split lists and the peers' counts, and compares the rows across ranks
+    (a peer exchanging MXFP8 describes other rows, so ranks disagreeing on the precision are
+    caught too), raising the same error on every rank; nothing moves. The exchange itself then
+    skips the check (``validate=False``).
 
     Args:
+        validate: False to skip the check.
         stream: raw handle of the caller's stream.
         context: the call and its splits, prefixed to the communicator's message.
     """
-    if validate is None:
-        validate = comm.validate
     if not validate:
         return
-    xp = array_module()
-    wire = numpy.uint8 if precision == "mxfp8" else bfloat16  # ranks must agree on the wire format
-    stand_in = xp.empty((x.shape[0], 0, x.shape[1]), dtype=wire)
+    stand_in = array_module().empty((x.shape[0], 0, x.shape[1]), dtype=bfloat16)
     try:
         comm.alltoallv(stand_in, send_counts, recv_counts, stream=stream, validate=True)
     except (TypeError, ValueError) as exc:
@@ -194,38 +136,6 @@ def _check_splits(splits, name, comm):
     return values
 
 
-def _offsets(counts):
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out
-
-
-def _piece(counts, offsets, k, chunks):
-    """Piece ``k`` of ``chunks`` of every segment: (starts, sizes), W ints each (rows).
-
-    Segment r (``counts[r]`` rows from ``offsets[r]``) is cut at ``counts[r] * j // chunks``: a
-    sender and its receiver compute the same cuts from the same count.
-    """
-    starts = [o + c * k // chunks for c, o in zip(counts, offsets)]
-    sizes = [c * (k + 1) // chunks - c * k // chunks for c in counts]
-    return starts, sizes
-
-
-def _row_ranges(starts, sizes):
-    """Merged ``(begin, end)`` row ranges covering the non-empty segments (adjacent ones joined)."""
-    ranges = []
-    for begin, size in sorted(zip(starts, sizes)):
-        if size == 0:
-            continue
-        if ranges and ranges[-1][1] == begin:
-            ranges[-1] = (ranges[-1][0], begin + size)
-        else:
-            ranges.append((begin, begin + size))
-    return ranges
-
-
 # ---------------------------------------------------------------------------------- the engine
 def _context(what):
     """The call and its splits, prefixed to the cross-rank check's messages."""
@@ -234,7 +144,7 @@ def _context(what):
 
 
 def _exchange(x, send_counts, recv_counts, comm, precision, *, what, dequantize, scale_mode,
-              stream, chunks, validate):
+              stream, validate):
     """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
 
     Args:
@@ -244,44 +154,41 @@ def _exchange(x, send_counts, recv_counts, comm, precision, *, what, dequantize,
         what: ``(function, x's name, name of send_counts, name of recv_counts)``, for messages.
         dequantize: False to return the wire format (MXFP8Array or bf16 array); True to return an
             array of ``x``'s dtype (bf16 for an MXFP8Array).
-        chunks: pieces of the pipelined MXFP8 exchange.
+        validate: bf16 only: check counts across ranks first (None: the communicator's
+            default). MXFP8 exchanges always check (``alltoallv_staged``).
     Returns:
         (N, D) MXFP8Array or array, N = sum(recv_counts).
     """
     function, name, send_name, recv_name = what
+    if validate is None:
+        validate = comm.validate
     try:
         precision = _check_precision(precision)
-        chunks = _check_chunks(chunks)
         x = _check_rows(x, name)
         if precision == "mxfp8" and x.shape[1] % MX_BLOCK:
             raise ValueError(f"{name}: D = {x.shape[1]} is not a multiple of the MX block size "
                              f"{MX_BLOCK}")
+        send_counts = _check_splits(send_counts, send_name, comm)
+        recv_counts = _check_splits(recv_counts, recv_name, comm)
+        if sum(send_counts) != x.shape[0]:
+            raise ValueError(f"{send_name}: adds up to {sum(send_counts)} rows, but {name} has "
+                             f"{x.shape[0]} rows")
     except (TypeError, ValueError) as exc:
         # The peers are about to check the exchange together: join them with the error, so they
         # raise it too instead of waiting for this rank until the timeout.
-        if validate is False or (validate is None and not comm.validate):
+        if not validate and precision == "bf16":
             raise
         try:
             comm.reject(type(exc)(f"rank {comm.rank}: {exc}"))
         except (TypeError, ValueError) as voted:
             raise type(voted)(f"{_context(what)}: {voted}") from None
-    rows, width = x.shape
     streams = _Streams(stream)
-
-    def vote():
-        _vote(x, precision, send_counts, recv_counts, comm, validate, streams.caller_ptr,
-              _context(what))
-        counts = (_check_splits(send_counts, send_name, comm),
-                  _check_splits(recv_counts, recv_name, comm))
-        if sum(counts[0]) != rows:
-            raise ValueError(f"{send_name}: adds up to {sum(counts[0])} rows, but {name} has "
-                             f"{rows} rows")
-        return counts
-
     dequantize = _dtype_of(x) if dequantize else None
     if precision == "bf16":
-        return _exchange_bf16(x, *vote(), comm, streams, dequantize)
-    return _exchange_mxfp8(x, vote, comm, streams, dequantize, scale_mode, chunks)
+        _vote(x, send_counts, recv_counts, comm, validate, streams.caller_ptr, _context(what))
+        return _exchange_bf16(x, send_counts, recv_counts, comm, streams, dequantize)
+    return _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scale_mode,
+                           _context(what))
 
 
 def _exchange_bf16(x, send_counts, recv_counts, comm, streams, dequantize):
@@ -315,81 +222,41 @@ def _bf16_to_f32(x):
     return (x.view(numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
 
 
-def _exchange_mxfp8(x, vote, comm, streams, dequantize, scale_mode, chunks):
-    """The MXFP8 exchange (module docstring, "Overlap").
-
-    The quantization is launched before ``vote`` runs, so the host's cross-rank check overlaps
-    the device's quantization; no data moves before the vote has passed on every rank.
-
-    Args:
-        vote: callable checking the exchange across ranks; returns (send_counts, recv_counts).
-    """
+def _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scale_mode, context):
+    """The MXFP8 exchange (module docstring): quantize into the travelling memory peer by peer,
+    dequantize sender by sender as the rows arrive."""
     xp = array_module()
-    quantized = isinstance(x, MXFP8Array)
-    rows, width = x.shape
+    width = x.shape[1]
     caller = streams.caller_ptr
+    recv_rows = sum(recv_counts)
+
+    def fill(peer, begin, end, slots):
+        if begin == end:
+            return
+        data, scales = slots
+        if isinstance(x, MXFP8Array):  # already quantized: copy its bits
+            data[...] = x.data[begin:end]
+            scales[...] = x.scales[begin:end]
+        else:
+            quantize_mxfp8(x[begin:end], scale_mode, out=MXFP8Array(data, scales),
+                           stream=caller)
+
+    def arrived(peer, begin, end):
+        dequantize_mxfp8(MXFP8Array(received.data[begin:end], received.scales[begin:end]),
+                         dequantize, out=out[begin:end], stream=caller)
+
     with streams.on_caller():
-        if quantized or chunks > 1:
-            sent = x if quantized else MXFP8Array(
-                xp.empty((rows, width), dtype=numpy.uint8),
-                xp.empty((rows, width // MX_BLOCK), dtype=numpy.uint8))
-        else:
-            sent = quantize_mxfp8(x, scale_mode, stream=caller)
-        if chunks == 1 or quantized:
-            send_counts, recv_counts = vote()
-            pieces = None
-        else:
-            pieces, send_counts, recv_counts = _pieces(x, sent, vote, scale_mode, chunks, streams)
-        recv_rows = sum(recv_counts)
         received = MXFP8Array(xp.empty((recv_rows, width), dtype=numpy.uint8),
                               xp.empty((recv_rows, width // MX_BLOCK), dtype=numpy.uint8))
         out = None if dequantize is None else xp.empty((recv_rows, width), dtype=dequantize)
-        if pieces is None:  # one grouped exchange on the caller's stream, then decode it all
-            comm.alltoallv((sent.data, sent.scales), send_counts, recv_counts,
-                           (received.data, received.scales), stream=caller, validate=False)
-            if out is not None:
-                dequantize_mxfp8(received, dequantize, out=out, stream=caller)
-            return received if out is None else out
-        exchanged = []  # one side-stream event per piece
-        recv_offsets = _offsets(recv_counts)
-        for k, (sizes, starts, quantized_k) in enumerate(pieces):
-            streams.side_waits(quantized_k)
-            recv_starts, recv_sizes = _piece(recv_counts, recv_offsets, k, chunks)
-            comm.alltoallv((sent.data, sent.scales), sizes, recv_sizes,
-                           (received.data, received.scales), send_offsets=starts,
-                           recv_offsets=recv_starts, stream=streams.side_ptr, validate=False)
-            exchanged.append(streams.side_event())
-        for k in range(chunks):
-            streams.caller_waits(exchanged[k])
-            if out is None:
-                continue
-            recv_starts, recv_sizes = _piece(recv_counts, recv_offsets, k, chunks)
-            for begin, end in _row_ranges(recv_starts, recv_sizes):
-                dequantize_mxfp8(MXFP8Array(received.data[begin:end],
-                                            received.scales[begin:end]),
-                                 dequantize, out=out[begin:end], stream=caller)
-    # The caller's stream now follows every exchange: later work on it (reusing `sent`'s memory,
-    # reading `received`) is ordered after the side stream's reads and writes.
+        try:
+            comm.alltoallv_staged((((width,), numpy.uint8), ((width // MX_BLOCK,), numpy.uint8)),
+                                  send_counts, recv_counts, fill,
+                                  out=(received.data, received.scales),
+                                  arrived=None if out is None else arrived, stream=caller)
+        except (TypeError, ValueError) as exc:  # the cross-rank check: name the call
+            raise type(exc)(f"{context}: {exc}") from None
     return received if out is None else out
-
-
-def _pieces(x, sent, vote, scale_mode, chunks, streams):
-    """Vote, then quantize ``x`` into ``sent`` piece by piece, each followed by an event.
-
-    Returns:
-        ([(send sizes, send starts, event after the piece's quantization)] per piece,
-        send_counts, recv_counts), the splits as voted.
-    """
-    send_counts, recv_counts = vote()
-    offsets = _offsets(send_counts)
-    pieces = []
-    for k in range(chunks):
-        starts, sizes = _piece(send_counts, offsets, k, chunks)
-        for begin, end in _row_ranges(starts, sizes):
-            quantize_mxfp8(x[begin:end], scale_mode, stream=streams.caller_ptr,
-                           out=MXFP8Array(sent.data[begin:end], sent.scales[begin:end]))
-        pieces.append((sizes, starts, streams.caller_event()))
-    return pieces, send_counts, recv_counts
 
 
 def _dtype_of(x):
@@ -399,7 +266,7 @@ def _dtype_of(x):
 
 # ------------------------------------------------------------------------------------- public
 def a2a_dispatch(x, input_splits, output_splits, comm, precision="mxfp8", *, scale_mode="rceil",
-                 chunks=DEFAULT_CHUNKS, stream=None, validate=None):
+                 stream=None, validate=None):
     """Step 1: send routed token rows to the ranks holding their experts.
 
     Collective. Received rows are ordered by source rank, then (as each sender sorted them) by
@@ -413,9 +280,9 @@ def a2a_dispatch(x, input_splits, output_splits, comm, precision="mxfp8", *, sca
         comm: a communicator (``mxcomm.comm.init()``).
         precision: ``"mxfp8"`` (quantized rows travel: data and scales) or ``"bf16"``.
         scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, DESIGN.md).
-        chunks: pieces the quantize and the exchange are pipelined in (same on every rank).
         stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the simulator).
-        validate: check counts across ranks first; None for the communicator's default.
+        validate: for ``"bf16"``, check counts across ranks first (None: the communicator's
+            default); MXFP8 exchanges always check them (the transport needs every rank's).
     Returns:
         (N, D) MXFP8Array (still quantized) for ``"mxfp8"``, else (N, D) bf16 array;
         N = sum(output_splits).
@@ -426,11 +293,11 @@ def a2a_dispatch(x, input_splits, output_splits, comm, precision="mxfp8", *, sca
     """
     return _exchange(x, input_splits, output_splits, comm, precision,
                      what=("a2a_dispatch", "x", "input_splits", "output_splits"), dequantize=False,
-                     scale_mode=scale_mode, stream=stream, chunks=chunks, validate=validate)
+                     scale_mode=scale_mode, stream=stream, validate=validate)
 
 
 def a2a_dispatch_backward(grad, input_splits, output_splits, comm, precision="bf16", *,
-                          scale_mode="rceil", chunks=DEFAULT_CHUNKS, stream=None, validate=None):
+                          scale_mode="rceil", stream=None, validate=None):
     """Backward of :func:`a2a_dispatch`: return the received rows' gradient to their senders.
 
     Combine direction: sends ``output_splits``, receives ``input_splits``.
@@ -445,12 +312,11 @@ def a2a_dispatch_backward(grad, input_splits, output_splits, comm, precision="bf
     """
     return _exchange(grad, output_splits, input_splits, comm, precision,
                      what=("a2a_dispatch_backward", "grad", "output_splits", "input_splits"),
-                     dequantize=True, scale_mode=scale_mode, stream=stream, chunks=chunks,
-                     validate=validate)
+                     dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)
 
 
 def a2a_combine(y, input_splits, output_splits, comm, precision="bf16", *, scale_mode="rceil",
-                chunks=DEFAULT_CHUNKS, stream=None, validate=None):
+                stream=None, validate=None):
     """Step 5: return expert outputs to the ranks their tokens came from.
 
     Sends ``output_splits`` rows back, receives ``input_splits`` (splits as given to dispatch).
@@ -465,12 +331,11 @@ def a2a_combine(y, input_splits, output_splits, comm, precision="bf16", *, scale
     """
     return _exchange(y, output_splits, input_splits, comm, precision,
                      what=("a2a_combine", "y", "output_splits", "input_splits"),
-                     dequantize=True, scale_mode=scale_mode, stream=stream, chunks=chunks,
-                     validate=validate)
+                     dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)
 
 
 def a2a_combine_backward(grad, input_splits, output_splits, comm, precision="mxfp8", *,
-                         scale_mode="rceil", chunks=DEFAULT_CHUNKS, stream=None, validate=None):
+                         scale_mode="rceil", stream=None, validate=None):
     """Backward of :func:`a2a_combine`: send the outputs' gradient to the experts' ranks.
 
     Dispatch direction: sends ``input_splits``, receives ``output_splits``.
@@ -486,17 +351,16 @@ def a2a_combine_backward(grad, input_splits, output_splits, comm, precision="mxf
     """
     return _exchange(grad, input_splits, output_splits, comm, precision,
                      what=("a2a_combine_backward", "grad", "input_splits", "output_splits"),
-                     dequantize=False, scale_mode=scale_mode, stream=stream, chunks=chunks,
-                     validate=validate)
+                     dequantize=False, scale_mode=scale_mode, stream=stream, validate=validate)
 
 
 def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *,
-                      scale_mode="rceil", chunks=DEFAULT_CHUNKS, stream=None, validate=None):
+                      scale_mode="rceil", stream=None, validate=None):
     """The drop-in for torch's ``all_to_all_single_autograd``: quantize, exchange, dequantize.
 
     Argument order as torch's (output splits first). In MXFP8 data and scales travel together,
-    in one grouped exchange (or ``chunks`` pipelined pieces; module docstring). Its backward is
-    the same call with the splits swapped.
+    overlapped with the quantize and dequantize kernels (module docstring). Its backward is the
+    same call with the splits swapped.
 
     Args:
         x: (M, D) bf16/fp32, C-contiguous; D % 32 == 0 for MXFP8. Read.
@@ -509,5 +373,4 @@ def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *
     """
     return _exchange(x, input_splits, output_splits, comm, precision,
                      what=("all_to_all_single", "x", "input_splits", "output_splits"),
-                     dequantize=True, scale_mode=scale_mode, stream=stream, chunks=chunks,
-                     validate=validate)
+                     dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)

@@ -181,18 +181,18 @@ class _A2ADispatch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, input_splits, output_splits, comm, precision, grad_precision, chunks):
-        ctx.args = (input_splits, output_splits, comm, grad_precision, chunks)
+    def forward(ctx, x, input_splits, output_splits, comm, precision, grad_precision):
+        ctx.args = (input_splits, output_splits, comm, grad_precision)
         return _wrap(_a2a.a2a_dispatch(_rows(x, "x"), input_splits, output_splits, comm,
-                                       precision, chunks=chunks, stream=_stream(x)))
+                                       precision, stream=_stream(x)))
 
     @staticmethod
     def backward(ctx, grad):
-        input_splits, output_splits, comm, grad_precision, chunks = ctx.args
+        input_splits, output_splits, comm, grad_precision = ctx.args
         dx = _a2a.a2a_dispatch_backward(_rows(grad, "grad"), input_splits, output_splits, comm,
-                                        grad_precision, chunks=chunks, stream=_stream(grad))
-        # None for: input_splits, output_splits, comm, precision, grad_precision, chunks
-        return _wrap(dx), None, None, None, None, None, None
+                                        grad_precision, stream=_stream(grad))
+        # None for: input_splits, output_splits, comm, precision, grad_precision
+        return _wrap(dx), None, None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -256,18 +256,18 @@ class _A2ACombine(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, input_splits, output_splits, comm, precision, grad_precision, chunks):
-        ctx.args = (input_splits, output_splits, comm, grad_precision, chunks)
+    def forward(ctx, y, input_splits, output_splits, comm, precision, grad_precision):
+        ctx.args = (input_splits, output_splits, comm, grad_precision)
         return _wrap(_a2a.a2a_combine(_rows(y, "y"), input_splits, output_splits, comm, precision,
-                                      chunks=chunks, stream=_stream(y)))
+                                      stream=_stream(y)))
 
     @staticmethod
     def backward(ctx, grad):
-        input_splits, output_splits, comm, grad_precision, chunks = ctx.args
+        input_splits, output_splits, comm, grad_precision = ctx.args
         dy = _a2a.a2a_combine_backward(_rows(grad, "grad"), input_splits, output_splits, comm,
-                                       grad_precision, chunks=chunks, stream=_stream(grad))
-        # None for: input_splits, output_splits, comm, precision, grad_precision, chunks
-        return _wrap(dy), None, None, None, None, None, None
+                                       grad_precision, stream=_stream(grad))
+        # None for: input_splits, output_splits, comm, precision, grad_precision
+        return _wrap(dy), None, None, None, None, None
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -278,18 +278,18 @@ class _AllToAllSingle(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, comm, precision, chunks):
-        ctx.args = (output_splits, input_splits, comm, precision, chunks)
+    def forward(ctx, x, output_splits, input_splits, comm, precision):
+        ctx.args = (output_splits, input_splits, comm, precision)
         return _wrap(_a2a.all_to_all_single(_rows(x, "x"), output_splits, input_splits, comm,
-                                            precision, chunks=chunks, stream=_stream(x)))
+                                            precision, stream=_stream(x)))
 
     @staticmethod
     def backward(ctx, grad):
-        output_splits, input_splits, comm, precision, chunks = ctx.args
+        output_splits, input_splits, comm, precision = ctx.args
         dx = _a2a.all_to_all_single(_rows(grad, "grad"), input_splits, output_splits, comm,
-                                    precision, chunks=chunks, stream=_stream(grad))
-        # None for: output_splits, input_splits, comm, precision, chunks
-        return _wrap(dx), None, None, None, None, None
+                                    precision, stream=_stream(grad))
+        # None for: output_splits, input_splits, comm, precision
+        return _wrap(dx), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------- public
@@ -308,16 +308,14 @@ def exchange_layout(num_tokens_per_expert, comm):
     return _tensor(group), input_splits, output_splits
 
 
-def a2a_dispatch(x, input_splits, output_splits, comm, precision="mxfp8", grad_precision="bf16",
-                 *, chunks=_a2a.DEFAULT_CHUNKS):
+def a2a_dispatch(x, input_splits, output_splits, comm, precision="mxfp8", grad_precision="bf16"):
     """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
 
     See :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the backward's wire format.
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
-    return _A2ADispatch.apply(x, input_splits, output_splits, comm, precision, grad_precision,
-                              chunks)
+    return _A2ADispatch.apply(x, input_splits, output_splits, comm, precision, grad_precision)
 
 
 def permute(x, num_tokens_per_expert_group, num_local_experts, align=32):
@@ -338,21 +336,18 @@ def unpermute(y, permuted_indices, num_rows):
     return _Unpermute.apply(y, permuted_indices, num_rows)
 
 
-def a2a_combine(y, input_splits, output_splits, comm, precision="bf16", grad_precision="mxfp8",
-                *, chunks=_a2a.DEFAULT_CHUNKS):
+def a2a_combine(y, input_splits, output_splits, comm, precision="bf16", grad_precision="mxfp8"):
     """Step 5, differentiable: (N, H) -> (M, H); splits as given to :func:`a2a_dispatch`.
 
     The gradient of ``y`` is an MXFP8Tensor when ``grad_precision="mxfp8"``.
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
-    return _A2ACombine.apply(y, input_splits, output_splits, comm, precision, grad_precision,
-                             chunks)
+    return _A2ACombine.apply(y, input_splits, output_splits, comm, precision, grad_precision)
 
 
-def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *,
-                      chunks=_a2a.DEFAULT_CHUNKS):
+def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8"):
     """Differentiable drop-in for ``all_to_all_single_autograd(x, output_splits, input_splits,
     group)``: the result has x's dtype; MXFP8 on the wire both ways."""
     _a2a._check_precision(precision)
-    return _AllToAllSingle.apply(x, output_splits, input_splits, comm, precision, chunks)
+    return _AllToAllSingle.apply(x, output_splits, input_splits, comm, precision)

@@ -146,6 +146,98 @@ def test_alltoallv_chunked_with_offsets_equals_unchunked(comm, chunks):
     numpy.testing.assert_array_equal(bits(out), bits(whole))
 
 
+# ------------------------------------------------------------------------- staged all-to-all
+def staged(comm, counts, make, arrays, rows_factor=1):
+    """Run ``alltoallv_staged`` filling each peer's slots from ``make(me, m)`` rows; return the
+    outputs and the (peer, begin, end) arrivals."""
+    me = comm.rank
+    sc, rc = counts[me] * rows_factor, counts[:, me] * rows_factor
+    send = make(me, int(sc.sum()))
+    filled, arrivals = [], []
+
+    def fill(peer, begin, end, slots):
+        filled.append(peer)
+        for slot, a in zip(slots, send):
+            assert slot.shape == (end - begin,) + a.shape[1:]
+            slot[...] = a[begin:end]
+
+    outs = comm.alltoallv_staged(arrays, sc, rc, fill,
+                                 arrived=lambda *a: arrivals.append(a))
+    assert sorted(filled) == list(range(comm.size)) and filled[-1] == me  # own rows last
+    return outs, arrivals
+
+
+@pytest.fixture(params=[None, False], ids=["pull", "grouped"])
+def staged_comm(request):
+    c = mxc.init("mpi", timeout=60.0, peer_memory=request.param)
+    yield c
+    c.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["random", "zeros", "one_receiver", "empty"])
+def test_alltoallv_staged_matches_reference(staged_comm, pattern):
+    """Both transports move (data, scales) like the reference; each sender's rows are announced
+    once, own rows first; the staging grows between calls (the pull's memory is reused)."""
+    comm = staged_comm
+    w, me = comm.size, comm.rank
+    assert comm.transport == ("grouped" if comm._peer_memory is False else "pull")
+    data = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (64,), salt=1)  # noqa: E731
+    scales = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (2,), salt=2)  # noqa: E731
+    words = lambda r, n: rows_of(r, n, DTYPES[0], (3, 5), salt=3)  # noqa: E731
+    arrays = (((64,), numpy.uint8), ((2,), numpy.uint8), ((3, 5), DTYPES[0]))
+    counts = count_matrix(pattern, w, seed=SEED + 11)
+    for factor in (1, 3, 2):  # grow, then reuse
+        scaled = counts * factor
+        make = lambda r, n: (data(r, n), scales(r, n), words(r, n))  # noqa: E731
+        outs, arrivals = staged(comm, counts, make, arrays, factor)
+        for out, ref in zip(outs, (data, scales, words)):
+            numpy.testing.assert_array_equal(bits(out), bits(expected_recv(me, scaled, ref)))
+        senders = [r for r in range(w) if scaled[r, me]]
+        assert sorted(p for p, _, _ in arrivals) == senders
+        if scaled[me, me]:
+            assert arrivals[0][0] == me
+        offsets = numpy.concatenate([[0], numpy.cumsum(scaled[:, me])])
+        assert all((b, e) == (offsets[p], offsets[p + 1]) for p, b, e in arrivals)
+
+
+@pytest.mark.mpi
+def test_alltoallv_staged_bad_counts_raise_everywhere_before_fill(staged_comm):
+    comm = staged_comm
+    w, me = comm.size, comm.rank
+    counts = count_matrix("random", w, seed=SEED + 12)
+    recv = counts[:, me].copy()
+    if me == 0:
+        recv[w - 1] += 1
+
+    def fill(*args):
+        raise AssertionError("fill called despite bad counts")
+
+    with pytest.raises(ValueError, match=f"rank 0 expects {counts[w - 1, 0] + 1} rows from "
+                                         f"rank {w - 1}") as info:
+        comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], recv, fill)
+    same_error_everywhere(info.value)
+    with pytest.raises(TypeError, match=r"arrays\[0\]: expected a \(row shape, dtype\) pair"):
+        comm.alltoallv_staged(((4, numpy.uint8),), counts[me], counts[:, me], fill)
+    out = (numpy.empty((int(counts[:, me].sum()), 4), numpy.int32),)
+    with pytest.raises(TypeError, match=r"out\[0\] on rank \d+ is int32 rows"):
+        comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], counts[:, me], fill, out=out)
+    # Still usable.
+    outs, _ = staged(comm, counts, lambda r, n: (rows_of(r, n, numpy.dtype(numpy.uint8), (4,)),),
+                     (((4,), numpy.uint8),))
+    numpy.testing.assert_array_equal(
+        outs[0], expected_recv(me, counts, lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8),
+                                                                  (4,))))
+
+
+@pytest.mark.mpi
+def test_peer_memory_argument():
+    with pytest.raises(ValueError, match="peer_memory: expected None"):
+        mxc.init("mpi", peer_memory="yes")
+    with mxc.init("mpi", peer_memory=True) as c:  # every rank of the test shares one node
+        assert c.transport == "pull"
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [numpy.int32, numpy.int64])
 @pytest.mark.parametrize("k", [1, 3])
@@ -453,6 +545,49 @@ def test_nccl_tuple_offsets_counts_and_no_growth(nccl_comm):
     time.sleep(0.05)  # let the watchdog recycle the last events
     assert pool.used_bytes() <= used
     assert len(nccl_comm._in_flight) + len(nccl_comm._free_events) <= max(events, 1) + 1100
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("peer_memory", [None, False], ids=["pull", "grouped"])
+def test_nccl_alltoallv_staged(peer_memory):
+    """The CUDA IPC pull (and the NCCL grouped fallback) equal the reference, with fills and
+    arrivals enqueued on a side stream of the caller's, over repeated and growing calls."""
+    import cupy
+    with mxc.init("nccl", timeout=120.0, peer_memory=peer_memory) as comm:
+        w, me = comm.size, comm.rank
+        assert comm.transport == ("grouped" if peer_memory is False else "pull")
+        data = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (1024,), salt=1)  # noqa
+        scales = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (32,), salt=2)  # noqa
+        counts = count_matrix("random", w, seed=SEED + 13) * 101
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for factor in (1, 4, 4, 2):
+            scaled = counts * factor
+            sc, rc = scaled[me], scaled[:, me]
+            send = (cupy.asarray(data(me, int(sc.sum()))), cupy.asarray(scales(me, int(sc.sum()))))
+            n = int(rc.sum())
+            out = (cupy.empty((n, 1024), cupy.uint8), cupy.empty((n, 32), cupy.uint8))
+            consumed = cupy.zeros((n, 1024), cupy.uint8)
+
+            def fill(peer, begin, end, slots):
+                with stream:
+                    for slot, a in zip(slots, send):
+                        slot[...] = a[begin:end]
+
+            def arrived(peer, begin, end):  # a consumer on the stream must see the rows
+                with stream:
+                    consumed[begin:end] = out[0][begin:end]
+
+            outs = comm.alltoallv_staged((((1024,), numpy.uint8), ((32,), numpy.uint8)), sc, rc,
+                                         fill, out=out, arrived=arrived, stream=stream)
+            assert outs[0] is out[0]
+            comm.wait(stream)
+            numpy.testing.assert_array_equal(cupy.asnumpy(consumed),
+                                             expected_recv(me, scaled, data))
+            numpy.testing.assert_array_equal(cupy.asnumpy(outs[0]),
+                                             expected_recv(me, scaled, data))
+            numpy.testing.assert_array_equal(cupy.asnumpy(outs[1]),
+                                             expected_recv(me, scaled, scales))
 
 
 @pytest.mark.gpu

@@ -12,8 +12,8 @@ import numpy
 import pytest
 
 from mxcomm import comm as mxc
-from mxcomm.a2a import (DEFAULT_CHUNKS, a2a_combine, a2a_combine_backward, a2a_dispatch,
-                        a2a_dispatch_backward, all_to_all_single)
+from mxcomm.a2a import (a2a_combine, a2a_combine_backward, a2a_dispatch, a2a_dispatch_backward,
+                        all_to_all_single)
 from mxcomm.kernels import array_module
 from mxcomm.layout import exchange_layout
 from mxcomm.mxfp8 import MXFP8Array, dequantize_mxfp8
@@ -113,9 +113,12 @@ def expert_ref(rows, w):
     return (rows.astype(numpy.float64) @ w).astype(numpy.float32).astype(BF16)
 
 
-@pytest.fixture(scope="module")
-def comm():
-    c = mxc.init(timeout=TIMEOUT_S)
+@pytest.fixture(scope="module", params=[None, False], ids=["pull", "grouped"])
+def comm(request):
+    """Both transports of the MXFP8 exchanges: pulled from peer memory (auto on one node) and
+    one grouped exchange."""
+    c = mxc.init(timeout=TIMEOUT_S, peer_memory=request.param)
+    assert c.transport == ("grouped" if request.param is False else "pull")
     yield c
     c.close()
 
@@ -156,11 +159,10 @@ def test_dispatch_bf16_exact(comm, routed):
     numpy.testing.assert_array_equal(bits(got), bits(expected))
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 3])
-def test_dispatch_mxfp8_moves_reference_bits(comm, routed, chunks):
+def test_dispatch_mxfp8_moves_reference_bits(comm, routed):
     me = comm.rank
     _, input_splits, output_splits = layout_ref(routed, me)
-    got = a2a_dispatch(to_device(routed[me].x), input_splits, output_splits, comm, chunks=chunks)
+    got = a2a_dispatch(to_device(routed[me].x), input_splits, output_splits, comm)
     splits = [layout_ref(routed, r)[1] for r in range(comm.size)]
     data, scales = quantize_mxfp8_ref(move_ref([r.x for r in routed], splits, me), "rceil")
     assert isinstance(got, MXFP8Array)
@@ -172,28 +174,27 @@ def test_dispatch_floor_scales(comm, routed):
     me = comm.rank
     _, input_splits, output_splits = layout_ref(routed, me)
     got = a2a_dispatch(to_device(routed[me].x), input_splits, output_splits, comm,
-                       scale_mode="floor", chunks=2)
+                       scale_mode="floor")
     splits = [layout_ref(routed, r)[1] for r in range(comm.size)]
     data, scales = quantize_mxfp8_ref(move_ref([r.x for r in routed], splits, me), "floor")
     numpy.testing.assert_array_equal(to_host(got.data), data)
     numpy.testing.assert_array_equal(to_host(got.scales), scales)
 
 
-@pytest.mark.parametrize("precision,chunks", [("bf16", 1), ("mxfp8", 1), ("mxfp8", 2),
-                                              ("mxfp8", 3), ("mxfp8", DEFAULT_CHUNKS)])
-def test_all_to_all_single(comm, routed, precision, chunks):
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_all_to_all_single(comm, routed, precision):
     """The drop-in, both directions: (output_splits, input_splits) order, result in x's dtype."""
     me = comm.rank
     _, input_splits, output_splits = layout_ref(routed, me)
     splits = [layout_ref(routed, r)[1] for r in range(comm.size)]
     sources = [r.x if precision == "bf16" else fake_quantize(r.x) for r in routed]
     got = all_to_all_single(to_device(routed[me].x), output_splits, input_splits, comm,
-                            precision, chunks=chunks)
+                            precision)
     expected = move_ref(sources, splits, me)
     assert got.dtype == BF16 and got.shape == expected.shape
     numpy.testing.assert_array_equal(bits(got), bits(expected))
     # Backward direction: the same call with the splits swapped sends the rows home.
-    back = all_to_all_single(got, input_splits, output_splits, comm, precision, chunks=chunks)
+    back = all_to_all_single(got, input_splits, output_splits, comm, precision)
     numpy.testing.assert_array_equal(bits(back), bits(sources[me]))
 
 
@@ -202,7 +203,7 @@ def test_all_to_all_single_fp32(comm, routed):
     _, input_splits, output_splits = layout_ref(routed, me)
     splits = [layout_ref(routed, r)[1] for r in range(comm.size)]
     x = routed[me].x.astype(numpy.float32)
-    got = all_to_all_single(to_device(x), output_splits, input_splits, comm, chunks=2)
+    got = all_to_all_single(to_device(x), output_splits, input_splits, comm)
     expected = move_ref([dequantize_mxfp8_ref(*quantize_mxfp8_ref(r.x.astype(numpy.float32)),
                                               dtype=numpy.float32) for r in routed], splits, me)
     assert got.dtype == numpy.float32
@@ -224,12 +225,10 @@ def test_backward_directions(comm, routed):
     received = move_ref([r.x for r in routed], splits, me)
     home = a2a_dispatch_backward(to_device(received), input_splits, output_splits, comm)
     numpy.testing.assert_array_equal(bits(home), bits(routed[me].x))
-    home = a2a_dispatch_backward(to_device(received), input_splits, output_splits, comm, "mxfp8",
-                                 chunks=3)
+    home = a2a_dispatch_backward(to_device(received), input_splits, output_splits, comm, "mxfp8")
     numpy.testing.assert_array_equal(bits(home), bits(fake_quantize(routed[me].x)))
 
-    sent = a2a_combine_backward(to_device(routed[me].x), input_splits, output_splits, comm,
-                                chunks=2)
+    sent = a2a_combine_backward(to_device(routed[me].x), input_splits, output_splits, comm)
     data, scales = quantize_mxfp8_ref(received, "rceil")
     assert isinstance(sent, MXFP8Array)
     numpy.testing.assert_array_equal(to_host(sent.data), data)
@@ -246,8 +245,7 @@ def test_token_path(comm, routed, dispatch, combine):
     me, world = comm.rank, comm.size
     weights = expert_weights(world)
     group, input_splits, output_splits = exchange_layout(to_device(routed[me].counts), comm)
-    received = a2a_dispatch(to_device(routed[me].x), input_splits, output_splits, comm, dispatch,
-                            chunks=2)
+    received = a2a_dispatch(to_device(routed[me].x), input_splits, output_splits, comm, dispatch)
     permuted, indices, offsets = permute(received, group, E_LOCAL, ALIGN)
     if isinstance(permuted, MXFP8Array):
         permuted = dequantize_mxfp8(permuted)
@@ -259,7 +257,7 @@ def test_token_path(comm, routed, dispatch, combine):
         start = end
     rows = sum(output_splits)
     out = a2a_combine(unpermute(to_device(y), indices, rows), input_splits, output_splits, comm,
-                      combine, chunks=2)
+                      combine)
 
     x = routed[me].x if dispatch == "bf16" else fake_quantize(routed[me].x)
     expected = numpy.stack([expert_ref(x[i:i + 1], weights[e])[0]
@@ -278,7 +276,7 @@ def test_nan_token_poisons_its_block(comm, routed):
     xs[0][0, 37] = numpy.nan  # rank 0, row 0, block 1
     _, input_splits, output_splits = layout_ref(routed, me)
     splits = [layout_ref(routed, r)[1] for r in range(world)]
-    got = a2a_dispatch(to_device(xs[me]), input_splits, output_splits, comm, chunks=2)
+    got = a2a_dispatch(to_device(xs[me]), input_splits, output_splits, comm)
     values = to_host(dequantize_mxfp8(got)).astype(numpy.float32)
     moved = all_to_all_single(to_device(xs[me]), output_splits, input_splits, comm)
     moved = to_host(moved).astype(numpy.float32)
@@ -308,8 +306,6 @@ def test_precision_errors(comm, routed):
         a2a_combine_backward(x, input_splits, output_splits, comm, "fp8_block128")
     with pytest.raises(ValueError, match="expected one of 'bf16', 'mxfp8', got 'fp16'"):
         all_to_all_single(x, output_splits, input_splits, comm, "fp16")
-    with pytest.raises(ValueError, match="chunks"):
-        all_to_all_single(x, output_splits, input_splits, comm, chunks=0)
 
 
 def test_bad_arrays(comm, routed):
@@ -363,9 +359,10 @@ def test_bad_splits_raise_on_every_rank(comm, routed):
     bad = list(input_splits)
     if me == 0:
         bad[-1] += 1
-    with pytest.raises(ValueError, match="add up to") as info:
-        a2a_dispatch(x, bad, output_splits, comm, "bf16")
-    assert "on rank 0" in str(info.value)
+    for precision in ("bf16", "mxfp8"):
+        with pytest.raises(ValueError, match="adds up to") as info:
+            a2a_dispatch(x, bad, output_splits, comm, precision)
+        assert "rank 0: input_splits: adds up to" in str(info.value)
     # Rank 0 expects one row more from the last rank than that rank sends.
     bad = list(output_splits)
     if me == 0:

@@ -195,8 +195,7 @@ def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, com
                        device).requires_grad_()
     group, input_splits, output_splits = mt.exchange_layout(to_torch(routed.counts, device), comm)
 
-    received = mt.a2a_dispatch(x, input_splits, output_splits, comm, dispatch, dispatch_grad,
-                               chunks=2)
+    received = mt.a2a_dispatch(x, input_splits, output_splits, comm, dispatch, dispatch_grad)
     assert isinstance(received, mt.MXFP8Tensor) == (dispatch == "mxfp8")
     seen = {}
     received.register_hook(lambda g: seen.setdefault("received", g))
@@ -205,8 +204,7 @@ def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, com
     y = expert_loop(permuted, weights, offsets)
     back = mt.unpermute(y, indices, received.shape[0])
     back.register_hook(lambda g: seen.setdefault("back", g))
-    out = mt.a2a_combine(back, input_splits, output_splits, comm, combine, combine_grad,
-                         chunks=2)
+    out = mt.a2a_combine(back, input_splits, output_splits, comm, combine, combine_grad)
     (out.float() * to_torch(grad, device).float()).sum().backward()
 
     numpy.testing.assert_array_equal(bits(to_numpy(out)), bits(out_ref))
@@ -235,7 +233,7 @@ def test_all_to_all_single_autograd(comm, device, precision):
         return fake_quantize(rows) if precision == "mxfp8" and len(rows) else rows
 
     x = to_torch(routed[me].x, device).requires_grad_()
-    out = mt.all_to_all_single(x, output_splits, input_splits, comm, precision, chunks=3)
+    out = mt.all_to_all_single(x, output_splits, input_splits, comm, precision)
     (out.float() * to_torch(grads[me], device).float()).sum().backward()
     assert type(out) is torch.Tensor and out.dtype == torch.bfloat16
     numpy.testing.assert_array_equal(bits(to_numpy(out)),

@@ -3,7 +3,9 @@
 One :class:`Clock` per kind of timer: ``"cupy"`` and ``"torch"`` record CUDA events on the current
 stream of that library (both the legacy default stream unless the caller changed it), ``"host"``
 reads ``time.perf_counter`` (the CPU simulator, where every call is synchronous). :func:`measure`
-times one callable ``iters`` times after ``warmup`` untimed calls and returns :class:`Stats`.
+times one callable ``iters`` times after ``warmup`` untimed calls and returns :class:`Stats`;
+:func:`measure_back_to_back` enqueues the iterations one after another, as nccl-tests does, so
+the host's per-call time hides behind the device's work as it does in a training step.
 """
 
 import dataclasses
@@ -116,6 +118,35 @@ def measure(fn, clock, *, iters, warmup, before=None, inputs=None):
         call(warmup + i)
         marks.append((start, clock.mark()))
     return Stats.of([clock.elapsed_ms(a, b) for a, b in marks])
+
+
+def measure_back_to_back(fn, clock, *, iters, warmup, before=None):
+    """Time ``fn`` per iteration, the iterations enqueued back to back (throughput).
+
+    ``before()`` (e.g. a sync and a barrier) runs once, after the warm-up; then the iterations
+    are enqueued with a mark between consecutive ones and no synchronization, and an
+    iteration's time is the distance between its marks. On the device the host's time per
+    call overlaps the previous iteration's work unless it is longer than that work.
+
+    Args:
+        fn: the work, called as ``fn()``.
+        clock: a :class:`Clock`.
+        iters: timed iterations, >= 1. warmup: untimed iterations first, >= 0.
+        before: optional callable run once before the timed iterations.
+    Returns:
+        :class:`Stats` of the timed iterations.
+    """
+    if iters < 1:
+        raise ValueError(f"iters: expected >= 1, got {iters}")
+    for _ in range(warmup):
+        fn()
+    if before is not None:
+        before()
+    marks = [clock.mark()]
+    for _ in range(iters):
+        fn()
+        marks.append(clock.mark())
+    return Stats.of([clock.elapsed_ms(a, b) for a, b in zip(marks, marks[1:])])
 
 
 def max_over_ranks(stats, allreduce_max):

@@ -6,16 +6,17 @@ Three tables:
   send buffer (torch tensors wrap the same memory through DLPack), nccl-tests columns: size (bytes
   sent per rank), count (elements per rank), type, time, algbw = size / time, busbw =
   algbw·(W−1)/W; ratio = our throughput / torch's (target >= 0.97).
-- ``drop_in``: ``mxcomm.a2a.all_to_all_single(x, ..., precision, chunks=c)`` (bf16 in, bf16 out)
-  vs torch's bf16 ``all_to_all_single`` (target: MXFP8 >= 1.5x faster), with the SQNR of the
-  output against the exact exchange.
+- ``drop_in``: ``mxcomm.a2a.all_to_all_single(x, ..., precision)`` (bf16 in, bf16 out) on both
+  transports of the MXFP8 exchange (``pull``: copy engines from the peers' memory; ``grouped``:
+  one NCCL group) vs torch's bf16 ``all_to_all_single`` (target: MXFP8 >= 1.5x faster), with the
+  SQNR of the output against the exact exchange.
 - ``leak``: device memory in use before and after ``--leak-iters`` allocating ``alltoallv`` calls.
 
-Every timed iteration starts after a device synchronize and an MPI barrier; the reported time is
-the largest over ranks of each rank's median.
+Two timings of every call, each the largest over ranks of each rank's median: ``ms``, the
+iterations enqueued back to back after one barrier (throughput, as nccl-tests measures it: the
+host's time per call overlaps the device's work), and ``sync_ms``, every iteration started after
+a device synchronize and an MPI barrier (latency: the host's time per call is exposed).
 """
-
-import inspect
 
 import numpy
 
@@ -27,9 +28,10 @@ RATIO_TARGET = 0.97
 DROP_IN_TARGET = 1.5
 SPLIT_SEED = 2024
 A2A_COLUMNS = ["size", "count", "type", "splits", "ours_ms", "ours_algbw", "ours_busbw",
-               "torch_ms", "torch_algbw", "torch_busbw", "ratio", "target", "ok"]
-DROP_COLUMNS = ["impl", "precision", "chunks", "rows", "dim", "ms", "p90_ms", "speedup_vs_torch",
-                "target", "sqnr_db"]
+               "torch_ms", "torch_algbw", "torch_busbw", "ratio", "target", "ok", "ours_sync_ms",
+               "torch_sync_ms", "sync_ratio"]
+DROP_COLUMNS = ["impl", "precision", "transport", "rows", "dim", "ms", "p90_ms",
+                "speedup_vs_torch", "target", "sync_ms", "sync_speedup", "sqnr_db"]
 LEAK_COLUMNS = ["op", "iters", "rows", "before_bytes", "after_bytes", "grew"]
 
 
@@ -40,8 +42,6 @@ def add_arguments(parser):
     parser.add_argument("--types", nargs="+", default=["bf16", "uint8"], choices=["bf16", "uint8"])
     parser.add_argument("--splits", nargs="+", default=["uniform", "skewed"],
                         choices=["uniform", "skewed"])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8],
-                        help="chunks of the drop-in all_to_all_single")
     parser.add_argument("--leak-iters", type=int, help="alltoallv calls of the leak check "
                         "(default 1000 on a GPU, 10 on the CPU; 0 skips)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed columns")
@@ -74,9 +74,11 @@ class _Bench:
             rt.init_torch_distributed()
 
     def time(self, fn):
-        stats = _timing.measure(fn, self.clock, iters=self.args.iters, warmup=self.args.warmup,
-                                before=self.rt.barrier)
-        return _timing.max_over_ranks(stats, self.rt.allreduce_max)
+        """``(back-to-back Stats, synced Stats)`` of ``fn``, each the slowest rank's."""
+        kw = {"iters": self.args.iters, "warmup": self.args.warmup, "before": self.rt.barrier}
+        stream = _timing.measure_back_to_back(fn, self.clock, **kw)
+        synced = _timing.measure(fn, self.clock, **kw)
+        return tuple(_timing.max_over_ranks(s, self.rt.allreduce_max) for s in (stream, synced))
 
     def splits(self, rows, kind):
         matrix = _workload.split_matrix(self.rt.size, rows, kind, seed=SPLIT_SEED)
@@ -104,23 +106,26 @@ class _Bench:
                     rt.log(f"alltoallv {dtype} {rows}x{dim} {kind}")
                     send, recv = self.splits(rows, kind)
                     out = rt.xp.empty((sum(recv), dim), dtype=x.dtype)
-                    ours = self.time(lambda: comm.alltoallv(x, send, recv, out=out))
+                    ours, ours_sync = self.time(lambda: comm.alltoallv(x, send, recv, out=out))
                     row = {"size": size, "count": rows * dim, "type": dtype, "splits": kind,
                            "rows": rows, "dim": dim}
                     algbw = _workload.gbps(size, ours.median)
                     row.update(ours.as_dict("ours_"), ours_algbw=algbw,
-                               ours_busbw=_workload.busbw(algbw, rt.size))
+                               ours_busbw=_workload.busbw(algbw, rt.size),
+                               **ours_sync.as_dict("ours_sync_"))
                     if self.use_torch:
                         ref = rt.xp.empty_like(out)
                         fn = self.torch_a2a(rt.to_torch(ref), rt.to_torch(x), send, recv)
-                        theirs = self.time(fn)
+                        theirs, theirs_sync = self.time(fn)
                         t_algbw = _workload.gbps(size, theirs.median)
                         ratio = theirs.median / ours.median
                         same = bool(rt.xp.array_equal(out.view(numpy.uint8), ref.view(numpy.uint8)))
                         row.update(theirs.as_dict("torch_"), torch_algbw=t_algbw,
                                    torch_busbw=_workload.busbw(t_algbw, rt.size), ratio=ratio,
                                    target=RATIO_TARGET, same_output=same,
-                                   ok=_verdict(ratio >= RATIO_TARGET and same, rt.simulated))
+                                   ok=_verdict(ratio >= RATIO_TARGET and same, rt.simulated),
+                                   **theirs_sync.as_dict("torch_sync_"),
+                                   sync_ratio=theirs_sync.median / ours_sync.median)
                         del ref
                     out_rows.append(row)
                     del out
@@ -128,40 +133,50 @@ class _Bench:
         return out_rows
 
     def drop_in_rows(self, rows, dim):
+        """torch's bf16 exchange, then mxcomm's drop-in in MXFP8 on both transports and in bf16."""
+        from mxcomm import comm as comm_module
         from mxcomm.a2a import all_to_all_single
-        rt, comm = self.rt, self.rt.comm
+        rt = self.rt
         kind = self.args.splits[0]
         send, recv = self.splits(rows, kind)
         x = rt.random_bf16((rows, dim), seed=200 + rt.rank)
         exact = rt.xp.empty((sum(recv), dim), dtype=x.dtype)
-        comm.alltoallv(x, send, recv, out=exact)
-        has_chunks = "chunks" in inspect.signature(all_to_all_single).parameters
-        chunk_list = self.args.chunks if has_chunks else [1]
-        out_rows, torch_ms = [], float("nan")
+        rt.comm.alltoallv(x, send, recv, out=exact)
+        out_rows, torch_ms, torch_sync_ms = [], float("nan"), float("nan")
         base = {"rows": rows, "dim": dim, "splits": kind}
         if self.use_torch:
             rt.log(f"drop-in torch bf16 {rows}x{dim}")
             ref = rt.xp.empty_like(exact)
-            stats = self.time(self.torch_a2a(rt.to_torch(ref), rt.to_torch(x), send, recv))
-            torch_ms = stats.median
-            out_rows.append({"impl": "torch", "precision": "bf16", "chunks": 1, **base,
+            stats, synced = self.time(self.torch_a2a(rt.to_torch(ref), rt.to_torch(x), send,
+                                                     recv))
+            torch_ms, torch_sync_ms = stats.median, synced.median
+            out_rows.append({"impl": "torch", "precision": "bf16", "transport": "c10d", **base,
                              **stats.as_dict(), "speedup_vs_torch": 1.0, "target": "",
+                             "sync_ms": synced.median, "sync_speedup": 1.0,
                              "sqnr_db": _exact_sqnr(rt, exact, ref)})
             del ref
-        for precision in ("mxfp8", "bf16"):
-            for c in chunk_list if precision == "mxfp8" else [1]:
-                rt.log(f"drop-in mxcomm {precision} chunks={c} {rows}x{dim}")
-                kw = {"chunks": c} if has_chunks else {}
-                fn = lambda: all_to_all_single(x, recv, send, comm, precision=precision, **kw)  # noqa: E731
-                stats = self.time(fn)
-                out = fn()
-                rt.sync()
-                out_rows.append({"impl": "mxcomm", "precision": precision, "chunks": c, **base,
-                                 **stats.as_dict(), "speedup_vs_torch": torch_ms / stats.median,
-                                 "target": DROP_IN_TARGET if precision == "mxfp8" else "",
-                                 "sqnr_db": _exact_sqnr(rt, exact, out)})
-                del out
-        return out_rows, has_chunks
+        grouped = comm_module.init("auto", rt.mpi_comm, peer_memory=False) \
+            if rt.comm.transport != "grouped" else rt.comm
+        runs = [("mxfp8", rt.comm), ("bf16", rt.comm)]
+        if grouped is not rt.comm:
+            runs.insert(1, ("mxfp8", grouped))
+        for precision, comm in runs:
+            transport = comm.transport if precision == "mxfp8" else "alltoallv"
+            rt.log(f"drop-in mxcomm {precision} ({transport}) {rows}x{dim}")
+            fn = lambda: all_to_all_single(x, recv, send, comm, precision=precision)  # noqa: E731
+            stats, synced = self.time(fn)
+            out = fn()
+            rt.sync()
+            out_rows.append({"impl": "mxcomm", "precision": precision, "transport": transport,
+                             **base, **stats.as_dict(), "speedup_vs_torch": torch_ms / stats.median,
+                             "target": DROP_IN_TARGET if precision == "mxfp8" else "",
+                             "sync_ms": synced.median,
+                             "sync_speedup": torch_sync_ms / synced.median,
+                             "sqnr_db": _exact_sqnr(rt, exact, out)})
+            del out
+        if grouped is not rt.comm:
+            grouped.close()
+        return out_rows
 
     def leak_rows(self, rows, dim, iters):
         rt, comm = self.rt, self.rt.comm
@@ -189,15 +204,14 @@ def measure(args, rt):
     dim = args.dim or (32 if sim else 7168)
     bench = _Bench(args, rt)
     tables = {"alltoallv": bench.alltoallv_rows(rows_list, dim)}
-    tables["drop_in"], has_chunks = bench.drop_in_rows(max(rows_list), dim)
+    tables["drop_in"] = bench.drop_in_rows(max(rows_list), dim)
     leak_iters = args.leak_iters if args.leak_iters is not None else (10 if sim else 1000)
     tables["leak"] = bench.leak_rows(min(rows_list), dim, leak_iters) if leak_iters > 0 else []
-    notes = ["time = max over ranks of each rank's median; every iteration starts after a device "
-             "sync + MPI barrier", "size = bytes sent per rank; algbw = size/time (GB = 1e9); "
+    notes = ["time = max over ranks of each rank's median; ms: iterations enqueued back to back "
+             "(throughput, as nccl-tests); sync_ms: every iteration after a device sync + MPI "
+             "barrier (latency)", "size = bytes sent per rank; algbw = size/time (GB = 1e9); "
              "busbw = algbw*(W-1)/W; ratio = torch_ms/ours_ms",
              f"split matrices built from seed {SPLIT_SEED} on every rank (skewed: Dirichlet(1) rows)"]
-    if not has_chunks:
-        notes.append("mxcomm.a2a.all_to_all_single takes no chunks= argument: chunks=1 only")
     if not bench.use_torch:
         notes.append("torch.distributed columns skipped (--no-torch)")
     elif sim:
@@ -213,7 +227,8 @@ def measure(args, rt):
 def _display(tables):
     a2a = [dict(r, ours_algbw=r.get("ours_algbw"), ratio=r.get("ratio", float("nan")))
            for r in tables["alltoallv"]]
-    drop = [dict(r, speedup_vs_torch=_report.speedup(r["speedup_vs_torch"])) for r in tables["drop_in"]]
+    drop = [dict(r, speedup_vs_torch=_report.speedup(r["speedup_vs_torch"]),
+                 sync_speedup=_report.speedup(r["sync_speedup"])) for r in tables["drop_in"]]
     return [("alltoallv (nccl-tests columns; ms, GB/s)", a2a, A2A_COLUMNS),
             ("drop-in all_to_all_single vs torch bf16", drop, DROP_COLUMNS),
             ("leak check", tables["leak"], LEAK_COLUMNS)]
