@@ -10,14 +10,14 @@ window on the host)::
 
     sender r, caller stream:  fill(r+1) ready[1]  fill(r+2) ready[2] ... fill(r)   (self: into out)
     ---------------------------------- host barrier ----------------------------------
-    receiver r, side stream s:  wait ready[s] of rank r-s, copy its rows for r into out
+    receiver r, side stream:  for s = 1, 2, ...: wait ready[s] of rank r-s, copy its rows into out
     receiver r, caller stream:  arrived(r) ... wait copy s, arrived(r-s) ...
 
 Each rank fills its own *staging* region (a peer's rows at the row offsets of the send order),
 records one event per step, and the receivers pull with copy engines (``cudaMemcpyAsync`` from the
-peer's mapped memory), one side stream per step, so neither the copies nor the waits take SMs from
-the caller's kernels. Step ``s`` pairs sender ``r`` with receiver ``r + s``: every rank fills the
-rows its step-1 receiver pulls first. Staging is reused from call to call: a rank refills it only
+peer's mapped memory), peer after peer on a side stream, so neither the copies nor the waits
+take SMs from the caller's kernels. Step ``s`` pairs sender ``r`` with receiver ``r + s``: every
+rank fills first the rows its step-1 receiver pulls first. Staging is reused from call to call: a rank refills it only
 after every peer has recorded that its pulls of the previous call are done.
 
 ``grouped`` (any communicator): ``fill`` writes into a staging array, then one ``alltoallv``
