@@ -133,8 +133,12 @@ def test_metadata_has_every_field(monkeypatch):
     assert meta["date"].endswith("+00:00")
 
 
-def test_git_commit_falls_back_to_environment(monkeypatch, tmp_path):
+def test_git_commit_prefers_the_environment(monkeypatch, tmp_path):
+    """The variable names a copied tree's commit, even where a stale .git says otherwise."""
+    import os
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setenv("MXCOMM_COMMIT", "feedbee")
+    assert _report.git_commit(cwd=repo) == "feedbee"
     assert _report.git_commit(cwd=str(tmp_path)) == "feedbee"  # not a git checkout
     monkeypatch.delenv("MXCOMM_COMMIT")
     assert _report.git_commit(cwd=str(tmp_path)) == "unknown"

@@ -20,8 +20,10 @@ SIM_DEVICE = "cpu (numba simulator)"
 
 
 def git_commit(cwd=None):
-    """Short commit of the checkout: ``git rev-parse --short HEAD``, else ``$MXCOMM_COMMIT``, else
-    ``"unknown"``."""
+    """``$MXCOMM_COMMIT`` if set (a copied tree whose ``.git`` is stale), else the checkout's
+    ``git rev-parse --short HEAD``, else ``"unknown"``."""
+    if os.environ.get("MXCOMM_COMMIT"):
+        return os.environ["MXCOMM_COMMIT"]
     if cwd is None:
         cwd = os.path.dirname(os.path.abspath(__file__))
     try:
@@ -31,7 +33,7 @@ def git_commit(cwd=None):
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("MXCOMM_COMMIT", "unknown")
+    return "unknown"
 
 
 def device_name():
