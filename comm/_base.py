@@ -303,17 +303,17 @@ class Communicator:
         raise NotImplementedError
 
     def alltoallv_staged(self, arrays, send_counts, recv_counts, fill, *, out=None, arrived=None,
-                         stream=None):
+                         direct=False, stream=None):
         """An all-to-all whose rows the caller writes in place and reads as they arrive.
 
         Collective. The caller's ``fill`` writes each peer's rows straight into memory the
         transport picked (no staging copy), and ``arrived`` is called for each sender's rows as
-        soon as they are in ``out``, so producing (e.g. quantizing) and consuming (e.g.
+        soon as they can be read, so producing (e.g. quantizing) and consuming (e.g.
         dequantizing) overlap the transfer. The transport (:attr:`transport`) is ``"pull"`` where
         every rank can map its peers' memory (one node: CUDA IPC on GPUs, an MPI shared window
-        on the host): receivers copy from the senders' memory with copy engines; else
-        ``"grouped"``: one :meth:`alltoallv` after all fills. Counts are always checked across
-        ranks (the pull transport needs every rank's counts).
+        on the host): receivers copy from the senders' memory with copy engines, or with
+        ``direct`` read it in place; else ``"grouped"``: one :meth:`alltoallv` after all fills.
+        Counts are always checked across ranks (the pull transport needs every rank's counts).
 
         Args:
             arrays: ``((row shape, dtype), ...)``: the arrays moved together, e.g.
@@ -324,18 +324,28 @@ class Communicator:
             fill: ``fill(peer, begin, end, slots)``: write rows ``[begin, end)`` of the send
                 order (those for ``peer``) into ``slots``, one array per entry of ``arrays``,
                 each ``(end - begin, *row shape)``; on the device, enqueue on ``stream``. Called
-                once per rank, own rows last, before any row moves.
+                for every rank, own rows last, once or (large exchanges on the pull transport)
+                for consecutive pieces of its rows.
             out: arrays of ``sum(recv_counts)`` rows, one per entry of ``arrays``, or None to
-                allocate them. Written.
-            arrived: optional ``arrived(peer, begin, end)``: rows ``[begin, end)`` of ``out``,
-                from ``peer``, are complete on ``stream`` (own rows first). Not called for a peer
-                that sends nothing.
+                allocate them. Written. Must be None with ``direct``.
+            arrived: optional ``arrived(peer, begin, end, rows, on)``: ``peer``'s rows, rows
+                ``[begin, end)`` of the receive order, are readable in ``rows`` (one array per
+                entry of ``arrays``) by work enqueued on the stream handle ``on``. Without
+                ``direct``, ``rows`` are the slices of ``out`` and ``on`` is ``stream``, once per
+                sender; with it, once per piece. Own rows first; not called for no rows.
+            direct: True to skip ``out``: ``arrived`` reads each sender's rows where they are;
+                they may only be read, by ``arrived`` or by the work it enqueues on ``on``
+                (keep no reference past the call). On the pull transport ``rows`` are then
+                the sender's mapped memory and ``on`` a side stream running beside ``stream``
+                (a GPU consumer reads over NVLink while the caller's stream goes on filling);
+                ``stream`` waits for it before the call returns. Requires ``arrived``.
             stream: as in :meth:`alltoallv`; fills and arrivals are ordered on it.
         Returns:
-            the tuple of ``out`` arrays, complete on ``stream``.
+            the tuple of ``out`` arrays, complete on ``stream``; None with ``direct``.
         Raises:
             ValueError, TypeError: bad arrays or counts, here or on another rank (the same message
-                on every rank, before ``fill`` is called).
+                on every rank, before ``fill`` is called); ``direct`` with ``out`` or without
+                ``arrived``.
             TimeoutError: a peer did not join within ``timeout`` s; the communicator is aborted.
             RuntimeError: the communicator is aborted or closed.
         An exception raised by ``fill`` or ``arrived`` leaves the peers waiting until the timeout.
@@ -345,7 +355,7 @@ class Communicator:
         stream_ptr = self._stream_ptr(stream)
         with self._on_stream(stream_ptr):  # allocations ordered on the caller's stream
             exchange = _staged.Exchange(self, arrays, send_counts, recv_counts, out, fill,
-                                        arrived, stream_ptr)
+                                        arrived, stream_ptr, direct)
             self._transport.run(exchange)
         self._staged_done(stream_ptr)
         return exchange.outs

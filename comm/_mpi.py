@@ -193,24 +193,34 @@ class HostPeerMemory:
 
     def local(self, offset, shape, dtype):
         """A NumPy view of this rank's segment: ``shape`` of ``dtype`` from byte ``offset``."""
+        return self.peer_view(self._comm.rank, offset, shape, dtype)
+
+    def peer_view(self, peer, offset, shape, dtype):
+        """A NumPy view of ``peer``'s segment: ``shape`` of ``dtype`` from byte ``offset``."""
         dtype = numpy.dtype(dtype)
-        count = math.prod(shape)
-        raw = self._segments[self._comm.rank][offset:offset + count * dtype.itemsize]
+        raw = self._segments[peer][offset:offset + math.prod(shape) * dtype.itemsize]
         return raw.view(dtype).reshape(shape)
 
-    def fetch(self, step, peer, copies, stream):
-        """Copy ``peer``'s rows: ``copies`` = ``[(byte offset in its segment, out array), ...]``."""
+    def fetch(self, step, peer, pieces, stream):
+        """Copy ``peer``'s rows: per piece ``[(byte offset in its segment, out array), ...]``."""
         segment = self._segments[peer]
-        for offset, out in copies:
-            _bytes(out)[:] = segment[offset:offset + out.nbytes]
+        for copies in pieces:
+            for offset, out in copies:
+                _bytes(out)[:] = segment[offset:offset + out.nbytes]
 
     def begin(self, stream):
         pass
 
-    def ready(self, step, stream):
+    def ready(self, step, piece, stream):
         pass
 
+    def await_peer(self, step, piece, peer, stream):
+        return stream
+
     def finish(self, stream):
+        pass
+
+    def join(self, stream):
         pass
 
     def arrived(self, step, stream):

@@ -1,7 +1,7 @@
 """Staged all-to-all: the caller produces each peer's rows, then consumes each peer's rows.
 
 :meth:`Communicator.alltoallv_staged` moves rows the caller writes itself (``fill``), straight into
-memory the transport chose, and hands back each sender's rows as soon as they are in ``out``
+memory the transport chose, and hands back each sender's rows as soon as they can be read
 (``arrived``), so a producer (a quantize kernel) and a consumer (a dequantize kernel) overlap the
 transfer. Two transports, chosen per communicator (``peer_memory``):
 
@@ -14,11 +14,19 @@ window on the host)::
     receiver r, caller stream:  arrived(r) ... wait copy s, arrived(r-s) ...
 
 Each rank fills its own *staging* region (a peer's rows at the row offsets of the send order),
-records one event per step, and the receivers pull with copy engines (``cudaMemcpyAsync`` from the
-peer's mapped memory), peer after peer on a side stream, so neither the copies nor the waits
-take SMs from the caller's kernels. Step ``s`` pairs sender ``r`` with receiver ``r + s``: every
-rank fills first the rows its step-1 receiver pulls first. Staging is reused from call to call: a rank refills it only
-after every peer has recorded that its pulls of the previous call are done.
+records one event per step (one per piece: a large region is filled and pulled in up to
+``MAX_PIECES`` pieces, ``pieces()``), and the receivers pull with copy engines
+(``cudaMemcpyAsync`` from the peer's mapped memory), peer after peer on a side stream, so neither
+the copies nor the waits take SMs from the caller's kernels. Step ``s`` pairs sender ``r`` with receiver ``r + s``: every
+rank fills first the rows its step-1 receiver pulls first. Staging is reused from call to call: a
+rank refills it only after every peer has recorded that its pulls of the previous call are done.
+
+With ``direct=True`` nothing is copied: ``arrived`` runs on the side stream and reads the
+sender's rows where they are (SM loads from the peer's mapped memory), beside the caller's fills,
+piece by piece::
+
+    receiver r, side stream:  for s = 1, 2, ...: wait ready[s] of rank r-s, arrived(r-s) on them
+    receiver r, caller stream:  fills ... arrived(r) (own rows, in the staging) ... wait side
 
 ``grouped`` (any communicator): ``fill`` writes into a staging array, then one ``alltoallv``
 (one NCCL group, or MPI) moves everything and ``arrived`` is called for every sender.
@@ -39,6 +47,14 @@ from . import _validate
 
 #: Staging regions start at multiples of this many bytes (each array of the layout, too).
 ALIGN = 256
+#: The pull transport moves a peer's rows in pieces of about this many bytes, up to MAX_PIECES,
+#: each with its own "ready" event: the first piece can be pulled while the sender still fills
+#: the next, so the transfer starts after a fraction of the first fill. Every piece costs
+#: interprocess event records and waits plus launches: on 4 H200s 64 MB pieces of a 242 MB
+#: region made the MXFP8 drop-in slower (3.4 ms against 2.6 ms whole), 128 MB ones were even;
+#: on 2 H200s (484 MB regions) 128 MB pieces gained 4 % (bench/NOTES.md).
+PIECE_BYTES = 128 << 20
+MAX_PIECES = 4
 
 
 def _align(n):
@@ -66,6 +82,14 @@ def send_order(rank, size):
     return [(rank + s) % size for s in range(1, size)] + [rank]
 
 
+def pieces(rows, layout):
+    """Row ranges ``[(lo, hi), ...]`` a peer's ``rows`` are filled and pulled in: about
+    ``PIECE_BYTES`` each, at most ``MAX_PIECES``, at least one (maybe empty). Sender and
+    receiver compute the same from the voted counts."""
+    k = min(MAX_PIECES, max(1, -(-rows * sum(layout) // PIECE_BYTES)))
+    return [(rows * i // k, rows * (i + 1) // k) for i in range(k)]
+
+
 class GroupedTransport:
     """Fill a staging array, then one ``alltoallv`` of it (any communicator)."""
 
@@ -76,16 +100,18 @@ class GroupedTransport:
 
     def run(self, ex):
         comm = ex.comm
-        staging = tuple(comm._empty((ex.rows_sent,) + shape, dtype) for shape, dtype in ex.arrays)
+        staging = ex.new_arrays(ex.rows_sent)
         for peer in send_order(comm.rank, comm.size):
             begin = ex.send_offsets[peer]
             end = begin + ex.send_counts[peer]
             ex.fill(peer, begin, end, tuple(a[begin:end] for a in staging))
-        comm.alltoallv(staging, ex.send_counts, ex.recv_counts, ex.outs, stream=ex.stream,
+        outs = ex.outs if ex.outs is not None else ex.new_arrays(sum(ex.recv_counts))
+        comm.alltoallv(staging, ex.send_counts, ex.recv_counts, outs, stream=ex.stream,
                        validate=False)
         for step in range(comm.size):
             peer = (comm.rank - step) % comm.size
-            ex.arrive(peer)
+            at = ex.recv_offsets[peer]
+            ex.arrive(peer, tuple(o[at:at + ex.recv_counts[peer]] for o in outs), ex.stream)
 
     def close(self):
         pass
@@ -98,9 +124,11 @@ class PullTransport:
         comm: the communicator.
         memory: the staging memory every rank can read: an object with
             ``reserve(nbytes, stream)`` (collective), ``local(offset, shape, dtype)``,
-            ``begin(stream)``, ``ready(step, stream)``, ``fetch(step, peer, copies, stream)``,
-            ``arrived(step, stream)``, ``finish(stream)`` and ``close()``
-            (``_ipc.CudaPeerMemory``, ``_mpi.HostPeerMemory``).
+            ``peer_view(peer, offset, shape, dtype)``, ``begin(stream)``,
+            ``ready(step, piece, stream)``, ``fetch(step, peer, pieces, stream)``,
+            ``await_peer(step, piece, peer, stream)``, ``arrived(step, stream)``,
+            ``finish(stream)``, ``join(stream)`` and ``close()`` (``_ipc.CudaPeerMemory``,
+            ``_mpi.HostPeerMemory``).
     """
 
     name = "pull"
@@ -118,32 +146,74 @@ class PullTransport:
                        ex.stream)
         memory.begin(ex.stream)  # the peers' pulls of the previous call are done
         bases, _ = regions(row_bytes, ex.rows_sent)
+        own = None
         for step, peer in enumerate(send_order(rank, size), start=1):
             begin = ex.send_offsets[peer]
             count = ex.send_counts[peer]
-            if peer == rank:  # own rows go straight to out
-                at = ex.recv_offsets[rank]
-                ex.fill(peer, begin, begin + count, tuple(o[at:at + count] for o in ex.outs))
+            if peer == rank and not ex.direct:  # own rows go straight to out
+                ex.fill(peer, begin, begin + count, ex.out_rows(rank))
                 continue
-            slots = tuple(memory.local(base + begin * rb, (count,) + shape, dtype)
-                          for base, rb, (shape, dtype) in zip(bases, row_bytes, ex.arrays))
-            ex.fill(peer, begin, begin + count, slots)
-            memory.ready(step, ex.stream)
+            parts = [(0, count)] if peer == rank else pieces(count, row_bytes)
+            for piece, (lo, hi) in enumerate(parts):
+                slots = tuple(memory.local(base + (begin + lo) * rb, (hi - lo,) + shape, dtype)
+                              for base, rb, (shape, dtype) in zip(bases, row_bytes, ex.arrays))
+                ex.fill(peer, begin + lo, begin + hi, slots)
+                if peer == rank:
+                    own = slots
+                else:
+                    memory.ready(step, piece, ex.stream)
         comm.barrier()  # every rank's ready events are recorded before anyone waits on them
-        ex.arrive(rank)
+        if ex.direct:
+            self._consume_in_place(ex, own)
+        else:
+            self._pull(ex)
+
+    def _senders(self, ex):
+        """``(step, peer, [(first row, rows, [(byte offset in the peer's memory, (shape,
+        dtype)) per array]) per piece])`` for every peer, in pull order."""
+        rank, size = ex.comm.rank, ex.comm.size
         for step in range(1, size):
             peer = (rank - step) % size
-            peer_sent = sent[peer]
+            peer_sent = ex.sent[peer]
             first = sum(peer_sent[:rank])          # the peer's first row for this rank
-            peer_bases, _ = regions(row_bytes, sum(peer_sent))
-            at, count = ex.recv_offsets[peer], ex.recv_counts[peer]
-            copies = [(base + first * rb, o[at:at + count])
-                      for base, rb, o in zip(peer_bases, row_bytes, ex.outs)]
+            peer_bases, _ = regions(ex.row_bytes, sum(peer_sent))
+            parts = []
+            for lo, hi in pieces(ex.recv_counts[peer], ex.row_bytes):
+                parts.append((lo, hi, [(base + (first + lo) * rb, ((hi - lo,) + shape, dtype))
+                                       for base, rb, (shape, dtype) in zip(peer_bases,
+                                                                           ex.row_bytes,
+                                                                           ex.arrays)]))
+            yield step, peer, parts
+
+    def _pull(self, ex):
+        """Copy every peer's rows into ``ex.outs``; hand each peer's over once all are there."""
+        memory, rank = self._memory, ex.comm.rank
+        ex.arrive(rank, ex.out_rows(rank), ex.stream)
+        for step, peer, parts in self._senders(ex):
+            at = ex.recv_offsets[peer]
+            copies = [[(offset, o[at + lo:at + hi]) for (offset, _), o in zip(where, ex.outs)]
+                      for lo, hi, where in parts]
             memory.fetch(step, peer, copies, ex.stream)
         memory.finish(ex.stream)
-        for step in range(1, size):
+        for step in range(1, ex.comm.size):
             memory.arrived(step, ex.stream)
-            ex.arrive((rank - step) % size)
+            peer = (rank - step) % ex.comm.size
+            ex.arrive(peer, ex.out_rows(peer), ex.stream)
+
+    def _consume_in_place(self, ex, own):
+        """``direct``: hand over the own rows in the staging, then each piece of each peer's in
+        its memory, on the side stream once the peer has filled it; the caller's stream waits
+        for the side stream at the end."""
+        memory = self._memory
+        ex.arrive(ex.comm.rank, own, ex.stream)
+        for step, peer, parts in self._senders(ex):
+            for piece, (lo, hi, where) in enumerate(parts):
+                if hi > lo:
+                    side = memory.await_peer(step, piece, peer, ex.stream)
+                    ex.arrive(peer, tuple(memory.peer_view(peer, offset, shape, dtype)
+                                          for offset, (shape, dtype) in where), side, lo, hi)
+        memory.finish(ex.stream)
+        memory.join(ex.stream)
 
     def close(self):
         self._memory.close()
@@ -157,14 +227,17 @@ class Exchange:
         row_bytes: bytes of one row of each array.
         send_counts, recv_counts, send_offsets, recv_offsets: W ints each (rows).
         sent: W lists of W ints, ``sent[j][i]`` rows rank j sends to rank i.
-        outs: the output arrays. stream: the caller's stream handle (0 on the host).
+        outs: the output arrays (None when ``direct``). stream: the caller's stream handle (0 on
+            the host). direct: ``arrived`` reads the rows where they are (no ``out``).
     """
 
-    def __init__(self, comm, arrays, send_counts, recv_counts, out, fill, arrived, stream):
+    def __init__(self, comm, arrays, send_counts, recv_counts, out, fill, arrived, stream,
+                 direct):
         self.comm = comm
         self.fill = fill
         self._arrived = arrived
         self.stream = stream
+        self.direct = bool(direct)
         rank, size = comm.rank, comm.size
         error = None
         sc = rc = None
@@ -175,6 +248,9 @@ class Exchange:
                 raise ValueError("arrays: expected one or more (row shape, dtype) pairs")
             sc = _validate.as_counts(send_counts, "send_counts", rank, size)
             rc = _validate.as_counts(recv_counts, "recv_counts", rank, size)
+            if direct and (out is not None or arrived is None):
+                raise ValueError(f"direct=True on rank {rank}: expected out=None and an arrived "
+                                 f"callback (the rows are read where they are, never stored)")
             if out is not None:
                 out = tuple(comm._as_array(a, "out") for a in out)
                 if len(out) != len(self.arrays):
@@ -199,13 +275,26 @@ class Exchange:
         self.recv_offsets = _validate.exclusive_cumsum(rc)
         self.rows_sent = sum(sc)
         self.row_bytes = tuple(dtype.itemsize * math.prod(shape) for shape, dtype in self.arrays)
-        self.outs = out if out is not None else tuple(
-            comm._empty((sum(rc),) + shape, dtype) for shape, dtype in self.arrays)
+        self.outs = out
+        if out is None and not self.direct:
+            self.outs = self.new_arrays(sum(rc))
 
-    def arrive(self, peer):
-        if self._arrived is not None and self.recv_counts[peer]:
+    def new_arrays(self, rows):
+        """One new array of ``rows`` rows per entry of ``arrays``, on the caller's stream."""
+        return tuple(self.comm._empty((rows,) + shape, dtype) for shape, dtype in self.arrays)
+
+    def out_rows(self, peer):
+        """The slices of ``outs`` that hold ``peer``'s rows."""
+        at = self.recv_offsets[peer]
+        return tuple(o[at:at + self.recv_counts[peer]] for o in self.outs)
+
+    def arrive(self, peer, rows, stream, lo=0, hi=None):
+        """Hand ``peer``'s rows ``[lo, hi)`` (default: all), in ``rows`` (one array per entry of
+        ``arrays``), over, readable on ``stream``; nothing for no rows."""
+        hi = self.recv_counts[peer] if hi is None else hi
+        if self._arrived is not None and hi > lo:
             begin = self.recv_offsets[peer]
-            self._arrived(peer, begin, begin + self.recv_counts[peer])
+            self._arrived(peer, begin + lo, begin + hi, rows, stream)
 
 
 def _check_array_spec(spec, i):

@@ -33,16 +33,20 @@ def _device_properties():
     return device.MULTIPROCESSOR_COUNT, device.compute_capability
 
 
-def launch_1d(n, stream=0, *, threads=None):
+def launch_1d(n, stream=0, *, threads=None, share=1.0):
     """Launch configuration ``(blocks, threads, stream)`` for ``n`` work items, grid-stride.
 
     Kernels launched with it must loop ``for i in range(start, n, stride)``: the grid is capped at
-    ``RESIDENT_THREADS_PER_SM`` threads per multiprocessor (a persistent grid), and never empty.
+    ``share`` of ``RESIDENT_THREADS_PER_SM`` threads per multiprocessor (a persistent grid), and
+    never empty.
 
     Args:
         n: number of work items (threads' worth of work), >= 0.
         stream: the raw CUDA stream handle (int) to launch on; ignored under the simulator.
         threads: threads per block, a multiple of 32; default ``THREADS_PER_BLOCK``.
+        share: the fraction of the device's resident threads the grid may take, in (0, 1]: below
+            1 for a kernel meant to run beside another one's persistent grid (which then keeps
+            the rest of the device, instead of waiting for it or leaving it).
     Returns:
         A tuple to index a :class:`Kernel` with: ``kernel[launch_1d(n, stream)](...)``.
     """
@@ -52,7 +56,8 @@ def launch_1d(n, stream=0, *, threads=None):
         return blocks, threads, 0
     threads = threads or THREADS_PER_BLOCK
     per_sm = max(1, min(RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM // threads))
-    blocks = max(1, min(-(-n // threads), per_sm * _device_properties()[0]))
+    cap = max(1, int(per_sm * _device_properties()[0] * share))
+    blocks = max(1, min(-(-n // threads), cap))
     return blocks, threads, int(stream)
 
 

@@ -14,17 +14,20 @@ Directions and default precisions (torchtitan's conventions, DESIGN.md "EP seman
     all_to_all_single        input_splits     output_splits    "mxfp8"    x's dtype
 
 The MXFP8 exchange is one :meth:`~mxcomm.comm.Communicator.alltoallv_staged`: each peer's rows
-are quantized straight into the memory they travel from, and, when the result is dequantized,
-each sender's rows are dequantized as soon as they have arrived. On one node (``comm.transport ==
-"pull"``) the receivers pull with copy engines from the senders' memory (CUDA IPC), so quantizing
-the rows of later peers, the transfers and dequantizing the rows already received overlap, and
-the kernels keep every SM::
+are quantized straight into the memory they travel from. On one node (``comm.transport ==
+"pull"``) the receivers read the senders' memory (CUDA IPC), so quantizing the rows of later peers
+overlaps the transfers. Where the result is dequantized (the combine directions and the drop-in)
+the dequantize kernel reads each sender's rows in place over NVLink, on a side stream, with a
+quarter of the GPU, as soon as that sender has quantized them; the caller's stream goes on
+quantizing with the rest::
 
-    caller stream:  q(r+1) q(r+2) q(r+3) q(r) | dq(r) ... dq(r-1) ..... dq(r-2) ..... dq(r-3)
-    copy engines:          pull(r-1) ....... pull(r-2) ........ pull(r-3) .......
+    caller stream:  q(r+1) q(r+2) q(r+3) q(r) dq(r)
+    side stream:           dq(r-1 over NVLink) .... dq(r-2) .......... dq(r-3) ..........
 
-Elsewhere (``"grouped"``) the rows are quantized into a staging array, move in one NCCL group
-(or MPI call), and are then dequantized. bf16 exchanges are one ``comm.alltoallv`` either way.
+Where it stays quantized (MXFP8Array results), copy engines pull the rows into the result, peer
+after peer, with no SMs taken from the quantize kernels. Elsewhere (``"grouped"``) the rows are
+quantized into a staging array, move in one NCCL group (or MPI call), and are then dequantized.
+bf16 exchanges are one ``comm.alltoallv`` either way.
 """
 
 import contextlib
@@ -35,12 +38,17 @@ import numpy
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from .kernels import array_module, simulated
 from .kernels._fp8 import MX_BLOCK
-from .mxfp8 import MXFP8Array, dequantize_mxfp8, quantize_mxfp8
+from .mxfp8 import (SCALE_MODES, MXFP8Array, dequantize_mxfp8, launch_dequantize,
+                    launch_quantize)
 
 #: Precisions implemented, and those planned (named in the error message).
 PRECISIONS = ("bf16", "mxfp8")
 PLANNED_PRECISIONS = ("fp8_rowwise", "fp8_block128")
 _INPUT_DTYPES = (bfloat16, float32)
+#: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
+#: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
+#: the rest of the SMs stay with the quantize kernels (bench/NOTES.md).
+_BESIDE_SHARE = 0.25
 
 
 class _Streams:
@@ -165,6 +173,8 @@ def _exchange(x, send_counts, recv_counts, comm, precision, *, what, dequantize,
     try:
         precision = _check_precision(precision)
         x = _check_rows(x, name)
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
         if precision == "mxfp8" and x.shape[1] % MX_BLOCK:
             raise ValueError(f"{name}: D = {x.shape[1]} is not a multiple of the MX block size "
                              f"{MX_BLOCK}")
@@ -223,12 +233,16 @@ def _bf16_to_f32(x):
 
 
 def _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scale_mode, context):
-    """The MXFP8 exchange (module docstring): quantize into the travelling memory peer by peer,
-    dequantize sender by sender as the rows arrive."""
+    """The MXFP8 exchange (module docstring): quantize into the travelling memory peer by peer;
+    dequantize each sender's rows where they are, or collect them still quantized."""
     xp = array_module()
     width = x.shape[1]
     caller = streams.caller_ptr
     recv_rows = sum(recv_counts)
+    arrays = (((width,), numpy.uint8), ((width // MX_BLOCK,), numpy.uint8))
+    # Reading peers' rows in place runs beside the quantize kernels: leave it its share.
+    fill_share = 1.0 - _BESIDE_SHARE if dequantize is not None and comm.transport == "pull" \
+        else 1.0
 
     def fill(peer, begin, end, slots):
         if begin == end:
@@ -238,25 +252,27 @@ def _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scal
             data[...] = x.data[begin:end]
             scales[...] = x.scales[begin:end]
         else:
-            quantize_mxfp8(x[begin:end], scale_mode, out=MXFP8Array(data, scales),
-                           stream=caller)
+            launch_quantize(x[begin:end], MXFP8Array(data, scales), scale_mode, caller,
+                            fill_share)
 
-    def arrived(peer, begin, end):
-        dequantize_mxfp8(MXFP8Array(received.data[begin:end], received.scales[begin:end]),
-                         dequantize, out=out[begin:end], stream=caller)
+    def arrived(peer, begin, end, rows, on):
+        launch_dequantize(MXFP8Array(*rows), out[begin:end], on,
+                          1.0 if on == caller else _BESIDE_SHARE)
 
-    with streams.on_caller():
-        received = MXFP8Array(xp.empty((recv_rows, width), dtype=numpy.uint8),
-                              xp.empty((recv_rows, width // MX_BLOCK), dtype=numpy.uint8))
-        out = None if dequantize is None else xp.empty((recv_rows, width), dtype=dequantize)
-        try:
-            comm.alltoallv_staged((((width,), numpy.uint8), ((width // MX_BLOCK,), numpy.uint8)),
-                                  send_counts, recv_counts, fill,
-                                  out=(received.data, received.scales),
-                                  arrived=None if out is None else arrived, stream=caller)
-        except (TypeError, ValueError) as exc:  # the cross-rank check: name the call
-            raise type(exc)(f"{context}: {exc}") from None
-    return received if out is None else out
+    try:
+        with streams.on_caller():
+            if dequantize is not None:
+                out = xp.empty((recv_rows, width), dtype=dequantize)
+                comm.alltoallv_staged(arrays, send_counts, recv_counts, fill, arrived=arrived,
+                                      direct=True, stream=caller)
+                return out
+            received = MXFP8Array(xp.empty((recv_rows, width), dtype=numpy.uint8),
+                                  xp.empty((recv_rows, width // MX_BLOCK), dtype=numpy.uint8))
+            comm.alltoallv_staged(arrays, send_counts, recv_counts, fill,
+                                  out=(received.data, received.scales), stream=caller)
+            return received
+    except (TypeError, ValueError) as exc:  # the cross-rank check: name the call
+        raise type(exc)(f"{context}: {exc}") from None
 
 
 def _dtype_of(x):

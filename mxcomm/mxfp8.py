@@ -127,6 +127,13 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
         raise TypeError(f"out: expected an MXFP8Array or None, got {type(out).__name__}")
     elif out.shape != (m, d):
         raise ValueError(f"out: expected shape {(m, d)}, got {out.shape}")
+    return launch_quantize(x, out, scale_mode, stream_ptr(stream))
+
+
+def launch_quantize(x, out, scale_mode, stream, share=1.0):
+    """Enqueue the quantize kernel (arguments checked by the caller): ``x`` (M, D) bf16/fp32,
+    C-contiguous, into the MXFP8Array ``out``, on the raw stream handle ``stream``, with a grid of
+    ``share`` of the device (``kernels.launch_1d``). Returns ``out``."""
     if x.size == 0:
         return out
     x_words = _words(x, numpy.dtype(numpy.uint64), "x")
@@ -139,7 +146,7 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
         kernel = quantize_mxfp8_f32_kernel
         data_words = _words(out.data, numpy.dtype(numpy.uint16), "out.data")
         n_threads = -(-x_words.size // WORDS_PER_THREAD)
-    kernel[launch_1d(n_threads, stream_ptr(stream))](
+    kernel[launch_1d(n_threads, stream, share=share)](
         x_words, data_words, out.scales.reshape(-1), scale_mode == "rceil")
     return out
 
@@ -180,11 +187,18 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
             raise ValueError(f"out: expected shape {(m, d)}, got {tuple(out.shape)}")
         if not out.flags.c_contiguous:
             raise ValueError(f"out: expected a C-contiguous array, got strides {out.strides}")
+    return launch_dequantize(mx, out, stream_ptr(stream))
+
+
+def launch_dequantize(mx, out, stream, share=1.0):
+    """Enqueue the dequantize kernel (arguments checked by the caller): ``mx`` (M, D) into
+    ``out`` (M, D) bf16/fp32, C-contiguous, on the raw stream handle ``stream``, with a grid of
+    ``share`` of the device (``kernels.launch_1d``). Returns ``out``."""
     if out.size == 0:
         return out
     data_words = _words(mx.data, numpy.dtype(numpy.uint64), "mx.data")
-    kernel = dequantize_mxfp8_bf16_kernel if dtype == bfloat16 else dequantize_mxfp8_f32_kernel
+    kernel = dequantize_mxfp8_bf16_kernel if out.dtype == bfloat16 else dequantize_mxfp8_f32_kernel
     n_threads = -(-data_words.size // WORDS_PER_THREAD)
-    kernel[launch_1d(n_threads, stream_ptr(stream))](
+    kernel[launch_1d(n_threads, stream, share=share)](
         data_words, mx.scales.reshape(-1), _words(out, numpy.dtype(numpy.uint64), "out"))
     return out

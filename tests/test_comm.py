@@ -147,23 +147,45 @@ def test_alltoallv_chunked_with_offsets_equals_unchunked(comm, chunks):
 
 
 # ------------------------------------------------------------------------- staged all-to-all
-def staged(comm, counts, make, arrays, rows_factor=1):
+def staged(comm, counts, make, arrays, rows_factor=1, direct=False):
     """Run ``alltoallv_staged`` filling each peer's slots from ``make(me, m)`` rows; return the
-    outputs and the (peer, begin, end) arrivals."""
+    received rows (``out``, or with ``direct`` what ``arrived`` copied out of ``rows``) and the
+    (peer, begin, end) arrivals."""
     me = comm.rank
     sc, rc = counts[me] * rows_factor, counts[:, me] * rows_factor
     send = make(me, int(sc.sum()))
     filled, arrivals = [], []
+    copied = tuple(numpy.empty((int(rc.sum()),) + shape, dtype) for shape, dtype in arrays)
+    for c in copied:
+        c.view(numpy.uint8)[...] = 0xA5  # rows never handed over would show
 
     def fill(peer, begin, end, slots):
-        filled.append(peer)
+        filled.append((peer, begin, end))
         for slot, a in zip(slots, send):
             assert slot.shape == (end - begin,) + a.shape[1:]
             slot[...] = a[begin:end]
 
-    outs = comm.alltoallv_staged(arrays, sc, rc, fill,
-                                 arrived=lambda *a: arrivals.append(a))
-    assert sorted(filled) == list(range(comm.size)) and filled[-1] == me  # own rows last
+    def arrived(peer, begin, end, rows, on):
+        assert on == 0  # the host: everything on the caller's (null) stream
+        arrivals.append((peer, begin, end))
+        for c, r in zip(copied, rows):
+            assert r.shape == (end - begin,) + c.shape[1:]
+            c[begin:end] = r
+
+    outs = comm.alltoallv_staged(arrays, sc, rc, fill, arrived=arrived, direct=direct)
+    # Every peer's rows filled once, in consecutive pieces, one peer after another, own rows last.
+    peers = [p for i, (p, _, _) in enumerate(filled) if i == 0 or filled[i - 1][0] != p]
+    assert sorted(peers) == list(range(comm.size)) and peers[-1] == me
+    offsets = numpy.concatenate([[0], numpy.cumsum(sc)])
+    for p in peers:
+        ranges = [(b, e) for q, b, e in filled if q == p]
+        assert ranges[0][0] == offsets[p] and ranges[-1][1] == offsets[p + 1]
+        assert all(e == b2 for (_, e), (b2, _) in zip(ranges, ranges[1:]))
+    if direct:
+        assert outs is None
+        return copied, arrivals
+    for c, o in zip(copied, outs):  # the rows handed over are those of out
+        numpy.testing.assert_array_equal(bits(c), bits(o))
     return outs, arrivals
 
 
@@ -174,11 +196,36 @@ def staged_comm(request):
     c.close()
 
 
+def check_arrivals(arrivals, counts, me):
+    """Each sender's rows were handed over once, in consecutive pieces, own rows first."""
+    offsets = numpy.concatenate([[0], numpy.cumsum(counts[:, me])])
+    senders = [r for r in range(len(counts)) if counts[r, me]]
+    if counts[me, me]:
+        assert arrivals[0] == (me, offsets[me], offsets[me + 1])
+    assert sorted(set(p for p, _, _ in arrivals)) == senders
+    for p in senders:
+        ranges = [(b, e) for q, b, e in arrivals if q == p]
+        assert ranges[0][0] == offsets[p] and ranges[-1][1] == offsets[p + 1]
+        assert all(e > b for b, e in ranges)
+        assert all(e == b2 for (_, e), (b2, _) in zip(ranges, ranges[1:]))
+
+
+@pytest.fixture(params=[False, True], ids=["whole", "pieces"])
+def pieces(request, monkeypatch):
+    """``pieces``: every peer's rows move in up to MAX_PIECES pieces (as large exchanges do)."""
+    if request.param:
+        from mxcomm.comm import _staged
+        monkeypatch.setattr(_staged, "PIECE_BYTES", 1)
+    return request.param
+
+
 @pytest.mark.mpi
+@pytest.mark.parametrize("direct", [False, True], ids=["out", "direct"])
 @pytest.mark.parametrize("pattern", ["random", "zeros", "one_receiver", "empty"])
-def test_alltoallv_staged_matches_reference(staged_comm, pattern):
-    """Both transports move (data, scales) like the reference; each sender's rows are announced
-    once, own rows first; the staging grows between calls (the pull's memory is reused)."""
+def test_alltoallv_staged_matches_reference(staged_comm, pattern, direct, pieces):
+    """Both transports move (data, scales) like the reference, into ``out`` or read in place
+    (``direct``), whole or in pieces; each sender's rows are handed over once, own rows first;
+    the staging grows between calls (the pull's memory is reused)."""
     comm = staged_comm
     w, me = comm.size, comm.rank
     assert comm.transport == ("grouped" if comm._peer_memory is False else "pull")
@@ -190,15 +237,13 @@ def test_alltoallv_staged_matches_reference(staged_comm, pattern):
     for factor in (1, 3, 2):  # grow, then reuse
         scaled = counts * factor
         make = lambda r, n: (data(r, n), scales(r, n), words(r, n))  # noqa: E731
-        outs, arrivals = staged(comm, counts, make, arrays, factor)
+        outs, arrivals = staged(comm, counts, make, arrays, factor, direct)
         for out, ref in zip(outs, (data, scales, words)):
             numpy.testing.assert_array_equal(bits(out), bits(expected_recv(me, scaled, ref)))
-        senders = [r for r in range(w) if scaled[r, me]]
-        assert sorted(p for p, _, _ in arrivals) == senders
-        if scaled[me, me]:
-            assert arrivals[0][0] == me
-        offsets = numpy.concatenate([[0], numpy.cumsum(scaled[:, me])])
-        assert all((b, e) == (offsets[p], offsets[p + 1]) for p, b, e in arrivals)
+        check_arrivals(arrivals, scaled, me)
+        from_peers = [p for p in range(w) if p != me and scaled[p, me] >= 4]
+        if pieces and direct and comm.transport == "pull" and from_peers:
+            assert len(arrivals) > len(set(p for p, _, _ in arrivals))  # really in pieces
 
 
 @pytest.mark.mpi
@@ -222,6 +267,10 @@ def test_alltoallv_staged_bad_counts_raise_everywhere_before_fill(staged_comm):
     out = (numpy.empty((int(counts[:, me].sum()), 4), numpy.int32),)
     with pytest.raises(TypeError, match=r"out\[0\] on rank \d+ is int32 rows"):
         comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], counts[:, me], fill, out=out)
+    with pytest.raises(ValueError, match=r"direct=True on rank \d+: expected out=None and an "
+                                         r"arrived callback"):
+        comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], counts[:, me], fill,
+                              direct=True)
     # Still usable.
     outs, _ = staged(comm, counts, lambda r, n: (rows_of(r, n, numpy.dtype(numpy.uint8), (4,)),),
                      (((4,), numpy.uint8),))
@@ -549,10 +598,13 @@ def test_nccl_tuple_offsets_counts_and_no_growth(nccl_comm):
 
 @pytest.mark.gpu
 @pytest.mark.mpi
+@pytest.mark.parametrize("direct", [False, True], ids=["out", "direct"])
 @pytest.mark.parametrize("peer_memory", [None, False], ids=["pull", "grouped"])
-def test_nccl_alltoallv_staged(peer_memory):
-    """The CUDA IPC pull (and the NCCL grouped fallback) equal the reference, with fills and
-    arrivals enqueued on a side stream of the caller's, over repeated and growing calls."""
+def test_nccl_alltoallv_staged(peer_memory, direct, pieces):
+    """The CUDA IPC pull (and the NCCL grouped fallback) equal the reference, whole or in
+    pieces, with fills and arrivals enqueued on a side stream of the caller's (``direct``: on the
+    stream the transport hands over, reading the peers' memory in place), over repeated and
+    growing calls."""
     import cupy
     with mxc.init("nccl", timeout=120.0, peer_memory=peer_memory) as comm:
         w, me = comm.size, comm.rank
@@ -566,24 +618,31 @@ def test_nccl_alltoallv_staged(peer_memory):
             sc, rc = scaled[me], scaled[:, me]
             send = (cupy.asarray(data(me, int(sc.sum()))), cupy.asarray(scales(me, int(sc.sum()))))
             n = int(rc.sum())
-            out = (cupy.empty((n, 1024), cupy.uint8), cupy.empty((n, 32), cupy.uint8))
+            out = None if direct else (cupy.empty((n, 1024), cupy.uint8),
+                                       cupy.empty((n, 32), cupy.uint8))
             consumed = cupy.zeros((n, 1024), cupy.uint8)
+            on_streams = set()
 
             def fill(peer, begin, end, slots):
                 with stream:
                     for slot, a in zip(slots, send):
                         slot[...] = a[begin:end]
 
-            def arrived(peer, begin, end):  # a consumer on the stream must see the rows
-                with stream:
-                    consumed[begin:end] = out[0][begin:end]
+            def arrived(peer, begin, end, rows, on):  # a consumer on `on` must see the rows
+                on_streams.add(on)
+                with cupy.cuda.ExternalStream(on):
+                    consumed[begin:end] = rows[0]
 
             outs = comm.alltoallv_staged((((1024,), numpy.uint8), ((32,), numpy.uint8)), sc, rc,
-                                         fill, out=out, arrived=arrived, stream=stream)
-            assert outs[0] is out[0]
+                                         fill, out=out, arrived=arrived, direct=direct,
+                                         stream=stream)
             comm.wait(stream)
             numpy.testing.assert_array_equal(cupy.asnumpy(consumed),
                                              expected_recv(me, scaled, data))
+            if direct:
+                assert outs is None
+                continue
+            assert outs[0] is out[0] and on_streams <= {stream.ptr}
             numpy.testing.assert_array_equal(cupy.asnumpy(outs[0]),
                                              expected_recv(me, scaled, data))
             numpy.testing.assert_array_equal(cupy.asnumpy(outs[1]),

@@ -344,6 +344,11 @@ def test_bad_array_on_one_rank_raises_on_every_rank(comm, routed):
         with pytest.raises(ValueError) as info:
             all_to_all_single(to_device(x), output_splits, input_splits, comm, precision)
         assert len(set(MPI.COMM_WORLD.allgather(str(info.value)))) == 1
+    mode = "ceil" if me == last else "rceil"  # a bad scale_mode on one rank: the same way
+    with pytest.raises(ValueError, match="scale_mode: expected one of") as info:
+        all_to_all_single(to_device(x), output_splits, input_splits, comm, scale_mode=mode)
+    messages = MPI.COMM_WORLD.allgather(str(info.value))
+    assert len(set(messages)) == 1 and f"rank {last}" in messages[0]
     got = a2a_dispatch(to_device(x), input_splits, output_splits, comm, "bf16")
     assert got.shape == (sum(output_splits), D)
 

@@ -7,8 +7,8 @@ Three tables:
   sent per rank), count (elements per rank), type, time, algbw = size / time, busbw =
   algbw·(W−1)/W; ratio = our throughput / torch's (target >= 0.97).
 - ``drop_in``: ``mxcomm.a2a.all_to_all_single(x, ..., precision)`` (bf16 in, bf16 out) on both
-  transports of the MXFP8 exchange (``pull``: copy engines from the peers' memory; ``grouped``:
-  one NCCL group) vs torch's bf16 ``all_to_all_single`` (target: MXFP8 >= 1.5x faster), with the
+  transports of the MXFP8 exchange (``pull``: the dequantize reads the peers' memory in place,
+  over NVLink; ``grouped``: one NCCL group) vs torch's bf16 ``all_to_all_single`` (target: MXFP8 >= 1.5x faster), with the
   SQNR of the output against the exact exchange.
 - ``leak``: device memory in use before and after ``--leak-iters`` allocating ``alltoallv`` calls.
 
