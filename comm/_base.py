@@ -331,14 +331,15 @@ class Communicator:
             arrived: optional ``arrived(peer, begin, end, rows, on)``: ``peer``'s rows, rows
                 ``[begin, end)`` of the receive order, are readable in ``rows`` (one array per
                 entry of ``arrays``) by work enqueued on the stream handle ``on``. Without
-                ``direct``, ``rows`` are the slices of ``out`` and ``on`` is ``stream``, once per
-                sender; with it, once per piece. Own rows first; not called for no rows.
+                ``direct``, ``rows`` are the slices of ``out`` and ``on`` is ``stream``. Once
+                per sender, own rows first; not called for a sender of no rows.
             direct: True to skip ``out``: ``arrived`` reads each sender's rows where they are;
                 they may only be read, by ``arrived`` or by the work it enqueues on ``on``
                 (keep no reference past the call). On the pull transport ``rows`` are then
                 the sender's mapped memory and ``on`` a side stream running beside ``stream``
                 (a GPU consumer reads over NVLink while the caller's stream goes on filling);
-                ``stream`` waits for it before the call returns. Requires ``arrived``.
+                ``stream`` waits for it before the call returns. Requires ``arrived``; the
+                same on every rank (checked with the counts).
             stream: as in :meth:`alltoallv`; fills and arrivals are ordered on it.
         Returns:
             the tuple of ``out`` arrays, complete on ``stream``; None with ``direct``.

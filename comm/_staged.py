@@ -23,7 +23,7 @@ rank refills it only after every peer has recorded that its pulls of the previou
 
 With ``direct=True`` nothing is copied: ``arrived`` runs on the side stream and reads the
 sender's rows where they are (SM loads from the peer's mapped memory), beside the caller's fills,
-piece by piece::
+each peer's rows whole::
 
     receiver r, side stream:  for s = 1, 2, ...: wait ready[s] of rank r-s, arrived(r-s) on them
     receiver r, caller stream:  fills ... arrived(r) (own rows, in the staging) ... wait side
@@ -47,12 +47,13 @@ from . import _validate
 
 #: Staging regions start at multiples of this many bytes (each array of the layout, too).
 ALIGN = 256
-#: The pull transport moves a peer's rows in pieces of about this many bytes, up to MAX_PIECES,
-#: each with its own "ready" event: the first piece can be pulled while the sender still fills
-#: the next, so the transfer starts after a fraction of the first fill. Every piece costs
-#: interprocess event records and waits plus launches: on 4 H200s 64 MB pieces of a 242 MB
-#: region made the MXFP8 drop-in slower (3.4 ms against 2.6 ms whole), 128 MB ones were even;
-#: on 2 H200s (484 MB regions) 128 MB pieces gained 4 % (bench/NOTES.md).
+#: The pull transport's copy engines move a peer's rows in pieces of about this many bytes, up to
+#: MAX_PIECES, each with its own "ready" event: the first piece is pulled while the sender still
+#: fills the next, so the transfer starts after a fraction of the first fill. Measured on H200s
+#: (MXFP8 rows, 131072 per rank, bench/NOTES.md): 2 ranks gain 6-9 % (dispatch 1.81 -> 1.65 ms at
+#: 7168 wide), 4 ranks are even. Consumers reading in place (``direct``) take each peer's rows
+#: whole: there every piece exposes an interprocess wait and a launch on the side stream, and
+#: pieces measured slower (4 ranks 2.62 -> 2.70 ms at 7168 wide; 2 ranks, 2048 wide 0.78 -> 1.11).
 PIECE_BYTES = 128 << 20
 MAX_PIECES = 4
 
@@ -153,7 +154,7 @@ class PullTransport:
             if peer == rank and not ex.direct:  # own rows go straight to out
                 ex.fill(peer, begin, begin + count, ex.out_rows(rank))
                 continue
-            parts = [(0, count)] if peer == rank else pieces(count, row_bytes)
+            parts = [(0, count)] if peer == rank else ex.pieces(count)
             for piece, (lo, hi) in enumerate(parts):
                 slots = tuple(memory.local(base + (begin + lo) * rb, (hi - lo,) + shape, dtype)
                               for base, rb, (shape, dtype) in zip(bases, row_bytes, ex.arrays))
@@ -178,7 +179,7 @@ class PullTransport:
             first = sum(peer_sent[:rank])          # the peer's first row for this rank
             peer_bases, _ = regions(ex.row_bytes, sum(peer_sent))
             parts = []
-            for lo, hi in pieces(ex.recv_counts[peer], ex.row_bytes):
+            for lo, hi in ex.pieces(ex.recv_counts[peer]):
                 parts.append((lo, hi, [(base + (first + lo) * rb, ((hi - lo,) + shape, dtype))
                                        for base, rb, (shape, dtype) in zip(peer_bases,
                                                                            ex.row_bytes,
@@ -201,17 +202,16 @@ class PullTransport:
             ex.arrive(peer, ex.out_rows(peer), ex.stream)
 
     def _consume_in_place(self, ex, own):
-        """``direct``: hand over the own rows in the staging, then each piece of each peer's in
-        its memory, on the side stream once the peer has filled it; the caller's stream waits
-        for the side stream at the end."""
+        """``direct``: hand over the own rows in the staging, then each peer's (whole) in its
+        memory, on the side stream once the peer has filled them; the caller's stream waits for
+        the side stream at the end."""
         memory = self._memory
         ex.arrive(ex.comm.rank, own, ex.stream)
-        for step, peer, parts in self._senders(ex):
-            for piece, (lo, hi, where) in enumerate(parts):
-                if hi > lo:
-                    side = memory.await_peer(step, piece, peer, ex.stream)
-                    ex.arrive(peer, tuple(memory.peer_view(peer, offset, shape, dtype)
-                                          for offset, (shape, dtype) in where), side, lo, hi)
+        for step, peer, [(_, _, where)] in self._senders(ex):
+            if ex.recv_counts[peer]:
+                side = memory.await_peer(step, 0, peer, ex.stream)
+                ex.arrive(peer, tuple(memory.peer_view(peer, offset, shape, dtype)
+                                      for offset, (shape, dtype) in where), side)
         memory.finish(ex.stream)
         memory.join(ex.stream)
 
@@ -265,6 +265,7 @@ class Exchange:
                                        False)
             description = " + ".join(f"{dtype.name} rows of shape {shape}"
                                      for shape, dtype in self.arrays)
+            description += ", read in place (direct)" if direct else ""
         except (TypeError, ValueError) as exc:
             error = exc
         # Always checked across ranks: the pull transport reads every rank's counts off the vote.
@@ -279,6 +280,11 @@ class Exchange:
         if out is None and not self.direct:
             self.outs = self.new_arrays(sum(rc))
 
+    def pieces(self, rows):
+        """The row ranges a peer's ``rows`` move in: :func:`pieces`, or whole with ``direct``
+        (every rank agrees: ``direct`` is part of the voted description)."""
+        return [(0, rows)] if self.direct else pieces(rows, self.row_bytes)
+
     def new_arrays(self, rows):
         """One new array of ``rows`` rows per entry of ``arrays``, on the caller's stream."""
         return tuple(self.comm._empty((rows,) + shape, dtype) for shape, dtype in self.arrays)
@@ -288,13 +294,12 @@ class Exchange:
         at = self.recv_offsets[peer]
         return tuple(o[at:at + self.recv_counts[peer]] for o in self.outs)
 
-    def arrive(self, peer, rows, stream, lo=0, hi=None):
-        """Hand ``peer``'s rows ``[lo, hi)`` (default: all), in ``rows`` (one array per entry of
-        ``arrays``), over, readable on ``stream``; nothing for no rows."""
-        hi = self.recv_counts[peer] if hi is None else hi
-        if self._arrived is not None and hi > lo:
+    def arrive(self, peer, rows, stream):
+        """Hand ``peer``'s ``rows`` (one array per entry of ``arrays``) over, readable on
+        ``stream``; nothing for a peer that sends nothing."""
+        if self._arrived is not None and self.recv_counts[peer]:
             begin = self.recv_offsets[peer]
-            self._arrived(peer, begin + lo, begin + hi, rows, stream)
+            self._arrived(peer, begin, begin + self.recv_counts[peer], rows, stream)
 
 
 def _check_array_spec(spec, i):

@@ -19,6 +19,7 @@ import numpy
 import pytest
 
 from mxcomm import comm as mxc
+from mxcomm.comm._staged import MAX_PIECES
 
 SEED = 1234
 TIMEOUT_S = 2.0  # timeout of the timeout tests: expiry must come within this, plus slack
@@ -149,8 +150,8 @@ def test_alltoallv_chunked_with_offsets_equals_unchunked(comm, chunks):
 # ------------------------------------------------------------------------- staged all-to-all
 def staged(comm, counts, make, arrays, rows_factor=1, direct=False):
     """Run ``alltoallv_staged`` filling each peer's slots from ``make(me, m)`` rows; return the
-    received rows (``out``, or with ``direct`` what ``arrived`` copied out of ``rows``) and the
-    (peer, begin, end) arrivals."""
+    received rows (``out``, or with ``direct`` what ``arrived`` copied out of ``rows``), the
+    (peer, begin, end) arrivals and the (peer, begin, end) fills."""
     me = comm.rank
     sc, rc = counts[me] * rows_factor, counts[:, me] * rows_factor
     send = make(me, int(sc.sum()))
@@ -183,10 +184,10 @@ def staged(comm, counts, make, arrays, rows_factor=1, direct=False):
         assert all(e == b2 for (_, e), (b2, _) in zip(ranges, ranges[1:]))
     if direct:
         assert outs is None
-        return copied, arrivals
+        return copied, arrivals, filled
     for c, o in zip(copied, outs):  # the rows handed over are those of out
         numpy.testing.assert_array_equal(bits(c), bits(o))
-    return outs, arrivals
+    return outs, arrivals, filled
 
 
 @pytest.fixture(params=[None, False], ids=["pull", "grouped"])
@@ -197,17 +198,13 @@ def staged_comm(request):
 
 
 def check_arrivals(arrivals, counts, me):
-    """Each sender's rows were handed over once, in consecutive pieces, own rows first."""
+    """Each sender's rows were handed over once, whole, own rows first."""
     offsets = numpy.concatenate([[0], numpy.cumsum(counts[:, me])])
     senders = [r for r in range(len(counts)) if counts[r, me]]
     if counts[me, me]:
-        assert arrivals[0] == (me, offsets[me], offsets[me + 1])
-    assert sorted(set(p for p, _, _ in arrivals)) == senders
-    for p in senders:
-        ranges = [(b, e) for q, b, e in arrivals if q == p]
-        assert ranges[0][0] == offsets[p] and ranges[-1][1] == offsets[p + 1]
-        assert all(e > b for b, e in ranges)
-        assert all(e == b2 for (_, e), (b2, _) in zip(ranges, ranges[1:]))
+        assert arrivals[0][0] == me
+    assert sorted(p for p, _, _ in arrivals) == senders
+    assert all((b, e) == (offsets[p], offsets[p + 1]) for p, b, e in arrivals)
 
 
 @pytest.fixture(params=[False, True], ids=["whole", "pieces"])
@@ -237,13 +234,15 @@ def test_alltoallv_staged_matches_reference(staged_comm, pattern, direct, pieces
     for factor in (1, 3, 2):  # grow, then reuse
         scaled = counts * factor
         make = lambda r, n: (data(r, n), scales(r, n), words(r, n))  # noqa: E731
-        outs, arrivals = staged(comm, counts, make, arrays, factor, direct)
+        outs, arrivals, filled = staged(comm, counts, make, arrays, factor, direct)
         for out, ref in zip(outs, (data, scales, words)):
             numpy.testing.assert_array_equal(bits(out), bits(expected_recv(me, scaled, ref)))
         check_arrivals(arrivals, scaled, me)
-        from_peers = [p for p in range(w) if p != me and scaled[p, me] >= 4]
-        if pieces and direct and comm.transport == "pull" and from_peers:
-            assert len(arrivals) > len(set(p for p, _, _ in arrivals))  # really in pieces
+        # Copy-engine pulls move large regions in pieces; in-place consumers take them whole.
+        split = pieces and not direct and comm.transport == "pull"
+        assert all(split or p == me or e - b == scaled[me, p] for p, b, e in filled)
+        if split and any(scaled[me, p] >= MAX_PIECES for p in range(w) if p != me):
+            assert len(filled) > w
 
 
 @pytest.mark.mpi
@@ -271,8 +270,14 @@ def test_alltoallv_staged_bad_counts_raise_everywhere_before_fill(staged_comm):
                                          r"arrived callback"):
         comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], counts[:, me], fill,
                               direct=True)
+    if w > 1:  # direct on rank 0 only: caught like differing rows
+        with pytest.raises(ValueError, match=r"rows differ across ranks: rank 0 has .*read in "
+                                             r"place \(direct\), rank 1 has") as info:
+            comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], counts[:, me], fill,
+                                  arrived=lambda *a: None, direct=(me == 0))
+        same_error_everywhere(info.value)
     # Still usable.
-    outs, _ = staged(comm, counts, lambda r, n: (rows_of(r, n, numpy.dtype(numpy.uint8), (4,)),),
+    outs, _, _ = staged(comm, counts, lambda r, n: (rows_of(r, n, numpy.dtype(numpy.uint8), (4,)),),
                      (((4,), numpy.uint8),))
     numpy.testing.assert_array_equal(
         outs[0], expected_recv(me, counts, lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8),
