@@ -49,12 +49,16 @@ from . import _validate
 ALIGN = 256
 #: The pull transport's copy engines move a peer's rows in pieces of about this many bytes, up to
 #: MAX_PIECES, each with its own "ready" event: the first piece is pulled while the sender still
-#: fills the next, so the transfer starts after a fraction of the first fill. Measured on H200s
-#: (MXFP8 rows, 131072 per rank, bench/NOTES.md): 2 ranks gain 6-9 % (dispatch 1.81 -> 1.65 ms at
-#: 7168 wide), 4 ranks are even. Consumers reading in place (``direct``) take each peer's rows
-#: whole: there every piece exposes an interprocess wait and a launch on the side stream, and
-#: pieces measured slower (4 ranks 2.62 -> 2.70 ms at 7168 wide; 2 ranks, 2048 wide 0.78 -> 1.11).
-PIECE_BYTES = 128 << 20
+#: fills the next, so the transfer starts after a fraction of the first fill. But every piece
+#: costs host time (a fill launch, event records and waits, copies). Measured on H200s, MXFP8 rows,
+#: 131072 per rank (bench/NOTES.md): 128 MB pieces made a 2-rank dispatch 6-9 % faster (1.81 ->
+#: 1.65 ms, 7168 wide) and left 4 ranks even, but through the torch adapters, where the host's time
+#: per call is close to the device's, the combine-backward stage (5120 wide, 4 ranks, 2 pieces per
+#: peer) went from 1.71 to 2.2 ms. 256 MB keeps 4-rank regions of up to 7168-wide rows whole and
+#: splits 2-rank ones in two. Consumers reading in place (``direct``) take each peer's rows whole:
+#: there every piece exposes an interprocess wait and a launch on the side stream, and pieces
+#: measured slower (4 ranks 2.62 -> 2.70 ms at 7168 wide; 2 ranks, 2048 wide 0.78 -> 1.11 ms).
+PIECE_BYTES = 256 << 20
 MAX_PIECES = 4
 
 
