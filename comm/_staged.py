@@ -115,8 +115,7 @@ class GroupedTransport:
                        validate=False)
         for step in range(comm.size):
             peer = (comm.rank - step) % comm.size
-            at = ex.recv_offsets[peer]
-            ex.arrive(peer, tuple(o[at:at + ex.recv_counts[peer]] for o in outs), ex.stream)
+            ex.arrive(peer, ex.out_rows(peer, outs), ex.stream)
 
     def close(self):
         pass
@@ -293,10 +292,11 @@ class Exchange:
         """One new array of ``rows`` rows per entry of ``arrays``, on the caller's stream."""
         return tuple(self.comm._empty((rows,) + shape, dtype) for shape, dtype in self.arrays)
 
-    def out_rows(self, peer):
-        """The slices of ``outs`` that hold ``peer``'s rows."""
+    def out_rows(self, peer, outs=None):
+        """The slices of ``outs`` (default: the output arrays) that hold ``peer``'s rows."""
         at = self.recv_offsets[peer]
-        return tuple(o[at:at + self.recv_counts[peer]] for o in self.outs)
+        return tuple(o[at:at + self.recv_counts[peer]]
+                     for o in (self.outs if outs is None else outs))
 
     def arrive(self, peer, rows, stream):
         """Hand ``peer``'s ``rows`` (one array per entry of ``arrays``) over, readable on
