@@ -1,7 +1,8 @@
 """Numba CUDA kernels of mxcomm (installed as ``mxcomm.kernels``): MXFP8 quantize/dequantize,
-token permute/unpermute, fp8 bit conversions. Imports numba only; never imports ``mxcomm``."""
+token permute/unpermute, fp8 bit conversions. Imports numba, and of ``mxcomm`` only the leaf
+``mxcomm._platform`` (which decides where array work runs)."""
 
-from ._device import array_module, simulated  # first: decides simulator vs GPU before numba loads
+from ._device import array_module, simulated  # first: sets up the simulator before numba loads
 from ._launch import Kernel, kernel, launch_1d
 
 __all__ = ["array_module", "simulated", "Kernel", "kernel", "launch_1d"]

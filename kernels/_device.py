@@ -1,47 +1,46 @@
-"""Where the kernels run: a CUDA GPU, or Numba's CUDA simulator on the CPU.
+"""Where the CUDA kernels run: the GPU, or Numba's CUDA simulator on the CPU.
 
-This is the one place that decides. Importing it before numba selects the simulator by itself when
-no CUDA device is present (``NUMBA_ENABLE_CUDASIM=1``, which numba reads once, at its own import);
-an explicit ``NUMBA_ENABLE_CUDASIM`` in the environment always wins. Everything else asks
-:func:`simulated` or :func:`array_module` and never branches on the environment itself.
+``mxcomm._platform`` decides (``MXCOMM_BACKEND``, read once); this module applies the decision to
+numba, which reads ``NUMBA_ENABLE_CUDASIM`` once, at its own import. Imported before numba, it turns
+the simulator on whenever the backend is not ``"cuda"`` (the host backend and the ``"simulator"``
+backend: arrays in host memory), so the kernels can still be launched, e.g. by the tests comparing
+them with the host backend. Everything else asks :func:`simulated` or :func:`array_module`.
 """
 
-import ctypes
 import os
 import sys
 
+from mxcomm._platform import backend, gpu_arrays, kernels_simulated  # the leaf that decides
 
-def _cuda_device_present():
-    """True when the CUDA driver loads and reports at least one device (no numba, no CuPy)."""
-    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
-        try:
-            driver = ctypes.CDLL(name)
-        except OSError:
-            continue
-        count = ctypes.c_int(0)
-        return driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0 \
-            and count.value > 0
-    return False
-
-
-if "numba" not in sys.modules and "NUMBA_ENABLE_CUDASIM" not in os.environ \
-        and not _cuda_device_present():
+if kernels_simulated() and "numba" not in sys.modules:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 from numba import config as _numba_config  # noqa: E402  (after the simulator decision)
 
 _SIMULATED = bool(_numba_config.ENABLE_CUDASIM)
 
+if _SIMULATED != kernels_simulated() and backend() != "host":
+    # numba was imported first, or NUMBA_ENABLE_CUDASIM was set, against the decision; the host
+    # backend does not launch kernels, the other two cannot work this way.
+    raise RuntimeError(
+        f"mxcomm backend {backend()!r} needs Numba's CUDA simulator "
+        f"{'on' if kernels_simulated() else 'off'}, but numba has it "
+        f"{'on' if _SIMULATED else 'off'} (NUMBA_ENABLE_CUDASIM="
+        f"{os.environ.get('NUMBA_ENABLE_CUDASIM', 'unset')}); import mxcomm before numba, or "
+        f"set MXCOMM_BACKEND and NUMBA_ENABLE_CUDASIM consistently")
+
 
 def simulated():
-    """True when kernels run in Numba's CUDA simulator (NumPy arrays on the host)."""
+    """True when the CUDA kernels run in Numba's CUDA simulator (on NumPy arrays, on the host):
+    on every backend but ``"cuda"``, so always without a GPU. Where the public API's work runs is
+    ``mxcomm._platform.backend()``."""
     return _SIMULATED
 
 
 def array_module():
-    """The array module of device arrays: ``numpy`` under the simulator, else ``cupy``."""
-    if _SIMULATED:
-        import numpy
-        return numpy
-    import cupy
-    return cupy
+    """The array module of device arrays: ``cupy`` on a GPU (backend ``"cuda"``), else ``numpy``."""
+    if gpu_arrays():
+        import cupy
+        return cupy
+    import numpy
+    return numpy

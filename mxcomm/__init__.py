@@ -1,6 +1,6 @@
 """mxcomm: low-precision (MXFP8) expert-parallel communication primitives for MoE training.
 
-Arrays in, arrays out (CuPy on a GPU, NumPy under Numba's CUDA simulator); torch adapters live in
+Arrays in, arrays out (CuPy on a GPU, NumPy on a CPU: ``mxcomm._platform``); torch adapters live in
 ``mxcomm.torch`` (imported explicitly: torch is optional); communicators in ``mxcomm.comm``.
 """
 

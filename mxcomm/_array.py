@@ -1,14 +1,16 @@
 """Arrays in, arrays out: conversion of caller arrays and streams for the kernels and communicators.
 
-Device arrays are CuPy arrays on a GPU and NumPy arrays under Numba's CUDA simulator; which one is
-decided once, in ``mxcomm.kernels`` (:func:`array_module`). Anything exporting
-``__cuda_array_interface__`` or DLPack is accepted zero-copy.
+Device arrays are CuPy arrays on a GPU and NumPy arrays on a CPU (the host backend, or Numba's CUDA
+simulator); which one is decided once, in ``mxcomm._platform`` (``gpu_arrays``), and
+``mxcomm.kernels.array_module`` names the module. On a GPU anything exporting
+``__cuda_array_interface__`` or DLPack is accepted zero-copy; on a CPU anything NumPy can view.
 """
 
 import ml_dtypes
 import numpy
 
-from .kernels import array_module, simulated
+from .kernels import array_module
+from ._platform import gpu_arrays
 
 #: bf16 as an array dtype (CuPy and NumPy both use ml_dtypes' type).
 bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
@@ -27,26 +29,26 @@ def as_device_array(x, name):
     xp = array_module()
     if isinstance(x, xp.ndarray):
         return x
-    if not simulated():
+    if gpu_arrays():
         if hasattr(x, "__cuda_array_interface__"):
             return xp.asarray(x)
         if hasattr(x, "__dlpack__"):
             return xp.from_dlpack(x)
     elif hasattr(x, "__array__") or hasattr(x, "__array_interface__"):
         return numpy.asarray(x)
-    where = "host (simulator)" if simulated() else "CUDA device"
+    where = "CUDA device" if gpu_arrays() else "host"
     raise TypeError(f"{name}: expected a {where} array ({xp.__name__}.ndarray, DLPack or "
                     f"__cuda_array_interface__), got {type(x).__name__}")
 
 
 def stream_ptr(stream=None):
-    """The raw CUDA stream handle of ``stream`` (0 under the simulator).
+    """The raw CUDA stream handle of ``stream`` (0 without a GPU).
 
     Args:
         stream: None for CuPy's current stream, a CuPy stream (``.ptr``), a torch stream
             (``.cuda_stream``), or an int handle.
     """
-    if simulated():
+    if not gpu_arrays():
         return 0
     if stream is None:
         import cupy

@@ -3,12 +3,18 @@
 Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive elements of a row;
 ``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 holds e8m0 bits (2^(s - 127),
 0xFF = NaN). fp8 has no CuPy dtype, hence the uint8 bit arrays.
+
+The work runs where ``mxcomm._platform.backend()`` says: the CUDA kernels of ``mxcomm.kernels`` on a
+GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with identical bits.
+:func:`launch_quantize` and :func:`launch_dequantize` are the only places that choose.
 """
 
 import numpy
 
-from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
+from .kernels import array_module, launch_1d  # first: sets up the simulator before numba loads
+from . import _host
 from ._array import as_device_array, bfloat16, float32, stream_ptr
+from ._platform import host_backend
 from .kernels._fp8 import MX_BLOCK
 from .kernels.mxfp8 import (PAIRS_PER_THREAD, WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, quantize_mxfp8_bf16_kernel,
@@ -107,6 +113,7 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
         scale_mode: "rceil" or "floor".
         out: an MXFP8Array of shape (M, D) to write, or None to allocate. Written.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+            Unused on a CPU, where the work is done when the call returns.
     Returns:
         The MXFP8Array written.
     Raises:
@@ -131,10 +138,14 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
 
 
 def launch_quantize(x, out, scale_mode, stream, share=1.0):
-    """Enqueue the quantize kernel (arguments checked by the caller): ``x`` (M, D) bf16/fp32,
-    C-contiguous, into the MXFP8Array ``out``, on the raw stream handle ``stream``, with a grid of
-    ``share`` of the device (``kernels.launch_1d``). Returns ``out``."""
+    """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, into the MXFP8Array ``out`` (arguments
+    checked by the caller): done before returning on the host backend; else the kernel is
+    enqueued on the raw stream handle ``stream``, with a grid of ``share`` of the device
+    (``kernels.launch_1d``). Returns ``out``."""
     if x.size == 0:
+        return out
+    if host_backend():
+        _host.quantize_mxfp8(x, out.data, out.scales, scale_mode == "rceil")
         return out
     x_words = _words(x, numpy.dtype(numpy.uint64), "x")
     # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
@@ -162,6 +173,7 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
         dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
         out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+            Unused on a CPU, where the work is done when the call returns.
     Returns:
         ``out``: (M, D) ``dtype``.
     Raises:
@@ -191,10 +203,14 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
 
 
 def launch_dequantize(mx, out, stream, share=1.0):
-    """Enqueue the dequantize kernel (arguments checked by the caller): ``mx`` (M, D) into
-    ``out`` (M, D) bf16/fp32, C-contiguous, on the raw stream handle ``stream``, with a grid of
-    ``share`` of the device (``kernels.launch_1d``). Returns ``out``."""
+    """Decode ``mx`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous (arguments checked by the
+    caller): done before returning on the host backend; else the kernel is enqueued on the raw
+    stream handle ``stream``, with a grid of ``share`` of the device (``kernels.launch_1d``).
+    Returns ``out``."""
     if out.size == 0:
+        return out
+    if host_backend():
+        _host.dequantize_mxfp8(mx.data, mx.scales, out)
         return out
     data_words = _words(mx.data, numpy.dtype(numpy.uint64), "mx.data")
     kernel = dequantize_mxfp8_bf16_kernel if out.dtype == bfloat16 else dequantize_mxfp8_f32_kernel

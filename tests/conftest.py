@@ -1,17 +1,26 @@
-"""Shared fixtures: device selection, per-rank seeds, the communicator under test."""
+"""Shared fixtures: device selection, per-rank seeds, the communicator under test, the backend.
+
+The suite runs where ``mxcomm._platform`` decides (``MXCOMM_BACKEND``): on a CPU the public API runs
+in the host backend, and the CUDA kernels run in Numba's CUDA simulator where a test asks for them
+(:func:`use_backend`, tests/test_backends.py).
+"""
+
+import contextlib
 
 import numpy
 import pytest
 
-from mxcomm.kernels import simulated
+from mxcomm import _platform
+from mxcomm.kernels import array_module
 
 SEED = 1234
 
 
 def pytest_collection_modifyitems(config, items):
-    if not simulated():
+    if _platform.gpu_arrays():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (running in Numba's CUDA simulator)")
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU (running on the {_platform.backend()} "
+                                   f"backend)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -28,3 +37,16 @@ def rank():
 def rng(rank):
     """A NumPy generator seeded ``SEED + rank``: fresh random data on every rank."""
     return numpy.random.default_rng(SEED + rank)
+
+
+@pytest.fixture
+def use_backend(monkeypatch):
+    """``with use_backend(name) as xp:`` runs the public API on backend ``name`` (``"host"``,
+    ``"simulator"`` or ``"cuda"``) for the block, by replacing the one decision,
+    ``mxcomm._platform.backend``; ``xp`` is that backend's array module."""
+    @contextlib.contextmanager
+    def switch(name):
+        with monkeypatch.context() as m:
+            m.setattr(_platform, "backend", lambda: name)
+            yield array_module()
+    return switch

@@ -1,6 +1,6 @@
 """Independent NumPy references for the kernels (no kernel code imported).
 
-- MXFP8: float64 evaluation of the OCP MX v1.0 formulas in DESIGN.md (np.log2 / floor / ceil),
+- MXFP8: float64 evaluation of the OCP MX v1.0 formulas in docs/design.md (np.log2 / floor / ceil),
   ml_dtypes for the e4m3fn rounding.
 - Permutation: plain Python loops over (local expert, source rank) groups.
 """

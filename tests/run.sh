@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The test command of README.md: the serial suite, the MPI suites at 2 and 3 ranks, and the CPU smoke
-# run of the main job. Without a GPU everything runs in Numba's CUDA simulator with the MPI backend.
-# Every stage runs under `timeout` so a hung rank fails the run instead of stalling it.
+# The test command of README.md: the serial suite, the MPI suites at 2 and 3 ranks, and the main job
+# on the CPU (which exits 1 if any data movement is not exact). Without a GPU the API runs in the
+# host backend with the MPI communicator, and tests/test_backends.py runs the CUDA kernels in Numba's
+# CUDA simulator against it. Every stage runs under `timeout` so a hung rank fails the run instead of
+# stalling it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,5 +22,5 @@ stage() {  # stage NAME COMMAND...: run, treat pytest's exit 5 (no tests collect
 stage "serial suite" timeout 2400 python -m pytest -q -m "not mpi" tests
 stage "MPI suite, 2 ranks" timeout 900 mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests
 stage "MPI suite, 3 ranks" timeout 900 mpiexec -n 3 python -m pytest -q --with-mpi -m mpi tests
-stage "main job, CPU smoke run" timeout 600 mpiexec -n 2 python -m mxcomm.bench pipeline
+stage "main job on the CPU" timeout 600 mpiexec -n 2 python -m mxcomm.bench pipeline
 exit $status

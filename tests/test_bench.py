@@ -3,11 +3,14 @@ report metadata and tables, the command line."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy
 import pytest
 
-from mxcomm.bench import _report, _timing, _workload
+from mxcomm.bench import _checks, _report, _timing, _workload
 from mxcomm.bench._cli import build_parser
 from mxcomm.bench.pipeline import shapes_from_args, summary_rows
 
@@ -162,16 +165,133 @@ def test_tables_and_files(tmp_path):
     assert md.startswith("# title") and "| op" in md and "device:" in md
 
 
-def test_pipeline_summary_rows_seed_style():
+def test_pipeline_summary_rows():
     end_to_end = [
         {"tokens": 8, "dim": 32, "hidden_dim": 32, "experts_per_rank": 2, "variant": v,
          "fwd_ms": f, "bwd_ms": b, "total_ms": f + b}
         for v, f, b in (("bf16", 3.0, 6.0), ("mxfp8", 2.0, 4.0), ("mxfp8_all", 1.5, 3.0))]
-    (row,) = summary_rows(end_to_end, "mxfp8")
-    assert row["fwd_speedup"] == "1.50x" and row["bwd_speedup"] == "1.50x"
-    assert row["total_speedup"] == "1.50x" and row["fwd_bf16_ms"] == 3.0
-    (row,) = summary_rows(end_to_end, "mxfp8_all")
-    assert row["total_speedup"] == "2.00x"
+    base, default, every = summary_rows(end_to_end)
+    assert (base["variant"], base["fwd_ms"], base["total vs bf16"]) == ("bf16", 3.0, "")
+    assert default["fwd vs bf16"] == "1.50x" and default["bwd vs bf16"] == "1.50x"
+    assert default["total vs bf16"] == "1.50x" and default["shape"] == "8x32x32x2"
+    assert every["total vs bf16"] == "2.00x"
+
+
+# ------------------------------------------------------------------------- pipeline checks
+def test_row_bytes_and_wire_rows():
+    from mxcomm.bench import _moe
+    assert _checks.row_bytes("bf16", 1024) == 2048
+    assert _checks.row_bytes("mxfp8", 1024) == 1024 + 32
+    with pytest.raises(ValueError, match="precision"):
+        _checks.row_bytes("fp4", 32)
+
+    class Case:
+        dim, hidden, label = 64, 32, "s"
+
+    # rank 1 of 3 sends [2, 5, 1] rows (keeps 5) and receives [4, 7, 0] rows (keeps 7)
+    rows = _checks.wire_rows(_moe.VARIANTS[1], Case, [2, 5, 1], [4, 7, 0], 1, lambda v: v)
+    got = {r["direction"]: (r["precision"], r["rows"], r["bytes"]) for r in rows}
+    assert got == {"dispatch": ("mxfp8", 3, 3 * 66), "combine": ("bf16", 4, 4 * 64),
+                   "dispatch_grad": ("bf16", 4, 4 * 128), "combine_grad": ("mxfp8", 3, 3 * 33)}
+
+
+@pytest.mark.parametrize("counts,e_local,align", [([2, 1, 0, 3], 2, 4), ([0, 0, 0, 0], 2, 32),
+                                                  ([5, 0, 7, 1, 2, 9], 3, 8), ([3, 4], 1, 1)])
+def test_permutation_index_matches_the_reference(counts, e_local, align):
+    from reference import permute_ref
+    rows = sum(counts)
+    _, want_idx, want_offsets = permute_ref(numpy.zeros((rows, 1)), counts, e_local, align)
+    idx, offsets = _checks.permutation_index(counts, e_local, align, rows)
+    assert idx.tolist() == want_idx.tolist() and offsets == want_offsets.tolist()
+
+
+def test_differ_counts_rows():
+    torch = pytest.importorskip("torch")
+    a = torch.zeros(5, 4, dtype=torch.uint8)
+    b = a.clone()
+    b[1, 3] = b[4, 0] = 7
+    assert _checks._differ(a, a) == (0, 5)
+    assert _checks._differ(a, b) == (2, 5)
+    assert _checks._differ(a, b[:3]) == (5, 5)          # a shape mismatch: every row
+    assert _checks._differ(None, True) == (0, 1) and _checks._differ(None, False) == (1, 1)
+
+
+def _pipeline_tables(gpu):
+    """Tables of a 2-shape pipeline run as ``measure`` builds them."""
+    from mxcomm.bench import _moe
+    tables = {"wire": [], "exactness": [], "sqnr": []}
+    if gpu:
+        tables.update(end_to_end=[], stages=[])
+    for shape in ((131072, 8192, 5120, 8), (16384, 7168, 2048, 8)):
+        label = "x".join(map(str, shape))
+        for i, v in enumerate(_moe.VARIANTS):
+            for step in _checks.STEPS:
+                if v.baseline and step in ("dispatch", "combine", "combine bwd", "dispatch bwd"):
+                    continue  # torch's own exchanges
+                tables["exactness"].append({"shape": label, "variant": v.name, "step": step,
+                                            "precision": "mxfp8", "rows": 131072,
+                                            "rows_differ": 3 if step == "combine" and i else 0,
+                                            "result": "3/131072 rows differ"
+                                            if step == "combine" and i else "exact"})
+            for d, _, _ in _checks.DIRECTIONS:
+                tables["wire"].append({"shape": label, "variant": v.name, "direction": d,
+                                       "precision": "bf16", "rows": 98304,
+                                       "bytes": 1610612736 // (i + 1)})
+            if not v.baseline:
+                tables["sqnr"].append({"shape": label, "variant": v.name, "out_db": 31.46,
+                                       "input_grad_db": 31.46, "weight_grad_db": 28.45,
+                                       "ok": "yes"})
+            if gpu:
+                tables["end_to_end"].append({"tokens": shape[0], "dim": shape[1],
+                                             "hidden_dim": shape[2], "experts_per_rank": shape[3],
+                                             "variant": v.name, "fwd_ms": 25.7 - i, "bwd_ms": 39.5,
+                                             "total_ms": 65.2 - i})
+        if gpu:
+            for stage in ("layout", "dispatch", "grad_dequantize", "combine"):
+                for direction in ("fwd", "bwd"):
+                    tables["stages"].append({"shape": label, "stage": stage, "pass": direction,
+                                             "bf16_ms": 1234.567, "mxfp8_ms": 0.5,
+                                             "mxfp8_all_ms": float("nan"), "speedup": 2469.1,
+                                             "speedup_all": float("nan")})
+    return tables
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu_tables", "gpu_tables"])
+def test_pipeline_report_fits_120_columns(tmp_path, gpu):
+    from mxcomm.bench import pipeline
+    tables = _pipeline_tables(gpu)
+    meta = _report.metadata("pipeline", 4, [], ["a long note " * 30], run="what this run is")
+    text = pipeline.render(meta, tables)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert ("whole pipeline" in text) == gpu and ("per stage" in text) == gpu
+    assert "3/131072 rows differ (mxfp8)" in text and "torch, unchecked" in text
+    assert "0.50x" in text  # bytes of the third variant vs bf16
+    assert pipeline.failed(tables) and not pipeline.failed({"exactness": []})
+    _report.write_markdown(tmp_path / "p.md", "t", meta, pipeline.markdown_sections(tables))
+    assert (tmp_path / "p.md").read_text().splitlines()[2] == "what this run is"
+    pytest.importorskip("matplotlib")
+    pipeline.plot(tmp_path / "p.png", meta, tables)
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
+    """A whole (one-process, tiny) run: the first line, every check exact, a line per file."""
+    pytest.importorskip("torch")
+    paths = [tmp_path / name for name in ("p.json", "p.md", "p.png")]
+    env = dict(os.environ, MXCOMM_BACKEND="host")
+    out = subprocess.run([sys.executable, "-m", "mxcomm.bench", "pipeline", "--tokens", "96",
+                          "--dim", "64", "--hidden", "32", "--experts", "2",
+                          "--json", str(paths[0]), "--markdown", str(paths[1]),
+                          "--plot", str(paths[2])],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("mxcomm EP pipeline, 1 rank on a CPU, host backend")
+    assert "No timings" in lines[0]
+    assert lines[-3:] == [f"wrote {p}" for p in paths] and all(p.stat().st_size for p in paths)
+    tables = json.loads(paths[0].read_text())["tables"]
+    assert tables["exactness"] and all(r["result"] == "exact" for r in tables["exactness"])
+    assert "end_to_end" not in tables and "ms" not in out.stdout
 
 
 # ----------------------------------------------------------------------------------- CLI
@@ -180,7 +300,7 @@ def test_cli_parses_every_subcommand():
     a = p.parse_args(["pipeline", "--tokens", "131072", "--dim", "8192", "7168", "--hidden",
                       "5120", "2048", "--routing", "topk", "--json", "x.json"])
     assert a.command == "pipeline" and a.routing == "topk" and a.json == "x.json"
-    assert shapes_from_args(a, False) == [(131072, 8192, 5120, 8), (131072, 7168, 2048, 8)]
+    assert shapes_from_args(a, "cuda") == [(131072, 8192, 5120, 8), (131072, 7168, 2048, 8)]
     a = p.parse_args(["a2a", "--rows", "64", "--leak-iters", "5", "--splits", "skewed"])
     assert a.leak_iters == 5 and a.splits == ["skewed"] and a.iters is None
     a = p.parse_args(["kernels", "--iters", "3", "--warmup", "0"])
@@ -189,10 +309,41 @@ def test_cli_parses_every_subcommand():
         p.parse_args(["nccl"])
 
 
+def test_cli_help_gives_defaults_and_units(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["pipeline", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "rows per rank, > 0 (default: 131072 131072 16384 on a GPU, 2048 on a CPU" in text
+    assert "a multiple of 32" in text and "experts per rank" in text and "the seed's" not in text
+
+
 def test_pipeline_shapes_default_and_mismatch():
     p = build_parser()
-    assert len(shapes_from_args(p.parse_args(["pipeline"]), False)) == 3
-    assert shapes_from_args(p.parse_args(["pipeline"]), True) == [(64, 32, 32, 2)]
+    assert len(shapes_from_args(p.parse_args(["pipeline"]), "cuda")) == 3
+    assert shapes_from_args(p.parse_args(["pipeline"]), "host") == [(2048, 1024, 512, 4)]
+    assert shapes_from_args(p.parse_args(["pipeline"]), "simulator") == [(64, 32, 32, 2)]
+    assert shapes_from_args(p.parse_args(["pipeline", "--tokens", "96"]), "host") == \
+        [(96, 1024, 512, 4)]
     with pytest.raises(ValueError, match="lists of one length"):
         shapes_from_args(p.parse_args(["pipeline", "--dim", "1", "2", "--hidden", "1", "2", "3"]),
-                         False)
+                         "cuda")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["pipeline", "--dim", "48"], "--dim: expected multiples of 32 (MXFP8 blocks of 32 elements), "
+                                  "got 48"),
+    (["pipeline", "--tokens", "0"], "--tokens: expected positive values, got 0"),
+    (["pipeline", "--hidden", "64", "40"], "--hidden: expected multiples of 32"),
+    (["pipeline", "--experts", "-1"], "--experts: expected positive values, got -1"),
+    (["pipeline", "--tokens", "1", "2", "--dim", "32", "64", "96"], "lists of one length"),
+    (["pipeline", "--iters", "0"], "--iters: expected >= 1, got 0"),
+    (["kernels", "--dim", "100"], "--dim: expected a positive multiple of 32"),
+    (["kernels", "--rows", "0"], "--rows: expected positive values, got 0"),
+    (["a2a", "--leak-iters", "-2"], "--leak-iters: expected >= 0, got -2"),
+])
+def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
+    from mxcomm.bench._cli import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"python -m mxcomm.bench {argv[0]}: error: ") and message in err

@@ -104,13 +104,23 @@ def test_e4m3_rounding_matches_ml_dtypes(rng):
     np.testing.assert_array_equal(got, want)
 
 
-# --- simulator: kernels bit-exact on tiny shapes ----------------------------------------------------
+# --- the public API (host backend on a CPU, kernels on a GPU) bit-exact against the reference ----
+# tests/test_backends.py holds the CUDA kernels (in Numba's simulator on a CPU) to the host backend.
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(6, 64), (3, 96)])
 def test_quantize_random_bit_exact(rng, dtype, mode, shape):
     assert_quantize_exact(random_blocks(rng, *shape, dtype), mode)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_pipeline_shape_bit_exact(rng, dtype, mode):
+    """A shape that means something (512 x 1024, 16384 blocks), with NaN/Inf and zero blocks."""
+    x = random_blocks(rng, 512, 1024, dtype)
+    x[7, 100], x[300, 1023], x[511, :64] = np.nan, -np.inf, 0
+    assert_quantize_exact(x, mode)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
@@ -170,6 +180,19 @@ def test_dequantize_bit_exact(rng, dtype):
     np.testing.assert_array_equal(got.view(uint), want.view(uint))
     out = array_module().empty((m, d), dtype)
     assert mx.dequantize(dtype, out=out) is out
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+def test_dequantize_every_byte_and_scale(rng, dtype):
+    """Every (scale, e4m3 byte) pair: row s holds every byte once, in a random order, in 8 blocks
+    of scale s."""
+    data = np.stack([rng.permutation(256) for _ in range(256)]).astype(np.uint8)
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 8, axis=1)
+    got = to_host(dequantize_mxfp8(MXFP8Array(to_device(data), to_device(scales)), dtype))
+    uint = np.uint16 if dtype == BF16 else np.uint32
+    want = dequantize_mxfp8_ref(data, scales, dtype)
+    np.testing.assert_array_equal(got.view(uint), want.view(uint))
 
 
 @pytest.mark.parametrize("mode", MODES)

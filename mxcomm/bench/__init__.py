@@ -3,11 +3,13 @@
 - ``kernels``: MXFP8 quantize/dequantize and permute/unpermute bandwidth against a device copy.
 - ``a2a``: all-to-all-v throughput, mxcomm's communicator vs ``torch.distributed`` (nccl-tests
   columns), the drop-in ``all_to_all_single``, and a memory-leak check.
-- ``pipeline``: the MoE expert-parallel token path forward and backward, bf16 vs MXFP8 (the seed's
-  table), per stage and in total.
+- ``pipeline``: the MoE expert-parallel token path forward and backward, bf16 vs MXFP8: timings
+  per stage and in total on GPUs; everywhere, the bytes on the wire, the SQNR of every variant and
+  the exactness of every step's data movement.
 
-Run the multi-rank ones under ``mpirun -n W`` (one process per GPU). Without a GPU they run tiny
-shapes in Numba's CUDA simulator over the MPI backend (the CI smoke test).
+Run the multi-rank ones under ``mpirun -n W`` (one process per GPU). Without a GPU they run on the
+CPU in the host backend over the MPI communicator, time nothing that would speak for a GPU, and
+say so in their first line (``pipeline`` is the CI smoke run).
 """
 
 from ._cli import main

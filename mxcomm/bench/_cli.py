@@ -1,7 +1,10 @@
 """Command line of ``python -m mxcomm.bench``: argparse subcommands, shared options, output files.
 
-Each benchmark module provides ``add_arguments(parser)``, ``measure(args, rt) -> (meta, tables)``,
-``render(meta, tables) -> str`` and ``markdown_sections(tables)``; measuring never prints results.
+Each benchmark module provides ``add_arguments(parser)``, ``validate(args)`` (raises ValueError),
+``describe(args, rt) -> str`` (the first line printed: what the run is and is not),
+``measure(args, rt) -> (meta, tables)``, ``render(meta, tables) -> str``,
+``markdown_sections(tables)`` and optionally ``plot(path, meta, tables)`` and
+``failed(tables) -> bool``; measuring never prints results.
 """
 
 import argparse
@@ -12,70 +15,108 @@ import traceback
 from . import _report
 
 COMMANDS = {
-    "kernels": "MXFP8 quantize/dequantize and permute/unpermute bandwidth (single process)",
+    "kernels": "MXFP8 quantize/dequantize and permute/unpermute: time and bandwidth (one process)",
     "a2a": "all-to-all-v: mxcomm vs torch.distributed, drop-in all_to_all_single, leak check",
     "pipeline": "MoE EP pipeline forward + backward: bf16 vs MXFP8 (the main benchmark)",
 }
 
-#: Defaults of --iters/--warmup: on a GPU, and under the CPU simulator (tiny shapes, slow kernels).
+#: Defaults of --iters/--warmup: on a GPU, and on a CPU (where only ``kernels`` times anything,
+#: and ``a2a`` times the MPI exchange).
 GPU_ITERS, GPU_WARMUP = 20, 5
-SIM_ITERS, SIM_WARMUP = 1, 1
+CPU_ITERS, CPU_WARMUP = 3, 1
 
 
 def build_parser():
     """The ``python -m mxcomm.bench`` parser with its three subcommands."""
     parser = argparse.ArgumentParser(
         prog="python -m mxcomm.bench",
-        description="Benchmarks of mxcomm. Multi-rank ones run under mpirun, one process per GPU.")
+        description="Benchmarks of mxcomm. Multi-rank ones run under mpirun, one process per GPU; "
+                    "without a GPU they run on the CPU (host backend, MPI communicator).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{kernels,a2a,pipeline}")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"mxcomm.bench.{name}")
         p = sub.add_parser(name, help=help_text, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--iters", type=int, help=f"timed iterations (default {GPU_ITERS} on a GPU, "
-                       f"{SIM_ITERS} on the CPU simulator)")
-        p.add_argument("--warmup", type=int, help=f"untimed warm-up iterations first (default "
-                       f"{GPU_WARMUP} on a GPU, {SIM_WARMUP} on the CPU simulator)")
-        p.add_argument("--json", metavar="PATH", help="write every number and the metadata as JSON")
-        p.add_argument("--markdown", metavar="PATH", help="write a short Markdown report")
+        p.add_argument("--iters", type=int, metavar="N",
+                       help=f"timed iterations, >= 1 (default {GPU_ITERS} on a GPU, {CPU_ITERS} "
+                            f"on a CPU)")
+        p.add_argument("--warmup", type=int, metavar="N",
+                       help=f"untimed iterations before them, >= 0 (default {GPU_WARMUP} on a GPU, "
+                            f"{CPU_WARMUP} on a CPU)")
+        p.add_argument("--json", metavar="PATH",
+                       help="also write every number and the metadata as JSON to PATH")
+        p.add_argument("--markdown", metavar="PATH", help="also write a Markdown report to PATH")
         module.add_arguments(p)
     return parser
 
 
-def _apply_defaults(args, simulated):
+def validate(args, module):
+    """Check the options shared by every benchmark, then the module's own.
+
+    Raises:
+        ValueError: a bad value, with a message naming the option.
+    """
+    if args.iters is not None and args.iters < 1:
+        raise ValueError(f"--iters: expected >= 1, got {args.iters}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup: expected >= 0, got {args.warmup}")
+    module.validate(args)
+
+
+def _apply_defaults(args, gpu):
     if args.iters is None:
-        args.iters = SIM_ITERS if simulated else GPU_ITERS
+        args.iters = GPU_ITERS if gpu else CPU_ITERS
     if args.warmup is None:
-        args.warmup = SIM_WARMUP if simulated else GPU_WARMUP
-    if args.iters < 1 or args.warmup < 0:
-        raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
+        args.warmup = GPU_WARMUP if gpu else CPU_WARMUP
+
+
+def _rank():
+    """This process's MPI rank (initializes MPI)."""
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank()
 
 
 def main(argv=None):
     """Parse ``argv``, run one benchmark, print (rank 0) and write the requested files.
 
-    A failure on any rank prints its traceback and aborts the MPI job, so no rank waits forever
-    in a collective its peer never reaches.
+    Bad options end the run on every rank (each checks the same arguments) with one line on
+    stderr and exit status 2, before anything is measured. A failure while measuring prints its
+    traceback and aborts the MPI job, so no rank waits forever in a collective its peer never
+    reaches.
+
+    Returns:
+        0, or 1 when the benchmark reports a failed check (``failed(tables)``).
     """
-    args = build_parser().parse_args(argv)
-    from ._runtime import Runtime  # after parsing: --help needs no MPI or device
+    parser = build_parser()
+    args = parser.parse_args(argv)
     module = importlib.import_module(f"mxcomm.bench.{args.command}")
+    try:
+        validate(args, module)
+    except ValueError as e:
+        if _rank() == 0:
+            print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from ._runtime import Runtime  # after parsing: --help needs no MPI or device
     rt = Runtime(need_comm=args.command != "kernels")
     try:
-        _apply_defaults(args, rt.simulated)
-        rt.log(f"{args.command}: world size {rt.size}, "
-               f"{'CPU simulator' if rt.simulated else 'GPU'}, {args.iters} iters after "
-               f"{args.warmup} warm-up")
+        _apply_defaults(args, rt.gpu)
+        rt.print(module.describe(args, rt))
         meta, tables = module.measure(args, rt)
         if rt.rank == 0:
-            title = f"mxcomm {args.command} benchmark"
             print(module.render(meta, tables), flush=True)
+            written = []
             if args.json:
                 _report.write_json(args.json, meta, tables)
+                written.append(args.json)
             if args.markdown:
-                _report.write_markdown(args.markdown, title, meta, module.markdown_sections(tables))
+                _report.write_markdown(args.markdown, f"mxcomm {args.command} benchmark", meta,
+                                       module.markdown_sections(tables))
+                written.append(args.markdown)
             if getattr(args, "plot", None):
                 module.plot(args.plot, meta, tables)
+                written.append(args.plot)
+            for path in written:
+                print(f"wrote {path}", flush=True)
         rt.close()
     except BaseException:
         if rt.size > 1:
@@ -83,4 +124,5 @@ def main(argv=None):
             sys.stderr.flush()
             rt.mpi_comm.Abort(1)
         raise
-    return 0
+    failed = getattr(module, "failed", None)
+    return 1 if failed is not None and failed(tables) else 0

@@ -1,41 +1,121 @@
-"""``--plot``: grouped bars of per-stage times, bf16 vs MXFP8 (matplotlib, Agg backend)."""
+"""``--plot`` of the pipeline benchmark (matplotlib, Agg backend): horizontal bars, so that no two
+labels share a line.
+
+On a GPU: per-stage times, bf16 vs MXFP8, one panel per shape. On a CPU (nothing timed): bytes
+between ranks per direction, and the SQNR of each mxcomm variant against its targets.
+"""
 
 import math
 
 VARIANT_KEYS = (("bf16_ms", "bf16 (torch.distributed)"), ("mxfp8_ms", "mxcomm default"),
                 ("mxfp8_all_ms", "mxcomm all mxfp8"))
+VARIANT_LABELS = dict(zip(("bf16", "mxfp8", "mxfp8_all"), (name for _, name in VARIANT_KEYS)))
+#: One color per variant in every panel (matplotlib's default cycle).
+COLORS = dict(zip(VARIANT_LABELS.values(), ("tab:blue", "tab:orange", "tab:green")))
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _title(meta):
+    return (f"mxcomm EP pipeline: {meta['device']}, world size {meta['world_size']}, "
+            f"commit {meta['commit']}")
+
+
+def _grouped_barh(ax, groups, series, xlabel, fmt):
+    """One row of bars per group (top to bottom), one bar per series ``(label, values)`` in the
+    variant's color, each bar labelled with its value at its end."""
+    height = 0.8 / len(series)
+    for i, (label, values) in enumerate(series):
+        ys = [g + (i - (len(series) - 1) / 2) * height for g in range(len(groups))]
+        xs = [v if math.isfinite(v) else 0.0 for v in values]
+        bars = ax.barh(ys, xs, height, label=label, color=COLORS.get(label))
+        ax.bar_label(bars, labels=[fmt(v) if math.isfinite(v) else "" for v in values],
+                     fontsize=7, padding=2)
+    ax.set_yticks(range(len(groups)))
+    ax.set_yticklabels(groups, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.margins(x=0.15)
+
+
+def _legend_below(fig, axes):
+    """One legend for the figure, under the panels (so it covers no bar), every label once."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    fig.legend(entries.values(), entries.keys(), loc="outside lower center", ncol=len(entries),
+               fontsize=9, frameon=False)
 
 
 def plot_stages(path, meta, stage_rows):
-    """Write a PNG: one panel per shape, one group of bars per (stage, pass), one bar per variant.
+    """Write a PNG: one panel per shape, a row of bars per (stage, pass), a bar per variant.
 
     Args:
         path: output file (PNG).
         meta: the run's metadata (title: device, world size, commit).
         stage_rows: the ``stages`` table of the pipeline benchmark.
+    Returns:
+        ``path``.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = list(dict.fromkeys(r["shape"] for r in stage_rows))
-    fig, axes = plt.subplots(max(1, len(shapes)), 1, figsize=(12, 3.6 * max(1, len(shapes))),
-                             squeeze=False)
-    width = 0.8 / len(VARIANT_KEYS)
-    for ax, shape in zip(axes[:, 0], shapes or [""]):
+    plt = _pyplot()
+    shapes = list(dict.fromkeys(r["shape"] for r in stage_rows)) or [""]
+    heights = [0.45 * len([r for r in stage_rows if r["shape"] == s]) + 1.2 for s in shapes]
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(10, sum(heights) + 1.0), squeeze=False,
+                             gridspec_kw={"height_ratios": heights}, layout="constrained")
+    for ax, shape in zip(axes[:, 0], shapes):
         rows = [r for r in stage_rows if r["shape"] == shape]
-        labels = [f"{r['stage']}\n{r['pass']}" for r in rows]
-        for i, (key, name) in enumerate(VARIANT_KEYS):
-            values = [r[key] if math.isfinite(r[key]) else 0.0 for r in rows]
-            ax.bar([j + (i - 1) * width for j in range(len(rows))], values, width, label=name)
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_ylabel("ms (median)")
+        _grouped_barh(ax, [f"{r['stage']} ({r['pass']})" for r in rows],
+                      [(name, [r[key] for r in rows]) for key, name in VARIANT_KEYS],
+                      "ms (median, each stage run alone)", lambda v: f"{v:.2f}")
         ax.set_title(f"tokens x dim x hidden x experts/rank = {shape}", fontsize=10)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"mxcomm EP pipeline stages: {meta['device']}, world size {meta['world_size']}, "
-                 f"commit {meta['commit']}", fontsize=11)
-    fig.tight_layout()
+    fig.suptitle(_title(meta), fontsize=11)
+    _legend_below(fig, axes[:, 0])
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_wire_and_sqnr(path, meta, wire_rows, sqnr_rows, targets):
+    """Write a PNG for a run without timings: MB between ranks per direction and variant (left),
+    SQNR of each mxcomm variant per quantity with its target (right); the first shape only.
+
+    Args:
+        path: output file (PNG).
+        meta: the run's metadata.
+        wire_rows, sqnr_rows: the ``wire`` and ``sqnr`` tables of the pipeline benchmark.
+        targets: ``{"out": dB, "input_grad": dB, "weight_grad": dB}``.
+    Returns:
+        ``path``.
+    """
+    plt = _pyplot()
+    shape = wire_rows[0]["shape"] if wire_rows else ""
+    wire = [r for r in wire_rows if r["shape"] == shape]
+    directions = list(dict.fromkeys(r["direction"] for r in wire))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained")
+    series = []
+    for variant, label in VARIANT_LABELS.items():
+        mb = {r["direction"]: r["bytes"] / 1e6 for r in wire if r["variant"] == variant}
+        series.append((label, [mb.get(d, float("nan")) for d in directions]))
+    _grouped_barh(left, directions, series, "MB between ranks (all ranks)", lambda v: f"{v:.1f}")
+    left.set_title("bytes on the wire", fontsize=10)
+    sqnr = [r for r in sqnr_rows if r["shape"] == shape]
+    quantities = [("out", "output"), ("input_grad", "input grad"), ("weight_grad", "weight grad")]
+    _grouped_barh(right, [q for _, q in quantities],
+                  [(VARIANT_LABELS.get(r["variant"], r["variant"]),
+                    [r[f"{k}_db"] for k, _ in quantities]) for r in sqnr],
+                  "SQNR vs bf16 (dB)", lambda v: f"{v:.1f}")
+    for i, (k, _) in enumerate(quantities):
+        right.plot([targets[k]] * 2, [i - 0.45, i + 0.45], color="black", linestyle="--",
+                   linewidth=1, label="SQNR target" if i == 0 else None)
+    right.set_title("SQNR of each mxcomm variant against bf16", fontsize=10)
+    fig.suptitle(f"{_title(meta)}\ntokens x dim x hidden x experts/rank = {shape}", fontsize=11)
+    _legend_below(fig, (left, right))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

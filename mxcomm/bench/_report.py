@@ -12,11 +12,11 @@ import math
 import os
 import platform
 import subprocess
+import textwrap
 
 #: The fields :func:`metadata` always fills.
-META_FIELDS = ("benchmark", "device", "world_size", "shapes", "date", "commit", "versions", "notes")
-
-SIM_DEVICE = "cpu (numba simulator)"
+META_FIELDS = ("benchmark", "device", "backend", "world_size", "shapes", "date", "commit",
+               "versions", "notes")
 
 
 def git_commit(cwd=None):
@@ -36,11 +36,25 @@ def git_commit(cwd=None):
     return "unknown"
 
 
+def cpu_name():
+    """The CPU's model name and core count, e.g. ``"CPU Intel(R) Xeon(R) Processor, 2 cores"``."""
+    model = platform.processor() or platform.machine() or "unknown model"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU {model}, {os.cpu_count()} cores"
+
+
 def device_name():
-    """The current GPU's name (torch, else CuPy), or :data:`SIM_DEVICE` under the simulator."""
-    from mxcomm.kernels import simulated
-    if simulated():
-        return SIM_DEVICE
+    """The current GPU's name (torch, else CuPy), or :func:`cpu_name` without a GPU."""
+    from mxcomm import _platform
+    if not _platform.gpu_arrays():
+        return cpu_name()
     try:
         import torch
         if torch.cuda.is_available():
@@ -73,8 +87,8 @@ def library_versions():
             versions["nccl (torch)"] = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:  # noqa: BLE001  (a broken optional install must not stop the report)
         pass
-    from mxcomm.kernels import simulated
-    if not simulated():
+    from mxcomm import _platform
+    if _platform.gpu_arrays():
         try:
             import cupy
             versions["cupy"] = cupy.__version__
@@ -103,7 +117,9 @@ def metadata(benchmark, world_size, shapes, notes=(), **extra):
     Returns:
         A dict with every field of :data:`META_FIELDS` plus ``extra``.
     """
-    meta = {"benchmark": benchmark, "device": device_name(), "world_size": int(world_size),
+    from mxcomm import _platform
+    meta = {"benchmark": benchmark, "device": device_name(),
+            "backend": _platform.describe(), "world_size": int(world_size),
             "shapes": shapes,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "versions": library_versions(), "notes": list(notes)}
@@ -127,7 +143,7 @@ def format_table(rows, columns=None, fmt="grid", digits=3):
     Args:
         rows: list of dicts.
         columns: the keys to show, in order (default: the first row's keys).
-        fmt: a tabulate format (``"grid"`` like the seed, ``"github"`` for Markdown).
+        fmt: a tabulate format (``"grid"`` for text, ``"github"`` for Markdown).
     """
     from tabulate import tabulate
     if not rows:
@@ -142,17 +158,26 @@ def header_lines(meta):
     v = meta["versions"]
     libs = ", ".join(f"{k} {v[k]}" for k in ("torch", "cupy", "numba-cuda", "nccl (cupy)",
                                              "nccl (torch)") if v.get(k))
-    lines = [f"device: {meta['device']}", f"world size: {meta['world_size']}",
+    lines = [f"device: {meta['device']}", f"backend: {meta.get('backend', '')}",
+             f"world size: {meta['world_size']}",
              f"date: {meta['date']}", f"commit: {meta['commit']}", f"libraries: {libs}"]
     return lines + [f"note: {n}" for n in meta["notes"]]
 
 
+#: Columns of the printed report: header lines and captions wrap there, tables are made to fit.
+WIDTH = 120
+
+
 def render_text(title, meta, sections):
-    """The printed report: a title, the metadata header, then each ``(caption, table_text)``."""
-    bar = "=" * 100
-    out = [bar, title, *header_lines(meta), bar]
+    """The printed report: a title, the metadata header, then each ``(caption, table_text)``;
+    header lines and captions wrapped at :data:`WIDTH` columns."""
+    bar = "=" * WIDTH
+    out = [bar, title]
+    for line in header_lines(meta):
+        out += textwrap.wrap(line, WIDTH, subsequent_indent="      ", break_on_hyphens=False)
+    out.append(bar)
     for caption, text in sections:
-        out += ["", caption, text]
+        out += ["", *textwrap.wrap(caption, WIDTH, break_on_hyphens=False), text]
     return "\n".join(out)
 
 
@@ -177,7 +202,8 @@ def write_json(path, meta, tables):
 
 def write_markdown(path, title, meta, sections):
     """Write a short Markdown report: the metadata header and each ``(caption, rows, columns)``."""
-    lines = [f"# {title}", ""] + [f"- {line}" for line in header_lines(meta)]
+    lines = [f"# {title}", ""] + ([meta["run"], ""] if meta.get("run") else [])
+    lines += [f"- {line}" for line in header_lines(meta)]
     for caption, rows, columns in sections:
         lines += ["", f"## {caption}", "", format_table(rows, columns, fmt="github")]
     with open(path, "w") as f:

@@ -1,8 +1,9 @@
 """The process a benchmark runs in: MPI rank and size, the device, the communicators, progress lines.
 
 Benchmarks run one process per GPU under ``mpirun``/``mpiexec`` (or alone). On a GPU the device is
-chosen from the node-local rank before anything touches CUDA; under Numba's CUDA simulator arrays
-are NumPy arrays on the host and the communicator is the MPI backend. Only rank 0 prints.
+chosen from the node-local rank before anything touches CUDA; on a CPU (the host backend, or Numba's
+CUDA simulator: ``mxcomm._platform``) arrays are NumPy arrays and the communicator is the MPI
+backend. Only rank 0 prints.
 """
 
 import os
@@ -11,8 +12,9 @@ import sys
 
 import numpy
 
-from mxcomm.kernels import array_module, simulated
+from mxcomm import _platform
 from mxcomm._array import bfloat16
+from mxcomm.kernels import array_module
 
 
 class Runtime:
@@ -21,9 +23,11 @@ class Runtime:
     Args:
         need_comm: create an mxcomm communicator (``mxcomm.comm.init``) on ``mpi_comm``.
     Attributes:
-        rank, size: MPI rank and world size. simulated: True under the CUDA simulator.
+        rank, size: MPI rank and world size.
+        backend: ``mxcomm._platform.backend()``: ``"cuda"``, ``"host"`` or ``"simulator"``.
+        gpu: True on a GPU (backend ``"cuda"``): CuPy arrays, CUDA-event timings.
         xp: the array module (``numpy`` or ``cupy``). comm: the mxcomm communicator or None.
-        clock_kind: ``"host"`` under the simulator, else ``"cupy"``.
+        clock_kind: ``"cupy"`` on a GPU, else ``"host"``.
     """
 
     def __init__(self, need_comm=True):
@@ -35,11 +39,12 @@ class Runtime:
         node = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
-        self.simulated = simulated()
+        self.backend = _platform.backend()
+        self.gpu = _platform.gpu_arrays()
         self.xp = array_module()
-        self.clock_kind = "host" if self.simulated else "cupy"
+        self.clock_kind = "cupy" if self.gpu else "host"
         self.torch_dist = False
-        if not self.simulated:
+        if self.gpu:
             import cupy
             cupy.cuda.Device(self.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
             torch = _torch_or_none()
@@ -63,8 +68,8 @@ class Runtime:
 
     # ---- synchronization ----------------------------------------------------------------------
     def sync(self):
-        """Wait for this process's queued device work (no-op under the simulator)."""
-        if self.simulated:
+        """Wait for this process's queued device work (no-op on a CPU)."""
+        if not self.gpu:
             return
         import cupy
         cupy.cuda.runtime.deviceSynchronize()
@@ -79,6 +84,13 @@ class Runtime:
         buf = numpy.asarray(values, dtype=numpy.float64)
         out = numpy.empty_like(buf)
         self.mpi_comm.Allreduce(buf, out, op=self._mpi.MAX)
+        return [float(v) for v in out]
+
+    def allreduce_sum(self, values):
+        """Element-wise sum of a list of numbers over ranks (host MPI; float64, exact < 2^53)."""
+        buf = numpy.asarray(values, dtype=numpy.float64)
+        out = numpy.empty_like(buf)
+        self.mpi_comm.Allreduce(buf, out, op=self._mpi.SUM)
         return [float(v) for v in out]
 
     def bcast(self, obj):
@@ -105,15 +117,17 @@ class Runtime:
         host, port = self.bcast((host, port))
         os.environ.setdefault("MASTER_ADDR", host)
         os.environ["MASTER_PORT"] = str(port)
-        backend = "gloo" if self.simulated else "nccl"
+        backend = "nccl" if self.gpu else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=self.size)
         self.torch_dist = True
 
     def torch_device(self):
-        """``"cpu"`` under the simulator, else the current CUDA device."""
+        """The current CUDA device on a GPU, else ``"cpu"``."""
         import torch
-        return torch.device("cpu") if self.simulated else torch.device("cuda", torch.cuda.current_device())
+        if self.gpu:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def to_torch(self, a):
         """A torch tensor on the same memory as array ``a`` (DLPack; bf16 through an int16 view,
@@ -134,7 +148,7 @@ class Runtime:
     # ---- data ---------------------------------------------------------------------------------
     def random_bf16(self, shape, seed):
         """(shape) bf16 standard-normal array of the array module, seeded (never zeros)."""
-        if self.simulated:
+        if not self.gpu:
             rng = numpy.random.default_rng(seed)
             return rng.standard_normal(shape, dtype=numpy.float32).astype(bfloat16)
         torch = _torch_or_none()
@@ -147,14 +161,14 @@ class Runtime:
 
     def random_bytes(self, shape, seed):
         """(shape) uint8 array of uniformly random bytes, seeded."""
-        if self.simulated:
+        if not self.gpu:
             return numpy.random.default_rng(seed).integers(0, 256, shape, dtype=numpy.uint8)
         import cupy
         return cupy.random.RandomState(seed).randint(0, 256, size=shape, dtype=cupy.uint8)
 
     def memory_used(self):
         """Bytes in use: CuPy's memory pool plus torch's allocator on a GPU; host RSS on the CPU."""
-        if self.simulated:
+        if not self.gpu:
             with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         import cupy

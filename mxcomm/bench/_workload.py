@@ -78,7 +78,7 @@ def rank_splits(matrix, rank):
 
 
 def uniform_expert_counts(rows, num_experts):
-    """Rows per expert when every expert gets an equal share (the seed's routing).
+    """Rows per expert when every expert gets an equal share (uniform routing).
 
     Returns:
         (E,) int32 NumPy array summing to ``rows``.

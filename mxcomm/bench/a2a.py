@@ -22,29 +22,66 @@ import numpy
 
 from . import _report, _timing, _workload
 
-GPU_ROWS = [16384, 65536, 131072]
-SIM_ROWS = [64]
+#: Rows per rank and row length by default: on a GPU, on a CPU (host backend), in the simulator.
+GPU_ROWS, GPU_DIM = [16384, 65536, 131072], 7168
+HOST_ROWS, HOST_DIM = [4096], 1024
+SIM_ROWS, SIM_DIM = [64], 32
 RATIO_TARGET = 0.97
 DROP_IN_TARGET = 1.5
 SPLIT_SEED = 2024
-A2A_COLUMNS = ["size", "count", "type", "splits", "ours_ms", "ours_algbw", "ours_busbw",
-               "torch_ms", "torch_algbw", "torch_busbw", "ratio", "target", "ok", "ours_sync_ms",
-               "torch_sync_ms", "sync_ratio"]
-DROP_COLUMNS = ["impl", "precision", "transport", "rows", "dim", "ms", "p90_ms",
-                "speedup_vs_torch", "target", "sync_ms", "sync_speedup", "sqnr_db"]
+#: Display columns (of those the rows have: CPU rows have no ratio, target or verdict).
+A2A_COLUMNS = ["size", "type", "splits", "ours_ms", "ours_busbw", "torch_ms", "torch_busbw",
+               "ratio", "target", "ok", "exact"]
+SYNC_COLUMNS = ["size", "type", "splits", "ours_sync_ms", "torch_sync_ms", "sync_ratio"]
+DROP_COLUMNS = ["impl", "precision", "transport", "ms", "vs torch", "target", "sync_ms",
+                "sync vs torch", "sqnr_db"]
 LEAK_COLUMNS = ["op", "iters", "rows", "before_bytes", "after_bytes", "grew"]
 
 
 def add_arguments(parser):
     """The ``a2a`` subcommand's options."""
-    parser.add_argument("--rows", type=int, nargs="+", help="rows per rank (default 16384 65536 131072)")
-    parser.add_argument("--dim", type=int, help="row length in elements (default 7168)")
-    parser.add_argument("--types", nargs="+", default=["bf16", "uint8"], choices=["bf16", "uint8"])
+    parser.add_argument("--rows", type=int, nargs="+", metavar="M",
+                        help=f"rows per rank, > 0 (default {' '.join(map(str, GPU_ROWS))} on a "
+                             f"GPU, {' '.join(map(str, HOST_ROWS))} on a CPU, "
+                             f"{' '.join(map(str, SIM_ROWS))} in the simulator)")
+    parser.add_argument("--dim", type=int, metavar="D",
+                        help=f"elements per row, a multiple of 32 (default {GPU_DIM} on a GPU, "
+                             f"{HOST_DIM} on a CPU, {SIM_DIM} in the simulator)")
+    parser.add_argument("--types", nargs="+", default=["bf16", "uint8"], choices=["bf16", "uint8"],
+                        help="element types of the alltoallv table (default bf16 uint8)")
     parser.add_argument("--splits", nargs="+", default=["uniform", "skewed"],
-                        choices=["uniform", "skewed"])
-    parser.add_argument("--leak-iters", type=int, help="alltoallv calls of the leak check "
-                        "(default 1000 on a GPU, 10 on the CPU; 0 skips)")
+                        choices=["uniform", "skewed"],
+                        help="split matrices (default uniform skewed; the drop-in uses the first)")
+    parser.add_argument("--leak-iters", type=int, metavar="N",
+                        help="alltoallv calls of the leak check, >= 0 (default 1000 on a GPU, 10 "
+                             "on a CPU; 0 skips it)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed columns")
+
+
+def validate(args):
+    """Check the shape options up front.
+
+    Raises:
+        ValueError: --rows not positive, --dim not a positive multiple of 32, --leak-iters < 0.
+    """
+    for m in args.rows or ():
+        if m < 1:
+            raise ValueError(f"--rows: expected positive values, got {m}")
+    if args.dim is not None and (args.dim < 1 or args.dim % 32):
+        raise ValueError(f"--dim: expected a positive multiple of 32 (MXFP8 blocks of 32 "
+                         f"elements), got {args.dim}")
+    if args.leak_iters is not None and args.leak_iters < 0:
+        raise ValueError(f"--leak-iters: expected >= 0, got {args.leak_iters}")
+
+
+def describe(args, rt):
+    """The first line printed: what this run is, and what it is not."""
+    head = f"mxcomm all-to-all, {rt.size} rank{'s' if rt.size > 1 else ''}"
+    if rt.gpu:
+        return (f"{head} on GPUs: CUDA-event throughput and latency of mxcomm vs "
+                f"torch.distributed, the MXFP8 drop-in, exactness, a device-memory leak check.")
+    return (f"{head} on a CPU ({rt.backend} backend, MPI communicator vs gloo): exactness, SQNR "
+            f"and host-clock times of this machine's MPI. Nothing here says anything about GPUs.")
 
 
 def _exact_sqnr(rt, ref, out):
@@ -57,10 +94,6 @@ def _exact_sqnr(rt, ref, out):
         asnumpy = getattr(rt.xp, "asnumpy", numpy.asarray)
         return _workload.sqnr_db(asnumpy(ref).astype(numpy.float32),
                                  asnumpy(out).astype(numpy.float32))
-
-
-def _verdict(passed, simulated):
-    return "n/a (sim)" if simulated else ("yes" if passed else "no")
 
 
 class _Bench:
@@ -121,11 +154,13 @@ class _Bench:
                         ratio = theirs.median / ours.median
                         same = bool(rt.xp.array_equal(out.view(numpy.uint8), ref.view(numpy.uint8)))
                         row.update(theirs.as_dict("torch_"), torch_algbw=t_algbw,
-                                   torch_busbw=_workload.busbw(t_algbw, rt.size), ratio=ratio,
-                                   target=RATIO_TARGET, same_output=same,
-                                   ok=_verdict(ratio >= RATIO_TARGET and same, rt.simulated),
-                                   **theirs_sync.as_dict("torch_sync_"),
-                                   sync_ratio=theirs_sync.median / ours_sync.median)
+                                   torch_busbw=_workload.busbw(t_algbw, rt.size), same_output=same,
+                                   exact="yes" if same else "no",
+                                   **theirs_sync.as_dict("torch_sync_"))
+                        if rt.gpu:  # throughput ratios of a CPU's MPI and gloo mean nothing here
+                            row.update(ratio=ratio, target=RATIO_TARGET,
+                                       ok="yes" if ratio >= RATIO_TARGET and same else "no",
+                                       sync_ratio=theirs_sync.median / ours_sync.median)
                         del ref
                     out_rows.append(row)
                     del out
@@ -192,20 +227,21 @@ class _Bench:
         after = rt.memory_used()
         before, after = rt.allreduce_max([before, after])
         # Host RSS (the CPU path) moves by pages for reasons of its own: allow 1 MiB there.
-        slack = (1 << 20) if rt.simulated else 0
+        slack = 0 if rt.gpu else (1 << 20)
         return [{"op": "alltoallv (out=None)", "iters": iters, "rows": rows, "before_bytes": int(before),
                  "after_bytes": int(after), "grew": "yes" if after > before + slack else "no"}]
 
 
 def measure(args, rt):
     """Run the all-to-all benchmarks; returns ``(meta, tables)``."""
-    sim = rt.simulated
-    rows_list = args.rows or (SIM_ROWS if sim else GPU_ROWS)
-    dim = args.dim or (32 if sim else 7168)
+    default_rows, default_dim = {"cuda": (GPU_ROWS, GPU_DIM), "host": (HOST_ROWS, HOST_DIM)}.get(
+        rt.backend, (SIM_ROWS, SIM_DIM))
+    rows_list = args.rows or default_rows
+    dim = args.dim or default_dim
     bench = _Bench(args, rt)
     tables = {"alltoallv": bench.alltoallv_rows(rows_list, dim)}
     tables["drop_in"] = bench.drop_in_rows(max(rows_list), dim)
-    leak_iters = args.leak_iters if args.leak_iters is not None else (10 if sim else 1000)
+    leak_iters = args.leak_iters if args.leak_iters is not None else (1000 if rt.gpu else 10)
     tables["leak"] = bench.leak_rows(min(rows_list), dim, leak_iters) if leak_iters > 0 else []
     notes = ["time = max over ranks of each rank's median; ms: iterations enqueued back to back "
              "(throughput, as nccl-tests); sync_ms: every iteration after a device sync + MPI "
@@ -214,30 +250,44 @@ def measure(args, rt):
              f"split matrices built from seed {SPLIT_SEED} on every rank (skewed: Dirichlet(1) rows)"]
     if not bench.use_torch:
         notes.append("torch.distributed columns skipped (--no-torch)")
-    elif sim:
-        notes.append("CPU: mxcomm uses its MPI backend, torch.distributed uses gloo")
-    if sim:
+    elif not rt.gpu:
+        notes.append("CPU: mxcomm uses its MPI backend, torch.distributed uses gloo; host clock, "
+                     "no ratios or targets (they are about GPUs)")
+    if not rt.gpu:
         notes.append("leak check on the CPU: host RSS, not device memory")
     meta = _report.metadata("a2a", rt.size, {"rows_per_rank": rows_list, "dim": dim,
                                              "types": args.types, "splits": args.splits},
-                            notes, iters=args.iters, warmup=args.warmup, leak_iters=leak_iters)
+                            notes, run=describe(args, rt), iters=args.iters, warmup=args.warmup,
+                            leak_iters=leak_iters)
     return meta, tables
 
 
+def _present(rows, columns):
+    """The ``columns`` the first of ``rows`` has (all of them for no rows)."""
+    return [c for c in columns if not rows or c in rows[0]]
+
+
 def _display(tables):
-    a2a = [dict(r, ours_algbw=r.get("ours_algbw"), ratio=r.get("ratio", float("nan")))
-           for r in tables["alltoallv"]]
-    drop = [dict(r, speedup_vs_torch=_report.speedup(r["speedup_vs_torch"]),
-                 sync_speedup=_report.speedup(r["sync_speedup"])) for r in tables["drop_in"]]
-    return [("alltoallv (nccl-tests columns; ms, GB/s)", a2a, A2A_COLUMNS),
-            ("drop-in all_to_all_single vs torch bf16", drop, DROP_COLUMNS),
+    a2a = tables["alltoallv"]
+    gpu = bool(a2a) and "ratio" in a2a[0]
+    drop = [dict(r, **{"vs torch": _report.speedup(r["speedup_vs_torch"]),
+                       "sync vs torch": _report.speedup(r["sync_speedup"])})
+            for r in tables["drop_in"]]
+    drop_cols = DROP_COLUMNS if gpu else [c for c in DROP_COLUMNS
+                                          if c not in ("vs torch", "target", "sync vs torch")]
+    shape = f"{tables['drop_in'][0]['rows']} x {tables['drop_in'][0]['dim']}" \
+        if tables["drop_in"] else ""
+    return [("alltoallv, iterations back to back (nccl-tests columns: size in bytes per rank; ms; "
+             "busbw GB/s)", a2a, _present(a2a, A2A_COLUMNS)),
+            ("alltoallv, every iteration synchronized (ms)", a2a, _present(a2a, SYNC_COLUMNS)),
+            (f"drop-in all_to_all_single, {shape} rows per rank, vs torch bf16", drop, drop_cols),
             ("leak check", tables["leak"], LEAK_COLUMNS)]
 
 
 def render(meta, tables):
     """Text report of :func:`measure`'s result."""
     sections = [(c, _report.format_table(r, cols)) for c, r, cols in _display(tables)]
-    return _report.render_text("All-to-all-v benchmark", meta, sections)
+    return _report.render_text("mxcomm all-to-all benchmark", meta, sections)
 
 
 def markdown_sections(tables):

@@ -1,9 +1,10 @@
 """``python -m mxcomm.bench kernels``: MXFP8 quantize/dequantize and permute/unpermute bandwidth.
 
-Single process. Each row: op, shape, median ms, bytes moved (read + written, the fewest the op
-must touch), GB/s, and a device-to-device copy of the same number of bytes timed in the same run;
-``ratio`` = our GB/s / copy GB/s, against a target (quantize/dequantize >= 0.85, permute/unpermute
->= 0.80).
+Single process. Each row: op, shape, median ms, bytes moved (read + written, the fewest the op must
+touch) and GB/s (1e9 bytes). On a GPU also a device-to-device copy of the same number of bytes
+timed in the same run; ratio = our GB/s / copy GB/s, against a target (quantize/dequantize >= 0.85,
+permute/unpermute >= 0.80). On a CPU the host backend (vectorized NumPy) is timed with the host
+clock: no copy, no ratio, nothing said about a GPU; under Numba's simulator only ms.
 """
 
 import numpy
@@ -14,7 +15,10 @@ from . import _report, _timing, _workload
 QUANT_SHAPES = [(16384, 7168), (131072, 7168)]
 PERMUTE_SHAPES = [(131072, 7168)]
 NUM_LOCAL_EXPERTS = 8
-#: Simulator shapes: every CUDA thread is a Python thread there.
+#: CPU host backend shapes, and the simulator's (every CUDA thread is a Python call there).
+HOST_QUANT_SHAPES = [(4096, 1024)]
+HOST_PERMUTE_SHAPES = [(4096, 1024)]
+HOST_NUM_LOCAL_EXPERTS = 4
 SIM_QUANT_SHAPES = [(64, 64)]
 SIM_PERMUTE_SHAPES = [(64, 64)]
 SIM_NUM_LOCAL_EXPERTS = 2
@@ -22,16 +26,50 @@ SIM_NUM_LOCAL_EXPERTS = 2
 ROTATE_BELOW_BYTES = 1 << 30
 TARGETS = {"quantize": 0.85, "dequantize": 0.85, "permute": 0.80, "unpermute": 0.80}
 ALIGN = 32
+#: Columns shown, of those a row has (a CPU row has no copy columns, a simulator row no bandwidth).
 COLUMNS = ["op", "dtype", "shape", "ms", "p90_ms", "GB", "GB/s", "copy_GB/s", "ratio", "target", "ok"]
+OPS = ["quantize", "dequantize", "permute", "unpermute"]
 
 
 def add_arguments(parser):
     """The ``kernels`` subcommand's options."""
-    parser.add_argument("--rows", type=int, nargs="+", help="rows M of quantize/dequantize "
-                        "(default 16384 131072; permute uses the largest)")
-    parser.add_argument("--dim", type=int, help="columns D (default 7168)")
-    parser.add_argument("--ops", nargs="+", default=["quantize", "dequantize", "permute", "unpermute"],
-                        choices=["quantize", "dequantize", "permute", "unpermute"])
+    parser.add_argument("--rows", type=int, nargs="+", metavar="M",
+                        help="rows of quantize/dequantize; permute uses the largest (default "
+                             f"{' '.join(str(m) for m, _ in QUANT_SHAPES)} on a GPU, "
+                             f"{HOST_QUANT_SHAPES[0][0]} on a CPU, {SIM_QUANT_SHAPES[0][0]} in the "
+                             f"simulator)")
+    parser.add_argument("--dim", type=int, metavar="D",
+                        help=f"elements per row, a multiple of 32 (default {QUANT_SHAPES[0][1]} on "
+                             f"a GPU, {HOST_QUANT_SHAPES[0][1]} on a CPU, {SIM_QUANT_SHAPES[0][1]} "
+                             f"in the simulator)")
+    parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS,
+                        help=f"what to time (default all: {' '.join(OPS)})")
+
+
+def validate(args):
+    """Check the shape options up front.
+
+    Raises:
+        ValueError: --rows not positive, or --dim not a positive multiple of 32.
+    """
+    for m in args.rows or ():
+        if m < 1:
+            raise ValueError(f"--rows: expected positive values, got {m}")
+    if args.dim is not None and (args.dim < 1 or args.dim % 32):
+        raise ValueError(f"--dim: expected a positive multiple of 32 (MXFP8 blocks of 32 "
+                         f"elements), got {args.dim}")
+
+
+def describe(args, rt):
+    """The first line printed: what this run is, and what it is not."""
+    if rt.gpu:
+        return ("mxcomm kernels on a GPU: time and bandwidth of quantize/dequantize/permute/"
+                "unpermute against a device copy of the same bytes.")
+    if rt.backend == "host":
+        return ("mxcomm kernels on a CPU, host backend (vectorized NumPy): host-clock time and "
+                "bandwidth of this CPU's implementation. Nothing here says anything about a GPU.")
+    return ("mxcomm kernels on a CPU, CUDA kernels in Numba's simulator (tiny shapes): host-clock "
+            "time of the simulation only, no bandwidth. Nothing here says anything about a GPU.")
 
 
 class _Copy:
@@ -46,7 +84,7 @@ class _Copy:
         if n not in self._gbps:
             src = self.rt.random_bytes((n,), seed=7)
             dst = self.rt.xp.empty_like(src)
-            if self.rt.simulated:
+            if not self.rt.gpu:
                 def copy():
                     numpy.copyto(dst, src)
             else:
@@ -61,13 +99,20 @@ class _Copy:
         return self._gbps[n]
 
 
-def _row(op, dtype, shape, stats, nbytes, copy_gbps, simulated=False):
+def _row(op, dtype, shape, stats, nbytes, copy, bandwidth=True):
+    """One table row; ``copy`` is the copy timer on a GPU, None on a CPU (no ratio); no
+    bandwidth at all without ``bandwidth`` (the simulator)."""
+    row = {"op": op, "dtype": dtype, "shape": "x".join(map(str, shape)), **stats.as_dict()}
+    if not bandwidth:
+        return row
     ours = _workload.gbps(nbytes, stats.median)
-    ratio = ours / copy_gbps
-    return {"op": op, "dtype": dtype, "shape": "x".join(map(str, shape)), **stats.as_dict(),
-            "bytes": int(nbytes), "GB": nbytes / _workload.GB, "GB/s": ours, "copy_GB/s": copy_gbps,
-            "ratio": ratio, "target": TARGETS[op],
-            "ok": "n/a (sim)" if simulated else ("yes" if ratio >= TARGETS[op] else "no")}
+    row.update({"bytes": int(nbytes), "GB": nbytes / _workload.GB, "GB/s": ours})
+    if copy is not None:
+        copy_gbps = copy.gbps(nbytes)
+        ratio = ours / copy_gbps
+        row.update({"copy_GB/s": copy_gbps, "ratio": ratio, "target": TARGETS[op],
+                    "ok": "yes" if ratio >= TARGETS[op] else "no"})
+    return row
 
 
 def measure(args, rt):
@@ -75,14 +120,16 @@ def measure(args, rt):
     from mxcomm.mxfp8 import dequantize_mxfp8, quantize_mxfp8
     from mxcomm.permutation import permute, unpermute
 
-    sim = rt.simulated
-    dim = args.dim or (SIM_QUANT_SHAPES[0][1] if sim else 7168)
-    quant_rows = args.rows or [m for m, _ in (SIM_QUANT_SHAPES if sim else QUANT_SHAPES)]
-    perm_rows = [max(args.rows)] if args.rows else [m for m, _ in (SIM_PERMUTE_SHAPES if sim
-                                                                     else PERMUTE_SHAPES)]
-    e_local = SIM_NUM_LOCAL_EXPERTS if sim else NUM_LOCAL_EXPERTS
+    quant_shapes, perm_shapes, e_local = {
+        "cuda": (QUANT_SHAPES, PERMUTE_SHAPES, NUM_LOCAL_EXPERTS),
+        "host": (HOST_QUANT_SHAPES, HOST_PERMUTE_SHAPES, HOST_NUM_LOCAL_EXPERTS),
+    }.get(rt.backend, (SIM_QUANT_SHAPES, SIM_PERMUTE_SHAPES, SIM_NUM_LOCAL_EXPERTS))
+    dim = args.dim or quant_shapes[0][1]
+    quant_rows = args.rows or [m for m, _ in quant_shapes]
+    perm_rows = [max(args.rows)] if args.rows else [m for m, _ in perm_shapes]
     clock = _timing.Clock(rt.clock_kind)
-    copy = _Copy(rt, clock, args.iters, args.warmup)
+    copy = _Copy(rt, clock, args.iters, args.warmup) if rt.gpu else None
+    bw = rt.backend != "simulator"
     timed = dict(clock=clock, iters=args.iters, warmup=args.warmup)
     rows = []
 
@@ -98,14 +145,14 @@ def measure(args, rt):
             out = quantize_mxfp8(xs[0], mode)
             stats = _timing.measure(lambda x: quantize_mxfp8(x, mode, out=out), inputs=xs, **timed)
             nbytes = m * dim * 2 + mx_bytes
-            rows.append(_row("quantize", f"bf16->mxfp8 {mode}", shape, stats, nbytes, copy.gbps(nbytes), sim))
+            rows.append(_row("quantize", f"bf16->mxfp8 {mode}", shape, stats, nbytes, copy, bw))
         if "dequantize" in args.ops:
             rt.log(f"dequantize {shape}")
             mxs = [quantize_mxfp8(x) for x in xs]
             out = dequantize_mxfp8(mxs[0])
             stats = _timing.measure(lambda mx: dequantize_mxfp8(mx, out=out), inputs=mxs, **timed)
             nbytes = mx_bytes + m * dim * 2
-            rows.append(_row("dequantize", "mxfp8->bf16", shape, stats, nbytes, copy.gbps(nbytes), sim))
+            rows.append(_row("dequantize", "mxfp8->bf16", shape, stats, nbytes, copy, bw))
         del xs
 
     for m in perm_rows if {"permute", "unpermute"} & set(args.ops) else []:
@@ -123,36 +170,42 @@ def measure(args, rt):
                 rt.log(f"permute {dtype} {shape}")
                 stats = _timing.measure(lambda: permute(value, counts, e_local, ALIGN), **timed)
                 nbytes = m * row_bytes + e_local * 4 + p * row_bytes + index_bytes
-                rows.append(_row("permute", dtype, shape, stats, nbytes, copy.gbps(nbytes), sim))
+                rows.append(_row("permute", dtype, shape, stats, nbytes, copy, bw))
             if "unpermute" in args.ops:
                 rt.log(f"unpermute {dtype} {shape}")
                 permuted, indices, _ = permute(value, counts, e_local, ALIGN)
                 stats = _timing.measure(lambda: unpermute(permuted, indices, m), **timed)
                 nbytes = m * row_bytes + p * 4 + m * row_bytes
-                rows.append(_row("unpermute", dtype, shape, stats, nbytes, copy.gbps(nbytes), sim))
+                rows.append(_row("unpermute", dtype, shape, stats, nbytes, copy, bw))
                 del permuted, indices
         del x
 
-    notes = ["bytes = bytes read + bytes written (GB = 1e9); copy = device-to-device memcpy of "
-             "the same bytes, same run; ratio = GB/s / copy GB/s",
+    notes = [f"bytes = bytes read + bytes written (GB = 1e9); median of {args.iters} after "
+             f"{args.warmup} warm-up",
              f"permute/unpermute: {e_local} local experts, random counts summing to the rows, "
              f"align {ALIGN}; MXFP8 rows move data and scales"]
-    if sim:
-        notes.append("CPU simulator: host clock, tiny shapes; the numbers say nothing about a GPU")
+    if rt.gpu:
+        notes.append("CUDA events; copy = device-to-device memcpy of the same bytes, same run; "
+                     "ratio = GB/s / copy GB/s")
+    else:
+        notes.append(f"host clock, {rt.backend} backend on {_report.cpu_name()}: says nothing "
+                     f"about a GPU")
     meta = _report.metadata("kernels", 1, {"quantize": [list(s) for s in
                                                        [(m, dim) for m in quant_rows]],
                                            "permute": [[m, dim] for m in perm_rows],
                                            "num_local_experts": e_local},
-                            notes, iters=args.iters, warmup=args.warmup)
+                            notes, run=describe(args, rt), iters=args.iters, warmup=args.warmup)
     return meta, {"kernels": rows}
 
 
 def render(meta, tables):
     """Text report of :func:`measure`'s result."""
-    table = _report.format_table(tables["kernels"], COLUMNS, fmt="grid")
-    return _report.render_text("MXFP8 kernel bandwidth", meta, [("kernels", table)])
+    (caption, rows, columns), = markdown_sections(tables)
+    return _report.render_text("mxcomm kernels benchmark", meta,
+                               [(caption, _report.format_table(rows, columns))])
 
 
 def markdown_sections(tables):
-    """``(caption, rows, columns)`` for ``--markdown``."""
-    return [("kernels", tables["kernels"], COLUMNS)]
+    """``(caption, rows, columns)`` for ``--markdown``: the columns the rows have."""
+    rows = tables["kernels"]
+    return [("kernels", rows, [c for c in COLUMNS if not rows or c in rows[0]])]

@@ -1,0 +1,95 @@
+"""Where array work runs: the one place that decides (a leaf: stdlib and ctypes only, no numba).
+
+``kernels`` (the CUDA kernels), ``comm`` (the communicators) and the ``mxcomm`` wrappers all ask
+this module and never branch on the environment themselves. The decision is made once per process,
+on first use, from the environment variable ``MXCOMM_BACKEND``:
+
+    MXCOMM_BACKEND    backend()    arrays  MXFP8 and permute work runs in
+    auto (unset)      "cuda"       CuPy    the CUDA kernels, on the GPU (a CUDA device present)
+                      "host"       NumPy   the host backend (no CUDA device)
+    cuda              "cuda"       CuPy    the CUDA kernels (RuntimeError without a device)
+    host              "host"       NumPy   the host backend: vectorized NumPy, bit-identical to
+                                           the CUDA kernels (``mxcomm._host``)
+    simulator         "simulator"  NumPy   the CUDA kernels in Numba's CUDA simulator (a Python
+                                           call per CUDA thread: tiny shapes only)
+
+Users on a CPU get the host backend by default. Numba's CUDA simulator is there to test the CUDA
+kernels themselves without a GPU: whenever the backend is not ``"cuda"``, ``mxcomm.kernels`` turns
+the simulator on before numba loads (``NUMBA_ENABLE_CUDASIM=1``, which numba reads once, at its own
+import), so a test can launch the kernels directly next to the host backend and compare the bits
+(tests/test_backends.py); ``MXCOMM_BACKEND=simulator`` sends every call of the public API through
+them instead.
+"""
+
+import ctypes
+import functools
+import os
+
+#: The environment variable read (once) by :func:`backend`.
+ENV_VAR = "MXCOMM_BACKEND"
+#: Its accepted values.
+CHOICES = ("auto", "cuda", "host", "simulator")
+
+
+@functools.cache
+def gpu_present():
+    """True when the CUDA driver loads and reports at least one device (no numba, no CuPy).
+
+    Asks the driver library through ctypes (``cuInit`` and ``cuDeviceGetCount``); cached.
+    """
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            driver = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        return driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0 \
+            and count.value > 0
+    return False
+
+
+@functools.cache
+def backend():
+    """Where array work runs in this process: ``"cuda"``, ``"host"`` or ``"simulator"``.
+
+    Read once from ``MXCOMM_BACKEND`` (module docstring); later changes of the variable are
+    ignored.
+
+    Raises:
+        ValueError: ``MXCOMM_BACKEND`` holds none of :data:`CHOICES`.
+        RuntimeError: ``MXCOMM_BACKEND=cuda`` where no CUDA device is present.
+    """
+    choice = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV_VAR}: expected one of {', '.join(CHOICES)}, "
+                         f"got {os.environ[ENV_VAR]!r}")
+    if choice == "auto":
+        return "cuda" if gpu_present() else "host"
+    if choice == "cuda" and not gpu_present():
+        raise RuntimeError(f"{ENV_VAR}=cuda, but no CUDA device is present (the driver reports "
+                           f"none); unset it to use the host backend")
+    return choice
+
+
+def gpu_arrays():
+    """True when arrays are CuPy arrays on a GPU (backend ``"cuda"``); else NumPy arrays."""
+    return backend() == "cuda"
+
+
+def host_backend():
+    """True when MXFP8 and permute work runs in the host backend (vectorized NumPy)."""
+    return backend() == "host"
+
+
+def kernels_simulated():
+    """True when the CUDA kernels, if launched, must run in Numba's CUDA simulator: every
+    backend but ``"cuda"`` (arrays are in host memory)."""
+    return backend() != "cuda"
+
+
+def describe():
+    """The backend's name and what it means, for logs and benchmark headers."""
+    return {"cuda": "cuda (the CUDA kernels, on the GPU)",
+            "host": "host (vectorized NumPy, on the CPU)",
+            "simulator": "simulator (the CUDA kernels in Numba's CUDA simulator, on the CPU)"
+            }[backend()]

@@ -1,0 +1,214 @@
+"""What the pipeline benchmark shows on any machine: exactness of the data movement, bytes moved.
+
+Exactness: every mxcomm step of a traced pipeline run (the layout exchange, dispatch, permute,
+unpermute, combine, forward and backward) is compared, bit for bit, with an independent reference
+computed from the same inputs: ``torch.distributed.all_to_all_single`` of the same bytes for the
+exchanges (quantized with ``mxcomm.quantize_mxfp8`` first, and dequantized after, where the step's
+precision is MXFP8), an index-based gather/scatter in torch for permute and unpermute, and an MPI
+allgather of the counts for the layout. Counts are rows whose bytes differ, summed over ranks.
+
+Bytes on the wire: rows a rank sends to other ranks (rows it keeps are not counted) times the bytes
+of a row in the step's precision (bf16: 2 D; MXFP8: D e4m3 bytes + D / 32 e8m0 scales), summed
+over ranks. Glossary: M rows per rank, N rows received, D dim, H hidden, P permuted rows.
+"""
+
+import numpy
+
+#: The four directions of the exchanges: (name, width attribute of the case, splits it sends).
+DIRECTIONS = (("dispatch", "dim", "input"), ("combine", "hidden", "output"),
+              ("dispatch_grad", "dim", "output"), ("combine_grad", "hidden", "input"))
+#: The steps checked, in pipeline order (forward, then each step's backward).
+STEPS = ("layout", "dispatch", "permute index", "permute", "unpermute", "combine", "combine bwd",
+         "unpermute bwd", "permute bwd", "dispatch bwd")
+
+
+def row_bytes(precision, width):
+    """Bytes of one row of ``width`` elements in ``precision`` (``"bf16"`` or ``"mxfp8"``)."""
+    if precision == "bf16":
+        return 2 * width
+    if precision == "mxfp8":
+        return width + width // 32
+    raise ValueError(f"precision: expected 'bf16' or 'mxfp8', got {precision!r}")
+
+
+def precisions(variant):
+    """``{direction: precision}`` of a variant (the baseline moves everything in bf16)."""
+    return {name: getattr(variant, name) for name, _, _ in DIRECTIONS}
+
+
+def wire_rows(variant, case, input_splits, output_splits, rank, allreduce_sum):
+    """Rows of the ``wire`` table for one variant: per direction, rows and bytes sent between
+    ranks, summed over ranks.
+
+    Args:
+        variant: a ``_moe.Variant``. case: has ``dim``, ``hidden`` and ``label``.
+        input_splits, output_splits: this rank's splits (lists of W ints). rank: this rank.
+        allreduce_sum: maps a list of numbers to their element-wise sums over ranks.
+    """
+    splits = {"input": input_splits, "output": output_splits}
+    rows, nbytes = [], []
+    for name, width_attr, side in DIRECTIONS:
+        off_rank = sum(splits[side]) - splits[side][rank]
+        rows.append(off_rank)
+        nbytes.append(off_rank * row_bytes(getattr(variant, name), getattr(case, width_attr)))
+    totals = allreduce_sum(rows + nbytes)
+    n = len(DIRECTIONS)
+    return [{"shape": case.label, "variant": variant.name, "direction": name,
+             "precision": getattr(variant, name), "rows": int(totals[i]),
+             "bytes": int(totals[n + i])} for i, (name, _, _) in enumerate(DIRECTIONS)]
+
+
+def permutation_index(counts, num_local_experts, align, num_rows):
+    """The expected ``(indices (P,), group_offsets (E_local,))`` of ``permute``, by a loop over the
+    (local expert, source rank) segments; ``counts`` rank-major host ints."""
+    ranks = len(counts) // num_local_experts
+    src_start = numpy.cumsum([0] + list(counts[:-1]))
+    padded = -(-(num_rows + num_local_experts * align) // align) * align
+    indices = numpy.full(padded, -1, dtype=numpy.int64)
+    offsets, pos = [], 0
+    for e in range(num_local_experts):
+        for r in range(ranks):
+            k = r * num_local_experts + e
+            indices[pos:pos + counts[k]] = numpy.arange(src_start[k], src_start[k] + counts[k])
+            pos += counts[k]
+        pos = -(-pos // align) * align
+        offsets.append(pos)
+    return indices, offsets
+
+
+class Checker:
+    """Bit-exact checks of one traced pipeline run (``pipeline._Case.trace``).
+
+    Args:
+        rt: the benchmark's Runtime (torch.distributed initialized). case: the shape's inputs.
+        align: rows of permute's padding.
+    """
+
+    def __init__(self, rt, case, align):
+        self.rt, self.case, self.align = rt, case, align
+
+    # ---- conversions ---------------------------------------------------------------------
+    @staticmethod
+    def _bytes(t):
+        """(rows, bytes) uint8 view of a tensor; an MXFP8 tensor's data and scales side by side."""
+        import torch
+        if hasattr(t, "data_e4m3"):
+            return torch.cat([t.data_e4m3.reshape(t.shape[0], -1).view(torch.uint8),
+                              t.scales_e8m0.reshape(t.shape[0], -1).view(torch.uint8)], dim=1)
+        t = t.detach().contiguous()
+        return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+    def _quantized(self, t):
+        """(rows, D + D / 32) uint8: ``mxcomm.quantize_mxfp8`` of the bf16 tensor ``t``."""
+        import torch
+        from mxcomm.mxfp8 import quantize_mxfp8
+        mx = quantize_mxfp8(self.rt.from_torch(t.detach().contiguous()))
+        return torch.cat([self.rt.to_torch(mx.data), self.rt.to_torch(mx.scales)], dim=1)
+
+    def _dequantized(self, rows, width):
+        """(rows, 2 width) uint8 bytes of the bf16 dequantization of quantized ``rows``."""
+        from mxcomm.mxfp8 import MXFP8Array
+        rows = rows.contiguous()
+        mx = MXFP8Array(self.rt.from_torch(rows[:, :width].contiguous()),
+                        self.rt.from_torch(rows[:, width:].contiguous()))
+        return self._bytes(self.rt.to_torch(mx.dequantize()))
+
+    def _exchange(self, rows, send, recv):
+        """``torch.distributed.all_to_all_single`` of the uint8 ``rows``: the reference."""
+        import torch.distributed as dist
+        out = rows.new_empty((sum(recv), rows.shape[1]))
+        dist.all_to_all_single(out, rows.contiguous(), list(recv), list(send))
+        return out
+
+    def _moved(self, t, precision, send, recv, *, dequantized=False):
+        """Expected bytes of a step moving the bf16 tensor ``t`` in ``precision``: bf16 rows moved
+        as they are; MXFP8 rows quantized, moved, and dequantized to bf16 if ``dequantized``."""
+        if precision == "bf16":
+            return self._exchange(self._bytes(t), send, recv)
+        moved = self._exchange(self._quantized(t), send, recv)
+        return self._dequantized(moved, t.shape[1]) if dequantized else moved
+
+    @staticmethod
+    def _gather(rows, indices):
+        """rows[indices[p]], zero rows where indices[p] < 0 (torch indexing)."""
+        out = rows.new_zeros((indices.shape[0], rows.shape[1]))
+        keep = indices >= 0
+        out[keep] = rows[indices[keep]]
+        return out
+
+    @staticmethod
+    def _scatter(rows, indices, num_rows):
+        """out[indices[p]] = rows[p] for indices[p] >= 0 (torch indexing), zero elsewhere."""
+        out = rows.new_zeros((num_rows, rows.shape[1]))
+        keep = indices >= 0
+        out[indices[keep]] = rows[keep]
+        return out
+
+    # ---- the checks ----------------------------------------------------------------------
+    def _layout_ok(self, state):
+        """The layout exchange's counts and splits, against an MPI allgather of all counts."""
+        e_local, me = self.case.e_local, self.rt.rank
+        counts = numpy.array(self.rt.mpi_comm.allgather(self.case.counts.cpu().tolist()))  # [j, e]
+        mine = counts[:, me * e_local:(me + 1) * e_local]                                 # [r, e]
+        return ([int(c) for c in state["group"].cpu().tolist()] == mine.reshape(-1).tolist()
+                and list(state["input_splits"]) == counts[me].reshape(-1, e_local).sum(1).tolist()
+                and list(state["output_splits"]) == mine.sum(1).tolist())
+
+    def run(self, variant, state, grads, results):
+        """Rows of the ``exactness`` table for one variant's traced run (counts summed over ranks).
+
+        The baseline's exchanges are torch's own, so only its permute and unpermute are checked.
+        """
+        import torch
+        case, send, recv = self.case, state["input_splits"], state["output_splits"]
+        group = [int(c) for c in state["group"].cpu().tolist()]
+        index, offsets = permutation_index(group, case.e_local, self.align, sum(recv))
+        idx = torch.as_tensor(index, device=case.x.device)
+        index_ok = bool(torch.equal(state["indices"].to(torch.int64), idx)) and \
+            [int(v) for v in state["offs"].cpu().tolist()] == offsets
+        p = precisions(variant)
+        mx = not variant.baseline
+        # (step, precision of the rows ("" for the index checks), got (rows, bytes) uint8, expected
+        # the same, or got None and a verdict)
+        checks = [("layout", "", None, self._layout_ok(state))]
+        if mx:
+            checks.append(("dispatch", p["dispatch"], self._bytes(state["h"]),
+                           self._moved(case.x, p["dispatch"], send, recv)))
+        checks += [("permute index", "", None, index_ok),
+                   ("permute", p["dispatch"], self._bytes(state["p"]),
+                    self._gather(self._bytes(state["h"]), idx)),
+                   ("unpermute", "bf16", self._bytes(state["u"]),
+                    self._scatter(self._bytes(state["y_"]), idx, sum(recv)))]
+        if mx:
+            checks += [("combine", p["combine"], self._bytes(state["out"]),
+                        self._moved(state["u"], p["combine"], recv, send, dequantized=True)),
+                       ("combine bwd", p["combine_grad"], self._bytes(grads["u"]),
+                        self._moved(case.grad_out, p["combine_grad"], send, recv))]
+        checks += [("unpermute bwd", p["combine_grad"], self._bytes(grads["y_"]),
+                    self._gather(self._bytes(grads["u"]), idx)),
+                   ("permute bwd", "bf16", self._bytes(grads["h"]),
+                    self._scatter(self._bytes(grads["p"]), idx, sum(recv)))]
+        if mx:
+            checks.append(("dispatch bwd", p["dispatch_grad"], self._bytes(results["input_grad"]),
+                           self._moved(grads["h"], p["dispatch_grad"], recv, send,
+                                       dequantized=True)))
+        counts = [n for _, _, got, want in checks for n in _differ(got, want)]
+        totals = self.rt.allreduce_sum(counts)
+        rows = []
+        for i, (step, precision, _, _) in enumerate(checks):
+            differ, total = int(totals[2 * i]), int(totals[2 * i + 1])
+            rows.append({"shape": case.label, "variant": variant.name, "step": step,
+                         "precision": precision, "rows": total, "rows_differ": differ,
+                         "result": "exact" if differ == 0 else f"{differ}/{total} rows differ"})
+        return rows
+
+
+def _differ(got, want):
+    """``(rows that differ, rows)`` of two (rows, bytes) uint8 tensors; with ``got`` None,
+    ``want`` is a verdict counted as one row."""
+    if got is None:
+        return (0 if want else 1), 1
+    rows = max(got.shape[0], want.shape[0])
+    if got.shape != want.shape:
+        return rows, rows
+    return (int((got != want).any(dim=1).sum()) if got.numel() else 0), rows

@@ -1,0 +1,225 @@
+"""The host backend against the CUDA kernels: the same seeded inputs through both, identical bits.
+
+On a CPU the kernels run in Numba's CUDA simulator (tiny shapes: one Python call per CUDA thread);
+on a GPU they run on it (``gpu``-marked tests, larger shapes). The float64 references of
+tests/reference.py check the host backend directly in tests/test_mxfp8.py and tests/test_permute.py
+(the public API runs there); here the kernels are held to the host backend, bit for bit.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mxcomm import _platform
+from mxcomm.mxfp8 import MXFP8Array, dequantize_mxfp8, quantize_mxfp8
+from mxcomm.permutation import permute, permute_backward, unpermute, unpermute_backward
+from reference import dequantize_mxfp8_ref, quantize_mxfp8_ref
+from test_mxfp8 import random_blocks, special_blocks
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+MODES = ("rceil", "floor")
+#: The host backend, and the backend running the CUDA kernels here.
+BACKENDS = ("host", "cuda" if _platform.gpu_present() else "simulator")
+
+
+def to_host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def bits(a):
+    """The bit patterns of a host array (NaN payloads and signed zeros compared exactly)."""
+    a = to_host(a)
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.itemsize > 1 else a.view(np.uint8)
+
+
+def run_both(use_backend, fn, *arrays):
+    """``fn(*device arrays)`` on each backend of :data:`BACKENDS`: ``{backend: result}``, with
+    every array of the result (MXFP8Array fields and tuples included) as host bits."""
+    results = {}
+    for name in BACKENDS:
+        with use_backend(name) as xp:
+            out = fn(*(xp.asarray(a) for a in arrays))
+        results[name] = _host_bits(out)
+    return results
+
+
+def _host_bits(out):
+    if isinstance(out, MXFP8Array):
+        return {"data": bits(out.data), "scales": bits(out.scales)}
+    if isinstance(out, tuple):
+        return tuple(_host_bits(o) for o in out)
+    return bits(out)
+
+
+def assert_identical(results):
+    host, kernels = (results[name] for name in BACKENDS)
+    _assert_same(host, kernels, "result")
+
+
+def _assert_same(a, b, where):
+    if isinstance(a, dict):
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, tuple):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a.shape == b.shape, where
+        bad = np.argwhere(a != b)
+        assert bad.size == 0, f"{where}: host and kernels differ at {bad[:5].tolist()} " \
+                              f"(host {a[tuple(bad[0])]:#x}, kernels {b[tuple(bad[0])]:#x})"
+
+
+def random_bit_patterns(rng, shape, dtype):
+    """Uniformly random bit patterns of ``dtype``: every exponent, subnormals, +-0, Inf and NaN
+    (about one block in eight holds a non-finite value)."""
+    uint = np.uint16 if dtype == BF16 else np.uint32
+    info = np.iinfo(uint)
+    return rng.integers(0, info.max, shape, dtype=uint, endpoint=True).view(dtype)
+
+
+def quantize_inputs(rng, dtype):
+    """Seeded (18, 64) inputs: blocks spanning 2^-120..2^120, random bit patterns, the special
+    blocks of test_mxfp8 (zeros, -0, subnormals, 448 * 2^k, rounding edges, NaN, Inf), a row of
+    zeros and a row of input subnormals."""
+    tiny = 2.0 ** -133 if dtype == BF16 else 2.0 ** -149
+    edge = np.stack([np.zeros(64), rng.integers(-3, 4, 64) * tiny]).astype(dtype)
+    return np.concatenate([random_blocks(rng, 4, 64, dtype),
+                           random_bit_patterns(rng, (4, 64), dtype),
+                           special_blocks(dtype).reshape(-1, 64), edge])
+
+
+# ---------------------------------------------------------------------------------------- MXFP8
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NaN/Inf arithmetic
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_identical(use_backend, rng, dtype, mode):
+    x = quantize_inputs(rng, dtype)
+    results = run_both(use_backend, lambda a: quantize_mxfp8(a, mode), x)
+    assert_identical(results)
+    # and both agree with the float64 reference on the blocks it defines (all of them)
+    data, scales = quantize_mxfp8_ref(x, mode)
+    np.testing.assert_array_equal(results["host"]["data"], data)
+    np.testing.assert_array_equal(results["host"]["scales"], scales)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator: 448 * 2^127 overflows
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+def test_dequantize_identical(use_backend, rng, dtype):
+    data = rng.integers(0, 256, (6, 64), dtype=np.uint8)
+    data[0, :32] = np.arange(32) * 8 + 7              # 0x07 .. 0xFF: NaN bytes 0x7F and 0xFF
+    data[1, :32] = np.arange(32)                     # zero and every subnormal, then normals
+    scales = rng.integers(0, 256, (6, 2), dtype=np.uint8)
+    scales.flat[:8] = [0, 1, 9, 10, 246, 247, 254, 255]  # subnormal f32 2^-127, the bf16-exact
+    #                                                    range's edges, Inf products, NaN scale
+    results = run_both(use_backend,
+                       lambda d, s: dequantize_mxfp8(MXFP8Array(d, s), dtype), data, scales)
+    assert_identical(results)
+    want = dequantize_mxfp8_ref(data, scales, dtype)
+    np.testing.assert_array_equal(results["host"], bits(want))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("mode", MODES)
+def test_roundtrip_identical(use_backend, rng, mode):
+    """quantize -> dequantize to both dtypes, the MXFP8 values never leaving the backend."""
+    x = random_blocks(rng, 3, 64, BF16)
+    x[1, 7] = np.nan
+    results = run_both(use_backend, lambda a: tuple(
+        quantize_mxfp8(a, mode).dequantize(dtype) for dtype in (BF16, F32)), x)
+    assert_identical(results)
+
+
+# ------------------------------------------------------------------------------------ permutation
+def random_counts(rng, ranks, e_local, high=5):
+    counts = rng.integers(0, high, ranks * e_local).astype(np.int32)
+    counts[rng.integers(0, ranks * e_local)] = 0     # an expert receiving nothing from a rank
+    if ranks > 1:                                    # a rank sending nothing at all
+        r = rng.integers(0, ranks)
+        counts[r * e_local:(r + 1) * e_local] = 0
+    return counts
+
+
+@pytest.mark.parametrize("ranks,e_local,align,dtype,row", [
+    (2, 2, 4, BF16, (32,)),
+    (3, 2, 8, np.float32, (3,)),     # odd row bytes
+    (1, 3, 1, BF16, (3,)),           # no padding
+    (2, 1, 32, np.uint8, (5,)),
+    (2, 2, 4, np.int32, ()),         # 1-D rows
+])
+def test_permute_identical(use_backend, rng, ranks, e_local, align, dtype, row):
+    counts = random_counts(rng, ranks, e_local)
+    m = int(counts.sum())
+    x = (rng.standard_normal((m,) + row) * 100).astype(dtype)
+
+    def steps(x, counts):
+        permuted, indices, offsets = permute(x, counts, e_local, align)
+        return (permuted, indices, offsets, unpermute(permuted, indices, m),
+                permute_backward(permuted, indices, m), unpermute_backward(x, indices))
+
+    assert_identical(run_both(use_backend, steps, x, counts))
+
+
+def test_permute_mxfp8_identical(use_backend, rng):
+    counts = random_counts(rng, 2, 2)
+    m = int(counts.sum())
+    x = random_blocks(rng, m, 64, BF16)
+
+    def steps(x, counts):
+        permuted, indices, offsets = permute(quantize_mxfp8(x), counts, 2, 4)  # few padding rows
+        back = unpermute(permuted, indices, m)
+        return (permuted, indices, offsets, back, unpermute_backward(back, indices),
+                permuted.dequantize())
+
+    assert_identical(run_both(use_backend, steps, x, counts))
+
+
+def test_permute_counts_beyond_rows_identical(use_backend, rng):
+    """Counts naming more rows than received: the extra rows get index -1 and zero rows."""
+    counts = np.array([3, 0, 2, 4], np.int32)
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    assert_identical(run_both(use_backend, lambda x, c: permute(x, c, 2, 4), x, counts))
+
+
+def test_unpermute_with_padding_and_out_of_range_indices(use_backend, rng):
+    """-1 and indices >= num_rows are dropped by unpermute and give zero rows in its backward."""
+    y = rng.standard_normal((8, 6)).astype(np.float32)
+    g = rng.standard_normal((5, 6)).astype(np.float32)
+    idx = np.array([3, -1, 0, 2, 7, 1, -1, 4], np.int32)
+    results = run_both(use_backend, lambda y, g, i: (unpermute(y, i, 5), unpermute_backward(g, i)),
+                       y, g, idx)
+    assert_identical(results)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_quantize_identical_large(use_backend, rng, dtype, mode):
+    x = np.concatenate([random_blocks(rng, 512, 7168, dtype),
+                        random_bit_patterns(rng, (512, 7168), dtype)])
+    assert_identical(run_both(use_backend, lambda a: quantize_mxfp8(a, mode), x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+def test_gpu_dequantize_identical_large(use_backend, rng, dtype):
+    data = rng.integers(0, 256, (1024, 7168), dtype=np.uint8)
+    scales = rng.integers(0, 256, (1024, 7168 // 32), dtype=np.uint8)
+    assert_identical(run_both(use_backend,
+                              lambda d, s: dequantize_mxfp8(MXFP8Array(d, s), dtype), data, scales))
+
+
+@pytest.mark.gpu
+def test_gpu_permute_identical_large(use_backend, rng):
+    counts = random_counts(rng, 4, 8, high=300)
+    m = int(counts.sum())
+    x = random_blocks(rng, m, 2048, BF16)
+
+    def steps(x, counts):
+        mx = quantize_mxfp8(x)
+        permuted, indices, offsets = permute(mx, counts, 8, 32)
+        return permuted, indices, offsets, unpermute(permuted, indices, m), permute(x, counts, 8)[0]
+
+    assert_identical(run_both(use_backend, steps, x, counts))
