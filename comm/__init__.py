@@ -3,11 +3,12 @@
 ``import mxcomm.comm`` imports neither CuPy nor mpi4py: the backends load on first use.
 """
 
-from ._base import init
+from ._factory import init
 
 __all__ = ["init", "Communicator", "MpiCommunicator", "NcclCommunicator"]
 
-_LAZY = {"Communicator": "._base", "MpiCommunicator": "._mpi", "NcclCommunicator": "._nccl"}
+_LAZY = {"Communicator": "._communicator", "MpiCommunicator": "._mpi",
+         "NcclCommunicator": "._nccl"}
 
 
 def __getattr__(name):

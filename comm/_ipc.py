@@ -1,71 +1,104 @@
-"""Staging memory of the pull transport on GPUs: CUDA IPC between the processes of one node.
+"""Peer memory of the pull transport on GPUs: CUDA IPC between the processes of one node.
 
-Every rank allocates one device buffer with ``cudaMalloc`` (outside CuPy's pool, so the IPC handle
-names exactly this allocation) and maps every peer's with ``cudaIpcOpenMemHandle`` (peer access
-enabled lazily, over NVLink where the GPUs have it). Interprocess events order the work: a sender
-records ``ready[s]`` after filling its step-``s`` rows, and a receiver's side stream waits for it
-before pulling them with ``cudaMemcpyAsync`` (copy engines, no SMs); each receiver records ``done``
-after its pulls, and a sender waits for every peer's ``done`` before refilling its buffer.
+Every rank allocates a staging buffer and a small flags buffer with ``cudaMalloc`` (outside CuPy's
+pool, so an IPC handle names exactly that allocation) and maps every peer's with
+``cudaIpcOpenMemHandle`` (over NVLink where the GPUs have it). The ranks order themselves on the
+devices, never on the hosts: senders write "ready" words into their receivers' flags after
+producing their rows, receivers wait for them on a side stream before reading, and write "done"
+words into the senders' flags after reading; a sender's next exchange begins by waiting for every
+peer's "done". Signals and waits are the tiny kernels of ``_signal.cu`` (CuPy ``RawModule``: this
+package does not import the Numba kernels), stream-ordered, reading the generation from a counter
+on the device, so a captured CUDA graph replays correctly (docs/design.md, "Signals on the device").
 
-With ``direct`` the side stream runs the caller's consumer instead of the copies: it reads a
-peer's rows in place (SM loads over NVLink, through the mapping) once that peer's ``ready`` is
-recorded, and the caller's stream waits for the side stream at the end.
+A wait that does not complete within the timeout writes what it missed into pinned host memory and
+lets its stream go on; :meth:`CudaPeerMemory.failure` reads it (the communicator's watchdog polls it,
+and every call checks it), and the communicator is aborted with a ``TimeoutError`` naming the rank.
 
-The pulls go one peer after another on ONE side stream, in step order. One copy from one peer
+The pulls go one peer after another on ONE side stream, in step order: one copy from one peer
 already moves as much as NVLink takes (measured on 2 and 4 H200s: 362 GB/s from one peer, 361 GB/s
-in all from three at once), and in sequence the first peer's rows are complete after a third of
-the transfer, not all at its end, so the caller's consumer (a dequantize) overlaps the rest. The event
-handles are exchanged once; the buffer's handles again whenever it grows (a collective decision:
-every rank computes the same size from the voted counts).
+in all from three at once), and in sequence the first peer's rows are complete after a third of the
+transfer, so the caller's consumer overlaps the rest.
 
 This is the only module that calls CUDA's IPC functions.
 """
 
 import math
+import pathlib
 
 import numpy
 
-from ._staged import MAX_PIECES
+from ._staged import MAX_PIECES, describe_mismatch
 
 _EVENT_DISABLE_TIMING = 0x2   # cudaEventDisableTiming
-_EVENT_INTERPROCESS = 0x4     # cudaEventInterprocess
 _MEMCPY_DEFAULT = 4           # cudaMemcpyDefault (unified addressing picks the direction)
-_HANDLE_BYTES = 64            # cudaIpcMemHandle_t / cudaIpcEventHandle_t
+_HOST_ALLOC_MAPPED = 0x2      # cudaHostAllocMapped
+_HANDLE_BYTES = 64            # cudaIpcMemHandle_t
 _GROWTH = 1.25                # a grown buffer holds this much more than asked, to grow rarely
+_SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
+
+
+class _Stream:
+    """A raw stream handle in the shape CuPy's ``Function`` call expects (``.ptr``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
 
 
 class CudaPeerMemory:
-    """Staging buffers of all ranks of one node, each mapped into every process.
+    """Staging buffers and flags of all ranks of one node, each mapped into every process.
 
     Args:
-        comm: the NCCL communicator (its device is current; its MPI communicator exchanges the
-            handles and its ``wait``/``barrier`` bound every wait by the timeout).
+        comm: the NCCL communicator (its device is current; its side channel exchanges the
+            handles; its timeout bounds every wait).
+        generation: the generation of the first exchange minus one (tests start near 2^32).
+
+    Flags of one rank, 64-bit words: ``ready[W * MAX_PIECES]`` (sender j, piece k at
+    ``j * MAX_PIECES + k``), ``done[W]``, then the 32-bit generation counter (local).
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm, generation=0):
         import cupy
         self._cupy = cupy
         self._rt = rt = cupy.cuda.runtime
         self._comm = comm
-        rank, size = comm.rank, comm.size
-        shared = _EVENT_DISABLE_TIMING | _EVENT_INTERPROCESS
-        n_ready = size * MAX_PIECES  # ready[step * MAX_PIECES + piece]; step 0 unused
-        self._ready = [rt.eventCreateWithFlags(shared) for _ in range(n_ready)]
-        self._done = rt.eventCreateWithFlags(shared)
-        own = b"".join(rt.ipcGetEventHandle(e) for e in self._ready + [self._done])
-        table = comm._allgather_bytes(own, "peer memory setup (event handles)")
-        per_rank = (n_ready + 1) * _HANDLE_BYTES
-        self._peer_ready, self._peer_done = {}, {}
+        self._rank, self._size = rank, size = comm.rank, comm.size
+        self._ready_words = size * MAX_PIECES
+        words = self._ready_words + size + 1
+        self._flags = cupy.cuda.memory.Memory(8 * words)
+        init = numpy.full(words, numpy.uint64((generation & 0xFFFFFFFF) << 32))
+        init[-1] = generation & 0xFFFFFFFF
+        rt.memcpy(self._flags.ptr, init.ctypes.data, init.nbytes, 1)  # host to device
+        self._gen_ptr = self._flags.ptr + 8 * (words - 1)
+        table = comm._side.allgather_bytes(rt.ipcGetMemHandle(self._flags.ptr),
+                                           "peer memory setup (flag handles)")
+        self._peer_flags = {}
         for peer in range(size):
-            if peer == rank:
-                continue
-            row = table[peer * per_rank:(peer + 1) * per_rank]
-            handles = [row[i * _HANDLE_BYTES:(i + 1) * _HANDLE_BYTES] for i in range(n_ready + 1)]
-            self._peer_ready[peer] = [rt.ipcOpenEventHandle(h) for h in handles[:n_ready]]
-            self._peer_done[peer] = rt.ipcOpenEventHandle(handles[n_ready])
+            if peer != rank:
+                handle = table[peer * _HANDLE_BYTES:(peer + 1) * _HANDLE_BYTES]
+                self._peer_flags[peer] = rt.ipcOpenMemHandle(handle)
+        # "done" words of this rank in every peer's flags, for the one-launch done signal.
+        done_at = [self._peer_flags[p] + 8 * (self._ready_words + rank) for p in range(size)
+                   if p != rank]
+        self._done_addresses = cupy.asarray(numpy.array(done_at, dtype=numpy.uint64))
+        status = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(16, _HOST_ALLOC_MAPPED), 0)
+        self._status_memory = status
+        self._status = numpy.frombuffer(status, dtype=numpy.uint32, count=4)
+        self._status[:] = 0
+        self._status_ptr = status.ptr
+        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++14",))
+        self._begin_k = module.get_function("mx_begin")
+        self._signal_k = module.get_function("mx_signal")
+        self._signal_all_k = module.get_function("mx_signal_all")
+        self._wait_k = module.get_function("mx_wait")
+        self._threads = max(32, -(-size // 32) * 32)
+        self._timeout_ns = numpy.uint64(int(comm.timeout * 1e9))
         self._side = cupy.cuda.Stream(non_blocking=True)
-        self._copied = [rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING) for _ in range(size)]
-        self._start = rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+        self._side_ref = _Stream(self._side.ptr)
+        self._forked = rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+        self._joined = rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+        self._streams = {}  # raw handle -> _Stream
         self._memory = None
         self._capacity = 0
         self._peer_ptr = {}
@@ -75,12 +108,22 @@ class CudaPeerMemory:
         """Bytes of this rank's staging buffer."""
         return self._capacity
 
-    def reserve(self, nbytes, stream):
-        """Make every rank's buffer hold ``nbytes`` (the same value on every rank: collective).
+    def _ref(self, stream):
+        ref = self._streams.get(stream)
+        if ref is None:
+            if len(self._streams) > 64:
+                self._streams.clear()
+            ref = self._streams[stream] = _Stream(stream)
+        return ref
 
-        Growing waits (bounded by the timeout) for this rank's side stream and ``stream`` (the
-        caller's, which filled the old buffer), so once every rank has passed the barrier no pull
-        from an old buffer is in flight; then every rank allocates anew and maps the peers'.
+    # ------------------------------------------------------------------------------- staging
+    def reserve(self, nbytes, stream):
+        """Make every rank's buffer hold ``nbytes`` (the same value on every rank: collective,
+        only when it grows).
+
+        Growing waits (bounded) for this rank's streams, then meets the peers (so no exchange
+        reading an old buffer is in flight anywhere), then every rank allocates anew and maps
+        the peers'.
         """
         if nbytes <= self._capacity:
             return
@@ -88,12 +131,12 @@ class CudaPeerMemory:
         if self._memory is not None:
             comm.wait(self._side)
             comm.wait(stream)
-            comm.barrier()
+            comm._side.barrier("peer memory growth")
             self._unmap()
         capacity = int(nbytes * _GROWTH)
         self._memory = self._cupy.cuda.memory.Memory(capacity)
         handle = self._rt.ipcGetMemHandle(self._memory.ptr)
-        table = comm._allgather_bytes(handle, "peer memory setup (buffer handles)")
+        table = comm._side.allgather_bytes(handle, "peer memory setup (buffer handles)")
         for peer in range(comm.size):
             if peer != comm.rank:
                 h = table[peer * _HANDLE_BYTES:(peer + 1) * _HANDLE_BYTES]
@@ -114,55 +157,67 @@ class CudaPeerMemory:
                                                 cupy.cuda.Device().id)
         return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
 
+    def copy(self, peer, offset, out, side):
+        """Copy engines: ``out.nbytes`` bytes of ``peer``'s buffer from byte ``offset``."""
+        if out.nbytes:
+            self._rt.memcpyAsync(out.data.ptr, self._peer_ptr[peer] + offset, out.nbytes,
+                                 _MEMCPY_DEFAULT, side)
+
+    # --------------------------------------------------------------------------------- flags
     def begin(self, stream):
-        """Order the side stream after the caller's work so far (the outputs were allocated on
-        ``stream``), then ``stream`` after every peer's pulls of the previous call (their
-        ``done``), before it refills this rank's buffer."""
-        rt = self._rt
-        rt.eventRecord(self._start, stream)
-        rt.streamWaitEvent(self._side.ptr, self._start, 0)
-        for event in self._peer_done.values():
-            rt.streamWaitEvent(stream, event, 0)
+        """Open the next generation on ``stream``: wait (on the device) until every peer is done
+        reading this rank's staging of the previous one; order the side stream after it."""
+        self._begin_k((1,), (self._threads,),
+                      (self._gen_ptr_arg(), numpy.uint64(self._flags.ptr + 8 * self._ready_words),
+                       numpy.int32(self._size), numpy.int32(self._rank), self._timeout_ns,
+                       numpy.uint64(self._status_ptr)), 0, self._ref(stream))
+        self._rt.eventRecord(self._forked, stream)
+        self._rt.streamWaitEvent(self._side.ptr, self._forked, 0)
 
-    def ready(self, step, piece, stream):
-        """Mark this rank's rows of ``step``, ``piece`` filled (on ``stream``)."""
-        self._rt.eventRecord(self._ready[step * MAX_PIECES + piece], stream)
+    def _gen_ptr_arg(self):
+        return numpy.uint64(self._gen_ptr)
 
-    def fetch(self, step, peer, pieces, stream):
-        """Pull ``peer``'s rows of ``step`` on a side stream, each piece once it is ready there.
+    def signal_ready(self, peer, piece, kind, stream):
+        """Tell ``peer`` (on ``stream``, after the rows produced so far) that its rows of
+        ``piece`` are in this rank's staging."""
+        word = self._peer_flags[peer] + 8 * (self._rank * MAX_PIECES + piece)
+        self._signal_k((1,), (1,), (self._gen_ptr_arg(), numpy.uint64(word), numpy.uint32(kind)),
+                       0, self._ref(stream))
 
-        Args:
-            pieces: per piece, ``[(byte offset in the peer's buffer, destination array), ...]``.
-            stream: the caller's stream (the side stream waits for its work up to :meth:`begin`).
-        """
-        rt = self._rt
-        base = self._peer_ptr[peer]
-        for piece, copies in enumerate(pieces):
-            side = self.await_peer(step, piece, peer, stream)
-            for offset, out in copies:
-                if out.nbytes:
-                    rt.memcpyAsync(out.data.ptr, base + offset, out.nbytes, _MEMCPY_DEFAULT,
-                                   side)
-        rt.eventRecord(self._copied[step], self._side.ptr)
+    def await_ready(self, peer, piece, kind):
+        """Order the side stream after ``peer``'s signal of this generation's ``piece``; return
+        its handle (work enqueued there next may read the rows)."""
+        word = self._flags.ptr + 8 * (peer * MAX_PIECES + piece)
+        self._wait_k((1,), (1,), (self._gen_ptr_arg(), numpy.uint64(word), numpy.uint32(kind),
+                                  numpy.int32(peer), self._timeout_ns,
+                                  numpy.uint64(self._status_ptr)), 0, self._side_ref)
+        return self._side.ptr
 
-    def await_peer(self, step, piece, peer, stream):
-        """Order the side stream after ``peer``'s rows of ``step``, ``piece`` are ready; return
-        its handle (work enqueued there next may read them)."""
-        side = self._side.ptr
-        self._rt.streamWaitEvent(side, self._peer_ready[peer][step * MAX_PIECES + piece], 0)
-        return side
+    def end(self, stream):
+        """On the side stream, tell every peer this rank is done reading; order ``stream`` after
+        the side stream (so the next exchange begins after these signals)."""
+        if self._size > 1:
+            self._signal_all_k((1,), (self._threads,),
+                               (self._gen_ptr_arg(), self._done_addresses,
+                                numpy.int32(self._size - 1)), 0, self._side_ref)
+        self._rt.eventRecord(self._joined, self._side.ptr)
+        self._rt.streamWaitEvent(stream, self._joined, 0)
 
-    def finish(self, stream):
-        """Record ``done`` once every pull of this call is complete."""
-        self._rt.eventRecord(self._done, self._side.ptr)
-
-    def join(self, stream):
-        """Order ``stream`` after everything on the side stream (after :meth:`finish`)."""
-        self._rt.streamWaitEvent(stream, self._done, 0)
-
-    def arrived(self, step, stream):
-        """Order ``stream`` after the pull of ``step``."""
-        self._rt.streamWaitEvent(stream, self._copied[step], 0)
+    def failure(self, kinds):
+        """The error a failed device wait left (``TimeoutError`` naming the rank, or
+        ``RuntimeError`` for a mismatch), or None. Reads pinned host memory: no sync."""
+        code = int(self._status[0])
+        if code in (0, 0xFFFFFFFF):
+            return None
+        _, peer, expected, seen = (int(v) for v in self._status)
+        if code == 1:
+            return TimeoutError(
+                f"exchange on rank {self._rank}: rank {peer} did not arrive within "
+                f"{self._comm.timeout:g} s (a device wait for its signal of generation "
+                f"{expected} saw {seen}); the communicator is aborted")
+        return RuntimeError(f"exchange on rank {self._rank}: "
+                            + describe_mismatch(peer, expected, seen, kinds)
+                            + "; the communicator is aborted")
 
     def _unmap(self):
         for ptr in self._peer_ptr.values():
@@ -172,14 +227,13 @@ class CudaPeerMemory:
         self._capacity = 0
 
     def close(self):
-        """Unmap the peers' buffers and free this rank's (after its streams are done)."""
+        """Unmap the peers' buffers and free this rank's (after its side stream is done)."""
+        self._side.synchronize()
         if self._memory is not None:
-            self._side.synchronize()
             self._unmap()
-        rt = self._rt
-        opened = [e for events in self._peer_ready.values() for e in events]
-        opened += list(self._peer_done.values())
-        for event in self._ready + self._copied + [self._done, self._start] + opened:
-            rt.eventDestroy(event)
-        self._ready = self._copied = []
-        self._peer_ready, self._peer_done = {}, {}
+        for ptr in self._peer_flags.values():
+            self._rt.ipcCloseMemHandle(ptr)
+        self._peer_flags.clear()
+        for event in (self._forked, self._joined):
+            self._rt.eventDestroy(event)
+        self._forked = self._joined = None

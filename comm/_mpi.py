@@ -3,7 +3,7 @@
 The CPU path and CI use it, and it is the fallback where NCCL is unavailable. Data moves with
 nonblocking ``Ialltoallv`` whose MPI datatype is one whole row (a contiguous run of the row's
 bytes), so counts and displacements are in rows and stay far below the int32 limit of MPI counts
-even for arrays of many GiB. Every request is polled until ``timeout`` (see ``_base``).
+even for arrays of many GiB. Every request is polled until ``timeout`` (``_sidechannel``).
 """
 
 import math
@@ -11,7 +11,7 @@ import operator
 
 import numpy
 
-from ._base import Communicator
+from ._communicator import Communicator
 
 _INT32_MAX = 2**31 - 1
 
@@ -23,9 +23,9 @@ class MpiCommunicator(Communicator):
         mpi_comm: an mpi4py communicator; None for ``MPI.COMM_WORLD`` (duplicated, not consumed).
         timeout: seconds a collective may take before the communicator is aborted (> 0).
         validate: default of the per-call ``validate`` flag (cross-rank count checks).
-        peer_memory: transport of :meth:`alltoallv_staged`: None (auto) pulls from an MPI
-            shared-memory window where every rank is on this node; True requires that; False
-            uses one ``alltoallv``.
+        peer_memory: transport of :meth:`exchange`: None (auto) pulls from MPI shared-memory
+            windows where every rank is on this node; True requires that; False uses one
+            ``alltoallv``.
 
     Collective: every rank of ``mpi_comm`` constructs it. Every method that moves data is
     collective and blocks the host until done (or ``timeout``).
@@ -53,6 +53,7 @@ class MpiCommunicator(Communicator):
         return True  # every rank is on this node: the window is plain shared memory
 
     def _new_peer_memory(self):
+        from ._shm import HostPeerMemory
         return HostPeerMemory(self)
 
     def _close_backend(self, clean):
@@ -64,7 +65,7 @@ class MpiCommunicator(Communicator):
         """The committed MPI datatype of one row of ``row_bytes`` bytes (cached)."""
         datatype = self._row_types.get(row_bytes)
         if datatype is None:
-            datatype = self._MPI.BYTE.Create_contiguous(row_bytes).Commit()
+            datatype = self._side.MPI.BYTE.Create_contiguous(row_bytes).Commit()
             self._row_types[row_bytes] = datatype
         return datatype
 
@@ -117,10 +118,10 @@ class MpiCommunicator(Communicator):
                         raise ValueError(f"alltoallv: {name} rows beyond 2**31 - 1 on rank "
                                          f"{self.rank}")
             datatype = self._row_type(row_bytes)
-            requests.append(self._mpi.Ialltoallv([_bytes(s), (sc, so), datatype],
+            requests.append(self._side.mpi.Ialltoallv([_bytes(s), (sc, so), datatype],
                                                  [_bytes(o), (rc, ro), datatype]))
         if requests:
-            self._wait_mpi(requests, "alltoallv", keep=(sends, outs))
+            self._side.wait(requests, "alltoallv", keep=(sends, outs))
         return outs[0] if single else outs
 
     def alltoall_counts(self, counts, *, stream=None):
@@ -146,9 +147,10 @@ class MpiCommunicator(Communicator):
         out = numpy.empty_like(counts)
         nbytes = k * counts.dtype.itemsize
         if nbytes:
-            request = self._mpi.Ialltoall([_bytes(counts), nbytes, self._MPI.BYTE],
-                                          [_bytes(out), nbytes, self._MPI.BYTE])
-            self._wait_mpi([request], "alltoall_counts", keep=(counts, out))
+            byte = self._side.MPI.BYTE
+            request = self._side.mpi.Ialltoall([_bytes(counts), nbytes, byte],
+                                               [_bytes(out), nbytes, byte])
+            self._side.wait([request], "alltoall_counts", keep=(counts, out))
         return out
 
 
@@ -157,79 +159,3 @@ def _bytes(a):
     return a.reshape(-1).view(numpy.uint8)
 
 
-
-class HostPeerMemory:
-    """Staging memory of the pull transport on the host: one MPI shared-memory window.
-
-    Every rank of the communicator (all on one node) owns a segment of the window and reads the
-    peers' segments directly (``MPI_Win_shared_query``). Work on the host is synchronous, so the
-    pulls need no events: the barrier after the fills orders them after every peer's fills, and
-    the next call's vote orders the next fills after every peer's pulls.
-
-    Args:
-        comm: the MPI communicator (its MPI communicator allocates the window).
-    """
-
-    _GROWTH = 1.25
-
-    def __init__(self, comm):
-        self._comm = comm
-        self._window = None
-        self._segments = {}
-        self.capacity = 0
-
-    def reserve(self, nbytes, stream):
-        """Make every rank's segment hold ``nbytes`` (same value on every rank: collective)."""
-        if nbytes <= self.capacity:
-            return
-        self.close()
-        capacity = max(1, int(nbytes * self._GROWTH))
-        mpi = self._comm._mpi
-        self._window = self._comm._MPI.Win.Allocate_shared(capacity, 1, comm=mpi)
-        for peer in range(mpi.Get_size()):
-            buf, _ = self._window.Shared_query(peer)
-            self._segments[peer] = numpy.frombuffer(buf, dtype=numpy.uint8)
-        self.capacity = capacity
-
-    def local(self, offset, shape, dtype):
-        """A NumPy view of this rank's segment: ``shape`` of ``dtype`` from byte ``offset``."""
-        return self.peer_view(self._comm.rank, offset, shape, dtype)
-
-    def peer_view(self, peer, offset, shape, dtype):
-        """A NumPy view of ``peer``'s segment: ``shape`` of ``dtype`` from byte ``offset``."""
-        dtype = numpy.dtype(dtype)
-        raw = self._segments[peer][offset:offset + math.prod(shape) * dtype.itemsize]
-        return raw.view(dtype).reshape(shape)
-
-    def fetch(self, step, peer, pieces, stream):
-        """Copy ``peer``'s rows: per piece ``[(byte offset in its segment, out array), ...]``."""
-        segment = self._segments[peer]
-        for copies in pieces:
-            for offset, out in copies:
-                _bytes(out)[:] = segment[offset:offset + out.nbytes]
-
-    def begin(self, stream):
-        pass
-
-    def ready(self, step, piece, stream):
-        pass
-
-    def await_peer(self, step, piece, peer, stream):
-        return stream
-
-    def finish(self, stream):
-        pass
-
-    def join(self, stream):
-        pass
-
-    def arrived(self, step, stream):
-        pass
-
-    def close(self):
-        """Free the window (collective, as its allocation was)."""
-        if self._window is not None:
-            self._segments.clear()
-            self._window.Free()
-            self._window = None
-            self.capacity = 0

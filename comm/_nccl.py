@@ -1,25 +1,27 @@
 """NCCL communicator: all-to-all of rows of CuPy device arrays with grouped send/recv.
 
 One process per GPU. The GPU is picked from the node-local rank (an MPI shared-memory split), the
-NCCL unique id is made on rank 0 and broadcast over MPI, and ``alltoallv`` is one NCCL group of
+NCCL unique id is made on rank 0 and broadcast over the host side channel, and ``alltoallv`` is one NCCL group of
 ``send``/``recv`` calls (NCCL has no alltoallv), one pair per peer and array, zero-size ones
 skipped. Rows travel as raw bytes (``NCCL_UINT8``), so every dtype works: bf16, fp8 bits, scales.
 
 Nothing here blocks the host except :meth:`NcclCommunicator.wait`, which polls with the timeout.
-A per-instance watchdog thread polls a CUDA event recorded after each group; if one is not done
-``timeout`` seconds after it became the oldest outstanding, the watchdog calls ``ncclCommAbort``
-and stores a ``TimeoutError`` that the next call raises. Events come from a small pool on the
+A per-instance watchdog thread polls a CUDA event recorded after each group or exchange; if one is
+not done ``timeout`` seconds after it became the oldest outstanding, the watchdog calls
+``ncclCommAbort`` and stores a ``TimeoutError`` that the next call raises. It also polls the failure
+word of the pull transport's device waits (``_ipc``), so a peer that never signals is named. Events come from a small pool on the
 instance and go back to it when done, so nothing grows with the number of calls.
 
 This is the only module that imports ``cupy.cuda.nccl``.
 """
 
 import collections
+import contextlib
 import math
 import threading
 import time
 
-from ._base import Communicator
+from ._communicator import Communicator
 
 _CUDA_SUCCESS = 0
 _CUDA_NOT_READY = 600          # cudaErrorNotReady
@@ -27,6 +29,7 @@ _EVENT_DISABLE_TIMING = 0x2    # cudaEventDisableTiming
 _WATCH_POLL_S = 1e-3           # watchdog polling period while operations are in flight
 _ASYNC_CHECK_S = 1.0           # period of ncclCommGetAsyncError checks while in flight
 _IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in flight
+_NULL_CONTEXT = contextlib.nullcontext()
 
 
 class NcclCommunicator(Communicator):
@@ -40,7 +43,7 @@ class NcclCommunicator(Communicator):
         validate: default of the per-call ``validate`` flag (cross-rank count checks).
         device: the CUDA device of this process; None for ``local_rank % device_count``, where
             ``local_rank`` is the rank among the processes of this node.
-        peer_memory: transport of :meth:`alltoallv_staged`: None (auto) pulls over CUDA IPC
+        peer_memory: transport of :meth:`exchange`: None (auto) pulls over CUDA IPC
             where every rank is on this node and every pair of GPUs has peer access; True
             requires that; False uses one NCCL group.
 
@@ -62,17 +65,16 @@ class NcclCommunicator(Communicator):
         self._nccl_mod = nccl
         self._uint8 = nccl.NCCL_UINT8
         self._current_stream = cupy.cuda.get_current_stream
-        node = self._mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank = node.Get_rank()
-        node.Free()
+        self._external = {}  # raw handle -> ExternalStream, reused
+        self.local_rank, _ = self._side.node_info()
         if device is None:
             device = self.local_rank % self._runtime.getDeviceCount()
         self.device = int(device)
         cupy.cuda.Device(self.device).use()
         # The unique id is broadcast as CuPy returned it (its spelling differs between CuPy
         # versions: a tuple of ints, or of bytes under Cython 3), pickled, so it is rebuilt as is.
-        unique_id = self._bcast_object(nccl.get_unique_id() if self.rank == 0 else None,
-                                       "NCCL bootstrap (unique id)")
+        unique_id = self._side.bcast_object(nccl.get_unique_id() if self.rank == 0 else None,
+                                            "NCCL bootstrap (unique id)")
         self._nccl = nccl.NcclCommunicator(self.size, unique_id, self.rank)
         # Watchdog state, shared with the thread under self._lock.
         self._lock = threading.Lock()
@@ -84,24 +86,10 @@ class NcclCommunicator(Communicator):
         self._watchdog = threading.Thread(target=self._watch, name=f"mxcomm-nccl-watchdog-"
                                           f"{self.rank}", daemon=True)
         self._watchdog.start()
-        devices = self._allgather_bytes(self.device.to_bytes(4, "little"), "device ids")
+        devices = self._side.allgather_bytes(self.device.to_bytes(4, "little"), "device ids")
         self._peer_devices = [int.from_bytes(devices[4 * r:4 * r + 4], "little")
                               for r in range(self.size) if r != self.rank]
         self._choose_transport()
-
-    def _bcast_object(self, obj, what):
-        """Broadcast a picklable ``obj`` from rank 0 with nonblocking requests (``timeout``)."""
-        import pickle
-
-        import numpy
-        size = numpy.zeros(1, dtype=numpy.int64)
-        payload = pickle.dumps(obj) if self.rank == 0 else b""
-        size[0] = len(payload)
-        self._wait_mpi([self._mpi.Ibcast(size, root=0)], what, keep=(size,))
-        buf = numpy.frombuffer(payload, dtype=numpy.uint8).copy() if self.rank == 0 else \
-            numpy.empty(int(size[0]), dtype=numpy.uint8)
-        self._wait_mpi([self._mpi.Ibcast(buf, root=0)], what, keep=(buf,))
-        return pickle.loads(buf.tobytes())
 
     # --------------------------------------------------------------------------------- hooks
     def _as_array(self, x, name):
@@ -133,10 +121,17 @@ class NcclCommunicator(Communicator):
         return self._stream(stream)
 
     def _on_stream(self, stream_ptr):
-        return self._cupy.cuda.ExternalStream(stream_ptr)
+        if stream_ptr == self._current_stream().ptr:
+            return _NULL_CONTEXT
+        stream = self._external.get(stream_ptr)
+        if stream is None:  # one wrapper per stream, reused (nothing built per call)
+            if len(self._external) > 64:
+                self._external.clear()
+            stream = self._external[stream_ptr] = self._cupy.cuda.ExternalStream(stream_ptr)
+        return stream
 
-    def _staged_done(self, stream_ptr):
-        self._record(stream_ptr)  # the watchdog bounds the pulls' waits too
+    def _exchanged(self, stream_ptr):
+        self._record(stream_ptr)  # the watchdog bounds the exchange's device waits too
 
     def _stream(self, stream):
         """The raw handle of ``stream``: None for CuPy's current stream, ``.ptr``,
@@ -150,7 +145,10 @@ class NcclCommunicator(Communicator):
 
     # ------------------------------------------------------------------------------ watchdog
     def _record(self, stream_ptr):
-        """Record a pooled event on ``stream_ptr`` and hand it to the watchdog."""
+        """Record a pooled event on ``stream_ptr`` and hand it to the watchdog (not while the
+        stream is being captured into a CUDA graph: the graph's launches are the caller's)."""
+        if self._runtime.streamIsCapturing(stream_ptr):
+            return
         with self._lock:
             event = self._free_events.pop() if self._free_events else None
         if event is None:
@@ -178,6 +176,10 @@ class NcclCommunicator(Communicator):
                 if head is None:
                     oldest_since = None
                     self._wake.wait(min(_IDLE_WAKE_S, self.timeout / 4))
+            failure = self._device_failure()
+            if failure is not None:
+                self._fail(failure)
+                return
             host_since = self._host_since
             if host_since is not None and time.monotonic() - host_since > self.timeout:
                 self._fail(TimeoutError(
@@ -202,7 +204,9 @@ class NcclCommunicator(Communicator):
                                         f"{status} while waiting for an NCCL group; the "
                                         f"communicator is aborted"))
                 return
-            if now - oldest_since > self.timeout:
+            # A device wait of the pull transport gives up after `timeout` and names the peer
+            # it missed (above): leave it the time to, before the generic message.
+            if now - oldest_since > self.timeout * 1.25 + 1.0:
                 self._fail(TimeoutError(
                     f"alltoallv: an NCCL exchange did not finish within {self.timeout:g} s on "
                     f"rank {self.rank} of {self.size}; the communicator is aborted (a rank may "
@@ -221,12 +225,14 @@ class NcclCommunicator(Communicator):
                     return
             time.sleep(_WATCH_POLL_S)
 
-    def _fail(self, error):
-        """Abort NCCL from any thread and store ``error`` for the next call to raise."""
+    def _fail(self, error, raised=False):
+        """Abort NCCL from any thread; store ``error`` for the next call to raise unless the
+        caller raises it itself (``raised``)."""
         with self._lock:
             if self._state != "open":
                 return
-            self._pending_error = error
+            if not raised:
+                self._pending_error = error
             self._mark_aborted(str(error))
         self._abort_backend()
 
@@ -344,11 +350,7 @@ class NcclCommunicator(Communicator):
         """
         self._check_usable()
         stream_ptr = self._stream(stream)
-        if out is None and stream is not None and stream_ptr != self._current_stream().ptr:
-            with self._cupy.cuda.ExternalStream(stream_ptr):  # allocate out stream-ordered
-                plan = self._plan(send, send_counts, recv_counts, out, send_offsets,
-                                  recv_offsets, validate)
-        else:
+        with self._on_stream(stream_ptr):  # allocate out stream-ordered
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                               validate)
         sends, outs, single, sc, rc, so, ro = plan

@@ -232,11 +232,12 @@ class Ballot:
         return all(flat[i * stride + _HEADER + w:i * stride + _HEADER + 2 * w] == column
                    for i, column in enumerate(received))
 
-    def verdict(self, unit="rows"):
+    def verdict(self, unit="rows", name=None):
         """The exception every rank raises for the gathered table, or None if all is well.
 
         Args:
             unit: what the counts count, for messages (``"rows"`` or ``"entries"``).
+            name: the call, prefixed to the message (default: the operation's name).
         Returns:
             A ``ValueError``/``TypeError`` whose message is identical on every rank, or None.
         """
@@ -244,7 +245,7 @@ class Ballot:
         w = self.size
         status = table[:, 0]
         ops = table[:, 1]
-        op_name = OP_NAMES.get(int(ops[self.rank]), "collective")
+        op_name = name or OP_NAMES.get(int(ops[self.rank]), "collective")
         if status.any():
             bad = numpy.flatnonzero(status)
             first = int(bad[0])
@@ -252,8 +253,8 @@ class Ballot:
             if len(bad) > 1:
                 text += f" (also invalid on rank{'s' if len(bad) > 2 else ''} " \
                         f"{', '.join(str(int(r)) for r in bad[1:])})"
-            name = OP_NAMES.get(int(ops[first]), op_name)
-            return _ERRORS[int(status[first])](f"{name}: {text}")
+            called = name or OP_NAMES.get(int(ops[first]), op_name)
+            return _ERRORS[int(status[first])](f"{called}: {text}")
         if (ops != ops[0]).any():
             other = int(numpy.flatnonzero(ops != ops[0])[0])
             return ValueError(f"collective mismatch: rank 0 called {OP_NAMES.get(int(ops[0]))} "

@@ -4,7 +4,7 @@ Glossary: M rows sent by this rank, N rows received, D hidden (row width), W ran
 Split sizes are host ints counting rows: ``input_splits[r]`` rows this rank sends to rank r in the
 dispatch direction, ``output_splits[r]`` rows it receives from rank r (``exchange_layout``).
 
-Directions and default precisions (torchtitan's conventions, DESIGN.md "EP semantics")::
+Directions and default precisions (torchtitan's conventions, docs/design.md "EP semantics")::
 
     function                 sends            receives         default    returns
     a2a_dispatch             input_splits     output_splits    "mxfp8"    MXFP8Array | bf16
@@ -13,8 +13,12 @@ Directions and default precisions (torchtitan's conventions, DESIGN.md "EP seman
     a2a_combine_backward     input_splits     output_splits    "mxfp8"    MXFP8Array | bf16
     all_to_all_single        input_splits     output_splits    "mxfp8"    x's dtype
 
-The MXFP8 exchange is one :meth:`~mxcomm.comm.Communicator.alltoallv_staged`: each peer's rows
-are quantized straight into the memory they travel from. On one node (``comm.transport ==
+Every function takes either explicit splits and a communicator (checked across ranks by a vote,
+one small host allgather) or a :class:`~mxcomm.layout.Layout` (checked locally only; no host
+collective, no host barrier: the GPUs order themselves, docs/design.md "The layout object").
+
+The MXFP8 exchange is one :meth:`~mxcomm.comm.Communicator.exchange`: each peer's rows are
+quantized straight into the memory they travel from. On one node (``comm.transport ==
 "pull"``) the receivers read the senders' memory (CUDA IPC), so quantizing the rows of later peers
 overlaps the transfers. Where the result is dequantized (the combine directions and the drop-in)
 the dequantize kernel reads each sender's rows in place over NVLink, on a side stream, with a
@@ -30,16 +34,15 @@ quantized into a staging array, move in one NCCL group (or MPI call), and are th
 bf16 exchanges are one ``comm.alltoallv`` either way.
 """
 
-import contextlib
 import operator
 
 import numpy
 
-from ._array import as_device_array, bfloat16, float32, stream_ptr
-from .kernels import array_module, simulated
+from ._array import as_device_array, bfloat16, float32
+from .kernels import array_module
 from .kernels._fp8 import MX_BLOCK
-from .mxfp8 import (SCALE_MODES, MXFP8Array, dequantize_mxfp8, launch_dequantize,
-                    launch_quantize)
+from .layout import Layout
+from .mxfp8 import SCALE_MODES, MXFP8Array, dequantize_mxfp8, launch_dequantize, launch_quantize
 
 #: Precisions implemented, and those planned (named in the error message).
 PRECISIONS = ("bf16", "mxfp8")
@@ -49,85 +52,40 @@ _INPUT_DTYPES = (bfloat16, float32)
 #: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
 #: the rest of the SMs stay with the quantize kernels (bench/NOTES.md).
 _BESIDE_SHARE = 0.25
-
-
-class _Streams:
-    """The caller's stream: its raw handle, and where CuPy allocates and runs array operations.
-
-    On a GPU ``ExternalStream`` wraps the caller's handle, so torch's or CuPy's current stream
-    both work; under the simulator the handle is 0 and work runs in program order. Only this
-    class asks which it is.
-
-    Args:
-        stream: the caller's stream: None (CuPy's current), a CuPy/torch stream, or an int handle.
-    """
-
-    def __init__(self, stream):
-        self.caller_ptr = stream_ptr(stream)
-        self._caller = None
-        if not simulated():
-            import cupy
-            self._caller = cupy.cuda.ExternalStream(self.caller_ptr)
-
-    def on_caller(self):
-        """Context in which CuPy allocates and runs array operations on the caller's stream."""
-        return self._caller if self._caller is not None else contextlib.nullcontext()
-
-    def to_host(self, array):
-        """``array`` as a NumPy array (a device-to-host copy on a GPU; already there otherwise)."""
-        if self._caller is None:
-            return numpy.asarray(array)
-        return array.get(stream=self._caller)
+#: Grid share of a quantize producing rows that copy engines pull: a little room is left for the
+#: one-thread wait kernel the side stream parks beside it (a full persistent grid would make it,
+#: or a quantize block, wait for a whole wave).
+_PULLED_SHARE = 0.98
 
 
 # ---------------------------------------------------------------------------------- arguments
-def _check_precision(precision, name="precision"):
+def _check_precision(precision, name="precision", rank=None):
     """Return ``precision`` if implemented; else ValueError naming the allowed values."""
     if isinstance(precision, str) and precision in PRECISIONS:
         return precision
     allowed = ", ".join(map(repr, PRECISIONS))
+    where = "" if rank is None else f" on rank {rank}"
     if precision in PLANNED_PRECISIONS:
-        raise ValueError(f"{name}: {precision!r} is planned but not implemented yet; expected one "
-                         f"of {allowed}")
-    raise ValueError(f"{name}: expected one of {allowed}, got {precision!r}")
+        raise ValueError(f"{name}{where}: {precision!r} is planned but not implemented yet; "
+                         f"expected one of {allowed}")
+    raise ValueError(f"{name}{where}: expected one of {allowed}, got {precision!r}")
 
 
-def _check_rows(x, name):
+def _check_rows(x, name, rank):
     """``x`` as a 2-D array of rows (bf16 or fp32, C-contiguous), or an MXFP8Array as is."""
     if isinstance(x, MXFP8Array):
         return x
     x = as_device_array(x, name)
     if x.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D (rows, D) array, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} on rank {rank}: expected a 2-D (rows, D) array, got shape "
+                         f"{tuple(x.shape)}")
     if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"{name}: expected dtype bfloat16 or float32, got {x.dtype}")
+        raise TypeError(f"{name} on rank {rank}: expected dtype bfloat16 or float32, got "
+                        f"{x.dtype}")
     if not x.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a C-contiguous array (rows of a row-major array); "
-                         f"got strides {tuple(x.strides)}")
+        raise ValueError(f"{name} on rank {rank}: expected a C-contiguous array (rows of a "
+                         f"row-major array); got strides {tuple(x.strides)}")
     return x
-
-
-def _vote(x, send_counts, recv_counts, comm, validate, stream, context):
-    """Check a bf16 exchange across ranks once, before any data moves.
-
-    A zero-byte stand-in for ``x``'s rows, (M, 0, D) bf16, goes through ``comm.alltoallv``: the
-    communicator checks the split lists and the peers' counts, and compares the rows across ranks
-    (a peer exchanging MXFP8 describes other rows, so ranks disagreeing on the precision are
-    caught too), raising the same error on every rank; nothing moves. The exchange itself then
-    skips the check (``validate=False``).
-
-    Args:
-        validate: False to skip the check.
-        stream: raw handle of the caller's stream.
-        context: the call and its splits, prefixed to the communicator's message.
-    """
-    if not validate:
-        return
-    stand_in = array_module().empty((x.shape[0], 0, x.shape[1]), dtype=bfloat16)
-    try:
-        comm.alltoallv(stand_in, send_counts, recv_counts, stream=stream, validate=True)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{context}: {exc}") from None
 
 
 def _check_splits(splits, name, comm):
@@ -135,84 +93,165 @@ def _check_splits(splits, name, comm):
     try:
         values = [operator.index(v) for v in splits]
     except TypeError:
-        raise TypeError(f"{name}: expected a sequence of {comm.size} ints (rows per rank), got "
-                        f"{splits!r}") from None
+        raise TypeError(f"{name} on rank {comm.rank}: expected a sequence of {comm.size} ints "
+                        f"(rows per rank), got {splits!r}") from None
     if len(values) != comm.size:
-        raise ValueError(f"{name}: expected {comm.size} entries (one per rank), got {len(values)}")
+        raise ValueError(f"{name} on rank {comm.rank}: expected {comm.size} entries (one per "
+                         f"rank), got {len(values)}")
     if any(v < 0 for v in values):
-        raise ValueError(f"{name}: expected non-negative row counts, got {values}")
+        raise ValueError(f"{name} on rank {comm.rank}: expected non-negative row counts, got "
+                         f"{values}")
     return values
 
 
+def _resolve(input_splits, output_splits, comm, layout, function):
+    """The layout of a call, from ``layout=`` or a Layout passed as ``input_splits``, or None
+    for explicit splits (then ``comm`` is required)."""
+    if isinstance(input_splits, Layout):
+        if layout is not None:
+            raise TypeError(f"{function}: a layout given twice (as input_splits and layout=)")
+        layout, input_splits = input_splits, None
+    if layout is not None:
+        if not isinstance(layout, Layout):
+            raise TypeError(f"{function}: layout: expected a Layout (exchange_layout), got "
+                            f"{type(layout).__name__}")
+        if input_splits is not None or output_splits is not None:
+            raise TypeError(f"{function}: give either a layout or input_splits and "
+                            f"output_splits, not both")
+        if comm is not None and comm is not layout.comm:
+            raise ValueError(f"{function}: comm is not the communicator of the layout")
+        return layout, layout.comm
+    if comm is None:
+        raise TypeError(f"{function}: expected a layout, or input_splits, output_splits and comm")
+    return None, comm
+
+
 # ---------------------------------------------------------------------------------- the engine
-def _context(what):
-    """The call and its splits, prefixed to the cross-rank check's messages."""
-    function, _, send_name, recv_name = what
-    return f"{function}({send_name} sent, {recv_name} received)"
+class _MXFP8Rows:
+    """The MXFP8 exchange's producer and consumer (``mxcomm.comm._staged`` protocol): quantize
+    each peer's rows straight into the memory they travel from; dequantize each sender's rows
+    where they are (in-place exchanges)."""
+
+    __slots__ = ("arrays", "kind", "_x", "_out", "_scale_mode", "_caller", "_share")
+
+    def __init__(self, x, kind, scale_mode, out, caller, share):
+        width = x.shape[1]
+        self.arrays = (((width,), numpy.dtype(numpy.uint8)),
+                       ((width // MX_BLOCK,), numpy.dtype(numpy.uint8)))
+        self.kind = kind
+        self._x = x
+        self._out = out
+        self._scale_mode = scale_mode
+        self._caller = caller
+        self._share = share
+
+    def produce(self, begin, end, slots, stream):
+        data, scales = slots
+        x = self._x
+        if isinstance(x, MXFP8Array):  # already quantized: copy its bits
+            data[...] = x.data[begin:end]
+            scales[...] = x.scales[begin:end]
+        else:
+            launch_quantize(x[begin:end], MXFP8Array(data, scales), self._scale_mode, stream,
+                            self._share)
+
+    def consume(self, begin, end, rows, stream):
+        launch_dequantize(MXFP8Array(*rows), self._out[begin:end], stream,
+                          1.0 if stream == self._caller else _BESIDE_SHARE)
 
 
-def _exchange(x, send_counts, recv_counts, comm, precision, *, what, dequantize, scale_mode,
-              stream, validate):
+def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
+              direction, dequantize, scale_mode, stream, validate):
     """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
 
     Args:
         x: (M, D) bf16/fp32 array or MXFP8Array. Read.
-        send_counts, recv_counts: W host ints (rows).
-        precision: ``"bf16"`` or ``"mxfp8"`` (the wire format).
-        what: ``(function, x's name, name of send_counts, name of recv_counts)``, for messages.
+        input_splits, output_splits, comm, layout: as the public functions take them.
+        function, name: the public function and ``x``'s name, for messages.
+        direction: ``"dispatch"`` (send input_splits) or ``"combine"`` (send output_splits).
         dequantize: False to return the wire format (MXFP8Array or bf16 array); True to return an
             array of ``x``'s dtype (bf16 for an MXFP8Array).
-        validate: bf16 only: check counts across ranks first (None: the communicator's
-            default). MXFP8 exchanges always check (``alltoallv_staged``).
+        validate: explicit splits only: check across ranks first (None: the communicator's).
     Returns:
-        (N, D) MXFP8Array or array, N = sum(recv_counts).
+        (N, D) MXFP8Array or array.
     """
-    function, name, send_name, recv_name = what
-    if validate is None:
-        validate = comm.validate
+    layout, comm = _resolve(input_splits, output_splits, comm, layout, function)
+    rank = comm.rank
+    error = plan = send_counts = recv_counts = None
     try:
-        precision = _check_precision(precision)
-        x = _check_rows(x, name)
+        precision = _check_precision(precision, rank=rank)
+        x = _check_rows(x, name, rank)
         if scale_mode not in SCALE_MODES:
-            raise ValueError(f"scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
-        if precision == "mxfp8" and x.shape[1] % MX_BLOCK:
-            raise ValueError(f"{name}: D = {x.shape[1]} is not a multiple of the MX block size "
-                             f"{MX_BLOCK}")
-        send_counts = _check_splits(send_counts, send_name, comm)
-        recv_counts = _check_splits(recv_counts, recv_name, comm)
-        if sum(send_counts) != x.shape[0]:
-            raise ValueError(f"{send_name}: adds up to {sum(send_counts)} rows, but {name} has "
-                             f"{x.shape[0]} rows")
+            raise ValueError(f"scale_mode on rank {rank}: expected one of {SCALE_MODES}, got "
+                             f"{scale_mode!r}")
+        width = x.shape[1]
+        if precision == "mxfp8" and width % MX_BLOCK:
+            raise ValueError(f"{name} on rank {rank}: D = {width} is not a multiple of the MX "
+                             f"block size {MX_BLOCK}")
+        if layout is not None:
+            plan = layout.dispatch_plan if direction == "dispatch" else layout.combine_plan
+            send_counts, recv_counts = plan.send_counts, plan.recv_counts
+            if x.shape[0] != plan.rows_sent:
+                raise ValueError(f"{name} on rank {rank}: has {x.shape[0]} rows, but the layout "
+                                 f"sends {plan.rows_sent} in the {direction} direction")
+        else:
+            sends, recvs = ((input_splits, "input_splits"), (output_splits, "output_splits"))
+            if direction == "combine":
+                sends, recvs = recvs, sends
+            send_counts = _check_splits(sends[0], sends[1], comm)
+            recv_counts = _check_splits(recvs[0], recvs[1], comm)
+            if sum(send_counts) != x.shape[0]:
+                raise ValueError(f"{sends[1]} on rank {rank}: adds up to {sum(send_counts)} "
+                                 f"rows, but {name} has {x.shape[0]} rows")
     except (TypeError, ValueError) as exc:
-        # The peers are about to check the exchange together: join them with the error, so they
-        # raise it too instead of waiting for this rank until the timeout.
-        if not validate and precision == "bf16":
-            raise
-        try:
-            comm.reject(type(exc)(f"rank {comm.rank}: {exc}"))
-        except (TypeError, ValueError) as voted:
-            raise type(voted)(f"{_context(what)}: {voted}") from None
-    streams = _Streams(stream)
-    dequantize = _dtype_of(x) if dequantize else None
+        if layout is not None:
+            raise type(exc)(f"{function}: {exc}") from None
+        error = exc
+    if layout is None:
+        # The vote: every rank raises the same error if any rank's call is bad; else every
+        # rank learns every rank's counts (the pull transport reads them).
+        description = "" if error is not None else \
+            f"precision {precision!r}, D = {width}, {_dtype_name(x)} rows"
+        plan = comm.check(send_counts, recv_counts, description, error=error, validate=validate,
+                          what=function)
+    caller = comm._stream_ptr(stream)
+    kind = f"{function} {precision} rows of D = {width}"
     if precision == "bf16":
-        _vote(x, send_counts, recv_counts, comm, validate, streams.caller_ptr, _context(what))
-        return _exchange_bf16(x, send_counts, recv_counts, comm, streams, dequantize)
-    return _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scale_mode,
-                           _context(what))
+        return _exchange_bf16(x, send_counts, recv_counts, comm, caller, dequantize)
+    if plan is None:  # validate=False on explicit splits: the peers' counts are not known
+        plan = _unvoted_plan(comm, send_counts, recv_counts)
+    return _exchange_mxfp8(x, plan, comm, caller, dequantize, scale_mode, kind)
 
 
-def _exchange_bf16(x, send_counts, recv_counts, comm, streams, dequantize):
-    """One all-to-all of bf16 rows on the caller's stream (nothing to overlap)."""
+def _unvoted_plan(comm, send_counts, recv_counts):
+    """A plan without the vote (``validate=False``): only the grouped transport can run it."""
+    from .comm._staged import Plan
+    if comm.transport == "pull":
+        raise ValueError(f"validate=False on rank {comm.rank}: the pull transport needs every "
+                         f"rank's counts; pass a layout (no vote) or validate")
+    sent = [[0] * comm.size for _ in range(comm.size)]
+    sent[comm.rank] = list(send_counts)
+    for peer, n in enumerate(recv_counts):
+        sent[peer][comm.rank] = n
+    return Plan(comm.rank, sent)
+
+
+def _dtype_name(x):
+    return "MXFP8" if isinstance(x, MXFP8Array) else x.dtype.name
+
+
+def _exchange_bf16(x, send_counts, recv_counts, comm, caller, dequantize):
+    """One all-to-all of bf16 rows on the caller's stream (nothing to overlap); already checked."""
     xp = array_module()
-    with streams.on_caller():
+    with comm._on_stream(caller):
+        result_dtype = _dtype_of(x) if dequantize else bfloat16
         if isinstance(x, MXFP8Array):
-            x = dequantize_mxfp8(x, bfloat16, stream=streams.caller_ptr)
+            x = dequantize_mxfp8(x, bfloat16, stream=caller)
         elif x.dtype != bfloat16:
             x = _f32_to_bf16(x)
         out = xp.empty((sum(recv_counts), x.shape[1]), dtype=bfloat16)
-        comm.alltoallv(x, send_counts, recv_counts, out, stream=streams.caller_ptr,
-                       validate=False)
-        if dequantize is not None and dequantize != bfloat16:
+        comm.alltoallv(x, send_counts, recv_counts, out, stream=caller, validate=False)
+        if result_dtype != bfloat16:
             out = _bf16_to_f32(out)
     return out
 
@@ -232,47 +271,26 @@ def _bf16_to_f32(x):
     return (x.view(numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
 
 
-def _exchange_mxfp8(x, send_counts, recv_counts, comm, streams, dequantize, scale_mode, context):
+def _exchange_mxfp8(x, plan, comm, caller, dequantize, scale_mode, kind):
     """The MXFP8 exchange (module docstring): quantize into the travelling memory peer by peer;
     dequantize each sender's rows where they are, or collect them still quantized."""
     xp = array_module()
     width = x.shape[1]
-    caller = streams.caller_ptr
-    recv_rows = sum(recv_counts)
-    arrays = (((width,), numpy.uint8), ((width // MX_BLOCK,), numpy.uint8))
-    # Reading peers' rows in place runs beside the quantize kernels: leave it its share.
-    fill_share = 1.0 - _BESIDE_SHARE if dequantize is not None and comm.transport == "pull" \
-        else 1.0
-
-    def fill(peer, begin, end, slots):
-        if begin == end:
-            return
-        data, scales = slots
-        if isinstance(x, MXFP8Array):  # already quantized: copy its bits
-            data[...] = x.data[begin:end]
-            scales[...] = x.scales[begin:end]
-        else:
-            launch_quantize(x[begin:end], MXFP8Array(data, scales), scale_mode, caller,
-                            fill_share)
-
-    def arrived(peer, begin, end, rows, on):
-        launch_dequantize(MXFP8Array(*rows), out[begin:end], on,
-                          1.0 if on == caller else _BESIDE_SHARE)
-
-    try:
-        with streams.on_caller():
-            if dequantize is not None:
-                out = xp.empty((recv_rows, width), dtype=dequantize)
-                comm.alltoallv_staged(arrays, send_counts, recv_counts, fill, arrived=arrived,
-                                      direct=True, stream=caller)
-                return out
-            received = MXFP8Array(xp.empty((recv_rows, width), dtype=numpy.uint8),
-                                  xp.empty((recv_rows, width // MX_BLOCK), dtype=numpy.uint8))
-            comm.alltoallv_staged(arrays, send_counts, recv_counts, fill,
-                                  out=(received.data, received.scales), stream=caller)
-            return received
-    except (TypeError, ValueError) as exc:  # the cross-rank check: name the call
-        raise type(exc)(f"{context}: {exc}") from None
+    pull = comm.transport == "pull"
+    with comm._on_stream(caller):
+        if dequantize:
+            out = xp.empty((plan.rows_received, width), dtype=_dtype_of(x))
+            share = 1.0 - _BESIDE_SHARE if pull else 1.0
+            comm.exchange(_MXFP8Rows(x, kind, scale_mode, out, caller, share), plan,
+                          in_place=True, stream=caller)
+            return out
+        received = MXFP8Array(xp.empty((plan.rows_received, width), dtype=numpy.uint8),
+                              xp.empty((plan.rows_received, width // MX_BLOCK),
+                                       dtype=numpy.uint8))
+        comm.exchange(_MXFP8Rows(x, kind, scale_mode, None, caller,
+                                 _PULLED_SHARE if pull else 1.0), plan,
+                      out=(received.data, received.scales), stream=caller)
+        return received
 
 
 def _dtype_of(x):
@@ -281,9 +299,41 @@ def _dtype_of(x):
 
 
 # ------------------------------------------------------------------------------------- public
-def a2a_dispatch(x, input_splits, output_splits, comm, precision="mxfp8", *, scale_mode="rceil",
-                 stream=None, validate=None):
-    """Step 1: send routed token rows to the ranks holding their experts.
+_COMMON_ARGS = """
+        comm: a communicator (``mxcomm.comm.init()``); with a layout, None or the layout's.
+        scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, docs/design.md).
+        stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host).
+        layout: a :class:`~mxcomm.layout.Layout` instead of the splits (it may also be passed
+            as the second positional argument). Then the call checks its arguments locally
+            only, in O(1), and makes no host collective and no host barrier: a peer that fails
+            or skips the call makes this rank's exchange time out (``TimeoutError`` naming it,
+            raised by a later call or ``comm.wait`` on a GPU, at once on the host).
+        validate: explicit splits only: check the call across ranks first (one small host
+            allgather; the same error on every rank). None: the communicator's default. The
+            low-precision exchanges need it (or a layout) where ``comm.transport == "pull"``.
+    Raises:
+        ValueError: a bad precision, shape or split list (with explicit splits: the same message
+            on every rank, naming the rank; ranks disagreeing on the precision, D or the counts
+            too).
+        TypeError: a dtype other than bf16/fp32; a layout and splits both given.
+        TimeoutError: a peer did not arrive within ``comm.timeout`` s; the communicator is
+            aborted.
+        RuntimeError: the communicator is aborted or closed; a peer called a different
+            exchange (found on the device, raised by a later call)."""
+
+
+def _doc(text):
+    return text.replace("{common}", _COMMON_ARGS)
+
+
+def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8", *,
+                 scale_mode="rceil", stream=None, layout=None, validate=None):
+    return _exchange(x, input_splits, output_splits, comm, precision, layout,
+                     function="a2a_dispatch", name="x", direction="dispatch", dequantize=False,
+                     scale_mode=scale_mode, stream=stream, validate=validate)
+
+
+a2a_dispatch.__doc__ = _doc("""Step 1: send routed token rows to the ranks holding their experts.
 
     Collective. Received rows are ordered by source rank, then (as each sender sorted them) by
     local expert. No host synchronization.
@@ -291,83 +341,79 @@ def a2a_dispatch(x, input_splits, output_splits, comm, precision="mxfp8", *, sca
     Args:
         x: (M, D) bf16/fp32, C-contiguous, rows sorted by global expert; D % 32 == 0 for MXFP8.
             Read.
-        input_splits: W host ints, rows sent to each rank (sum = M).
+        input_splits: W host ints, rows sent to each rank (sum = M); or a Layout.
         output_splits: W host ints, rows received from each rank.
-        comm: a communicator (``mxcomm.comm.init()``).
-        precision: ``"mxfp8"`` (quantized rows travel: data and scales) or ``"bf16"``.
-        scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, DESIGN.md).
-        stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the simulator).
-        validate: for ``"bf16"``, check counts across ranks first (None: the communicator's
-            default); MXFP8 exchanges always check them (the transport needs every rank's).
+        precision: ``"mxfp8"`` (quantized rows travel: data and scales) or ``"bf16"``.{common}
     Returns:
         (N, D) MXFP8Array (still quantized) for ``"mxfp8"``, else (N, D) bf16 array;
         N = sum(output_splits).
-    Raises:
-        ValueError: a bad precision, shape or split list (same message on every rank for splits).
-        TypeError: a dtype other than bf16/fp32.
-        TimeoutError: the exchange did not finish within ``comm.timeout`` s.
-    """
-    return _exchange(x, input_splits, output_splits, comm, precision,
-                     what=("a2a_dispatch", "x", "input_splits", "output_splits"), dequantize=False,
-                     scale_mode=scale_mode, stream=stream, validate=validate)
+    """)
 
 
-def a2a_dispatch_backward(grad, input_splits, output_splits, comm, precision="bf16", *,
-                          scale_mode="rceil", stream=None, validate=None):
-    """Backward of :func:`a2a_dispatch`: return the received rows' gradient to their senders.
+def a2a_dispatch_backward(grad, input_splits=None, output_splits=None, comm=None,
+                          precision="bf16", *, scale_mode="rceil", stream=None, layout=None,
+                          validate=None):
+    return _exchange(grad, input_splits, output_splits, comm, precision, layout,
+                     function="a2a_dispatch_backward", name="grad", direction="combine",
+                     dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)
+
+
+a2a_dispatch_backward.__doc__ = _doc("""Backward of :func:`a2a_dispatch`: return the received
+    rows' gradient to their senders.
 
     Combine direction: sends ``output_splits``, receives ``input_splits``.
 
     Args:
         grad: (N, D) bf16/fp32 array (or MXFP8Array), N = sum(output_splits). Read.
-        input_splits, output_splits: as given to :func:`a2a_dispatch`.
-        precision: wire format, ``"bf16"`` (default) or ``"mxfp8"``.
-        Others as :func:`a2a_dispatch`.
+        input_splits, output_splits: as given to :func:`a2a_dispatch` (or a Layout).
+        precision: wire format, ``"bf16"`` (default) or ``"mxfp8"``.{common}
     Returns:
         (M, D) array of ``grad``'s dtype (bf16 for an MXFP8Array).
-    """
-    return _exchange(grad, output_splits, input_splits, comm, precision,
-                     what=("a2a_dispatch_backward", "grad", "output_splits", "input_splits"),
-                     dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)
+    """)
 
 
-def a2a_combine(y, input_splits, output_splits, comm, precision="bf16", *, scale_mode="rceil",
-                stream=None, validate=None):
-    """Step 5: return expert outputs to the ranks their tokens came from.
+def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16", *,
+                scale_mode="rceil", stream=None, layout=None, validate=None):
+    return _exchange(y, input_splits, output_splits, comm, precision, layout,
+                     function="a2a_combine", name="y", direction="combine", dequantize=True,
+                     scale_mode=scale_mode, stream=stream, validate=validate)
+
+
+a2a_combine.__doc__ = _doc("""Step 5: return expert outputs to the ranks their tokens came from.
 
     Sends ``output_splits`` rows back, receives ``input_splits`` (splits as given to dispatch).
 
     Args:
         y: (N, H) bf16/fp32 array (or MXFP8Array), rows in received order (``unpermute``). Read.
-        input_splits, output_splits: as given to :func:`a2a_dispatch`.
-        precision: wire format, ``"bf16"`` (default) or ``"mxfp8"``.
-        Others as :func:`a2a_dispatch`.
+        input_splits, output_splits: as given to :func:`a2a_dispatch` (or a Layout).
+        precision: wire format, ``"bf16"`` (default) or ``"mxfp8"``.{common}
     Returns:
-        (M, H) array of ``y``'s dtype (bf16 for an MXFP8Array), rows in the caller's original order.
-    """
-    return _exchange(y, output_splits, input_splits, comm, precision,
-                     what=("a2a_combine", "y", "output_splits", "input_splits"),
-                     dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)
+        (M, H) array of ``y``'s dtype (bf16 for an MXFP8Array), rows in the caller's original
+        order.
+    """)
 
 
-def a2a_combine_backward(grad, input_splits, output_splits, comm, precision="mxfp8", *,
-                         scale_mode="rceil", stream=None, validate=None):
-    """Backward of :func:`a2a_combine`: send the outputs' gradient to the experts' ranks.
+def a2a_combine_backward(grad, input_splits=None, output_splits=None, comm=None,
+                         precision="mxfp8", *, scale_mode="rceil", stream=None, layout=None,
+                         validate=None):
+    return _exchange(grad, input_splits, output_splits, comm, precision, layout,
+                     function="a2a_combine_backward", name="grad", direction="dispatch",
+                     dequantize=False, scale_mode=scale_mode, stream=stream, validate=validate)
+
+
+a2a_combine_backward.__doc__ = _doc("""Backward of :func:`a2a_combine`: send the outputs'
+    gradient to the experts' ranks.
 
     Dispatch direction: sends ``input_splits``, receives ``output_splits``.
 
     Args:
         grad: (M, H) bf16/fp32 array. Read.
-        input_splits, output_splits: as given to :func:`a2a_dispatch`.
-        precision: wire format, ``"mxfp8"`` (default) or ``"bf16"``.
-        Others as :func:`a2a_dispatch`.
+        input_splits, output_splits: as given to :func:`a2a_dispatch` (or a Layout).
+        precision: wire format, ``"mxfp8"`` (default) or ``"bf16"``.{common}
     Returns:
         (N, H) MXFP8Array for ``"mxfp8"`` (so ``unpermute_backward`` permutes data and scales
         together), else (N, H) bf16 array.
-    """
-    return _exchange(grad, input_splits, output_splits, comm, precision,
-                     what=("a2a_combine_backward", "grad", "input_splits", "output_splits"),
-                     dequantize=False, scale_mode=scale_mode, stream=stream, validate=validate)
+    """)
 
 
 def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *,
@@ -376,17 +422,21 @@ def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *
 
     Argument order as torch's (output splits first). In MXFP8 data and scales travel together,
     overlapped with the quantize and dequantize kernels (module docstring). Its backward is the
-    same call with the splits swapped.
+    same call with the splits swapped. Collective; with explicit splits it checks the call
+    across ranks (``validate``), as torch's does not.
 
     Args:
         x: (M, D) bf16/fp32, C-contiguous; D % 32 == 0 for MXFP8. Read.
         output_splits: W host ints, rows received from each rank.
         input_splits: W host ints, rows sent to each rank (sum = M).
+        comm: a communicator.
         precision: wire format, ``"mxfp8"`` (default) or ``"bf16"``.
-        Others as :func:`a2a_dispatch`.
+        scale_mode, stream, validate: as :func:`a2a_dispatch`.
     Returns:
         (sum(output_splits), D) array of ``x``'s dtype.
+    Raises:
+        As :func:`a2a_dispatch`.
     """
-    return _exchange(x, input_splits, output_splits, comm, precision,
-                     what=("all_to_all_single", "x", "input_splits", "output_splits"),
+    return _exchange(x, input_splits, output_splits, comm, precision, None,
+                     function="all_to_all_single", name="x", direction="dispatch",
                      dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)

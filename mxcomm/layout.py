@@ -1,64 +1,177 @@
-"""Step 0 of the EP token path: exchange the per-expert token counts and derive the split sizes.
+"""Step 0 of the EP token path: the layout exchange, where the ranks agree once per step.
 
 Glossary: E experts, E_local experts per rank, W ranks (``comm.size``); expert ``e`` lives on rank
-``e // E_local``.
+``e // E_local``. After :func:`exchange_layout` every rank holds every rank's counts, so dispatch,
+permute, unpermute, combine and their backwards, given the :class:`Layout`, need no host collective
+(docs/design.md, "The layout object").
 """
 
 import numpy
 
 from ._array import as_device_array
-from .a2a import _Streams
+from .comm._staged import Plan
 from .kernels import array_module
+
+_INT32_MAX = 2**31 - 1
+_TEXT_BYTES = 512
+#: Header of one rank in the layout exchange: verdict (0 valid, 1 ValueError, 2 TypeError), E.
+_VALID, _BAD_VALUE, _BAD_TYPE = 0, 1, 2
+
+
+class Layout(tuple):
+    """Everything derived from one layout exchange; unpacks as ``(group, input_splits,
+    output_splits)`` like the tuple :func:`exchange_layout` used to return.
+
+    Attributes:
+        comm: the communicator the layout was agreed on.
+        num_tokens_per_expert_group: (E,) int32 device array, rank-major: entry
+            ``r * E_local + j`` = rows rank r sends to my local expert j.
+        input_splits, output_splits: lists of W ints: rows I send to / receive from each rank.
+        counts: (W, E) int64 host array, every rank's ``num_tokens_per_expert``.
+        sent: W lists of W ints, ``sent[j][i]`` rows rank j sends rank i.
+        num_local_experts: E_local.
+        num_rows: M = sum(input_splits), the rows this rank dispatches.
+        num_received: N = sum(output_splits), the rows it receives.
+        dispatch_plan, combine_plan: the exchange plans of both directions (``mxcomm.comm``).
+    Treat it as read-only: the ranks agreed on these values.
+    """
+
+    def __new__(cls, comm, group, counts, num_local_experts):
+        world, rank = comm.size, comm.rank
+        per_rank = counts.reshape(world, world, num_local_experts).sum(axis=2)  # [j, i]
+        sent = per_rank.tolist()
+        input_splits = sent[rank]
+        output_splits = [row[rank] for row in sent]
+        self = super().__new__(cls, (group, list(input_splits), list(output_splits)))
+        self.comm = comm
+        self.num_tokens_per_expert_group = group
+        self.input_splits = list(input_splits)
+        self.output_splits = list(output_splits)
+        self.counts = counts
+        self.sent = sent
+        self.num_local_experts = num_local_experts
+        self.num_rows = sum(input_splits)
+        self.num_received = sum(output_splits)
+        self.dispatch_plan = Plan(rank, sent)
+        self.combine_plan = self.dispatch_plan.transposed()
+        self._cache = {}  # per-layout results reused by the primitives (e.g. permute indices)
+        return self
+
+    def __repr__(self):
+        return (f"Layout(rank={self.comm.rank}, world={self.comm.size}, "
+                f"num_local_experts={self.num_local_experts}, input_splits={self.input_splits}, "
+                f"output_splits={self.output_splits})")
+
+    def permuted_rows(self, align):
+        """P, the static bound of :func:`~mxcomm.permute`'s rows: round_up(N + E_local * align,
+        align)."""
+        return -(-(self.num_received + self.num_local_experts * align) // align) * align
 
 
 def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
-    """Tell every rank how many rows it will receive from each peer, per local expert.
+    """Agree on the step's layout: every rank learns every rank's per-expert counts.
 
-    An all-to-all of ``num_tokens_per_expert`` in chunks of E_local gives the counts every rank
-    sends to my experts. The split sizes are summed on the device, concatenated, and read back in
-    ONE device-to-host copy: this is the only host synchronization of the whole token path. The
-    wait for it is timeout-guarded (``comm.wait``), so a peer that never joins raises instead of
-    hanging.
+    Collective. The counts are read to the host (ONE device-to-host copy, after a wait bounded by
+    ``comm.timeout``: the only host synchronization of the token path), then every rank's verdict
+    and counts are gathered over the communicator's host side channel (two small allgathers).
+    Every rank checks the same table, so bad counts on any rank raise the same exception on every
+    rank, naming the rank. Later calls given the layout make no host collective.
 
     Args:
-        num_tokens_per_expert: (E,) integer device array, E a multiple of W: rows this rank routes
-            to each global expert (its rows are sorted by expert). Read.
+        num_tokens_per_expert: (E,) integer array (any integer dtype holding the values; device
+            array on a GPU), E a positive multiple of W: rows this rank routes to each global
+            expert (its rows are sorted by expert). Read.
         comm: a communicator (``mxcomm.comm.init()``).
-        stream: CUDA stream to enqueue on (None: CuPy's current stream; ignored on the simulator).
+        stream: the stream the counts are ready on (None: CuPy's current; ignored on the host).
     Returns:
-        ``(num_tokens_per_expert_group, input_splits, output_splits)``:
-        num_tokens_per_expert_group: (E,) int32 device array, rank-major: entry
-            ``r * E_local + j`` = rows rank r sends to my local expert j.
-        input_splits: W host ints, rows I send to each rank.
-        output_splits: W host ints, rows I receive from each rank.
+        A :class:`Layout`; it unpacks as ``(num_tokens_per_expert_group, input_splits,
+        output_splits)``: (E,) int32 device array (rank-major: entry ``r * E_local + j`` = rows
+        rank r sends to my local expert j), and W host ints each.
     Raises:
-        TypeError: the counts are not an integer array.
-        ValueError: the counts are not 1-D, or their length is not a positive multiple of W.
-        TimeoutError: the exchange did not finish within ``comm.timeout`` s.
+        TypeError: the counts are not an integer array (on some rank: every rank raises).
+        ValueError: the counts are not 1-D, their length is not a positive multiple of W or
+            differs across ranks, or a count is negative or beyond 2**31 - 1 (every rank raises,
+            naming the rank, the expert and the value).
+        TimeoutError: a rank did not join within ``comm.timeout`` s; the communicator is aborted.
     """
-    counts = as_device_array(num_tokens_per_expert, "num_tokens_per_expert")
-    if counts.ndim != 1:
-        raise ValueError(f"num_tokens_per_expert: expected a 1-D array of E counts, got shape "
-                         f"{tuple(counts.shape)}")
+    rank, world = comm.rank, comm.size
+    error, host = None, None
+    try:
+        host = _local_counts(num_tokens_per_expert, comm, stream, rank, world)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    header = numpy.zeros(2, dtype=numpy.int64)
+    if error is not None:
+        header[0] = _BAD_TYPE if isinstance(error, TypeError) else _BAD_VALUE
+    else:
+        header[1] = host.shape[0]
+    text = (str(error) if error is not None else "").encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES,
+                                                                                  b"\0")
+    table = comm._side.allgather_bytes(header.tobytes() + text, "exchange_layout (verdicts)")
+    stride = 16 + _TEXT_BYTES
+    verdicts = [(numpy.frombuffer(table[r * stride:r * stride + 16], dtype=numpy.int64),
+                 table[r * stride + 16:(r + 1) * stride].rstrip(b"\0").decode(errors="replace"))
+                for r in range(world)]
+    bad = [r for r, (h, _) in enumerate(verdicts) if h[0] != _VALID]
+    if bad:
+        first = bad[0]
+        kind = TypeError if verdicts[first][0][0] == _BAD_TYPE else ValueError
+        also = f" (also invalid on rank{'s' if len(bad) > 2 else ''} " \
+               f"{', '.join(map(str, bad[1:]))})" if len(bad) > 1 else ""
+        raise kind(f"exchange_layout: {verdicts[first][1]}{also}")
+    lengths = [int(h[1]) for h, _ in verdicts]
+    if len(set(lengths)) > 1:
+        other = next(r for r in range(world) if lengths[r] != lengths[0])
+        raise ValueError(f"exchange_layout: num_tokens_per_expert has {lengths[0]} experts on "
+                         f"rank 0 but {lengths[other]} on rank {other}; every rank must count "
+                         f"the same E experts")
+    counts = comm._side.allgather_array(host, "exchange_layout (counts)")
+    num_experts = lengths[0]
+    local_experts = num_experts // world
+    mine = counts[:, rank * local_experts:(rank + 1) * local_experts].reshape(-1)
+    xp = array_module()
+    with comm._on_stream(comm._stream_ptr(stream)):
+        group = xp.asarray(mine.astype(numpy.int32))
+    return Layout(comm, group, counts, local_experts)
+
+
+def _local_counts(num_tokens_per_expert, comm, stream, rank, world):
+    """This rank's counts on the host as (E,) int64, checked; raises the argument errors."""
+    name = "num_tokens_per_expert"
+    counts = as_device_array(num_tokens_per_expert, name)
     if counts.dtype.kind not in "iu":
-        raise TypeError(f"num_tokens_per_expert: expected an integer array, got dtype "
+        raise TypeError(f"{name} on rank {rank}: expected an integer array, got dtype "
                         f"{counts.dtype}")
-    world = comm.size
+    if counts.ndim != 1:
+        raise ValueError(f"{name} on rank {rank}: expected a 1-D array of E counts, got shape "
+                         f"{tuple(counts.shape)}")
     num_experts = counts.shape[0]
     if num_experts == 0 or num_experts % world:
-        raise ValueError(f"num_tokens_per_expert: length {num_experts} is not divisible into "
-                         f"{world} ranks")
-    local_experts = num_experts // world
-
-    xp = array_module()
-    streams = _Streams(stream)
-    with streams.on_caller():
-        counts = xp.ascontiguousarray(counts, dtype=numpy.int32)
-        group = comm.alltoall_counts(counts, stream=streams.caller_ptr)
-        group = xp.ascontiguousarray(group, dtype=numpy.int32)
-        # Both split vectors in one buffer: one device-to-host copy.
-        splits = xp.concatenate([counts.reshape(world, local_experts).sum(axis=1),
-                                 group.reshape(world, local_experts).sum(axis=1)])
-    comm.wait(streams.caller_ptr)
-    host = [int(v) for v in streams.to_host(splits)]
-    return group, host[:world], host[world:]
+        raise ValueError(f"{name} on rank {rank}: length {num_experts} is not a positive "
+                         f"multiple of the {world} ranks")
+    if isinstance(counts, numpy.ndarray):
+        host = counts
+    else:
+        comm.wait(stream)  # bounded: the counts may come from work still running
+        host = counts.get()
+    if counts.dtype.kind == "u" and counts.dtype.itemsize == 8:
+        too_big = numpy.flatnonzero(host > _INT32_MAX)
+        if too_big.size:
+            e = int(too_big[0])
+            raise ValueError(f"{name} on rank {rank}: count {int(host[e])} for expert {e} is "
+                             f"beyond 2**31 - 1 rows")
+    host = host.astype(numpy.int64)
+    negative = numpy.flatnonzero(host < 0)
+    if negative.size:
+        e = int(negative[0])
+        raise ValueError(f"{name} on rank {rank}: count {int(host[e])} for expert {e} is "
+                         f"negative")
+    too_big = numpy.flatnonzero(host > _INT32_MAX)
+    if too_big.size:
+        e = int(too_big[0])
+        raise ValueError(f"{name} on rank {rank}: count {int(host[e])} for expert {e} is beyond "
+                         f"2**31 - 1 rows")
+    if int(host.sum()) > _INT32_MAX:
+        raise ValueError(f"{name} on rank {rank}: the counts add up to {int(host.sum())} rows, "
+                         f"beyond 2**31 - 1")
+    return host

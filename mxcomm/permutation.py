@@ -14,16 +14,24 @@ E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align
     group_offsets  [4, 8]
 
 A group with no rows takes no rows (no padding). Nothing here synchronizes with the host: P is a
-static bound computed from the shapes, and the index is built on the device.
+static bound computed from the shapes, and the index is built where the counts are (on the device,
+or in host memory on the host backend).
+
+The work runs where ``mxcomm._platform.backend()`` says: the CUDA kernels of ``mxcomm.kernels`` on a
+GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with identical results.
+:func:`_layout` and :func:`_move_rows` are the only places that choose.
 """
 
 import numpy
 
-from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
+from .kernels import array_module, launch_1d  # first: sets up the simulator before numba loads
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
                               scatter_rows_kernel)
+from . import _host
 from ._array import as_device_array, stream_ptr
+from ._platform import host_backend
+from .layout import Layout
 from .mxfp8 import MXFP8Array, _address
 
 _WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
@@ -81,9 +89,15 @@ def _row_threads(words):
 
 
 def _move_rows(kernel, indices, srcs, dsts, stream):
-    """Launch ``kernel`` (gather or scatter) moving one or two (src, dst) row-array pairs; a
-    missing second pair is an empty one (never an alias of the first: the simulator copies every
-    argument in and back out)."""
+    """Move one or two (src, dst) row-array pairs by ``indices``: ``kernel`` is the gather or
+    scatter kernel; on the host backend its NumPy twin (``_host.gather_rows`` /
+    ``_host.scatter_rows``) runs instead."""
+    if host_backend():
+        move = _host.gather_rows if kernel is gather_rows_kernel else _host.scatter_rows
+        move(indices, srcs, dsts)
+        return
+    # A missing second pair is an empty one (never an alias of the first: the simulator copies
+    # every argument in and back out).
     pairs = [_as_words([s, d]) for s, d in zip(srcs, dsts)]
     if len(pairs) == 1:
         empty = array_module().empty((0, 0), dtype=pairs[0][0].dtype)
@@ -112,7 +126,7 @@ def _wrap(arrays, mx):
     return MXFP8Array(*arrays) if mx else arrays[0]
 
 
-def permute(x, num_tokens_per_expert_group, num_local_experts, align=32, *, stream=None):
+def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *, stream=None):
     """Received rows -> expert-major order, each expert's group zero-padded to a multiple of ``align``.
 
     Layout: see the module docstring. Rows of a group keep their received order (by source rank).
@@ -122,9 +136,13 @@ def permute(x, num_tokens_per_expert_group, num_local_experts, align=32, *, stre
             permuted together in one launch). Read.
         num_tokens_per_expert_group: (E,) int32 device array, rank-major counts; must sum to M_recv
             (not checked: that would need a host sync; extra counts give -1 indices). Read.
-        num_local_experts: E_local, a positive int dividing E.
+            Or the :class:`~mxcomm.layout.Layout`: then its counts (checked across ranks when it
+            was made), M_recv checked against it, and the index built once per layout and
+            ``align`` and reused by later calls (no launch).
+        num_local_experts: E_local, a positive int dividing E (not needed with a layout).
         align: rows, a positive int (32 for MX grouped GEMMs).
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+            Unused on a CPU, where the work is done when the call returns.
     Returns:
         ``(permuted, permuted_indices, group_offsets)``: permuted (P, ...) same dtype as ``x`` (or an
         MXFP8Array; padding rows have data 0 and scales 0, so they dequantize to 0), P =
@@ -133,9 +151,15 @@ def permute(x, num_tokens_per_expert_group, num_local_experts, align=32, *, stre
     Raises:
         TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
         ValueError: counts not 1-D or its length not a multiple of ``num_local_experts``;
-            ``num_local_experts`` or ``align`` < 1; ``x`` not C-contiguous.
+            ``num_local_experts`` or ``align`` < 1; ``x`` not C-contiguous; on the host backend
+            (counts in host memory), a negative count.
     """
     srcs, mx = _rows(x, "x")
+    if isinstance(num_tokens_per_expert_group, Layout):
+        return _permute_on_layout(srcs, mx, num_tokens_per_expert_group, num_local_experts,
+                                  align, stream)
+    if num_local_experts is None:
+        raise TypeError("permute: num_local_experts is required without a layout")
     counts = as_device_array(num_tokens_per_expert_group, "num_tokens_per_expert_group")
     if counts.dtype != numpy.int32:
         raise TypeError(f"num_tokens_per_expert_group: expected dtype int32, got {counts.dtype}")
@@ -150,18 +174,53 @@ def permute(x, num_tokens_per_expert_group, num_local_experts, align=32, *, stre
     m_recv = srcs[0].shape[0]
     p = _round_up(m_recv + e_local * align, align)
     xp = array_module()
+    indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream)
+    dsts = [xp.empty((p,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
+    _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
+    return _wrap(dsts, mx), indices, group_offsets
+
+
+def _permute_on_layout(srcs, mx, layout, num_local_experts, align, stream):
+    """:func:`permute` given the layout: rows checked against it (O(1)); the index and group
+    offsets built once per layout and ``align``, and reused (no launch) by later calls."""
+    e_local = layout.num_local_experts
+    if num_local_experts not in (None, e_local):
+        raise ValueError(f"permute: num_local_experts = {num_local_experts}, but the layout has "
+                         f"{e_local}")
+    align = _check_int(align, "align", 1)
+    m_recv = srcs[0].shape[0]
+    if m_recv != layout.num_received:
+        raise ValueError(f"permute: x on rank {layout.comm.rank} has {m_recv} rows, but the "
+                         f"layout receives {layout.num_received}")
+    p = layout.permuted_rows(align)
+    key = ("permute", align)
+    cached = layout._cache.get(key)
+    if cached is None:
+        cached = layout._cache[key] = _layout(layout.num_tokens_per_expert_group, e_local,
+                                              align, m_recv, p, stream)
+    indices, group_offsets = cached
+    xp = array_module()
+    dsts = [xp.empty((p,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
+    _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
+    return _wrap(dsts, mx), indices, group_offsets
+
+
+def _layout(counts, e_local, align, m_recv, p, stream):
+    """``(indices (P,) int32, group_offsets (E_local,) int32)`` of :func:`permute`: from
+    ``_host.permute_layout`` on the host backend, else from the layout and index kernels."""
+    if host_backend():
+        return _host.permute_layout(counts, e_local, align, m_recv, p)
+    xp = array_module()
     src_start = xp.empty(counts.shape[0], dtype=numpy.int32)
     dst_start = xp.empty(counts.shape[0], dtype=numpy.int32)
     group_offsets = xp.empty(e_local, dtype=numpy.int32)
     indices = xp.empty(p, dtype=numpy.int32)
-    dsts = [xp.empty((p,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
     ptr = stream_ptr(stream)
     permute_layout_kernel[launch_1d(1, ptr)](counts, e_local, align, src_start, dst_start,
                                              group_offsets)
     permute_indices_kernel[launch_1d(p, ptr)](counts, src_start, dst_start, group_offsets, m_recv,
                                               indices)
-    _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
-    return _wrap(dsts, mx), indices, group_offsets
+    return indices, group_offsets
 
 
 def unpermute(y, permuted_indices, num_rows, *, stream=None):
@@ -170,9 +229,11 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     Args:
         y: (P, H...) C-contiguous device array (any dtype) or an MXFP8Array. Read.
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
-        num_rows: M_recv, an int >= 0. Rows no index names are left unwritten (every received row
-            is named once by indices from :func:`permute`); indices >= num_rows are dropped.
+        num_rows: M_recv, an int >= 0, or the layout (its ``num_received``). Rows no index names
+            are left unwritten (every received row is named once by indices from
+            :func:`permute`); indices >= num_rows are dropped.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+            Unused on a CPU, where the work is done when the call returns.
     Returns:
         (num_rows, H...) array of ``y``'s dtype, or an MXFP8Array.
     Raises:
@@ -181,6 +242,8 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     """
     srcs, mx = _rows(y, "y")
     idx = _check_indices(permuted_indices, srcs[0].shape[0], "y")
+    if isinstance(num_rows, Layout):
+        num_rows = num_rows.num_received
     num_rows = _check_int(num_rows, "num_rows", 0)
     xp = array_module()
     dsts = [xp.empty((num_rows,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
@@ -212,6 +275,7 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
             rows; padding rows get data 0 and scales 0, which dequantize to 0). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+            Unused on a CPU, where the work is done when the call returns.
     Returns:
         (P, H...) array of ``grad``'s dtype, or an MXFP8Array.
     Raises:

@@ -181,18 +181,18 @@ class _A2ADispatch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, input_splits, output_splits, comm, precision, grad_precision):
-        ctx.args = (input_splits, output_splits, comm, grad_precision)
+    def forward(ctx, x, input_splits, output_splits, comm, precision, grad_precision, layout):
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout)
         return _wrap(_a2a.a2a_dispatch(_rows(x, "x"), input_splits, output_splits, comm,
-                                       precision, stream=_stream(x)))
+                                       precision, stream=_stream(x), layout=layout))
 
     @staticmethod
     def backward(ctx, grad):
-        input_splits, output_splits, comm, grad_precision = ctx.args
+        input_splits, output_splits, comm, grad_precision, layout = ctx.args
         dx = _a2a.a2a_dispatch_backward(_rows(grad, "grad"), input_splits, output_splits, comm,
-                                        grad_precision, stream=_stream(grad))
-        # None for: input_splits, output_splits, comm, precision, grad_precision
-        return _wrap(dx), None, None, None, None, None
+                                        grad_precision, stream=_stream(grad), layout=layout)
+        # None for: input_splits, output_splits, comm, precision, grad_precision, layout
+        return _wrap(dx), None, None, None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -205,9 +205,12 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align):
-        permuted, indices, offsets = _permutation.permute(
-            _rows(x, "x"), _array(num_tokens_per_expert_group, "num_tokens_per_expert_group"),
-            num_local_experts, align, stream=_stream(x))
+        counts = num_tokens_per_expert_group
+        if not isinstance(counts, _layout.Layout):
+            counts = _array(counts, "num_tokens_per_expert_group")
+        permuted, indices, offsets = _permutation.permute(_rows(x, "x"), counts,
+                                                          num_local_experts, align,
+                                                          stream=_stream(x))
         indices, offsets = _tensor(indices), _tensor(offsets)
         ctx.save_for_backward(indices)
         ctx.num_rows = x.shape[0]
@@ -256,18 +259,18 @@ class _A2ACombine(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, input_splits, output_splits, comm, precision, grad_precision):
-        ctx.args = (input_splits, output_splits, comm, grad_precision)
+    def forward(ctx, y, input_splits, output_splits, comm, precision, grad_precision, layout):
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout)
         return _wrap(_a2a.a2a_combine(_rows(y, "y"), input_splits, output_splits, comm, precision,
-                                      stream=_stream(y)))
+                                      stream=_stream(y), layout=layout))
 
     @staticmethod
     def backward(ctx, grad):
-        input_splits, output_splits, comm, grad_precision = ctx.args
+        input_splits, output_splits, comm, grad_precision, layout = ctx.args
         dy = _a2a.a2a_combine_backward(_rows(grad, "grad"), input_splits, output_splits, comm,
-                                       grad_precision, stream=_stream(grad))
-        # None for: input_splits, output_splits, comm, precision, grad_precision
-        return _wrap(dy), None, None, None, None, None
+                                       grad_precision, stream=_stream(grad), layout=layout)
+        # None for: input_splits, output_splits, comm, precision, grad_precision, layout
+        return _wrap(dy), None, None, None, None, None, None
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -293,57 +296,100 @@ class _AllToAllSingle(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------- public
+class Layout(_layout.Layout):
+    """:class:`mxcomm.layout.Layout` on tensors: ``num_tokens_per_expert_group`` is an (E,)
+    int32 tensor (unpacks as ``(group tensor, input_splits, output_splits)``)."""
+
+    def __new__(cls, layout):
+        self = _layout.Layout.__new__(cls, layout.comm, layout.num_tokens_per_expert_group,
+                                      layout.counts, layout.num_local_experts)
+        self.group_tensor = _tensor(layout.num_tokens_per_expert_group)
+        return self
+
+    def __iter__(self):
+        return iter((self.group_tensor, self.input_splits, self.output_splits))
+
+    def __getitem__(self, i):
+        return (self.group_tensor, self.input_splits, self.output_splits)[i]
+
+
 def exchange_layout(num_tokens_per_expert, comm):
     """Step 0 on tensors; see :func:`mxcomm.exchange_layout` (the one host synchronization).
 
     Args:
-        num_tokens_per_expert: (E,) integer tensor.
+        num_tokens_per_expert: (E,) integer tensor (int64 from ``bincount`` is fine).
     Returns:
-        ``(num_tokens_per_expert_group (E,) int32 tensor, input_splits, output_splits)``, the
-        splits as lists of W host ints.
+        A layout: pass it to :func:`a2a_dispatch`, :func:`permute`, :func:`unpermute` and
+        :func:`a2a_combine` (no host collective per call); it unpacks as
+        ``(num_tokens_per_expert_group (E,) int32 tensor, input_splits, output_splits)``.
     """
-    group, input_splits, output_splits = _layout.exchange_layout(
+    return Layout(_layout.exchange_layout(
         _array(num_tokens_per_expert, "num_tokens_per_expert"), comm,
-        stream=_stream(num_tokens_per_expert))
-    return _tensor(group), input_splits, output_splits
+        stream=_stream(num_tokens_per_expert)))
 
 
-def a2a_dispatch(x, input_splits, output_splits, comm, precision="mxfp8", grad_precision="bf16"):
+def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8",
+                 grad_precision="bf16", *, layout=None):
     """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
 
-    See :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the backward's wire format.
+    See :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the backward's wire format. Give the
+    layout (``a2a_dispatch(x, layout)``) for calls without any host collective.
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
-    return _A2ADispatch.apply(x, input_splits, output_splits, comm, precision, grad_precision)
+    if isinstance(input_splits, _layout.Layout):
+        layout, input_splits = input_splits, None
+    return _A2ADispatch.apply(x, input_splits, output_splits, comm, precision, grad_precision,
+                              layout)
 
 
-def permute(x, num_tokens_per_expert_group, num_local_experts, align=32):
+def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32):
     """Step 2, differentiable: received rows -> expert-major, ``align``-padded groups.
 
     Args:
         x: (N, D) bf16 tensor or MXFP8Tensor.
-        num_tokens_per_expert_group: (E,) int32 tensor (``exchange_layout``).
+        num_tokens_per_expert_group: (E,) int32 tensor (``exchange_layout``), or the layout
+            itself (then ``num_local_experts`` is the layout's, and N is checked against it).
+        num_local_experts: E_local (not needed with a layout).
+        align: rows each group is padded to a multiple of.
     Returns:
         ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``;
         ``group_offsets`` is the ``offs`` of ``torch._grouped_mm``.
+    Raises:
+        ValueError: with a layout, ``x`` has another number of rows than it receives.
     """
+    if isinstance(num_tokens_per_expert_group, _layout.Layout):
+        layout = num_tokens_per_expert_group
+        if x.shape[0] != layout.num_received:  # here too: before autograd records anything
+            raise ValueError(f"permute: x on rank {layout.comm.rank} has {x.shape[0]} rows, but "
+                             f"the layout receives {layout.num_received}")
+    elif num_local_experts is None:
+        raise TypeError("permute: num_local_experts is required without a layout")
     return _Permute.apply(x, num_tokens_per_expert_group, num_local_experts, align)
 
 
 def unpermute(y, permuted_indices, num_rows):
-    """Step 4, differentiable: (P, H) -> (num_rows, H) in received order."""
+    """Step 4, differentiable: (P, H) -> (num_rows, H) in received order.
+
+    ``num_rows`` is N, or the layout (its ``num_received``)."""
+    if isinstance(num_rows, _layout.Layout):
+        num_rows = num_rows.num_received
     return _Unpermute.apply(y, permuted_indices, num_rows)
 
 
-def a2a_combine(y, input_splits, output_splits, comm, precision="bf16", grad_precision="mxfp8"):
-    """Step 5, differentiable: (N, H) -> (M, H); splits as given to :func:`a2a_dispatch`.
+def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16",
+                grad_precision="mxfp8", *, layout=None):
+    """Step 5, differentiable: (N, H) -> (M, H); splits (or the layout) as given to
+    :func:`a2a_dispatch`.
 
     The gradient of ``y`` is an MXFP8Tensor when ``grad_precision="mxfp8"``.
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
-    return _A2ACombine.apply(y, input_splits, output_splits, comm, precision, grad_precision)
+    if isinstance(input_splits, _layout.Layout):
+        layout, input_splits = input_splits, None
+    return _A2ACombine.apply(y, input_splits, output_splits, comm, precision, grad_precision,
+                             layout)
 
 
 def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8"):

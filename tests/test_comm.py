@@ -19,7 +19,7 @@ import numpy
 import pytest
 
 from mxcomm import comm as mxc
-from mxcomm.comm._staged import MAX_PIECES
+from mxcomm.comm._staged import MAX_PIECES, Plan
 
 SEED = 1234
 TIMEOUT_S = 2.0  # timeout of the timeout tests: expiry must come within this, plus slack
@@ -147,47 +147,54 @@ def test_alltoallv_chunked_with_offsets_equals_unchunked(comm, chunks):
     numpy.testing.assert_array_equal(bits(out), bits(whole))
 
 
-# ------------------------------------------------------------------------- staged all-to-all
-def staged(comm, counts, make, arrays, rows_factor=1, direct=False):
-    """Run ``alltoallv_staged`` filling each peer's slots from ``make(me, m)`` rows; return the
-    received rows (``out``, or with ``direct`` what ``arrived`` copied out of ``rows``), the
-    (peer, begin, end) arrivals and the (peer, begin, end) fills."""
-    me = comm.rank
-    sc, rc = counts[me] * rows_factor, counts[:, me] * rows_factor
-    send = make(me, int(sc.sum()))
-    filled, arrivals = [], []
-    copied = tuple(numpy.empty((int(rc.sum()),) + shape, dtype) for shape, dtype in arrays)
-    for c in copied:
-        c.view(numpy.uint8)[...] = 0xA5  # rows never handed over would show
+# ---------------------------------------------------------------------------- staged exchange
+class Rows:
+    """A producer/consumer of the staged exchange (``mxcomm.comm._staged``) over host arrays:
+    records what it produced and consumed, and copies consumed rows into ``received``."""
 
-    def fill(peer, begin, end, slots):
-        filled.append((peer, begin, end))
-        for slot, a in zip(slots, send):
+    def __init__(self, send, arrays, received_rows, kind="test rows"):
+        self.arrays = tuple((shape, numpy.dtype(dtype)) for shape, dtype in arrays)
+        self.kind = kind
+        self.send = send
+        self.produced, self.consumed = [], []
+        self.received = tuple(numpy.empty((received_rows,) + shape, dtype)
+                              for shape, dtype in self.arrays)
+        for r in self.received:
+            r.view(numpy.uint8)[...] = 0xA5  # rows never handed over would show
+
+    def produce(self, begin, end, slots, stream):
+        assert stream == 0  # the host
+        self.produced.append((begin, end))
+        for slot, a in zip(slots, self.send):
             assert slot.shape == (end - begin,) + a.shape[1:]
             slot[...] = a[begin:end]
 
-    def arrived(peer, begin, end, rows, on):
-        assert on == 0  # the host: everything on the caller's (null) stream
-        arrivals.append((peer, begin, end))
-        for c, r in zip(copied, rows):
+    def consume(self, begin, end, rows, stream):
+        assert stream == 0
+        self.consumed.append((begin, end))
+        for c, r in zip(self.received, rows):
             assert r.shape == (end - begin,) + c.shape[1:]
             c[begin:end] = r
 
-    outs = comm.alltoallv_staged(arrays, sc, rc, fill, arrived=arrived, direct=direct)
-    # Every peer's rows filled once, in consecutive pieces, one peer after another, own rows last.
-    peers = [p for i, (p, _, _) in enumerate(filled) if i == 0 or filled[i - 1][0] != p]
-    assert sorted(peers) == list(range(comm.size)) and peers[-1] == me
-    offsets = numpy.concatenate([[0], numpy.cumsum(sc)])
-    for p in peers:
-        ranges = [(b, e) for q, b, e in filled if q == p]
-        assert ranges[0][0] == offsets[p] and ranges[-1][1] == offsets[p + 1]
-        assert all(e == b2 for (_, e), (b2, _) in zip(ranges, ranges[1:]))
-    if direct:
+
+def staged(comm, counts, make, arrays, in_place=False):
+    """Run ``comm.exchange`` of ``make(me, m)`` rows under the plan of ``counts``; return the
+    received rows (``out``, or with ``in_place`` what ``consume`` copied) and the producer."""
+    me = comm.rank
+    plan = Plan(me, counts.tolist())
+    rows = Rows(make(me, plan.rows_sent), arrays, plan.rows_received)
+    outs = comm.exchange(rows, plan, in_place=in_place)
+    # Every peer's rows produced once, in consecutive pieces, own rows last.
+    offsets = numpy.concatenate([[0], numpy.cumsum(counts[me])])
+    produced = sorted(rows.produced)
+    assert all(e == b2 for (_, e), (b2, _) in zip(produced, produced[1:]))
+    assert sum(e - b for b, e in produced) == plan.rows_sent
+    if counts[me, me]:
+        assert rows.produced[-1][1] == offsets[me + 1]
+    if in_place:
         assert outs is None
-        return copied, arrivals, filled
-    for c, o in zip(copied, outs):  # the rows handed over are those of out
-        numpy.testing.assert_array_equal(bits(c), bits(o))
-    return outs, arrivals, filled
+        return rows.received, rows
+    return outs, rows
 
 
 @pytest.fixture(params=[None, False], ids=["pull", "grouped"])
@@ -195,16 +202,6 @@ def staged_comm(request):
     c = mxc.init("mpi", timeout=60.0, peer_memory=request.param)
     yield c
     c.close()
-
-
-def check_arrivals(arrivals, counts, me):
-    """Each sender's rows were handed over once, whole, own rows first."""
-    offsets = numpy.concatenate([[0], numpy.cumsum(counts[:, me])])
-    senders = [r for r in range(len(counts)) if counts[r, me]]
-    if counts[me, me]:
-        assert arrivals[0][0] == me
-    assert sorted(p for p, _, _ in arrivals) == senders
-    assert all((b, e) == (offsets[p], offsets[p + 1]) for p, b, e in arrivals)
 
 
 @pytest.fixture(params=[False, True], ids=["whole", "pieces"])
@@ -217,12 +214,12 @@ def pieces(request, monkeypatch):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("direct", [False, True], ids=["out", "direct"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
 @pytest.mark.parametrize("pattern", ["random", "zeros", "one_receiver", "empty"])
-def test_alltoallv_staged_matches_reference(staged_comm, pattern, direct, pieces):
-    """Both transports move (data, scales) like the reference, into ``out`` or read in place
-    (``direct``), whole or in pieces; each sender's rows are handed over once, own rows first;
-    the staging grows between calls (the pull's memory is reused)."""
+def test_exchange_matches_reference(staged_comm, pattern, in_place, pieces):
+    """Both transports move (data, scales, words) like the reference, into ``out`` or read in
+    place, whole or in pieces; each sender's rows are consumed once, whole; the staging grows
+    between calls and is reused; no host collective but the staging's growth."""
     comm = staged_comm
     w, me = comm.size, comm.rank
     assert comm.transport == ("grouped" if comm._peer_memory is False else "pull")
@@ -231,57 +228,22 @@ def test_alltoallv_staged_matches_reference(staged_comm, pattern, direct, pieces
     words = lambda r, n: rows_of(r, n, DTYPES[0], (3, 5), salt=3)  # noqa: E731
     arrays = (((64,), numpy.uint8), ((2,), numpy.uint8), ((3, 5), DTYPES[0]))
     counts = count_matrix(pattern, w, seed=SEED + 11)
-    for factor in (1, 3, 2):  # grow, then reuse
+    for factor in (1, 3, 2, 3):  # grow, then reuse
         scaled = counts * factor
         make = lambda r, n: (data(r, n), scales(r, n), words(r, n))  # noqa: E731
-        outs, arrivals, filled = staged(comm, counts, make, arrays, factor, direct)
+        before = comm.host_collectives
+        outs, rows = staged(comm, scaled, make, arrays, in_place)
+        grew = comm.host_collectives - before
+        assert grew == 0 or factor in (1, 3)
         for out, ref in zip(outs, (data, scales, words)):
             numpy.testing.assert_array_equal(bits(out), bits(expected_recv(me, scaled, ref)))
-        check_arrivals(arrivals, scaled, me)
-        # Copy-engine pulls move large regions in pieces; in-place consumers take them whole.
-        split = pieces and not direct and comm.transport == "pull"
-        assert all(split or p == me or e - b == scaled[me, p] for p, b, e in filled)
+        if in_place:  # each sender's rows handed over once, whole
+            offsets = numpy.concatenate([[0], numpy.cumsum(scaled[:, me])])
+            assert sorted(rows.consumed) == [(offsets[p], offsets[p + 1]) for p in range(w)
+                                             if scaled[p, me]]
+        split = pieces and not in_place and comm.transport == "pull"
         if split and any(scaled[me, p] >= MAX_PIECES for p in range(w) if p != me):
-            assert len(filled) > w
-
-
-@pytest.mark.mpi
-def test_alltoallv_staged_bad_counts_raise_everywhere_before_fill(staged_comm):
-    comm = staged_comm
-    w, me = comm.size, comm.rank
-    counts = count_matrix("random", w, seed=SEED + 12)
-    recv = counts[:, me].copy()
-    if me == 0:
-        recv[w - 1] += 1
-
-    def fill(*args):
-        raise AssertionError("fill called despite bad counts")
-
-    with pytest.raises(ValueError, match=f"rank 0 expects {counts[w - 1, 0] + 1} rows from "
-                                         f"rank {w - 1}") as info:
-        comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], recv, fill)
-    same_error_everywhere(info.value)
-    with pytest.raises(TypeError, match=r"arrays\[0\]: expected a \(row shape, dtype\) pair"):
-        comm.alltoallv_staged(((4, numpy.uint8),), counts[me], counts[:, me], fill)
-    out = (numpy.empty((int(counts[:, me].sum()), 4), numpy.int32),)
-    with pytest.raises(TypeError, match=r"out\[0\] on rank \d+ is int32 rows"):
-        comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], counts[:, me], fill, out=out)
-    with pytest.raises(ValueError, match=r"direct=True on rank \d+: expected out=None and an "
-                                         r"arrived callback"):
-        comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], counts[:, me], fill,
-                              direct=True)
-    if w > 1:  # direct on rank 0 only: caught like differing rows
-        with pytest.raises(ValueError, match=r"rows differ across ranks: rank 0 has .*read in "
-                                             r"place \(direct\), rank 1 has") as info:
-            comm.alltoallv_staged((((4,), numpy.uint8),), counts[me], counts[:, me], fill,
-                                  arrived=lambda *a: None, direct=(me == 0))
-        same_error_everywhere(info.value)
-    # Still usable.
-    outs, _, _ = staged(comm, counts, lambda r, n: (rows_of(r, n, numpy.dtype(numpy.uint8), (4,)),),
-                     (((4,), numpy.uint8),))
-    numpy.testing.assert_array_equal(
-        outs[0], expected_recv(me, counts, lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8),
-                                                                  (4,))))
+            assert len(rows.produced) > w
 
 
 @pytest.mark.mpi
@@ -453,12 +415,14 @@ def test_timeout_when_a_rank_stops_participating():
     make = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (8,))  # noqa: E731
     send = make(me, int(counts[me].sum()))
 
-    def round_(call, late_join, late_check=None):
+    def round_(call, late_join, named=True):
         c = mxc.init("mpi", timeout=TIMEOUT_S)
         if me != late:
             start = time.monotonic()
-            with pytest.raises(TimeoutError, match="did not finish within 2 s"):
+            with pytest.raises(TimeoutError, match="did not finish within 2 s") as info:
                 call(c)
+            if named:  # the side channel's collectives name the rank that did not arrive
+                assert f"rank {late} did not arrive" in str(info.value)
             elapsed = time.monotonic() - start
             assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5.0, elapsed
             assert c.aborted
@@ -480,7 +444,8 @@ def test_timeout_when_a_rank_stops_participating():
     def late_data(c):
         got = c.alltoallv(send, counts[me], counts[:, me], validate=False)
         numpy.testing.assert_array_equal(got, expected_recv(me, counts, make))
-    round_(lambda c: c.alltoallv(send, counts[me], counts[:, me], validate=False), late_data)
+    round_(lambda c: c.alltoallv(send, counts[me], counts[:, me], validate=False), late_data,
+           named=False)
 
 
 def test_import_needs_no_cupy_nor_mpi():
@@ -601,15 +566,38 @@ def test_nccl_tuple_offsets_counts_and_no_growth(nccl_comm):
     assert len(nccl_comm._in_flight) + len(nccl_comm._free_events) <= max(events, 1) + 1100
 
 
+class DeviceRows:
+    """A producer/consumer of device rows: copies on the stream it is handed (a consumer in
+    place must read on the side stream the transport gives it)."""
+
+    def __init__(self, send, arrays, received_rows):
+        import cupy
+        self.cupy = cupy
+        self.arrays = tuple((shape, numpy.dtype(dtype)) for shape, dtype in arrays)
+        self.kind = "device test rows"
+        self.send = send
+        self.consumed = cupy.zeros((received_rows,) + self.arrays[0][0], self.arrays[0][1])
+        self.streams = set()
+
+    def produce(self, begin, end, slots, stream):
+        with self.cupy.cuda.ExternalStream(stream):
+            for slot, a in zip(slots, self.send):
+                slot[...] = a[begin:end]
+
+    def consume(self, begin, end, rows, stream):
+        self.streams.add(stream)
+        with self.cupy.cuda.ExternalStream(stream):
+            self.consumed[begin:end] = rows[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.mpi
-@pytest.mark.parametrize("direct", [False, True], ids=["out", "direct"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
 @pytest.mark.parametrize("peer_memory", [None, False], ids=["pull", "grouped"])
-def test_nccl_alltoallv_staged(peer_memory, direct, pieces):
-    """The CUDA IPC pull (and the NCCL grouped fallback) equal the reference, whole or in
-    pieces, with fills and arrivals enqueued on a side stream of the caller's (``direct``: on the
-    stream the transport hands over, reading the peers' memory in place), over repeated and
-    growing calls."""
+def test_nccl_exchange(peer_memory, in_place, pieces):
+    """The CUDA IPC pull with device flags (and the NCCL grouped fallback) equal the reference,
+    whole or in pieces, on a non-default stream (in place: consumed on the side stream the
+    transport hands over), over repeated and growing calls with no host collective but growth."""
     import cupy
     with mxc.init("nccl", timeout=120.0, peer_memory=peer_memory) as comm:
         w, me = comm.size, comm.rank
@@ -618,36 +606,22 @@ def test_nccl_alltoallv_staged(peer_memory, direct, pieces):
         scales = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (32,), salt=2)  # noqa
         counts = count_matrix("random", w, seed=SEED + 13) * 101
         stream = cupy.cuda.Stream(non_blocking=True)
-        for factor in (1, 4, 4, 2):
+        arrays = (((1024,), numpy.uint8), ((32,), numpy.uint8))
+        for factor in (1, 4, 4, 2, 4, 3):
             scaled = counts * factor
-            sc, rc = scaled[me], scaled[:, me]
-            send = (cupy.asarray(data(me, int(sc.sum()))), cupy.asarray(scales(me, int(sc.sum()))))
-            n = int(rc.sum())
-            out = None if direct else (cupy.empty((n, 1024), cupy.uint8),
-                                       cupy.empty((n, 32), cupy.uint8))
-            consumed = cupy.zeros((n, 1024), cupy.uint8)
-            on_streams = set()
-
-            def fill(peer, begin, end, slots):
-                with stream:
-                    for slot, a in zip(slots, send):
-                        slot[...] = a[begin:end]
-
-            def arrived(peer, begin, end, rows, on):  # a consumer on `on` must see the rows
-                on_streams.add(on)
-                with cupy.cuda.ExternalStream(on):
-                    consumed[begin:end] = rows[0]
-
-            outs = comm.alltoallv_staged((((1024,), numpy.uint8), ((32,), numpy.uint8)), sc, rc,
-                                         fill, out=out, arrived=arrived, direct=direct,
-                                         stream=stream)
+            plan = Plan(me, scaled.tolist())
+            send = (cupy.asarray(data(me, plan.rows_sent)),
+                    cupy.asarray(scales(me, plan.rows_sent)))
+            rows = DeviceRows(send, arrays, plan.rows_received)
+            before = comm.host_collectives
+            outs = comm.exchange(rows, plan, in_place=in_place, stream=stream)
+            assert comm.host_collectives == before or factor in (1, 4)
             comm.wait(stream)
-            numpy.testing.assert_array_equal(cupy.asnumpy(consumed),
-                                             expected_recv(me, scaled, data))
-            if direct:
+            if in_place:
                 assert outs is None
+                numpy.testing.assert_array_equal(cupy.asnumpy(rows.consumed),
+                                                 expected_recv(me, scaled, data))
                 continue
-            assert outs[0] is out[0] and on_streams <= {stream.ptr}
             numpy.testing.assert_array_equal(cupy.asnumpy(outs[0]),
                                              expected_recv(me, scaled, data))
             numpy.testing.assert_array_equal(cupy.asnumpy(outs[1]),

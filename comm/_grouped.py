@@ -1,0 +1,37 @@
+"""The ``grouped`` transport of the staged exchange: produce into one staging array, move it with
+one ``alltoallv`` (one NCCL group, or MPI), then consume. Works on any communicator (several
+nodes, GPUs without peer access); nothing overlaps the transfer."""
+
+from ._staged import send_order
+
+
+class GroupedTransport:
+    """Produce every peer's rows into a staging array, then one ``alltoallv`` (no overlap)."""
+
+    name = "grouped"
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def run(self, rows, plan, outs, in_place, stream):
+        comm = self._comm
+        staging = comm._new_arrays(rows.arrays, plan.rows_sent)
+        for peer in send_order(comm.rank, comm.size):
+            begin = plan.send_offsets[peer]
+            end = begin + plan.send_counts[peer]
+            if end > begin:
+                rows.produce(begin, end, tuple(a[begin:end] for a in staging), stream)
+        if outs is None:
+            outs = comm._new_arrays(rows.arrays, plan.rows_received)
+        comm._move(staging, plan, outs, stream)
+        if in_place:
+            for step in range(comm.size):
+                peer = (comm.rank - step) % comm.size
+                begin = plan.recv_offsets[peer]
+                end = begin + plan.recv_counts[peer]
+                if end > begin:
+                    rows.consume(begin, end, tuple(o[begin:end] for o in outs), stream)
+        return outs
+
+    def close(self):
+        pass

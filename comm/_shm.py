@@ -1,0 +1,184 @@
+"""Peer memory of the pull transport on the host: MPI shared-memory windows, with flags.
+
+Every rank of the communicator (all on one node) owns a segment of a staging window and a segment
+of a flags window and reads the peers' segments directly (``MPI_Win_shared_query``). Work on the
+host is synchronous, so signals are plain stores into a peer's flags (after a memory barrier) and
+waits are host spins bounded by the communicator's timeout; the protocol is the device one of
+``_ipc`` (docs/design.md, "Signals on the device"), with the generation kept on the host.
+
+Flags of one rank, 64-bit words: ``ready[W * MAX_PIECES]`` (written by the senders: generation
+<< 32 | kind) then ``done[W]`` (written by the receivers: generation << 32).
+"""
+
+import math
+import time
+
+import numpy
+
+from ._staged import MAX_PIECES, describe_mismatch
+
+_GROWTH = 1.25
+_MASK = 0xFFFFFFFF
+_SPIN_S = 1e-3
+_MAX_SLEEP_S = 1e-3
+
+
+def reached(have, want):
+    """True when 32-bit generation ``have`` is at or past ``want``, modulo 2^32."""
+    return ((have - want) & _MASK) < 0x80000000
+
+
+class HostPeerMemory:
+    """Staging and flags of all ranks of one node in MPI shared windows.
+
+    Args:
+        comm: the MPI communicator (its side channel allocates the windows; its timeout bounds
+            the waits; its transport's ``kinds`` name mismatches).
+        generation: the generation of the first exchange minus one (tests start near 2^32).
+    """
+
+    def __init__(self, comm, generation=0):
+        self._comm = comm
+        self._size = comm.size
+        self._rank = comm.rank
+        self._ready_words = self._size * MAX_PIECES
+        self.generation = generation & _MASK
+        self._flags_window = None  # allocated with the first staging (collective)
+        self._flags = []
+        self._window = None
+        self._segments = {}
+        self.capacity = 0
+
+    def _allocate_flags(self):
+        """The flags window, every rank's words set to the starting generation (collective)."""
+        side = self._comm._side
+        words = self._ready_words + self._size
+        self._flags_window = side.MPI.Win.Allocate_shared(8 * words, 8, comm=side.mpi)
+        self._flags_window.Lock_all()
+        self._flags = [numpy.frombuffer(self._flags_window.Shared_query(p)[0], dtype=numpy.uint64)
+                       for p in range(self._size)]
+        self._flags[self._rank][:] = numpy.uint64(self.generation << 32)
+        side.barrier("peer memory setup (flags)")
+
+    # ------------------------------------------------------------------------------- staging
+    def reserve(self, nbytes, stream):
+        """Make every rank's segment hold ``nbytes`` (the same value on every rank: collective,
+        only when it grows). Before freeing the old window every rank's reads of it are over:
+        the barrier follows this rank's last "done" signals, which follow its reads."""
+        if nbytes <= self.capacity:
+            return
+        side = self._comm._side
+        if self._flags_window is None:
+            self._allocate_flags()
+        if self._window is not None:
+            side.barrier("peer memory growth")
+            self._free_staging()
+        capacity = max(1, int(nbytes * _GROWTH))
+        self._window = side.MPI.Win.Allocate_shared(capacity, 1, comm=side.mpi)
+        side.collectives += 1
+        for peer in range(self._size):
+            buf, _ = self._window.Shared_query(peer)
+            self._segments[peer] = numpy.frombuffer(buf, dtype=numpy.uint8)
+        self.capacity = capacity
+
+    def local(self, offset, shape, dtype):
+        """A NumPy view of this rank's segment: ``shape`` of ``dtype`` from byte ``offset``."""
+        return self.peer_view(self._rank, offset, shape, dtype)
+
+    def peer_view(self, peer, offset, shape, dtype):
+        """A NumPy view of ``peer``'s segment: ``shape`` of ``dtype`` from byte ``offset``."""
+        dtype = numpy.dtype(dtype)
+        raw = self._segments[peer][offset:offset + math.prod(shape) * dtype.itemsize]
+        return raw.view(dtype).reshape(shape)
+
+    def copy(self, peer, offset, out, side):
+        """Copy ``out.nbytes`` bytes of ``peer``'s segment from byte ``offset`` into ``out``."""
+        out.reshape(-1).view(numpy.uint8)[:] = self._segments[peer][offset:offset + out.nbytes]
+
+    # --------------------------------------------------------------------------------- flags
+    def begin(self, stream):
+        """Open the next generation: wait until every peer is done reading this rank's staging
+        of the previous one."""
+        want = self.generation
+        done = self._flags[self._rank][self._ready_words:]
+        self._spin(lambda: [p for p in range(self._size)
+                            if p != self._rank and not reached(int(done[p]) >> 32, want)],
+                   "finish reading this rank's rows of the previous exchange")
+        self.generation = (want + 1) & _MASK
+
+    def signal_ready(self, peer, piece, kind, stream):
+        """Tell ``peer`` that its rows (``piece``) are in this rank's staging."""
+        self._flags_window.Sync()  # the rows are stored before the flag
+        self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
+            (self.generation << 32) | kind)
+
+    def await_ready(self, peer, piece, kind):
+        """Wait until ``peer`` has signalled this generation's rows of ``piece``; return the
+        stream to read them on (0: the host)."""
+        word = self._flags[self._rank][peer * MAX_PIECES:peer * MAX_PIECES + MAX_PIECES]
+        gen = self.generation
+
+        def missing():
+            value = int(word[piece])
+            if value >> 32 == gen:
+                if value & _MASK != kind:
+                    error = RuntimeError(
+                        f"exchange on rank {self._rank}: "
+                        + describe_mismatch(peer, kind, value & _MASK,
+                                            self._comm._transport.kinds)
+                        + "; the communicator is aborted")
+                    self._comm._fail(error, raised=True)
+                    raise error
+                return []
+            return [peer]
+
+        self._spin(missing, "send its rows")
+        self._flags_window.Sync()
+        return 0
+
+    def end(self, stream):
+        """Tell every peer that this rank is done reading its staging of this generation."""
+        value = numpy.uint64(self.generation << 32)
+        slot = self._ready_words + self._rank
+        for p in range(self._size):
+            if p != self._rank:
+                self._flags[p][slot] = value
+
+    def _spin(self, missing, what):
+        """Spin (then sleep) until ``missing()`` is empty; TimeoutError naming the ranks after
+        the communicator's timeout (the communicator is aborted)."""
+        late = missing()
+        if not late:
+            return
+        comm = self._comm
+        start = time.monotonic()
+        sleep = 1e-5
+        while late:
+            now = time.monotonic()
+            if now - start > comm.timeout:
+                error = TimeoutError(
+                    f"exchange on rank {self._rank}: rank{'s' if len(late) > 1 else ''} "
+                    f"{', '.join(map(str, late))} did not {what} within {comm.timeout:g} s "
+                    f"(generation {self.generation}); the communicator is aborted")
+                comm._fail(error, raised=True)
+                raise error
+            if now - start > _SPIN_S:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, _MAX_SLEEP_S)
+            late = missing()
+
+    def _free_staging(self):
+        self._segments.clear()
+        self._window.Free()
+        self._window = None
+        self.capacity = 0
+
+    def close(self):
+        """Free the windows (collective, as their allocation was)."""
+        if self._window is not None:
+            self._free_staging()
+        if self._flags_window is not None:
+            self._flags.clear()
+            self._flags_window.Unlock_all()
+            self._flags_window.Free()
+            self._flags_window = None

@@ -1,0 +1,156 @@
+"""The host side channel of a communicator: small collectives over MPI, each bounded by a timeout.
+
+The communicators bootstrap over it (NCCL's unique id, IPC handles, the transport choice), the
+layout exchange gathers every rank's counts over it, and explicit-splits calls vote over it. The
+data of a layout-path exchange never touches it: :attr:`SideChannel.collectives` counts what it did,
+so tests can check that a run of exchanges made no host collective.
+
+Every MPI request is polled until ``timeout`` seconds have passed; then :class:`SideChannel` calls
+``on_timeout`` (the communicator aborts itself) and raises ``TimeoutError``. A request abandoned that
+way is kept alive, with its buffers, since MPI cannot cancel a collective: the peer that was late
+may still complete it and write into them.
+"""
+
+import pickle
+import time
+
+import numpy
+
+# Polling of MPI requests: spin for this long (low latency for small, frequent collectives), then
+# sleep between tests, doubling up to the longest sleep.
+_SPIN_S = 2e-3
+_MIN_SLEEP_S = 5e-5
+_MAX_SLEEP_S = 5e-3
+#: Tag of the side channel's point-to-point messages (on its private duplicate communicator).
+_TAG = 17
+
+
+class SideChannel:
+    """Bounded host collectives over a private duplicate of an mpi4py communicator.
+
+    Args:
+        mpi_comm: an mpi4py communicator, or None for ``MPI.COMM_WORLD`` (duplicated, not consumed).
+        timeout: seconds a collective may take.
+        on_timeout: ``on_timeout(reason)``, called before ``TimeoutError`` is raised.
+
+    Attributes:
+        rank, size: this process's rank and the number of ranks.
+        collectives: how many host collectives this channel has started.
+    """
+
+    def __init__(self, mpi_comm, timeout, on_timeout):
+        from mpi4py import MPI
+        self.MPI = MPI
+        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.mpi = parent.Dup()
+        self.rank = self.mpi.Get_rank()
+        self.size = self.mpi.Get_size()
+        self.timeout = timeout
+        self.collectives = 0
+        self._on_timeout = on_timeout
+        self.abandoned = []  # (requests, buffers) of timed-out operations
+
+    def wait(self, requests, what, keep=(), peers=None):
+        """Poll MPI ``requests`` until all complete or ``timeout`` s pass.
+
+        Args:
+            requests: a list of ``MPI.Request``.
+            what: the operation, for the message.
+            keep: buffers the requests use; kept alive with them if they are abandoned.
+            peers: the rank each request receives from (or None): a timeout names the ranks
+                whose requests did not complete.
+        Raises:
+            TimeoutError: not complete in time (``on_timeout`` was called first).
+        """
+        if len(requests) == 1:
+            test = requests[0].Test
+        else:
+            def test(testall=self.MPI.Request.Testall):
+                return testall(requests)
+        if test():
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout
+        sleep = _MIN_SLEEP_S
+        while not test():
+            now = time.monotonic()
+            if now > deadline:
+                self.abandoned.append((list(requests), keep))
+                missing = ""
+                if peers is not None:
+                    late = sorted({p for p, r in zip(peers, requests)
+                                   if p is not None and not r.Test()})
+                    if late:
+                        missing = (f" rank{'s' if len(late) > 1 else ''} "
+                                   f"{', '.join(map(str, late))} did not arrive;")
+                self._on_timeout(f"{what} timed out after {self.timeout:g} s")
+                raise TimeoutError(
+                    f"{what}: did not finish within {self.timeout:g} s on rank {self.rank} of "
+                    f"{self.size};{missing} the communicator is aborted (a rank may have "
+                    f"stopped calling it, failed before it, or called another collective)")
+            if now - start > _SPIN_S:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, _MAX_SLEEP_S)
+
+    def _gather(self, mine, table, what):
+        """Every rank's ``mine`` (one shape on all ranks) into ``table[rank]``: point to point,
+        so a timeout names the ranks that did not arrive."""
+        table[self.rank] = mine
+        requests, peers = [], []
+        for step in range(1, self.size):
+            source = (self.rank - step) % self.size
+            dest = (self.rank + step) % self.size
+            requests.append(self.mpi.Irecv(table[source], source=source, tag=_TAG))
+            peers.append(source)
+            requests.append(self.mpi.Isend(mine, dest=dest, tag=_TAG))
+            peers.append(None)
+        self.collectives += 1
+        if requests:
+            self.wait(requests, what, keep=(mine, table), peers=peers)
+
+    def allgather_bytes(self, payload, what):
+        """Every rank's ``payload`` (bytes, one length on all ranks), concatenated in rank order."""
+        mine = numpy.frombuffer(payload, dtype=numpy.uint8).copy()
+        table = numpy.empty((self.size, mine.size), dtype=numpy.uint8)
+        self._gather(mine, table, what)
+        return table.tobytes()
+
+    def allgather_array(self, mine, what):
+        """Every rank's 1-D array ``mine`` (one length and dtype on all ranks) as (W, n) rows."""
+        mine = numpy.ascontiguousarray(mine)
+        table = numpy.empty((self.size,) + mine.shape, dtype=mine.dtype)
+        self._gather(mine, table, what)
+        return table
+
+    def allgather_into(self, mine, table, what):
+        """Allgather the buffer ``mine`` into ``table`` ((W, n), rank order)."""
+        self._gather(mine, table, what)
+
+    def barrier(self, what="barrier"):
+        """Block until every rank has arrived (bounded; names the ranks that did not)."""
+        self._gather(numpy.zeros(1, numpy.uint8), numpy.zeros((self.size, 1), numpy.uint8), what)
+
+    def bcast_object(self, obj, what, root=0):
+        """Broadcast a picklable ``obj`` from ``root`` (two bounded broadcasts: size, bytes)."""
+        size = numpy.zeros(1, dtype=numpy.int64)
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        size[0] = len(payload)
+        self.collectives += 1
+        self.wait([self.mpi.Ibcast(size, root=root)], what, keep=(size,))
+        buf = numpy.frombuffer(payload, dtype=numpy.uint8).copy() if self.rank == root else \
+            numpy.empty(int(size[0]), dtype=numpy.uint8)
+        self.wait([self.mpi.Ibcast(buf, root=root)], what, keep=(buf,))
+        return pickle.loads(buf.tobytes())
+
+    def node_info(self):
+        """``(local_rank, one_node)``: this rank among the processes of its node, and whether
+        every rank shares that node (an MPI shared-memory split; collective)."""
+        node = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+        info = node.Get_rank(), node.Get_size() == self.size
+        node.Free()
+        return info
+
+    def free(self):
+        """Free the duplicate, unless a timed-out request may still touch it (then leak it)."""
+        if not self.abandoned:
+            self.mpi.Free()

@@ -1,0 +1,148 @@
+"""Per-call host and device time of dispatch and combine through ``mxcomm.torch``.
+
+For each number of rows per rank (uniform routing, D wide), every rank times, side by side in
+one run:
+
+- torch's ``all_to_all_single`` (bf16, torch.distributed), the baseline;
+- ``mxcomm``'s bf16 ``alltoallv`` (the communicator alone, unchecked);
+- ``mxcomm.torch.a2a_dispatch`` and ``a2a_combine`` given the layout, bf16 and MXFP8 (no host
+  collective per call);
+- the same dispatch with explicit splits (the validated path: one host allgather per call).
+
+host us: wall clock of enqueueing one call, calls enqueued back to back (the host's cost; where
+it exceeds the device's, the step waits for the host). device ms: CUDA events, back to back, the
+median over calls. Numbers are the slowest rank's. Without a GPU this benchmark reports host time
+on the CPU only, which says nothing about GPUs.
+"""
+
+import time
+
+import numpy
+
+DEFAULT_TOKENS = (4096, 8192, 16384, 32768)
+DEFAULT_DIM = 7168
+DEFAULT_EXPERTS = 8
+
+
+def add_arguments(parser):
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
+                        metavar="ROWS", help=f"rows per rank (default: "
+                                             f"{' '.join(map(str, DEFAULT_TOKENS))})")
+    parser.add_argument("--dim", type=int, default=DEFAULT_DIM, metavar="D",
+                        help=f"row width in elements, a multiple of 32 (default {DEFAULT_DIM})")
+    parser.add_argument("--experts", type=int, default=DEFAULT_EXPERTS, metavar="E_LOCAL",
+                        help=f"experts per rank (default {DEFAULT_EXPERTS})")
+
+
+def validate(args):
+    if not args.tokens or min(args.tokens) < 1:
+        raise ValueError(f"--tokens: expected positive row counts, got {args.tokens}")
+    if args.dim < 32 or args.dim % 32:
+        raise ValueError(f"--dim: expected a positive multiple of 32 (the MX block), got "
+                         f"{args.dim}")
+    if args.experts < 1:
+        raise ValueError(f"--experts: expected >= 1, got {args.experts}")
+
+
+def describe(args, rt):
+    where = "GPU, CUDA events" if rt.gpu else "CPU: host timings only, nothing about GPUs"
+    return (f"mxcomm latency: host and device time per dispatch/combine call, {rt.size} ranks, "
+            f"D = {args.dim}, {where}")
+
+
+def _host_and_device(fn, rt, iters, warmup):
+    """(host us per call, device ms per call): ``iters`` calls enqueued back to back."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    rt.barrier()
+    if rt.gpu:
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host_us = (time.perf_counter() - t0) / iters * 1e6
+    if rt.gpu:
+        end.record()
+        end.synchronize()
+        device_ms = start.elapsed_time(end) / iters
+    else:
+        device_ms = float("nan")
+    rt.comm.wait()
+    host_us, device_ms = rt.allreduce_max([host_us, device_ms])
+    return host_us, device_ms
+
+
+def measure(args, rt):
+    import torch
+    import torch.distributed as dist
+
+    import mxcomm.torch as mxt
+    rt.init_torch_distributed()
+    comm = rt.comm
+    w = rt.size
+    device = rt.torch_device()
+    rows_out = []
+    for rows in args.tokens:
+        rt.log(f"latency: {rows} rows x {args.dim}")
+        e = w * args.experts
+        counts = torch.full((e,), rows // e, dtype=torch.int64)
+        counts[: rows % e] += 1
+        layout = mxt.exchange_layout(counts.to(device), comm)
+        gen = torch.Generator(device="cpu").manual_seed(1234 + rt.rank)
+        x = torch.randn(rows, args.dim, generator=gen).to(device, torch.bfloat16)
+        y = torch.randn(layout.num_received, args.dim, generator=gen).to(device, torch.bfloat16)
+        splits_in, splits_out = layout.input_splits, layout.output_splits
+        out_t = torch.empty(layout.num_received, args.dim, dtype=torch.bfloat16, device=device)
+        x_arr = mxt._array(x, "x")
+        cases = {
+            "torch all_to_all_single bf16": lambda: dist.all_to_all_single(
+                out_t, x, splits_out, splits_in),
+            "mxcomm alltoallv bf16": lambda: comm.alltoallv(
+                x_arr, splits_in, splits_out, stream=mxt._stream(x), validate=False),
+            "dispatch bf16 (layout)": lambda: mxt.a2a_dispatch(x, layout, precision="bf16"),
+            "dispatch mxfp8 (layout)": lambda: mxt.a2a_dispatch(x, layout),
+            "combine bf16 (layout)": lambda: mxt.a2a_combine(y, layout),
+            "combine mxfp8 (layout)": lambda: mxt.a2a_combine(y, layout, precision="mxfp8"),
+            "dispatch mxfp8 (splits, voted)": lambda: mxt.a2a_dispatch(
+                x, splits_in, splits_out, comm),
+        }
+        for name, fn in cases.items():
+            collectives = comm.host_collectives
+            host_us, device_ms = _host_and_device(fn, rt, args.iters, args.warmup)
+            per_call = (comm.host_collectives - collectives) / (args.iters + args.warmup)
+            rows_out.append({"rows": rows, "dim": args.dim, "call": name,
+                             "host_us": round(host_us, 1), "device_ms": device_ms,
+                             "host_collectives_per_call": per_call})
+    meta = {"benchmark": "latency", "world": w, "dim": args.dim, "experts_per_rank": args.experts,
+            "iters": args.iters, "warmup": args.warmup,
+            "timing": "back to back; host: wall clock of enqueueing; device: CUDA events; "
+                      "slowest rank"}
+    return meta, {"latency": rows_out}
+
+
+def render(meta, tables):
+    from tabulate import tabulate
+    rows = tables["latency"]
+    base = {r["rows"]: r["device_ms"] for r in rows if r["call"].startswith("torch")}
+    body = []
+    for r in rows:
+        ratio = base.get(r["rows"], float("nan")) / r["device_ms"] \
+            if r["device_ms"] == r["device_ms"] and r["device_ms"] > 0 else float("nan")
+        body.append([r["rows"], r["call"], r["host_us"],
+                     "-" if r["device_ms"] != r["device_ms"] else f"{r['device_ms']:.3f}",
+                     "-" if ratio != ratio else f"{ratio:.2f}x",
+                     f"{r['host_collectives_per_call']:g}"])
+    return tabulate(body, headers=["rows", "call", "host us", "device ms", "vs torch",
+                                   "host coll./call"], tablefmt="simple")
+
+
+def markdown_sections(tables):
+    return [("Per-call host and device time", render({}, tables).replace("  ", " "))]
+
+
+def failed(tables):
+    return any(numpy.isnan(r["host_us"]) for r in tables["latency"])

@@ -1,0 +1,400 @@
+"""The layout path: ranks agree once, in ``exchange_layout``; calls given the layout make no host
+collective, order themselves through flags in peer memory, and fail in bounded time.
+
+Run: ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_layout.py`` (and ``-n 3``).
+On the host the pull transport's peer memory is an MPI shared window; the same protocol runs on
+GPUs over CUDA IPC (the gpu-marked tests at the end).
+"""
+
+import time
+
+import numpy
+import pytest
+
+from mxcomm import comm as mxc
+from mxcomm.a2a import a2a_combine, a2a_combine_backward, a2a_dispatch, a2a_dispatch_backward
+from mxcomm.layout import Layout, exchange_layout
+from mxcomm.mxfp8 import MXFP8Array
+from mxcomm.permutation import permute, unpermute
+from reference import quantize_mxfp8_ref
+from test_ep import BF16, E_LOCAL, bits, fake_quantize, move_ref, to_device, to_host
+
+SEED = 4321
+D = 32
+pytestmark = pytest.mark.mpi
+
+
+def world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def random_counts(rng, w, step):
+    """Every rank's (E,) counts for one step: empty ranks, empty experts, one rank receiving
+    everything, and plain random ones, in turn."""
+    e = w * E_LOCAL
+    kind = step % 4
+    if kind == 0:
+        return rng.integers(0, 4, size=(w, e))
+    if kind == 1:  # rank 0 sends nothing, expert 1 receives nothing
+        c = rng.integers(0, 3, size=(w, e))
+        c[0] = 0
+        c[:, 1] = 0
+        return c
+    if kind == 2:  # everything goes to the last rank
+        c = numpy.zeros((w, e), dtype=numpy.int64)
+        c[:, (w - 1) * E_LOCAL:] = rng.integers(1, 4, size=(w, E_LOCAL))
+        return c
+    return rng.integers(0, 7, size=(w, e))
+
+
+def rows_for(counts_row, seed, width=D):
+    rng = numpy.random.default_rng(seed)
+    return rng.standard_normal((int(counts_row.sum()), width)).astype(BF16)
+
+
+def splits_of(counts, w):
+    """splits[s][r]: rows rank s sends rank r."""
+    return [[int(v) for v in row.reshape(w, E_LOCAL).sum(axis=1)] for row in counts]
+
+
+@pytest.fixture(params=[None, False], ids=["pull", "grouped"])
+def comm(request):
+    c = mxc.init("mpi", timeout=30.0, peer_memory=request.param)
+    yield c
+    c.close()
+
+
+def test_layout_object(comm):
+    w, me = comm.size, comm.rank
+    counts = random_counts(numpy.random.default_rng(SEED), w, 0)
+    layout = exchange_layout(to_device(counts[me].astype(numpy.int64)), comm)  # int64 accepted
+    assert isinstance(layout, Layout) and len(layout) == 3
+    group, input_splits, output_splits = layout
+    splits = splits_of(counts, w)
+    assert input_splits == splits[me] and output_splits == [s[me] for s in splits]
+    numpy.testing.assert_array_equal(
+        to_host(group), counts[:, me * E_LOCAL:(me + 1) * E_LOCAL].reshape(-1))
+    assert to_host(group).dtype == numpy.int32
+    numpy.testing.assert_array_equal(layout.counts, counts)
+    assert layout.sent == splits and layout.num_local_experts == E_LOCAL
+    assert layout.num_rows == sum(splits[me]) and layout.num_received == sum(s[me] for s in splits)
+    assert layout.permuted_rows(8) == -(-(layout.num_received + E_LOCAL * 8) // 8) * 8
+    assert layout.dispatch_plan.recv_counts == output_splits
+    assert layout.combine_plan.send_counts == output_splits
+
+
+def test_hundreds_of_calls_without_host_collectives(comm):
+    """Layouts change every few steps; within a step dispatch (MXFP8), permute, unpermute,
+    combine (bf16) and their backwards move exactly the reference rows, and the only host
+    collectives are the layout exchanges' (2 each) and the staging's rare growth."""
+    w, me = comm.size, comm.rank
+    rng = numpy.random.default_rng(SEED)  # the same stream on every rank: the same layouts
+    layouts = exchanges = 0
+    for step in range(12):
+        counts = random_counts(rng, w, step)
+        before = comm.host_collectives
+        layout = exchange_layout(to_device(counts[me].astype(numpy.int32)), comm)
+        assert comm.host_collectives - before == 2
+        layouts += 1
+        splits = splits_of(counts, w)
+        xs = [rows_for(counts[s], SEED + 100 * step + s) for s in range(w)]
+        received_ref = move_ref([fake_quantize(x) for x in xs], splits, me)
+        grown = comm._transport.memory.capacity if comm.transport == "pull" else 0
+        before = comm.host_collectives
+        for call in range(5):
+            got = a2a_dispatch(to_device(xs[me]), layout)
+            assert isinstance(got, MXFP8Array)
+            data, scales = quantize_mxfp8_ref(move_ref(xs, splits, me), "rceil")
+            numpy.testing.assert_array_equal(to_host(got.data), data)
+            numpy.testing.assert_array_equal(to_host(got.scales), scales)
+            permuted, indices, _ = permute(got, layout, align=8)
+            back = unpermute(permuted, indices, layout)
+            numpy.testing.assert_array_equal(to_host(back.data), data)
+            home = a2a_combine(to_device(received_ref), layout)
+            numpy.testing.assert_array_equal(bits(home), bits(fake_quantize(xs[me])))
+            grad_home = a2a_dispatch_backward(to_device(received_ref), layout, precision="mxfp8")
+            numpy.testing.assert_array_equal(bits(grad_home), bits(fake_quantize(xs[me])))
+            grad_out = a2a_combine_backward(to_device(xs[me]), layout, precision="bf16")
+            numpy.testing.assert_array_equal(bits(grad_out), bits(move_ref(xs, splits, me)))
+            exchanges += 4
+        growth = comm.host_collectives - before
+        if comm.transport == "pull":  # growth: a barrier (after the first) + the window
+            assert growth == 0 or comm._transport.memory.capacity > grown
+        else:
+            assert growth == 0
+    assert layouts == 12 and exchanges == 240
+
+
+def test_generation_wraps_around():
+    """The generation counter crosses 2^32 and the exchanges go on, exact."""
+    c = mxc.init("mpi", timeout=30.0)
+    try:
+        if c.transport != "pull":
+            pytest.skip("the generation counter belongs to the pull transport")
+        memory = c._transport.memory
+        memory.generation = 2**32 - 3  # the same on every rank, before the first exchange
+        w, me = c.size, c.rank
+        counts = random_counts(numpy.random.default_rng(SEED + 1), w, 3)
+        layout = exchange_layout(counts[me].astype(numpy.int32), c)
+        splits = splits_of(counts, w)
+        xs = [rows_for(counts[s], SEED + s) for s in range(w)]
+        for _ in range(8):
+            got = a2a_combine_backward(xs[me], layout, precision="mxfp8")
+            data, _ = quantize_mxfp8_ref(move_ref(xs, splits, me), "rceil")
+            numpy.testing.assert_array_equal(to_host(got.data), data)
+        assert memory.generation == 5  # 2^32 - 3 + 8, modulo 2^32
+    finally:
+        c.close()
+
+
+def test_rank_skipping_a_call_times_out_naming_it():
+    """The last rank skips one dispatch: the others raise TimeoutError naming it within the
+    timeout (nothing waits forever); their communicator is aborted."""
+    w0 = world()
+    w, me = w0.Get_size(), w0.Get_rank()
+    if w == 1:
+        pytest.skip("needs two ranks")
+    timeout = 2.0
+    c = mxc.init("mpi", timeout=timeout)
+    late = w - 1
+    counts = numpy.full((w, w * E_LOCAL), 2)
+    layout = exchange_layout(counts[me].astype(numpy.int32), c)
+    x = rows_for(counts[me], SEED + me)
+    a2a_dispatch(x, layout)  # everybody once: the staging is in place
+    if me != late:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"rank {late} did not send its rows within 2 s"):
+            a2a_dispatch(x, layout)
+        assert timeout <= time.monotonic() - start < timeout + 5.0
+        assert c.aborted
+        with pytest.raises(RuntimeError, match="aborted"):
+            a2a_dispatch(x, layout)
+    w0.Barrier()
+    if me == late:
+        c.abort()  # its peers are gone
+    c.close()
+
+
+def test_ranks_calling_different_exchanges_raise():
+    """A peer calling another exchange of the same row size is caught by the kind in its ready
+    word: RuntimeError on both sides, naming what each called, instead of mixed rows."""
+    w0 = world()
+    w, me = w0.Get_size(), w0.Get_rank()
+    if w == 1:
+        pytest.skip("needs two ranks")
+    c = mxc.init("mpi", timeout=10.0)
+    try:
+        if c.transport != "pull":
+            pytest.skip("the kind is checked by the pull transport")
+        counts = numpy.full((w, w * E_LOCAL), 2)
+        layout = exchange_layout(counts[me].astype(numpy.int32), c)
+        x = rows_for(counts[me], SEED + me)
+        a2a_dispatch(x, layout)
+        call = a2a_dispatch if me == 0 else a2a_combine_backward
+        with pytest.raises(RuntimeError, match="disagree on the operation, precision or D"):
+            call(x, layout, precision="mxfp8")
+        assert c.aborted
+    finally:
+        w0.Barrier()
+        c.abort()
+        c.close()
+
+
+def test_bad_counts_raise_the_same_error_on_every_rank(comm):
+    """exchange_layout: a bad length, dtype, negative or oversized count on ONE rank raises the
+    same exception on every rank at once (no rank waits for the timeout), naming the rank."""
+    w0 = world()
+    w, me = comm.size, comm.rank
+    bad = w - 1
+    good = numpy.ones(w * E_LOCAL, numpy.int32)
+    cases = [
+        (numpy.ones(w * E_LOCAL + 1, numpy.int32), ValueError,
+         f"num_tokens_per_expert on rank {bad}: length {w * E_LOCAL + 1} is not a positive "
+         f"multiple of the {w} ranks"),
+        (numpy.ones(w * E_LOCAL, numpy.float32), TypeError,
+         f"num_tokens_per_expert on rank {bad}: expected an integer array, got dtype float32"),
+        (numpy.array([-1] + [1] * (w * E_LOCAL - 1), numpy.int32), ValueError,
+         f"num_tokens_per_expert on rank {bad}: count -1 for expert 0 is negative"),
+        (numpy.array([2**33] + [1] * (w * E_LOCAL - 1), numpy.int64), ValueError,
+         f"num_tokens_per_expert on rank {bad}: count 8589934592 for expert 0 is beyond "
+         f"2\\*\\*31 - 1 rows"),
+    ]
+    for counts, error, message in cases:
+        start = time.monotonic()
+        with pytest.raises(error, match=message) as info:
+            exchange_layout(counts if me == bad else good, comm)
+        assert time.monotonic() - start < 5.0
+        assert len(set(w0.allgather(str(info.value)))) == 1
+    if w > 1:  # E differing across ranks
+        with pytest.raises(ValueError, match="every rank must count the same E experts"):
+            exchange_layout(numpy.ones(2 * w * E_LOCAL if me == bad else w * E_LOCAL,
+                                       numpy.int32), comm)
+    layout = exchange_layout(good, comm)  # still usable
+    assert layout.num_rows == w * E_LOCAL
+
+
+def test_layout_calls_check_locally(comm):
+    """With a layout, wrong rows are caught locally at once, naming the rank and the layout."""
+    w, me = comm.size, comm.rank
+    layout = exchange_layout(numpy.full(w * E_LOCAL, 2, numpy.int32), comm)
+    with pytest.raises(ValueError, match=f"x on rank {me}: has 3 rows, but the layout sends "
+                                         f"{layout.num_rows}"):
+        a2a_dispatch(numpy.zeros((3, D), BF16), layout)
+    with pytest.raises(TypeError, match="either a layout or input_splits"):
+        a2a_dispatch(numpy.zeros((layout.num_rows, D), BF16), layout, [1] * w)
+    with pytest.raises(ValueError, match="the layout receives"):
+        import mxcomm.torch as mxt  # noqa: F401 (the torch adapter checks rows too)
+        import torch
+        mxt.permute(torch.zeros((layout.num_received + 1, D), dtype=torch.bfloat16),
+                    mxt.Layout(layout))
+
+
+def test_torch_pipeline_on_layout_makes_no_host_collective(comm):
+    """mxcomm.torch forward and backward through a layout: no host collective after it, and
+    the same results as the explicit-splits calls."""
+    torch = pytest.importorskip("torch")
+    import mxcomm.torch as mxt
+    w, me = comm.size, comm.rank
+    counts = random_counts(numpy.random.default_rng(SEED + 2), w, 0)
+    layout = mxt.exchange_layout(torch.from_numpy(counts[me].astype(numpy.int64)), comm)
+    group, input_splits, output_splits = layout
+    assert group.dtype == torch.int32
+
+    def run(use_layout):
+        x = torch.from_numpy(rows_for(counts[me], SEED + me).view(numpy.int16)).view(
+            torch.bfloat16).requires_grad_()
+        if use_layout:
+            received = mxt.a2a_dispatch(x, layout)
+            permuted, indices, offsets = mxt.permute(received, layout, align=8)
+        else:
+            received = mxt.a2a_dispatch(x, input_splits, output_splits, comm)
+            permuted, indices, offsets = mxt.permute(received, group, E_LOCAL, 8)
+        y = permuted.dequantize() * 2
+        back = mxt.unpermute(y, indices, layout if use_layout else received.shape[0])
+        out = mxt.a2a_combine(back, layout) if use_layout else \
+            mxt.a2a_combine(back, input_splits, output_splits, comm)
+        out.float().square().sum().backward()
+        return out.detach(), x.grad
+
+    before = comm.host_collectives
+    out, grad = run(True)
+    assert comm.host_collectives - before <= 2  # the staging's first growth at most
+    before = comm.host_collectives
+    out, grad = run(True)
+    assert comm.host_collectives == before
+    ref_out, ref_grad = run(False)
+    assert comm.host_collectives > before  # the explicit calls vote
+    assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
+    assert torch.equal(grad.view(torch.int16), ref_grad.view(torch.int16))
+
+
+# ------------------------------------------------------------------------------- GPU (H200s)
+def _gpu_routed(w, me, step, width):
+    rng = numpy.random.default_rng(SEED + step)
+    counts = random_counts(rng, w, step) * 37
+    return counts, [rows_for(counts[s], SEED + 10 * step + s, width) for s in range(w)]
+
+
+@pytest.mark.gpu
+def test_gpu_layout_path_equals_validated_path():
+    """On GPUs (CUDA IPC pull with device flags): layout-path results equal the validated
+    explicit-splits path bit for bit, over consecutive calls with changing layouts, and no host
+    collective but the layout exchanges and the staging's growth."""
+    import cupy
+    with mxc.init("nccl", timeout=60.0) as c:
+        w, me = c.size, c.rank
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for step in range(6):
+            counts, xs = _gpu_routed(w, me, step, 256)
+            layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
+            x = cupy.asarray(xs[me])
+            before = c.host_collectives
+            fast = [a2a_dispatch(x, layout, stream=stream) for _ in range(3)]
+            back = a2a_combine(cupy.asarray(fake_quantize(move_ref(xs, splits_of(counts, w), me))),
+                               layout, precision="mxfp8", stream=stream)
+            grown = c.host_collectives - before
+            assert grown == 0 or step == 0 or c._transport.memory.capacity > 0
+            slow = a2a_dispatch(x, layout.input_splits, layout.output_splits, c, stream=stream)
+            slow_back = a2a_combine(cupy.asarray(fake_quantize(move_ref(xs, splits_of(counts, w),
+                                                                        me))),
+                                    layout.input_splits, layout.output_splits, c,
+                                    precision="mxfp8", stream=stream)
+            c.wait(stream)
+            for f in fast:
+                assert bool((f.data == slow.data).all()) and bool((f.scales == slow.scales).all())
+            assert bool((back.view(numpy.uint16) == slow_back.view(numpy.uint16)).all())
+            data, _ = quantize_mxfp8_ref(move_ref(xs, splits_of(counts, w), me), "rceil")
+            numpy.testing.assert_array_equal(to_host(fast[0].data), data)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_the_token_path():
+    """With a fixed layout, dispatch (MXFP8, pulled over CUDA IPC) -> permute -> unpermute ->
+    combine (bf16 over NCCL, and MXFP8 read in place) is captured into ONE CUDA graph and
+    replayed with identical results: the path makes no host synchronization."""
+    import cupy
+    with mxc.init("nccl", timeout=60.0) as c:
+        w, me = c.size, c.rank
+        counts, xs = _gpu_routed(w, me, 1, 512)
+        layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
+        x = cupy.asarray(xs[me])
+        stream = cupy.cuda.Stream(non_blocking=True)
+
+        def token_path():
+            from mxcomm.mxfp8 import dequantize_mxfp8
+            received = a2a_dispatch(x, layout, stream=stream)
+            permuted, indices, _ = permute(received, layout, align=32, stream=stream)
+            back = unpermute(permuted, indices, layout, stream=stream)
+            with stream:  # the expert's output stand-in: the received values, bf16
+                y = dequantize_mxfp8(back, stream=stream)
+            return (a2a_combine(y, layout, stream=stream),
+                    a2a_combine(y, layout, precision="mxfp8", stream=stream))
+
+        expected = [to_host(a).view(numpy.uint16) for a in token_path()]
+        c.wait(stream)
+        token_path()  # warm: every kernel compiled, the pool holds every block
+        c.wait(stream)
+        stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
+        outs = token_path()
+        graph = stream.end_capture()
+        for _ in range(4):
+            for o in outs:
+                o.fill(0)
+            graph.launch(stream)
+            c.wait(stream)
+            for o, e in zip(outs, expected):
+                numpy.testing.assert_array_equal(to_host(o).view(numpy.uint16), e)
+        # What came home is each row's own MXFP8 round trip.
+        numpy.testing.assert_array_equal(expected[0], bits(fake_quantize(xs[me])))
+
+
+@pytest.mark.gpu
+def test_gpu_rank_skipping_a_call_times_out_naming_it():
+    """The last rank skips a dispatch: on the others the device wait gives up after the
+    timeout, comm.wait raises TimeoutError naming that rank, the communicator is aborted, and
+    no GPU work stays queued."""
+    import cupy
+    w0 = world()
+    w, me = w0.Get_size(), w0.Get_rank()
+    if w == 1:
+        pytest.skip("needs two ranks")
+    c = mxc.init("nccl", timeout=3.0)
+    late = w - 1
+    counts = numpy.full((w, w * E_LOCAL), 64)
+    layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
+    x = cupy.asarray(rows_for(counts[me], SEED + me, 256))
+    a2a_dispatch(x, layout)
+    c.wait()
+    if me != late:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"rank {late} did not arrive"):
+            a2a_dispatch(x, layout)
+            c.wait()
+        assert time.monotonic() - start < 3.0 + 10.0
+        assert c.aborted
+        cupy.cuda.get_current_stream().synchronize()  # nothing left waiting on the GPU
+    w0.Barrier()
+    if me == late:
+        c.abort()
+    c.close()
