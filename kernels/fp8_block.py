@@ -1,0 +1,230 @@
+"""fp8 1x128 block quantize / dequantize kernels: e4m3fn elements, one fp32 scale per 128 elements.
+
+DeepSeek-V3's fine-grained activation quantization, the format of DeepEP's fp8 dispatch and of
+DeepGEMM's SM90 fp8 GEMMs: data (M, D) e4m3fn, scales (M, D // 128) float32, D % 128 == 0, block b
+of a row covering elements 128b .. 128b + 127, ``x ~= e4m3 * scale``. With amax = max |x| over the
+block, two scale modes:
+
+    "pow2":  scale = 2^e, e = clamp(ceil(log2(amax / 448)), -126, 127)    (DeepGEMM use_ue8m0,
+             DeepEP round_scale; the rowwise format's rule per block)
+             element = RNE(x / scale) as e4m3fn, saturated to +-448 (exact: a power of two)
+    "plain": a = max(amax, 448 * 2^-126)             (in f32; exact)
+             scale = fl32(a / 448)                   (f32 division, round to nearest even)
+             mult  = fl32(1 / scale)                 (f32 division)
+             element = RNE_e4m3(fl32(x * mult)), saturated to +-448
+
+Sources. "plain" is DeepGEMM's reference cast, deep_gemm/utils/math.py ``per_token_cast_to_fp8``
+(``sf = amax.clamp(1e-4) / 448.0``; elements ``(x * (1.0 / sf)).to(float8_e4m3fn)``, all in f32),
+bit for bit whenever amax >= 1e-4 (tested against a torch rendition of it). DeepSeek-V3's
+inference/kernel.py ``act_quant`` has the same scale (``s = amax / 448``, elements ``x / s``);
+DeepEP's kernels (csrc/kernels/utils.cuh ``calculate_fp8_scales``) the same up to one ulp (scale
+``amax * fl32(1/448)``, multiplier ``448 / amax``). "pow2" is DeepGEMM's ``ceil_to_ue8m0(sf)``, the
+same [2^-126, 2^127] clamp, bit for bit for amax >= 1e-4. DeepGEMM and DeepEP clamp amax to at least
+1e-4; we clamp it to 448 * 2^-126 instead (the smallest amax whose scale is a normal f32), so
+blocks of small values (gradients) keep their precision. Blocks holding NaN or +-Inf: scale NaN,
+elements 0x7F. Dequantization is ``e4m3 * scale`` in fp32 (one rounding), then round-to-nearest-even
+to bf16, NaN canonical.
+
+Layout and coalescing follow ``kernels.mxfp8``: flat arrays; a unit of 8 elements (16 bytes of bf16,
+32 of fp32) per thread per step, 16 consecutive lanes per 128-element block, whose partial max-abs
+values meet through warp shuffles (``lanes_max``); UNITS_PER_THREAD units per thread per tile, all
+loads issued first, in a grid-stride loop uniform per CUDA block.
+"""
+
+from numba import cuda, float32, uint32, uint64
+
+from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bits_from_f32, f32_from_bits,
+                   inv_scale_f32_bits)
+from ._launch import THREADS_PER_BLOCK, kernel
+from .fp8_rowwise import dequantize_e4m3x8_bf16, dequantize_e4m3x2_f32, rowwise_scale_exp
+from .mxfp8 import bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
+
+#: Elements per scale block along the last dimension.
+FP8_BLOCK = 128
+#: Units of 8 elements per block (lanes meeting in lanes_max).
+BLOCK_UNITS = 16
+BLOCK_UNITS_LOG2 = 4
+#: Units each thread loads per tile (independent loads in flight).
+UNITS_PER_THREAD = 2
+#: fp32 input words (uint64, 2 elements) per unit, and per thread per tile (UNITS_PER_THREAD units).
+F32_UNIT_WORDS = 4
+F32_TILE_WORDS = 8
+#: e4m3 data words (uint64, 8 elements) per block: 16.
+DATA_WORDS_PER_BLOCK_LOG2 = 4
+#: Largest finite e4m3fn magnitude, and the "plain" amax floor 448 * 2^-126 (scale >= 2^-126).
+E4M3_MAX_F32 = float32(448.0)
+PLAIN_AMAX_MIN = float32(448.0 * 2.0 ** -126)
+#: Registers per thread (ptxas -v, sm_90, numba-cuda 0.30.4, CUDA 13.0): the wrappers cap the
+#: persistent grids at the blocks that stay resident.
+QUANTIZE_BF16_REGISTERS = 32
+QUANTIZE_F32_REGISTERS = 38
+DEQUANTIZE_REGISTERS = 40
+_ONE = float32(1.0)
+_E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
+#: Dequantize: data words (8 e4m3) each thread loads per tile.
+WORDS_PER_THREAD = 4
+
+
+@cuda.jit(device=True)
+def block_scale(amax_bits, pow2):
+    """(f32 bits of the scale, f32 quantization multiplier) of a block from its finite amax (f32
+    bits): "pow2" 2^clamp(ceil(log2(amax / 448)), -126, 127) and its exact inverse, or "plain"
+    fl32(a / 448) and fl32(1 / scale) with a = max(amax, 448 * 2^-126)."""
+    if pow2:
+        s = rowwise_scale_exp(amax_bits)
+        return s << uint32(23), f32_from_bits(inv_scale_f32_bits(s))
+    a = max(f32_from_bits(amax_bits), PLAIN_AMAX_MIN)
+    scale = a / E4M3_MAX_F32
+    return bits_from_f32(scale), _ONE / scale
+
+
+@kernel
+def quantize_fp8_block128_bf16_kernel(x_words, data_words, scales, pow2):
+    """1x128-block fp8 quantize of bf16 input (formulas in the module docstring).
+
+    Args:
+        x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest), N % 128 == 0. Read.
+        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
+        scales: (N // 128,) uint32, fp32 bits of the block scales. Written.
+        pow2: bool; True for "pow2" scales, False for "plain".
+    Launch: launch_1d(ceil(N / 8 / UNITS_PER_THREAD)), blockDim.x a multiple of 32: units
+        t + k * blockDim.x, k < UNITS_PER_THREAD, of each tile per thread, grid-stride over tiles.
+    """
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+    first = cuda.local.array(UNITS_PER_THREAD, uint64)
+    second = cuda.local.array(UNITS_PER_THREAD, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    n = data_words.shape[0]
+    tile = nthreads * UNITS_PER_THREAD
+    lead = tid % BLOCK_UNITS == 0
+    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+        for k in range(UNITS_PER_THREAD):  # all loads first
+            p = base + k * nthreads
+            first[k] = x_words[2 * p] if p < n else uint64(0)
+            second[k] = x_words[2 * p + 1] if p < n else uint64(0)
+        for k in range(UNITS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
+            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
+                             BLOCK_UNITS)
+            p = base + k * nthreads
+            if p < n:
+                if amax >= uint32(BF16_INF):
+                    data_words[p] = _E4M3_NAN_X8
+                    scale_bits = uint32(F32_NAN)
+                else:
+                    scale_bits, mult = block_scale(amax << uint32(16), pow2)
+                    data_words[p] = uint64(encode_bf16x4(first[k], mult)) | (
+                        uint64(encode_bf16x4(second[k], mult)) << uint64(32))
+                if lead:
+                    scales[p >> BLOCK_UNITS_LOG2] = scale_bits
+
+
+@kernel
+def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
+    """1x128-block fp8 quantize of fp32 input; as :func:`quantize_fp8_block128_bf16_kernel`.
+
+    Args:
+        x_words: (N // 2,) uint64, f32 bits, 2 per word (element 0 lowest), N % 128 == 0. Read.
+        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
+        scales: (N // 128,) uint32, fp32 bits of the block scales. Written.
+        pow2: bool; True for "pow2" scales, False for "plain".
+    Launch: as :func:`quantize_fp8_block128_bf16_kernel` (a unit is 4 input words).
+    """
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+    words = cuda.local.array(F32_TILE_WORDS, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    n = data_words.shape[0]
+    tile = nthreads * UNITS_PER_THREAD
+    lead = tid % BLOCK_UNITS == 0
+    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+        for k in range(UNITS_PER_THREAD):  # all loads first
+            p = base + k * nthreads
+            for j in range(F32_UNIT_WORDS):
+                words[k * F32_UNIT_WORDS + j] = x_words[4 * p + j] if p < n else uint64(0)
+        for k in range(UNITS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
+            w0 = words[k * F32_UNIT_WORDS]
+            w1 = words[k * F32_UNIT_WORDS + 1]
+            w2 = words[k * F32_UNIT_WORDS + 2]
+            w3 = words[k * F32_UNIT_WORDS + 3]
+            amax = lanes_max(max(max(f32x2_absmax(w0), f32x2_absmax(w1)),
+                                 max(f32x2_absmax(w2), f32x2_absmax(w3))), scratch, BLOCK_UNITS)
+            p = base + k * nthreads
+            if p < n:
+                if amax >= uint32(F32_INF):
+                    data_words[p] = _E4M3_NAN_X8
+                    scale_bits = uint32(F32_NAN)
+                else:
+                    scale_bits, mult = block_scale(amax, pow2)
+                    data_words[p] = (uint64(encode_f32x2(w0, mult))
+                                     | (uint64(encode_f32x2(w1, mult)) << uint64(16))
+                                     | (uint64(encode_f32x2(w2, mult)) << uint64(32))
+                                     | (uint64(encode_f32x2(w3, mult)) << uint64(48)))
+                if lead:
+                    scales[p >> BLOCK_UNITS_LOG2] = scale_bits
+
+
+@kernel
+def dequantize_fp8_block128_bf16_kernel(data_words, scales, out_words):
+    """1x128-block fp8 -> bf16: x = e4m3 * scale in f32 (one rounding), then round-to-nearest-even
+    to bf16. A NaN scale or NaN element gives NaN (0x7FC0).
+
+    Args:
+        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
+        scales: (N // 128,) uint32, fp32 bits of the block scales. Read.
+        out_words: (N // 4,) uint64, bf16 bits, 4 per word. Written.
+    Launch: launch_1d(ceil(N / 8 / 4)): words t + k * blockDim.x, k < 4, of each tile per thread
+        (all loads issued first), grid-stride.
+    """
+    words = cuda.local.array(WORDS_PER_THREAD, uint64)
+    sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
+    n = data_words.shape[0]
+    nthreads = cuda.blockDim.x
+    tile = nthreads * WORDS_PER_THREAD
+    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
+        for k in range(WORDS_PER_THREAD):  # all loads first
+            i = base + k * nthreads
+            if i < n:
+                words[k] = data_words[i]
+                sbits[k] = scales[i >> DATA_WORDS_PER_BLOCK_LOG2]
+        for k in range(WORDS_PER_THREAD):
+            i = base + k * nthreads
+            if i < n:
+                finite = (sbits[k] & uint32(0x7FFFFFFF)) < uint32(F32_INF)
+                w0, w1 = dequantize_e4m3x8_bf16(words[k], f32_from_bits(sbits[k]), finite)
+                out_words[2 * i] = w0
+                out_words[2 * i + 1] = w1
+
+
+@kernel
+def dequantize_fp8_block128_f32_kernel(data_words, scales, out_words):
+    """1x128-block fp8 -> fp32: x = e4m3 * scale in f32 (one rounding); NaN scale or element ->
+    NaN (0x7FC00000).
+
+    Args:
+        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
+        scales: (N // 128,) uint32, fp32 bits of the block scales. Read.
+        out_words: (N // 2,) uint64, f32 bits, 2 per word. Written.
+    Launch: as :func:`dequantize_fp8_block128_bf16_kernel`.
+    """
+    words = cuda.local.array(WORDS_PER_THREAD, uint64)
+    sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
+    n = data_words.shape[0]
+    nthreads = cuda.blockDim.x
+    tile = nthreads * WORDS_PER_THREAD
+    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
+        for k in range(WORDS_PER_THREAD):  # all loads first
+            i = base + k * nthreads
+            if i < n:
+                words[k] = data_words[i]
+                sbits[k] = scales[i >> DATA_WORDS_PER_BLOCK_LOG2]
+        for k in range(WORDS_PER_THREAD):
+            i = base + k * nthreads
+            if i < n:
+                scale = f32_from_bits(sbits[k])
+                lo = uint32(words[k] & uint64(0xFFFFFFFF))
+                hi = uint32(words[k] >> uint64(32))
+                out_words[4 * i] = dequantize_e4m3x2_f32(lo, scale)
+                out_words[4 * i + 1] = dequantize_e4m3x2_f32(lo >> uint32(16), scale)
+                out_words[4 * i + 2] = dequantize_e4m3x2_f32(hi, scale)
+                out_words[4 * i + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)

@@ -1,0 +1,348 @@
+"""fp8 rowwise quantize / dequantize kernels: e4m3fn elements, one fp32 power-of-two scale per row.
+
+This is the A-operand layout of Hopper's ``torch._scaled_grouped_mm`` (fp8 rowwise recipe): data
+(M, D) e4m3fn, row-major, D % 16 == 0, and scales (M,) float32, 1-D, contiguous, one per row, with
+``x ~= e4m3 * scale``. With amax = max |x| over the row (exact arithmetic):
+
+    scale   = 2^e,  e = clamp(ceil(log2(amax / 448)), -126, 127)   (amax = 0: e = -126)
+    element = round-to-nearest-even(x / scale) as e4m3fn, saturated to +-448
+
+the rounding of MXFP8's "rceil" scale over the whole row. The clamp keeps both the scale and its
+reciprocal normal fp32 numbers (DeepGEMM's ``ceil_to_ue8m0`` clamps to the same [2^-126, 2^127]).
+A row holding NaN or +-Inf gets scale NaN (0x7FC00000) and elements 0x7F, so every element of it
+dequantizes to NaN. Dequantization is ``e4m3 * scale`` in fp32 (one rounding; exact for power-of-two
+scales), then round-to-nearest-even to bf16; NaN results are the canonical quiet NaN.
+
+Work split: one CUDA block per row, grid-stride over rows (a row's amax is needed before any of its
+elements is written). Two passes over the row: each thread loads PASS_UNITS units of 16 input bytes
+at a time (all loads in flight first) for the amax, which meets through warp shuffles and one
+shared word per warp (:func:`block_max`); then it loads the same units again, from L1 (the row is
+14 KiB at D = 7168 in bf16, a few rows per multiprocessor), and encodes and stores them. Holding
+the row in registers instead measured (ptxas, sm_90) 80-128 registers per thread against 64 here:
+less memory in flight per multiprocessor. The dequantize kernels are one CUDA block per row too:
+one scale load per row, ROW_UNROLL independent word loads in flight per thread.
+
+The word decoders here (:func:`dequantize_e4m3x8_bf16`, :func:`dequantize_e4m3x2_f32`) take any fp32
+scale and are shared with the 1x128 block format (``fp8_block``).
+"""
+
+from numba import cuda, uint16, uint32, uint64
+
+from ._device import simulated
+from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits, bits_from_f32,
+                   e8m0_from_bf16_amax, e8m0_from_f32_amax, f32_from_bits, f32_from_e4m3,
+                   inv_scale_f32_bits)
+from ._launch import THREADS_PER_BLOCK, kernel
+from .mxfp8 import (bf16x2_from_e4m3x2, bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax,
+                    lanes_max)
+
+#: Lanes of a warp; the most warps a CUDA block holds (1024 threads).
+WARP = 32
+MAX_WARPS = 32
+#: Units (16 input bytes: 8 bf16 or 4 fp32) each thread loads per step, all in flight at once.
+PASS_UNITS = 4
+#: Independent word loads in flight per thread in the dequantize kernels.
+ROW_UNROLL = 4
+#: Smallest biased fp32 exponent of a scale: 2^-126, the smallest normal fp32.
+SCALE_EXP_MIN = 1
+#: f32 bits of 1.0.
+F32_ONE = 0x3F800000
+#: Registers per thread of the quantize / dequantize kernels (ptxas -v, sm_90, numba-cuda 0.30.4,
+#: CUDA 13.0): the wrappers cap the one-row-per-block grids at the blocks that stay resident.
+QUANTIZE_REGISTERS = 64
+DEQUANTIZE_REGISTERS = 40
+
+_E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
+_E4M3_NAN_X4 = uint32(E4M3_NAN * 0x01010101)
+_LOW7_X8 = uint64(0x7F7F7F7F7F7F7F7F)
+_ONES_X8 = uint64(0x0101010101010101)
+_HIGH_X8 = uint64(0x8080808080808080)
+
+
+if simulated():
+    @cuda.jit(device=True)
+    def block_max(v, scratch, warp_max):
+        """Max of the uint32 ``v`` over the CUDA block, through the shared ``scratch`` (one uint32
+        per thread; the simulator has no warp shuffles, and every barrier costs it milliseconds).
+        Every thread of the block must call it."""
+        tid = cuda.threadIdx.x
+        scratch[tid] = v
+        cuda.syncthreads()
+        m = scratch[0]
+        for j in range(1, cuda.blockDim.x):
+            m = max(m, scratch[j])
+        cuda.syncthreads()
+        return m
+else:
+    @cuda.jit(device=True)
+    def block_max(v, scratch, warp_max):
+        """Max of the uint32 ``v`` (< 2^31) over the CUDA block: warp shuffles, then one shared
+        word per warp (``warp_max``: shared (MAX_WARPS,) uint32; ``scratch`` is the simulator's).
+        Every thread of the block must call it; blockDim.x is a multiple of 32 (<= 1024)."""
+        m = lanes_max(v, scratch, WARP)
+        tid = cuda.threadIdx.x
+        if tid % WARP == 0:
+            warp_max[tid // WARP] = m
+        cuda.syncthreads()
+        r = warp_max[0]
+        for j in range(1, cuda.blockDim.x // WARP):
+            r = max(r, warp_max[j])
+        cuda.syncthreads()  # warp_max is rewritten by the next call
+        return r
+
+
+@cuda.jit(device=True)
+def rowwise_scale_exp(amax_f32_bits):
+    """Biased fp32 exponent s of the rowwise scale 2^(s - 127) of a finite amax (f32 bits):
+    clamp(ceil(log2(amax / 448)), -126, 127) + 127, i.e. MXFP8's rceil e8m0 scale, at least 1."""
+    return max(e8m0_from_f32_amax(amax_f32_bits, True), uint32(SCALE_EXP_MIN))
+
+
+@cuda.jit(device=True)
+def nan_byte_mask(d):
+    """0xFF in each byte of the uint64 ``d`` holding an e4m3 NaN (0x7F or 0xFF), 0x00 elsewhere."""
+    high = ((d & _LOW7_X8) + _ONES_X8) & _HIGH_X8
+    return (high >> uint64(7)) * uint64(0xFF)
+
+
+@kernel
+def quantize_fp8_rowwise_bf16_kernel(x_words, data_words, scales):
+    """fp8-rowwise-quantize bf16 rows: scale 2^clamp(ceil(log2(amax / 448)), -126, 127) per row,
+    element = RNE(x / scale) as e4m3fn saturated to +-448; NaN/Inf rows: scale NaN, elements 0x7F.
+
+    Args:
+        x_words: (M, D // 4) uint64, bf16 bits, 4 per word (element 0 lowest), D % 8 == 0. Read.
+        data_words: (M, D // 8) uint64, e4m3fn bits, 8 per word. Written.
+        scales: (M,) uint32, fp32 bits of the row scales. Written.
+    Launch: launch_1d(M * T, threads=T), T a multiple of 32 (<= 1024): one CUDA block per row,
+        grid-stride over rows; thread t takes units (8 elements) t + k * T, PASS_UNITS of them per
+        step, in two passes (amax, then encode; the second reads what the first brought to L1).
+    """
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+    warp_max = cuda.shared.array(MAX_WARPS, uint32)
+    first = cuda.local.array(PASS_UNITS, uint64)
+    second = cuda.local.array(PASS_UNITS, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    units = data_words.shape[1]
+    step = nthreads * PASS_UNITS
+    for row in range(cuda.blockIdx.x, x_words.shape[0], cuda.gridDim.x):
+        amax = uint32(0)
+        for start in range(tid, units, step):
+            for k in range(PASS_UNITS):  # all loads first
+                u = start + k * nthreads
+                first[k] = x_words[row, 2 * u] if u < units else uint64(0)
+                second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
+            for k in range(PASS_UNITS):
+                amax = max(amax, bf16x4_absmax(first[k]), bf16x4_absmax(second[k]))
+        amax = block_max(amax, scratch, warp_max)
+        if amax >= uint32(BF16_INF):
+            for u in range(tid, units, nthreads):
+                data_words[row, u] = _E4M3_NAN_X8
+            scale_bits = uint32(F32_NAN)
+        else:
+            s = max(e8m0_from_bf16_amax(amax, True), uint32(SCALE_EXP_MIN))
+            mult = f32_from_bits(inv_scale_f32_bits(s))
+            for start in range(tid, units, step):
+                for k in range(PASS_UNITS):  # all loads first
+                    u = start + k * nthreads
+                    first[k] = x_words[row, 2 * u] if u < units else uint64(0)
+                    second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
+                for k in range(PASS_UNITS):
+                    u = start + k * nthreads
+                    if u < units:
+                        data_words[row, u] = uint64(encode_bf16x4(first[k], mult)) | (
+                            uint64(encode_bf16x4(second[k], mult)) << uint64(32))
+            scale_bits = s << uint32(23)
+        if tid == 0:
+            scales[row] = scale_bits
+
+
+@kernel
+def quantize_fp8_rowwise_f32_kernel(x_words, data_words, scales):
+    """fp8-rowwise-quantize fp32 rows; the formulas of :func:`quantize_fp8_rowwise_bf16_kernel`.
+
+    Args:
+        x_words: (M, D // 2) uint64, f32 bits, 2 per word (element 0 lowest), D % 4 == 0. Read.
+        data_words: (M, D // 4) uint32, e4m3fn bits, 4 per word. Written.
+        scales: (M,) uint32, fp32 bits of the row scales. Written.
+    Launch: as :func:`quantize_fp8_rowwise_bf16_kernel`; a unit is 4 elements.
+    """
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+    warp_max = cuda.shared.array(MAX_WARPS, uint32)
+    first = cuda.local.array(PASS_UNITS, uint64)
+    second = cuda.local.array(PASS_UNITS, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    units = data_words.shape[1]
+    step = nthreads * PASS_UNITS
+    for row in range(cuda.blockIdx.x, x_words.shape[0], cuda.gridDim.x):
+        amax = uint32(0)
+        for start in range(tid, units, step):
+            for k in range(PASS_UNITS):  # all loads first
+                u = start + k * nthreads
+                first[k] = x_words[row, 2 * u] if u < units else uint64(0)
+                second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
+            for k in range(PASS_UNITS):
+                amax = max(amax, f32x2_absmax(first[k]), f32x2_absmax(second[k]))
+        amax = block_max(amax, scratch, warp_max)
+        if amax >= uint32(F32_INF):
+            for u in range(tid, units, nthreads):
+                data_words[row, u] = _E4M3_NAN_X4
+            scale_bits = uint32(F32_NAN)
+        else:
+            s = rowwise_scale_exp(amax)
+            mult = f32_from_bits(inv_scale_f32_bits(s))
+            for start in range(tid, units, step):
+                for k in range(PASS_UNITS):  # all loads first
+                    u = start + k * nthreads
+                    first[k] = x_words[row, 2 * u] if u < units else uint64(0)
+                    second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
+                for k in range(PASS_UNITS):
+                    u = start + k * nthreads
+                    if u < units:
+                        data_words[row, u] = uint32(encode_f32x2(first[k], mult)) | (
+                            uint32(encode_f32x2(second[k], mult)) << uint32(16))
+            scale_bits = s << uint32(23)
+        if tid == 0:
+            scales[row] = scale_bits
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantization with an fp32 scale (shared with the 1x128 block format).
+# ---------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def scaled_e4m3_f32_bits(b, scale):
+    """f32 bits of the e4m3 byte ``b`` (uint32) times the f32 ``scale``: the product rounded once
+    to f32; F32_NAN for a NaN byte or a NaN product (NaN scale, 0 * Inf)."""
+    bits = bits_from_f32(f32_from_e4m3(b) * scale)
+    if (b & uint32(0x7F)) == uint32(E4M3_NAN) or (bits & uint32(0x7FFFFFFF)) > uint32(F32_INF):
+        return uint32(F32_NAN)
+    return bits
+
+
+@cuda.jit(device=True)
+def scaled_e4m3x4_bf16(d, scale):
+    """4 bf16 (uint64, element 0 lowest) of the 4 e4m3 in the uint32 ``d`` times ``scale``, each
+    the product rounded to f32, then to bf16 (nearest even), NaN canonical: the integer path."""
+    b0 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits(d & uint32(0xFF), scale))
+    b1 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits((d >> uint32(8)) & uint32(0xFF), scale))
+    b2 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits((d >> uint32(16)) & uint32(0xFF), scale))
+    b3 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits(d >> uint32(24), scale))
+    return uint64(b0 | (b1 << uint32(16))) | (uint64(b2 | (b3 << uint32(16))) << uint64(32))
+
+
+@cuda.jit(device=True)
+def dequantize_e4m3x8_bf16(d, scale, finite):
+    """Two uint64 of 4 bf16 each (element 0 lowest) of the 8 e4m3 in the uint64 ``d`` times the
+    f32 ``scale``: each product rounded to f32, then to bf16 (nearest even); NaN -> 0x7FC0.
+
+    ``finite``: the scale is finite. Words without a NaN byte under a finite scale (no product can
+    be NaN) take the hardware conversions; the rest the integer path, for canonical NaN bits.
+    """
+    lo = uint32(d & uint64(0xFFFFFFFF))
+    hi = uint32(d >> uint64(32))
+    if finite and nan_byte_mask(d) == uint64(0):
+        w0 = uint64(bf16x2_from_e4m3x2(uint16(lo & uint32(0xFFFF)), scale)) | (
+            uint64(bf16x2_from_e4m3x2(uint16(lo >> uint32(16)), scale)) << uint64(32))
+        w1 = uint64(bf16x2_from_e4m3x2(uint16(hi & uint32(0xFFFF)), scale)) | (
+            uint64(bf16x2_from_e4m3x2(uint16(hi >> uint32(16)), scale)) << uint64(32))
+        return w0, w1
+    return scaled_e4m3x4_bf16(lo, scale), scaled_e4m3x4_bf16(hi, scale)
+
+
+@cuda.jit(device=True)
+def dequantize_e4m3x2_f32(d, scale):
+    """One uint64 of 2 f32 (element 0 lowest) of the e4m3 bytes 0 and 1 of the uint32 ``d`` times
+    ``scale``: each product rounded once to f32; NaN -> 0x7FC00000."""
+    return uint64(scaled_e4m3_f32_bits(d & uint32(0xFF), scale)) | (
+        uint64(scaled_e4m3_f32_bits((d >> uint32(8)) & uint32(0xFF), scale)) << uint64(32))
+
+
+@cuda.jit(device=True)
+def store_row_word_bf16(d, scale, finite, out_words, row, w):
+    """Decode data word ``w`` (8 e4m3) of ``row`` into ``out_words[row, 2w:2w + 2]`` (bf16)."""
+    w0, w1 = dequantize_e4m3x8_bf16(d, scale, finite)
+    out_words[row, 2 * w] = w0
+    out_words[row, 2 * w + 1] = w1
+
+
+@cuda.jit(device=True)
+def store_row_word_f32(d, scale, out_words, row, w):
+    """Decode data word ``w`` (8 e4m3) of ``row`` into ``out_words[row, 4w:4w + 4]`` (f32)."""
+    lo = uint32(d & uint64(0xFFFFFFFF))
+    hi = uint32(d >> uint64(32))
+    out_words[row, 4 * w] = dequantize_e4m3x2_f32(lo, scale)
+    out_words[row, 4 * w + 1] = dequantize_e4m3x2_f32(lo >> uint32(16), scale)
+    out_words[row, 4 * w + 2] = dequantize_e4m3x2_f32(hi, scale)
+    out_words[row, 4 * w + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)
+
+
+@kernel
+def dequantize_fp8_rowwise_bf16_kernel(data_words, scales, out_words):
+    """fp8 rowwise -> bf16: x = e4m3 * scale in f32 (one rounding), then round-to-nearest-even to
+    bf16. A NaN scale or NaN element gives NaN (0x7FC0).
+
+    Args:
+        data_words: (M, D // 8) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
+        scales: (M,) uint32, fp32 bits of the row scales. Read.
+        out_words: (M, D // 4) uint64, bf16 bits, 4 per word. Written.
+    Launch: launch_1d(M * T, threads=T): one CUDA block per row, grid-stride over rows; thread t
+        takes words t + k * T, ROW_UNROLL loads in flight.
+    """
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    ncols = data_words.shape[1]
+    step = nthreads * ROW_UNROLL
+    for row in range(cuda.blockIdx.x, data_words.shape[0], cuda.gridDim.x):
+        sbits = scales[row]
+        scale = f32_from_bits(sbits)
+        finite = (sbits & uint32(0x7FFFFFFF)) < uint32(F32_INF)
+        w = tid
+        while w + step - nthreads < ncols:  # ROW_UNROLL full words
+            a = data_words[row, w]
+            b = data_words[row, w + nthreads]
+            c = data_words[row, w + 2 * nthreads]
+            d = data_words[row, w + 3 * nthreads]
+            store_row_word_bf16(a, scale, finite, out_words, row, w)
+            store_row_word_bf16(b, scale, finite, out_words, row, w + nthreads)
+            store_row_word_bf16(c, scale, finite, out_words, row, w + 2 * nthreads)
+            store_row_word_bf16(d, scale, finite, out_words, row, w + 3 * nthreads)
+            w += step
+        while w < ncols:
+            store_row_word_bf16(data_words[row, w], scale, finite, out_words, row, w)
+            w += nthreads
+
+
+@kernel
+def dequantize_fp8_rowwise_f32_kernel(data_words, scales, out_words):
+    """fp8 rowwise -> fp32: x = e4m3 * scale in f32 (one rounding); NaN scale or element -> NaN
+    (0x7FC00000).
+
+    Args:
+        data_words: (M, D // 8) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
+        scales: (M,) uint32, fp32 bits of the row scales. Read.
+        out_words: (M, D // 2) uint64, f32 bits, 2 per word. Written.
+    Launch: as :func:`dequantize_fp8_rowwise_bf16_kernel`.
+    """
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    ncols = data_words.shape[1]
+    step = nthreads * ROW_UNROLL
+    for row in range(cuda.blockIdx.x, data_words.shape[0], cuda.gridDim.x):
+        scale = f32_from_bits(scales[row])
+        w = tid
+        while w + step - nthreads < ncols:  # ROW_UNROLL full words
+            a = data_words[row, w]
+            b = data_words[row, w + nthreads]
+            c = data_words[row, w + 2 * nthreads]
+            d = data_words[row, w + 3 * nthreads]
+            store_row_word_f32(a, scale, out_words, row, w)
+            store_row_word_f32(b, scale, out_words, row, w + nthreads)
+            store_row_word_f32(c, scale, out_words, row, w + 2 * nthreads)
+            store_row_word_f32(d, scale, out_words, row, w + 3 * nthreads)
+            w += step
+        while w < ncols:
+            store_row_word_f32(data_words[row, w], scale, out_words, row, w)
+            w += nthreads

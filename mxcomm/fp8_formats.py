@@ -1,0 +1,578 @@
+"""fp8 rowwise and 1x128 block formats (e4m3fn + fp32 scales); MXFP8 -> fp8 rowwise in the permute.
+
+Glossary: M rows, D hidden, N source rows, P permuted rows. fp8 has no CuPy dtype: e4m3fn data are
+uint8 bit arrays, as in ``mxcomm.mxfp8``; scales are float32 arrays, ``x ~= e4m3 * scale``.
+
+    format         data                  scales                             D
+    fp8 rowwise    (M, D) uint8, e4m3    (M,) float32, powers of two        D % 16 == 0
+    fp8 block128   (M, D) uint8, e4m3    (M, D // 128) float32, row-major   D % 128 == 0
+
+fp8 rowwise is the A operand of Hopper's ``torch._scaled_grouped_mm`` as it stands (the rowwise
+recipe, aten/src/ATen/native/cuda/GroupedBlas.cpp ``_check_scales_fp8_rowwise``): float32 scales,
+1-D, contiguous, one per row of the (M, K) row-major e4m3fn operand, K % 16 == 0, offsets int32.
+fp8 block128 is DeepSeek-V3's activation format (DeepEP's fp8 dispatch, DeepGEMM's SM90 GEMMs;
+DeepGEMM wants the scales transposed, M-major and TMA-aligned: a copy for its adapter to make).
+The exact formulas, NaN/Inf rules and sources are in the docstrings of ``kernels.fp8_rowwise``,
+``kernels.fp8_block`` and ``kernels.mx_rowwise``; in short, with amax = max |x| over a row / block:
+
+    rowwise, block128 "pow2":  scale = 2^clamp(ceil(log2(amax / 448)), -126, 127),
+                               element = RNE(x / scale)
+    block128 "plain":          scale = fl32(max(amax, 448 * 2^-126) / 448),
+                               element = RNE(fl32(x * fl32(1 / scale)))
+    non-finite row / block:    scale NaN, elements 0x7F (every element dequantizes to NaN)
+
+Every public function has a NumPy host implementation, ``_host_<name>``, bit-identical to its
+kernels (tested): vectorized, on NumPy arrays, for a host backend.
+"""
+
+import ml_dtypes
+import numpy
+
+from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
+from ._array import as_device_array, bfloat16, float32, stream_ptr
+from .kernels import fp8_block, fp8_rowwise
+from .kernels._launch import RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
+from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
+                                dequantize_fp8_block128_bf16_kernel,
+                                dequantize_fp8_block128_f32_kernel,
+                                quantize_fp8_block128_bf16_kernel, quantize_fp8_block128_f32_kernel)
+from .kernels.fp8_rowwise import (PASS_UNITS, ROW_UNROLL,
+                                  dequantize_fp8_rowwise_bf16_kernel,
+                                  dequantize_fp8_rowwise_f32_kernel,
+                                  quantize_fp8_rowwise_bf16_kernel, quantize_fp8_rowwise_f32_kernel)
+from .kernels.mx_rowwise import GATHER_REGISTERS, PASS_WORDS, mx_to_rowwise_gather_kernel
+from .mxfp8 import MXFP8Array
+
+#: D must be a multiple of it for fp8 rowwise (torch._scaled_grouped_mm: K % 16 == 0).
+ROWWISE_MULTIPLE = 16
+#: Scale modes of fp8 block128: "plain" amax / 448 (DeepSeek-V3, DeepEP's default), "pow2" (UE8M0).
+BLOCK_SCALE_MODES = ("plain", "pow2")
+#: The scale of a padding row written by mx_to_rowwise_permute (its elements are zeros).
+PADDING_SCALE = 1.0
+
+_DTYPES = (bfloat16, float32)
+_U8 = numpy.dtype(numpy.uint8)
+_U16 = numpy.dtype(numpy.uint16)
+_U32 = numpy.dtype(numpy.uint32)
+_U64 = numpy.dtype(numpy.uint64)
+_WARP = 32
+_MAX_THREADS = 1024
+#: Hopper's (sm_90) register file and warp slots per multiprocessor; registers are allocated per
+#: warp in units of 256 (8 per thread).
+_REGISTERS_PER_SM = 65536
+_WARPS_PER_SM = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and views.
+# ---------------------------------------------------------------------------------------------
+
+def _address(a):
+    """Device (or host) address of ``a``'s first element."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return iface["data"][0]
+
+
+def _words(a, dtype, name):
+    """The C-contiguous array ``a``, its last dimension viewed as ``dtype`` words (zero-copy)."""
+    if a.size and _address(a) % dtype.itemsize:
+        raise ValueError(f"{name}: expected an address aligned to {dtype.itemsize} bytes, "
+                         f"got {_address(a):#x}")
+    return a.view(dtype)
+
+
+def _check_rows(x, name, multiple, dtypes, convert=as_device_array):
+    """``x`` as an array (``convert``: a device array by default), validated: 2-D (M, D), dtype in
+    ``dtypes``, D % multiple == 0, C-contiguous."""
+    x = convert(x, name)
+    if x.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D (M, D) array, "
+                         f"got {x.ndim}-D shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, "
+                        f"got {x.dtype}")
+    if x.shape[1] % multiple:
+        raise ValueError(f"{name}: expected the last dimension D to be a multiple of {multiple}, "
+                         f"got D = {x.shape[1]}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
+    return x
+
+
+def _check_array(a, name, dtype, shape, convert=as_device_array):
+    """``a`` as an array (``convert``: a device array by default) of exactly ``dtype`` and
+    ``shape``, C-contiguous."""
+    a = convert(a, name)
+    if a.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype}")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
+    return a
+
+
+def _host_array(a, name):
+    """``a`` as a NumPy array (the host implementations' ``convert``)."""
+    return numpy.asarray(a)
+
+
+def _out_pair(out, data_shape, scales_shape):
+    """(data uint8, scales float32) to write: allocated when ``out`` is None, else validated."""
+    if out is None:
+        xp = array_module()
+        return xp.empty(data_shape, dtype=_U8), xp.empty(scales_shape, dtype=float32)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out: expected a (data, scales) pair or None, got {type(out).__name__}")
+    return (_check_array(out[0], "out[0] (data)", _U8, data_shape),
+            _check_array(out[1], "out[1] (scales)", float32, scales_shape))
+
+
+def _out_dtype(dtype):
+    """``dtype`` as a NumPy dtype, bf16 or fp32."""
+    try:
+        dtype = numpy.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype!r}") from None
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
+    return dtype
+
+
+def _out_array(out, shape, dtype):
+    """The (M, D) ``dtype`` output: allocated when ``out`` is None, else validated."""
+    if out is None:
+        return array_module().empty(shape, dtype=dtype)
+    return _check_array(out, "out", dtype, shape)
+
+
+def _row_threads(per_row, per_thread):
+    """Threads per CUDA block of a one-row-per-block kernel: one step of ``per_thread`` items per
+    thread covers ``per_row`` items; a multiple of 32 in [32, 1024]."""
+    steps = -(-per_row // per_thread)
+    return min(_MAX_THREADS, max(_WARP, -(-steps // _WARP) * _WARP))
+
+
+def _resident_launch(n, threads, registers, stream, share):
+    """``launch_1d(n, stream, threads=threads, share=share)`` for a kernel of ``registers`` per
+    thread, its persistent grid capped at the blocks that stay resident together.
+
+    ``launch_1d`` sizes the grid for RESIDENT_THREADS_PER_SM threads per multiprocessor; above 32
+    registers a thread only part of them fit, and the blocks beyond would run in a second, partial
+    wave (every block of a grid-stride loop gets the same work). Hence the extra share.
+    """
+    warps = threads // _WARP
+    warp_registers = -(-registers // 8) * 8 * _WARP
+    resident = max(1, min(RESIDENT_BLOCKS_PER_SM, _WARPS_PER_SM // warps,
+                          _REGISTERS_PER_SM // (warp_registers * warps)))
+    per_sm = max(1, min(RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM // threads))
+    fit = min(1.0, resident / per_sm + 1e-9)  # + 1e-9: launch_1d truncates its product
+    return launch_1d(n, stream, threads=threads, share=share * fit)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 rowwise.
+# ---------------------------------------------------------------------------------------------
+
+def quantize_fp8_rowwise(x, *, out=None, stream=None):
+    """fp8-rowwise-quantize the rows of ``x``: e4m3fn elements, one power-of-two fp32 scale per row.
+
+    With amax = max |x| over a row (exact arithmetic), the layout SM90 ``torch._scaled_grouped_mm``
+    takes for its A operand (scales (M,) float32, 1-D, contiguous; D % 16 == 0):
+      scale   = 2^e, e = clamp(ceil(log2(amax / 448)), -126, 127)   (MXFP8's "rceil", per row;
+                amax = 0 gives 2^-126: scale and 1 / scale are normal fp32)
+      element = round-to-nearest-even(x / scale) as e4m3fn, saturated to +-448.
+    A row holding NaN or +-Inf gets scale NaN and elements 0x7F: it dequantizes (and multiplies in
+    the GEMM) to NaN. Bit-identical to a float64 evaluation of these formulas.
+
+    Args:
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 16 == 0. Read.
+        out: a (data, scales) pair to write, (M, D) uint8 and (M,) float32, C-contiguous, or None
+            to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data, scales): (M, D) uint8 e4m3fn bits and (M,) float32 scales.
+    Raises:
+        TypeError: ``x`` is not a device array or not bf16/fp32; ``out`` not a pair, or of other
+            dtypes.
+        ValueError: ``x`` not 2-D, D % 16 != 0 or not C-contiguous; ``out`` of other shapes.
+    """
+    x = _check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES)
+    m, d = x.shape
+    data, scales = _out_pair(out, (m, d), (m,))
+    return launch_quantize_fp8_rowwise(x, data, scales, stream_ptr(stream))
+
+
+def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
+    """Enqueue the rowwise quantize kernel (arguments checked by the caller): ``x`` (M, D) bf16/
+    fp32 into ``data`` (M, D) uint8 and ``scales`` (M,) float32, on the raw stream handle
+    ``stream``, with a grid of ``share`` of the device. Returns (data, scales)."""
+    m, d = x.shape
+    if m == 0:
+        return data, scales
+    x_words = _words(x, _U64, "x")
+    if x.dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
+        kernel, data_words = quantize_fp8_rowwise_bf16_kernel, _words(data, _U64, "out data")
+    else:  # units of 4 elements -> one uint32
+        kernel, data_words = quantize_fp8_rowwise_f32_kernel, _words(data, _U32, "out data")
+    threads = _row_threads(data_words.shape[1], PASS_UNITS)
+    kernel[_resident_launch(m * threads, threads, fp8_rowwise.QUANTIZE_REGISTERS, stream, share)](
+        x_words, data_words, scales.view(_U32))
+    return data, scales
+
+
+def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=None):
+    """Decode fp8 rowwise rows: x = e4m3 * scale.
+
+    The product is rounded once to fp32 (exact for power-of-two scales); bf16 output is its
+    round-to-nearest-even. A NaN scale or NaN element gives NaN (canonical quiet NaN: bf16 0x7FC0,
+    fp32 0x7FC00000). Any fp32 scales are accepted (e.g. from another quantizer).
+
+    Args:
+        data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0. Read.
+        scales: (M,) float32, C-contiguous. Read.
+        dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
+        out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        ``out``: (M, D) ``dtype``.
+    Raises:
+        TypeError: ``data``/``scales`` not device arrays or of other dtypes; ``dtype`` not
+            bf16/fp32; ``out`` of another dtype.
+        ValueError: ``data`` not 2-D, D % 16 != 0, or not C-contiguous; ``scales`` or ``out`` of
+            another shape or not C-contiguous.
+    """
+    data = _check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
+    m, d = data.shape
+    scales = _check_array(scales, "scales", float32, (m,))
+    out = _out_array(out, (m, d), _out_dtype(dtype))
+    return launch_dequantize_fp8_rowwise(data, scales, out, stream_ptr(stream))
+
+
+def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
+    """Enqueue the rowwise dequantize kernel (arguments checked by the caller): ``data`` (M, D)
+    uint8 and ``scales`` (M,) float32 into ``out`` (M, D) bf16/fp32. Returns ``out``."""
+    if out.size == 0:
+        return out
+    data_words = _words(data, _U64, "data")
+    kernel = (dequantize_fp8_rowwise_bf16_kernel if out.dtype == bfloat16
+              else dequantize_fp8_rowwise_f32_kernel)
+    threads = _row_threads(data_words.shape[1], ROW_UNROLL)
+    kernel[_resident_launch(data.shape[0] * threads, threads, fp8_rowwise.DEQUANTIZE_REGISTERS,
+                            stream, share)](
+        data_words, scales.view(_U32), _words(out, _U64, "out"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 block128.
+# ---------------------------------------------------------------------------------------------
+
+def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
+    """Quantize the rows of ``x`` in blocks of 128: e4m3fn elements, one fp32 scale per block.
+
+    DeepSeek-V3's fine-grained activation quantization (DeepEP's fp8 dispatch format). With
+    amax = max |x| over a block:
+      "plain" (DeepSeek-V3, DeepEP's default; DeepGEMM's ``per_token_cast_to_fp8``):
+          a = max(amax, 448 * 2^-126); scale = fl32(a / 448);
+          element = RNE_e4m3(fl32(x * fl32(1 / scale)))
+          (fl32: one IEEE fp32 operation, round to nearest even). Bit-identical to DeepGEMM's cast
+          for amax >= 1e-4, where DeepGEMM and DeepEP clamp amax to 1e-4 instead.
+      "pow2" (DeepGEMM's UE8M0 scales, DeepEP's round_scale):
+          scale = 2^clamp(ceil(log2(amax / 448)), -126, 127); element = RNE_e4m3(x / scale)
+    Elements saturate to +-448. A block holding NaN or +-Inf gets scale NaN and elements 0x7F.
+
+    Args:
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 128 == 0. Read.
+        scale_mode: "plain" or "pow2".
+        out: a (data, scales) pair to write, (M, D) uint8 and (M, D // 128) float32, C-contiguous,
+            or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data, scales): (M, D) uint8 e4m3fn bits and (M, D // 128) float32 scales.
+    Raises:
+        TypeError: ``x`` is not a device array or not bf16/fp32; ``out`` not a pair, or of other
+            dtypes.
+        ValueError: ``x`` not 2-D, D % 128 != 0 or not C-contiguous; unknown ``scale_mode``;
+            ``out`` of other shapes.
+    """
+    x = _check_rows(x, "x", FP8_BLOCK, _DTYPES)
+    if scale_mode not in BLOCK_SCALE_MODES:
+        raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
+    m, d = x.shape
+    data, scales = _out_pair(out, (m, d), (m, d // FP8_BLOCK))
+    return launch_quantize_fp8_block128(x, data, scales, scale_mode, stream_ptr(stream))
+
+
+def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0):
+    """Enqueue the block128 quantize kernel (arguments checked by the caller): ``x`` (M, D) bf16/
+    fp32 into ``data`` (M, D) uint8 and ``scales`` (M, D // 128) float32. Returns (data, scales)."""
+    if x.size == 0:
+        return data, scales
+    if x.dtype == bfloat16:
+        kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
+    else:
+        kernel, registers = quantize_fp8_block128_f32_kernel, fp8_block.QUANTIZE_F32_REGISTERS
+    data_words = _words(data.reshape(-1), _U64, "out data")
+    n_threads = -(-data_words.size // UNITS_PER_THREAD)  # units of 8 elements
+    kernel[_resident_launch(n_threads, THREADS_PER_BLOCK, registers, stream, share)](
+        _words(x.reshape(-1), _U64, "x"), data_words, scales.reshape(-1).view(_U32),
+        scale_mode == "pow2")
+    return data, scales
+
+
+def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=None):
+    """Decode fp8 block128 rows: x = e4m3 * scale of its 128-element block.
+
+    The product is rounded once to fp32; bf16 output is its round-to-nearest-even. A NaN scale or
+    NaN element gives NaN (canonical quiet NaN: bf16 0x7FC0, fp32 0x7FC00000).
+
+    Args:
+        data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 128 == 0. Read.
+        scales: (M, D // 128) float32, C-contiguous. Read.
+        dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
+        out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        ``out``: (M, D) ``dtype``.
+    Raises:
+        TypeError: ``data``/``scales`` not device arrays or of other dtypes; ``dtype`` not
+            bf16/fp32; ``out`` of another dtype.
+        ValueError: ``data`` not 2-D, D % 128 != 0, or not C-contiguous; ``scales`` or ``out`` of
+            another shape or not C-contiguous.
+    """
+    data = _check_rows(data, "data", FP8_BLOCK, (_U8,))
+    m, d = data.shape
+    scales = _check_array(scales, "scales", float32, (m, d // FP8_BLOCK))
+    out = _out_array(out, (m, d), _out_dtype(dtype))
+    return launch_dequantize_fp8_block128(data, scales, out, stream_ptr(stream))
+
+
+def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
+    """Enqueue the block128 dequantize kernel (arguments checked by the caller): ``data`` (M, D)
+    uint8 and ``scales`` (M, D // 128) float32 into ``out`` (M, D) bf16/fp32. Returns ``out``."""
+    if out.size == 0:
+        return out
+    data_words = _words(data.reshape(-1), _U64, "data")
+    kernel = (dequantize_fp8_block128_bf16_kernel if out.dtype == bfloat16
+              else dequantize_fp8_block128_f32_kernel)
+    n_threads = -(-data_words.size // WORDS_PER_THREAD)
+    kernel[_resident_launch(n_threads, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, stream,
+                            share)](
+        data_words, scales.reshape(-1).view(_U32), _words(out.reshape(-1), _U64, "out"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 -> fp8 rowwise, in the permute.
+# ---------------------------------------------------------------------------------------------
+
+def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
+    """Gather MXFP8 rows by ``permuted_indices`` and write them as fp8 rowwise rows, in one pass.
+
+    Row p is source row i = permuted_indices[p] with its blocks rescaled to one scale per row:
+    scale = 2^(r - 127) with r = max(max of the row's e8m0 block scales, 1), and each element of
+    block b (scale s_b) becomes RNE_e4m3(e4m3 * 2^(s_b - r)) (exact product, one rounding; blocks
+    at the row's scale are copied bit for bit). For MXFP8 quantized with "rceil" the row scale is
+    exactly what :func:`quantize_fp8_rowwise` gives for the original row. Padding rows (i < 0, or
+    i >= N) get zeros and scale 1.0 (finite, so the GEMM's epilogue gives 0 for them, also for
+    consumers that invert scales); a row with a NaN block (scale 0xFF) gets scale NaN and elements
+    0x7F; NaN elements stay NaN.
+
+        permuted row   0    1    2    3      (P = 4)
+        indices        5    0   -1   -1
+        data           q(mx[5]) q(mx[0]) 0  0
+        scales         s5   s0   1.0  1.0
+
+    Args:
+        mx: MXFP8Array (N, D), the received rows. Read.
+        permuted_indices: (P,) int32 device array, C-contiguous: source row or -1 (as returned
+            by ``mxcomm.permute``). Read.
+        out: a (data, scales) pair to write, (P, D) uint8 and (P,) float32, C-contiguous, or None
+            to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data, scales): (P, D) uint8 e4m3fn bits and (P,) float32 power-of-two row scales, ready
+        for ``torch._scaled_grouped_mm`` with the permute's ``group_offsets``.
+    Raises:
+        TypeError: ``mx`` not an MXFP8Array; ``permuted_indices`` not an int32 device array;
+            ``out`` not a pair, or of other dtypes.
+        ValueError: ``permuted_indices`` not 1-D or not C-contiguous; ``out`` of other shapes.
+    """
+    if not isinstance(mx, MXFP8Array):
+        raise TypeError(f"mx: expected an MXFP8Array, got {type(mx).__name__}")
+    indices = as_device_array(permuted_indices, "permuted_indices")
+    if indices.ndim != 1:
+        raise ValueError(f"permuted_indices: expected a 1-D array, "
+                         f"got shape {tuple(indices.shape)}")
+    indices = _check_array(indices, "permuted_indices", numpy.dtype(numpy.int32), indices.shape)
+    p = indices.shape[0]
+    d = mx.shape[1]
+    data, scales = _out_pair(out, (p, d), (p,))
+    return launch_mx_to_rowwise_permute(mx, indices, data, scales, stream_ptr(stream))
+
+
+def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
+    """Enqueue the MXFP8 -> rowwise gather (arguments checked by the caller): rows
+    ``indices`` (P,) int32 of ``mx`` (N, D) into ``data`` (P, D) uint8 and ``scales`` (P,)
+    float32. Returns (data, scales)."""
+    p = indices.shape[0]
+    if p == 0:
+        return data, scales
+    out_words = _words(data, _U64, "out data")
+    threads = _row_threads(out_words.shape[1], PASS_WORDS)
+    mx_to_rowwise_gather_kernel[_resident_launch(p * threads, threads, GATHER_REGISTERS, stream,
+                                                 share)](
+        indices, _words(mx.data, _U64, "mx.data"), mx.scales, out_words, scales.view(_U32))
+    return data, scales
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy host implementations, bit-identical to the kernels (the same operations: integer scale
+# exponents, fp32 products rounded by NumPy's float32 arithmetic, ml_dtypes' round-to-nearest-even
+# conversions to e4m3fn and bf16).
+# ---------------------------------------------------------------------------------------------
+
+_E4M3 = numpy.dtype(ml_dtypes.float8_e4m3fn)
+_F32_INF_BITS = 0x7F800000
+_F32_NAN_BITS = 0x7FC00000
+_BF16_NAN_BITS = 0x7FC0
+_E4M3_NAN_BITS = 0x7F
+_PLAIN_AMAX_MIN = numpy.float32(448.0 * 2.0 ** -126)
+
+
+def _host_abs_f32_bits(x):
+    """uint32 fp32 bits of |x| for bf16 / fp32 ``x`` (bf16 widened exactly)."""
+    if x.dtype == bfloat16:
+        return (x.view(_U16).astype(_U32) & numpy.uint32(0x7FFF)) << numpy.uint32(16)
+    return x.view(_U32) & numpy.uint32(0x7FFFFFFF)
+
+
+def _host_e4m3(y):
+    """e4m3fn bits (uint8) of the float32 ``y``: round to nearest even, saturated to +-448."""
+    return numpy.clip(y, -448.0, 448.0).astype(_E4M3).view(_U8)
+
+
+def _host_quantize_blocks(x, block, pow2):
+    """(data (M, D) uint8, scales (M, D // block) float32) of ``x`` (M, D) bf16/fp32 in blocks of
+    ``block`` consecutive elements of a row, with pow2 or plain scales."""
+    m, d = x.shape
+    nb = d // block if block else 0
+    xb = x.reshape(m, nb, block)
+    amax = _host_abs_f32_bits(xb).max(axis=-1, initial=0)
+    nonfinite = amax >= _F32_INF_BITS
+    with numpy.errstate(invalid="ignore", over="ignore"):  # non-finite blocks, overwritten below
+        if pow2:  # the e8m0 "rceil" exponent: exp - 8, plus 1 above a mantissa of 1.75
+            e = (amax >> numpy.uint32(23)).astype(numpy.int64) - 8 + (
+                (amax & numpy.uint32(0x7FFFFF)) > numpy.uint32(0x600000))
+            s = numpy.clip(e, 1, 254).astype(_U32)
+            scale_bits = s << numpy.uint32(23)
+            mult = ((numpy.uint32(254) - s) << numpy.uint32(23)).view(float32)
+        else:
+            a = numpy.maximum(numpy.where(nonfinite, 0, amax).astype(_U32).view(float32),
+                              _PLAIN_AMAX_MIN)
+            scale = a / numpy.float32(448.0)
+            mult = numpy.float32(1.0) / scale
+            scale_bits = scale.view(_U32)
+        data = _host_e4m3(xb.astype(float32) * mult[..., None])
+    data[nonfinite] = _E4M3_NAN_BITS
+    scale_bits = numpy.where(nonfinite, numpy.uint32(_F32_NAN_BITS), scale_bits).astype(_U32)
+    return data.reshape(m, d), scale_bits.view(float32)
+
+
+def _host_write(out, data, scales):
+    """Copy (data, scales) into the pair ``out`` (if given); return what holds the result."""
+    if out is None:
+        return data, scales
+    out[0][...] = data
+    out[1][...] = scales
+    return out[0], out[1]
+
+
+def _host_quantize_fp8_rowwise(x, *, out=None):
+    """:func:`quantize_fp8_rowwise` on NumPy arrays: ``x`` (M, D) bf16/fp32 -> (data (M, D) uint8,
+    scales (M,) float32), written into the pair ``out`` when given."""
+    x = _check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES, _host_array)
+    m, d = x.shape
+    if d == 0:
+        data, scales = numpy.zeros((m, 0), _U8), numpy.full(m, 2.0 ** -126, float32)
+    else:
+        data, scales = _host_quantize_blocks(x, d, True)
+    return _host_write(out, data, scales.reshape(m))
+
+
+def _host_quantize_fp8_block128(x, scale_mode="plain", *, out=None):
+    """:func:`quantize_fp8_block128` on NumPy arrays: ``x`` (M, D) bf16/fp32 -> (data (M, D)
+    uint8, scales (M, D // 128) float32), written into the pair ``out`` when given."""
+    if scale_mode not in BLOCK_SCALE_MODES:
+        raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
+    x = _check_rows(x, "x", FP8_BLOCK, _DTYPES, _host_array)
+    return _host_write(out, *_host_quantize_blocks(x, FP8_BLOCK, scale_mode == "pow2"))
+
+
+def _host_dequantize_scaled(data, scales, block, dtype, out):
+    """``data`` (M, D) e4m3 bits times ``scales`` (M, D // block) in fp32 (one rounding), as
+    ``dtype`` (bf16: round to nearest even), canonical NaN."""
+    m, d = data.shape
+    dtype = _out_dtype(dtype)
+    nb = d // block if d else 0
+    v = numpy.ascontiguousarray(data).view(_E4M3).astype(float32).reshape(m, nb, block)
+    with numpy.errstate(invalid="ignore", over="ignore"):  # NaN scales, 0 * Inf; overflow to Inf
+        v = (v * numpy.asarray(scales, dtype=float32).reshape(m, nb, 1)).reshape(m, d)
+        result = v.astype(dtype)
+    nan = numpy.isnan(v)
+    if dtype == float32:
+        result.view(_U32)[nan] = _F32_NAN_BITS
+    else:
+        result.view(_U16)[nan] = _BF16_NAN_BITS
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
+def _host_dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None):
+    """:func:`dequantize_fp8_rowwise` on NumPy arrays: (M, D) ``dtype``."""
+    data = _check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,), _host_array)
+    scales = _check_array(scales, "scales", float32, data.shape[:1], _host_array)
+    return _host_dequantize_scaled(data, scales, data.shape[1], dtype, out)
+
+
+def _host_dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None):
+    """:func:`dequantize_fp8_block128` on NumPy arrays: (M, D) ``dtype``."""
+    data = _check_rows(data, "data", FP8_BLOCK, (_U8,), _host_array)
+    m, d = data.shape
+    scales = _check_array(scales, "scales", float32, (m, d // FP8_BLOCK), _host_array)
+    return _host_dequantize_scaled(data, scales, FP8_BLOCK, dtype, out)
+
+
+def _host_mx_to_rowwise_permute(mx, permuted_indices, *, out=None):
+    """:func:`mx_to_rowwise_permute` on NumPy arrays: ``mx`` with NumPy ``.data`` (N, D) uint8 and
+    ``.scales`` (N, D // 32) uint8, ``permuted_indices`` (P,) int -> (data (P, D) uint8, scales
+    (P,) float32), written into the pair ``out`` when given."""
+    src_data, src_scales = numpy.asarray(mx.data), numpy.asarray(mx.scales)
+    n, d = src_data.shape
+    idx = numpy.asarray(permuted_indices).astype(numpy.int64)
+    p = idx.shape[0]
+    valid = (idx >= 0) & (idx < n)
+    rows = numpy.where(valid, idx, 0)
+    if n == 0:
+        src_data, src_scales = numpy.zeros((1, d), _U8), numpy.zeros((1, d // 32), _U8)
+    d8 = src_data[rows]                                    # (P, D) e4m3 bits
+    s = src_scales[rows].astype(numpy.int64)               # (P, D / 32) biased exponents
+    smax = s.max(axis=1, initial=0)
+    r = numpy.maximum(smax, 1)
+    k = numpy.maximum(s - r[:, None], -32)                 # <= 0; below -19 everything is 0
+    mult = ((127 + k).astype(_U32) << numpy.uint32(23)).view(float32)
+    with numpy.errstate(invalid="ignore"):
+        v = d8.view(_E4M3).astype(float32).reshape(p, d // 32, 32) * mult[..., None]
+        conv = v.astype(_E4M3).view(_U8).reshape(p, d)
+    data = numpy.where((d8 & 0x7F) == _E4M3_NAN_BITS, d8, conv)
+    scale_bits = (r.astype(_U32) << numpy.uint32(23))
+    nan_row = smax == 0xFF
+    data[nan_row] = _E4M3_NAN_BITS
+    scale_bits[nan_row] = _F32_NAN_BITS
+    data[~valid] = 0
+    scales = scale_bits.view(float32).copy()
+    scales[~valid] = PADDING_SCALE
+    return _host_write(out, data, scales)

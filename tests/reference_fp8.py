@@ -1,0 +1,120 @@
+"""Independent float64 NumPy references of the fp8 rowwise / 1x128 block formats and of the MXFP8 ->
+rowwise permute (no kernel or wrapper code imported).
+
+The formulas are evaluated in float64 with np.log2 / ceil / exp2; the fp32 operations that are part
+of the "plain" block format's definition (amax / 448, 1 / scale, x * (1 / scale), each one IEEE fp32
+operation) are float64 operations rounded to float32: for +, *, / of fp32 operands float64 has more
+than 2 * 24 + 2 bits, so that double rounding equals one fp32 rounding. ml_dtypes rounds to e4m3fn
+and bf16 (round to nearest even).
+"""
+
+import ml_dtypes
+import numpy as np
+
+E4M3_MAX = 448.0
+BLOCK = 128
+SCALE_EXP_MIN, SCALE_EXP_MAX = -126, 127
+F32_NAN_BITS = 0x7FC00000
+BF16_NAN_BITS = 0x7FC0
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def _e4m3(v):
+    """e4m3fn bits of the float values ``v`` (any float dtype): saturate to +-448, then RNE."""
+    with np.errstate(invalid="ignore"):
+        return np.clip(v, -E4M3_MAX, E4M3_MAX).astype(E4M3).view(np.uint8)
+
+
+def _pow2_exponent(amax):
+    """clamp(ceil(log2(amax / 448)), -126, 127) of finite maxima ``amax`` >= 0 (float64)."""
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(amax / E4M3_MAX))  # amax = 0: -inf
+    return np.clip(e, SCALE_EXP_MIN, SCALE_EXP_MAX)
+
+
+def _quantize_blocks_ref(x, block, mode):
+    """(data uint8 (M, D), scales float32 (M, D // block)) of bf16/fp32 ``x`` (M, D)."""
+    m, d = x.shape
+    xf = np.asarray(x).astype(np.float64).reshape(m, d // block, block)
+    finite = np.isfinite(xf).all(axis=-1)
+    amax = np.where(finite, np.abs(np.where(np.isfinite(xf), xf, 0)).max(axis=-1, initial=0.0), 1.0)
+    if mode == "pow2":
+        scale = np.exp2(_pow2_exponent(amax))
+        q = xf / scale[..., None]                      # exact: a power of two, no underflow in f64
+    elif mode == "plain":
+        a = np.maximum(amax, E4M3_MAX * 2.0 ** -126)
+        scale = (a / E4M3_MAX).astype(np.float32).astype(np.float64)
+        mult = (1.0 / scale).astype(np.float32).astype(np.float64)
+        q = (xf * mult[..., None]).astype(np.float32)  # the fp32 product is part of the format
+    else:
+        raise ValueError(mode)
+    data = _e4m3(q)
+    data[~finite] = 0x7F
+    scales = scale.astype(np.float32)
+    scales.view(np.uint32)[~finite] = F32_NAN_BITS
+    return data.reshape(m, d), scales
+
+
+def quantize_fp8_rowwise_ref(x):
+    """(data uint8 (M, D), scales float32 (M,)): scale 2^clamp(ceil(log2(amax/448)), -126, 127)."""
+    data, scales = _quantize_blocks_ref(x, x.shape[1], "pow2")
+    return data, scales.reshape(-1)
+
+
+def quantize_fp8_block128_ref(x, mode="plain"):
+    """(data uint8 (M, D), scales float32 (M, D // 128)) with "plain" or "pow2" scales."""
+    return _quantize_blocks_ref(x, BLOCK, mode)
+
+
+def dequantize_scaled_ref(data, scales, block, dtype=ml_dtypes.bfloat16):
+    """(M, D) ``dtype`` of e4m3 ``data`` times the fp32 scale of each ``block`` elements of a row:
+    the exact product rounded to fp32, then (bf16) to bf16; NaN is the canonical one."""
+    m, d = data.shape
+    e = np.asarray(data).view(E4M3).astype(np.float64).reshape(m, d // block, block)
+    s = np.asarray(scales, dtype=np.float32).astype(np.float64).reshape(m, d // block, 1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = (e * s).reshape(m, d).astype(np.float32)  # exact in f64 (4 x 24 bits), one rounding
+        out = v.astype(dtype)
+    nan = np.isnan(v)
+    if np.dtype(dtype) == np.float32:
+        out.view(np.uint32)[nan] = F32_NAN_BITS
+    else:
+        out.view(np.uint16)[nan] = BF16_NAN_BITS
+    return out
+
+
+def mx_to_rowwise_ref(data, scales, indices):
+    """fp8 rowwise (data (P, D) uint8, scales (P,) float32) of MXFP8 rows ``data`` (N, D) /
+    ``scales`` (N, D // 32) e8m0 gathered by ``indices`` (P,) (-1 or >= N: zeros, scale 1.0).
+
+    Row scale 2^e, e = clamp(max_b(s_b - 127), -126, 127); element = RNE_e4m3(v * 2^(s_b - 127)
+    / 2^e) with v the element's e4m3 value; NaN elements kept; a row with a NaN block (0xFF) is all
+    NaN.
+    """
+    n, d = data.shape
+    p = len(indices)
+    out = np.zeros((p, d), dtype=np.uint8)
+    out_scales = np.ones(p, dtype=np.float32)
+    for row, i in enumerate(np.asarray(indices)):
+        if i < 0 or i >= n:
+            continue
+        s = scales[i].astype(np.int64)
+        if (s == 0xFF).any():
+            out[row] = 0x7F
+            out_scales.view(np.uint32)[row] = F32_NAN_BITS
+            continue
+        e = np.clip(s.max() - 127, SCALE_EXP_MIN, SCALE_EXP_MAX)
+        v = data[i].view(E4M3).astype(np.float64) * np.repeat(np.exp2(s - 127.0), 32)
+        with np.errstate(invalid="ignore"):
+            q = _e4m3(v / 2.0 ** e)
+        nan = (data[i] & 0x7F) == 0x7F
+        out[row] = np.where(nan, data[i], q)
+        out_scales[row] = 2.0 ** e
+    return out, out_scales
+
+
+def sqnr_db(ref, test):
+    """20 log10(||ref|| / ||ref - test||), in float64."""
+    ref = np.asarray(ref, dtype=np.float64)
+    err = ref - np.asarray(test, dtype=np.float64)
+    return 20 * np.log10(np.linalg.norm(ref) / np.linalg.norm(err))

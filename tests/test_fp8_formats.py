@@ -1,0 +1,462 @@
+"""fp8 rowwise / 1x128 block formats and the MXFP8 -> rowwise permute: kernels (simulator, tiny
+shapes) and NumPy host implementations bit-exact against the float64 references; interop with torch
+renditions of DeepGEMM's and torchao's casts; SQNR of the MXFP8 -> rowwise conversion; errors."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mxcomm.fp8_formats import (_host_dequantize_fp8_block128, _host_dequantize_fp8_rowwise,
+                                _host_mx_to_rowwise_permute, _host_quantize_fp8_block128,
+                                _host_quantize_fp8_rowwise, dequantize_fp8_block128,
+                                dequantize_fp8_rowwise, mx_to_rowwise_permute,
+                                quantize_fp8_block128, quantize_fp8_rowwise)
+from mxcomm.kernels import array_module
+from mxcomm.mxfp8 import MXFP8Array
+from reference import permute_ref, quantize_mxfp8_ref
+from reference_fp8 import (dequantize_scaled_ref, mx_to_rowwise_ref, quantize_fp8_block128_ref,
+                           quantize_fp8_rowwise_ref, sqnr_db)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+DTYPES = pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+MODES = ("plain", "pow2")
+
+
+class HostMX:
+    """MXFP8 rows on the host (NumPy ``data`` and ``scales``), for the host implementations."""
+
+    def __init__(self, data, scales):
+        self.data, self.scales = data, scales
+
+
+def to_host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def to_device(a):
+    return array_module().asarray(a)
+
+
+def bits(a):
+    """The bit patterns of a float array (NaN payloads compare exactly)."""
+    a = to_host(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_same(got, want):
+    """(data, scales) pairs or arrays, bit for bit."""
+    if isinstance(want, tuple):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(bits(g), bits(w))
+    else:
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def random_rows(rng, m, d, dtype):
+    """(m, d) values: each row around a random binade in 2^-120..2^120, its elements spread over
+    up to 24 binades below it (so rows hold e4m3 subnormals and values that round to zero)."""
+    center = rng.integers(-110, 121, size=(m, 1))
+    spread = rng.integers(0, 25, size=(m, 1))
+    exps = np.clip(center - rng.integers(0, 25, size=(m, d)) % (spread + 1), -120, 120)
+    vals = rng.uniform(1, 2, size=(m, d)) * np.exp2(exps) * rng.choice([-1.0, 1.0], size=(m, d))
+    return vals.astype(dtype)
+
+
+def special_rows(dtype, d=128):
+    """One row of ``d`` elements per case: zeros, -0, input subnormals, 448 * 2^k, the 1.75
+    thresholds of the scale, +-1 ulp around powers of two, below the 2^-126 scale clamp, the
+    dtype's largest finite, one huge value over tiny ones, NaN and Inf."""
+    ulp = 2.0 ** -7 if dtype == BF16 else 2.0 ** -23
+    tiny = 2.0 ** -133 if dtype == BF16 else 2.0 ** -145
+    big = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max) if dtype == BF16 else 3.4028234663852886e38
+    k = np.arange(d) - d // 2
+    ones = np.ones(d - 1)
+    rows = [
+        np.zeros(d),
+        -np.zeros(d),
+        np.linspace(-3, 3, d) * tiny,
+        448.0 * np.exp2(k % 5 - 2) * np.where(k % 2, -1, 1),
+        np.full(d, 448.0 * 2.0 ** 100),
+        np.full(d, -448.0 * 2.0 ** -120),
+        np.exp2(k % 40 - 125.0),                       # amax below 448 * 2^-126: the clamp
+        np.exp2(k % 24) * (1 + ulp),
+        np.exp2(k % 24) * (1 - ulp / 2),
+        np.r_[ones, 1.75 * (1 + ulp)],
+        np.r_[ones, 1.75],
+        np.r_[ones, -1.75 * (1 - ulp / 2)],
+        np.r_[np.full(d - 1, 2.0 ** -30), big],
+        np.r_[2.0 ** 100, -np.exp2(-np.arange(d - 1) * 0.5)],  # signed zeros after rounding
+        np.exp2(-(np.arange(d) * 1.5)),
+        np.r_[np.full(d - 1, 3.0), np.nan],
+        np.r_[np.nan, np.full(d - 1, 3.0)],
+        np.r_[np.full(d // 2, 2.0), np.inf, np.full(d // 2 - 1, 2.0)],
+        np.r_[np.full(5, -np.inf), np.full(d - 5, 1e-3)],
+    ]
+    return np.array(rows).astype(dtype)
+
+
+#: The special rows the simulator runs (each row costs it a few barriers): every kernel branch.
+KERNEL_SPECIALS = [0, 1, 2, 6, 9, 10, 12, 13, 15, 17]
+
+
+def mixed_rows(rng, dtype, m=6, d=128, specials=slice(None)):
+    """``m`` random rows, then the special rows (all 19, or those listed in ``specials``)."""
+    return np.concatenate([random_rows(rng, m, d, dtype), special_rows(dtype, d)[specials]])
+
+
+def block_test_data(rng, dtype, m=4):
+    """(m + 19, 256) rows of two 128-blocks: random, and two different special cases per row."""
+    s = special_rows(dtype)
+    pairs = np.concatenate([s, np.roll(s, 3, 0)], axis=1)
+    return np.concatenate([random_rows(rng, m, 256, dtype), pairs])
+
+
+def random_fp8(rng, m, d):
+    """(m, d) random e4m3 bytes, NaN bytes (0x7F, 0xFF) included."""
+    data = rng.integers(0, 256, (m, d), dtype=np.uint8)
+    data[0, :16] = np.arange(16) * 16 + 15  # 0x0F ... 0xFF: includes 0x7F and 0xFF
+    return data
+
+
+def random_scales(rng, shape):
+    """Random fp32 scales (powers of two and not) with 0, subnormal, huge, Inf, NaN, negative."""
+    s = (rng.uniform(0.5, 2.0, shape) * np.exp2(rng.integers(-130, 128, shape))).astype(np.float32)
+    special = np.array([np.inf, np.nan, 2.0 ** -140, 0.0, 2.0 ** 127, -3.5, 1.0, 2.0 ** -126],
+                       np.float32)
+    flat = s.reshape(-1)
+    flat[:8] = special[:flat.size]
+    return s
+
+
+# --- pure Python: host implementations against the references --------------------------------
+
+@DTYPES
+def test_host_rowwise_bit_exact(rng, dtype):
+    x = np.concatenate([mixed_rows(rng, dtype, 40, 256), random_rows(rng, 8, 4096, dtype)[:, :256]])
+    data, scales = _host_quantize_fp8_rowwise(x)
+    assert_same((data, scales), quantize_fp8_rowwise_ref(x))
+    nonfinite = ~np.isfinite(x.astype(np.float64)).all(axis=1)
+    assert np.isnan(scales[nonfinite]).all() and (data[nonfinite] == 0x7F).all()
+    assert np.isfinite(scales[~nonfinite]).all()
+    assert (np.frexp(scales[~nonfinite])[0] == 0.5).all()  # powers of two
+    assert (scales[~nonfinite] >= 2.0 ** -126).all()
+    out = (np.empty_like(data), np.empty_like(scales))
+    got = _host_quantize_fp8_rowwise(x, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert_same(out, (data, scales))
+
+
+@DTYPES
+@pytest.mark.parametrize("mode", MODES)
+def test_host_block128_bit_exact(rng, dtype, mode):
+    x = np.concatenate([block_test_data(rng, dtype, 40), random_rows(rng, 8, 512, dtype)[:, :256]])
+    data, scales = _host_quantize_fp8_block128(x, mode)
+    assert_same((data, scales), quantize_fp8_block128_ref(x, mode))
+    assert scales.shape == (x.shape[0], 2)
+
+
+@DTYPES
+def test_host_dequantize_bit_exact(rng, dtype):
+    data = random_fp8(rng, 16, 256)
+    row_scales = random_scales(rng, 16)
+    block_scales = random_scales(rng, (16, 2))
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert_same(_host_dequantize_fp8_rowwise(data, row_scales, dtype),
+                    dequantize_scaled_ref(data, row_scales, 256, dtype))
+        assert_same(_host_dequantize_fp8_block128(data, block_scales, dtype),
+                    dequantize_scaled_ref(data, block_scales, 128, dtype))
+
+
+def mx_test_rows(rng, m=12, d=256):
+    """MXFP8 rows: quantized random rows ("rceil" and "floor"), a row of random bytes with NaN
+    bytes, all-zero scales, and a row with a NaN block."""
+    x = random_rows(rng, m, d, BF16)
+    x[1, 40] = np.nan
+    data_r, scales_r = quantize_mxfp8_ref(x[: m // 2], "rceil")
+    data_f, scales_f = quantize_mxfp8_ref(x[m // 2:], "floor")
+    data = np.concatenate([data_r, data_f, random_fp8(rng, 2, d)])
+    scales = np.concatenate([scales_r, scales_f,
+                             rng.integers(0, 255, (1, d // 32), dtype=np.uint8),  # no 0xFF
+                             np.zeros((1, d // 32), np.uint8)])
+    return data, scales
+
+
+def test_host_mx_to_rowwise_bit_exact(rng):
+    data, scales = mx_test_rows(rng)
+    n = data.shape[0]
+    indices = np.r_[rng.permutation(n), -1, -1, n, n + 7, 3].astype(np.int32)
+    got = _host_mx_to_rowwise_permute(HostMX(data, scales), indices)
+    assert_same(got, mx_to_rowwise_ref(data, scales, indices))
+    assert (got[1][indices < 0] == 1.0).all() and (got[0][indices < 0] == 0).all()
+
+
+def test_mx_to_rowwise_matches_direct_rowwise(rng):
+    """For "rceil" MXFP8 the converted row scales are exactly those of quantizing the row directly,
+    blocks at the row's scale keep their bytes, and the elements differ from direct quantization
+    only in the e4m3 subnormal range of the row scale (rescaling a normal e4m3 by 2^-k is exact)."""
+    x = random_rows(rng, 64, 512, BF16)
+    data, scales = quantize_mxfp8_ref(x, "rceil")
+    conv_data, conv_scales = _host_mx_to_rowwise_permute(HostMX(data, scales),
+                                                         np.arange(64, dtype=np.int32))
+    direct_data, direct_scales = quantize_fp8_rowwise_ref(x)
+    assert_same(conv_scales, direct_scales)
+    top = np.repeat(scales == scales.max(axis=1, keepdims=True), 32, axis=1)
+    np.testing.assert_array_equal(conv_data[top], data[top])
+    differ = conv_data != direct_data
+    assert differ.any() and ((direct_data[differ] & 0x7F) <= 0x08).all()  # |q| <= 2^-6
+
+
+def test_mx_to_rowwise_sqnr():
+    """SQNR against the bf16 rows of MXFP8 ("rceil") -> rowwise equals that of quantizing the rows
+    directly to 0.01 dB (measured: equal to 1e-4 dB at 1024 x 7168 on Gaussian, outlier-channel and
+    Student-t rows). Gaussian rows, and rows with 1% outlier channels (x30)."""
+    rng = np.random.default_rng(7)
+    m, d = 128, 2048
+    gauss = rng.standard_normal((m, d))
+    outliers = gauss * np.where(rng.random(d) < 0.01, 30.0, 1.0)
+    for x64 in (gauss, outliers):
+        x = x64.astype(BF16)
+        ref = x.astype(np.float64)
+        direct = _host_dequantize_fp8_rowwise(*_host_quantize_fp8_rowwise(x), np.float32)
+        conv = _host_dequantize_fp8_rowwise(
+            *_host_mx_to_rowwise_permute(HostMX(*quantize_mxfp8_ref(x, "rceil")),
+                                         np.arange(m, dtype=np.int32)), np.float32)
+        s_direct, s_conv = sqnr_db(ref, direct), sqnr_db(ref, conv)
+        assert s_direct >= 31.0 and abs(s_direct - s_conv) <= 0.01, (s_direct, s_conv)
+
+
+# --- interop: torch renditions of the casts real users run --------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_block128_matches_deepgemm_cast(rng, mode):
+    """DeepGEMM's per_token_cast_to_fp8 (deep_gemm/utils/math.py): sf = amax.clamp(1e-4) / 448,
+    ceil_to_ue8m0(sf) for UE8M0, x * (1.0 / sf) cast to e4m3fn; bit-identical where amax >= 1e-4."""
+    torch = pytest.importorskip("torch")
+    x = random_rows(rng, 32, 512, BF16)
+    x[np.abs(x.astype(np.float64)).reshape(32, 4, 128).max(-1).repeat(128, 1) < 1e-4] = 1.0
+    xt = torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16).view(32, 4, 128)
+    sf = xt.abs().float().amax(dim=2).clamp(1e-4) / 448.0
+    if mode == "pow2":
+        b = sf.view(torch.int)
+        exp = ((b >> 23) & 0xFF) + (b & 0x7FFFFF).bool().int()
+        sf = (exp.clamp(1, 254) << 23).view(torch.float)
+    want = (xt * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn).view(torch.uint8).view(32, 512)
+    data, scales = _host_quantize_fp8_block128(x, mode)
+    np.testing.assert_array_equal(data, want.numpy())
+    np.testing.assert_array_equal(scales, sf.numpy())
+
+
+def test_rowwise_matches_torchao_pow2_cast(rng):
+    """torchao's rowwise fp8 cast with round_scales_to_power_of_2 (scale = 448 / amax rounded down
+    to a power of two, data = (x * scale).clamp(-448, 448).to(e4m3fn), GEMM scale = 1 / scale);
+    bit-identical for rows with amax >= 1e-12, where torchao clamps amax to 1e-12."""
+    torch = pytest.importorskip("torch")
+    x = random_rows(rng, 128, 256, BF16)
+    x = x[np.abs(x.astype(np.float64)).max(axis=1) >= 1e-12]
+    xt = torch.from_numpy(x.astype(np.float32))
+    amax = xt.abs().amax(dim=1, keepdim=True).double().clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2((448.0 / amax).float())))
+    want = (xt * scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    data, scales = _host_quantize_fp8_rowwise(x)
+    np.testing.assert_array_equal(data, want.numpy())
+    np.testing.assert_array_equal(scales, scale.reciprocal().reshape(-1).numpy())
+
+
+# --- simulator: kernels bit-exact on tiny shapes ----------------------------------------------
+
+@DTYPES
+def test_rowwise_kernels_bit_exact(rng, dtype):
+    x = mixed_rows(rng, dtype, 2, 64, KERNEL_SPECIALS)
+    data, scales = quantize_fp8_rowwise(to_device(x))
+    assert_same((data, scales), quantize_fp8_rowwise_ref(x))
+    assert_same((data, scales), _host_quantize_fp8_rowwise(x))
+    dq = dequantize_fp8_rowwise(data, scales, dtype)
+    assert_same(dq, dequantize_scaled_ref(to_host(data), to_host(scales), 64, dtype))
+    nonfinite = ~np.isfinite(x.astype(np.float64)).all(axis=1)
+    assert np.isnan(to_host(dq)[nonfinite].astype(np.float64)).all()
+    assert not np.isnan(to_host(dq)[~nonfinite].astype(np.float64)).any()
+
+
+@DTYPES
+def test_rowwise_kernels_long_rows(rng, dtype):
+    """A row longer than one step of a (simulated, 32-thread) CUDA block: 2 steps per pass."""
+    d = 1040 if dtype == BF16 else 528  # 130 or 132 units of 16 bytes; a step is 128
+    x = random_rows(rng, 1, d, dtype)
+    data, scales = quantize_fp8_rowwise(to_device(x))
+    assert_same((data, scales), quantize_fp8_rowwise_ref(x))
+    assert_same(dequantize_fp8_rowwise(data, scales, dtype),
+                dequantize_scaled_ref(to_host(data), to_host(scales), d, dtype))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator: 448 * 2^127
+@DTYPES
+def test_dequantize_kernels_bit_exact(rng, dtype):
+    data = random_fp8(rng, 3, 256)
+    row_scales, block_scales = random_scales(rng, 3), random_scales(rng, (3, 2))
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert_same(dequantize_fp8_rowwise(to_device(data), to_device(row_scales), dtype),
+                    dequantize_scaled_ref(data, row_scales, 256, dtype))
+        assert_same(dequantize_fp8_block128(to_device(data), to_device(block_scales), dtype),
+                    dequantize_scaled_ref(data, block_scales, 128, dtype))
+
+
+@pytest.mark.parametrize("dtype, mode, part", [(BF16, "plain", 0), (BF16, "pow2", 1),
+                                               (F32, "plain", 2), (F32, "pow2", 3)],
+                         ids=["bf16-plain", "bf16-pow2", "fp32-plain", "fp32-pow2"])
+def test_block128_kernels_bit_exact(rng, dtype, mode, part):
+    """Each case runs a quarter of the special block pairs (all of them run on the host)."""
+    x = np.ascontiguousarray(block_test_data(rng, dtype, 1)[part::4])
+    data, scales = quantize_fp8_block128(to_device(x), mode)
+    assert_same((data, scales), quantize_fp8_block128_ref(x, mode))
+    assert_same((data, scales), _host_quantize_fp8_block128(x, mode))
+    assert_same(dequantize_fp8_block128(data, scales, dtype),
+                dequantize_scaled_ref(to_host(data), to_host(scales), 128, dtype))
+
+
+def test_block128_nonfinite_block_is_confined(rng):
+    x = random_rows(rng, 2, 256, BF16)
+    x[1, 200] = np.inf
+    data, scales = quantize_fp8_block128(to_device(x))
+    nan = np.isnan(to_host(dequantize_fp8_block128(data, scales)).astype(np.float64))
+    want = np.zeros_like(nan)
+    want[1, 128:] = True
+    np.testing.assert_array_equal(nan, want)
+
+
+def test_mx_to_rowwise_kernel_bit_exact(rng):
+    data, scales = mx_test_rows(rng, 8, 128)
+    n = data.shape[0]
+    indices = np.r_[rng.permutation(n), -1, n + 2, 0].astype(np.int32)
+    got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
+    assert_same(got, mx_to_rowwise_ref(data, scales, indices))
+    assert_same(got, _host_mx_to_rowwise_permute(HostMX(data, scales), indices))
+
+
+def test_mx_to_rowwise_kernel_permute_layout(rng):
+    """The indices of mxcomm's permute (expert-major, padded groups), rows of several steps."""
+    x = random_rows(rng, 3, 2304, BF16)
+    data, scales = quantize_mxfp8_ref(x, "rceil")
+    _, indices, _ = permute_ref(np.arange(3), [2, 0, 0, 1], 2, 2)
+    got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
+    assert_same(got, mx_to_rowwise_ref(data, scales, indices))
+
+
+def test_quantize_out_and_empty(rng):
+    dtype = BF16
+    xp = array_module()
+    x = random_rows(rng, 2, 128, dtype)
+    out = (xp.zeros((2, 128), np.uint8), xp.zeros(2, np.float32))
+    got = quantize_fp8_rowwise(to_device(x), out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert_same(out, quantize_fp8_rowwise_ref(x))
+    out = (xp.zeros((2, 128), np.uint8), xp.zeros((2, 1), np.float32))
+    assert quantize_fp8_block128(to_device(x), "pow2", out=out)[1] is out[1]
+    assert_same(out, quantize_fp8_block128_ref(x, "pow2"))
+    dq = xp.empty((2, 128), dtype)
+    assert dequantize_fp8_block128(*out, dtype, out=dq) is dq
+    for empty in (np.zeros((0, 128), dtype),):
+        d, s = quantize_fp8_rowwise(to_device(empty))
+        assert d.shape == (0, 128) and s.shape == (0,)
+        d, s = quantize_fp8_block128(to_device(empty))
+        assert d.shape == (0, 128) and s.shape == (0, 1)
+        assert dequantize_fp8_rowwise(d, xp.zeros(0, np.float32)).shape == (0, 128)
+    mx = MXFP8Array(xp.zeros((2, 64), np.uint8), xp.zeros((2, 2), np.uint8))
+    d, s = mx_to_rowwise_permute(mx, xp.zeros(0, np.int32))
+    assert d.shape == (0, 64) and s.shape == (0,)
+
+
+# --- argument validation ----------------------------------------------------------------------
+
+def test_rejects_bad_input():
+    xp = array_module()
+    x = xp.zeros((2, 128), BF16)
+    with pytest.raises(ValueError, match=r"x: expected a 2-D"):
+        quantize_fp8_rowwise(xp.zeros(128, BF16))
+    with pytest.raises(TypeError, match=r"x: expected dtype .*got float16"):
+        quantize_fp8_rowwise(xp.zeros((2, 128), np.float16))
+    with pytest.raises(ValueError, match=r"x: .*multiple of 16, got D = 40"):
+        quantize_fp8_rowwise(xp.zeros((2, 40), BF16))
+    with pytest.raises(ValueError, match=r"x: .*multiple of 128, got D = 96"):
+        quantize_fp8_block128(xp.zeros((2, 96), BF16))
+    with pytest.raises(ValueError, match=r"x: expected a C-contiguous"):
+        quantize_fp8_rowwise(xp.zeros((2, 256), BF16)[:, ::2])
+    with pytest.raises(ValueError, match=r"scale_mode: expected one of .*got 'rceil'"):
+        quantize_fp8_block128(x, "rceil")
+    with pytest.raises(TypeError, match=r"out: expected a \(data, scales\) pair"):
+        quantize_fp8_rowwise(x, out=xp.zeros((2, 128), np.uint8))
+    with pytest.raises(ValueError,
+                       match=r"out\[1\] \(scales\): expected shape \(2,\), got \(2, 1\)"):
+        quantize_fp8_rowwise(x, out=(xp.zeros((2, 128), np.uint8), xp.zeros((2, 1), np.float32)))
+    with pytest.raises(TypeError, match=r"out\[0\] \(data\): expected dtype uint8, got int8"):
+        quantize_fp8_block128(x, out=(xp.zeros((2, 128), np.int8), xp.zeros((2, 1), np.float32)))
+    data = xp.zeros((2, 128), np.uint8)
+    with pytest.raises(TypeError, match=r"scales: expected dtype float32, got float64"):
+        dequantize_fp8_rowwise(data, xp.zeros(2, np.float64))
+    with pytest.raises(ValueError, match=r"scales: expected shape \(2, 1\), got \(2,\)"):
+        dequantize_fp8_block128(data, xp.zeros(2, np.float32))
+    with pytest.raises(TypeError, match=r"dtype: expected bfloat16 or float32, got float16"):
+        dequantize_fp8_rowwise(data, xp.zeros(2, np.float32), np.float16)
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 128\), got \(2, 64\)"):
+        dequantize_fp8_rowwise(data, xp.zeros(2, np.float32), out=xp.zeros((2, 64), BF16))
+    mx = MXFP8Array(xp.zeros((2, 64), np.uint8), xp.zeros((2, 2), np.uint8))
+    with pytest.raises(TypeError, match=r"mx: expected an MXFP8Array"):
+        mx_to_rowwise_permute(data, xp.zeros(4, np.int32))
+    with pytest.raises(TypeError, match=r"permuted_indices: expected dtype int32, got int64"):
+        mx_to_rowwise_permute(mx, xp.zeros(4, np.int64))
+    with pytest.raises(ValueError, match=r"permuted_indices: expected a 1-D array"):
+        mx_to_rowwise_permute(mx, xp.zeros((2, 2), np.int32))
+
+
+# --- GPU: larger shapes against the same references ------------------------------------------
+
+@pytest.mark.gpu
+@DTYPES
+def test_gpu_rowwise_large_bit_exact(rng, dtype):
+    x = random_rows(rng, 4096, 7168, dtype)
+    x[5, 100] = np.nan
+    x[4000, 7000] = -np.inf
+    x[17] = 0
+    data, scales = quantize_fp8_rowwise(to_device(x))
+    assert_same((data, scales), quantize_fp8_rowwise_ref(x))
+    assert_same(dequantize_fp8_rowwise(data, scales, dtype),
+                dequantize_scaled_ref(to_host(data), to_host(scales), 7168, dtype))
+
+
+@pytest.mark.gpu
+@DTYPES
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_block128_large_bit_exact(rng, dtype, mode):
+    x = random_rows(rng, 4096, 7168, dtype)
+    x[5, 100] = np.nan
+    x[17, :256] = 0
+    data, scales = quantize_fp8_block128(to_device(x), mode)
+    assert_same((data, scales), quantize_fp8_block128_ref(x, mode))
+    assert_same(dequantize_fp8_block128(data, scales, dtype),
+                dequantize_scaled_ref(to_host(data), to_host(scales), 128, dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_large_bit_exact(rng):
+    data = rng.integers(0, 256, (2048, 7168), dtype=np.uint8)
+    row_scales, block_scales = random_scales(rng, 2048), random_scales(rng, (2048, 56))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for dtype in (BF16, F32):
+            assert_same(dequantize_fp8_rowwise(to_device(data), to_device(row_scales), dtype),
+                        dequantize_scaled_ref(data, row_scales, 7168, dtype))
+            assert_same(dequantize_fp8_block128(to_device(data), to_device(block_scales), dtype),
+                        dequantize_scaled_ref(data, block_scales, 128, dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_mx_to_rowwise_large_bit_exact(rng):
+    x = random_rows(rng, 2048, 7168, BF16)
+    x[3, 1000] = np.nan
+    data, scales = quantize_mxfp8_ref(x, "rceil")
+    counts = rng.multinomial(2048, np.ones(16) / 16)  # 2 ranks x 8 local experts
+    _, indices, _ = permute_ref(np.arange(2048), counts, 8, 16)
+    got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
+    assert_same(got, _host_mx_to_rowwise_permute(HostMX(data, scales), indices))
+    sub = np.r_[np.flatnonzero(indices == 3), np.arange(0, len(indices), 97)]
+    assert_same((to_host(got[0])[sub], to_host(got[1])[sub]),
+                mx_to_rowwise_ref(data, scales, indices[sub]))
