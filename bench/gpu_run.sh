@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
-#   source .device-kit/env.sh && bash bench/gpu_run.sh [tests1] [tests2] [tests4] [kernels] [a2a2] [a2a4] [pipe2] [pipe4]
+#   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
+# phases: tests1 tests2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+#         train2 soak2
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -41,6 +43,19 @@ for phase in "$@"; do
         --json "$res/pipeline_w2.json" --markdown "$res/pipeline_w2.md" --plot "$res/pipeline_w2.png" ;;
     pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w4.json" --markdown "$res/pipeline_w4.md" --plot "$res/pipeline_w4.png" ;;
+    pipe2small) step "bench pipeline, 2 ranks, small batches" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
+        --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages \
+        --json "$res/pipeline_small_w2.json" --markdown "$res/pipeline_small_w2.md" ;;
+    pipe2topk) step "bench pipeline, 2 ranks, small batches, topk routing" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
+        --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --routing topk \
+        --json "$res/pipeline_small_topk_w2.json" --markdown "$res/pipeline_small_topk_w2.md" ;;
+    latency2) step "bench latency, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench latency \
+        --json "$res/latency_w2.json" --markdown "$res/latency_w2.md" ;;
+    latency4) [ "$ngpu" -ge 4 ] && step "bench latency, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench latency \
+        --json "$res/latency_w4.json" --markdown "$res/latency_w4.md" ;;
+    train2) step "train_moe, 2 ranks" 560 "${mpirun_env[@]}" -n 2 python3 examples/train_moe.py \
+        --variants bf16,default,mxfp8 --seeds 0,1,2 --max-minutes 8 \
+        --json "$res/train_moe_w2.json" --markdown "$res/train_moe_w2.md" --plot "$res/train_moe_w2.png" ;;
     *) echo "unknown phase $phase" | tee -a "$log" ;;
     esac
 done

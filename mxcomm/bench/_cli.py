@@ -18,6 +18,7 @@ COMMANDS = {
     "kernels": "MXFP8 quantize/dequantize and permute/unpermute: time and bandwidth (one process)",
     "a2a": "all-to-all-v: mxcomm vs torch.distributed, drop-in all_to_all_single, leak check",
     "pipeline": "MoE EP pipeline forward + backward: bf16 vs MXFP8 (the main benchmark)",
+    "latency": "host and device time per dispatch/combine call through mxcomm.torch, vs torch",
 }
 
 #: Defaults of --iters/--warmup: on a GPU, and on a CPU (where only ``kernels`` times anything,
@@ -32,7 +33,7 @@ def build_parser():
         prog="python -m mxcomm.bench",
         description="Benchmarks of mxcomm. Multi-rank ones run under mpirun, one process per GPU; "
                     "without a GPU they run on the CPU (host backend, MPI communicator).")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{kernels,a2a,pipeline}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{kernels,a2a,pipeline,latency}")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"mxcomm.bench.{name}")
         p = sub.add_parser(name, help=help_text, description=module.__doc__,

@@ -155,8 +155,12 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
     from mxcomm import torch as mxt
 
     def layout(s):
-        group, input_splits, output_splits = mxt.exchange_layout(s["counts"], comm)
-        return {"group": group, "input_splits": input_splits, "output_splits": output_splits}
+        # The one point where the ranks meet; the mxcomm variants pass the layout on, so their
+        # calls make no host collective (the GPUs order themselves).
+        layout = mxt.exchange_layout(s["counts"], comm)
+        group, input_splits, output_splits = layout
+        return {"layout": layout, "group": group, "input_splits": input_splits,
+                "output_splits": output_splits}
 
     if variant.baseline:
         a2a = _torch_all_to_all_class()
@@ -168,17 +172,15 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
             return {"out": a2a.apply(u, s["input_splits"], s["output_splits"])}
     else:
         def dispatch(s, x):
-            return {"h": mxt.a2a_dispatch(x, s["input_splits"], s["output_splits"], comm,
-                                          precision=variant.dispatch,
+            return {"h": mxt.a2a_dispatch(x, s["layout"], precision=variant.dispatch,
                                           grad_precision=variant.dispatch_grad)}
 
         def combine(s, u):
-            return {"out": mxt.a2a_combine(u, s["input_splits"], s["output_splits"], comm,
-                                           precision=variant.combine,
+            return {"out": mxt.a2a_combine(u, s["layout"], precision=variant.combine,
                                            grad_precision=variant.combine_grad)}
 
     def permute(s, h):
-        p, indices, offs = mxt.permute(h, s["group"], num_local_experts, ALIGN)
+        p, indices, offs = mxt.permute(h, s["layout"], align=ALIGN)
         return {"p": p, "indices": indices, "offs": offs, "rows_recv": h.shape[0]}
 
     def dequantize(s, p):

@@ -19,6 +19,8 @@ import time
 
 import numpy
 
+from . import _report
+
 DEFAULT_TOKENS = (4096, 8192, 16384, 32768)
 DEFAULT_DIM = 7168
 DEFAULT_EXPERTS = 8
@@ -51,7 +53,8 @@ def describe(args, rt):
 
 
 def _host_and_device(fn, rt, iters, warmup):
-    """(host us per call, device ms per call): ``iters`` calls enqueued back to back."""
+    """(host us per call, device ms per call, host collectives per call): ``iters`` calls
+    enqueued back to back after ``warmup`` untimed ones."""
     import torch
     for _ in range(warmup):
         fn()
@@ -61,10 +64,12 @@ def _host_and_device(fn, rt, iters, warmup):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
+    collectives = rt.comm.host_collectives
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     host_us = (time.perf_counter() - t0) / iters * 1e6
+    per_call = (rt.comm.host_collectives - collectives) / iters
     if rt.gpu:
         end.record()
         end.synchronize()
@@ -72,8 +77,8 @@ def _host_and_device(fn, rt, iters, warmup):
     else:
         device_ms = float("nan")
     rt.comm.wait()
-    host_us, device_ms = rt.allreduce_max([host_us, device_ms])
-    return host_us, device_ms
+    host_us, device_ms, per_call = rt.allreduce_max([host_us, device_ms, per_call])
+    return host_us, device_ms, per_call
 
 
 def measure(args, rt):
@@ -111,37 +116,49 @@ def measure(args, rt):
                 x, splits_in, splits_out, comm),
         }
         for name, fn in cases.items():
-            collectives = comm.host_collectives
-            host_us, device_ms = _host_and_device(fn, rt, args.iters, args.warmup)
-            per_call = (comm.host_collectives - collectives) / (args.iters + args.warmup)
+            host_us, device_ms, per_call = _host_and_device(fn, rt, args.iters, args.warmup)
             rows_out.append({"rows": rows, "dim": args.dim, "call": name,
                              "host_us": round(host_us, 1), "device_ms": device_ms,
                              "host_collectives_per_call": per_call})
-    meta = {"benchmark": "latency", "world": w, "dim": args.dim, "experts_per_rank": args.experts,
-            "iters": args.iters, "warmup": args.warmup,
-            "timing": "back to back; host: wall clock of enqueueing; device: CUDA events; "
-                      "slowest rank"}
+    notes = ["host us: wall clock of enqueueing one call, calls back to back",
+             "device ms: CUDA events around the calls back to back, per call",
+             "slowest rank of each figure; host coll./call: host collectives per call"]
+    if not rt.gpu:
+        notes.append("CPU: host timings of the host backend, nothing about GPUs")
+    meta = _report.metadata("latency", w, {"rows_per_rank": list(args.tokens), "dim": args.dim,
+                                          "experts_per_rank": args.experts}, notes,
+                            run=describe(args, rt), iters=args.iters, warmup=args.warmup)
     return meta, {"latency": rows_out}
 
 
-def render(meta, tables):
-    from tabulate import tabulate
+COLUMNS = ["rows", "call", "host us", "device ms", "vs torch", "host coll./call"]
+
+
+def _display(tables):
     rows = tables["latency"]
     base = {r["rows"]: r["device_ms"] for r in rows if r["call"].startswith("torch")}
-    body = []
+    shown = []
     for r in rows:
-        ratio = base.get(r["rows"], float("nan")) / r["device_ms"] \
-            if r["device_ms"] == r["device_ms"] and r["device_ms"] > 0 else float("nan")
-        body.append([r["rows"], r["call"], r["host_us"],
-                     "-" if r["device_ms"] != r["device_ms"] else f"{r['device_ms']:.3f}",
-                     "-" if ratio != ratio else f"{ratio:.2f}x",
-                     f"{r['host_collectives_per_call']:g}"])
-    return tabulate(body, headers=["rows", "call", "host us", "device ms", "vs torch",
-                                   "host coll./call"], tablefmt="simple")
+        ms = r["device_ms"]
+        timed = ms == ms and ms > 0
+        shown.append({"rows": r["rows"], "call": r["call"], "host us": r["host_us"],
+                      "device ms": ms if timed else "-",
+                      "vs torch": _report.speedup(base.get(r["rows"], float("nan")) / ms)
+                      if timed else "-",
+                      "host coll./call": r["host_collectives_per_call"]})
+    return [("per call, back to back: host = wall clock of enqueueing one call; device = CUDA "
+             "events; slowest rank", shown, COLUMNS)]
+
+
+def render(meta, tables):
+    """Text report of :func:`measure`'s result."""
+    sections = [(c, _report.format_table(r, cols)) for c, r, cols in _display(tables)]
+    return _report.render_text("mxcomm latency benchmark", meta, sections)
 
 
 def markdown_sections(tables):
-    return [("Per-call host and device time", render({}, tables).replace("  ", " "))]
+    """``(caption, rows, columns)`` for ``--markdown``."""
+    return _display(tables)
 
 
 def failed(tables):
