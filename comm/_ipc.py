@@ -88,10 +88,12 @@ class CudaPeerMemory:
         self._status[:] = 0
         self._status_ptr = status.ptr
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++14",))
-        self._begin_k = module.get_function("mx_begin")
-        self._signal_k = module.get_function("mx_signal")
-        self._signal_all_k = module.get_function("mx_signal_all")
-        self._wait_k = module.get_function("mx_wait")
+        # The compiled functions (``.kernel``): launched on a raw stream handle, no per-call
+        # stream object and no change of CuPy's current stream.
+        self._begin_k = module.get_function("mx_begin").kernel
+        self._signal_k = module.get_function("mx_signal").kernel
+        self._signal_all_k = module.get_function("mx_signal_all").kernel
+        self._wait_k = module.get_function("mx_wait").kernel
         self._threads = max(32, -(-size // 32) * 32)
         self._timeout_ns = numpy.uint64(int(comm.timeout * 1e9))
         self._side = cupy.cuda.Stream(non_blocking=True)

@@ -32,6 +32,30 @@ _IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in fli
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
+class _StreamHandle:
+    """A raw stream handle speaking the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _external_stream(cupy, ptr):
+    """A CuPy stream object over the raw handle ``ptr`` (not owned): ``Stream.from_external``
+    where CuPy has it (CuPy 14 deprecates ``ExternalStream``)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(_StreamHandle(ptr))
+        except (TypeError, ValueError):  # a CuPy whose from_external wants another argument
+            pass
+    return cupy.cuda.ExternalStream(ptr)
+
+
 class NcclCommunicator(Communicator):
     """All-to-all of rows of CuPy device arrays over NCCL, one process per GPU.
 
@@ -127,7 +151,7 @@ class NcclCommunicator(Communicator):
         if stream is None:  # one wrapper per stream, reused (nothing built per call)
             if len(self._external) > 64:
                 self._external.clear()
-            stream = self._external[stream_ptr] = self._cupy.cuda.ExternalStream(stream_ptr)
+            stream = self._external[stream_ptr] = _external_stream(self._cupy, stream_ptr)
         return stream
 
     def _exchanged(self, stream_ptr):

@@ -19,6 +19,7 @@ import numpy
 import pytest
 
 from mxcomm import comm as mxc
+from mxcomm.comm._nccl import _external_stream
 from mxcomm.comm._staged import MAX_PIECES, Plan
 
 SEED = 1234
@@ -580,13 +581,13 @@ class DeviceRows:
         self.streams = set()
 
     def produce(self, begin, end, slots, stream):
-        with self.cupy.cuda.ExternalStream(stream):
+        with _external_stream(self.cupy, stream):
             for slot, a in zip(slots, self.send):
                 slot[...] = a[begin:end]
 
     def consume(self, begin, end, rows, stream):
         self.streams.add(stream)
-        with self.cupy.cuda.ExternalStream(stream):
+        with _external_stream(self.cupy, stream):
             self.consumed[begin:end] = rows[0]
 
 
