@@ -302,7 +302,7 @@ def test_gpu_layout_path_equals_validated_path():
     explicit-splits path bit for bit, over consecutive calls with changing layouts, and no host
     collective but the layout exchanges and the staging's growth."""
     import cupy
-    with mxc.init("nccl", timeout=60.0) as c:
+    with mxc.init("nccl", timeout=30.0) as c:
         w, me = c.size, c.rank
         stream = cupy.cuda.Stream(non_blocking=True)
         for step in range(6):
@@ -334,7 +334,7 @@ def test_gpu_cuda_graph_replays_the_token_path():
     combine (bf16 over NCCL, and MXFP8 read in place) is captured into ONE CUDA graph and
     replayed with identical results: the path makes no host synchronization."""
     import cupy
-    with mxc.init("nccl", timeout=60.0) as c:
+    with mxc.init("nccl", timeout=15.0) as c:
         w, me = c.size, c.rank
         counts, xs = _gpu_routed(w, me, 1, 512)
         layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)

@@ -1,0 +1,44 @@
+"""Profile the host path of layout-path calls through mxcomm.torch (rank 0's cProfile).
+
+    mpirun -n 2 python bench/profile_host.py [rows] [dim] [calls]
+"""
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+import mxcomm.comm
+import mxcomm.torch as mxt
+
+rows = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+dim = int(sys.argv[2]) if len(sys.argv) > 2 else 7168
+calls = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+comm = mxcomm.comm.init()
+torch.cuda.set_device(comm.device)
+e = comm.size * 8
+counts = torch.full((e,), rows // e, dtype=torch.int64, device="cuda")
+layout = mxt.exchange_layout(counts, comm)
+x = torch.randn(rows, dim, device="cuda").to(torch.bfloat16)
+for name, fn in (("dispatch mxfp8", lambda: mxt.a2a_dispatch(x, layout)),
+                 ("dispatch bf16", lambda: mxt.a2a_dispatch(x, layout, precision="bf16")),
+                 ("combine mxfp8", lambda: mxt.a2a_combine(x, layout, precision="mxfp8"))):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    comm.barrier()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    comm.barrier()
+    if comm.rank == 0:
+        print(f"==== {name}: {host:.1f} us per call (profiled)")
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(25)
+comm.close()
