@@ -26,7 +26,11 @@ from ._communicator import Communicator
 _CUDA_SUCCESS = 0
 _CUDA_NOT_READY = 600          # cudaErrorNotReady
 _EVENT_DISABLE_TIMING = 0x2    # cudaEventDisableTiming
-_WATCH_POLL_S = 1e-3           # watchdog polling period while operations are in flight
+#: Watchdog polling period while operations are in flight. It only bounds how late a timeout is
+#: noticed: the calls recycle finished events themselves. Polling every millisecond made the
+#: calling thread wait for the interpreter lock: the host time of an MXFP8 dispatch went from
+#: about 0.5 to 0.9 ms (H200 host, bench/NOTES.md).
+_WATCH_POLL_S = 0.05
 _ASYNC_CHECK_S = 1.0           # period of ncclCommGetAsyncError checks while in flight
 _IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in flight
 _NULL_CONTEXT = contextlib.nullcontext()
@@ -174,6 +178,7 @@ class NcclCommunicator(Communicator):
         if self._runtime.streamIsCapturing(stream_ptr):
             return
         with self._lock:
+            self._recycle()
             event = self._free_events.pop() if self._free_events else None
         if event is None:
             event = self._runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
@@ -182,6 +187,19 @@ class NcclCommunicator(Communicator):
             self._in_flight.append((event, time.monotonic()))
             if len(self._in_flight) == 1:
                 self._wake.notify()
+
+    def _recycle(self, most=4):
+        """Move up to ``most`` finished events from the head of the in-flight queue back to the
+        pool (under the lock), so back-to-back calls do not wait for the watchdog's poll."""
+        query = self._runtime.eventQuery
+        for _ in range(most):
+            if not self._in_flight:
+                return
+            event = self._in_flight[0][0]
+            if query(event) != _CUDA_SUCCESS:
+                return
+            self._in_flight.popleft()
+            self._free_events.append(event)
 
     def _watch(self):
         """Watchdog thread: recycle finished events; abort NCCL on a timeout or async error."""

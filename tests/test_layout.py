@@ -351,20 +351,31 @@ def test_gpu_cuda_graph_replays_the_token_path():
             return (a2a_combine(y, layout, stream=stream),
                     a2a_combine(y, layout, precision="mxfp8", stream=stream))
 
-        expected = [to_host(a).view(numpy.uint16) for a in token_path()]
-        c.wait(stream)
-        token_path()  # warm: every kernel compiled, the pool holds every block
-        c.wait(stream)
-        stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
-        outs = token_path()
-        graph = stream.end_capture()
-        for _ in range(4):
-            for o in outs:
-                o.fill(0)
-            graph.launch(stream)
-            c.wait(stream)
-            for o, e in zip(outs, expected):
-                numpy.testing.assert_array_equal(to_host(o).view(numpy.uint16), e)
+        # Allocations inside a capture must be graph-aware: CuPy's stream-ordered pool
+        # (cudaMallocAsync) becomes graph memory nodes, allocated and freed by each replay.
+        pool = cupy.cuda.MemoryAsyncPool()
+        cupy.cuda.set_allocator(pool.malloc)
+        try:
+            with stream:
+                expected = [to_host(a).view(numpy.uint16) for a in token_path()]
+                c.wait(stream)
+                token_path()  # warm: every kernel compiled, every cache of the layout built
+                c.wait(stream)
+                # Relaxed: the communicator's watchdog thread may query events meanwhile.
+                stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2))
+                try:
+                    outs = token_path()
+                finally:
+                    graph = stream.end_capture()
+                for _ in range(4):
+                    for o in outs:
+                        o.fill(0)
+                    graph.launch(stream)
+                    c.wait(stream)
+                    for o, e in zip(outs, expected):
+                        numpy.testing.assert_array_equal(to_host(o).view(numpy.uint16), e)
+        finally:
+            cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
         # What came home is each row's own MXFP8 round trip.
         numpy.testing.assert_array_equal(expected[0], bits(fake_quantize(xs[me])))
 
