@@ -31,7 +31,8 @@ print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba-cuda', numba_
 for phase in "$@"; do
     case $phase in
     tests1) step "gpu tests, 1 process" 300 python3 -m pytest -q -m "gpu and not mpi" tests ;;
-    tests2) step "gpu tests, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
+    tests2) step "gpu tests, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
+        -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" tests ;;
     tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
     kernels) step "bench kernels" 300 python3 -m mxcomm.bench kernels \
         --json "$res/kernels.json" --markdown "$res/kernels.md" ;;
@@ -54,7 +55,7 @@ for phase in "$@"; do
     latency4) [ "$ngpu" -ge 4 ] && step "bench latency, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench latency \
         --json "$res/latency_w4.json" --markdown "$res/latency_w4.md" ;;
     train2) step "train_moe, 2 ranks" 560 "${mpirun_env[@]}" -n 2 python3 examples/train_moe.py \
-        --variants bf16,default,mxfp8 --seeds 0,1,2 --max-minutes 8 \
+        --variants bf16,default,mxfp8 --seeds ${TRAIN_SEEDS:-0,1,2} --max-minutes ${TRAIN_MINUTES:-8} \
         --json "$res/train_moe_w2.json" --markdown "$res/train_moe_w2.md" --plot "$res/train_moe_w2.png" ;;
     *) echo "unknown phase $phase" | tee -a "$log" ;;
     esac

@@ -7,10 +7,10 @@ dispatch direction, ``output_splits[r]`` rows it receives from rank r (``exchang
 Directions and default precisions (torchtitan's conventions, docs/design.md "EP semantics")::
 
     function                 sends            receives         default    returns
-    a2a_dispatch             input_splits     output_splits    "mxfp8"    MXFP8Array | bf16
+    a2a_dispatch             input_splits     output_splits    "mxfp8"    QuantizedArray | array
     a2a_dispatch_backward    output_splits    input_splits     "bf16"     grad's dtype
     a2a_combine              output_splits    input_splits     "bf16"     y's dtype
-    a2a_combine_backward     input_splits     output_splits    "mxfp8"    MXFP8Array | bf16
+    a2a_combine_backward     input_splits     output_splits    "mxfp8"    QuantizedArray | array
     all_to_all_single        input_splits     output_splits    "mxfp8"    x's dtype
 
 Every function takes either explicit splits and a communicator (checked across ranks by a vote,
@@ -28,7 +28,10 @@ quantizing with the rest::
     caller stream:  q(r+1) q(r+2) q(r+3) q(r) dq(r)
     side stream:           dq(r-1 over NVLink) .... dq(r-2) .......... dq(r-3) ..........
 
-Where it stays quantized (MXFP8Array results), copy engines pull the rows into the result, peer
+Every precision argument takes any format of ``mxcomm.formats`` (``PRECISIONS``): the engine reads
+the Format object (row arrays, quantize and dequantize launchers) and never branches on its name;
+below, "MXFP8" stands for any quantized format. Where it stays quantized (QuantizedArray results),
+copy engines pull the rows into the result, peer
 after peer, with no SMs taken from the quantize kernels. Elsewhere (``"grouped"``) the rows are
 quantized into a staging array, move in one NCCL group (or MPI call), and are then dequantized.
 bf16 exchanges are one ``comm.alltoallv`` either way.
@@ -40,13 +43,12 @@ import numpy
 
 from ._array import as_device_array, bfloat16, float32
 from .kernels import array_module
-from .kernels._fp8 import MX_BLOCK
+from .formats import QuantizedArray, format_names, get_format
 from .layout import Layout
-from .mxfp8 import SCALE_MODES, MXFP8Array, dequantize_mxfp8, launch_dequantize, launch_quantize
+from .mxfp8 import SCALE_MODES
 
-#: Precisions implemented, and those planned (named in the error message).
-PRECISIONS = ("bf16", "mxfp8")
-PLANNED_PRECISIONS = ("fp8_rowwise", "fp8_block128")
+#: Every precision a direction accepts: the formats of ``mxcomm.formats``.
+PRECISIONS = format_names()
 _INPUT_DTYPES = (bfloat16, float32)
 #: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
 #: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
@@ -60,20 +62,14 @@ _PULLED_SHARE = 0.98
 
 # ---------------------------------------------------------------------------------- arguments
 def _check_precision(precision, name="precision", rank=None):
-    """Return ``precision`` if implemented; else ValueError naming the allowed values."""
-    if isinstance(precision, str) and precision in PRECISIONS:
-        return precision
-    allowed = ", ".join(map(repr, PRECISIONS))
-    where = "" if rank is None else f" on rank {rank}"
-    if precision in PLANNED_PRECISIONS:
-        raise ValueError(f"{name}{where}: {precision!r} is planned but not implemented yet; "
-                         f"expected one of {allowed}")
-    raise ValueError(f"{name}{where}: expected one of {allowed}, got {precision!r}")
+    """The :class:`~mxcomm.formats.Format` named ``precision``; else ValueError naming
+    ``name`` (and the rank) and listing every format."""
+    return get_format(precision, name if rank is None else f"{name} on rank {rank}")
 
 
 def _check_rows(x, name, rank):
-    """``x`` as a 2-D array of rows (bf16 or fp32, C-contiguous), or an MXFP8Array as is."""
-    if isinstance(x, MXFP8Array):
+    """``x`` as a 2-D array of rows (bf16 or fp32, C-contiguous), or a QuantizedArray as is."""
+    if isinstance(x, QuantizedArray):
         return x
     x = as_device_array(x, name)
     if x.ndim != 2:
@@ -127,37 +123,41 @@ def _resolve(input_splits, output_splits, comm, layout, function):
 
 
 # ---------------------------------------------------------------------------------- the engine
-class _MXFP8Rows:
-    """The MXFP8 exchange's producer and consumer (``mxcomm.comm._staged`` protocol): quantize
-    each peer's rows straight into the memory they travel from; dequantize each sender's rows
-    where they are (in-place exchanges)."""
+class _QuantizedRows:
+    """The quantized exchange's producer and consumer (``mxcomm.comm._staged`` protocol), for any
+    quantized format: quantize each peer's rows straight into the memory they travel from (or
+    copy their bits if ``x`` is already of the format); dequantize each sender's rows where they
+    are (in-place exchanges)."""
 
-    __slots__ = ("arrays", "kind", "_x", "_out", "_scale_mode", "_caller", "_share")
+    __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share")
 
-    def __init__(self, x, kind, scale_mode, out, caller, share):
-        width = x.shape[1]
-        self.arrays = (((width,), numpy.dtype(numpy.uint8)),
-                       ((width // MX_BLOCK,), numpy.dtype(numpy.uint8)))
+    def __init__(self, x, fmt, kind, scale_mode, out, caller, share):
+        self.arrays = fmt.row_arrays(x.shape[1])
         self.kind = kind
         self._x = x
+        self._format = fmt
         self._out = out
         self._scale_mode = scale_mode
         self._caller = caller
         self._share = share
 
+    def _rows(self, data, scales):
+        """The travelling (data, scales) slots as a QuantizedArray (per-row scales 1-D)."""
+        return self._format.wrap(data, scales.reshape(self._format.scales_shape(*data.shape)))
+
     def produce(self, begin, end, slots, stream):
         data, scales = slots
         x = self._x
-        if isinstance(x, MXFP8Array):  # already quantized: copy its bits
+        if isinstance(x, QuantizedArray):  # already of the format: copy its bits
             data[...] = x.data[begin:end]
-            scales[...] = x.scales[begin:end]
+            scales[...] = x.scales[begin:end].reshape(scales.shape)
         else:
-            launch_quantize(x[begin:end], MXFP8Array(data, scales), self._scale_mode, stream,
-                            self._share)
+            self._format.launch_quantize(x[begin:end], self._rows(data, scales), stream,
+                                         self._share, self._scale_mode)
 
     def consume(self, begin, end, rows, stream):
-        launch_dequantize(MXFP8Array(*rows), self._out[begin:end], stream,
-                          1.0 if stream == self._caller else _BESIDE_SHARE)
+        self._format.launch_dequantize(self._rows(*rows), self._out[begin:end], stream,
+                                       1.0 if stream == self._caller else _BESIDE_SHARE)
 
 
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
@@ -165,29 +165,28 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
 
     Args:
-        x: (M, D) bf16/fp32 array or MXFP8Array. Read.
+        x: (M, D) bf16/fp32 array or QuantizedArray. Read.
         input_splits, output_splits, comm, layout: as the public functions take them.
+        precision: a format name (``mxcomm.formats``) or Format.
         function, name: the public function and ``x``'s name, for messages.
         direction: ``"dispatch"`` (send input_splits) or ``"combine"`` (send output_splits).
-        dequantize: False to return the wire format (MXFP8Array or bf16 array); True to return an
-            array of ``x``'s dtype (bf16 for an MXFP8Array).
+        dequantize: False to return the wire format (a QuantizedArray, or an array of the
+            format's dtype); True to return an array of ``x``'s dtype (bf16 for a QuantizedArray).
         validate: explicit splits only: check across ranks first (None: the communicator's).
     Returns:
-        (N, D) MXFP8Array or array.
+        (N, D) QuantizedArray or array.
     """
     layout, comm = _resolve(input_splits, output_splits, comm, layout, function)
     rank = comm.rank
     error = plan = send_counts = recv_counts = None
     try:
-        precision = _check_precision(precision, rank=rank)
+        fmt = _check_precision(precision, rank=rank)
         x = _check_rows(x, name, rank)
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode on rank {rank}: expected one of {SCALE_MODES}, got "
                              f"{scale_mode!r}")
         width = x.shape[1]
-        if precision == "mxfp8" and width % MX_BLOCK:
-            raise ValueError(f"{name} on rank {rank}: D = {width} is not a multiple of the MX "
-                             f"block size {MX_BLOCK}")
+        fmt.check_width(width, f"{name} on rank {rank}")
         if layout is not None:
             plan = layout.dispatch_plan if direction == "dispatch" else layout.combine_plan
             send_counts, recv_counts = plan.send_counts, plan.recv_counts
@@ -211,16 +210,18 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
         # The vote: every rank raises the same error if any rank's call is bad; else every
         # rank learns every rank's counts (the pull transport reads them).
         description = "" if error is not None else \
-            f"precision {precision!r}, D = {width}, {_dtype_name(x)} rows"
+            f"precision {fmt.name!r}, D = {width}, {_dtype_name(x)} rows"
         plan = comm.check(send_counts, recv_counts, description, error=error, validate=validate,
                           what=function)
     caller = comm._stream_ptr(stream)
-    kind = f"{function} {precision} rows of D = {width}"
-    if precision == "bf16":
-        return _exchange_bf16(x, send_counts, recv_counts, comm, caller, dequantize)
+    if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
+        x = x.dequantize(bfloat16, stream=caller)
+    if not fmt.quantized:
+        return _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize)
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
         plan = _unvoted_plan(comm, send_counts, recv_counts)
-    return _exchange_mxfp8(x, plan, comm, caller, dequantize, scale_mode, kind)
+    kind = f"{function} {fmt.name} rows of D = {width}"
+    return _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind)
 
 
 def _unvoted_plan(comm, send_counts, recv_counts):
@@ -237,21 +238,22 @@ def _unvoted_plan(comm, send_counts, recv_counts):
 
 
 def _dtype_name(x):
-    return "MXFP8" if isinstance(x, MXFP8Array) else x.dtype.name
+    return x.format.name.upper() if isinstance(x, QuantizedArray) else x.dtype.name
 
 
-def _exchange_bf16(x, send_counts, recv_counts, comm, caller, dequantize):
-    """One all-to-all of bf16 rows on the caller's stream (nothing to overlap); already checked."""
+def _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize):
+    """One all-to-all of unscaled rows on the caller's stream (nothing to overlap); already
+    checked. ``"bf16"`` sends bf16 (fp32 rounded to it); ``"native"`` sends ``x``'s dtype as is.
+    A QuantizedArray ``x`` was dequantized to bf16 by the caller."""
     xp = array_module()
     with comm._on_stream(caller):
-        result_dtype = _dtype_of(x) if dequantize else bfloat16
-        if isinstance(x, MXFP8Array):
-            x = dequantize_mxfp8(x, bfloat16, stream=caller)
-        elif x.dtype != bfloat16:
+        wire = numpy.dtype(fmt.element_dtype or x.dtype)
+        result_dtype = x.dtype if dequantize else wire
+        if x.dtype != wire:  # fp32 -> bf16, the only conversion a plain format makes
             x = _f32_to_bf16(x)
-        out = xp.empty((sum(recv_counts), x.shape[1]), dtype=bfloat16)
+        out = xp.empty((sum(recv_counts), x.shape[1]), dtype=wire)
         comm.alltoallv(x, send_counts, recv_counts, out, stream=caller, validate=False)
-        if result_dtype != bfloat16:
+        if result_dtype != wire:
             out = _bf16_to_f32(out)
     return out
 
@@ -271,9 +273,10 @@ def _bf16_to_f32(x):
     return (x.view(numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
 
 
-def _exchange_mxfp8(x, plan, comm, caller, dequantize, scale_mode, kind):
-    """The MXFP8 exchange (module docstring): quantize into the travelling memory peer by peer;
-    dequantize each sender's rows where they are, or collect them still quantized."""
+def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind):
+    """The quantized exchange (module docstring), for the quantized format ``fmt``: quantize into
+    the travelling memory peer by peer; dequantize each sender's rows where they are, or collect
+    them still quantized."""
     xp = array_module()
     width = x.shape[1]
     pull = comm.transport == "pull"
@@ -281,27 +284,28 @@ def _exchange_mxfp8(x, plan, comm, caller, dequantize, scale_mode, kind):
         if dequantize:
             out = xp.empty((plan.rows_received, width), dtype=_dtype_of(x))
             share = 1.0 - _BESIDE_SHARE if pull else 1.0
-            comm.exchange(_MXFP8Rows(x, kind, scale_mode, out, caller, share), plan,
+            comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
                           in_place=True, stream=caller)
             return out
-        received = MXFP8Array(xp.empty((plan.rows_received, width), dtype=numpy.uint8),
-                              xp.empty((plan.rows_received, width // MX_BLOCK),
-                                       dtype=numpy.uint8))
-        comm.exchange(_MXFP8Rows(x, kind, scale_mode, None, caller,
-                                 _PULLED_SHARE if pull else 1.0), plan,
-                      out=(received.data, received.scales), stream=caller)
+        received = fmt.empty(plan.rows_received, width)
+        travelling = (received.data, received.scales.reshape(
+            (plan.rows_received,) + fmt.row_arrays(width)[1][0]))
+        comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, None, caller,
+                                     _PULLED_SHARE if pull else 1.0), plan,
+                      out=travelling, stream=caller)
         return received
 
 
 def _dtype_of(x):
-    """The dtype a dequantized result of ``x`` takes: ``x``'s, or bf16 for an MXFP8Array."""
-    return bfloat16 if isinstance(x, MXFP8Array) else x.dtype
+    """The dtype a dequantized result of ``x`` takes: ``x``'s, or bf16 for a QuantizedArray."""
+    return bfloat16 if isinstance(x, QuantizedArray) else x.dtype
 
 
 # ------------------------------------------------------------------------------------- public
 _COMMON_ARGS = """
         comm: a communicator (``mxcomm.comm.init()``); with a layout, None or the layout's.
-        scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, docs/design.md).
+        scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, docs/design.md); the
+            other formats fix their own scaling and ignore it.
         stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host).
         layout: a :class:`~mxcomm.layout.Layout` instead of the splits (it may also be passed
             as the second positional argument). Then the call checks its arguments locally
@@ -343,9 +347,12 @@ a2a_dispatch.__doc__ = _doc("""Step 1: send routed token rows to the ranks holdi
             Read.
         input_splits: W host ints, rows sent to each rank (sum = M); or a Layout.
         output_splits: W host ints, rows received from each rank.
-        precision: ``"mxfp8"`` (quantized rows travel: data and scales) or ``"bf16"``.{common}
+        precision: a format name (``PRECISIONS``): a quantized one (``"mxfp8"``,
+            ``"fp8_rowwise"``, ``"fp8_block128"``, ``"fp8_block128_pow2"``: data and scales
+            travel) or ``"bf16"`` / ``"native"`` (the input's dtype as is).{common}
     Returns:
-        (N, D) MXFP8Array (still quantized) for ``"mxfp8"``, else (N, D) bf16 array;
+        (N, D) QuantizedArray of the format (an MXFP8Array for ``"mxfp8"``; still
+        quantized), else (N, D) bf16 (``"native"``: ``x``'s dtype) array;
         N = sum(output_splits).
     """)
 
@@ -364,11 +371,11 @@ a2a_dispatch_backward.__doc__ = _doc("""Backward of :func:`a2a_dispatch`: return
     Combine direction: sends ``output_splits``, receives ``input_splits``.
 
     Args:
-        grad: (N, D) bf16/fp32 array (or MXFP8Array), N = sum(output_splits). Read.
+        grad: (N, D) bf16/fp32 array (or QuantizedArray), N = sum(output_splits). Read.
         input_splits, output_splits: as given to :func:`a2a_dispatch` (or a Layout).
-        precision: wire format, ``"bf16"`` (default) or ``"mxfp8"``.{common}
+        precision: wire format, ``"bf16"`` (default) or any of ``PRECISIONS``.{common}
     Returns:
-        (M, D) array of ``grad``'s dtype (bf16 for an MXFP8Array).
+        (M, D) array of ``grad``'s dtype (bf16 for a QuantizedArray).
     """)
 
 
@@ -384,11 +391,11 @@ a2a_combine.__doc__ = _doc("""Step 5: return expert outputs to the ranks their t
     Sends ``output_splits`` rows back, receives ``input_splits`` (splits as given to dispatch).
 
     Args:
-        y: (N, H) bf16/fp32 array (or MXFP8Array), rows in received order (``unpermute``). Read.
+        y: (N, H) bf16/fp32 array (or QuantizedArray), rows in received order (``unpermute``). Read.
         input_splits, output_splits: as given to :func:`a2a_dispatch` (or a Layout).
-        precision: wire format, ``"bf16"`` (default) or ``"mxfp8"``.{common}
+        precision: wire format, ``"bf16"`` (default) or any of ``PRECISIONS``.{common}
     Returns:
-        (M, H) array of ``y``'s dtype (bf16 for an MXFP8Array), rows in the caller's original
+        (M, H) array of ``y``'s dtype (bf16 for a QuantizedArray), rows in the caller's original
         order.
     """)
 
@@ -409,9 +416,10 @@ a2a_combine_backward.__doc__ = _doc("""Backward of :func:`a2a_combine`: send the
     Args:
         grad: (M, H) bf16/fp32 array. Read.
         input_splits, output_splits: as given to :func:`a2a_dispatch` (or a Layout).
-        precision: wire format, ``"mxfp8"`` (default) or ``"bf16"``.{common}
+        precision: wire format, ``"mxfp8"`` (default) or any of ``PRECISIONS``.{common}
     Returns:
-        (N, H) MXFP8Array for ``"mxfp8"`` (so ``unpermute_backward`` permutes data and scales
+        (N, H) QuantizedArray for a quantized format (so ``unpermute_backward`` permutes data
+        and scales
         together), else (N, H) bf16 array.
     """)
 
@@ -430,7 +438,7 @@ def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *
         output_splits: W host ints, rows received from each rank.
         input_splits: W host ints, rows sent to each rank (sum = M).
         comm: a communicator.
-        precision: wire format, ``"mxfp8"`` (default) or ``"bf16"``.
+        precision: wire format, ``"mxfp8"`` (default) or any of ``PRECISIONS``.
         scale_mode, stream, validate: as :func:`a2a_dispatch`.
     Returns:
         (sum(output_splits), D) array of ``x``'s dtype.

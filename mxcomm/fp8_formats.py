@@ -22,7 +22,9 @@ The exact formulas, NaN/Inf rules and sources are in the docstrings of ``kernels
     non-finite row / block:    scale NaN, elements 0x7F (every element dequantizes to NaN)
 
 Every public function has a NumPy host implementation, ``_host_<name>``, bit-identical to its
-kernels (tested): vectorized, on NumPy arrays, for a host backend.
+kernels (tested): vectorized, on NumPy arrays. The ``launch_*`` functions are the only places that
+choose: the host twin where ``mxcomm._platform.host_backend()``, else the kernel. The formats
+themselves (names, scale layouts, padding scales) are registered in ``mxcomm.formats``.
 """
 
 import ml_dtypes
@@ -30,6 +32,7 @@ import numpy
 
 from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
 from ._array import as_device_array, bfloat16, float32, stream_ptr
+from ._platform import host_backend
 from .kernels import fp8_block, fp8_rowwise
 from .kernels._launch import RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
@@ -210,6 +213,8 @@ def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
     m, d = x.shape
     if m == 0:
         return data, scales
+    if host_backend():
+        return _host_quantize_fp8_rowwise(x, out=(data, scales))
     x_words = _words(x, _U64, "x")
     if x.dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
         kernel, data_words = quantize_fp8_rowwise_bf16_kernel, _words(data, _U64, "out data")
@@ -254,6 +259,8 @@ def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
     uint8 and ``scales`` (M,) float32 into ``out`` (M, D) bf16/fp32. Returns ``out``."""
     if out.size == 0:
         return out
+    if host_backend():
+        return _host_dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
     data_words = _words(data, _U64, "data")
     kernel = (dequantize_fp8_rowwise_bf16_kernel if out.dtype == bfloat16
               else dequantize_fp8_rowwise_f32_kernel)
@@ -309,6 +316,8 @@ def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0)
     fp32 into ``data`` (M, D) uint8 and ``scales`` (M, D // 128) float32. Returns (data, scales)."""
     if x.size == 0:
         return data, scales
+    if host_backend():
+        return _host_quantize_fp8_block128(x, scale_mode, out=(data, scales))
     if x.dtype == bfloat16:
         kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
     else:
@@ -353,6 +362,8 @@ def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
     uint8 and ``scales`` (M, D // 128) float32 into ``out`` (M, D) bf16/fp32. Returns ``out``."""
     if out.size == 0:
         return out
+    if host_backend():
+        return _host_dequantize_fp8_block128(data, scales, out.dtype, out=out)
     data_words = _words(data.reshape(-1), _U64, "data")
     kernel = (dequantize_fp8_block128_bf16_kernel if out.dtype == bfloat16
               else dequantize_fp8_block128_f32_kernel)
@@ -419,6 +430,8 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
     p = indices.shape[0]
     if p == 0:
         return data, scales
+    if host_backend():
+        return _host_mx_to_rowwise_permute(mx, indices, out=(data, scales))
     out_words = _words(data, _U64, "out data")
     threads = _row_threads(out_words.shape[1], PASS_WORDS)
     mx_to_rowwise_gather_kernel[_resident_launch(p * threads, threads, GATHER_REGISTERS, stream,

@@ -15,6 +15,7 @@ from .kernels import array_module, launch_1d  # first: sets up the simulator bef
 from . import _host
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
+from .formats import QuantizedArray, get_format
 from .kernels._fp8 import MX_BLOCK
 from .kernels.mxfp8 import (PAIRS_PER_THREAD, WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, quantize_mxfp8_bf16_kernel,
@@ -51,8 +52,9 @@ def _check_rows(x, name, dtypes=None):
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
 
 
-class MXFP8Array:
-    """An (M, D) MXFP8 tensor: e4m3fn elements and one e8m0 scale per 32 elements of a row.
+class MXFP8Array(QuantizedArray):
+    """An (M, D) MXFP8 tensor: e4m3fn elements and one e8m0 scale per 32 elements of a row; the
+    ``"mxfp8"`` case of :class:`~mxcomm.formats.QuantizedArray` (``.format`` is that Format).
 
     Attributes:
         data: (M, D) uint8, e4m3fn bit patterns, C-contiguous.
@@ -62,32 +64,10 @@ class MXFP8Array:
         ValueError: not 2-D, D % 32 != 0, scales shape not (M, D // 32), or not C-contiguous.
     """
 
-    __slots__ = ("data", "scales")
+    __slots__ = ()
 
     def __init__(self, data, scales):
-        data = as_device_array(data, "data")
-        scales = as_device_array(scales, "scales")
-        for a, name in ((data, "data"), (scales, "scales")):
-            if a.dtype != "uint8":
-                raise TypeError(f"{name}: expected dtype uint8 (fp8 bit patterns), got {a.dtype}")
-            if a.ndim != 2:
-                raise ValueError(f"{name}: expected a 2-D array, got {a.ndim}-D shape {tuple(a.shape)}")
-            if not a.flags.c_contiguous:
-                raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
-        m, d = data.shape
-        if d % MX_BLOCK:
-            raise ValueError(f"data: expected the last dimension D to be a multiple of {MX_BLOCK}, "
-                             f"got D = {d}")
-        if tuple(scales.shape) != (m, d // MX_BLOCK):
-            raise ValueError(f"scales: expected shape {(m, d // MX_BLOCK)} for data of shape {(m, d)}, "
-                             f"got {tuple(scales.shape)}")
-        self.data = data
-        self.scales = scales
-
-    @property
-    def shape(self):
-        """(M, D): the shape of the tensor (of ``data``)."""
-        return tuple(self.data.shape)
+        super().__init__(data, scales, get_format("mxfp8"))
 
     def dequantize(self, dtype=bfloat16, *, out=None, stream=None):
         """This tensor as (M, D) ``dtype`` (bf16 or fp32); see :func:`dequantize_mxfp8`."""

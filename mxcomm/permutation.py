@@ -32,7 +32,8 @@ from . import _host
 from ._array import as_device_array, stream_ptr
 from ._platform import host_backend
 from .layout import Layout
-from .mxfp8 import MXFP8Array, _address
+from .formats import QuantizedArray, conversion, get_format
+from .mxfp8 import _address
 
 _WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
 #: Words of a row each thread of a row-moving block aims to copy. Measured on an H200 (MXFP8 rows,
@@ -54,15 +55,16 @@ def _check_int(value, name, minimum):
 
 
 def _rows(x, name):
-    """The row arrays of ``x`` (data, and scales for an MXFP8Array), validated, and whether MXFP8."""
-    if isinstance(x, MXFP8Array):
-        return [x.data, x.scales], True
+    """The row arrays of ``x`` (data, and scales for a QuantizedArray of any format), validated,
+    and its Format (None for a plain array)."""
+    if isinstance(x, QuantizedArray):
+        return [x.data, x.scales], x.format
     x = as_device_array(x, name)
     if x.ndim < 1:
         raise ValueError(f"{name}: expected an array of rows (at least 1-D), got a 0-D array")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
-    return [x], False
+    return [x], None
 
 
 def _as_words(arrays):
@@ -122,42 +124,66 @@ def _check_indices(permuted_indices, rows, name):
     return idx
 
 
-def _wrap(arrays, mx):
-    return MXFP8Array(*arrays) if mx else arrays[0]
+def _wrap(arrays, fmt):
+    return fmt.wrap(*arrays) if fmt is not None else arrays[0]
 
 
-def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *, stream=None):
+def _pad_scales(dsts, fmt, indices, num_src):
+    """Give the padding rows of a gather (index -1, or past the ``num_src`` source rows) the
+    format's padding scale (the gather wrote zeros: right for ``padding_scale == 0``). On the
+    device, no host sync."""
+    if fmt is None or not fmt.padding_scale or indices.shape[0] == 0:
+        return
+    scales = dsts[1]
+    pad = (indices < 0) | (indices >= num_src)
+    if scales.ndim == 2:
+        pad = pad[:, None]
+    array_module().copyto(scales, scales.dtype.type(fmt.padding_scale), where=pad)
+
+
+def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *, out_format=None,
+            stream=None):
     """Received rows -> expert-major order, each expert's group zero-padded to a multiple of ``align``.
 
     Layout: see the module docstring. Rows of a group keep their received order (by source rank).
 
     Args:
-        x: (M_recv, ...) C-contiguous device array of any dtype, or an MXFP8Array (data and scales
-            permuted together in one launch). Read.
+        x: (M_recv, ...) C-contiguous device array of any dtype, or a QuantizedArray (any format;
+            data and scales permuted together in one launch). Read.
         num_tokens_per_expert_group: (E,) int32 device array, rank-major counts; must sum to M_recv
             (not checked: that would need a host sync; extra counts give -1 indices). Read.
             Or the :class:`~mxcomm.layout.Layout`: then its counts (checked across ranks when it
             was made), M_recv checked against it, and the index built once per layout and
             ``align`` and reused by later calls (no launch).
         num_local_experts: E_local, a positive int dividing E (not needed with a layout).
-        align: rows, a positive int (32 for MX grouped GEMMs).
+        align: rows, a positive int (32 for MX grouped GEMMs, a multiple of 16 for SM90 fp8
+            grouped GEMMs).
+        out_format: None (or ``x``'s format) to move rows as they are; or a format to convert
+            the QuantizedArray ``x`` to in the same pass where ``mxcomm.formats.conversion``
+            has one: ``"fp8_rowwise"`` from ``"mxfp8"`` (``fp8_formats.mx_to_rowwise_permute``:
+            each row rescaled to one power-of-two scale; no bf16 round trip).
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
-        ``(permuted, permuted_indices, group_offsets)``: permuted (P, ...) same dtype as ``x`` (or an
-        MXFP8Array; padding rows have data 0 and scales 0, so they dequantize to 0), P =
+        ``(permuted, permuted_indices, group_offsets)``: permuted (P, ...) same dtype as ``x`` (or a
+        QuantizedArray of its format, or of ``out_format``; padding rows have data 0 and the
+        format's ``padding_scale``, so they dequantize to 0), P =
         round_up(M_recv + E_local * align, align); permuted_indices (P,) int32, the received row
         of each permuted row or -1; group_offsets (E_local,) int32, cumulative padded group ends.
     Raises:
         TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
+        ValueError: (also) no conversion from ``x``'s format to ``out_format``.
         ValueError: counts not 1-D or its length not a multiple of ``num_local_experts``;
             ``num_local_experts`` or ``align`` < 1; ``x`` not C-contiguous; on the host backend
             (counts in host memory), a negative count.
     """
-    srcs, mx = _rows(x, "x")
+    srcs, fmt = _rows(x, "x")
+    convert = None
+    if out_format is not None and get_format(out_format, "out_format") is not fmt:
+        convert = conversion(fmt, get_format(out_format, "out_format"))
     if isinstance(num_tokens_per_expert_group, Layout):
-        return _permute_on_layout(srcs, mx, num_tokens_per_expert_group, num_local_experts,
-                                  align, stream)
+        return _permute_on_layout(x, srcs, fmt, convert, num_tokens_per_expert_group,
+                                  num_local_experts, align, stream)
     if num_local_experts is None:
         raise TypeError("permute: num_local_experts is required without a layout")
     counts = as_device_array(num_tokens_per_expert_group, "num_tokens_per_expert_group")
@@ -175,12 +201,23 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
     p = _round_up(m_recv + e_local * align, align)
     xp = array_module()
     indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream)
+    return _gather(x, srcs, fmt, convert, indices, stream), indices, group_offsets
+
+
+def _gather(x, srcs, fmt, convert, indices, stream):
+    """Rows ``indices`` of ``x`` (padding: zeros and the padding scale), or of ``x`` converted
+    by ``convert`` (a ``mxcomm.formats.conversion``) in the same pass."""
+    if convert is not None:
+        return convert(x, indices, stream_ptr(stream))
+    xp = array_module()
+    p = indices.shape[0]
     dsts = [xp.empty((p,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
     _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
-    return _wrap(dsts, mx), indices, group_offsets
+    _pad_scales(dsts, fmt, indices, srcs[0].shape[0])
+    return _wrap(dsts, fmt)
 
 
-def _permute_on_layout(srcs, mx, layout, num_local_experts, align, stream):
+def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, stream):
     """:func:`permute` given the layout: rows checked against it (O(1)); the index and group
     offsets built once per layout and ``align``, and reused (no launch) by later calls."""
     e_local = layout.num_local_experts
@@ -199,10 +236,7 @@ def _permute_on_layout(srcs, mx, layout, num_local_experts, align, stream):
         cached = layout._cache[key] = _layout(layout.num_tokens_per_expert_group, e_local,
                                               align, m_recv, p, stream)
     indices, group_offsets = cached
-    xp = array_module()
-    dsts = [xp.empty((p,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
-    _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
-    return _wrap(dsts, mx), indices, group_offsets
+    return _gather(x, srcs, fmt, convert, indices, stream), indices, group_offsets
 
 
 def _layout(counts, e_local, align, m_recv, p, stream):
@@ -227,7 +261,7 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     """Permuted rows back to received order, padding dropped: out[permuted_indices[p]] = y[p].
 
     Args:
-        y: (P, H...) C-contiguous device array (any dtype) or an MXFP8Array. Read.
+        y: (P, H...) C-contiguous device array (any dtype) or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
         num_rows: M_recv, an int >= 0, or the layout (its ``num_received``). Rows no index names
             are left unwritten (every received row is named once by indices from
@@ -235,12 +269,12 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
-        (num_rows, H...) array of ``y``'s dtype, or an MXFP8Array.
+        (num_rows, H...) array of ``y``'s dtype, or a QuantizedArray (any format).
     Raises:
         TypeError: indices not int32; non-int ``num_rows``; ``y`` not an array.
         ValueError: indices not 1-D or not of length P; ``num_rows`` < 0; ``y`` not C-contiguous.
     """
-    srcs, mx = _rows(y, "y")
+    srcs, fmt = _rows(y, "y")
     idx = _check_indices(permuted_indices, srcs[0].shape[0], "y")
     if isinstance(num_rows, Layout):
         num_rows = num_rows.num_received
@@ -249,7 +283,7 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     dsts = [xp.empty((num_rows,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
     if num_rows:
         _move_rows(scatter_rows_kernel, idx, srcs, dsts, stream)
-    return _wrap(dsts, mx)
+    return _wrap(dsts, fmt)
 
 
 def permute_backward(grad, permuted_indices, num_rows, *, stream=None):
@@ -257,11 +291,11 @@ def permute_backward(grad, permuted_indices, num_rows, *, stream=None):
     (padding rows' gradient ignored). The same scatter as :func:`unpermute`.
 
     Args:
-        grad: (P, D...) C-contiguous device array (bf16 in the EP path) or an MXFP8Array. Read.
+        grad: (P, D...) C-contiguous device array (bf16 in the EP path) or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
         num_rows: M_recv, an int >= 0.
     Returns:
-        (num_rows, D...) array of ``grad``'s dtype (or an MXFP8Array).
+        (num_rows, D...) array of ``grad``'s dtype (or a QuantizedArray (any format)).
     """
     return unpermute(grad, permuted_indices, num_rows, stream=stream)
 
@@ -271,20 +305,17 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
     zero rows where permuted_indices is -1: out[p] = grad[permuted_indices[p]].
 
     Args:
-        grad: (M_recv, H...) C-contiguous device array or an MXFP8Array (scales travel with their
-            rows; padding rows get data 0 and scales 0, which dequantize to 0). Read.
+        grad: (M_recv, H...) C-contiguous device array or a QuantizedArray (any format) (scales travel with their
+            rows; padding rows get data 0 and the format's padding scale: they dequantize to 0). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
-        (P, H...) array of ``grad``'s dtype, or an MXFP8Array.
+        (P, H...) array of ``grad``'s dtype, or a QuantizedArray (any format).
     Raises:
         TypeError: indices not int32; ``grad`` not an array.
         ValueError: indices not 1-D; ``grad`` not C-contiguous.
     """
-    srcs, mx = _rows(grad, "grad")
+    srcs, fmt = _rows(grad, "grad")
     idx = _check_indices(permuted_indices, None, "grad")
-    xp = array_module()
-    dsts = [xp.empty((idx.shape[0],) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
-    _move_rows(gather_rows_kernel, idx, srcs, dsts, stream)
-    return _wrap(dsts, mx)
+    return _gather(grad, srcs, fmt, None, idx, stream)

@@ -301,12 +301,16 @@ def test_precision_errors(comm, routed):
     me = comm.rank
     _, input_splits, output_splits = layout_ref(routed, me)
     x = to_device(routed[me].x)
-    with pytest.raises(ValueError, match="'fp8_rowwise' is planned but not implemented yet"):
-        a2a_dispatch(x, input_splits, output_splits, comm, "fp8_rowwise")
-    with pytest.raises(ValueError, match="'fp8_block128' is planned but not implemented yet"):
-        a2a_combine_backward(x, input_splits, output_splits, comm, "fp8_block128")
-    with pytest.raises(ValueError, match="expected one of 'bf16', 'mxfp8', got 'fp16'"):
+    listed = "'bf16', 'native', 'mxfp8', 'fp8_rowwise', 'fp8_block128', 'fp8_block128_pow2'"
+    with pytest.raises(ValueError, match=rf"precision on rank \d+: expected one of {listed}, "
+                                         f"got 'fp16'"):
         all_to_all_single(x, output_splits, input_splits, comm, "fp16")
+    with pytest.raises(ValueError, match="expected one of .*got 'fp8_block64'"):
+        a2a_combine_backward(x, input_splits, output_splits, comm, "fp8_block64")
+    with pytest.raises(ValueError, match="D = 48 is not a multiple of 128, which the "
+                                         "'fp8_block128' format needs"):
+        a2a_dispatch(to_device(numpy.zeros((x.shape[0], 48), BF16)), input_splits,
+                     output_splits, comm, "fp8_block128")
 
 
 def test_bad_arrays(comm, routed):
@@ -321,7 +325,7 @@ def test_bad_arrays(comm, routed):
     wide = to_device(numpy.zeros((4, 2 * D), BF16))  # not 0 rows: those count as contiguous
     with pytest.raises(ValueError, match="C-contiguous"):
         a2a_dispatch(wide[:, ::2], input_splits, output_splits, comm)
-    with pytest.raises(ValueError, match="multiple of the MX block size 32"):
+    with pytest.raises(ValueError, match="D = 48 is not a multiple of 32, which the 'mxfp8' format needs"):
         all_to_all_single(to_device(numpy.zeros((x.shape[0], 48), BF16)), output_splits,
                           input_splits, comm)
 

@@ -265,8 +265,18 @@ def test_rowwise_matches_torchao_pow2_cast(rng):
 
 # --- simulator: kernels bit-exact on tiny shapes ----------------------------------------------
 
+@pytest.fixture
+def kernels(use_backend):
+    """Run the public functions on the CUDA kernels: the GPU's, else Numba's simulator (the
+    launchers would pick the host twins on a CPU)."""
+    from mxcomm import _platform
+    name = "cuda" if _platform.backend() == "cuda" else "simulator"
+    with use_backend(name) as xp:
+        yield xp
+
+
 @DTYPES
-def test_rowwise_kernels_bit_exact(rng, dtype):
+def test_rowwise_kernels_bit_exact(kernels, rng, dtype):
     x = mixed_rows(rng, dtype, 2, 64, KERNEL_SPECIALS)
     data, scales = quantize_fp8_rowwise(to_device(x))
     assert_same((data, scales), quantize_fp8_rowwise_ref(x))
@@ -279,7 +289,7 @@ def test_rowwise_kernels_bit_exact(rng, dtype):
 
 
 @DTYPES
-def test_rowwise_kernels_long_rows(rng, dtype):
+def test_rowwise_kernels_long_rows(kernels, rng, dtype):
     """A row longer than one step of a (simulated, 32-thread) CUDA block: 2 steps per pass."""
     d = 1040 if dtype == BF16 else 528  # 130 or 132 units of 16 bytes; a step is 128
     x = random_rows(rng, 1, d, dtype)
@@ -291,7 +301,7 @@ def test_rowwise_kernels_long_rows(rng, dtype):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator: 448 * 2^127
 @DTYPES
-def test_dequantize_kernels_bit_exact(rng, dtype):
+def test_dequantize_kernels_bit_exact(kernels, rng, dtype):
     data = random_fp8(rng, 3, 256)
     row_scales, block_scales = random_scales(rng, 3), random_scales(rng, (3, 2))
     with np.errstate(over="ignore", invalid="ignore"):
@@ -304,7 +314,7 @@ def test_dequantize_kernels_bit_exact(rng, dtype):
 @pytest.mark.parametrize("dtype, mode, part", [(BF16, "plain", 0), (BF16, "pow2", 1),
                                                (F32, "plain", 2), (F32, "pow2", 3)],
                          ids=["bf16-plain", "bf16-pow2", "fp32-plain", "fp32-pow2"])
-def test_block128_kernels_bit_exact(rng, dtype, mode, part):
+def test_block128_kernels_bit_exact(kernels, rng, dtype, mode, part):
     """Each case runs a quarter of the special block pairs (all of them run on the host)."""
     x = np.ascontiguousarray(block_test_data(rng, dtype, 1)[part::4])
     data, scales = quantize_fp8_block128(to_device(x), mode)
@@ -314,7 +324,7 @@ def test_block128_kernels_bit_exact(rng, dtype, mode, part):
                 dequantize_scaled_ref(to_host(data), to_host(scales), 128, dtype))
 
 
-def test_block128_nonfinite_block_is_confined(rng):
+def test_block128_nonfinite_block_is_confined(kernels, rng):
     x = random_rows(rng, 2, 256, BF16)
     x[1, 200] = np.inf
     data, scales = quantize_fp8_block128(to_device(x))
@@ -324,7 +334,7 @@ def test_block128_nonfinite_block_is_confined(rng):
     np.testing.assert_array_equal(nan, want)
 
 
-def test_mx_to_rowwise_kernel_bit_exact(rng):
+def test_mx_to_rowwise_kernel_bit_exact(kernels, rng):
     data, scales = mx_test_rows(rng, 8, 128)
     n = data.shape[0]
     indices = np.r_[rng.permutation(n), -1, n + 2, 0].astype(np.int32)
@@ -333,7 +343,7 @@ def test_mx_to_rowwise_kernel_bit_exact(rng):
     assert_same(got, _host_mx_to_rowwise_permute(HostMX(data, scales), indices))
 
 
-def test_mx_to_rowwise_kernel_permute_layout(rng):
+def test_mx_to_rowwise_kernel_permute_layout(kernels, rng):
     """The indices of mxcomm's permute (expert-major, padded groups), rows of several steps."""
     x = random_rows(rng, 3, 2304, BF16)
     data, scales = quantize_mxfp8_ref(x, "rceil")
@@ -342,7 +352,7 @@ def test_mx_to_rowwise_kernel_permute_layout(rng):
     assert_same(got, mx_to_rowwise_ref(data, scales, indices))
 
 
-def test_quantize_out_and_empty(rng):
+def test_quantize_out_and_empty(kernels, rng):
     dtype = BF16
     xp = array_module()
     x = random_rows(rng, 2, 128, dtype)

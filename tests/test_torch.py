@@ -19,6 +19,7 @@ import mxcomm.torch as mt  # noqa: E402
 from mxcomm import comm as mxc  # noqa: E402
 from mxcomm.kernels import simulated  # noqa: E402
 from reference import dequantize_mxfp8_ref, quantize_mxfp8_ref  # noqa: E402
+from test_formats import dequantize_ref, quantize_ref  # noqa: E402
 from test_ep import (BF16, D, E_LOCAL, H, SEED, TIMEOUT_S, Routed, expert_ref,  # noqa: E402
                      expert_weights, fake_quantize, layout_ref, move_ref)
 
@@ -65,8 +66,10 @@ def grads_ref(world, me, dispatch, dispatch_grad, combine, combine_grad):
     grads = [numpy.random.default_rng(SEED + 500 + r).standard_normal(
         (len(routed[r].x), H)).astype(BF16) for r in range(world)]
 
-    def wire(rows, precision):
-        return fake_quantize(rows) if precision == "mxfp8" and len(rows) else rows
+    def wire(rows, precision):  # the reference round trip of a quantized format, per row
+        if precision in ("bf16", "native") or not len(rows):
+            return rows
+        return dequantize_ref(precision, *quantize_ref(precision, rows))
 
     xq = [wire(r.x, dispatch) for r in routed]
     gq = [wire(g, combine_grad) for g in grads]
@@ -159,10 +162,11 @@ def test_mxfp8_tensor_rejects_bad_parts():
 
 def test_torch_precision_errors():
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="grad_precision: 'fp8_rowwise' is planned but not "
-                                         "implemented yet"):
-        mt.a2a_dispatch(x, [2], [2], None, grad_precision="fp8_rowwise")
-    with pytest.raises(ValueError, match="expected one of 'bf16', 'mxfp8', got 'e4m3'"):
+    with pytest.raises(ValueError, match="grad_precision: expected one of 'bf16', 'native', "
+                                         "'mxfp8', 'fp8_rowwise', 'fp8_block128', "
+                                         "'fp8_block128_pow2', got 'fp8_block64'"):
+        mt.a2a_dispatch(x, [2], [2], None, grad_precision="fp8_block64")
+    with pytest.raises(ValueError, match="precision: expected one of .*got 'e4m3'"):
         mt.a2a_combine(x, [2], [2], None, precision="e4m3")
 
 
@@ -183,6 +187,8 @@ def test_exchange_layout_tensors(comm, device):
     ("bf16", "bf16", "bf16", "bf16"),
     ("mxfp8", "bf16", "bf16", "mxfp8"),      # the defaults
     ("mxfp8", "mxfp8", "mxfp8", "bf16"),
+    ("fp8_rowwise", "bf16", "native", "fp8_rowwise"),
+    ("fp8_rowwise", "fp8_rowwise", "fp8_rowwise", "mxfp8"),
 ])
 def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, combine_grad):
     """Forward and all gradients of the whole path equal the reference exactly."""
@@ -201,6 +207,7 @@ def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, com
     received.register_hook(lambda g: seen.setdefault("received", g))
     permuted, indices, offsets = mt.permute(received, group, E_LOCAL, ALIGN)
     assert isinstance(permuted, mt.MXFP8Tensor) == (dispatch == "mxfp8")
+    assert isinstance(permuted, mt.QuantizedTensor) == (dispatch not in ("bf16", "native"))
     y = expert_loop(permuted, weights, offsets)
     back = mt.unpermute(y, indices, received.shape[0])
     back.register_hook(lambda g: seen.setdefault("back", g))
@@ -215,6 +222,8 @@ def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, com
     assert seen["received"].dtype == torch.bfloat16
     assert seen["received"].shape == received.shape
     assert isinstance(seen["back"], mt.MXFP8Tensor) == (combine_grad == "mxfp8")
+    if isinstance(seen["back"], mt.QuantizedTensor):
+        assert seen["back"].format.name == combine_grad
 
 
 @pytest.mark.mpi
@@ -233,7 +242,7 @@ def test_all_to_all_single_autograd(comm, device, precision):
         return fake_quantize(rows) if precision == "mxfp8" and len(rows) else rows
 
     x = to_torch(routed[me].x, device).requires_grad_()
-    out = mt.all_to_all_single(x, output_splits, input_splits, comm, precision)
+    out = mt.all_to_all_single(x, output_splits, input_splits, comm, precision=precision)
     (out.float() * to_torch(grads[me], device).float()).sum().backward()
     assert type(out) is torch.Tensor and out.dtype == torch.bfloat16
     numpy.testing.assert_array_equal(bits(to_numpy(out)),

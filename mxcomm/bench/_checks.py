@@ -23,12 +23,10 @@ STEPS = ("layout", "dispatch", "permute index", "permute", "unpermute", "combine
 
 
 def row_bytes(precision, width):
-    """Bytes of one row of ``width`` elements in ``precision`` (``"bf16"`` or ``"mxfp8"``)."""
-    if precision == "bf16":
-        return 2 * width
-    if precision == "mxfp8":
-        return width + width // 32
-    raise ValueError(f"precision: expected 'bf16' or 'mxfp8', got {precision!r}")
+    """Bytes of one row of ``width`` bf16 elements in ``precision`` (any format name of
+    ``mxcomm.formats``: its ``bytes_per_row``). Raises ValueError naming the formats."""
+    from mxcomm.formats import get_format
+    return get_format(precision).bytes_per_row(width)
 
 
 def precisions(variant):
@@ -92,26 +90,35 @@ class Checker:
     def _bytes(t):
         """(rows, bytes) uint8 view of a tensor; an MXFP8 tensor's data and scales side by side."""
         import torch
-        if hasattr(t, "data_e4m3"):
-            return torch.cat([t.data_e4m3.reshape(t.shape[0], -1).view(torch.uint8),
-                              t.scales_e8m0.reshape(t.shape[0], -1).view(torch.uint8)], dim=1)
+        if hasattr(t, "qdata"):  # a QuantizedTensor of any format: data bytes, scale bytes
+            return torch.cat([t.qdata.reshape(t.shape[0], -1).view(torch.uint8),
+                              t.scales.reshape(t.shape[0], -1).view(torch.uint8)], dim=1)
         t = t.detach().contiguous()
         return t.reshape(t.shape[0], -1).view(torch.uint8)
 
-    def _quantized(self, t):
-        """(rows, D + D / 32) uint8: ``mxcomm.quantize_mxfp8`` of the bf16 tensor ``t``."""
+    def _quantized(self, t, precision):
+        """(rows, format.bytes_per_row(D)) uint8: the bf16 tensor ``t`` quantized in the format
+        ``precision`` (``Format.quantize``), data bytes then scale bytes."""
         import torch
-        from mxcomm.mxfp8 import quantize_mxfp8
-        mx = quantize_mxfp8(self.rt.from_torch(t.detach().contiguous()))
-        return torch.cat([self.rt.to_torch(mx.data), self.rt.to_torch(mx.scales)], dim=1)
+        from mxcomm.formats import get_format
+        q = get_format(precision).quantize(self.rt.from_torch(t.detach().contiguous()))
+        parts = [self.rt.to_torch(a.reshape(a.shape[0], -1)).contiguous().view(torch.uint8)
+                 for a in (q.data, q.scales)]
+        return torch.cat(parts, dim=1)
 
-    def _dequantized(self, rows, width):
-        """(rows, 2 width) uint8 bytes of the bf16 dequantization of quantized ``rows``."""
-        from mxcomm.mxfp8 import MXFP8Array
+    def _dequantized(self, rows, width, precision):
+        """(rows, 2 width) uint8 bytes of the bf16 dequantization of ``rows`` quantized in the
+        format ``precision`` (as :meth:`_quantized` lays them out)."""
+        import torch
+        from mxcomm.formats import get_format
+        fmt = get_format(precision)
         rows = rows.contiguous()
-        mx = MXFP8Array(self.rt.from_torch(rows[:, :width].contiguous()),
-                        self.rt.from_torch(rows[:, width:].contiguous()))
-        return self._bytes(self.rt.to_torch(mx.dequantize()))
+        scale_torch = torch.float32 if fmt.scale_dtype == numpy.float32 else torch.uint8
+        scales = rows[:, width:].contiguous().view(scale_torch).reshape(
+            fmt.scales_shape(rows.shape[0], width))
+        q = fmt.wrap(self.rt.from_torch(rows[:, :width].contiguous()),
+                     self.rt.from_torch(scales.contiguous()))
+        return self._bytes(self.rt.to_torch(q.dequantize()))
 
     def _exchange(self, rows, send, recv):
         """``torch.distributed.all_to_all_single`` of the uint8 ``rows``: the reference."""
@@ -125,8 +132,8 @@ class Checker:
         as they are; MXFP8 rows quantized, moved, and dequantized to bf16 if ``dequantized``."""
         if precision == "bf16":
             return self._exchange(self._bytes(t), send, recv)
-        moved = self._exchange(self._quantized(t), send, recv)
-        return self._dequantized(moved, t.shape[1]) if dequantized else moved
+        moved = self._exchange(self._quantized(t, precision), send, recv)
+        return self._dequantized(moved, t.shape[1], precision) if dequantized else moved
 
     @staticmethod
     def _gather(rows, indices):
@@ -148,7 +155,7 @@ class Checker:
     def _layout_ok(self, state):
         """The layout exchange's counts and splits, against an MPI allgather of all counts."""
         e_local, me = self.case.e_local, self.rt.rank
-        counts = numpy.array(self.rt.mpi_comm.allgather(self.case.counts.cpu().tolist()))  # [j, e]
+        counts = numpy.array(self.rt.allgather(self.case.counts.cpu().tolist()))  # [j, e]
         mine = counts[:, me * e_local:(me + 1) * e_local]                                 # [r, e]
         return ([int(c) for c in state["group"].cpu().tolist()] == mine.reshape(-1).tolist()
                 and list(state["input_splits"]) == counts[me].reshape(-1, e_local).sum(1).tolist()

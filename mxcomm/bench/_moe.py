@@ -120,8 +120,9 @@ def _grad_to_bf16_class():
 
 
 def is_mxfp8(t):
-    """True for an ``mxcomm.torch.MXFP8Tensor``."""
-    return hasattr(t, "scales_e8m0") and hasattr(t, "data_e4m3")
+    """True for quantized rows of any format: an ``mxcomm.torch.QuantizedTensor`` (of which
+    ``MXFP8Tensor`` is the mxfp8 case)."""
+    return hasattr(t, "qdata") and hasattr(t, "format")
 
 
 def _dequantize(p):

@@ -117,6 +117,7 @@ def _row(op, dtype, shape, stats, nbytes, copy, bandwidth=True):
 
 def measure(args, rt):
     """Run the kernel benchmarks; returns ``(meta, {"kernels": rows})``."""
+    from mxcomm.formats import get_format
     from mxcomm.mxfp8 import dequantize_mxfp8, quantize_mxfp8
     from mxcomm.permutation import permute, unpermute
 
@@ -137,7 +138,7 @@ def measure(args, rt):
         shape = (m, dim)
         nbuf = 2 if m * dim * 2 < ROTATE_BELOW_BYTES else 1
         xs = [rt.random_bf16(shape, seed=s) for s in range(nbuf)]
-        mx_bytes = m * dim + m * dim // 32
+        mx_bytes = m * get_format("mxfp8").bytes_per_row(dim)
         for mode in ("rceil", "floor"):
             if "quantize" not in args.ops:
                 break
@@ -163,8 +164,9 @@ def measure(args, rt):
         counts = rt.xp.asarray(counts_host)
         p = _workload.padded_rows(m, e_local, ALIGN)
         x = rt.random_bf16(shape, seed=3)
-        for dtype, value, row_bytes in (("bf16", x, 2 * dim),
-                                        ("mxfp8", quantize_mxfp8(x), dim + dim // 32)):
+        for dtype, value, row_bytes in (("bf16", x, get_format("bf16").bytes_per_row(dim)),
+                                        ("mxfp8", quantize_mxfp8(x),
+                                         get_format("mxfp8").bytes_per_row(dim))):
             index_bytes = p * 4 + e_local * 4
             if "permute" in args.ops:
                 rt.log(f"permute {dtype} {shape}")

@@ -1,0 +1,162 @@
+"""A differentiable grouped GEMM of pre-quantized fp8 rowwise rows (re-exported by mxcomm.torch).
+
+Glossary: P permuted rows (groups of rows, one group per local expert), K the GEMM's reduction
+width (D), N its output width (H), G = E_local groups. ``offs`` (G,) int32 are the cumulative group
+ends (``permute``'s ``group_offsets``).
+
+On SM90 (Hopper) CUDA GPUs it is thin over ``torch._scaled_grouped_mm``, whose rowwise recipe
+(aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.11-2.13) takes: A (M, K) e4m3fn row-major with
+``scale_a`` (M,) float32; B (G, K, N) e4m3fn column-major (K contiguous) with ``scale_b`` (G, N)
+float32; K % 16 == 0; ``offs`` int32; bf16 output. Each direction::
+
+    forward  y  (P, N)    = A x (P, K) fp8 rowwise (as permuted: no quantize pass)
+                            x B  w (G, K, N), quantized per call per (group, column n) along K
+    dgrad    dx (P, K)    = A grad (P, N) fp8 rowwise (as delivered when combine's gradient is
+                              fp8 rowwise; else quantized here)
+                            x B  w^T (G, N, K), quantized per (group, column k) along N
+    wgrad    dw (G, K, N) = x^T grad per group, in bf16 (``torch._grouped_mm``, dequantized x)
+
+wgrad is bf16 by choice: the 2d-2d (token-axis) fp8 case of ``torch._scaled_grouped_mm`` requires
+every group to hold > 0 rows and a multiple of 16 (a device assert), and an expert that receives no
+token makes an empty group, which the EP path cannot rule out without a host sync.
+
+Weights are quantized with torch ops here (power-of-two scales, the rowwise rule of
+``mxcomm.fp8_formats``: scale = 2^clamp(ceil(log2(amax / 448)), -126, 127)); torchao is not
+required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a torch without
+``_scaled_grouped_mm``) the documented fallback is bf16: ``torch._grouped_mm`` on the dequantized
+rows, in both directions, with the same autograd wiring (so CPU tests exercise it).
+"""
+
+import torch
+
+E4M3_MAX = 448.0
+_SCALE_EXP_MIN, _SCALE_EXP_MAX = -126, 127
+
+
+def fp8_gemm_available(device):
+    """True where ``torch._scaled_grouped_mm`` runs the fp8 rowwise recipe: a CUDA device of
+    compute capability 9.x (SM90) and a torch that has it."""
+    device = torch.device(device)
+    return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def quantize_rows_pow2(t):
+    """fp8 rowwise quantization of the last axis of ``t`` with torch ops.
+
+    Args:
+        t: (..., K) float tensor. Read.
+    Returns:
+        (q, scale): (..., K) float8_e4m3fn and (...,) float32 with t ~= q * scale[..., None];
+        scale = 2^clamp(ceil(log2(amax / 448)), -126, 127) (amax 0: 2^-126). Non-finite rows give
+        NaN scales.
+    """
+    amax = t.detach().abs().amax(dim=-1).float()
+    exponent = torch.ceil(torch.log2(amax / E4M3_MAX)).clamp(_SCALE_EXP_MIN, _SCALE_EXP_MAX)
+    exponent = torch.where(amax == 0, torch.full_like(exponent, _SCALE_EXP_MIN), exponent)
+    scale = torch.where(torch.isfinite(amax), torch.exp2(exponent),
+                        torch.full_like(amax, float("nan")))
+    q = (t.float() / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _fp8_operand_a(t):
+    """(data (M, K) e4m3fn row-major, scales (M,) float32) of a QuantizedTensor of the
+    fp8_rowwise format (its own bits), or of a bf16 tensor (quantized here)."""
+    fmt = getattr(t, "format", None)
+    if fmt is not None and getattr(fmt, "name", None) == "fp8_rowwise":
+        return t.qdata.contiguous(), t.scales.contiguous()
+    plain = t.dequantize() if fmt is not None else t
+    return quantize_rows_pow2(plain.detach().contiguous())
+
+
+def _fp8_weight(w):
+    """``w`` (G, K, N) as B of the forward: (G, K, N) e4m3fn column-major, scales (G, N)."""
+    q, scale = quantize_rows_pow2(w.detach().transpose(-2, -1).contiguous())  # (G, N, K) along K
+    return q.transpose(-2, -1), scale
+
+
+def _fp8_weight_t(w):
+    """``w^T`` (G, N, K) as B of dgrad: (G, N, K) e4m3fn column-major, scales (G, K)."""
+    q, scale = quantize_rows_pow2(w.detach().contiguous())  # (G, K, N) along N
+    return q.transpose(-2, -1), scale
+
+
+def _plain(t):
+    """A bf16 tensor of ``t``'s values (dequantized for a QuantizedTensor), no autograd."""
+    return (t.dequantize() if hasattr(t, "qdata") else t).detach().to(torch.bfloat16)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """y = x @ w per group, x given as fp8 rowwise rows (module docstring).
+
+    Forward:  x (P, K) QuantizedTensor (fp8_rowwise; other formats and bf16 are quantized per
+              call), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16.
+    Backward: grad (P, N) bf16 or fp8_rowwise QuantizedTensor -> dx (P, K) bf16 (fp8 dgrad),
+              dw (G, K, N) bf16 (bf16 wgrad).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, offs, fp8):
+        ctx.fp8 = fp8
+        ctx.save_for_backward(x.detach() if hasattr(x, "qdata") else x, w, offs)
+        if fp8:
+            a, scale_a = _fp8_operand_a(x)
+            b, scale_b = _fp8_weight(w)
+            return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
+                                            out_dtype=torch.bfloat16)
+        return torch._grouped_mm(_plain(x), w.detach(), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if ctx.fp8:
+                a, scale_a = _fp8_operand_a(grad)
+                b, scale_b = _fp8_weight_t(w)
+                dx = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
+                                              out_dtype=torch.bfloat16)
+            else:
+                dx = torch._grouped_mm(_plain(grad), w.detach().transpose(-2, -1), offs=offs)
+        if ctx.needs_input_grad[1]:
+            dw = torch._grouped_mm(_plain(x).t(), _plain(grad), offs=offs).to(w.dtype)
+        # None for: offs, fp8
+        return dx, dw, None, None
+
+
+def grouped_mm(x, w, offs, *, fp8=None):
+    """Differentiable grouped GEMM of pre-quantized permuted rows and bf16 expert weights.
+
+    Args:
+        x: (P, K) fp8_rowwise QuantizedTensor (``permute(..., out_format="fp8_rowwise")`` or a
+            rowwise dispatch), or any QuantizedTensor / bf16 tensor (quantized per call on the
+            fp8 path); K % 16 == 0. Its gradient is (P, K) bf16.
+        w: (G, K, N) bf16 tensor, the local experts' weights.
+        offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``);
+            each group a multiple of 16 rows on the fp8 path (``permute(align=16)`` or 32).
+        fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available`, else the bf16
+            fallback; True to require them; False for the bf16 fallback.
+    Returns:
+        (P, N) bf16.
+    Raises:
+        RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
+        ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0).
+        TypeError: ``w`` not bf16, ``offs`` not int32.
+    """
+    if w.dim() != 3 or x.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"grouped_mm: expected x (P, K) and w (G, K, N), got x "
+                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
+    if x.shape[1] % 16:
+        raise ValueError(f"grouped_mm: K = {x.shape[1]} is not a multiple of 16")
+    if w.dtype != torch.bfloat16:
+        raise TypeError(f"grouped_mm: w: expected dtype bfloat16, got {w.dtype}")
+    if offs.dtype != torch.int32 or tuple(offs.shape) != (w.shape[0],):
+        raise TypeError(f"grouped_mm: offs: expected ({w.shape[0]},) int32, got "
+                        f"{tuple(offs.shape)} {offs.dtype}")
+    available = fp8_gemm_available(w.device)
+    if fp8 and not available:
+        raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
+                           f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
+                           f"the bf16 fallback)")
+    return _GroupedMM.apply(x, w, offs, available if fp8 is None else bool(fp8))

@@ -1,0 +1,333 @@
+"""Formats: how rows travel and are permuted, one object per format; quantized rows of any format.
+
+Glossary: M rows, D hidden (row width). A format (docs/design.md "Formats") says how an (M, D) row
+array is stored: element dtype, scale dtype and granularity, the D multiple it needs, the bytes a
+row takes, the scale of a padding row, and how to quantize into it and dequantize out of it. The
+exchange (``mxcomm.a2a``), the permutation (``mxcomm.permutation``), the torch wrapper tensor
+(``mxcomm.torch``) and the benchmarks read only this object, so a new format touches this module
+and its own kernels module::
+
+    name                 elements        scales                          D %   kernels (module)
+    "bf16"               bf16            none                            1
+    "native"             the input's     none (fp32 stays fp32, exact)   1
+    "mxfp8"              e4m3fn (uint8)  (M, D // 32) e8m0 (uint8)       32    mxcomm.mxfp8
+    "fp8_rowwise"        e4m3fn (uint8)  (M,) fp32, powers of two        16    mxcomm.fp8_formats
+    "fp8_block128"       e4m3fn (uint8)  (M, D // 128) fp32, amax / 448  128   mxcomm.fp8_formats
+    "fp8_block128_pow2"  e4m3fn (uint8)  (M, D // 128) fp32, powers of 2 128   mxcomm.fp8_formats
+
+Quantized rows are a :class:`QuantizedArray` (data, scales, format); ``mxcomm.MXFP8Array`` is its
+``"mxfp8"`` case (``get_format("mxfp8").wrap`` returns one).
+"""
+
+import dataclasses
+import functools
+
+import numpy
+
+from ._array import as_device_array, bfloat16, float32, stream_ptr
+from .kernels import array_module
+
+#: ``Format.scale_block`` of a format with one scale per row.
+PER_ROW = "row"
+_OUT_DTYPES = (bfloat16, float32)
+_U8 = numpy.dtype(numpy.uint8)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Format:
+    """One row format (module docstring). Compare formats by identity or ``name``.
+
+    Attributes:
+        name: the precision string that selects it (``get_format``).
+        element: the element type in words: ``"bf16"``, ``"input"`` (native) or ``"e4m3fn"``.
+        element_dtype: dtype of the stored elements (uint8 bit patterns for fp8), or None for
+            "native" (the input's dtype).
+        scale_dtype: dtype of the scales (uint8 e8m0 bits, or float32), None if unscaled.
+        scale_block: elements per scale (32, 128), :data:`PER_ROW`, or None if unscaled.
+        d_multiple: D must be a multiple of it.
+        padding_scale: the scale of the padding rows ``permute`` writes (their data is 0), as a
+            value of ``scale_dtype`` (e8m0 code 0 for MXFP8; 1.0 for the fp32-scaled formats,
+            finite so consumers that invert scales get 0 too).
+        scale_modes: the scale roundings a caller may pick per call (MXFP8's ``"rceil"`` and
+            ``"floor"``); empty where the format fixes its own (the caller's is ignored).
+        source: where its definition comes from.
+    """
+
+    name: str
+    element: str
+    element_dtype: object
+    scale_dtype: object = None
+    scale_block: object = None
+    d_multiple: int = 1
+    padding_scale: float = 0.0
+    scale_modes: tuple = ()
+    source: str = ""
+    _quantize: object = dataclasses.field(default=None, repr=False)
+    _dequantize: object = dataclasses.field(default=None, repr=False)
+    _array_class: object = dataclasses.field(default=None, repr=False)
+
+    @property
+    def quantized(self):
+        """True if rows of this format are a QuantizedArray (data + scales)."""
+        return self.scale_dtype is not None
+
+    def scales_shape(self, m, d):
+        """Shape of the scales of (m, d) rows: (m, d // block), or (m,) per row."""
+        if self.scale_block == PER_ROW:
+            return (m,)
+        return (m, d // self.scale_block)
+
+    def row_arrays(self, d, input_dtype=bfloat16):
+        """``((row shape, dtype), ...)`` of the arrays one row of width ``d`` travels as (the
+        ``mxcomm.comm`` exchange protocol); a per-row scale travels as a (1,) row."""
+        if not self.quantized:
+            dtype = numpy.dtype(self.element_dtype or input_dtype)
+            return (((d,), dtype),)
+        scale_row = (1,) if self.scale_block == PER_ROW else (d // self.scale_block,)
+        return (((d,), numpy.dtype(self.element_dtype)), (scale_row, numpy.dtype(self.scale_dtype)))
+
+    def bytes_per_row(self, d, input_dtype=bfloat16):
+        """Bytes one row of width ``d`` takes in this format (``input_dtype``: native's)."""
+        return sum(dtype.itemsize * int(numpy.prod(shape))
+                   for shape, dtype in self.row_arrays(d, input_dtype))
+
+    def check_width(self, d, name="x"):
+        """Raise ValueError unless ``d`` is a multiple of ``d_multiple``."""
+        if d % self.d_multiple:
+            raise ValueError(f"{name}: D = {d} is not a multiple of {self.d_multiple}, which "
+                             f"the {self.name!r} format needs")
+
+    def wrap(self, data, scales):
+        """``data`` and ``scales`` as a QuantizedArray of this format (MXFP8Array for mxfp8)."""
+        return self._array_class(data, scales) if self._array_class else \
+            QuantizedArray(data, scales, self)
+
+    def empty(self, m, d):
+        """An uninitialized (m, d) QuantizedArray of this format on the current backend."""
+        xp = array_module()
+        return self.wrap(xp.empty((m, d), dtype=self.element_dtype),
+                         xp.empty(self.scales_shape(m, d), dtype=self.scale_dtype))
+
+    def launch_quantize(self, x, out, stream, share=1.0, scale_mode=None):
+        """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into the QuantizedArray
+        ``out`` of this format: on the host backend done on return; else the kernel is enqueued
+        on the raw stream handle ``stream`` with ``share`` of the device's grid. ``scale_mode``:
+        one of ``scale_modes`` (None: the first), ignored by formats that fix theirs. Returns
+        ``out``."""
+        if not self.quantized:
+            raise RuntimeError(f"format {self.name!r} does not quantize")
+        self._quantize(x, out, stream, share, scale_mode or (self.scale_modes or (None,))[0])
+        return out
+
+    def launch_dequantize(self, q, out, stream, share=1.0):
+        """Decode the QuantizedArray ``q`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous,
+        where ``launch_quantize`` runs. Returns ``out``."""
+        if not self.quantized:
+            raise RuntimeError(f"format {self.name!r} does not dequantize")
+        self._dequantize(q, out, stream, share)
+        return out
+
+    def quantize(self, x, *, scale_mode=None, out=None, stream=None):
+        """Quantize ``x`` (M, D) bf16/fp32 device array, C-contiguous, D % ``d_multiple`` == 0,
+        into a new (or the given) QuantizedArray of this format. Raises TypeError (dtype, or
+        ``out`` of another format) / ValueError (shape)."""
+        x = as_device_array(x, "x")
+        if x.dtype not in _OUT_DTYPES:
+            raise TypeError(f"x: expected dtype bfloat16 or float32, got {x.dtype}")
+        if x.ndim != 2 or not x.flags.c_contiguous:
+            raise ValueError(f"x: expected a 2-D C-contiguous (M, D) array, got shape "
+                             f"{tuple(x.shape)}")
+        self.check_width(x.shape[1])
+        if out is None:
+            out = self.empty(*x.shape)
+        elif not isinstance(out, QuantizedArray) or out.format is not self:
+            raise TypeError(f"out: expected a {self.name} QuantizedArray, got {out!r}")
+        elif out.shape != tuple(x.shape):
+            raise ValueError(f"out: expected shape {tuple(x.shape)}, got {out.shape}")
+        if scale_mode is not None and scale_mode not in self.scale_modes:
+            raise ValueError(f"scale_mode: expected one of {self.scale_modes} for "
+                             f"{self.name!r}, got {scale_mode!r}")
+        return self.launch_quantize(x, out, stream_ptr(stream), 1.0, scale_mode)
+
+    def __repr__(self):
+        return f"Format({self.name!r})"
+
+
+class QuantizedArray:
+    """(M, D) rows of a quantized format: element bits, scales, and the format.
+
+    Attributes:
+        data: (M, D) ``format.element_dtype`` (uint8 e4m3fn bits), C-contiguous.
+        scales: ``format.scales_shape(M, D)`` of ``format.scale_dtype``, C-contiguous.
+        format: the :class:`Format`.
+    Raises:
+        TypeError: not device arrays, wrong dtypes, or ``format`` not a quantized Format.
+        ValueError: ``data`` not 2-D, D not a multiple of the format's, scales of another shape,
+            not C-contiguous.
+    """
+
+    __slots__ = ("data", "scales", "format")
+
+    def __init__(self, data, scales, format):  # noqa: A002 (the attribute's name)
+        if not isinstance(format, Format) or not format.quantized:
+            raise TypeError(f"format: expected a quantized Format, got {format!r}")
+        data = as_device_array(data, "data")
+        scales = as_device_array(scales, "scales")
+        for a, name, dtype in ((data, "data", format.element_dtype),
+                               (scales, "scales", format.scale_dtype)):
+            if a.dtype != dtype:
+                raise TypeError(f"{name}: expected dtype {numpy.dtype(dtype)} ({format.name}), "
+                                f"got {a.dtype}")
+            if not a.flags.c_contiguous:
+                raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
+        if data.ndim != 2:
+            raise ValueError(f"data: expected a 2-D array, got {data.ndim}-D shape "
+                             f"{tuple(data.shape)}")
+        m, d = data.shape
+        if d % format.d_multiple:
+            raise ValueError(f"data: expected the last dimension D to be a multiple of "
+                             f"{format.d_multiple}, got D = {d}")
+        if tuple(scales.shape) != format.scales_shape(m, d):
+            raise ValueError(f"scales: expected shape {format.scales_shape(m, d)} for data of "
+                             f"shape {(m, d)}, got {tuple(scales.shape)}")
+        self.data, self.scales, self.format = data, scales, format
+
+    @property
+    def shape(self):
+        """(M, D): the shape of the tensor (of ``data``)."""
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype=bfloat16, *, out=None, stream=None):
+        """These rows as (M, D) ``dtype`` (bf16 or fp32); ``out`` to write, or None.
+
+        Raises:
+            TypeError: ``dtype`` not bf16/fp32, ``out`` of another dtype.
+            ValueError: ``out`` of another shape or not C-contiguous.
+        """
+        try:
+            dtype = numpy.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype!r}") from None
+        if dtype not in _OUT_DTYPES:
+            raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
+        if out is None:
+            out = array_module().empty(self.shape, dtype=dtype)
+        else:
+            out = as_device_array(out, "out")
+            if out.dtype != dtype:
+                raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+            if tuple(out.shape) != self.shape:
+                raise ValueError(f"out: expected shape {self.shape}, got {tuple(out.shape)}")
+            if not out.flags.c_contiguous:
+                raise ValueError(f"out: expected a C-contiguous array, got strides {out.strides}")
+        return self.format.launch_dequantize(self, out, stream_ptr(stream))
+
+    def rows(self, begin, end):
+        """Rows [begin, end) as a QuantizedArray of views (no copy)."""
+        return self.format.wrap(self.data[begin:end], self.scales[begin:end])
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(format={self.format.name!r}, shape={self.shape}, "
+                f"data={type(self.data).__module__}.ndarray)")
+
+
+# ------------------------------------------------------------------------------------ registry
+def _mxfp8_quantize(x, out, stream, share, scale_mode):
+    from .mxfp8 import launch_quantize
+    launch_quantize(x, out, scale_mode, stream, share)
+
+
+def _mxfp8_dequantize(q, out, stream, share):
+    from .mxfp8 import launch_dequantize
+    launch_dequantize(q, out, stream, share)
+
+
+def _rowwise_quantize(x, out, stream, share, scale_mode):
+    from .fp8_formats import launch_quantize_fp8_rowwise
+    launch_quantize_fp8_rowwise(x, out.data, out.scales, stream, share)
+
+
+def _rowwise_dequantize(q, out, stream, share):
+    from .fp8_formats import launch_dequantize_fp8_rowwise
+    launch_dequantize_fp8_rowwise(q.data, q.scales, out, stream, share)
+
+
+def _block128(mode):
+    def quantize(x, out, stream, share, scale_mode):
+        from .fp8_formats import launch_quantize_fp8_block128
+        launch_quantize_fp8_block128(x, out.data, out.scales, mode, stream, share)
+    return quantize
+
+
+def _block128_dequantize(q, out, stream, share):
+    from .fp8_formats import launch_dequantize_fp8_block128
+    launch_dequantize_fp8_block128(q.data, q.scales, out, stream, share)
+
+
+@functools.lru_cache(maxsize=None)
+def _registry():
+    from .mxfp8 import MXFP8Array
+    formats = (
+        Format("bf16", "bf16", bfloat16, source="bf16 on the wire (torch's EP path)"),
+        Format("native", "input", None,
+               source="the input's dtype as is: fp32 stays fp32, bit for bit"),
+        Format("mxfp8", "e4m3fn", _U8, _U8, 32, 32, 0, ("rceil", "floor"), "OCP MX v1.0",
+               _mxfp8_quantize, _mxfp8_dequantize, MXFP8Array),
+        Format("fp8_rowwise", "e4m3fn", _U8, float32, PER_ROW, 16, 1.0, (),
+               "SM90 torch._scaled_grouped_mm's A operand (fp32 row scales, K % 16)",
+               _rowwise_quantize, _rowwise_dequantize),
+        Format("fp8_block128", "e4m3fn", _U8, float32, 128, 128, 1.0, (),
+               "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448",
+               _block128("plain"), _block128_dequantize),
+        Format("fp8_block128_pow2", "e4m3fn", _U8, float32, 128, 128, 1.0, (),
+               "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))",
+               _block128("pow2"), _block128_dequantize),
+    )
+    return {f.name: f for f in formats}
+
+
+def format_names():
+    """The names ``get_format`` accepts, in the order of the module docstring's table."""
+    return tuple(_registry())
+
+
+def get_format(name, what="precision"):
+    """The Format named ``name`` (a Format is returned as is).
+
+    Raises:
+        ValueError: an unknown name; the message names ``what`` and lists every format.
+    """
+    if isinstance(name, Format):
+        return name
+    fmt = _registry().get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise ValueError(f"{what}: expected one of {', '.join(map(repr, format_names()))}, "
+                         f"got {name!r}")
+    return fmt
+
+
+def _mx_to_rowwise(x, indices, stream):
+    from .fp8_formats import launch_mx_to_rowwise_permute
+    out = get_format("fp8_rowwise").empty(indices.shape[0], x.shape[1])
+    launch_mx_to_rowwise_permute(x, indices, out.data, out.scales, stream)
+    return out
+
+
+#: Conversions a permute makes in its gather (source format, target format) -> launcher.
+_CONVERSIONS = {("mxfp8", "fp8_rowwise"): _mx_to_rowwise}
+
+
+def conversion(source, target):
+    """The gather that permutes rows of Format ``source`` into Format ``target`` in one pass:
+    ``convert(x, indices, stream) -> QuantizedArray`` (rows ``indices`` (P,) int32 of the
+    QuantizedArray ``x``; -1 gives a padding row with the target's padding scale).
+
+    Raises:
+        ValueError: no such conversion (the message lists those there are).
+    """
+    launcher = _CONVERSIONS.get((getattr(source, "name", None), target.name))
+    if launcher is None:
+        have = ", ".join(f"{a} -> {b}" for a, b in _CONVERSIONS)
+        raise ValueError(f"out_format: cannot convert {getattr(source, 'name', 'plain')} rows "
+                         f"to {target.name!r} in the permute; conversions: {have}")
+    return launcher
