@@ -35,7 +35,12 @@ def as_device_array(x, name):
         if hasattr(x, "__dlpack__"):
             return xp.from_dlpack(x)
     elif hasattr(x, "__array__") or hasattr(x, "__array_interface__"):
-        return numpy.asarray(x)
+        try:
+            return numpy.asarray(x)
+        except TypeError as e:  # e.g. a torch bf16 tensor: NumPy has no bfloat16
+            raise TypeError(f"{name}: cannot view {type(x).__module__}.{type(x).__name__} of dtype "
+                            f"{getattr(x, 'dtype', '?')} as a NumPy array ({e}); pass torch "
+                            f"tensors to mxcomm.torch (e.g. mxcomm.torch.a2a_dispatch)") from None
     where = "CUDA device" if gpu_arrays() else "host"
     raise TypeError(f"{name}: expected a {where} array ({xp.__name__}.ndarray, DLPack or "
                     f"__cuda_array_interface__), got {type(x).__name__}")

@@ -264,8 +264,9 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
         y: (P, H...) C-contiguous device array (any dtype) or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
         num_rows: M_recv, an int >= 0, or the layout (its ``num_received``). Rows no index names
-            are left unwritten (every received row is named once by indices from
-            :func:`permute`); indices >= num_rows are dropped.
+            are zero (with indices from :func:`permute` every received row is named once; a
+            ``num_rows`` beyond M_recv gives zero rows, checked without a host sync); indices
+            >= num_rows are dropped.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
@@ -279,8 +280,8 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     if isinstance(num_rows, Layout):
         num_rows = num_rows.num_received
     num_rows = _check_int(num_rows, "num_rows", 0)
-    xp = array_module()
-    dsts = [xp.empty((num_rows,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
+    xp = array_module()  # zeros: rows no index names (num_rows > M_recv) read as 0, never stale
+    dsts = [xp.zeros((num_rows,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
     if num_rows:
         _move_rows(scatter_rows_kernel, idx, srcs, dsts, stream)
     return _wrap(dsts, fmt)

@@ -1,0 +1,198 @@
+"""One fault-injection case per MPI job: ``mpiexec -n W python tests/faults/driver.py CASE``.
+
+Each rank prints one line ``RESULT rank=R exc=TYPE t=SECONDS msg=MESSAGE`` (exc=none when it
+returned normally); tests/test_faults.py launches the job and asserts on those lines. The
+communicator's timeout is TIMEOUT s, so a survivor must finish within TIMEOUT plus some slack.
+"""
+
+import os
+import sys
+import time
+
+import numpy
+
+import mxcomm
+from mxcomm import comm as mxc
+from mxcomm._array import bfloat16
+from mxcomm.a2a import a2a_dispatch
+from mxcomm.layout import exchange_layout
+
+TIMEOUT = 2.0
+E_LOCAL = 2
+D = 32
+BAD = 1  # the rank that misbehaves
+
+
+def layout_counts(comm, fill=2, dtype=numpy.int32):
+    return numpy.full(comm.size * E_LOCAL, fill, dtype)
+
+
+def case_layout_length(comm):
+    n = comm.size * E_LOCAL + (1 if comm.rank == BAD else 0)
+    exchange_layout(numpy.full(n, 2, numpy.int32), comm)
+
+
+def case_layout_float(comm):
+    exchange_layout(layout_counts(comm, dtype=numpy.float32 if comm.rank == BAD else numpy.int32), comm)
+
+
+def case_layout_negative(comm):
+    c = layout_counts(comm)
+    if comm.rank == BAD:
+        c[0] = -1
+    exchange_layout(c, comm)
+
+
+def case_layout_2e33(comm):
+    c = layout_counts(comm, dtype=numpy.int64)
+    if comm.rank == BAD:
+        c[0] = 2 ** 33
+    exchange_layout(c, comm)
+
+
+def _rows(n):
+    return numpy.ones((n, D), bfloat16)
+
+
+def case_raise_before_explicit(comm):
+    splits = [1] * comm.size
+    if comm.rank == BAD:
+        raise KeyError("injected before the collective")
+    a2a_dispatch(_rows(comm.size), splits, splits, comm)
+
+
+def _layout(comm):
+    layout = exchange_layout(layout_counts(comm), comm)
+    a2a_dispatch(_rows(layout.num_rows), layout)  # everybody once: the staging is in place
+    return layout
+
+
+def case_raise_before_layout(comm):
+    layout = _layout(comm)
+    if comm.rank == BAD:
+        raise KeyError("injected before the collective")
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def case_exit_before_layout(comm):
+    layout = _layout(comm)
+    if comm.rank == BAD:
+        sys.stdout.flush()
+        os._exit(3)
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def case_kill_before_layout(comm):
+    layout = _layout(comm)
+    if comm.rank == BAD:
+        sys.stdout.flush()
+        os.kill(os.getpid(), 9)
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def _die_in_pulls(comm, how):
+    """On rank BAD, end the process (or raise) in the transport's first wait for a peer: after its
+    own fills are signalled, before it pulls."""
+    from mxcomm.comm._shm import HostPeerMemory
+    if comm.rank != BAD:
+        return
+
+    def await_ready(self, peer, piece, kind):
+        sys.stdout.flush()
+        if how == "raise":
+            raise KeyError("injected in the middle of the exchange")
+        if how == "kill":
+            os.kill(os.getpid(), 9)
+        os._exit(3)
+    HostPeerMemory.await_ready = await_ready
+
+
+def _mid(comm, how, direction):
+    from mxcomm.a2a import a2a_combine
+    layout = _layout(comm)
+    received = a2a_dispatch(_rows(layout.num_rows), layout, precision="bf16")
+    if direction == "dispatch":
+        _die_in_pulls(comm, how)
+        # the survivors' rows were staged before rank BAD stopped, so their first call may
+        # complete; the next one waits for BAD to finish reading their staging, and times out
+        for _ in range(2):
+            a2a_dispatch(_rows(layout.num_rows), layout)
+    else:  # the combine: rank BAD stops before it
+        if comm.rank == BAD:
+            _die_in_pulls(comm, how)
+            HostPeerMemory_await(comm)
+        for _ in range(2):
+            a2a_combine(received, layout)
+
+
+def HostPeerMemory_await(comm):
+    from mxcomm.comm._shm import HostPeerMemory
+    HostPeerMemory.await_ready(None, 0, 0, 0)
+
+
+def case_raise_mid_dispatch(comm):
+    _mid(comm, "raise", "dispatch")
+
+
+def case_exit_mid_dispatch(comm):
+    _mid(comm, "exit", "dispatch")
+
+
+def case_kill_mid_dispatch(comm):
+    _mid(comm, "kill", "dispatch")
+
+
+def case_raise_mid_combine(comm):
+    _mid(comm, "raise", "combine")
+
+
+def case_kill_mid_combine(comm):
+    _mid(comm, "kill", "combine")
+
+
+def case_exit_before_explicit(comm):
+    splits = [1] * comm.size
+    if comm.rank == BAD:
+        sys.stdout.flush()
+        os._exit(3)
+    a2a_dispatch(_rows(comm.size), splits, splits, comm)
+
+
+def case_precision_mismatch(comm):
+    splits = [1] * comm.size
+    a2a_dispatch(_rows(comm.size), splits, splits, comm,
+                 precision="bf16" if comm.rank == BAD else "mxfp8")
+
+
+def case_dim_mismatch(comm):
+    splits = [1] * comm.size
+    x = numpy.ones((comm.size, 2 * D if comm.rank == BAD else D), bfloat16)
+    a2a_dispatch(x, splits, splits, comm)
+
+
+def case_torch_tensor(comm):
+    import torch
+    splits = [1] * comm.size
+    a2a_dispatch(torch.ones(comm.size, D, dtype=torch.bfloat16), splits, splits, comm)
+
+
+def main():
+    case = sys.argv[1]
+    comm = mxc.init(timeout=TIMEOUT)
+    if case == "torch_tensor":
+        import torch  # noqa: F401 (imported before the clock starts)
+    t0 = time.perf_counter()
+    try:
+        globals()["case_" + case](comm)
+        exc, msg = "none", ""
+    except Exception as e:  # reported, not swallowed: the test asserts on it
+        exc, msg = type(e).__name__, " ".join(str(e).split())
+    print(f"RESULT rank={comm.rank} exc={exc} t={time.perf_counter() - t0:.2f} msg={msg}",
+          flush=True)
+    if exc == "KeyError":  # the injected raise: stay alive, as a rank that raised would, while
+        time.sleep(TIMEOUT + 2)  # the peers time out (mpiexec ends the job when a rank exits)
+    os._exit(0)  # no finalize handshake with a peer that may be gone
+
+
+if __name__ == "__main__":
+    main()
