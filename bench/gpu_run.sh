@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 tests2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 soak2
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -34,6 +34,8 @@ for phase in "$@"; do
     tests2) step "gpu tests, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" tests ;;
     tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
+    formats2) step "format exchanges on GPUs, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
+        -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m mpi tests/test_formats_ep.py ;;
     kernels) step "bench kernels" 300 python3 -m mxcomm.bench kernels \
         --json "$res/kernels.json" --markdown "$res/kernels.md" ;;
     a2a2) step "bench a2a, 2 ranks" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench a2a \

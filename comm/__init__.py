@@ -1,14 +1,16 @@
-"""Communicators of mxcomm (installed as ``mxcomm.comm``): all-to-all of rows over NCCL or MPI.
+"""Communicators of mxcomm (installed as ``mxcomm.comm``): all-to-all of rows over NCCL, MPI or
+torch.distributed, among the ranks of an mpi4py communicator or of a torch.distributed group.
 
-``import mxcomm.comm`` imports neither CuPy nor mpi4py: the backends load on first use.
+``import mxcomm.comm`` imports neither CuPy, mpi4py nor torch: the backends load on first use.
 """
 
 from ._factory import init
 
-__all__ = ["init", "Communicator", "MpiCommunicator", "NcclCommunicator"]
+__all__ = ["init", "Communicator", "MpiCommunicator", "NcclCommunicator",
+           "TorchHostCommunicator"]
 
 _LAZY = {"Communicator": "._communicator", "MpiCommunicator": "._mpi",
-         "NcclCommunicator": "._nccl"}
+         "NcclCommunicator": "._nccl", "TorchHostCommunicator": "._torchdist"}
 
 
 def __getattr__(name):

@@ -1,14 +1,16 @@
-"""The communicator interface shared by the NCCL and MPI backends: lifecycle, checks, exchanges.
+"""The communicator interface shared by the backends (NCCL, MPI, torch.distributed): lifecycle,
+checks, exchanges.
 
 Glossary: W ranks (``size``); counts and offsets are host ints counting rows (first-axis slices) of
 the arrays moved, never bytes or elements.
 
-A communicator talks to its peers two ways: its backend moves data (NCCL on the devices, or MPI on
-host arrays), and its host side channel (``_sidechannel``) carries the bootstrap, the layout
-exchange and, for calls with explicit splits, the *vote*: one small allgather in which every rank
-shows its local verdict and counts, so that bad arguments anywhere raise the same error on every
-rank before any data moves (``_validate``). Exchanges given a plan agreed earlier (a layout) skip
-the vote and make no host collective at all.
+A communicator talks to its peers two ways: its backend moves data (NCCL on the devices, MPI or
+torch.distributed on host arrays), and its host side channel (``_sidechannel``: over MPI, or over a
+torch.distributed group, ``_torchside``) carries the bootstrap, the layout exchange and, for calls
+with explicit splits, the *vote*: one small allgather in which every rank shows its local verdict
+and counts, so that bad arguments anywhere raise the same error on every rank before any data moves
+(``_validate``). Exchanges given a plan agreed earlier (a layout) skip the vote and make no host
+collective at all.
 """
 
 import abc
@@ -16,12 +18,18 @@ import contextlib
 import operator
 
 from . import _validate
-from ._sidechannel import SideChannel
 from ._staged import Plan
 
 
 class Communicator(abc.ABC):
     """Base of the communicators: the side channel, the vote, the staged exchange and the state.
+
+    Args:
+        side: the host side channel (``_sidechannel``), built by ``mxcomm.comm.init`` from an
+            mpi4py communicator or a torch.distributed group; the communicator owns it (frees
+            it on :meth:`close`) and binds its abort to the channel's timeouts.
+        validate: default of the per-call ``validate`` flag of explicit-splits calls.
+        peer_memory: None (auto), True or False: see :meth:`_choose_transport`.
 
     Attributes:
         rank: this process's rank in ``[0, size)``.
@@ -33,19 +41,20 @@ class Communicator(abc.ABC):
             ``"grouped"`` (one :meth:`alltoallv`).
         host_collectives: host collectives made so far (bootstrap, layouts, votes, growth of the
             staging); a layout-path exchange adds none.
+        group: the torch.distributed process group the communicator was built over, or None
+            (built from MPI).
     """
 
-    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True, peer_memory=None):
+    def __init__(self, side, *, validate=True, peer_memory=None):
         if peer_memory not in (None, True, False):
             raise ValueError(f"peer_memory: expected None (auto), True or False, got "
                              f"{peer_memory!r}")
-        timeout = float(timeout)
-        if not timeout > 0:
-            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout}")
-        self._side = SideChannel(mpi_comm, timeout, self._mark_aborted_by_timeout)
-        self.rank = self._side.rank
-        self.size = self._side.size
-        self.timeout = timeout
+        self._side = side
+        side.on_timeout = self._mark_aborted_by_timeout
+        self.rank = side.rank
+        self.size = side.size
+        self.timeout = side.timeout
+        self.group = side.group
         self.validate = bool(validate)
         self._ballot = _validate.Ballot(self.rank, self.size)
         self._descriptions = {}       # (dtype, row shape) per array -> text for the vote
@@ -186,7 +195,7 @@ class Communicator(abc.ABC):
             TypeError: an array of the wrong kind, non-integer counts, ``out`` of another dtype.
             TimeoutError: not done within ``timeout`` s; the communicator is aborted.
             RuntimeError: the communicator is aborted or closed.
-        NCCL enqueues and never syncs the host; MPI blocks until the exchange is done.
+        NCCL enqueues and never syncs the host; the host backends block until it is done.
         """
 
     @abc.abstractmethod
@@ -263,9 +272,10 @@ class Communicator(abc.ABC):
     def _choose_transport(self):
         """Pick the transport of :meth:`exchange`; collective (from the constructors).
 
-        ``"pull"`` needs every rank on this node and the backend's peer memory; ``peer_memory``
-        None takes it where every rank can, True requires it (RuntimeError on every rank
-        otherwise), False never uses it.
+        ``"pull"`` needs every rank on this node and the backend's peer memory (CUDA IPC on
+        GPUs; on the host, MPI shared windows, so a torch side channel takes ``"grouped"``);
+        ``peer_memory`` None takes it where every rank can, True requires it (RuntimeError on
+        every rank otherwise), False never uses it.
         """
         from ._grouped import GroupedTransport
         from ._pull import PullTransport
@@ -275,7 +285,8 @@ class Communicator(abc.ABC):
         if self._peer_memory and not all(votes):
             ranks = [r for r, v in enumerate(votes) if not v]
             raise RuntimeError(f"peer_memory=True: ranks {ranks} cannot map their peers' memory "
-                               f"(all ranks must share one node, with peer access between GPUs)")
+                               f"(all ranks must share one node, with peer access between GPUs; "
+                               f"on the host, an MPI communicator)")
         if all(votes):
             self._transport = PullTransport(self, self._new_peer_memory())
         else:

@@ -1,18 +1,38 @@
-"""``mxcomm.comm.init``: a communicator of the backend that fits this machine."""
+"""``mxcomm.comm.init``: a communicator of the backend that fits this machine, over the ranks of
+an mpi4py communicator or of a torch.distributed group."""
 
-_BACKENDS = ("auto", "nccl", "mpi")
+import os
+import sys
+
+_BACKENDS = ("auto", "nccl", "mpi", "torch")
+#: Set by torchrun (torch.distributed.elastic) in every process it launches.
+_TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
 
 
-def init(backend="auto", mpi_comm=None, *, timeout=300.0, validate=True, peer_memory=None):
-    """A communicator over the ranks of ``mpi_comm``.
+def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=True,
+         peer_memory=None, device=None):
+    """A communicator over the ranks of ``mpi_comm`` or of the torch.distributed ``group``.
 
-    Collective: every rank of ``mpi_comm`` must call it, with the same ``backend``.
+    Collective: every rank of ``mpi_comm`` (or ``group``) must call it, with the same ``backend``.
+
+    Where the ranks come from (the host side channel, ``_sidechannel``):
+    - ``group``: a ``torch.distributed`` ``ProcessGroup`` (any backend: gloo, or NCCL on GPUs)
+      or a 1-D ``DeviceMesh`` (``mesh["ep"]``): ranks are the group's ranks, so an EP group
+      inside a larger world works; no MPI is needed (``torchrun``). The host side channel is a
+      private gloo group over those ranks, rendezvoused through the group's store.
+    - ``mpi_comm``: an mpi4py communicator (duplicated, not consumed).
+    - neither: ``MPI.COMM_WORLD``; in a process launched by ``torchrun``, torch.distributed's
+      default group instead (it must be initialized).
 
     Args:
         backend: ``"nccl"`` (:class:`NcclCommunicator`, device arrays), ``"mpi"``
-            (:class:`MpiCommunicator`, host NumPy arrays), or ``"auto"``: NCCL when this process
-            runs array work on a real GPU and CuPy with NCCL imports on every rank, else MPI.
-        mpi_comm: an mpi4py communicator; None for ``MPI.COMM_WORLD``. Duplicated, not consumed.
+            (:class:`MpiCommunicator`, host NumPy arrays, data over MPI), ``"torch"``
+            (``TorchHostCommunicator``, host NumPy arrays, data over torch.distributed's
+            gloo), or ``"auto"``: NCCL when every rank runs array work on a real GPU and CuPy
+            with NCCL imports there (agreed over the side channel), else the host backend of
+            the ranks' source (``"mpi"`` or ``"torch"``).
+        mpi_comm: an mpi4py communicator, or None.
+        group: a torch ``ProcessGroup`` or 1-D ``DeviceMesh``, or None. Not with ``mpi_comm``.
         timeout: seconds a collective, or a device wait for a peer, may take before the
             communicator is aborted (> 0). The default, 300 s, leaves room for first-call
             compilation on every rank.
@@ -22,31 +42,96 @@ def init(backend="auto", mpi_comm=None, *, timeout=300.0, validate=True, peer_me
         peer_memory: transport of the staged exchanges (the low-precision ones use it): None
             (auto) pulls rows from the peers' memory where every rank is on one node (CUDA IPC
             on GPUs, an MPI shared window on the host), else one ``alltoallv``; True requires
-            the pull; False never pulls.
+            the pull; False never pulls. A torch group's host backend has no shared window.
+        device: NCCL only: this process's CUDA device. None: from a torch group, torch's
+            current device if torch has initialized CUDA, else ``LOCAL_RANK``, else the
+            node-local rank; from MPI, the node-local rank (modulo the devices).
     Returns:
-        A communicator: ``rank``, ``size``, ``timeout``, ``transport``, ``alltoallv``,
-        ``exchange``, ``check``, ``alltoall_counts``, ``wait``, ``barrier``, ``abort``,
-        ``close``; usable as a context manager.
+        A communicator: ``rank``, ``size``, ``timeout``, ``transport``, ``group``,
+        ``alltoallv``, ``exchange``, ``check``, ``alltoall_counts``, ``wait``, ``barrier``,
+        ``abort``, ``close``; usable as a context manager.
     Raises:
-        ValueError: an unknown ``backend``, a non-positive ``timeout`` or a bad ``peer_memory``.
+        ValueError: an unknown ``backend``, a non-positive ``timeout``, a bad ``peer_memory``,
+            ``mpi_comm`` and ``group`` both given, a backend that does not fit the ranks'
+            source (``"mpi"`` with a group, ``"torch"`` with ``mpi_comm``), a DeviceMesh of more
+            than one dimension, or this process not in ``group``.
+        TypeError: ``group`` is neither a ProcessGroup nor a DeviceMesh.
         RuntimeError: ``backend="nccl"`` where CuPy's NCCL is unavailable; ``peer_memory=True``
-            where some rank cannot map its peers' memory.
+            where some rank cannot map its peers' memory; under torchrun with neither argument,
+            torch.distributed not initialized.
         TimeoutError: a rank did not join within ``timeout`` s.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, _BACKENDS))}, "
                          f"got {backend!r}")
+    timeout = float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout: expected a positive number of seconds, got {timeout}")
+    if peer_memory not in (None, True, False):
+        raise ValueError(f"peer_memory: expected None (auto), True or False, got "
+                         f"{peer_memory!r}")
+    if mpi_comm is not None and group is not None:
+        raise ValueError("init: give mpi_comm or group, not both")
+    if group is None and mpi_comm is None and (backend == "torch" or
+                                               os.environ.get(_TORCHRUN_ENV) is not None):
+        group = _default_torch_group(backend)
+    if group is not None and backend == "mpi":
+        raise ValueError("backend 'mpi' moves data over MPI: give mpi_comm, not group (or "
+                         "backend 'torch', 'nccl' or 'auto')")
+    if mpi_comm is not None and backend == "torch":
+        raise ValueError("backend 'torch' moves data over torch.distributed: give group, not "
+                         "mpi_comm")
+
+    if group is not None:
+        from ._torchside import TorchSideChannel
+        side = TorchSideChannel(group, timeout)
+    else:
+        from ._sidechannel import MpiSideChannel
+        side = MpiSideChannel(mpi_comm, timeout)
     if backend == "auto":
-        from mpi4py import MPI
-        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         # Every rank must pick the same backend: NCCL only if it works everywhere.
-        backend = "nccl" if parent.allreduce(_nccl_available(), op=MPI.LAND) else "mpi"
+        votes = side.allgather_bytes(bytes([_nccl_available()]), "backend choice (vote)")
+        backend = "nccl" if all(votes) else side.kind
     if backend == "nccl":
         from ._nccl import NcclCommunicator
-        return NcclCommunicator(mpi_comm, timeout=timeout, validate=validate,
-                                peer_memory=peer_memory)
+        if device is None and side.kind == "torch":
+            device = _torch_device()
+        return NcclCommunicator(side, validate=validate, device=device, peer_memory=peer_memory)
+    if side.kind == "torch":
+        from ._torchdist import TorchHostCommunicator
+        return TorchHostCommunicator(side, validate=validate, peer_memory=peer_memory)
     from ._mpi import MpiCommunicator
-    return MpiCommunicator(mpi_comm, timeout=timeout, validate=validate, peer_memory=peer_memory)
+    return MpiCommunicator(side, validate=validate, peer_memory=peer_memory)
+
+
+def _default_torch_group(backend):
+    """torch.distributed's default group (``torchrun``, or ``backend="torch"`` without a group).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        why = "backend 'torch' without a group" if backend == "torch" else \
+            "this process was launched by torchrun"
+        raise RuntimeError(f"init: {why}, but torch.distributed is not initialized: call "
+                           f"torch.distributed.init_process_group() first, or pass group= "
+                           f"(or mpi_comm=)")
+    return dist.group.WORLD
+
+
+def _torch_device():
+    """The CUDA device of a process of a torch group: torch's current device once torch has
+    initialized CUDA (the caller chose it), else ``LOCAL_RANK`` modulo the devices, else None
+    (the node-local rank)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
+        return None
+    import cupy
+    return int(local_rank) % cupy.cuda.runtime.getDeviceCount()
 
 
 def _nccl_available():
@@ -57,5 +142,5 @@ def _nccl_available():
     try:
         from cupy.cuda import nccl
         return bool(nccl.available) and nccl.get_version() > 0
-    except Exception:  # no CuPy, no NCCL library, no driver: fall back to MPI
+    except Exception:  # no CuPy, no NCCL library, no driver: fall back to the host backend
         return False

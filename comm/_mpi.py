@@ -20,19 +20,19 @@ class MpiCommunicator(Communicator):
     """All-to-all of rows of host NumPy arrays over MPI.
 
     Args:
-        mpi_comm: an mpi4py communicator; None for ``MPI.COMM_WORLD`` (duplicated, not consumed).
-        timeout: seconds a collective may take before the communicator is aborted (> 0).
+        side: an ``MpiSideChannel`` (``mxcomm.comm.init`` builds it over an mpi4py communicator,
+            ``MPI.COMM_WORLD`` by default); data moves on its private duplicate.
         validate: default of the per-call ``validate`` flag (cross-rank count checks).
         peer_memory: transport of :meth:`exchange`: None (auto) pulls from MPI shared-memory
             windows where every rank is on this node; True requires that; False uses one
             ``alltoallv``.
 
-    Collective: every rank of ``mpi_comm`` constructs it. Every method that moves data is
-    collective and blocks the host until done (or ``timeout``).
+    Collective: every rank of the MPI communicator constructs it. Every method that moves data
+    is collective and blocks the host until done (or ``timeout``).
     """
 
-    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True, peer_memory=None):
-        super().__init__(mpi_comm, timeout=timeout, validate=validate, peer_memory=peer_memory)
+    def __init__(self, side, *, validate=True, peer_memory=None):
+        super().__init__(side, validate=validate, peer_memory=peer_memory)
         self._row_types = {}  # row bytes -> committed MPI contiguous datatype
         self._choose_transport()
 

@@ -1,9 +1,11 @@
 """NCCL communicator: all-to-all of rows of CuPy device arrays with grouped send/recv.
 
-One process per GPU. The GPU is picked from the node-local rank (an MPI shared-memory split), the
-NCCL unique id is made on rank 0 and broadcast over the host side channel, and ``alltoallv`` is one NCCL group of
-``send``/``recv`` calls (NCCL has no alltoallv), one pair per peer and array, zero-size ones
-skipped. Rows travel as raw bytes (``NCCL_UINT8``), so every dtype works: bf16, fp8 bits, scales.
+One process per GPU. The GPU is picked from the node-local rank (found by the host side channel:
+an MPI shared-memory split, or host names over a torch group), unless given; the NCCL unique id is
+made on rank 0 and broadcast over the host side channel (MPI or torch.distributed), and
+``alltoallv`` is one NCCL group of ``send``/``recv`` calls (NCCL has no alltoallv), one pair per
+peer and array, zero-size ones skipped. Rows travel as raw bytes (``NCCL_UINT8``), so every dtype
+works: bf16, fp8 bits, scales.
 
 Nothing here blocks the host except :meth:`NcclCommunicator.wait`, which polls with the timeout.
 A per-instance watchdog thread polls a CUDA event recorded after each group or exchange; if one is
@@ -64,13 +66,13 @@ class NcclCommunicator(Communicator):
     """All-to-all of rows of CuPy device arrays over NCCL, one process per GPU.
 
     Args:
-        mpi_comm: an mpi4py communicator over the processes (one per GPU); None for
-            ``MPI.COMM_WORLD``. Duplicated, not consumed; it bootstraps NCCL and carries the
-            argument checks (host ints).
-        timeout: seconds a collective may take before the communicator is aborted (> 0).
+        side: the host side channel over the processes (one per GPU), built by
+            ``mxcomm.comm.init`` from an mpi4py communicator or a torch.distributed group; it
+            bootstraps NCCL and carries the argument checks (host ints).
         validate: default of the per-call ``validate`` flag (cross-rank count checks).
         device: the CUDA device of this process; None for ``local_rank % device_count``, where
-            ``local_rank`` is the rank among the processes of this node.
+            ``local_rank`` is the rank among the processes of this node (``init(group=...)``
+            passes torch's current device, or LOCAL_RANK's).
         peer_memory: transport of :meth:`exchange`: None (auto) pulls over CUDA IPC
             where every rank is on this node and every pair of GPUs has peer access; True
             requires that; False uses one NCCL group.
@@ -79,13 +81,12 @@ class NcclCommunicator(Communicator):
         device: the CUDA device ordinal used (made current by the constructor).
         local_rank: this process's rank among the processes of its node.
 
-    Collective: every rank of ``mpi_comm`` constructs it (blocking, bounded by ``timeout``
-    up to NCCL's own initialization).
+    Collective: every rank constructs it (blocking, bounded by ``timeout`` up to NCCL's own
+    initialization).
     """
 
-    def __init__(self, mpi_comm=None, *, timeout=300.0, validate=True, device=None,
-                 peer_memory=None):
-        super().__init__(mpi_comm, timeout=timeout, validate=validate, peer_memory=peer_memory)
+    def __init__(self, side, *, validate=True, device=None, peer_memory=None):
+        super().__init__(side, validate=validate, peer_memory=peer_memory)
         import cupy
         from cupy.cuda import nccl
         self._cupy = cupy
@@ -378,7 +379,7 @@ class NcclCommunicator(Communicator):
                 exclusive cumulative sum of ``recv_counts`` (then sum(recv_counts) must equal N).
             stream: None for CuPy's current stream, a stream object (``.ptr``/``.cuda_stream``)
                 or a raw handle. ``send`` must be ready on it; ``out`` is ready on it after.
-            validate: check counts across ranks first (one small MPI allgather of host ints);
+            validate: check counts across ranks first (one small host allgather of ints);
                 None for the communicator's default.
         Returns:
             ``out`` (an array, or a tuple if ``send`` was a tuple).

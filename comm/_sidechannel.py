@@ -1,16 +1,24 @@
-"""The host side channel of a communicator: small collectives over MPI, each bounded by a timeout.
+"""The host side channel of a communicator: small collectives, each bounded by a timeout.
 
 The communicators bootstrap over it (NCCL's unique id, IPC handles, the transport choice), the
 layout exchange gathers every rank's counts over it, and explicit-splits calls vote over it. The
 data of a layout-path exchange never touches it: :attr:`SideChannel.collectives` counts what it did,
 so tests can check that a run of exchanges made no host collective.
 
-Every MPI request is polled until ``timeout`` seconds have passed; then :class:`SideChannel` calls
-``on_timeout`` (the communicator aborts itself) and raises ``TimeoutError``. A request abandoned that
-way is kept alive, with its buffers, since MPI cannot cancel a collective: the peer that was late
-may still complete it and write into them.
+:class:`SideChannel` is the interface; two implementations carry it:
+
+- :class:`MpiSideChannel` (here): a private duplicate of an mpi4py communicator (``mpirun``). It
+  also gives the MPI backend its data path and the host pull transport its shared windows.
+- ``TorchSideChannel`` (``_torchside``): a private gloo group over the ranks of a
+  ``torch.distributed`` process group (``torchrun``); no MPI needed.
+
+Every operation waits at most ``timeout`` seconds; then the channel calls ``on_timeout`` (the
+communicator aborts itself) and raises ``TimeoutError``. An operation abandoned that way is kept
+alive, with its buffers, in :attr:`SideChannel.abandoned`, since neither MPI nor gloo can cancel a
+collective: the peer that was late may still complete it and write into them.
 """
 
+import abc
 import pickle
 import time
 
@@ -25,30 +33,113 @@ _MAX_SLEEP_S = 5e-3
 _TAG = 17
 
 
-class SideChannel:
+def _not_bound(reason):
+    """``on_timeout`` of a channel no communicator has bound yet: nothing to abort."""
+
+
+class SideChannel(abc.ABC):
+    """Bounded host collectives among the ranks of one communicator (the interface).
+
+    Attributes:
+        rank, size: this process's rank and the number of ranks.
+        timeout: seconds an operation may take.
+        collectives: how many host collectives this channel has started.
+        abandoned: ``(operations, buffers)`` of timed-out operations, kept alive.
+        on_timeout: ``on_timeout(reason)``, called before ``TimeoutError`` is raised; the
+            communicator binds its abort here.
+        kind: ``"mpi"`` or ``"torch"``.
+        shared_windows: True where MPI shared-memory windows can be allocated over the ranks
+            (the host pull transport); False elsewhere, where the host takes the grouped
+            transport.
+        group: the ``torch.distributed`` process group the channel was built over, or None.
+    """
+
+    kind = None
+    shared_windows = False
+    group = None
+
+    def __init__(self, rank, size, timeout):
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self.collectives = 0
+        self.abandoned = []
+        self.on_timeout = _not_bound
+
+    @abc.abstractmethod
+    def _gather(self, mine, table, what):
+        """Every rank's 1-D C-contiguous ``mine`` (one shape and dtype on all ranks) into
+        ``table[rank]`` ((W, n) C-contiguous, same dtype); one collective, counted."""
+
+    def allgather_bytes(self, payload, what):
+        """Every rank's ``payload`` (bytes, one length on all ranks), concatenated in rank order."""
+        mine = numpy.frombuffer(payload, dtype=numpy.uint8).copy()
+        table = numpy.empty((self.size, mine.size), dtype=numpy.uint8)
+        self._gather(mine, table, what)
+        return table.tobytes()
+
+    def allgather_array(self, mine, what):
+        """Every rank's 1-D array ``mine`` (one length and dtype on all ranks) as (W, n) rows."""
+        mine = numpy.ascontiguousarray(mine)
+        table = numpy.empty((self.size,) + mine.shape, dtype=mine.dtype)
+        self._gather(mine, table, what)
+        return table
+
+    def allgather_into(self, mine, table, what):
+        """Allgather the buffer ``mine`` into ``table`` ((W, n), rank order); the vote reuses
+        both buffers from call to call."""
+        self._gather(mine, table, what)
+
+    def barrier(self, what="barrier"):
+        """Block until every rank has arrived (bounded)."""
+        self._gather(numpy.zeros(1, numpy.uint8), numpy.zeros((self.size, 1), numpy.uint8), what)
+
+    @abc.abstractmethod
+    def bcast_object(self, obj, what, root=0):
+        """Broadcast a picklable ``obj`` from ``root``; one collective, counted."""
+
+    @abc.abstractmethod
+    def node_info(self):
+        """``(local_rank, one_node)``: this rank among the ranks on its node, and whether every
+        rank shares that node (collective)."""
+
+    @abc.abstractmethod
+    def free(self):
+        """Release the channel, unless an abandoned operation may still touch it (then leak it)."""
+
+    def _timed_out(self, what, missing=""):
+        """Call ``on_timeout`` and return the ``TimeoutError`` to raise."""
+        self.on_timeout(f"{what} timed out after {self.timeout:g} s")
+        return TimeoutError(
+            f"{what}: did not finish within {self.timeout:g} s on rank {self.rank} of "
+            f"{self.size};{missing} the communicator is aborted (a rank may have "
+            f"stopped calling it, failed before it, or called another collective)")
+
+
+class MpiSideChannel(SideChannel):
     """Bounded host collectives over a private duplicate of an mpi4py communicator.
+
+    Every MPI request is polled (``MPI.Request.Test``) until it completes or ``timeout`` s pass.
+    Collective: every rank of ``mpi_comm`` constructs it (``MPI_Comm_dup``, unbounded).
 
     Args:
         mpi_comm: an mpi4py communicator, or None for ``MPI.COMM_WORLD`` (duplicated, not consumed).
         timeout: seconds a collective may take.
-        on_timeout: ``on_timeout(reason)``, called before ``TimeoutError`` is raised.
 
     Attributes:
-        rank, size: this process's rank and the number of ranks.
-        collectives: how many host collectives this channel has started.
+        mpi: the private duplicate (the MPI backend moves its data on it); ``MPI``: the module.
+        (and those of :class:`SideChannel`)
     """
 
-    def __init__(self, mpi_comm, timeout, on_timeout):
+    kind = "mpi"
+    shared_windows = True
+
+    def __init__(self, mpi_comm, timeout):
         from mpi4py import MPI
         self.MPI = MPI
         parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = parent.Dup()
-        self.rank = self.mpi.Get_rank()
-        self.size = self.mpi.Get_size()
-        self.timeout = timeout
-        self.collectives = 0
-        self._on_timeout = on_timeout
-        self.abandoned = []  # (requests, buffers) of timed-out operations
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
 
     def wait(self, requests, what, keep=(), peers=None):
         """Poll MPI ``requests`` until all complete or ``timeout`` s pass.
@@ -83,18 +174,13 @@ class SideChannel:
                     if late:
                         missing = (f" rank{'s' if len(late) > 1 else ''} "
                                    f"{', '.join(map(str, late))} did not arrive;")
-                self._on_timeout(f"{what} timed out after {self.timeout:g} s")
-                raise TimeoutError(
-                    f"{what}: did not finish within {self.timeout:g} s on rank {self.rank} of "
-                    f"{self.size};{missing} the communicator is aborted (a rank may have "
-                    f"stopped calling it, failed before it, or called another collective)")
+                raise self._timed_out(what, missing)
             if now - start > _SPIN_S:
                 time.sleep(sleep)
                 sleep = min(2 * sleep, _MAX_SLEEP_S)
 
     def _gather(self, mine, table, what):
-        """Every rank's ``mine`` (one shape on all ranks) into ``table[rank]``: point to point,
-        so a timeout names the ranks that did not arrive."""
+        """Point to point, so a timeout names the ranks that did not arrive."""
         table[self.rank] = mine
         requests, peers = [], []
         for step in range(1, self.size):
@@ -107,28 +193,6 @@ class SideChannel:
         self.collectives += 1
         if requests:
             self.wait(requests, what, keep=(mine, table), peers=peers)
-
-    def allgather_bytes(self, payload, what):
-        """Every rank's ``payload`` (bytes, one length on all ranks), concatenated in rank order."""
-        mine = numpy.frombuffer(payload, dtype=numpy.uint8).copy()
-        table = numpy.empty((self.size, mine.size), dtype=numpy.uint8)
-        self._gather(mine, table, what)
-        return table.tobytes()
-
-    def allgather_array(self, mine, what):
-        """Every rank's 1-D array ``mine`` (one length and dtype on all ranks) as (W, n) rows."""
-        mine = numpy.ascontiguousarray(mine)
-        table = numpy.empty((self.size,) + mine.shape, dtype=mine.dtype)
-        self._gather(mine, table, what)
-        return table
-
-    def allgather_into(self, mine, table, what):
-        """Allgather the buffer ``mine`` into ``table`` ((W, n), rank order)."""
-        self._gather(mine, table, what)
-
-    def barrier(self, what="barrier"):
-        """Block until every rank has arrived (bounded; names the ranks that did not)."""
-        self._gather(numpy.zeros(1, numpy.uint8), numpy.zeros((self.size, 1), numpy.uint8), what)
 
     def bcast_object(self, obj, what, root=0):
         """Broadcast a picklable ``obj`` from ``root`` (two bounded broadcasts: size, bytes)."""

@@ -7,7 +7,8 @@ Tensors cross to arrays zero-copy through DLPack: bf16 as an int16 view (NumPy h
 the same view works with CuPy), fp8 as uint8 views. Work is enqueued on torch's current CUDA stream;
 CPU tensors run in Numba's CUDA simulator with the MPI communicator, so CI exercises autograd too.
 
-MXFP8 values travel as :class:`MXFP8Tensor`, a bf16-typed wrapper holding e4m3 data and e8m0
+Quantized values travel as a :class:`QuantizedTensor` (any format of ``mxcomm.formats``; its
+``"mxfp8"`` case is :class:`MXFP8Tensor`), a bf16-typed wrapper holding e4m3 data and the format's
 scales. It has to be bf16-typed: autograd casts a gradient to the dtype of the output it flows
 into, so an fp8-typed output would receive fp8 gradients. Any torch op on it (``torch._grouped_mm``
 included) runs on its dequantized bf16 values, with a straight-through gradient::
@@ -28,10 +29,12 @@ from . import a2a as _a2a
 from . import layout as _layout
 from . import permutation as _permutation
 from ._array import as_device_array, bfloat16
-from .mxfp8 import MXFP8Array, dequantize_mxfp8
+from ._torch_gemm import fp8_gemm_available, grouped_mm
+from .formats import QuantizedArray, get_format
 
-__all__ = ["MXFP8Tensor", "exchange_layout", "a2a_dispatch", "permute", "unpermute",
-           "a2a_combine", "all_to_all_single"]
+__all__ = ["QuantizedTensor", "MXFP8Tensor", "grouped_mm", "fp8_gemm_available",
+           "exchange_layout", "a2a_dispatch", "permute", "unpermute", "a2a_combine",
+           "all_to_all_single", "all_to_all_single_fn", "communicator_for"]
 
 # torch dtype -> (same-size integer torch dtype for DLPack, NumPy dtype of the array view)
 _BIT_VIEWS = {
@@ -39,6 +42,11 @@ _BIT_VIEWS = {
     torch.float8_e4m3fn: (torch.uint8, numpy.dtype(numpy.uint8)),
     torch.float8_e8m0fnu: (torch.uint8, numpy.dtype(numpy.uint8)),
 }
+# array dtype of a quantized format's data / scales -> the torch dtype its tensor has
+# (fp8 travels as uint8 bits: data is e4m3fn, uint8 scales are e8m0)
+_DATA_DTYPE = torch.float8_e4m3fn
+_SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
+                 numpy.dtype(numpy.float32): torch.float32}
 
 
 # ------------------------------------------------------------------------------ conversions
@@ -68,80 +76,103 @@ def _tensor(a, dtype=None):
 
 
 def _rows(t, name):
-    """A tensor as what the array API takes: MXFP8Array for an MXFP8Tensor, else an array."""
-    if isinstance(t, MXFP8Tensor):
-        return MXFP8Array(_array(t.data_e4m3, f"{name}.data_e4m3"),
-                          _array(t.scales_e8m0, f"{name}.scales_e8m0"))
+    """A tensor as what the array API takes: a QuantizedArray (MXFP8Array for mxfp8) for a
+    QuantizedTensor, else an array."""
+    if isinstance(t, QuantizedTensor):
+        return t.format.wrap(_array(t.qdata, f"{name}.qdata"), _array(t.scales, f"{name}.scales"))
     return _array(t, name)
 
 
 def _wrap(result):
-    """An array API result as a tensor: MXFP8Tensor for an MXFP8Array, else a plain tensor."""
-    if isinstance(result, MXFP8Array):
-        return MXFP8Tensor(_tensor(result.data, torch.float8_e4m3fn),
-                           _tensor(result.scales, torch.float8_e8m0fnu))
+    """An array API result as a tensor: a QuantizedTensor (MXFP8Tensor for mxfp8) for a
+    QuantizedArray, else a plain tensor."""
+    if isinstance(result, QuantizedArray):
+        return QuantizedTensor(_tensor(result.data, _DATA_DTYPE),
+                               _tensor(result.scales, _SCALE_DTYPES[result.scales.dtype]),
+                               result.format)
     return _tensor(result)
 
 
 def _dequantized(t):
-    """The bf16 values of the MXFP8Tensor ``t`` as a plain tensor (no autograd)."""
-    mx = _rows(t, "MXFP8Tensor")
-    return _tensor(dequantize_mxfp8(mx, bfloat16, stream=_stream(t.data_e4m3)))
+    """The bf16 values of the QuantizedTensor ``t`` as a plain tensor (no autograd)."""
+    return _tensor(_rows(t, type(t).__name__).dequantize(bfloat16, stream=_stream(t.qdata)))
 
 
-# ---------------------------------------------------------------------------- MXFP8Tensor
-class MXFP8Tensor(torch.Tensor):
-    """An (M, D) MXFP8 tensor that autograd and torch ops see as bf16.
+# ------------------------------------------------------------------------- QuantizedTensor
+def _scales_shape_text(fmt):
+    """The scale shape of a format in words: "(M,)" or "(M, D // 32)"."""
+    return "(M,)" if len(fmt.scales_shape(1, fmt.d_multiple)) == 1 else \
+        f"(M, D // {fmt.scale_block})"
 
-    Holds ``data_e4m3`` (M, D) ``torch.float8_e4m3fn`` and ``scales_e8m0`` (M, D // 32)
-    ``torch.float8_e8m0fnu`` (one scale per 32 elements of a row). Its dtype is bf16, so gradients
-    flowing into it are bf16 of the same shape. :meth:`dequantize` is differentiable
-    (straight-through); any other torch op dequantizes it and runs on bf16 (``detach`` keeps it
-    quantized), so ``torch._grouped_mm`` or a slice "just works" on it.
+
+class QuantizedTensor(torch.Tensor):
+    """An (M, D) tensor of a quantized format (``mxcomm.formats``) that autograd and torch ops see
+    as bf16.
+
+    Holds ``qdata`` (M, D) ``torch.float8_e4m3fn``, ``scales`` of the format's scale shape
+    (``format.scales_shape(M, D)``: ``torch.float8_e8m0fnu`` (M, D // 32) for mxfp8,
+    ``torch.float32`` (M,) for fp8_rowwise, (M, D // 128) for the block128 formats) and
+    ``format`` (a :class:`~mxcomm.formats.Format`). Its dtype is bf16, so gradients flowing into it
+    are bf16 of the same shape. :meth:`dequantize` is differentiable (straight-through); any other
+    torch op dequantizes it and runs on bf16 (``detach`` keeps it quantized), so
+    ``torch._grouped_mm`` or a slice "just works" on it. Constructing one with the ``"mxfp8"``
+    format gives an :class:`MXFP8Tensor`.
 
     Args:
-        data_e4m3: (M, D) float8_e4m3fn (or uint8 bits) tensor.
-        scales_e8m0: (M, D // 32) float8_e8m0fnu (or uint8 bits) tensor, same device.
+        qdata: (M, D) float8_e4m3fn (or uint8 bits) tensor.
+        scales: the format's scales (uint8 bits accepted for e8m0), same device.
+        format: a quantized Format or its name.
         requires_grad: as for any tensor.
+    Raises:
+        TypeError: dtypes other than the format's; ``format`` not a quantized format.
+        ValueError: an unknown format; shapes other than the format's.
     """
 
     @staticmethod
-    def __new__(cls, data_e4m3, scales_e8m0, *, requires_grad=False):
-        if data_e4m3.dtype == torch.uint8:
-            data_e4m3 = data_e4m3.view(torch.float8_e4m3fn)
-        if scales_e8m0.dtype == torch.uint8:
-            scales_e8m0 = scales_e8m0.view(torch.float8_e8m0fnu)
-        if data_e4m3.dtype != torch.float8_e4m3fn or scales_e8m0.dtype != torch.float8_e8m0fnu:
-            raise TypeError(f"MXFP8Tensor: expected float8_e4m3fn data and float8_e8m0fnu "
-                            f"scales, got {data_e4m3.dtype} and {scales_e8m0.dtype}")
-        if data_e4m3.dim() != 2 or data_e4m3.shape[1] % _a2a.MX_BLOCK or tuple(
-                scales_e8m0.shape) != (data_e4m3.shape[0], data_e4m3.shape[1] // _a2a.MX_BLOCK):
-            raise ValueError(f"MXFP8Tensor: expected data (M, D) with D % 32 == 0 and scales "
-                             f"(M, D // 32), got {tuple(data_e4m3.shape)} and "
-                             f"{tuple(scales_e8m0.shape)}")
-        self = torch.Tensor._make_wrapper_subclass(cls, data_e4m3.shape, dtype=torch.bfloat16,
-                                                   device=data_e4m3.device,
+    def __new__(cls, qdata, scales, format, *, requires_grad=False):  # noqa: A002
+        fmt = get_format(format, "format")
+        if not fmt.quantized:
+            raise TypeError(f"format: expected a quantized format, got {fmt.name!r}")
+        if cls is QuantizedTensor and fmt.name == "mxfp8":
+            cls = MXFP8Tensor
+        scale_dtype = _SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)]
+        if qdata.dtype == torch.uint8:
+            qdata = qdata.view(_DATA_DTYPE)
+        if scales.dtype == torch.uint8 and scale_dtype.itemsize == 1:
+            scales = scales.view(scale_dtype)
+        if qdata.dtype != _DATA_DTYPE or scales.dtype != scale_dtype:
+            raise TypeError(f"{cls.__name__}: expected {_DATA_DTYPE} data and {scale_dtype} "
+                            f"scales ({fmt.name}), got {qdata.dtype} and {scales.dtype}")
+        if qdata.dim() != 2 or qdata.shape[1] % fmt.d_multiple or \
+                tuple(scales.shape) != fmt.scales_shape(*qdata.shape):
+            raise ValueError(f"{cls.__name__}: expected data (M, D) with D % {fmt.d_multiple} "
+                             f"== 0 and scales {_scales_shape_text(fmt)} ({fmt.name}), got "
+                             f"{tuple(qdata.shape)} and {tuple(scales.shape)}")
+        self = torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.bfloat16,
+                                                   device=qdata.device,
                                                    requires_grad=requires_grad)
-        self.data_e4m3 = data_e4m3
-        self.scales_e8m0 = scales_e8m0
+        self.qdata = qdata
+        self.scales = scales
+        self.format = fmt
         return self
 
-    def __init__(self, data_e4m3, scales_e8m0, *, requires_grad=False):
+    def __init__(self, *args, **kwargs):
         pass  # everything happens in __new__
 
     def __repr__(self):
-        return f"MXFP8Tensor(shape={tuple(self.shape)}, device={self.device})"
+        return (f"{type(self).__name__}(format={self.format.name!r}, shape={tuple(self.shape)}, "
+                f"device={self.device})")
 
     def dequantize(self):
         """The values as a bf16 tensor; differentiable (the gradient passes through unchanged)."""
         return _Dequantize.apply(self)
 
     def __tensor_flatten__(self):
-        return ["data_e4m3", "scales_e8m0"], None
+        return ["qdata", "scales"], self.format.name
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return MXFP8Tensor(inner["data_e4m3"], inner["scales_e8m0"])
+        return QuantizedTensor(inner["qdata"], inner["scales"], meta)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -149,17 +180,47 @@ class MXFP8Tensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.detach.default:
             (t,) = args
-            return MXFP8Tensor(t.data_e4m3, t.scales_e8m0)
-        args, kwargs = tree_map(lambda a: _dequantized(a) if isinstance(a, MXFP8Tensor) else a,
-                                (args, kwargs or {}))
+            return QuantizedTensor(t.qdata, t.scales, t.format)
+        args, kwargs = tree_map(lambda a: _dequantized(a) if isinstance(a, QuantizedTensor)
+                                else a, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+class MXFP8Tensor(QuantizedTensor):
+    """The ``"mxfp8"`` :class:`QuantizedTensor`: ``data_e4m3`` (M, D) ``torch.float8_e4m3fn`` and
+    ``scales_e8m0`` (M, D // 32) ``torch.float8_e8m0fnu`` (one scale per 32 elements of a row),
+    also reachable as ``qdata`` and ``scales``.
+
+    Args:
+        data_e4m3: (M, D) float8_e4m3fn (or uint8 bits) tensor, D % 32 == 0.
+        scales_e8m0: (M, D // 32) float8_e8m0fnu (or uint8 bits) tensor, same device.
+        format: ``"mxfp8"`` only (the argument exists for ``QuantizedTensor``'s constructor).
+        requires_grad: as for any tensor.
+    """
+
+    @staticmethod
+    def __new__(cls, data_e4m3, scales_e8m0, format="mxfp8", *, requires_grad=False):  # noqa: A002
+        if get_format(format, "format").name != "mxfp8":
+            raise ValueError(f"format: MXFP8Tensor holds 'mxfp8' rows, got {format!r}")
+        return QuantizedTensor.__new__(cls, data_e4m3, scales_e8m0, "mxfp8",
+                                       requires_grad=requires_grad)
+
+    @property
+    def data_e4m3(self):
+        """(M, D) float8_e4m3fn: the elements (``qdata``)."""
+        return self.qdata
+
+    @property
+    def scales_e8m0(self):
+        """(M, D // 32) float8_e8m0fnu: the scales (``scales``)."""
+        return self.scales
 
 
 # ------------------------------------------------------------------------ autograd functions
 class _Dequantize(torch.autograd.Function):
-    """MXFP8Tensor -> bf16.
+    """QuantizedTensor -> bf16.
 
-    Forward:  mx (M, D) MXFP8Tensor -> (M, D) bf16.
+    Forward:  mx (M, D) QuantizedTensor (any format) -> (M, D) bf16.
     Backward: grad (M, D) bf16 -> the same, unchanged (straight-through).
     """
 
@@ -175,7 +236,8 @@ class _Dequantize(torch.autograd.Function):
 class _A2ADispatch(torch.autograd.Function):
     """Step 1, the dispatch all-to-all.
 
-    Forward:  x (M, D) bf16 -> (N, D) MXFP8Tensor (``precision="mxfp8"``) or bf16; sends
+    Forward:  x (M, D) bf16 -> (N, D) QuantizedTensor of ``precision`` (MXFP8Tensor for
+              ``"mxfp8"``) or a plain tensor (``"bf16"``, ``"native"``); sends
               ``input_splits``, receives ``output_splits``.
     Backward: grad (N, D) -> (M, D) bf16, combine direction, in ``grad_precision``.
     """
@@ -198,18 +260,20 @@ class _A2ADispatch(torch.autograd.Function):
 class _Permute(torch.autograd.Function):
     """Step 2, received order -> expert-major groups padded to ``align`` rows.
 
-    Forward:  x (N, D) bf16 or MXFP8Tensor -> permuted (P, D) of the same kind (data and scales
-              move together), permuted_indices (P,) int32, group_offsets (E_local,) int32.
+    Forward:  x (N, D) bf16 or QuantizedTensor -> permuted (P, D) of the same kind (data and
+              scales move together; ``out_format``: converted), permuted_indices (P,) int32,
+              group_offsets (E_local,) int32.
     Backward: grad (P, D) -> (N, D), a scatter back to received order (padding rows dropped).
     """
 
     @staticmethod
-    def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align):
+    def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align, out_format):
         counts = num_tokens_per_expert_group
         if not isinstance(counts, _layout.Layout):
             counts = _array(counts, "num_tokens_per_expert_group")
         permuted, indices, offsets = _permutation.permute(_rows(x, "x"), counts,
                                                           num_local_experts, align,
+                                                          out_format=out_format,
                                                           stream=_stream(x))
         indices, offsets = _tensor(indices), _tensor(offsets)
         ctx.save_for_backward(indices)
@@ -222,16 +286,16 @@ class _Permute(torch.autograd.Function):
         (indices,) = ctx.saved_tensors
         dx = _permutation.permute_backward(_rows(grad, "grad"), _array(indices, "permuted_indices"),
                                        ctx.num_rows, stream=_stream(grad))
-        # None for: num_tokens_per_expert_group, num_local_experts, align
-        return _wrap(dx), None, None, None
+        # None for: num_tokens_per_expert_group, num_local_experts, align, out_format
+        return _wrap(dx), None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     """Step 4, expert-major rows -> received order.
 
     Forward:  y (P, H) bf16 -> (N, H) bf16; padding rows dropped.
-    Backward: grad (N, H) bf16 or MXFP8Tensor -> (P, H) of the same kind, a gather (scales kept;
-              padding rows zero).
+    Backward: grad (N, H) bf16 or QuantizedTensor -> (P, H) of the same kind, a gather (scales
+              kept; padding rows zero with the format's padding scale).
     """
 
     @staticmethod
@@ -254,8 +318,8 @@ class _A2ACombine(torch.autograd.Function):
 
     Forward:  y (N, H) bf16 -> (M, H) bf16 in ``precision``; sends ``output_splits``, receives
               ``input_splits``.
-    Backward: grad (M, H) bf16 -> (N, H) MXFP8Tensor (``grad_precision="mxfp8"``) or bf16,
-              dispatch direction.
+    Backward: grad (M, H) bf16 -> (N, H) QuantizedTensor of ``grad_precision`` (quantized
+              formats) or a plain tensor, dispatch direction.
     """
 
     @staticmethod
@@ -343,15 +407,19 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
                               layout)
 
 
-def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32):
+def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
+            out_format=None):
     """Step 2, differentiable: received rows -> expert-major, ``align``-padded groups.
 
     Args:
-        x: (N, D) bf16 tensor or MXFP8Tensor.
+        x: (N, D) bf16 tensor or QuantizedTensor.
         num_tokens_per_expert_group: (E,) int32 tensor (``exchange_layout``), or the layout
             itself (then ``num_local_experts`` is the layout's, and N is checked against it).
         num_local_experts: E_local (not needed with a layout).
         align: rows each group is padded to a multiple of.
+        out_format: None, or a format to convert quantized rows to in the same pass
+            (``"fp8_rowwise"`` from an MXFP8Tensor: :func:`mxcomm.permute`). The gradient of
+            ``x`` is bf16 either way.
     Returns:
         ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``;
         ``group_offsets`` is the ``offs`` of ``torch._grouped_mm``.
@@ -365,7 +433,9 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32):
                              f"the layout receives {layout.num_received}")
     elif num_local_experts is None:
         raise TypeError("permute: num_local_experts is required without a layout")
-    return _Permute.apply(x, num_tokens_per_expert_group, num_local_experts, align)
+    if out_format is not None:
+        get_format(out_format, "out_format")
+    return _Permute.apply(x, num_tokens_per_expert_group, num_local_experts, align, out_format)
 
 
 def unpermute(y, permuted_indices, num_rows):
@@ -382,7 +452,8 @@ def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="
     """Step 5, differentiable: (N, H) -> (M, H); splits (or the layout) as given to
     :func:`a2a_dispatch`.
 
-    The gradient of ``y`` is an MXFP8Tensor when ``grad_precision="mxfp8"``.
+    The gradient of ``y`` is a QuantizedTensor of ``grad_precision`` when that is a quantized
+    format (an MXFP8Tensor for ``"mxfp8"``).
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
@@ -392,8 +463,202 @@ def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="
                              layout)
 
 
-def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8"):
-    """Differentiable drop-in for ``all_to_all_single_autograd(x, output_splits, input_splits,
-    group)``: the result has x's dtype; MXFP8 on the wire both ways."""
+# ------------------------------------------------------------------------------------ drop-in
+#: The precision that keeps the input's dtype (sent as is, exactly).
+_NATIVE = "native"
+
+
+class _Communicators:
+    """The mxcomm communicator of each torch.distributed process group the drop-in is given.
+
+    Built on first use over the group's ranks (``mxcomm.comm.init(group=...)``: collective, so
+    every rank of the group makes that first call together, as any collective), then reused;
+    after a timeout it stays aborted (its calls raise ``RuntimeError``: start a fresh job). Keys
+    are weak: a communicator lives as long as its group. A DeviceMesh maps to its group, so a
+    mesh and its group share one communicator.
+    """
+
+    def __init__(self):
+        import weakref
+        self._by_group = weakref.WeakKeyDictionary()
+
+    def get(self, pg):
+        """The open communicator of ``pg`` (a ``ProcessGroup``), built if needed."""
+        comm = self._by_group.get(pg)
+        # Closed (by the caller, on every rank): a new one. Aborted stays: its calls raise.
+        if comm is None or comm._state == "closed":
+            from .comm import init
+            comm = self._by_group[pg] = init(group=pg)
+        return comm
+
+
+_communicators = _Communicators()
+
+
+def communicator_for(group):
+    """The mxcomm communicator the drop-in uses for ``group`` (built on first use, cached).
+
+    Args:
+        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh`` (its group), an mxcomm
+            communicator (returned as is), or None for torch.distributed's default group.
+    Returns:
+        A communicator over the group's ranks (``mxcomm.comm.init(group=...)``; on a CPU the
+        torch host backend, on GPUs NCCL).
+    Raises:
+        TypeError: ``group`` of another type (the message names what is accepted), or None
+            while torch.distributed is not initialized.
+        ValueError: a DeviceMesh of more than one dimension, or this process not in the group.
+        TimeoutError: the first call, collective, did not complete on every rank in time.
+    """
+    comm, pg = _resolve_group(group)
+    return comm if comm is not None else _communicators.get(pg)
+
+
+def _resolve_group(group):
+    """``(communicator or None, ProcessGroup or None)`` of a drop-in's ``group``; TypeError
+    naming what is accepted."""
+    from .comm._communicator import Communicator
+    if isinstance(group, Communicator):
+        return group, group.group
+    import torch.distributed as dist
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise TypeError("group: None needs an initialized torch.distributed (its default "
+                            "group); pass a ProcessGroup, a 1-D DeviceMesh or an mxcomm "
+                            "communicator")
+        return None, dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return None, group
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group: expected a 1-D DeviceMesh, got one of shape "
+                             f"{tuple(group.shape)} (take one dimension: mesh['ep'])")
+        return None, group.get_group()
+    raise TypeError(f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or an "
+                    f"mxcomm communicator (mxcomm.comm.init), got {type(group).__name__}")
+
+
+def _splits(splits, name):
+    """``splits`` as a list of host ints (torch's lists, tuples or 1-D tensors)."""
+    try:
+        return [int(s) for s in splits]
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a sequence of ints (rows per rank), got "
+                        f"{splits!r}") from None
+
+
+def _exact_over(comm, input, output_split_sizes, input_split_sizes):
+    """torch's semantics on an mxcomm communicator without a torch group (built from MPI): the
+    rows' bytes moved exactly, even splits for None; no autograd (integer tensors)."""
+    world = comm.size
+    rows = input.shape[0]
+    if output_split_sizes is None or input_split_sizes is None:
+        if rows % world:
+            raise ValueError(f"input on rank {comm.rank}: {rows} rows do not split evenly over "
+                             f"{world} ranks (None splits)")
+        output_split_sizes = input_split_sizes = [rows // world] * world
+    x = input.detach().contiguous()
+    out = comm.alltoallv(_array(x, "input"), _splits(input_split_sizes, "input_split_sizes"),
+                         _splits(output_split_sizes, "output_split_sizes"),
+                         stream=_stream(x))
+    return _tensor(out)
+
+
+def all_to_all_single(input, output_split_sizes=None, input_split_sizes=None, group=None,
+                      tag="", *, precision="mxfp8"):
+    """Drop-in for torch's ``all_to_all_single_autograd(input, output_split_sizes,
+    input_split_sizes, group, tag)`` (``torch.distributed._functional_collectives``), with the
+    rows in ``precision`` on the wire. Differentiable: the backward is the same exchange with
+    the splits swapped, in the same precision.
+
+    Same signature and result as torch's: rows (first-axis slices) of ``input``,
+    ``input_split_sizes[r]`` of them to rank r; the result holds ``output_split_sizes[r]`` rows
+    from each rank r, in rank order, in ``input``'s dtype and trailing shape. Collective over
+    ``group``; with explicit splits the call is checked across ranks first (the vote: one small
+    host allgather), so bad splits on any rank raise the same error on every rank.
+
+    Passed through to torch's own collective, unchanged (same result, an
+    ``AsyncCollectiveTensor`` as torch returns): integer and bool tensors (e.g. token counts),
+    ``None`` splits (even splits), and ``"native"`` where mxcomm's exchange does not take the
+    dtype (other than bf16/fp32). With an mxcomm communicator built from MPI (no torch group)
+    those move exactly through it instead (no autograd: integer rows).
+
+    Host syncs and collectives: the first call on a group builds its communicator (collective);
+    an explicit-splits call votes (one host allgather over the side channel); the exchange itself
+    is the communicator's (NCCL on the device, or blocking on the host).
+
+    Args:
+        input: (M, ...) tensor, floating point (bf16 or fp32 for a low precision; with D, the
+            elements of a row, a multiple of the format's block, 32 for MXFP8) or integer. Read.
+        output_split_sizes: W ints, rows received from each rank; or None (with
+            ``input_split_sizes`` None) for even splits.
+        input_split_sizes: W ints, rows sent to each rank (sum = M); or None.
+        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh`` (mapped to a cached
+            communicator over its ranks, :func:`communicator_for`), an mxcomm communicator, or
+            None for torch.distributed's default group.
+        tag: passed to torch's collective where it runs; otherwise unused.
+        precision: wire format: ``"mxfp8"`` (default), ``"bf16"`` (fp32 rows rounded to bf16),
+            ``"native"`` (the input's dtype, exact), or any format of ``mxcomm.formats``.
+    Returns:
+        (sum(output_split_sizes), ...) tensor of ``input``'s dtype on its device.
+    Raises:
+        TypeError: ``group`` of another type (the message names ProcessGroup, DeviceMesh and
+            mxcomm communicator); a dtype the precision does not take.
+        ValueError: an unknown precision; splits of the wrong length, negative or not adding up
+            to the rows (same message on every rank); D not a multiple of the format's block.
+        TimeoutError: a peer did not arrive within the communicator's timeout.
+    """
+    comm, pg = _resolve_group(group)
+    exact = not (input.is_floating_point() or input.is_complex()) or \
+        output_split_sizes is None or input_split_sizes is None or \
+        (precision == _NATIVE and (_NATIVE not in _a2a.PRECISIONS or
+                                   input.dtype not in (torch.bfloat16, torch.float32)))
+    if exact:
+        if pg is None:
+            return _exact_over(comm, input, output_split_sizes, input_split_sizes)
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        return all_to_all_single_autograd(input, output_split_sizes, input_split_sizes, pg, tag)
     _a2a._check_precision(precision)
-    return _AllToAllSingle.apply(x, output_splits, input_splits, comm, precision)
+    if comm is None:
+        comm = _communicators.get(pg)
+    output_split_sizes = _splits(output_split_sizes, "output_split_sizes")
+    input_split_sizes = _splits(input_split_sizes, "input_split_sizes")
+    rows = input if input.dim() == 2 else input.reshape(input.shape[0], -1)
+    out = _AllToAllSingle.apply(rows, output_split_sizes, input_split_sizes, comm, precision)
+    return out if input.dim() == 2 else out.reshape((out.shape[0],) + tuple(input.shape[1:]))
+
+
+def all_to_all_single_fn(precision="mxfp8", group=None):
+    """A function with the signature of torch's ``all_to_all_single_autograd`` that runs
+    :func:`all_to_all_single` in ``precision``: what a caller that takes torch's function (or
+    a module that imports it, patched) is given.
+
+    ``fn(input, output_split_sizes=None, input_split_sizes=None, group=None, tag="")``; a call's
+    ``group`` wins, else the bound ``group`` (None: torch.distributed's default group).
+
+    Args:
+        precision: the wire format of every call (as :func:`all_to_all_single`).
+        group: the group used when a call passes none: a ``ProcessGroup``, a 1-D
+            ``DeviceMesh``, an mxcomm communicator, or None.
+    Raises:
+        ValueError: an unknown precision (now, not at the first call).
+    Example (torchtitan 0.2.x, in the training script before the model is parallelized)::
+
+        import torchtitan.distributed.expert_parallel as ep
+        ep.all_to_all_single_autograd = mxcomm.torch.all_to_all_single_fn("mxfp8")
+    """
+    if precision != _NATIVE or _NATIVE in _a2a.PRECISIONS:
+        _a2a._check_precision(precision)
+    bound = group
+
+    def all_to_all_single_autograd(input, output_split_sizes=None, input_split_sizes=None,
+                                   group=None, tag=""):
+        return all_to_all_single(input, output_split_sizes, input_split_sizes,
+                                 bound if group is None else group, tag, precision=precision)
+
+    all_to_all_single_autograd.__doc__ = (f"torch's all_to_all_single_autograd through "
+                                          f"mxcomm, {precision!r} on the wire "
+                                          f"(mxcomm.torch.all_to_all_single_fn)")
+    all_to_all_single_autograd.precision = precision
+    return all_to_all_single_autograd

@@ -8,7 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import mxcomm.torch as mt  # noqa: E402
+import mxcomm.torch as mt
+from mxcomm import _torch_gemm  # noqa: E402
 from mxcomm.formats import get_format  # noqa: E402
 
 QUANTIZED = ("mxfp8", "fp8_rowwise", "fp8_block128", "fp8_block128_pow2")
@@ -112,7 +113,7 @@ def test_grouped_mm_fp8_sqnr_gpu():
     xr = xb.clone().requires_grad_(True)
     wr = w.clone().requires_grad_(True)
     torch._grouped_mm(xr, wr, offs=offs).backward(grad)
-    a, s = mt._torch_gemm.quantize_rows_pow2(xb)
+    a, s = _torch_gemm.quantize_rows_pow2(xb)
     xq = mt.QuantizedTensor(a, s, "fp8_rowwise").requires_grad_(True)
     wq = w.clone().requires_grad_(True)
     y = mt.grouped_mm(xq, wq, offs, fp8=True)

@@ -7,9 +7,10 @@
   per stage and in total on GPUs; everywhere, the bytes on the wire, the SQNR of every variant and
   the exactness of every step's data movement.
 
-Run the multi-rank ones under ``mpirun -n W`` (one process per GPU). Without a GPU they run on the
-CPU in the host backend over the MPI communicator, time nothing that would speak for a GPU, and
-say so in their first line (``pipeline`` is the CI smoke run).
+Run the multi-rank ones under ``mpirun -n W`` or ``torchrun --nproc-per-node W`` (one process per
+GPU; ``python -m`` becomes ``torchrun ... -m``). Without a GPU they run on the CPU in the host
+backend over the MPI (or, under torchrun, torch.distributed) communicator, time nothing that would
+speak for a GPU, and say so in their first line (``pipeline`` is the CI smoke run).
 """
 
 from ._cli import main

@@ -31,8 +31,9 @@ def build_parser():
     """The ``python -m mxcomm.bench`` parser with its three subcommands."""
     parser = argparse.ArgumentParser(
         prog="python -m mxcomm.bench",
-        description="Benchmarks of mxcomm. Multi-rank ones run under mpirun, one process per GPU; "
-                    "without a GPU they run on the CPU (host backend, MPI communicator).")
+        description="Benchmarks of mxcomm. Multi-rank ones run under mpirun or torchrun, one "
+                    "process per GPU; without a GPU they run on the CPU (host backend, MPI or "
+                    "torch.distributed communicator).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{kernels,a2a,pipeline,latency}")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"mxcomm.bench.{name}")
@@ -72,7 +73,11 @@ def _apply_defaults(args, gpu):
 
 
 def _rank():
-    """This process's MPI rank (initializes MPI)."""
+    """This process's rank: ``RANK`` under torchrun, else MPI's (initializes MPI)."""
+    from ._runtime import launched_by_torchrun
+    if launched_by_torchrun():
+        import os
+        return int(os.environ.get("RANK", "0"))
     from mpi4py import MPI
     return MPI.COMM_WORLD.Get_rank()
 
@@ -82,8 +87,8 @@ def main(argv=None):
 
     Bad options end the run on every rank (each checks the same arguments) with one line on
     stderr and exit status 2, before anything is measured. A failure while measuring prints its
-    traceback and aborts the MPI job, so no rank waits forever in a collective its peer never
-    reaches.
+    traceback and aborts the job (MPI's abort, or an exit that torchrun answers by stopping the
+    others), so no rank waits forever in a collective its peer never reaches.
 
     Returns:
         0, or 1 when the benchmark reports a failed check (``failed(tables)``).
@@ -123,7 +128,7 @@ def main(argv=None):
         if rt.size > 1:
             traceback.print_exc()
             sys.stderr.flush()
-            rt.mpi_comm.Abort(1)
+            rt.abort()
         raise
     failed = getattr(module, "failed", None)
     return 1 if failed is not None and failed(tables) else 0

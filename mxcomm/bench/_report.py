@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import textwrap
 
 #: The fields :func:`metadata` always fills.
@@ -97,11 +98,12 @@ def library_versions():
             versions["nccl (cupy)"] = f"{v // 10000}.{v // 100 % 100}.{v % 100}"
         except Exception:  # noqa: BLE001
             pass
-    try:
-        from mpi4py import MPI
-        versions["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
-    except Exception:  # noqa: BLE001
-        pass
+    if "mpi4py.MPI" in sys.modules:  # launched by mpirun (torchrun runs without MPI)
+        try:
+            from mpi4py import MPI
+            versions["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+        except Exception:  # noqa: BLE001
+            pass
     return versions
 
 

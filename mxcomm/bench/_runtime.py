@@ -1,9 +1,13 @@
-"""The process a benchmark runs in: MPI rank and size, the device, the communicators, progress lines.
+"""The process a benchmark runs in: rank and size, the device, the communicators, progress lines.
 
-Benchmarks run one process per GPU under ``mpirun``/``mpiexec`` (or alone). On a GPU the device is
-chosen from the node-local rank before anything touches CUDA; on a CPU (the host backend, or Numba's
-CUDA simulator: ``mxcomm._platform``) arrays are NumPy arrays and the communicator is the MPI
-backend. Only rank 0 prints.
+Benchmarks run one process per GPU under ``mpirun``/``mpiexec`` or ``torchrun`` (or alone). Ranks
+come from MPI, or under torchrun (``TORCHELASTIC_RUN_ID`` set) from torch.distributed's environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``): torch.distributed is initialized
+at once (NCCL on GPUs, gloo on a CPU; a gloo group carries the host collectives) and the mxcomm
+communicator is built over its default group, with no MPI. On a GPU the device is chosen from the
+node-local rank before anything touches CUDA; on a CPU (the host backend, or Numba's CUDA simulator:
+``mxcomm._platform``) arrays are NumPy arrays and the communicator is the host backend (MPI, or
+torch.distributed under torchrun). Only rank 0 prints.
 """
 
 import os
@@ -21,9 +25,11 @@ class Runtime:
     """This process's place in the run.
 
     Args:
-        need_comm: create an mxcomm communicator (``mxcomm.comm.init``) on ``mpi_comm``.
+        need_comm: create an mxcomm communicator (``mxcomm.comm.init``) over every rank.
     Attributes:
-        rank, size: MPI rank and world size.
+        launcher: ``"mpi"`` (mpirun, or one process alone) or ``"torchrun"``.
+        rank, size: this process's rank and the world size.
+        mpi_comm: ``MPI.COMM_WORLD`` (None under torchrun).
         backend: ``mxcomm._platform.backend()``: ``"cuda"``, ``"host"`` or ``"simulator"``.
         gpu: True on a GPU (backend ``"cuda"``): CuPy arrays, CUDA-event timings.
         xp: the array module (``numpy`` or ``cupy``). comm: the mxcomm communicator or None.
@@ -31,14 +37,23 @@ class Runtime:
     """
 
     def __init__(self, need_comm=True):
-        from mpi4py import MPI
-        self._mpi = MPI
-        self.mpi_comm = MPI.COMM_WORLD
-        self.rank = self.mpi_comm.Get_rank()
-        self.size = self.mpi_comm.Get_size()
-        node = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
-        node.Free()
+        self.launcher = "torchrun" if launched_by_torchrun() else "mpi"
+        self._host_group = None  # torchrun: the gloo group of the host collectives
+        if self.launcher == "torchrun":
+            self._mpi = self.mpi_comm = None
+            env = os.environ
+            self.rank, self.size = int(env["RANK"]), int(env["WORLD_SIZE"])
+            self.local_rank = int(env.get("LOCAL_RANK", 0))
+            self.local_size = int(env.get("LOCAL_WORLD_SIZE", self.size))
+        else:
+            from mpi4py import MPI
+            self._mpi = MPI
+            self.mpi_comm = MPI.COMM_WORLD
+            self.rank = self.mpi_comm.Get_rank()
+            self.size = self.mpi_comm.Get_size()
+            node = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+            node.Free()
         self.backend = _platform.backend()
         self.gpu = _platform.gpu_arrays()
         self.xp = array_module()
@@ -50,10 +65,37 @@ class Runtime:
             torch = _torch_or_none()
             if torch is not None and torch.cuda.is_available():
                 torch.cuda.set_device(cupy.cuda.Device().id)
+        if self.launcher == "torchrun":
+            self._init_torchrun()
         self.comm = None
         if need_comm:
-            from mxcomm import comm as comm_module
-            self.comm = comm_module.init("auto", self.mpi_comm)
+            self.comm = self.new_comm()
+
+    def new_comm(self, **options):
+        """A new mxcomm communicator over every rank (``mxcomm.comm.init``: MPI's world, or
+        torch.distributed's default group under torchrun); ``options`` as ``init`` takes them."""
+        from mxcomm import comm as comm_module
+        if self.launcher == "torchrun":
+            import torch.distributed as dist
+            return comm_module.init("auto", group=dist.group.WORLD, **options)
+        return comm_module.init("auto", self.mpi_comm, **options)
+
+    def _init_torchrun(self):
+        """torch.distributed from torchrun's environment (``env://``): NCCL on a GPU, gloo on a
+        CPU, and a gloo group for the host collectives (the default group on a CPU)."""
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.gpu else "gloo", init_method="env://",
+                                    rank=self.rank, world_size=self.size)
+        self.torch_dist = True
+        self._host_group = dist.new_group(backend="gloo") if self.gpu else dist.group.WORLD
+
+    def abort(self):
+        """End the whole job at once (a failure on one rank): ``MPI_Abort``, or under torchrun
+        this process's exit with status 1 (torchrun then stops the others)."""
+        if self.launcher == "torchrun":
+            os._exit(1)
+        self.mpi_comm.Abort(1)
 
     # ---- output -------------------------------------------------------------------------------
     def log(self, message):
@@ -77,29 +119,57 @@ class Runtime:
     def barrier(self):
         """Device work done here, then every rank at the same point: the start of a timed region."""
         self.sync()
+        if self._host_group is not None:
+            import torch.distributed as dist
+            dist.barrier(group=self._host_group)
+            return
         self.mpi_comm.Barrier()
 
-    def allreduce_max(self, values):
-        """Element-wise maximum of a list of floats over ranks (host MPI)."""
+    def _allreduce(self, values, op):
+        """Element-wise reduction of a list of numbers over ranks, as float64 (host MPI, or the
+        gloo host group under torchrun)."""
         buf = numpy.asarray(values, dtype=numpy.float64)
+        if self._host_group is not None:
+            import torch
+            import torch.distributed as dist
+            t = torch.from_numpy(buf.copy())
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self._host_group)
+            return [float(v) for v in t.tolist()]
         out = numpy.empty_like(buf)
-        self.mpi_comm.Allreduce(buf, out, op=self._mpi.MAX)
+        self.mpi_comm.Allreduce(buf, out, op=getattr(self._mpi, op))
         return [float(v) for v in out]
 
+    def allreduce_max(self, values):
+        """Element-wise maximum of a list of floats over ranks (host collective)."""
+        return self._allreduce(values, "MAX")
+
     def allreduce_sum(self, values):
-        """Element-wise sum of a list of numbers over ranks (host MPI; float64, exact < 2^53)."""
-        buf = numpy.asarray(values, dtype=numpy.float64)
-        out = numpy.empty_like(buf)
-        self.mpi_comm.Allreduce(buf, out, op=self._mpi.SUM)
-        return [float(v) for v in out]
+        """Element-wise sum of a list of numbers over ranks (host collective; float64, exact
+        < 2^53)."""
+        return self._allreduce(values, "SUM")
 
     def bcast(self, obj):
         """Rank 0's ``obj`` on every rank."""
+        if self._host_group is not None:
+            import torch.distributed as dist
+            box = [obj]
+            dist.broadcast_object_list(box, src=0, group=self._host_group)
+            return box[0]
         return self.mpi_comm.bcast(obj, root=0)
+
+    def allgather(self, obj):
+        """Every rank's picklable ``obj``, in rank order."""
+        if self._host_group is not None:
+            import torch.distributed as dist
+            out = [None] * self.size
+            dist.all_gather_object(out, obj, group=self._host_group)
+            return out
+        return self.mpi_comm.allgather(obj)
 
     # ---- torch --------------------------------------------------------------------------------
     def init_torch_distributed(self):
-        """Initialize ``torch.distributed`` on the MPI ranks: NCCL on GPUs, gloo on the CPU.
+        """Initialize ``torch.distributed`` on the MPI ranks: NCCL on GPUs, gloo on the CPU (under
+        torchrun it already is).
 
         Rank 0 picks a free TCP port and broadcasts it with mpi4py; the address is 127.0.0.1 when
         all ranks share a node, else rank 0's host name.
@@ -182,12 +252,19 @@ class Runtime:
         """Close the communicators this runtime opened."""
         if self.torch_dist:
             import torch.distributed as dist
-            dist.barrier()
+            dist.barrier(group=self._host_group)
             dist.destroy_process_group()
             self.torch_dist = False
+            self._host_group = None
         if self.comm is not None:
             self.comm.close()
             self.comm = None
+
+
+def launched_by_torchrun():
+    """True in a process started by ``torchrun`` (torch.distributed.elastic sets
+    ``TORCHELASTIC_RUN_ID``)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
 
 
 def _torch_or_none():

@@ -80,8 +80,10 @@ def describe(args, rt):
     if rt.gpu:
         return (f"{head} on GPUs: CUDA-event throughput and latency of mxcomm vs "
                 f"torch.distributed, the MXFP8 drop-in, exactness, a device-memory leak check.")
-    return (f"{head} on a CPU ({rt.backend} backend, MPI communicator vs gloo): exactness, SQNR "
-            f"and host-clock times of this machine's MPI. Nothing here says anything about GPUs.")
+    host = "MPI" if rt.launcher == "mpi" else "torch.distributed"
+    return (f"{head} on a CPU ({rt.backend} backend, {host} communicator vs gloo): exactness, "
+            f"SQNR and host-clock times of this machine's {host}. Nothing here says anything "
+            f"about GPUs.")
 
 
 def _exact_sqnr(rt, ref, out):
@@ -169,7 +171,6 @@ class _Bench:
 
     def drop_in_rows(self, rows, dim):
         """torch's bf16 exchange, then mxcomm's drop-in in MXFP8 on both transports and in bf16."""
-        from mxcomm import comm as comm_module
         from mxcomm.a2a import all_to_all_single
         rt = self.rt
         kind = self.args.splits[0]
@@ -190,7 +191,7 @@ class _Bench:
                              "sync_ms": synced.median, "sync_speedup": 1.0,
                              "sqnr_db": _exact_sqnr(rt, exact, ref)})
             del ref
-        grouped = comm_module.init("auto", rt.mpi_comm, peer_memory=False) \
+        grouped = rt.new_comm(peer_memory=False) \
             if rt.comm.transport != "grouped" else rt.comm
         runs = [("mxfp8", rt.comm), ("bf16", rt.comm)]
         if grouped is not rt.comm:
@@ -251,8 +252,8 @@ def measure(args, rt):
     if not bench.use_torch:
         notes.append("torch.distributed columns skipped (--no-torch)")
     elif not rt.gpu:
-        notes.append("CPU: mxcomm uses its MPI backend, torch.distributed uses gloo; host clock, "
-                     "no ratios or targets (they are about GPUs)")
+        notes.append(f"CPU: mxcomm uses its {type(rt.comm).__name__}, torch.distributed uses "
+                     f"gloo; host clock, no ratios or targets (they are about GPUs)")
     if not rt.gpu:
         notes.append("leak check on the CPU: host RSS, not device memory")
     meta = _report.metadata("a2a", rt.size, {"rows_per_rank": rows_list, "dim": dim,

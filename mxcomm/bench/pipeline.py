@@ -292,8 +292,8 @@ def measure(args, rt):
                   "stages: each stage alone on a traced run's tensors, iterations enqueued back to "
                   "back (device time, no overlap between stages)"]
     else:
-        notes.append("CPU: mxcomm's MPI communicator, torch.distributed on gloo, a per-expert "
-                     "matmul loop for the grouped GEMM; nothing is timed")
+        notes.append(f"CPU: mxcomm's {type(rt.comm).__name__}, torch.distributed on gloo, a "
+                     f"per-expert matmul loop for the grouped GEMM; nothing is timed")
     meta = _report.metadata("pipeline", rt.size,
                             [dict(zip(("tokens", "dim", "hidden", "experts_per_rank"), s))
                              for s in shapes], notes, run=describe(args, rt), iters=args.iters,

@@ -1,0 +1,166 @@
+"""torch.distributed host communicator: all-to-all of rows of host (NumPy) arrays over gloo.
+
+The CPU path of a job launched by ``torchrun`` (``mxcomm.comm.init(group=gloo_group)``): the same
+arrays and contract as the MPI backend, with the bytes moved by ``torch.distributed``. Every array
+travels as a zero-copy uint8 tensor over the side channel's private gloo group (``_torchside``), in
+one ``alltoall_base`` (gloo's alltoallv) per array, with counts and offsets in bytes. Exchanges use
+the grouped transport: the host pull transport reads MPI shared windows, which a torch group lacks.
+"""
+
+import math
+import warnings
+
+import numpy
+
+from ._communicator import Communicator
+from ._validate import exclusive_cumsum
+
+
+class TorchHostCommunicator(Communicator):
+    """All-to-all of rows of host NumPy arrays over a ``torch.distributed`` (gloo) group.
+
+    Args:
+        side: a ``TorchSideChannel`` over the group (``mxcomm.comm.init(group=...)`` builds it).
+        validate: default of the per-call ``validate`` flag (cross-rank count checks).
+        peer_memory: None or False (the grouped transport); True raises RuntimeError on every
+            rank (no peer memory without MPI shared windows).
+
+    Collective: every rank of the group constructs it. Every method that moves data is
+    collective and blocks the host until done (or ``timeout``).
+    """
+
+    def __init__(self, side, *, validate=True, peer_memory=None):
+        super().__init__(side, validate=validate, peer_memory=peer_memory)
+        import torch
+        self._torch = torch
+        self._options = torch.distributed.AllToAllOptions
+        self._choose_transport()
+
+    # --------------------------------------------------------------------------------- hooks
+    def _as_array(self, x, name):
+        if isinstance(x, numpy.ndarray):
+            return x
+        if hasattr(x, "__cuda_array_interface__") or not (
+                hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
+            raise TypeError(f"{name} on rank {self.rank}: TorchHostCommunicator moves host "
+                            f"arrays (NumPy), got {type(x).__name__}")
+        return numpy.asarray(x)
+
+    def _empty(self, shape, dtype):
+        return numpy.empty(shape, dtype=dtype)
+
+    def _bytes(self, a):
+        """A 1-D uint8 tensor on the memory of C-contiguous ``a`` (read-only arrays too)."""
+        flat = a.reshape(-1).view(numpy.uint8)
+        if flat.flags.writeable:
+            return self._torch.from_numpy(flat)
+        with warnings.catch_warnings():  # only read: torch warns about non-writable arrays
+            warnings.simplefilter("ignore", UserWarning)
+            return self._torch.from_numpy(flat)
+
+    # ----------------------------------------------------------------------------- collectives
+    def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
+                  recv_offsets=None, stream=None, validate=None):
+        """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
+
+        The contract of :meth:`Communicator.alltoallv` on host NumPy arrays. Collective; blocks
+        the host until done: one gloo ``alltoall_base`` per array (rows whose offsets do not
+        follow each other in rank order are first packed into a contiguous copy).
+
+        Args:
+            send: (M, ...) C-contiguous NumPy array of any dtype, or a tuple of such arrays with
+                equal M moved together. Read.
+            send_counts, recv_counts: W non-negative host ints (rows).
+            out: (N, ...) arrays like ``send``, or None to allocate. Written.
+            send_offsets, recv_offsets: W host ints, the first row sent to / received from each
+                rank (default: the exclusive cumulative sums of the counts).
+            stream: ignored (host arrays).
+            validate: check counts across ranks first (one small host allgather); None for the
+                communicator's default.
+        Returns:
+            ``out`` (an array, or a tuple if ``send`` was a tuple).
+        Raises:
+            ValueError, TypeError: as :meth:`Communicator.alltoallv` (same message on every rank
+                when validating).
+            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
+            RuntimeError: gloo failed (a peer crashed); the communicator is aborted or closed.
+        """
+        self._check_usable()
+        sends, outs, single, sc, rc, so, ro = self._plan(
+            send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
+        works, keep, unpack = [], [], []
+        for s, o in zip(sends, outs):
+            row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
+            if row_bytes == 0:  # nothing to move (e.g. a zero-byte stand-in that only votes)
+                continue
+            elements = math.prod(s.shape[1:])
+            s_flat = s.reshape(s.shape[0], elements)
+            o_flat = o.reshape(o.shape[0], elements)
+            s_rows, s_packed = _packed(s_flat, sc, so, gather=True)
+            o_rows, o_packed = _packed(o_flat, rc, ro, gather=False)
+            works.append(self._side.pg.alltoall_base(
+                self._bytes(o_rows), self._bytes(s_rows), [n * row_bytes for n in rc],
+                [n * row_bytes for n in sc], self._options()))
+            keep.append((s_rows, o_rows))
+            if o_packed:
+                unpack.append((o_rows, o_flat))
+        if works:
+            self._side.wait(works, "alltoallv", keep=(sends, outs, keep))
+        for packed, o_flat in unpack:
+            _scatter(packed, o_flat, rc, ro)
+        return outs[0] if single else outs
+
+    def alltoall_counts(self, counts, *, stream=None):
+        """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.
+
+        Collective; blocks the host until done (one gloo ``alltoall_base``).
+
+        Args:
+            counts: (W·k,) integer NumPy array; entries ``[r·k, (r+1)·k)`` go to rank ``r``.
+                Read.
+            stream: ignored (host arrays).
+        Returns:
+            (W·k,) array of the same dtype: entries ``[r·k, (r+1)·k)`` came from rank ``r``.
+        Raises:
+            ValueError: a length not a multiple of W, or different k across ranks (same message
+                on every rank).
+            TypeError: not a 1-D integer host array.
+            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
+        """
+        self._check_usable()
+        counts, k = self._check_counts_array(counts)
+        counts = numpy.ascontiguousarray(counts)
+        out = numpy.empty_like(counts)
+        nbytes = k * counts.dtype.itemsize
+        if nbytes:
+            splits = [nbytes] * self.size
+            work = self._side.pg.alltoall_base(self._bytes(out), self._bytes(counts), splits,
+                                               splits, self._options())
+            self._side.wait([work], "alltoall_counts", keep=(counts, out))
+        return out
+
+
+def _packed(rows, counts, offsets, gather):
+    """``(rows of each rank's region, one after another in rank order, packed?)``.
+
+    A view of ``rows`` where the regions already follow each other (the default offsets, or
+    offsets of one contiguous range); else a new array, filled from ``rows`` if ``gather``.
+    """
+    begin = offsets[0] if offsets else 0
+    if list(offsets) == [begin + o for o in exclusive_cumsum(counts)]:
+        return rows[begin:begin + sum(counts)], False
+    packed = numpy.empty((sum(counts),) + rows.shape[1:], dtype=rows.dtype)
+    if gather:
+        at = 0
+        for n, o in zip(counts, offsets):
+            packed[at:at + n] = rows[o:o + n]
+            at += n
+    return packed, True
+
+
+def _scatter(packed, rows, counts, offsets):
+    """Write the packed regions of :func:`_packed` back to their offsets in ``rows``."""
+    at = 0
+    for n, o in zip(counts, offsets):
+        rows[o:o + n] = packed[at:at + n]
+        at += n

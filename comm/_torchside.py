@@ -1,0 +1,212 @@
+"""The host side channel over ``torch.distributed``: a private gloo group over a group's ranks.
+
+``mxcomm.comm.init(group=...)`` builds it from a ``torch.distributed`` process group (or a 1-D
+``DeviceMesh``), so a job launched by ``torchrun`` needs no MPI. Ranks are the group's ranks, so an
+EP sub-group inside a larger world works as is.
+
+The channel does not use the caller's group for its own traffic: it builds a private
+``ProcessGroupGloo`` over the same ranks, rendezvousing through the group's store
+(``ProcessGroup.get_group_store``) under a prefix of its own. That works for any group (gloo, or
+NCCL on GPUs, whose collectives cannot carry host bytes), needs only the group's members to take
+part (``dist.new_group`` would need every rank of the world), and keeps a timed-out operation away
+from the caller's group. The prefix numbers the channels built over one group: each rank counts
+its own in the store (``mxcomm/side/<rank>/count``), so ranks that build their communicators over a
+group in the same order agree on it without talking.
+
+Every operation is a gloo work waited on with the remaining time of ``timeout``
+(``Work.wait(timeout)``); gloo gives up on its side at the same time (the group's own timeout).
+Unlike the MPI channel, a timeout cannot name the late rank: gloo does not say which peer it waits
+for.
+"""
+
+import datetime
+import hashlib
+import pickle
+import socket
+import time
+
+import numpy
+
+from ._sidechannel import SideChannel
+
+#: Store prefix of the channels' keys (under the group's own store prefix).
+_PREFIX = "mxcomm/side"
+
+
+def resolve_group(group):
+    """The ``ProcessGroup`` of ``group``: a ``ProcessGroup`` as is, a 1-D ``DeviceMesh``'s group.
+
+    Args:
+        group: a ``torch.distributed.ProcessGroup`` or a 1-D ``DeviceMesh``.
+    Raises:
+        TypeError: anything else (the message names what is accepted).
+        ValueError: a DeviceMesh of more than one dimension; this process not in the group.
+    """
+    import torch.distributed as dist
+    pg = group
+    if not isinstance(group, dist.ProcessGroup):
+        try:
+            from torch.distributed.device_mesh import DeviceMesh
+        except ImportError:  # a torch without DeviceMesh
+            DeviceMesh = ()
+        if not isinstance(group, DeviceMesh):
+            raise TypeError(f"group: expected a torch.distributed ProcessGroup or a 1-D "
+                            f"DeviceMesh, got {type(group).__name__}")
+        if group.ndim != 1:
+            raise ValueError(f"group: expected a 1-D DeviceMesh, got one of shape "
+                             f"{tuple(group.shape)} (take one dimension: mesh['ep'])")
+        pg = group.get_group()
+    if dist.get_rank(pg) < 0:
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member "
+                         f"of the group (ranks {dist.get_process_group_ranks(pg)})")
+    return pg
+
+
+def _node_key():
+    """20 bytes naming this process's machine: host name and boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = b""
+    return hashlib.sha1(socket.gethostname().encode() + b"/" + boot).digest()
+
+
+class TorchSideChannel(SideChannel):
+    """Bounded host collectives over a private gloo group spanning a torch process group's ranks.
+
+    Collective: every rank of ``group`` constructs it (one store counter update, then gloo
+    connects the ranks, bounded by ``timeout``).
+
+    Args:
+        group: a ``torch.distributed.ProcessGroup`` (any backend) or a 1-D ``DeviceMesh``;
+            ``torch.distributed`` must be initialized. Not consumed.
+        timeout: seconds an operation may take.
+
+    Attributes:
+        group: the caller's ``ProcessGroup`` (a mesh's group).
+        pg: the private ``ProcessGroupGloo`` (the torch host backend moves its data on it).
+        global_ranks: the global rank of each rank of the group.
+        (and those of :class:`SideChannel`)
+    Raises:
+        TypeError, ValueError: as :func:`resolve_group`.
+        TimeoutError: the ranks did not connect within ``timeout`` s.
+    """
+
+    kind = "torch"
+    shared_windows = False  # MPI shared windows only: the host takes the grouped transport
+
+    def __init__(self, group, timeout):
+        import torch
+        import torch.distributed as dist
+        self._torch = torch
+        self._dist = dist
+        pg = resolve_group(group)
+        super().__init__(pg.rank(), pg.size(), timeout)
+        self.group = pg
+        self.global_ranks = list(dist.get_process_group_ranks(pg))
+        self._timedelta = datetime.timedelta
+        store = pg.get_group_store()
+        index = store.add(f"{_PREFIX}/{self.rank}/count", 1)
+        try:
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{_PREFIX}/{index}/", store),
+                                            self.rank, self.size,
+                                            datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:  # gloo could not connect every rank in time
+            raise self._timed_out("side channel setup (gloo connect)",
+                                  f" gloo: {_first_line(exc)};") from None
+        self._tensors = {}  # id(array) -> (array, tensor): the vote's buffers, wrapped once
+
+    # ----------------------------------------------------------------------------- waiting
+    def wait(self, works, what, keep=()):
+        """Wait for gloo ``works`` until all complete or ``timeout`` s pass.
+
+        Args:
+            works: a list of ``torch.distributed.Work`` of :attr:`pg`.
+            what: the operation, for the message.
+            keep: buffers the works use; kept alive with them if they are abandoned.
+        Raises:
+            TimeoutError: not complete in time (``on_timeout`` was called first).
+            RuntimeError: gloo failed (a peer closed its connection: it crashed or gave up);
+                ``on_timeout`` was called first.
+        """
+        deadline = time.monotonic() + self.timeout
+        for i, work in enumerate(works):
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining > 0:
+                    work.wait(self._timedelta(seconds=remaining))
+                    continue
+                if work.is_completed():
+                    continue
+                failure = None
+            except RuntimeError as exc:
+                failure = exc
+            self.abandoned.append((list(works[i:]), keep))
+            if failure is None or time.monotonic() >= deadline - 1e-3 or \
+                    "timed out" in str(failure).lower():
+                raise self._timed_out(what) from None
+            self.on_timeout(f"{what} failed: {_first_line(failure)}")
+            raise RuntimeError(f"{what}: gloo failed on rank {self.rank} of {self.size} "
+                               f"({_first_line(failure)}); a peer may have crashed or given up; "
+                               f"the communicator is aborted") from None
+
+    def _tensor(self, a):
+        """A 1-D uint8 torch view of the C-contiguous host array ``a`` (no copy)."""
+        return self._torch.from_numpy(a.reshape(-1).view(numpy.uint8))
+
+    def _cached(self, a):
+        """:meth:`_tensor` of ``a``, reused while ``a`` lives in this cache (the vote's
+        buffers: the same two arrays on every call)."""
+        entry = self._tensors.get(id(a))
+        if entry is None or entry[0] is not a:
+            if len(self._tensors) > 8:
+                self._tensors.clear()
+            entry = self._tensors[id(a)] = (a, self._tensor(a))
+        return entry[1]
+
+    # --------------------------------------------------------------------------- collectives
+    def _gather(self, mine, table, what):
+        """One gloo allgather into ``table`` (zero-copy views of both buffers)."""
+        self.collectives += 1
+        if self.size == 1:
+            table[0] = mine
+            return
+        out, inp = self._cached(table), self._cached(mine)
+        self.wait([self.pg._allgather_base(out, inp)], what, keep=(mine, table))
+
+    def bcast_object(self, obj, what, root=0):
+        """Broadcast a picklable ``obj`` from ``root`` (two bounded gloo broadcasts: size,
+        bytes)."""
+        self.collectives += 1
+        if self.size == 1:
+            return pickle.loads(pickle.dumps(obj))
+        dist = self._dist
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        size = numpy.array([len(payload)], dtype=numpy.int64)
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self.wait([self.pg.broadcast([self._tensor(size)], options)], what, keep=(size,))
+        buf = numpy.frombuffer(payload, dtype=numpy.uint8).copy() if self.rank == root else \
+            numpy.empty(int(size[0]), dtype=numpy.uint8)
+        if buf.size:
+            self.wait([self.pg.broadcast([self._tensor(buf)], options)], what, keep=(buf,))
+        return pickle.loads(buf.tobytes())
+
+    def node_info(self):
+        """``(local_rank, one_node)`` from an allgather of every rank's host name and boot id."""
+        keys = self.allgather_bytes(_node_key(), "node discovery (host names)")
+        keys = [keys[20 * r:20 * (r + 1)] for r in range(self.size)]
+        mine = keys[self.rank]
+        return sum(k == mine for k in keys[:self.rank]), all(k == mine for k in keys)
+
+    def free(self):
+        """Drop the private gloo group, unless an abandoned work may still use it (then leak it)."""
+        self._tensors.clear()
+        if not self.abandoned:
+            self.pg = None
+
+
+def _first_line(exc):
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,214 @@
+"""torchtitan 0.3's own MoE layer with mxcomm's dispatcher (``mxcomm.integrations.torchtitan``).
+
+Two spawned gloo ranks (``tests/torch_world.py``) build torchtitan's ``MoE`` (router, experts,
+token dispatcher) with 2 local experts each, the same weights for every variant, and run forward
+and backward. The reference is torchtitan's default ``AllToAllTokenDispatcher`` (torch's all-to-all;
+under its DTensor spmd backend: its spmd_types exchange sends uneven splits through gloo's
+``alltoall``, which takes equal ones only, so it cannot run on a CPU). mxcomm's dispatcher runs
+under both spmd backends: at ``"native"`` (fp32 and bf16 models) and ``"bf16"`` (bf16 models) its
+output, input gradient, router and expert weight gradients are bit-identical to the reference; at
+``"mxfp8"`` (both directions) and at the default (``"mxfp8"`` dispatch, ``"bf16"`` combine) they
+are within SQNR >= 25 dB of it (bf16 model). Serial tests cover the
+config conversion, torchtitan's override mechanism and the torchtitan 0.2.x patch. Everything
+skips if torchtitan is not installed.
+
+Run: ``python -m pytest -q tests/test_torchtitan.py`` (part of the serial suite).
+"""
+
+import importlib
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchtitan.models.common.token_dispatcher",
+                    reason="torchtitan 0.3 is not installed (.ci/run installs it)")
+
+from torch_world import run_world  # noqa: E402
+
+E_LOCAL, DIM, HIDDEN, TOP_K, BATCH, SEQ = 2, 256, 64, 2, 4, 32
+SQNR_DB = 25.0
+SEED = 77
+
+
+def _moe(num_experts, dispatcher):
+    """torchtitan's MoE layer holding ``E_LOCAL`` of ``num_experts`` experts, no load balancing."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import (MoE, GroupedExperts, RoutedExperts,
+                                              TokenChoiceTopKRouter)
+    return MoE.Config(
+        num_experts=num_experts, load_balance_coeff=None,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN,
+                                                num_experts=E_LOCAL),
+            token_dispatcher=dispatcher),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=num_experts, top_k=TOP_K,
+            gate=Linear.Config(in_features=DIM, out_features=num_experts))).build()
+
+
+def _weights(rank, size):
+    """Every rank's share of one global set of weights (seeded alike everywhere)."""
+    g = torch.Generator().manual_seed(SEED)
+    experts = E_LOCAL * size
+    mine = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    w1 = torch.randn(experts, HIDDEN, DIM, generator=g) * DIM ** -0.5
+    w2 = torch.randn(experts, DIM, HIDDEN, generator=g) * HIDDEN ** -0.5
+    w3 = torch.randn(experts, HIDDEN, DIM, generator=g) * DIM ** -0.5
+    gate = torch.randn(experts, DIM, generator=g) * DIM ** -0.5
+    return {"routed_experts.inner_experts.w1_EFD": w1[mine],
+            "routed_experts.inner_experts.w2_EDF": w2[mine],
+            "routed_experts.inner_experts.w3_EFD": w3[mine], "router.gate.weight": gate}
+
+
+def _run(dispatcher, backend, dtype, rank, size, mesh):
+    """Forward and backward of the MoE layer; its output and gradients (float32 copies)."""
+    from torchtitan.distributed import utils as titan_utils
+    titan_utils.set_spmd_backend(backend)
+    device = mesh.device_type
+    moe = _moe(E_LOCAL * size, dispatcher)
+    moe.load_state_dict(_weights(rank, size), strict=False)
+    moe.to(device=device, dtype=dtype)
+    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    g = torch.Generator().manual_seed(SEED + 1 + rank)
+    x = torch.randn(BATCH, SEQ, DIM, generator=g).to(device, dtype).requires_grad_()
+    grad = torch.randn(BATCH, SEQ, DIM, generator=g).to(device, dtype)
+    out = moe(x)
+    out.backward(grad)
+    named = dict(moe.named_parameters())
+    result = {"output": out, "input grad": x.grad}
+    result.update({f"{name} grad": p.grad for name, p in named.items()})
+    return {k: v.detach().float().clone() for k, v in result.items()}
+
+
+def _sqnr(ref, got):
+    noise = (ref.double() - got.double()).norm()
+    return float("inf") if noise == 0 else float(20 * torch.log10(ref.double().norm() / noise))
+
+
+def moe_checks(rank, size, device="cpu"):
+    """Every variant against the reference on this rank; returns the SQNRs of the MXFP8 ones.
+
+    On a CPU the reference of both spmd backends is the DTensor one's (torchtitan's spmd_types
+    exchange cannot run on gloo); on GPUs each backend has its own.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.spmd_types import set_spmd_meshes
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from mxcomm.integrations.torchtitan import MxcommTokenDispatcher
+    mesh = init_device_mesh(device, (size,), mesh_dim_names=("ep",))
+    set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
+    experts = E_LOCAL * size
+    torchtitans = AllToAllTokenDispatcher.Config(num_experts=experts, top_k=TOP_K)
+
+    def mxcomm(dispatch, combine):
+        return MxcommTokenDispatcher.Config(num_experts=experts, top_k=TOP_K,
+                                            dispatch_precision=dispatch,
+                                            combine_precision=combine)
+
+    sqnrs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        references = {"full_dtensor": _run(torchtitans, "full_dtensor", dtype, rank, size, mesh)}
+        references["spmd_types"] = references["full_dtensor"] if device == "cpu" else \
+            _run(torchtitans, "spmd_types", dtype, rank, size, mesh)
+        for backend, reference in references.items():
+            assert reference["output"].abs().sum() > 0
+            # bf16 on the wire is lossless for bf16 activations only (fp32 ones are rounded)
+            for precision in ("native", "bf16") if dtype == torch.bfloat16 else ("native",):
+                got = _run(mxcomm(precision, precision), backend, dtype, rank, size, mesh)
+                assert got.keys() == reference.keys()
+                for key in reference:
+                    assert torch.equal(got[key], reference[key]), \
+                        f"{precision} under {backend}, {dtype}: {key} differs"
+            if dtype != torch.bfloat16:
+                continue
+            for variant in (("mxfp8", "mxfp8"), ("mxfp8", "bf16")):
+                got = _run(mxcomm(*variant), backend, dtype, rank, size, mesh)
+                sqnrs[(backend, variant)] = {k: _sqnr(reference[k], got[k]) for k in reference
+                                             if k == "output" or k == "input grad" or "inner"
+                                             in k}
+    return sqnrs
+
+
+# ------------------------------------------------------------------------------------- tests
+def _check_sqnrs(results):
+    for rank_sqnrs in results:
+        assert rank_sqnrs
+        for (backend, variant), values in rank_sqnrs.items():
+            low = {k: round(v, 2) for k, v in values.items() if not v >= SQNR_DB}
+            assert not low, f"{variant} under {backend}: SQNR below {SQNR_DB} dB: {low}"
+
+
+def test_torchtitan_moe_layer_native_bf16_exact_mxfp8_sqnr():
+    _check_sqnrs(run_world(2, moe_checks, timeout=240))
+
+
+@pytest.mark.gpu
+def test_torchtitan_moe_layer_on_two_gpus():
+    """The same on 2 GPUs over NCCL (mxcomm's NCCL communicator, bootstrapped over the EP
+    group; each spmd backend against its own reference)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_sqnrs(run_world(2, moe_checks, "cuda", timeout=600, gpu=True))
+
+
+def test_config_conversion_and_override():
+    """``use_mxcomm`` and torchtitan's override swap the dispatcher configs (TorchAO's keeps
+    its padding); an unknown precision fails at configuration time."""
+    from torchtitan.models.common.token_dispatcher import (AllToAllTokenDispatcher,
+                                                           TorchAOTokenDispatcher)
+
+    import mxcomm.integrations.torchtitan as tt
+    moe = _moe_config(AllToAllTokenDispatcher.Config(num_experts=4, top_k=2))
+    assert tt.use_mxcomm(moe, dispatch_precision="native", combine_precision="bf16") == 1
+    swapped = moe.routed_experts.token_dispatcher
+    assert type(swapped) is tt.MxcommTokenDispatcher.Config
+    assert (swapped.num_experts, swapped.top_k, swapped.dispatch_precision,
+            swapped.combine_precision) == (4, 2, "native", "bf16")
+    built = swapped.build()
+    assert type(built) is tt.MxcommTokenDispatcher
+    assert (built.dispatch_grad_precision, built.combine_grad_precision) == ("bf16", "native")
+    padded = tt.mxcomm_token_dispatcher(
+        TorchAOTokenDispatcher.Config(num_experts=4, top_k=2, pad_multiple=32))
+    assert type(padded) is tt.MxcommTorchAOTokenDispatcher.Config and padded.pad_multiple == 32
+    with pytest.raises(ValueError, match="combine_precision"):
+        tt.use_mxcomm(moe, combine_precision="fp4")
+    # torchtitan's override machinery imports the module by name and applies the factory
+    overrides = importlib.import_module("torchtitan.config.override")
+    moe = _moe_config(AllToAllTokenDispatcher.Config(num_experts=4, top_k=2))
+    log = overrides.apply_overrides(overrides.OverrideConfig(imports=[(
+        "mxcomm.integrations.torchtitan.mxcomm_token_dispatcher",
+        {"dispatch_precision": "mxfp8", "combine_precision": "mxfp8"})]), moe)
+    assert len(log) == 1 and "MxcommTokenDispatcher" in log[0]
+    assert moe.routed_experts.token_dispatcher.combine_precision == "mxfp8"
+
+
+def _moe_config(dispatcher):
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import (MoE, GroupedExperts, RoutedExperts,
+                                              TokenChoiceTopKRouter)
+    return MoE.Config(
+        num_experts=4, routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=32, hidden_dim=16, num_experts=2),
+            token_dispatcher=dispatcher),
+        router=TokenChoiceTopKRouter.Config(num_experts=4, top_k=2, gate=Linear.Config(
+            in_features=32, out_features=4)))
+
+
+def test_torchtitan_0_2_patch(monkeypatch):
+    """torchtitan 0.2.x's ExpertParallel reads ``all_to_all_single_autograd`` from its module:
+    the patch puts a function with torch's signature there, and returns the old one."""
+    import mxcomm.integrations.torchtitan as tt
+    original = object()
+    ep = types.ModuleType("torchtitan.distributed.expert_parallel")
+    ep.all_to_all_single_autograd = original
+    monkeypatch.setitem(sys.modules, "torchtitan.distributed.expert_parallel", ep)
+    monkeypatch.setattr(importlib.import_module("torchtitan.distributed"), "expert_parallel", ep,
+                        raising=False)
+    assert tt.patch_expert_parallel("bf16") is original
+    patched = ep.all_to_all_single_autograd
+    assert patched.precision == "bf16"
+    assert list(__import__("inspect").signature(patched).parameters) == [
+        "input", "output_split_sizes", "input_split_sizes", "group", "tag"]
