@@ -122,14 +122,19 @@ class Communicator(abc.ABC):
         self._abort_backend()
 
     def _fail(self, error, raised=False):
-        """Abort from any point; keep ``error`` for the next call to raise, unless the caller
-        raises it itself (``raised``)."""
-        if self._state != "open":
-            return
-        if not raised:
-            self._pending_error = error
-        self._mark_aborted(str(error))
+        """Abort from any point (any thread); keep ``error`` for the next call to raise, unless
+        the caller raises it itself (``raised``)."""
+        with self._state_lock():
+            if self._state != "open":
+                return
+            if not raised:
+                self._pending_error = error
+            self._mark_aborted(str(error))
         self._abort_backend()
+
+    def _state_lock(self):
+        """Backend hook: the lock guarding the state against a watchdog thread (default none)."""
+        return contextlib.nullcontext()
 
     def abort(self):
         """Abort the communicator: later calls raise ``RuntimeError``. Local, never blocks.
@@ -466,6 +471,20 @@ class Communicator(abc.ABC):
                 raise ValueError(f"{label} on rank {self.rank} has {a.shape[0]} rows, "
                                  f"{name}[0] {rows}: arrays moved together need equal rows")
         return rows
+
+    def _host_alltoall_counts(self, counts, move, what="alltoall_counts"):
+        """:meth:`alltoall_counts` of the host backends: check ``counts`` (locally and across
+        ranks), then ``move(counts, out, nbytes)`` returns the pending requests that exchange
+        ``nbytes`` per rank; waited for with the timeout."""
+        import numpy
+        self._check_usable()
+        counts, k = self._check_counts_array(counts)
+        counts = numpy.ascontiguousarray(counts)
+        out = numpy.empty_like(counts)
+        nbytes = k * counts.dtype.itemsize
+        if nbytes:
+            self._side.wait(move(counts, out, nbytes), what, keep=(counts, out))
+        return out
 
     def _check_counts_array(self, counts):
         """Check an ``alltoall_counts`` input locally and across ranks.

@@ -141,17 +141,11 @@ class MpiCommunicator(Communicator):
             TypeError: not a 1-D integer host array.
             TimeoutError: not done within ``timeout`` s; the communicator is aborted.
         """
-        self._check_usable()
-        counts, k = self._check_counts_array(counts)
-        counts = numpy.ascontiguousarray(counts)
-        out = numpy.empty_like(counts)
-        nbytes = k * counts.dtype.itemsize
-        if nbytes:
+        def move(counts, out, nbytes):
             byte = self._side.MPI.BYTE
-            request = self._side.mpi.Ialltoall([_bytes(counts), nbytes, byte],
-                                               [_bytes(out), nbytes, byte])
-            self._side.wait([request], "alltoall_counts", keep=(counts, out))
-        return out
+            return [self._side.mpi.Ialltoall([_bytes(counts), nbytes, byte],
+                                             [_bytes(out), nbytes, byte])]
+        return self._host_alltoall_counts(counts, move)
 
 
 def _bytes(a):

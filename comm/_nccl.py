@@ -268,16 +268,8 @@ class NcclCommunicator(Communicator):
                     return
             time.sleep(_WATCH_POLL_S)
 
-    def _fail(self, error, raised=False):
-        """Abort NCCL from any thread; store ``error`` for the next call to raise unless the
-        caller raises it itself (``raised``)."""
-        with self._lock:
-            if self._state != "open":
-                return
-            if not raised:
-                self._pending_error = error
-            self._mark_aborted(str(error))
-        self._abort_backend()
+    def _state_lock(self):
+        return self._lock
 
     def _abort_backend(self):
         try:

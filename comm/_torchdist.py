@@ -127,17 +127,11 @@ class TorchHostCommunicator(Communicator):
             TypeError: not a 1-D integer host array.
             TimeoutError: not done within ``timeout`` s; the communicator is aborted.
         """
-        self._check_usable()
-        counts, k = self._check_counts_array(counts)
-        counts = numpy.ascontiguousarray(counts)
-        out = numpy.empty_like(counts)
-        nbytes = k * counts.dtype.itemsize
-        if nbytes:
+        def move(counts, out, nbytes):
             splits = [nbytes] * self.size
-            work = self._side.pg.alltoall_base(self._bytes(out), self._bytes(counts), splits,
-                                               splits, self._options())
-            self._side.wait([work], "alltoall_counts", keep=(counts, out))
-        return out
+            return [self._side.pg.alltoall_base(self._bytes(out), self._bytes(counts), splits,
+                                                splits, self._options())]
+        return self._host_alltoall_counts(counts, move)
 
 
 def _packed(rows, counts, offsets, gather):

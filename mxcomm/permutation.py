@@ -22,9 +22,11 @@ GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with 
 :func:`_layout` and :func:`_move_rows` are the only places that choose.
 """
 
+import contextlib
+
 import numpy
 
-from .kernels import array_module, launch_1d  # first: sets up the simulator before numba loads
+from .kernels import array_module, launch_1d, simulated  # first: sets up the simulator before numba loads
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
                               scatter_rows_kernel)
@@ -110,6 +112,16 @@ def _move_rows(kernel, indices, srcs, dsts, stream):
         return
     threads = _row_threads(max(d0.shape[1], d1.shape[1]))
     kernel[launch_1d(p * threads, stream_ptr(stream), threads=threads)](indices, s0, d0, s1, d1)
+
+
+def _on_stream(stream):
+    """A context where CuPy allocates and fills on ``stream`` (the caller's), so a fill is
+    ordered before the kernels launched there; nothing on the host backend."""
+    if stream is None or host_backend() or simulated():
+        return contextlib.nullcontext()
+    import cupy
+    from .comm._nccl import _external_stream
+    return _external_stream(cupy, stream_ptr(stream))
 
 
 def _check_indices(permuted_indices, rows, name):
@@ -263,10 +275,10 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     Args:
         y: (P, H...) C-contiguous device array (any dtype) or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
-        num_rows: M_recv, an int >= 0, or the layout (its ``num_received``). Rows no index names
-            are zero (with indices from :func:`permute` every received row is named once; a
-            ``num_rows`` beyond M_recv gives zero rows, checked without a host sync); indices
-            >= num_rows are dropped.
+        num_rows: M_recv, an int >= 0, or the layout (its ``num_received``). Given an int, rows
+            no index names are zero (a ``num_rows`` beyond M_recv gives zero rows, without a
+            host sync); given the layout, whose permute names every received row once, the
+            result is not pre-filled (no extra pass). Indices >= num_rows are dropped.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
@@ -277,11 +289,17 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     """
     srcs, fmt = _rows(y, "y")
     idx = _check_indices(permuted_indices, srcs[0].shape[0], "y")
-    if isinstance(num_rows, Layout):
+    # With the layout, the indices of its permute name every received row once (its counts
+    # were checked across ranks): no row needs a fill, so the hot path pays no extra pass.
+    # Otherwise rows no index names (num_rows > M_recv) read as 0, never stale.
+    covered = isinstance(num_rows, Layout)
+    if covered:
         num_rows = num_rows.num_received
     num_rows = _check_int(num_rows, "num_rows", 0)
-    xp = array_module()  # zeros: rows no index names (num_rows > M_recv) read as 0, never stale
-    dsts = [xp.zeros((num_rows,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
+    xp = array_module()
+    with _on_stream(stream):
+        dsts = [(xp.empty if covered else xp.zeros)((num_rows,) + tuple(s.shape[1:]),
+                                                    dtype=s.dtype) for s in srcs]
     if num_rows:
         _move_rows(scatter_rows_kernel, idx, srcs, dsts, stream)
     return _wrap(dsts, fmt)
