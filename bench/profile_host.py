@@ -40,5 +40,6 @@ for name, fn in (("dispatch mxfp8", lambda: mxt.a2a_dispatch(x, layout)),
     if comm.rank == 0:
         print(f"==== {name}: {host:.1f} us per call (profiled)")
         stats = pstats.Stats(profiler)
-        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(45)
 comm.close()

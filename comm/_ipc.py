@@ -27,6 +27,8 @@ import pathlib
 
 import numpy
 
+from mxcomm._driver import PackedLaunch
+
 from ._staged import MAX_PIECES, describe_mismatch
 
 _EVENT_DISABLE_TIMING = 0x2   # cudaEventDisableTiming
@@ -35,15 +37,6 @@ _HOST_ALLOC_MAPPED = 0x2      # cudaHostAllocMapped
 _HANDLE_BYTES = 64            # cudaIpcMemHandle_t
 _GROWTH = 1.25                # a grown buffer holds this much more than asked, to grow rarely
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
-
-
-class _Stream:
-    """A raw stream handle in the shape CuPy's ``Function`` call expects (``.ptr``)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
 
 
 class CudaPeerMemory:
@@ -88,19 +81,20 @@ class CudaPeerMemory:
         self._status[:] = 0
         self._status_ptr = status.ptr
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++14",))
-        # The compiled functions (``.kernel``): launched on a raw stream handle, no per-call
-        # stream object and no change of CuPy's current stream.
-        self._begin_k = module.get_function("mx_begin").kernel
-        self._signal_k = module.get_function("mx_signal").kernel
-        self._signal_all_k = module.get_function("mx_signal_all").kernel
-        self._wait_k = module.get_function("mx_wait").kernel
+        # The compiled functions (``.kernel``), launched through the driver on a raw stream
+        # handle with their parameters packed in one buffer (_signal.cu's signatures): no
+        # per-call stream object, no change of CuPy's current stream.
+        self._begin_k = PackedLaunch(module.get_function("mx_begin").kernel, "QQiiQQ")
+        self._signal_k = PackedLaunch(module.get_function("mx_signal").kernel, "QQI")
+        self._signal_all_k = PackedLaunch(module.get_function("mx_signal_all").kernel, "QQi")
+        self._wait_k = PackedLaunch(module.get_function("mx_wait").kernel, "QQIiQQ")
         self._threads = max(32, -(-size // 32) * 32)
-        self._timeout_ns = numpy.uint64(int(comm.timeout * 1e9))
+        self._timeout_ns = int(comm.timeout * 1e9)
         self._side = cupy.cuda.Stream(non_blocking=True)
-        self._side_ref = _Stream(self._side.ptr)
+        self._side_ptr = self._side.ptr
+        self._done_base = self._flags.ptr + 8 * self._ready_words
         self._forked = rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
         self._joined = rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
-        self._streams = {}  # raw handle -> _Stream
         self._memory = None
         self._capacity = 0
         self._peer_ptr = {}
@@ -109,14 +103,6 @@ class CudaPeerMemory:
     def capacity(self):
         """Bytes of this rank's staging buffer."""
         return self._capacity
-
-    def _ref(self, stream):
-        ref = self._streams.get(stream)
-        if ref is None:
-            if len(self._streams) > 64:
-                self._streams.clear()
-            ref = self._streams[stream] = _Stream(stream)
-        return ref
 
     # ------------------------------------------------------------------------------- staging
     def reserve(self, nbytes, stream):
@@ -169,40 +155,33 @@ class CudaPeerMemory:
     def begin(self, stream):
         """Open the next generation on ``stream``: wait (on the device) until every peer is done
         reading this rank's staging of the previous one; order the side stream after it."""
-        self._begin_k((1,), (self._threads,),
-                      (self._gen_ptr_arg(), numpy.uint64(self._flags.ptr + 8 * self._ready_words),
-                       numpy.int32(self._size), numpy.int32(self._rank), self._timeout_ns,
-                       numpy.uint64(self._status_ptr)), 0, self._ref(stream))
+        self._begin_k(1, self._threads, stream,
+                      (self._gen_ptr, self._done_base, self._size, self._rank, self._timeout_ns,
+                       self._status_ptr))
         self._rt.eventRecord(self._forked, stream)
-        self._rt.streamWaitEvent(self._side.ptr, self._forked, 0)
-
-    def _gen_ptr_arg(self):
-        return numpy.uint64(self._gen_ptr)
+        self._rt.streamWaitEvent(self._side_ptr, self._forked, 0)
 
     def signal_ready(self, peer, piece, kind, stream):
         """Tell ``peer`` (on ``stream``, after the rows produced so far) that its rows of
         ``piece`` are in this rank's staging."""
         word = self._peer_flags[peer] + 8 * (self._rank * MAX_PIECES + piece)
-        self._signal_k((1,), (1,), (self._gen_ptr_arg(), numpy.uint64(word), numpy.uint32(kind)),
-                       0, self._ref(stream))
+        self._signal_k(1, 1, stream, (self._gen_ptr, word, kind))
 
     def await_ready(self, peer, piece, kind):
         """Order the side stream after ``peer``'s signal of this generation's ``piece``; return
         its handle (work enqueued there next may read the rows)."""
         word = self._flags.ptr + 8 * (peer * MAX_PIECES + piece)
-        self._wait_k((1,), (1,), (self._gen_ptr_arg(), numpy.uint64(word), numpy.uint32(kind),
-                                  numpy.int32(peer), self._timeout_ns,
-                                  numpy.uint64(self._status_ptr)), 0, self._side_ref)
-        return self._side.ptr
+        self._wait_k(1, 1, self._side_ptr,
+                     (self._gen_ptr, word, kind, peer, self._timeout_ns, self._status_ptr))
+        return self._side_ptr
 
     def end(self, stream):
         """On the side stream, tell every peer this rank is done reading; order ``stream`` after
         the side stream (so the next exchange begins after these signals)."""
         if self._size > 1:
-            self._signal_all_k((1,), (self._threads,),
-                               (self._gen_ptr_arg(), self._done_addresses,
-                                numpy.int32(self._size - 1)), 0, self._side_ref)
-        self._rt.eventRecord(self._joined, self._side.ptr)
+            self._signal_all_k(1, self._threads, self._side_ptr,
+                               (self._gen_ptr, self._done_addresses.data.ptr, self._size - 1))
+        self._rt.eventRecord(self._joined, self._side_ptr)
         self._rt.streamWaitEvent(stream, self._joined, 0)
 
     def failure(self, kinds):

@@ -310,8 +310,11 @@ class NcclCommunicator(Communicator):
             stream: None for CuPy's current stream, a stream object (``.ptr``/``.cuda_stream``),
                 or a raw handle.
         Raises:
-            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
-            RuntimeError: the communicator is aborted or closed.
+            TimeoutError: a device wait of an exchange on the stream gave up after ``timeout`` s
+                (naming the rank that did not arrive), or the stream's work is not done within
+                ``1.25 * timeout + 1`` s; the communicator is aborted.
+            RuntimeError: the communicator is aborted or closed; a peer called a different
+                exchange.
         """
         self._check_usable()
         runtime = self._runtime
@@ -333,7 +336,14 @@ class NcclCommunicator(Communicator):
                     self._check_usable()
                 if self._pending_error is not None or self._state != "open":
                     self._check_usable()
-                if time.monotonic() - start > self.timeout:
+                failure = self._device_failure()  # a device wait gave up: it names the rank
+                if failure is not None:
+                    self._fail(failure)
+                    self._check_usable()
+                # The pull transport's device waits give up after `timeout` from when they
+                # start, which is after this call starts: leave them the time to name the rank
+                # (as the watchdog does) before the generic message.
+                if time.monotonic() - start > self.timeout * 1.25 + 1.0:
                     self._fail(TimeoutError(f"wait: the stream's work did not finish within "
                                             f"{self.timeout:g} s on rank {self.rank}; the "
                                             f"communicator is aborted"))

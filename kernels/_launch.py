@@ -3,8 +3,9 @@
 Numba's dispatcher costs 50-130 us of host time per launch (argument typing and conversion, measured
 on an H200 with CuPy arrays), more than some of our kernels take on the device. So on a GPU a
 :class:`Kernel` compiles each argument-type combination once with numba (``cuda.compile_ptx`` for the
-device's compute capability), loads the PTX through CuPy and launches it with CuPy's ``Function``,
-passing the arguments in numba's kernel ABI. Under the simulator it is numba's dispatcher.
+device's compute capability), loads the PTX through CuPy and launches it through the driver with the
+arguments in numba's kernel ABI packed into one buffer (``mxcomm._driver.PackedLaunch``). Under the
+simulator it is numba's dispatcher.
 """
 
 import functools
@@ -14,6 +15,7 @@ import numpy
 from numba import cuda, types
 from numba.np.numpy_support import from_dtype
 
+from .._driver import PackedLaunch
 from ._device import simulated
 
 #: Threads per block on a GPU (a multiple of the 32-thread warp).
@@ -61,15 +63,6 @@ def launch_1d(n, stream=0, *, threads=None, share=1.0):
     return blocks, threads, int(stream)
 
 
-class _Stream:
-    """A raw stream handle in the shape CuPy's ``Function`` call expects (``.ptr``)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-
 def _argument_type(a):
     """The numba type of a kernel argument: a device array, a bool or an int."""
     if isinstance(a, (bool, numpy.bool_)):
@@ -89,18 +82,27 @@ def _argument_key(a):
     return a.dtype, a.ndim, a.flags.c_contiguous
 
 
-def _append_abi(params, a):
-    """Append argument ``a`` in numba's kernel ABI: an array is (meminfo, parent, nitems,
-    itemsize, data, *shape, *strides), a scalar its value."""
+def _abi_format(a):
+    """The ``struct`` codes of argument ``a`` in numba's kernel ABI: an array is (meminfo, parent,
+    nitems, itemsize, data, *shape, *strides), 8 bytes each; a bool one byte, an int 8."""
     if isinstance(a, (bool, numpy.bool_)):
-        params.append(numpy.uint8(a))
-    elif isinstance(a, (int, numpy.integer)):
-        params.append(numpy.int64(a))
-    else:
-        params += (numpy.uint64(0), numpy.uint64(0), numpy.int64(a.size), numpy.int64(a.itemsize),
-                   numpy.uint64(a.data.ptr))
-        params += map(numpy.int64, a.shape)
-        params += map(numpy.int64, a.strides)
+        return "B"
+    if isinstance(a, (int, numpy.integer)):
+        return "q"
+    return "QQqqQ" + "q" * (2 * a.ndim)
+
+
+def _abi_values(args):
+    """The values of ``args`` in the order :func:`_abi_format` lays them out (Python ints)."""
+    values = []
+    for a in args:
+        if isinstance(a, (bool, int, numpy.bool_, numpy.integer)):
+            values.append(int(a))
+        else:
+            values += (0, 0, a.size, a.itemsize, a.data.ptr)
+            values += a.shape
+            values += a.strides
+    return values
 
 
 class Kernel:
@@ -114,13 +116,13 @@ class Kernel:
         functools.update_wrapper(self, pyfunc)
         self.py_func = pyfunc
         self._dispatcher = cuda.jit(pyfunc) if simulated() else None
-        self._functions = {}  # argument types -> CuPy Function
+        self._functions = {}  # argument kinds -> PackedLaunch
 
     def __getitem__(self, config):
         blocks, threads, stream = config
         if self._dispatcher is not None:
             return self._dispatcher[blocks, threads]
-        return functools.partial(self._launch, (blocks,), (threads,), _Stream(stream))
+        return functools.partial(self._launch, blocks, threads, stream)
 
     def compile(self, argument_types):
         """PTX of the kernel specialised for ``argument_types`` (numba types), for this device."""
@@ -128,9 +130,9 @@ class Kernel:
         return ptx
 
     def _function(self, args):
-        """The compiled function for ``args``, looked up by a cheap key of their kinds (dtype,
-        dimensions, contiguity); numba types are built only on the first launch of a kind
-        (building them took about 60 us per launch, measured on an H200 host)."""
+        """The launcher of the compiled function for ``args``, looked up by a cheap key of their
+        kinds (dtype, dimensions, contiguity); numba types are built only on the first launch of
+        a kind (building them took about 60 us per launch, measured on an H200 host)."""
         key = tuple(map(_argument_key, args))
         function = self._functions.get(key)
         if function is None:
@@ -139,15 +141,13 @@ class Kernel:
             name = re.search(r"\.entry\s+([\w$]+)\s*\(", ptx).group(1)
             module = cupy.cuda.function.Module()
             module.load(ptx.encode())
-            function = self._functions[key] = module.get_function(name)
+            fmt = "".join(map(_abi_format, args))
+            # (a CuPy Function keeps its Module alive)
+            function = self._functions[key] = PackedLaunch(module.get_function(name), fmt)
         return function
 
-    def _launch(self, grid, block, stream, *args):
-        function = self._function(args)
-        params = []
-        for a in args:
-            _append_abi(params, a)
-        function(grid, block, tuple(params), 0, stream)
+    def _launch(self, blocks, threads, stream, *args):
+        self._function(args)(blocks, threads, stream, _abi_values(args))
 
 
 def kernel(pyfunc):

@@ -151,6 +151,10 @@ def test_torchtitan_moe_layer_on_two_gpus():
     group; each spmd backend against its own reference)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        # torchtitan 0.3.0's own token dispatcher calls it (torch >= 2.12); seen on the GPU
+        # image's torch 2.11, where torchtitan's reference path itself fails.
+        pytest.skip(f"torchtitan 0.3.0 needs a newer torch than {torch.__version__}")
     _check_sqnrs(run_world(2, moe_checks, "cuda", timeout=600, gpu=True))
 
 

@@ -1,7 +1,9 @@
-"""``python -m mxcomm.bench kernels``: MXFP8 quantize/dequantize and permute/unpermute bandwidth.
+"""``python -m mxcomm.bench kernels``: quantize/dequantize and permute/unpermute bandwidth, per format.
 
-Single process. Each row: op, shape, median ms, bytes moved (read + written, the fewest the op must
-touch) and GB/s (1e9 bytes). On a GPU also a device-to-device copy of the same number of bytes
+Single process. Every quantized format of ``mxcomm.formats`` (``--formats``): quantize from bf16
+(each scale mode), dequantize to bf16, permute and unpermute of its rows (data and scales), and the
+MXFP8 -> fp8 rowwise permute (``permute(..., out_format="fp8_rowwise")``). Each row: op, format,
+shape, median ms, bytes moved (read + written, the fewest the op must touch) and GB/s (1e9 bytes). On a GPU also a device-to-device copy of the same number of bytes
 timed in the same run; ratio = our GB/s / copy GB/s, against a target (quantize/dequantize >= 0.85,
 permute/unpermute >= 0.80). On a CPU the host backend (vectorized NumPy) is timed with the host
 clock: no copy, no ratio, nothing said about a GPU; under Numba's simulator only ms.
@@ -27,8 +29,10 @@ ROTATE_BELOW_BYTES = 1 << 30
 TARGETS = {"quantize": 0.85, "dequantize": 0.85, "permute": 0.80, "unpermute": 0.80}
 ALIGN = 32
 #: Columns shown, of those a row has (a CPU row has no copy columns, a simulator row no bandwidth).
-COLUMNS = ["op", "dtype", "shape", "ms", "p90_ms", "GB", "GB/s", "copy_GB/s", "ratio", "target", "ok"]
+COLUMNS = ["op", "format", "shape", "ms", "p90_ms", "GB", "GB/s", "copy_GB/s", "ratio", "target", "ok"]
 OPS = ["quantize", "dequantize", "permute", "unpermute"]
+#: Formats timed by default: every quantized one.
+FORMATS = ["mxfp8", "fp8_rowwise", "fp8_block128", "fp8_block128_pow2"]
 
 
 def add_arguments(parser):
@@ -44,6 +48,9 @@ def add_arguments(parser):
                              f"in the simulator)")
     parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS,
                         help=f"what to time (default all: {' '.join(OPS)})")
+    parser.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS,
+                        help=f"quantized formats to time (default all: {' '.join(FORMATS)}); "
+                             f"bf16 permute/unpermute always")
 
 
 def validate(args):
@@ -57,7 +64,8 @@ def validate(args):
             raise ValueError(f"--rows: expected positive values, got {m}")
     if args.dim is not None and (args.dim < 1 or args.dim % 32):
         raise ValueError(f"--dim: expected a positive multiple of 32 (MXFP8 blocks of 32 "
-                         f"elements), got {args.dim}")
+                         f"elements; the fp8_block128 formats are skipped unless it is a "
+                         f"multiple of 128), got {args.dim}")
 
 
 def describe(args, rt):
@@ -99,10 +107,10 @@ class _Copy:
         return self._gbps[n]
 
 
-def _row(op, dtype, shape, stats, nbytes, copy, bandwidth=True):
+def _row(op, fmt, shape, stats, nbytes, copy, bandwidth=True):
     """One table row; ``copy`` is the copy timer on a GPU, None on a CPU (no ratio); no
     bandwidth at all without ``bandwidth`` (the simulator)."""
-    row = {"op": op, "dtype": dtype, "shape": "x".join(map(str, shape)), **stats.as_dict()}
+    row = {"op": op, "format": fmt, "shape": "x".join(map(str, shape)), **stats.as_dict()}
     if not bandwidth:
         return row
     ours = _workload.gbps(nbytes, stats.median)
@@ -118,7 +126,6 @@ def _row(op, dtype, shape, stats, nbytes, copy, bandwidth=True):
 def measure(args, rt):
     """Run the kernel benchmarks; returns ``(meta, {"kernels": rows})``."""
     from mxcomm.formats import get_format
-    from mxcomm.mxfp8 import dequantize_mxfp8, quantize_mxfp8
     from mxcomm.permutation import permute, unpermute
 
     quant_shapes, perm_shapes, e_local = {
@@ -134,26 +141,31 @@ def measure(args, rt):
     timed = dict(clock=clock, iters=args.iters, warmup=args.warmup)
     rows = []
 
+    formats = [get_format(name) for name in getattr(args, "formats", FORMATS)]
+    skipped = [f.name for f in formats if dim % f.d_multiple]
+    formats = [f for f in formats if not dim % f.d_multiple]
     for m in quant_rows if {"quantize", "dequantize"} & set(args.ops) else []:
         shape = (m, dim)
         nbuf = 2 if m * dim * 2 < ROTATE_BELOW_BYTES else 1
         xs = [rt.random_bf16(shape, seed=s) for s in range(nbuf)]
-        mx_bytes = m * get_format("mxfp8").bytes_per_row(dim)
-        for mode in ("rceil", "floor"):
-            if "quantize" not in args.ops:
-                break
-            rt.log(f"quantize {mode} {shape}")
-            out = quantize_mxfp8(xs[0], mode)
-            stats = _timing.measure(lambda x: quantize_mxfp8(x, mode, out=out), inputs=xs, **timed)
-            nbytes = m * dim * 2 + mx_bytes
-            rows.append(_row("quantize", f"bf16->mxfp8 {mode}", shape, stats, nbytes, copy, bw))
-        if "dequantize" in args.ops:
-            rt.log(f"dequantize {shape}")
-            mxs = [quantize_mxfp8(x) for x in xs]
-            out = dequantize_mxfp8(mxs[0])
-            stats = _timing.measure(lambda mx: dequantize_mxfp8(mx, out=out), inputs=mxs, **timed)
-            nbytes = mx_bytes + m * dim * 2
-            rows.append(_row("dequantize", "mxfp8->bf16", shape, stats, nbytes, copy, bw))
+        for fmt in formats:
+            q_bytes = m * fmt.bytes_per_row(dim)
+            out = fmt.quantize(xs[0])
+            for mode in (fmt.scale_modes or (None,)) if "quantize" in args.ops else ():
+                label = f"bf16->{fmt.name}" + (f" {mode}" if mode else "")
+                rt.log(f"quantize {label} {shape}")
+                stats = _timing.measure(lambda x: fmt.quantize(x, scale_mode=mode, out=out),
+                                        inputs=xs, **timed)
+                rows.append(_row("quantize", label, shape, stats, m * dim * 2 + q_bytes, copy,
+                                 bw))
+            if "dequantize" in args.ops:
+                rt.log(f"dequantize {fmt.name} {shape}")
+                qs = [fmt.quantize(x) for x in xs]
+                dq = qs[0].dequantize()
+                stats = _timing.measure(lambda q: q.dequantize(out=dq), inputs=qs, **timed)
+                rows.append(_row("dequantize", f"{fmt.name}->bf16", shape, stats,
+                                 q_bytes + m * dim * 2, copy, bw))
+                del qs, dq
         del xs
 
     for m in perm_rows if {"permute", "unpermute"} & set(args.ops) else []:
@@ -164,28 +176,39 @@ def measure(args, rt):
         counts = rt.xp.asarray(counts_host)
         p = _workload.padded_rows(m, e_local, ALIGN)
         x = rt.random_bf16(shape, seed=3)
-        for dtype, value, row_bytes in (("bf16", x, get_format("bf16").bytes_per_row(dim)),
-                                        ("mxfp8", quantize_mxfp8(x),
-                                         get_format("mxfp8").bytes_per_row(dim))):
-            index_bytes = p * 4 + e_local * 4
+        index_bytes = p * 4 + e_local * 4
+        cases = [("bf16", x, None, get_format("bf16").bytes_per_row(dim), None)]
+        cases += [(fmt.name, fmt.quantize(x), None, fmt.bytes_per_row(dim), None)
+                  for fmt in formats]
+        if "mxfp8" in [f.name for f in formats] and "fp8_rowwise" in [f.name for f in formats]:
+            # reads MXFP8 rows, writes fp8 rowwise rows: the bytes of each side
+            cases.append(("mxfp8->fp8_rowwise", cases[[c[0] for c in cases].index("mxfp8")][1],
+                          "fp8_rowwise", get_format("mxfp8").bytes_per_row(dim),
+                          get_format("fp8_rowwise").bytes_per_row(dim)))
+        for label, value, out_format, row_bytes, out_row_bytes in cases:
+            out_row_bytes = out_row_bytes or row_bytes
             if "permute" in args.ops:
-                rt.log(f"permute {dtype} {shape}")
-                stats = _timing.measure(lambda: permute(value, counts, e_local, ALIGN), **timed)
-                nbytes = m * row_bytes + e_local * 4 + p * row_bytes + index_bytes
-                rows.append(_row("permute", dtype, shape, stats, nbytes, copy, bw))
-            if "unpermute" in args.ops:
-                rt.log(f"unpermute {dtype} {shape}")
+                rt.log(f"permute {label} {shape}")
+                stats = _timing.measure(lambda: permute(value, counts, e_local, ALIGN,
+                                                        out_format=out_format), **timed)
+                nbytes = m * row_bytes + e_local * 4 + p * out_row_bytes + index_bytes
+                rows.append(_row("permute", label, shape, stats, nbytes, copy, bw))
+            if "unpermute" in args.ops and out_format is None:
+                rt.log(f"unpermute {label} {shape}")
                 permuted, indices, _ = permute(value, counts, e_local, ALIGN)
                 stats = _timing.measure(lambda: unpermute(permuted, indices, m), **timed)
                 nbytes = m * row_bytes + p * 4 + m * row_bytes
-                rows.append(_row("unpermute", dtype, shape, stats, nbytes, copy, bw))
+                rows.append(_row("unpermute", label, shape, stats, nbytes, copy, bw))
                 del permuted, indices
-        del x
+        del x, cases
 
     notes = [f"bytes = bytes read + bytes written (GB = 1e9); median of {args.iters} after "
              f"{args.warmup} warm-up",
              f"permute/unpermute: {e_local} local experts, random counts summing to the rows, "
-             f"align {ALIGN}; MXFP8 rows move data and scales"]
+             f"align {ALIGN}; quantized rows move data and scales; mxfp8->fp8_rowwise permute "
+             f"reads MXFP8 rows and writes fp8 rowwise rows (rescaled in the same pass)"]
+    if skipped:
+        notes.append(f"skipped (D = {dim} is not a multiple of their block): {', '.join(skipped)}")
     if rt.gpu:
         notes.append("CUDA events; copy = device-to-device memcpy of the same bytes, same run; "
                      "ratio = GB/s / copy GB/s")
