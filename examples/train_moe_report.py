@@ -1,5 +1,9 @@
 """Summaries and output files of ``train_moe.py``: final losses against bf16, SQNR, loss curves.
 
+Every variant is a wire (the precisions of dispatch, combine and their gradients, or torch's bf16
+all-to-all) and a precision of the experts' GEMMs (bf16, or the Hopper fp8 path); the tables show
+both, the GEMM column as it ran (an fp8 variant on the CPU ran bf16 GEMMs: marked).
+
 A result is ``{"meta": ..., "runs": [...], "summary": {...}}``: ``meta`` from :func:`metadata`,
 ``runs`` the records of ``train_moe.train_run`` and ``summary`` from :func:`summarize`. Every file
 names the device, world size, shapes, date and commit.
@@ -17,7 +21,7 @@ import os
 import platform
 import subprocess
 
-#: The baseline's name: torch's bf16 all-to-all.
+#: The baseline's name: torch's bf16 all-to-all, bf16 GEMMs.
 BASELINE = "bf16"
 #: Target of issue 16: every variant's final loss within this many percent of bf16's.
 TARGET_PCT = 1.0
@@ -70,7 +74,8 @@ def summarize(runs, variants):
 
     Returns:
         ``{"final": rows, "bf16_spread_pct": std of bf16's final losses over seeds in % of their
-        mean, "sqnr": rows}``. A ``final`` row: variant, precisions, seeds, final_loss (mean over
+        mean, "sqnr": rows}``. A ``final`` row: variant, precisions (the wire), gemm (the GEMMs'
+        precision; ``"fp8 (ran bf16)"`` where a run fell back), seeds, final_loss (mean over
         seeds), final_loss_std, delta_pct (mean over seeds of (variant - bf16) / bf16 of the same
         seed, in %), delta_std_pct (its spread over seeds), val_loss, tokens_per_s, speedup (vs
         bf16's tokens/s), within_target (|delta_pct| <= 1 %), beyond_spread (|delta_pct| larger
@@ -88,7 +93,11 @@ def summarize(runs, variants):
         delta = _mean(deltas) if v.name != BASELINE else math.nan
         rate = _mean([r["tokens_per_s"] for r in mine])
         base_rate = _mean([r["tokens_per_s"] for r in done if r["variant"] == BASELINE])
-        final.append({"variant": v.name, "precisions": v.describe(), "seeds": len(mine),
+        gemm = getattr(v, "gemm", "bf16")
+        if any(r.get("gemm_ran", gemm) != gemm for r in mine):
+            gemm += " (ran bf16)"
+        final.append({"variant": v.name, "precisions": v.wire(), "gemm": gemm,
+                      "seeds": len(mine),
                       "final_loss": _mean(list(finals.values())),
                       "final_loss_std": _std(list(finals.values())),
                       "delta_pct": delta,
@@ -156,7 +165,8 @@ def metadata(device, world_size, cfg, preset, corpus, seeds, variants):
             "tokens_per_step": world_size * cfg.batch * cfg.seq_len,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "versions": versions, "corpus": corpus, "seeds": seeds,
-            "variants": {v.name: v.precisions for v in variants}}
+            "variants": {v.name: v.precisions for v in variants},
+            "gemms": {v.name: getattr(v, "gemm", "bf16") for v in variants}}
 
 
 def header_lines(meta):
@@ -191,9 +201,10 @@ def _cell(value, fmt):
 
 def final_table(result):
     """The final-loss table as Markdown lines."""
-    lines = ["| variant | dispatch/combine/dispatch_grad/combine_grad | seeds | final loss | "
-             "vs bf16 (paired) | beyond bf16 spread | within 1 % | val loss | tokens/s | vs bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| variant | dispatch/combine/dispatch_grad/combine_grad | GEMMs | seeds | "
+             "final loss | vs bf16 (paired) | beyond bf16 spread | within 1 % | val loss | "
+             "tokens/s | vs bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["summary"]["final"]:
         loss = _cell(r["final_loss"], ".4f") + (
             f" ± {_cell(r['final_loss_std'], '.4f')}" if math.isfinite(r["final_loss_std"]) else "")
@@ -201,7 +212,8 @@ def final_table(result):
         if math.isfinite(r["delta_std_pct"]):
             delta += f" ± {r['delta_std_pct']:.3f}"
         speedup = _cell(r["speedup"], ".3f") + ("x" if math.isfinite(r["speedup"]) else "")
-        lines.append(f"| {r['variant']} | {r['precisions']} | {r['seeds']} | {loss} | {delta} | "
+        lines.append(f"| {r['variant']} | {r['precisions']} | {r.get('gemm', 'bf16')} | "
+                     f"{r['seeds']} | {loss} | {delta} | "
                      f"{_cell(r['beyond_spread'], '')} | {_cell(r['within_target'], '')} | "
                      f"{_cell(r['val_loss'], '.4f')} | {si(r['tokens_per_s'])} | {speedup} |")
     return lines
@@ -211,7 +223,7 @@ def sqnr_table(result):
     """SQNR of the MoE output vs bf16 at the probed steps, as Markdown lines."""
     rows = result["summary"]["sqnr"]
     if not rows:
-        return ["(no mxcomm variant ran)"]
+        return ["(only the baseline ran)"]
     steps = sorted({r["step"] for r in rows})
     cells = {(r["variant"], r["step"]): r for r in rows}
     lines = ["| variant | " + " | ".join(f"step {s + 1}" for s in steps) + " |",
@@ -232,8 +244,9 @@ def render_summary(result):
                       "of (variant - bf16) / bf16 for the same seed",
                       *final_table(result),
                       f"bf16 seed-to-seed spread (std / mean): {_cell(spread, '.3f')} %", "",
-                      "SQNR (dB) of the MoE layer output vs the bf16 all-to-all on the same input, "
-                      "mean over layers and seeds (worst layer)", *sqnr_table(result)])
+                      "SQNR (dB) of the MoE layer output vs the bf16 baseline's layer (torch "
+                      "all-to-all, bf16 GEMMs) on the same input, mean over layers and seeds "
+                      "(worst layer)", *sqnr_table(result)])
 
 
 def write_markdown(path, result):
@@ -254,10 +267,11 @@ def write_markdown(path, result):
         f"bf16 seed-to-seed spread of the final loss (std / mean): "
         f"{_cell(result['summary']['bf16_spread_pct'], '.3f')} %.", "",
         "## SQNR of the MoE layer output", "",
-        "SQNR (dB) of each MoE layer's output against the same layer moving its tokens with "
-        "torch's bf16 all-to-all, on the same input at the same step; mean over layers and seeds "
-        "(worst layer and seed). It sees the forward directions only (dispatch, combine); the "
-        "gradient directions show in the loss.", "", *sqnr_table(result)]
+        "SQNR (dB) of each MoE layer's output against the bf16 baseline's layer (torch's bf16 "
+        "all-to-all, bf16 GEMMs) with the same weights, on the same input at the same step; mean "
+        "over layers and seeds (worst layer and seed). It sees the whole variant's forward "
+        "(dispatch, the GEMMs, combine); the gradient directions (and the GEMMs' backward) show "
+        "in the loss.", "", *sqnr_table(result)]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path
