@@ -20,10 +20,11 @@ only where they land in e4m3's subnormal range (below 2^-6 of the row scale): me
 outlier-channel and Student-t rows at 1024 x 7168, the SQNR against the bf16 rows is the same to
 1e-4 dB (31.49 dB on Gaussian rows).
 
-Work split (as ``kernels.permute.gather_rows_kernel``): one CUDA block per permuted row, grid-stride
-over rows. The block first reads the row's D / 32 scale bytes, whose max meets through warp
-shuffles (:func:`fp8_rowwise.block_max`); then each thread streams data words t + k * blockDim.x of
-the row with their blocks' scales (PASS_WORDS loads in flight), rescales and stores them.
+Work split: one warp per permuted row, grid-stride over rows (as the rowwise quantize kernels; one
+CUDA block per row measured 0.49x copy bandwidth on an H200, bench/NOTES.md). The warp first reads
+the row's D / 32 scale bytes, whose max meets through warp shuffles; then each lane streams data
+words l + 32 k of the row with their blocks' scales (PASS_WORDS loads in flight), rescales and
+stores them.
 """
 
 from numba import cuda, int32, uint16, uint32, uint64
@@ -31,7 +32,8 @@ from numba import cuda, int32, uint16, uint32, uint64
 from ._fp8 import (E4M3_NAN, E8M0_NAN, F32_NAN, cvt_e4m3x2, cvt_f16x2_e4m3x2, f32_from_bits,
                    f32_from_f16_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
-from .fp8_rowwise import F32_ONE, MAX_WARPS, SCALE_EXP_MIN, block_max, nan_byte_mask
+from .fp8_rowwise import F32_ONE, SCALE_EXP_MIN, WARP, nan_byte_mask
+from .mxfp8 import lanes_max
 
 #: Data words (8 e4m3 each) each thread loads per step, all in flight at once.
 PASS_WORDS = 8
@@ -82,46 +84,52 @@ def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_s
         mx_scales: (N, D // 32) uint8, e8m0 bits. Read.
         out_words: (P, D // 8) uint64, e4m3fn bits. Written.
         out_scales: (P,) uint32, fp32 bits of the row scales. Written.
-    Launch: launch_1d(P * T, threads=T), T a multiple of 32 (<= 1024): one CUDA block per permuted
-        row, grid-stride over rows; thread t takes words t + k * T, PASS_WORDS loads in flight.
+    Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R): one warp per permuted row (R rows
+        per CUDA block), grid-stride over rows in steps uniform per CUDA block; lane l takes
+        words l + 32 k, PASS_WORDS loads in flight.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    warp_max = cuda.shared.array(MAX_WARPS, uint32)
     words = cuda.local.array(PASS_WORDS, uint64)
     sb = cuda.local.array(PASS_WORDS, uint32)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
+    lane = cuda.threadIdx.x % WARP
+    rows_per_block = cuda.blockDim.x // WARP
+    npermuted = indices.shape[0]
     nsrc = data_words.shape[0]
     ncols = out_words.shape[1]
     nblocks = mx_scales.shape[1]
-    step = nthreads * PASS_WORDS
-    for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
-        i = indices[p]
-        if i < 0 or i >= nsrc:  # uniform per CUDA block
-            for w in range(tid, ncols, nthreads):
+    step = WARP * PASS_WORDS
+    for base in range(cuda.blockIdx.x * rows_per_block, npermuted,
+                      cuda.gridDim.x * rows_per_block):
+        p = base + cuda.threadIdx.x // WARP
+        i = indices[p] if p < npermuted else -1
+        source = 0 <= i < nsrc  # uniform per warp
+        smax = uint32(0)
+        if source:
+            for b in range(lane, nblocks, WARP):  # the row's scales: 1/32 of its bytes
+                smax = max(smax, uint32(mx_scales[i, b]))
+        smax = lanes_max(smax, scratch, WARP)  # every lane of the block (the simulator syncs)
+        if p >= npermuted:
+            continue
+        if not source:  # padding
+            for w in range(lane, ncols, WARP):
                 out_words[p, w] = 0
             scale_bits = uint32(F32_ONE)
+        elif smax == uint32(E8M0_NAN):  # 0xFF is the largest byte: some block is NaN
+            for w in range(lane, ncols, WARP):
+                out_words[p, w] = _E4M3_NAN_X8
+            scale_bits = uint32(F32_NAN)
         else:
-            smax = uint32(0)
-            for b in range(tid, nblocks, nthreads):  # the row's scales: 1/32 of its bytes
-                smax = max(smax, uint32(mx_scales[i, b]))
-            smax = block_max(smax, scratch, warp_max)
-            if smax == uint32(E8M0_NAN):  # 0xFF is the largest byte: some block is NaN
-                for w in range(tid, ncols, nthreads):
-                    out_words[p, w] = _E4M3_NAN_X8
-                scale_bits = uint32(F32_NAN)
-            else:
-                r = max(smax, uint32(SCALE_EXP_MIN))
-                for start in range(tid, ncols, step):
-                    for k in range(PASS_WORDS):  # all loads first
-                        w = start + k * nthreads
-                        if w < ncols:
-                            words[k] = data_words[i, w]
-                            sb[k] = uint32(mx_scales[i, w >> MX_WORDS_PER_BLOCK_LOG2])
-                    for k in range(PASS_WORDS):
-                        w = start + k * nthreads
-                        if w < ncols:
-                            out_words[p, w] = rescale_e4m3x8(words[k], sb[k], r)
-                scale_bits = r << uint32(23)
-        if tid == 0:
+            r = max(smax, uint32(SCALE_EXP_MIN))
+            for start in range(lane, ncols, step):
+                for k in range(PASS_WORDS):  # all loads first
+                    w = start + k * WARP
+                    if w < ncols:
+                        words[k] = data_words[i, w]
+                        sb[k] = uint32(mx_scales[i, w >> MX_WORDS_PER_BLOCK_LOG2])
+                for k in range(PASS_WORDS):
+                    w = start + k * WARP
+                    if w < ncols:
+                        out_words[p, w] = rescale_e4m3x8(words[k], sb[k], r)
+            scale_bits = r << uint32(23)
+        if lane == 0:
             out_scales[p] = scale_bits

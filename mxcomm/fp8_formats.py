@@ -39,11 +39,10 @@ from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
                                 dequantize_fp8_block128_bf16_kernel,
                                 dequantize_fp8_block128_f32_kernel,
                                 quantize_fp8_block128_bf16_kernel, quantize_fp8_block128_f32_kernel)
-from .kernels.fp8_rowwise import (PASS_UNITS, ROW_UNROLL,
-                                  dequantize_fp8_rowwise_bf16_kernel,
+from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_bf16_kernel,
                                   dequantize_fp8_rowwise_f32_kernel,
                                   quantize_fp8_rowwise_bf16_kernel, quantize_fp8_rowwise_f32_kernel)
-from .kernels.mx_rowwise import GATHER_REGISTERS, PASS_WORDS, mx_to_rowwise_gather_kernel
+from .kernels.mx_rowwise import GATHER_REGISTERS, mx_to_rowwise_gather_kernel
 from .mxfp8 import MXFP8Array
 
 #: D must be a multiple of it for fp8 rowwise (torch._scaled_grouped_mm: K % 16 == 0).
@@ -59,7 +58,6 @@ _U16 = numpy.dtype(numpy.uint16)
 _U32 = numpy.dtype(numpy.uint32)
 _U64 = numpy.dtype(numpy.uint64)
 _WARP = 32
-_MAX_THREADS = 1024
 #: Hopper's (sm_90) register file and warp slots per multiprocessor; registers are allocated per
 #: warp in units of 256 (8 per thread).
 _REGISTERS_PER_SM = 65536
@@ -149,13 +147,6 @@ def _out_array(out, shape, dtype):
     return _check_array(out, "out", dtype, shape)
 
 
-def _row_threads(per_row, per_thread):
-    """Threads per CUDA block of a one-row-per-block kernel: one step of ``per_thread`` items per
-    thread covers ``per_row`` items; a multiple of 32 in [32, 1024]."""
-    steps = -(-per_row // per_thread)
-    return min(_MAX_THREADS, max(_WARP, -(-steps // _WARP) * _WARP))
-
-
 def _resident_launch(n, threads, registers, stream, share):
     """``launch_1d(n, stream, threads=threads, share=share)`` for a kernel of ``registers`` per
     thread, its persistent grid capped at the blocks that stay resident together.
@@ -220,8 +211,10 @@ def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
         kernel, data_words = quantize_fp8_rowwise_bf16_kernel, _words(data, _U64, "out data")
     else:  # units of 4 elements -> one uint32
         kernel, data_words = quantize_fp8_rowwise_f32_kernel, _words(data, _U32, "out data")
-    threads = _row_threads(data_words.shape[1], PASS_UNITS)
-    kernel[_resident_launch(m * threads, threads, fp8_rowwise.QUANTIZE_REGISTERS, stream, share)](
+    # one warp per row, ROWS_PER_BLOCK rows per CUDA block
+    threads = _WARP * ROWS_PER_BLOCK
+    kernel[_resident_launch(-(-m // ROWS_PER_BLOCK) * threads, threads,
+                            fp8_rowwise.QUANTIZE_REGISTERS, stream, share)](
         x_words, data_words, scales.view(_U32))
     return data, scales
 
@@ -261,13 +254,14 @@ def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
         return out
     if host_backend():
         return _host_dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
-    data_words = _words(data, _U64, "data")
+    data_words = _words(data, _U64, "data")  # (M, D // 8): flat below
     kernel = (dequantize_fp8_rowwise_bf16_kernel if out.dtype == bfloat16
               else dequantize_fp8_rowwise_f32_kernel)
-    threads = _row_threads(data_words.shape[1], ROW_UNROLL)
-    kernel[_resident_launch(data.shape[0] * threads, threads, fp8_rowwise.DEQUANTIZE_REGISTERS,
-                            stream, share)](
-        data_words, scales.view(_U32), _words(out, _U64, "out"))
+    n = data_words.size
+    kernel[_resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD), THREADS_PER_BLOCK,
+                            fp8_rowwise.DEQUANTIZE_REGISTERS, stream, share)](
+        data_words.reshape(n), scales.view(_U32), _words(out, _U64, "out").reshape(-1),
+        data_words.shape[1])
     return out
 
 
@@ -433,9 +427,9 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
     if host_backend():
         return _host_mx_to_rowwise_permute(mx, indices, out=(data, scales))
     out_words = _words(data, _U64, "out data")
-    threads = _row_threads(out_words.shape[1], PASS_WORDS)
-    mx_to_rowwise_gather_kernel[_resident_launch(p * threads, threads, GATHER_REGISTERS, stream,
-                                                 share)](
+    threads = _WARP * ROWS_PER_BLOCK  # one warp per row
+    mx_to_rowwise_gather_kernel[_resident_launch(-(-p // ROWS_PER_BLOCK) * threads, threads,
+                                                 GATHER_REGISTERS, stream, share)](
         indices, _words(mx.data, _U64, "mx.data"), mx.scales, out_words, scales.view(_U32))
     return data, scales
 

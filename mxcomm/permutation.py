@@ -211,7 +211,6 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
                          f"multiple of num_local_experts = {e_local}, got {counts.shape[0]}")
     m_recv = srcs[0].shape[0]
     p = _round_up(m_recv + e_local * align, align)
-    xp = array_module()
     indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream)
     return _gather(x, srcs, fmt, convert, indices, stream), indices, group_offsets
 

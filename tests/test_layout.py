@@ -329,13 +329,17 @@ def test_gpu_layout_path_equals_validated_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.skip(reason="on 2xH200 (2026-11-23) the capture failed on one rank and the other's "
-                         "replay then waited for it until the timeout, after which ncclCommAbort "
-                         "blocked; not diagnosed yet (issue 11)")
+@pytest.mark.skip(reason="2xH200, 2026-11-23: the capture succeeds on both ranks (they agree "
+                         "before replaying), then a replay's wait fails on one rank and "
+                         "ncclCommAbort blocks; not diagnosed yet (issue 11)")
 def test_gpu_cuda_graph_replays_the_token_path():
     """With a fixed layout, dispatch (MXFP8, pulled over CUDA IPC) -> permute -> unpermute ->
     combine (bf16 over NCCL, and MXFP8 read in place) is captured into ONE CUDA graph and
-    replayed with identical results: the path makes no host synchronization."""
+    replayed with identical results: the path makes no host synchronization.
+
+    The ranks agree (over MPI) that every capture succeeded before any replays, so a capture
+    failing on one rank fails the test on every rank with that rank's error instead of leaving
+    the others' replays waiting for it."""
     import cupy
     with mxc.init("nccl", timeout=15.0) as c:
         w, me = c.size, c.rank
@@ -366,10 +370,19 @@ def test_gpu_cuda_graph_replays_the_token_path():
                 c.wait(stream)
                 # Relaxed: the communicator's watchdog thread may query events meanwhile.
                 stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2))
+                error = None
                 try:
                     outs = token_path()
-                finally:
+                except Exception as exc:  # reported on every rank below
+                    error = f"rank {me}: {type(exc).__name__}: {exc}"
+                try:
                     graph = stream.end_capture()
+                except Exception as exc:
+                    error = error or f"rank {me}: end_capture: {type(exc).__name__}: {exc}"
+                errors = [e for e in world().allgather(error) if e]
+                if errors:
+                    c.abort()
+                    pytest.fail("capture failed: " + "; ".join(errors))
                 for _ in range(4):
                     for o in outs:
                         o.fill(0)
