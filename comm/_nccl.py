@@ -104,7 +104,7 @@ class NcclCommunicator(Communicator):
         # versions: a tuple of ints, or of bytes under Cython 3), pickled, so it is rebuilt as is.
         unique_id = self._side.bcast_object(nccl.get_unique_id() if self.rank == 0 else None,
                                             "NCCL bootstrap (unique id)")
-        self._nccl = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+        self._nccl = self._init_bounded(nccl, unique_id)
         # Watchdog state, shared with the thread under self._lock.
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -145,6 +145,36 @@ class NcclCommunicator(Communicator):
     def _new_peer_memory(self):
         from ._ipc import CudaPeerMemory
         return CudaPeerMemory(self)
+
+    def _init_bounded(self, nccl, unique_id):
+        """``ncclCommInitRank``, bounded by ``timeout``: it blocks until every rank has joined,
+        so a peer that dies after the unique id went out would hang this rank forever. It runs
+        on a helper thread (the communicator's device current there); past the timeout this
+        raises and the helper thread stays blocked in NCCL (a daemon: it does not keep the
+        process alive).
+
+        Raises:
+            TimeoutError: not every rank joined within ``timeout`` s.
+        """
+        result = {}
+
+        def init():
+            try:
+                self._cupy.cuda.Device(self.device).use()
+                result["comm"] = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+            except BaseException as exc:  # handed to the caller
+                result["error"] = exc
+
+        thread = threading.Thread(target=init, name=f"mxcomm-nccl-init-{self.rank}", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"NCCL bootstrap on rank {self.rank} of {self.size}: "
+                               f"ncclCommInitRank did not complete within {self.timeout:g} s "
+                               f"(a peer died or stopped after the unique id was shared)")
+        if "error" in result:
+            raise result["error"]
+        return result["comm"]
 
     def _stream_ptr(self, stream):
         return self._stream(stream)

@@ -663,3 +663,43 @@ def test_nccl_timeout_aborts():
     c.close()
     assert int(cupy.arange(10).sum()) == 45
     faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.parametrize("outcome", ["blocks", "raises", "joins"])
+def test_nccl_init_is_bounded_by_the_timeout(outcome):
+    """ncclCommInitRank blocks until every rank has joined: a peer that died after the unique id
+    went out must end in a TimeoutError on the survivors, not a hang. Exercised on the CPU with a
+    stand-in NCCL whose init blocks, raises or succeeds."""
+    import threading
+    import types
+
+    from mxcomm.comm._nccl import NcclCommunicator
+
+    release = threading.Event()
+
+    class FakeNccl:
+        class NcclCommunicator:
+            def __init__(self, size, unique_id, rank):
+                if outcome == "blocks":
+                    release.wait(30)
+                elif outcome == "raises":
+                    raise RuntimeError("NCCL error: remote process exited")
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda d: types.SimpleNamespace(use=lambda: None)))
+    comm = types.SimpleNamespace(timeout=0.3, rank=1, size=2, device=0, _cupy=fake_cupy)
+    start = time.monotonic()
+    try:
+        if outcome == "blocks":
+            with pytest.raises(TimeoutError, match="rank 1 of 2: ncclCommInitRank did not "
+                                                   "complete within 0.3 s"):
+                NcclCommunicator._init_bounded(comm, FakeNccl, b"id")
+            assert time.monotonic() - start < 5
+        elif outcome == "raises":
+            with pytest.raises(RuntimeError, match="remote process exited"):
+                NcclCommunicator._init_bounded(comm, FakeNccl, b"id")
+        else:
+            assert isinstance(NcclCommunicator._init_bounded(comm, FakeNccl, b"id"),
+                              FakeNccl.NcclCommunicator)
+    finally:
+        release.set()
