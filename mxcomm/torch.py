@@ -50,9 +50,18 @@ _SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
 
 
 # ------------------------------------------------------------------------------ conversions
+#: torch's raw current-stream query (what ``torch.cuda.current_stream`` wraps in a Stream object;
+#: a few microseconds less per call), where this torch has it.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(t):
     """torch's current stream on ``t``'s device (raw handle), or None for CPU tensors."""
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+    if not t.is_cuda:
+        return None
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(t.device.index)
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def _array(t, name):
