@@ -422,15 +422,18 @@ def test_rejects_bad_input():
 
 @pytest.mark.gpu
 @DTYPES
-def test_gpu_rowwise_large_bit_exact(rng, dtype):
-    x = random_rows(rng, 4096, 7168, dtype)
-    x[5, 100] = np.nan
-    x[4000, 7000] = -np.inf
+@pytest.mark.parametrize("m, d", [(4093, 7168), (1001, 48), (37, 2064)])
+def test_gpu_rowwise_large_bit_exact(rng, dtype, m, d):
+    """Row counts that leave warps of the last CUDA block without a row; rows narrower than a
+    warp's units; a width that is not a multiple of a pass."""
+    x = random_rows(rng, m, d, dtype)
+    x[5, d // 2] = np.nan
+    x[m - 3, d - 1] = -np.inf
     x[17] = 0
     data, scales = quantize_fp8_rowwise(to_device(x))
     assert_same((data, scales), quantize_fp8_rowwise_ref(x))
     assert_same(dequantize_fp8_rowwise(data, scales, dtype),
-                dequantize_scaled_ref(to_host(data), to_host(scales), 7168, dtype))
+                dequantize_scaled_ref(to_host(data), to_host(scales), d, dtype))
 
 
 @pytest.mark.gpu
@@ -467,6 +470,10 @@ def test_gpu_mx_to_rowwise_large_bit_exact(rng):
     _, indices, _ = permute_ref(np.arange(2048), counts, 8, 16)
     got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
     assert_same(got, _host_mx_to_rowwise_permute(HostMX(data, scales), indices))
+    odd = indices[:2041]  # the last CUDA block's warps partly without a row
+    assert_same(mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)),
+                                      to_device(odd)),
+                _host_mx_to_rowwise_permute(HostMX(data, scales), odd))
     sub = np.r_[np.flatnonzero(indices == 3), np.arange(0, len(indices), 97)]
     assert_same((to_host(got[0])[sub], to_host(got[1])[sub]),
                 mx_to_rowwise_ref(data, scales, indices[sub]))
