@@ -169,12 +169,18 @@ def test_pipeline_summary_rows():
     end_to_end = [
         {"tokens": 8, "dim": 32, "hidden_dim": 32, "experts_per_rank": 2, "variant": v,
          "fwd_ms": f, "bwd_ms": b, "total_ms": f + b}
-        for v, f, b in (("bf16", 3.0, 6.0), ("mxfp8", 2.0, 4.0), ("mxfp8_all", 1.5, 3.0))]
-    base, default, every = summary_rows(end_to_end)
-    assert (base["variant"], base["fwd_ms"], base["total vs bf16"]) == ("bf16", 3.0, "")
+        for v, f, b in (("bf16", 3.0, 6.0), ("mxfp8", 2.0, 4.0), ("mxfp8_all", 1.5, 3.0),
+                        ("bf16+fp8gemm", 2.0, 2.5), ("fp8_rowwise", 1.0, 2.0))]
+    base, default, every, gemm, rowwise = summary_rows(end_to_end)
+    assert (base["variant"], base["fwd_ms"], base["vs bf16"]) == ("bf16", 3.0, "")
+    assert base["vs bf16+fp8gemm"] == "0.50x"            # 4.5 ms / 9 ms
     assert default["fwd vs bf16"] == "1.50x" and default["bwd vs bf16"] == "1.50x"
-    assert default["total vs bf16"] == "1.50x" and default["shape"] == "8x32x32x2"
-    assert every["total vs bf16"] == "2.00x"
+    assert default["vs bf16"] == "1.50x" and default["shape"] == "8x32x32x2"
+    assert every["vs bf16"] == "2.00x"
+    assert (gemm["vs bf16"], gemm["vs bf16+fp8gemm"]) == ("2.00x", "")
+    assert (rowwise["vs bf16"], rowwise["vs bf16+fp8gemm"]) == ("3.00x", "1.50x")
+    # Without bf16+fp8gemm in the run (--variants), its column says so.
+    assert summary_rows(end_to_end[:2])[1]["vs bf16+fp8gemm"] == "n/a"
 
 
 # ------------------------------------------------------------------------- pipeline checks
@@ -182,6 +188,7 @@ def test_row_bytes_and_wire_rows():
     from mxcomm.bench import _moe
     assert _checks.row_bytes("bf16", 1024) == 2048
     assert _checks.row_bytes("mxfp8", 1024) == 1024 + 32
+    assert _checks.row_bytes("fp8_rowwise", 1024) == 1024 + 4
     with pytest.raises(ValueError, match="precision"):
         _checks.row_bytes("fp4", 32)
 
@@ -193,6 +200,14 @@ def test_row_bytes_and_wire_rows():
     got = {r["direction"]: (r["precision"], r["rows"], r["bytes"]) for r in rows}
     assert got == {"dispatch": ("mxfp8", 3, 3 * 66), "combine": ("bf16", 4, 4 * 64),
                    "dispatch_grad": ("bf16", 4, 4 * 128), "combine_grad": ("mxfp8", 3, 3 * 33)}
+    by_name = {v.name: v for v in _moe.VARIANTS}
+    rows = _checks.wire_rows(by_name["fp8_rowwise"], Case, [2, 5, 1], [4, 7, 0], 1, lambda v: v)
+    got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
+    assert got == {"dispatch": ("fp8_rowwise", 3 * (64 + 4)), "combine": ("bf16", 4 * 64),
+                   "dispatch_grad": ("bf16", 4 * 128), "combine_grad": ("fp8_rowwise", 3 * 36)}
+    for name in ("bf16", "bf16+fp8gemm"):  # torch's exchanges: bf16 every way
+        rows = _checks.wire_rows(by_name[name], Case, [2, 5, 1], [4, 7, 0], 1, lambda v: v)
+        assert [r["bytes"] for r in rows] == [3 * 128, 4 * 64, 4 * 128, 3 * 64]
 
 
 @pytest.mark.parametrize("counts,e_local,align", [([2, 1, 0, 3], 2, 4), ([0, 0, 0, 0], 2, 32),
@@ -214,10 +229,29 @@ def test_differ_counts_rows():
     assert _checks._differ(a, b) == (2, 5)
     assert _checks._differ(a, b[:3]) == (5, 5)          # a shape mismatch: every row
     assert _checks._differ(None, True) == (0, 1) and _checks._differ(None, False) == (1, 1)
+    assert _checks._differ(a, None) == (0, 5)           # no reference: skipped, not counted
+
+
+def test_a_step_without_reference_is_skipped_not_exact():
+    """A permute conversion the checker has no reference for is reported "skipped" (and the
+    table says so), never "exact"."""
+    import types
+    from mxcomm.bench import pipeline
+    torch = pytest.importorskip("torch")
+    checker = _checks.Checker(None, types.SimpleNamespace(dim=32), 32)
+    h = torch.zeros(4, 32, dtype=torch.bfloat16)
+    idx = torch.tensor([1, -1, 0])
+    assert checker._permuted(h, idx, "mxfp8", "fp8_block128") is None
+    assert checker._permuted(h, idx, "bf16", None).shape == (3, 64)
+    rows = [{"shape": "s", "variant": "mxfp8", "step": "permute", "precision": "fp8_block128",
+             "rows": 3, "rows_differ": 0, "result": "skipped"}]
+    table, _ = pipeline.exactness_display(rows)
+    assert table[0]["mxfp8"] == "skipped (fp8_block128)"
+    assert not pipeline.failed({"exactness": rows})
 
 
 def _pipeline_tables(gpu):
-    """Tables of a 2-shape pipeline run as ``measure`` builds them."""
+    """Tables of a 2-shape pipeline run of every variant as ``measure`` builds them."""
     from mxcomm.bench import _moe
     tables = {"wire": [], "exactness": [], "sqnr": []}
     if gpu:
@@ -226,7 +260,7 @@ def _pipeline_tables(gpu):
         label = "x".join(map(str, shape))
         for i, v in enumerate(_moe.VARIANTS):
             for step in _checks.STEPS:
-                if v.baseline and step in ("dispatch", "combine", "combine bwd", "dispatch bwd"):
+                if v.torch_a2a and step in ("dispatch", "combine", "combine bwd", "dispatch bwd"):
                     continue  # torch's own exchanges
                 tables["exactness"].append({"shape": label, "variant": v.name, "step": step,
                                             "precision": "mxfp8", "rows": 131072,
@@ -250,9 +284,10 @@ def _pipeline_tables(gpu):
             for stage in ("layout", "dispatch", "grad_dequantize", "combine"):
                 for direction in ("fwd", "bwd"):
                     tables["stages"].append({"shape": label, "stage": stage, "pass": direction,
-                                             "bf16_ms": 1234.567, "mxfp8_ms": 0.5,
-                                             "mxfp8_all_ms": float("nan"), "speedup": 2469.1,
-                                             "speedup_all": float("nan")})
+                                             **{f"{v.name}_ms": 1234.567 if v.baseline else
+                                                float("nan") if stage == "grad_dequantize" and
+                                                v.gemm == "fp8" else 0.5
+                                                for v in _moe.VARIANTS}})
     return tables
 
 
@@ -264,11 +299,17 @@ def test_pipeline_report_fits_120_columns(tmp_path, gpu):
     text = pipeline.render(meta, tables)
     assert max(len(line) for line in text.splitlines()) <= 120
     assert ("whole pipeline" in text) == gpu and ("per stage" in text) == gpu
-    assert "3/131072 rows differ (mxfp8)" in text and "torch, unchecked" in text
+    assert ("vs bf16+fp8gemm" in text) == gpu
+    assert "| 3/131072" in text and "| rows differ" in text and "| (mxfp8)" in text
+    assert "| torch," in text and "| unchecked" in text
     assert "0.50x" in text  # bytes of the third variant vs bf16
+    assert all(f"| {v} " in text for v in pipeline.VARIANT_NAMES)  # a column each
     assert pipeline.failed(tables) and not pipeline.failed({"exactness": []})
     _report.write_markdown(tmp_path / "p.md", "t", meta, pipeline.markdown_sections(tables))
-    assert (tmp_path / "p.md").read_text().splitlines()[2] == "what this run is"
+    md = (tmp_path / "p.md").read_text()
+    assert md.splitlines()[2] == "what this run is"
+    assert "3/131072 rows differ (mxfp8)" in md and "torch, unchecked" in md
+    assert ("| fwd vs bf16 " in md) == gpu  # Markdown has room for the fwd/bwd speedups
     pytest.importorskip("matplotlib")
     pipeline.plot(tmp_path / "p.png", meta, tables)
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
@@ -289,9 +330,14 @@ def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
     assert lines[0].startswith("mxcomm EP pipeline, 1 rank on a CPU, host backend")
     assert "No timings" in lines[0]
     assert lines[-3:] == [f"wrote {p}" for p in paths] and all(p.stat().st_size for p in paths)
-    tables = json.loads(paths[0].read_text())["tables"]
+    result = json.loads(paths[0].read_text())
+    tables = result["tables"]
     assert tables["exactness"] and all(r["result"] == "exact" for r in tables["exactness"])
     assert "end_to_end" not in tables and "ms" not in out.stdout
+    names = ["bf16", "mxfp8", "mxfp8_all", "bf16+fp8gemm", "fp8_rowwise", "mxfp8+rowwise"]
+    assert result["meta"]["variants"] == names and result["meta"]["fp8_gemm"] is False
+    assert [r["variant"] for r in tables["sqnr"]] == names[1:]
+    assert "ran its bf16 fallback" in out.stdout  # the report says the fp8 GEMM was not fp8
 
 
 # ----------------------------------------------------------------------------------- CLI
@@ -340,6 +386,10 @@ def test_pipeline_shapes_default_and_mismatch():
     (["kernels", "--dim", "100"], "--dim: expected a positive multiple of 32"),
     (["kernels", "--rows", "0"], "--rows: expected positive values, got 0"),
     (["a2a", "--leak-iters", "-2"], "--leak-iters: expected >= 0, got -2"),
+    (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
+                                             "mxfp8, mxfp8_all, bf16+fp8gemm, fp8_rowwise, "
+                                             "mxfp8+rowwise"),
+    (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
 def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
     from mxcomm.bench._cli import main
@@ -347,3 +397,189 @@ def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"python -m mxcomm.bench {argv[0]}: error: ") and message in err
+
+
+# ------------------------------------------------------------------------------ variants
+def test_variants_option_parses_names_in_table_order_with_the_reference():
+    from mxcomm.bench.pipeline import parse_variants
+    p = build_parser()
+    every = parse_variants(p.parse_args(["pipeline"]).variants)
+    assert [v.name for v in every] == ["bf16", "mxfp8", "mxfp8_all", "bf16+fp8gemm",
+                                       "fp8_rowwise", "mxfp8+rowwise"]
+    a = p.parse_args(["pipeline", "--variants", "mxfp8+rowwise, bf16+fp8gemm,fp8_rowwise,",
+                      "--no-stages"])
+    assert a.no_stages
+    assert [v.name for v in parse_variants(a.variants)] == ["bf16", "bf16+fp8gemm", "fp8_rowwise",
+                                                             "mxfp8+rowwise"]
+    assert [v.name for v in parse_variants("bf16,bf16")] == ["bf16"]
+    with pytest.raises(ValueError, match="unknown variant 'fp8'; accepted: bf16, mxfp8"):
+        parse_variants("fp8_rowwise,fp8")
+    with pytest.raises(ValueError, match="unknown variant 'BF16'"):
+        parse_variants("BF16")  # names are exact
+
+
+def test_variants_precisions_and_stages():
+    """The fp8 GEMM variants: what travels, and no bf16 pass (no dequantize stage) before the
+    GEMM."""
+    from mxcomm.bench import _moe
+    v = {x.name: x for x in _moe.VARIANTS}
+    assert len(v) == len(_moe.VARIANTS) and v[_moe.REFERENCE].baseline
+    assert [x.name for x in _moe.VARIANTS if x.baseline] == ["bf16"]
+    assert _checks.precisions(v["bf16+fp8gemm"]) == _checks.precisions(v["bf16"])
+    assert v["bf16+fp8gemm"].torch_a2a and v["bf16+fp8gemm"].gemm == "fp8"
+    assert _checks.precisions(v["fp8_rowwise"]) == {
+        "dispatch": "fp8_rowwise", "combine": "bf16", "dispatch_grad": "bf16",
+        "combine_grad": "fp8_rowwise"}
+    assert _checks.precisions(v["mxfp8+rowwise"])["dispatch"] == "mxfp8"
+    assert v["mxfp8+rowwise"].permute_format == "fp8_rowwise"
+    assert v["mxfp8+rowwise"].combine_grad == "fp8_rowwise"  # the GEMM's dgrad reads it as is
+    for x in _moe.VARIANTS:
+        names = [s.name for s in _moe.stages(x, None, 2, loop_gemm=True)]
+        if x.gemm == "fp8":
+            assert names == ["layout", "dispatch", "permute", "gemm", "unpermute", "combine"]
+        else:
+            assert "dequantize" in names and "grad_dequantize" in names
+        assert x.describe().startswith(f"{x.name} = ")
+    assert "permute to fp8_rowwise" in v["mxfp8+rowwise"].describe()
+
+
+def test_converted_reference_matches_the_library_bit_for_bit():
+    """The checker's torch re-computation of the MXFP8 -> fp8 rowwise permute agrees with the
+    library's host implementation (padding rows, a zero row, a NaN block, extreme block scales):
+    so an "exact" verdict of mxfp8+rowwise's permute means what it says."""
+    torch = pytest.importorskip("torch")
+    import mxcomm.torch as mt
+    from mxcomm.formats import get_format
+    from mxcomm.fp8_formats import _host_mx_to_rowwise_permute
+    rng = numpy.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((12, 128)).astype(numpy.float32)).to(torch.bfloat16)
+    x[3] = 0
+    x[5, :32] *= 2.0 ** 40
+    x[6, 32:64] *= 2.0 ** -60
+    q = get_format("mxfp8").quantize(x.view(torch.int16).numpy().view(mt.bfloat16))
+    q.scales[7, 2] = 0xFF  # a NaN block
+    q.scales[8, 1] = 0     # the smallest block scale
+    mx = mt._wrap(q)
+    indices = torch.tensor([4, 0, 11, -1, 3, 5, 6, 7, 8, -1, -1, 2], dtype=torch.int32)
+    got = _checks.Checker._converted(mx, indices.to(torch.int64))
+    data, scales = _host_mx_to_rowwise_permute(q, indices.numpy())
+    want = numpy.concatenate([data, scales.reshape(-1, 1).view(numpy.uint8)], axis=1)
+    assert got.dtype == torch.uint8 and got.shape == (12, 128 + 4)
+    numpy.testing.assert_array_equal(got.numpy(), want)
+    assert numpy.isnan(scales[7]) and scales[3] == 1.0  # the rows the test means to cover
+
+
+def test_padding_rows_carry_the_format_padding_scale():
+    torch = pytest.importorskip("torch")
+    assert _checks.Checker._padding_row("bf16", 8).tolist() == [0] * 16
+    assert _checks.Checker._padding_row("mxfp8", 64).tolist() == [0] * 66
+    row = _checks.Checker._padding_row("fp8_rowwise", 32)
+    assert row.shape == (36,) and not row[:32].any()
+    assert row[32:].view(numpy.float32).tolist() == [1.0]
+    rows = torch.arange(6, dtype=torch.uint8).reshape(2, 3)
+    out = _checks.Checker._gather(rows, torch.tensor([1, -1, 0]), numpy.array([7, 8, 9], "u1"))
+    assert out.tolist() == [[3, 4, 5], [7, 8, 9], [0, 1, 2]]
+
+
+# ------------------------------------------------------------------- pipeline on MPI ranks
+MPI_SHAPE = ("--tokens", "256", "--dim", "64", "--hidden", "32", "--experts", "2")
+
+
+@pytest.fixture(scope="module")
+def pipeline_world():
+    """The pipeline's Runtime on this MPI job's ranks, with torch.distributed, and the parsed
+    options of a tiny shape (one timed iteration where anything is timed); closed after."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from mxcomm.bench import _cli, pipeline
+    from mxcomm.bench._runtime import Runtime
+    args = build_parser().parse_args(["pipeline", *MPI_SHAPE, "--iters", "1", "--warmup", "0",
+                                      "--no-stages"])
+    pipeline.validate(args)
+    owned = not dist.is_initialized()  # a group someone else made is left to them
+    rt = Runtime()
+    _cli._apply_defaults(args, rt.gpu)
+    rt.init_torch_distributed()
+    yield rt, args
+    if owned:
+        rt.close()
+    else:
+        rt.comm.close()
+
+
+@pytest.mark.mpi
+def test_pipeline_every_variant_exact_sane_sqnr_and_wire_bytes(pipeline_world):
+    """measure() on every rank, all six variants: every step exact (none skipped), SQNR of the
+    fp8 variants vs bf16 above the targets, bf16+fp8gemm's equal to bf16's within bf16 GEMM
+    rounding where its GEMM falls back to bf16 (CPU), and the bytes of each wire format."""
+    from mxcomm.bench import pipeline
+    rt, args = pipeline_world
+    meta, tables = pipeline.measure(args, rt)
+    names = [v.name for v in pipeline.parse_variants(None)]
+    assert meta["variants"] == names
+    assert not pipeline.failed(tables)
+    assert {r["variant"] for r in tables["exactness"]} == set(names)
+    assert all(r["result"] == "exact" for r in tables["exactness"]), \
+        [r for r in tables["exactness"] if r["result"] != "exact"]
+    sqnr = {r["variant"]: r for r in tables["sqnr"]}
+    assert list(sqnr) == names[1:]
+    for name in ("fp8_rowwise", "mxfp8+rowwise"):
+        r = sqnr[name]
+        assert r["out_db"] > 28 and r["input_grad_db"] > 26 and r["weight_grad_db"] > 25, r
+        assert r["ok"] == "yes"
+    gemm = sqnr["bf16+fp8gemm"]
+    if not meta["fp8_gemm"]:  # the bf16 fallback: only the GEMM kernel differs from bf16's
+        assert all(gemm[k] >= 40 for k in ("out_db", "input_grad_db", "weight_grad_db")), gemm
+    else:
+        assert gemm["ok"] == "yes", gemm
+    wire = {(r["variant"], r["direction"]): r for r in tables["wire"]}
+    dim, hidden = int(MPI_SHAPE[3]), int(MPI_SHAPE[5])
+    for direction in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
+        rows = wire[("bf16", direction)]["rows"]
+        assert (rows > 0) == (rt.size > 1)
+        width = dim if direction.startswith("dispatch") else hidden
+        assert wire[("bf16", direction)]["bytes"] == rows * 2 * width
+        assert wire[("bf16+fp8gemm", direction)]["bytes"] == rows * 2 * width
+        for name in names:
+            assert wire[(name, direction)]["rows"] == rows
+    rows = wire[("fp8_rowwise", "dispatch")]["rows"]
+    assert wire[("fp8_rowwise", "dispatch")]["bytes"] == rows * (dim + 4)
+    assert wire[("mxfp8+rowwise", "dispatch")]["bytes"] == rows * (dim + dim // 32)
+    rows = wire[("fp8_rowwise", "combine_grad")]["rows"]
+    for name in ("fp8_rowwise", "mxfp8+rowwise"):
+        assert wire[(name, "combine_grad")]["bytes"] == rows * (hidden + 4)
+        assert wire[(name, "combine")]["bytes"] == wire[("bf16", "combine")]["bytes"]
+    text = pipeline.render(meta, tables)
+    assert max(len(line) for line in text.splitlines()) <= 120
+
+
+@pytest.mark.mpi
+def test_pipeline_fp8_variants_feed_the_gemm_quantized_rows(pipeline_world):
+    """A traced run of each fp8 GEMM variant: the GEMM reads fp8 rowwise rows (fp8_rowwise and
+    mxfp8+rowwise: no bf16 pass in front of it) and its dgrad an fp8 rowwise gradient, as sent by
+    combine's backward; the input gradient is bf16; each stage times alone (the GPU's per-stage
+    table) with no dequantize stage."""
+    import torch
+    from mxcomm.bench import _moe, pipeline
+    rt, args = pipeline_world
+    shape = tuple(int(v) for v in MPI_SHAPE[1::2])
+    case = pipeline._Case(args, rt, shape)
+    variants = {v.name: v for v in _moe.VARIANTS}
+    for name in ("bf16+fp8gemm", "fp8_rowwise", "mxfp8+rowwise"):
+        stage_list = _moe.stages(variants[name], rt.comm, case.e_local, loop_gemm=case.loop_gemm)
+        state, grads, results = case.trace(stage_list)
+        quantized = name != "bf16+fp8gemm"
+        assert _moe.is_mxfp8(state["p"]) == quantized
+        assert _moe.is_mxfp8(grads["y_"]) == quantized  # the gradient the GEMM's dgrad reads
+        if quantized:
+            assert state["p"].format.name == "fp8_rowwise"
+            assert grads["y_"].format.name == "fp8_rowwise"
+            assert state["h"].format.name == variants[name].dispatch
+        assert results["input_grad"].dtype == torch.bfloat16
+        assert not _moe.is_mxfp8(results["input_grad"])
+        assert results["out"].shape == (case.tokens, case.hidden)
+        assert bool(torch.isfinite(results["weight_grad"]).all())
+        times = case.stage_times(stage_list, state, grads)
+        assert {k for k in times} >= {("gemm", "fwd"), ("gemm", "bwd"), ("permute", "bwd")}
+        assert not any(stage.endswith("dequantize") for stage, _ in times)
+        assert all(s.iters == 1 for s in times.values())

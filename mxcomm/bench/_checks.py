@@ -3,13 +3,19 @@
 Exactness: every mxcomm step of a traced pipeline run (the layout exchange, dispatch, permute,
 unpermute, combine, forward and backward) is compared, bit for bit, with an independent reference
 computed from the same inputs: ``torch.distributed.all_to_all_single`` of the same bytes for the
-exchanges (quantized with ``mxcomm.quantize_mxfp8`` first, and dequantized after, where the step's
-precision is MXFP8), an index-based gather/scatter in torch for permute and unpermute, and an MPI
-allgather of the counts for the layout. Counts are rows whose bytes differ, summed over ranks.
+exchanges (quantized with the step's format, ``Format.quantize``, first, and dequantized after,
+where the step's precision is a quantized format), an index-based gather/scatter in torch for
+permute and unpermute (padding rows: data 0 and the format's padding scale, 1.0 for fp8_rowwise),
+a torch re-computation of the documented MXFP8 -> fp8 rowwise rescale for a permute that converts
+(:meth:`Checker._converted`), and an MPI allgather of the counts for the layout. Counts are rows
+whose bytes differ, summed over ranks. The exchanges of variants that use torch's own
+(``Variant.torch_a2a``) are not checked; a step with no reference is reported "skipped", never as
+exact.
 
 Bytes on the wire: rows a rank sends to other ranks (rows it keeps are not counted) times the bytes
-of a row in the step's precision (bf16: 2 D; MXFP8: D e4m3 bytes + D / 32 e8m0 scales), summed
-over ranks. Glossary: M rows per rank, N rows received, D dim, H hidden, P permuted rows.
+of a row in the step's precision (bf16: 2 D; MXFP8: D e4m3 bytes + D / 32 e8m0 scales; fp8_rowwise:
+D e4m3 bytes + one float32 scale), summed over ranks. Glossary: M rows per rank, N rows received,
+D dim, H hidden, P permuted rows.
 """
 
 import numpy
@@ -136,12 +142,70 @@ class Checker:
         return self._dequantized(moved, t.shape[1], precision) if dequantized else moved
 
     @staticmethod
-    def _gather(rows, indices):
-        """rows[indices[p]], zero rows where indices[p] < 0 (torch indexing)."""
+    def _padding_row(precision, width):
+        """(bytes,) uint8 NumPy row of a padding row of ``permute`` in ``precision``: data 0,
+        then the format's ``padding_scale`` in its scale dtype (as :meth:`_bytes` lays rows out)."""
+        from mxcomm.formats import get_format
+        fmt = get_format(precision)
+        if not fmt.quantized:
+            return numpy.zeros(fmt.bytes_per_row(width), dtype=numpy.uint8)
+        scales = numpy.full(fmt.scales_shape(1, width), fmt.padding_scale, dtype=fmt.scale_dtype)
+        return numpy.concatenate([numpy.zeros(width, dtype=numpy.uint8),
+                                  scales.reshape(-1).view(numpy.uint8)])
+
+    @staticmethod
+    def _gather(rows, indices, padding=None):
+        """rows[indices[p]] (torch indexing); where indices[p] < 0 the row ``padding`` ((bytes,)
+        uint8 NumPy, see :meth:`_padding_row`), or zeros."""
+        import torch
         out = rows.new_zeros((indices.shape[0], rows.shape[1]))
         keep = indices >= 0
+        if padding is not None:
+            out[~keep] = torch.as_tensor(padding, device=rows.device)
         out[keep] = rows[indices[keep]]
         return out
+
+    def _permuted(self, h, indices, source, target):
+        """Expected (P, bytes) uint8 of ``permute``'s output: rows ``indices`` of the received
+        rows ``h`` in the format ``source``, gathered as they are (``target`` None or equal) or
+        converted to ``target`` (:meth:`_converted`); None where no reference exists."""
+        width = self.case.dim
+        if target is None or target == source:
+            return self._gather(self._bytes(h), indices, self._padding_row(source, width))
+        if (source, target) == ("mxfp8", "fp8_rowwise"):
+            return self._converted(h, indices)
+        return None
+
+    @staticmethod
+    def _converted(mx, indices):
+        """(P, D + 4) uint8: rows ``indices`` (P,) int64 of the (N, D) MXFP8Tensor ``mx`` as fp8
+        rowwise rows, recomputed in torch from the rule that
+        ``mxcomm.fp8_formats.mx_to_rowwise_permute`` documents: row scale 2^(r - 127), with
+        r = max(max block scale, 1);
+        each element of block b (scale s_b) RNE_e4m3(e4m3 * 2^(s_b - r)) (e4m3 NaNs kept);
+        a NaN block scale (0xFF) gives scale NaN and elements 0x7F; padding rows data 0, scale
+        1.0."""
+        import torch
+        keep = indices >= 0
+        rows = indices[keep]
+        data = mx.qdata.view(torch.uint8)[rows]                             # (n, D) e4m3 bits
+        block = mx.scales.view(torch.uint8)[rows].to(torch.int32)           # (n, D / 32)
+        n, d = data.shape
+        smax = block.amax(dim=1) if n and block.shape[1] else block.new_zeros(n)
+        r = smax.clamp(min=1)
+        mult = torch.exp2((block - r[:, None]).to(torch.float32))           # exact powers of 2
+        values = data.view(torch.float8_e4m3fn).float().reshape(n, -1, 32) * mult[..., None]
+        conv = values.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, d)
+        conv = torch.where((data & 0x7F) == 0x7F, data, conv)
+        bits = r << 23
+        nan_row = smax == 0xFF
+        conv[nan_row] = 0x7F
+        bits[nan_row] = 0x7FC00000
+        out_data = data.new_zeros((indices.shape[0], d))
+        out_scale = torch.ones(indices.shape[0], dtype=torch.float32, device=data.device)
+        out_data[keep] = conv
+        out_scale[keep] = bits.view(torch.float32)
+        return torch.cat([out_data, out_scale.reshape(-1, 1).view(torch.uint8)], dim=1)
 
     @staticmethod
     def _scatter(rows, indices, num_rows):
@@ -164,7 +228,18 @@ class Checker:
     def run(self, variant, state, grads, results):
         """Rows of the ``exactness`` table for one variant's traced run (counts summed over ranks).
 
-        The baseline's exchanges are torch's own, so only its permute and unpermute are checked.
+        The exchanges of a torch-exchange variant (``Variant.torch_a2a``: bf16, bf16+fp8gemm)
+        are torch's own, so only its layout, permute and unpermute are checked. A step without
+        a reference (a permute conversion other than MXFP8 -> fp8 rowwise) gives a "skipped" row.
+
+        Args:
+            variant: a ``_moe.Variant``.
+            state, grads, results: ``pipeline._Case.trace``'s: every stage's output (``"h"``,
+                ``"p"``, ``"y_"``, ``"u"``, ``"out"``, layout entries), the gradient each
+                received, and ``"input_grad"``.
+        Returns:
+            Rows ``{shape, variant, step, precision, rows, rows_differ, result}``; ``result`` is
+            ``"exact"``, ``"<differ>/<rows> rows differ"`` or ``"skipped"``.
         """
         import torch
         case, send, recv = self.case, state["input_splits"], state["output_splits"]
@@ -174,7 +249,8 @@ class Checker:
         index_ok = bool(torch.equal(state["indices"].to(torch.int64), idx)) and \
             [int(v) for v in state["offs"].cpu().tolist()] == offsets
         p = precisions(variant)
-        mx = not variant.baseline
+        mx = not variant.torch_a2a
+        permuted_format = variant.permute_format or p["dispatch"]
         # (step, precision of the rows ("" for the index checks), got (rows, bytes) uint8, expected
         # the same, or got None and a verdict)
         checks = [("layout", "", None, self._layout_ok(state))]
@@ -182,8 +258,8 @@ class Checker:
             checks.append(("dispatch", p["dispatch"], self._bytes(state["h"]),
                            self._moved(case.x, p["dispatch"], send, recv)))
         checks += [("permute index", "", None, index_ok),
-                   ("permute", p["dispatch"], self._bytes(state["p"]),
-                    self._gather(self._bytes(state["h"]), idx)),
+                   ("permute", permuted_format, self._bytes(state["p"]),
+                    self._permuted(state["h"], idx, p["dispatch"], variant.permute_format)),
                    ("unpermute", "bf16", self._bytes(state["u"]),
                     self._scatter(self._bytes(state["y_"]), idx, sum(recv)))]
         if mx:
@@ -192,27 +268,36 @@ class Checker:
                        ("combine bwd", p["combine_grad"], self._bytes(grads["u"]),
                         self._moved(case.grad_out, p["combine_grad"], send, recv))]
         checks += [("unpermute bwd", p["combine_grad"], self._bytes(grads["y_"]),
-                    self._gather(self._bytes(grads["u"]), idx)),
+                    self._gather(self._bytes(grads["u"]), idx,
+                                 self._padding_row(p["combine_grad"], case.hidden))),
                    ("permute bwd", "bf16", self._bytes(grads["h"]),
                     self._scatter(self._bytes(grads["p"]), idx, sum(recv)))]
         if mx:
             checks.append(("dispatch bwd", p["dispatch_grad"], self._bytes(results["input_grad"]),
                            self._moved(grads["h"], p["dispatch_grad"], recv, send,
                                        dequantized=True)))
+        # A missing reference is the same on every rank (it depends on the variant only).
         counts = [n for _, _, got, want in checks for n in _differ(got, want)]
         totals = self.rt.allreduce_sum(counts)
         rows = []
-        for i, (step, precision, _, _) in enumerate(checks):
+        for i, (step, precision, got, want) in enumerate(checks):
             differ, total = int(totals[2 * i]), int(totals[2 * i + 1])
+            if want is None:
+                result = "skipped"
+            else:
+                result = "exact" if differ == 0 else f"{differ}/{total} rows differ"
             rows.append({"shape": case.label, "variant": variant.name, "step": step,
                          "precision": precision, "rows": total, "rows_differ": differ,
-                         "result": "exact" if differ == 0 else f"{differ}/{total} rows differ"})
+                         "result": result})
         return rows
 
 
 def _differ(got, want):
     """``(rows that differ, rows)`` of two (rows, bytes) uint8 tensors; with ``got`` None,
-    ``want`` is a verdict counted as one row."""
+    ``want`` is a verdict counted as one row; with ``want`` None (no reference: skipped),
+    ``(0, rows of got)``."""
+    if want is None:
+        return 0, (0 if got is None else got.shape[0])
     if got is None:
         return (0 if want else 1), 1
     rows = max(got.shape[0], want.shape[0])

@@ -1,6 +1,6 @@
 """The MoE expert-parallel token path the ``pipeline`` benchmark runs, as a list of stages.
 
-Forward::
+Forward, variants with the bf16 GEMM (``Variant.gemm == "bf16"``)::
 
     layout -> dispatch (a2a) -> permute -> dequantize -> grouped GEMM -> grad_dequantize
            -> unpermute -> combine (a2a)
@@ -9,38 +9,104 @@ Forward::
 (an identity forward) turns an MXFP8 gradient from unpermute's backward into bf16 once, before the
 GEMM's backward. Both are no-ops on bf16 tensors (skipped in the per-stage table).
 
-Variants (one :class:`Variant` each): the bf16 baseline moves tokens with
-``torch.distributed.all_to_all_single`` (a small autograd Function, :class:`_TorchAllToAll`); the
-mxcomm variants use ``mxcomm.torch`` with a precision per direction. All variants share the layout
-exchange, permute/unpermute (``mxcomm.torch``) and the GEMM, so the differences are the all-to-alls
-and the (de)quantization they imply. Glossary: M rows per rank, D dim, H hidden, E_local experts per
-rank, W ranks, P padded rows of permute.
+Forward, variants with the fp8 GEMM (``Variant.gemm == "fp8"``)::
+
+    layout -> dispatch (a2a) -> permute -> grouped GEMM (fp8 rowwise) -> unpermute -> combine (a2a)
+
+Their GEMM is ``mxcomm.torch.grouped_mm`` (mxcomm/_torch_gemm.py): on SM90 the rowwise recipe of
+``torch._scaled_grouped_mm``, which takes fp8_rowwise rows (forward) and an fp8_rowwise gradient
+(dgrad) as they are and quantizes anything else per call (bf16 wgrad); elsewhere (CPU, other GPUs)
+its bf16 fallback, ``torch._grouped_mm`` on the dequantized rows, with the same autograd wiring.
+They have no dequantize stages: nothing makes a bf16 pass in front of that GEMM.
+
+Variants (:data:`VARIANTS`; wire: the formats of dispatch / combine / dispatch_grad /
+combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gradient likewise)::
+
+    name           exchanges  wire                                    GEMM input
+    bf16           torch      bf16 / bf16 / bf16 / bf16               bf16
+    mxfp8          mxcomm     mxfp8 / bf16 / bf16 / mxfp8             mxfp8, dequantized to bf16
+    mxfp8_all      mxcomm     mxfp8 / mxfp8 / mxfp8 / mxfp8           mxfp8, dequantized to bf16
+    bf16+fp8gemm   torch      bf16 / bf16 / bf16 / bf16               bf16, quantized by the GEMM
+    fp8_rowwise    mxcomm     fp8_rowwise / bf16 / bf16 / fp8_rowwise  fp8 rowwise as received
+    mxfp8+rowwise  mxcomm     mxfp8 / bf16 / bf16 / fp8_rowwise       fp8 rowwise from the permute
+                                                                      (gradient: as received)
+
+``bf16`` is the reference of SQNR and speedups; ``bf16+fp8gemm`` (the same wire, the GEMM
+quantizing its bf16 rows and gradient per call) is the reference of the fp8 GEMM variants.
+``fp8_rowwise`` sends the rows in the GEMM's A format and receives the gradient of the GEMM's
+output as fp8 rowwise rows (combine_grad): unpermute's backward gathers them with their scales
+and the GEMM's dgrad reads them as they are. ``mxfp8+rowwise`` sends MXFP8 and converts it to
+fp8 rowwise in the permute's gather (``permute(..., out_format="fp8_rowwise")``, no bf16 round
+trip); its combine_grad is fp8_rowwise as well, because an ``"mxfp8"`` gradient would reach the
+GEMM as MXFP8, which ``grouped_mm`` dequantizes and quantizes again (a bf16 pass). Both send
+combine (the GEMM's bf16 output) and dispatch_grad (its bf16 dgrad) in bf16.
+
+The torch-exchange variants move tokens with ``torch.distributed.all_to_all_single`` (a small
+autograd Function, :class:`_TorchAllToAll`); the others use ``mxcomm.torch`` with a precision per
+direction. All variants share the layout exchange and permute/unpermute (``mxcomm.torch``), so
+the differences are the all-to-alls, the (de)quantization they imply, and the GEMM. Glossary: M
+rows per rank, D dim, H hidden, E_local experts per rank, W ranks, P padded rows of permute.
 """
 
 import dataclasses
 
-#: Rows of each expert group are padded to this (MX GEMMs need 32).
+#: Rows of each expert group are padded to this (MX GEMMs need 32; SM90 fp8 grouped GEMMs 16).
 ALIGN = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to run the pipeline: baseline (torch.distributed bf16) or mxcomm precisions."""
+    """One way to run the pipeline (module docstring's table).
+
+    Attributes:
+        name: its name in the tables and in ``--variants``.
+        baseline: the reference of SQNR and speedups (``bf16``).
+        torch_a2a: the exchanges are ``torch.distributed.all_to_all_single`` in bf16 (the
+            precisions are then all ``"bf16"``); False: ``mxcomm.torch`` in the precisions below.
+        dispatch, combine, dispatch_grad, combine_grad: wire formats (``mxcomm.formats`` names).
+        permute_format: None, or the format the permute converts the received quantized rows to
+            (``out_format``).
+        gemm: ``"bf16"`` (bf16 rows, quantized ones dequantized first) or ``"fp8"``
+            (``mxcomm.torch.grouped_mm``).
+    """
 
     name: str
     baseline: bool = False
+    torch_a2a: bool = False
     dispatch: str = "bf16"
     combine: str = "bf16"
     dispatch_grad: str = "bf16"
     combine_grad: str = "bf16"
+    permute_format: object = None
+    gemm: str = "bf16"
+
+    def describe(self):
+        """One line for the report's notes: the exchanges, the permute, the GEMM."""
+        if self.torch_a2a:
+            wire = "torch.distributed all_to_all_single in bf16"
+        else:
+            wire = (f"mxcomm, dispatch {self.dispatch}, combine {self.combine}, dispatch_grad "
+                    f"{self.dispatch_grad}, combine_grad {self.combine_grad}")
+        permute = f", permute to {self.permute_format}" if self.permute_format else ""
+        gemm = "fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm)" if self.gemm == "fp8" else \
+            "bf16 grouped GEMM"
+        return f"{self.name} = {wire}{permute}, {gemm}"
 
 
 VARIANTS = (
-    Variant("bf16", baseline=True),
+    Variant("bf16", baseline=True, torch_a2a=True),
     Variant("mxfp8", dispatch="mxfp8", combine="bf16", dispatch_grad="bf16", combine_grad="mxfp8"),
     Variant("mxfp8_all", dispatch="mxfp8", combine="mxfp8", dispatch_grad="mxfp8",
             combine_grad="mxfp8"),
+    Variant("bf16+fp8gemm", torch_a2a=True, gemm="fp8"),
+    Variant("fp8_rowwise", dispatch="fp8_rowwise", combine_grad="fp8_rowwise", gemm="fp8"),
+    Variant("mxfp8+rowwise", dispatch="mxfp8", combine_grad="fp8_rowwise",
+            permute_format="fp8_rowwise", gemm="fp8"),
 )
+#: The reference of every SQNR and the first speedup column.
+REFERENCE = "bf16"
+#: The reference of the fp8 GEMM: the second speedup column.
+GEMM_REFERENCE = "bf16+fp8gemm"
 
 
 def _torch_all_to_all_class():
@@ -80,8 +146,8 @@ def grouped_mm(a, w, offs, *, loop):
             are ignored (their output is unspecified). Read.
         w: (E_local, H, D) bf16 weights (torchtitan's layout). Read.
         offs: (E_local,) int32 tensor of cumulative group ends.
-        loop: True for a per-expert loop of matmuls (the CPU, where ``torch._grouped_mm`` is not
-            supported; reads ``offs`` to the host), False for ``torch._grouped_mm``.
+        loop: True for a per-expert loop of matmuls (the CPU, where older torch versions have no
+            ``torch._grouped_mm``; reads ``offs`` to the host), False for ``torch._grouped_mm``.
     Returns:
         (P, H) bf16 tensor.
     """
@@ -148,10 +214,20 @@ class Stage:
 
 
 def stages(variant, comm, num_local_experts, *, loop_gemm):
-    """The pipeline of ``variant`` as a list of :class:`Stage`.
+    """The pipeline of ``variant`` as a list of :class:`Stage` (module docstring).
 
     The state starts as ``{"x": (M, D) bf16, "w": (E_local, H, D) bf16, "counts": (E,) int32}``
-    and ends with ``"out"``: (M, H) bf16.
+    and ends with ``"out"``: (M, H) bf16. On the way: ``"h"`` (N, D) received rows (bf16, or a
+    QuantizedTensor of the dispatch format), ``"p"`` (P, D) permuted rows (a QuantizedTensor of
+    ``permute_format`` where given), ``"indices"`` (P,) int32, ``"offs"`` (E_local,) int32,
+    ``"y_"`` (P, H) bf16 GEMM output as unpermute reads it, ``"u"`` (N, H) bf16.
+
+    Args:
+        variant: a :class:`Variant`.
+        comm: the mxcomm communicator (the layout exchange; unused by torch's exchanges).
+        num_local_experts: E_local.
+        loop_gemm: the bf16 GEMM as a per-expert loop of matmuls (:func:`grouped_mm`); the fp8
+            GEMM has no loop (its CPU fallback is ``torch._grouped_mm``).
     """
     from mxcomm import torch as mxt
 
@@ -163,7 +239,7 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         return {"layout": layout, "group": group, "input_splits": input_splits,
                 "output_splits": output_splits}
 
-    if variant.baseline:
+    if variant.torch_a2a:
         a2a = _torch_all_to_all_class()
 
         def dispatch(s, x):
@@ -181,8 +257,25 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
                                            grad_precision=variant.combine_grad)}
 
     def permute(s, h):
-        p, indices, offs = mxt.permute(h, s["layout"], align=ALIGN)
+        p, indices, offs = mxt.permute(h, s["layout"], align=ALIGN,
+                                       out_format=variant.permute_format)
         return {"p": p, "indices": indices, "offs": offs, "rows_recv": h.shape[0]}
+
+    def unpermute(s, y_):
+        return {"u": mxt.unpermute(y_, s["indices"], s["rows_recv"])}
+
+    if variant.gemm == "fp8":
+        def fp8_gemm(s, p, w):
+            # w (E_local, H, D) as grouped_mm's (G, K, N) = (E_local, D, H): a view; the fp8
+            # path quantizes from it into its own contiguous operands.
+            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"])}
+
+        return [Stage("layout", (), None, layout),
+                Stage("dispatch", ("x",), "h", dispatch),
+                Stage("permute", ("h",), "p", permute),
+                Stage("gemm", ("p", "w"), "y_", fp8_gemm),
+                Stage("unpermute", ("y_",), "u", unpermute),
+                Stage("combine", ("u",), "out", combine)]
 
     def dequantize(s, p):
         return {"a": _dequantize(p)}
@@ -194,9 +287,6 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
 
     def grad_dequantize(s, y):
         return {"y_": grad_to_bf16.apply(y)}
-
-    def unpermute(s, y_):
-        return {"u": mxt.unpermute(y_, s["indices"], s["rows_recv"])}
 
     return [Stage("layout", (), None, layout),
             Stage("dispatch", ("x",), "h", dispatch),

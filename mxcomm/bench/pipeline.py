@@ -1,22 +1,35 @@
-"""``mpirun -n W python -m mxcomm.bench pipeline``: the MoE EP token path, bf16 vs MXFP8.
+"""``mpirun -n W python -m mxcomm.bench pipeline``: the MoE EP token path, bf16 vs MXFP8 vs fp8.
 
 Per rank: --tokens rows of --dim elements, routed to W x --experts experts (--experts counts the
 experts of one rank, E_local). Forward: exchange_layout -> a2a_dispatch -> permute -> grouped GEMM
 (bf16 weights (E_local, hidden, dim), with gradient) -> unpermute -> a2a_combine; backward through
-all of it with a fixed random output gradient. Three variants in one run:
-  bf16       torch.distributed all_to_all_single in bf16, mxcomm permute/unpermute, the same GEMM
-  mxfp8      mxcomm, default precisions: dispatch mxfp8, combine bf16, dispatch_grad bf16,
-             combine_grad mxfp8
-  mxfp8_all  mxcomm, every direction mxfp8
+all of it with a fixed random output gradient. Six variants in one run (--variants picks some;
+wire = dispatch / combine / dispatch_grad / combine_grad):
+  bf16           torch.distributed all_to_all_single in bf16, mxcomm permute/unpermute, bf16
+                 GEMM (the reference of SQNR and speedups)
+  mxfp8          mxcomm, default precisions: mxfp8 / bf16 / bf16 / mxfp8, bf16 GEMM on the
+                 dequantized rows
+  mxfp8_all      mxcomm, every direction mxfp8, bf16 GEMM
+  bf16+fp8gemm   the bf16 wire of bf16, then the fp8 rowwise grouped GEMM
+                 (mxcomm.torch.grouped_mm) quantizing its bf16 rows and gradient per call
+                 (the reference of the fp8 GEMM: the second speedup column)
+  fp8_rowwise    mxcomm, fp8_rowwise / bf16 / bf16 / fp8_rowwise: the rows arrive in the GEMM's
+                 fp8 rowwise format, stay quantized through the permute, and the GEMM's forward
+                 and dgrad read them (and the fp8 rowwise gradient) with no bf16 pass
+  mxfp8+rowwise  mxcomm, mxfp8 / bf16 / bf16 / fp8_rowwise: MXFP8 on the wire, converted to fp8
+                 rowwise inside the permute, then the same fp8 GEMM
+The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
+fallback (the report says which).
 
 Every run shows, from one traced forward + backward per variant:
   - bytes between ranks per direction and variant (rows a rank keeps are not counted);
   - exactness of the data movement: each mxcomm step, forward and backward, bit for bit against
     torch.distributed.all_to_all_single of the same bytes and an index-based permutation;
-  - SQNR (dB) of the output, input gradient and weight gradient of each mxcomm variant vs bf16.
+  - SQNR (dB) of the output, input gradient and weight gradient of each variant vs bf16.
 On a GPU it also times the whole forward and backward (CUDA events, median over --iters after
---warmup, max over ranks) and each stage run alone. On a CPU it times nothing: the host backend's
-speed says nothing about a GPU's. Exit status 1 if any data movement is not exact.
+--warmup, max over ranks; speedups vs bf16 and vs bf16+fp8gemm) and each stage run alone. On a CPU
+it times nothing: the host backend's speed says nothing about a GPU's. Exit status 1 if any data
+movement is not exact.
 """
 
 import math
@@ -33,6 +46,32 @@ SEED = 1234
 SQNR_TARGETS = {"out": 28.0, "input_grad": 26.0, "weight_grad": 25.0}
 VARIANT_NAMES = [v.name for v in _moe.VARIANTS]
 MB = 1e6
+
+
+def parse_variants(text):
+    """The variants ``--variants`` selects, in ``_moe.VARIANTS`` order; the reference ``bf16``
+    always runs (SQNR and speedups are against it).
+
+    Args:
+        text: comma-separated variant names (empty items ignored), or None for every variant.
+    Returns:
+        A tuple of ``_moe.Variant``.
+    Raises:
+        ValueError: a name that is not a variant (the message names it and lists the accepted
+            names), or no name at all.
+    """
+    if text is None:
+        return tuple(_moe.VARIANTS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    accepted = ", ".join(VARIANT_NAMES)
+    if not names:
+        raise ValueError(f"--variants: expected comma-separated variant names ({accepted}), "
+                         f"got {text!r}")
+    for name in names:
+        if name not in VARIANT_NAMES:
+            raise ValueError(f"--variants: unknown variant {name!r}; accepted: {accepted}")
+    wanted = set(names) | {_moe.REFERENCE}
+    return tuple(v for v in _moe.VARIANTS if v.name in wanted)
 
 
 def default_shapes(backend):
@@ -63,6 +102,9 @@ def add_arguments(parser):
     parser.add_argument("--routing", choices=["uniform", "topk"], default="uniform",
                         help="uniform: equal rows per expert; topk: tokens/8 tokens each pick "
                              "their top 8 experts of a skewed, seeded popularity (default uniform)")
+    parser.add_argument("--variants", metavar="NAMES",
+                        help=f"comma-separated variants to run, of {', '.join(VARIANT_NAMES)} "
+                             f"(default: all; {_moe.REFERENCE}, the reference, always runs)")
     parser.add_argument("--no-stages", action="store_true",
                         help="skip the per-stage timings (GPU only)")
     parser.add_argument("--plot", metavar="PATH",
@@ -74,8 +116,9 @@ def validate(args):
 
     Raises:
         ValueError: a size not positive, --dim or --hidden not a multiple of 32 (MX blocks),
-            or option lists of different lengths.
+            option lists of different lengths, or an unknown name in --variants.
     """
+    parse_variants(getattr(args, "variants", None))
     for name, values, block in (("--tokens", args.tokens, 1), ("--dim", args.dim, 32),
                                 ("--hidden", args.hidden, 32), ("--experts", args.experts, 1)):
         for v in values or ():
@@ -112,8 +155,9 @@ def describe(args, rt):
     """The first line printed: what this run is, and what it is not."""
     head = f"mxcomm EP pipeline, {rt.size} rank{'s' if rt.size > 1 else ''}"
     if rt.gpu:
-        return (f"{head} on GPUs: CUDA-event timings of bf16 vs MXFP8 (whole pipeline and per "
-                f"stage), SQNR, bytes on the wire, exactness of the data movement.")
+        return (f"{head} on GPUs: CUDA-event timings of bf16, MXFP8 and fp8 GEMM variants (whole "
+                f"pipeline and per stage), SQNR, bytes on the wire, exactness of the data "
+                f"movement.")
     what = "host backend (vectorized NumPy)" if rt.backend == "host" else \
         "CUDA kernels in Numba's simulator"
     return (f"{head} on a CPU, {what}: exactness of the data movement, SQNR of every variant, "
@@ -121,7 +165,7 @@ def describe(args, rt):
 
 
 def _plain(t):
-    """A bf16 tensor of ``t`` (MXFP8 tensors dequantized)."""
+    """A bf16 tensor of ``t`` (quantized tensors of any format dequantized)."""
     return t.dequantize() if _moe.is_mxfp8(t) else t
 
 
@@ -210,6 +254,7 @@ class _Case:
                      before=self.rt.barrier)
         result = {}
         for stage in stage_list:
+            # (fp8 GEMM variants have neither dequantize stage: their GEMM reads quantized rows)
             if stage.name == "dequantize" and not _moe.is_mxfp8(state["p"]):
                 continue  # bf16 rows: nothing to dequantize
             if stage.name == "grad_dequantize" and not _moe.is_mxfp8(grads.get("y_")):
@@ -230,23 +275,44 @@ class _Case:
         return result
 
 
+def _gemm_note(rt, fp8_gemm):
+    """How the fp8 GEMM variants' GEMM ran here (SM90 fp8, or the bf16 fallback)."""
+    if fp8_gemm:
+        return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise, mxfp8+rowwise): mxcomm.torch.grouped_mm, "
+                "torch._scaled_grouped_mm rowwise on SM90 (weights quantized per call, e4m3 with "
+                "power-of-two scales; forward and dgrad fp8, wgrad bf16)")
+    where = "this GPU is not SM90 (or torch lacks _scaled_grouped_mm)" if rt.gpu else "CPU"
+    return (f"fp8 GEMM (bf16+fp8gemm, fp8_rowwise, mxfp8+rowwise): {where}, so "
+            f"mxcomm.torch.grouped_mm ran its bf16 fallback (torch._grouped_mm on the dequantized "
+            f"rows): their SQNR shows the wire's error only, not the GEMM's")
+
+
+def _fp8_gemm_available(device):
+    """True where ``mxcomm.torch.grouped_mm`` runs fp8 on ``device`` (SM90), else its fallback."""
+    from mxcomm.torch import fp8_gemm_available
+    return fp8_gemm_available(device)
+
+
 def measure(args, rt):
     """Run the pipeline benchmark; returns ``(meta, tables)``.
 
     ``tables``: ``wire`` (bytes per direction), ``exactness`` (one row per checked step) and
-    ``sqnr`` on every machine; ``end_to_end`` and ``stages`` (timings) on a GPU only.
+    ``sqnr`` on every machine; ``end_to_end`` and ``stages`` (timings) on a GPU only. Every row
+    names its ``variant`` (those of ``--variants``, the reference ``bf16`` first).
     """
     rt.init_torch_distributed()
     shapes = shapes_from_args(args, rt.backend)
+    variants = parse_variants(getattr(args, "variants", None))
     tables = {"wire": [], "exactness": [], "sqnr": []}
     if rt.gpu:
         tables.update(end_to_end=[], stages=[])
+    fp8_gemm = _fp8_gemm_available(rt.torch_device())
     for shape in shapes:
         case = _Case(args, rt, shape)
         checker = _checks.Checker(rt, case, _moe.ALIGN)
         reference = None
         stage_rows = {}
-        for variant in _moe.VARIANTS:
+        for variant in variants:
             stage_list = _moe.stages(variant, rt.comm, case.e_local, loop_gemm=case.loop_gemm)
             if rt.gpu:
                 rt.log(f"pipeline {case.label} {variant.name}: end to end")
@@ -274,17 +340,25 @@ def measure(args, rt):
                     stage_rows.setdefault(key, {})[variant.name] = stats
             del state, grads, results
         if rt.gpu:
-            tables["stages"] += _stage_rows(case.label, stage_rows)
+            tables["stages"] += _stage_rows(case.label, stage_rows, variants)
         del case, reference
-    notes = ["variants: bf16 = torch.distributed all_to_all_single (baseline); mxfp8 = mxcomm, "
-             "default precisions (dispatch mxfp8, combine bf16, dispatch_grad bf16, combine_grad "
-             "mxfp8); mxfp8_all = mxcomm, every direction mxfp8. All share mxcomm's layout "
-             "exchange, permute and unpermute and the same GEMM",
+    names = [v.name for v in variants]
+    notes = ["variants: " + "; ".join(v.describe() for v in variants) + ". All share mxcomm's "
+             "layout exchange, permute and unpermute; bf16 is the reference of SQNR and speedups",
              f"E_local experts per rank, W * E_local in all; routing: {args.routing}; "
-             f"rows padded to {_moe.ALIGN} per expert group",
-             "data movement: each step against an independent reference of the same bytes "
-             "(torch.distributed all_to_all_single; index-based gather/scatter); rows that "
-             "differ, summed over ranks"]
+             f"rows padded to {_moe.ALIGN} per expert group"]
+    if any(v.gemm == "fp8" for v in variants):
+        notes.append(_gemm_note(rt, fp8_gemm))
+    notes.append("data movement: each step against an independent reference of the same bytes "
+                 "(torch.distributed all_to_all_single; index-based gather/scatter, padding rows "
+                 "with the format's padding scale; for a permute to fp8_rowwise, the MXFP8 -> "
+                 "rowwise rescale recomputed in torch); rows that differ, summed over ranks; "
+                 "exchanges of torch's own (bf16, bf16+fp8gemm) unchecked")
+    skipped = sorted({f"{r['variant']} {r['step']}" for r in tables["exactness"]
+                      if r["result"] == "skipped"})
+    if skipped:
+        notes.append(f"skipped (no reference for the step's format; not a pass): "
+                     f"{', '.join(skipped)}")
     if rt.gpu:
         notes += [f"fwd/bwd: the whole pipeline, each iteration after a device sync and a barrier, "
                   f"CUDA events, median of {args.iters} after {args.warmup} warm-up, max over "
@@ -293,12 +367,12 @@ def measure(args, rt):
                   "back (device time, no overlap between stages)"]
     else:
         notes.append(f"CPU: mxcomm's {type(rt.comm).__name__}, torch.distributed on gloo, a "
-                     f"per-expert matmul loop for the grouped GEMM; nothing is timed")
+                     f"per-expert matmul loop for the bf16 grouped GEMM; nothing is timed")
     meta = _report.metadata("pipeline", rt.size,
                             [dict(zip(("tokens", "dim", "hidden", "experts_per_rank"), s))
                              for s in shapes], notes, run=describe(args, rt), iters=args.iters,
-                            warmup=args.warmup, routing=args.routing,
-                            sqnr_targets_db=SQNR_TARGETS)
+                            warmup=args.warmup, routing=args.routing, variants=names,
+                            fp8_gemm=fp8_gemm, sqnr_targets_db=SQNR_TARGETS)
     return meta, tables
 
 
@@ -307,18 +381,18 @@ def failed(tables):
     return any(r["rows_differ"] for r in tables["exactness"])
 
 
-def _stage_rows(label, stage_rows):
+def _stage_rows(label, stage_rows, variants):
+    """Rows of the ``stages`` table: one per (stage, pass), ``<variant>_ms`` per variant (NaN
+    where the variant has no such stage), in pipeline order."""
     order = [s.name for s in _moe.stages(_moe.VARIANTS[0], None, 1, loop_gemm=True)]
     rows = []
     for (stage, direction), by_variant in sorted(
             stage_rows.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1] == "bwd")):
-        ms = {v.name: by_variant[v.name].median if v.name in by_variant else float("nan")
-              for v in _moe.VARIANTS}
-        same = stage == "layout"  # the same code in every variant: a ratio would be noise
-        rows.append({"shape": label, "stage": stage, "pass": direction,
-                     "bf16_ms": ms["bf16"], "mxfp8_ms": ms["mxfp8"], "mxfp8_all_ms": ms["mxfp8_all"],
-                     "speedup": float("nan") if same else _ratio(ms["bf16"], ms["mxfp8"]),
-                     "speedup_all": float("nan") if same else _ratio(ms["bf16"], ms["mxfp8_all"])})
+        row = {"shape": label, "stage": stage, "pass": direction}
+        for v in variants:
+            row[f"{v.name}_ms"] = by_variant[v.name].median if v.name in by_variant else \
+                float("nan")
+        rows.append(row)
     return rows
 
 
@@ -327,28 +401,40 @@ def _ratio(a, b):
 
 
 def summary_rows(end_to_end):
-    """One row per (shape, variant): fwd/bwd/total ms and each as a speedup over ``bf16``."""
-    base = {(r["tokens"], r["dim"], r["hidden_dim"], r["experts_per_rank"]): r
-            for r in end_to_end if r["variant"] == "bf16"}
+    """One row per (shape, variant): fwd/bwd/total ms; fwd, bwd and total as speedups over
+    ``bf16`` (``"fwd vs bf16"``, ``"bwd vs bf16"``, ``"vs bf16"``: the reference's ms / the
+    variant's), and the total over ``bf16+fp8gemm`` (``"vs bf16+fp8gemm"``, "n/a" where it did
+    not run). A reference's own cell is empty."""
+    def by_shape(name):
+        return {(r["tokens"], r["dim"], r["hidden_dim"], r["experts_per_rank"]): r
+                for r in end_to_end if r["variant"] == name}
+    base, gemm_base = by_shape(_moe.REFERENCE), by_shape(_moe.GEMM_REFERENCE)
     rows = []
     for r in end_to_end:
-        b = base[(r["tokens"], r["dim"], r["hidden_dim"], r["experts_per_rank"])]
-        row = {"shape": f"{r['tokens']}x{r['dim']}x{r['hidden_dim']}x{r['experts_per_rank']}",
-               "variant": r["variant"]}
+        key = (r["tokens"], r["dim"], r["hidden_dim"], r["experts_per_rank"])
+        b, g = base.get(key), gemm_base.get(key)
+        row = {"shape": "x".join(str(k) for k in key), "variant": r["variant"]}
         for k in ("fwd", "bwd", "total"):
             row[f"{k}_ms"] = r[f"{k}_ms"]
-        for k in ("fwd", "bwd", "total"):
-            row[f"{k} vs bf16"] = _report.speedup(_ratio(b[f"{k}_ms"], r[f"{k}_ms"])) \
-                if r["variant"] != "bf16" else ""
+        for k, column in (("fwd", "fwd vs bf16"), ("bwd", "bwd vs bf16"), ("total", "vs bf16")):
+            row[column] = "" if r["variant"] == _moe.REFERENCE else \
+                _report.speedup(_ratio(b[f"{k}_ms"] if b else math.nan, r[f"{k}_ms"]))
+        row["vs bf16+fp8gemm"] = "" if r["variant"] == _moe.GEMM_REFERENCE else \
+            _report.speedup(_ratio(g["total_ms"] if g else math.nan, r["total_ms"]))
         rows.append(row)
     return rows
 
 
-SUMMARY_COLUMNS = ["shape", "variant", "fwd_ms", "bwd_ms", "total_ms", "fwd vs bf16", "bwd vs bf16",
-                   "total vs bf16"]
-STAGE_COLUMNS = ["stage", "pass", "bf16_ms", "mxfp8_ms", "mxfp8_all_ms", "mxfp8 vs bf16",
-                 "all vs bf16"]
+#: The whole-pipeline table: the speedups are of the total (fwd + bwd); Markdown adds fwd, bwd.
+SUMMARY_COLUMNS = ["shape", "variant", "fwd_ms", "bwd_ms", "total_ms", "vs bf16", "vs bf16+fp8gemm"]
+SUMMARY_COLUMNS_MD = SUMMARY_COLUMNS[:5] + ["fwd vs bf16", "bwd vs bf16"] + SUMMARY_COLUMNS[5:]
 SQNR_COLUMNS = ["variant", "output_dB", "input_grad_dB", "weight_grad_dB", "ok"]
+
+
+def _names(rows):
+    """The variants of ``rows``, in ``_moe.VARIANTS`` order."""
+    present = {r["variant"] for r in rows}
+    return [n for n in VARIANT_NAMES if n in present]
 
 
 def _by_variant(rows, key, cell, columns_first):
@@ -359,13 +445,14 @@ def _by_variant(rows, key, cell, columns_first):
     for r in rows:
         k = (r["shape"], r[key])
         out.setdefault(k, {"shape": r["shape"], key: r[key]})[r["variant"]] = cell(r)
-    columns = (["shape"] if len(shapes) > 1 else []) + columns_first + VARIANT_NAMES
+    columns = (["shape"] if len(shapes) > 1 else []) + columns_first + _names(rows)
     return list(out.values()), columns
 
 
 def wire_display(rows):
     """The ``wire`` table for display: MB per direction and variant, a total and a ratio row."""
     table, columns = _by_variant(rows, "direction", lambda r: r["bytes"] / MB, ["direction"])
+    names = _names(rows)
     totals = {}
     for r in rows:
         t = totals.setdefault(r["shape"], {"shape": r["shape"], "direction": "total"})
@@ -373,52 +460,79 @@ def wire_display(rows):
     out = []
     for shape, total in totals.items():
         out += [r for r in table if r["shape"] == shape] + [total]
-        base = total.get("bf16", float("nan"))
+        base = total.get(_moe.REFERENCE, float("nan"))
         out.append({"shape": shape, "direction": "vs bf16",
-                    **{v: _report.speedup(_ratio(total[v], base)) for v in VARIANT_NAMES}})
+                    **{v: _report.speedup(_ratio(total.get(v, math.nan), base)) for v in names}})
     return out, columns
 
 
-def exactness_display(rows):
-    """The ``exactness`` table for display: one row per step, a cell per variant ("exact (mxfp8)":
-    the step's bytes equal the reference's; the precision the rows were in)."""
-    table, columns = _by_variant(
-        rows, "step", lambda r: r["result"] + (f" ({r['precision']})" if r["precision"] else ""),
-        ["step"])
+def _exact_cell(r, sep):
+    """One cell of the exactness table: the verdict, then ``(precision)``, joined by ``sep``
+    (a newline in the text tables, which keeps six variants under 120 columns)."""
+    if r["result"] == "skipped":
+        verdict = "skipped"
+    elif r["rows_differ"]:
+        verdict = f"{r['rows_differ']}/{r['rows']}{sep}rows differ"
+    else:
+        verdict = r["result"]
+    return verdict + (f"{sep}({r['precision']})" if r["precision"] else "")
+
+
+def exactness_display(rows, sep=" "):
+    """The ``exactness`` table for display: one row per step, a cell per variant ("exact
+    (mxfp8)": the step's bytes equal the reference's; the precision the rows were in; "torch,
+    unchecked": an exchange of torch's own; "skipped": no reference, see the notes); ``sep``
+    joins the parts of a cell."""
+    table, columns = _by_variant(rows, "step", lambda r: _exact_cell(r, sep), ["step"])
     order = {s: i for i, s in enumerate(_checks.STEPS)}
     shapes = {s: i for i, s in enumerate(dict.fromkeys(r["shape"] for r in rows))}
     table.sort(key=lambda r: (shapes[r["shape"]], order.get(r["step"], len(order))))
     for r in table:
-        for v in VARIANT_NAMES:
-            r.setdefault(v, "torch, unchecked")
+        for v in _names(rows):
+            r.setdefault(v, f"torch,{sep}unchecked")
     return table, columns
 
 
-def _sections(tables):
-    """``(caption, rows, columns)`` of every table, in print order."""
+def _sections(tables, markdown=False):
+    """``(caption, rows, columns)`` of every table, in print order (``markdown``: one-line
+    cells, the whole-pipeline table with fwd and bwd speedups too)."""
     sections = []
+    sep = " " if markdown else "\n"
     if tables.get("end_to_end"):
-        sections.append(("whole pipeline, forward and backward (ms; speedups over bf16)",
-                         summary_rows(tables["end_to_end"]), SUMMARY_COLUMNS))
+        rows = summary_rows(tables["end_to_end"])
+        columns = SUMMARY_COLUMNS_MD if markdown else SUMMARY_COLUMNS
+        if not any(r["variant"] == _moe.GEMM_REFERENCE for r in rows):
+            columns = [c for c in columns if c != "vs bf16+fp8gemm"]
+        sections.append(("whole pipeline, forward and backward (ms; speedups: the reference's "
+                         "total ms / the variant's, vs bf16 and vs bf16+fp8gemm)", rows, columns))
     stage_rows = tables.get("stages") or []
     for shape in dict.fromkeys(r["shape"] for r in stage_rows):
-        rows = [dict(r, **{"mxfp8 vs bf16": _report.speedup(r["speedup"]),
-                           "all vs bf16": _report.speedup(r["speedup_all"])})
-                for r in stage_rows if r["shape"] == shape]
-        sections.append((f"per stage, each run alone (ms), {shape}", rows, STAGE_COLUMNS))
-    wire, wire_cols = wire_display(tables["wire"])
-    sections.append(("bytes between ranks (MB = 1e6 bytes, all ranks; rows a rank keeps are not "
-                     "counted)", wire, wire_cols))
-    exact, exact_cols = exactness_display(tables["exactness"])
-    sections.append(("data movement, bit for bit against an independent reference (torch's: the "
-                     "baseline's own exchanges)", exact, exact_cols))
+        rows = [r for r in stage_rows if r["shape"] == shape]
+        names = [n for n in VARIANT_NAMES if f"{n}_ms" in rows[0]]
+        display = [{"stage": r["stage"], "pass": r["pass"], **{n: r[f"{n}_ms"] for n in names}}
+                   for r in rows]
+        sections.append((f"per stage, each run alone (ms; n/a: the variant has no such stage), "
+                         f"{shape}", display, ["stage", "pass"] + names))
+    # One table per shape: six variants and a shape column would not fit 120 columns.
+    shapes = list(dict.fromkeys(r["shape"] for r in tables["wire"] + tables["exactness"]))
+    for shape in shapes:
+        suffix = f", {shape}" if len(shapes) > 1 else ""
+        wire, wire_cols = wire_display([r for r in tables["wire"] if r["shape"] == shape])
+        sections.append((f"bytes between ranks (MB = 1e6 bytes, all ranks; rows a rank keeps are "
+                         f"not counted){suffix}", wire, wire_cols))
+    for shape in shapes:
+        suffix = f", {shape}" if len(shapes) > 1 else ""
+        exact, exact_cols = exactness_display(
+            [r for r in tables["exactness"] if r["shape"] == shape], sep)
+        sections.append((f"data movement, bit for bit against an independent reference (torch's: "
+                         f"the own exchanges of bf16 and bf16+fp8gemm){suffix}", exact, exact_cols))
     sqnr = [{"shape": r["shape"], "variant": r["variant"], "output_dB": r["out_db"],
              "input_grad_dB": r["input_grad_db"], "weight_grad_dB": r["weight_grad_db"],
              "ok": r["ok"]} for r in tables["sqnr"]]
     several = len({r["shape"] for r in sqnr}) > 1
     sections.append((f"SQNR vs the bf16 variant (dB; targets: output {SQNR_TARGETS['out']}, input "
                      f"grad {SQNR_TARGETS['input_grad']}, weight grad "
-                     f"{SQNR_TARGETS['weight_grad']})", sqnr,
+                     f"{SQNR_TARGETS['weight_grad']}; ok: all three met)", sqnr,
                      (["shape"] if several else []) + SQNR_COLUMNS))
     return sections
 
@@ -431,7 +545,7 @@ def render(meta, tables):
 
 def markdown_sections(tables):
     """``(caption, rows, columns)`` for ``--markdown``."""
-    return _sections(tables)
+    return _sections(tables, markdown=True)
 
 
 def plot(path, meta, tables):
