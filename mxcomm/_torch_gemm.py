@@ -20,9 +20,9 @@ wgrad is bf16 by choice: the 2d-2d (token-axis) fp8 case of ``torch._scaled_grou
 every group to hold > 0 rows and a multiple of 16 (a device assert), and an expert that receives no
 token makes an empty group, which the EP path cannot rule out without a host sync.
 
-Weights are quantized with torch ops here (power-of-two scales, the rowwise rule of
-``mxcomm.fp8_formats``: scale = 2^clamp(ceil(log2(amax / 448)), -126, 127)); torchao is not
-required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a torch without
+Weights (and bf16 activations) are quantized per call by mxcomm's fp8 rowwise kernel on CUDA
+(:func:`quantize_rows_pow2`: power-of-two scales, scale = 2^clamp(ceil(log2(amax / 448)), -126,
+127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a torch without
 ``_scaled_grouped_mm``) the documented fallback is bf16: ``torch._grouped_mm`` on the dequantized
 rows, in both directions, with the same autograd wiring (so CPU tests exercise it).
 """
@@ -42,7 +42,7 @@ def fp8_gemm_available(device):
 
 
 def quantize_rows_pow2(t):
-    """fp8 rowwise quantization of the last axis of ``t`` with torch ops.
+    """fp8 rowwise quantization of the last axis of ``t``.
 
     Args:
         t: (..., K) float tensor. Read.
@@ -50,7 +50,25 @@ def quantize_rows_pow2(t):
         (q, scale): (..., K) float8_e4m3fn and (...,) float32 with t ~= q * scale[..., None];
         scale = 2^clamp(ceil(log2(amax / 448)), -126, 127) (amax 0: 2^-126). Non-finite rows give
         NaN scales.
+
+    On a CUDA device, for bf16/fp32 with K % 16 == 0, this is mxcomm's own fp8 rowwise quantize
+    kernel (``mxcomm.fp8_formats.quantize_fp8_rowwise``: one pass, bit-exact, zero-copy through
+    DLPack) on the (rows, K) view; elsewhere torch ops (float32 arithmetic: at a power-of-two
+    boundary of amax / 448 the scale may differ from the kernel's exact rule by one binade).
+    Per call the weights of a grouped GEMM are quantized twice (forward along K, dgrad along N):
+    with torch ops that took several elementwise passes over them in fp32, which made the fp8
+    GEMM path slower than bf16 at 16384 rows on an H200 (bench/NOTES.md).
     """
+    k = t.shape[-1]
+    if t.is_cuda and t.dtype in (torch.bfloat16, torch.float32) and k % 16 == 0 and t.numel():
+        from . import fp8_formats
+        from .torch import _array, _stream, _tensor
+        rows = t.detach().reshape(-1, k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        data, scales = fp8_formats.quantize_fp8_rowwise(_array(rows, "t"), stream=_stream(rows))
+        return (_tensor(data, torch.float8_e4m3fn).view(t.shape),
+                _tensor(scales).view(t.shape[:-1]))
     amax = t.detach().abs().amax(dim=-1).float()
     exponent = torch.ceil(torch.log2(amax / E4M3_MAX)).clamp(_SCALE_EXP_MIN, _SCALE_EXP_MAX)
     exponent = torch.where(amax == 0, torch.full_like(exponent, _SCALE_EXP_MIN), exponent)

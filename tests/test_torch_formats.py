@@ -121,3 +121,25 @@ def test_grouped_mm_fp8_sqnr_gpu():
     assert sqnr_db(torch._grouped_mm(xb, w, offs=offs), y.detach()) >= 28
     assert sqnr_db(xr.grad, xq.grad) >= 26
     assert sqnr_db(wr.grad, wq.grad) >= 25
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 512, 1024), (300, 7168)])
+def test_quantize_rows_pow2_gpu_is_the_exact_rowwise_rule(shape):
+    """On CUDA the GEMM operands' quantization is mxcomm's rowwise kernel: bit for bit the float64
+    reference of the rowwise rule, for any leading shape (a weight (G, N, K) along K)."""
+    from reference_fp8 import quantize_fp8_rowwise_ref
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    rng = numpy.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal(shape, dtype=numpy.float32)
+                         * numpy.exp2(rng.integers(-30, 30, shape[:-1] + (1,)))).to(torch.bfloat16)
+    x.view(-1, shape[-1])[1] = 0
+    q, scale = _torch_gemm.quantize_rows_pow2(x.cuda())
+    assert q.shape == x.shape and q.dtype == torch.float8_e4m3fn and scale.shape == x.shape[:-1]
+    rows = x.view(-1, shape[-1]).float().numpy().astype(numpy.float64)
+    data, scales = quantize_fp8_rowwise_ref(rows)
+    numpy.testing.assert_array_equal(q.view(torch.uint8).reshape(-1, shape[-1]).cpu().numpy(),
+                                     data)
+    numpy.testing.assert_array_equal(scale.reshape(-1).cpu().numpy().view(numpy.uint32),
+                                     numpy.asarray(scales, numpy.float32).view(numpy.uint32))
