@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
-#         train2 train2par soak2 profile2 torch1 torchrun2 graph2
+#         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -31,7 +31,7 @@ print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba-cuda', numba_
 for phase in "$@"; do
     case $phase in
     tests1) step "gpu tests, 1 process" 300 python3 -m pytest -q -m "gpu and not mpi" tests ;;
-    tests2) step "gpu tests, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
+    tests2) step "gpu tests, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
         --deselect tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path tests ;;
     graph2) step "CUDA graph test, 2 ranks" 150 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
@@ -50,9 +50,13 @@ for phase in "$@"; do
         --json "$res/pipeline_w2.json" --markdown "$res/pipeline_w2.md" --plot "$res/pipeline_w2.png" ;;
     pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w4.json" --markdown "$res/pipeline_w4.md" --plot "$res/pipeline_w4.png" ;;
-    pipe2small) step "bench pipeline, 2 ranks, small batches" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
+    pipe2small) step "bench pipeline, 2 ranks, small batches" 300 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages \
+        --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
         --json "$res/pipeline_small_w2.json" --markdown "$res/pipeline_small_w2.md" ;;
+    pipe2fp8) step "bench pipeline, 2 ranks, fp8 GEMM variants, 131072 rows" 330 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
+        --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages \
+        --json "$res/pipeline_fp8_w2.json" --markdown "$res/pipeline_fp8_w2.md" --plot "$res/pipeline_fp8_w2.png" ;;
     pipe2topk) step "bench pipeline, 2 ranks, small batches, topk routing" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --routing topk \
         --json "$res/pipeline_small_topk_w2.json" --markdown "$res/pipeline_small_topk_w2.md" ;;
