@@ -197,7 +197,8 @@ def measure(args, rt):
                 rt.log(f"unpermute {label} {shape}")
                 permuted, indices, _ = permute(value, counts, e_local, ALIGN)
                 stats = _timing.measure(lambda: unpermute(permuted, indices, m), **timed)
-                nbytes = m * row_bytes + p * 4 + m * row_bytes
+                # given an int num_rows the result is zero-filled first (+ m rows written)
+                nbytes = m * row_bytes + p * 4 + 2 * m * row_bytes
                 rows.append(_row("unpermute", label, shape, stats, nbytes, copy, bw))
                 del permuted, indices
         del x, cases
@@ -206,7 +207,9 @@ def measure(args, rt):
              f"{args.warmup} warm-up",
              f"permute/unpermute: {e_local} local experts, random counts summing to the rows, "
              f"align {ALIGN}; quantized rows move data and scales; mxfp8->fp8_rowwise permute "
-             f"reads MXFP8 rows and writes fp8 rowwise rows (rescaled in the same pass)"]
+             f"reads MXFP8 rows and writes fp8 rowwise rows (rescaled in the same pass)",
+             "unpermute given an int num_rows zero-fills its result first (rows no index names "
+             "read 0): its bytes count that fill; given the layout (the EP path) it skips it"]
     if skipped:
         notes.append(f"skipped (D = {dim} is not a multiple of their block): {', '.join(skipped)}")
     if rt.gpu:
