@@ -11,8 +11,19 @@ names the device, world size, shapes, date and commit.
 The final loss of a run is the mean of its last 10 % of steps. A variant is compared with ``bf16``
 seed by seed (the same seed gives both the same weights and data, so the paired difference has
 less noise than the difference of means), against the seed-to-seed spread of bf16 itself.
+
+Several invocations (e.g. jobs sharing the same GPUs, each running some variants) merge into one
+report, the one a single invocation of all their runs would write (:func:`merge`)::
+
+    python examples/train_moe_report.py part1.json part2.json --json all.json \
+        --markdown all.md --plot all.png --note "4 jobs of 2 ranks shared the 2 GPUs"
+
+The files must agree on what makes their runs comparable (:data:`MATCHING`); a (variant, seed)
+run in two files is refused. The merged ``meta`` lists every source file (its commit, date,
+device, variants, seeds) under ``sources``, and ``note`` (``--note``) says how the jobs ran.
 """
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -20,6 +31,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 
 #: The baseline's name: torch's bf16 all-to-all, bf16 GEMMs.
 BASELINE = "bf16"
@@ -181,7 +193,13 @@ def header_lines(meta):
             f"({meta['corpus']['train_tokens']:,} train, {meta['corpus']['val_tokens']:,} val)",
             f"seeds: {', '.join(map(str, meta['seeds']))}",
             f"date: {meta['date']}, commit: {meta['commit']}",
-            "versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())]
+            "versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+            *[f"source: {src['file']}: variants {', '.join(src['variants'])}; seeds "
+              f"{', '.join(map(str, src['seeds']))}; date {src['date']}, commit {src['commit']}, "
+              f"{_cell(src.get('seconds'), '.1f')} s" for src in meta.get("sources", [])],
+            *([f"the {len(meta['sources'])} invocations ran at overlapping times: if on the same "
+               f"GPUs, their tokens/s are under contention"] if meta.get("overlapping") else []),
+            *([f"note: {meta['note']}"] if meta.get("note") else [])]
 
 
 # ------------------------------------------------------------------------------ outputs
@@ -254,7 +272,9 @@ def write_markdown(path, result):
     meta = result["meta"]
     lines = ["# MoE training with mxcomm EP: final loss vs bf16", ""]
     lines += [f"- {line}" for line in header_lines(meta)]
-    lines += [f"- total time: {meta.get('seconds', math.nan):.1f} s; per run: " + ", ".join(
+    total = (f"{meta.get('seconds', math.nan):.1f} s" if "sources" not in meta else
+             f"{meta['seconds']:.1f} s (the sum of the {len(meta['sources'])} invocations' times)")
+    lines += [f"- total time: {total}; per run: " + ", ".join(
         f"{r['variant']}/{r['seed']} {r['seconds']:.1f} s" + (" (truncated)" if r["truncated"]
                                                               else "")
         for r in result["runs"]), "",
@@ -364,8 +384,224 @@ def write_plot(path, result):
     bottom.legend(fontsize=7, loc="upper right")
     bottom.grid(alpha=0.3)
     lines = header_lines(result["meta"])
-    fig.suptitle("MoE training with mxcomm EP\n" + "\n".join(lines[:2] + lines[4:5]), fontsize=8)
+    note = [f"note: {result['meta']['note']}"] if result["meta"].get("note") else []
+    fig.suptitle("MoE training with mxcomm EP\n" + "\n".join(lines[:2] + lines[4:5] + note),
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ------------------------------------------------------------------------------- merging
+#: What the files merged into one report must agree on: ``meta`` fields, and for dicts each of
+#: their fields (``shapes.steps``). ``shapes.log_every`` (progress lines only) may differ.
+MATCHING = ("example", "device", "world_size", "shapes", "tokens_per_step", "corpus")
+
+
+def _decoded(value):
+    """The inverse of :func:`_jsonable` for numbers: ``"inf"`` / ``"-inf"`` -> floats."""
+    if isinstance(value, str) and value in ("inf", "-inf"):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _decoded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decoded(v) for v in value]
+    return value
+
+
+def _nan(value):
+    """None (a NaN in strict JSON) -> NaN."""
+    return math.nan if value is None else value
+
+
+def read_run_file(path):
+    """A result written by ``train_moe.py --json`` (or by :func:`merge`), its runs as
+    ``train_moe.train_run`` returned them: NaN and inf restored, ``sqnr_db`` keyed by int steps.
+
+    Raises:
+        ValueError: not such a file (not JSON, or no ``meta`` / ``runs``).
+    """
+    try:
+        with open(path) as f:
+            data = _decoded(json.load(f))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read a train_moe JSON result: {error}") from None
+    if not isinstance(data, dict) or not {"meta", "runs"} <= set(data) \
+            or data["meta"].get("example") != "train_moe":
+        raise ValueError(f"{path}: not a train_moe JSON result (no meta/runs, or meta.example "
+                         f"is not 'train_moe')")
+    for run in data["runs"]:
+        for key in ("seconds", "tokens_per_s", "val_loss"):
+            run[key] = _nan(run.get(key))
+        for key in ("losses", "aux_losses"):
+            run[key] = [_nan(v) for v in run.get(key, [])]
+        run["sqnr_db"] = {int(step): [_nan(v) for v in dbs]
+                          for step, dbs in run.get("sqnr_db", {}).items()}
+    return data
+
+
+def _differences(a, b, prefix=""):
+    """Dotted names of the fields where ``a`` and ``b`` differ (dicts compared field by field)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in dict.fromkeys([*a, *b])
+                for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _joined(values):
+    """The one value, or the different ones joined by `` / `` (first appearance first)."""
+    distinct = list(dict.fromkeys(str(v) for v in values))
+    return values[0] if len(distinct) == 1 else " / ".join(distinct)
+
+
+def merge(paths, note=None):
+    """One result from the JSON files of several invocations: the runs of all, the summary a
+    single invocation of every variant and seed would have computed.
+
+    Variants are rebuilt with ``train_moe.parse_variant`` (as the command line would), in the
+    order they first appear (file by file), seeds likewise; runs go seed-major as in
+    ``train_moe.main``. A variant is compared with bf16 of the same seed from whichever file holds
+    it.
+
+    Args:
+        paths: the files, as written by ``train_moe.py --json``.
+        note: how the jobs ran (e.g. concurrently on the same GPUs: tokens/s under contention);
+            ``meta["note"]``, printed in the Markdown and the plot.
+    Returns:
+        ``{"meta", "runs", "summary"}`` like ``train_moe.main``'s; ``meta`` the first file's,
+        with ``seeds``, ``variants`` and ``gemms`` of all, ``date``, ``commit`` and
+        ``versions`` joined where they differ, ``seconds`` the sum of the invocations' times,
+        ``sources`` (per invocation: file, date, commit, device, variants, seeds, seconds,
+        versions; a merged file contributes its own sources), ``overlapping`` (whether their times
+        overlapped), ``merged`` (the merge's date) and ``note`` (the files' notes and ``note``).
+    Raises:
+        ValueError: no files; a file that is not a train_moe result; files that differ in a
+            :data:`MATCHING` field (named, with both files); a (variant, seed) run in two files;
+            a variant whose recorded precisions differ from what ``parse_variant`` makes of it.
+    """
+    import train_moe  # here: train_moe imports this module
+
+    if not paths:
+        raise ValueError("merge: no JSON files given")
+    files = [(path, read_run_file(path)) for path in paths]
+    first_path, first = files[0]
+    for path, data in files[1:]:
+        for field in MATCHING:
+            diff = [d for d in _differences(first["meta"].get(field), data["meta"].get(field),
+                                            field + ".")
+                    if d != "shapes.log_every"]
+            if diff:
+                name = diff[0]
+                a, b = (_lookup(m["meta"], name) for m in (first, data))
+                raise ValueError(f"merge: {first_path} and {path} are not comparable: {name} "
+                                 f"differs ({a!r} vs {b!r})")
+    owner, runs, variants, seeds = {}, [], {}, []
+    for path, data in files:
+        for name, precisions in data["meta"].get("variants", {}).items():
+            variant = train_moe.parse_variant(name)
+            gemm = data["meta"].get("gemms", {}).get(name, "bf16")
+            if (variant.precisions, variant.gemm) != (precisions, gemm):
+                raise ValueError(f"merge: {path}: variant {name!r} ran {precisions} with {gemm} "
+                                 f"GEMMs, but train_moe.parse_variant now makes it "
+                                 f"{variant.precisions} with {variant.gemm} GEMMs")
+            variants.setdefault(name, variant)
+        for seed in data["meta"].get("seeds", []):
+            if seed not in seeds:
+                seeds.append(seed)
+        for run in data["runs"]:
+            key = (run["variant"], run["seed"])
+            if key in owner:
+                raise ValueError(f"merge: variant {key[0]!r} seed {key[1]} ran in both "
+                                 f"{owner[key]} and {path}; merge each run once")
+            owner[key] = path
+            variants.setdefault(run["variant"], train_moe.parse_variant(run["variant"]))
+            if run["seed"] not in seeds:
+                seeds.append(run["seed"])
+            runs.append(run)
+    order = list(variants)
+    runs.sort(key=lambda r: (seeds.index(r["seed"]), order.index(r["variant"])))
+    metas = [data["meta"] for _, data in files]
+    sources = [src for (path, _), m in zip(files, metas) for src in m.get("sources") or [
+        {"file": path, "date": m["date"], "commit": m["commit"], "device": m["device"],
+         "variants": list(m["variants"]), "seeds": m["seeds"],
+         "seconds": _nan(m.get("seconds")), "versions": m["versions"]}]]
+    meta = dict(first["meta"])
+    meta.update(
+        preset=_joined([m["preset"] for m in metas]),
+        date=_joined([m["date"] for m in metas]), commit=_joined([m["commit"] for m in metas]),
+        versions={k: _joined([m["versions"].get(k, "-") for m in metas])
+                  for k in dict.fromkeys(k for m in metas for k in m["versions"])},
+        seeds=seeds, variants={v.name: v.precisions for v in variants.values()},
+        gemms={v.name: v.gemm for v in variants.values()},
+        seconds=sum(_nan(m.get("seconds")) for m in metas),
+        sources=sources, overlapping=_overlapping(sources),
+        merged=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    notes = list(dict.fromkeys(n for n in [*(m.get("note") for m in metas), note] if n))
+    meta.pop("note", None)
+    if notes:
+        meta["note"] = "; ".join(notes)
+    return {"meta": meta, "runs": runs,
+            "summary": summarize(runs, list(variants.values()))}
+
+
+def _overlapping(sources):
+    """True when two invocations' times (``date``, their start, plus ``seconds``) overlap."""
+    spans = []
+    for m in sources:
+        try:
+            start = datetime.datetime.fromisoformat(m["date"]).timestamp()
+        except (KeyError, TypeError, ValueError):
+            return False
+        spans.append((start, start + _nan(m.get("seconds"))))
+    spans.sort()
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def _lookup(meta, dotted):
+    """``meta["shapes"]["steps"]`` for ``"shapes.steps"`` (None where missing)."""
+    for key in dotted.split("."):
+        meta = meta.get(key) if isinstance(meta, dict) else None
+    return meta
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description="Merge the --json results of several train_moe.py invocations (e.g. jobs "
+                    "sharing the same GPUs) into one report, as one invocation of all their runs "
+                    "would write it.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="JSON files of train_moe.py --json")
+    p.add_argument("--json", metavar="PATH", help="write every run's record")
+    p.add_argument("--markdown", metavar="PATH", help="write the summary tables")
+    p.add_argument("--plot", metavar="PATH", help="write the loss curves (PNG)")
+    p.add_argument("--note", metavar="TEXT",
+                   help="how the jobs ran, printed in the report and kept in the JSON's meta "
+                        "(e.g. '4 jobs of 2 ranks shared the 2 GPUs: tokens/s are under "
+                        "contention')")
+    return p
+
+
+def main(argv=None):
+    """Merge the files given on the command line; print the summary, write the outputs.
+
+    Returns:
+        The merged result; exits with status 2 and the reason when the files do not merge.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = merge(args.files, note=args.note)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    print(render_summary(result), flush=True)
+    for path, write in ((args.json, write_json), (args.markdown, write_markdown),
+                        (args.plot, write_plot)):
+        if path:
+            write(path, result)
+            print(f"wrote {path}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_moe, beside this file
+    main()

@@ -9,17 +9,22 @@ MXFP8 close to bf16; the fp8 rowwise combine gradient reaching the fp8 GEMMs' ba
 where fp8 GEMMs are unavailable (the CPU), their bf16 fallback training exactly like the bf16-GEMM
 twin, and the report saying so; the output files with their fields. Under the simulator an MXFP8
 step costs a few seconds (kernel launches), so the run is as small as the model allows. The serial
-tests cover the variant syntax, the GEMM refusals and the expert GEMMs' fallback.
+tests cover the variant syntax, the GEMM refusals and the expert GEMMs' fallback, and the merge of
+several invocations' JSON files into one report (``train_moe_report.py FILE... --json ...``: the
+tables one invocation of all the runs writes; incompatible files and duplicate runs refused); the
+MPI test merges two real invocations and compares with the single one.
 
 Run: ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_train_example.py`` (and
 ``-n 3``); ``python -m pytest -q -m "not mpi" tests/test_train_example.py``.
 """
 
+import dataclasses
 import json
 import math
 import os
 import sys
 import types
+import zlib
 
 import pytest
 
@@ -178,6 +183,117 @@ def test_final_loss_is_the_mean_of_the_last_tenth():
     assert train_moe_report.db(1.0, 0.0) == math.inf
 
 
+def _fake_result(variants, seeds, steps=10, date="2026-01-01T00:00:00+00:00", seconds=60.0):
+    """A result as ``train_moe.main`` builds it (metadata, runs, summary), with made-up losses: a
+    run's losses depend on its variant and seed only, so a run equals itself in any file."""
+    cfg = dataclasses.replace(train_moe.PRESETS["tiny"], steps=steps)
+    corpus = {"name": "made up", "files": 1, "tokens": 1000, "train_tokens": 950,
+              "val_tokens": 50}
+    parsed = [train_moe.parse_variant(v) for v in variants]
+    runs = []
+    for seed in seeds:
+        for v in parsed:
+            offset = (zlib.crc32(v.name.encode()) % 100) * 1e-4 + seed * 0.01
+            runs.append({"variant": v.name, "precisions": v.precisions, "gemm": v.gemm,
+                         "gemm_ran": "bf16", "seed": seed,
+                         "losses": [5.5 - 0.1 * i + offset for i in range(steps)],
+                         "aux_losses": [1.0] * steps, "steps_done": steps, "truncated": False,
+                         "seconds": 1.0, "tokens_per_s": 1000.0 + len(runs),
+                         "val_loss": 5.0 + offset, "init_checksum": 1.0, "data_checksum": 2.0,
+                         "sqnr_db": {} if v.baseline else {0: [math.inf if v.name == "bf16_mxcomm"
+                                                               else 25.0 + offset]}})
+    meta = train_moe_report.metadata(torch.device("cpu"), 2, cfg, "tiny", corpus, seeds, parsed)
+    meta.update(date=date, seconds=seconds)
+    return {"meta": meta, "runs": runs, "summary": train_moe_report.summarize(runs, parsed)}
+
+
+def _write(folder, name, result):
+    return train_moe_report.write_json(str(folder / name), result)
+
+
+def _final_rows(result, drop=("tokens_per_s", "speedup")):
+    """The final-loss table's rows without the timings (which depend on the machine's load)."""
+    rows = json.loads(json.dumps(train_moe_report._jsonable(result["summary"]["final"])))
+    return [{k: v for k, v in row.items() if k not in drop} for row in rows]
+
+
+def test_merged_files_give_the_report_of_one_invocation(tmp_path):
+    """Two files (the second with bf16 of seed 1 only, the other variants pairing with bf16 from
+    the first) merge into what one invocation of every variant and seed computes."""
+    variants, seeds = ["bf16", "bf16_mxcomm", "mxfp8", "fp8_gemm"], [0, 1]
+    whole = _fake_result(variants, seeds)
+    part1 = _fake_result(["bf16", "mxfp8"], seeds)
+    part1["runs"] = [r for r in part1["runs"] if (r["variant"], r["seed"]) != ("bf16", 1)]
+    part2 = _fake_result(["bf16", "bf16_mxcomm", "fp8_gemm"], seeds,
+                         date="2026-01-01T00:00:30+00:00")
+    part2["runs"] = [r for r in part2["runs"] if r["variant"] != "bf16" or r["seed"] == 1]
+    paths = [_write(tmp_path, "part1.json", part1), _write(tmp_path, "part2.json", part2)]
+    out = {ext: str(tmp_path / f"all.{ext}") for ext in ("json", "md", "png")}
+    note = "2 jobs of 2 ranks shared the 2 GPUs: tokens/s are under contention"
+    merged = train_moe_report.main([*paths, "--json", out["json"], "--markdown", out["md"],
+                                    "--plot", out["png"], "--note", note])
+    # the same variants in the order of the files, every pairing found, the same numbers
+    assert [r["variant"] for r in merged["summary"]["final"]] == ["bf16", "mxfp8",
+                                                                  "bf16_mxcomm", "fp8_gemm"]
+    order = {"bf16": 0, "mxfp8": 1, "bf16_mxcomm": 2, "fp8_gemm": 3}
+    expected = sorted(_final_rows(whole), key=lambda r: order[r["variant"]])
+    assert _final_rows(merged) == expected
+    assert all(r["seeds"] == 2 for r in merged["summary"]["final"])
+    assert merged["summary"]["bf16_spread_pct"] == whole["summary"]["bf16_spread_pct"]
+    assert sorted(map(str, merged["summary"]["sqnr"])) == sorted(map(str, whole["summary"]["sqnr"]))
+    assert [(r["seed"], r["variant"]) for r in merged["runs"]] == \
+        [(s, v) for s in seeds for v in order]                     # seed-major, as one run
+    with open(out["json"]) as f:
+        saved = json.load(f)
+    assert saved["meta"]["note"] == note and saved["meta"]["overlapping"]
+    assert [s["file"] for s in saved["meta"]["sources"]] == paths
+    assert {"date", "commit", "device", "variants", "seeds"} <= set(saved["meta"]["sources"][0])
+    assert saved["meta"]["seeds"] == seeds and set(saved["meta"]["variants"]) == set(variants)
+    assert saved["meta"]["seconds"] == 120.0
+    with open(out["md"]) as f:
+        text = f.read()
+    for needle in (f"note: {note}", "source: " + paths[0], "source: " + paths[1],
+                   "overlapping times", "| fp8_gemm | fp8_rowwise/bf16/bf16/fp8_rowwise |"):
+        assert needle in text, needle
+    with open(out["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # a merged file merges again (with a third, later file), NaN and inf read back
+    part3 = _fake_result(["default"], seeds, date="2026-01-02T00:00:00+00:00")
+    again = train_moe_report.merge([out["json"], _write(tmp_path, "part3.json", part3)])
+    assert len(again["runs"]) == 10 and again["meta"]["note"] == note
+    assert [s["file"] for s in again["meta"]["sources"]] == [*paths, str(tmp_path / "part3.json")]
+    assert again["meta"]["overlapping"]                    # part1 and part2 still overlap
+    assert _final_rows(again)[:4] == _final_rows(merged)
+
+
+def test_merge_refuses_incompatible_files_and_duplicate_runs(tmp_path, capsys):
+    base = _write(tmp_path, "a.json", _fake_result(["bf16"], [0]))
+    other_steps = _write(tmp_path, "b.json", _fake_result(["mxfp8"], [0], steps=12))
+    with pytest.raises(ValueError, match=r"a\.json and .*b\.json .*shapes\.steps differs "
+                                         r"\(10 vs 12\)"):
+        train_moe_report.merge([base, other_steps])
+    world = _fake_result(["mxfp8"], [0])
+    world["meta"]["world_size"] = 3
+    with pytest.raises(ValueError, match="world_size differs"):
+        train_moe_report.merge([base, _write(tmp_path, "c.json", world)])
+    corpus = _fake_result(["mxfp8"], [0])
+    corpus["meta"]["corpus"]["tokens"] = 7
+    with pytest.raises(ValueError, match="corpus.tokens differs"):
+        train_moe_report.merge([base, _write(tmp_path, "d.json", corpus)])
+    twice = _write(tmp_path, "e.json", _fake_result(["mxfp8", "bf16"], [0]))
+    with pytest.raises(ValueError, match=r"variant 'bf16' seed 0 ran in both .*a\.json and "
+                                         r".*e\.json"):
+        train_moe_report.merge([base, twice])
+    (tmp_path / "f.json").write_text('{"x": 1}')
+    with pytest.raises(ValueError, match="f.json: not a train_moe JSON result"):
+        train_moe_report.merge([base, str(tmp_path / "f.json")])
+    # the command line: status 2 and the reason
+    with pytest.raises(SystemExit) as exit_:
+        train_moe_report.main([base, twice, "--json", str(tmp_path / "out.json")])
+    assert exit_.value.code == 2 and "ran in both" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
+
+
 @needs_corpus
 def test_corpus_is_the_plays_and_batches_follow_the_seed():
     train, val, info = train_moe.load_corpus()
@@ -314,3 +430,27 @@ def test_output_files_name_the_setup(tiny_run):
         assert needle in text, needle
     with open(paths["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_corpus
+@pytest.mark.mpi
+def test_merged_invocations_give_the_single_invocations_losses(tiny_run):
+    """The variants of the single invocation run again as two invocations (the second without
+    bf16: its variants pair with the first file's bf16); their merged final-loss table is the
+    single invocation's, bar the timings."""
+    from mpi4py import MPI
+    result, paths, rank, _ = tiny_run
+    world = MPI.COMM_WORLD
+    folder = os.path.dirname(paths["json"])
+    parts = [os.path.join(folder, f"part{i}.json") for i in (1, 2)]
+    for variants, path in zip(("bf16,bf16_mxcomm,mxfp8", FP8_GEMM_VARIANTS), parts):
+        train_moe.main(["--variants", variants, "--seeds", "3", *TINY, "--json", path])
+    if rank == 0:
+        out = os.path.join(folder, "merged.md")
+        merged = train_moe_report.main([*parts, "--markdown", out, "--note", "one after another"])
+        assert _final_rows(merged) == _final_rows(result)
+        assert [r["variant"] for r in merged["runs"]] == VARIANTS.split(",")
+        assert [s["file"] for s in merged["meta"]["sources"]] == parts
+        with open(out) as f:
+            assert "note: one after another" in f.read()
+    world.Barrier()
