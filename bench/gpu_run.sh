@@ -34,14 +34,14 @@ for phase in "$@"; do
     tests2) step "gpu tests, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
         --deselect tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path tests ;;
-    graph2) step "CUDA graph test, 2 ranks" 150 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
-        -o faulthandler_timeout=60 -W ignore::DeprecationWarning --with-mpi \
+    graph2) step "CUDA graph test, 2 ranks" 90 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
+        -o faulthandler_timeout=70 -W ignore::DeprecationWarning --with-mpi \
         tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path ;;
     tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
     formats2) step "format exchanges on GPUs, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m mpi tests/test_formats_ep.py ;;
-    kernels) step "bench kernels" 300 python3 -m mxcomm.bench kernels \
-        --json "$res/kernels.json" --markdown "$res/kernels.md" ;;
+    kernels) step "bench kernels" 300 python3 -m mxcomm.bench kernels --formats ${KERNEL_FORMATS:-mxfp8 fp8_rowwise fp8_block128 fp8_block128_pow2} \
+        --json "$res/kernels${KERNEL_SUFFIX:-}.json" --markdown "$res/kernels${KERNEL_SUFFIX:-}.md" ;;
     a2a2) step "bench a2a, 2 ranks" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench a2a \
         --json "$res/a2a_w2.json" --markdown "$res/a2a_w2.md" ;;
     a2a4) [ "$ngpu" -ge 4 ] && step "bench a2a, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench a2a \

@@ -36,7 +36,7 @@ from numba import cuda, float32, uint32, uint64
 from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bits_from_f32, f32_from_bits,
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
-from .fp8_rowwise import dequantize_e4m3x8_bf16, dequantize_e4m3x2_f32, rowwise_scale_exp
+from .fp8_rowwise import rowwise_scale_exp, store_word_bf16, store_word_f32
 from .mxfp8 import bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
 
 #: Elements per scale block along the last dimension.
@@ -165,14 +165,16 @@ def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
 
 
 @kernel
-def dequantize_fp8_block128_bf16_kernel(data_words, scales, out_words):
-    """1x128-block fp8 -> bf16: x = e4m3 * scale in f32 (one rounding), then round-to-nearest-even
-    to bf16. A NaN scale or NaN element gives NaN (0x7FC0).
+def dequantize_fp8_block128_kernel(data_words, scales, out_words, f32):
+    """1x128-block fp8 -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then for bf16
+    round-to-nearest-even. A NaN scale or NaN element gives NaN (bf16 0x7FC0, fp32 0x7FC00000).
 
     Args:
         data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
         scales: (N // 128,) uint32, fp32 bits of the block scales. Read.
-        out_words: (N // 4,) uint64, bf16 bits, 4 per word. Written.
+        out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
+            word) with ``f32``. Written.
+        f32: bool, the output's dtype (uniform per launch).
     Launch: launch_1d(ceil(N / 8 / 4)): words t + k * blockDim.x, k < 4, of each tile per thread
         (all loads issued first), grid-stride.
     """
@@ -190,41 +192,7 @@ def dequantize_fp8_block128_bf16_kernel(data_words, scales, out_words):
         for k in range(WORDS_PER_THREAD):
             i = base + k * nthreads
             if i < n:
-                finite = (sbits[k] & uint32(0x7FFFFFFF)) < uint32(F32_INF)
-                w0, w1 = dequantize_e4m3x8_bf16(words[k], f32_from_bits(sbits[k]), finite)
-                out_words[2 * i] = w0
-                out_words[2 * i + 1] = w1
-
-
-@kernel
-def dequantize_fp8_block128_f32_kernel(data_words, scales, out_words):
-    """1x128-block fp8 -> fp32: x = e4m3 * scale in f32 (one rounding); NaN scale or element ->
-    NaN (0x7FC00000).
-
-    Args:
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
-        scales: (N // 128,) uint32, fp32 bits of the block scales. Read.
-        out_words: (N // 2,) uint64, f32 bits, 2 per word. Written.
-    Launch: as :func:`dequantize_fp8_block128_bf16_kernel`.
-    """
-    words = cuda.local.array(WORDS_PER_THREAD, uint64)
-    sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
-    n = data_words.shape[0]
-    nthreads = cuda.blockDim.x
-    tile = nthreads * WORDS_PER_THREAD
-    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-        for k in range(WORDS_PER_THREAD):  # all loads first
-            i = base + k * nthreads
-            if i < n:
-                words[k] = data_words[i]
-                sbits[k] = scales[i >> DATA_WORDS_PER_BLOCK_LOG2]
-        for k in range(WORDS_PER_THREAD):
-            i = base + k * nthreads
-            if i < n:
-                scale = f32_from_bits(sbits[k])
-                lo = uint32(words[k] & uint64(0xFFFFFFFF))
-                hi = uint32(words[k] >> uint64(32))
-                out_words[4 * i] = dequantize_e4m3x2_f32(lo, scale)
-                out_words[4 * i + 1] = dequantize_e4m3x2_f32(lo >> uint32(16), scale)
-                out_words[4 * i + 2] = dequantize_e4m3x2_f32(hi, scale)
-                out_words[4 * i + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)
+                if f32:
+                    store_word_f32(out_words, i, words[k], sbits[k])
+                else:
+                    store_word_bf16(out_words, i, words[k], sbits[k])

@@ -256,17 +256,42 @@ def row_of(i, words_per_row):
     return row, col
 
 
+@cuda.jit(device=True)
+def store_word_bf16(out_words, i, d, sbits):
+    """Decode data word ``i`` (8 e4m3, ``d``) under the scale with f32 bits ``sbits`` into bf16
+    words ``out_words[2i:2i + 2]`` (:func:`dequantize_e4m3x8_bf16`)."""
+    finite = (sbits & uint32(0x7FFFFFFF)) < uint32(F32_INF)
+    w0, w1 = dequantize_e4m3x8_bf16(d, f32_from_bits(sbits), finite)
+    out_words[2 * i] = w0
+    out_words[2 * i + 1] = w1
+
+
+@cuda.jit(device=True)
+def store_word_f32(out_words, i, d, sbits):
+    """Decode data word ``i`` (8 e4m3, ``d``) under the scale with f32 bits ``sbits`` into f32
+    words ``out_words[4i:4i + 4]`` (:func:`dequantize_e4m3x2_f32`)."""
+    scale = f32_from_bits(sbits)
+    lo = uint32(d & uint64(0xFFFFFFFF))
+    hi = uint32(d >> uint64(32))
+    out_words[4 * i] = dequantize_e4m3x2_f32(lo, scale)
+    out_words[4 * i + 1] = dequantize_e4m3x2_f32(lo >> uint32(16), scale)
+    out_words[4 * i + 2] = dequantize_e4m3x2_f32(hi, scale)
+    out_words[4 * i + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)
+
+
 @kernel
-def dequantize_fp8_rowwise_bf16_kernel(data_words, scales, out_words, words_per_row):
-    """fp8 rowwise -> bf16: x = e4m3 * scale in f32 (one rounding), then round-to-nearest-even to
-    bf16. A NaN scale or NaN element gives NaN (0x7FC0).
+def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row, f32):
+    """fp8 rowwise -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then for bf16
+    round-to-nearest-even. A NaN scale or NaN element gives NaN (bf16 0x7FC0, fp32 0x7FC00000).
 
     Args:
         data_words: (N // 8,) uint64, e4m3fn bits of the (M, D) rows, 8 per word (element 0
             lowest). Read.
         scales: (M,) uint32, fp32 bits of the row scales. Read.
-        out_words: (N // 4,) uint64, bf16 bits, 4 per word. Written.
+        out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
+            word) with ``f32``. Written.
         words_per_row: D // 8.
+        f32: bool, the output's dtype (uniform: one branch per word, no divergence).
     Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): flat over the words like the 1x128 block
         kernels, words t + k * blockDim.x, k < WORDS_PER_THREAD, of each tile per thread (all
         loads first), grid-stride; each word's row found once per tile, then stepped.
@@ -290,47 +315,7 @@ def dequantize_fp8_rowwise_bf16_kernel(data_words, scales, out_words, words_per_
         for k in range(WORDS_PER_THREAD):
             i = base + k * nthreads
             if i < n:
-                finite = (sbits[k] & uint32(0x7FFFFFFF)) < uint32(F32_INF)
-                w0, w1 = dequantize_e4m3x8_bf16(words[k], f32_from_bits(sbits[k]), finite)
-                out_words[2 * i] = w0
-                out_words[2 * i + 1] = w1
-
-
-@kernel
-def dequantize_fp8_rowwise_f32_kernel(data_words, scales, out_words, words_per_row):
-    """fp8 rowwise -> fp32: x = e4m3 * scale in f32 (one rounding); NaN scale or element -> NaN
-    (0x7FC00000).
-
-    Args:
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
-        scales: (M,) uint32, fp32 bits of the row scales. Read.
-        out_words: (N // 2,) uint64, f32 bits, 2 per word. Written.
-        words_per_row: D // 8.
-    Launch: as :func:`dequantize_fp8_rowwise_bf16_kernel`.
-    """
-    words = cuda.local.array(WORDS_PER_THREAD, uint64)
-    sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
-    n = data_words.shape[0]
-    nthreads = cuda.blockDim.x
-    tile = nthreads * WORDS_PER_THREAD
-    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-        row, col = row_of(base, words_per_row)
-        for k in range(WORDS_PER_THREAD):  # all loads first
-            i = base + k * nthreads
-            if i < n:
-                words[k] = data_words[i]
-                sbits[k] = scales[row]
-            col += nthreads
-            while col >= words_per_row:
-                col -= words_per_row
-                row += 1
-        for k in range(WORDS_PER_THREAD):
-            i = base + k * nthreads
-            if i < n:
-                scale = f32_from_bits(sbits[k])
-                lo = uint32(words[k] & uint64(0xFFFFFFFF))
-                hi = uint32(words[k] >> uint64(32))
-                out_words[4 * i] = dequantize_e4m3x2_f32(lo, scale)
-                out_words[4 * i + 1] = dequantize_e4m3x2_f32(lo >> uint32(16), scale)
-                out_words[4 * i + 2] = dequantize_e4m3x2_f32(hi, scale)
-                out_words[4 * i + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)
+                if f32:
+                    store_word_f32(out_words, i, words[k], sbits[k])
+                else:
+                    store_word_bf16(out_words, i, words[k], sbits[k])

@@ -36,11 +36,9 @@ from ._platform import host_backend
 from .kernels import fp8_block, fp8_rowwise
 from .kernels._launch import RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
-                                dequantize_fp8_block128_bf16_kernel,
-                                dequantize_fp8_block128_f32_kernel,
+                                dequantize_fp8_block128_kernel,
                                 quantize_fp8_block128_bf16_kernel, quantize_fp8_block128_f32_kernel)
-from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_bf16_kernel,
-                                  dequantize_fp8_rowwise_f32_kernel,
+from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_kernel,
                                   quantize_fp8_rowwise_bf16_kernel, quantize_fp8_rowwise_f32_kernel)
 from .kernels.mx_rowwise import GATHER_REGISTERS, mx_to_rowwise_gather_kernel
 from .mxfp8 import MXFP8Array
@@ -255,13 +253,13 @@ def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
     if host_backend():
         return _host_dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
     data_words = _words(data, _U64, "data")  # (M, D // 8): flat below
-    kernel = (dequantize_fp8_rowwise_bf16_kernel if out.dtype == bfloat16
-              else dequantize_fp8_rowwise_f32_kernel)
     n = data_words.size
-    kernel[_resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD), THREADS_PER_BLOCK,
-                            fp8_rowwise.DEQUANTIZE_REGISTERS, stream, share)](
+    dequantize_fp8_rowwise_kernel[_resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD),
+                                                   THREADS_PER_BLOCK,
+                                                   fp8_rowwise.DEQUANTIZE_REGISTERS, stream,
+                                                   share)](
         data_words.reshape(n), scales.view(_U32), _words(out, _U64, "out").reshape(-1),
-        data_words.shape[1])
+        data_words.shape[1], out.dtype != bfloat16)
     return out
 
 
@@ -359,12 +357,12 @@ def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
     if host_backend():
         return _host_dequantize_fp8_block128(data, scales, out.dtype, out=out)
     data_words = _words(data.reshape(-1), _U64, "data")
-    kernel = (dequantize_fp8_block128_bf16_kernel if out.dtype == bfloat16
-              else dequantize_fp8_block128_f32_kernel)
     n_threads = -(-data_words.size // WORDS_PER_THREAD)
-    kernel[_resident_launch(n_threads, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, stream,
-                            share)](
-        data_words, scales.reshape(-1).view(_U32), _words(out.reshape(-1), _U64, "out"))
+    dequantize_fp8_block128_kernel[_resident_launch(n_threads, THREADS_PER_BLOCK,
+                                                    fp8_block.DEQUANTIZE_REGISTERS, stream,
+                                                    share)](
+        data_words, scales.reshape(-1).view(_U32), _words(out.reshape(-1), _U64, "out"),
+        out.dtype != bfloat16)
     return out
 
 
