@@ -366,13 +366,11 @@ class NcclCommunicator(Communicator):
                     self._check_usable()
                 if self._pending_error is not None or self._state != "open":
                     self._check_usable()
-                failure = self._device_failure()  # a device wait gave up: it names the rank
-                if failure is not None:
-                    self._fail(failure)
-                    self._check_usable()
                 # The pull transport's device waits give up after `timeout` from when they
                 # start, which is after this call starts: leave them the time to name the rank
-                # (as the watchdog does) before the generic message.
+                # (the watchdog finds their status within its poll, aborts NCCL on its own
+                # thread, and the check above raises the error it kept) before the generic
+                # message.
                 if time.monotonic() - start > self.timeout * 1.25 + 1.0:
                     self._fail(TimeoutError(f"wait: the stream's work did not finish within "
                                             f"{self.timeout:g} s on rank {self.rank}; the "
