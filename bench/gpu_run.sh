@@ -34,7 +34,7 @@ for phase in "$@"; do
     tests2) step "gpu tests, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
         --deselect tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path tests ;;
-    graph2) step "CUDA graph test, 2 ranks" 90 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
+    graph2) export MXCOMM_GRAPH_TEST=1; step "CUDA graph test, 2 ranks" 90 "${mpirun_env[@]}" -x MXCOMM_GRAPH_TEST -n 2 python3 -m pytest -q -p no:cacheprovider \
         -o faulthandler_timeout=70 -W ignore::DeprecationWarning --with-mpi \
         tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path ;;
     tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
