@@ -17,6 +17,8 @@ import abc
 import contextlib
 import operator
 
+import numpy
+
 from . import _validate
 from ._staged import Plan
 
@@ -514,3 +516,20 @@ class Communicator(abc.ABC):
         elif error is not None:
             raise error
         return counts, k
+
+
+class HostCommunicator(Communicator):
+    """A communicator whose rows are host arrays (NumPy): the MPI and torch.distributed (gloo)
+    backends. Holds the array hooks they share."""
+
+    def _as_array(self, x, name):
+        if isinstance(x, numpy.ndarray):
+            return x
+        if hasattr(x, "__cuda_array_interface__") or not (
+                hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
+            raise TypeError(f"{name} on rank {self.rank}: {type(self).__name__} moves host "
+                            f"arrays (NumPy), got {type(x).__name__}")
+        return numpy.asarray(x)
+
+    def _empty(self, shape, dtype):
+        return numpy.empty(shape, dtype=dtype)

@@ -11,12 +11,12 @@ import operator
 
 import numpy
 
-from ._communicator import Communicator
+from ._communicator import HostCommunicator
 
 _INT32_MAX = 2**31 - 1
 
 
-class MpiCommunicator(Communicator):
+class MpiCommunicator(HostCommunicator):
     """All-to-all of rows of host NumPy arrays over MPI.
 
     Args:
@@ -37,18 +37,6 @@ class MpiCommunicator(Communicator):
         self._choose_transport()
 
     # --------------------------------------------------------------------------------- hooks
-    def _as_array(self, x, name):
-        if isinstance(x, numpy.ndarray):
-            return x
-        if hasattr(x, "__cuda_array_interface__") or not (
-                hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
-            raise TypeError(f"{name} on rank {self.rank}: MpiCommunicator moves host arrays "
-                            f"(NumPy), got {type(x).__name__}")
-        return numpy.asarray(x)
-
-    def _empty(self, shape, dtype):
-        return numpy.empty(shape, dtype=dtype)
-
     def _peer_memory_here(self):
         return True  # every rank is on this node: the window is plain shared memory
 

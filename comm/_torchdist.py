@@ -12,11 +12,11 @@ import warnings
 
 import numpy
 
-from ._communicator import Communicator
+from ._communicator import HostCommunicator
 from ._validate import exclusive_cumsum
 
 
-class TorchHostCommunicator(Communicator):
+class TorchHostCommunicator(HostCommunicator):
     """All-to-all of rows of host NumPy arrays over a ``torch.distributed`` (gloo) group.
 
     Args:
@@ -37,18 +37,6 @@ class TorchHostCommunicator(Communicator):
         self._choose_transport()
 
     # --------------------------------------------------------------------------------- hooks
-    def _as_array(self, x, name):
-        if isinstance(x, numpy.ndarray):
-            return x
-        if hasattr(x, "__cuda_array_interface__") or not (
-                hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
-            raise TypeError(f"{name} on rank {self.rank}: TorchHostCommunicator moves host "
-                            f"arrays (NumPy), got {type(x).__name__}")
-        return numpy.asarray(x)
-
-    def _empty(self, shape, dtype):
-        return numpy.empty(shape, dtype=dtype)
-
     def _bytes(self, a):
         """A 1-D uint8 tensor on the memory of C-contiguous ``a`` (read-only arrays too)."""
         flat = a.reshape(-1).view(numpy.uint8)

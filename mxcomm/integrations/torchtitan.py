@@ -140,31 +140,31 @@ class _MxcommExchanges:
         if self._torchtitan_path():
             return super()._dispatch_token_exchange(routed_input_ND, pg, output_splits,
                                                     input_splits)
-        from mxcomm import torch as mxt
-        options = dict(precision=self.dispatch_precision,
-                       grad_precision=self.dispatch_grad_precision)
-        layout = getattr(input_splits, "layout", None)
-        if layout is not None:
-            out = mxt.a2a_dispatch(routed_input_ND, layout, **options)
-        else:
-            out = mxt.a2a_dispatch(routed_input_ND, list(input_splits), list(output_splits),
-                                   mxt.communicator_for(pg), **options)
-        return _plain(out, routed_input_ND.dtype)
+        return _through_mxcomm("a2a_dispatch", routed_input_ND, pg, input_splits, output_splits,
+                               self.dispatch_precision, self.dispatch_grad_precision)
 
     def _combine_token_exchange(self, routed_output_RD, pg, input_splits, output_splits):
         if self._torchtitan_path():
             return super()._combine_token_exchange(routed_output_RD, pg, input_splits,
                                                    output_splits)
-        from mxcomm import torch as mxt
-        options = dict(precision=self.combine_precision,
-                       grad_precision=self.combine_grad_precision)
-        layout = getattr(input_splits, "layout", None)
-        if layout is not None:
-            out = mxt.a2a_combine(routed_output_RD, layout, **options)
-        else:
-            out = mxt.a2a_combine(routed_output_RD, list(input_splits), list(output_splits),
-                                  mxt.communicator_for(pg), **options)
-        return _plain(out, routed_output_RD.dtype)
+        return _through_mxcomm("a2a_combine", routed_output_RD, pg, input_splits, output_splits,
+                               self.combine_precision, self.combine_grad_precision)
+
+
+def _through_mxcomm(function, x, pg, input_splits, output_splits, precision, grad_precision):
+    """One direction of the token exchange through ``mxcomm.torch.<function>``: given the layout
+    that torchtitan's splits carry (no host collective), else the splits and ``pg``'s cached
+    communicator. Returns a plain tensor of ``x``'s dtype (:func:`_plain`)."""
+    from mxcomm import torch as mxt
+    call = getattr(mxt, function)
+    options = dict(precision=precision, grad_precision=grad_precision)
+    layout = getattr(input_splits, "layout", None)
+    if layout is not None:
+        out = call(x, layout, **options)
+    else:
+        out = call(x, list(input_splits), list(output_splits), mxt.communicator_for(pg),
+                   **options)
+    return _plain(out, x.dtype)
 
 
 def _plain(t, dtype):
