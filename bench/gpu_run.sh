@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
-#         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8
+#         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 sweep1
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -12,6 +12,7 @@ mkdir -p "$OUT" "$res"
 log="$OUT/gpu.log"
 export MXCOMM_COMMIT=${MXCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 ngpu=$(nvidia-smi -L | wc -l)
+FP8_VARIANTS=${FP8_VARIANTS:-mxfp8,mxfp8_all,bf16+fp8gemm,fp8_rowwise,mxfp8+rowwise,fp8_rowwise_mxgrad,fp8_rowwise_bf16wgrad}
 # mpirun_env of the kit, as a command (timeout cannot run a shell function)
 mpirun_env=(mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
     -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS -x PYTHONUNBUFFERED -x MXCOMM_COMMIT)
@@ -54,9 +55,13 @@ for phase in "$@"; do
         --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages \
         --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
         --json "$res/pipeline_small_w2.json" --markdown "$res/pipeline_small_w2.md" ;;
-    pipe2fp8) step "bench pipeline, 2 ranks, fp8 GEMM variants, 131072 rows" 330 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
-        --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages \
+    pipe2fp8) step "bench pipeline, 2 ranks, fp8 GEMM variants, 131072 rows" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
+        --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
         --json "$res/pipeline_fp8_w2.json" --markdown "$res/pipeline_fp8_w2.md" --plot "$res/pipeline_fp8_w2.png" ;;
+    pipe1fp8) step "bench pipeline, 1 rank, fp8 GEMM variants, 131072 rows" 330 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench pipeline \
+        --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
+        --json "$res/pipeline_fp8_w1.json" --markdown "$res/pipeline_fp8_w1.md" ;;
+    sweep1) step "rowwise quantize grid share sweep" 120 python3 bench/sweep_rowwise.py ;;
     pipe2topk) step "bench pipeline, 2 ranks, small batches, topk routing" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --routing topk \
         --json "$res/pipeline_small_topk_w2.json" --markdown "$res/pipeline_small_topk_w2.md" ;;

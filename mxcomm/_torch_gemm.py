@@ -7,24 +7,34 @@ ends (``permute``'s ``group_offsets``).
 On SM90 (Hopper) CUDA GPUs it is thin over ``torch._scaled_grouped_mm``, whose rowwise recipe
 (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.11-2.13) takes: A (M, K) e4m3fn row-major with
 ``scale_a`` (M,) float32; B (G, K, N) e4m3fn column-major (K contiguous) with ``scale_b`` (G, N)
-float32; K % 16 == 0; ``offs`` int32; bf16 output. Each direction::
+float32; K % 16 == 0; ``offs`` int32; bf16 output. Its 2d-2d case (the dynamic dimension grouped,
+for weight gradients) takes A (M, T) row-major and B (T, N) column-major with one scale per group
+and row of A / column of B (``scale_a`` (G * M,), ``scale_b`` (G * N,)), and asserts on the
+device that every group of T is a multiple of 16. Each direction::
 
     forward  y  (P, N)    = A x (P, K) fp8 rowwise (as permuted: no quantize pass)
                             x B  w (G, K, N), quantized per call per (group, column n) along K
     dgrad    dx (P, K)    = A grad (P, N) fp8 rowwise (as delivered when combine's gradient is
                               fp8 rowwise; else quantized here)
                             x B  w^T (G, N, K), quantized per (group, column k) along N
-    wgrad    dw (G, K, N) = x^T grad per group, in bf16 (``torch._grouped_mm``, dequantized x)
+    wgrad    dw (G, K, N) = A x^T (K, T) x B grad (T, N), both scaled per (group, column) along
+                            the tokens (``wgrad="fp8"``, the default), or x^T grad in bf16
+                            (``wgrad="bf16"``: ``torch._grouped_mm`` on the dequantized rows)
 
-wgrad is bf16 by choice: the 2d-2d (token-axis) fp8 case of ``torch._scaled_grouped_mm`` requires
-every group to hold > 0 rows and a multiple of 16 (a device assert), and an expert that receives no
-token makes an empty group, which the EP path cannot rule out without a host sync.
+The fp8 wgrad operands come from the fp8 rowwise rows the forward and dgrad already read (x as
+permuted, saved for backward instead of bf16; the gradient as delivered or quantized for dgrad):
+``mxcomm.fp8_formats.fp8_rowwise_to_group_colwise`` rescales them to one power-of-two scale per
+(group, column) and transposes them in two reads, padding every group to a multiple of 16 tokens,
+at least 16, with zeros, so the GEMM's rule holds for any routing, empty experts included, with
+no host sync. Rescaling between power-of-two scales keeps every element's bits unless it falls
+into e4m3's subnormal range, so the wgrad's SQNR equals the bf16 wgrad's on the same fp8 rows
+(tests/test_fp8_formats.py; bench/NOTES.md).
 
 Weights (and bf16 activations) are quantized per call by mxcomm's fp8 rowwise kernel on CUDA
 (:func:`quantize_rows_pow2`: power-of-two scales, scale = 2^clamp(ceil(log2(amax / 448)), -126,
-127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a torch without
-``_scaled_grouped_mm``) the documented fallback is bf16: ``torch._grouped_mm`` on the dequantized
-rows, in both directions, with the same autograd wiring (so CPU tests exercise it).
+127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a
+torch without ``_scaled_grouped_mm``) the documented fallback is bf16: ``torch._grouped_mm`` on the
+dequantized rows, in all three products, with the same autograd wiring (so CPU tests exercise it).
 """
 
 import torch
@@ -100,50 +110,94 @@ def _fp8_weight_t(w):
     return q.transpose(-2, -1), scale
 
 
+def _dequantized(data, scales):
+    """(P, K) bf16 of fp8 rowwise rows (data float8_e4m3fn, scales (P,) float32): mxcomm's
+    dequantize kernel on CUDA (``mxcomm.fp8_formats.dequantize_fp8_rowwise``), torch ops elsewhere."""
+    if data.is_cuda and data.shape[1] % 16 == 0 and data.numel():
+        from . import fp8_formats
+        from .torch import _array, _stream, _tensor
+        return _tensor(fp8_formats.dequantize_fp8_rowwise(
+            _array(data, "data"), _array(scales, "scales"), stream=_stream(data)))
+    return (data.float() * scales[:, None]).to(torch.bfloat16)
+
+
 def _plain(t):
     """A bf16 tensor of ``t``'s values (dequantized for a QuantizedTensor), no autograd."""
     return (t.dequantize() if hasattr(t, "qdata") else t).detach().to(torch.bfloat16)
+
+
+def _group_colwise(data, scales, offs):
+    """fp8 rowwise rows (data (P, C) float8_e4m3fn, scales (P,) float32) as a wgrad operand:
+    ((C, T) float8_e4m3fn token-contiguous, (G * C,) float32 scales per (group, column), (G,)
+    int32 aligned group ends); ``mxcomm.fp8_formats.fp8_rowwise_to_group_colwise``."""
+    from . import fp8_formats
+    from .torch import _array, _stream, _tensor
+    data_t, scales_t, aligned = fp8_formats.fp8_rowwise_to_group_colwise(
+        _array(data, "data"), _array(scales, "scales"), _array(offs, "offs"),
+        stream=_stream(data))
+    return (_tensor(data_t, torch.float8_e4m3fn), _tensor(scales_t).reshape(-1),
+            _tensor(aligned))
+
+
+def _fp8_wgrad(x_rows, grad_rows, offs):
+    """dw (G, K, N) bf16 = x^T grad per group, fp8 (module docstring): x_rows and grad_rows are
+    (data, scales) fp8 rowwise pairs of (P, K) and (P, N)."""
+    a, scale_a, aligned = _group_colwise(*x_rows, offs)       # x^T (K, T), scales (G * K,)
+    b, scale_b, _ = _group_colwise(*grad_rows, offs)          # grad^T (N, T), scales (G * N,)
+    return torch._scaled_grouped_mm(a, b.t(), scale_a, scale_b, offs=aligned,
+                                    out_dtype=torch.bfloat16)
 
 
 class _GroupedMM(torch.autograd.Function):
     """y = x @ w per group, x given as fp8 rowwise rows (module docstring).
 
     Forward:  x (P, K) QuantizedTensor (fp8_rowwise; other formats and bf16 are quantized per
-              call), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16.
+              call), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16. The fp8 path saves x's
+              fp8 rowwise rows for backward (not a bf16 copy).
     Backward: grad (P, N) bf16 or fp8_rowwise QuantizedTensor -> dx (P, K) bf16 (fp8 dgrad),
-              dw (G, K, N) bf16 (bf16 wgrad).
+              dw (G, K, N) bf16 (fp8 or bf16 wgrad, ``wgrad``).
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, fp8):
+    def forward(ctx, x, w, offs, fp8, wgrad):
         ctx.fp8 = fp8
-        ctx.save_for_backward(x.detach() if hasattr(x, "qdata") else x, w, offs)
+        ctx.wgrad = wgrad
         if fp8:
             a, scale_a = _fp8_operand_a(x)
+            ctx.save_for_backward(a, scale_a, w, offs)
             b, scale_b = _fp8_weight(w)
             return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
                                             out_dtype=torch.bfloat16)
+        ctx.save_for_backward(x.detach() if hasattr(x, "qdata") else x, w, offs)
         return torch._grouped_mm(_plain(x), w.detach(), offs=offs)
 
     @staticmethod
     def backward(ctx, grad):
-        x, w, offs = ctx.saved_tensors
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            if ctx.fp8:
-                a, scale_a = _fp8_operand_a(grad)
-                b, scale_b = _fp8_weight_t(w)
-                dx = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
-                                              out_dtype=torch.bfloat16)
-            else:
+        if not ctx.fp8:
+            x, w, offs = ctx.saved_tensors
+            if ctx.needs_input_grad[0]:
                 dx = torch._grouped_mm(_plain(grad), w.detach().transpose(-2, -1), offs=offs)
+            if ctx.needs_input_grad[1]:
+                dw = torch._grouped_mm(_plain(x).t(), _plain(grad), offs=offs).to(w.dtype)
+            return dx, dw, None, None, None
+        a, scale_a, w, offs = ctx.saved_tensors
+        g, scale_g = _fp8_operand_a(grad)
+        if ctx.needs_input_grad[0]:
+            b, scale_b = _fp8_weight_t(w)
+            dx = torch._scaled_grouped_mm(g, b, scale_g, scale_b, offs=offs,
+                                          out_dtype=torch.bfloat16)
         if ctx.needs_input_grad[1]:
-            dw = torch._grouped_mm(_plain(x).t(), _plain(grad), offs=offs).to(w.dtype)
-        # None for: offs, fp8
-        return dx, dw, None, None
+            if ctx.wgrad == "fp8":
+                dw = _fp8_wgrad((a, scale_a), (g, scale_g), offs)
+            else:
+                dw = torch._grouped_mm(_dequantized(a, scale_a).t(), _plain(grad), offs=offs)
+            dw = dw.to(w.dtype)
+        # None for: offs, fp8, wgrad
+        return dx, dw, None, None, None
 
 
-def grouped_mm(x, w, offs, *, fp8=None):
+def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8"):
     """Differentiable grouped GEMM of pre-quantized permuted rows and bf16 expert weights.
 
     Args:
@@ -151,15 +205,16 @@ def grouped_mm(x, w, offs, *, fp8=None):
             rowwise dispatch), or any QuantizedTensor / bf16 tensor (quantized per call on the
             fp8 path); K % 16 == 0. Its gradient is (P, K) bf16.
         w: (G, K, N) bf16 tensor, the local experts' weights.
-        offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``);
-            each group a multiple of 16 rows on the fp8 path (``permute(align=16)`` or 32).
+        offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``),
+            any group sizes (empty groups too; the fp8 wgrad pads its own operands).
         fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available`, else the bf16
             fallback; True to require them; False for the bf16 fallback.
     Returns:
         (P, N) bf16.
     Raises:
         RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
-        ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0).
+        ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0);
+            ``wgrad`` not "fp8" or "bf16".
         TypeError: ``w`` not bf16, ``offs`` not int32.
     """
     if w.dim() != 3 or x.dim() != 2 or w.shape[1] != x.shape[1]:
@@ -167,6 +222,8 @@ def grouped_mm(x, w, offs, *, fp8=None):
                          f"{tuple(x.shape)} and w {tuple(w.shape)}")
     if x.shape[1] % 16:
         raise ValueError(f"grouped_mm: K = {x.shape[1]} is not a multiple of 16")
+    if wgrad not in ("fp8", "bf16"):
+        raise ValueError(f"grouped_mm: wgrad: expected 'fp8' or 'bf16', got {wgrad!r}")
     if w.dtype != torch.bfloat16:
         raise TypeError(f"grouped_mm: w: expected dtype bfloat16, got {w.dtype}")
     if offs.dtype != torch.int32 or tuple(offs.shape) != (w.shape[0],):
@@ -177,4 +234,4 @@ def grouped_mm(x, w, offs, *, fp8=None):
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
                            f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
                            f"the bf16 fallback)")
-    return _GroupedMM.apply(x, w, offs, available if fp8 is None else bool(fp8))
+    return _GroupedMM.apply(x, w, offs, available if fp8 is None else bool(fp8), wgrad)

@@ -30,16 +30,18 @@ themselves (names, scale layouts, padding scales) are registered in ``mxcomm.for
 import ml_dtypes
 import numpy
 
-from .kernels import array_module, launch_1d  # first: decides simulator vs GPU before numba loads
+from .kernels import array_module, launch_1d, simulated  # first: decides simulator vs GPU before numba loads
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
-from .kernels import fp8_block, fp8_rowwise
+from .kernels import fp8_block, fp8_colwise, fp8_rowwise
 from .kernels._launch import RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
                                 dequantize_fp8_block128_kernel,
                                 quantize_fp8_block128_bf16_kernel, quantize_fp8_block128_f32_kernel)
 from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_kernel,
                                   quantize_fp8_rowwise_bf16_kernel, quantize_fp8_rowwise_f32_kernel)
+from .kernels.fp8_colwise import (GROUP_ALIGN, group_colwise_amax_kernel,
+                                  group_colwise_encode_kernel, group_colwise_scales_kernel)
 from .kernels.mx_rowwise import GATHER_REGISTERS, mx_to_rowwise_gather_kernel
 from .mxfp8 import MXFP8Array
 
@@ -433,6 +435,101 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
 
 
 # ---------------------------------------------------------------------------------------------
+# fp8 rowwise -> fp8 per (group, column), transposed: the token-axis operands of the fp8 wgrad.
+# ---------------------------------------------------------------------------------------------
+
+def group_colwise_positions(rows, groups):
+    """T, the token positions of :func:`fp8_rowwise_to_group_colwise`'s output for ``rows`` rows
+    in ``groups`` groups: 16 * ceil(rows / 16) + 16 * groups (each group padded to a multiple of
+    16 positions, at least 16)."""
+    return -(-rows // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * groups
+
+
+def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
+    """Rescale fp8 rowwise rows to one scale per (group, column) and transpose them, in two reads.
+
+    The operands of a grouped weight gradient dw[g] = x[g]^T @ grad[g] in fp8 are scaled along
+    the token axis per group and laid out token-contiguous: ``torch._scaled_grouped_mm``'s 2d-2d
+    case (A = ``data_t`` (D, T) row-major, B = another ``data_t``'s transpose, scales flattened,
+    ``offs=aligned_ends``). With v = e4m3 * row scale (exact) and amax = max |v| over a group's
+    rows in a column:
+
+        scales_t[g, d] = 2^clamp(ceil(log2(amax / 448)), -126, 127)   (amax = 0: 2^-126)
+        data_t[d, t]   = RNE_e4m3(v[p, d] / scales_t[g, d])            (one rounding)
+
+    the fp8 rowwise rule along the token axis (``kernels.fp8_colwise``). Group g's rows take the
+    token positions from ``aligned_ends[g - 1]`` on, followed by zero padding up to a multiple of
+    16 positions, at least 16 (so the GEMM sees no empty and no misaligned group: its 2d-2d kernel
+    asserts on the device that each group is a multiple of 16). A row with a NaN/Inf scale or a
+    NaN element makes its group's column NaN (scale NaN, elements 0x7F). Bit-identical to a
+    float64 evaluation of these formulas.
+
+    Args:
+        data: (P, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0: fp8 rowwise rows sorted by
+            group (a permute's output). Read.
+        scales: (P,) float32 row scales: powers of two (as the fp8 rowwise quantizers and
+            ``mx_to_rowwise_permute`` write them), 0 or NaN. Read.
+        group_ends: (G,) int32 device array, G >= 1: the cumulative group ends (``permute``'s
+            ``group_offsets``), non-decreasing, the last <= P; rows from the last on are
+            ignored. Read on the device (no host sync).
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data_t, scales_t, aligned_ends): (D, T) uint8 e4m3fn bits, (G, D) float32 and (G,)
+        int32, T = :func:`group_colwise_positions` (P, G).
+    Raises:
+        TypeError: arrays of other dtypes, or not device arrays.
+        ValueError: ``data`` not 2-D, D % 16 != 0 or not C-contiguous; ``scales`` of another
+            shape; ``group_ends`` not 1-D or empty.
+    Group ends that are not sorted or exceed P are not detected (that needs a host sync): rows
+    then land in the wrong groups or are ignored, but nothing is written out of bounds.
+    """
+    data = _check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
+    p, d = data.shape
+    scales = _check_array(scales, "scales", float32, (p,))
+    ends = as_device_array(group_ends, "group_ends")
+    if ends.ndim != 1 or ends.shape[0] == 0:
+        raise ValueError(f"group_ends: expected a 1-D array of G >= 1 group ends, got shape "
+                         f"{tuple(ends.shape)}")
+    ends = _check_array(ends, "group_ends", numpy.dtype(numpy.int32), ends.shape)
+    return launch_fp8_rowwise_to_group_colwise(data, scales, ends, stream_ptr(stream))
+
+
+def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
+    """Enqueue the three kernels of :func:`fp8_rowwise_to_group_colwise` (arguments checked by
+    the caller) on the raw stream handle ``stream``; returns (data_t, scales_t, aligned_ends)."""
+    if host_backend():
+        return _host_fp8_rowwise_to_group_colwise(data, scales, group_ends)
+    xp = array_module()
+    p, d = data.shape
+    g = group_ends.shape[0]
+    t = group_colwise_positions(p, g)
+    data_t = xp.empty((d, t), dtype=_U8)
+    scales_t = xp.empty((g, d), dtype=float32)
+    aligned = xp.empty(g, dtype=numpy.int32)
+    keys = scales_t.view(_U32)
+    if simulated():
+        keys[...] = 0
+    elif keys.size:
+        import cupy
+        cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
+    words = _words(data, _U32, "data")
+    row_scales = scales.view(_U32)
+    # The simulator runs CUDA threads as Python threads whose device-function calls contend for a
+    # lock (and its atomics for another): a launch of 32 of them took minutes where one took a
+    # fraction of a second. There, one thread per block takes whole columns (no atomics).
+    sim = simulated()
+    chunk = max(p, 1) if sim else fp8_colwise.CHUNK_ROWS
+    group_colwise_amax_kernel[launch_1d(-(-p // chunk) * (d // 4), stream,
+                                        threads=1 if sim else None)](
+        words, row_scales, group_ends, keys, chunk)
+    group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
+    tiles = -(-t // fp8_colwise.TILE_POSITIONS) * -(-(d // 4) // fp8_colwise.TILE_WORDS)
+    group_colwise_encode_kernel[launch_1d(tiles * THREADS_PER_BLOCK, stream)](
+        words, row_scales, group_ends, keys, _words(data_t, _U32, "data_t"))
+    return data_t, scales_t, aligned
+
+
+# ---------------------------------------------------------------------------------------------
 # NumPy host implementations, bit-identical to the kernels (the same operations: integer scale
 # exponents, fp32 products rounded by NumPy's float32 arithmetic, ml_dtypes' round-to-nearest-even
 # conversions to e4m3fn and bf16).
@@ -549,6 +646,40 @@ def _host_dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None):
     m, d = data.shape
     scales = _check_array(scales, "scales", float32, (m, d // FP8_BLOCK), _host_array)
     return _host_dequantize_scaled(data, scales, FP8_BLOCK, dtype, out)
+
+
+def _host_fp8_rowwise_to_group_colwise(data, scales, group_ends):
+    """:func:`fp8_rowwise_to_group_colwise` on NumPy arrays: (P, D) uint8 and (P,) float32 rows,
+    (G,) int group ends -> (data_t (D, T) uint8, scales_t (G, D) float32, aligned_ends (G,)
+    int32). v = e4m3 * scale is exact in float64; the column scales come from its amax."""
+    data, scales = numpy.asarray(data), numpy.asarray(scales, dtype=float32)
+    ends = numpy.asarray(group_ends).astype(numpy.int64)
+    p, d = data.shape
+    g = ends.shape[0]
+    data_t = numpy.zeros((d, group_colwise_positions(p, g)), _U8)
+    scales_t = numpy.empty((g, d), float32)
+    aligned = numpy.empty(g, numpy.int32)
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        v = data.view(_E4M3).astype(numpy.float64) * scales.astype(numpy.float64)[:, None]
+    start = position = 0
+    for k in range(g):
+        end = min(max(int(ends[k]), start), p)
+        rows = v[start:end]
+        finite = numpy.isfinite(rows).all(axis=0)
+        amax = numpy.abs(numpy.where(numpy.isfinite(rows), rows, 0)).max(axis=0, initial=0.0)
+        with numpy.errstate(divide="ignore"):
+            e = numpy.clip(numpy.ceil(numpy.log2(amax / 448.0)), -126, 127)
+        scale = numpy.exp2(e)
+        with numpy.errstate(invalid="ignore"):
+            q = _host_e4m3(rows / scale)
+        q[:, ~finite] = _E4M3_NAN_BITS
+        scales_t[k] = scale
+        scales_t[k].view(_U32)[~finite] = _F32_NAN_BITS
+        data_t[:, position:position + end - start] = q.T
+        position += max(GROUP_ALIGN, -(-(end - start) // GROUP_ALIGN) * GROUP_ALIGN)
+        aligned[k] = position
+        start = end
+    return data_t, scales_t, aligned
 
 
 def _host_mx_to_rowwise_permute(mx, permuted_indices, *, out=None):

@@ -118,3 +118,47 @@ def sqnr_db(ref, test):
     ref = np.asarray(ref, dtype=np.float64)
     err = ref - np.asarray(test, dtype=np.float64)
     return 20 * np.log10(np.linalg.norm(ref) / np.linalg.norm(err))
+
+
+def group_colwise_ref(data, scales, group_ends):
+    """fp8 per (group, column), transposed, of fp8 rowwise rows ``data`` (P, D) uint8 / ``scales``
+    (P,) float32 in groups ending at ``group_ends`` (G,): (data_t (D, T) uint8, scales_t (G, D)
+    float32, aligned_ends (G,)), T = 16 ceil(P / 16) + 16 G.
+
+    Per group and column: v = e4m3 * row scale (float64), scale 2^clamp(ceil(log2(amax / 448)),
+    -126, 127), element RNE_e4m3(v / scale); any non-finite v makes the column NaN (scale NaN,
+    elements 0x7F). Group g's rows are followed by zeros up to max(16, a multiple of 16) positions.
+    Written column by column, with its own decoder.
+    """
+    p, d = data.shape
+    g = len(group_ends)
+    t = -(-p // 16) * 16 + 16 * g
+    values = np.array([_e4m3_decode(b) for b in range(256)])
+    out = np.zeros((d, t), dtype=np.uint8)
+    out_scales = np.zeros((g, d), dtype=np.float32)
+    aligned = np.zeros(g, dtype=np.int64)
+    start, position = 0, 0
+    for k, end in enumerate(np.asarray(group_ends, dtype=np.int64)):
+        end = min(max(int(end), start), p)
+        for col in range(d):
+            v = values[data[start:end, col]] * scales[start:end].astype(np.float64)
+            if not np.isfinite(v).all():
+                out[col, position:position + end - start] = 0x7F
+                out_scales.view(np.uint32)[k, col] = F32_NAN_BITS
+                continue
+            e = _pow2_exponent(np.abs(v).max(initial=0.0))
+            out[col, position:position + end - start] = _e4m3(v / 2.0 ** e)
+            out_scales[k, col] = 2.0 ** e
+        position += max(16, -(-(end - start) // 16) * 16)
+        aligned[k] = position
+        start = end
+    return out, out_scales, aligned
+
+
+def _e4m3_decode(b):
+    """float64 value of the e4m3fn byte ``b`` (NaN for 0x7F / 0xFF), from its fields."""
+    if b & 0x7F == 0x7F:
+        return np.nan
+    sign = -1.0 if b & 0x80 else 1.0
+    exp, mant = (b >> 3) & 0xF, b & 0x7
+    return sign * (mant * 2.0 ** -9 if exp == 0 else (1 + mant / 8) * 2.0 ** (exp - 7))

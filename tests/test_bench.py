@@ -251,14 +251,15 @@ def test_a_step_without_reference_is_skipped_not_exact():
 
 
 def _pipeline_tables(gpu):
-    """Tables of a 2-shape pipeline run of every variant as ``measure`` builds them."""
+    """Tables of a 2-shape pipeline run of the default variants as ``measure`` builds them."""
     from mxcomm.bench import _moe
+    variants = [v for v in _moe.VARIANTS if v.default]
     tables = {"wire": [], "exactness": [], "sqnr": []}
     if gpu:
         tables.update(end_to_end=[], stages=[])
     for shape in ((131072, 8192, 5120, 8), (16384, 7168, 2048, 8)):
         label = "x".join(map(str, shape))
-        for i, v in enumerate(_moe.VARIANTS):
+        for i, v in enumerate(variants):
             for step in _checks.STEPS:
                 if v.torch_a2a and step in ("dispatch", "combine", "combine bwd", "dispatch bwd"):
                     continue  # torch's own exchanges
@@ -287,7 +288,7 @@ def _pipeline_tables(gpu):
                                              **{f"{v.name}_ms": 1234.567 if v.baseline else
                                                 float("nan") if stage == "grad_dequantize" and
                                                 v.gemm == "fp8" else 0.5
-                                                for v in _moe.VARIANTS}})
+                                                for v in variants}})
     return tables
 
 
@@ -303,7 +304,7 @@ def test_pipeline_report_fits_120_columns(tmp_path, gpu):
     assert "| 3/131072" in text and "| rows differ" in text and "| (mxfp8)" in text
     assert "| torch," in text and "| unchecked" in text
     assert "0.50x" in text  # bytes of the third variant vs bf16
-    assert all(f"| {v} " in text for v in pipeline.VARIANT_NAMES)  # a column each
+    assert all(f"| {v.name} " in text for v in pipeline.parse_variants(None))  # a column each
     assert pipeline.failed(tables) and not pipeline.failed({"exactness": []})
     _report.write_markdown(tmp_path / "p.md", "t", meta, pipeline.markdown_sections(tables))
     md = (tmp_path / "p.md").read_text()
@@ -388,7 +389,8 @@ def test_pipeline_shapes_default_and_mismatch():
     (["a2a", "--leak-iters", "-2"], "--leak-iters: expected >= 0, got -2"),
     (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
                                              "mxfp8, mxfp8_all, bf16+fp8gemm, fp8_rowwise, "
-                                             "mxfp8+rowwise"),
+                                             "mxfp8+rowwise, fp8_rowwise_mxgrad, "
+                                             "fp8_rowwise_bf16wgrad"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
 def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
@@ -406,6 +408,9 @@ def test_variants_option_parses_names_in_table_order_with_the_reference():
     every = parse_variants(p.parse_args(["pipeline"]).variants)
     assert [v.name for v in every] == ["bf16", "mxfp8", "mxfp8_all", "bf16+fp8gemm",
                                        "fp8_rowwise", "mxfp8+rowwise"]
+    extra = parse_variants("fp8_rowwise_bf16wgrad,fp8_rowwise_mxgrad,fp8_rowwise")
+    assert [v.name for v in extra] == ["bf16", "fp8_rowwise", "fp8_rowwise_mxgrad",
+                                       "fp8_rowwise_bf16wgrad"]
     a = p.parse_args(["pipeline", "--variants", "mxfp8+rowwise, bf16+fp8gemm,fp8_rowwise,",
                       "--no-stages"])
     assert a.no_stages
@@ -433,6 +438,8 @@ def test_variants_precisions_and_stages():
     assert _checks.precisions(v["mxfp8+rowwise"])["dispatch"] == "mxfp8"
     assert v["mxfp8+rowwise"].permute_format == "fp8_rowwise"
     assert v["mxfp8+rowwise"].combine_grad == "fp8_rowwise"  # the GEMM's dgrad reads it as is
+    assert _checks.precisions(v["fp8_rowwise_mxgrad"])["dispatch_grad"] == "mxfp8"
+    assert [x.name for x in _moe.VARIANTS if x.wgrad != "fp8"] == ["fp8_rowwise_bf16wgrad"]
     for x in _moe.VARIANTS:
         names = [s.name for s in _moe.stages(x, None, 2, loop_gemm=True)]
         if x.gemm == "fp8":

@@ -7,15 +7,16 @@ import numpy as np
 import pytest
 
 from mxcomm.fp8_formats import (_host_dequantize_fp8_block128, _host_dequantize_fp8_rowwise,
-                                _host_mx_to_rowwise_permute, _host_quantize_fp8_block128,
-                                _host_quantize_fp8_rowwise, dequantize_fp8_block128,
-                                dequantize_fp8_rowwise, mx_to_rowwise_permute,
+                                _host_fp8_rowwise_to_group_colwise, _host_mx_to_rowwise_permute,
+                                _host_quantize_fp8_block128, _host_quantize_fp8_rowwise,
+                                dequantize_fp8_block128, dequantize_fp8_rowwise,
+                                fp8_rowwise_to_group_colwise, mx_to_rowwise_permute,
                                 quantize_fp8_block128, quantize_fp8_rowwise)
 from mxcomm.kernels import array_module
 from mxcomm.mxfp8 import MXFP8Array
 from reference import permute_ref, quantize_mxfp8_ref
-from reference_fp8 import (dequantize_scaled_ref, mx_to_rowwise_ref, quantize_fp8_block128_ref,
-                           quantize_fp8_rowwise_ref, sqnr_db)
+from reference_fp8 import (dequantize_scaled_ref, group_colwise_ref, mx_to_rowwise_ref,
+                           quantize_fp8_block128_ref, quantize_fp8_rowwise_ref, sqnr_db)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -418,6 +419,103 @@ def test_rejects_bad_input():
         mx_to_rowwise_permute(mx, xp.zeros((2, 2), np.int32))
 
 
+def grouped_rowwise_rows(rng, p, d, ends):
+    """fp8 rowwise rows (data, scales) of random rows spanning 2^-120..2^120 (each group's rows
+    of very different magnitudes, so columns rescale), with a zero row, a padding row (scale 1.0,
+    zeros) and, in the second group, a NaN row."""
+    x = random_rows(rng, p, d, F32)
+    x[1] = 0
+    data, scales = quantize_fp8_rowwise_ref(x)
+    data[2], scales[2] = 0, 1.0
+    if len(ends) > 1 and ends[1] - ends[0] > 1:
+        data[ends[0] + 1, 3] = 0x7F   # a NaN element: NaN in column 3 of group 1 only
+    return data, scales
+
+
+GROUP_CASES = pytest.mark.parametrize("p, d, ends", [
+    (40, 32, [13, 13, 30]),          # an empty group; rows past the last group
+    (67, 48, [0, 5, 66, 67]),        # an empty first group; a group longer than a tile
+    (16, 16, [16]),
+], ids=["empty-middle", "long", "one"])
+
+
+@GROUP_CASES
+def test_host_group_colwise_bit_exact(rng, p, d, ends):
+    data, scales = grouped_rowwise_rows(rng, p, d, ends)
+    ends = np.array(ends, dtype=np.int32)
+    assert_same(_host_fp8_rowwise_to_group_colwise(data, scales, ends)[:2],
+                group_colwise_ref(data, scales, ends)[:2])
+    np.testing.assert_array_equal(_host_fp8_rowwise_to_group_colwise(data, scales, ends)[2],
+                                  group_colwise_ref(data, scales, ends)[2])
+
+
+@GROUP_CASES
+def test_group_colwise_kernels_bit_exact(kernels, rng, p, d, ends):
+    data, scales = grouped_rowwise_rows(rng, p, d, ends)
+    ends = np.array(ends, dtype=np.int32)
+    got = fp8_rowwise_to_group_colwise(to_device(data), to_device(scales), to_device(ends))
+    want = group_colwise_ref(data, scales, ends)
+    assert_same(got[:2], want[:2])
+    np.testing.assert_array_equal(to_host(got[2]), want[2])
+
+
+def test_group_colwise_amax_atomic_chunks(kernels, rng):
+    """The amax kernel in chunks smaller than the rows (its GPU configuration: keys merged by
+    atomic max across threads), against the exclusive configuration the simulator launches."""
+    from mxcomm.kernels.fp8_colwise import group_colwise_amax_kernel
+    from mxcomm.kernels import launch_1d
+    xp = kernels
+    ends = np.array([5, 5, 21, 40], dtype=np.int32)
+    data, scales = grouped_rowwise_rows(rng, 40, 16, ends)
+    keys = []
+    for chunk in (8, 40):
+        k = xp.zeros((4, 16), np.uint32)
+        group_colwise_amax_kernel[launch_1d(-(-40 // chunk) * 4)](
+            to_device(data).view(np.uint32), to_device(scales).view(np.uint32), to_device(ends),
+            k, chunk)
+        keys.append(to_host(k))
+    np.testing.assert_array_equal(keys[0], keys[1])
+    assert (keys[1][[0, 2, 3]] > 0).all() and (keys[1][1] == 0).all()  # group 1 is empty
+
+
+def test_group_colwise_keeps_the_operands_sqnr(rng):
+    """Rows quantized rowwise, then rescaled per (group, column): the wgrad operand is as close to
+    the bf16 rows as quantizing each group's columns directly (power-of-two scales on both
+    axes), and a grouped x^T @ g from it as close as from the rowwise rows."""
+    x = rng.standard_normal((512, 64)).astype(BF16)
+    ends = np.array([100, 100, 300, 512], dtype=np.int32)
+    data, scales = quantize_fp8_rowwise_ref(x)
+    data_t, scales_t, aligned = _host_fp8_rowwise_to_group_colwise(data, scales, ends)
+    xf = x.astype(np.float64)
+    start, position, got, direct = 0, 0, [], []
+    for k, end in enumerate(ends):
+        cols = data_t[:, position:position + end - start].view(ml_dtypes.float8_e4m3fn)
+        got.append(cols.astype(np.float64).T * scales_t[k].astype(np.float64))
+        if end > start:
+            q, s = quantize_fp8_rowwise_ref(np.ascontiguousarray(x[start:end].T))  # columns
+            direct.append((q.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * s[:, None]).T)
+        position, start = aligned[k], end
+    got, direct = np.concatenate(got), np.concatenate(direct)
+    rowwise = data.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * scales[:, None]
+    assert abs(sqnr_db(xf, got) - sqnr_db(xf, direct)) < 0.3
+    assert abs(sqnr_db(xf, got) - sqnr_db(xf, rowwise)) < 0.3
+    assert sqnr_db(xf, got) > 28
+
+
+def test_group_colwise_rejects_bad_input(kernels):
+    xp = kernels
+    data, scales = xp.zeros((32, 32), np.uint8), xp.ones(32, np.float32)
+    ends = xp.asarray(np.array([32], np.int32))
+    with pytest.raises(ValueError, match="group_ends: expected a 1-D array of G >= 1"):
+        fp8_rowwise_to_group_colwise(data, scales, ends[:0])
+    with pytest.raises(TypeError, match="group_ends: expected dtype int32"):
+        fp8_rowwise_to_group_colwise(data, scales, ends.astype(np.int64))
+    with pytest.raises(ValueError, match="scales: expected shape"):
+        fp8_rowwise_to_group_colwise(data, scales[:31], ends)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_rowwise_to_group_colwise(data[:, :24], scales, ends)
+
+
 # --- GPU: larger shapes against the same references ------------------------------------------
 
 @pytest.mark.gpu
@@ -459,6 +557,24 @@ def test_gpu_dequantize_large_bit_exact(rng):
                         dequantize_scaled_ref(data, row_scales, 7168, dtype))
             assert_same(dequantize_fp8_block128(to_device(data), to_device(block_scales), dtype),
                         dequantize_scaled_ref(data, block_scales, 128, dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_group_colwise_large_bit_exact(rng):
+    """Groups of a permute (padded to 16, one empty) over many tiles and chunks: kernels against
+    the host twin everywhere, against the column-by-column reference on a few columns."""
+    counts = rng.multinomial(3000, np.ones(8) / 8)
+    counts[5] = 0
+    ends = np.cumsum(-(-counts // 16) * 16).astype(np.int32)
+    p, d = int(ends[-1]) + 7, 2064
+    data, scales = grouped_rowwise_rows(rng, p, d, ends)
+    got = fp8_rowwise_to_group_colwise(to_device(data), to_device(scales), to_device(ends))
+    want = _host_fp8_rowwise_to_group_colwise(data, scales, ends)
+    assert_same(got[:2], want[:2])
+    np.testing.assert_array_equal(to_host(got[2]), want[2])
+    cols = [0, 3, 1000, d - 1]
+    ref = group_colwise_ref(np.ascontiguousarray(data[:, cols]), scales, ends)
+    np.testing.assert_array_equal(to_host(got[0])[cols], ref[0])
 
 
 @pytest.mark.gpu

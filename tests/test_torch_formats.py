@@ -92,6 +92,8 @@ def test_grouped_mm_fallback_autograd():
         assert sqnr_db(g[lo:hi].double() @ w[e].detach().double().t(), x.grad[lo:hi]) > 40
         assert sqnr_db(xd[lo:hi].t() @ g[lo:hi].double(), w.grad[e]) > 40
     assert (w.grad[1] == 0).all()
+    with pytest.raises(ValueError, match="wgrad: expected 'fp8' or 'bf16'"):
+        mt.grouped_mm(x, w, offs, wgrad="fp16")
     with pytest.raises(ValueError, match="multiple of 16"):
         mt.grouped_mm(torch.zeros(4, 24, dtype=torch.bfloat16),
                       torch.zeros(1, 24, 8, dtype=torch.bfloat16),
@@ -121,6 +123,38 @@ def test_grouped_mm_fp8_sqnr_gpu():
     assert sqnr_db(torch._grouped_mm(xb, w, offs=offs), y.detach()) >= 28
     assert sqnr_db(xr.grad, xq.grad) >= 26
     assert sqnr_db(wr.grad, wq.grad) >= 25
+
+
+@pytest.mark.gpu
+def test_grouped_mm_fp8_wgrad_any_groups_gpu():
+    """SM90, groups of any size (not multiples of 16, an empty one, rows past the last group):
+    the fp8 wgrad equals the bf16 wgrad of the same fp8 rows (its operands are those rows rescaled
+    between power-of-two scales) to > 40 dB, is >= 25 dB from the bf16 rows' wgrad, and is zero
+    for the empty group; forward and dgrad as with aligned groups."""
+    if not mt.fp8_gemm_available("cuda"):
+        pytest.skip("needs an SM90 GPU with torch._scaled_grouped_mm")
+    torch.manual_seed(1)
+    k, n = 1024, 512
+    sizes = [1000, 0, 37, 2999, 5]
+    offs = torch.tensor(numpy.cumsum(sizes), device="cuda", dtype=torch.int32)
+    rows = int(offs[-1]) + 9
+    xb = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(len(sizes), k, n, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    a, s = _torch_gemm.quantize_rows_pow2(xb)
+    grads = {}
+    for wgrad in ("fp8", "bf16"):
+        xq = mt.QuantizedTensor(a, s, "fp8_rowwise").requires_grad_(True)
+        wq = w.clone().requires_grad_(True)
+        mt.grouped_mm(xq, wq, offs, fp8=True, wgrad=wgrad).backward(grad)
+        grads[wgrad] = wq.grad
+    wr = w.clone().requires_grad_(True)
+    torch._grouped_mm(xb, wr, offs=offs).backward(grad)
+    live = [e for e, size in enumerate(sizes) if size]
+    assert sqnr_db(grads["bf16"][live], grads["fp8"][live]) > 40
+    assert sqnr_db(wr.grad[live], grads["fp8"][live]) >= 25
+    assert (grads["fp8"][1] == 0).all() and (grads["bf16"][1] == 0).all()
+    assert torch.isfinite(grads["fp8"]).all()
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ Forward, variants with the fp8 GEMM (``Variant.gemm == "fp8"``)::
 
 Their GEMM is ``mxcomm.torch.grouped_mm`` (mxcomm/_torch_gemm.py): on SM90 the rowwise recipe of
 ``torch._scaled_grouped_mm``, which takes fp8_rowwise rows (forward) and an fp8_rowwise gradient
-(dgrad) as they are and quantizes anything else per call (bf16 wgrad); elsewhere (CPU, other GPUs)
+(dgrad) as they are and quantizes anything else per call (fp8 wgrad by default); elsewhere (CPU, other GPUs)
 its bf16 fallback, ``torch._grouped_mm`` on the dequantized rows, with the same autograd wiring.
 They have no dequantize stages: nothing makes a bf16 pass in front of that GEMM.
 
@@ -30,6 +30,15 @@ combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gra
     fp8_rowwise    mxcomm     fp8_rowwise / bf16 / bf16 / fp8_rowwise  fp8 rowwise as received
     mxfp8+rowwise  mxcomm     mxfp8 / bf16 / bf16 / fp8_rowwise       fp8 rowwise from the permute
                                                                       (gradient: as received)
+    fp8_rowwise_mxgrad  mxcomm  fp8_rowwise / bf16 / mxfp8 / fp8_rowwise  as fp8_rowwise
+    fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise                     as fp8_rowwise, bf16 wgrad
+
+The last two run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is fp8 (both operands rescaled per (group, column) along the
+tokens from the fp8 rows the forward and dgrad read), except ``fp8_rowwise_bf16wgrad``, the same
+run with the bf16 wgrad on the dequantized rows, to measure that choice side by side.
+``fp8_rowwise_mxgrad`` also sends dispatch_grad (the dgrad's bf16 output) in MXFP8: the
+backward's largest exchange halved, at the cost of a second quantization of the input gradient
+(MXFP8's 32-element blocks, about 31 dB, against rowwise's 28).
 
 ``bf16`` is the reference of SQNR and speedups; ``bf16+fp8gemm`` (the same wire, the GEMM
 quantizing its bf16 rows and gradient per call) is the reference of the fp8 GEMM variants.
@@ -68,6 +77,8 @@ class Variant:
             (``out_format``).
         gemm: ``"bf16"`` (bf16 rows, quantized ones dequantized first) or ``"fp8"``
             (``mxcomm.torch.grouped_mm``).
+        wgrad: the fp8 GEMM's weight gradient, ``"fp8"`` or ``"bf16"`` (``grouped_mm``'s).
+        default: runs without ``--variants`` (the comparisons of one choice run when named).
     """
 
     name: str
@@ -79,6 +90,8 @@ class Variant:
     combine_grad: str = "bf16"
     permute_format: object = None
     gemm: str = "bf16"
+    wgrad: str = "fp8"
+    default: bool = True
 
     def describe(self):
         """One line for the report's notes: the exchanges, the permute, the GEMM."""
@@ -88,8 +101,8 @@ class Variant:
             wire = (f"mxcomm, dispatch {self.dispatch}, combine {self.combine}, dispatch_grad "
                     f"{self.dispatch_grad}, combine_grad {self.combine_grad}")
         permute = f", permute to {self.permute_format}" if self.permute_format else ""
-        gemm = "fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm)" if self.gemm == "fp8" else \
-            "bf16 grouped GEMM"
+        gemm = f"fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm, {self.wgrad} wgrad)" \
+            if self.gemm == "fp8" else "bf16 grouped GEMM"
         return f"{self.name} = {wire}{permute}, {gemm}"
 
 
@@ -102,6 +115,10 @@ VARIANTS = (
     Variant("fp8_rowwise", dispatch="fp8_rowwise", combine_grad="fp8_rowwise", gemm="fp8"),
     Variant("mxfp8+rowwise", dispatch="mxfp8", combine_grad="fp8_rowwise",
             permute_format="fp8_rowwise", gemm="fp8"),
+    Variant("fp8_rowwise_mxgrad", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
+            combine_grad="fp8_rowwise", gemm="fp8", default=False),
+    Variant("fp8_rowwise_bf16wgrad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
+            gemm="fp8", wgrad="bf16", default=False),
 )
 #: The reference of every SQNR and the first speedup column.
 REFERENCE = "bf16"
@@ -268,7 +285,7 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         def fp8_gemm(s, p, w):
             # w (E_local, H, D) as grouped_mm's (G, K, N) = (E_local, D, H): a view; the fp8
             # path quantizes from it into its own contiguous operands.
-            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"])}
+            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"], wgrad=variant.wgrad)}
 
         return [Stage("layout", (), None, layout),
                 Stage("dispatch", ("x",), "h", dispatch),

@@ -2,7 +2,8 @@
 
 Single process. Every quantized format of ``mxcomm.formats`` (``--formats``): quantize from bf16
 (each scale mode), dequantize to bf16, permute and unpermute of its rows (data and scales), and the
-MXFP8 -> fp8 rowwise permute (``permute(..., out_format="fp8_rowwise")``). Each row: op, format,
+MXFP8 -> fp8 rowwise permute (``permute(..., out_format="fp8_rowwise")``), and the fp8 wgrad's operand
+conversion of permuted fp8 rowwise rows (``fp8_rowwise_to_group_colwise``). Each row: op, format,
 shape, median ms, bytes moved (read + written, the fewest the op must touch) and GB/s (1e9 bytes). On a GPU also a device-to-device copy of the same number of bytes
 timed in the same run; ratio = our GB/s / copy GB/s, against a target (quantize/dequantize >= 0.85,
 permute/unpermute >= 0.80). On a CPU the host backend (vectorized NumPy) is timed with the host
@@ -26,11 +27,12 @@ SIM_PERMUTE_SHAPES = [(64, 64)]
 SIM_NUM_LOCAL_EXPERTS = 2
 #: Input buffers smaller than this are rotated (two sets) so repeated runs do not hit L2.
 ROTATE_BELOW_BYTES = 1 << 30
-TARGETS = {"quantize": 0.85, "dequantize": 0.85, "permute": 0.80, "unpermute": 0.80}
+TARGETS = {"quantize": 0.85, "dequantize": 0.85, "permute": 0.80, "unpermute": 0.80,
+           "colwise": 0.80}
 ALIGN = 32
 #: Columns shown, of those a row has (a CPU row has no copy columns, a simulator row no bandwidth).
 COLUMNS = ["op", "format", "shape", "ms", "p90_ms", "GB", "GB/s", "copy_GB/s", "ratio", "target", "ok"]
-OPS = ["quantize", "dequantize", "permute", "unpermute"]
+OPS = ["quantize", "dequantize", "permute", "unpermute", "colwise"]
 #: Formats timed by default: every quantized one.
 FORMATS = ["mxfp8", "fp8_rowwise", "fp8_block128", "fp8_block128_pow2"]
 
@@ -168,7 +170,7 @@ def measure(args, rt):
                 del qs, dq
         del xs
 
-    for m in perm_rows if {"permute", "unpermute"} & set(args.ops) else []:
+    for m in perm_rows if {"permute", "unpermute", "colwise"} & set(args.ops) else []:
         shape = (m, dim)
         rng = numpy.random.default_rng(11)
         counts_host = numpy.array(_workload.integer_split(m, rng.uniform(0.5, 1.5, e_local)),
@@ -201,6 +203,20 @@ def measure(args, rt):
                 nbytes = m * row_bytes + p * 4 + 2 * m * row_bytes
                 rows.append(_row("unpermute", label, shape, stats, nbytes, copy, bw))
                 del permuted, indices
+            if "colwise" in args.ops and label == "fp8_rowwise":
+                from mxcomm.fp8_formats import (fp8_rowwise_to_group_colwise,
+                                                group_colwise_positions)
+                rt.log(f"colwise {label} {shape}")
+                permuted, _, offsets = permute(value, counts, e_local, ALIGN)
+                stats = _timing.measure(lambda: fp8_rowwise_to_group_colwise(
+                    permuted.data, permuted.scales, offsets), **timed)
+                # the fewest bytes: the rows and scales read once, the transposed rows, the
+                # (group, column) scales and the group ends written once (the kernels read twice)
+                t = group_colwise_positions(p, e_local)
+                nbytes = p * (dim + 4) + dim * t + e_local * dim * 4 + e_local * 8
+                rows.append(_row("colwise", "fp8_rowwise->group colwise", (p, dim), stats,
+                                 nbytes, copy, bw))
+                del permuted, offsets
         del x, cases
 
     notes = [f"bytes = bytes read + bytes written (GB = 1e9); median of {args.iters} after "
@@ -209,7 +225,10 @@ def measure(args, rt):
              f"align {ALIGN}; quantized rows move data and scales; mxfp8->fp8_rowwise permute "
              f"reads MXFP8 rows and writes fp8 rowwise rows (rescaled in the same pass)",
              "unpermute given an int num_rows zero-fills its result first (rows no index names "
-             "read 0): its bytes count that fill; given the layout (the EP path) it skips it"]
+             "read 0): its bytes count that fill; given the layout (the EP path) it skips it",
+             "colwise: permuted fp8 rowwise rows (P, D) to the fp8 wgrad's operand, (D, T) "
+             "scaled per (group, column), T = P rounded to 16 + 16 per group; bytes count one "
+             "read of the rows (its kernels read them twice: amax, then encode)"]
     if skipped:
         notes.append(f"skipped (D = {dim} is not a multiple of their block): {', '.join(skipped)}")
     if rt.gpu:

@@ -3,7 +3,8 @@
 Per rank: --tokens rows of --dim elements, routed to W x --experts experts (--experts counts the
 experts of one rank, E_local). Forward: exchange_layout -> a2a_dispatch -> permute -> grouped GEMM
 (bf16 weights (E_local, hidden, dim), with gradient) -> unpermute -> a2a_combine; backward through
-all of it with a fixed random output gradient. Six variants in one run (--variants picks some;
+all of it with a fixed random output gradient. Six variants in one run, two more on request
+(--variants picks; 
 wire = dispatch / combine / dispatch_grad / combine_grad):
   bf16           torch.distributed all_to_all_single in bf16, mxcomm permute/unpermute, bf16
                  GEMM (the reference of SQNR and speedups)
@@ -18,6 +19,10 @@ wire = dispatch / combine / dispatch_grad / combine_grad):
                  and dgrad read them (and the fp8 rowwise gradient) with no bf16 pass
   mxfp8+rowwise  mxcomm, mxfp8 / bf16 / bf16 / fp8_rowwise: MXFP8 on the wire, converted to fp8
                  rowwise inside the permute, then the same fp8 GEMM
+  fp8_rowwise_mxgrad     (only by --variants) fp8_rowwise with dispatch_grad in mxfp8 (the
+                 backward's largest exchange halved)
+  fp8_rowwise_bf16wgrad  (only by --variants) fp8_rowwise with the GEMM's weight gradient in
+                 bf16 (the others': fp8)
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
@@ -53,7 +58,8 @@ def parse_variants(text):
     always runs (SQNR and speedups are against it).
 
     Args:
-        text: comma-separated variant names (empty items ignored), or None for every variant.
+        text: comma-separated variant names (empty items ignored), or None for the default set
+            (every variant but the two fp8_rowwise comparisons, which --variants names).
     Returns:
         A tuple of ``_moe.Variant``.
     Raises:
@@ -61,7 +67,7 @@ def parse_variants(text):
             names), or no name at all.
     """
     if text is None:
-        return tuple(_moe.VARIANTS)
+        return tuple(v for v in _moe.VARIANTS if v.default)
     names = [n.strip() for n in text.split(",") if n.strip()]
     accepted = ", ".join(VARIANT_NAMES)
     if not names:
@@ -104,7 +110,8 @@ def add_arguments(parser):
                              "their top 8 experts of a skewed, seeded popularity (default uniform)")
     parser.add_argument("--variants", metavar="NAMES",
                         help=f"comma-separated variants to run, of {', '.join(VARIANT_NAMES)} "
-                             f"(default: all; {_moe.REFERENCE}, the reference, always runs)")
+                             f"(default: all but the fp8_rowwise_* comparisons; {_moe.REFERENCE}, the "
+                             f"reference, always runs)")
     parser.add_argument("--no-stages", action="store_true",
                         help="skip the per-stage timings (GPU only)")
     parser.add_argument("--plot", metavar="PATH",
@@ -278,11 +285,13 @@ class _Case:
 def _gemm_note(rt, fp8_gemm):
     """How the fp8 GEMM variants' GEMM ran here (SM90 fp8, or the bf16 fallback)."""
     if fp8_gemm:
-        return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise, mxfp8+rowwise): mxcomm.torch.grouped_mm, "
-                "torch._scaled_grouped_mm rowwise on SM90 (weights quantized per call, e4m3 with "
-                "power-of-two scales; forward and dgrad fp8, wgrad bf16)")
+        return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise): "
+                "mxcomm.torch.grouped_mm, torch._scaled_grouped_mm rowwise on SM90 (weights "
+                "quantized per call, e4m3 with power-of-two scales; forward, dgrad and wgrad fp8, "
+                "the wgrad's operands rescaled per (group, column) along the tokens; "
+                "fp8_rowwise_bf16wgrad: wgrad bf16)")
     where = "this GPU is not SM90 (or torch lacks _scaled_grouped_mm)" if rt.gpu else "CPU"
-    return (f"fp8 GEMM (bf16+fp8gemm, fp8_rowwise, mxfp8+rowwise): {where}, so "
+    return (f"fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise): {where}, so "
             f"mxcomm.torch.grouped_mm ran its bf16 fallback (torch._grouped_mm on the dequantized "
             f"rows): their SQNR shows the wire's error only, not the GEMM's")
 

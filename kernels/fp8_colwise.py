@@ -1,0 +1,308 @@
+"""fp8 rowwise rows -> fp8 scaled per (group, column), transposed: the wgrad operands of a grouped GEMM.
+
+The weight gradient of a grouped GEMM, dw[g] = x[g]^T @ grad[g], reduces over the tokens (rows) of
+each group g, so its fp8 operands are scaled along the token axis: one scale per (group, column),
+and laid out with the tokens contiguous (``torch._scaled_grouped_mm``'s 2d-2d case: A (K, T)
+row-major, B (T, N) column-major, one fp32 scale per group and row of A / column of B; the
+dynamic dimension T grouped by offsets that must be multiples of 16). The input is fp8 rowwise
+rows (P, D): e4m3 bytes and power-of-two row scales 2^(r_p - 127) (r_p biased), sorted into G
+groups by ``group_ends`` (G,) int32, the cumulative group ends (``permute``'s ``group_offsets``;
+rows from ``group_ends[G - 1]`` on belong to no group). With v[p, d] = e4m3[p, d] * 2^(r_p - 127)
+(exact) and, for group g and column d, amax = max |v| over the group's rows:
+
+    s[g, d]      = clamp(ceil(log2(amax / 448)), -126, 127) + 127   (biased; amax = 0: 1)
+    scales[g, d] = 2^(s - 127)                                       (float32, (G, D))
+    out[d, t]    = RNE_e4m3(v[p, d] / scales[g, d])                  ((D, T) uint8)
+
+the fp8 rowwise rule (``fp8_rowwise``) along the other axis. v / scale = e4m3 * 2^(r_p - s) is an
+exact product rounded once (|result| <= 448, no saturation; an element 33 or more binades below
+its column's maximum rounds to a signed zero, so the exponent difference is clamped to
+[-32, 18]). Because both scales are powers of two, an element keeps its bits wherever its row's
+scale is already its column's, and rounds only where it lands in e4m3's subnormal range: on
+Gaussian rows the operands' SQNR against bf16 equals that of quantizing the bf16 columns directly
+(bench/NOTES.md).
+
+Token positions t: each group starts at a multiple of 16 and takes max(16, 16 * ceil(n_g / 16))
+positions (``aligned_ends``, written by :func:`group_colwise_scales_kernel`): its rows first, then
+zero padding; an empty group gets 16 zero positions, so the GEMM sees no empty and no misaligned
+group (its 2d-2d kernel asserts on the device that every group is a multiple of 16, and the EP
+path cannot promise that of the tokens without a host sync). T = 16 * ceil(P / 16) + 16 * G
+bounds the positions statically; positions past the last group are zeros.
+
+Non-finite: a row with a NaN (or Inf) scale, or a NaN element (0x7F, 0xFF), makes its group's
+column NaN: scale NaN (0x7FC00000) and every element of that group and column 0x7F, so the GEMM
+gives NaN where such a token contributed. Scales must be powers of two (as fp8 rowwise quantizers
+write them), 0 or NaN.
+
+Three kernels, grid-stride:
+  1. :func:`group_colwise_amax_kernel`: each thread takes one data word (4 columns) of CHUNK_ROWS
+     consecutive rows, keeps the running max of |v| per column and group, and merges it into
+     ``keys`` (G, D) with one atomic max per column and group met (the rows are sorted by group,
+     so a chunk meets one group, rarely two). |v| is kept as the fp32 bits of |v| * 2^-8 (finite
+     for every row scale up to 2^127; NaN above every finite key).
+  2. :func:`group_colwise_scales_kernel`: the keys become the scale bits, in place; thread 0 also
+     writes ``aligned_ends``.
+  3. :func:`group_colwise_encode_kernel`: tiles of TILE_POSITIONS token positions x TILE_WORDS data
+     words (4 columns each): the tile's source rows are loaded row by row (coalesced), rescaled
+     and transposed through shared memory, and stored position-contiguous (coalesced).
+"""
+
+from numba import cuda, int32, uint8, uint32
+
+from ._fp8 import E4M3_NAN, F32_INF, F32_MANT_1_75, F32_NAN, cvt_e4m3x2, bits_from_f32, \
+    f32_from_bits, f32_from_e4m3
+from ._launch import kernel
+
+#: Rows each thread of the amax kernel walks (one atomic per column and group met).
+CHUNK_ROWS = 64
+#: Token positions and data words (4 columns each) of one tile of the encode kernel.
+TILE_POSITIONS = 64
+TILE_WORDS = 16
+#: Groups start at multiples of this many positions (the GEMM's rule for fp8: 16 bytes).
+GROUP_ALIGN = 16
+#: Clamp of the rescale exponent r_p - s (module docstring).
+RESCALE_EXP_MIN = -32
+RESCALE_EXP_MAX = 18
+_KEY_SHIFT = 2.0 ** -8   # keys are |v| * 2^-8: finite for e4m3 (<= 448) times scales <= 2^127
+_ABS = 0x7FFFFFFF
+
+
+@cuda.jit(device=True)
+def first_group(group_ends, p):
+    """The group of row ``p``: the number of groups ending at or before it (G: none)."""
+    g = 0
+    n = group_ends.shape[0]
+    while g < n and group_ends[g] <= p:
+        g += 1
+    return g
+
+
+@cuda.jit(device=True)
+def abs_key(b, row_mult):
+    """The amax key (uint32 fp32 bits of |v| * 2^-8) of the e4m3 byte ``b`` (uint32) in a row
+    whose scale times 2^-8 is ``row_mult`` (f32; NaN for a non-finite row)."""
+    if (b & uint32(0x7F)) == uint32(E4M3_NAN):
+        return uint32(F32_NAN)
+    return bits_from_f32(f32_from_e4m3(b & uint32(0x7F)) * row_mult) & uint32(_ABS)
+
+
+@cuda.jit(device=True)
+def row_key_mult(scale_bits):
+    """2^-8 times the row scale with bits ``scale_bits`` (uint32), as f32; NaN if not finite."""
+    bits = scale_bits & uint32(_ABS)
+    if bits >= uint32(F32_INF):
+        return f32_from_bits(uint32(F32_NAN))
+    return f32_from_bits(bits) * _KEY_SHIFT
+
+
+@cuda.jit(device=True)
+def flush_keys(keys, g, col, k0, k1, k2, k3, exclusive):
+    """Merge the running keys of columns col..col+3 of group ``g`` into ``keys``: atomic max, or
+    a plain store where this thread is the only one to write them (``exclusive``)."""
+    if exclusive:
+        keys[g, col] = max(keys[g, col], k0)
+        keys[g, col + 1] = max(keys[g, col + 1], k1)
+        keys[g, col + 2] = max(keys[g, col + 2], k2)
+        keys[g, col + 3] = max(keys[g, col + 3], k3)
+        return
+    if k0:
+        cuda.atomic.max(keys, (g, col), k0)
+    if k1:
+        cuda.atomic.max(keys, (g, col + 1), k1)
+    if k2:
+        cuda.atomic.max(keys, (g, col + 2), k2)
+    if k3:
+        cuda.atomic.max(keys, (g, col + 3), k3)
+
+
+@kernel
+def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_rows):
+    """Per (group, column) amax keys of fp8 rowwise rows (module docstring, kernel 1).
+
+    Args:
+        data_words: (P, D // 4) uint32, e4m3 bits of the rows, 4 per word (element 0 lowest).
+            Read.
+        row_scales: (P,) uint32, fp32 bits of the row scales. Read.
+        group_ends: (G,) int32, cumulative group ends (non-decreasing, <= P). Read.
+        keys: (G, D) uint32, zeros on entry; max over the group's rows of the fp32 bits of
+            |v| * 2^-8 (NaN bits for a non-finite element). Written (atomic max).
+        chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= P makes every key written by one
+            thread only (plain stores: the simulator's atomics serialize its Python threads on
+            one lock, seconds per small launch).
+    Launch: launch_1d(ceil(P / chunk_rows) * D // 4): item i is word i % (D // 4) of the rows
+        [c * chunk_rows, (c + 1) * chunk_rows), c = i // (D // 4), grid-stride.
+    """
+    words = data_words.shape[1]
+    n_groups = group_ends.shape[0]
+    if n_groups == 0:
+        return
+    rows = min(data_words.shape[0], group_ends[n_groups - 1])
+    exclusive = chunk_rows >= rows
+    n = -(-rows // chunk_rows) * words
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        c = i // words
+        w = i - c * words
+        col = 4 * w
+        p = c * chunk_rows
+        end = min(p + chunk_rows, rows)
+        g = first_group(group_ends, p)
+        g_end = group_ends[g]
+        k0 = k1 = k2 = k3 = uint32(0)
+        while p < end:
+            if p >= g_end:
+                flush_keys(keys, g, col, k0, k1, k2, k3, exclusive)
+                k0 = k1 = k2 = k3 = uint32(0)
+                while g < n_groups - 1 and group_ends[g] <= p:  # bounded for bad (unsorted) ends
+                    g += 1
+                g_end = group_ends[g]
+            d = data_words[p, w]
+            mult = row_key_mult(row_scales[p])
+            k0 = max(k0, abs_key(d & uint32(0xFF), mult))
+            k1 = max(k1, abs_key((d >> uint32(8)) & uint32(0xFF), mult))
+            k2 = max(k2, abs_key((d >> uint32(16)) & uint32(0xFF), mult))
+            k3 = max(k3, abs_key(d >> uint32(24), mult))
+            p += 1
+        flush_keys(keys, g, col, k0, k1, k2, k3, exclusive)
+
+
+@cuda.jit(device=True)
+def scale_exp_of_key(key):
+    """Biased exponent s (1..254) of the scale of a finite key: with |amax| = key * 2^8, the
+    rowwise rule clamp(ceil(log2(amax / 448)), -126, 127) + 127 = key's biased exponent, plus one
+    above a mantissa of 1.75 (448 = 1.75 * 2^8); subnormal and zero keys give 1."""
+    e = int32(key >> uint32(23))
+    if e == 0:
+        return uint32(1)
+    if (key & uint32(0x7FFFFF)) > uint32(F32_MANT_1_75):
+        e += 1
+    return uint32(min(max(e, int32(1)), int32(254)))
+
+
+@kernel
+def group_colwise_scales_kernel(keys, group_ends, aligned_ends):
+    """The keys of kernel 1 become scale bits, in place; thread 0 writes the aligned group ends.
+
+    Args:
+        keys: (G * D,) uint32: amax keys on entry, fp32 bits of the scales on exit (NaN bits for
+            a non-finite group column). Read and written.
+        group_ends: (G,) int32, cumulative group ends. Read.
+        aligned_ends: (G,) int32, cumulative ends of the groups' token positions, each group
+            max(16, 16 * ceil(n_g / 16)) long. Written.
+    Launch: launch_1d(G * D), grid-stride.
+    """
+    n = keys.shape[0]
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        key = keys[i]
+        if key >= uint32(F32_INF):
+            keys[i] = uint32(F32_NAN)
+        else:
+            keys[i] = scale_exp_of_key(key) << uint32(23)
+    if cuda.grid(1) == 0:
+        start = int32(0)
+        aligned = int32(0)
+        for g in range(group_ends.shape[0]):
+            size = group_ends[g] - start
+            start = group_ends[g]
+            aligned += max(int32(GROUP_ALIGN),
+                           (size + int32(GROUP_ALIGN - 1)) // int32(GROUP_ALIGN) * int32(GROUP_ALIGN))
+            aligned_ends[g] = aligned
+
+
+@cuda.jit(device=True)
+def rescale_byte(b, row_exp, scale_bits):
+    """The e4m3 byte ``b`` (uint32) of a row with biased scale exponent ``row_exp``, rescaled to
+    the column scale with bits ``scale_bits``: RNE_e4m3(e4m3 * 2^(row_exp - s)), as f32 (the
+    caller converts pairs); NaN for a NaN column."""
+    if (scale_bits & uint32(_ABS)) >= uint32(F32_INF):
+        return f32_from_bits(uint32(F32_NAN))
+    k = min(max(int32(row_exp) - int32(scale_bits >> uint32(23)), int32(RESCALE_EXP_MIN)),
+            int32(RESCALE_EXP_MAX))
+    return f32_from_e4m3(b) * f32_from_bits(uint32(127 + k) << uint32(23))
+
+
+@kernel
+def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, out_words):
+    """fp8 rowwise rows -> (D, T) e4m3 scaled per (group, column) (module docstring, kernel 3).
+
+    Args:
+        data_words: (P, D // 4) uint32, e4m3 bits of the rows, 4 per word. Read.
+        row_scales: (P,) uint32, fp32 bits of the power-of-two row scales. Read.
+        group_ends: (G,) int32, cumulative group ends. Read.
+        scale_bits: (G, D) uint32, fp32 bits of the column scales (kernel 2). Read.
+        out_words: (D, T // 4) uint32, e4m3 bits, 4 token positions per word. Written (every
+            word).
+    Launch: launch_1d(tiles * THREADS_PER_BLOCK) with tiles = ceil(T / TILE_POSITIONS) *
+        ceil(D / 4 / TILE_WORDS): one tile at a time per CUDA block, grid-stride over tiles.
+    """
+    tile = cuda.shared.array((4 * TILE_WORDS, TILE_POSITIONS + 1), uint8)  # +1: no bank conflicts
+    source = cuda.shared.array(TILE_POSITIONS, int32)   # row of each position, -1 for padding
+    group = cuda.shared.array(TILE_POSITIONS, int32)
+    row_exp = cuda.shared.array(TILE_POSITIONS, int32)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    words = data_words.shape[1]
+    d = 4 * words
+    positions = 4 * out_words.shape[1]
+    n_groups = group_ends.shape[0]
+    tiles_w = -(-words // TILE_WORDS)
+    tiles = -(-positions // TILE_POSITIONS) * tiles_w
+    for t in range(cuda.blockIdx.x, tiles, cuda.gridDim.x):
+        q0 = (t // tiles_w) * TILE_POSITIONS
+        w0 = (t % tiles_w) * TILE_WORDS
+        for i in range(tid, TILE_POSITIONS, nthreads):  # each position's source row
+            q = q0 + i
+            src = -1
+            g = 0
+            start = 0
+            aligned = 0
+            while g < n_groups:
+                size = group_ends[g] - start
+                span = max(GROUP_ALIGN, (size + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN)
+                if q < aligned + span:
+                    if q - aligned < size:
+                        src = start + q - aligned
+                    break
+                aligned += span
+                start = group_ends[g]
+                g += 1
+            source[i] = src
+            group[i] = g
+            row_exp[i] = int32((row_scales[src] >> uint32(23)) & uint32(0xFF)) if src >= 0 else 0
+        cuda.syncthreads()
+        for i in range(tid, TILE_POSITIONS * TILE_WORDS, nthreads):  # load, rescale, transpose
+            r = i // TILE_WORDS
+            j = i - r * TILE_WORDS
+            w = w0 + j
+            src = source[r]
+            b0 = b1 = b2 = b3 = uint32(0)
+            if src >= 0 and w < words:
+                word = data_words[src, w]
+                g = group[r]
+                e = row_exp[r]
+                col = 4 * w
+                v0 = rescale_byte(word & uint32(0xFF), e, scale_bits[g, col])
+                v1 = rescale_byte((word >> uint32(8)) & uint32(0xFF), e, scale_bits[g, col + 1])
+                v2 = rescale_byte((word >> uint32(16)) & uint32(0xFF), e, scale_bits[g, col + 2])
+                v3 = rescale_byte(word >> uint32(24), e, scale_bits[g, col + 3])
+                lo = uint32(cvt_e4m3x2(v1, v0))
+                hi = uint32(cvt_e4m3x2(v3, v2))
+                b0 = lo & uint32(0xFF)
+                b1 = lo >> uint32(8)
+                b2 = hi & uint32(0xFF)
+                b3 = hi >> uint32(8)
+            tile[4 * j, r] = b0
+            tile[4 * j + 1, r] = b1
+            tile[4 * j + 2, r] = b2
+            tile[4 * j + 3, r] = b3
+        cuda.syncthreads()
+        for i in range(tid, 4 * TILE_WORDS * (TILE_POSITIONS // 4), nthreads):  # store
+            c = i // (TILE_POSITIONS // 4)
+            k = i - c * (TILE_POSITIONS // 4)
+            col = 4 * w0 + c
+            q = q0 + 4 * k
+            if col < d and q < positions:
+                out_words[col, q // 4] = (uint32(tile[c, 4 * k])
+                                          | (uint32(tile[c, 4 * k + 1]) << uint32(8))
+                                          | (uint32(tile[c, 4 * k + 2]) << uint32(16))
+                                          | (uint32(tile[c, 4 * k + 3]) << uint32(24)))
+        cuda.syncthreads()
