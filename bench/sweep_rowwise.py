@@ -12,7 +12,7 @@ import statistics
 import cupy
 import numpy
 
-from mxcomm import bfloat16
+from mxcomm._array import bfloat16
 from mxcomm.fp8_formats import launch_quantize_fp8_rowwise
 
 SHARES = [0.0625, 0.125, 0.1875, 0.25, 0.375, 0.5, 0.75, 1.0]

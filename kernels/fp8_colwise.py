@@ -63,6 +63,8 @@ GROUP_ALIGN = 16
 #: Clamp of the rescale exponent r_p - s (module docstring).
 RESCALE_EXP_MIN = -32
 RESCALE_EXP_MAX = 18
+#: Shared tile of the encode kernel: 4 * TILE_WORDS columns x TILE_POSITIONS positions (+1 pad).
+_TILE_SHAPE = (4 * TILE_WORDS, TILE_POSITIONS + 1)
 _KEY_SHIFT = 2.0 ** -8   # keys are |v| * 2^-8: finite for e4m3 (<= 448) times scales <= 2^127
 _ABS = 0x7FFFFFFF
 
@@ -234,7 +236,7 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
     Launch: launch_1d(tiles * THREADS_PER_BLOCK) with tiles = ceil(T / TILE_POSITIONS) *
         ceil(D / 4 / TILE_WORDS): one tile at a time per CUDA block, grid-stride over tiles.
     """
-    tile = cuda.shared.array((4 * TILE_WORDS, TILE_POSITIONS + 1), uint8)  # +1: no bank conflicts
+    tile = cuda.shared.array(_TILE_SHAPE, uint8)  # the +1 position: no bank conflicts
     source = cuda.shared.array(TILE_POSITIONS, int32)   # row of each position, -1 for padding
     group = cuda.shared.array(TILE_POSITIONS, int32)
     row_exp = cuda.shared.array(TILE_POSITIONS, int32)
