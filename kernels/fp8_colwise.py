@@ -35,7 +35,7 @@ gives NaN where such a token contributed. Scales must be powers of two (as fp8 r
 write them), 0 or NaN.
 
 Three kernels, grid-stride:
-  1. :func:`group_colwise_amax_kernel`: each thread takes one data word (4 columns) of CHUNK_ROWS
+  1. :func:`group_colwise_amax_kernel`: each thread takes one data word (8 columns) of CHUNK_ROWS
      consecutive rows, keeps the running max of |v| per column and group, and merges it into
      ``keys`` (G, D) with one atomic max per column and group met (the rows are sorted by group,
      so a chunk meets one group, rarely two). |v| is kept as the fp32 bits of |v| * 2^-8 (finite
@@ -43,21 +43,27 @@ Three kernels, grid-stride:
   2. :func:`group_colwise_scales_kernel`: the keys become the scale bits, in place; thread 0 also
      writes ``aligned_ends``.
   3. :func:`group_colwise_encode_kernel`: tiles of TILE_POSITIONS token positions x TILE_WORDS data
-     words (4 columns each): the tile's source rows are loaded row by row (coalesced), rescaled
-     and transposed through shared memory, and stored position-contiguous (coalesced).
+     words (4 columns each): the tile's source rows are loaded row by row (coalesced, ENCODE_LOADS
+     words per thread in flight), rescaled and transposed through shared memory, and stored
+     position-contiguous (coalesced).
 """
 
-from numba import cuda, int32, uint8, uint32
+from numba import cuda, int32, uint8, uint32, uint64
 
 from ._fp8 import E4M3_NAN, F32_INF, F32_MANT_1_75, F32_NAN, cvt_e4m3x2, bits_from_f32, \
     f32_from_bits, f32_from_e4m3
 from ._launch import kernel
 
-#: Rows each thread of the amax kernel walks (one atomic per column and group met).
+#: Rows each thread of the amax kernel walks (one atomic per column and group met), AMAX_UNROLL
+#: rows loaded at a time, AMAX_COLUMNS columns (one uint64 data word) per thread.
 CHUNK_ROWS = 64
+AMAX_UNROLL = 8
+AMAX_COLUMNS = 8
 #: Token positions and data words (4 columns each) of one tile of the encode kernel.
 TILE_POSITIONS = 64
-TILE_WORDS = 16
+TILE_WORDS = 32
+#: Data words each thread of the encode kernel loads at a time (all in flight first).
+ENCODE_LOADS = 8
 #: Groups start at multiples of this many positions (the GEMM's rule for fp8: 16 bytes).
 GROUP_ALIGN = 16
 #: Clamp of the rescale exponent r_p - s (module docstring).
@@ -98,23 +104,16 @@ def row_key_mult(scale_bits):
 
 
 @cuda.jit(device=True)
-def flush_keys(keys, g, col, k0, k1, k2, k3, exclusive):
-    """Merge the running keys of columns col..col+3 of group ``g`` into ``keys``: atomic max, or
-    a plain store where this thread is the only one to write them (``exclusive``)."""
-    if exclusive:
-        keys[g, col] = max(keys[g, col], k0)
-        keys[g, col + 1] = max(keys[g, col + 1], k1)
-        keys[g, col + 2] = max(keys[g, col + 2], k2)
-        keys[g, col + 3] = max(keys[g, col + 3], k3)
-        return
-    if k0:
-        cuda.atomic.max(keys, (g, col), k0)
-    if k1:
-        cuda.atomic.max(keys, (g, col + 1), k1)
-    if k2:
-        cuda.atomic.max(keys, (g, col + 2), k2)
-    if k3:
-        cuda.atomic.max(keys, (g, col + 3), k3)
+def flush_keys(keys, g, col, k, exclusive):
+    """Merge the running keys ``k`` (8, local) of columns col..col+7 of group ``g`` into ``keys``:
+    atomic max, or a plain store where this thread is the only one to write them
+    (``exclusive``); then reset them."""
+    for j in range(AMAX_COLUMNS):
+        if exclusive:
+            keys[g, col + j] = max(keys[g, col + j], k[j])
+        elif k[j]:
+            cuda.atomic.max(keys, (g, col + j), k[j])
+        k[j] = uint32(0)
 
 
 @kernel
@@ -122,7 +121,7 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
     """Per (group, column) amax keys of fp8 rowwise rows (module docstring, kernel 1).
 
     Args:
-        data_words: (P, D // 4) uint32, e4m3 bits of the rows, 4 per word (element 0 lowest).
+        data_words: (P, D // 8) uint64, e4m3 bits of the rows, 8 per word (element 0 lowest).
             Read.
         row_scales: (P,) uint32, fp32 bits of the row scales. Read.
         group_ends: (G,) int32, cumulative group ends (non-decreasing, <= P). Read.
@@ -131,9 +130,13 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= P makes every key written by one
             thread only (plain stores: the simulator's atomics serialize its Python threads on
             one lock, seconds per small launch).
-    Launch: launch_1d(ceil(P / chunk_rows) * D // 4): item i is word i % (D // 4) of the rows
-        [c * chunk_rows, (c + 1) * chunk_rows), c = i // (D // 4), grid-stride.
+    Launch: launch_1d(ceil(P / chunk_rows) * D // 8): item i is word i % (D // 8) of the rows
+        [c * chunk_rows, (c + 1) * chunk_rows), c = i // (D // 8), grid-stride; AMAX_UNROLL rows
+        loaded at a time (all loads in flight first).
     """
+    loaded = cuda.local.array(AMAX_UNROLL, uint64)
+    loaded_scales = cuda.local.array(AMAX_UNROLL, uint32)
+    k = cuda.local.array(AMAX_COLUMNS, uint32)
     words = data_words.shape[1]
     n_groups = group_ends.shape[0]
     if n_groups == 0:
@@ -144,27 +147,32 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         c = i // words
         w = i - c * words
-        col = 4 * w
-        p = c * chunk_rows
-        end = min(p + chunk_rows, rows)
-        g = first_group(group_ends, p)
+        col = AMAX_COLUMNS * w
+        first = c * chunk_rows
+        end = min(first + chunk_rows, rows)
+        g = first_group(group_ends, first)
         g_end = group_ends[g]
-        k0 = k1 = k2 = k3 = uint32(0)
-        while p < end:
-            if p >= g_end:
-                flush_keys(keys, g, col, k0, k1, k2, k3, exclusive)
-                k0 = k1 = k2 = k3 = uint32(0)
-                while g < n_groups - 1 and group_ends[g] <= p:  # bounded for bad (unsorted) ends
-                    g += 1
-                g_end = group_ends[g]
-            d = data_words[p, w]
-            mult = row_key_mult(row_scales[p])
-            k0 = max(k0, abs_key(d & uint32(0xFF), mult))
-            k1 = max(k1, abs_key((d >> uint32(8)) & uint32(0xFF), mult))
-            k2 = max(k2, abs_key((d >> uint32(16)) & uint32(0xFF), mult))
-            k3 = max(k3, abs_key(d >> uint32(24), mult))
-            p += 1
-        flush_keys(keys, g, col, k0, k1, k2, k3, exclusive)
+        for j in range(AMAX_COLUMNS):
+            k[j] = uint32(0)
+        for p in range(first, end, AMAX_UNROLL):
+            for u in range(AMAX_UNROLL):  # all loads first
+                if p + u < end:
+                    loaded[u] = data_words[p + u, w]
+                    loaded_scales[u] = row_scales[p + u]
+            for u in range(AMAX_UNROLL):
+                q = p + u
+                if q < end:
+                    if q >= g_end:
+                        flush_keys(keys, g, col, k, exclusive)
+                        while g < n_groups - 1 and group_ends[g] <= q:  # bounded: bad ends
+                            g += 1
+                        g_end = group_ends[g]
+                    mult = row_key_mult(loaded_scales[u])
+                    d = loaded[u]
+                    for j in range(AMAX_COLUMNS):
+                        k[j] = max(k[j], abs_key(uint32((d >> uint64(8 * j)) & uint64(0xFF)),
+                                                 mult))
+        flush_keys(keys, g, col, k, exclusive)
 
 
 @cuda.jit(device=True)
@@ -234,12 +242,16 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         out_words: (D, T // 4) uint32, e4m3 bits, 4 token positions per word. Written (every
             word).
     Launch: launch_1d(tiles * THREADS_PER_BLOCK) with tiles = ceil(T / TILE_POSITIONS) *
-        ceil(D / 4 / TILE_WORDS): one tile at a time per CUDA block, grid-stride over tiles.
+        ceil(D / 4 / TILE_WORDS): one tile at a time per CUDA block, grid-stride over tiles. In a
+        tile, each thread loads ENCODE_LOADS words first (with 256 threads: one word column,
+        every 8th position), keeps its columns' scales while the group stays the same, and
+        stores position-contiguous words through the shared tile.
     """
     tile = cuda.shared.array(_TILE_SHAPE, uint8)  # the +1 position: no bank conflicts
     source = cuda.shared.array(TILE_POSITIONS, int32)   # row of each position, -1 for padding
     group = cuda.shared.array(TILE_POSITIONS, int32)
     row_exp = cuda.shared.array(TILE_POSITIONS, int32)
+    loaded = cuda.local.array(ENCODE_LOADS, uint32)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     words = data_words.shape[1]
@@ -248,6 +260,7 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
     n_groups = group_ends.shape[0]
     tiles_w = -(-words // TILE_WORDS)
     tiles = -(-positions // TILE_POSITIONS) * tiles_w
+    items = TILE_POSITIONS * TILE_WORDS
     for t in range(cuda.blockIdx.x, tiles, cuda.gridDim.x):
         q0 = (t // tiles_w) * TILE_POSITIONS
         w0 = (t % tiles_w) * TILE_WORDS
@@ -271,31 +284,51 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
             group[i] = g
             row_exp[i] = int32((row_scales[src] >> uint32(23)) & uint32(0xFF)) if src >= 0 else 0
         cuda.syncthreads()
-        for i in range(tid, TILE_POSITIONS * TILE_WORDS, nthreads):  # load, rescale, transpose
-            r = i // TILE_WORDS
-            j = i - r * TILE_WORDS
-            w = w0 + j
-            src = source[r]
-            b0 = b1 = b2 = b3 = uint32(0)
-            if src >= 0 and w < words:
-                word = data_words[src, w]
-                g = group[r]
-                e = row_exp[r]
-                col = 4 * w
-                v0 = rescale_byte(word & uint32(0xFF), e, scale_bits[g, col])
-                v1 = rescale_byte((word >> uint32(8)) & uint32(0xFF), e, scale_bits[g, col + 1])
-                v2 = rescale_byte((word >> uint32(16)) & uint32(0xFF), e, scale_bits[g, col + 2])
-                v3 = rescale_byte(word >> uint32(24), e, scale_bits[g, col + 3])
-                lo = uint32(cvt_e4m3x2(v1, v0))
-                hi = uint32(cvt_e4m3x2(v3, v2))
-                b0 = lo & uint32(0xFF)
-                b1 = lo >> uint32(8)
-                b2 = hi & uint32(0xFF)
-                b3 = hi >> uint32(8)
-            tile[4 * j, r] = b0
-            tile[4 * j + 1, r] = b1
-            tile[4 * j + 2, r] = b2
-            tile[4 * j + 3, r] = b3
+        cached_g = -1
+        cached_w = -1
+        s0 = s1 = s2 = s3 = uint32(0)
+        for base in range(tid, items, nthreads * ENCODE_LOADS):  # load, rescale, transpose
+            for u in range(ENCODE_LOADS):  # all loads first
+                i = base + u * nthreads
+                loaded[u] = uint32(0)
+                if i < items:
+                    r = i // TILE_WORDS
+                    w = w0 + (i - r * TILE_WORDS)
+                    src = source[r]
+                    if src >= 0 and w < words:
+                        loaded[u] = data_words[src, w]
+            for u in range(ENCODE_LOADS):
+                i = base + u * nthreads
+                if i < items:
+                    r = i // TILE_WORDS
+                    j = i - r * TILE_WORDS
+                    w = w0 + j
+                    b0 = b1 = b2 = b3 = uint32(0)
+                    if source[r] >= 0 and w < words:
+                        g = group[r]
+                        if g != cached_g or w != cached_w:
+                            cached_g = g
+                            cached_w = w
+                            s0 = scale_bits[g, 4 * w]
+                            s1 = scale_bits[g, 4 * w + 1]
+                            s2 = scale_bits[g, 4 * w + 2]
+                            s3 = scale_bits[g, 4 * w + 3]
+                        e = row_exp[r]
+                        word = loaded[u]
+                        lo = uint32(cvt_e4m3x2(
+                            rescale_byte((word >> uint32(8)) & uint32(0xFF), e, s1),
+                            rescale_byte(word & uint32(0xFF), e, s0)))
+                        hi = uint32(cvt_e4m3x2(rescale_byte(word >> uint32(24), e, s3),
+                                               rescale_byte((word >> uint32(16)) & uint32(0xFF),
+                                                            e, s2)))
+                        b0 = lo & uint32(0xFF)
+                        b1 = lo >> uint32(8)
+                        b2 = hi & uint32(0xFF)
+                        b3 = hi >> uint32(8)
+                    tile[4 * j, r] = b0
+                    tile[4 * j + 1, r] = b1
+                    tile[4 * j + 2, r] = b2
+                    tile[4 * j + 3, r] = b3
         cuda.syncthreads()
         for i in range(tid, 4 * TILE_WORDS * (TILE_POSITIONS // 4), nthreads):  # store
             c = i // (TILE_POSITIONS // 4)

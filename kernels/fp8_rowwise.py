@@ -53,6 +53,10 @@ F32_ONE = 0x3F800000
 #: CUDA 13.0): the wrappers cap the one-row-per-block grids at the blocks that stay resident.
 QUANTIZE_REGISTERS = 64
 DEQUANTIZE_REGISTERS = 40
+#: Share of the resident grid the quantize kernels take: fewer rows in flight, so the encode pass
+#: re-reads each row from L1/L2 rather than HBM. Swept on an H200 at 131072 x 7168 bf16
+#: (bench/sweep_rowwise.py, bench/NOTES.md): 0.59x copy bandwidth at the full grid, 0.69x at half.
+QUANTIZE_GRID_SHARE = 0.5
 
 _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
 _E4M3_NAN_X4 = uint32(E4M3_NAN * 0x01010101)

@@ -214,7 +214,8 @@ def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
     # one warp per row, ROWS_PER_BLOCK rows per CUDA block
     threads = _WARP * ROWS_PER_BLOCK
     kernel[_resident_launch(-(-m // ROWS_PER_BLOCK) * threads, threads,
-                            fp8_rowwise.QUANTIZE_REGISTERS, stream, share)](
+                            fp8_rowwise.QUANTIZE_REGISTERS, stream,
+                            share * fp8_rowwise.QUANTIZE_GRID_SHARE)](
         x_words, data_words, scales.view(_U32))
     return data, scales
 
@@ -519,9 +520,9 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
     # fraction of a second. There, one thread per block takes whole columns (no atomics).
     sim = simulated()
     chunk = max(p, 1) if sim else fp8_colwise.CHUNK_ROWS
-    group_colwise_amax_kernel[launch_1d(-(-p // chunk) * (d // 4), stream,
+    group_colwise_amax_kernel[launch_1d(-(-p // chunk) * (d // fp8_colwise.AMAX_COLUMNS), stream,
                                         threads=1 if sim else None)](
-        words, row_scales, group_ends, keys, chunk)
+        _words(data, _U64, "data"), row_scales, group_ends, keys, chunk)
     group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
     tiles = -(-t // fp8_colwise.TILE_POSITIONS) * -(-(d // 4) // fp8_colwise.TILE_WORDS)
     group_colwise_encode_kernel[launch_1d(tiles * THREADS_PER_BLOCK, stream)](

@@ -470,8 +470,8 @@ def test_group_colwise_amax_atomic_chunks(kernels, rng):
     keys = []
     for chunk in (8, 40):
         k = xp.zeros((4, 16), np.uint32)
-        group_colwise_amax_kernel[launch_1d(-(-40 // chunk) * 4)](
-            to_device(data).view(np.uint32), to_device(scales).view(np.uint32), to_device(ends),
+        group_colwise_amax_kernel[launch_1d(-(-40 // chunk) * 2)](
+            to_device(data).view(np.uint64), to_device(scales).view(np.uint32), to_device(ends),
             k, chunk)
         keys.append(to_host(k))
     np.testing.assert_array_equal(keys[0], keys[1])

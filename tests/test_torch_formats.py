@@ -128,20 +128,23 @@ def test_grouped_mm_fp8_sqnr_gpu():
 @pytest.mark.gpu
 def test_grouped_mm_fp8_wgrad_any_groups_gpu():
     """SM90, groups of any size (not multiples of 16, an empty one, rows past the last group):
-    the fp8 wgrad equals the bf16 wgrad of the same fp8 rows (its operands are those rows rescaled
-    between power-of-two scales) to > 40 dB, is >= 25 dB from the bf16 rows' wgrad, and is zero
-    for the empty group; forward and dgrad as with aligned groups."""
+    the fp8 wgrad is the product of the fp8 rows it was given (x as quantized, the gradient as
+    dgrad quantized it) to > 40 dB (its operands are those rows rescaled between power-of-two
+    scales), >= 25 dB from the bf16 rows' wgrad, as close to it as the bf16 wgrad of the same
+    fp8 x, and zero for the empty group."""
     if not mt.fp8_gemm_available("cuda"):
         pytest.skip("needs an SM90 GPU with torch._scaled_grouped_mm")
     torch.manual_seed(1)
     k, n = 1024, 512
     sizes = [1000, 0, 37, 2999, 5]
-    offs = torch.tensor(numpy.cumsum(sizes), device="cuda", dtype=torch.int32)
-    rows = int(offs[-1]) + 9
+    ends = numpy.cumsum(sizes)
+    offs = torch.tensor(ends, device="cuda", dtype=torch.int32)
+    rows = int(ends[-1]) + 9
     xb = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(len(sizes), k, n, device="cuda") / k ** 0.5).to(torch.bfloat16)
     grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     a, s = _torch_gemm.quantize_rows_pow2(xb)
+    ga, gs = _torch_gemm.quantize_rows_pow2(grad)
     grads = {}
     for wgrad in ("fp8", "bf16"):
         xq = mt.QuantizedTensor(a, s, "fp8_rowwise").requires_grad_(True)
@@ -150,9 +153,15 @@ def test_grouped_mm_fp8_wgrad_any_groups_gpu():
         grads[wgrad] = wq.grad
     wr = w.clone().requires_grad_(True)
     torch._grouped_mm(xb, wr, offs=offs).backward(grad)
+    xd = (a.double() * s.double()[:, None])
+    gd = (ga.double() * gs.double()[:, None])
     live = [e for e, size in enumerate(sizes) if size]
-    assert sqnr_db(grads["bf16"][live], grads["fp8"][live]) > 40
+    for e in live:
+        lo, hi = int(ends[e] - sizes[e]), int(ends[e])
+        assert sqnr_db(xd[lo:hi].t() @ gd[lo:hi], grads["fp8"][e]) > 40
     assert sqnr_db(wr.grad[live], grads["fp8"][live]) >= 25
+    assert abs(sqnr_db(wr.grad[live], grads["fp8"][live])
+               - sqnr_db(wr.grad[live], grads["bf16"][live])) < 1.5
     assert (grads["fp8"][1] == 0).all() and (grads["bf16"][1] == 0).all()
     assert torch.isfinite(grads["fp8"]).all()
 

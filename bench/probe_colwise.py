@@ -1,0 +1,69 @@
+"""Time each kernel of ``fp8_rowwise_to_group_colwise`` alone (GPU only): the amax pass, the
+scales pass and the encode pass, on permuted fp8 rowwise rows of 8 groups at 131072 x 7168 and
+131072 x 2048 (the fp8 wgrad's two operands in the pipeline benchmark's shapes). Median ms of 20
+after 5 warm-up (CUDA events, back to back) and GB/s of the bytes each pass must touch.
+``python bench/probe_colwise.py``; bench/NOTES.md says what it found.
+"""
+
+import statistics
+
+import cupy
+import numpy
+
+from mxcomm import fp8_formats
+from mxcomm.kernels import fp8_colwise, launch_1d
+
+
+def median_ms(fn, iters=20, warmup=5):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def probe(p, d, groups=8):
+    rng = numpy.random.default_rng(0)
+    sizes = rng.multinomial(p - 16 * groups, numpy.ones(groups) / groups)
+    ends = cupy.asarray(numpy.cumsum(-(-sizes // 32) * 32).astype(numpy.int32))
+    data = cupy.asarray(rng.integers(0, 0x7E, (p, d), dtype=numpy.uint8))
+    scales = cupy.full(p, 2.0 ** -3, dtype=numpy.float32)
+    stream = cupy.cuda.get_current_stream().ptr
+    t = fp8_formats.group_colwise_positions(p, groups)
+    data_t = cupy.empty((d, t), numpy.uint8)
+    keys = cupy.zeros((groups, d), numpy.uint32)
+    aligned = cupy.empty(groups, numpy.int32)
+    w64, w32, rs = data.view(numpy.uint64), data.view(numpy.uint32), scales.view(numpy.uint32)
+    chunks = -(-p // fp8_colwise.CHUNK_ROWS)
+    amax = fp8_colwise.group_colwise_amax_kernel[launch_1d(
+        chunks * (d // fp8_colwise.AMAX_COLUMNS), stream)]
+    scale = fp8_colwise.group_colwise_scales_kernel[launch_1d(groups * d, stream)]
+    tiles = -(-t // fp8_colwise.TILE_POSITIONS) * -(-(d // 4) // fp8_colwise.TILE_WORDS)
+    encode = fp8_colwise.group_colwise_encode_kernel[launch_1d(tiles * 256, stream)]
+    cases = [
+        ("amax", lambda: amax(w64, rs, ends, keys, fp8_colwise.CHUNK_ROWS), p * d + p * 4),
+        ("scales", lambda: scale(keys.reshape(-1), ends, aligned), groups * d * 8),
+        ("encode", lambda: encode(w32, rs, ends, keys, data_t.view(numpy.uint32)),
+         p * d + p * 4 + d * t),
+        ("all", lambda: fp8_formats.fp8_rowwise_to_group_colwise(data, scales, ends),
+         p * d + p * 4 + d * t),
+    ]
+    for name, fn, nbytes in cases:
+        ms = median_ms(fn)
+        print(f"| {p}x{d} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")
+
+
+def main():
+    print("| rows x D | pass | ms | GB/s |\n| --- | --- | --- | --- |")
+    for p, d in ((131072, 7168), (131072, 2048)):
+        probe(p, d)
+
+
+if __name__ == "__main__":
+    main()
