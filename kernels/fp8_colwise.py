@@ -29,7 +29,7 @@ group (its 2d-2d kernel asserts on the device that every group is a multiple of 
 path cannot promise that of the tokens without a host sync). T = 16 * ceil(P / 16) + 16 * G
 bounds the positions statically; positions past the last group are zeros.
 
-Non-finite: a row with a NaN (or Inf) scale, or a NaN element (0x7F, 0xFF), makes its group's
+Group ends past P read no row past P (those positions are zeros). Non-finite: a row with a NaN (or Inf) scale, or a NaN element (0x7F, 0xFF), makes its group's
 column NaN: scale NaN (0x7FC00000) and every element of that group and column 0x7F, so the GEMM
 gives NaN where such a token contributed. Scales must be powers of two (as fp8 rowwise quantizers
 write them), 0 or NaN.
@@ -255,6 +255,7 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     words = data_words.shape[1]
+    n_rows = data_words.shape[0]
     d = 4 * words
     positions = 4 * out_words.shape[1]
     n_groups = group_ends.shape[0]
@@ -274,7 +275,7 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                 size = group_ends[g] - start
                 span = max(GROUP_ALIGN, (size + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN)
                 if q < aligned + span:
-                    if q - aligned < size:
+                    if q - aligned < size and start + q - aligned < n_rows:  # bad ends: no read
                         src = start + q - aligned
                     break
                 aligned += span

@@ -17,18 +17,21 @@ device that every group of T is a multiple of 16. Each direction::
     dgrad    dx (P, K)    = A grad (P, N) fp8 rowwise (as delivered when combine's gradient is
                               fp8 rowwise; else quantized here)
                             x B  w^T (G, N, K), quantized per (group, column k) along N
-    wgrad    dw (G, K, N) = A x^T (K, T) x B grad (T, N), both scaled per (group, column) along
-                            the tokens (``wgrad="fp8"``, the default), or x^T grad in bf16
-                            (``wgrad="bf16"``: ``torch._grouped_mm`` on the dequantized rows)
+    wgrad    dw (G, K, N) = x^T grad in bf16 (``wgrad="bf16"``, the default: ``torch._grouped_mm``
+                            on x and the gradient as given, dequantized), or A x^T (K, T) x
+                            B grad (T, N), both scaled per (group, column) along the tokens
+                            (``wgrad="fp8"``)
 
 The fp8 wgrad operands come from the fp8 rowwise rows the forward and dgrad already read (x as
-permuted, saved for backward instead of bf16; the gradient as delivered or quantized for dgrad):
+permuted, saved for backward instead of x; the gradient as delivered or quantized for dgrad):
 ``mxcomm.fp8_formats.fp8_rowwise_to_group_colwise`` rescales them to one power-of-two scale per
 (group, column) and transposes them in two reads, padding every group to a multiple of 16 tokens,
 at least 16, with zeros, so the GEMM's rule holds for any routing, empty experts included, with
 no host sync. Rescaling between power-of-two scales keeps every element's bits unless it falls
 into e4m3's subnormal range, so the wgrad's SQNR equals the bf16 wgrad's on the same fp8 rows
-(tests/test_fp8_formats.py; bench/NOTES.md).
+(tests/test_fp8_formats.py; bench/NOTES.md). Its GEMM is faster than the bf16 one, but its two
+operand conversions (byte-granular transposes) cost more than that saves on an H200 today, so
+bf16 is the default (bench/NOTES.md has the numbers).
 
 Weights (and bf16 activations) are quantized per call by mxcomm's fp8 rowwise kernel on CUDA
 (:func:`quantize_rows_pow2`: power-of-two scales, scale = 2^clamp(ceil(log2(amax / 448)), -126,
@@ -152,52 +155,56 @@ class _GroupedMM(torch.autograd.Function):
     """y = x @ w per group, x given as fp8 rowwise rows (module docstring).
 
     Forward:  x (P, K) QuantizedTensor (fp8_rowwise; other formats and bf16 are quantized per
-              call), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16. The fp8 path saves x's
-              fp8 rowwise rows for backward (not a bf16 copy).
+              call), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16. Saved for backward: x
+              as given (bf16 wgrad), or its fp8 rowwise rows (fp8 wgrad: what it reads).
     Backward: grad (P, N) bf16 or fp8_rowwise QuantizedTensor -> dx (P, K) bf16 (fp8 dgrad),
-              dw (G, K, N) bf16 (fp8 or bf16 wgrad, ``wgrad``).
+              dw (G, K, N) bf16 (``wgrad``).
     """
 
     @staticmethod
     def forward(ctx, x, w, offs, fp8, wgrad):
         ctx.fp8 = fp8
-        ctx.wgrad = wgrad
-        if fp8:
-            a, scale_a = _fp8_operand_a(x)
+        ctx.fp8_wgrad = fp8 and wgrad == "fp8"
+        plain = x.detach() if hasattr(x, "qdata") else x
+        if not fp8:
+            ctx.save_for_backward(plain, w, offs)
+            return torch._grouped_mm(_plain(x), w.detach(), offs=offs)
+        a, scale_a = _fp8_operand_a(x)
+        if ctx.fp8_wgrad:
             ctx.save_for_backward(a, scale_a, w, offs)
-            b, scale_b = _fp8_weight(w)
-            return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
-                                            out_dtype=torch.bfloat16)
-        ctx.save_for_backward(x.detach() if hasattr(x, "qdata") else x, w, offs)
-        return torch._grouped_mm(_plain(x), w.detach(), offs=offs)
+        else:
+            ctx.save_for_backward(plain, w, offs)
+        b, scale_b = _fp8_weight(w)
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
+                                        out_dtype=torch.bfloat16)
 
     @staticmethod
     def backward(ctx, grad):
         dx = dw = None
-        if not ctx.fp8:
+        if ctx.fp8_wgrad:
+            a, scale_a, w, offs = ctx.saved_tensors
+        else:
             x, w, offs = ctx.saved_tensors
-            if ctx.needs_input_grad[0]:
-                dx = torch._grouped_mm(_plain(grad), w.detach().transpose(-2, -1), offs=offs)
-            if ctx.needs_input_grad[1]:
-                dw = torch._grouped_mm(_plain(x).t(), _plain(grad), offs=offs).to(w.dtype)
-            return dx, dw, None, None, None
-        a, scale_a, w, offs = ctx.saved_tensors
-        g, scale_g = _fp8_operand_a(grad)
+        if ctx.fp8:
+            g, scale_g = _fp8_operand_a(grad)
         if ctx.needs_input_grad[0]:
-            b, scale_b = _fp8_weight_t(w)
-            dx = torch._scaled_grouped_mm(g, b, scale_g, scale_b, offs=offs,
-                                          out_dtype=torch.bfloat16)
+            if ctx.fp8:
+                b, scale_b = _fp8_weight_t(w)
+                dx = torch._scaled_grouped_mm(g, b, scale_g, scale_b, offs=offs,
+                                              out_dtype=torch.bfloat16)
+            else:
+                dx = torch._grouped_mm(_plain(grad), w.detach().transpose(-2, -1), offs=offs)
         if ctx.needs_input_grad[1]:
-            if ctx.wgrad == "fp8":
+            if ctx.fp8_wgrad:
                 dw = _fp8_wgrad((a, scale_a), (g, scale_g), offs)
             else:
-                dw = torch._grouped_mm(_dequantized(a, scale_a).t(), _plain(grad), offs=offs)
+                dw = torch._grouped_mm(_plain(x).t(), _plain(grad), offs=offs)
             dw = dw.to(w.dtype)
         # None for: offs, fp8, wgrad
         return dx, dw, None, None, None
 
 
-def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8"):
+def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16"):
     """Differentiable grouped GEMM of pre-quantized permuted rows and bf16 expert weights.
 
     Args:

@@ -390,7 +390,7 @@ def test_pipeline_shapes_default_and_mismatch():
     (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
                                              "mxfp8, mxfp8_all, bf16+fp8gemm, fp8_rowwise, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
-                                             "fp8_rowwise_bf16wgrad"),
+                                             "fp8_rowwise_fp8wgrad"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
 def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
@@ -408,9 +408,9 @@ def test_variants_option_parses_names_in_table_order_with_the_reference():
     every = parse_variants(p.parse_args(["pipeline"]).variants)
     assert [v.name for v in every] == ["bf16", "mxfp8", "mxfp8_all", "bf16+fp8gemm",
                                        "fp8_rowwise", "mxfp8+rowwise"]
-    extra = parse_variants("fp8_rowwise_bf16wgrad,fp8_rowwise_mxgrad,fp8_rowwise")
+    extra = parse_variants("fp8_rowwise_fp8wgrad,fp8_rowwise_mxgrad,fp8_rowwise")
     assert [v.name for v in extra] == ["bf16", "fp8_rowwise", "fp8_rowwise_mxgrad",
-                                       "fp8_rowwise_bf16wgrad"]
+                                       "fp8_rowwise_fp8wgrad"]
     a = p.parse_args(["pipeline", "--variants", "mxfp8+rowwise, bf16+fp8gemm,fp8_rowwise,",
                       "--no-stages"])
     assert a.no_stages
@@ -439,7 +439,7 @@ def test_variants_precisions_and_stages():
     assert v["mxfp8+rowwise"].permute_format == "fp8_rowwise"
     assert v["mxfp8+rowwise"].combine_grad == "fp8_rowwise"  # the GEMM's dgrad reads it as is
     assert _checks.precisions(v["fp8_rowwise_mxgrad"])["dispatch_grad"] == "mxfp8"
-    assert [x.name for x in _moe.VARIANTS if x.wgrad != "fp8"] == ["fp8_rowwise_bf16wgrad"]
+    assert [x.name for x in _moe.VARIANTS if x.wgrad == "fp8"] == ["fp8_rowwise_fp8wgrad"]
     for x in _moe.VARIANTS:
         names = [s.name for s in _moe.stages(x, None, 2, loop_gemm=True)]
         if x.gemm == "fp8":

@@ -15,7 +15,7 @@ Forward, variants with the fp8 GEMM (``Variant.gemm == "fp8"``)::
 
 Their GEMM is ``mxcomm.torch.grouped_mm`` (mxcomm/_torch_gemm.py): on SM90 the rowwise recipe of
 ``torch._scaled_grouped_mm``, which takes fp8_rowwise rows (forward) and an fp8_rowwise gradient
-(dgrad) as they are and quantizes anything else per call (fp8 wgrad by default); elsewhere (CPU, other GPUs)
+(dgrad) as they are and quantizes anything else per call (bf16 wgrad by default); elsewhere (CPU, other GPUs)
 its bf16 fallback, ``torch._grouped_mm`` on the dequantized rows, with the same autograd wiring.
 They have no dequantize stages: nothing makes a bf16 pass in front of that GEMM.
 
@@ -31,11 +31,12 @@ combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gra
     mxfp8+rowwise  mxcomm     mxfp8 / bf16 / bf16 / fp8_rowwise       fp8 rowwise from the permute
                                                                       (gradient: as received)
     fp8_rowwise_mxgrad  mxcomm  fp8_rowwise / bf16 / mxfp8 / fp8_rowwise  as fp8_rowwise
-    fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise                     as fp8_rowwise, bf16 wgrad
+    fp8_rowwise_fp8wgrad  mxcomm  as fp8_rowwise                      as fp8_rowwise, fp8 wgrad
 
-The last two run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is fp8 (both operands rescaled per (group, column) along the
-tokens from the fp8 rows the forward and dgrad read), except ``fp8_rowwise_bf16wgrad``, the same
-run with the bf16 wgrad on the dequantized rows, to measure that choice side by side.
+The last two run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is
+bf16 (``grouped_mm``'s default), except ``fp8_rowwise_fp8wgrad``: the same run with the fp8 wgrad
+(both operands rescaled per (group, column) along the tokens from the fp8 rows the forward and
+dgrad read), to measure that choice side by side.
 ``fp8_rowwise_mxgrad`` also sends dispatch_grad (the dgrad's bf16 output) in MXFP8: the
 backward's largest exchange halved, at the cost of a second quantization of the input gradient
 (MXFP8's 32-element blocks, about 31 dB, against rowwise's 28).
@@ -90,7 +91,7 @@ class Variant:
     combine_grad: str = "bf16"
     permute_format: object = None
     gemm: str = "bf16"
-    wgrad: str = "fp8"
+    wgrad: str = "bf16"
     default: bool = True
 
     def describe(self):
@@ -117,8 +118,8 @@ VARIANTS = (
             permute_format="fp8_rowwise", gemm="fp8"),
     Variant("fp8_rowwise_mxgrad", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
             combine_grad="fp8_rowwise", gemm="fp8", default=False),
-    Variant("fp8_rowwise_bf16wgrad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
-            gemm="fp8", wgrad="bf16", default=False),
+    Variant("fp8_rowwise_fp8wgrad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
+            gemm="fp8", wgrad="fp8", default=False),
 )
 #: The reference of every SQNR and the first speedup column.
 REFERENCE = "bf16"
