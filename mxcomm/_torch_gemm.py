@@ -185,7 +185,7 @@ class _GroupedMM(torch.autograd.Function):
             a, scale_a, w, offs = ctx.saved_tensors
         else:
             x, w, offs = ctx.saved_tensors
-        if ctx.fp8:
+        if ctx.fp8 and (ctx.needs_input_grad[0] or ctx.fp8_wgrad):
             g, scale_g = _fp8_operand_a(grad)
         if ctx.needs_input_grad[0]:
             if ctx.fp8:
