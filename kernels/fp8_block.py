@@ -164,35 +164,46 @@ def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
                     scales[p >> BLOCK_UNITS_LOG2] = scale_bits
 
 
-@kernel
-def dequantize_fp8_block128_kernel(data_words, scales, out_words, f32):
-    """1x128-block fp8 -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then for bf16
-    round-to-nearest-even. A NaN scale or NaN element gives NaN (bf16 0x7FC0, fp32 0x7FC00000).
+def _dequantize_fp8_block128(f32):
+    """The 1x128-block dequantize kernel for bf16 (``f32`` False) or fp32 output, the output's
+    dtype a compile-time constant (as ``fp8_rowwise._dequantize_fp8_rowwise``, for the same
+    measured reason)."""
 
-    Args:
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
-        scales: (N // 128,) uint32, fp32 bits of the block scales. Read.
-        out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
-            word) with ``f32``. Written.
-        f32: bool, the output's dtype (uniform per launch).
-    Launch: launch_1d(ceil(N / 8 / 4)): words t + k * blockDim.x, k < 4, of each tile per thread
-        (all loads issued first), grid-stride.
-    """
-    words = cuda.local.array(WORDS_PER_THREAD, uint64)
-    sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
-    n = data_words.shape[0]
-    nthreads = cuda.blockDim.x
-    tile = nthreads * WORDS_PER_THREAD
-    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-        for k in range(WORDS_PER_THREAD):  # all loads first
-            i = base + k * nthreads
-            if i < n:
-                words[k] = data_words[i]
-                sbits[k] = scales[i >> DATA_WORDS_PER_BLOCK_LOG2]
-        for k in range(WORDS_PER_THREAD):
-            i = base + k * nthreads
-            if i < n:
-                if f32:
-                    store_word_f32(out_words, i, words[k], sbits[k])
-                else:
-                    store_word_bf16(out_words, i, words[k], sbits[k])
+    @kernel
+    def dequantize_fp8_block128_kernel(data_words, scales, out_words):
+        """1x128-block fp8 -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then for bf16
+        round-to-nearest-even. A NaN scale or NaN element gives NaN (bf16 0x7FC0, fp32 0x7FC00000).
+
+        Args:
+            data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
+            scales: (N // 128,) uint32, fp32 bits of the block scales. Read.
+            out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
+                word) with ``f32`` (the factory's). Written.
+        Launch: launch_1d(ceil(N / 8 / 4)): words t + k * blockDim.x, k < 4, of each tile per thread
+            (all loads issued first), grid-stride.
+        """
+        words = cuda.local.array(WORDS_PER_THREAD, uint64)
+        sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
+        n = data_words.shape[0]
+        nthreads = cuda.blockDim.x
+        tile = nthreads * WORDS_PER_THREAD
+        for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
+            for k in range(WORDS_PER_THREAD):  # all loads first
+                i = base + k * nthreads
+                if i < n:
+                    words[k] = data_words[i]
+                    sbits[k] = scales[i >> DATA_WORDS_PER_BLOCK_LOG2]
+            for k in range(WORDS_PER_THREAD):
+                i = base + k * nthreads
+                if i < n:
+                    if f32:
+                        store_word_f32(out_words, i, words[k], sbits[k])
+                    else:
+                        store_word_bf16(out_words, i, words[k], sbits[k])
+
+    return dequantize_fp8_block128_kernel
+
+
+#: 1x128 block fp8 -> bf16 and -> fp32 (:func:`_dequantize_fp8_block128`).
+dequantize_fp8_block128_bf16_kernel = _dequantize_fp8_block128(False)
+dequantize_fp8_block128_f32_kernel = _dequantize_fp8_block128(True)

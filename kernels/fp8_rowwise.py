@@ -283,43 +283,55 @@ def store_word_f32(out_words, i, d, sbits):
     out_words[4 * i + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)
 
 
-@kernel
-def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row, f32):
-    """fp8 rowwise -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then for bf16
-    round-to-nearest-even. A NaN scale or NaN element gives NaN (bf16 0x7FC0, fp32 0x7FC00000).
+def _dequantize_fp8_rowwise(f32):
+    """The rowwise dequantize kernel for bf16 (``f32`` False) or fp32 output: one source, two
+    kernels, the output's dtype a compile-time constant (a runtime flag kept both store paths in
+    one kernel, with more registers, and measured 0.64x copy bandwidth on an H200 against 0.86x
+    for the two specialized kernels)."""
 
-    Args:
-        data_words: (N // 8,) uint64, e4m3fn bits of the (M, D) rows, 8 per word (element 0
-            lowest). Read.
-        scales: (M,) uint32, fp32 bits of the row scales. Read.
-        out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
-            word) with ``f32``. Written.
-        words_per_row: D // 8.
-        f32: bool, the output's dtype (uniform: one branch per word, no divergence).
-    Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): flat over the words like the 1x128 block
-        kernels, words t + k * blockDim.x, k < WORDS_PER_THREAD, of each tile per thread (all
-        loads first), grid-stride; each word's row found once per tile, then stepped.
-    """
-    words = cuda.local.array(WORDS_PER_THREAD, uint64)
-    sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
-    n = data_words.shape[0]
-    nthreads = cuda.blockDim.x
-    tile = nthreads * WORDS_PER_THREAD
-    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-        row, col = row_of(base, words_per_row)
-        for k in range(WORDS_PER_THREAD):  # all loads first
-            i = base + k * nthreads
-            if i < n:
-                words[k] = data_words[i]
-                sbits[k] = scales[row]
-            col += nthreads
-            while col >= words_per_row:
-                col -= words_per_row
-                row += 1
-        for k in range(WORDS_PER_THREAD):
-            i = base + k * nthreads
-            if i < n:
-                if f32:
-                    store_word_f32(out_words, i, words[k], sbits[k])
-                else:
-                    store_word_bf16(out_words, i, words[k], sbits[k])
+    @kernel
+    def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row):
+        """fp8 rowwise -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then for bf16
+        round-to-nearest-even. A NaN scale or NaN element gives NaN (bf16 0x7FC0, fp32 0x7FC00000).
+
+        Args:
+            data_words: (N // 8,) uint64, e4m3fn bits of the (M, D) rows, 8 per word (element 0
+                lowest). Read.
+            scales: (M,) uint32, fp32 bits of the row scales. Read.
+            out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
+                word) with ``f32`` (the factory's). Written.
+            words_per_row: D // 8.
+            Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): flat over the words like the 1x128 block
+            kernels, words t + k * blockDim.x, k < WORDS_PER_THREAD, of each tile per thread (all
+            loads first), grid-stride; each word's row found once per tile, then stepped.
+        """
+        words = cuda.local.array(WORDS_PER_THREAD, uint64)
+        sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
+        n = data_words.shape[0]
+        nthreads = cuda.blockDim.x
+        tile = nthreads * WORDS_PER_THREAD
+        for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
+            row, col = row_of(base, words_per_row)
+            for k in range(WORDS_PER_THREAD):  # all loads first
+                i = base + k * nthreads
+                if i < n:
+                    words[k] = data_words[i]
+                    sbits[k] = scales[row]
+                col += nthreads
+                while col >= words_per_row:
+                    col -= words_per_row
+                    row += 1
+            for k in range(WORDS_PER_THREAD):
+                i = base + k * nthreads
+                if i < n:
+                    if f32:
+                        store_word_f32(out_words, i, words[k], sbits[k])
+                    else:
+                        store_word_bf16(out_words, i, words[k], sbits[k])
+
+    return dequantize_fp8_rowwise_kernel
+
+
+#: fp8 rowwise -> bf16 and -> fp32 (:func:`_dequantize_fp8_rowwise`).
+dequantize_fp8_rowwise_bf16_kernel = _dequantize_fp8_rowwise(False)
+dequantize_fp8_rowwise_f32_kernel = _dequantize_fp8_rowwise(True)

@@ -36,9 +36,11 @@ from ._platform import host_backend
 from .kernels import fp8_block, fp8_colwise, fp8_rowwise
 from .kernels._launch import RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
-                                dequantize_fp8_block128_kernel,
+                                dequantize_fp8_block128_bf16_kernel,
+                                dequantize_fp8_block128_f32_kernel,
                                 quantize_fp8_block128_bf16_kernel, quantize_fp8_block128_f32_kernel)
-from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_kernel,
+from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_bf16_kernel,
+                                  dequantize_fp8_rowwise_f32_kernel,
                                   quantize_fp8_rowwise_bf16_kernel, quantize_fp8_rowwise_f32_kernel)
 from .kernels.fp8_colwise import (GROUP_ALIGN, group_colwise_amax_kernel,
                                   group_colwise_encode_kernel, group_colwise_scales_kernel)
@@ -257,12 +259,12 @@ def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
         return _host_dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
     data_words = _words(data, _U64, "data")  # (M, D // 8): flat below
     n = data_words.size
-    dequantize_fp8_rowwise_kernel[_resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD),
-                                                   THREADS_PER_BLOCK,
-                                                   fp8_rowwise.DEQUANTIZE_REGISTERS, stream,
-                                                   share)](
+    kernel = dequantize_fp8_rowwise_bf16_kernel if out.dtype == bfloat16 else \
+        dequantize_fp8_rowwise_f32_kernel
+    kernel[_resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD), THREADS_PER_BLOCK,
+                            fp8_rowwise.DEQUANTIZE_REGISTERS, stream, share)](
         data_words.reshape(n), scales.view(_U32), _words(out, _U64, "out").reshape(-1),
-        data_words.shape[1], out.dtype != bfloat16)
+        data_words.shape[1])
     return out
 
 
@@ -361,11 +363,11 @@ def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
         return _host_dequantize_fp8_block128(data, scales, out.dtype, out=out)
     data_words = _words(data.reshape(-1), _U64, "data")
     n_threads = -(-data_words.size // WORDS_PER_THREAD)
-    dequantize_fp8_block128_kernel[_resident_launch(n_threads, THREADS_PER_BLOCK,
-                                                    fp8_block.DEQUANTIZE_REGISTERS, stream,
-                                                    share)](
-        data_words, scales.reshape(-1).view(_U32), _words(out.reshape(-1), _U64, "out"),
-        out.dtype != bfloat16)
+    kernel = dequantize_fp8_block128_bf16_kernel if out.dtype == bfloat16 else \
+        dequantize_fp8_block128_f32_kernel
+    kernel[_resident_launch(n_threads, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, stream,
+                            share)](
+        data_words, scales.reshape(-1).view(_U32), _words(out.reshape(-1), _U64, "out"))
     return out
 
 
