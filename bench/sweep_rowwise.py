@@ -1,6 +1,6 @@
-"""Grid share sweep of the fp8 rowwise quantize kernel (GPU only): is its second read of each row
-(encode after amax) served by L1/L2, or does the grid hold so many rows in flight that it goes back
-to HBM? ``python bench/sweep_rowwise.py [--rows 131072] [--dim 7168]`` prints, per share of the
+"""Grid share sweeps of the fp8 rowwise quantize kernel and of the MXFP8 -> rowwise permute (GPU
+only): is the quantize's second read of each row (encode after amax) served by L1/L2, or does the
+grid hold so many rows in flight that it goes back to HBM? Does the gather (one read) care? ``python bench/sweep_rowwise.py [--rows 131072] [--dim 7168]`` prints, per share of the
 resident grid, the median ms (CUDA events, 20 after 5 warm-up, back to back) and GB/s (bf16 read +
 e4m3 and scales written, once each) against a device copy of the same bytes. bench/NOTES.md says
 what it found.
@@ -13,7 +13,8 @@ import cupy
 import numpy
 
 from mxcomm._array import bfloat16
-from mxcomm.fp8_formats import launch_quantize_fp8_rowwise
+from mxcomm.fp8_formats import launch_mx_to_rowwise_permute, launch_quantize_fp8_rowwise
+from mxcomm.mxfp8 import quantize_mxfp8
 from mxcomm.kernels import fp8_rowwise
 
 SHARES = [0.25, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.75, 1.0]
@@ -59,6 +60,17 @@ def main():
     print("| share | ms | GB/s | ratio to copy |\n| --- | --- | --- | --- |")
     for share in SHARES:
         ms = median_ms(lambda: launch_quantize_fp8_rowwise(x, data, scales, stream, share))
+        gbps = nbytes / ms / 1e6
+        print(f"| {share:g} | {ms:.3f} | {gbps:.0f} | {gbps / copy_gbps:.2f} |")
+    fp8_rowwise.QUANTIZE_GRID_SHARE = built_in
+    mx = quantize_mxfp8(x)
+    indices = cupy.random.default_rng(1).permutation(m).astype(numpy.int32)
+    nbytes = m * d + m * d // 32 + m * d + m * 4 + m * 4  # MXFP8 rows, rowwise rows, indices
+    print(f"MXFP8 -> rowwise permute {m}x{d} (random order)")
+    print("| share | ms | GB/s | ratio to copy |\n| --- | --- | --- | --- |")
+    for share in SHARES:
+        ms = median_ms(lambda: launch_mx_to_rowwise_permute(mx, indices, data, scales, stream,
+                                                            share))
         gbps = nbytes / ms / 1e6
         print(f"| {share:g} | {ms:.3f} | {gbps:.0f} | {gbps / copy_gbps:.2f} |")
 
