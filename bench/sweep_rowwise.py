@@ -64,7 +64,7 @@ def main():
         print(f"| {share:g} | {ms:.3f} | {gbps:.0f} | {gbps / copy_gbps:.2f} |")
     fp8_rowwise.QUANTIZE_GRID_SHARE = built_in
     mx = quantize_mxfp8(x)
-    indices = cupy.random.default_rng(1).permutation(m).astype(numpy.int32)
+    indices = cupy.asarray(numpy.random.default_rng(1).permutation(m).astype(numpy.int32))
     nbytes = m * d + m * d // 32 + m * d + m * 4 + m * 4  # MXFP8 rows, rowwise rows, indices
     print(f"MXFP8 -> rowwise permute {m}x{d} (random order)")
     print("| share | ms | GB/s | ratio to copy |\n| --- | --- | --- | --- |")
