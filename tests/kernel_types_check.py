@@ -1,0 +1,65 @@
+"""Child process of tests/test_kernel_types.py: type every recorded kernel signature for the CUDA
+target (no GPU needed: numba types a kernel before it asks the driver anything).
+
+    python tests/kernel_types_check.py SIGNATURES.json
+
+SIGNATURES.json: ``{"mxcomm_dir": ..., "kernels_dir": ..., "signatures": [[module, attr,
+[spec, ...]], ...]}``, a spec ``["array", dtype, ndim, layout]``, ``["int"]`` or ``["bool"]``.
+Prints one line per signature, ``ok`` or ``TypingError: ...``; exits 1 if any failed to type.
+
+The simulator is off here (it is decided once, when numba is imported), and the package is set up
+without running ``mxcomm/__init__`` (which would pick the host backend on a machine without a GPU):
+``mxcomm._platform.backend`` answers ``"cuda"``, so the kernel modules take their GPU forms (inline
+PTX helpers, hardware conversions) exactly as on a GPU.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+import types as pytypes
+
+
+def main(path):
+    spec = json.loads(open(path).read())
+    os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+    os.environ.pop("MXCOMM_BACKEND", None)
+    package = pytypes.ModuleType("mxcomm")
+    package.__path__ = [spec["mxcomm_dir"]]
+    sys.modules["mxcomm"] = package
+    platform = importlib.import_module("mxcomm._platform")
+    platform.backend = lambda: "cuda"
+    init = importlib.util.spec_from_file_location(
+        "mxcomm.kernels", os.path.join(spec["kernels_dir"], "__init__.py"),
+        submodule_search_locations=[spec["kernels_dir"]])
+    kernels = importlib.util.module_from_spec(init)
+    sys.modules["mxcomm.kernels"] = kernels
+    init.loader.exec_module(kernels)
+    from numba import config, cuda, types
+    from numba.core import errors
+    assert not config.ENABLE_CUDASIM, "the simulator must be off in the type check"
+
+    def numba_type(s):
+        if s[0] == "array":
+            return types.Array(getattr(types, s[1]), s[2], s[3])
+        return types.int64 if s[0] == "int" else types.boolean
+
+    failed = 0
+    for module, attr, args in spec["signatures"]:
+        function = getattr(importlib.import_module(module), attr).py_func
+        signature = tuple(map(numba_type, args))
+        try:
+            cuda.compile_ptx(function, signature, cc=(9, 0))
+        except errors.TypingError as exc:
+            failed += 1
+            first = str(exc).strip().splitlines()[0]
+            print(f"{module}.{attr}{signature}: TypingError: {first}")
+            continue
+        except Exception:  # past typing: lowering needs the CUDA libraries, absent here
+            pass
+        print(f"{module}.{attr}{signature}: ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,104 @@
+"""Every CUDA kernel types for the CUDA target, with the argument types the GPU path gives it.
+
+The simulator runs the kernels as Python, so it accepts code numba's CUDA target rejects (e.g. a
+shared array whose shape is not a compile-time constant): such a kernel passes every CPU test and
+fails on its first GPU launch. Here the public functions run in the simulator once per kernel
+with a recorder on :class:`mxcomm.kernels.Kernel` (the numba types ``_argument_type`` gives, which
+are what a GPU launch compiles), and a child process with the simulator off types each signature
+for sm_90 (tests/kernel_types_check.py). No GPU needed: numba types a kernel before it needs the
+CUDA libraries.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mxcomm
+from mxcomm import fp8_formats, mxfp8, permutation
+from mxcomm.kernels import _launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _spec(t):
+    """A JSON spec of the numba type ``t`` (tests/kernel_types_check.py)."""
+    from numba import types
+    if isinstance(t, types.Array):
+        return ["array", str(t.dtype), t.ndim, t.layout]
+    return ["bool"] if t == types.boolean else ["int"]
+
+
+def _all_kernels():
+    """{Kernel: (module, attribute)} of every kernel module's kernels."""
+    import importlib
+    import pkgutil
+    import mxcomm.kernels as package
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"mxcomm.kernels.{info.name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, _launch.Kernel):
+                found.setdefault(value, (module.__name__, attr))
+    return found
+
+
+def _exercise(xp, rng):
+    """Launch every kernel once, tiny shapes, through the public functions."""
+    for dtype in (BF16, np.float32):
+        x = xp.asarray(rng.standard_normal((4, 128)).astype(dtype))
+        for fmt in ("mxfp8", "fp8_rowwise", "fp8_block128"):
+            q = mxcomm.formats.get_format(fmt).quantize(x)
+            q.dequantize(dtype)
+    mx = mxfp8.quantize_mxfp8(xp.asarray(rng.standard_normal((4, 64)).astype(BF16)))
+    counts = xp.asarray(np.array([1, 2, 0, 1], dtype=np.int32))
+    permuted, indices, offsets = permutation.permute(mx, counts, 2, 16)
+    permutation.permute(mx, counts, 2, 16, out_format="fp8_rowwise")
+    permutation.unpermute(xp.asarray(rng.standard_normal((len(indices), 64)).astype(BF16)),
+                          indices, 4)
+    data, scales = fp8_formats.quantize_fp8_rowwise(xp.asarray(
+        rng.standard_normal((32, 32)).astype(BF16)))
+    fp8_formats.fp8_rowwise_to_group_colwise(data, scales,
+                                             xp.asarray(np.array([20, 32], np.int32)))
+
+
+def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, tmp_path):
+    from numba import config
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("on a GPU every kernel compiles in the gpu tests")
+    seen = {}
+    original = _launch.Kernel.__getitem__
+
+    def recording(self, launch):
+        run = original(self, launch)
+
+        def call(*args):
+            specs = [_spec(_launch._argument_type(a)) for a in args]
+            seen.setdefault((self, json.dumps(specs)), specs)
+            return run(*args)
+        return call
+
+    monkeypatch.setattr(_launch.Kernel, "__getitem__", recording)
+    with use_backend("simulator") as xp:
+        _exercise(xp, rng)
+    kernels = _all_kernels()
+    missed = sorted(f"{m}.{a}" for k, (m, a) in kernels.items()
+                    if k not in {kernel for kernel, _ in seen})
+    assert not missed, f"kernels this test does not launch (add them to _exercise): {missed}"
+    signatures = [[*kernels[kernel], specs] for (kernel, _), specs in seen.items()]
+    path = tmp_path / "signatures.json"
+    path.write_text(json.dumps({
+        "mxcomm_dir": os.path.dirname(mxcomm.__file__),
+        "kernels_dir": os.path.dirname(_launch.__file__),
+        "signatures": signatures}))
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",
+                                                             "MXCOMM_BACKEND")}
+    out = subprocess.run([sys.executable, os.path.join(HERE, "kernel_types_check.py"), str(path)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count(": ok") == len(signatures) >= len(kernels), out.stdout + out.stderr
