@@ -220,8 +220,8 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16"):
         (P, N) bf16.
     Raises:
         RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
-        ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0);
-            ``wgrad`` not "fp8" or "bf16".
+        ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0,
+            or N % 16 != 0 on the fp8 path); ``wgrad`` not "fp8" or "bf16".
         TypeError: ``w`` not bf16, ``offs`` not int32.
     """
     if w.dim() != 3 or x.dim() != 2 or w.shape[1] != x.shape[1]:
@@ -241,4 +241,8 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16"):
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
                            f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
                            f"the bf16 fallback)")
-    return _GroupedMM.apply(x, w, offs, available if fp8 is None else bool(fp8), wgrad)
+    fp8 = available if fp8 is None else bool(fp8)
+    if fp8 and w.shape[2] % 16:
+        raise ValueError(f"grouped_mm: N = {w.shape[2]} is not a multiple of 16, which the fp8 "
+                         f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
+    return _GroupedMM.apply(x, w, offs, fp8, wgrad)

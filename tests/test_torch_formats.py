@@ -69,7 +69,7 @@ def test_permute_out_format_rowwise():
     assert torch.equal(mx.grad, torch.full_like(mx.grad, 2))
 
 
-def test_grouped_mm_fallback_autograd():
+def test_grouped_mm_fallback_autograd(monkeypatch):
     """The bf16 fallback (CPU): forward, dgrad and wgrad equal a per-group float64 reference of
     the dequantized rows within bf16 rounding; empty groups give zero weight gradients."""
     torch.manual_seed(0)
@@ -94,6 +94,12 @@ def test_grouped_mm_fallback_autograd():
     assert (w.grad[1] == 0).all()
     with pytest.raises(ValueError, match="wgrad: expected 'fp8' or 'bf16'"):
         mt.grouped_mm(x, w, offs, wgrad="fp16")
+    with monkeypatch.context() as m:  # as on an SM90 GPU: the fp8 path's own shape rule
+        m.setattr(_torch_gemm, "fp8_gemm_available", lambda device: True)
+        with pytest.raises(ValueError, match="N = 24 is not a multiple of 16"):
+            mt.grouped_mm(x, torch.zeros(3, k, 24, dtype=torch.bfloat16), offs)
+        assert mt.grouped_mm(x, torch.zeros(3, k, 24, dtype=torch.bfloat16), offs,
+                             fp8=False).shape == (48, 24)
     with pytest.raises(ValueError, match="multiple of 16"):
         mt.grouped_mm(torch.zeros(4, 24, dtype=torch.bfloat16),
                       torch.zeros(1, 24, 8, dtype=torch.bfloat16),
