@@ -1,12 +1,13 @@
-"""Every CUDA kernel types for the CUDA target, with the argument types the GPU path gives it.
+"""Every CUDA kernel types and lowers for the CUDA target, with the argument types the GPU path
+gives it.
 
 The simulator runs the kernels as Python, so it accepts code numba's CUDA target rejects (e.g. a
 shared array whose shape is not a compile-time constant): such a kernel passes every CPU test and
 fails on its first GPU launch. Here the public functions run in the simulator once per kernel
 with a recorder on :class:`mxcomm.kernels.Kernel` (the numba types ``_argument_type`` gives, which
 are what a GPU launch compiles), and a child process with the simulator off types each signature
-for sm_90 (tests/kernel_types_check.py). No GPU needed: numba types a kernel before it needs the
-CUDA libraries.
+for sm_90 and lowers it to LLVM IR, its device functions included (tests/kernel_types_check.py).
+No GPU needed: only the last step, to PTX, needs the CUDA libraries.
 """
 
 import json
