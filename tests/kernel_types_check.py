@@ -5,8 +5,10 @@ libraries; the device functions a kernel calls are compiled for sm_90 without as
     python tests/kernel_types_check.py SIGNATURES.json
 
 SIGNATURES.json: ``{"mxcomm_dir": ..., "kernels_dir": ..., "signatures": [[module, attr,
-[spec, ...]], ...]}``, a spec ``["array", dtype, ndim, layout]``, ``["int"]`` or ``["bool"]``.
-Prints one line per signature, ``ok`` (typed and lowered) or the error; exits 1 if any failed.
+[spec, ...]], ...], "require_ptx": bool, "ptxas": path or null}``, a spec ``["array", dtype,
+ndim, layout]``, ``["int"]`` or ``["bool"]``. Prints one line per signature, ``ok`` (typed and
+lowered; with NVVM also compiled to PTX, and with ptxas ``registers=N``, its registers per thread
+on sm_90) or the error; exits 1 if any failed.
 
 The simulator is off here (it is decided once, when numba is imported), and the package is set up
 without running ``mxcomm/__init__`` (which would pick the host backend on a machine without a GPU):
@@ -17,7 +19,10 @@ PTX helpers, hardware conversions) exactly as on a GPU.
 import importlib.util
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 import types as pytypes
 
@@ -56,17 +61,33 @@ def main(path):
         function = getattr(importlib.import_module(module), attr).py_func
         signature = tuple(map(numba_type, args))
         try:
-            cuda.compile_ptx(function, signature, cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
         except Exception as exc:  # noqa: BLE001 (classified below)
             frames = [f.name for f in traceback.extract_tb(exc.__traceback__)]
-            if "get_asm_strs" not in frames:  # failed before the IR reached NVVM
-                failed += 1
+            if "get_asm_strs" not in frames or spec.get("require_ptx"):
+                failed += 1  # failed before the IR reached NVVM (or NVVM itself failed)
                 first = (str(exc).strip().splitlines() or [""])[0]
                 print(f"{module}.{attr}{signature}: {type(exc).__name__}: {first}")
                 continue
-        # typed and lowered to LLVM IR; PTX needs NVVM / NVRTC, which a CPU machine lacks
-        print(f"{module}.{attr}{signature}: ok")
+            # typed and lowered to LLVM IR; PTX needs NVVM / NVRTC, absent here
+            print(f"{module}.{attr}{signature}: ok")
+            continue
+        registers = _registers(ptx, spec.get("ptxas"))
+        print(f"{module}.{attr}{signature}: ok" + (f" registers={registers}" if registers else ""))
     return 1 if failed else 0
+
+
+def _registers(ptx, ptxas):
+    """Registers per thread ptxas gives the kernel in ``ptx`` for sm_90, or None without ptxas."""
+    if not ptxas:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90", "-v", path, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=300, check=True)
+    return int(re.search(r"Used (\d+) registers", out.stderr).group(1))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ fails on its first GPU launch. Here the public functions run in the simulator on
 with a recorder on :class:`mxcomm.kernels.Kernel` (the numba types ``_argument_type`` gives, which
 are what a GPU launch compiles), and a child process with the simulator off types each signature
 for sm_90 and lowers it to LLVM IR, its device functions included (tests/kernel_types_check.py).
-No GPU needed: only the last step, to PTX, needs the CUDA libraries.
+No GPU needed. Where the CUDA compiler wheels are installed (nvidia-cuda-nvcc-cu12 and
+nvidia-cuda-nvrtc-cu12; .ci/run installs them) it also compiles each to PTX and reads ptxas's
+registers per thread, which must not exceed the budget the launcher sizes its resident grid for.
 """
 
 import json
@@ -47,6 +49,32 @@ def _all_kernels():
             if isinstance(value, _launch.Kernel):
                 found.setdefault(value, (module.__name__, attr))
     return found
+
+
+def _ptxas():
+    """The ptxas of the CUDA compiler wheel (nvidia-cuda-nvcc-cu12: NVVM and ptxas; .ci/run
+    installs it with NVRTC), or None: then the check stops at LLVM IR."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "ptxas")
+    return path if os.access(path, os.X_OK) else None
+
+
+def _register_budgets():
+    """{kernel: registers per thread its launcher sizes the resident grid for}
+    (``fp8_formats._resident_launch``): more would leave part of the grid to a second wave."""
+    from mxcomm.kernels import fp8_block, fp8_rowwise, mx_rowwise
+    return {"quantize_fp8_rowwise_bf16_kernel": fp8_rowwise.QUANTIZE_REGISTERS,
+            "quantize_fp8_rowwise_f32_kernel": fp8_rowwise.QUANTIZE_REGISTERS,
+            "dequantize_fp8_rowwise_bf16_kernel": fp8_rowwise.DEQUANTIZE_REGISTERS,
+            "dequantize_fp8_rowwise_f32_kernel": fp8_rowwise.DEQUANTIZE_REGISTERS,
+            "quantize_fp8_block128_bf16_kernel": fp8_block.QUANTIZE_BF16_REGISTERS,
+            "quantize_fp8_block128_f32_kernel": fp8_block.QUANTIZE_F32_REGISTERS,
+            "dequantize_fp8_block128_bf16_kernel": fp8_block.DEQUANTIZE_REGISTERS,
+            "dequantize_fp8_block128_f32_kernel": fp8_block.DEQUANTIZE_REGISTERS,
+            "mx_to_rowwise_gather_kernel": mx_rowwise.GATHER_REGISTERS}
 
 
 def _exercise(xp, rng):
@@ -92,14 +120,25 @@ def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, t
                     if k not in {kernel for kernel, _ in seen})
     assert not missed, f"kernels this test does not launch (add them to _exercise): {missed}"
     signatures = [[*kernels[kernel], specs] for (kernel, _), specs in seen.items()]
+    ptxas = _ptxas()
     path = tmp_path / "signatures.json"
     path.write_text(json.dumps({
         "mxcomm_dir": os.path.dirname(mxcomm.__file__),
         "kernels_dir": os.path.dirname(_launch.__file__),
-        "signatures": signatures}))
+        "signatures": signatures, "require_ptx": ptxas is not None, "ptxas": ptxas}))
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",
                                                              "MXCOMM_BACKEND")}
     out = subprocess.run([sys.executable, os.path.join(HERE, "kernel_types_check.py"), str(path)],
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count(": ok") == len(signatures) >= len(kernels), out.stdout + out.stderr
+    if ptxas is None:
+        return
+    used = {}
+    for line in out.stdout.splitlines():
+        name = line.split("(", 1)[0].rsplit(".", 1)[-1]
+        used[name] = max(used.get(name, 0), int(line.rsplit("registers=", 1)[1]))
+    over = {name: (used[name], budget) for name, budget in _register_budgets().items()
+            if used[name] > budget}
+    assert not over, (f"kernels using more registers per thread than the budget their grids are "
+                      f"sized for (ptxas, sm_90: used, budget): {over}")
