@@ -36,7 +36,7 @@ from numba import cuda, float32, uint32, uint64
 from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bits_from_f32, f32_from_bits,
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
-from .fp8_rowwise import rowwise_scale_exp, store_word_bf16, store_word_f32
+from .fp8_rowwise import rowwise_scale_exp, store_words
 from .mxfp8 import bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
 
 #: Elements per scale block along the last dimension.
@@ -193,13 +193,7 @@ def _dequantize_fp8_block128(f32):
                 if i < n:
                     words[k] = data_words[i]
                     sbits[k] = scales[i >> DATA_WORDS_PER_BLOCK_LOG2]
-            for k in range(WORDS_PER_THREAD):
-                i = base + k * nthreads
-                if i < n:
-                    if f32:
-                        store_word_f32(out_words, i, words[k], sbits[k])
-                    else:
-                        store_word_bf16(out_words, i, words[k], sbits[k])
+            store_words(out_words, base, nthreads, n, words, sbits, f32)
 
     return dequantize_fp8_block128_kernel
 

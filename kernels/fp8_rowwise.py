@@ -79,118 +79,104 @@ def nan_byte_mask(d):
     return (high >> uint64(7)) * uint64(0xFF)
 
 
-@kernel
-def quantize_fp8_rowwise_bf16_kernel(x_words, data_words, scales):
-    """fp8-rowwise-quantize bf16 rows: scale 2^clamp(ceil(log2(amax / 448)), -126, 127) per row,
-    element = RNE(x / scale) as e4m3fn saturated to +-448; NaN/Inf rows: scale NaN, elements 0x7F.
-
-    Args:
-        x_words: (M, D // 4) uint64, bf16 bits, 4 per word (element 0 lowest), D % 8 == 0. Read.
-        data_words: (M, D // 8) uint64, e4m3fn bits, 8 per word. Written.
-        scales: (M,) uint32, fp32 bits of the row scales. Written.
-    Launch: launch_1d(ceil(M / R) * 32 * R, threads=32 * R): one warp per row (R rows per CUDA
-        block), grid-stride over rows in steps uniform per CUDA block; lane l takes units
-        (8 elements) l + 32 k, PASS_UNITS of them per step, in two passes (amax, then encode; the
-        second reads what the first brought to L1/L2).
-    """
-    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    first = cuda.local.array(PASS_UNITS, uint64)
-    second = cuda.local.array(PASS_UNITS, uint64)
-    lane = cuda.threadIdx.x % WARP
-    rows_per_block = cuda.blockDim.x // WARP
-    m = x_words.shape[0]
-    units = data_words.shape[1]
-    step = WARP * PASS_UNITS
-    for base in range(cuda.blockIdx.x * rows_per_block, m, cuda.gridDim.x * rows_per_block):
-        row = base + cuda.threadIdx.x // WARP
-        live = row < m
-        amax = uint32(0)
-        if live:
-            for start in range(lane, units, step):
-                for k in range(PASS_UNITS):  # all loads first
-                    u = start + k * WARP
-                    first[k] = x_words[row, 2 * u] if u < units else uint64(0)
-                    second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
-                for k in range(PASS_UNITS):
-                    amax = max(amax, bf16x4_absmax(first[k]), bf16x4_absmax(second[k]))
-        amax = lanes_max(amax, scratch, WARP)  # every lane of the block (the simulator syncs)
-        if not live:
-            continue
-        if amax >= uint32(BF16_INF):
-            for u in range(lane, units, WARP):
-                data_words[row, u] = _E4M3_NAN_X8
-            scale_bits = uint32(F32_NAN)
-        else:
-            s = max(e8m0_from_bf16_amax(amax, True), uint32(SCALE_EXP_MIN))
-            mult = f32_from_bits(inv_scale_f32_bits(s))
-            for start in range(lane, units, step):
-                for k in range(PASS_UNITS):  # all loads first
-                    u = start + k * WARP
-                    first[k] = x_words[row, 2 * u] if u < units else uint64(0)
-                    second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
-                for k in range(PASS_UNITS):
-                    u = start + k * WARP
-                    if u < units:
-                        data_words[row, u] = uint64(encode_bf16x4(first[k], mult)) | (
-                            uint64(encode_bf16x4(second[k], mult)) << uint64(32))
-            scale_bits = s << uint32(23)
-        if lane == 0:
-            scales[row] = scale_bits
+@cuda.jit(device=True)
+def rowwise_scale_exp_bf16(amax_bf16_bits):
+    """:func:`rowwise_scale_exp` of a finite bf16 amax (bf16 bits)."""
+    return max(e8m0_from_bf16_amax(amax_bf16_bits, True), uint32(SCALE_EXP_MIN))
 
 
-@kernel
-def quantize_fp8_rowwise_f32_kernel(x_words, data_words, scales):
-    """fp8-rowwise-quantize fp32 rows; the formulas of :func:`quantize_fp8_rowwise_bf16_kernel`.
+@cuda.jit(device=True)
+def encode_units_bf16(first, second, mult):
+    """One uint64 of 8 e4m3 from two units of 4 bf16 each (uint64) times ``mult``."""
+    return uint64(encode_bf16x4(first, mult)) | (uint64(encode_bf16x4(second, mult)) << uint64(32))
 
-    Args:
-        x_words: (M, D // 2) uint64, f32 bits, 2 per word (element 0 lowest), D % 4 == 0. Read.
-        data_words: (M, D // 4) uint32, e4m3fn bits, 4 per word. Written.
-        scales: (M,) uint32, fp32 bits of the row scales. Written.
-    Launch: as :func:`quantize_fp8_rowwise_bf16_kernel`; a unit is 4 elements.
-    """
-    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    first = cuda.local.array(PASS_UNITS, uint64)
-    second = cuda.local.array(PASS_UNITS, uint64)
-    lane = cuda.threadIdx.x % WARP
-    rows_per_block = cuda.blockDim.x // WARP
-    m = x_words.shape[0]
-    units = data_words.shape[1]
-    step = WARP * PASS_UNITS
-    for base in range(cuda.blockIdx.x * rows_per_block, m, cuda.gridDim.x * rows_per_block):
-        row = base + cuda.threadIdx.x // WARP
-        live = row < m
-        amax = uint32(0)
-        if live:
-            for start in range(lane, units, step):
-                for k in range(PASS_UNITS):  # all loads first
-                    u = start + k * WARP
-                    first[k] = x_words[row, 2 * u] if u < units else uint64(0)
-                    second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
-                for k in range(PASS_UNITS):
-                    amax = max(amax, f32x2_absmax(first[k]), f32x2_absmax(second[k]))
-        amax = lanes_max(amax, scratch, WARP)  # every lane of the block (the simulator syncs)
-        if not live:
-            continue
-        if amax >= uint32(F32_INF):
-            for u in range(lane, units, WARP):
-                data_words[row, u] = _E4M3_NAN_X4
-            scale_bits = uint32(F32_NAN)
-        else:
-            s = rowwise_scale_exp(amax)
-            mult = f32_from_bits(inv_scale_f32_bits(s))
-            for start in range(lane, units, step):
-                for k in range(PASS_UNITS):  # all loads first
-                    u = start + k * WARP
-                    first[k] = x_words[row, 2 * u] if u < units else uint64(0)
-                    second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
-                for k in range(PASS_UNITS):
-                    u = start + k * WARP
-                    if u < units:
-                        data_words[row, u] = uint32(encode_f32x2(first[k], mult)) | (
-                            uint32(encode_f32x2(second[k], mult)) << uint32(16))
-            scale_bits = s << uint32(23)
-        if lane == 0:
-            scales[row] = scale_bits
+
+@cuda.jit(device=True)
+def encode_units_f32(first, second, mult):
+    """One uint32 of 4 e4m3 from two units of 2 f32 each (uint64) times ``mult``."""
+    return uint32(encode_f32x2(first, mult)) | (uint32(encode_f32x2(second, mult)) << uint32(16))
+
+
+@cuda.jit(device=True)
+def load_units(x_words, row, start, units, first, second):
+    """Load the PASS_UNITS units (two input words each) start + k * WARP of ``row`` into ``first``
+    and ``second`` (zeros past ``units``), all loads issued before any is used."""
+    for k in range(PASS_UNITS):
+        u = start + k * WARP
+        first[k] = x_words[row, 2 * u] if u < units else uint64(0)
+        second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
+
+
+def _quantize_fp8_rowwise(f32):
+    """The rowwise quantize kernel of bf16 (``f32`` False) or fp32 rows: one source, two kernels,
+    the input's helpers (absmax, scale, encode, NaN word) compile-time constants (the PTX equals
+    that of the two hand-written kernels it replaced)."""
+    absmax = f32x2_absmax if f32 else bf16x4_absmax
+    inf = uint32(F32_INF if f32 else BF16_INF)
+    scale_exp = rowwise_scale_exp if f32 else rowwise_scale_exp_bf16
+    encode_units = encode_units_f32 if f32 else encode_units_bf16
+    nan_word = _E4M3_NAN_X4 if f32 else _E4M3_NAN_X8
+
+    @kernel
+    def quantize_fp8_rowwise_kernel(x_words, data_words, scales):
+        """fp8-rowwise-quantize bf16 or fp32 rows: scale 2^clamp(ceil(log2(amax / 448)), -126,
+        127) per row, element = RNE(x / scale) as e4m3fn saturated to +-448; NaN/Inf rows: scale
+        NaN, elements 0x7F.
+
+        Args:
+            x_words: (M, D // 4) uint64 of bf16 bits (4 per word, element 0 lowest, D % 8 == 0),
+                or (M, D // 2) of f32 bits (2 per word, D % 4 == 0). Read.
+            data_words: (M, D // 8) uint64 of e4m3fn bits (8 per word), or (M, D // 4) uint32 (4
+                per word) for f32. Written.
+            scales: (M,) uint32, fp32 bits of the row scales. Written.
+        Launch: launch_1d(ceil(M / R) * 32 * R, threads=32 * R): one warp per row (R rows per
+            CUDA block), grid-stride over rows in steps uniform per CUDA block; lane l takes units
+            (16 input bytes, one data word) l + 32 k, PASS_UNITS of them per step, in two passes
+            (amax, then encode; the second reads what the first brought to L1/L2).
+        """
+        scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+        first = cuda.local.array(PASS_UNITS, uint64)
+        second = cuda.local.array(PASS_UNITS, uint64)
+        lane = cuda.threadIdx.x % WARP
+        rows_per_block = cuda.blockDim.x // WARP
+        m = x_words.shape[0]
+        units = data_words.shape[1]
+        step = WARP * PASS_UNITS
+        for base in range(cuda.blockIdx.x * rows_per_block, m, cuda.gridDim.x * rows_per_block):
+            row = base + cuda.threadIdx.x // WARP
+            live = row < m
+            amax = uint32(0)
+            if live:
+                for start in range(lane, units, step):
+                    load_units(x_words, row, start, units, first, second)
+                    for k in range(PASS_UNITS):
+                        amax = max(amax, absmax(first[k]), absmax(second[k]))
+            amax = lanes_max(amax, scratch, WARP)  # every lane of the block (the simulator syncs)
+            if not live:
+                continue
+            if amax >= inf:
+                for u in range(lane, units, WARP):
+                    data_words[row, u] = nan_word
+                scale_bits = uint32(F32_NAN)
+            else:
+                s = scale_exp(amax)
+                mult = f32_from_bits(inv_scale_f32_bits(s))
+                for start in range(lane, units, step):
+                    load_units(x_words, row, start, units, first, second)
+                    for k in range(PASS_UNITS):
+                        u = start + k * WARP
+                        if u < units:
+                            data_words[row, u] = encode_units(first[k], second[k], mult)
+                scale_bits = s << uint32(23)
+            if lane == 0:
+                scales[row] = scale_bits
+
+    return quantize_fp8_rowwise_kernel
+
+
+#: fp8 rowwise quantize of bf16 and of fp32 rows (:func:`_quantize_fp8_rowwise`).
+quantize_fp8_rowwise_bf16_kernel = _quantize_fp8_rowwise(False)
+quantize_fp8_rowwise_f32_kernel = _quantize_fp8_rowwise(True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +269,21 @@ def store_word_f32(out_words, i, d, sbits):
     out_words[4 * i + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)
 
 
+@cuda.jit(device=True)
+def store_words(out_words, base, nthreads, n, words, sbits, f32):
+    """The store half of a dequantize tile, shared by the rowwise and 1x128 kernels: data words
+    ``words[k]`` (index base + k * nthreads, k < WORDS_PER_THREAD, those below ``n``) under the
+    scales with f32 bits ``sbits[k]`` into bf16 or (``f32``, a compile-time constant of the
+    caller) fp32 ``out_words``."""
+    for k in range(WORDS_PER_THREAD):
+        i = base + k * nthreads
+        if i < n:
+            if f32:
+                store_word_f32(out_words, i, words[k], sbits[k])
+            else:
+                store_word_bf16(out_words, i, words[k], sbits[k])
+
+
 def _dequantize_fp8_rowwise(f32):
     """The rowwise dequantize kernel for bf16 (``f32`` False) or fp32 output: one source, two
     kernels, the output's dtype a compile-time constant (one kernel with a runtime flag, both
@@ -301,9 +302,9 @@ def _dequantize_fp8_rowwise(f32):
             out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
                 word) with ``f32`` (the factory's). Written.
             words_per_row: D // 8.
-            Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): flat over the words like the 1x128 block
-            kernels, words t + k * blockDim.x, k < WORDS_PER_THREAD, of each tile per thread (all
-            loads first), grid-stride; each word's row found once per tile, then stepped.
+        Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): flat over the words like the 1x128
+            block kernels, words t + k * blockDim.x, k < WORDS_PER_THREAD, of each tile per thread
+            (all loads first), grid-stride; each word's row found once per tile, then stepped.
         """
         words = cuda.local.array(WORDS_PER_THREAD, uint64)
         sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
@@ -321,13 +322,7 @@ def _dequantize_fp8_rowwise(f32):
                 while col >= words_per_row:
                     col -= words_per_row
                     row += 1
-            for k in range(WORDS_PER_THREAD):
-                i = base + k * nthreads
-                if i < n:
-                    if f32:
-                        store_word_f32(out_words, i, words[k], sbits[k])
-                    else:
-                        store_word_bf16(out_words, i, words[k], sbits[k])
+            store_words(out_words, base, nthreads, n, words, sbits, f32)
 
     return dequantize_fp8_rowwise_kernel
 

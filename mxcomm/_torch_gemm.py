@@ -113,17 +113,6 @@ def _fp8_weight_t(w):
     return q.transpose(-2, -1), scale
 
 
-def _dequantized(data, scales):
-    """(P, K) bf16 of fp8 rowwise rows (data float8_e4m3fn, scales (P,) float32): mxcomm's
-    dequantize kernel on CUDA (``mxcomm.fp8_formats.dequantize_fp8_rowwise``), torch ops elsewhere."""
-    if data.is_cuda and data.shape[1] % 16 == 0 and data.numel():
-        from . import fp8_formats
-        from .torch import _array, _stream, _tensor
-        return _tensor(fp8_formats.dequantize_fp8_rowwise(
-            _array(data, "data"), _array(scales, "scales"), stream=_stream(data)))
-    return (data.float() * scales[:, None]).to(torch.bfloat16)
-
-
 def _plain(t):
     """A bf16 tensor of ``t``'s values (dequantized for a QuantizedTensor), no autograd."""
     return (t.dequantize() if hasattr(t, "qdata") else t).detach().to(torch.bfloat16)
@@ -165,15 +154,12 @@ class _GroupedMM(torch.autograd.Function):
     def forward(ctx, x, w, offs, fp8, wgrad):
         ctx.fp8 = fp8
         ctx.fp8_wgrad = fp8 and wgrad == "fp8"
-        plain = x.detach() if hasattr(x, "qdata") else x
+        kept = x.detach() if hasattr(x, "qdata") else x
         if not fp8:
-            ctx.save_for_backward(plain, w, offs)
+            ctx.save_for_backward(kept, w, offs)
             return torch._grouped_mm(_plain(x), w.detach(), offs=offs)
         a, scale_a = _fp8_operand_a(x)
-        if ctx.fp8_wgrad:
-            ctx.save_for_backward(a, scale_a, w, offs)
-        else:
-            ctx.save_for_backward(plain, w, offs)
+        ctx.save_for_backward(*((a, scale_a) if ctx.fp8_wgrad else (kept,)), w, offs)
         b, scale_b = _fp8_weight(w)
         return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
                                         out_dtype=torch.bfloat16)
@@ -181,10 +167,7 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dx = dw = None
-        if ctx.fp8_wgrad:
-            a, scale_a, w, offs = ctx.saved_tensors
-        else:
-            x, w, offs = ctx.saved_tensors
+        *rows, w, offs = ctx.saved_tensors  # (a, scale_a) for the fp8 wgrad, else (x,)
         if ctx.fp8 and (ctx.needs_input_grad[0] or ctx.fp8_wgrad):
             g, scale_g = _fp8_operand_a(grad)
         if ctx.needs_input_grad[0]:
@@ -196,9 +179,9 @@ class _GroupedMM(torch.autograd.Function):
                 dx = torch._grouped_mm(_plain(grad), w.detach().transpose(-2, -1), offs=offs)
         if ctx.needs_input_grad[1]:
             if ctx.fp8_wgrad:
-                dw = _fp8_wgrad((a, scale_a), (g, scale_g), offs)
+                dw = _fp8_wgrad(rows, (g, scale_g), offs)
             else:
-                dw = torch._grouped_mm(_plain(x).t(), _plain(grad), offs=offs)
+                dw = torch._grouped_mm(_plain(rows[0]).t(), _plain(grad), offs=offs)
             dw = dw.to(w.dtype)
         # None for: offs, fp8, wgrad
         return dx, dw, None, None, None
