@@ -3,6 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 sweep1
+#         colwise1 host1 host2 latency1
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -62,6 +63,11 @@ for phase in "$@"; do
         --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
         --json "$res/pipeline_fp8_w1.json" --markdown "$res/pipeline_fp8_w1.md" ;;
     sweep1) step "rowwise quantize grid share sweep" 120 python3 bench/sweep_rowwise.py ;;
+    colwise1) step "fp8 wgrad conversion kernels, each alone" 120 python3 bench/probe_colwise.py ;;
+    host1) step "host path pieces, 1 rank" 180 "${mpirun_env[@]}" -n 1 python3 bench/probe_host.py ;;
+    host2) step "host path pieces, 2 ranks" 180 "${mpirun_env[@]}" -n 2 python3 bench/probe_host.py ;;
+    latency1) step "bench latency, 1 rank" 300 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench latency \
+        --json "$res/latency_w1.json" --markdown "$res/latency_w1.md" ;;
     pipe2topk) step "bench pipeline, 2 ranks, small batches, topk routing" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --routing topk \
         --json "$res/pipeline_small_topk_w2.json" --markdown "$res/pipeline_small_topk_w2.md" ;;

@@ -1,0 +1,214 @@
+"""Where the host time of one layout-path call goes (GPU only, any number of ranks).
+
+    mpirun -n W python bench/probe_host.py [rows] [dim] [calls]
+
+For each call (array API and ``mxcomm.torch``, MXFP8 and bf16, dispatch and combine, given the
+layout): the host time per call of ``calls`` calls enqueued back to back (wall clock, no profiler,
+after warm-up), the Python function calls per call (``sys.setprofile``, a separate pass), and an
+instrumented pass that times the engine's pieces inclusively (a wrapper per piece adds ~0.3 us per
+entry, so the pieces add up to a little more than the plain time). Then the host cost of the CuPy,
+runtime and driver primitives the path is made of. Rank 0 prints; bench/NOTES.md says what it found.
+"""
+
+import collections
+import statistics
+import sys
+import time
+
+import cupy
+import numpy
+import torch
+
+import mxcomm
+import mxcomm.comm
+import mxcomm.torch as mxt
+
+rows = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+dim = int(sys.argv[2]) if len(sys.argv) > 2 else 7168
+calls = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+
+comm = mxcomm.comm.init()
+torch.cuda.set_device(comm.device)
+cupy.cuda.Device(comm.device).use()
+experts = comm.size * 8
+out = print if comm.rank == 0 else (lambda *a, **k: None)
+out(f"probe_host: {comm.size} ranks, {rows} x {dim} rows per rank, transport {comm.transport}, "
+    f"{calls} calls per case")
+
+counts_t = torch.full((experts,), rows // experts, dtype=torch.int64, device="cuda")
+layout_t = mxt.exchange_layout(counts_t, comm)
+counts_c = cupy.full((experts,), rows // experts, dtype=cupy.int32)
+layout_c = mxcomm.exchange_layout(counts_c, comm)
+x_t = torch.randn(rows, dim, device="cuda").to(torch.bfloat16)
+x_c = cupy.from_dlpack(x_t)
+y_t = torch.randn(layout_t.num_received, dim, device="cuda").to(torch.bfloat16)
+y_c = cupy.from_dlpack(y_t)
+
+cases = {
+    "array dispatch mxfp8": lambda: mxcomm.a2a_dispatch(x_c, layout_c),
+    "array dispatch bf16": lambda: mxcomm.a2a_dispatch(x_c, layout_c, precision="bf16"),
+    "array combine mxfp8": lambda: mxcomm.a2a_combine(y_c, layout_c, precision="mxfp8"),
+    "array combine bf16": lambda: mxcomm.a2a_combine(y_c, layout_c),
+    "torch dispatch mxfp8": lambda: mxt.a2a_dispatch(x_t, layout_t),
+    "torch dispatch bf16": lambda: mxt.a2a_dispatch(x_t, layout_t, precision="bf16"),
+    "torch combine mxfp8": lambda: mxt.a2a_combine(y_t, layout_t, precision="mxfp8"),
+    "torch combine bf16": lambda: mxt.a2a_combine(y_t, layout_t),
+}
+
+
+def sync():
+    torch.cuda.synchronize()
+    comm.barrier()
+
+
+def host_us(fn, n):
+    """Host us per call, n calls back to back, median of 3 repeats."""
+    times = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    sync()
+    return statistics.median(times)
+
+
+def python_calls(fn, n=20):
+    """Python-level and C-level calls per call (sys.setprofile)."""
+    tally = collections.Counter()
+
+    def profile(frame, event, arg):
+        tally[event] += 1
+    sync()
+    sys.setprofile(profile)
+    for _ in range(n):
+        fn()
+    sys.setprofile(None)
+    sync()
+    return tally["call"] / n, tally["c_call"] / n
+
+
+# ------------------------------------------------------------------------- instrumented pieces
+totals = collections.defaultdict(float)
+entries = collections.Counter()
+
+
+def timed(label, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter_ns() - t0
+            entries[label] += 1
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def instrument():
+    """Wrap the pieces of the path (where they are looked up) with timers; return an undo list."""
+    import mxcomm._driver as driver
+    import mxcomm.a2a as a2a
+    import mxcomm.formats as formats
+    import mxcomm.mxfp8 as mxfp8
+    import mxcomm.kernels._launch as launch
+    from mxcomm.comm import _ipc, _nccl, _pull
+    targets = [
+        (a2a, "_exchange"), (a2a, "_check_rows"), (a2a, "_resolve"), (a2a, "_check_precision"),
+        (a2a, "_exchange_quantized"), (a2a, "_exchange_plain"),
+        (a2a._QuantizedRows, "produce"), (a2a._QuantizedRows, "consume"),
+        (a2a._QuantizedRows, "__init__"),
+        (_nccl.NcclCommunicator, "exchange"), (_nccl.NcclCommunicator, "alltoallv"),
+        (_nccl.NcclCommunicator, "_record"), (_nccl.NcclCommunicator, "_check_usable"),
+        (_nccl.NcclCommunicator, "_on_stream"), (_nccl.NcclCommunicator, "_stream_ptr"),
+        (_pull.PullTransport, "run"), (_pull.PullTransport, "_pull"),
+        (_pull.PullTransport, "_slots"), (_pull.PullTransport, "_consume_in_place"),
+        (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
+        (_ipc.CudaPeerMemory, "end"), (_ipc.CudaPeerMemory, "signal_ready"),
+        (_ipc.CudaPeerMemory, "await_ready"), (_ipc.CudaPeerMemory, "copy"),
+        (_ipc.CudaPeerMemory, "local"), (_ipc.CudaPeerMemory, "peer_view"),
+        (formats.Format, "empty"), (formats.Format, "wrap"), (formats.Format, "launch_quantize"),
+        (formats.Format, "launch_dequantize"),
+        (mxfp8, "launch_quantize"), (mxfp8, "launch_dequantize"), (mxfp8, "_words"),
+        (mxfp8, "launch_1d"), (launch.Kernel, "_launch"), (launch.Kernel, "_function"),
+        (launch, "_abi_values"), (driver.PackedLaunch, "__call__"),
+        (mxt, "_array"), (mxt, "_tensor"), (mxt, "_wrap"), (mxt, "_stream"),
+    ]
+    undo = []
+    for owner, name in targets:
+        fn = owner.__dict__.get(name)
+        if fn is None:
+            out(f"  (no {getattr(owner, '__name__', owner)}.{name} to time)")
+            continue
+        label = f"{getattr(owner, '__name__', owner)}.{name}"
+        setattr(owner, name, timed(label, fn))
+        undo.append((owner, name, fn))
+    return undo
+
+
+for label, fn in cases.items():
+    for _ in range(20):
+        fn()
+    plain = host_us(fn, calls)
+    py, c = python_calls(fn)
+    undo = instrument()
+    totals.clear()
+    entries.clear()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    instrumented = (time.perf_counter() - t0) / calls * 1e6
+    sync()
+    for owner, name, fn0 in undo:
+        setattr(owner, name, fn0)
+    out(f"\n=== {label}: {plain:.1f} us per call (plain), {instrumented:.1f} instrumented; "
+        f"{py:.0f} Python calls + {c:.0f} C calls per call")
+    for piece, ns in sorted(totals.items(), key=lambda kv: -kv[1]):
+        out(f"  {piece:45s} {ns / calls / 1e3:8.2f} us/call  {entries[piece] / calls:5.1f} x")
+
+# ---------------------------------------------------------------------------- primitives
+rt = cupy.cuda.runtime
+stream = cupy.cuda.get_current_stream()
+side = cupy.cuda.Stream(non_blocking=True)
+event = rt.eventCreateWithFlags(2)
+mem = cupy.cuda.memory.Memory(1 << 20)
+a = cupy.empty((rows, dim), dtype=cupy.uint8)
+t = torch.empty(rows, dim, dtype=torch.bfloat16, device="cuda")
+
+
+def per_call(fn, n=2000):
+    for _ in range(50):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+prims = {
+    "cupy.empty((rows, dim), uint8)": lambda: cupy.empty((rows, dim), dtype=cupy.uint8),
+    "cupy.ndarray view on a Memory": lambda: cupy.ndarray(
+        (rows, dim), dtype=cupy.uint8, memptr=cupy.cuda.memory.MemoryPointer(mem, 0)),
+    "a[i:j] (2-D slice)": lambda: a[10:200],
+    "a.reshape(-1).view(uint64)": lambda: a.reshape(-1).view(numpy.uint64),
+    "a.data.ptr": lambda: a.data.ptr,
+    "a.flags.c_contiguous": lambda: a.flags.c_contiguous,
+    "runtime.eventRecord": lambda: rt.eventRecord(event, stream.ptr),
+    "runtime.streamWaitEvent": lambda: rt.streamWaitEvent(side.ptr, event, 0),
+    "runtime.streamIsCapturing": lambda: rt.streamIsCapturing(stream.ptr),
+    "runtime.memcpyAsync 256 B": lambda: rt.memcpyAsync(mem.ptr, mem.ptr + 4096, 256, 4,
+                                                        stream.ptr),
+    "cupy.cuda.get_current_stream()": cupy.cuda.get_current_stream,
+    "torch.cuda.current_stream()": torch.cuda.current_stream,
+    "cupy.from_dlpack(torch tensor)": lambda: cupy.from_dlpack(t),
+    "torch.from_dlpack(cupy array)": lambda: torch.from_dlpack(a),
+    "torch.empty((rows, dim), bf16, cuda)": lambda: torch.empty(rows, dim, dtype=torch.bfloat16,
+                                                               device="cuda"),
+}
+out("\n=== primitives (us per call)")
+for label, fn in prims.items():
+    out(f"  {label:45s} {per_call(fn):8.2f}")
+sync()
+comm.close()
