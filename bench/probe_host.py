@@ -119,8 +119,8 @@ def instrument():
         (a2a, "_exchange_quantized"), (a2a, "_exchange_plain"),
         (a2a._QuantizedRows, "produce"), (a2a._QuantizedRows, "consume"),
         (a2a._QuantizedRows, "__init__"),
-        (_nccl.NcclCommunicator, "exchange"), (_nccl.NcclCommunicator, "alltoallv"),
-        (_nccl.NcclCommunicator, "_record"), (_nccl.NcclCommunicator, "_check_usable"),
+        (_nccl.NcclCommunicator.__mro__[1], "exchange"), (_nccl.NcclCommunicator, "alltoallv"),
+        (_nccl.NcclCommunicator, "_record"), (_nccl.NcclCommunicator.__mro__[1], "_check_usable"),
         (_nccl.NcclCommunicator, "_on_stream"), (_nccl.NcclCommunicator, "_stream_ptr"),
         (_pull.PullTransport, "run"), (_pull.PullTransport, "_pull"),
         (_pull.PullTransport, "_slots"), (_pull.PullTransport, "_consume_in_place"),
@@ -130,10 +130,12 @@ def instrument():
         (_ipc.CudaPeerMemory, "local"), (_ipc.CudaPeerMemory, "peer_view"),
         (formats.Format, "empty"), (formats.Format, "wrap"), (formats.Format, "launch_quantize"),
         (formats.Format, "launch_dequantize"),
-        (mxfp8, "launch_quantize"), (mxfp8, "launch_dequantize"), (mxfp8, "_words"),
+        (mxfp8, "launch_quantize"), (mxfp8, "launch_dequantize"), (mxfp8, "words"),
         (mxfp8, "launch_1d"), (launch.Kernel, "_launch"), (launch.Kernel, "_function"),
         (launch, "_abi_values"), (driver.PackedLaunch, "__call__"),
-        (mxt, "_array"), (mxt, "_tensor"), (mxt, "_wrap"), (mxt, "_stream"),
+        (mxt, "_array"), (mxt, "_tensor"), (mxt, "_wrap"), (mxt, "_stream"), (mxt, "_view"),
+        (mxt, "_exchange"), (mxt._Alloc, "__call__"), (mxt._Alloc, "tensor"),
+        (formats.Format, "view"),
     ]
     undo = []
     for owner, name in targets:

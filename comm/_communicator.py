@@ -243,9 +243,6 @@ class Communicator(abc.ABC):
         """Backend hook: a context in which allocations are ordered on ``stream_ptr``."""
         return contextlib.nullcontext()
 
-    def _exchanged(self, stream_ptr):
-        """Backend hook: an exchange was enqueued on ``stream_ptr``."""
-
     def _peer_memory_here(self):
         """Backend hook: can this rank map its peers' memory? (all ranks are on this node)."""
         return False
@@ -330,7 +327,9 @@ class Communicator(abc.ABC):
         with self._on_stream(stream_ptr):  # allocations ordered on the caller's stream
             outs = self._transport.run(rows, plan, None if out is None else tuple(out), in_place,
                                        stream_ptr)
-        self._exchanged(stream_ptr)
+        # No watchdog event here: the pull transport's device waits give up on their own after
+        # ``timeout`` (the watchdog reads their status), and the grouped one's alltoallv
+        # records its own.
         return None if in_place else outs
 
     def _new_arrays(self, arrays, rows):

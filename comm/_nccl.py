@@ -189,9 +189,6 @@ class NcclCommunicator(Communicator):
             stream = self._external[stream_ptr] = _external_stream(self._cupy, stream_ptr)
         return stream
 
-    def _exchanged(self, stream_ptr):
-        self._record(stream_ptr)  # the watchdog bounds the exchange's device waits too
-
     def _stream(self, stream):
         """The raw handle of ``stream``: None for CuPy's current stream, ``.ptr``,
         ``.cuda_stream`` (torch), or an int."""

@@ -3,6 +3,7 @@ token permute/unpermute, fp8 bit conversions. Imports numba, and of ``mxcomm`` o
 ``mxcomm._platform`` (which decides where array work runs)."""
 
 from ._device import array_module, simulated  # first: sets up the simulator before numba loads
-from ._launch import Kernel, kernel, launch_1d
+from ._launch import Kernel, Words, address, kernel, launch_1d, words
 
-__all__ = ["array_module", "simulated", "Kernel", "kernel", "launch_1d"]
+__all__ = ["array_module", "simulated", "Kernel", "Words", "address", "kernel", "launch_1d",
+           "words"]

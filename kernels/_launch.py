@@ -63,8 +63,73 @@ def launch_1d(n, stream=0, *, threads=None, share=1.0):
     return blocks, threads, int(stream)
 
 
+class Words:
+    """A C-contiguous device array named by its address: all a launch needs of an array.
+
+    The GPU side of :func:`words`: a kernel takes it as a C-contiguous array of ``dtype`` and
+    ``shape`` (the same compiled function as for such a CuPy array), without the ~3 us of host
+    time a CuPy reshape or view costs (measured on an H100 host, bench/NOTES.md).
+
+    Attributes:
+        ptr: device address of the first word.
+        shape: ``(size,)`` or ``(rows, words per row)``.
+        dtype: NumPy dtype of a word.
+    """
+
+    __slots__ = ("ptr", "shape", "dtype", "size", "ndim")
+
+    def __init__(self, ptr, shape, dtype):
+        self.ptr, self.shape, self.dtype = ptr, shape, dtype
+        self.ndim = len(shape)
+        self.size = shape[0] if self.ndim == 1 else shape[0] * shape[1]
+
+    def abi(self):
+        """Its fields in numba's kernel ABI: meminfo, parent, nitems, itemsize, data, shape,
+        strides (C order)."""
+        itemsize = self.dtype.itemsize
+        if self.ndim == 1:
+            return (0, 0, self.size, itemsize, self.ptr, self.size, itemsize)
+        rows, cols = self.shape
+        return (0, 0, self.size, itemsize, self.ptr, rows, cols, cols * itemsize, itemsize)
+
+
+def address(a):
+    """The address of the first element of the CuPy (GPU) or NumPy (simulator) array ``a``."""
+    return a.__array_interface__["data"][0] if simulated() else a.data.ptr
+
+
+def words(a, dtype, name, *, rows=False):
+    """The C-contiguous array ``a`` as a kernel argument of ``dtype`` words, zero-copy: flat, or
+    with ``rows`` the 2-D ``a``'s rows viewed as words. A :class:`Words` on a GPU, a NumPy view
+    under the simulator.
+
+    Args:
+        a: a C-contiguous CuPy (GPU) or NumPy (simulator) array; 2-D with ``rows``.
+        dtype: the NumPy dtype of a word.
+        name: the argument's name, for the error message.
+    Raises:
+        ValueError: ``a``'s address is not aligned to ``dtype``'s size, or its rows (its bytes)
+            are not a whole number of words.
+    """
+    itemsize = dtype.itemsize
+    ptr = address(a)
+    row_bytes = a.shape[1] * a.itemsize if rows else a.nbytes
+    if a.size and (ptr % itemsize or row_bytes % itemsize):
+        raise ValueError(f"{name}: expected {itemsize}-byte words (an address and row size "
+                         f"aligned to {itemsize} bytes), got address {ptr:#x} and "
+                         f"{row_bytes} bytes per row")
+    if simulated():
+        return a.view(dtype) if rows else a.reshape(-1).view(dtype)
+    if rows:
+        return Words(ptr, (a.shape[0], row_bytes // itemsize), dtype)
+    return Words(ptr, (row_bytes // itemsize,), dtype)
+
+
 def _argument_type(a):
-    """The numba type of a kernel argument: a device array, a bool or an int."""
+    """The numba type of a kernel argument: a device array (or :class:`Words`), a bool or an
+    int."""
+    if isinstance(a, Words):
+        return types.Array(from_dtype(a.dtype), a.ndim, "C")
     if isinstance(a, (bool, numpy.bool_)):
         return types.boolean
     if isinstance(a, (int, numpy.integer)):
@@ -75,6 +140,8 @@ def _argument_type(a):
 
 def _argument_key(a):
     """A hashable key equal for arguments of the same numba type (see :func:`_argument_type`)."""
+    if isinstance(a, Words):
+        return a.dtype, a.ndim, True
     if isinstance(a, (bool, numpy.bool_)):
         return "b"
     if isinstance(a, (int, numpy.integer)):
@@ -85,6 +152,8 @@ def _argument_key(a):
 def _abi_format(a):
     """The ``struct`` codes of argument ``a`` in numba's kernel ABI: an array is (meminfo, parent,
     nitems, itemsize, data, *shape, *strides), 8 bytes each; a bool one byte, an int 8."""
+    if isinstance(a, Words):
+        return "QQqqQ" + "q" * (2 * a.ndim)
     if isinstance(a, (bool, numpy.bool_)):
         return "B"
     if isinstance(a, (int, numpy.integer)):
@@ -96,7 +165,9 @@ def _abi_values(args):
     """The values of ``args`` in the order :func:`_abi_format` lays them out (Python ints)."""
     values = []
     for a in args:
-        if isinstance(a, (bool, int, numpy.bool_, numpy.integer)):
+        if isinstance(a, Words):
+            values += a.abi()
+        elif isinstance(a, (bool, int, numpy.bool_, numpy.integer)):
             values.append(int(a))
         else:
             values += (0, 0, a.size, a.itemsize, a.data.ptr)

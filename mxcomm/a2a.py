@@ -43,7 +43,7 @@ import numpy
 
 from ._array import as_device_array, bfloat16, float32
 from .kernels import array_module
-from .formats import QuantizedArray, format_names, get_format
+from .formats import PER_ROW, QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
 
@@ -143,7 +143,10 @@ class _QuantizedRows:
 
     def _rows(self, data, scales):
         """The travelling (data, scales) slots as a QuantizedArray (per-row scales 1-D)."""
-        return self._format.wrap(data, scales.reshape(self._format.scales_shape(*data.shape)))
+        fmt = self._format
+        if fmt.scale_block == PER_ROW:
+            scales = scales.reshape(data.shape[0])
+        return fmt.view(data, scales)
 
     def produce(self, begin, end, slots, stream):
         data, scales = slots
@@ -161,7 +164,7 @@ class _QuantizedRows:
 
 
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
-              direction, dequantize, scale_mode, stream, validate):
+              direction, dequantize, scale_mode, stream, validate, alloc):
     """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
 
     Args:
@@ -173,6 +176,8 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
         dequantize: False to return the wire format (a QuantizedArray, or an array of the
             format's dtype); True to return an array of ``x``'s dtype (bf16 for a QuantizedArray).
         validate: explicit splits only: check across ranks first (None: the communicator's).
+        alloc: ``alloc(shape, dtype)`` -> a new array for the results, or None for the array
+            module's ``empty`` (``mxcomm.torch`` hands in torch's allocator).
     Returns:
         (N, D) QuantizedArray or array.
     """
@@ -217,11 +222,11 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
         x = x.dequantize(bfloat16, stream=caller)
     if not fmt.quantized:
-        return _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize)
+        return _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize, alloc)
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
         plan = _unvoted_plan(comm, send_counts, recv_counts)
     kind = f"{function} {fmt.name} rows of D = {width}"
-    return _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind)
+    return _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc)
 
 
 def _unvoted_plan(comm, send_counts, recv_counts):
@@ -241,7 +246,7 @@ def _dtype_name(x):
     return x.format.name.upper() if isinstance(x, QuantizedArray) else x.dtype.name
 
 
-def _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize):
+def _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize, alloc):
     """One all-to-all of unscaled rows on the caller's stream (nothing to overlap); already
     checked. ``"bf16"`` sends bf16 (fp32 rounded to it); ``"native"`` sends ``x``'s dtype as is.
     A QuantizedArray ``x`` was dequantized to bf16 by the caller."""
@@ -251,7 +256,7 @@ def _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize):
         result_dtype = x.dtype if dequantize else wire
         if x.dtype != wire:  # fp32 -> bf16, the only conversion a plain format makes
             x = _f32_to_bf16(x)
-        out = xp.empty((sum(recv_counts), x.shape[1]), dtype=wire)
+        out = (alloc or xp.empty)((sum(recv_counts), x.shape[1]), wire)
         comm.alltoallv(x, send_counts, recv_counts, out, stream=caller, validate=False)
         if result_dtype != wire:
             out = _bf16_to_f32(out)
@@ -273,7 +278,7 @@ def _bf16_to_f32(x):
     return (x.view(numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
 
 
-def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind):
+def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc):
     """The quantized exchange (module docstring), for the quantized format ``fmt``: quantize into
     the travelling memory peer by peer; dequantize each sender's rows where they are, or collect
     them still quantized."""
@@ -282,14 +287,15 @@ def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind
     pull = comm.transport == "pull"
     with comm._on_stream(caller):
         if dequantize:
-            out = xp.empty((plan.rows_received, width), dtype=_dtype_of(x))
+            out = (alloc or xp.empty)((plan.rows_received, width), _dtype_of(x))
             share = 1.0 - _BESIDE_SHARE if pull else 1.0
             comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
                           in_place=True, stream=caller)
             return out
-        received = fmt.empty(plan.rows_received, width)
-        travelling = (received.data, received.scales.reshape(
-            (plan.rows_received,) + fmt.row_arrays(width)[1][0]))
+        received = fmt.empty(plan.rows_received, width, alloc)
+        scales = received.scales  # per-row scales travel as (rows, 1)
+        travelling = (received.data, scales.reshape(plan.rows_received, 1)
+                      if fmt.scale_block == PER_ROW else scales)
         comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, None, caller,
                                      _PULLED_SHARE if pull else 1.0), plan,
                       out=travelling, stream=caller)
@@ -302,6 +308,27 @@ def _dtype_of(x):
 
 
 # ------------------------------------------------------------------------------------- public
+#: Each public function: the name of the rows it takes, the direction it sends, and whether it
+#: returns them dequantized (module docstring's table).
+_CALLS = {
+    "a2a_dispatch": ("x", "dispatch", False),
+    "a2a_dispatch_backward": ("grad", "combine", True),
+    "a2a_combine": ("y", "combine", True),
+    "a2a_combine_backward": ("grad", "dispatch", False),
+    "all_to_all_single": ("x", "dispatch", True),
+}
+
+
+def _call(function, x, input_splits, output_splits, comm, precision, layout=None, *,
+          scale_mode="rceil", stream=None, validate=None, alloc=None):
+    """The public ``function`` (a key of ``_CALLS``), with the engine's ``alloc`` (the torch
+    adapters pass torch's allocator)."""
+    name, direction, dequantize = _CALLS[function]
+    return _exchange(x, input_splits, output_splits, comm, precision, layout, function=function,
+                     name=name, direction=direction, dequantize=dequantize,
+                     scale_mode=scale_mode, stream=stream, validate=validate, alloc=alloc)
+
+
 _COMMON_ARGS = """
         comm: a communicator (``mxcomm.comm.init()``); with a layout, None or the layout's.
         scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, docs/design.md); the
@@ -332,9 +359,8 @@ def _doc(text):
 
 def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8", *,
                  scale_mode="rceil", stream=None, layout=None, validate=None):
-    return _exchange(x, input_splits, output_splits, comm, precision, layout,
-                     function="a2a_dispatch", name="x", direction="dispatch", dequantize=False,
-                     scale_mode=scale_mode, stream=stream, validate=validate)
+    return _call("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
+                 scale_mode=scale_mode, stream=stream, validate=validate)
 
 
 a2a_dispatch.__doc__ = _doc("""Step 1: send routed token rows to the ranks holding their experts.
@@ -360,9 +386,8 @@ a2a_dispatch.__doc__ = _doc("""Step 1: send routed token rows to the ranks holdi
 def a2a_dispatch_backward(grad, input_splits=None, output_splits=None, comm=None,
                           precision="bf16", *, scale_mode="rceil", stream=None, layout=None,
                           validate=None):
-    return _exchange(grad, input_splits, output_splits, comm, precision, layout,
-                     function="a2a_dispatch_backward", name="grad", direction="combine",
-                     dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)
+    return _call("a2a_dispatch_backward", grad, input_splits, output_splits, comm, precision,
+                 layout, scale_mode=scale_mode, stream=stream, validate=validate)
 
 
 a2a_dispatch_backward.__doc__ = _doc("""Backward of :func:`a2a_dispatch`: return the received
@@ -381,9 +406,8 @@ a2a_dispatch_backward.__doc__ = _doc("""Backward of :func:`a2a_dispatch`: return
 
 def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16", *,
                 scale_mode="rceil", stream=None, layout=None, validate=None):
-    return _exchange(y, input_splits, output_splits, comm, precision, layout,
-                     function="a2a_combine", name="y", direction="combine", dequantize=True,
-                     scale_mode=scale_mode, stream=stream, validate=validate)
+    return _call("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
+                 scale_mode=scale_mode, stream=stream, validate=validate)
 
 
 a2a_combine.__doc__ = _doc("""Step 5: return expert outputs to the ranks their tokens came from.
@@ -403,9 +427,8 @@ a2a_combine.__doc__ = _doc("""Step 5: return expert outputs to the ranks their t
 def a2a_combine_backward(grad, input_splits=None, output_splits=None, comm=None,
                          precision="mxfp8", *, scale_mode="rceil", stream=None, layout=None,
                          validate=None):
-    return _exchange(grad, input_splits, output_splits, comm, precision, layout,
-                     function="a2a_combine_backward", name="grad", direction="dispatch",
-                     dequantize=False, scale_mode=scale_mode, stream=stream, validate=validate)
+    return _call("a2a_combine_backward", grad, input_splits, output_splits, comm, precision,
+                 layout, scale_mode=scale_mode, stream=stream, validate=validate)
 
 
 a2a_combine_backward.__doc__ = _doc("""Backward of :func:`a2a_combine`: send the outputs'
@@ -445,6 +468,5 @@ def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *
     Raises:
         As :func:`a2a_dispatch`.
     """
-    return _exchange(x, input_splits, output_splits, comm, precision, None,
-                     function="all_to_all_single", name="x", direction="dispatch",
-                     dequantize=True, scale_mode=scale_mode, stream=stream, validate=validate)
+    return _call("all_to_all_single", x, input_splits, output_splits, comm, precision,
+                 scale_mode=scale_mode, stream=stream, validate=validate)

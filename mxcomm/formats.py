@@ -77,6 +77,7 @@ class Format:
             return (m,)
         return (m, d // self.scale_block)
 
+    @functools.lru_cache(maxsize=256)  # asked on every exchange; formats live as long as the process
     def row_arrays(self, d, input_dtype=bfloat16):
         """``((row shape, dtype), ...)`` of the arrays one row of width ``d`` travels as (the
         ``mxcomm.comm`` exchange protocol); a per-row scale travels as a (1,) row."""
@@ -102,11 +103,21 @@ class Format:
         return self._array_class(data, scales) if self._array_class else \
             QuantizedArray(data, scales, self)
 
-    def empty(self, m, d):
-        """An uninitialized (m, d) QuantizedArray of this format on the current backend."""
-        xp = array_module()
-        return self.wrap(xp.empty((m, d), dtype=self.element_dtype),
-                         xp.empty(self.scales_shape(m, d), dtype=self.scale_dtype))
+    def view(self, data, scales):
+        """``data`` and ``scales`` as a QuantizedArray of this format, unchecked: for arrays this
+        package made with this format's dtypes and shapes (staging slots, results); about 1 us
+        where :meth:`wrap`'s checks take 5 (H100 host, bench/NOTES.md). Anything else goes
+        through :meth:`wrap`."""
+        q = object.__new__(self._array_class or QuantizedArray)
+        q.data, q.scales, q.format = data, scales, self
+        return q
+
+    def empty(self, m, d, alloc=None):
+        """An uninitialized (m, d) QuantizedArray of this format: its arrays from
+        ``alloc(shape, dtype)``, or the current backend's ``empty``."""
+        alloc = alloc or array_module().empty
+        return self.view(alloc((m, d), self.element_dtype),
+                         alloc(self.scales_shape(m, d), self.scale_dtype))
 
     def launch_quantize(self, x, out, stream, share=1.0, scale_mode=None):
         """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into the QuantizedArray

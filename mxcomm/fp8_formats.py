@@ -30,7 +30,7 @@ themselves (names, scale layouts, padding scales) are registered in ``mxcomm.for
 import ml_dtypes
 import numpy
 
-from .kernels import array_module, launch_1d, simulated  # first: decides simulator vs GPU before numba loads
+from .kernels import array_module, launch_1d, simulated, words  # first: decides simulator vs GPU before numba loads
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
 from .kernels import fp8_block, fp8_colwise, fp8_rowwise
@@ -69,20 +69,6 @@ _WARPS_PER_SM = 64
 # ---------------------------------------------------------------------------------------------
 # Validation and views.
 # ---------------------------------------------------------------------------------------------
-
-def _address(a):
-    """Device (or host) address of ``a``'s first element."""
-    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-    return iface["data"][0]
-
-
-def _words(a, dtype, name):
-    """The C-contiguous array ``a``, its last dimension viewed as ``dtype`` words (zero-copy)."""
-    if a.size and _address(a) % dtype.itemsize:
-        raise ValueError(f"{name}: expected an address aligned to {dtype.itemsize} bytes, "
-                         f"got {_address(a):#x}")
-    return a.view(dtype)
-
 
 def _check_rows(x, name, multiple, dtypes, convert=as_device_array):
     """``x`` as an array (``convert``: a device array by default), validated: 2-D (M, D), dtype in
@@ -208,17 +194,18 @@ def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
         return data, scales
     if host_backend():
         return _host_quantize_fp8_rowwise(x, out=(data, scales))
-    x_words = _words(x, _U64, "x")
+    x_words = words(x, _U64, "x", rows=True)
     if x.dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
-        kernel, data_words = quantize_fp8_rowwise_bf16_kernel, _words(data, _U64, "out data")
+        kernel, word = quantize_fp8_rowwise_bf16_kernel, _U64
     else:  # units of 4 elements -> one uint32
-        kernel, data_words = quantize_fp8_rowwise_f32_kernel, _words(data, _U32, "out data")
+        kernel, word = quantize_fp8_rowwise_f32_kernel, _U32
+    data_words = words(data, word, "out data", rows=True)
     # one warp per row, ROWS_PER_BLOCK rows per CUDA block
     threads = _WARP * ROWS_PER_BLOCK
     kernel[_resident_launch(-(-m // ROWS_PER_BLOCK) * threads, threads,
                             fp8_rowwise.QUANTIZE_REGISTERS, stream,
                             share * fp8_rowwise.QUANTIZE_GRID_SHARE)](
-        x_words, data_words, scales.view(_U32))
+        x_words, data_words, words(scales, _U32, "out scales"))
     return data, scales
 
 
@@ -257,14 +244,13 @@ def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
         return out
     if host_backend():
         return _host_dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
-    data_words = _words(data, _U64, "data")  # (M, D // 8): flat below
+    data_words = words(data, _U64, "data")
     n = data_words.size
     kernel = dequantize_fp8_rowwise_bf16_kernel if out.dtype == bfloat16 else \
         dequantize_fp8_rowwise_f32_kernel
     kernel[_resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD), THREADS_PER_BLOCK,
                             fp8_rowwise.DEQUANTIZE_REGISTERS, stream, share)](
-        data_words.reshape(n), scales.view(_U32), _words(out, _U64, "out").reshape(-1),
-        data_words.shape[1])
+        data_words, words(scales, _U32, "scales"), words(out, _U64, "out"), data.shape[1] // 8)
     return out
 
 
@@ -319,11 +305,10 @@ def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0)
         kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
     else:
         kernel, registers = quantize_fp8_block128_f32_kernel, fp8_block.QUANTIZE_F32_REGISTERS
-    data_words = _words(data.reshape(-1), _U64, "out data")
+    data_words = words(data, _U64, "out data")
     n_threads = -(-data_words.size // UNITS_PER_THREAD)  # units of 8 elements
     kernel[_resident_launch(n_threads, THREADS_PER_BLOCK, registers, stream, share)](
-        _words(x.reshape(-1), _U64, "x"), data_words, scales.reshape(-1).view(_U32),
-        scale_mode == "pow2")
+        words(x, _U64, "x"), data_words, words(scales, _U32, "out scales"), scale_mode == "pow2")
     return data, scales
 
 
@@ -361,13 +346,13 @@ def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
         return out
     if host_backend():
         return _host_dequantize_fp8_block128(data, scales, out.dtype, out=out)
-    data_words = _words(data.reshape(-1), _U64, "data")
+    data_words = words(data, _U64, "data")
     n_threads = -(-data_words.size // WORDS_PER_THREAD)
     kernel = dequantize_fp8_block128_bf16_kernel if out.dtype == bfloat16 else \
         dequantize_fp8_block128_f32_kernel
     kernel[_resident_launch(n_threads, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, stream,
                             share)](
-        data_words, scales.reshape(-1).view(_U32), _words(out.reshape(-1), _U64, "out"))
+        data_words, words(scales, _U32, "scales"), words(out, _U64, "out"))
     return out
 
 
@@ -429,11 +414,12 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
         return data, scales
     if host_backend():
         return _host_mx_to_rowwise_permute(mx, indices, out=(data, scales))
-    out_words = _words(data, _U64, "out data")
+    out_words = words(data, _U64, "out data", rows=True)
     threads = _WARP * ROWS_PER_BLOCK  # one warp per row
     mx_to_rowwise_gather_kernel[_resident_launch(-(-p // ROWS_PER_BLOCK) * threads, threads,
                                                  GATHER_REGISTERS, stream, share)](
-        indices, _words(mx.data, _U64, "mx.data"), mx.scales, out_words, scales.view(_U32))
+        indices, words(mx.data, _U64, "mx.data", rows=True), mx.scales, out_words,
+        words(scales, _U32, "scales"))
     return data, scales
 
 
@@ -515,7 +501,7 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
     elif keys.size:
         import cupy
         cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
-    words = _words(data, _U32, "data")
+    words32 = words(data, _U32, "data", rows=True)
     row_scales = scales.view(_U32)
     # The simulator runs CUDA threads as Python threads whose device-function calls contend for a
     # lock (and its atomics for another): a launch of 32 of them took minutes where one took a
@@ -524,11 +510,11 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
     chunk = max(p, 1) if sim else fp8_colwise.CHUNK_ROWS
     group_colwise_amax_kernel[launch_1d(-(-p // chunk) * (d // fp8_colwise.AMAX_COLUMNS), stream,
                                         threads=1 if sim else None)](
-        _words(data, _U64, "data"), row_scales, group_ends, keys, chunk)
+        words(data, _U64, "data", rows=True), row_scales, group_ends, keys, chunk)
     group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
     tiles = -(-t // fp8_colwise.TILE_POSITIONS) * -(-(d // 4) // fp8_colwise.TILE_WORDS)
     group_colwise_encode_kernel[launch_1d(tiles * THREADS_PER_BLOCK, stream)](
-        words, row_scales, group_ends, keys, _words(data_t, _U32, "data_t"))
+        words32, row_scales, group_ends, keys, words(data_t, _U32, "data_t", rows=True))
     return data_t, scales_t, aligned
 
 

@@ -11,7 +11,7 @@ GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with 
 
 import numpy
 
-from .kernels import array_module, launch_1d  # first: sets up the simulator before numba loads
+from .kernels import array_module, launch_1d, words  # first: sets up the simulator before numba loads
 from . import _host
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
@@ -22,21 +22,8 @@ from .kernels.mxfp8 import (PAIRS_PER_THREAD, WORDS_PER_THREAD, dequantize_mxfp8
                             quantize_mxfp8_f32_kernel)
 
 SCALE_MODES = ("rceil", "floor")
+_U8, _U16, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint16, numpy.uint64))
 _DTYPES = (bfloat16, float32)
-
-
-def _address(a):
-    """Device (or host) address of ``a``'s first element."""
-    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-    return iface["data"][0]
-
-
-def _words(a, dtype, name):
-    """The C-contiguous array ``a`` as a flat array of ``dtype`` words (zero-copy)."""
-    if a.size and _address(a) % dtype.itemsize:
-        raise ValueError(f"{name}: expected an address aligned to {dtype.itemsize} bytes, "
-                         f"got {_address(a):#x}")
-    return a.reshape(-1).view(dtype)
 
 
 def _check_rows(x, name, dtypes=None):
@@ -127,18 +114,18 @@ def launch_quantize(x, out, scale_mode, stream, share=1.0):
     if host_backend():
         _host.quantize_mxfp8(x, out.data, out.scales, scale_mode == "rceil")
         return out
-    x_words = _words(x, numpy.dtype(numpy.uint64), "x")
+    x_words = words(x, _U64, "x")
     # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
     if x.dtype == bfloat16:
         kernel = quantize_mxfp8_bf16_kernel
-        data_words = _words(out.data, numpy.dtype(numpy.uint64), "out.data")
+        data_words = words(out.data, _U64, "out.data")
         n_threads = -(-data_words.size // PAIRS_PER_THREAD)
     else:
         kernel = quantize_mxfp8_f32_kernel
-        data_words = _words(out.data, numpy.dtype(numpy.uint16), "out.data")
+        data_words = words(out.data, _U16, "out.data")
         n_threads = -(-x_words.size // WORDS_PER_THREAD)
     kernel[launch_1d(n_threads, stream, share=share)](
-        x_words, data_words, out.scales.reshape(-1), scale_mode == "rceil")
+        x_words, data_words, words(out.scales, _U8, "out.scales"), scale_mode == "rceil")
     return out
 
 
@@ -192,9 +179,9 @@ def launch_dequantize(mx, out, stream, share=1.0):
     if host_backend():
         _host.dequantize_mxfp8(mx.data, mx.scales, out)
         return out
-    data_words = _words(mx.data, numpy.dtype(numpy.uint64), "mx.data")
+    data_words = words(mx.data, _U64, "mx.data")
     kernel = dequantize_mxfp8_bf16_kernel if out.dtype == bfloat16 else dequantize_mxfp8_f32_kernel
     n_threads = -(-data_words.size // WORDS_PER_THREAD)
     kernel[launch_1d(n_threads, stream, share=share)](
-        data_words, mx.scales.reshape(-1), _words(out, numpy.dtype(numpy.uint64), "out"))
+        data_words, words(mx.scales, _U8, "mx.scales"), words(out, _U64, "out"))
     return out

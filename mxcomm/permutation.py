@@ -26,7 +26,7 @@ import contextlib
 
 import numpy
 
-from .kernels import array_module, launch_1d, simulated  # first: sets up the simulator before numba loads
+from .kernels import address, array_module, launch_1d, simulated  # first: sets up the simulator before numba loads
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
                               scatter_rows_kernel)
@@ -35,7 +35,6 @@ from ._array import as_device_array, stream_ptr
 from ._platform import host_backend
 from .layout import Layout
 from .formats import QuantizedArray, conversion, get_format
-from .mxfp8 import _address
 
 _WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
 #: Words of a row each thread of a row-moving block aims to copy. Measured on an H200 (MXFP8 rows,
@@ -74,7 +73,7 @@ def _as_words(arrays):
     word of 8/4/2/1 bytes dividing the row and every address (so src and dst rows match)."""
     first = arrays[0]
     row_bytes = first.dtype.itemsize * int(numpy.prod(first.shape[1:], dtype=numpy.int64))
-    addrs = [_address(a) for a in arrays if a.size]
+    addrs = [address(a) for a in arrays if a.size]
     for word in _WORDS:
         if row_bytes % word.itemsize == 0 and all(addr % word.itemsize == 0 for addr in addrs):
             return [a.reshape(-1).view(word).reshape(a.shape[0], row_bytes // word.itemsize)

@@ -142,3 +142,40 @@ def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, t
             if used[name] > budget}
     assert not over, (f"kernels using more registers per thread than the budget their grids are "
                       f"sized for (ptxas, sm_90: used, budget): {over}")
+
+
+# ------------------------------------------------------------------ launch arguments by address
+class _DeviceArrayLike:
+    """What the launcher reads of a CuPy array, from a NumPy one (``data.ptr`` and the rest)."""
+
+    def __init__(self, a):
+        self.size, self.itemsize, self.shape, self.strides = a.size, a.itemsize, a.shape, a.strides
+        self.dtype, self.ndim, self.flags = a.dtype, a.ndim, a.flags
+        self.data = type("Pointer", (), {"ptr": a.__array_interface__["data"][0]})()
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_words_launch_like_the_array_view_they_replace(rows):
+    """A ``Words`` (the GPU's launch argument by address) gives the same numba type, cache key,
+    ABI layout and ABI values as the CuPy view it replaces (``reshape(-1).view`` or, per row,
+    ``view``), so the same compiled function gets the same parameters."""
+    a = np.random.default_rng(0).integers(0, 255, (6, 32), dtype=np.uint8)
+    word = np.dtype(np.uint64)
+    view = a.view(word) if rows else a.reshape(-1).view(word)
+    ptr = a.__array_interface__["data"][0]
+    w = _launch.Words(ptr, view.shape, word)
+    like = _DeviceArrayLike(view)
+    assert _launch._argument_type(w) == _launch._argument_type(like)
+    assert _launch._argument_key(w) == _launch._argument_key(like)
+    assert _launch._abi_format(w) == _launch._abi_format(like)
+    assert _launch._abi_values([w, 3]) == _launch._abi_values([like, 3])
+    assert w.size == view.size and w.ndim == view.ndim
+    np.testing.assert_array_equal(_launch.words(a, word, "a", rows=rows), view)  # simulator
+
+
+def test_words_rejects_misaligned_arrays():
+    raw = np.zeros(80, dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"x: expected 8-byte words .* address 0x"):
+        _launch.words(raw[1:65], np.dtype(np.uint64), "x")
+    with pytest.raises(ValueError, match=r"y: expected 8-byte words .* 12 bytes per row"):
+        _launch.words(raw[:72].reshape(6, 12), np.dtype(np.uint64), "y", rows=True)

@@ -160,6 +160,29 @@ def test_mxfp8_tensor_rejects_bad_parts():
         mt.MXFP8Tensor(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
 
 
+def test_tensors_cross_to_arrays_zero_copy(rng):
+    """``_array`` views a tensor's memory (bf16 and fp8 as their array dtypes); the torch
+    allocator of the engine hands back the very tensors it allocated (no DLPack round trip)."""
+    x = torch.from_numpy(rng.standard_normal((4, 64)).astype(numpy.float32)).to(torch.bfloat16)
+    a = mt._array(x, "x")
+    assert a.dtype == BF16 and a.shape == (4, 64)
+    a[0, 0] = BF16.type(3.0)
+    assert x[0, 0].item() == 3.0
+    q = torch.zeros(2, 32, dtype=torch.float8_e4m3fn)
+    assert mt._array(q, "q").dtype == numpy.uint8
+    alloc = mt._Alloc(torch.device("cpu"))
+    fmt = mt.get_format("mxfp8")
+    made = fmt.empty(3, 64, alloc)
+    made.data[...] = 0x38  # 1.0 in e4m3
+    made.scales[...] = 127  # 2^0
+    wrapped = mt._wrap(made, alloc)
+    assert isinstance(wrapped, mt.MXFP8Tensor)
+    assert wrapped.qdata.data_ptr() == alloc._made[0][1].data_ptr()
+    assert torch.equal(wrapped.dequantize(), torch.ones(3, 64, dtype=torch.bfloat16))
+    other = numpy.ones((2, 2), dtype=numpy.float32)  # not made by alloc: through DLPack
+    assert torch.equal(alloc.tensor(other), torch.ones(2, 2))
+
+
 def test_torch_precision_errors():
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="grad_precision: expected one of 'bf16', 'native', "
