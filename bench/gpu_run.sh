@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 sweep1
-#         colwise1 host1 host2 latency1
+#         colwise1 host1 host2 hostab1 pipeab1 latency1 (AB_OLD: a source tree to compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -66,6 +66,26 @@ for phase in "$@"; do
     colwise1) step "fp8 wgrad conversion kernels, each alone" 120 python3 bench/probe_colwise.py ;;
     host1) step "host path pieces, 1 rank" 180 "${mpirun_env[@]}" -n 1 python3 bench/probe_host.py ;;
     host2) step "host path pieces, 2 ranks" 180 "${mpirun_env[@]}" -n 2 python3 bench/probe_host.py ;;
+    hostab1)  # the host probe of the tree at $AB_OLD (a source tree, e.g. git archive) and of this
+        # one, alternating, twice, in one job (host timings differ between machines)
+        ln -sfn ../kernels "$AB_OLD/mxcomm/kernels"; ln -sfn ../comm "$AB_OLD/mxcomm/comm"
+        for round in 1 2; do
+            step "host path pieces, 1 rank, OLD tree $AB_OLD (round $round)" 120 env PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" \
+                MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}" \
+                "${mpirun_env[@]}" -n 1 python3 "$AB_OLD/bench/probe_host.py" 4096 7168 ${AB_CALLS:-300}
+            step "host path pieces, 1 rank, this tree (round $round)" 120 "${mpirun_env[@]}" -n 1 \
+                python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300}
+        done ;;
+    pipeab1)  # the small-batch pipeline at 1 rank (host-bound calls), $AB_OLD's tree then this one
+        ln -sfn ../kernels "$AB_OLD/mxcomm/kernels"; ln -sfn ../comm "$AB_OLD/mxcomm/comm"
+        step "pipeline, 1 rank, small batches, OLD tree $AB_OLD" 200 env -C "$AB_OLD" \
+            PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}" \
+            "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench pipeline --tokens 4096 16384 --dim 7168 \
+            --hidden 2048 --experts 8 --no-stages --variants mxfp8,fp8_rowwise \
+            --json "$res/pipeline_small_w1_old.json" --markdown "$res/pipeline_small_w1_old.md"
+        step "pipeline, 1 rank, small batches, this tree" 200 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench \
+            pipeline --tokens 4096 16384 --dim 7168 --hidden 2048 --experts 8 --no-stages \
+            --variants mxfp8,fp8_rowwise --json "$res/pipeline_small_w1.json" --markdown "$res/pipeline_small_w1.md" ;;
     latency1) step "bench latency, 1 rank" 300 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench latency \
         --json "$res/latency_w1.json" --markdown "$res/latency_w1.md" ;;
     pipe2topk) step "bench pipeline, 2 ranks, small batches, topk routing" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \

@@ -83,7 +83,7 @@ def _view(t, dtype):
     if t.is_cuda:
         import cupy
         memory = cupy.cuda.memory.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t,
-                                                t.device.index)
+                                                t.get_device())
         return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.memory.MemoryPointer(memory, 0))
     return t.view(_INT_OF_SIZE[t.element_size()]).numpy().view(dtype)
 

@@ -505,6 +505,28 @@ def test_group_colwise_integer_rescale_every_byte(kernels):
     assert int(k.abs_key(uint32(0x00), uint32(255))) == k.KEY_NAN  # NaN row
 
 
+def test_group_colwise_fast_paths_match_the_integer_rules(kernels):
+    """The kernels' inline common cases (fast_key, fast_rescale) give what abs_key and
+    rescale_byte give, for every byte, at row scales from zero to NaN and column scales from
+    2^-126 to NaN (rows and columns whose shifts reach both ends of e4m3's range)."""
+    from mxcomm.kernels import fp8_colwise as k
+    from numba import uint32
+    nan_column = 0x7FC00000
+    for r in (0, 1, 5, 120, 127, 131, 250, 254, 255):
+        base = (r + 3) << 3 if 0 < r < 255 else 0
+        for b in range(256):
+            assert int(k.fast_key(uint32(b), uint32(r), uint32(base))) == \
+                int(k.abs_key(uint32(b), uint32(r))), (b, r)
+        if r == 0:
+            continue  # the encode sends zero-scale rows to rescale_byte itself
+        for s in [x << 23 for x in (1, 2, 100, 120, 126, 127, 128, 135, 140, 200, 254)] + \
+                [nan_column]:
+            delta = r - int(k.column_exponent(uint32(s)))
+            for b in range(256):
+                assert int(k.fast_rescale(uint32(b), r, uint32(s), delta)) == \
+                    int(k.rescale_byte(uint32(b), r, uint32(s))), (b, r, hex(s))
+
+
 def test_group_colwise_keeps_the_operands_sqnr(rng):
     """Rows quantized rowwise, then rescaled per (group, column): the wgrad operand is as close to
     the bf16 rows as quantizing each group's columns directly (power-of-two scales on both
