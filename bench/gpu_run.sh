@@ -3,7 +3,8 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 sweep1
-#         colwise1 host1 host2 hostab1 pipeab1 latency1 (AB_OLD: a source tree to compare with)
+#         colwise1 host1 host2 hostab1 pipeab1 colwiseab1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -76,6 +77,13 @@ for phase in "$@"; do
             step "host path pieces, 1 rank, this tree (round $round)" 120 "${mpirun_env[@]}" -n 1 \
                 python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300}
         done ;;
+    colwiseab1)  # the fp8 wgrad conversion kernels of $AB_FLOAT's, $AB_OLD's and this tree, one GPU
+        for tree in "$AB_FLOAT" "$AB_OLD"; do
+            ln -sfn ../kernels "$tree/mxcomm/kernels"; ln -sfn ../comm "$tree/mxcomm/comm"
+            step "fp8 wgrad conversion kernels, tree $tree" 120 env PYTHONPATH="$tree:${PYTHONPATH:-}" \
+                python3 "$tree/bench/probe_colwise.py"
+        done
+        step "fp8 wgrad conversion kernels, this tree" 120 python3 bench/probe_colwise.py ;;
     pipeab1)  # the small-batch pipeline at 1 rank (host-bound calls), $AB_OLD's tree then this one
         ln -sfn ../kernels "$AB_OLD/mxcomm/kernels"; ln -sfn ../comm "$AB_OLD/mxcomm/comm"
         step "pipeline, 1 rank, small batches, OLD tree $AB_OLD" 200 env -C "$AB_OLD" \
