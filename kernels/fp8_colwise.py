@@ -14,18 +14,15 @@ rows from ``group_ends[G - 1]`` on belong to no group). With v[p, d] = e4m3[p, d
     scales[g, d] = 2^(s - 127)                                       (float32, (G, D))
     out[d, t]    = RNE_e4m3(v[p, d] / scales[g, d])                  ((D, T) uint8)
 
-the fp8 rowwise rule (``fp8_rowwise``) along the other axis. v / scale = e4m3 * 2^(r_p - s) is
-computed on the e4m3 fields, in integers: the exponent moves by r_p - s (exact), and only a result
-below e4m3's normal range rounds (a right shift of the significand, ties to even); a result above
-448 (possible only where the scale clamps at 2^127) saturates. So an element keeps its bits
-wherever its row's scale is already its column's, and rounds only where it lands in e4m3's
-subnormal range: on Gaussian rows the operands' SQNR against bf16 equals that of quantizing the
-bf16 columns directly (bench/NOTES.md). The common case is inline in both passes: a normal byte's
-amax key is one add (:func:`fast_key`), and its rescale one add on its exponent field
-(:func:`fast_rescale`); the general rules run only for zeros, subnormals, NaN, saturation and
-zero-scale rows. (A first version decoded each byte to fp32, multiplied and converted back:
-3.56 ms for the encode pass at 131072 x 7168 on an H200, compute-bound; the general integer rules
-on every byte: 4.21 ms on an H100, still compute-bound.)
+the fp8 rowwise rule (``fp8_rowwise``) along the other axis. v / scale = e4m3 * 2^(r_p - s) is an
+exact product rounded once (|result| <= 448, no saturation; an element 33 or more binades below
+its column's maximum rounds to a signed zero, so the exponent difference is clamped to
+[-32, 18]). Because both scales are powers of two, an element keeps its bits wherever its row's
+scale is already its column's, and rounds only where it lands in e4m3's subnormal range: on
+Gaussian rows the operands' SQNR against bf16 equals that of quantizing the bf16 columns directly
+(bench/NOTES.md). The arithmetic goes through fp32 and the hardware's e4m3 conversion: a version on
+the e4m3 fields in integers (exponent moves, rounding by shifts) measured 1.3x slower, and its
+inline common case slower still (bench/NOTES.md, fourth session).
 
 Token positions t: each group starts at a multiple of 16 and takes max(16, 16 * ceil(n_g / 16))
 positions (``aligned_ends``, written by :func:`group_colwise_scales_kernel`): its rows first, then
@@ -35,17 +32,16 @@ path cannot promise that of the tokens without a host sync). T = 16 * ceil(P / 1
 bounds the positions statically; positions past the last group are zeros.
 
 Group ends past P read no row past P (those positions are zeros). Non-finite: a row with a NaN
-(or Inf) scale, or a NaN element (0x7F, 0xFF), makes its group's column NaN: scale NaN
-(0x7FC00000) and every element of that group and column 0x7F, so the GEMM gives NaN where such a
-token contributed. Scales must be normal powers of two (as fp8 rowwise quantizers write them), 0
-or NaN: only their exponent is read.
+(or Inf) scale, or a NaN element (0x7F, 0xFF), makes its group's column NaN: scale NaN (0x7FC00000) and every element of that group and column 0x7F, so the GEMM
+gives NaN where such a token contributed. Scales must be powers of two (as fp8 rowwise quantizers
+write them), 0 or NaN.
 
 Three kernels, grid-stride:
   1. :func:`group_colwise_amax_kernel`: each thread takes one data word (8 columns) of CHUNK_ROWS
      consecutive rows, keeps the running max of |v| per column and group, and merges it into
      ``keys`` (G, D) with one atomic max per column and group met (the rows are sorted by group,
-     so a chunk meets one group, rarely two). |v| is kept as an integer key that orders like it
-     (:func:`abs_key`: binade and mantissa; KEY_NAN above every finite key).
+     so a chunk meets one group, rarely two). |v| is kept as the fp32 bits of |v| * 2^-8 (finite
+     for every row scale up to 2^127; NaN above every finite key).
   2. :func:`group_colwise_scales_kernel`: the keys become the scale bits, in place; thread 0 also
      writes ``aligned_ends``.
   3. :func:`group_colwise_encode_kernel`: tiles of TILE_POSITIONS token positions x TILE_WORDS data
@@ -56,7 +52,8 @@ Three kernels, grid-stride:
 
 from numba import cuda, int32, uint8, uint32, uint64
 
-from ._fp8 import E4M3_NAN, F32_INF, F32_NAN
+from ._fp8 import E4M3_NAN, F32_INF, F32_MANT_1_75, F32_NAN, cvt_e4m3x2, bits_from_f32, \
+    f32_from_bits, f32_from_e4m3
 from ._launch import kernel
 
 #: Rows each thread of the amax kernel walks (one atomic per column and group met), AMAX_UNROLL
@@ -71,11 +68,13 @@ TILE_WORDS = 32
 ENCODE_LOADS = 8
 #: Groups start at multiples of this many positions (the GEMM's rule for fp8: 16 bytes).
 GROUP_ALIGN = 16
+#: Clamp of the rescale exponent r_p - s (module docstring).
+RESCALE_EXP_MIN = -32
+RESCALE_EXP_MAX = 18
 #: Shared tile of the encode kernel: 4 * TILE_WORDS columns x TILE_POSITIONS positions (+1 pad).
 _TILE_SHAPE = (4 * TILE_WORDS, TILE_POSITIONS + 1)
+_KEY_SHIFT = 2.0 ** -8   # keys are |v| * 2^-8: finite for e4m3 (<= 448) times scales <= 2^127
 _ABS = 0x7FFFFFFF
-#: The amax key of a NaN element (above every finite key).
-KEY_NAN = 0xFFFFFFFF
 
 
 @cuda.jit(device=True)
@@ -89,35 +88,21 @@ def first_group(group_ends, p):
 
 
 @cuda.jit(device=True)
-def abs_key(b, r):
-    """The amax key of the e4m3 byte ``b`` (uint32) in a row whose scale has the biased exponent
-    ``r`` (uint32, from its fp32 bits; 255: NaN or Inf, 0: zero): an integer that orders like
-    |v| = |e4m3| * 2^(r - 127). With |e4m3| = (8 + m) * 2^(e - 10), m < 8 (subnormals
-    normalized: e <= 0), the key is ((r + e + 3) << 3) | m; 0 for a zero, KEY_NAN for NaN."""
-    mag = b & uint32(0x7F)
-    if mag == uint32(E4M3_NAN) or r == uint32(255):
-        return uint32(KEY_NAN)
-    if mag == uint32(0) or r == uint32(0):
-        return uint32(0)
-    e = int32(mag >> uint32(3))
-    m = int32(mag & uint32(7))
-    if e == 0:  # m * 2^-9: shift m up to 8..15, the exponent down as far
-        shift = int32(3) if m == 1 else (int32(2) if m < 4 else int32(1))
-        m = (m << shift) - int32(8)
-        e = int32(1) - shift
-    return uint32(((int32(r) + e + int32(3)) << int32(3)) | m)
+def abs_key(b, row_mult):
+    """The amax key (uint32 fp32 bits of |v| * 2^-8) of the e4m3 byte ``b`` (uint32) in a row
+    whose scale times 2^-8 is ``row_mult`` (f32; NaN for a non-finite row)."""
+    if (b & uint32(0x7F)) == uint32(E4M3_NAN):
+        return uint32(F32_NAN)
+    return bits_from_f32(f32_from_e4m3(b & uint32(0x7F)) * row_mult) & uint32(_ABS)
 
 
 @cuda.jit(device=True)
-def fast_key(b, r, base):
-    """:func:`abs_key` of the e4m3 byte ``b`` in a row of biased scale exponent ``r``, its common
-    case inline: with ``base`` = (r + 3) << 3 for a row of finite, non-zero scale (0 for any other
-    row), a normal finite byte's key is base + its 7 magnitude bits (binade and mantissa add up:
-    ((r + e + 3) << 3) | m); zeros, subnormals, NaN and the other rows take :func:`abs_key`."""
-    mag = b & uint32(0x7F)
-    if base != uint32(0) and mag >= uint32(8) and mag != uint32(E4M3_NAN):
-        return base + mag
-    return abs_key(b, r)
+def row_key_mult(scale_bits):
+    """2^-8 times the row scale with bits ``scale_bits`` (uint32), as f32; NaN if not finite."""
+    bits = scale_bits & uint32(_ABS)
+    if bits >= uint32(F32_INF):
+        return f32_from_bits(uint32(F32_NAN))
+    return f32_from_bits(bits) * _KEY_SHIFT
 
 
 @cuda.jit(device=True)
@@ -142,8 +127,8 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
             Read.
         row_scales: (P,) uint32, fp32 bits of the row scales. Read.
         group_ends: (G,) int32, cumulative group ends (non-decreasing, <= P). Read.
-        keys: (G, D) uint32, zeros on entry; max over the group's rows of :func:`abs_key`
-            (KEY_NAN for a non-finite element). Written (atomic max).
+        keys: (G, D) uint32, zeros on entry; max over the group's rows of the fp32 bits of
+            |v| * 2^-8 (NaN bits for a non-finite element). Written (atomic max).
         chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= P makes every key written by one
             thread only (plain stores: the simulator's atomics serialize its Python threads on
             one lock, seconds per small launch).
@@ -184,28 +169,25 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
                         while g < n_groups - 1 and group_ends[g] <= q:  # bounded: bad ends
                             g += 1
                         g_end = group_ends[g]
-                    r = (loaded_scales[u] >> uint32(23)) & uint32(0xFF)
-                    base = (r + uint32(3)) << uint32(3) if r != uint32(0) and r != uint32(255) \
-                        else uint32(0)
+                    mult = row_key_mult(loaded_scales[u])
                     d = loaded[u]
                     for j in range(AMAX_COLUMNS):
-                        k[j] = max(k[j], fast_key(uint32((d >> uint64(8 * j)) & uint64(0xFF)), r,
-                                                  base))
+                        k[j] = max(k[j], abs_key(uint32((d >> uint64(8 * j)) & uint64(0xFF)),
+                                                 mult))
         flush_keys(keys, g, col, k, exclusive)
 
 
 @cuda.jit(device=True)
 def scale_exp_of_key(key):
-    """Biased exponent s (1..254) of the scale of a finite key (:func:`abs_key`): with
-    R = key >> 3 and m = key & 7, amax = (1 + m / 8) * 2^(R - 137), so the rowwise rule
-    clamp(ceil(log2(amax / 448)), -126, 127) + 127 is R - 18, plus one for m = 7 (above 1.75,
-    448 = 1.75 * 2^8); a zero key gives 1."""
-    if key == uint32(0):
+    """Biased exponent s (1..254) of the scale of a finite key: with |amax| = key * 2^8, the
+    rowwise rule clamp(ceil(log2(amax / 448)), -126, 127) + 127 = key's biased exponent, plus one
+    above a mantissa of 1.75 (448 = 1.75 * 2^8); subnormal and zero keys give 1."""
+    e = int32(key >> uint32(23))
+    if e == 0:
         return uint32(1)
-    s = int32(key >> uint32(3)) - int32(18)
-    if (key & uint32(7)) == uint32(7):
-        s += 1
-    return uint32(min(max(s, int32(1)), int32(254)))
+    if (key & uint32(0x7FFFFF)) > uint32(F32_MANT_1_75):
+        e += 1
+    return uint32(min(max(e, int32(1)), int32(254)))
 
 
 @kernel
@@ -223,7 +205,7 @@ def group_colwise_scales_kernel(keys, group_ends, aligned_ends):
     n = keys.shape[0]
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         key = keys[i]
-        if key == uint32(KEY_NAN):
+        if key >= uint32(F32_INF):
             keys[i] = uint32(F32_NAN)
         else:
             keys[i] = scale_exp_of_key(key) << uint32(23)
@@ -239,71 +221,15 @@ def group_colwise_scales_kernel(keys, group_ends, aligned_ends):
 
 
 @cuda.jit(device=True)
-def rescale_byte(b, r, scale_bits):
-    """The e4m3 byte ``b`` (uint32) of a row with biased scale exponent ``r`` (int32), rescaled to
-    the column scale with fp32 bits ``scale_bits``: RNE_e4m3(e4m3 * 2^(r - s)), on the integer
-    fields (uint32): the exponent moves by r - s; only a result below e4m3's normal range rounds
-    (a right shift, ties to even); above 448 (a column scale clamped at 2^127) it saturates; 0x7F
-    for a NaN column; a zero-scale row gives signed zeros."""
+def rescale_byte(b, row_exp, scale_bits):
+    """The e4m3 byte ``b`` (uint32) of a row with biased scale exponent ``row_exp``, rescaled to
+    the column scale with bits ``scale_bits``: RNE_e4m3(e4m3 * 2^(row_exp - s)), as f32 (the
+    caller converts pairs); NaN for a NaN column."""
     if (scale_bits & uint32(_ABS)) >= uint32(F32_INF):
-        return uint32(E4M3_NAN)
-    mag = b & uint32(0x7F)
-    sign = b & uint32(0x80)
-    if mag == uint32(0) or r == 0:
-        return sign
-    e = int32(mag >> uint32(3))
-    sig = int32(mag & uint32(7))
-    if e == 0:
-        e = int32(1)        # subnormal: sig * 2^(1 - 10)
-    else:
-        sig += int32(8)     # normal: (8 + m) * 2^(e - 10)
-    e2 = e + r - int32(scale_bits >> uint32(23))
-    if e2 >= 1:
-        while sig < 8 and e2 > 1:
-            sig <<= int32(1)
-            e2 -= int32(1)
-        if sig < 8:
-            return sign | uint32(sig)                    # e4m3 subnormal
-        if e2 > 15 or (e2 == 15 and sig == 15):
-            return sign | uint32(0x7E)                   # saturate at 448
-        return sign | uint32((e2 << int32(3)) | (sig - int32(8)))
-    shift = int32(1) - e2
-    if shift > 4:
-        return sign                                      # below half the smallest subnormal
-    q = sig >> shift
-    rest = sig & ((int32(1) << shift) - int32(1))
-    half = int32(1) << (shift - int32(1))
-    if rest > half or (rest == half and (q & int32(1)) != 0):
-        q += int32(1)
-    return sign | uint32(q)
-
-
-#: The exponent shift of :func:`fast_rescale` that sends every byte to :func:`rescale_byte`.
-NO_SHIFT = -1024
-
-
-@cuda.jit(device=True)
-def fast_rescale(b, r, scale_bits, delta):
-    """:func:`rescale_byte` with its common case inline: ``delta`` = r - s, the row's biased
-    scale exponent minus the column's (:func:`column_exponent`: far below NO_SHIFT for a NaN
-    column; zero-scale rows go to :func:`rescale_byte` directly). A normal
-    byte whose exponent field stays in 1..15 (and is not 15 with mantissa 7, e4m3fn's NaN) only
-    moves its exponent by delta: one add on the byte; the rest takes :func:`rescale_byte`."""
-    mag = int32(b & uint32(0x7F))
-    e2 = (mag >> int32(3)) + delta
-    if mag >= int32(8) and e2 >= int32(1) and \
-            (e2 < int32(15) or (e2 == int32(15) and (mag & int32(7)) != int32(7))):
-        return uint32(int32(b) + (delta << int32(3)))
-    return rescale_byte(b, r, scale_bits)
-
-
-@cuda.jit(device=True)
-def column_exponent(scale_bits):
-    """The biased exponent of a column scale (its fp32 bits), or a value no row exponent reaches
-    by NO_SHIFT's margin for a NaN column (so its bytes take :func:`rescale_byte`)."""
-    if (scale_bits & uint32(_ABS)) >= uint32(F32_INF):
-        return int32(-NO_SHIFT)
-    return int32(scale_bits >> uint32(23))
+        return f32_from_bits(uint32(F32_NAN))
+    k = min(max(int32(row_exp) - int32(scale_bits >> uint32(23)), int32(RESCALE_EXP_MIN)),
+            int32(RESCALE_EXP_MAX))
+    return f32_from_e4m3(b) * f32_from_bits(uint32(127 + k) << uint32(23))
 
 
 @kernel
@@ -364,7 +290,6 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         cached_g = -1
         cached_w = -1
         s0 = s1 = s2 = s3 = uint32(0)
-        x0 = x1 = x2 = x3 = int32(0)
         for base in range(tid, items, nthreads * ENCODE_LOADS):  # load, rescale, transpose
             for u in range(ENCODE_LOADS):  # all loads first
                 i = base + u * nthreads
@@ -391,22 +316,18 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                             s1 = scale_bits[g, 4 * w + 1]
                             s2 = scale_bits[g, 4 * w + 2]
                             s3 = scale_bits[g, 4 * w + 3]
-                            x0 = column_exponent(s0)
-                            x1 = column_exponent(s1)
-                            x2 = column_exponent(s2)
-                            x3 = column_exponent(s3)
                         e = row_exp[r]
                         word = loaded[u]
-                        if e != 0:
-                            b0 = fast_rescale(word & uint32(0xFF), e, s0, e - x0)
-                            b1 = fast_rescale((word >> uint32(8)) & uint32(0xFF), e, s1, e - x1)
-                            b2 = fast_rescale((word >> uint32(16)) & uint32(0xFF), e, s2, e - x2)
-                            b3 = fast_rescale(word >> uint32(24), e, s3, e - x3)
-                        else:  # a zero-scale row: signed zeros (NaN in a NaN column)
-                            b0 = rescale_byte(word & uint32(0xFF), e, s0)
-                            b1 = rescale_byte((word >> uint32(8)) & uint32(0xFF), e, s1)
-                            b2 = rescale_byte((word >> uint32(16)) & uint32(0xFF), e, s2)
-                            b3 = rescale_byte(word >> uint32(24), e, s3)
+                        lo = uint32(cvt_e4m3x2(
+                            rescale_byte((word >> uint32(8)) & uint32(0xFF), e, s1),
+                            rescale_byte(word & uint32(0xFF), e, s0)))
+                        hi = uint32(cvt_e4m3x2(rescale_byte(word >> uint32(24), e, s3),
+                                               rescale_byte((word >> uint32(16)) & uint32(0xFF),
+                                                            e, s2)))
+                        b0 = lo & uint32(0xFF)
+                        b1 = lo >> uint32(8)
+                        b2 = hi & uint32(0xFF)
+                        b3 = hi >> uint32(8)
                     tile[4 * j, r] = b0
                     tile[4 * j + 1, r] = b1
                     tile[4 * j + 2, r] = b2
