@@ -1,6 +1,8 @@
 """Where the host time of one layout-path call goes (GPU only, any number of ranks).
 
     mpirun -n W python bench/probe_host.py [rows] [dim] [calls]
+    PROBE_CASES=mxfp8 ...: only the calls whose label contains it (with ranks sharing a GPU and
+    nccl_init='lazy', the bf16 calls would need NCCL, which refuses that)
 
 For each call (array API and ``mxcomm.torch``, MXFP8 and bf16, dispatch and combine, given the
 layout): the host time per call of ``calls`` calls enqueued back to back (wall clock, no profiler,
@@ -11,6 +13,7 @@ runtime and driver primitives the path is made of. Rank 0 prints; bench/NOTES.md
 """
 
 import collections
+import os
 import statistics
 import sys
 import time
@@ -54,6 +57,11 @@ cases = {
     "torch combine mxfp8": lambda: mxt.a2a_combine(y_t, layout_t, precision="mxfp8"),
     "torch combine bf16": lambda: mxt.a2a_combine(y_t, layout_t),
 }
+
+
+only = os.environ.get("PROBE_CASES")  # e.g. "mxfp8": the calls whose label contains it
+if only:
+    cases = {label: fn for label, fn in cases.items() if only in label}
 
 
 def sync():

@@ -7,10 +7,12 @@ import sys
 _BACKENDS = ("auto", "nccl", "mpi", "torch")
 #: Set by torchrun (torch.distributed.elastic) in every process it launches.
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+#: The default of ``init``'s ``nccl_init``.
+_NCCL_INIT_ENV = "MXCOMM_NCCL_INIT"
 
 
 def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=True,
-         peer_memory=None, device=None):
+         peer_memory=None, device=None, nccl_init=None):
     """A communicator over the ranks of ``mpi_comm`` or of the torch.distributed ``group``.
 
     Collective: every rank of ``mpi_comm`` (or ``group``) must call it, with the same ``backend``.
@@ -46,12 +48,17 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
         device: NCCL only: this process's CUDA device. None: from a torch group, torch's
             current device if torch has initialized CUDA, else ``LOCAL_RANK``, else the
             node-local rank; from MPI, the node-local rank (modulo the devices).
+        nccl_init: NCCL only: ``"eager"`` builds NCCL's communicator in ``init``; ``"lazy"``
+            at the first call that moves data over NCCL (collective like every such call; not
+            inside a CUDA graph capture), so a job whose exchanges all pull from peer memory
+            never builds it. None: ``MXCOMM_NCCL_INIT`` from the environment, else ``"eager"``.
     Returns:
         A communicator: ``rank``, ``size``, ``timeout``, ``transport``, ``group``,
         ``alltoallv``, ``exchange``, ``check``, ``alltoall_counts``, ``wait``, ``barrier``,
         ``abort``, ``close``; usable as a context manager.
     Raises:
-        ValueError: an unknown ``backend``, a non-positive ``timeout``, a bad ``peer_memory``,
+        ValueError: an unknown ``backend``, a non-positive ``timeout``, a bad ``peer_memory`` or
+            ``nccl_init``,
             ``mpi_comm`` and ``group`` both given, a backend that does not fit the ranks'
             source (``"mpi"`` with a group, ``"torch"`` with ``mpi_comm``), a DeviceMesh of more
             than one dimension, or this process not in ``group``.
@@ -70,6 +77,11 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
     if peer_memory not in (None, True, False):
         raise ValueError(f"peer_memory: expected None (auto), True or False, got "
                          f"{peer_memory!r}")
+    if nccl_init is None:
+        nccl_init = os.environ.get(_NCCL_INIT_ENV, "eager")
+    if nccl_init not in ("eager", "lazy"):
+        raise ValueError(f"nccl_init: expected 'eager' or 'lazy' (None: ${_NCCL_INIT_ENV}, "
+                         f"else 'eager'), got {nccl_init!r}")
     if mpi_comm is not None and group is not None:
         raise ValueError("init: give mpi_comm or group, not both")
     if group is None and mpi_comm is None and (backend == "torch" or
@@ -96,7 +108,8 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
         from ._nccl import NcclCommunicator
         if device is None and side.kind == "torch":
             device = _torch_device()
-        return NcclCommunicator(side, validate=validate, device=device, peer_memory=peer_memory)
+        return NcclCommunicator(side, validate=validate, device=device, peer_memory=peer_memory,
+                                nccl_init=nccl_init)
     if side.kind == "torch":
         from ._torchdist import TorchHostCommunicator
         return TorchHostCommunicator(side, validate=validate, peer_memory=peer_memory)

@@ -76,6 +76,11 @@ class NcclCommunicator(Communicator):
         peer_memory: transport of :meth:`exchange`: None (auto) pulls over CUDA IPC
             where every rank is on this node and every pair of GPUs has peer access; True
             requires that; False uses one NCCL group.
+        nccl_init: ``"eager"``: NCCL's communicator is built here; ``"lazy"``: by the first
+            call that moves data over NCCL (:meth:`alltoallv`, :meth:`alltoall_counts`, bf16 and
+            native exchanges, the grouped transport), on every rank, since those calls are
+            collective. A job whose exchanges all take the pull transport then never builds it
+            (no NCCL setup time or memory; and ranks may share a GPU, which NCCL refuses).
 
     Attributes:
         device: the CUDA device ordinal used (made current by the constructor).
@@ -85,7 +90,8 @@ class NcclCommunicator(Communicator):
     initialization).
     """
 
-    def __init__(self, side, *, validate=True, device=None, peer_memory=None):
+    def __init__(self, side, *, validate=True, device=None, peer_memory=None,
+                 nccl_init="eager"):
         super().__init__(side, validate=validate, peer_memory=peer_memory)
         import cupy
         from cupy.cuda import nccl
@@ -100,11 +106,7 @@ class NcclCommunicator(Communicator):
             device = self.local_rank % self._runtime.getDeviceCount()
         self.device = int(device)
         cupy.cuda.Device(self.device).use()
-        # The unique id is broadcast as CuPy returned it (its spelling differs between CuPy
-        # versions: a tuple of ints, or of bytes under Cython 3), pickled, so it is rebuilt as is.
-        unique_id = self._side.bcast_object(nccl.get_unique_id() if self.rank == 0 else None,
-                                            "NCCL bootstrap (unique id)")
-        self._nccl = self._init_bounded(nccl, unique_id)
+        self._nccl = self._connect() if nccl_init == "eager" else None
         # Watchdog state, shared with the thread under self._lock.
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -145,6 +147,41 @@ class NcclCommunicator(Communicator):
     def _new_peer_memory(self):
         from ._ipc import CudaPeerMemory
         return CudaPeerMemory(self)
+
+    def _connect(self):
+        """Build NCCL's communicator (collective): rank 0's unique id over the side channel,
+        then ``ncclCommInitRank`` bounded by the timeout."""
+        nccl = self._nccl_mod
+        # The unique id is broadcast as CuPy returned it (its spelling differs between CuPy
+        # versions: a tuple of ints, or of bytes under Cython 3), pickled, so it is rebuilt as is.
+        unique_id = self._side.bcast_object(nccl.get_unique_id() if self.rank == 0 else None,
+                                            "NCCL bootstrap (unique id)")
+        return self._init_bounded(nccl, unique_id)
+
+    def _connected(self, stream_ptr):
+        """Make sure NCCL's communicator exists (``nccl_init="lazy"``: built here, by the first
+        NCCL call, collectively), at the top of every call that may use it, before any rank
+        can decide it has nothing to move.
+
+        Raises:
+            RuntimeError: the first NCCL call is being captured into a CUDA graph (the bootstrap
+                cannot be captured: make one NCCL call before capturing).
+            TimeoutError: a rank did not join the bootstrap within ``timeout`` s; the
+                communicator is aborted.
+        """
+        if self._nccl is not None:
+            return
+        if self._runtime.streamIsCapturing(stream_ptr):
+            raise RuntimeError(f"NcclCommunicator on rank {self.rank}: NCCL is initialized "
+                               f"lazily (nccl_init='lazy') and its first use is inside a CUDA "
+                               f"graph capture; make one NCCL exchange before capturing")
+        try:
+            comm = self._connect()
+        except Exception as exc:
+            self._fail(exc, raised=True)
+            raise
+        with self._lock:
+            self._nccl = comm
 
     def _init_bounded(self, nccl, unique_id):
         """``ncclCommInitRank``, bounded by ``timeout``: it blocks until every rank has joined,
@@ -286,7 +323,7 @@ class NcclCommunicator(Communicator):
                 last_async_check = now
                 try:
                     with self._lock:
-                        if self._state == "open":
+                        if self._state == "open" and self._nccl is not None:
                             self._nccl.check_async_error()
                 except Exception as exc:  # NcclError: a peer or the network failed
                     self._fail(RuntimeError(f"NcclCommunicator on rank {self.rank}: NCCL "
@@ -299,6 +336,8 @@ class NcclCommunicator(Communicator):
         return self._lock
 
     def _abort_backend(self):
+        if self._nccl is None:  # lazy, never built
+            return
         try:
             self._nccl.abort()  # ncclCommAbort; a no-op once aborted or destroyed
         except Exception:  # NCCL without abort support: nothing more we can do
@@ -315,9 +354,9 @@ class NcclCommunicator(Communicator):
             self._wake.notify()
         if self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=max(1.0, 10 * _WATCH_POLL_S))
-        if clean:
+        if clean and self._nccl is not None:
             self._nccl.destroy()
-        else:
+        elif not clean:
             self._abort_backend()
         with self._lock:
             events = self._free_events + ([e for e, _ in self._in_flight] if clean else [])
@@ -420,6 +459,7 @@ class NcclCommunicator(Communicator):
         """
         self._check_usable()
         stream_ptr = self._stream(stream)
+        self._connected(stream_ptr)
         with self._on_stream(stream_ptr):  # allocate out stream-ordered
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                               validate)
@@ -455,6 +495,7 @@ class NcclCommunicator(Communicator):
                 not; the communicator is aborted.
         """
         self._check_usable()
+        self._connected(self._stream(stream))
         counts, k = self._check_counts_array(counts)
         counts = self._cupy.ascontiguousarray(counts)
         out = self._cupy.empty_like(counts)

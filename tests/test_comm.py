@@ -665,6 +665,89 @@ def test_nccl_timeout_aborts():
     faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_nccl_lazy_init():
+    """nccl_init='lazy': exchanges pulled from peer memory never build NCCL's communicator; the
+    first alltoallv builds it on every rank (rank 0 moving no rows included) and moves the
+    rows."""
+    import cupy
+
+    import mxcomm
+    with mxc.init("nccl", timeout=120.0, nccl_init="lazy") as c:
+        w, me = c.size, c.rank
+        assert c._nccl is None
+        if c.transport == "pull":
+            layout = mxcomm.exchange_layout(cupy.full(w * 2, 16, dtype=cupy.int32), c)
+            x = cupy.asarray(rows_of(me, 32 * w, numpy.dtype(ml_dtypes.bfloat16), (64,)))
+            mxcomm.a2a_dispatch(x, layout)
+            c.wait()
+            assert c._nccl is None
+        counts = numpy.full((w, w), 8)
+        counts[0, :] = counts[:, 0] = 0
+        make = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (96,), salt=3)  # noqa
+        got = c.alltoallv(cupy.asarray(make(me, int(counts[me].sum()))), counts[me],
+                          counts[:, me])
+        c.wait()
+        assert c._nccl is not None
+        numpy.testing.assert_array_equal(cupy.asnumpy(got), expected_recv(me, counts, make))
+
+
+class _LazyStandIn:
+    """What ``NcclCommunicator._connected`` reads of its communicator (CPU stand-in)."""
+
+    def __init__(self, capturing=False, connect_error=None):
+        import threading
+        self._nccl = None
+        self.rank = 1
+        self._lock = threading.Lock()
+        self.connects = 0
+        self.failed = None
+        self._capturing = capturing
+        self._connect_error = connect_error
+        self._runtime = type("Runtime", (), {"streamIsCapturing": lambda _, s: capturing})()
+
+    def _connect(self):
+        self.connects += 1
+        if self._connect_error is not None:
+            raise self._connect_error
+        return "nccl communicator"
+
+    def _fail(self, error, raised=False):
+        self.failed = (error, raised)
+
+
+def test_nccl_lazy_connect_once_not_in_capture_aborts_on_failure():
+    """The lazy bootstrap (CPU stand-in): built by the first call only; refused inside a CUDA
+    graph capture with a message saying what to do; a failed bootstrap aborts the communicator
+    and raises its error."""
+    from mxcomm.comm._nccl import NcclCommunicator
+    comm = _LazyStandIn()
+    NcclCommunicator._connected(comm, 7)
+    NcclCommunicator._connected(comm, 7)
+    assert comm._nccl == "nccl communicator" and comm.connects == 1
+    capturing = _LazyStandIn(capturing=True)
+    with pytest.raises(RuntimeError, match=r"rank 1: NCCL is initialized lazily "
+                                           r"\(nccl_init='lazy'\).*make one NCCL exchange "
+                                           r"before capturing"):
+        NcclCommunicator._connected(capturing, 7)
+    assert capturing.connects == 0
+    late = TimeoutError("NCCL bootstrap on rank 1 of 2: ncclCommInitRank did not complete")
+    failing = _LazyStandIn(connect_error=late)
+    with pytest.raises(TimeoutError, match="did not complete"):
+        NcclCommunicator._connected(failing, 7)
+    assert failing.failed == (late, True) and failing._nccl is None
+
+
+@pytest.mark.mpi
+def test_nccl_init_argument(monkeypatch):
+    with pytest.raises(ValueError, match=r"nccl_init: expected 'eager' or 'lazy'.*got 'soon'"):
+        mxc.init("mpi", nccl_init="soon")
+    monkeypatch.setenv("MXCOMM_NCCL_INIT", "later")
+    with pytest.raises(ValueError, match=r"MXCOMM_NCCL_INIT.*got 'later'"):
+        mxc.init("mpi")
+
+
 @pytest.mark.parametrize("outcome", ["blocks", "raises", "joins"])
 def test_nccl_init_is_bounded_by_the_timeout(outcome):
     """ncclCommInitRank blocks until every rank has joined: a peer that died after the unique id
