@@ -48,9 +48,20 @@ for phase in "$@"; do
             -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
             -k "layout_path_equals_validated or rank_skipping or cuda_graph or (nccl_exchange and pull)" \
             tests/test_layout.py tests/test_comm.py
-        step "host path pieces, 2 ranks on 1 GPU (MXFP8 calls)" 180 env MXCOMM_NCCL_INIT=lazy \
-            PROBE_CASES=mxfp8 "${mpirun_env[@]}" -x MXCOMM_NCCL_INIT -x PROBE_CASES -n 2 \
-            python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300} ;;
+        # AB_OLD set (a tree that has nccl_init): its probe and this tree's, alternating, twice
+        for round in 1 2; do
+            if [ -n "${AB_OLD:-}" ]; then
+                ln -sfn ../kernels "$AB_OLD/mxcomm/kernels"; ln -sfn ../comm "$AB_OLD/mxcomm/comm"
+                step "host path pieces, 2 ranks on 1 GPU (MXFP8 calls), OLD tree $AB_OLD (round $round)" 150 \
+                    env MXCOMM_NCCL_INIT=lazy PROBE_CASES=mxfp8 PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" \
+                    "${mpirun_env[@]}" -x MXCOMM_NCCL_INIT -x PROBE_CASES -n 2 \
+                    python3 "$AB_OLD/bench/probe_host.py" 4096 7168 ${AB_CALLS:-300}
+            fi
+            step "host path pieces, 2 ranks on 1 GPU (MXFP8 calls), this tree (round $round)" 150 \
+                env MXCOMM_NCCL_INIT=lazy PROBE_CASES=mxfp8 "${mpirun_env[@]}" -x MXCOMM_NCCL_INIT \
+                -x PROBE_CASES -n 2 python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300}
+            [ -n "${AB_OLD:-}" ] || break
+        done ;;
     graph2) export MXCOMM_GRAPH_TEST=1; step "CUDA graph test, 2 ranks" 90 "${mpirun_env[@]}" -x MXCOMM_GRAPH_TEST -n 2 python3 -m pytest -q -p no:cacheprovider \
         -o faulthandler_timeout=70 -W ignore::DeprecationWarning --with-mpi \
         tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path ;;

@@ -142,12 +142,13 @@ def instrument():
         (mxfp8, "launch_1d"), (launch.Kernel, "_launch"), (launch.Kernel, "_function"),
         (launch, "_abi_values"), (driver.PackedLaunch, "__call__"),
         (mxt, "_array"), (mxt, "_tensor"), (mxt, "_wrap"), (mxt, "_stream"), (mxt, "_view"),
-        (mxt, "_exchange"), (mxt._Alloc, "__call__"), (mxt._Alloc, "tensor"),
+        (mxt, "_exchange"), (getattr(mxt, "_Alloc", None), "__call__"),
+        (getattr(mxt, "_Alloc", None), "tensor"),
         (formats.Format, "view"),
     ]
     undo = []
     for owner, name in targets:
-        fn = owner.__dict__.get(name)
+        fn = owner.__dict__.get(name) if owner is not None else None  # older trees lack some
         if fn is None:
             out(f"  (no {getattr(owner, '__name__', owner)}.{name} to time)")
             continue
