@@ -395,6 +395,10 @@ class NcclCommunicator(Communicator):
             while True:
                 status = runtime.eventQuery(event)
                 if status == _CUDA_SUCCESS:
+                    # A device wait that gave up lets its stream go on, so the work completes
+                    # either way: what it missed is in the status it wrote, read here (the
+                    # watchdog may not have polled it yet).
+                    self._check_usable()
                     return
                 if status != _CUDA_NOT_READY:
                     self._fail(RuntimeError(f"NcclCommunicator.wait on rank {self.rank}: CUDA "
