@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 sweep1
-#         colwise1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         colwise1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -39,15 +39,15 @@ for phase in "$@"; do
         --deselect tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path tests ;;
     pull2on1)  # two ranks on ONE GPU: NCCL never built (nccl_init lazy, which NCCL's duplicate-GPU
         # check would refuse), exchanges pulled over CUDA IPC between the two processes: the
-        # pull transport's 2-rank gpu tests, its CUDA-graph test without the bf16 combine, and
-        # the host probe of the MXFP8 calls (host times are real; device times are not: the
-        # two processes time-slice the GPU)
+        # pull transport's 2-rank gpu tests and its CUDA-graph test without the bf16 combine
         step "pull transport, 2 ranks on 1 GPU, gpu tests" 240 env MXCOMM_NCCL_INIT=lazy \
             MXCOMM_GRAPH_TEST=pull "${mpirun_env[@]}" -x MXCOMM_NCCL_INIT -x MXCOMM_GRAPH_TEST \
             -n 2 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=90 \
             -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
             -k "layout_path_equals_validated or rank_skipping or cuda_graph or (nccl_exchange and pull)" \
-            tests/test_layout.py tests/test_comm.py
+            tests/test_layout.py tests/test_comm.py ;;
+    host2on1)  # the host probe of the MXFP8 calls with two ranks on ONE GPU (as pull2on1; host
+        # times are real, device times are not: the two processes time-slice the GPU)
         # AB_OLD set (a tree that has nccl_init): its probe and this tree's, alternating, twice
         for round in 1 2; do
             if [ -n "${AB_OLD:-}" ]; then
