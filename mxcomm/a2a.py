@@ -333,7 +333,10 @@ _COMMON_ARGS = """
         comm: a communicator (``mxcomm.comm.init()``); with a layout, None or the layout's.
         scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, docs/design.md); the
             other formats fix their own scaling and ignore it.
-        stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host).
+        stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host). The rows
+            must be ready on it: work that wrote them on another stream (a copy from the host
+            on the null stream, say, which a non-blocking stream does not wait for) must be
+            ordered before the call, by an event or a synchronize.
         layout: a :class:`~mxcomm.layout.Layout` instead of the splits (it may also be passed
             as the second positional argument). Then the call checks its arguments locally
             only, in O(1), and makes no host collective and no host barrier: a peer that fails

@@ -614,6 +614,9 @@ def test_nccl_exchange(peer_memory, in_place, pieces):
             send = (cupy.asarray(data(me, plan.rows_sent)),
                     cupy.asarray(scales(me, plan.rows_sent)))
             rows = DeviceRows(send, arrays, plan.rows_received)
+            # The copies and the zero fill above run on the current (null) stream, which the
+            # non-blocking `stream` (and the transport's side stream) do not wait for.
+            cupy.cuda.get_current_stream().synchronize()
             before = comm.host_collectives
             outs = comm.exchange(rows, plan, in_place=in_place, stream=stream)
             assert comm.host_collectives == before or factor in (1, 4)

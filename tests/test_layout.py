@@ -310,16 +310,17 @@ def test_gpu_layout_path_equals_validated_path():
             counts, xs = _gpu_routed(w, me, step, 256)
             layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
             x = cupy.asarray(xs[me])
+            y = cupy.asarray(fake_quantize(move_ref(xs, splits_of(counts, w), me)))
+            # The copies above run on the current (null) stream, which the non-blocking
+            # `stream` does not wait for: the inputs must be complete before it reads them.
+            cupy.cuda.get_current_stream().synchronize()
             before = c.host_collectives
             fast = [a2a_dispatch(x, layout, stream=stream) for _ in range(3)]
-            back = a2a_combine(cupy.asarray(fake_quantize(move_ref(xs, splits_of(counts, w), me))),
-                               layout, precision="mxfp8", stream=stream)
+            back = a2a_combine(y, layout, precision="mxfp8", stream=stream)
             grown = c.host_collectives - before
             assert grown == 0 or step == 0 or c._transport.memory.capacity > 0
             slow = a2a_dispatch(x, layout.input_splits, layout.output_splits, c, stream=stream)
-            slow_back = a2a_combine(cupy.asarray(fake_quantize(move_ref(xs, splits_of(counts, w),
-                                                                        me))),
-                                    layout.input_splits, layout.output_splits, c,
+            slow_back = a2a_combine(y, layout.input_splits, layout.output_splits, c,
                                     precision="mxfp8", stream=stream)
             c.wait(stream)
             for f in fast:
@@ -352,6 +353,7 @@ def test_gpu_cuda_graph_replays_the_token_path():
         layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
         x = cupy.asarray(xs[me])
         stream = cupy.cuda.Stream(non_blocking=True)
+        cupy.cuda.get_current_stream().synchronize()  # x complete before `stream` reads it
 
         def token_path():
             from mxcomm.mxfp8 import dequantize_mxfp8
