@@ -19,6 +19,11 @@ FP8_VARIANTS=${FP8_VARIANTS:-mxfp8,mxfp8_all,bf16+fp8gemm,fp8_rowwise,mxfp8+roww
 mpirun_env=(mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
     -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS -x PYTHONUNBUFFERED -x MXCOMM_COMMIT)
 
+importable() {  # importable TREE: a source tree (git archive) importable by PYTHONPATH=TREE, its
+    # kernels/ and comm/ linked where setup.cfg's package_dir installs them
+    ln -sfn ../kernels "$1/mxcomm/kernels"; ln -sfn ../comm "$1/mxcomm/comm"
+}
+
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 secs=$2; shift 2
     echo "=== $name ($(date -u +%H:%M:%S))" | tee -a "$log"
@@ -51,7 +56,7 @@ for phase in "$@"; do
         # AB_OLD set (a tree that has nccl_init): its probe and this tree's, alternating, twice
         for round in 1 2; do
             if [ -n "${AB_OLD:-}" ]; then
-                ln -sfn ../kernels "$AB_OLD/mxcomm/kernels"; ln -sfn ../comm "$AB_OLD/mxcomm/comm"
+                importable "$AB_OLD"
                 step "host path pieces, 2 ranks on 1 GPU (MXFP8 calls), OLD tree $AB_OLD (round $round)" 150 \
                     env MXCOMM_NCCL_INIT=lazy PROBE_CASES=mxfp8 PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" \
                     "${mpirun_env[@]}" -x MXCOMM_NCCL_INIT -x PROBE_CASES -n 2 \
@@ -94,7 +99,7 @@ for phase in "$@"; do
     host2) step "host path pieces, 2 ranks" 180 "${mpirun_env[@]}" -n 2 python3 bench/probe_host.py ;;
     hostab1)  # the host probe of the tree at $AB_OLD (a source tree, e.g. git archive) and of this
         # one, alternating, twice, in one job (host timings differ between machines)
-        ln -sfn ../kernels "$AB_OLD/mxcomm/kernels"; ln -sfn ../comm "$AB_OLD/mxcomm/comm"
+        importable "$AB_OLD"
         for round in 1 2; do
             step "host path pieces, 1 rank, OLD tree $AB_OLD (round $round)" 120 env PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" \
                 MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}" \
@@ -104,13 +109,13 @@ for phase in "$@"; do
         done ;;
     colwiseab1)  # the fp8 wgrad conversion kernels of $AB_FLOAT's, $AB_OLD's and this tree, one GPU
         for tree in "$AB_FLOAT" "$AB_OLD"; do
-            ln -sfn ../kernels "$tree/mxcomm/kernels"; ln -sfn ../comm "$tree/mxcomm/comm"
+            importable "$tree"
             step "fp8 wgrad conversion kernels, tree $tree" 120 env PYTHONPATH="$tree:${PYTHONPATH:-}" \
                 python3 "$tree/bench/probe_colwise.py"
         done
         step "fp8 wgrad conversion kernels, this tree" 120 python3 bench/probe_colwise.py ;;
     pipeab1)  # the small-batch pipeline at 1 rank (host-bound calls), $AB_OLD's tree then this one
-        ln -sfn ../kernels "$AB_OLD/mxcomm/kernels"; ln -sfn ../comm "$AB_OLD/mxcomm/comm"
+        importable "$AB_OLD"
         step "pipeline, 1 rank, small batches, OLD tree $AB_OLD" 200 env -C "$AB_OLD" \
             PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}" \
             "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench pipeline --tokens 4096 16384 --dim 7168 \
