@@ -25,6 +25,7 @@ import torch
 import mxcomm
 import mxcomm.comm
 import mxcomm.torch as mxt
+from mxcomm._driver import PackedLaunch
 
 rows = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 dim = int(sys.argv[2]) if len(sys.argv) > 2 else 7168
@@ -141,6 +142,7 @@ def instrument():
         (mxfp8, "launch_quantize"), (mxfp8, "launch_dequantize"), (mxfp8, "words"),
         (mxfp8, "launch_1d"), (launch.Kernel, "_launch"), (launch.Kernel, "_function"),
         (launch, "_abi_values"), (driver.PackedLaunch, "__call__"),
+        (getattr(launch, "Launch", None), "__call__"), (_pull.PullTransport, "_schedule"),
         (mxt, "_array"), (mxt, "_tensor"), (mxt, "_wrap"), (mxt, "_stream"), (mxt, "_view"),
         (mxt, "_exchange"), (getattr(mxt, "_Alloc", None), "__call__"),
         (getattr(mxt, "_Alloc", None), "tensor"),
@@ -198,7 +200,11 @@ def per_call(fn, n=2000):
     return (time.perf_counter() - t0) / n * 1e6
 
 
+nop = cupy.RawKernel('extern "C" __global__ void nop(unsigned long long a) {}', "nop")
+nop_launch = PackedLaunch(nop.kernel, "Q")
+
 prims = {
+    "PackedLaunch of an empty kernel": lambda: nop_launch(1, 32, stream.ptr, (0,)),
     "cupy.empty((rows, dim), uint8)": lambda: cupy.empty((rows, dim), dtype=cupy.uint8),
     "cupy.ndarray view on a Memory": lambda: cupy.ndarray(
         (rows, dim), dtype=cupy.uint8, memptr=cupy.cuda.memory.MemoryPointer(mem, 0)),

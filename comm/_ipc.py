@@ -98,6 +98,8 @@ class CudaPeerMemory:
         self._memory = None
         self._capacity = 0
         self._peer_ptr = {}
+        #: Counts the staging allocations: views of the staging are valid while it stays.
+        self.epoch = 0
 
     @property
     def capacity(self):
@@ -122,6 +124,7 @@ class CudaPeerMemory:
             comm._side.barrier("peer memory growth")
             self._unmap()
         capacity = int(nbytes * _GROWTH)
+        self.epoch += 1
         self._memory = self._cupy.cuda.memory.Memory(capacity)
         handle = self._rt.ipcGetMemHandle(self._memory.ptr)
         table = comm._side.allgather_bytes(handle, "peer memory setup (buffer handles)")
@@ -145,11 +148,11 @@ class CudaPeerMemory:
                                                 cupy.cuda.Device().id)
         return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
 
-    def copy(self, peer, offset, out, side):
-        """Copy engines: ``out.nbytes`` bytes of ``peer``'s buffer from byte ``offset``."""
-        if out.nbytes:
-            self._rt.memcpyAsync(out.data.ptr, self._peer_ptr[peer] + offset, out.nbytes,
-                                 _MEMCPY_DEFAULT, side)
+    def copy(self, peer, offset, out, out_offset, nbytes, side):
+        """Copy engines, on ``side``: ``nbytes`` bytes of ``peer``'s buffer from byte ``offset``
+        into the C-contiguous array ``out`` from its byte ``out_offset``."""
+        self._rt.memcpyAsync(out.data.ptr + out_offset, self._peer_ptr[peer] + offset, nbytes,
+                             _MEMCPY_DEFAULT, side)
 
     # --------------------------------------------------------------------------------- flags
     def begin(self, stream):

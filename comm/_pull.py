@@ -16,6 +16,8 @@ docs/design.md, "Signals on the device"). Step ``s`` pairs sender ``r`` with rec
 every rank produces first the rows its step-1 receiver pulls first.
 """
 
+import weakref
+
 from ._staged import kind_base, kind_word, pieces, regions, row_bytes_of, send_order
 
 
@@ -25,6 +27,11 @@ class PullTransport:
     Args:
         comm: the communicator.
         memory: the peer memory (``_ipc.CudaPeerMemory`` or ``_shm.HostPeerMemory``).
+
+    What an exchange of a plan does (which rows go where, the staging slots, the kinds, the
+    pieces, the copies) is worked out once per (plan, row layout, kind, consumption) into a
+    :class:`_Schedule`, kept while the plan lives and the staging buffers stay where they are; a
+    call then only produces, signals, waits and copies (docs/design.md, "The staged exchange").
     """
 
     name = "pull"
@@ -33,95 +40,126 @@ class PullTransport:
         self._comm = comm
         self.memory = memory
         self.kinds = {}  # 16-bit kind hash -> kind text, for mismatch messages
+        self._bases = {}  # kind text -> 16-bit hash
+        self._schedules = weakref.WeakKeyDictionary()  # plan -> {key: _Schedule}
+        self._epoch = memory.epoch
 
     def _kind(self, text):
-        base = kind_base(text)
-        self.kinds.setdefault(base, text)
+        base = self._bases.get(text)
+        if base is None:
+            base = self._bases[text] = kind_base(text)
+            self.kinds.setdefault(base, text)
         return base
 
     def run(self, rows, plan, outs, in_place, stream):
-        comm, memory = self._comm, self.memory
-        rank, size = comm.rank, comm.size
-        row_bytes = row_bytes_of(rows.arrays)
-        base = self._kind(rows.kind + (", read in place" if in_place else ""))
+        memory = self.memory
+        arrays = rows.arrays
+        row_bytes = row_bytes_of(arrays)
+        base = self._kind(rows.kind + ", read in place" if in_place else rows.kind)
         memory.reserve(plan.staging_bytes(row_bytes), stream)
+        schedule = self._schedule(plan, arrays, row_bytes, base, in_place)
         if outs is None and not in_place:
-            outs = comm._new_arrays(rows.arrays, plan.rows_received)
+            outs = self._comm._new_arrays(arrays, plan.rows_received)
         memory.begin(stream)
-        bases, _ = regions(row_bytes, plan.rows_sent)
-        own = None
-        for peer in send_order(rank, size):
-            begin = plan.send_offsets[peer]
-            count = plan.send_counts[peer]
-            if peer == rank:
-                if count and not in_place:  # own rows go straight to the result
-                    at = plan.recv_offsets[rank]
-                    rows.produce(begin, begin + count,
-                                 tuple(o[at:at + count] for o in outs), stream)
-                elif count:
-                    own = self._slots(rows.arrays, bases, row_bytes, begin, count)
-                    rows.produce(begin, begin + count, own, stream)
-                continue
-            kind = kind_word(base, count)
-            parts = [(0, count)] if in_place else pieces(count, row_bytes)
-            for piece, (lo, hi) in enumerate(parts):
-                if hi > lo:
-                    rows.produce(begin + lo, begin + hi,
-                                 self._slots(rows.arrays, bases, row_bytes, begin + lo, hi - lo),
-                                 stream)
-                memory.signal_ready(peer, piece, kind, stream)
+        produce, signal = rows.produce, memory.signal_ready
+        for begin, end, slots, peer, piece, kind in schedule.sends:
+            if end > begin:
+                produce(begin, end, slots, stream)
+            signal(peer, piece, kind, stream)
+        own = schedule.own
+        if own is not None:  # own rows, last: straight to the result, or into the staging
+            begin, end, at, slots = own
+            if slots is None:
+                slots = tuple(o[at:at + end - begin] for o in outs)
+            produce(begin, end, slots, stream)
         if in_place:
-            self._consume_in_place(rows, plan, base, row_bytes, own, stream)
+            if own is not None:
+                rows.consume(own[2], own[2] + own[1] - own[0], own[3], stream)
+            for peer, kind, begin, end, views in schedule.receives:
+                side = memory.await_ready(peer, 0, kind)
+                if end > begin:
+                    rows.consume(begin, end, views, side)
         else:
-            self._pull(rows, plan, base, row_bytes, outs)
+            copy = memory.copy
+            for peer, piece, kind, copies in schedule.receives:
+                side = memory.await_ready(peer, piece, kind)
+                for offset, index, out_offset, nbytes in copies:
+                    copy(peer, offset, outs[index], out_offset, nbytes, side)
         memory.end(stream)
         return outs
 
-    def _slots(self, arrays, bases, row_bytes, first, count):
-        """This rank's staging slots for ``count`` rows from row ``first`` of the send order."""
-        local = self.memory.local
-        return tuple(local(b + first * rb, (count,) + shape, dtype)
-                     for b, rb, (shape, dtype) in zip(bases, row_bytes, arrays))
-
-    def _senders(self, plan, row_bytes):
-        """``(peer, first row of mine in the peer's staging, the peer's array bases)`` in pull
-        order (step 1 first)."""
-        rank, size = plan.rank, plan.size
-        for step in range(1, size):
-            peer = (rank - step) % size
-            peer_sent = plan.sent[peer]
-            yield peer, sum(peer_sent[:rank]), regions(row_bytes, sum(peer_sent))[0]
-
-    def _pull(self, rows, plan, base, row_bytes, outs):
-        """Copy every sender's rows into ``outs`` on the side stream, piece by piece as each is
-        signalled."""
-        memory = self.memory
-        for peer, first, peer_bases in self._senders(plan, row_bytes):
-            count = plan.recv_counts[peer]
-            at = plan.recv_offsets[peer]
-            kind = kind_word(base, count)
-            for piece, (lo, hi) in enumerate(pieces(count, row_bytes)):
-                side = memory.await_ready(peer, piece, kind)
-                for b, rb, o in zip(peer_bases, row_bytes, outs):
-                    if hi > lo and rb:
-                        memory.copy(peer, b + (first + lo) * rb, o[at + lo:at + hi], side)
-
-    def _consume_in_place(self, rows, plan, base, row_bytes, own, stream):
-        """Hand the own rows (in the staging) to the consumer on the caller's stream, then each
-        sender's, where they are, on the side stream once the sender has signalled them."""
-        memory = self.memory
-        if own is not None:
-            begin = plan.recv_offsets[plan.rank]
-            rows.consume(begin, begin + plan.recv_counts[plan.rank], own, stream)
-        for peer, first, peer_bases in self._senders(plan, row_bytes):
-            count = plan.recv_counts[peer]
-            side = memory.await_ready(peer, 0, kind_word(base, count))
-            if count:
-                views = tuple(memory.peer_view(peer, b + first * rb, (count,) + shape, dtype)
-                              for b, rb, (shape, dtype) in zip(peer_bases, row_bytes,
-                                                               rows.arrays))
-                begin = plan.recv_offsets[peer]
-                rows.consume(begin, begin + count, views, side)
+    def _schedule(self, plan, arrays, row_bytes, base, in_place):
+        """The :class:`_Schedule` of ``plan`` for these rows, from the cache or made now."""
+        if self.memory.epoch != self._epoch:  # the staging moved: forget every view of it
+            self._schedules.clear()
+            self._epoch = self.memory.epoch
+        by_key = self._schedules.get(plan)
+        if by_key is None:
+            by_key = self._schedules[plan] = {}
+        key = (arrays, base, in_place)
+        schedule = by_key.get(key)
+        if schedule is None:
+            schedule = by_key[key] = _Schedule(plan, self.memory, arrays, row_bytes, base,
+                                               in_place)
+        return schedule
 
     def close(self):
+        self._schedules.clear()
         self.memory.close()
+
+
+class _Schedule:
+    """One plan's exchange for one row layout, worked out (:class:`PullTransport`).
+
+    Attributes:
+        sends: ``(begin, end, slots, peer, piece, kind)`` per piece produced for a peer, in send
+            order: rows ``[begin, end)`` of the send order go into ``slots`` (views of this rank's
+            staging), then ``peer`` is signalled.
+        own: ``(begin, end, at, slots)`` of this rank's own rows (produced last), received at row
+            ``at``; ``slots`` None when they go straight into the result. None without own rows.
+        receives: per sender, in pull order (step 1 first): with copies, ``(peer, piece, kind,
+            [(offset in the sender's staging, array index, byte offset in the result, bytes),
+            ...])`` per piece; in place, ``(peer, kind, begin, end, views)``, views of the
+            sender's staging (mapped here) holding received rows ``[begin, end)``.
+    """
+
+    __slots__ = ("sends", "own", "receives")
+
+    def __init__(self, plan, memory, arrays, row_bytes, base, in_place):
+        rank, size = plan.rank, plan.size
+        bases, _ = regions(row_bytes, plan.rows_sent)
+
+        def slots(first, count):
+            return tuple(memory.local(b + first * rb, (count,) + shape, dtype)
+                         for b, rb, (shape, dtype) in zip(bases, row_bytes, arrays))
+
+        self.sends, self.own, self.receives = [], None, []
+        for peer in send_order(rank, size):
+            begin, count = plan.send_offsets[peer], plan.send_counts[peer]
+            if peer == rank:
+                if count:
+                    self.own = (begin, begin + count, plan.recv_offsets[rank],
+                                slots(begin, count) if in_place else None)
+                continue
+            kind = kind_word(base, count)
+            for piece, (lo, hi) in enumerate([(0, count)] if in_place
+                                             else pieces(count, row_bytes)):
+                self.sends.append((begin + lo, begin + hi, slots(begin + lo, hi - lo), peer, piece,
+                                   kind))
+        for step in range(1, size):
+            peer = (rank - step) % size
+            first = sum(plan.sent[peer][:rank])  # my rows' first row in the peer's staging
+            peer_bases, _ = regions(row_bytes, sum(plan.sent[peer]))
+            count, at = plan.recv_counts[peer], plan.recv_offsets[peer]
+            kind = kind_word(base, count)
+            if in_place:
+                views = tuple(memory.peer_view(peer, b + first * rb, (count,) + shape, dtype)
+                              for b, rb, (shape, dtype) in zip(peer_bases, row_bytes, arrays)) \
+                    if count else ()
+                self.receives.append((peer, kind, at, at + count, views))
+                continue
+            for piece, (lo, hi) in enumerate(pieces(count, row_bytes)):
+                copies = [(b + (first + lo) * rb, index, (at + lo) * rb, (hi - lo) * rb)
+                          for index, (b, rb) in enumerate(zip(peer_bases, row_bytes))
+                          if hi > lo and rb]
+                self.receives.append((peer, piece, kind, copies))

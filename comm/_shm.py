@@ -48,6 +48,8 @@ class HostPeerMemory:
         self._window = None
         self._segments = {}
         self.capacity = 0
+        #: Counts the staging allocations: views of the staging are valid while it stays.
+        self.epoch = 0
 
     def _allocate_flags(self):
         """The flags window, every rank's words set to the starting generation (collective)."""
@@ -74,6 +76,7 @@ class HostPeerMemory:
             side.barrier("peer memory growth")
             self._free_staging()
         capacity = max(1, int(nbytes * _GROWTH))
+        self.epoch += 1
         self._window = side.MPI.Win.Allocate_shared(capacity, 1, comm=side.mpi)
         side.collectives += 1
         for peer in range(self._size):
@@ -91,9 +94,11 @@ class HostPeerMemory:
         raw = self._segments[peer][offset:offset + math.prod(shape) * dtype.itemsize]
         return raw.view(dtype).reshape(shape)
 
-    def copy(self, peer, offset, out, side):
-        """Copy ``out.nbytes`` bytes of ``peer``'s segment from byte ``offset`` into ``out``."""
-        out.reshape(-1).view(numpy.uint8)[:] = self._segments[peer][offset:offset + out.nbytes]
+    def copy(self, peer, offset, out, out_offset, nbytes, side):
+        """Copy ``nbytes`` bytes of ``peer``'s segment from byte ``offset`` into the C-contiguous
+        array ``out`` from its byte ``out_offset``."""
+        out.reshape(-1).view(numpy.uint8)[out_offset:out_offset + nbytes] = \
+            self._segments[peer][offset:offset + nbytes]
 
     # --------------------------------------------------------------------------------- flags
     def begin(self, stream):

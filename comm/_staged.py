@@ -47,7 +47,7 @@ class Plan:
     """
 
     __slots__ = ("rank", "size", "sent", "send_counts", "recv_counts", "send_offsets",
-                 "recv_offsets", "rows_sent", "rows_received", "_staging_rows")
+                 "recv_offsets", "rows_sent", "rows_received", "_staging_rows", "__weakref__")
 
     def __init__(self, rank, sent):
         self.rank = rank

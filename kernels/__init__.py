@@ -3,7 +3,8 @@ token permute/unpermute, fp8 bit conversions. Imports numba, and of ``mxcomm`` o
 ``mxcomm._platform`` (which decides where array work runs)."""
 
 from ._device import array_module, simulated  # first: sets up the simulator before numba loads
-from ._launch import Kernel, Words, address, kernel, launch_1d, words
+from ._launch import (Kernel, Launch, Words, address, clear_prepared, kernel, launch_1d,
+                      prepared, words)
 
-__all__ = ["array_module", "simulated", "Kernel", "Words", "address", "kernel", "launch_1d",
-           "words"]
+__all__ = ["array_module", "simulated", "Kernel", "Launch", "Words", "address", "clear_prepared",
+           "kernel", "launch_1d", "prepared", "words"]

@@ -9,6 +9,7 @@ simulator it is numba's dispatcher.
 """
 
 import functools
+import inspect
 import re
 
 import numpy
@@ -188,6 +189,8 @@ class Kernel:
         self.py_func = pyfunc
         self._dispatcher = cuda.jit(pyfunc) if simulated() else None
         self._functions = {}  # argument kinds -> PackedLaunch
+        #: The kernel's parameter names, for messages.
+        self.parameters = tuple(inspect.signature(pyfunc).parameters)
 
     def __getitem__(self, config):
         blocks, threads, stream = config
@@ -219,6 +222,96 @@ class Kernel:
 
     def _launch(self, blocks, threads, stream, *args):
         self._function(args)(blocks, threads, stream, _abi_values(args))
+
+
+class Launch:
+    """One launch of a :class:`Kernel` prepared for arrays of fixed shapes: the compiled
+    function, the grid and every parameter but the arrays' addresses and the stream are found
+    once; a call fills in the addresses and launches. ``kernel[config](...)`` spends 10-15 us of
+    host time per launch on argument kinds, ABI values and word views; a prepared launch about 1
+    beyond the driver's (bench/NOTES.md). Launchers called per exchange keep one per shape
+    (``functools.lru_cache``).
+
+    Args:
+        kernel: the :class:`Kernel`.
+        config: ``(blocks, threads, ...)`` as :func:`launch_1d` returns it (its stream ignored).
+        args: the kernel's arguments in order: for each array a :class:`Words` placeholder
+            (address ignored; its shape and word dtype are the argument's), given at call time;
+            ints and bools, fixed here.
+
+    Calling it, ``launch(stream, *arrays)``: one C-contiguous array per placeholder, in order,
+    whose bytes are the placeholder's shape of words (not checked: the caller's cache key
+    guarantees it): a CuPy array, a :class:`Words`, or an int address on a GPU; under the
+    simulator a NumPy array (viewed as the placeholder's words for numba's dispatcher).
+    ``stream``: a raw stream handle (int). Enqueues the kernel; no synchronization.
+    Raises ValueError naming the argument when an address is not aligned to its word size.
+    """
+
+    __slots__ = ("_kernel", "_blocks", "_threads", "_args", "_names", "_function", "_values",
+                 "_slots")
+
+    def __init__(self, kernel, config, *args):
+        self._kernel = kernel
+        self._blocks, self._threads = config[0], config[1]
+        self._args = args
+        self._names = tuple(p for p, a in zip(kernel.parameters, args) if isinstance(a, Words))
+        if kernel._dispatcher is None:
+            self._function = kernel._function(args)
+            self._values = _abi_values(args)
+            self._slots, at = [], 0
+            for a in args:  # the data field of each array's ABI (meminfo, parent, nitems,
+                if isinstance(a, Words):  # itemsize, data, shape, strides)
+                    self._slots.append(at + 4)
+                at += len(a.abi()) if isinstance(a, Words) else 1
+
+    def __call__(self, stream, *arrays):
+        if self._kernel._dispatcher is not None:
+            self._simulate(arrays)
+            return
+        values = self._values.copy()
+        for slot, a in zip(self._slots, arrays):
+            ptr = a if type(a) is int else a.ptr if type(a) is Words else a.data.ptr
+            if ptr % values[slot - 1]:
+                self._misaligned(arrays)
+            values[slot] = ptr
+        self._function(self._blocks, self._threads, stream, values)
+
+    def _simulate(self, arrays):
+        """Numba's dispatcher on NumPy views of ``arrays`` as the placeholders' words."""
+        given = iter(zip(arrays, self._names))
+        args = []
+        for a in self._args:
+            if isinstance(a, Words):
+                array, name = next(given)
+                a = words(array, a.dtype, name, rows=a.ndim == 2)
+            args.append(a)
+        self._kernel._dispatcher[self._blocks, self._threads](*args)
+
+    def _misaligned(self, arrays):
+        """Raise the ValueError of :func:`words` for the first misaligned array."""
+        placeholders = [a for a in self._args if isinstance(a, Words)]
+        for a, p, name in zip(arrays, placeholders, self._names):
+            ptr = a if type(a) is int else a.ptr if type(a) is Words else a.data.ptr
+            if ptr % p.dtype.itemsize:
+                raise ValueError(f"{name}: expected {p.dtype.itemsize}-byte words (an address "
+                                 f"aligned to {p.dtype.itemsize} bytes), got address {ptr:#x}")
+
+
+_PREPARED = []
+
+
+def prepared(factory):
+    """Decorator: ``factory(*key)`` -> :class:`Launch`, cached per key (the shapes, dtypes and
+    grid share that fix a launch). :func:`clear_prepared` empties every such cache."""
+    cached = functools.lru_cache(maxsize=1024)(factory)
+    _PREPARED.append(cached)
+    return cached
+
+
+def clear_prepared():
+    """Forget every prepared launch (tests that record what gets compiled)."""
+    for cached in _PREPARED:
+        cached.cache_clear()
 
 
 def kernel(pyfunc):

@@ -30,7 +30,8 @@ themselves (names, scale layouts, padding scales) are registered in ``mxcomm.for
 import ml_dtypes
 import numpy
 
-from .kernels import array_module, launch_1d, simulated, words  # first: decides simulator vs GPU before numba loads
+from .kernels import (Launch, Words, array_module, launch_1d, prepared,  # first: decides
+                      simulated, words)  # simulator vs GPU before numba loads
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
 from .kernels import fp8_block, fp8_colwise, fp8_rowwise
@@ -194,19 +195,24 @@ def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
         return data, scales
     if host_backend():
         return _host_quantize_fp8_rowwise(x, out=(data, scales))
-    x_words = words(x, _U64, "x", rows=True)
-    if x.dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
-        kernel, word = quantize_fp8_rowwise_bf16_kernel, _U64
+    _rowwise_quantize_launch(m, d, x.dtype, share)(stream, x, data, scales)
+    return data, scales
+
+
+@prepared
+def _rowwise_quantize_launch(m, d, dtype, share):
+    """The prepared rowwise quantize launch (``kernels.Launch``) of (m, d) ``dtype`` rows."""
+    if dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
+        kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (m, d // 8), _U64)
     else:  # units of 4 elements -> one uint32
-        kernel, word = quantize_fp8_rowwise_f32_kernel, _U32
-    data_words = words(data, word, "out data", rows=True)
+        kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (m, d // 4), _U32)
     # one warp per row, ROWS_PER_BLOCK rows per CUDA block
     threads = _WARP * ROWS_PER_BLOCK
-    kernel[_resident_launch(-(-m // ROWS_PER_BLOCK) * threads, threads,
-                            fp8_rowwise.QUANTIZE_REGISTERS, stream,
-                            share * fp8_rowwise.QUANTIZE_GRID_SHARE)](
-        x_words, data_words, words(scales, _U32, "out scales"))
-    return data, scales
+    config = _resident_launch(-(-m // ROWS_PER_BLOCK) * threads, threads,
+                              fp8_rowwise.QUANTIZE_REGISTERS, 0,
+                              share * fp8_rowwise.QUANTIZE_GRID_SHARE)
+    return Launch(kernel, config, Words(0, (m, d * dtype.itemsize // 8), _U64), data,
+                  Words(0, (m,), _U32))
 
 
 def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=None):
@@ -244,14 +250,21 @@ def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
         return out
     if host_backend():
         return _host_dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
-    data_words = words(data, _U64, "data")
-    n = data_words.size
-    kernel = dequantize_fp8_rowwise_bf16_kernel if out.dtype == bfloat16 else \
-        dequantize_fp8_rowwise_f32_kernel
-    kernel[_resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD), THREADS_PER_BLOCK,
-                            fp8_rowwise.DEQUANTIZE_REGISTERS, stream, share)](
-        data_words, words(scales, _U32, "scales"), words(out, _U64, "out"), data.shape[1] // 8)
+    m, d = data.shape
+    _rowwise_dequantize_launch(m, d, out.dtype, share)(stream, data, scales, out)
     return out
+
+
+@prepared
+def _rowwise_dequantize_launch(m, d, dtype, share):
+    """The prepared rowwise dequantize launch of (m, d) rows into ``dtype``."""
+    n = m * d // 8
+    kernel = dequantize_fp8_rowwise_bf16_kernel if dtype == bfloat16 else \
+        dequantize_fp8_rowwise_f32_kernel
+    config = _resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD), THREADS_PER_BLOCK,
+                              fp8_rowwise.DEQUANTIZE_REGISTERS, 0, share)
+    return Launch(kernel, config, Words(0, (n,), _U64), Words(0, (m,), _U32),
+                  Words(0, (n * dtype.itemsize,), _U64), d // 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,15 +314,23 @@ def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0)
         return data, scales
     if host_backend():
         return _host_quantize_fp8_block128(x, scale_mode, out=(data, scales))
-    if x.dtype == bfloat16:
+    m, d = x.shape
+    _block_quantize_launch(m * d, x.dtype, scale_mode == "pow2", share)(stream, x, data, scales)
+    return data, scales
+
+
+@prepared
+def _block_quantize_launch(n, dtype, pow2, share):
+    """The prepared block128 quantize launch of ``n`` elements of ``dtype``."""
+    if dtype == bfloat16:
         kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
     else:
         kernel, registers = quantize_fp8_block128_f32_kernel, fp8_block.QUANTIZE_F32_REGISTERS
-    data_words = words(data, _U64, "out data")
-    n_threads = -(-data_words.size // UNITS_PER_THREAD)  # units of 8 elements
-    kernel[_resident_launch(n_threads, THREADS_PER_BLOCK, registers, stream, share)](
-        words(x, _U64, "x"), data_words, words(scales, _U32, "out scales"), scale_mode == "pow2")
-    return data, scales
+    data = Words(0, (n // 8,), _U64)
+    n_threads = -(-data.size // UNITS_PER_THREAD)  # units of 8 elements
+    config = _resident_launch(n_threads, THREADS_PER_BLOCK, registers, 0, share)
+    return Launch(kernel, config, Words(0, (n * dtype.itemsize // 8,), _U64), data,
+                  Words(0, (n // FP8_BLOCK,), _U32), pow2)
 
 
 def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=None):
@@ -346,14 +367,22 @@ def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
         return out
     if host_backend():
         return _host_dequantize_fp8_block128(data, scales, out.dtype, out=out)
-    data_words = words(data, _U64, "data")
-    n_threads = -(-data_words.size // WORDS_PER_THREAD)
-    kernel = dequantize_fp8_block128_bf16_kernel if out.dtype == bfloat16 else \
-        dequantize_fp8_block128_f32_kernel
-    kernel[_resident_launch(n_threads, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, stream,
-                            share)](
-        data_words, words(scales, _U32, "scales"), words(out, _U64, "out"))
+    m, d = out.shape
+    _block_dequantize_launch(m * d, out.dtype, share)(stream, data, scales, out)
     return out
+
+
+@prepared
+def _block_dequantize_launch(n, dtype, share):
+    """The prepared block128 dequantize launch of ``n`` elements into ``dtype``."""
+    data = Words(0, (n // 8,), _U64)
+    n_threads = -(-data.size // WORDS_PER_THREAD)
+    kernel = dequantize_fp8_block128_bf16_kernel if dtype == bfloat16 else \
+        dequantize_fp8_block128_f32_kernel
+    config = _resident_launch(n_threads, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, 0,
+                              share)
+    return Launch(kernel, config, data, Words(0, (n // FP8_BLOCK,), _U32),
+                  Words(0, (n * dtype.itemsize // 8,), _U64))
 
 
 # ---------------------------------------------------------------------------------------------

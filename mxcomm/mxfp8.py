@@ -11,7 +11,7 @@ GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with 
 
 import numpy
 
-from .kernels import array_module, launch_1d, words  # first: sets up the simulator before numba loads
+from .kernels import Launch, Words, array_module, launch_1d, prepared  # first: sets up the simulator before numba loads
 from . import _host
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
@@ -114,19 +114,25 @@ def launch_quantize(x, out, scale_mode, stream, share=1.0):
     if host_backend():
         _host.quantize_mxfp8(x, out.data, out.scales, scale_mode == "rceil")
         return out
-    x_words = words(x, _U64, "x")
-    # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
-    if x.dtype == bfloat16:
-        kernel = quantize_mxfp8_bf16_kernel
-        data_words = words(out.data, _U64, "out.data")
-        n_threads = -(-data_words.size // PAIRS_PER_THREAD)
-    else:
-        kernel = quantize_mxfp8_f32_kernel
-        data_words = words(out.data, _U16, "out.data")
-        n_threads = -(-x_words.size // WORDS_PER_THREAD)
-    kernel[launch_1d(n_threads, stream, share=share)](
-        x_words, data_words, words(out.scales, _U8, "out.scales"), scale_mode == "rceil")
+    m, d = x.shape
+    _quantize_launch(m * d, x.dtype, scale_mode == "rceil", share)(stream, x, out.data,
+                                                                   out.scales)
     return out
+
+
+@prepared
+def _quantize_launch(n, dtype, rceil, share):
+    """The prepared quantize launch (``kernels.Launch``) of ``n`` elements of ``dtype``."""
+    x = Words(0, (n * dtype.itemsize // 8,), _U64)
+    scales = Words(0, (n // MX_BLOCK,), _U8)
+    # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
+    if dtype == bfloat16:
+        kernel, data = quantize_mxfp8_bf16_kernel, Words(0, (n // 8,), _U64)
+        n_threads = -(-data.size // PAIRS_PER_THREAD)
+    else:
+        kernel, data = quantize_mxfp8_f32_kernel, Words(0, (n // 2,), _U16)
+        n_threads = -(-x.size // WORDS_PER_THREAD)
+    return Launch(kernel, launch_1d(n_threads, share=share), x, data, scales, rceil)
 
 
 def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
@@ -179,9 +185,16 @@ def launch_dequantize(mx, out, stream, share=1.0):
     if host_backend():
         _host.dequantize_mxfp8(mx.data, mx.scales, out)
         return out
-    data_words = words(mx.data, _U64, "mx.data")
-    kernel = dequantize_mxfp8_bf16_kernel if out.dtype == bfloat16 else dequantize_mxfp8_f32_kernel
-    n_threads = -(-data_words.size // WORDS_PER_THREAD)
-    kernel[launch_1d(n_threads, stream, share=share)](
-        data_words, words(mx.scales, _U8, "mx.scales"), words(out, _U64, "out"))
+    m, d = out.shape
+    _dequantize_launch(m * d, out.dtype, share)(stream, mx.data, mx.scales, out)
     return out
+
+
+@prepared
+def _dequantize_launch(n, dtype, share):
+    """The prepared dequantize launch of ``n`` elements into ``dtype``."""
+    kernel = dequantize_mxfp8_bf16_kernel if dtype == bfloat16 else dequantize_mxfp8_f32_kernel
+    data = Words(0, (n // 8,), _U64)
+    n_threads = -(-data.size // WORDS_PER_THREAD)
+    return Launch(kernel, launch_1d(n_threads, share=share), data,
+                  Words(0, (n // MX_BLOCK,), _U8), Words(0, (n * dtype.itemsize // 8,), _U64))

@@ -26,7 +26,7 @@ import contextlib
 
 import numpy
 
-from .kernels import address, array_module, launch_1d, simulated  # first: sets up the simulator before numba loads
+from .kernels import Launch, Words, address, array_module, launch_1d, prepared, simulated  # first: sets up the simulator before numba loads
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
                               scatter_rows_kernel)
@@ -68,16 +68,13 @@ def _rows(x, name):
     return [x], None
 
 
-def _as_words(arrays):
-    """The (rows, D...) arrays ``arrays`` (same row size) as 2-D (rows, words) views in the widest
-    word of 8/4/2/1 bytes dividing the row and every address (so src and dst rows match)."""
-    first = arrays[0]
-    row_bytes = first.dtype.itemsize * int(numpy.prod(first.shape[1:], dtype=numpy.int64))
-    addrs = [address(a) for a in arrays if a.size]
+def _word(row_bytes, arrays):
+    """The widest word of 8/4/2/1 bytes dividing ``row_bytes`` and every address of ``arrays``
+    (so source and destination rows match word for word)."""
     for word in _WORDS:
-        if row_bytes % word.itemsize == 0 and all(addr % word.itemsize == 0 for addr in addrs):
-            return [a.reshape(-1).view(word).reshape(a.shape[0], row_bytes // word.itemsize)
-                    for a in arrays]
+        if row_bytes % word.itemsize == 0 and all(address(a) % word.itemsize == 0
+                                                 for a in arrays if a.size):
+            return word
     raise AssertionError("unreachable: a uint8 word divides every row")
 
 
@@ -99,18 +96,34 @@ def _move_rows(kernel, indices, srcs, dsts, stream):
         move = _host.gather_rows if kernel is gather_rows_kernel else _host.scatter_rows
         move(indices, srcs, dsts)
         return
-    # A missing second pair is an empty one (never an alias of the first: the simulator copies
-    # every argument in and back out).
-    pairs = [_as_words([s, d]) for s, d in zip(srcs, dsts)]
-    if len(pairs) == 1:
-        empty = array_module().empty((0, 0), dtype=pairs[0][0].dtype)
-        pairs.append((empty, empty[:]))
-    (s0, d0), (s1, d1) = pairs
     p = indices.shape[0]
-    if p == 0 or (d0.shape[1] == 0 and d1.shape[1] == 0):
+    shapes, arrays = [], [indices]
+    for src, dst in zip(srcs, dsts):
+        if src.ndim != 2:  # rows of any shape move as rows of bytes
+            width = int(numpy.prod(src.shape[1:]))
+            src, dst = src.reshape(src.shape[0], width), dst.reshape(dst.shape[0], width)
+        row_bytes = dst.shape[1] * dst.itemsize
+        word = _word(row_bytes, (src, dst))
+        shapes.append((src.shape[0], dst.shape[0], row_bytes // word.itemsize, word))
+        arrays += (src, dst)
+    if len(shapes) == 1:  # a missing second pair is an empty one (never an alias of the first:
+        shapes.append((0, 0, 0, _WORDS[0]))  # the simulator copies every argument in and out)
+        arrays += (0, 0) if not simulated() else \
+            tuple(numpy.empty((0, 0), _WORDS[0]) for _ in range(2))
+    if p == 0 or (shapes[0][2] == 0 and shapes[1][2] == 0):
         return
-    threads = _row_threads(max(d0.shape[1], d1.shape[1]))
-    kernel[launch_1d(p * threads, stream_ptr(stream), threads=threads)](indices, s0, d0, s1, d1)
+    _move_launch(kernel, p, tuple(shapes))(stream_ptr(stream), *arrays)
+
+
+@prepared
+def _move_launch(kernel, p, shapes):
+    """The prepared launch of the gather or scatter ``kernel`` for ``p`` indices and two
+    ``(source rows, destination rows, words per row, word)`` pairs."""
+    args = [Words(0, (p,), numpy.dtype(numpy.int32))]
+    for src_rows, dst_rows, words, word in shapes:
+        args += (Words(0, (src_rows, words), word), Words(0, (dst_rows, words), word))
+    threads = _row_threads(max(shapes[0][2], shapes[1][2]))
+    return Launch(kernel, launch_1d(p * threads, threads=threads), *args)
 
 
 def _on_stream(stream):
@@ -129,6 +142,8 @@ def _check_indices(permuted_indices, rows, name):
         raise TypeError(f"permuted_indices: expected dtype int32, got {idx.dtype}")
     if idx.ndim != 1:
         raise ValueError(f"permuted_indices: expected a 1-D array, got shape {tuple(idx.shape)}")
+    if not idx.flags.c_contiguous:  # the kernels take contiguous indices
+        idx = idx.copy()
     if rows is not None and idx.shape[0] != rows:
         raise ValueError(f"permuted_indices: expected length {rows} (the rows of {name}), "
                          f"got {idx.shape[0]}")

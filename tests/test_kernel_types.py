@@ -4,8 +4,8 @@ gives it.
 The simulator runs the kernels as Python, so it accepts code numba's CUDA target rejects (e.g. a
 shared array whose shape is not a compile-time constant): such a kernel passes every CPU test and
 fails on its first GPU launch. Here the public functions run in the simulator once per kernel
-with a recorder on :class:`mxcomm.kernels.Kernel` (the numba types ``_argument_type`` gives, which
-are what a GPU launch compiles), and a child process with the simulator off types each signature
+with a recorder on :class:`mxcomm.kernels.Kernel` and :class:`mxcomm.kernels.Launch` (the numba
+types ``_argument_type`` gives, which are what a GPU launch compiles), and a child process with the simulator off types each signature
 for sm_90 and lowers it to LLVM IR, its device functions included (tests/kernel_types_check.py).
 No GPU needed. Where the CUDA compiler wheels are installed (nvidia-cuda-nvcc-cu12 and
 nvidia-cuda-nvrtc-cu12; .ci/run installs them) it also compiles each to PTX and reads ptxas's
@@ -112,7 +112,16 @@ def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, t
             return run(*args)
         return call
 
+    prepare = _launch.Launch.__init__
+
+    def preparing(self, kernel, config, *args):  # a prepared launch compiles its placeholders
+        specs = [_spec(_launch._argument_type(a)) for a in args]
+        seen.setdefault((kernel, json.dumps(specs)), specs)
+        prepare(self, kernel, config, *args)
+
     monkeypatch.setattr(_launch.Kernel, "__getitem__", recording)
+    monkeypatch.setattr(_launch.Launch, "__init__", preparing)
+    _launch.clear_prepared()  # launches prepared by earlier tests would not be seen
     with use_backend("simulator") as xp:
         _exercise(xp, rng)
     kernels = _all_kernels()
