@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 sweep1
-#         colwise1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         colwise1 ncu1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -32,7 +32,9 @@ step() {  # step NAME SECONDS COMMAND...
     tar -czf "$OUT/results.tar.gz" -C "$res" . 2>/dev/null
 }
 
-{ nvidia-smi -L; python3 -c "import torch, cupy, numba_cuda, numpy; from cupy.cuda import nccl; \
+{ nvidia-smi -L; uname -r; python3 -c "import importlib.util as u, cupy; \
+print('cuda.bindings', u.find_spec('cuda.bindings') is not None, 'cupy memcpyBatchAsync', \
+hasattr(cupy.cuda.runtime, 'memcpyBatchAsync'))"; python3 -c "import torch, cupy, numba_cuda, numpy; from cupy.cuda import nccl; \
 print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba-cuda', numba_cuda.__version__, \
 'numpy', numpy.__version__, 'nccl', nccl.get_version())"; } 2>&1 | tee -a "$log"
 
@@ -53,14 +55,14 @@ for phase in "$@"; do
             tests/test_layout.py tests/test_comm.py ;;
     host2on1)  # the host probe of the MXFP8 calls with two ranks on ONE GPU (as pull2on1; host
         # times are real, device times are not: the two processes time-slice the GPU)
-        # AB_OLD set (a tree that has nccl_init): its probe and this tree's, alternating, twice
+        # AB_OLD set (a tree that has nccl_init): this probe on it and on this tree, alternating, twice
         for round in 1 2; do
             if [ -n "${AB_OLD:-}" ]; then
                 importable "$AB_OLD"
                 step "host path pieces, 2 ranks on 1 GPU (MXFP8 calls), OLD tree $AB_OLD (round $round)" 150 \
                     env MXCOMM_NCCL_INIT=lazy PROBE_CASES=mxfp8 PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" \
                     "${mpirun_env[@]}" -x MXCOMM_NCCL_INIT -x PROBE_CASES -n 2 \
-                    python3 "$AB_OLD/bench/probe_host.py" 4096 7168 ${AB_CALLS:-300}
+                    python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300}
             fi
             step "host path pieces, 2 ranks on 1 GPU (MXFP8 calls), this tree (round $round)" 150 \
                 env MXCOMM_NCCL_INIT=lazy PROBE_CASES=mxfp8 "${mpirun_env[@]}" -x MXCOMM_NCCL_INIT \
@@ -95,6 +97,12 @@ for phase in "$@"; do
         --json "$res/pipeline_fp8_w1.json" --markdown "$res/pipeline_fp8_w1.md" ;;
     sweep1) step "rowwise quantize grid share sweep" 120 python3 bench/sweep_rowwise.py ;;
     colwise1) step "fp8 wgrad conversion kernels, each alone" 120 python3 bench/probe_colwise.py ;;
+    ncu1)  # Nsight Compute on the fp8 wgrad conversion kernels (clocks left alone), one launch each
+        step "Nsight Compute, fp8 wgrad conversion kernels" 300 ncu --clock-control none \
+            -k regex:group_colwise --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+            --section SchedulerStats --section WarpStateStats --section SourceCounters \
+            python3 bench/probe_colwise.py --once ;;
     host1) step "host path pieces, 1 rank" 180 "${mpirun_env[@]}" -n 1 python3 bench/probe_host.py ;;
     host2) step "host path pieces, 2 ranks" 180 "${mpirun_env[@]}" -n 2 python3 bench/probe_host.py ;;
     hostab1)  # the host probe of the tree at $AB_OLD (a source tree, e.g. git archive) and of this
@@ -103,7 +111,7 @@ for phase in "$@"; do
         for round in 1 2; do
             step "host path pieces, 1 rank, OLD tree $AB_OLD (round $round)" 120 env PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" \
                 MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}" \
-                "${mpirun_env[@]}" -n 1 python3 "$AB_OLD/bench/probe_host.py" 4096 7168 ${AB_CALLS:-300}
+                "${mpirun_env[@]}" -n 1 python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300}
             step "host path pieces, 1 rank, this tree (round $round)" 120 "${mpirun_env[@]}" -n 1 \
                 python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300}
         done ;;

@@ -2,10 +2,12 @@
 scales pass and the encode pass, on permuted fp8 rowwise rows of 8 groups at 131072 x 7168 and
 131072 x 2048 (the fp8 wgrad's two operands in the pipeline benchmark's shapes). Median ms of 20
 after 5 warm-up (CUDA events, back to back) and GB/s of the bytes each pass must touch.
-``python bench/probe_colwise.py``; bench/NOTES.md says what it found.
+``python bench/probe_colwise.py``; bench/NOTES.md says what it found. ``--once``: each pass
+once, untimed (for a profiler: ``bench/gpu_run.sh ncu1``).
 """
 
 import statistics
+import sys
 
 import cupy
 import numpy
@@ -28,7 +30,7 @@ def median_ms(fn, iters=20, warmup=5):
     return statistics.median(times)
 
 
-def probe(p, d, groups=8):
+def probe(p, d, groups=8, once=False):
     rng = numpy.random.default_rng(0)
     sizes = rng.multinomial(p - 32 * groups, numpy.ones(groups) / groups)  # padded: <= p
     ends = cupy.asarray(numpy.cumsum(-(-sizes // 32) * 32).astype(numpy.int32))
@@ -55,14 +57,20 @@ def probe(p, d, groups=8):
          p * d + p * 4 + d * t),
     ]
     for name, fn, nbytes in cases:
+        if once:
+            fn()
+            cupy.cuda.runtime.deviceSynchronize()
+            continue
         ms = median_ms(fn)
         print(f"| {p}x{d} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")
 
 
 def main():
-    print("| rows x D | pass | ms | GB/s |\n| --- | --- | --- | --- |")
+    once = "--once" in sys.argv[1:]
+    if not once:
+        print("| rows x D | pass | ms | GB/s |\n| --- | --- | --- | --- |")
     for p, d in ((131072, 7168), (131072, 2048)):
-        probe(p, d)
+        probe(p, d, once=once)
 
 
 if __name__ == "__main__":

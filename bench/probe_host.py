@@ -83,6 +83,20 @@ def host_us(fn, n):
     return statistics.median(times)
 
 
+def single_us(fn, n=100):
+    """Host us of one call enqueued on an idle device (after a sync and a barrier), median of
+    ``n``: the host cost where back-to-back calls are held up by the device (two ranks
+    time-slicing one GPU)."""
+    times = []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    sync()
+    return statistics.median(times)
+
+
 def python_calls(fn, n=20):
     """Python-level and C-level calls per call (sys.setprofile)."""
     tally = collections.Counter()
@@ -164,6 +178,7 @@ for label, fn in cases.items():
     for _ in range(20):
         fn()
     plain = host_us(fn, calls)
+    single = single_us(fn)
     py, c = python_calls(fn)
     undo = instrument()
     totals.clear()
@@ -177,7 +192,8 @@ for label, fn in cases.items():
     for owner, name, fn0 in undo:
         setattr(owner, name, fn0)
     out(f"\n=== {label}: {plain:.1f} us per call (plain), {instrumented:.1f} instrumented; "
-        f"{py:.0f} Python calls + {c:.0f} C calls per call")
+        f"{py:.0f} Python calls + {c:.0f} C calls per call; {single:.1f} us alone on an idle "
+        f"device")
     for piece, ns in sorted(totals.items(), key=lambda kv: -kv[1]):
         out(f"  {piece:45s} {ns / calls / 1e3:8.2f} us/call  {entries[piece] / calls:5.1f} x")
 
@@ -217,6 +233,8 @@ prims = {
     "runtime.streamIsCapturing": lambda: rt.streamIsCapturing(stream.ptr),
     "runtime.memcpyAsync 256 B": lambda: rt.memcpyAsync(mem.ptr, mem.ptr + 4096, 256, 4,
                                                         stream.ptr),
+    "runtime.memcpyAsync 256 B, device to device": lambda: rt.memcpyAsync(
+        mem.ptr, mem.ptr + 4096, 256, 3, stream.ptr),
     "cupy.cuda.get_current_stream()": cupy.cuda.get_current_stream,
     "torch.cuda.current_stream()": torch.cuda.current_stream,
     "cupy.from_dlpack(torch tensor)": lambda: cupy.from_dlpack(t),
