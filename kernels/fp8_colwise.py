@@ -66,6 +66,10 @@ TILE_POSITIONS = 64
 TILE_WORDS = 32
 #: Data words each thread of the encode kernel loads at a time (all in flight first).
 ENCODE_LOADS = 8
+#: Registers per thread ptxas gives the amax and encode kernels on sm_90 (tests/test_kernel_types.py
+#: checks them): their persistent grids are sized to the blocks that stay resident at these.
+AMAX_REGISTERS = 48
+ENCODE_REGISTERS = 72
 #: Groups start at multiples of this many positions (the GEMM's rule for fp8: 16 bytes).
 GROUP_ALIGN = 16
 #: Clamp of the rescale exponent r_p - s (module docstring).
