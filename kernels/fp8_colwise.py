@@ -50,7 +50,7 @@ Three kernels, grid-stride:
      position-contiguous (coalesced).
 """
 
-from numba import cuda, int32, uint8, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from ._fp8 import E4M3_NAN, F32_INF, F32_MANT_1_75, F32_NAN, cvt_e4m3x2, bits_from_f32, \
     f32_from_bits, f32_from_e4m3
@@ -64,19 +64,22 @@ AMAX_COLUMNS = 8
 #: Token positions and data words (4 columns each) of one tile of the encode kernel.
 TILE_POSITIONS = 64
 TILE_WORDS = 32
-#: Data words each thread of the encode kernel loads at a time (all in flight first).
-ENCODE_LOADS = 8
+#: Position quads (4 consecutive positions, one output word per column) each thread of the encode
+#: kernel takes at a time: ENCODE_LOADS data words, all loaded first.
+ENCODE_QUADS = 2
+ENCODE_LOADS = 4 * ENCODE_QUADS
 #: Registers per thread ptxas gives the amax and encode kernels on sm_90 (tests/test_kernel_types.py
 #: checks them): their persistent grids are sized to the blocks that stay resident at these.
 AMAX_REGISTERS = 48
-ENCODE_REGISTERS = 72
+ENCODE_REGISTERS = 80
 #: Groups start at multiples of this many positions (the GEMM's rule for fp8: 16 bytes).
 GROUP_ALIGN = 16
 #: Clamp of the rescale exponent r_p - s (module docstring).
 RESCALE_EXP_MIN = -32
 RESCALE_EXP_MAX = 18
-#: Shared tile of the encode kernel: 4 * TILE_WORDS columns x TILE_POSITIONS positions (+1 pad).
-_TILE_SHAPE = (4 * TILE_WORDS, TILE_POSITIONS + 1)
+#: Shared tile of the encode kernel: 4 * TILE_WORDS columns x TILE_POSITIONS / 4 words (4
+#: positions each), swizzled.
+_TILE_OUT_WORDS = 4 * TILE_WORDS * (TILE_POSITIONS // 4)
 _KEY_SHIFT = 2.0 ** -8   # keys are |v| * 2^-8: finite for e4m3 (<= 448) times scales <= 2^127
 _ABS = 0x7FFFFFFF
 
@@ -225,15 +228,30 @@ def group_colwise_scales_kernel(keys, group_ends, aligned_ends):
 
 
 @cuda.jit(device=True)
-def rescale_byte(b, row_exp, scale_bits):
+def column_exp(bits):
+    """The biased exponent (1..254) of a column scale with fp32 bits ``bits`` (uint32), or -1 for
+    a NaN column."""
+    if (bits & uint32(_ABS)) >= uint32(F32_INF):
+        return int32(-1)
+    return int32(bits >> uint32(23))
+
+
+@cuda.jit(device=True)
+def rescale_byte(b, row_exp, col_exp):
     """The e4m3 byte ``b`` (uint32) of a row with biased scale exponent ``row_exp``, rescaled to
-    the column scale with bits ``scale_bits``: RNE_e4m3(e4m3 * 2^(row_exp - s)), as f32 (the
-    caller converts pairs); NaN for a NaN column."""
-    if (scale_bits & uint32(_ABS)) >= uint32(F32_INF):
+    the column scale of biased exponent ``col_exp`` (:func:`column_exp`): e4m3 * 2^(row_exp -
+    s), exact in f32 (the caller rounds pairs to e4m3); NaN for a NaN column (-1)."""
+    if col_exp < 0:
         return f32_from_bits(uint32(F32_NAN))
-    k = min(max(int32(row_exp) - int32(scale_bits >> uint32(23)), int32(RESCALE_EXP_MIN)),
-            int32(RESCALE_EXP_MAX))
+    k = min(max(row_exp - col_exp, int32(RESCALE_EXP_MIN)), int32(RESCALE_EXP_MAX))
     return f32_from_e4m3(b) * f32_from_bits(uint32(127 + k) << uint32(23))
+
+
+@cuda.jit(device=True)
+def load_column_exps(scale_bits, g, w, exps):
+    """``exps[0..3]``: the column exponents of group ``g``'s columns 4w..4w+3."""
+    for c in range(4):
+        exps[c] = column_exp(scale_bits[g, 4 * w + c])
 
 
 @kernel
@@ -248,18 +266,27 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         out_words: (D, T // 4) uint32, e4m3 bits, 4 token positions per word. Written (every
             word).
     Launch: launch_1d(tiles * THREADS_PER_BLOCK) with tiles = ceil(T / TILE_POSITIONS) *
-        ceil(D / 4 / TILE_WORDS): one tile at a time per CUDA block, grid-stride over tiles. In a
-        tile, each thread loads ENCODE_LOADS words first (with 256 threads: one word column,
-        every 8th position), keeps its columns' scales while the group stays the same, and
-        stores position-contiguous words through the shared tile.
+        ceil(D / 4 / TILE_WORDS), blockDim.x one of 32, 64, 128, 256: one tile at a time per
+        CUDA block, grid-stride over tiles. In a tile, lane j of each warp takes data word
+        w0 + j (4 columns) of the rows of position quads (4 consecutive positions): it loads
+        the 4 rows of two quads first (ENCODE_LOADS words in flight, coalesced across the warp),
+        rescales each byte with its column's exponent (kept while the group stays), rounds the
+        same column of two positions with one conversion, and so holds, per quad, one output
+        word per column (4 positions) to store into the shared tile; the tile's words then go out
+        position-contiguous (coalesced). The shared tile is swizzled (word (c, k) at
+        16 c + (k + c / 4) mod 16): at most 2-way bank conflicts on either side.
     """
-    tile = cuda.shared.array(_TILE_SHAPE, uint8)  # the +1 position: no bank conflicts
+    tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     source = cuda.shared.array(TILE_POSITIONS, int32)   # row of each position, -1 for padding
     group = cuda.shared.array(TILE_POSITIONS, int32)
     row_exp = cuda.shared.array(TILE_POSITIONS, int32)
     loaded = cuda.local.array(ENCODE_LOADS, uint32)
+    exps = cuda.local.array(4, int32)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
+    lane = tid % TILE_WORDS
+    slot = tid // TILE_WORDS
+    slots = nthreads // TILE_WORDS
     words = data_words.shape[1]
     n_rows = data_words.shape[0]
     d = 4 * words
@@ -267,7 +294,6 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
     n_groups = group_ends.shape[0]
     tiles_w = -(-words // TILE_WORDS)
     tiles = -(-positions // TILE_POSITIONS) * tiles_w
-    items = TILE_POSITIONS * TILE_WORDS
     for t in range(cuda.blockIdx.x, tiles, cuda.gridDim.x):
         q0 = (t // tiles_w) * TILE_POSITIONS
         w0 = (t % tiles_w) * TILE_WORDS
@@ -291,60 +317,55 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
             group[i] = g
             row_exp[i] = int32((row_scales[src] >> uint32(23)) & uint32(0xFF)) if src >= 0 else 0
         cuda.syncthreads()
+        w = w0 + lane
         cached_g = -1
-        cached_w = -1
-        s0 = s1 = s2 = s3 = uint32(0)
-        for base in range(tid, items, nthreads * ENCODE_LOADS):  # load, rescale, transpose
-            for u in range(ENCODE_LOADS):  # all loads first
-                i = base + u * nthreads
-                loaded[u] = uint32(0)
-                if i < items:
-                    r = i // TILE_WORDS
-                    w = w0 + (i - r * TILE_WORDS)
-                    src = source[r]
-                    if src >= 0 and w < words:
-                        loaded[u] = data_words[src, w]
-            for u in range(ENCODE_LOADS):
-                i = base + u * nthreads
-                if i < items:
-                    r = i // TILE_WORDS
-                    j = i - r * TILE_WORDS
-                    w = w0 + j
-                    b0 = b1 = b2 = b3 = uint32(0)
-                    if source[r] >= 0 and w < words:
-                        g = group[r]
-                        if g != cached_g or w != cached_w:
-                            cached_g = g
-                            cached_w = w
-                            s0 = scale_bits[g, 4 * w]
-                            s1 = scale_bits[g, 4 * w + 1]
-                            s2 = scale_bits[g, 4 * w + 2]
-                            s3 = scale_bits[g, 4 * w + 3]
-                        e = row_exp[r]
-                        word = loaded[u]
-                        lo = uint32(cvt_e4m3x2(
-                            rescale_byte((word >> uint32(8)) & uint32(0xFF), e, s1),
-                            rescale_byte(word & uint32(0xFF), e, s0)))
-                        hi = uint32(cvt_e4m3x2(rescale_byte(word >> uint32(24), e, s3),
-                                               rescale_byte((word >> uint32(16)) & uint32(0xFF),
-                                                            e, s2)))
-                        b0 = lo & uint32(0xFF)
-                        b1 = lo >> uint32(8)
-                        b2 = hi & uint32(0xFF)
-                        b3 = hi >> uint32(8)
-                    tile[4 * j, r] = b0
-                    tile[4 * j + 1, r] = b1
-                    tile[4 * j + 2, r] = b2
-                    tile[4 * j + 3, r] = b3
+        for quad0 in range(slot, TILE_POSITIONS // 4, ENCODE_QUADS * slots):
+            for u in range(ENCODE_LOADS):  # all loads first: the 4 rows of each quad
+                r = 4 * (quad0 + (u // 4) * slots) + u % 4
+                src = source[r]
+                loaded[u] = data_words[src, w] if src >= 0 and w < words else uint32(0)
+            for qi in range(ENCODE_QUADS):
+                quad = quad0 + qi * slots
+                out0 = out1 = out2 = out3 = uint32(0)
+                for half in range(2):  # positions (0, 1), then (2, 3) of the quad
+                    ra = 4 * quad + 2 * half
+                    fa0 = fa1 = fa2 = fa3 = fb0 = fb1 = fb2 = fb3 = float32(0)
+                    if source[ra] >= 0 and w < words:
+                        if group[ra] != cached_g:
+                            cached_g = group[ra]
+                            load_column_exps(scale_bits, cached_g, w, exps)
+                        e = row_exp[ra]
+                        v = loaded[4 * qi + 2 * half]
+                        fa0 = rescale_byte(v & uint32(0xFF), e, exps[0])
+                        fa1 = rescale_byte((v >> uint32(8)) & uint32(0xFF), e, exps[1])
+                        fa2 = rescale_byte((v >> uint32(16)) & uint32(0xFF), e, exps[2])
+                        fa3 = rescale_byte(v >> uint32(24), e, exps[3])
+                    if source[ra + 1] >= 0 and w < words:
+                        if group[ra + 1] != cached_g:
+                            cached_g = group[ra + 1]
+                            load_column_exps(scale_bits, cached_g, w, exps)
+                        e = row_exp[ra + 1]
+                        v = loaded[4 * qi + 2 * half + 1]
+                        fb0 = rescale_byte(v & uint32(0xFF), e, exps[0])
+                        fb1 = rescale_byte((v >> uint32(8)) & uint32(0xFF), e, exps[1])
+                        fb2 = rescale_byte((v >> uint32(16)) & uint32(0xFF), e, exps[2])
+                        fb3 = rescale_byte(v >> uint32(24), e, exps[3])
+                    at = uint32(16 * half)  # the pair's two bytes: positions 2 half, 2 half + 1
+                    out0 |= uint32(cvt_e4m3x2(fb0, fa0)) << at
+                    out1 |= uint32(cvt_e4m3x2(fb1, fa1)) << at
+                    out2 |= uint32(cvt_e4m3x2(fb2, fa2)) << at
+                    out3 |= uint32(cvt_e4m3x2(fb3, fa3)) << at
+                at = 16 * 4 * lane + (quad + lane) % 16  # swizzled (column 4 lane, quad)
+                tile[at] = out0
+                tile[at + 16] = out1
+                tile[at + 32] = out2
+                tile[at + 48] = out3
         cuda.syncthreads()
-        for i in range(tid, 4 * TILE_WORDS * (TILE_POSITIONS // 4), nthreads):  # store
-            c = i // (TILE_POSITIONS // 4)
-            k = i - c * (TILE_POSITIONS // 4)
+        for i in range(tid, _TILE_OUT_WORDS, nthreads):  # store, position-contiguous
+            c = i // 16
+            k = i % 16
             col = 4 * w0 + c
             q = q0 + 4 * k
             if col < d and q < positions:
-                out_words[col, q // 4] = (uint32(tile[c, 4 * k])
-                                          | (uint32(tile[c, 4 * k + 1]) << uint32(8))
-                                          | (uint32(tile[c, 4 * k + 2]) << uint32(16))
-                                          | (uint32(tile[c, 4 * k + 3]) << uint32(24)))
+                out_words[col, q // 4] = tile[16 * c + (k + c // 4) % 16]
         cuda.syncthreads()
