@@ -77,6 +77,7 @@ GROUP_ALIGN = 16
 #: Clamp of the rescale exponent r_p - s (module docstring).
 RESCALE_EXP_MIN = -32
 RESCALE_EXP_MAX = 18
+_RESCALE_CAP = float32(2.0 ** RESCALE_EXP_MAX)
 #: Shared tile of the encode kernel: 4 * TILE_WORDS columns x TILE_POSITIONS / 4 words (4
 #: positions each), swizzled.
 _TILE_OUT_WORDS = 4 * TILE_WORDS * (TILE_POSITIONS // 4)
@@ -228,30 +229,21 @@ def group_colwise_scales_kernel(keys, group_ends, aligned_ends):
 
 
 @cuda.jit(device=True)
-def column_exp(bits):
-    """The biased exponent (1..254) of a column scale with fp32 bits ``bits`` (uint32), or -1 for
-    a NaN column."""
-    if (bits & uint32(_ABS)) >= uint32(F32_INF):
-        return int32(-1)
-    return int32(bits >> uint32(23))
-
-
-@cuda.jit(device=True)
-def rescale_byte(b, row_exp, col_exp):
-    """The e4m3 byte ``b`` (uint32) of a row with biased scale exponent ``row_exp``, rescaled to
-    the column scale of biased exponent ``col_exp`` (:func:`column_exp`): e4m3 * 2^(row_exp -
-    s), exact in f32 (the caller rounds pairs to e4m3); NaN for a NaN column (-1)."""
-    if col_exp < 0:
-        return f32_from_bits(uint32(F32_NAN))
-    k = min(max(row_exp - col_exp, int32(RESCALE_EXP_MIN)), int32(RESCALE_EXP_MAX))
-    return f32_from_e4m3(b) * f32_from_bits(uint32(127 + k) << uint32(23))
-
-
-@cuda.jit(device=True)
-def load_column_exps(scale_bits, g, w, exps):
-    """``exps[0..3]``: the column exponents of group ``g``'s columns 4w..4w+3."""
+def load_inverse_scales(scale_bits, g, w, inverse):
+    """``inverse[0..3]``: 1 / scale of group ``g``'s columns 4w..4w+3 (exact: powers of two; NaN
+    for a NaN column)."""
     for c in range(4):
-        exps[c] = column_exp(scale_bits[g, 4 * w + c])
+        inverse[c] = float32(1.0) / f32_from_bits(scale_bits[g, 4 * w + c])
+
+
+@cuda.jit(device=True)
+def rescale_factor(row_scale, inverse):
+    """2^(r_p - s) as f32: the row scale times the column's inverse scale, capped at
+    2^RESCALE_EXP_MAX; NaN stays NaN. Exact where the module docstring's clamp leaves the
+    exponent alone; below 2^RESCALE_EXP_MIN it may differ from the clamped factor (down to 0),
+    but every e4m3 value times either rounds to the same signed zero."""
+    f = row_scale * inverse
+    return f if not f > _RESCALE_CAP else _RESCALE_CAP
 
 
 @kernel
@@ -270,7 +262,8 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         CUDA block, grid-stride over tiles. In a tile, lane j of each warp takes data word
         w0 + j (4 columns) of the rows of position quads (4 consecutive positions): it loads
         the 4 rows of two quads first (ENCODE_LOADS words in flight, coalesced across the warp),
-        rescales each byte with its column's exponent (kept while the group stays), rounds the
+        rescales each byte by its row scale times its column's inverse scale (kept while the
+        group stays), rounds the
         same column of two positions with one conversion, and so holds, per quad, one output
         word per column (4 positions) to store into the shared tile; the tile's words then go out
         position-contiguous (coalesced). The shared tile is swizzled (word (c, k) at
@@ -279,9 +272,9 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     source = cuda.shared.array(TILE_POSITIONS, int32)   # row of each position, -1 for padding
     group = cuda.shared.array(TILE_POSITIONS, int32)
-    row_exp = cuda.shared.array(TILE_POSITIONS, int32)
+    row_scale = cuda.shared.array(TILE_POSITIONS, float32)
     loaded = cuda.local.array(ENCODE_LOADS, uint32)
-    exps = cuda.local.array(4, int32)
+    inverse = cuda.local.array(4, float32)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     lane = tid % TILE_WORDS
@@ -315,7 +308,7 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                 g += 1
             source[i] = src
             group[i] = g
-            row_exp[i] = int32((row_scales[src] >> uint32(23)) & uint32(0xFF)) if src >= 0 else 0
+            row_scale[i] = f32_from_bits(row_scales[src]) if src >= 0 else float32(0)
         cuda.syncthreads()
         w = w0 + lane
         cached_g = -1
@@ -333,39 +326,42 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                     if source[ra] >= 0 and w < words:
                         if group[ra] != cached_g:
                             cached_g = group[ra]
-                            load_column_exps(scale_bits, cached_g, w, exps)
-                        e = row_exp[ra]
+                            load_inverse_scales(scale_bits, cached_g, w, inverse)
+                        f = row_scale[ra]
                         v = loaded[4 * qi + 2 * half]
-                        fa0 = rescale_byte(v & uint32(0xFF), e, exps[0])
-                        fa1 = rescale_byte((v >> uint32(8)) & uint32(0xFF), e, exps[1])
-                        fa2 = rescale_byte((v >> uint32(16)) & uint32(0xFF), e, exps[2])
-                        fa3 = rescale_byte(v >> uint32(24), e, exps[3])
+                        fa0 = f32_from_e4m3(v & uint32(0xFF)) * rescale_factor(f, inverse[0])
+                        fa1 = f32_from_e4m3((v >> uint32(8)) & uint32(0xFF)) * \
+                            rescale_factor(f, inverse[1])
+                        fa2 = f32_from_e4m3((v >> uint32(16)) & uint32(0xFF)) * \
+                            rescale_factor(f, inverse[2])
+                        fa3 = f32_from_e4m3(v >> uint32(24)) * rescale_factor(f, inverse[3])
                     if source[ra + 1] >= 0 and w < words:
                         if group[ra + 1] != cached_g:
                             cached_g = group[ra + 1]
-                            load_column_exps(scale_bits, cached_g, w, exps)
-                        e = row_exp[ra + 1]
+                            load_inverse_scales(scale_bits, cached_g, w, inverse)
+                        f = row_scale[ra + 1]
                         v = loaded[4 * qi + 2 * half + 1]
-                        fb0 = rescale_byte(v & uint32(0xFF), e, exps[0])
-                        fb1 = rescale_byte((v >> uint32(8)) & uint32(0xFF), e, exps[1])
-                        fb2 = rescale_byte((v >> uint32(16)) & uint32(0xFF), e, exps[2])
-                        fb3 = rescale_byte(v >> uint32(24), e, exps[3])
+                        fb0 = f32_from_e4m3(v & uint32(0xFF)) * rescale_factor(f, inverse[0])
+                        fb1 = f32_from_e4m3((v >> uint32(8)) & uint32(0xFF)) * \
+                            rescale_factor(f, inverse[1])
+                        fb2 = f32_from_e4m3((v >> uint32(16)) & uint32(0xFF)) * \
+                            rescale_factor(f, inverse[2])
+                        fb3 = f32_from_e4m3(v >> uint32(24)) * rescale_factor(f, inverse[3])
                     at = uint32(16 * half)  # the pair's two bytes: positions 2 half, 2 half + 1
                     out0 |= uint32(cvt_e4m3x2(fb0, fa0)) << at
                     out1 |= uint32(cvt_e4m3x2(fb1, fa1)) << at
                     out2 |= uint32(cvt_e4m3x2(fb2, fa2)) << at
                     out3 |= uint32(cvt_e4m3x2(fb3, fa3)) << at
-                at = 16 * 4 * lane + (quad + lane) % 16  # swizzled (column 4 lane, quad)
+                at = 64 * lane + ((quad + lane) & 15)  # swizzled (column 4 lane, quad)
                 tile[at] = out0
                 tile[at + 16] = out1
                 tile[at + 32] = out2
                 tile[at + 48] = out3
         cuda.syncthreads()
         for i in range(tid, _TILE_OUT_WORDS, nthreads):  # store, position-contiguous
-            c = i // 16
-            k = i % 16
+            c = i >> 4
+            k = i & 15
             col = 4 * w0 + c
-            q = q0 + 4 * k
-            if col < d and q < positions:
-                out_words[col, q // 4] = tile[16 * c + (k + c // 4) % 16]
+            if col < d and q0 + 4 * k < positions:
+                out_words[col, (q0 >> 2) + k] = tile[(c << 4) + ((k + (c >> 2)) & 15)]
         cuda.syncthreads()
