@@ -115,8 +115,8 @@ for phase in "$@"; do
             step "host path pieces, 1 rank, this tree (round $round)" 120 "${mpirun_env[@]}" -n 1 \
                 python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300}
         done ;;
-    colwiseab1)  # the fp8 wgrad conversion kernels of $AB_FLOAT's, $AB_OLD's and this tree, one GPU
-        for tree in "$AB_FLOAT" "$AB_OLD"; do
+    colwiseab1)  # the fp8 wgrad conversion kernels of $AB_FLOAT's, $AB_OLD's (and $AB_MORE's) and this tree, one GPU
+        for tree in "$AB_FLOAT" "$AB_OLD" ${AB_MORE:-}; do
             importable "$tree"
             step "fp8 wgrad conversion kernels, tree $tree" 120 env PYTHONPATH="$tree:${PYTHONPATH:-}" \
                 python3 "$tree/bench/probe_colwise.py"
