@@ -43,12 +43,11 @@ def probe(p, d, groups=8, once=False):
     aligned = cupy.empty(groups, numpy.int32)
     w64, w32, rs = data.view(numpy.uint64), data.view(numpy.uint32), scales.view(numpy.uint32)
     chunks = -(-p // fp8_colwise.CHUNK_ROWS)
-    amax = fp8_colwise.group_colwise_amax_kernel[fp8_formats.colwise_launch(
-        "amax", chunks * (d // fp8_colwise.AMAX_COLUMNS), stream)]
+    amax = fp8_colwise.group_colwise_amax_kernel[launch_1d(
+        chunks * (d // fp8_colwise.AMAX_COLUMNS), stream)]
     scale = fp8_colwise.group_colwise_scales_kernel[launch_1d(groups * d, stream)]
     tiles = -(-t // fp8_colwise.TILE_POSITIONS) * -(-(d // 4) // fp8_colwise.TILE_WORDS)
-    encode = fp8_colwise.group_colwise_encode_kernel[fp8_formats.colwise_launch(
-        "encode", tiles * 256, stream)]
+    encode = fp8_colwise.group_colwise_encode_kernel[launch_1d(tiles * 256, stream)]
     cases = [
         ("amax", lambda: amax(w64, rs, ends, keys, fp8_colwise.CHUNK_ROWS), p * d + p * 4),
         ("scales", lambda: scale(keys.reshape(-1), ends, aligned), groups * d * 8),

@@ -68,10 +68,6 @@ TILE_WORDS = 32
 #: kernel takes at a time: ENCODE_LOADS data words, all loaded first.
 ENCODE_QUADS = 2
 ENCODE_LOADS = 4 * ENCODE_QUADS
-#: Registers per thread ptxas gives the amax and encode kernels on sm_90 (tests/test_kernel_types.py
-#: checks them): their persistent grids are sized to the blocks that stay resident at these.
-AMAX_REGISTERS = 48
-ENCODE_REGISTERS = 80
 #: Groups start at multiples of this many positions (the GEMM's rule for fp8: 16 bytes).
 GROUP_ALIGN = 16
 #: Clamp of the rescale exponent r_p - s (module docstring).

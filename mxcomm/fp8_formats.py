@@ -512,15 +512,6 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     return launch_fp8_rowwise_to_group_colwise(data, scales, ends, stream_ptr(stream))
 
 
-def colwise_launch(kernel, n, stream):
-    """The launch of the colwise ``"amax"`` or ``"encode"`` kernel for ``n`` items: its
-    persistent grid sized to the blocks that stay resident at the registers ptxas gives it
-    (``kernels.fp8_colwise``), so no block waits for a second, partial wave (Nsight Compute on
-    an H200 found 1.6 and 2.7 waves with the plain grid: bench/NOTES.md)."""
-    registers = fp8_colwise.AMAX_REGISTERS if kernel == "amax" else fp8_colwise.ENCODE_REGISTERS
-    return _resident_launch(n, THREADS_PER_BLOCK, registers, stream, 1.0)
-
-
 def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
     """Enqueue the three kernels of :func:`fp8_rowwise_to_group_colwise` (arguments checked by
     the caller) on the raw stream handle ``stream``; returns (data_t, scales_t, aligned_ends)."""
@@ -546,13 +537,12 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
     # fraction of a second. There, one thread per block takes whole columns (no atomics).
     sim = simulated()
     chunk = max(p, 1) if sim else fp8_colwise.CHUNK_ROWS
-    amax_items = -(-p // chunk) * (d // fp8_colwise.AMAX_COLUMNS)
-    group_colwise_amax_kernel[launch_1d(amax_items, stream, threads=1) if sim else
-                              colwise_launch("amax", amax_items, stream)](
+    group_colwise_amax_kernel[launch_1d(-(-p // chunk) * (d // fp8_colwise.AMAX_COLUMNS), stream,
+                                        threads=1 if sim else None)](
         words(data, _U64, "data", rows=True), row_scales, group_ends, keys, chunk)
     group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
     tiles = -(-t // fp8_colwise.TILE_POSITIONS) * -(-(d // 4) // fp8_colwise.TILE_WORDS)
-    group_colwise_encode_kernel[colwise_launch("encode", tiles * THREADS_PER_BLOCK, stream)](
+    group_colwise_encode_kernel[launch_1d(tiles * THREADS_PER_BLOCK, stream)](
         words32, row_scales, group_ends, keys, words(data_t, _U32, "data_t", rows=True))
     return data_t, scales_t, aligned
 

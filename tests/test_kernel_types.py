@@ -65,7 +65,7 @@ def _ptxas():
 def _register_budgets():
     """{kernel: registers per thread its launcher sizes the resident grid for}
     (``fp8_formats._resident_launch``): more would leave part of the grid to a second wave."""
-    from mxcomm.kernels import fp8_block, fp8_colwise, fp8_rowwise, mx_rowwise
+    from mxcomm.kernels import fp8_block, fp8_rowwise, mx_rowwise
     return {"quantize_fp8_rowwise_bf16_kernel": fp8_rowwise.QUANTIZE_REGISTERS,
             "quantize_fp8_rowwise_f32_kernel": fp8_rowwise.QUANTIZE_REGISTERS,
             "dequantize_fp8_rowwise_bf16_kernel": fp8_rowwise.DEQUANTIZE_REGISTERS,
@@ -74,9 +74,7 @@ def _register_budgets():
             "quantize_fp8_block128_f32_kernel": fp8_block.QUANTIZE_F32_REGISTERS,
             "dequantize_fp8_block128_bf16_kernel": fp8_block.DEQUANTIZE_REGISTERS,
             "dequantize_fp8_block128_f32_kernel": fp8_block.DEQUANTIZE_REGISTERS,
-            "mx_to_rowwise_gather_kernel": mx_rowwise.GATHER_REGISTERS,
-            "group_colwise_amax_kernel": fp8_colwise.AMAX_REGISTERS,
-            "group_colwise_encode_kernel": fp8_colwise.ENCODE_REGISTERS}
+            "mx_to_rowwise_gather_kernel": mx_rowwise.GATHER_REGISTERS}
 
 
 def _exercise(xp, rng):
