@@ -45,9 +45,12 @@ Three kernels, grid-stride:
   2. :func:`group_colwise_scales_kernel`: the keys become the scale bits, in place; thread 0 also
      writes ``aligned_ends``.
   3. :func:`group_colwise_encode_kernel`: tiles of TILE_POSITIONS token positions x TILE_WORDS data
-     words (4 columns each): the tile's source rows are loaded row by row (coalesced, ENCODE_LOADS
-     words per thread in flight), rescaled and transposed through shared memory, and stored
-     position-contiguous (coalesced).
+     words (4 columns each): lane j of a warp takes data word j of the rows of 4-position quads
+     (coalesced loads, ENCODE_LOADS words per thread in flight), multiplies each byte by its
+     rescale factor (row scale x the column's inverse scale, in fp32: exact, capped at
+     2^RESCALE_EXP_MAX; an int64 exponent clamp per byte measured 1.5x slower, bench/NOTES.md),
+     rounds the same column of two positions in one conversion, so it holds whole output words
+     (4 positions of a column), and stores them position-contiguous through a swizzled word tile.
 """
 
 from numba import cuda, float32, int32, uint32, uint64
