@@ -250,6 +250,18 @@ def rescale_factor(row_scale, inverse):
     return f if not f > _RESCALE_CAP else _RESCALE_CAP
 
 
+@cuda.jit(device=True)
+def rescale_word(v, row_scale, inverse):
+    """The 4 e4m3 bytes of the data word ``v`` (uint32; columns 4w..4w+3, element 0 lowest) of
+    a row of scale ``row_scale`` (f32), each times its rescale factor (``inverse``: the columns'
+    inverse scales): 4 f32 products, exact (the caller rounds them to e4m3)."""
+    return (f32_from_e4m3(v & uint32(0xFF)) * rescale_factor(row_scale, inverse[0]),
+            f32_from_e4m3((v >> uint32(8)) & uint32(0xFF)) * rescale_factor(row_scale, inverse[1]),
+            f32_from_e4m3((v >> uint32(16)) & uint32(0xFF)) * rescale_factor(row_scale,
+                                                                             inverse[2]),
+            f32_from_e4m3(v >> uint32(24)) * rescale_factor(row_scale, inverse[3]))
+
+
 @kernel
 def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, out_words):
     """fp8 rowwise rows -> (D, T) e4m3 scaled per (group, column) (module docstring, kernel 3).
@@ -331,26 +343,14 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                         if group[ra] != cached_g:
                             cached_g = group[ra]
                             load_inverse_scales(scale_bits, cached_g, w, inverse)
-                        f = row_scale[ra]
-                        v = loaded[4 * qi + 2 * half]
-                        fa0 = f32_from_e4m3(v & uint32(0xFF)) * rescale_factor(f, inverse[0])
-                        fa1 = f32_from_e4m3((v >> uint32(8)) & uint32(0xFF)) * \
-                            rescale_factor(f, inverse[1])
-                        fa2 = f32_from_e4m3((v >> uint32(16)) & uint32(0xFF)) * \
-                            rescale_factor(f, inverse[2])
-                        fa3 = f32_from_e4m3(v >> uint32(24)) * rescale_factor(f, inverse[3])
+                        fa0, fa1, fa2, fa3 = rescale_word(loaded[4 * qi + 2 * half],
+                                                          row_scale[ra], inverse)
                     if source[ra + 1] >= 0 and w < words:
                         if group[ra + 1] != cached_g:
                             cached_g = group[ra + 1]
                             load_inverse_scales(scale_bits, cached_g, w, inverse)
-                        f = row_scale[ra + 1]
-                        v = loaded[4 * qi + 2 * half + 1]
-                        fb0 = f32_from_e4m3(v & uint32(0xFF)) * rescale_factor(f, inverse[0])
-                        fb1 = f32_from_e4m3((v >> uint32(8)) & uint32(0xFF)) * \
-                            rescale_factor(f, inverse[1])
-                        fb2 = f32_from_e4m3((v >> uint32(16)) & uint32(0xFF)) * \
-                            rescale_factor(f, inverse[2])
-                        fb3 = f32_from_e4m3(v >> uint32(24)) * rescale_factor(f, inverse[3])
+                        fb0, fb1, fb2, fb3 = rescale_word(loaded[4 * qi + 2 * half + 1],
+                                                          row_scale[ra + 1], inverse)
                     at = uint32(16 * half)  # the pair's two bytes: positions 2 half, 2 half + 1
                     out0 |= uint32(cvt_e4m3x2(fb0, fa0)) << at
                     out1 |= uint32(cvt_e4m3x2(fb1, fa1)) << at
