@@ -158,6 +158,7 @@ def instrument():
         (launch, "_abi_values"), (driver.PackedLaunch, "__call__"),
         (getattr(launch, "Launch", None), "__call__"), (_pull.PullTransport, "_schedule"),
         (mxt, "_array"), (mxt, "_tensor"), (mxt, "_wrap"), (mxt, "_stream"), (mxt, "_view"),
+        (sys.modules.get("mxcomm._torch_arrays"), "_view"),
         (mxt, "_exchange"), (getattr(mxt, "_Alloc", None), "__call__"),
         (getattr(mxt, "_Alloc", None), "tensor"),
         (formats.Format, "view"),

@@ -21,7 +21,8 @@ included) runs on its dequantized bf16 values, with a straight-through gradient:
     backward:  grad(out) --a2a_combine bwd--> MXFP8Tensor --unpermute bwd--> MXFP8Tensor
                  --GEMM bwd--> bf16 --permute bwd--> bf16 --a2a_dispatch bwd--> grad(x) bf16
 
-torch is imported only here.
+torch is imported only here and in this module's private helpers (``_torch_arrays``: tensors as
+arrays and back; ``_torch_gemm``: the fp8 grouped GEMM).
 """
 
 import numpy
@@ -31,9 +32,9 @@ from torch.utils._pytree import tree_map
 from . import a2a as _a2a
 from . import layout as _layout
 from . import permutation as _permutation
-from ._array import as_device_array, bfloat16
-from ._platform import gpu_arrays
+from ._array import bfloat16
 from .kernels import array_module
+from ._torch_arrays import _TORCH_DTYPES, _array, _stream, _tensor, _view
 from ._torch_gemm import fp8_gemm_available, grouped_mm
 from .formats import QuantizedArray, get_format
 
@@ -41,75 +42,11 @@ __all__ = ["QuantizedTensor", "MXFP8Tensor", "grouped_mm", "fp8_gemm_available",
            "exchange_layout", "a2a_dispatch", "permute", "unpermute", "a2a_combine",
            "all_to_all_single", "all_to_all_single_fn", "communicator_for"]
 
-# torch dtype -> NumPy dtype of the array that views the tensor's bytes (fp8 as uint8 bits: NumPy
-# and CuPy have no fp8; bf16 is ml_dtypes')
-_ARRAY_DTYPES = {
-    torch.bfloat16: bfloat16, torch.float32: numpy.dtype(numpy.float32),
-    torch.float16: numpy.dtype(numpy.float16), torch.float64: numpy.dtype(numpy.float64),
-    torch.float8_e4m3fn: numpy.dtype(numpy.uint8), torch.float8_e8m0fnu: numpy.dtype(numpy.uint8),
-    torch.uint8: numpy.dtype(numpy.uint8), torch.int8: numpy.dtype(numpy.int8),
-    torch.int16: numpy.dtype(numpy.int16), torch.int32: numpy.dtype(numpy.int32),
-    torch.int64: numpy.dtype(numpy.int64), torch.bool: numpy.dtype(numpy.bool_),
-}
-# array dtype of a result the engine allocates -> the torch dtype it is allocated as
-_TORCH_DTYPES = {bfloat16: torch.bfloat16, numpy.dtype(numpy.float32): torch.float32,
-                 numpy.dtype(numpy.uint8): torch.uint8}
-# element size -> the integer torch dtype a CPU tensor is seen through by NumPy
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # array dtype of a quantized format's data / scales -> the torch dtype its tensor has
 # (fp8 travels as uint8 bits: data is e4m3fn, uint8 scales are e8m0)
 _DATA_DTYPE = torch.float8_e4m3fn
 _SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
                  numpy.dtype(numpy.float32): torch.float32}
-
-
-# ------------------------------------------------------------------------------ conversions
-#: torch's raw current-stream query (what ``torch.cuda.current_stream`` wraps in a Stream object;
-#: a few microseconds less per call), where this torch has it.
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream(t):
-    """torch's current stream on ``t``'s device (raw handle), or None for CPU tensors."""
-    if not t.is_cuda:
-        return None
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(t.device.index)
-    return torch.cuda.current_stream(t.device).cuda_stream
-
-
-def _view(t, dtype):
-    """The bytes of the contiguous tensor ``t`` as an array of ``dtype`` and ``t``'s shape,
-    zero-copy, keeping ``t`` alive: a CuPy array over its device memory (built directly, about
-    3 us; CuPy's DLPack import took 29, measured on an H100 host), or a NumPy array over its
-    host memory. No stream synchronization: the work is enqueued on torch's current stream."""
-    if t.is_cuda:
-        import cupy
-        memory = cupy.cuda.memory.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t,
-                                                t.get_device())
-        return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.memory.MemoryPointer(memory, 0))
-    return t.view(_INT_OF_SIZE[t.element_size()]).numpy().view(dtype)
-
-
-def _array(t, name):
-    """The plain tensor ``t`` as an array (zero-copy; a contiguous copy first if needed)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    dtype = _ARRAY_DTYPES.get(t.dtype)
-    if dtype is not None and t.is_cuda == gpu_arrays() and t.numel():
-        return _view(t, dtype)
-    if dtype is None:
-        return as_device_array(t, name)  # the array module's error for what it cannot take
-    return as_device_array(t.view(_INT_OF_SIZE[t.element_size()]), name).view(dtype)
-
-
-def _tensor(a, dtype=None):
-    """The array ``a`` as a torch tensor (zero-copy); ``dtype`` reinterprets bits (fp8 views)."""
-    if a.dtype == bfloat16:
-        return torch.from_dlpack(a.view(numpy.int16)).view(torch.bfloat16)
-    t = torch.from_dlpack(a)
-    return t if dtype is None else t.view(dtype)
 
 
 class _Alloc:
