@@ -789,3 +789,61 @@ def test_nccl_init_is_bounded_by_the_timeout(outcome):
                               FakeNccl.NcclCommunicator)
     finally:
         release.set()
+
+
+# -------------------------------------------------------------------- the pull transport's schedule
+class _FakePeerMemory:
+    """Views of zero-filled host buffers standing in for the staging (what a schedule keeps)."""
+
+    def __init__(self):
+        self.epoch = 1
+
+    def local(self, offset, shape, dtype):
+        return numpy.zeros(shape, dtype)
+
+    def peer_view(self, peer, offset, shape, dtype):
+        return numpy.zeros(shape, dtype)
+
+
+def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(monkeypatch):
+    """The pull transport works a plan out once per (row arrays, kind, consumption): the same
+    schedule serves later calls; it goes when the plan goes (weakly held) and when the staging
+    moves (the peer memory's epoch); and its copy ranges cover exactly the rows each sender holds
+    for this rank (rank 1 of 3 here, the senders' rows in pieces of about 2 rows)."""
+    import gc
+    from mxcomm.comm import _staged
+    from mxcomm.comm._pull import PullTransport
+    monkeypatch.setattr(_staged, "PIECE_BYTES", 18)
+    memory = _FakePeerMemory()
+    transport = PullTransport(None, memory)
+    arrays = (((8,), numpy.dtype(numpy.uint8)), ((1,), numpy.dtype(numpy.uint8)))
+    row_bytes = _staged.row_bytes_of(arrays)
+    sent = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    plan = Plan(1, sent)
+    first = transport._schedule(plan, arrays, row_bytes, 0x1234, False)
+    assert transport._schedule(plan, arrays, row_bytes, 0x1234, False) is first
+    assert transport._schedule(plan, arrays, row_bytes, 0x1234, True) is not first
+    # per sender, every piece's copies land the sender's rows for rank 1 at their place
+    covered = {0: [], 1: []}
+    assert max(piece for _, piece, _, _ in first.receives) > 0  # several pieces
+    for peer, piece, kind, copies in first.receives:
+        assert kind == _staged.kind_word(0x1234, sent[peer][1])
+        for offset, index, out_offset, nbytes in copies:
+            covered[index].append((out_offset // row_bytes[index], nbytes // row_bytes[index]))
+    recv_offsets = plan.recv_offsets
+    want = sorted((recv_offsets[p], sent[p][1]) for p in (0, 2))
+    for index in (0, 1):
+        rows = sorted(covered[index])
+        merged = []
+        for at, n in rows:  # pieces of one sender are contiguous
+            if merged and merged[-1][0] + merged[-1][1] == at:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((at, n))
+        assert merged == want
+    memory.epoch += 1  # the staging moved: every schedule is made anew
+    assert transport._schedule(plan, arrays, row_bytes, 0x1234, False) is not first
+    assert len(transport._schedules) == 1
+    del plan, first
+    gc.collect()
+    assert len(transport._schedules) == 0

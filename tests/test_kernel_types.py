@@ -188,3 +188,52 @@ def test_words_rejects_misaligned_arrays():
         _launch.words(raw[1:65], np.dtype(np.uint64), "x")
     with pytest.raises(ValueError, match=r"y: expected 8-byte words .* 12 bytes per row"):
         _launch.words(raw[:72].reshape(6, 12), np.dtype(np.uint64), "y", rows=True)
+
+
+# ----------------------------------------------------------------------------- prepared launches
+class _RecordingKernel:
+    """What a :class:`~mxcomm.kernels.Launch` reads of a Kernel on a GPU (no dispatcher, a
+    compiled launcher per argument kinds), with a launcher that records its calls."""
+
+    def __init__(self, parameters):
+        self.parameters = parameters
+        self._dispatcher = None
+        self.calls = []
+
+    def _function(self, args):
+        self.key = tuple(map(_launch._argument_key, args))
+        return lambda blocks, threads, stream, values: self.calls.append(
+            (blocks, threads, stream, list(values)))
+
+
+def test_prepared_launch_fills_in_the_addresses_the_generic_launch_packs():
+    """A prepared launch's parameters are exactly the generic launch's (numba's ABI of each
+    argument) for the arrays it is called with: the addresses of CuPy-like arrays, ``Words`` or
+    ints written into the data field of each placeholder, the fixed ints and bools as given; the
+    prepared values are not changed by a call."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 255, (4, 64), dtype=np.uint8)
+    out = np.zeros((4, 16), dtype=np.uint32)
+    u64, u32 = np.dtype(np.uint64), np.dtype(np.uint32)
+    args = (_launch.Words(0, (32,), u64), 7, _launch.Words(0, (4, 16), u32), True)
+    kernel = _RecordingKernel(("x", "n", "out", "flag"))
+    launch = _launch.Launch(kernel, (3, 64, 99), *args)
+    x_like, out_like = _DeviceArrayLike(x.reshape(-1).view(u64)), _DeviceArrayLike(out)
+    launch(5, x_like, out_like)
+    launch(6, _launch.Words(0x1000, (32,), u64), 0x2000)
+    want = _launch._abi_values([x_like, 7, out_like, True])
+    assert kernel.calls[0] == (3, 64, 5, want)
+    second = list(want)
+    second[4], second[7 + 1 + 4] = 0x1000, 0x2000  # data fields: x at 4, out after x (7) and n
+    assert kernel.calls[1] == (3, 64, 6, second)
+    assert kernel.key == tuple(map(_launch._argument_key, [x_like, 7, out_like, True]))
+
+
+def test_prepared_launch_rejects_misaligned_arrays():
+    kernel = _RecordingKernel(("x", "out"))
+    u64 = np.dtype(np.uint64)
+    launch = _launch.Launch(kernel, (1, 32), _launch.Words(0, (4,), u64),
+                            _launch.Words(0, (4,), u64))
+    with pytest.raises(ValueError, match=r"out: expected 8-byte words .* address 0x1004"):
+        launch(0, 0x2000, 0x1004)
+    assert not kernel.calls
