@@ -136,14 +136,15 @@ def _on_stream(stream):
     return _external_stream(cupy, stream_ptr(stream))
 
 
-def _check_indices(permuted_indices, rows, name):
+def _check_indices(permuted_indices, rows, name, stream):
     idx = as_device_array(permuted_indices, "permuted_indices")
     if idx.dtype != numpy.int32:
         raise TypeError(f"permuted_indices: expected dtype int32, got {idx.dtype}")
     if idx.ndim != 1:
         raise ValueError(f"permuted_indices: expected a 1-D array, got shape {tuple(idx.shape)}")
-    if not idx.flags.c_contiguous:  # the kernels take contiguous indices
-        idx = idx.copy()
+    if not idx.flags.c_contiguous:  # the kernels take contiguous indices: copied where they run
+        with _on_stream(stream):
+            idx = idx.copy()
     if rows is not None and idx.shape[0] != rows:
         raise ValueError(f"permuted_indices: expected length {rows} (the rows of {name}), "
                          f"got {idx.shape[0]}")
@@ -301,7 +302,7 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
         ValueError: indices not 1-D or not of length P; ``num_rows`` < 0; ``y`` not C-contiguous.
     """
     srcs, fmt = _rows(y, "y")
-    idx = _check_indices(permuted_indices, srcs[0].shape[0], "y")
+    idx = _check_indices(permuted_indices, srcs[0].shape[0], "y", stream)
     # With the layout, the indices of its permute name every received row once (its counts
     # were checked across ranks): no row needs a fill, so the hot path pays no extra pass.
     # Otherwise rows no index names (num_rows > M_recv) read as 0, never stale.
@@ -349,5 +350,5 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
         ValueError: indices not 1-D; ``grad`` not C-contiguous.
     """
     srcs, fmt = _rows(grad, "grad")
-    idx = _check_indices(permuted_indices, None, "grad")
+    idx = _check_indices(permuted_indices, None, "grad", stream)
     return _gather(grad, srcs, fmt, None, idx, stream)

@@ -192,6 +192,23 @@ def test_unpermute_with_padding_and_out_of_range_indices(use_backend, rng):
     assert_identical(results)
 
 
+def test_strided_indices_move_the_rows_of_their_contiguous_copy(use_backend, rng):
+    """Indices that are a strided view (the kernels take contiguous ones: a copy is made on the
+    call's stream) move exactly the rows the same indices move when contiguous, on each backend."""
+    y = rng.standard_normal((8, 6)).astype(np.float32)
+    g = rng.standard_normal((5, 6)).astype(np.float32)
+    idx = np.array([3, -1, 0, 2, 7, 1, -1, 4], np.int32)
+    spread = np.repeat(idx, 2)  # idx at the even positions
+
+    def both(y, g, i):
+        return (unpermute(y, i, 5), unpermute_backward(g, i))
+
+    want = run_both(use_backend, both, y, g, idx)
+    got = run_both(use_backend, lambda y, g, s: both(y, g, s[::2]), y, g, spread)
+    for name in BACKENDS:
+        _assert_same(want[name], got[name], name)
+
+
 # --------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
