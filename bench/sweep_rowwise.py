@@ -1,9 +1,9 @@
-"""Grid share sweeps of the fp8 rowwise quantize kernel and of the MXFP8 -> rowwise permute (GPU
-only): is the quantize's second read of each row (encode after amax) served by L1/L2, or does the
-grid hold so many rows in flight that it goes back to HBM? Does the gather (one read) care? ``python bench/sweep_rowwise.py [--rows 131072] [--dim 7168]`` prints, per share of the
-resident grid, the median ms (CUDA events, 20 after 5 warm-up, back to back) and GB/s (bf16 read +
-e4m3 and scales written, once each) against a device copy of the same bytes. bench/NOTES.md says
-what it found.
+"""Sweeps of the fp8 rowwise quantize kernel and of the MXFP8 -> rowwise permute (GPU only): per
+share of the resident grid at one width (how much memory in flight each needs), then per width at
+the full grid (the threads per row change with D). ``python bench/sweep_rowwise.py [--rows 131072]
+[--dim 7168] [--shares ...] [--dims 2048 4096 5120 7168 8192]`` prints the median ms (CUDA events, 20 after 5
+warm-up, back to back) and GB/s (read + written, once each) against a device copy of the same
+bytes. bench/NOTES.md says what it found.
 """
 
 import argparse
@@ -16,8 +16,9 @@ from mxcomm._array import bfloat16
 from mxcomm.fp8_formats import launch_mx_to_rowwise_permute, launch_quantize_fp8_rowwise
 from mxcomm.mxfp8 import quantize_mxfp8
 from mxcomm.kernels import fp8_rowwise
+from mxcomm.kernels.mx_rowwise import PASS_WORDS
 
-SHARES = [0.25, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.75, 1.0]
+SHARES = [0.25, 0.5, 0.75, 1.0]
 
 
 def median_ms(fn, iters=20, warmup=5):
@@ -35,44 +36,61 @@ def median_ms(fn, iters=20, warmup=5):
     return statistics.median(times)
 
 
+def rows(m, d):
+    """(m, d) bf16 rows of standard normal values, on the GPU."""
+    x = cupy.random.default_rng(0).standard_normal((m, d), dtype=numpy.float32)
+    return (x.view(numpy.uint32) >> 16).astype(numpy.uint16).view(bfloat16)
+
+
+def copy_gbps(nbytes):
+    """GB/s of a device-to-device copy moving ``nbytes`` (read + written)."""
+    src = cupy.empty(nbytes // 2, numpy.uint8)
+    dst = cupy.empty_like(src)
+    return nbytes / median_ms(lambda: dst.__setitem__(Ellipsis, src)) / 1e6
+
+
+def measure(m, d, shares):
+    """Rows of (share, quantize ms, ratio, permute ms, ratio) at (m, d), random permute order."""
+    x = rows(m, d)
+    data = cupy.empty((m, d), numpy.uint8)
+    scales = cupy.empty(m, numpy.float32)
+    stream = cupy.cuda.get_current_stream().ptr
+    mx = quantize_mxfp8(x)
+    indices = cupy.asarray(numpy.random.default_rng(1).permutation(m).astype(numpy.int32))
+    q_bytes = m * d * 2 + m * d + m * 4
+    p_bytes = m * d + m * d // 32 + m * d + m * 4 + m * 4  # MXFP8 rows, rowwise rows, indices
+    q_copy, p_copy = copy_gbps(q_bytes), copy_gbps(p_bytes)
+    out = []
+    for share in shares:
+        q_ms = median_ms(lambda: launch_quantize_fp8_rowwise(x, data, scales, stream, share))
+        p_ms = median_ms(lambda: launch_mx_to_rowwise_permute(mx, indices, data, scales, stream,
+                                                              share))
+        out.append((share, q_ms, q_bytes / q_ms / 1e6 / q_copy, p_ms,
+                    p_bytes / p_ms / 1e6 / p_copy))
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=131072)
     parser.add_argument("--dim", type=int, default=7168)
+    parser.add_argument("--dims", type=int, nargs="*", default=[2048, 4096, 5120, 7168, 8192])
+    parser.add_argument("--shares", type=float, nargs="*", default=SHARES)
     args = parser.parse_args()
-    m, d = args.rows, args.dim
-    x = cupy.random.default_rng(0).standard_normal((m, d), dtype=numpy.float32).astype(
-        numpy.float32)
-    x = (x.view(numpy.uint32) >> 16).astype(numpy.uint16).view(bfloat16)
-    data = cupy.empty((m, d), numpy.uint8)
-    scales = cupy.empty(m, numpy.float32)
-    nbytes = m * d * 2 + m * d + m * 4
-    src = cupy.empty(nbytes // 2, numpy.uint8)
-    dst = cupy.empty_like(src)
-    copy_ms = median_ms(lambda: dst.__setitem__(Ellipsis, src))
-    copy_gbps = nbytes / copy_ms / 1e6
-    stream = cupy.cuda.get_current_stream().ptr
-    print(f"fp8 rowwise quantize {m}x{d} bf16; copy of {nbytes / 1e9:.3f} GB: {copy_ms:.3f} ms "
-          f"({copy_gbps:.0f} GB/s)")
-    built_in = fp8_rowwise.QUANTIZE_GRID_SHARE
-    fp8_rowwise.QUANTIZE_GRID_SHARE = 1.0  # the sweep sets the whole share
-    print(f"(the launcher's built-in share: {built_in:g})")
-    print("| share | ms | GB/s | ratio to copy |\n| --- | --- | --- | --- |")
-    for share in SHARES:
-        ms = median_ms(lambda: launch_quantize_fp8_rowwise(x, data, scales, stream, share))
-        gbps = nbytes / ms / 1e6
-        print(f"| {share:g} | {ms:.3f} | {gbps:.0f} | {gbps / copy_gbps:.2f} |")
-    fp8_rowwise.QUANTIZE_GRID_SHARE = built_in
-    mx = quantize_mxfp8(x)
-    indices = cupy.asarray(numpy.random.default_rng(1).permutation(m).astype(numpy.int32))
-    nbytes = m * d + m * d // 32 + m * d + m * 4 + m * 4  # MXFP8 rows, rowwise rows, indices
-    print(f"MXFP8 -> rowwise permute {m}x{d} (random order)")
-    print("| share | ms | GB/s | ratio to copy |\n| --- | --- | --- | --- |")
-    for share in SHARES:
-        ms = median_ms(lambda: launch_mx_to_rowwise_permute(mx, indices, data, scales, stream,
-                                                            share))
-        gbps = nbytes / ms / 1e6
-        print(f"| {share:g} | {ms:.3f} | {gbps:.0f} | {gbps / copy_gbps:.2f} |")
+    m = args.rows
+    header = ("| {} | quantize ms | ratio to copy | MXFP8 -> rowwise permute ms | ratio to copy |\n"
+              "| --- | --- | --- | --- | --- |")
+    print(f"{m} x {args.dim} bf16 rows, per share of the resident grid")
+    print(header.format("share"))
+    for share, q_ms, q, p_ms, p in measure(m, args.dim, args.shares):
+        print(f"| {share:g} | {q_ms:.3f} | {q:.2f} | {p_ms:.3f} | {p:.2f} |")
+    print(f"{m} rows per width, the full grid (threads per row: fp8_rowwise.row_split)")
+    print(header.format("D (threads per row: quantize, permute)"))
+    for d in args.dims:
+        widths = (fp8_rowwise.row_split(d // 8, fp8_rowwise.PASS_UNITS)[0],
+                  fp8_rowwise.row_split(d // 8, PASS_WORDS)[0])
+        (_, q_ms, q, p_ms, p), = measure(m, d, [1.0])
+        print(f"| {d} ({widths[0]}, {widths[1]}) | {q_ms:.3f} | {q:.2f} | {p_ms:.3f} | {p:.2f} |")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,13 @@ only where they land in e4m3's subnormal range (below 2^-6 of the row scale): me
 outlier-channel and Student-t rows at 1024 x 7168, the SQNR against the bf16 rows is the same to
 1e-4 dB (31.49 dB on Gaussian rows).
 
-Work split: one warp per permuted row, grid-stride over rows (as the rowwise quantize kernels; one
-CUDA block per row measured 0.49x copy bandwidth on an H200, bench/NOTES.md). The warp first reads
-the row's D / 32 scale bytes, whose max meets through warp shuffles; then each lane streams data
-words l + 32 k of the row with their blocks' scales (PASS_WORDS loads in flight), rescales and
-stores them.
+Work split: as the rowwise quantize kernels (``fp8_rowwise.row_split``): a permuted row takes enough
+threads that each loads PASS_WORDS data words and the whole row is in registers after one step (up
+to 512 threads, what one CUDA block holds at its registers: D <= 32768); they load its words with their blocks' scales, all in flight at once, then the
+max over the row's D / 32 scale bytes meets (warp shuffles, one block barrier for a row of several
+warps), then each thread rescales and stores the words it holds. (One warp per row, reading the
+scales first and then streaming the words, measured 0.64x copy bandwidth on an H200 at 131072 x
+7168; one CUDA block per row with two barriers, 0.49x: bench/NOTES.md.)
 """
 
 from numba import cuda, int32, uint16, uint32, uint64
@@ -32,14 +34,13 @@ from numba import cuda, int32, uint16, uint32, uint64
 from ._fp8 import (E4M3_NAN, E8M0_NAN, F32_NAN, cvt_e4m3x2, cvt_f16x2_e4m3x2, f32_from_bits,
                    f32_from_f16_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
-from .fp8_rowwise import F32_ONE, SCALE_EXP_MIN, WARP, nan_byte_mask
-from .mxfp8 import lanes_max
+from .fp8_rowwise import F32_ONE, SCALE_EXP_MIN, WARP, group_max, nan_byte_mask
 
 #: Data words (8 e4m3 each) each thread loads per step, all in flight at once.
 PASS_WORDS = 8
 #: Registers per thread of the gather kernel (ptxas -v, sm_90, numba-cuda 0.30.4, CUDA 13.0): the
 #: wrapper caps its grid at the blocks that stay resident.
-GATHER_REGISTERS = 96
+GATHER_REGISTERS = 128
 #: log2 of the data words per MX block (32 elements = 4 words).
 MX_WORDS_PER_BLOCK_LOG2 = 2
 #: Smallest rescale exponent used: 448 * 2^-19 < 2^-10 already rounds to zero in e4m3.
@@ -74,8 +75,20 @@ def rescale_e4m3x8(d, s, r):
     return ((uint64(lo) | (uint64(hi) << uint64(32))) & ~nan) | (d & nan)
 
 
+@cuda.jit(device=True)
+def load_words(data_words, mx_scales, i, start, stride, ncols, words, sb):
+    """Load the PASS_WORDS data words start + k * stride of MXFP8 row ``i`` (those below
+    ``ncols``) into ``words`` and their blocks' e8m0 scales into ``sb``, all loads issued before
+    any is used."""
+    for k in range(PASS_WORDS):
+        w = start + k * stride
+        if w < ncols:
+            words[k] = data_words[i, w]
+            sb[k] = uint32(mx_scales[i, w >> MX_WORDS_PER_BLOCK_LOG2])
+
+
 @kernel
-def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_scales):
+def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_scales, width):
     """out[p] = fp8 rowwise form of MXFP8 row indices[p] (rules in the module docstring).
 
     Args:
@@ -84,52 +97,58 @@ def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_s
         mx_scales: (N, D // 32) uint8, e8m0 bits. Read.
         out_words: (P, D // 8) uint64, e4m3fn bits. Written.
         out_scales: (P,) uint32, fp32 bits of the row scales. Written.
-    Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R): one warp per permuted row (R rows
-        per CUDA block), grid-stride over rows in steps uniform per CUDA block; lane l takes
-        words l + 32 k, PASS_WORDS loads in flight.
+        width: threads per permuted row: a power of two <= 32, or a multiple of 32 dividing the
+            CUDA block (``fp8_rowwise.row_split``).
+    Launch: blockDim.x // width permuted rows per CUDA block, grid-stride over rows in steps
+        uniform per CUDA block; thread t of a row takes words t + width * k, PASS_WORDS of them
+        per step. A row of one step (the launcher's choice, up to 512 threads per row) has all
+        its data words loaded before its scales' max meets; a longer row streams them after.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+    warp_max = cuda.shared.array((2, WARP), uint32)
     words = cuda.local.array(PASS_WORDS, uint64)
     sb = cuda.local.array(PASS_WORDS, uint32)
-    lane = cuda.threadIdx.x % WARP
-    rows_per_block = cuda.blockDim.x // WARP
+    t = cuda.threadIdx.x % width
+    rows_per_block = cuda.blockDim.x // width
     npermuted = indices.shape[0]
     nsrc = data_words.shape[0]
     ncols = out_words.shape[1]
     nblocks = mx_scales.shape[1]
-    step = WARP * PASS_WORDS
+    step = width * PASS_WORDS
+    one_step = ncols <= step  # the row's words stay in registers while the scales meet
+    parity = 0
     for base in range(cuda.blockIdx.x * rows_per_block, npermuted,
                       cuda.gridDim.x * rows_per_block):
-        p = base + cuda.threadIdx.x // WARP
+        p = base + cuda.threadIdx.x // width
         i = indices[p] if p < npermuted else -1
-        source = 0 <= i < nsrc  # uniform per warp
+        source = 0 <= i < nsrc  # uniform per row
         smax = uint32(0)
         if source:
-            for b in range(lane, nblocks, WARP):  # the row's scales: 1/32 of its bytes
+            if one_step:
+                load_words(data_words, mx_scales, i, t, width, ncols, words, sb)
+            for b in range(t, nblocks, width):  # the row's scales: 1/32 of its bytes
                 smax = max(smax, uint32(mx_scales[i, b]))
-        smax = lanes_max(smax, scratch, WARP)  # every lane of the block (the simulator syncs)
+        smax = group_max(smax, scratch, warp_max, width, parity)  # every thread of the block
+        parity ^= 1
         if p >= npermuted:
             continue
         if not source:  # padding
-            for w in range(lane, ncols, WARP):
+            for w in range(t, ncols, width):
                 out_words[p, w] = 0
             scale_bits = uint32(F32_ONE)
         elif smax == uint32(E8M0_NAN):  # 0xFF is the largest byte: some block is NaN
-            for w in range(lane, ncols, WARP):
+            for w in range(t, ncols, width):
                 out_words[p, w] = _E4M3_NAN_X8
             scale_bits = uint32(F32_NAN)
         else:
             r = max(smax, uint32(SCALE_EXP_MIN))
-            for start in range(lane, ncols, step):
-                for k in range(PASS_WORDS):  # all loads first
-                    w = start + k * WARP
-                    if w < ncols:
-                        words[k] = data_words[i, w]
-                        sb[k] = uint32(mx_scales[i, w >> MX_WORDS_PER_BLOCK_LOG2])
+            for start in range(t, ncols, step):
+                if not one_step:
+                    load_words(data_words, mx_scales, i, start, width, ncols, words, sb)
                 for k in range(PASS_WORDS):
-                    w = start + k * WARP
+                    w = start + k * width
                     if w < ncols:
                         out_words[p, w] = rescale_e4m3x8(words[k], sb[k], r)
             scale_bits = r << uint32(23)
-        if lane == 0:
+        if t == 0:
             out_scales[p] = scale_bits

@@ -290,10 +290,14 @@ def test_rowwise_kernels_bit_exact(kernels, rng, dtype):
 
 
 @DTYPES
-def test_rowwise_kernels_long_rows(kernels, rng, dtype):
-    """A row longer than one step of a (simulated, 32-thread) CUDA block: 2 steps per pass."""
-    d = 1040 if dtype == BF16 else 528  # 130 or 132 units of 16 bytes; a step is 128
-    x = random_rows(rng, 1, d, dtype)
+@pytest.mark.parametrize("steps", [1, 2])
+def test_rowwise_kernels_long_rows(kernels, rng, dtype, steps):
+    """Rows of several warps (64 threads per row in the simulator, which meet through the block
+    barrier), held in registers (one step of 64 x 4 units of 16 bytes) or read twice (two steps);
+    three rows, so the grid-stride loop alternates the barrier's shared row."""
+    d = {(BF16, 1): 1040, (F32, 1): 528, (BF16, 2): 2064, (F32, 2): 1040}[dtype, steps]
+    x = random_rows(rng, 3, d, dtype)
+    x[1, d - 5] = np.inf
     data, scales = quantize_fp8_rowwise(to_device(x))
     assert_same((data, scales), quantize_fp8_rowwise_ref(x))
     assert_same(dequantize_fp8_rowwise(data, scales, dtype),
@@ -349,6 +353,15 @@ def test_mx_to_rowwise_kernel_permute_layout(kernels, rng):
     x = random_rows(rng, 3, 2304, BF16)
     data, scales = quantize_mxfp8_ref(x, "rceil")
     _, indices, _ = permute_ref(np.arange(3), [2, 0, 0, 1], 2, 2)
+    got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
+    assert_same(got, mx_to_rowwise_ref(data, scales, indices))
+
+
+def test_mx_to_rowwise_kernel_two_steps(kernels, rng):
+    """Rows too long for one step of the (simulated) 64 threads per row: their scales meet first,
+    then their words stream."""
+    data, scales = mx_test_rows(rng, 2, 4160)  # 520 words; a step is 64 x 8
+    indices = np.array([1, -1, 0, 3, 2], np.int32)
     got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
     assert_same(got, mx_to_rowwise_ref(data, scales, indices))
 
@@ -520,10 +533,11 @@ def test_group_colwise_rejects_bad_input(kernels):
 
 @pytest.mark.gpu
 @DTYPES
-@pytest.mark.parametrize("m, d", [(4093, 7168), (1001, 48), (37, 2064)])
+@pytest.mark.parametrize("m, d", [(4093, 7168), (1001, 48), (37, 2064), (9, 24576)])
 def test_gpu_rowwise_large_bit_exact(rng, dtype, m, d):
-    """Row counts that leave warps of the last CUDA block without a row; rows narrower than a
-    warp's units; a width that is not a multiple of a pass."""
+    """Row counts that leave rows of the last CUDA block empty; rows narrower than a warp's
+    units (several rows per warp); a width that is not a multiple of a pass; rows longer than
+    the threads of a CUDA block hold (read twice)."""
     x = random_rows(rng, m, d, dtype)
     x[5, d // 2] = np.nan
     x[m - 3, d - 1] = -np.inf
@@ -575,6 +589,16 @@ def test_gpu_group_colwise_large_bit_exact(rng):
     cols = [0, 3, 1000, d - 1]
     ref = group_colwise_ref(np.ascontiguousarray(data[:, cols]), scales, ends)
     np.testing.assert_array_equal(to_host(got[0])[cols], ref[0])
+
+
+@pytest.mark.gpu
+def test_gpu_mx_to_rowwise_long_rows_bit_exact(rng):
+    """Rows longer than the threads of a CUDA block hold (D = 36864: 4608 words, 512 threads of
+    8): scales first, then the words streamed."""
+    data, scales = mx_test_rows(rng, 6, 36864)
+    indices = np.r_[rng.permutation(data.shape[0]), -1].astype(np.int32)
+    got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
+    assert_same(got, mx_to_rowwise_ref(data, scales, indices))
 
 
 @pytest.mark.gpu
