@@ -86,9 +86,10 @@ def main():
         print(f"| {share:g} | {q_ms:.3f} | {q:.2f} | {p_ms:.3f} | {p:.2f} |")
     print(f"{m} rows per width, the full grid (threads per row: fp8_rowwise.row_split)")
     print(header.format("D (threads per row: quantize, permute)"))
+    split = getattr(fp8_rowwise, "row_split", None)  # absent in trees of one warp per row
     for d in args.dims:
-        widths = (fp8_rowwise.row_split(d // 8, fp8_rowwise.PASS_UNITS)[0],
-                  fp8_rowwise.row_split(d // 8, PASS_WORDS)[0])
+        widths = ((split(d // 8, fp8_rowwise.PASS_UNITS)[0], split(d // 8, PASS_WORDS)[0])
+                  if split else (32, 32))
         (_, q_ms, q, p_ms, p), = measure(m, d, [1.0])
         print(f"| {d} ({widths[0]}, {widths[1]}) | {q_ms:.3f} | {q:.2f} | {p_ms:.3f} | {p:.2f} |")
 

@@ -57,7 +57,7 @@ F32_ONE = 0x3F800000
 #: Registers per thread of the quantize / dequantize kernels (ptxas -v, sm_90, numba-cuda 0.30.4,
 #: CUDA 13.0): the wrappers cap their persistent grids at the blocks that stay resident.
 QUANTIZE_BF16_REGISTERS = 96
-QUANTIZE_F32_REGISTERS = 72
+QUANTIZE_F32_REGISTERS = 64
 DEQUANTIZE_REGISTERS = 40
 _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
 _E4M3_NAN_X4 = uint32(E4M3_NAN * 0x01010101)
@@ -186,13 +186,14 @@ def _quantize_fp8_rowwise(f32):
         second = cuda.local.array(PASS_UNITS, uint64)
         t = cuda.threadIdx.x % width
         rows_per_block = cuda.blockDim.x // width
+        slot = cuda.threadIdx.x // width  # the block's row this thread works on
         m = x_words.shape[0]
         units = data_words.shape[1]
         step = width * PASS_UNITS
         one_step = units <= step  # the row stays in registers between the passes
         parity = 0
         for base in range(cuda.blockIdx.x * rows_per_block, m, cuda.gridDim.x * rows_per_block):
-            row = base + cuda.threadIdx.x // width
+            row = base + slot
             live = row < m
             amax = uint32(0)
             if live:

@@ -357,6 +357,23 @@ def test_mx_to_rowwise_kernel_permute_layout(kernels, rng):
     assert_same(got, mx_to_rowwise_ref(data, scales, indices))
 
 
+def test_mx_to_rowwise_kernel_every_byte_and_shift(kernels, rng):
+    """Every e4m3 byte (zeros, subnormals, normals, NaN) rescaled by every shift n = r - s from 0
+    to 35, against the float64 reference: both sides of the integer fast path (a normal result,
+    exact) and of its limits (results below the normal range, n > 14, NaN bytes)."""
+    perm = rng.permutation(256).astype(np.uint8)
+    rows, scales = [], []
+    for n in range(36):
+        for shift in (0, 32):  # the row's first block keeps scale r: roll its bytes into the rest
+            rows.append(np.roll(perm, shift))
+            scales.append([200] + [200 - n] * 7)
+    data = np.array(rows, np.uint8)
+    scales = np.array(scales, np.uint8)
+    indices = np.arange(len(rows), dtype=np.int32)
+    got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
+    assert_same(got, mx_to_rowwise_ref(data, scales, indices))
+
+
 def test_mx_to_rowwise_kernel_two_steps(kernels, rng):
     """Rows too long for one step of the (simulated) 64 threads per row: their scales meet first,
     then their words stream."""
@@ -541,7 +558,7 @@ def test_gpu_rowwise_large_bit_exact(rng, dtype, m, d):
     x = random_rows(rng, m, d, dtype)
     x[5, d // 2] = np.nan
     x[m - 3, d - 1] = -np.inf
-    x[17] = 0
+    x[min(17, m - 1)] = 0
     data, scales = quantize_fp8_rowwise(to_device(x))
     assert_same((data, scales), quantize_fp8_rowwise_ref(x))
     assert_same(dequantize_fp8_rowwise(data, scales, dtype),
