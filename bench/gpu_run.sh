@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
-#         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 sweep1 ncurow1 rowab1
+#         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 row1
 #         colwise1 ncu1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
@@ -95,19 +95,9 @@ for phase in "$@"; do
     pipe1fp8) step "bench pipeline, 1 rank, fp8 GEMM variants, 131072 rows" 330 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench pipeline \
         --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
         --json "$res/pipeline_fp8_w1.json" --markdown "$res/pipeline_fp8_w1.md" ;;
-    sweep1) step "rowwise quantize and MXFP8 -> rowwise permute sweeps (grid share, D)" 180 \
-        python3 bench/sweep_rowwise.py ;;
-    ncurow1)  # Nsight Compute on the rowwise quantize and the MXFP8 -> rowwise gather, 131072 x 7168,
-        # the full grid, one launch each after warm-up
-        for k in quantize_fp8_rowwise_kernel mx_to_rowwise_gather; do
-            step "Nsight Compute, $k" 150 ncu --clock-control none -k regex:$k --launch-skip 5 \
-                --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-                --section Occupancy --section LaunchStats --section WarpStateStats \
-                --section SchedulerStats python3 bench/sweep_rowwise.py --shares 1 --dims
-        done ;;
-    rowab1)  # the rowwise quantize and MXFP8 -> rowwise gather of $AB_OLD's tree, then this one's:
-        # sweeps (grid share, D), then Nsight Compute on one launch of each, 131072 x 7168
-        for tree in "$AB_OLD" "$PWD"; do
+    row1)  # the rowwise quantize and MXFP8 -> rowwise gather of $AB_OLD's tree (if set), then this
+        # one's: sweeps (grid share, D), then Nsight Compute on one launch of each, 131072 x 7168
+        for tree in ${AB_OLD:-} "$PWD"; do
             importable "$tree"
             step "rowwise sweeps, tree $tree" 150 env PYTHONPATH="$tree:${PYTHONPATH:-}" \
                 python3 bench/sweep_rowwise.py --dims 2048 7168

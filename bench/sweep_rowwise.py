@@ -1,6 +1,6 @@
 """Sweeps of the fp8 rowwise quantize kernel and of the MXFP8 -> rowwise permute (GPU only): per
 share of the resident grid at one width (how much memory in flight each needs), then per width at
-the full grid (the threads per row change with D). ``python bench/sweep_rowwise.py [--rows 131072]
+the full grid. Run from this tree on another one (``PYTHONPATH=TREE``) to compare kernels. ``python bench/sweep_rowwise.py [--rows 131072]
 [--dim 7168] [--shares ...] [--dims 2048 4096 5120 7168 8192]`` prints the median ms (CUDA events, 20 after 5
 warm-up, back to back) and GB/s (read + written, once each) against a device copy of the same
 bytes. bench/NOTES.md says what it found.
@@ -15,8 +15,6 @@ import numpy
 from mxcomm._array import bfloat16
 from mxcomm.fp8_formats import launch_mx_to_rowwise_permute, launch_quantize_fp8_rowwise
 from mxcomm.mxfp8 import quantize_mxfp8
-from mxcomm.kernels import fp8_rowwise
-from mxcomm.kernels.mx_rowwise import PASS_WORDS
 
 SHARES = [0.25, 0.5, 0.75, 1.0]
 
@@ -84,15 +82,11 @@ def main():
     print(header.format("share"))
     for share, q_ms, q, p_ms, p in measure(m, args.dim, args.shares):
         print(f"| {share:g} | {q_ms:.3f} | {q:.2f} | {p_ms:.3f} | {p:.2f} |")
-    print(f"{m} rows per width, the full grid (threads per row: fp8_rowwise.row_split)")
-    print(header.format("D (threads per row: quantize, permute)"))
-    split = getattr(fp8_rowwise, "row_split", None)  # absent in trees of one warp per row
+    print(f"{m} rows per width, the full grid")
+    print(header.format("D"))
     for d in args.dims:
-        widths = ((split(d // 8, fp8_rowwise.PASS_UNITS)[0], split(d // 8, PASS_WORDS)[0])
-                  if split else (32, 32))
         (_, q_ms, q, p_ms, p), = measure(m, d, [1.0])
-        print(f"| {d} ({widths[0]}, {widths[1]}) | {q_ms:.3f} | {q:.2f} | {p_ms:.3f} | {p:.2f} |")
-
+        print(f"| {d} | {q_ms:.3f} | {q:.2f} | {p_ms:.3f} | {p:.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -13,16 +13,14 @@ A row holding NaN or +-Inf gets scale NaN (0x7FC00000) and elements 0x7F, so eve
 dequantizes to NaN. Dequantization is ``e4m3 * scale`` in fp32 (one rounding; exact for power-of-two
 scales), then round-to-nearest-even to bf16; NaN results are the canonical quiet NaN.
 
-Work split of the quantize kernels: a row's amax is needed before any of its elements is written,
-so the threads of a row meet once per row. A row takes ``width`` threads (:func:`row_split`): enough
-that each loads PASS_UNITS units of 16 input bytes (all loads in flight at once) and the whole row
-is in registers after one step, up to the threads one CUDA block holds at the kernel's registers
-(672: D <= 21504 in bf16, 10752 in fp32). Its amax meets through
-warp shuffles and, for a row of several warps, one block barrier (:func:`group_max`); then the
-threads encode the values they hold. So each row is read from memory once. (Two passes over the
-row by one warp, the second re-reading it from L1/L2, measured 0.60x copy bandwidth on an H200 at
-131072 x 7168, 0.70x with half the resident grid; one CUDA block per row with two barriers and
-the same two passes, 0.48x: bench/NOTES.md.) A row longer than a step is still read twice. The
+Work split of the quantize kernels: one warp per row, grid-stride over rows (a row's amax is needed
+before any of its elements is written). Two passes over the row: each lane loads PASS_UNITS units
+of 16 input bytes at a time (all loads in flight first) for the amax, which meets through warp
+shuffles (no block barrier: the warps of a CUDA block go at their own pace); then it loads the same
+units again, from L1 or L2 (the row is 14 KiB at D = 7168 in bf16), and encodes and stores them.
+Holding the row in registers instead measured (ptxas, sm_90) 80-128 registers per thread against 64
+here: less memory in flight per multiprocessor. (One CUDA block per row, meeting through a shared
+word per warp, measured 0.48x copy bandwidth on an H200 at 131072x7168: bench/NOTES.md.) The
 dequantize kernels go flat over the data words like the 1x128 block ones, each word's scale found
 through its row (:func:`row_of`, once per tile).
 
@@ -43,11 +41,8 @@ from .mxfp8 import (bf16x2_from_e4m3x2, bf16x4_absmax, encode_bf16x4, encode_f32
 WARP = 32
 #: Units (16 input bytes: 8 bf16 or 4 fp32) each thread loads per step, all in flight at once.
 PASS_UNITS = 4
-#: Threads per CUDA block of the row-group kernels where a row takes fewer (rows share a block).
-ROW_BLOCK_THREADS = 256
-#: Most threads per row: a CUDA block's limit (the launchers lower it to what a block can hold at
-#: the kernel's registers per thread). A longer row takes several steps and is read twice.
-MAX_ROW_THREADS = 1024
+#: Rows (one warp each) per CUDA block of the quantize kernels.
+ROWS_PER_BLOCK = 8
 #: Data words (8 e4m3) each thread of the dequantize kernels loads per tile, all in flight.
 WORDS_PER_THREAD = 4
 #: Smallest biased fp32 exponent of a scale: 2^-126, the smallest normal fp32.
@@ -55,10 +50,14 @@ SCALE_EXP_MIN = 1
 #: f32 bits of 1.0.
 F32_ONE = 0x3F800000
 #: Registers per thread of the quantize / dequantize kernels (ptxas -v, sm_90, numba-cuda 0.30.4,
-#: CUDA 13.0): the wrappers cap their persistent grids at the blocks that stay resident.
-QUANTIZE_BF16_REGISTERS = 96
-QUANTIZE_F32_REGISTERS = 64
+#: CUDA 13.0): the wrappers cap the one-row-per-block grids at the blocks that stay resident.
+QUANTIZE_REGISTERS = 64
 DEQUANTIZE_REGISTERS = 40
+#: Share of the resident grid the quantize kernels take: fewer rows in flight, so the encode pass
+#: re-reads each row from L1/L2 rather than HBM. Swept on an H200 at 131072 x 7168 bf16
+#: (bench/sweep_rowwise.py, bench/NOTES.md): 0.59x copy bandwidth at the full grid, 0.69x at half.
+QUANTIZE_GRID_SHARE = 0.5
+
 _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
 _E4M3_NAN_X4 = uint32(E4M3_NAN * 0x01010101)
 _LOW7_X8 = uint64(0x7F7F7F7F7F7F7F7F)
@@ -99,61 +98,19 @@ def encode_units_f32(first, second, mult):
 
 
 @cuda.jit(device=True)
-def load_units(x_words, row, start, stride, units, first, second):
-    """Load the PASS_UNITS units (two input words each) start + k * stride of ``row`` into
-    ``first`` and ``second`` (zeros past ``units``), all loads issued before any is used."""
+def load_units(x_words, row, start, units, first, second):
+    """Load the PASS_UNITS units (two input words each) start + k * WARP of ``row`` into ``first``
+    and ``second`` (zeros past ``units``), all loads issued before any is used."""
     for k in range(PASS_UNITS):
-        u = start + k * stride
+        u = start + k * WARP
         first[k] = x_words[row, 2 * u] if u < units else uint64(0)
         second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
 
 
-@cuda.jit(device=True)
-def group_max(v, scratch, warp_max, width, parity):
-    """Max of ``v`` (uint32 < 2^31) over each aligned group of ``width`` consecutive threads of the
-    CUDA block: a power of two <= 32, or a multiple of 32 dividing the block.
-
-    Within a warp through :func:`lanes_max`; a group of several warps then meets through
-    ``warp_max`` (a (2, 32) uint32 shared array: lane 0 of each warp writes its warp's max to row
-    ``parity``, one block barrier, each thread reads its group's warps). Alternating ``parity``
-    between consecutive calls makes one barrier per call enough: a warp can write row ``parity``
-    again only after the barrier of the call in between, which every reader of the last one has
-    passed. Every thread of the block must call it, with the same ``width`` and ``parity``.
-    """
-    m = lanes_max(v, scratch, min(width, WARP))
-    if width > WARP:
-        tid = cuda.threadIdx.x
-        if tid % WARP == 0:
-            warp_max[parity, tid // WARP] = m
-        cuda.syncthreads()
-        warps = width // WARP
-        first = (tid // width) * warps
-        m = warp_max[parity, first]
-        for j in range(1, warps):
-            m = max(m, warp_max[parity, first + j])
-    return m
-
-
-def row_split(units, per_thread, block_threads=ROW_BLOCK_THREADS, max_width=MAX_ROW_THREADS):
-    """(width, rows per CUDA block) of a row-group kernel (this module's quantize, the MXFP8 ->
-    rowwise gather) for rows of ``units`` work items, ``per_thread`` of them per thread and step.
-
-    width, the threads per row, covers a row in one step where ``max_width`` threads can: the
-    next power of two for up to a warp (several rows share a warp), else the next multiple of 32
-    (several warps, which meet through :func:`group_max`), at most ``max_width``. Rows per block:
-    as many as fill ``block_threads``, at least one.
-    """
-    need = max(1, -(-units // per_thread))
-    if need <= WARP:
-        width = 1 << (need - 1).bit_length()
-    else:
-        width = min(-(-need // WARP) * WARP, max_width)
-    return width, max(1, block_threads // width)
-
-
 def _quantize_fp8_rowwise(f32):
     """The rowwise quantize kernel of bf16 (``f32`` False) or fp32 rows: one source, two kernels,
-    the input's helpers (absmax, scale, encode, NaN word) compile-time constants."""
+    the input's helpers (absmax, scale, encode, NaN word) compile-time constants (the PTX equals
+    that of the two hand-written kernels it replaced)."""
     absmax = f32x2_absmax if f32 else bf16x4_absmax
     inf = uint32(F32_INF if f32 else BF16_INF)
     scale_exp = rowwise_scale_exp if f32 else rowwise_scale_exp_bf16
@@ -161,7 +118,7 @@ def _quantize_fp8_rowwise(f32):
     nan_word = _E4M3_NAN_X4 if f32 else _E4M3_NAN_X8
 
     @kernel
-    def quantize_fp8_rowwise_kernel(x_words, data_words, scales, width):
+    def quantize_fp8_rowwise_kernel(x_words, data_words, scales):
         """fp8-rowwise-quantize bf16 or fp32 rows: scale 2^clamp(ceil(log2(amax / 448)), -126,
         127) per row, element = RNE(x / scale) as e4m3fn saturated to +-448; NaN/Inf rows: scale
         NaN, elements 0x7F.
@@ -172,55 +129,46 @@ def _quantize_fp8_rowwise(f32):
             data_words: (M, D // 8) uint64 of e4m3fn bits (8 per word), or (M, D // 4) uint32 (4
                 per word) for f32. Written.
             scales: (M,) uint32, fp32 bits of the row scales. Written.
-            width: threads per row: a power of two <= 32, or a multiple of 32 dividing the CUDA
-                block (:func:`row_split`).
-        Launch: blockDim.x // width rows per CUDA block, grid-stride over rows in steps uniform
-            per CUDA block; thread t of a row takes units (16 input bytes, one data word) t +
-            width * k, PASS_UNITS of them per step. A row of one step (the launcher's choice up
-            to 1024 threads per row) is read once: it stays in registers while its amax meets
-            (:func:`group_max`); a longer row is read twice (amax, then encode).
+        Launch: launch_1d(ceil(M / R) * 32 * R, threads=32 * R): one warp per row (R rows per
+            CUDA block), grid-stride over rows in steps uniform per CUDA block; lane l takes units
+            (16 input bytes, one data word) l + 32 k, PASS_UNITS of them per step, in two passes
+            (amax, then encode; the second reads what the first brought to L1/L2).
         """
         scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-        warp_max = cuda.shared.array((2, WARP), uint32)
         first = cuda.local.array(PASS_UNITS, uint64)
         second = cuda.local.array(PASS_UNITS, uint64)
-        t = cuda.threadIdx.x % width
-        rows_per_block = cuda.blockDim.x // width
-        slot = cuda.threadIdx.x // width  # the block's row this thread works on
+        lane = cuda.threadIdx.x % WARP
+        rows_per_block = cuda.blockDim.x // WARP
         m = x_words.shape[0]
         units = data_words.shape[1]
-        step = width * PASS_UNITS
-        one_step = units <= step  # the row stays in registers between the passes
-        parity = 0
+        step = WARP * PASS_UNITS
         for base in range(cuda.blockIdx.x * rows_per_block, m, cuda.gridDim.x * rows_per_block):
-            row = base + slot
+            row = base + cuda.threadIdx.x // WARP
             live = row < m
             amax = uint32(0)
             if live:
-                for start in range(t, units, step):
-                    load_units(x_words, row, start, width, units, first, second)
+                for start in range(lane, units, step):
+                    load_units(x_words, row, start, units, first, second)
                     for k in range(PASS_UNITS):
                         amax = max(amax, absmax(first[k]), absmax(second[k]))
-            amax = group_max(amax, scratch, warp_max, width, parity)  # every thread of the block
-            parity ^= 1
+            amax = lanes_max(amax, scratch, WARP)  # every lane of the block (the simulator syncs)
             if not live:
                 continue
             if amax >= inf:
-                for u in range(t, units, width):
+                for u in range(lane, units, WARP):
                     data_words[row, u] = nan_word
                 scale_bits = uint32(F32_NAN)
             else:
                 s = scale_exp(amax)
                 mult = f32_from_bits(inv_scale_f32_bits(s))
-                for start in range(t, units, step):
-                    if not one_step:
-                        load_units(x_words, row, start, width, units, first, second)
+                for start in range(lane, units, step):
+                    load_units(x_words, row, start, units, first, second)
                     for k in range(PASS_UNITS):
-                        u = start + k * width
+                        u = start + k * WARP
                         if u < units:
                             data_words[row, u] = encode_units(first[k], second[k], mult)
                 scale_bits = s << uint32(23)
-            if t == 0:
+            if lane == 0:
                 scales[row] = scale_bits
 
     return quantize_fp8_rowwise_kernel

@@ -20,13 +20,11 @@ only where they land in e4m3's subnormal range (below 2^-6 of the row scale): me
 outlier-channel and Student-t rows at 1024 x 7168, the SQNR against the bf16 rows is the same to
 1e-4 dB (31.49 dB on Gaussian rows).
 
-Work split: as the rowwise quantize kernels (``fp8_rowwise.row_split``): a permuted row takes enough
-threads that each loads PASS_WORDS data words and the whole row is in registers after one step (up
-to 512 threads, what one CUDA block holds at its registers: D <= 32768); they load its words with their blocks' scales, all in flight at once, then the
-max over the row's D / 32 scale bytes meets (warp shuffles, one block barrier for a row of several
-warps), then each thread rescales and stores the words it holds. (One warp per row, reading the
-scales first and then streaming the words, measured 0.64x copy bandwidth on an H200 at 131072 x
-7168; one CUDA block per row with two barriers, 0.49x: bench/NOTES.md.)
+Work split: one warp per permuted row, grid-stride over rows (as the rowwise quantize kernels; one
+CUDA block per row measured 0.49x copy bandwidth on an H200, bench/NOTES.md). The warp first reads
+the row's D / 32 scale bytes, whose max meets through warp shuffles; then each lane streams data
+words l + 32 k of the row with their blocks' scales (PASS_WORDS loads in flight), rescales and
+stores them.
 """
 
 from numba import cuda, int32, uint16, uint32, uint64
@@ -34,24 +32,19 @@ from numba import cuda, int32, uint16, uint32, uint64
 from ._fp8 import (E4M3_NAN, E8M0_NAN, F32_NAN, cvt_e4m3x2, cvt_f16x2_e4m3x2, f32_from_bits,
                    f32_from_f16_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
-from .fp8_rowwise import F32_ONE, SCALE_EXP_MIN, WARP, group_max, nan_byte_mask
+from .fp8_rowwise import F32_ONE, SCALE_EXP_MIN, WARP, nan_byte_mask
+from .mxfp8 import lanes_max
 
 #: Data words (8 e4m3 each) each thread loads per step, all in flight at once.
 PASS_WORDS = 8
 #: Registers per thread of the gather kernel (ptxas -v, sm_90, numba-cuda 0.30.4, CUDA 13.0): the
 #: wrapper caps its grid at the blocks that stay resident.
-GATHER_REGISTERS = 128
+GATHER_REGISTERS = 96
 #: log2 of the data words per MX block (32 elements = 4 words).
 MX_WORDS_PER_BLOCK_LOG2 = 2
 #: Smallest rescale exponent used: 448 * 2^-19 < 2^-10 already rounds to zero in e4m3.
 RESCALE_EXP_MIN = -32
-#: Largest n = r - s of the integer fast path of :func:`rescale_e4m3x8` (15 - n must stay >= 0 in
-#: each byte of its exponent comparison).
-FAST_SHIFT_MAX = 14
 _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
-_ONES_X8 = uint64(0x0101010101010101)
-_LOW7_X8 = uint64(0x7F7F7F7F7F7F7F7F)
-_EXP_X8 = uint64(0x0F0F0F0F0F0F0F0F)
 
 
 @cuda.jit(device=True)
@@ -70,25 +63,9 @@ def rescale_e4m3x4(d, mult):
 @cuda.jit(device=True)
 def rescale_e4m3x8(d, s, r):
     """The 8 e4m3 of the uint64 ``d`` (block scale 2^(s - 127)) re-expressed at the row scale
-    2^(r - 127), r >= s: RNE_e4m3(v * 2^(s - r)); NaN bytes kept; ``d`` itself when s == r.
-
-    Integer fast path: where every byte is a signed zero or a normal number whose exponent field
-    exceeds n = r - s (none NaN), each product is a normal e4m3, exact: the byte with n taken off
-    its exponent field (no rounding). Otherwise (a product below e4m3's normal range, or a NaN
-    byte) the hardware conversions round each element. The fast path takes ~15 integer operations
-    per word against ~100 (profiled compute-bound, bench/NOTES.md); for Gaussian rows almost every
-    word takes it.
-    """
+    2^(r - 127), r >= s: RNE_e4m3(v * 2^(s - r)); NaN bytes kept; ``d`` itself when s == r."""
     if s >= r:
         return d
-    n = r - s
-    if n <= uint32(FAST_SHIFT_MAX):
-        n8 = uint64(n)
-        exponent = (d >> uint64(3)) & _EXP_X8
-        normal = ((exponent + (uint64(15) - n8) * _ONES_X8) >> uint64(4)) & _ONES_X8  # field > n
-        nonzero = (((d & _LOW7_X8) + _LOW7_X8) >> uint64(7)) & _ONES_X8
-        if (nonzero & ~normal) == uint64(0) and nan_byte_mask(d) == uint64(0):
-            return d - normal * (n8 << uint64(3))
     k = max(int32(s) - int32(r), int32(RESCALE_EXP_MIN))
     mult = f32_from_bits(uint32(int32(127) + k) << uint32(23))
     lo = rescale_e4m3x4(uint32(d & uint64(0xFFFFFFFF)), mult)
@@ -97,20 +74,8 @@ def rescale_e4m3x8(d, s, r):
     return ((uint64(lo) | (uint64(hi) << uint64(32))) & ~nan) | (d & nan)
 
 
-@cuda.jit(device=True)
-def load_words(data_words, mx_scales, i, start, stride, ncols, words, sb):
-    """Load the PASS_WORDS data words start + k * stride of MXFP8 row ``i`` (those below
-    ``ncols``) into ``words`` and their blocks' e8m0 scales into ``sb``, all loads issued before
-    any is used."""
-    for k in range(PASS_WORDS):
-        w = start + k * stride
-        if w < ncols:
-            words[k] = data_words[i, w]
-            sb[k] = uint32(mx_scales[i, w >> MX_WORDS_PER_BLOCK_LOG2])
-
-
 @kernel
-def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_scales, width):
+def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_scales):
     """out[p] = fp8 rowwise form of MXFP8 row indices[p] (rules in the module docstring).
 
     Args:
@@ -119,59 +84,52 @@ def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_s
         mx_scales: (N, D // 32) uint8, e8m0 bits. Read.
         out_words: (P, D // 8) uint64, e4m3fn bits. Written.
         out_scales: (P,) uint32, fp32 bits of the row scales. Written.
-        width: threads per permuted row: a power of two <= 32, or a multiple of 32 dividing the
-            CUDA block (``fp8_rowwise.row_split``).
-    Launch: blockDim.x // width permuted rows per CUDA block, grid-stride over rows in steps
-        uniform per CUDA block; thread t of a row takes words t + width * k, PASS_WORDS of them
-        per step. A row of one step (the launcher's choice, up to 512 threads per row) has all
-        its data words loaded before its scales' max meets; a longer row streams them after.
+    Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R): one warp per permuted row (R rows
+        per CUDA block), grid-stride over rows in steps uniform per CUDA block; lane l takes
+        words l + 32 k, PASS_WORDS loads in flight.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    warp_max = cuda.shared.array((2, WARP), uint32)
     words = cuda.local.array(PASS_WORDS, uint64)
     sb = cuda.local.array(PASS_WORDS, uint32)
-    t = cuda.threadIdx.x % width
-    rows_per_block = cuda.blockDim.x // width
-    slot = cuda.threadIdx.x // width  # the block's row this thread works on
+    lane = cuda.threadIdx.x % WARP
+    rows_per_block = cuda.blockDim.x // WARP
     npermuted = indices.shape[0]
     nsrc = data_words.shape[0]
     ncols = out_words.shape[1]
     nblocks = mx_scales.shape[1]
-    step = width * PASS_WORDS
-    one_step = ncols <= step  # the row's words stay in registers while the scales meet
-    parity = 0
+    step = WARP * PASS_WORDS
     for base in range(cuda.blockIdx.x * rows_per_block, npermuted,
                       cuda.gridDim.x * rows_per_block):
-        p = base + slot
+        p = base + cuda.threadIdx.x // WARP
         i = indices[p] if p < npermuted else -1
-        source = 0 <= i < nsrc  # uniform per row
+        source = 0 <= i < nsrc  # uniform per warp
         smax = uint32(0)
         if source:
-            if one_step:
-                load_words(data_words, mx_scales, i, t, width, ncols, words, sb)
-            for b in range(t, nblocks, width):  # the row's scales: 1/32 of its bytes
+            for b in range(lane, nblocks, WARP):  # the row's scales: 1/32 of its bytes
                 smax = max(smax, uint32(mx_scales[i, b]))
-        smax = group_max(smax, scratch, warp_max, width, parity)  # every thread of the block
-        parity ^= 1
+        smax = lanes_max(smax, scratch, WARP)  # every lane of the block (the simulator syncs)
         if p >= npermuted:
             continue
         if not source:  # padding
-            for w in range(t, ncols, width):
+            for w in range(lane, ncols, WARP):
                 out_words[p, w] = 0
             scale_bits = uint32(F32_ONE)
         elif smax == uint32(E8M0_NAN):  # 0xFF is the largest byte: some block is NaN
-            for w in range(t, ncols, width):
+            for w in range(lane, ncols, WARP):
                 out_words[p, w] = _E4M3_NAN_X8
             scale_bits = uint32(F32_NAN)
         else:
             r = max(smax, uint32(SCALE_EXP_MIN))
-            for start in range(t, ncols, step):
-                if not one_step:
-                    load_words(data_words, mx_scales, i, start, width, ncols, words, sb)
+            for start in range(lane, ncols, step):
+                for k in range(PASS_WORDS):  # all loads first
+                    w = start + k * WARP
+                    if w < ncols:
+                        words[k] = data_words[i, w]
+                        sb[k] = uint32(mx_scales[i, w >> MX_WORDS_PER_BLOCK_LOG2])
                 for k in range(PASS_WORDS):
-                    w = start + k * width
+                    w = start + k * WARP
                     if w < ncols:
                         out_words[p, w] = rescale_e4m3x8(words[k], sb[k], r)
             scale_bits = r << uint32(23)
-        if t == 0:
+        if lane == 0:
             out_scales[p] = scale_bits

@@ -40,12 +40,12 @@ from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
                                 dequantize_fp8_block128_bf16_kernel,
                                 dequantize_fp8_block128_f32_kernel,
                                 quantize_fp8_block128_bf16_kernel, quantize_fp8_block128_f32_kernel)
-from .kernels.fp8_rowwise import (dequantize_fp8_rowwise_bf16_kernel,
+from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_bf16_kernel,
                                   dequantize_fp8_rowwise_f32_kernel,
                                   quantize_fp8_rowwise_bf16_kernel, quantize_fp8_rowwise_f32_kernel)
 from .kernels.fp8_colwise import (GROUP_ALIGN, group_colwise_amax_kernel,
                                   group_colwise_encode_kernel, group_colwise_scales_kernel)
-from .kernels.mx_rowwise import GATHER_REGISTERS, PASS_WORDS, mx_to_rowwise_gather_kernel
+from .kernels.mx_rowwise import GATHER_REGISTERS, mx_to_rowwise_gather_kernel
 from .mxfp8 import MXFP8Array
 
 #: D must be a multiple of it for fp8 rowwise (torch._scaled_grouped_mm: K % 16 == 0).
@@ -65,9 +65,6 @@ _WARP = 32
 #: warp in units of 256 (8 per thread).
 _REGISTERS_PER_SM = 65536
 _WARPS_PER_SM = 64
-#: Most threads of a simulated CUDA block of the row-group kernels: two simulated warps, so the
-#: CPU tests take the barrier between the warps of a row (every simulated thread is a Python one).
-SIM_ROW_THREADS = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,26 +153,6 @@ def _resident_launch(n, threads, registers, stream, share):
     return launch_1d(n, stream, threads=threads, share=share * fit)
 
 
-def _row_launch(rows, units, per_thread, registers, stream, share):
-    """(launch config, width) of a row-group kernel (the rowwise quantize, the MXFP8 -> rowwise
-    gather) over ``rows`` rows of ``units`` work items, ``per_thread`` per thread and step:
-    ``fp8_rowwise.row_split``'s threads per row, its persistent grid capped at the blocks that
-    stay resident; at most as many threads per row as one CUDA block can hold at ``registers``
-    per thread. Under the simulator, blocks of at most SIM_ROW_THREADS threads (rows of
-    several simulated warps still meet through the block barrier)."""
-    if simulated():
-        width, per_block = fp8_rowwise.row_split(units, per_thread, SIM_ROW_THREADS,
-                                                 SIM_ROW_THREADS)
-        return (max(1, min(2, -(-rows // per_block))), width * per_block, 0), width
-    block_warps = _REGISTERS_PER_SM // (-(-registers // 8) * 8 * _WARP)  # what one block holds
-    width, per_block = fp8_rowwise.row_split(units, per_thread,
-                                             max_width=min(fp8_rowwise.MAX_ROW_THREADS,
-                                                           block_warps * _WARP))
-    threads = width * per_block
-    return _resident_launch(-(-rows // per_block) * threads, threads, registers, stream,
-                            share), width
-
-
 # ---------------------------------------------------------------------------------------------
 # fp8 rowwise.
 # ---------------------------------------------------------------------------------------------
@@ -229,11 +206,13 @@ def _rowwise_quantize_launch(m, d, dtype, share):
         kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (m, d // 8), _U64)
     else:  # units of 4 elements -> one uint32
         kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (m, d // 4), _U32)
-    registers = fp8_rowwise.QUANTIZE_BF16_REGISTERS if dtype == bfloat16 else \
-        fp8_rowwise.QUANTIZE_F32_REGISTERS
-    config, width = _row_launch(m, data.shape[1], fp8_rowwise.PASS_UNITS, registers, 0, share)
+    # one warp per row, ROWS_PER_BLOCK rows per CUDA block
+    threads = _WARP * ROWS_PER_BLOCK
+    config = _resident_launch(-(-m // ROWS_PER_BLOCK) * threads, threads,
+                              fp8_rowwise.QUANTIZE_REGISTERS, 0,
+                              share * fp8_rowwise.QUANTIZE_GRID_SHARE)
     return Launch(kernel, config, Words(0, (m, d * dtype.itemsize // 8), _U64), data,
-                  Words(0, (m,), _U32), width)
+                  Words(0, (m,), _U32))
 
 
 def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=None):
@@ -465,11 +444,11 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
     if host_backend():
         return _host_mx_to_rowwise_permute(mx, indices, out=(data, scales))
     out_words = words(data, _U64, "out data", rows=True)
-    config, width = _row_launch(p, out_words.shape[1], PASS_WORDS, GATHER_REGISTERS, stream,
-                                share)
-    mx_to_rowwise_gather_kernel[config](
+    threads = _WARP * ROWS_PER_BLOCK  # one warp per row
+    mx_to_rowwise_gather_kernel[_resident_launch(-(-p // ROWS_PER_BLOCK) * threads, threads,
+                                                 GATHER_REGISTERS, stream, share)](
         indices, words(mx.data, _U64, "mx.data", rows=True), mx.scales, out_words,
-        words(scales, _U32, "scales"), width)
+        words(scales, _U32, "scales"))
     return data, scales
 
 

@@ -290,12 +290,11 @@ def test_rowwise_kernels_bit_exact(kernels, rng, dtype):
 
 
 @DTYPES
-@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("steps", [2, 3])
 def test_rowwise_kernels_long_rows(kernels, rng, dtype, steps):
-    """Rows of several warps (64 threads per row in the simulator, which meet through the block
-    barrier), held in registers (one step of 64 x 4 units of 16 bytes) or read twice (two steps);
-    three rows, so the grid-stride loop alternates the barrier's shared row."""
-    d = {(BF16, 1): 1040, (F32, 1): 528, (BF16, 2): 2064, (F32, 2): 1040}[dtype, steps]
+    """Rows longer than one step of a (simulated, 32-thread) warp, 32 x 4 units of 16 bytes: 2 or
+    3 steps per pass; three rows, one with an Inf, so the row loop goes on past a NaN row."""
+    d = {(BF16, 2): 1040, (F32, 2): 528, (BF16, 3): 2064, (F32, 3): 1040}[dtype, steps]
     x = random_rows(rng, 3, d, dtype)
     x[1, d - 5] = np.inf
     data, scales = quantize_fp8_rowwise(to_device(x))
@@ -359,8 +358,8 @@ def test_mx_to_rowwise_kernel_permute_layout(kernels, rng):
 
 def test_mx_to_rowwise_kernel_every_byte_and_shift(kernels, rng):
     """Every e4m3 byte (zeros, subnormals, normals, NaN) rescaled by every shift n = r - s from 0
-    to 35, against the float64 reference: both sides of the integer fast path (a normal result,
-    exact) and of its limits (results below the normal range, n > 14, NaN bytes)."""
+    to 35, against the float64 reference: exact results, results rounded below e4m3's normal
+    range or flushed to zero, NaN bytes kept."""
     perm = rng.permutation(256).astype(np.uint8)
     rows, scales = [], []
     for n in range(36):
@@ -374,10 +373,10 @@ def test_mx_to_rowwise_kernel_every_byte_and_shift(kernels, rng):
     assert_same(got, mx_to_rowwise_ref(data, scales, indices))
 
 
-def test_mx_to_rowwise_kernel_two_steps(kernels, rng):
-    """Rows too long for one step of the (simulated) 64 threads per row: their scales meet first,
-    then their words stream."""
-    data, scales = mx_test_rows(rng, 2, 4160)  # 520 words; a step is 64 x 8
+def test_mx_to_rowwise_kernel_long_rows(kernels, rng):
+    """Rows of three steps of a (simulated, 32-thread) warp: the scales' max over several
+    lanes' blocks, then the words streamed in steps."""
+    data, scales = mx_test_rows(rng, 2, 4160)  # 520 words; a step is 32 x 8
     indices = np.array([1, -1, 0, 3, 2], np.int32)
     got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
     assert_same(got, mx_to_rowwise_ref(data, scales, indices))
@@ -552,9 +551,8 @@ def test_group_colwise_rejects_bad_input(kernels):
 @DTYPES
 @pytest.mark.parametrize("m, d", [(4093, 7168), (1001, 48), (37, 2064), (9, 24576)])
 def test_gpu_rowwise_large_bit_exact(rng, dtype, m, d):
-    """Row counts that leave rows of the last CUDA block empty; rows narrower than a warp's
-    units (several rows per warp); a width that is not a multiple of a pass; rows longer than
-    the threads of a CUDA block hold (read twice)."""
+    """Row counts that leave warps of the last CUDA block without a row; rows narrower than a
+    warp's units; a width that is not a multiple of a pass; rows of many passes."""
     x = random_rows(rng, m, d, dtype)
     x[5, d // 2] = np.nan
     x[m - 3, d - 1] = -np.inf
@@ -610,8 +608,7 @@ def test_gpu_group_colwise_large_bit_exact(rng):
 
 @pytest.mark.gpu
 def test_gpu_mx_to_rowwise_long_rows_bit_exact(rng):
-    """Rows longer than the threads of a CUDA block hold (D = 36864: 4608 words, 512 threads of
-    8): scales first, then the words streamed."""
+    """Rows of many steps (D = 36864: 4608 words, 18 steps of a warp's 256)."""
     data, scales = mx_test_rows(rng, 6, 36864)
     indices = np.r_[rng.permutation(data.shape[0]), -1].astype(np.int32)
     got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))

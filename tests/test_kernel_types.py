@@ -66,8 +66,8 @@ def _register_budgets():
     """{kernel: registers per thread its launcher sizes the resident grid for}
     (``fp8_formats._resident_launch``): more would leave part of the grid to a second wave."""
     from mxcomm.kernels import fp8_block, fp8_rowwise, mx_rowwise
-    return {"quantize_fp8_rowwise_bf16_kernel": fp8_rowwise.QUANTIZE_BF16_REGISTERS,
-            "quantize_fp8_rowwise_f32_kernel": fp8_rowwise.QUANTIZE_F32_REGISTERS,
+    return {"quantize_fp8_rowwise_bf16_kernel": fp8_rowwise.QUANTIZE_REGISTERS,
+            "quantize_fp8_rowwise_f32_kernel": fp8_rowwise.QUANTIZE_REGISTERS,
             "dequantize_fp8_rowwise_bf16_kernel": fp8_rowwise.DEQUANTIZE_REGISTERS,
             "dequantize_fp8_rowwise_f32_kernel": fp8_rowwise.DEQUANTIZE_REGISTERS,
             "quantize_fp8_block128_bf16_kernel": fp8_block.QUANTIZE_BF16_REGISTERS,
