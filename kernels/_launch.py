@@ -27,6 +27,8 @@ RESIDENT_BLOCKS_PER_SM = 32
 #: Under the simulator every CUDA thread is a Python thread: keep launches tiny.
 SIM_THREADS_PER_BLOCK = 32
 SIM_MAX_BLOCKS = 2
+#: Dynamic shared memory a launch may take without opting in (the driver's default), bytes.
+_DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
 @functools.cache
@@ -193,9 +195,12 @@ class Kernel:
         self.parameters = tuple(inspect.signature(pyfunc).parameters)
 
     def __getitem__(self, config):
-        blocks, threads, stream = config
+        blocks, threads, stream = config[:3]
+        shared = config[3] if len(config) > 3 else 0
         if self._dispatcher is not None:
-            return self._dispatcher[blocks, threads]
+            return self._dispatcher[blocks, threads, 0, shared]
+        if shared:
+            raise ValueError("dynamic shared memory: launch through a prepared Launch")
         return functools.partial(self._launch, blocks, threads, stream)
 
     def compile(self, argument_types):
@@ -234,7 +239,8 @@ class Launch:
 
     Args:
         kernel: the :class:`Kernel`.
-        config: ``(blocks, threads, ...)`` as :func:`launch_1d` returns it (its stream ignored).
+        config: ``(blocks, threads, stream[, shared])`` as :func:`launch_1d` returns it (its
+            stream ignored), ``shared`` the bytes of dynamic shared memory (default 0).
         args: the kernel's arguments in order: for each array a :class:`Words` placeholder
             (address ignored; its shape and word dtype are the argument's), given at call time;
             ints and bools, fixed here.
@@ -247,16 +253,19 @@ class Launch:
     Raises ValueError naming the argument when an address is not aligned to its word size.
     """
 
-    __slots__ = ("_kernel", "_blocks", "_threads", "_args", "_names", "_function", "_values",
-                 "_slots")
+    __slots__ = ("_kernel", "_blocks", "_threads", "_shared", "_args", "_names", "_function",
+                 "_values", "_slots")
 
     def __init__(self, kernel, config, *args):
         self._kernel = kernel
         self._blocks, self._threads = config[0], config[1]
+        self._shared = config[3] if len(config) > 3 else 0
         self._args = args
         self._names = tuple(p for p, a in zip(kernel.parameters, args) if isinstance(a, Words))
         if kernel._dispatcher is None:
             self._function = kernel._function(args)
+            if self._shared > _DEFAULT_SHARED_LIMIT:
+                self._function.allow_shared(self._shared)
             self._values = _abi_values(args)
             self._slots, at = [], 0
             for a in args:  # the data field of each array's ABI (meminfo, parent, nitems,
@@ -274,7 +283,7 @@ class Launch:
             if ptr % values[slot - 1]:
                 self._misaligned(arrays)
             values[slot] = ptr
-        self._function(self._blocks, self._threads, stream, values)
+        self._function(self._blocks, self._threads, stream, values, self._shared)
 
     def _simulate(self, arrays):
         """Numba's dispatcher on NumPy views of ``arrays`` as the placeholders' words."""
@@ -285,7 +294,7 @@ class Launch:
                 array, name = next(given)
                 a = words(array, a.dtype, name, rows=a.ndim == 2)
             args.append(a)
-        self._kernel._dispatcher[self._blocks, self._threads](*args)
+        self._kernel._dispatcher[self._blocks, self._threads, 0, self._shared](*args)
 
     def _misaligned(self, arrays):
         """Raise the ValueError of :func:`words` for the first misaligned array."""

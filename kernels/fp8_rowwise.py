@@ -16,13 +16,15 @@ scales), then round-to-nearest-even to bf16; NaN results are the canonical quiet
 Work split of the quantize kernels: one warp per row, grid-stride over rows (a row's amax is needed
 before any of its elements is written). Two passes over the row: each lane loads PASS_UNITS units
 of 16 input bytes at a time (all loads in flight first) for the amax, which meets through warp
-shuffles (no block barrier: the warps of a CUDA block go at their own pace); then it loads the same
-units again, from L1 or L2 (the row is 14 KiB at D = 7168 in bf16), and encodes and stores them.
-Holding the row in registers instead measured (ptxas, sm_90) 80-128 registers per thread against 64
-here: less memory in flight per multiprocessor. (One CUDA block per row, meeting through a shared
-word per warp, measured 0.48x copy bandwidth on an H200 at 131072x7168: bench/NOTES.md.) The
-dequantize kernels go flat over the data words like the 1x128 block ones, each word's scale found
-through its row (:func:`row_of`, once per tile).
+shuffles (no block barrier: the warps of a CUDA block go at their own pace), keeping each unit in
+the block's dynamic shared memory (a warp's row: 14 KiB at D = 7168 in bf16); then it encodes the
+units from there and stores them. So a row is read from memory once; a row longer than the stash
+(:data:`STASH_BLOCK_BYTES`, shared by the block's warps) has its remaining units read again.
+(Re-reading the whole row from L1/L2 instead measured 0.60x copy bandwidth on an H200 at 131072 x
+7168, 0.70x with half the resident grid; spreading a row over a group of warps that hold it in
+registers, meeting through a block barrier, 0.44x; one CUDA block per row, 0.48x: bench/NOTES.md.)
+The dequantize kernels go flat over the data words like the 1x128 block ones, each word's scale
+found through its row (:func:`row_of`, once per tile).
 
 The word decoders here (:func:`dequantize_e4m3x8_bf16`, :func:`dequantize_e4m3x2_f32`) take any fp32
 scale and are shared with the 1x128 block format (``fp8_block``).
@@ -51,12 +53,13 @@ SCALE_EXP_MIN = 1
 F32_ONE = 0x3F800000
 #: Registers per thread of the quantize / dequantize kernels (ptxas -v, sm_90, numba-cuda 0.30.4,
 #: CUDA 13.0): the wrappers cap the one-row-per-block grids at the blocks that stay resident.
-QUANTIZE_REGISTERS = 64
+QUANTIZE_REGISTERS = 72
 DEQUANTIZE_REGISTERS = 40
-#: Share of the resident grid the quantize kernels take: fewer rows in flight, so the encode pass
-#: re-reads each row from L1/L2 rather than HBM. Swept on an H200 at 131072 x 7168 bf16
-#: (bench/sweep_rowwise.py, bench/NOTES.md): 0.59x copy bandwidth at the full grid, 0.69x at half.
-QUANTIZE_GRID_SHARE = 0.5
+#: Dynamic shared memory a quantize block keeps rows in (two blocks per multiprocessor: Hopper has
+#: 228 KiB, 1 KiB of it reserved per block): 8 warps' rows of up to 14 KiB (D = 7168 in bf16).
+STASH_BLOCK_BYTES = 112 * 1024
+#: Bytes of shared memory one unit takes in the stash (two uint64 words).
+STASH_UNIT_BYTES = 16
 
 _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
 _E4M3_NAN_X4 = uint32(E4M3_NAN * 0x01010101)
@@ -118,7 +121,7 @@ def _quantize_fp8_rowwise(f32):
     nan_word = _E4M3_NAN_X4 if f32 else _E4M3_NAN_X8
 
     @kernel
-    def quantize_fp8_rowwise_kernel(x_words, data_words, scales):
+    def quantize_fp8_rowwise_kernel(x_words, data_words, scales, stash_units):
         """fp8-rowwise-quantize bf16 or fp32 rows: scale 2^clamp(ceil(log2(amax / 448)), -126,
         127) per row, element = RNE(x / scale) as e4m3fn saturated to +-448; NaN/Inf rows: scale
         NaN, elements 0x7F.
@@ -129,21 +132,28 @@ def _quantize_fp8_rowwise(f32):
             data_words: (M, D // 8) uint64 of e4m3fn bits (8 per word), or (M, D // 4) uint32 (4
                 per word) for f32. Written.
             scales: (M,) uint32, fp32 bits of the row scales. Written.
-        Launch: launch_1d(ceil(M / R) * 32 * R, threads=32 * R): one warp per row (R rows per
-            CUDA block), grid-stride over rows in steps uniform per CUDA block; lane l takes units
-            (16 input bytes, one data word) l + 32 k, PASS_UNITS of them per step, in two passes
-            (amax, then encode; the second reads what the first brought to L1/L2).
+            stash_units: units of a row each warp keeps in the block's dynamic shared memory
+                between the passes (at most the row's; the launch gives 16 * stash_units bytes
+                per warp): those are read from memory once, the rest again for the encode.
+        Launch: launch_1d(ceil(M / R) * 32 * R, threads=32 * R), dynamic shared memory 16 * R *
+            stash_units bytes: one warp per row (R rows per CUDA block), grid-stride over rows in
+            steps uniform per CUDA block; lane l takes units (16 input bytes, one data word) l +
+            32 k, PASS_UNITS of them per step, in two passes (amax, then encode).
         """
         scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+        stash = cuda.shared.array(0, uint64)  # per warp: the first words, then the second ones
         first = cuda.local.array(PASS_UNITS, uint64)
         second = cuda.local.array(PASS_UNITS, uint64)
         lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
         rows_per_block = cuda.blockDim.x // WARP
         m = x_words.shape[0]
         units = data_words.shape[1]
         step = WARP * PASS_UNITS
+        lo = warp * 2 * stash_units  # a unit u < stash_units: stash[lo + u], stash[hi + u]
+        hi = lo + stash_units  # (each slot is only ever touched by the lane owning u)
         for base in range(cuda.blockIdx.x * rows_per_block, m, cuda.gridDim.x * rows_per_block):
-            row = base + cuda.threadIdx.x // WARP
+            row = base + warp
             live = row < m
             amax = uint32(0)
             if live:
@@ -151,6 +161,10 @@ def _quantize_fp8_rowwise(f32):
                     load_units(x_words, row, start, units, first, second)
                     for k in range(PASS_UNITS):
                         amax = max(amax, absmax(first[k]), absmax(second[k]))
+                        u = start + k * WARP
+                        if u < stash_units:
+                            stash[lo + u] = first[k]
+                            stash[hi + u] = second[k]
             amax = lanes_max(amax, scratch, WARP)  # every lane of the block (the simulator syncs)
             if not live:
                 continue
@@ -162,7 +176,14 @@ def _quantize_fp8_rowwise(f32):
                 s = scale_exp(amax)
                 mult = f32_from_bits(inv_scale_f32_bits(s))
                 for start in range(lane, units, step):
-                    load_units(x_words, row, start, units, first, second)
+                    for k in range(PASS_UNITS):  # all reads first
+                        u = start + k * WARP
+                        if u < stash_units:
+                            first[k] = stash[lo + u]
+                            second[k] = stash[hi + u]
+                        elif u < units:
+                            first[k] = x_words[row, 2 * u]
+                            second[k] = x_words[row, 2 * u + 1]
                     for k in range(PASS_UNITS):
                         u = start + k * WARP
                         if u < units:

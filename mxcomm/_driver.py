@@ -20,6 +20,8 @@ import threading
 _PARAM_BUFFER_POINTER = 1
 _PARAM_BUFFER_SIZE = 2
 _PARAM_END = 0
+# CUfunction_attribute (cuda.h).
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 class PackedLaunch:
@@ -31,13 +33,14 @@ class PackedLaunch:
         fmt: the parameters as ``struct`` codes, e.g. ``"QQIi"`` (``Q``: pointer or uint64,
             ``q``: int64, ``I``/``i``: 32-bit, ``B``: uint8/bool); packed with native alignment.
 
-    Calling it, ``launch(grid, block, stream, values)``: ``grid`` and ``block`` are ints (1-D),
-    ``stream`` a raw stream handle (int), ``values`` a sequence of ints matching ``fmt``. Enqueues
-    the kernel on ``stream``; no synchronization. Thread-safe.
+    Calling it, ``launch(grid, block, stream, values, shared=0)``: ``grid`` and ``block`` are
+    ints (1-D), ``stream`` a raw stream handle (int), ``values`` a sequence of ints matching
+    ``fmt``, ``shared`` the bytes of dynamic shared memory (above 48 KiB only after
+    :meth:`allow_shared`). Enqueues the kernel on ``stream``; no synchronization. Thread-safe.
     """
 
     __slots__ = ("_function", "_ptr", "_pack_into", "_buffer", "_size", "_extra", "_extra_ptr",
-                 "_lock", "_launch", "fmt")
+                 "_lock", "_launch", "_shared_cap", "fmt")
 
     def __init__(self, function, fmt):
         import cupy
@@ -54,8 +57,20 @@ class PackedLaunch:
         self._extra_ptr = ctypes.addressof(self._extra)
         self._lock = threading.Lock()
         self._launch = cupy.cuda.driver.launchKernel
+        self._shared_cap = 48 * 1024
 
-    def __call__(self, grid, block, stream, values):
+    def allow_shared(self, nbytes):
+        """Let launches take up to ``nbytes`` of dynamic shared memory (the driver's default cap
+        is 48 KiB; CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). The cap only grows: the
+        function is shared by every launch of its argument kinds."""
+        import cupy
+        with self._lock:
+            if nbytes > self._shared_cap:
+                cupy.cuda.driver.funcSetAttribute(self._ptr, _MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                  nbytes)
+                self._shared_cap = nbytes
+
+    def __call__(self, grid, block, stream, values, shared=0):
         with self._lock:
             self._pack_into(self._buffer, 0, *values)
-            self._launch(self._ptr, grid, 1, 1, block, 1, 1, 0, stream, 0, self._extra_ptr)
+            self._launch(self._ptr, grid, 1, 1, block, 1, 1, shared, stream, 0, self._extra_ptr)

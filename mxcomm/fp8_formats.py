@@ -65,6 +65,9 @@ _WARP = 32
 #: warp in units of 256 (8 per thread).
 _REGISTERS_PER_SM = 65536
 _WARPS_PER_SM = 64
+#: Hopper's shared memory per multiprocessor and what the driver reserves of it per block.
+_SHARED_PER_SM = 228 * 1024
+_SHARED_RESERVED = 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,9 +139,10 @@ def _out_array(out, shape, dtype):
     return _check_array(out, "out", dtype, shape)
 
 
-def _resident_launch(n, threads, registers, stream, share):
+def _resident_launch(n, threads, registers, stream, share, shared=0):
     """``launch_1d(n, stream, threads=threads, share=share)`` for a kernel of ``registers`` per
-    thread, its persistent grid capped at the blocks that stay resident together.
+    thread and ``shared`` bytes of shared memory per block, its persistent grid capped at the
+    blocks that stay resident together.
 
     ``launch_1d`` sizes the grid for RESIDENT_THREADS_PER_SM threads per multiprocessor; above 32
     registers a thread only part of them fit, and the blocks beyond would run in a second, partial
@@ -146,7 +150,8 @@ def _resident_launch(n, threads, registers, stream, share):
     """
     warps = threads // _WARP
     warp_registers = -(-registers // 8) * 8 * _WARP
-    resident = max(1, min(RESIDENT_BLOCKS_PER_SM, _WARPS_PER_SM // warps,
+    by_shared = _SHARED_PER_SM // (shared + _SHARED_RESERVED) if shared else RESIDENT_BLOCKS_PER_SM
+    resident = max(1, min(RESIDENT_BLOCKS_PER_SM, _WARPS_PER_SM // warps, by_shared,
                           _REGISTERS_PER_SM // (warp_registers * warps)))
     per_sm = max(1, min(RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM // threads))
     fit = min(1.0, resident / per_sm + 1e-9)  # + 1e-9: launch_1d truncates its product
@@ -206,13 +211,20 @@ def _rowwise_quantize_launch(m, d, dtype, share):
         kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (m, d // 8), _U64)
     else:  # units of 4 elements -> one uint32
         kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (m, d // 4), _U32)
-    # one warp per row, ROWS_PER_BLOCK rows per CUDA block
-    threads = _WARP * ROWS_PER_BLOCK
-    config = _resident_launch(-(-m // ROWS_PER_BLOCK) * threads, threads,
-                              fp8_rowwise.QUANTIZE_REGISTERS, 0,
-                              share * fp8_rowwise.QUANTIZE_GRID_SHARE)
-    return Launch(kernel, config, Words(0, (m, d * dtype.itemsize // 8), _U64), data,
-                  Words(0, (m,), _U32))
+    # one warp per row, up to ROWS_PER_BLOCK rows per CUDA block, each kept in the block's
+    # shared memory between the passes as far as STASH_BLOCK_BYTES go
+    units = data.shape[1]
+    row_bytes = units * fp8_rowwise.STASH_UNIT_BYTES
+    rows = max(1, min(ROWS_PER_BLOCK, fp8_rowwise.STASH_BLOCK_BYTES // row_bytes))
+    if simulated():
+        rows = 1  # the simulator's blocks are one warp
+    stash_units = min(units, fp8_rowwise.STASH_BLOCK_BYTES // (rows * fp8_rowwise.STASH_UNIT_BYTES))
+    threads = _WARP * rows
+    shared = rows * stash_units * fp8_rowwise.STASH_UNIT_BYTES
+    config = _resident_launch(-(-m // rows) * threads, threads, fp8_rowwise.QUANTIZE_REGISTERS,
+                              0, share, shared)
+    return Launch(kernel, config[:3] + (shared,), Words(0, (m, d * dtype.itemsize // 8), _U64),
+                  data, Words(0, (m,), _U32), stash_units)
 
 
 def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=None):

@@ -303,6 +303,21 @@ def test_rowwise_kernels_long_rows(kernels, rng, dtype, steps):
                 dequantize_scaled_ref(to_host(data), to_host(scales), d, dtype))
 
 
+@DTYPES
+def test_rowwise_kernels_partial_stash(kernels, rng, monkeypatch, dtype):
+    """A row longer than the shared memory stash: its first units encoded from the stash, the
+    rest read again (within one step and in a step of their own)."""
+    from mxcomm.kernels import clear_prepared, fp8_rowwise
+    monkeypatch.setattr(fp8_rowwise, "STASH_BLOCK_BYTES", 100 * fp8_rowwise.STASH_UNIT_BYTES)
+    clear_prepared()
+    try:
+        d = 1040 if dtype == BF16 else 528  # 130 or 132 units of 16 bytes: 100 stashed
+        x = random_rows(rng, 2, d, dtype)
+        assert_same(quantize_fp8_rowwise(to_device(x)), quantize_fp8_rowwise_ref(x))
+    finally:
+        clear_prepared()
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator: 448 * 2^127
 @DTYPES
 def test_dequantize_kernels_bit_exact(kernels, rng, dtype):
