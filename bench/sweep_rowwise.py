@@ -74,6 +74,9 @@ def main():
     parser.add_argument("--dim", type=int, default=7168)
     parser.add_argument("--dims", type=int, nargs="*", default=[2048, 4096, 5120, 7168, 8192])
     parser.add_argument("--shares", type=float, nargs="*", default=SHARES)
+    parser.add_argument("--stash-kib", type=int, nargs="*", default=[],
+                        help="also time the quantize with each of these shared-memory stashes per "
+                             "CUDA block (fp8_rowwise.STASH_BLOCK_BYTES, KiB)")
     args = parser.parse_args()
     m = args.rows
     header = ("| {} | quantize ms | ratio to copy | MXFP8 -> rowwise permute ms | ratio to copy |\n"
@@ -87,6 +90,20 @@ def main():
     for d in args.dims:
         (_, q_ms, q, p_ms, p), = measure(m, d, [1.0])
         print(f"| {d} | {q_ms:.3f} | {q:.2f} | {p_ms:.3f} | {p:.2f} |")
+    if args.stash_kib:
+        from mxcomm.kernels import clear_prepared, fp8_rowwise
+        built_in = fp8_rowwise.STASH_BLOCK_BYTES
+        print(f"quantize per stash per CUDA block, the full grid (built in: {built_in // 1024} KiB)")
+        print("| stash KiB | D | quantize ms | ratio to copy |\n| --- | --- | --- | --- |")
+        for kib in args.stash_kib:
+            fp8_rowwise.STASH_BLOCK_BYTES = kib * 1024
+            clear_prepared()
+            for d in args.dims:
+                (_, q_ms, q, _, _), = measure(m, d, [1.0])
+                print(f"| {kib} | {d} | {q_ms:.3f} | {q:.2f} |")
+        fp8_rowwise.STASH_BLOCK_BYTES = built_in
+        clear_prepared()
+
 
 if __name__ == "__main__":
     main()

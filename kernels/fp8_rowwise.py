@@ -16,10 +16,11 @@ scales), then round-to-nearest-even to bf16; NaN results are the canonical quiet
 Work split of the quantize kernels: one warp per row, grid-stride over rows (a row's amax is needed
 before any of its elements is written). Two passes over the row: each lane loads PASS_UNITS units
 of 16 input bytes at a time (all loads in flight first) for the amax, which meets through warp
-shuffles (no block barrier: the warps of a CUDA block go at their own pace), keeping each unit in
-the block's dynamic shared memory (a warp's row: 14 KiB at D = 7168 in bf16); then it encodes the
-units from there and stores them. So a row is read from memory once; a row longer than the stash
-(:data:`STASH_BLOCK_BYTES`, shared by the block's warps) has its remaining units read again.
+shuffles (no block barrier: the warps of a CUDA block go at their own pace), keeping the row's
+first units in the block's dynamic shared memory (:data:`STASH_BLOCK_BYTES`, shared by the
+block's warps); then it encodes the units, those from there, the rest read again (from L2 at
+best), and stores them. A stash of whole rows (14 KiB at D = 7168 in bf16) would leave two blocks
+per multiprocessor; two thirds of a row and three blocks measured faster.
 (Re-reading the whole row from L1/L2 instead measured 0.60x copy bandwidth on an H200 at 131072 x
 7168, 0.70x with half the resident grid; spreading a row over a group of warps that hold it in
 registers, meeting through a block barrier, 0.44x; one CUDA block per row, 0.48x: bench/NOTES.md.)
@@ -55,9 +56,12 @@ F32_ONE = 0x3F800000
 #: CUDA 13.0): the wrappers cap the one-row-per-block grids at the blocks that stay resident.
 QUANTIZE_REGISTERS = 72
 DEQUANTIZE_REGISTERS = 40
-#: Dynamic shared memory a quantize block keeps rows in (two blocks per multiprocessor: Hopper has
-#: 228 KiB, 1 KiB of it reserved per block): 8 warps' rows of up to 14 KiB (D = 7168 in bf16).
-STASH_BLOCK_BYTES = 112 * 1024
+#: Dynamic shared memory a quantize block keeps its ROWS_PER_BLOCK rows in: three blocks per
+#: multiprocessor (Hopper has 228 KiB, 1 KiB of it reserved per block), each row's first 9600
+#: bytes (two thirds of a row at D = 7168 in bf16; the rest is re-read). Swept on an H200 at
+#: 131072 rows (bench/sweep_rowwise.py --stash-kib): 0.74x copy bandwidth at 112 KiB (two blocks,
+#: whole rows), 0.80x at 75, 0.79x at 56, 0.75x at 37, 0.62x at 0 (D = 7168).
+STASH_BLOCK_BYTES = 75 * 1024
 #: Bytes of shared memory one unit takes in the stash (two uint64 words).
 STASH_UNIT_BYTES = 16
 

@@ -211,13 +211,10 @@ def _rowwise_quantize_launch(m, d, dtype, share):
         kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (m, d // 8), _U64)
     else:  # units of 4 elements -> one uint32
         kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (m, d // 4), _U32)
-    # one warp per row, up to ROWS_PER_BLOCK rows per CUDA block, each kept in the block's
-    # shared memory between the passes as far as STASH_BLOCK_BYTES go
+    # one warp per row, ROWS_PER_BLOCK rows per CUDA block, each kept in the block's shared
+    # memory between the passes as far as STASH_BLOCK_BYTES go (the rest of a row is re-read)
     units = data.shape[1]
-    row_bytes = units * fp8_rowwise.STASH_UNIT_BYTES
-    rows = max(1, min(ROWS_PER_BLOCK, fp8_rowwise.STASH_BLOCK_BYTES // row_bytes))
-    if simulated():
-        rows = 1  # the simulator's blocks are one warp
+    rows = 1 if simulated() else ROWS_PER_BLOCK  # the simulator's blocks are one warp
     stash_units = min(units, fp8_rowwise.STASH_BLOCK_BYTES // (rows * fp8_rowwise.STASH_UNIT_BYTES))
     threads = _WARP * rows
     shared = rows * stash_units * fp8_rowwise.STASH_UNIT_BYTES
