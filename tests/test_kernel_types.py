@@ -202,8 +202,8 @@ class _RecordingKernel:
 
     def _function(self, args):
         self.key = tuple(map(_launch._argument_key, args))
-        return lambda blocks, threads, stream, values: self.calls.append(
-            (blocks, threads, stream, list(values)))
+        return lambda blocks, threads, stream, values, shared: self.calls.append(
+            (blocks, threads, stream, list(values), shared))
 
 
 def test_prepared_launch_fills_in_the_addresses_the_generic_launch_packs():
@@ -222,11 +222,13 @@ def test_prepared_launch_fills_in_the_addresses_the_generic_launch_packs():
     launch(5, x_like, out_like)
     launch(6, _launch.Words(0x1000, (32,), u64), 0x2000)
     want = _launch._abi_values([x_like, 7, out_like, True])
-    assert kernel.calls[0] == (3, 64, 5, want)
+    assert kernel.calls[0] == (3, 64, 5, want, 0)
     second = list(want)
     second[4], second[7 + 1 + 4] = 0x1000, 0x2000  # data fields: x at 4, out after x (7) and n
-    assert kernel.calls[1] == (3, 64, 6, second)
+    assert kernel.calls[1] == (3, 64, 6, second, 0)
     assert kernel.key == tuple(map(_launch._argument_key, [x_like, 7, out_like, True]))
+    _launch.Launch(kernel, (3, 64, 99, 4096), *args)(7, x_like, out_like)  # dynamic shared memory
+    assert kernel.calls[2] == (3, 64, 7, want, 4096)
 
 
 def test_prepared_launch_rejects_misaligned_arrays():
