@@ -42,6 +42,7 @@ dequantized rows, in all three products, with the same autograd wiring (so CPU t
 
 import torch
 
+from . import fp8_formats
 from ._torch_arrays import _array, _stream, _tensor
 
 E4M3_MAX = 448.0
@@ -76,7 +77,6 @@ def quantize_rows_pow2(t):
     """
     k = t.shape[-1]
     if t.is_cuda and t.dtype in (torch.bfloat16, torch.float32) and k % 16 == 0 and t.numel():
-        from . import fp8_formats
         rows = t.detach().reshape(-1, k)
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -123,7 +123,6 @@ def _group_colwise(data, scales, offs):
     """fp8 rowwise rows (data (P, C) float8_e4m3fn, scales (P,) float32) as a wgrad operand:
     ((C, T) float8_e4m3fn token-contiguous, (G * C,) float32 scales per (group, column), (G,)
     int32 aligned group ends); ``mxcomm.fp8_formats.fp8_rowwise_to_group_colwise``."""
-    from . import fp8_formats
     data_t, scales_t, aligned = fp8_formats.fp8_rowwise_to_group_colwise(
         _array(data, "data"), _array(scales, "scales"), _array(offs, "offs"),
         stream=_stream(data))

@@ -4,8 +4,10 @@ Glossary: M rows, D hidden (row width). A format (docs/design.md "Formats") says
 array is stored: element dtype, scale dtype and granularity, the D multiple it needs, the bytes a
 row takes, the scale of a padding row, and how to quantize into it and dequantize out of it. The
 exchange (``mxcomm.a2a``), the permutation (``mxcomm.permutation``), the torch wrapper tensor
-(``mxcomm.torch``) and the benchmarks read only this object, so a new format touches this module
-and its own kernels module::
+(``mxcomm.torch``) and the benchmarks read only this object. This module is a leaf: it holds the
+registry and the unscaled formats; each quantized format's module (below) builds its Format around
+its launchers and registers it (:func:`register`) when imported, and ``mxcomm`` imports them all,
+so a new format is one module and its kernels::
 
     name                 elements        scales                          D %   kernels (module)
     "bf16"               bf16            none                            1
@@ -30,7 +32,6 @@ from .kernels import array_module
 #: ``Format.scale_block`` of a format with one scale per row.
 PER_ROW = "row"
 _OUT_DTYPES = (bfloat16, float32)
-_U8 = numpy.dtype(numpy.uint8)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -243,63 +244,32 @@ class QuantizedArray:
 
 
 # ------------------------------------------------------------------------------------ registry
-def _mxfp8_quantize(x, out, stream, share, scale_mode):
-    from .mxfp8 import launch_quantize
-    launch_quantize(x, out, scale_mode, stream, share)
+_FORMATS = {}  # name -> Format, in the order registered (the module docstring's)
+_CONVERSIONS = {}  # (source name, target name) -> the gather that permutes and converts
 
 
-def _mxfp8_dequantize(q, out, stream, share):
-    from .mxfp8 import launch_dequantize
-    launch_dequantize(q, out, stream, share)
+def register(fmt):
+    """Add the Format ``fmt`` to the names :func:`get_format` accepts and return it. Each
+    quantized format's module calls it once, when imported (``mxcomm`` imports them all).
+
+    Raises:
+        ValueError: a format of that name is registered already.
+    """
+    if fmt.name in _FORMATS:
+        raise ValueError(f"format {fmt.name!r} is registered already")
+    _FORMATS[fmt.name] = fmt
+    return fmt
 
 
-def _rowwise_quantize(x, out, stream, share, scale_mode):
-    from .fp8_formats import launch_quantize_fp8_rowwise
-    launch_quantize_fp8_rowwise(x, out.data, out.scales, stream, share)
-
-
-def _rowwise_dequantize(q, out, stream, share):
-    from .fp8_formats import launch_dequantize_fp8_rowwise
-    launch_dequantize_fp8_rowwise(q.data, q.scales, out, stream, share)
-
-
-def _block128(mode):
-    def quantize(x, out, stream, share, scale_mode):
-        from .fp8_formats import launch_quantize_fp8_block128
-        launch_quantize_fp8_block128(x, out.data, out.scales, mode, stream, share)
-    return quantize
-
-
-def _block128_dequantize(q, out, stream, share):
-    from .fp8_formats import launch_dequantize_fp8_block128
-    launch_dequantize_fp8_block128(q.data, q.scales, out, stream, share)
-
-
-@functools.lru_cache(maxsize=None)
-def _registry():
-    from .mxfp8 import MXFP8Array
-    formats = (
-        Format("bf16", "bf16", bfloat16, source="bf16 on the wire (torch's EP path)"),
-        Format("native", "input", None,
-               source="the input's dtype as is: fp32 stays fp32, bit for bit"),
-        Format("mxfp8", "e4m3fn", _U8, _U8, 32, 32, 0, ("rceil", "floor"), "OCP MX v1.0",
-               _mxfp8_quantize, _mxfp8_dequantize, MXFP8Array),
-        Format("fp8_rowwise", "e4m3fn", _U8, float32, PER_ROW, 16, 1.0, (),
-               "SM90 torch._scaled_grouped_mm's A operand (fp32 row scales, K % 16)",
-               _rowwise_quantize, _rowwise_dequantize),
-        Format("fp8_block128", "e4m3fn", _U8, float32, 128, 128, 1.0, (),
-               "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448",
-               _block128("plain"), _block128_dequantize),
-        Format("fp8_block128_pow2", "e4m3fn", _U8, float32, 128, 128, 1.0, (),
-               "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))",
-               _block128("pow2"), _block128_dequantize),
-    )
-    return {f.name: f for f in formats}
+def register_conversion(source, target, launcher):
+    """Let a permute convert rows of the format named ``source`` into ``target`` in its gather:
+    ``launcher(x, indices, stream) -> QuantizedArray`` (see :func:`conversion`)."""
+    _CONVERSIONS[source, target] = launcher
 
 
 def format_names():
     """The names ``get_format`` accepts, in the order of the module docstring's table."""
-    return tuple(_registry())
+    return tuple(_FORMATS)
 
 
 def get_format(name, what="precision"):
@@ -310,22 +280,11 @@ def get_format(name, what="precision"):
     """
     if isinstance(name, Format):
         return name
-    fmt = _registry().get(name) if isinstance(name, str) else None
+    fmt = _FORMATS.get(name) if isinstance(name, str) else None
     if fmt is None:
         raise ValueError(f"{what}: expected one of {', '.join(map(repr, format_names()))}, "
                          f"got {name!r}")
     return fmt
-
-
-def _mx_to_rowwise(x, indices, stream):
-    from .fp8_formats import launch_mx_to_rowwise_permute
-    out = get_format("fp8_rowwise").empty(indices.shape[0], x.shape[1])
-    launch_mx_to_rowwise_permute(x, indices, out.data, out.scales, stream)
-    return out
-
-
-#: Conversions a permute makes in its gather (source format, target format) -> launcher.
-_CONVERSIONS = {("mxfp8", "fp8_rowwise"): _mx_to_rowwise}
 
 
 def conversion(source, target):
@@ -342,3 +301,8 @@ def conversion(source, target):
         raise ValueError(f"out_format: cannot convert {getattr(source, 'name', 'plain')} rows "
                          f"to {target.name!r} in the permute; conversions: {have}")
     return launcher
+
+
+register(Format("bf16", "bf16", bfloat16, source="bf16 on the wire (torch's EP path)"))
+register(Format("native", "input", None,
+                source="the input's dtype as is: fp32 stays fp32, bit for bit"))

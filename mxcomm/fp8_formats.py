@@ -24,7 +24,9 @@ The exact formulas, NaN/Inf rules and sources are in the docstrings of ``kernels
 Every public function has a NumPy host implementation, ``_host_<name>``, bit-identical to its
 kernels (tested): vectorized, on NumPy arrays. The ``launch_*`` functions are the only places that
 choose: the host twin where ``mxcomm._platform.host_backend()``, else the kernel. The formats
-themselves (names, scale layouts, padding scales) are registered in ``mxcomm.formats``.
+themselves (:data:`FP8_ROWWISE`, :data:`FP8_BLOCK128`, :data:`FP8_BLOCK128_POW2`) and the MXFP8 ->
+rowwise conversion of the permute are registered with ``mxcomm.formats`` when this module is
+imported.
 """
 
 import ml_dtypes
@@ -34,6 +36,7 @@ from .kernels import (Launch, Words, array_module, launch_1d, prepared,  # first
                       simulated, words)  # simulator vs GPU before numba loads
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
+from .formats import PER_ROW, Format, register, register_conversion
 from .kernels import fp8_block, fp8_colwise, fp8_rowwise
 from .kernels._launch import RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
@@ -739,3 +742,50 @@ def _host_mx_to_rowwise_permute(mx, permuted_indices, *, out=None):
     scales = scale_bits.view(float32).copy()
     scales[~valid] = PADDING_SCALE
     return _host_write(out, data, scales)
+
+
+# ---------------------------------------------------------------------------------------------
+# The formats, registered with mxcomm.formats.
+# ---------------------------------------------------------------------------------------------
+
+def _rowwise_quantize(x, out, stream, share, scale_mode):
+    launch_quantize_fp8_rowwise(x, out.data, out.scales, stream, share)
+
+
+def _rowwise_dequantize(q, out, stream, share):
+    launch_dequantize_fp8_rowwise(q.data, q.scales, out, stream, share)
+
+
+def _block128_quantize(mode):
+    def quantize(x, out, stream, share, scale_mode):
+        launch_quantize_fp8_block128(x, out.data, out.scales, mode, stream, share)
+    return quantize
+
+
+def _block128_dequantize(q, out, stream, share):
+    launch_dequantize_fp8_block128(q.data, q.scales, out, stream, share)
+
+
+#: ``"fp8_rowwise"``, ``"fp8_block128"`` and ``"fp8_block128_pow2"`` (``mxcomm.formats``).
+FP8_ROWWISE = register(Format(
+    "fp8_rowwise", "e4m3fn", _U8, float32, PER_ROW, ROWWISE_MULTIPLE, PADDING_SCALE, (),
+    "SM90 torch._scaled_grouped_mm's A operand (fp32 row scales, K % 16)",
+    _rowwise_quantize, _rowwise_dequantize))
+FP8_BLOCK128 = register(Format(
+    "fp8_block128", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
+    "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448",
+    _block128_quantize("plain"), _block128_dequantize))
+FP8_BLOCK128_POW2 = register(Format(
+    "fp8_block128_pow2", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
+    "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))",
+    _block128_quantize("pow2"), _block128_dequantize))
+
+
+def _mx_to_rowwise(x, indices, stream):
+    """The permute's MXFP8 -> fp8 rowwise gather (``mxcomm.formats.conversion``)."""
+    out = FP8_ROWWISE.empty(indices.shape[0], x.shape[1])
+    launch_mx_to_rowwise_permute(x, indices, out.data, out.scales, stream)
+    return out
+
+
+register_conversion("mxfp8", "fp8_rowwise", _mx_to_rowwise)

@@ -15,7 +15,7 @@ from .kernels import Launch, Words, array_module, launch_1d, prepared  # first: 
 from . import _host
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
-from .formats import QuantizedArray, get_format
+from .formats import Format, QuantizedArray, register
 from .kernels._fp8 import MX_BLOCK
 from .kernels.mxfp8 import (PAIRS_PER_THREAD, WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, quantize_mxfp8_bf16_kernel,
@@ -54,7 +54,7 @@ class MXFP8Array(QuantizedArray):
     __slots__ = ()
 
     def __init__(self, data, scales):
-        super().__init__(data, scales, get_format("mxfp8"))
+        super().__init__(data, scales, MXFP8)
 
     def dequantize(self, dtype=bfloat16, *, out=None, stream=None):
         """This tensor as (M, D) ``dtype`` (bf16 or fp32); see :func:`dequantize_mxfp8`."""
@@ -198,3 +198,16 @@ def _dequantize_launch(n, dtype, share):
     n_threads = -(-data.size // WORDS_PER_THREAD)
     return Launch(kernel, launch_1d(n_threads, share=share), data,
                   Words(0, (n // MX_BLOCK,), _U8), Words(0, (n * dtype.itemsize // 8,), _U64))
+
+
+def _format_quantize(x, out, stream, share, scale_mode):
+    launch_quantize(x, out, scale_mode, stream, share)
+
+
+def _format_dequantize(q, out, stream, share):
+    launch_dequantize(q, out, stream, share)
+
+
+#: The ``"mxfp8"`` Format (registered with ``mxcomm.formats`` when this module is imported).
+MXFP8 = register(Format("mxfp8", "e4m3fn", _U8, _U8, MX_BLOCK, MX_BLOCK, 0, SCALE_MODES,
+                        "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array))

@@ -74,6 +74,25 @@ def test_registry_and_shapes():
         get_format("fp8_block128").check_width(96)
 
 
+def test_registry_is_filled_by_the_format_modules():
+    """mxcomm.formats imports no format module: each registers its own formats (a name only
+    once), and the permute's conversion is the fp8 formats module's."""
+    import ast
+    import inspect
+    from mxcomm import formats, fp8_formats, mxfp8
+    tree = ast.parse(inspect.getsource(formats))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"_array", "kernels"}, imported
+    assert get_format("mxfp8") is mxfp8.MXFP8
+    row = mxfp8.MXFP8.view(np.zeros((1, 32), np.uint8), np.zeros((1, 1), np.uint8))
+    assert type(row) is mxfp8.MXFP8Array and row.format is mxfp8.MXFP8
+    assert get_format("fp8_rowwise") is fp8_formats.FP8_ROWWISE
+    assert formats.conversion(mxfp8.MXFP8, fp8_formats.FP8_ROWWISE) is fp8_formats._mx_to_rowwise
+    with pytest.raises(ValueError, match="'fp8_rowwise' is registered already"):
+        formats.register(formats.Format("fp8_rowwise", "e4m3fn", np.uint8))
+    assert format_names().count("fp8_rowwise") == 1
+
+
 @pytest.mark.parametrize("name", QUANTIZED)
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "fp32"])
 def test_quantize_dequantize_bit_exact(rng, name, dtype):
