@@ -23,6 +23,7 @@ import math
 import threading
 import time
 
+from ._board import ArrivalBoard
 from ._communicator import Communicator
 
 _CUDA_SUCCESS = 0
@@ -111,9 +112,11 @@ class NcclCommunicator(Communicator):
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._free_events = []                   # event handles ready for reuse
-        self._in_flight = collections.deque()    # (event handle, host time recorded)
+        self._in_flight = collections.deque()    # (event handle, host time recorded, call)
         self._stopping = False
         self._host_since = None  # when the host entered an NCCL group call still running
+        self._host_call = 0      # ... and the number of its exchange call (the board's)
+        self._board = ArrivalBoard(self._side)  # collective
         self._watchdog = threading.Thread(target=self._watch, name=f"mxcomm-nccl-watchdog-"
                                           f"{self.rank}", daemon=True)
         self._watchdog.start()
@@ -237,9 +240,10 @@ class NcclCommunicator(Communicator):
         return int(ptr)
 
     # ------------------------------------------------------------------------------ watchdog
-    def _record(self, stream_ptr):
-        """Record a pooled event on ``stream_ptr`` and hand it to the watchdog (not while the
-        stream is being captured into a CUDA graph: the graph's launches are the caller's)."""
+    def _record(self, stream_ptr, call):
+        """Record a pooled event on ``stream_ptr`` after exchange call number ``call`` and hand
+        it to the watchdog (not while the stream is being captured into a CUDA graph: the
+        graph's launches are the caller's)."""
         if self._runtime.streamIsCapturing(stream_ptr):
             return
         with self._lock:
@@ -249,7 +253,7 @@ class NcclCommunicator(Communicator):
             event = self._runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
         self._runtime.eventRecord(event, stream_ptr)
         with self._lock:
-            self._in_flight.append((event, time.monotonic()))
+            self._in_flight.append((event, time.monotonic(), call))
             if len(self._in_flight) == 1:
                 self._wake.notify()
 
@@ -292,11 +296,12 @@ class NcclCommunicator(Communicator):
                 self._fail(TimeoutError(
                     f"alltoallv: NCCL did not accept an exchange within {self.timeout:g} s on "
                     f"rank {self.rank} of {self.size} (blocked in ncclGroupEnd, e.g. connecting "
-                    f"to a peer that does not call); the communicator is aborted"))
+                    f"to a peer that does not call; {self._late(self._host_call)}); the "
+                    f"communicator is aborted"))
                 return
             if head is None:
                 continue
-            event, recorded = head
+            event, recorded, call = head
             status = runtime.eventQuery(event)
             now = time.monotonic()
             if status == _CUDA_SUCCESS:
@@ -316,8 +321,8 @@ class NcclCommunicator(Communicator):
             if now - oldest_since > self.timeout * 1.25 + 1.0:
                 self._fail(TimeoutError(
                     f"alltoallv: an NCCL exchange did not finish within {self.timeout:g} s on "
-                    f"rank {self.rank} of {self.size}; the communicator is aborted (a rank may "
-                    f"have stopped calling it or called another collective)"))
+                    f"rank {self.rank} of {self.size} ({self._late(call)}); the communicator "
+                    f"is aborted"))
                 return
             if now - last_async_check > _ASYNC_CHECK_S:
                 last_async_check = now
@@ -331,6 +336,14 @@ class NcclCommunicator(Communicator):
                                             f"communicator is aborted"))
                     return
             time.sleep(_WATCH_POLL_S)
+
+    def _late(self, call):
+        """Who had not arrived at exchange call number ``call``, by the arrival board (a clause;
+        never raises: it is read on the watchdog's way to failing)."""
+        try:
+            return self._board.describe(call)
+        except Exception as exc:  # noqa: BLE001
+            return f"the arrival board could not be read: {exc}"
 
     def _state_lock(self):
         return self._lock
@@ -359,7 +372,7 @@ class NcclCommunicator(Communicator):
         elif not clean:
             self._abort_backend()
         with self._lock:
-            events = self._free_events + ([e for e, _ in self._in_flight] if clean else [])
+            events = self._free_events + ([e for e, _, _ in self._in_flight] if clean else [])
             self._free_events = []
             self._in_flight.clear()
         for event in events:
@@ -378,7 +391,8 @@ class NcclCommunicator(Communicator):
         Raises:
             TimeoutError: a device wait of an exchange on the stream gave up after ``timeout`` s
                 (naming the rank that did not arrive), or the stream's work is not done within
-                ``1.25 * timeout + 1`` s; the communicator is aborted.
+                ``1.25 * timeout + 1`` s (naming, by the arrival board, this node's ranks that
+                had not entered the last exchange call); the communicator is aborted.
             RuntimeError: the communicator is aborted or closed; a peer called a different
                 exchange.
         """
@@ -413,7 +427,8 @@ class NcclCommunicator(Communicator):
                 # message.
                 if time.monotonic() - start > self.timeout * 1.25 + 1.0:
                     self._fail(TimeoutError(f"wait: the stream's work did not finish within "
-                                            f"{self.timeout:g} s on rank {self.rank}; the "
+                                            f"{self.timeout:g} s on rank {self.rank} ("
+                                            f"{self._late(self._board.entered)}); the "
                                             f"communicator is aborted"))
                     self._check_usable()
                 time.sleep(sleep)
@@ -468,6 +483,7 @@ class NcclCommunicator(Communicator):
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                               validate)
         sends, outs, single, sc, rc, so, ro = plan
+        call = self._board.enter()  # checked: this rank has arrived
         blocks = []  # (send ptr, recv ptr, row bytes) per array
         for s, o in zip(sends, outs):
             row_bytes = s.itemsize * math.prod(s.shape[1:])
@@ -476,7 +492,7 @@ class NcclCommunicator(Communicator):
         # Nothing to move (zero-byte rows, e.g. a stand-in that only votes, or no rows at all):
         # no NCCL group and no event.
         if blocks and (any(sc) or any(rc)):
-            self._group(blocks, sc, so, rc, ro, stream_ptr)
+            self._group(blocks, sc, so, rc, ro, stream_ptr, call)
         return outs[0] if single else outs
 
     def alltoall_counts(self, counts, *, stream=None):
@@ -501,6 +517,7 @@ class NcclCommunicator(Communicator):
         self._check_usable()
         self._connected(self._stream(stream))
         counts, k = self._check_counts_array(counts)
+        call = self._board.enter()
         counts = self._cupy.ascontiguousarray(counts)
         out = self._cupy.empty_like(counts)
         ones = [1] * self.size
@@ -508,21 +525,23 @@ class NcclCommunicator(Communicator):
         if k:
             chunk = k * counts.itemsize
             self._group([(counts.data.ptr, out.data.ptr, chunk)], ones, offsets, ones, offsets,
-                        self._stream(stream))
+                        self._stream(stream), call)
         return out
 
-    def _group(self, blocks, sc, so, rc, ro, stream_ptr):
+    def _group(self, blocks, sc, so, rc, ro, stream_ptr, call):
         """Enqueue one NCCL group: for each peer and block, send and receive rows as bytes.
 
         Args:
             blocks: (send ptr, recv ptr, row bytes) per array.
             sc, so, rc, ro: W host ints each: rows and first rows to send / receive per peer.
             stream_ptr: raw CUDA stream handle.
+            call: the number of the exchange call it belongs to (the arrival board's).
         """
         send, recv = self._nccl.send, self._nccl.recv
         uint8 = self._uint8
         nccl = self._nccl_mod
         # ncclGroupEnd may block the host (first connection to a peer): the watchdog watches it.
+        self._host_call = call
         self._host_since = time.monotonic()
         try:
             nccl.groupStart()
@@ -543,4 +562,4 @@ class NcclCommunicator(Communicator):
             raise
         finally:
             self._host_since = None
-        self._record(stream_ptr)
+        self._record(stream_ptr, call)

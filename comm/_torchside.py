@@ -20,13 +20,12 @@ for.
 """
 
 import datetime
-import hashlib
 import pickle
-import socket
 import time
 
 import numpy
 
+from ._board import node_key
 from ._sidechannel import SideChannel
 
 #: Store prefix of the channels' keys (under the group's own store prefix).
@@ -60,16 +59,6 @@ def resolve_group(group):
         raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member "
                          f"of the group (ranks {dist.get_process_group_ranks(pg)})")
     return pg
-
-
-def _node_key():
-    """20 bytes naming this process's machine: host name and boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = b""
-    return hashlib.sha1(socket.gethostname().encode() + b"/" + boot).digest()
 
 
 class TorchSideChannel(SideChannel):
@@ -195,7 +184,7 @@ class TorchSideChannel(SideChannel):
 
     def node_info(self):
         """``(local_rank, one_node)`` from an allgather of every rank's host name and boot id."""
-        keys = self.allgather_bytes(_node_key(), "node discovery (host names)")
+        keys = self.allgather_bytes(node_key(), "node discovery (host names)")
         keys = [keys[20 * r:20 * (r + 1)] for r in range(self.size)]
         mine = keys[self.rank]
         return sum(k == mine for k in keys[:self.rank]), all(k == mine for k in keys)

@@ -636,8 +636,9 @@ def test_nccl_exchange(peer_memory, in_place, pieces):
 @pytest.mark.mpi
 def test_nccl_timeout_aborts():
     """The last rank skips an NCCL exchange: the others' wait() raises TimeoutError within the
-    timeout (watchdog or wait: ncclCommAbort), later calls raise RuntimeError; the late rank
-    aborts its own communicator (its peers are gone) and the GPU stays usable."""
+    timeout (watchdog or wait: ncclCommAbort) naming it by the arrival board, later calls raise
+    RuntimeError; the late rank aborts its own communicator (its peers are gone) and the GPU
+    stays usable."""
     import faulthandler
 
     import cupy
@@ -653,7 +654,7 @@ def test_nccl_timeout_aborts():
     c.wait()                                      # on the GPU, where the watchdog sees it
     if me != w - 1:
         start = time.monotonic()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError, match=f"rank {w - 1} had not entered this call"):
             c.alltoallv(send, counts[me], counts[:, me], validate=False)
             c.wait()
         assert time.monotonic() - start < TIMEOUT_S + 10.0
@@ -847,3 +848,41 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     del plan, first
     gc.collect()
     assert len(transport._schedules) == 0
+
+
+# ------------------------------------------------------------------------------- arrival board
+@pytest.mark.mpi
+def test_arrival_board_names_the_ranks_behind(comm):
+    """Rank r enters r + 1 calls: for call W, every rank but the last is behind, with its count,
+    on every rank's board; for call 1 nobody is; all ranks are on this node."""
+    from mxcomm.comm._board import ArrivalBoard
+    w, me = comm.size, comm.rank
+    board = ArrivalBoard(comm._side)
+    assert board.local == list(range(w))
+    for _ in range(me + 1):
+        board.enter()
+    comm._side.barrier("test")
+    behind, gone, unknown = board.late(w)
+    assert behind == [(r, r + 1) for r in range(w - 1)] and gone == [] and unknown == []
+    text = board.describe(w)
+    names = "rank 0" if w == 2 else "ranks " + ", ".join(map(str, range(w - 1)))
+    assert f"{names} had not entered this call (call {w}; calls entered: rank 0: 1" in text
+    assert board.late(1) == ([], [], [])
+    assert "every rank of this node had entered this call (call 1)" in board.describe(1)
+    comm._side.barrier("test")
+
+
+@pytest.mark.mpi
+def test_arrival_board_names_a_rank_whose_process_is_gone(comm):
+    """A slot whose pid no longer runs is named (here rank 1's pid replaced, on rank 0's view,
+    by that of a finished child process)."""
+    from mxcomm.comm._board import ArrivalBoard
+    board = ArrivalBoard(comm._side)
+    comm._side.barrier("test")
+    if comm.rank == 0:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()
+        board._slots[1, 1] = child.pid
+        assert board.late(0)[1] == [1]
+        assert "rank 1: process gone" in board.describe(0)
+    comm._side.barrier("test")
