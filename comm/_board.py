@@ -1,13 +1,15 @@
 """The arrival board of a communicator: how far each rank of a node has got, readable by its peers
 without a collective, so a timeout can name the ranks that did not arrive.
 
-NCCL cannot say which peer an exchange waits for. So every rank of a node owns one slot of a small
-file of int64 words, ``(calls entered, pid)`` per rank of the communicator, mapped by every rank of
-that node (``/dev/shm``, or the temporary directory where there is none). Entering a collective
-exchange call is one store into the rank's own slot (about a microsecond from Python, no lock:
-each slot has one writer); the slots of the others are read only to explain a timeout: which ranks
-of this node had not entered the stalled call, which are no longer running. Ranks on other nodes
-have no slot here and are reported as unknown.
+NCCL cannot say which peer an exchange waits for, nor gloo which peer a side-channel collective
+waits for. So every rank of a node owns one slot of a small file of int64 words, ``(side-channel
+collectives entered, exchange calls entered, pid)`` per rank of the communicator, mapped by every
+rank of that node (``/dev/shm``, or the temporary directory where there is none). Entering a call
+is one store into the rank's own slot (about a microsecond from Python, no lock: each slot has one
+writer); the slots of the others are read only to explain a timeout: which ranks of this node had
+not entered the stalled call, which are no longer running. Ranks on other nodes have no slot here
+and are reported as unknown. The side channel owns the board (``SideChannel.open_board``);
+every rank makes the same calls in the same order, so the counts agree where nothing failed.
 
 Leaf module: NumPy and the standard library only.
 """
@@ -19,7 +21,10 @@ import tempfile
 
 import numpy
 
-_CALLS, _PID = 0, 1
+#: The kinds of calls a board counts (its columns), and what a message calls them.
+SIDE, EXCHANGE = 0, 1
+_KIND_NAMES = ("side-channel collective", "exchange call")
+_PID = 2
 
 
 def node_key():
@@ -49,7 +54,8 @@ def _ranks(ranks):
 
 
 class ArrivalBoard:
-    """Every rank's count of entered calls and pid, for the ranks of this node.
+    """Every rank's counts of entered calls (:data:`SIDE`, :data:`EXCHANGE`) and pid, for the
+    ranks of this node.
 
     Args:
         side: the communicator's side channel (``_sidechannel.SideChannel``).
@@ -58,7 +64,8 @@ class ArrivalBoard:
     the board (a watchdog may still read it after its communicator closed).
 
     Attributes:
-        entered: calls this rank has entered (:meth:`enter`).
+        entered: calls of each kind this rank has entered (:meth:`enter`), a list.
+        local: the communicator's ranks on this node, in rank order.
     """
 
     def __init__(self, side):
@@ -68,51 +75,52 @@ class ArrivalBoard:
         table = side.allgather_bytes(mine, "arrival board setup (nodes)")
         rows = [table[36 * r:36 * (r + 1)] for r in range(self._size)]
         here = rows[self._rank][:20]
-        #: The communicator's ranks on this node, in rank order.
         self.local = [r for r in range(self._size) if rows[r][:20] == here]
         first = self.local[0]
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(folder, f"mxcomm-board-{rows[first][28:].hex()}")
         if self._rank == first:
-            numpy.zeros((self._size, 2), numpy.int64).tofile(path)
+            numpy.zeros((self._size, 3), numpy.int64).tofile(path)
         side.barrier("arrival board setup (file)")
-        self._slots = numpy.memmap(path, numpy.int64, "r+", shape=(self._size, 2))
-        self._slots[self._rank] = (0, os.getpid())
+        self._slots = numpy.memmap(path, numpy.int64, "r+", shape=(self._size, 3))
+        self._slots[self._rank] = (0, 0, os.getpid())
         side.barrier("arrival board setup (mapped)")
         if self._rank == first:
             os.unlink(path)
-        self.entered = 0
+        self.entered = [0, 0]
 
-    def enter(self):
-        """Count one more call entered by this rank; returns its number (1, 2, ...)."""
-        self.entered += 1
-        self._slots[self._rank, _CALLS] = self.entered
-        return self.entered
+    def enter(self, kind):
+        """Count one more call of ``kind`` (:data:`SIDE` or :data:`EXCHANGE`) entered by this
+        rank; returns its number (1, 2, ...)."""
+        n = self.entered[kind] = self.entered[kind] + 1
+        self._slots[self._rank, kind] = n
+        return n
 
-    def late(self, call):
-        """``(behind, gone, unknown)`` for call number ``call``: ``behind`` the (rank, calls
-        entered) of this node's ranks that had not entered it, ``gone`` those of this node whose
-        process no longer runs, ``unknown`` the ranks on other nodes."""
+    def late(self, kind, call):
+        """``(behind, gone, unknown)`` for call number ``call`` of ``kind``: ``behind`` the
+        (rank, calls entered) of this node's ranks that had not entered it, ``gone`` those of
+        this node whose process no longer runs, ``unknown`` the ranks on other nodes."""
         slots = numpy.array(self._slots)  # one consistent copy
-        behind = [(r, int(slots[r, _CALLS])) for r in self.local if slots[r, _CALLS] < call]
+        behind = [(r, int(slots[r, kind])) for r in self.local if slots[r, kind] < call]
         gone = [r for r in self.local
                 if r != self._rank and slots[r, _PID] and not _running(int(slots[r, _PID]))]
         unknown = [r for r in range(self._size) if r not in self.local]
         return behind, gone, unknown
 
-    def describe(self, call):
-        """A clause for the message of a timeout of call number ``call`` (:meth:`late`), e.g.
-        "by this node's arrival board, rank 1 had not entered this call (call 7; calls entered:
-        rank 1: 6); rank 1: process gone"."""
-        behind, gone, unknown = self.late(call)
+    def describe(self, kind, call):
+        """A clause for the message of a timeout of call number ``call`` of ``kind``
+        (:meth:`late`), e.g. "by this node's arrival board, rank 1 had not entered this exchange
+        call (number 7; entered: rank 1: 6); rank 1: process gone"."""
+        behind, gone, unknown = self.late(kind, call)
+        name = _KIND_NAMES[kind]
         parts = []
         if behind:
             counts = ", ".join(f"rank {r}: {n}" for r, n in behind)
-            parts.append(f"{_ranks([r for r, _ in behind])} had not entered this call (call "
-                         f"{call}; calls entered: {counts})")
+            parts.append(f"{_ranks([r for r, _ in behind])} had not entered this {name} "
+                         f"(number {call}; entered: {counts})")
         else:
-            parts.append(f"every rank of this node had entered this call (call {call}): the "
-                         f"stall is past the hosts (device, network, or a rank in another "
+            parts.append(f"every rank of this node had entered this {name} (number {call}): "
+                         f"the stall is past the hosts (device, network, or a rank in another "
                          f"collective)")
         if gone:
             parts.append(f"{_ranks(gone)}: process gone")

@@ -100,6 +100,7 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
     else:
         from ._sidechannel import MpiSideChannel
         side = MpiSideChannel(mpi_comm, timeout)
+    side.open_board()
     if backend == "auto":
         # Every rank must pick the same backend: NCCL only if it works everywhere.
         votes = side.allgather_bytes(bytes([_nccl_available()]), "backend choice (vote)")

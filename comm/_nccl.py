@@ -23,7 +23,7 @@ import math
 import threading
 import time
 
-from ._board import ArrivalBoard
+from ._board import EXCHANGE
 from ._communicator import Communicator
 
 _CUDA_SUCCESS = 0
@@ -116,7 +116,9 @@ class NcclCommunicator(Communicator):
         self._stopping = False
         self._host_since = None  # when the host entered an NCCL group call still running
         self._host_call = 0      # ... and the number of its exchange call (the board's)
-        self._board = ArrivalBoard(self._side)  # collective
+        if self._side.board is None:  # a channel not made by mxcomm.comm.init
+            self._side.open_board()
+        self._board = self._side.board
         self._watchdog = threading.Thread(target=self._watch, name=f"mxcomm-nccl-watchdog-"
                                           f"{self.rank}", daemon=True)
         self._watchdog.start()
@@ -341,7 +343,7 @@ class NcclCommunicator(Communicator):
         """Who had not arrived at exchange call number ``call``, by the arrival board (a clause;
         never raises: it is read on the watchdog's way to failing)."""
         try:
-            return self._board.describe(call)
+            return self._board.describe(EXCHANGE, call)
         except Exception as exc:  # noqa: BLE001
             return f"the arrival board could not be read: {exc}"
 
@@ -428,7 +430,7 @@ class NcclCommunicator(Communicator):
                 if time.monotonic() - start > self.timeout * 1.25 + 1.0:
                     self._fail(TimeoutError(f"wait: the stream's work did not finish within "
                                             f"{self.timeout:g} s on rank {self.rank} ("
-                                            f"{self._late(self._board.entered)}); the "
+                                            f"{self._late(self._board.entered[EXCHANGE])}); the "
                                             f"communicator is aborted"))
                     self._check_usable()
                 time.sleep(sleep)
@@ -483,7 +485,7 @@ class NcclCommunicator(Communicator):
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                               validate)
         sends, outs, single, sc, rc, so, ro = plan
-        call = self._board.enter()  # checked: this rank has arrived
+        call = self._board.enter(EXCHANGE)  # checked: this rank has arrived
         blocks = []  # (send ptr, recv ptr, row bytes) per array
         for s, o in zip(sends, outs):
             row_bytes = s.itemsize * math.prod(s.shape[1:])
@@ -517,7 +519,7 @@ class NcclCommunicator(Communicator):
         self._check_usable()
         self._connected(self._stream(stream))
         counts, k = self._check_counts_array(counts)
-        call = self._board.enter()
+        call = self._board.enter(EXCHANGE)
         counts = self._cupy.ascontiguousarray(counts)
         out = self._cupy.empty_like(counts)
         ones = [1] * self.size

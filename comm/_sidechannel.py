@@ -24,6 +24,8 @@ import time
 
 import numpy
 
+from ._board import ArrivalBoard
+
 # Polling of MPI requests: spin for this long (low latency for small, frequent collectives), then
 # sleep between tests, doubling up to the longest sleep.
 _SPIN_S = 2e-3
@@ -52,11 +54,14 @@ class SideChannel(abc.ABC):
             (the host pull transport); False elsewhere, where the host takes the grouped
             transport.
         group: the ``torch.distributed`` process group the channel was built over, or None.
+        board: the communicator's arrival board (``_board.ArrivalBoard``) once
+            :meth:`open_board` made it, else None.
     """
 
     kind = None
     shared_windows = False
     group = None
+    board = None
 
     def __init__(self, rank, size, timeout):
         self.rank = rank
@@ -65,6 +70,11 @@ class SideChannel(abc.ABC):
         self.collectives = 0
         self.abandoned = []
         self.on_timeout = _not_bound
+
+    def open_board(self):
+        """Make the arrival board of the ranks of each node (collective; ``mxcomm.comm.init``
+        does, right after making the channel), so timeouts can name the ranks behind."""
+        self.board = ArrivalBoard(self)
 
     @abc.abstractmethod
     def _gather(self, mine, table, what):

@@ -25,7 +25,7 @@ import time
 
 import numpy
 
-from ._board import node_key
+from ._board import SIDE, node_key
 from ._sidechannel import SideChannel
 
 #: Store prefix of the channels' keys (under the group's own store prefix).
@@ -115,10 +115,12 @@ class TorchSideChannel(SideChannel):
             what: the operation, for the message.
             keep: buffers the works use; kept alive with them if they are abandoned.
         Raises:
-            TimeoutError: not complete in time (``on_timeout`` was called first).
+            TimeoutError: not complete in time (``on_timeout`` was called first), naming by the
+                arrival board the ranks of this node that had not entered the collective.
             RuntimeError: gloo failed (a peer closed its connection: it crashed or gave up);
                 ``on_timeout`` was called first.
         """
+        call = self.board.enter(SIDE) if self.board is not None else None
         deadline = time.monotonic() + self.timeout
         for i, work in enumerate(works):
             remaining = deadline - time.monotonic()
@@ -134,11 +136,21 @@ class TorchSideChannel(SideChannel):
             self.abandoned.append((list(works[i:]), keep))
             if failure is None or time.monotonic() >= deadline - 1e-3 or \
                     "timed out" in str(failure).lower():
-                raise self._timed_out(what) from None
+                raise self._timed_out(what, self._late(call)) from None
             self.on_timeout(f"{what} failed: {_first_line(failure)}")
             raise RuntimeError(f"{what}: gloo failed on rank {self.rank} of {self.size} "
                                f"({_first_line(failure)}); a peer may have crashed or given up; "
                                f"the communicator is aborted") from None
+
+    def _late(self, call):
+        """`` <who had not entered side-channel collective number call>;`` for a timeout
+        message, by the arrival board ("" without one, or if it cannot be read)."""
+        if call is None:
+            return ""
+        try:
+            return f" {self.board.describe(SIDE, call)};"
+        except Exception:  # noqa: BLE001 (on the way to raising the timeout)
+            return ""
 
     def _tensor(self, a):
         """A 1-D uint8 torch view of the C-contiguous host array ``a`` (no copy)."""

@@ -853,22 +853,26 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
 # ------------------------------------------------------------------------------- arrival board
 @pytest.mark.mpi
 def test_arrival_board_names_the_ranks_behind(comm):
-    """Rank r enters r + 1 calls: for call W, every rank but the last is behind, with its count,
-    on every rank's board; for call 1 nobody is; all ranks are on this node."""
-    from mxcomm.comm._board import ArrivalBoard
+    """Rank r enters r + 1 exchange calls and no side-channel collective: for exchange call W,
+    every rank but the last is behind, with its count, on every rank's board; for call 1 nobody
+    is; the kinds are counted apart; all ranks are on this node."""
+    from mxcomm.comm._board import EXCHANGE, SIDE, ArrivalBoard
     w, me = comm.size, comm.rank
     board = ArrivalBoard(comm._side)
     assert board.local == list(range(w))
     for _ in range(me + 1):
-        board.enter()
+        board.enter(EXCHANGE)
     comm._side.barrier("test")
-    behind, gone, unknown = board.late(w)
+    behind, gone, unknown = board.late(EXCHANGE, w)
     assert behind == [(r, r + 1) for r in range(w - 1)] and gone == [] and unknown == []
-    text = board.describe(w)
+    text = board.describe(EXCHANGE, w)
     names = "rank 0" if w == 2 else "ranks " + ", ".join(map(str, range(w - 1)))
-    assert f"{names} had not entered this call (call {w}; calls entered: rank 0: 1" in text
-    assert board.late(1) == ([], [], [])
-    assert "every rank of this node had entered this call (call 1)" in board.describe(1)
+    assert f"{names} had not entered this exchange call (number {w}; entered: rank 0: 1" in text
+    assert board.late(EXCHANGE, 1) == ([], [], [])
+    assert "every rank of this node had entered this exchange call (number 1)" in \
+        board.describe(EXCHANGE, 1)
+    assert board.late(SIDE, 1)[0] == [(r, 0) for r in range(w)]
+    assert comm._side.board is not None  # init made the communicator's own
     comm._side.barrier("test")
 
 
@@ -876,13 +880,13 @@ def test_arrival_board_names_the_ranks_behind(comm):
 def test_arrival_board_names_a_rank_whose_process_is_gone(comm):
     """A slot whose pid no longer runs is named (here rank 1's pid replaced, on rank 0's view,
     by that of a finished child process)."""
-    from mxcomm.comm._board import ArrivalBoard
+    from mxcomm.comm._board import EXCHANGE, ArrivalBoard
     board = ArrivalBoard(comm._side)
     comm._side.barrier("test")
     if comm.rank == 0:
         child = subprocess.Popen([sys.executable, "-c", "pass"])
         child.wait()
-        board._slots[1, 1] = child.pid
-        assert board.late(0)[1] == [1]
-        assert "rank 1: process gone" in board.describe(0)
+        board._slots[1, 2] = child.pid
+        assert board.late(EXCHANGE, 0)[1] == [1]
+        assert "rank 1: process gone" in board.describe(EXCHANGE, 0)
     comm._side.barrier("test")

@@ -281,7 +281,8 @@ def subgroup_checks(rank, size):
 
 
 def timeout_checks(rank, size):
-    """The last rank skips a barrier: the others raise TimeoutError within the timeout."""
+    """The last rank skips a barrier: the others raise TimeoutError within the timeout, naming
+    it by the arrival board (gloo cannot say who is missing)."""
     import time
 
     import mxcomm.comm as mxc
@@ -290,7 +291,10 @@ def timeout_checks(rank, size):
         time.sleep(TIMEOUT_S + 1.5)  # the others give up meanwhile
         return None
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=f"did not finish within {TIMEOUT_S:g} s"):
+    with pytest.raises(TimeoutError, match=f"did not finish within {TIMEOUT_S:g} s on rank "
+                                           f"{rank} of {size}; by this node's arrival board, "
+                                           f"rank {size - 1} had not entered this side-channel "
+                                           f"collective"):
         c.barrier()
     elapsed = time.monotonic() - start
     assert c.aborted
