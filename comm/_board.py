@@ -81,12 +81,14 @@ class ArrivalBoard:
         path = os.path.join(folder, f"mxcomm-board-{rows[first][28:].hex()}")
         if self._rank == first:
             numpy.zeros((self._size, 3), numpy.int64).tofile(path)
-        side.barrier("arrival board setup (file)")
-        self._slots = numpy.memmap(path, numpy.int64, "r+", shape=(self._size, 3))
-        self._slots[self._rank] = (0, 0, os.getpid())
-        side.barrier("arrival board setup (mapped)")
-        if self._rank == first:
-            os.unlink(path)
+        try:
+            side.barrier("arrival board setup (file)")
+            self._slots = numpy.memmap(path, numpy.int64, "r+", shape=(self._size, 3))
+            self._slots[self._rank] = (0, 0, os.getpid())
+            side.barrier("arrival board setup (mapped)")
+        finally:  # also when a peer never came: no file is left behind
+            if self._rank == first:
+                os.unlink(path)
         self.entered = [0, 0]
 
     def enter(self, kind):
