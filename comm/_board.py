@@ -112,8 +112,12 @@ class ArrivalBoard:
     def describe(self, kind, call):
         """A clause for the message of a timeout of call number ``call`` of ``kind``
         (:meth:`late`), e.g. "by this node's arrival board, rank 1 had not entered this exchange
-        call (number 7; entered: rank 1: 6); rank 1: process gone"."""
-        behind, gone, unknown = self.late(kind, call)
+        call (number 7; entered: rank 1: 6); rank 1: process gone". Never raises: it is read on
+        the way to raising the timeout."""
+        try:
+            behind, gone, unknown = self.late(kind, call)
+        except Exception as exc:  # noqa: BLE001
+            return f"the arrival board could not be read ({exc})"
         name = _KIND_NAMES[kind]
         parts = []
         if behind:

@@ -116,9 +116,7 @@ class NcclCommunicator(Communicator):
         self._stopping = False
         self._host_since = None  # when the host entered an NCCL group call still running
         self._host_call = 0      # ... and the number of its exchange call (the board's)
-        if self._side.board is None:  # a channel not made by mxcomm.comm.init
-            self._side.open_board()
-        self._board = self._side.board
+        self._board = self._side.board  # made by mxcomm.comm.init
         self._watchdog = threading.Thread(target=self._watch, name=f"mxcomm-nccl-watchdog-"
                                           f"{self.rank}", daemon=True)
         self._watchdog.start()
@@ -295,11 +293,11 @@ class NcclCommunicator(Communicator):
                 return
             host_since = self._host_since
             if host_since is not None and time.monotonic() - host_since > self.timeout:
+                late = self._board.describe(EXCHANGE, self._host_call)
                 self._fail(TimeoutError(
                     f"alltoallv: NCCL did not accept an exchange within {self.timeout:g} s on "
                     f"rank {self.rank} of {self.size} (blocked in ncclGroupEnd, e.g. connecting "
-                    f"to a peer that does not call; {self._late(self._host_call)}); the "
-                    f"communicator is aborted"))
+                    f"to a peer that does not call; {late}); the communicator is aborted"))
                 return
             if head is None:
                 continue
@@ -321,10 +319,10 @@ class NcclCommunicator(Communicator):
             # A device wait of the pull transport gives up after `timeout` and names the peer
             # it missed (above): leave it the time to, before the generic message.
             if now - oldest_since > self.timeout * 1.25 + 1.0:
+                late = self._board.describe(EXCHANGE, call)
                 self._fail(TimeoutError(
                     f"alltoallv: an NCCL exchange did not finish within {self.timeout:g} s on "
-                    f"rank {self.rank} of {self.size} ({self._late(call)}); the communicator "
-                    f"is aborted"))
+                    f"rank {self.rank} of {self.size} ({late}); the communicator is aborted"))
                 return
             if now - last_async_check > _ASYNC_CHECK_S:
                 last_async_check = now
@@ -338,14 +336,6 @@ class NcclCommunicator(Communicator):
                                             f"communicator is aborted"))
                     return
             time.sleep(_WATCH_POLL_S)
-
-    def _late(self, call):
-        """Who had not arrived at exchange call number ``call``, by the arrival board (a clause;
-        never raises: it is read on the watchdog's way to failing)."""
-        try:
-            return self._board.describe(EXCHANGE, call)
-        except Exception as exc:  # noqa: BLE001
-            return f"the arrival board could not be read: {exc}"
 
     def _state_lock(self):
         return self._lock
@@ -428,10 +418,10 @@ class NcclCommunicator(Communicator):
                 # thread, and the check above raises the error it kept) before the generic
                 # message.
                 if time.monotonic() - start > self.timeout * 1.25 + 1.0:
+                    late = self._board.describe(EXCHANGE, self._board.entered[EXCHANGE])
                     self._fail(TimeoutError(f"wait: the stream's work did not finish within "
-                                            f"{self.timeout:g} s on rank {self.rank} ("
-                                            f"{self._late(self._board.entered[EXCHANGE])}); the "
-                                            f"communicator is aborted"))
+                                            f"{self.timeout:g} s on rank {self.rank} ({late}); "
+                                            f"the communicator is aborted"))
                     self._check_usable()
                 time.sleep(sleep)
                 sleep = min(2 * sleep, 1e-3)

@@ -136,21 +136,12 @@ class TorchSideChannel(SideChannel):
             self.abandoned.append((list(works[i:]), keep))
             if failure is None or time.monotonic() >= deadline - 1e-3 or \
                     "timed out" in str(failure).lower():
-                raise self._timed_out(what, self._late(call)) from None
+                late = "" if call is None else f" {self.board.describe(SIDE, call)};"
+                raise self._timed_out(what, late) from None
             self.on_timeout(f"{what} failed: {_first_line(failure)}")
             raise RuntimeError(f"{what}: gloo failed on rank {self.rank} of {self.size} "
                                f"({_first_line(failure)}); a peer may have crashed or given up; "
                                f"the communicator is aborted") from None
-
-    def _late(self, call):
-        """`` <who had not entered side-channel collective number call>;`` for a timeout
-        message, by the arrival board ("" without one, or if it cannot be read)."""
-        if call is None:
-            return ""
-        try:
-            return f" {self.board.describe(SIDE, call)};"
-        except Exception:  # noqa: BLE001 (on the way to raising the timeout)
-            return ""
 
     def _tensor(self, a):
         """A 1-D uint8 torch view of the C-contiguous host array ``a`` (no copy)."""
