@@ -6,28 +6,19 @@ after 5 warm-up (CUDA events, back to back) and GB/s of the bytes each pass must
 once, untimed (for a profiler: ``bench/gpu_run.sh ncu1``).
 """
 
-import statistics
 import sys
 
 import cupy
 import numpy
 
 from mxcomm import fp8_formats
+from mxcomm.bench._timing import Clock, measure
 from mxcomm.kernels import fp8_colwise, launch_1d
 
 
 def median_ms(fn, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+    """Median ms of ``fn`` (CUDA events on CuPy's current stream, ``mxcomm.bench``'s timing)."""
+    return measure(fn, Clock("cupy"), iters=iters, warmup=warmup).median
 
 
 def probe(p, d, groups=8, once=False):

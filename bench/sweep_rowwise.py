@@ -7,12 +7,12 @@ bytes. bench/NOTES.md says what it found.
 """
 
 import argparse
-import statistics
 
 import cupy
 import numpy
 
 from mxcomm._array import bfloat16
+from mxcomm.bench import _timing
 from mxcomm.fp8_formats import launch_mx_to_rowwise_permute, launch_quantize_fp8_rowwise
 from mxcomm.mxfp8 import quantize_mxfp8
 
@@ -20,18 +20,8 @@ SHARES = [0.25, 0.5, 0.75, 1.0]
 
 
 def median_ms(fn, iters=20, warmup=5):
-    stream = cupy.cuda.get_current_stream()
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+    """Median ms of ``fn`` (CUDA events on CuPy's current stream, ``mxcomm.bench``'s timing)."""
+    return _timing.measure(fn, _timing.Clock("cupy"), iters=iters, warmup=warmup).median
 
 
 def rows(m, d):
