@@ -97,10 +97,12 @@ for phase in "$@"; do
         --json "$res/pipeline_fp8_w1.json" --markdown "$res/pipeline_fp8_w1.md" ;;
     row1)  # the rowwise quantize and MXFP8 -> rowwise gather of $AB_OLD's tree (if set), then this
         # one's: sweeps (grid share, D), then Nsight Compute on one launch of each, 131072 x 7168
+        # (ROW_NCU_OLD=0: on this tree only)
         for tree in ${AB_OLD:-} "$PWD"; do
             importable "$tree"
             step "rowwise sweeps, tree $tree" 150 env PYTHONPATH="$tree:${PYTHONPATH:-}" \
                 python3 bench/sweep_rowwise.py --dims 2048 7168
+            [ "$tree" != "$PWD" ] && [ "${ROW_NCU_OLD:-1}" = 0 ] && continue  # ncu on this tree only
             for k in quantize_fp8_rowwise_kernel mx_to_rowwise_gather; do
                 step "Nsight Compute, $k, tree $tree" 120 env PYTHONPATH="$tree:${PYTHONPATH:-}" \
                     ncu --clock-control none -k regex:$k --launch-skip 5 --launch-count 1 \

@@ -117,6 +117,29 @@ if simulated():
         """The float32 value of the f16 with bits ``h`` (exact; PTX ``cvt.f32.f16``)."""
         return float32(numpy.uint16(h).view(numpy.float16))
 
+    def _f16_py(h):
+        return float(numpy.uint16(h).view(numpy.float16))
+
+    def _f16_bits_py(x):
+        return int(numpy.float16(x).view(numpy.uint16))  # round to nearest even, subnormals kept
+
+    @cuda.jit(device=True)
+    def mul_f16x2(a, b):
+        """The two f16 products of the f16 pairs (uint32 bits) ``a`` and ``b``, each rounded to
+        nearest even, subnormals kept (PTX ``mul.rn.f16x2``)."""
+        with numpy.errstate(all="ignore"):
+            hi = _f16_bits_py(_f16_py(int(a) >> 16) * _f16_py(int(b) >> 16))
+            lo = _f16_bits_py(_f16_py(int(a) & 0xFFFF) * _f16_py(int(b) & 0xFFFF))
+        return uint32((hi << 16) | lo)
+
+    @cuda.jit(device=True)
+    def cvt_e4m3x2_f16x2(h):
+        """e4m3fn bits (uint16) of the two f16 in the uint32 ``h``, the upper half to the upper
+        byte: round to nearest even, saturate to +-448, NaN -> 0x7F with its sign (PTX
+        ``cvt.rn.satfinite.e4m3x2.f16x2``)."""
+        return uint16((_e4m3_bits_py(_f16_py(int(h) >> 16)) << 8)
+                      | _e4m3_bits_py(_f16_py(int(h) & 0xFFFF)))
+
     @cuda.jit(device=True)
     def cvt_bf16x2_f32(a, b):
         """Two bf16 (in a uint32) of the f32 values ``a`` (upper half) and ``b`` (lower), round to
@@ -176,6 +199,32 @@ else:
         def codegen(context, builder, signature, args):
             fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(16)])
             asm = ir.InlineAsm(fnty, "cvt.f32.f16 $0, $1;", "=f,h")
+            return builder.call(asm, list(args))
+
+        return sig, codegen
+
+    @intrinsic
+    def mul_f16x2(typingctx, a, b):
+        """The two f16 products of the f16 pairs (uint32 bits) ``a`` and ``b``: one PTX
+        instruction, ``mul.rn.f16x2`` (round to nearest even, subnormals kept, never fused)."""
+        sig = types.uint32(types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), ir.IntType(32)])
+            asm = ir.InlineAsm(fnty, "mul.rn.f16x2 $0, $1, $2;", "=r,r,r")
+            return builder.call(asm, list(args))
+
+        return sig, codegen
+
+    @intrinsic
+    def cvt_e4m3x2_f16x2(typingctx, h):
+        """e4m3fn bits (uint16) of the two f16 in the uint32 ``h``, the upper half to the upper
+        byte: one PTX instruction, ``cvt.rn.satfinite.e4m3x2.f16x2`` (sm_89+)."""
+        sig = types.uint16(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(16), [ir.IntType(32)])
+            asm = ir.InlineAsm(fnty, "cvt.rn.satfinite.e4m3x2.f16x2 $0, $1;", "=h,r")
             return builder.call(asm, list(args))
 
         return sig, codegen

@@ -77,12 +77,15 @@ class Words:
         ptr: device address of the first word.
         shape: ``(size,)`` or ``(rows, words per row)``.
         dtype: NumPy dtype of a word.
+        align: the bytes the address must be a multiple of: the word's size by default; 16 for
+            a kernel that loads two 8-byte words at once (``_memory.load_pair``).
     """
 
-    __slots__ = ("ptr", "shape", "dtype", "size", "ndim")
+    __slots__ = ("ptr", "shape", "dtype", "align", "size", "ndim")
 
-    def __init__(self, ptr, shape, dtype):
+    def __init__(self, ptr, shape, dtype, align=None):
         self.ptr, self.shape, self.dtype = ptr, shape, dtype
+        self.align = align or dtype.itemsize
         self.ndim = len(shape)
         self.size = shape[0] if self.ndim == 1 else shape[0] * shape[1]
 
@@ -96,12 +99,19 @@ class Words:
         return (0, 0, self.size, itemsize, self.ptr, rows, cols, cols * itemsize, itemsize)
 
 
+def _loads(itemsize, align):
+    """How a kernel reads words, for alignment messages."""
+    if align == itemsize:
+        return f"{itemsize}-byte words"
+    return f"{itemsize}-byte words, loaded {align // itemsize} at a time"
+
+
 def address(a):
     """The address of the first element of the CuPy (GPU) or NumPy (simulator) array ``a``."""
     return a.__array_interface__["data"][0] if simulated() else a.data.ptr
 
 
-def words(a, dtype, name, *, rows=False):
+def words(a, dtype, name, *, rows=False, align=None):
     """The C-contiguous array ``a`` as a kernel argument of ``dtype`` words, zero-copy: flat, or
     with ``rows`` the 2-D ``a``'s rows viewed as words. A :class:`Words` on a GPU, a NumPy view
     under the simulator.
@@ -110,22 +120,23 @@ def words(a, dtype, name, *, rows=False):
         a: a C-contiguous CuPy (GPU) or NumPy (simulator) array; 2-D with ``rows``.
         dtype: the NumPy dtype of a word.
         name: the argument's name, for the error message.
+        align: bytes the address and the row size must be multiples of (default: the word's
+            size; 16 for kernels that load word pairs).
     Raises:
-        ValueError: ``a``'s address is not aligned to ``dtype``'s size, or its rows (its bytes)
-            are not a whole number of words.
+        ValueError: ``a``'s address or its rows (its bytes) are not aligned to ``align``.
     """
-    itemsize = dtype.itemsize
+    align = align or dtype.itemsize
     ptr = address(a)
     row_bytes = a.shape[1] * a.itemsize if rows else a.nbytes
-    if a.size and (ptr % itemsize or row_bytes % itemsize):
-        raise ValueError(f"{name}: expected {itemsize}-byte words (an address and row size "
-                         f"aligned to {itemsize} bytes), got address {ptr:#x} and "
+    if a.size and (ptr % align or row_bytes % align):
+        raise ValueError(f"{name}: expected an address and row size aligned to {align} bytes "
+                         f"({_loads(dtype.itemsize, align)}), got address {ptr:#x} and "
                          f"{row_bytes} bytes per row")
     if simulated():
         return a.view(dtype) if rows else a.reshape(-1).view(dtype)
     if rows:
-        return Words(ptr, (a.shape[0], row_bytes // itemsize), dtype)
-    return Words(ptr, (row_bytes // itemsize,), dtype)
+        return Words(ptr, (a.shape[0], row_bytes // dtype.itemsize), dtype, align)
+    return Words(ptr, (row_bytes // dtype.itemsize,), dtype, align)
 
 
 def _argument_type(a):
@@ -250,11 +261,11 @@ class Launch:
     guarantees it): a CuPy array, a :class:`Words`, or an int address on a GPU; under the
     simulator a NumPy array (viewed as the placeholder's words for numba's dispatcher).
     ``stream``: a raw stream handle (int). Enqueues the kernel; no synchronization.
-    Raises ValueError naming the argument when an address is not aligned to its word size.
+    Raises ValueError naming the argument when an address is not aligned to its ``align``.
     """
 
     __slots__ = ("_kernel", "_blocks", "_threads", "_shared", "_args", "_names", "_function",
-                 "_values", "_slots")
+                 "_values", "_slots", "_aligns")
 
     def __init__(self, kernel, config, *args):
         self._kernel = kernel
@@ -267,10 +278,11 @@ class Launch:
             if self._shared > _DEFAULT_SHARED_LIMIT:
                 self._function.allow_shared(self._shared)
             self._values = _abi_values(args)
-            self._slots, at = [], 0
+            self._slots, self._aligns, at = [], [], 0
             for a in args:  # the data field of each array's ABI (meminfo, parent, nitems,
                 if isinstance(a, Words):  # itemsize, data, shape, strides)
                     self._slots.append(at + 4)
+                    self._aligns.append(a.align)
                 at += len(a.abi()) if isinstance(a, Words) else 1
 
     def __call__(self, stream, *arrays):
@@ -278,9 +290,9 @@ class Launch:
             self._simulate(arrays)
             return
         values = self._values.copy()
-        for slot, a in zip(self._slots, arrays):
+        for slot, align, a in zip(self._slots, self._aligns, arrays):
             ptr = a if type(a) is int else a.ptr if type(a) is Words else a.data.ptr
-            if ptr % values[slot - 1]:
+            if ptr % align:
                 self._misaligned(arrays)
             values[slot] = ptr
         self._function(self._blocks, self._threads, stream, values, self._shared)
@@ -292,7 +304,7 @@ class Launch:
         for a in self._args:
             if isinstance(a, Words):
                 array, name = next(given)
-                a = words(array, a.dtype, name, rows=a.ndim == 2)
+                a = words(array, a.dtype, name, rows=a.ndim == 2, align=a.align)
             args.append(a)
         self._kernel._dispatcher[self._blocks, self._threads, 0, self._shared](*args)
 
@@ -301,9 +313,9 @@ class Launch:
         placeholders = [a for a in self._args if isinstance(a, Words)]
         for a, p, name in zip(arrays, placeholders, self._names):
             ptr = a if type(a) is int else a.ptr if type(a) is Words else a.data.ptr
-            if ptr % p.dtype.itemsize:
-                raise ValueError(f"{name}: expected {p.dtype.itemsize}-byte words (an address "
-                                 f"aligned to {p.dtype.itemsize} bytes), got address {ptr:#x}")
+            if ptr % p.align:
+                raise ValueError(f"{name}: expected an address aligned to {p.align} bytes "
+                                 f"({_loads(p.dtype.itemsize, p.align)}), got {ptr:#x}")
 
 
 _PREPARED = []

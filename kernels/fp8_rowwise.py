@@ -15,7 +15,8 @@ scales), then round-to-nearest-even to bf16; NaN results are the canonical quiet
 
 Work split of the quantize kernels: one warp per row, grid-stride over rows (a row's amax is needed
 before any of its elements is written). Two passes over the row: each lane loads PASS_UNITS units
-of 16 input bytes at a time (all loads in flight first) for the amax, which meets through warp
+of 16 input bytes at a time, one 16-byte load each (``_memory.load_pair``: the rows' address a
+multiple of 16 bytes), all in flight first, for the amax, which meets through warp
 shuffles (no block barrier: the warps of a CUDA block go at their own pace), keeping the row's
 first units in the block's dynamic shared memory (:data:`STASH_BLOCK_BYTES`, shared by the
 block's warps); then it encodes the units, those from there, the rest read again (from L2 at
@@ -37,6 +38,7 @@ from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits
                    e8m0_from_bf16_amax, e8m0_from_f32_amax, f32_from_bits, f32_from_e4m3,
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
+from ._memory import SHARED_PAIR_ALIGN, load_pair, load_pair_flat, store_pair_flat, store_word
 from .mxfp8 import (bf16x2_from_e4m3x2, bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax,
                     lanes_max)
 
@@ -106,12 +108,16 @@ def encode_units_f32(first, second, mult):
 
 @cuda.jit(device=True)
 def load_units(x_words, row, start, units, first, second):
-    """Load the PASS_UNITS units (two input words each) start + k * WARP of ``row`` into ``first``
-    and ``second`` (zeros past ``units``), all loads issued before any is used."""
+    """Load the PASS_UNITS units (two input words each, one 16-byte load) start + k * WARP of
+    ``row`` into ``first`` and ``second`` (zeros past ``units``), all loads issued before any is
+    used."""
     for k in range(PASS_UNITS):
         u = start + k * WARP
-        first[k] = x_words[row, 2 * u] if u < units else uint64(0)
-        second[k] = x_words[row, 2 * u + 1] if u < units else uint64(0)
+        if u < units:
+            first[k], second[k] = load_pair(x_words, row, u)
+        else:
+            first[k] = uint64(0)
+            second[k] = uint64(0)
 
 
 def _quantize_fp8_rowwise(f32):
@@ -132,7 +138,8 @@ def _quantize_fp8_rowwise(f32):
 
         Args:
             x_words: (M, D // 4) uint64 of bf16 bits (4 per word, element 0 lowest, D % 8 == 0),
-                or (M, D // 2) of f32 bits (2 per word, D % 4 == 0). Read.
+                or (M, D // 2) of f32 bits (2 per word, D % 4 == 0); its address a multiple of
+                16 bytes (read two words at a time). Read.
             data_words: (M, D // 8) uint64 of e4m3fn bits (8 per word), or (M, D // 4) uint32 (4
                 per word) for f32. Written.
             scales: (M,) uint32, fp32 bits of the row scales. Written.
@@ -145,7 +152,7 @@ def _quantize_fp8_rowwise(f32):
             32 k, PASS_UNITS of them per step, in two passes (amax, then encode).
         """
         scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-        stash = cuda.shared.array(0, uint64)  # per warp: the first words, then the second ones
+        stash = cuda.shared.array(0, uint64, alignment=SHARED_PAIR_ALIGN)  # stash_units pairs a warp
         first = cuda.local.array(PASS_UNITS, uint64)
         second = cuda.local.array(PASS_UNITS, uint64)
         lane = cuda.threadIdx.x % WARP
@@ -154,8 +161,8 @@ def _quantize_fp8_rowwise(f32):
         m = x_words.shape[0]
         units = data_words.shape[1]
         step = WARP * PASS_UNITS
-        lo = warp * 2 * stash_units  # a unit u < stash_units: stash[lo + u], stash[hi + u]
-        hi = lo + stash_units  # (each slot is only ever touched by the lane owning u)
+        at = warp * stash_units  # a unit u < stash_units: pair at + u of the stash (words
+        # 2 (at + u) and 2 (at + u) + 1), only ever touched by the lane owning u
         for base in range(cuda.blockIdx.x * rows_per_block, m, cuda.gridDim.x * rows_per_block):
             row = base + warp
             live = row < m
@@ -167,8 +174,7 @@ def _quantize_fp8_rowwise(f32):
                         amax = max(amax, absmax(first[k]), absmax(second[k]))
                         u = start + k * WARP
                         if u < stash_units:
-                            stash[lo + u] = first[k]
-                            stash[hi + u] = second[k]
+                            store_pair_flat(stash, at + u, first[k], second[k])
             amax = lanes_max(amax, scratch, WARP)  # every lane of the block (the simulator syncs)
             if not live:
                 continue
@@ -183,15 +189,14 @@ def _quantize_fp8_rowwise(f32):
                     for k in range(PASS_UNITS):  # all reads first
                         u = start + k * WARP
                         if u < stash_units:
-                            first[k] = stash[lo + u]
-                            second[k] = stash[hi + u]
+                            first[k], second[k] = load_pair_flat(stash, at + u)
                         elif u < units:
-                            first[k] = x_words[row, 2 * u]
-                            second[k] = x_words[row, 2 * u + 1]
+                            first[k], second[k] = load_pair(x_words, row, u)
                     for k in range(PASS_UNITS):
                         u = start + k * WARP
                         if u < units:
-                            data_words[row, u] = encode_units(first[k], second[k], mult)
+                            store_word(data_words, row, u, encode_units(first[k], second[k],
+                                                                        mult))
                 scale_bits = s << uint32(23)
             if lane == 0:
                 scales[row] = scale_bits

@@ -9,9 +9,10 @@ scales s_b (N, D / 32)):
                                    scale = 2^(r - 127)                 (>= 2^-126, as fp8 rowwise)
                                    element = RNE_e4m3(v * 2^(s_b - r)) for element v of block b
 
-v * 2^(s_b - r) is exact in f32 (4 significant bits times a power of two >= 2^-32; every element
-of a block 19 or more binades below the row's maximum rounds to a signed zero anyway), so each
-element is rounded once, and |result| <= |v| <= 448 needs no saturation. A block at the row's
+v * 2^(s_b - r) is computed in f16 pairs, exact wherever the result can be nonzero (4 significant
+bits times a power of two; every element of a block 19 or more binades below the row's maximum
+rounds to a signed zero anyway, :func:`rescale_e4m3x4`), so each element is rounded once, and
+|result| <= |v| <= 448 needs no saturation. A block at the row's
 scale (s_b == r) is copied bit for bit. Elements that are e4m3 NaN (0x7F, 0xFF; quantize_mxfp8
 writes them only in NaN blocks) stay as they are. For MXFP8 quantized with the "rceil" scale,
 the row scale is exactly the rowwise scale of the original row, and since a normal e4m3 times 2^-k
@@ -22,56 +23,78 @@ outlier-channel and Student-t rows at 1024 x 7168, the SQNR against the bf16 row
 
 Work split: one warp per permuted row, grid-stride over rows (as the rowwise quantize kernels; one
 CUDA block per row measured 0.49x copy bandwidth on an H200, bench/NOTES.md). The warp first reads
-the row's D / 32 scale bytes, whose max meets through warp shuffles; then each lane streams data
-words l + 32 k of the row with their blocks' scales (PASS_WORDS loads in flight), rescales and
-stores them.
+the row's D / 32 scale bytes, whose max meets through warp shuffles; then each lane streams pairs
+of data words l + 32 k of the row (16 bytes, half an MX block, one load and one store each) with
+their blocks' scales (PASS_PAIRS loads in flight), rescales and stores them. Per pair the
+multiplier is found once and each 4 elements take a decode, an f16 multiply and an encode of two
+pairs (bench/NOTES.md: this and the loads without numba's index arithmetic halved the
+instructions per word).
 """
 
 from numba import cuda, int32, uint16, uint32, uint64
 
-from ._fp8 import (E4M3_NAN, E8M0_NAN, F32_NAN, cvt_e4m3x2, cvt_f16x2_e4m3x2, f32_from_bits,
-                   f32_from_f16_bits)
+from ._fp8 import E4M3_NAN, E8M0_NAN, F32_NAN, cvt_e4m3x2_f16x2, cvt_f16x2_e4m3x2, mul_f16x2
 from ._launch import THREADS_PER_BLOCK, kernel
+from ._memory import load_pair, load_word, store_pair
 from .fp8_rowwise import F32_ONE, SCALE_EXP_MIN, WARP, nan_byte_mask
 from .mxfp8 import lanes_max
 
-#: Data words (8 e4m3 each) each thread loads per step, all in flight at once.
-PASS_WORDS = 8
+#: Pairs of data words (16 e4m3, one 16-byte load) each thread loads per step, all in flight.
+PASS_PAIRS = 4
 #: Registers per thread of the gather kernel (ptxas -v, sm_90, numba-cuda 0.30.4, CUDA 13.0): the
 #: wrapper caps its grid at the blocks that stay resident.
-GATHER_REGISTERS = 96
-#: log2 of the data words per MX block (32 elements = 4 words).
-MX_WORDS_PER_BLOCK_LOG2 = 2
-#: Smallest rescale exponent used: 448 * 2^-19 < 2^-10 already rounds to zero in e4m3.
-RESCALE_EXP_MIN = -32
+GATHER_REGISTERS = 120
+#: log2 of the pairs of data words per MX block (32 elements = 4 words = 2 pairs).
+MX_PAIRS_PER_BLOCK_LOG2 = 1
+#: Smallest rescale exponent used: 448 * 2^-19 < 2^-10 already rounds to zero in e4m3 (and 2^-19
+#: is an f16, a subnormal one).
+RESCALE_EXP_MIN = -19
 _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
 
 
 @cuda.jit(device=True)
 def rescale_e4m3x4(d, mult):
-    """4 e4m3 (uint32, element 0 lowest) of the 4 e4m3 in the uint32 ``d`` times the power of two
-    ``mult`` (f32, <= 1): exact decode (cvt.f16x2.e4m3x2), exact product, one RNE to e4m3."""
-    h01 = cvt_f16x2_e4m3x2(uint16(d & uint32(0xFFFF)))
-    h23 = cvt_f16x2_e4m3x2(uint16(d >> uint32(16)))
-    p01 = cvt_e4m3x2(f32_from_f16_bits(uint16(h01 >> uint32(16))) * mult,
-                     f32_from_f16_bits(uint16(h01 & uint32(0xFFFF))) * mult)
-    p23 = cvt_e4m3x2(f32_from_f16_bits(uint16(h23 >> uint32(16))) * mult,
-                     f32_from_f16_bits(uint16(h23 & uint32(0xFFFF))) * mult)
+    """4 e4m3 (uint32, element 0 lowest) of the 4 e4m3 in the uint32 ``d`` times ``mult``, the f16
+    pair (uint32 bits) of a power of two 2^k, -19 <= k <= 0, in both halves: exact decode to f16
+    (``cvt.rn.f16x2.e4m3x2``), the products in f16, one RNE to e4m3.
+
+    The f16 products are exact wherever the result can be nonzero: e4m3 has 4 significant bits, so
+    v * 2^k is a multiple of 2^-24 (f16's subnormal step) unless it is below 2^-21, and anything
+    below 2^-10 (half of e4m3's smallest subnormal) rounds to a signed zero either way."""
+    p01 = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d & uint32(0xFFFF))), mult))
+    p23 = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d >> uint32(16))), mult))
     return uint32(p01) | (uint32(p23) << uint32(16))
 
 
 @cuda.jit(device=True)
-def rescale_e4m3x8(d, s, r):
-    """The 8 e4m3 of the uint64 ``d`` (block scale 2^(s - 127)) re-expressed at the row scale
-    2^(r - 127), r >= s: RNE_e4m3(v * 2^(s - r)); NaN bytes kept; ``d`` itself when s == r."""
-    if s >= r:
-        return d
-    k = max(int32(s) - int32(r), int32(RESCALE_EXP_MIN))
-    mult = f32_from_bits(uint32(int32(127) + k) << uint32(23))
+def f16x2_pow2(k):
+    """The f16 pair (uint32 bits) holding 2^k in both halves, -24 <= k <= 15 (below -14 an f16
+    subnormal)."""
+    if k >= int32(-14):
+        bits = uint32(int32(int32(15) + k)) << uint32(10)
+    else:
+        bits = uint32(1) << uint32(int32(int32(24) + k))
+    return bits | (bits << uint32(16))
+
+
+@cuda.jit(device=True)
+def rescale_e4m3x8(d, mult):
+    """The 8 e4m3 of the uint64 ``d`` times ``mult`` (:func:`rescale_e4m3x4`); NaN bytes kept."""
     lo = rescale_e4m3x4(uint32(d & uint64(0xFFFFFFFF)), mult)
     hi = rescale_e4m3x4(uint32(d >> uint64(32)), mult)
     nan = nan_byte_mask(d)
     return ((uint64(lo) | (uint64(hi) << uint64(32))) & ~nan) | (d & nan)
+
+
+@cuda.jit(device=True)
+def rescale_pair(first, second, s, r):
+    """The 16 e4m3 of the uint64 words ``first`` and ``second`` (one block, scale 2^(s - 127))
+    re-expressed at the row scale 2^(r - 127), r >= s: RNE_e4m3(v * 2^(s - r)), NaN bytes kept;
+    the words themselves when s == r."""
+    if s >= r:
+        return first, second
+    mult = f16x2_pow2(max(int32(int32(s) - int32(r)), int32(RESCALE_EXP_MIN)))
+    return rescale_e4m3x8(first, mult), rescale_e4m3x8(second, mult)
 
 
 @kernel
@@ -86,18 +109,21 @@ def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_s
         out_scales: (P,) uint32, fp32 bits of the row scales. Written.
     Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R): one warp per permuted row (R rows
         per CUDA block), grid-stride over rows in steps uniform per CUDA block; lane l takes
-        words l + 32 k, PASS_WORDS loads in flight.
+        word pairs l + 32 k, PASS_PAIRS loads in flight. The data and out data addresses must
+        be multiples of 16 bytes.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    words = cuda.local.array(PASS_WORDS, uint64)
-    sb = cuda.local.array(PASS_WORDS, uint32)
+    first = cuda.local.array(PASS_PAIRS, uint64)
+    second = cuda.local.array(PASS_PAIRS, uint64)
+    sb = cuda.local.array(PASS_PAIRS, uint32)
     lane = cuda.threadIdx.x % WARP
     rows_per_block = cuda.blockDim.x // WARP
     npermuted = indices.shape[0]
     nsrc = data_words.shape[0]
     ncols = out_words.shape[1]
+    npairs = ncols // 2
     nblocks = mx_scales.shape[1]
-    step = WARP * PASS_WORDS
+    step = WARP * PASS_PAIRS
     for base in range(cuda.blockIdx.x * rows_per_block, npermuted,
                       cuda.gridDim.x * rows_per_block):
         p = base + cuda.threadIdx.x // WARP
@@ -120,16 +146,17 @@ def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_s
             scale_bits = uint32(F32_NAN)
         else:
             r = max(smax, uint32(SCALE_EXP_MIN))
-            for start in range(lane, ncols, step):
-                for k in range(PASS_WORDS):  # all loads first
-                    w = start + k * WARP
-                    if w < ncols:
-                        words[k] = data_words[i, w]
-                        sb[k] = uint32(mx_scales[i, w >> MX_WORDS_PER_BLOCK_LOG2])
-                for k in range(PASS_WORDS):
-                    w = start + k * WARP
-                    if w < ncols:
-                        out_words[p, w] = rescale_e4m3x8(words[k], sb[k], r)
+            for start in range(lane, npairs, step):
+                for k in range(PASS_PAIRS):  # all loads first
+                    q = start + k * WARP
+                    if q < npairs:
+                        first[k], second[k] = load_pair(data_words, i, q)
+                        sb[k] = uint32(load_word(mx_scales, i, q >> MX_PAIRS_PER_BLOCK_LOG2))
+                for k in range(PASS_PAIRS):
+                    q = start + k * WARP
+                    if q < npairs:
+                        a, b = rescale_pair(first[k], second[k], sb[k], r)
+                        store_pair(out_words, p, q, a, b)
             scale_bits = r << uint32(23)
         if lane == 0:
             out_scales[p] = scale_bits

@@ -191,7 +191,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             raise ValueError(f"scale_mode on rank {rank}: expected one of {SCALE_MODES}, got "
                              f"{scale_mode!r}")
         width = x.shape[1]
-        fmt.check_width(width, f"{name} on rank {rank}")
+        fmt.check_input(x, f"{name} on rank {rank}")
         if layout is not None:
             plan = layout.dispatch_plan if direction == "dispatch" else layout.combine_plan
             send_counts, recv_counts = plan.send_counts, plan.recv_counts

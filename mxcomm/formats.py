@@ -27,7 +27,7 @@ import functools
 import numpy
 
 from ._array import as_device_array, bfloat16, float32, stream_ptr
-from .kernels import array_module
+from .kernels import address, array_module
 
 #: ``Format.scale_block`` of a format with one scale per row.
 PER_ROW = "row"
@@ -52,6 +52,8 @@ class Format:
         scale_modes: the scale roundings a caller may pick per call (MXFP8's ``"rceil"`` and
             ``"floor"``); empty where the format fixes its own (the caller's is ignored).
         source: where its definition comes from.
+        input_align: bytes the address of the rows to quantize must be a multiple of (its
+            quantize kernel loads 8 or 16 bytes at a time); 1 for the unscaled formats.
     """
 
     name: str
@@ -66,6 +68,7 @@ class Format:
     _quantize: object = dataclasses.field(default=None, repr=False)
     _dequantize: object = dataclasses.field(default=None, repr=False)
     _array_class: object = dataclasses.field(default=None, repr=False)
+    input_align: int = 1
 
     @property
     def quantized(self):
@@ -93,11 +96,21 @@ class Format:
         return sum(dtype.itemsize * int(numpy.prod(shape))
                    for shape, dtype in self.row_arrays(d, input_dtype))
 
-    def check_width(self, d, name="x"):
-        """Raise ValueError unless ``d`` is a multiple of ``d_multiple``."""
+    def check_input(self, x, name="x"):
+        """Raise ValueError unless the (M, D) rows ``x`` (an array or a QuantizedArray) fit this
+        format: D a multiple of ``d_multiple``, and an array's address a multiple of
+        ``input_align`` bytes (fresh CuPy, NumPy and torch arrays are; a view that starts inside
+        a row may not be)."""
+        d = x.shape[1]
         if d % self.d_multiple:
             raise ValueError(f"{name}: D = {d} is not a multiple of {self.d_multiple}, which "
                              f"the {self.name!r} format needs")
+        if isinstance(x, QuantizedArray):
+            return
+        if self.input_align > 1 and x.size and address(x) % self.input_align:
+            raise ValueError(f"{name}: the rows start at address {address(x):#x}, not a multiple "
+                             f"of {self.input_align} bytes, which the {self.name!r} quantize "
+                             f"kernel needs (a view starting inside a row?); pass a copy")
 
     def wrap(self, data, scales):
         """``data`` and ``scales`` as a QuantizedArray of this format (MXFP8Array for mxfp8)."""
@@ -149,7 +162,7 @@ class Format:
         if x.ndim != 2 or not x.flags.c_contiguous:
             raise ValueError(f"x: expected a 2-D C-contiguous (M, D) array, got shape "
                              f"{tuple(x.shape)}")
-        self.check_width(x.shape[1])
+        self.check_input(x)
         if out is None:
             out = self.empty(*x.shape)
         elif not isinstance(out, QuantizedArray) or out.format is not self:

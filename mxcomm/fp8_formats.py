@@ -32,13 +32,14 @@ imported.
 import ml_dtypes
 import numpy
 
-from .kernels import (Launch, Words, array_module, launch_1d, prepared,  # first: decides
+from .kernels import (Launch, Words, address, array_module, launch_1d, prepared,  # first: decides
                       simulated, words)  # simulator vs GPU before numba loads
 from ._array import as_device_array, bfloat16, float32, stream_ptr
 from ._platform import host_backend
 from .formats import PER_ROW, Format, register, register_conversion
 from .kernels import fp8_block, fp8_colwise, fp8_rowwise
 from .kernels._launch import RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
+from .kernels._memory import PAIR_BYTES
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
                                 dequantize_fp8_block128_bf16_kernel,
                                 dequantize_fp8_block128_f32_kernel,
@@ -177,7 +178,8 @@ def quantize_fp8_rowwise(x, *, out=None, stream=None):
     the GEMM) to NaN. Bit-identical to a float64 evaluation of these formulas.
 
     Args:
-        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 16 == 0. Read.
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 16 == 0, its address a multiple
+            of 16 bytes (the kernel loads 16 bytes at a time). Read.
         out: a (data, scales) pair to write, (M, D) uint8 and (M,) float32, C-contiguous, or None
             to allocate. Written.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
@@ -186,9 +188,11 @@ def quantize_fp8_rowwise(x, *, out=None, stream=None):
     Raises:
         TypeError: ``x`` is not a device array or not bf16/fp32; ``out`` not a pair, or of other
             dtypes.
-        ValueError: ``x`` not 2-D, D % 16 != 0 or not C-contiguous; ``out`` of other shapes.
+        ValueError: ``x`` not 2-D, D % 16 != 0, not C-contiguous or its address not a multiple of
+            16 bytes; ``out`` of other shapes.
     """
     x = _check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES)
+    FP8_ROWWISE.check_input(x)
     m, d = x.shape
     data, scales = _out_pair(out, (m, d), (m,))
     return launch_quantize_fp8_rowwise(x, data, scales, stream_ptr(stream))
@@ -223,7 +227,8 @@ def _rowwise_quantize_launch(m, d, dtype, share):
     shared = rows * stash_units * fp8_rowwise.STASH_UNIT_BYTES
     config = _resident_launch(-(-m // rows) * threads, threads, fp8_rowwise.QUANTIZE_REGISTERS,
                               0, share, shared)
-    return Launch(kernel, config[:3] + (shared,), Words(0, (m, d * dtype.itemsize // 8), _U64),
+    return Launch(kernel, config[:3] + (shared,),
+                  Words(0, (m, d * dtype.itemsize // 8), _U64, PAIR_BYTES),  # loaded in pairs
                   data, Words(0, (m,), _U32), stash_units)
 
 
@@ -419,11 +424,12 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
         scales         s5   s0   1.0  1.0
 
     Args:
-        mx: MXFP8Array (N, D), the received rows. Read.
+        mx: MXFP8Array (N, D), the received rows; its data's address a multiple of 16 bytes (the
+            kernel moves 16 bytes at a time). Read.
         permuted_indices: (P,) int32 device array, C-contiguous: source row or -1 (as returned
             by ``mxcomm.permute``). Read.
-        out: a (data, scales) pair to write, (P, D) uint8 and (P,) float32, C-contiguous, or None
-            to allocate. Written.
+        out: a (data, scales) pair to write, (P, D) uint8 and (P,) float32, C-contiguous, data's
+            address a multiple of 16 bytes, or None to allocate. Written.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
     Returns:
         (data, scales): (P, D) uint8 e4m3fn bits and (P,) float32 power-of-two row scales, ready
@@ -431,7 +437,8 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
     Raises:
         TypeError: ``mx`` not an MXFP8Array; ``permuted_indices`` not an int32 device array;
             ``out`` not a pair, or of other dtypes.
-        ValueError: ``permuted_indices`` not 1-D or not C-contiguous; ``out`` of other shapes.
+        ValueError: ``permuted_indices`` not 1-D or not C-contiguous; ``out`` of other shapes;
+            ``mx.data`` or the out data at an address not a multiple of 16 bytes.
     """
     if not isinstance(mx, MXFP8Array):
         raise TypeError(f"mx: expected an MXFP8Array, got {type(mx).__name__}")
@@ -443,6 +450,10 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
     p = indices.shape[0]
     d = mx.shape[1]
     data, scales = _out_pair(out, (p, d), (p,))
+    for a, name in ((mx.data, "mx.data"), (data, "out[0] (data)")):
+        if a.size and address(a) % PAIR_BYTES:
+            raise ValueError(f"{name}: expected an address that is a multiple of {PAIR_BYTES} "
+                             f"bytes (the gather moves 16 bytes at a time), got {address(a):#x}")
     return launch_mx_to_rowwise_permute(mx, indices, data, scales, stream_ptr(stream))
 
 
@@ -455,11 +466,11 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
         return data, scales
     if host_backend():
         return _host_mx_to_rowwise_permute(mx, indices, out=(data, scales))
-    out_words = words(data, _U64, "out data", rows=True)
+    out_words = words(data, _U64, "out data", rows=True, align=PAIR_BYTES)  # stored in pairs
     threads = _WARP * ROWS_PER_BLOCK  # one warp per row
     mx_to_rowwise_gather_kernel[_resident_launch(-(-p // ROWS_PER_BLOCK) * threads, threads,
                                                  GATHER_REGISTERS, stream, share)](
-        indices, words(mx.data, _U64, "mx.data", rows=True), mx.scales, out_words,
+        indices, words(mx.data, _U64, "mx.data", rows=True, align=PAIR_BYTES), mx.scales, out_words,
         words(scales, _U32, "scales"))
     return data, scales
 
@@ -770,15 +781,15 @@ def _block128_dequantize(q, out, stream, share):
 FP8_ROWWISE = register(Format(
     "fp8_rowwise", "e4m3fn", _U8, float32, PER_ROW, ROWWISE_MULTIPLE, PADDING_SCALE, (),
     "SM90 torch._scaled_grouped_mm's A operand (fp32 row scales, K % 16)",
-    _rowwise_quantize, _rowwise_dequantize))
+    _rowwise_quantize, _rowwise_dequantize, input_align=PAIR_BYTES))
 FP8_BLOCK128 = register(Format(
     "fp8_block128", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
     "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448",
-    _block128_quantize("plain"), _block128_dequantize))
+    _block128_quantize("plain"), _block128_dequantize, input_align=8))
 FP8_BLOCK128_POW2 = register(Format(
     "fp8_block128_pow2", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
     "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))",
-    _block128_quantize("pow2"), _block128_dequantize))
+    _block128_quantize("pow2"), _block128_dequantize, input_align=8))
 
 
 def _mx_to_rowwise(x, indices, stream):

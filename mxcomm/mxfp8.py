@@ -210,4 +210,5 @@ def _format_dequantize(q, out, stream, share):
 
 #: The ``"mxfp8"`` Format (registered with ``mxcomm.formats`` when this module is imported).
 MXFP8 = register(Format("mxfp8", "e4m3fn", _U8, _U8, MX_BLOCK, MX_BLOCK, 0, SCALE_MODES,
-                        "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array))
+                        "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array,
+                        input_align=8))

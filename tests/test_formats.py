@@ -71,7 +71,28 @@ def test_registry_and_shapes():
                                          "got 'fp4'"):
         get_format("fp4")
     with pytest.raises(ValueError, match="D = 96 is not a multiple of 128"):
-        get_format("fp8_block128").check_width(96)
+        get_format("fp8_block128").check_input(np.zeros((2, 96), np.float32))
+
+
+def test_check_input_names_a_misaligned_address():
+    """The quantize kernels load 8 (MXFP8, 1x128) or 16 bytes (rowwise) at a time: rows whose
+    address is not a multiple of that are refused up front, naming the argument and the need."""
+    raw = np.zeros(512 + 32, np.uint8)
+    at = -raw.ctypes.data % 16 + 8  # 8-byte aligned, not 16
+
+    def rows(offset, d):
+        return raw[offset:offset + 512].view(np.float32).reshape(512 // 4 // d, d)
+
+    get_format("mxfp8").check_input(rows(at, 64))
+    get_format("fp8_block128").check_input(rows(at, 128))
+    get_format("bf16").check_input(rows(at + 4, 64))  # unscaled: no quantize kernel
+    with pytest.raises(ValueError, match=r"x on rank 1: the rows start at address 0x[0-9a-f]+, "
+                                         r"not a multiple of 16 bytes, which the 'fp8_rowwise' "
+                                         r"quantize kernel needs"):
+        get_format("fp8_rowwise").check_input(rows(at, 64), "x on rank 1")
+    with pytest.raises(ValueError, match=r"not a multiple of 8 bytes, which the 'mxfp8'"):
+        get_format("mxfp8").check_input(rows(at + 4, 64))
+    get_format("fp8_rowwise").check_input(rows(at - 8, 64))
 
 
 def test_registry_is_filled_by_the_format_modules():

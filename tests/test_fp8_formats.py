@@ -12,7 +12,7 @@ from mxcomm.fp8_formats import (_host_dequantize_fp8_block128, _host_dequantize_
                                 dequantize_fp8_block128, dequantize_fp8_rowwise,
                                 fp8_rowwise_to_group_colwise, mx_to_rowwise_permute,
                                 quantize_fp8_block128, quantize_fp8_rowwise)
-from mxcomm.kernels import array_module
+from mxcomm.kernels import address, array_module
 from mxcomm.mxfp8 import MXFP8Array
 from reference import permute_ref, quantize_mxfp8_ref
 from reference_fp8 import (dequantize_scaled_ref, group_colwise_ref, mx_to_rowwise_ref,
@@ -461,6 +461,20 @@ def test_rejects_bad_input():
         mx_to_rowwise_permute(mx, xp.zeros(4, np.int64))
     with pytest.raises(ValueError, match=r"permuted_indices: expected a 1-D array"):
         mx_to_rowwise_permute(mx, xp.zeros((2, 2), np.int32))
+    # the rowwise kernels move 16 bytes at a time: an address 8 bytes off is refused up front
+    raw = xp.zeros(2 * 128 * 2 + 32, np.uint8)
+    at = -address(raw) % 16 + 8
+    with pytest.raises(ValueError, match=r"x: the rows start at address 0x[0-9a-f]+, not a "
+                                         r"multiple of 16 bytes"):
+        quantize_fp8_rowwise(raw[at:at + 512].view(BF16).reshape(2, 128))
+    with pytest.raises(ValueError, match=r"mx.data: expected an address that is a multiple of "
+                                         r"16 bytes"):
+        mx_to_rowwise_permute(MXFP8Array(raw[at:at + 128].reshape(2, 64), mx.scales),
+                              xp.zeros(4, np.int32))
+    with pytest.raises(ValueError, match=r"out\[0\] \(data\): expected an address that is a "
+                                         r"multiple of 16 bytes"):
+        mx_to_rowwise_permute(mx, xp.zeros(2, np.int32),
+                              out=(raw[at:at + 128].reshape(2, 64), xp.zeros(2, np.float32)))
 
 
 def grouped_rowwise_rows(rng, p, d, ends):

@@ -183,11 +183,22 @@ def test_words_launch_like_the_array_view_they_replace(rows):
 
 
 def test_words_rejects_misaligned_arrays():
-    raw = np.zeros(80, dtype=np.uint8)
-    with pytest.raises(ValueError, match=r"x: expected 8-byte words .* address 0x"):
-        _launch.words(raw[1:65], np.dtype(np.uint64), "x")
-    with pytest.raises(ValueError, match=r"y: expected 8-byte words .* 12 bytes per row"):
-        _launch.words(raw[:72].reshape(6, 12), np.dtype(np.uint64), "y", rows=True)
+    raw = np.zeros(112, dtype=np.uint8)
+    at = -raw.ctypes.data % 16  # raw[at:] starts 16-byte aligned
+    word = np.dtype(np.uint64)
+    with pytest.raises(ValueError, match=r"x: expected an address and row size aligned to 8 "
+                                         r"bytes \(8-byte words\), got address 0x"):
+        _launch.words(raw[at + 1:at + 65], word, "x")
+    with pytest.raises(ValueError, match=r"y: .* aligned to 8 bytes .* 12 bytes per row"):
+        _launch.words(raw[at:at + 72].reshape(6, 12), word, "y", rows=True)
+    # kernels that load word pairs (16 bytes) ask for 16: an 8-byte aligned array is not enough
+    with pytest.raises(ValueError, match=r"z: expected an address and row size aligned to 16 "
+                                         r"bytes \(8-byte words, loaded 2 at a time\)"):
+        _launch.words(raw[at + 8:at + 72].reshape(2, 32), word, "z", rows=True, align=16)
+    with pytest.raises(ValueError, match=r"z: .* 16 bytes .* 24 bytes per row"):
+        _launch.words(raw[at:at + 96].reshape(4, 24), word, "z", rows=True, align=16)
+    assert _launch.words(raw[at:at + 64].reshape(2, 32), word, "z", rows=True,
+                         align=16).shape == (2, 4)
 
 
 # ----------------------------------------------------------------------------- prepared launches
@@ -236,6 +247,14 @@ def test_prepared_launch_rejects_misaligned_arrays():
     u64 = np.dtype(np.uint64)
     launch = _launch.Launch(kernel, (1, 32), _launch.Words(0, (4,), u64),
                             _launch.Words(0, (4,), u64))
-    with pytest.raises(ValueError, match=r"out: expected 8-byte words .* address 0x1004"):
+    with pytest.raises(ValueError, match=r"out: expected an address aligned to 8 bytes "
+                                         r"\(8-byte words\), got 0x1004"):
         launch(0, 0x2000, 0x1004)
+    pairs = _launch.Launch(kernel, (1, 32), _launch.Words(0, (4,), u64, 16),
+                           _launch.Words(0, (4,), u64))
+    with pytest.raises(ValueError, match=r"x: expected an address aligned to 16 bytes "
+                                         r"\(8-byte words, loaded 2 at a time\), got 0x2008"):
+        pairs(0, 0x2008, 0x1008)
     assert not kernel.calls
+    pairs(0, 0x2010, 0x1008)
+    assert len(kernel.calls) == 1

@@ -1,0 +1,197 @@
+"""Loads and stores of row words with the least address arithmetic: 16-byte loads, no index wrap.
+
+Numba indexes an array with a signed index as Python does: every access first maps a negative
+index to ``index + shape`` (a compare and a select in 64-bit integers), which also keeps the
+compiler from folding the constant steps of an unrolled loop into the loads' offsets. In the
+rowwise kernels that arithmetic was about 20 of the ~76 instructions spent per 16 input bytes
+(SASS of ``quantize_fp8_rowwise_bf16_kernel``, sm_90): they issue instructions as fast as the
+multiprocessor takes them, so the instructions set their speed (bench/NOTES.md). The helpers here
+take non-negative indices only (not checked) and load two adjacent words in one 16-byte access.
+
+On a GPU each helper is a Numba intrinsic (an address computed from the array's data pointer and
+shape, then one vector load or store); under the simulator a device function with the same
+result, by ordinary indexing. :func:`load_pair` and :func:`store_pair` need the pair's address to
+be a multiple of 16 bytes: the array's data and each row's bytes (its caller checks them).
+"""
+
+from numba import cuda
+
+from ._device import simulated
+
+#: Bytes of a pair of 8-byte words: the alignment :func:`load_pair` and :func:`store_pair` need.
+PAIR_BYTES = 16
+#: ``alignment`` of a shared array read and written in pairs (the simulator takes none).
+SHARED_PAIR_ALIGN = None if simulated() else PAIR_BYTES
+
+if simulated():
+    @cuda.jit(device=True)
+    def load_pair(words, row, col):
+        """Words ``2 col`` and ``2 col + 1`` of row ``row`` of the 2-D uint64 ``words``."""
+        return words[row, 2 * col], words[row, 2 * col + 1]
+
+    @cuda.jit(device=True)
+    def store_pair(words, row, col, first, second):
+        """Store ``first``, ``second`` into words ``2 col``, ``2 col + 1`` of row ``row`` of the
+        2-D uint64 ``words``."""
+        words[row, 2 * col] = first
+        words[row, 2 * col + 1] = second
+
+    @cuda.jit(device=True)
+    def load_pair_flat(words, i):
+        """Words ``2 i`` and ``2 i + 1`` of the 1-D uint64 ``words`` (global or shared)."""
+        return words[2 * i], words[2 * i + 1]
+
+    @cuda.jit(device=True)
+    def store_pair_flat(words, i, first, second):
+        """Store ``first``, ``second`` into words ``2 i``, ``2 i + 1`` of the 1-D ``words``."""
+        words[2 * i] = first
+        words[2 * i + 1] = second
+
+    @cuda.jit(device=True)
+    def load_word(words, row, col):
+        """``words[row, col]`` of a 2-D array."""
+        return words[row, col]
+
+    @cuda.jit(device=True)
+    def store_word(words, row, col, value):
+        """``words[row, col] = value`` of a 2-D array."""
+        words[row, col] = value
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _pointer(context, builder, array_type, array, indices):
+        """The element pointer of ``indices`` (intp LLVM values, non-negative) in ``array``."""
+        ary = context.make_array(array_type)(context, builder, value=array)
+        return cgutils.get_item_pointer(context, builder, array_type, ary, indices)
+
+    def _intp(context, builder, value, value_type):
+        """The integer ``value`` of ``value_type`` as an intp LLVM value."""
+        return context.cast(builder, value, value_type, types.intp)
+
+    def _twice(builder, index):
+        return builder.shl(index, index.type(1))
+
+    def _pair_pointer(context, builder, array_type, array, indices):
+        """A ``<2 x i64>`` pointer to the element of ``indices`` (its address a multiple of 16)."""
+        element = _pointer(context, builder, array_type, array, indices)
+        return builder.bitcast(element, ir.VectorType(ir.IntType(64), 2).as_pointer())
+
+    def _load_pair(context, builder, pointer, return_type):
+        vector = builder.load(pointer, align=PAIR_BYTES)
+        first = builder.extract_element(vector, ir.IntType(32)(0))
+        second = builder.extract_element(vector, ir.IntType(32)(1))
+        return context.make_tuple(builder, return_type, (first, second))
+
+    def _check_words(name, words, ndim):
+        if not (isinstance(words, types.Array) and words.ndim == ndim and words.layout == "C"
+                and words.dtype == types.uint64):
+            raise TypeError(f"{name}: expected a {ndim}-D C-contiguous uint64 array, got {words}")
+
+    @intrinsic
+    def load_pair(typingctx, words, row, col):
+        """Words ``2 col`` and ``2 col + 1`` of row ``row`` of the 2-D uint64 ``words``: one
+        16-byte load (``ld.global.v2.u64``); ``row``, ``col`` >= 0."""
+        _check_words("load_pair", words, 2)
+        return_type = types.UniTuple(types.uint64, 2)
+
+        def codegen(context, builder, signature, args):
+            array, r, c = args
+            _, row_type, col_type = signature.args
+            r = _intp(context, builder, r, row_type)
+            c = _twice(builder, _intp(context, builder, c, col_type))
+            pointer = _pair_pointer(context, builder, signature.args[0], array, [r, c])
+            return _load_pair(context, builder, pointer, signature.return_type)
+
+        return return_type(words, row, col), codegen
+
+    def _store_pair(context, builder, pointer, signature, first, second):
+        first = context.cast(builder, first, signature.args[-2], types.uint64)
+        second = context.cast(builder, second, signature.args[-1], types.uint64)
+        vector = ir.VectorType(ir.IntType(64), 2)(ir.Undefined)
+        vector = builder.insert_element(vector, first, ir.IntType(32)(0))
+        vector = builder.insert_element(vector, second, ir.IntType(32)(1))
+        builder.store(vector, pointer, align=PAIR_BYTES)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def store_pair(typingctx, words, row, col, first, second):
+        """Store ``first``, ``second`` into words ``2 col``, ``2 col + 1`` of row ``row`` of the
+        2-D uint64 ``words``: one 16-byte store (``st.global.v2.u64``); ``row``, ``col`` >= 0."""
+        _check_words("store_pair", words, 2)
+
+        def codegen(context, builder, signature, args):
+            array, r, c, a, b = args
+            _, row_type, col_type = signature.args[:3]
+            r = _intp(context, builder, r, row_type)
+            c = _twice(builder, _intp(context, builder, c, col_type))
+            pointer = _pair_pointer(context, builder, signature.args[0], array, [r, c])
+            return _store_pair(context, builder, pointer, signature, a, b)
+
+        return types.none(words, row, col, first, second), codegen
+
+    @intrinsic
+    def load_pair_flat(typingctx, words, i):
+        """Words ``2 i`` and ``2 i + 1`` of the 1-D uint64 ``words`` (global or shared): one
+        16-byte load; ``i`` >= 0."""
+        _check_words("load_pair_flat", words, 1)
+        return_type = types.UniTuple(types.uint64, 2)
+
+        def codegen(context, builder, signature, args):
+            array, index = args
+            index = _twice(builder, _intp(context, builder, index, signature.args[1]))
+            pointer = _pair_pointer(context, builder, signature.args[0], array, [index])
+            return _load_pair(context, builder, pointer, signature.return_type)
+
+        return return_type(words, i), codegen
+
+    @intrinsic
+    def store_pair_flat(typingctx, words, i, first, second):
+        """Store ``first``, ``second`` into words ``2 i``, ``2 i + 1`` of the 1-D uint64 ``words``:
+        one 16-byte store; ``i`` >= 0."""
+        _check_words("store_pair_flat", words, 1)
+
+        def codegen(context, builder, signature, args):
+            array, index, a, b = args
+            index = _twice(builder, _intp(context, builder, index, signature.args[1]))
+            pointer = _pair_pointer(context, builder, signature.args[0], array, [index])
+            return _store_pair(context, builder, pointer, signature, a, b)
+
+        return types.none(words, i, first, second), codegen
+
+    @intrinsic
+    def load_word(typingctx, words, row, col):
+        """``words[row, col]`` of a 2-D C-contiguous array, ``row``, ``col`` >= 0."""
+        if not (isinstance(words, types.Array) and words.ndim == 2 and words.layout == "C"):
+            raise TypeError(f"load_word: expected a 2-D C-contiguous array, got {words}")
+
+        def codegen(context, builder, signature, args):
+            array, r, c = args
+            _, row_type, col_type = signature.args
+            pointer = _pointer(context, builder, signature.args[0], array,
+                               [_intp(context, builder, r, row_type),
+                                _intp(context, builder, c, col_type)])
+            return builder.load(pointer)
+
+        return words.dtype(words, row, col), codegen
+
+    @intrinsic
+    def store_word(typingctx, words, row, col, value):
+        """``words[row, col] = value`` of a 2-D C-contiguous array, ``row``, ``col`` >= 0."""
+        if not (isinstance(words, types.Array) and words.ndim == 2 and words.layout == "C"):
+            raise TypeError(f"store_word: expected a 2-D C-contiguous array, got {words}")
+
+        def codegen(context, builder, signature, args):
+            array, r, c, v = args
+            words_type, row_type, col_type, value_type = signature.args
+            v = context.cast(builder, v, value_type, words_type.dtype)
+            pointer = _pointer(context, builder, words_type, array,
+                               [_intp(context, builder, r, row_type),
+                                _intp(context, builder, c, col_type)])
+            builder.store(v, pointer)
+            return context.get_dummy_value()
+
+        return types.none(words, row, col, value), codegen
