@@ -195,11 +195,14 @@ class Kernel:
 
     Args:
         pyfunc: the kernel's Python function, written for ``numba.cuda.jit``.
+        launch_bounds: ``(max threads per block, min blocks per multiprocessor)`` for the
+            compiler (it then keeps the registers per thread low enough), or None.
     """
 
-    def __init__(self, pyfunc):
+    def __init__(self, pyfunc, launch_bounds=None):
         functools.update_wrapper(self, pyfunc)
         self.py_func = pyfunc
+        self.launch_bounds = launch_bounds
         self._dispatcher = cuda.jit(pyfunc) if simulated() else None
         self._functions = {}  # argument kinds -> PackedLaunch
         #: The kernel's parameter names, for messages.
@@ -216,7 +219,8 @@ class Kernel:
 
     def compile(self, argument_types):
         """PTX of the kernel specialised for ``argument_types`` (numba types), for this device."""
-        ptx, _ = cuda.compile_ptx(self.py_func, argument_types, cc=_device_properties()[1])
+        ptx, _ = cuda.compile_ptx(self.py_func, argument_types, cc=_device_properties()[1],
+                                  launch_bounds=self.launch_bounds)
         return ptx
 
     def _function(self, args):
@@ -335,6 +339,9 @@ def clear_prepared():
         cached.cache_clear()
 
 
-def kernel(pyfunc):
-    """Decorator: a :class:`Kernel` from a Python function written for ``numba.cuda.jit``."""
-    return Kernel(pyfunc)
+def kernel(pyfunc=None, *, launch_bounds=None):
+    """Decorator: a :class:`Kernel` from a Python function written for ``numba.cuda.jit``;
+    ``@kernel(launch_bounds=(threads, blocks))`` passes launch bounds to the compiler."""
+    if pyfunc is None:
+        return functools.partial(Kernel, launch_bounds=launch_bounds)
+    return Kernel(pyfunc, launch_bounds)

@@ -41,9 +41,13 @@ from .mxfp8 import lanes_max
 
 #: Pairs of data words (16 e4m3, one 16-byte load) each thread loads per step, all in flight.
 PASS_PAIRS = 4
-#: Registers per thread of the gather kernel (ptxas -v, sm_90, numba-cuda 0.30.4, CUDA 13.0): the
-#: wrapper caps its grid at the blocks that stay resident.
-GATHER_REGISTERS = 120
+#: CUDA blocks (of 256 threads) per multiprocessor the gather is compiled for (launch bounds): three
+#: keep 24 warps per SM where its 118 registers unbounded kept 16, latency-bound (Nsight Compute:
+#: 40 % of issue slots busy, 0.58 eligible warps per scheduler; bench/NOTES.md).
+GATHER_BLOCKS_PER_SM = 3
+#: Registers per thread of the gather kernel (ptxas -v, sm_90, numba-cuda 0.30.4, CUDA 13.0; 76
+#: under those bounds, no spills): the wrapper caps its grid at the blocks that stay resident.
+GATHER_REGISTERS = 80
 #: log2 of the pairs of data words per MX block (32 elements = 4 words = 2 pairs).
 MX_PAIRS_PER_BLOCK_LOG2 = 1
 #: Smallest rescale exponent used: 448 * 2^-19 < 2^-10 already rounds to zero in e4m3 (and 2^-19
@@ -97,7 +101,7 @@ def rescale_pair(first, second, s, r):
     return rescale_e4m3x8(first, mult), rescale_e4m3x8(second, mult)
 
 
-@kernel
+@kernel(launch_bounds=(THREADS_PER_BLOCK, GATHER_BLOCKS_PER_SM))
 def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_scales):
     """out[p] = fp8 rowwise form of MXFP8 row indices[p] (rules in the module docstring).
 

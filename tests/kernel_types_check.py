@@ -58,10 +58,11 @@ def main(path):
 
     failed = 0
     for module, attr, args in spec["signatures"]:
-        function = getattr(importlib.import_module(module), attr).py_func
+        compiled = getattr(importlib.import_module(module), attr)
         signature = tuple(map(numba_type, args))
         try:
-            ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(compiled.py_func, signature, cc=(9, 0),
+                                      launch_bounds=getattr(compiled, "launch_bounds", None))
         except Exception as exc:  # noqa: BLE001 (classified below)
             frames = [f.name for f in traceback.extract_tb(exc.__traceback__)]
             if "get_asm_strs" not in frames or spec.get("require_ptx"):
