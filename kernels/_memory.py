@@ -53,6 +53,16 @@ if simulated():
         return words[row, col]
 
     @cuda.jit(device=True)
+    def load_item(items, i):
+        """``items[i]`` of a 1-D array (global, shared or local)."""
+        return items[i]
+
+    @cuda.jit(device=True)
+    def store_item(items, i, value):
+        """``items[i] = value`` of a 1-D array (global, shared or local)."""
+        items[i] = value
+
+    @cuda.jit(device=True)
     def store_word(words, row, col, value):
         """``words[row, col] = value`` of a 2-D array."""
         words[row, col] = value
@@ -177,6 +187,39 @@ else:
             return builder.load(pointer)
 
         return words.dtype(words, row, col), codegen
+
+    def _check_flat(name, items):
+        if not (isinstance(items, types.Array) and items.ndim == 1 and items.layout == "C"):
+            raise TypeError(f"{name}: expected a 1-D C-contiguous array, got {items}")
+
+    @intrinsic
+    def load_item(typingctx, items, i):
+        """``items[i]`` of a 1-D C-contiguous array (global, shared or local), ``i`` >= 0."""
+        _check_flat("load_item", items)
+
+        def codegen(context, builder, signature, args):
+            array, index = args
+            pointer = _pointer(context, builder, signature.args[0], array,
+                               [_intp(context, builder, index, signature.args[1])])
+            return builder.load(pointer)
+
+        return items.dtype(items, i), codegen
+
+    @intrinsic
+    def store_item(typingctx, items, i, value):
+        """``items[i] = value`` of a 1-D C-contiguous array (global, shared or local), ``i`` >= 0."""
+        _check_flat("store_item", items)
+
+        def codegen(context, builder, signature, args):
+            array, index, v = args
+            items_type, index_type, value_type = signature.args
+            v = context.cast(builder, v, value_type, items_type.dtype)
+            pointer = _pointer(context, builder, items_type, array,
+                               [_intp(context, builder, index, index_type)])
+            builder.store(v, pointer)
+            return context.get_dummy_value()
+
+        return types.none(items, i, value), codegen
 
     @intrinsic
     def store_word(typingctx, words, row, col, value):

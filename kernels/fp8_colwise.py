@@ -58,6 +58,7 @@ from numba import cuda, float32, int32, uint32, uint64
 from ._fp8 import E4M3_NAN, F32_INF, F32_MANT_1_75, F32_NAN, cvt_e4m3x2, bits_from_f32, \
     f32_from_bits, f32_from_e4m3
 from ._launch import kernel
+from ._memory import load_item, load_word, store_item, store_word
 
 #: Rows each thread of the amax kernel walks (one atomic per column and group met), AMAX_UNROLL
 #: rows loaded at a time, AMAX_COLUMNS columns (one uint64 data word) per thread. With 8 rows at a
@@ -168,8 +169,8 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         for p in range(first, end, AMAX_UNROLL):
             for u in range(AMAX_UNROLL):  # all loads first
                 if p + u < end:
-                    loaded[u] = data_words[p + u, w]
-                    loaded_scales[u] = row_scales[p + u]
+                    loaded[u] = load_word(data_words, p + u, w)
+                    loaded_scales[u] = load_item(row_scales, p + u)
             for u in range(AMAX_UNROLL):
                 q = p + u
                 if q < end:
@@ -233,11 +234,24 @@ def group_colwise_scales_kernel(keys, group_ends, aligned_ends):
 
 
 @cuda.jit(device=True)
+def inverse_scale(bits):
+    """1 / scale (f32) of a column scale with f32 bits ``bits`` (uint32): 2^(127 - s) for
+    2^(s - 127), 1 <= s <= 254 (s = 254: the subnormal 2^-127), built from the exponent (exact,
+    no division); NaN for NaN."""
+    if (bits & uint32(_ABS)) >= uint32(F32_INF):
+        return f32_from_bits(uint32(F32_NAN))
+    s = bits >> uint32(23)
+    if s >= uint32(254):
+        return f32_from_bits(uint32(0x00400000))
+    return f32_from_bits((uint32(254) - s) << uint32(23))
+
+
+@cuda.jit(device=True)
 def load_inverse_scales(scale_bits, g, w, inverse):
     """``inverse[0..3]``: 1 / scale of group ``g``'s columns 4w..4w+3 (exact: powers of two; NaN
     for a NaN column)."""
     for c in range(4):
-        inverse[c] = float32(1.0) / f32_from_bits(scale_bits[g, 4 * w + c])
+        inverse[c] = inverse_scale(load_word(scale_bits, g, 4 * w + c))
 
 
 @cuda.jit(device=True)
@@ -331,41 +345,45 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         for quad0 in range(slot, TILE_POSITIONS // 4, ENCODE_QUADS * slots):
             for u in range(ENCODE_LOADS):  # all loads first: the 4 rows of each quad
                 r = 4 * (quad0 + (u // 4) * slots) + u % 4
-                src = source[r]
-                loaded[u] = data_words[src, w] if src >= 0 and w < words else uint32(0)
+                src = load_item(source, r)
+                loaded[u] = load_word(data_words, src, w) if src >= 0 and w < words else \
+                    uint32(0)
             for qi in range(ENCODE_QUADS):
                 quad = quad0 + qi * slots
                 out0 = out1 = out2 = out3 = uint32(0)
                 for half in range(2):  # positions (0, 1), then (2, 3) of the quad
                     ra = 4 * quad + 2 * half
                     fa0 = fa1 = fa2 = fa3 = fb0 = fb1 = fb2 = fb3 = float32(0)
-                    if source[ra] >= 0 and w < words:
-                        if group[ra] != cached_g:
-                            cached_g = group[ra]
+                    if load_item(source, ra) >= 0 and w < words:
+                        ga = load_item(group, ra)
+                        if ga != cached_g:
+                            cached_g = ga
                             load_inverse_scales(scale_bits, cached_g, w, inverse)
                         fa0, fa1, fa2, fa3 = rescale_word(loaded[4 * qi + 2 * half],
-                                                          row_scale[ra], inverse)
-                    if source[ra + 1] >= 0 and w < words:
-                        if group[ra + 1] != cached_g:
-                            cached_g = group[ra + 1]
+                                                          load_item(row_scale, ra), inverse)
+                    if load_item(source, ra + 1) >= 0 and w < words:
+                        gb = load_item(group, ra + 1)
+                        if gb != cached_g:
+                            cached_g = gb
                             load_inverse_scales(scale_bits, cached_g, w, inverse)
                         fb0, fb1, fb2, fb3 = rescale_word(loaded[4 * qi + 2 * half + 1],
-                                                          row_scale[ra + 1], inverse)
+                                                          load_item(row_scale, ra + 1), inverse)
                     at = uint32(16 * half)  # the pair's two bytes: positions 2 half, 2 half + 1
                     out0 |= uint32(cvt_e4m3x2(fb0, fa0)) << at
                     out1 |= uint32(cvt_e4m3x2(fb1, fa1)) << at
                     out2 |= uint32(cvt_e4m3x2(fb2, fa2)) << at
                     out3 |= uint32(cvt_e4m3x2(fb3, fa3)) << at
                 at = 64 * lane + ((quad + lane) & 15)  # swizzled (column 4 lane, quad)
-                tile[at] = out0
-                tile[at + 16] = out1
-                tile[at + 32] = out2
-                tile[at + 48] = out3
+                store_item(tile, at, out0)
+                store_item(tile, at + 16, out1)
+                store_item(tile, at + 32, out2)
+                store_item(tile, at + 48, out3)
         cuda.syncthreads()
         for i in range(tid, _TILE_OUT_WORDS, nthreads):  # store, position-contiguous
             c = i >> 4
             k = i & 15
             col = 4 * w0 + c
             if col < d and q0 + 4 * k < positions:
-                out_words[col, (q0 >> 2) + k] = tile[(c << 4) + ((k + (c >> 2)) & 15)]
+                store_word(out_words, col, (q0 >> 2) + k,
+                           load_item(tile, (c << 4) + ((k + (c >> 2)) & 15)))
         cuda.syncthreads()
