@@ -37,8 +37,8 @@ def probe(p, d, groups=8, once=False):
     amax = fp8_colwise.group_colwise_amax_kernel[launch_1d(
         chunks * (d // fp8_colwise.AMAX_COLUMNS), stream)]
     scale = fp8_colwise.group_colwise_scales_kernel[launch_1d(groups * d, stream)]
-    tiles = -(-t // fp8_colwise.TILE_POSITIONS) * -(-(d // 4) // fp8_colwise.TILE_WORDS)
-    encode = fp8_colwise.group_colwise_encode_kernel[launch_1d(tiles * 256, stream)]
+    encode = fp8_colwise.group_colwise_encode_kernel[
+        launch_1d(fp8_colwise.encode_items(t, d) * 256, stream)]
     cases = [
         ("amax", lambda: amax(w64, rs, ends, keys, fp8_colwise.CHUNK_ROWS), p * d + p * 4),
         ("scales", lambda: scale(keys.reshape(-1), ends, aligned), groups * d * 8),

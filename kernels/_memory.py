@@ -207,7 +207,8 @@ else:
 
     @intrinsic
     def store_item(typingctx, items, i, value):
-        """``items[i] = value`` of a 1-D C-contiguous array (global, shared or local), ``i`` >= 0."""
+        """``items[i] = value`` of a 1-D C-contiguous array (global, shared or local),
+        ``i`` >= 0."""
         _check_flat("store_item", items)
 
         def codegen(context, builder, signature, args):

@@ -51,6 +51,8 @@ Three kernels, grid-stride:
      2^RESCALE_EXP_MAX; an int64 exponent clamp per byte measured 1.5x slower, bench/NOTES.md),
      rounds the same column of two positions in one conversion, so it holds whole output words
      (4 positions of a column), and stores them position-contiguous through a swizzled word tile.
+     A CUDA block takes CHUNK_TILES tiles of one stripe of positions in a row, looking up the
+     stripe's source rows once.
 """
 
 from numba import cuda, float32, int32, uint32, uint64
@@ -70,6 +72,10 @@ AMAX_COLUMNS = 8
 #: Token positions and data words (4 columns each) of one tile of the encode kernel.
 TILE_POSITIONS = 64
 TILE_WORDS = 32
+#: Tiles of one stripe of TILE_POSITIONS positions an encode work item takes (the stripe's source
+#: rows, groups and row scales looked up once for them, where each tile looked them up before:
+#: 56 times per stripe at D = 7168).
+CHUNK_TILES = 8
 #: Position quads (4 consecutive positions, one output word per column) each thread of the encode
 #: kernel takes at a time: ENCODE_LOADS data words, all loaded first.
 ENCODE_QUADS = 2
@@ -276,6 +282,12 @@ def rescale_word(v, row_scale, inverse):
             f32_from_e4m3(v >> uint32(24)) * rescale_factor(row_scale, inverse[3]))
 
 
+def encode_items(positions, d):
+    """Work items of :func:`group_colwise_encode_kernel` for T = ``positions`` and D = ``d``."""
+    tiles_w = -(-(d // 4) // TILE_WORDS)
+    return -(-positions // TILE_POSITIONS) * -(-tiles_w // CHUNK_TILES)
+
+
 @kernel
 def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, out_words):
     """fp8 rowwise rows -> (D, T) e4m3 scaled per (group, column) (module docstring, kernel 3).
@@ -287,9 +299,11 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         scale_bits: (G, D) uint32, fp32 bits of the column scales (kernel 2). Read.
         out_words: (D, T // 4) uint32, e4m3 bits, 4 token positions per word. Written (every
             word).
-    Launch: launch_1d(tiles * THREADS_PER_BLOCK) with tiles = ceil(T / TILE_POSITIONS) *
-        ceil(D / 4 / TILE_WORDS), blockDim.x one of 32, 64, 128, 256: one tile at a time per
-        CUDA block, grid-stride over tiles. In a tile, lane j of each warp takes data word
+    Launch: launch_1d(encode_items(T, D) * THREADS_PER_BLOCK), blockDim.x one of 32, 64, 128,
+        256: one work item at a time per CUDA block, grid-stride over items. An item is up to
+        CHUNK_TILES tiles of one stripe of positions: the stripe's source rows, groups and row
+        scales go into shared memory once, then its tiles follow. In a tile, lane j of each warp
+        takes data word
         w0 + j (4 columns) of the rows of position quads (4 consecutive positions): it loads
         the 4 rows of two quads first (ENCODE_LOADS words in flight, coalesced across the warp),
         rescales each byte by its row scale times its column's inverse scale (kept while the
@@ -316,10 +330,11 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
     positions = 4 * out_words.shape[1]
     n_groups = group_ends.shape[0]
     tiles_w = -(-words // TILE_WORDS)
-    tiles = -(-positions // TILE_POSITIONS) * tiles_w
-    for t in range(cuda.blockIdx.x, tiles, cuda.gridDim.x):
-        q0 = (t // tiles_w) * TILE_POSITIONS
-        w0 = (t % tiles_w) * TILE_WORDS
+    chunks_w = -(-tiles_w // CHUNK_TILES)
+    items = -(-positions // TILE_POSITIONS) * chunks_w
+    for item in range(cuda.blockIdx.x, items, cuda.gridDim.x):
+        q0 = (item // chunks_w) * TILE_POSITIONS
+        first_tile = (item % chunks_w) * CHUNK_TILES
         for i in range(tid, TILE_POSITIONS, nthreads):  # each position's source row
             q = q0 + i
             src = -1
@@ -340,50 +355,53 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
             group[i] = g
             row_scale[i] = f32_from_bits(row_scales[src]) if src >= 0 else float32(0)
         cuda.syncthreads()
-        w = w0 + lane
-        cached_g = -1
-        for quad0 in range(slot, TILE_POSITIONS // 4, ENCODE_QUADS * slots):
-            for u in range(ENCODE_LOADS):  # all loads first: the 4 rows of each quad
-                r = 4 * (quad0 + (u // 4) * slots) + u % 4
-                src = load_item(source, r)
-                loaded[u] = load_word(data_words, src, w) if src >= 0 and w < words else \
-                    uint32(0)
-            for qi in range(ENCODE_QUADS):
-                quad = quad0 + qi * slots
-                out0 = out1 = out2 = out3 = uint32(0)
-                for half in range(2):  # positions (0, 1), then (2, 3) of the quad
-                    ra = 4 * quad + 2 * half
-                    fa0 = fa1 = fa2 = fa3 = fb0 = fb1 = fb2 = fb3 = float32(0)
-                    if load_item(source, ra) >= 0 and w < words:
-                        ga = load_item(group, ra)
-                        if ga != cached_g:
-                            cached_g = ga
-                            load_inverse_scales(scale_bits, cached_g, w, inverse)
-                        fa0, fa1, fa2, fa3 = rescale_word(loaded[4 * qi + 2 * half],
-                                                          load_item(row_scale, ra), inverse)
-                    if load_item(source, ra + 1) >= 0 and w < words:
-                        gb = load_item(group, ra + 1)
-                        if gb != cached_g:
-                            cached_g = gb
-                            load_inverse_scales(scale_bits, cached_g, w, inverse)
-                        fb0, fb1, fb2, fb3 = rescale_word(loaded[4 * qi + 2 * half + 1],
-                                                          load_item(row_scale, ra + 1), inverse)
-                    at = uint32(16 * half)  # the pair's two bytes: positions 2 half, 2 half + 1
-                    out0 |= uint32(cvt_e4m3x2(fb0, fa0)) << at
-                    out1 |= uint32(cvt_e4m3x2(fb1, fa1)) << at
-                    out2 |= uint32(cvt_e4m3x2(fb2, fa2)) << at
-                    out3 |= uint32(cvt_e4m3x2(fb3, fa3)) << at
-                at = 64 * lane + ((quad + lane) & 15)  # swizzled (column 4 lane, quad)
-                store_item(tile, at, out0)
-                store_item(tile, at + 16, out1)
-                store_item(tile, at + 32, out2)
-                store_item(tile, at + 48, out3)
-        cuda.syncthreads()
-        for i in range(tid, _TILE_OUT_WORDS, nthreads):  # store, position-contiguous
-            c = i >> 4
-            k = i & 15
-            col = 4 * w0 + c
-            if col < d and q0 + 4 * k < positions:
-                store_word(out_words, col, (q0 >> 2) + k,
-                           load_item(tile, (c << 4) + ((k + (c >> 2)) & 15)))
-        cuda.syncthreads()
+        for t in range(first_tile, min(first_tile + CHUNK_TILES, tiles_w)):
+            w0 = t * TILE_WORDS
+            w = w0 + lane
+            cached_g = -1
+            for quad0 in range(slot, TILE_POSITIONS // 4, ENCODE_QUADS * slots):
+                for u in range(ENCODE_LOADS):  # all loads first: the 4 rows of each quad
+                    r = 4 * (quad0 + (u // 4) * slots) + u % 4
+                    src = load_item(source, r)
+                    loaded[u] = load_word(data_words, src, w) if src >= 0 and w < words else \
+                        uint32(0)
+                for qi in range(ENCODE_QUADS):
+                    quad = quad0 + qi * slots
+                    out0 = out1 = out2 = out3 = uint32(0)
+                    for half in range(2):  # positions (0, 1), then (2, 3) of the quad
+                        ra = 4 * quad + 2 * half
+                        fa0 = fa1 = fa2 = fa3 = fb0 = fb1 = fb2 = fb3 = float32(0)
+                        if load_item(source, ra) >= 0 and w < words:
+                            ga = load_item(group, ra)
+                            if ga != cached_g:
+                                cached_g = ga
+                                load_inverse_scales(scale_bits, cached_g, w, inverse)
+                            fa0, fa1, fa2, fa3 = rescale_word(loaded[4 * qi + 2 * half],
+                                                              load_item(row_scale, ra), inverse)
+                        if load_item(source, ra + 1) >= 0 and w < words:
+                            gb = load_item(group, ra + 1)
+                            if gb != cached_g:
+                                cached_g = gb
+                                load_inverse_scales(scale_bits, cached_g, w, inverse)
+                            fb0, fb1, fb2, fb3 = rescale_word(
+                                loaded[4 * qi + 2 * half + 1], load_item(row_scale, ra + 1),
+                                inverse)
+                        at = uint32(16 * half)  # the pair's bytes: positions 2 half, 2 half + 1
+                        out0 |= uint32(cvt_e4m3x2(fb0, fa0)) << at
+                        out1 |= uint32(cvt_e4m3x2(fb1, fa1)) << at
+                        out2 |= uint32(cvt_e4m3x2(fb2, fa2)) << at
+                        out3 |= uint32(cvt_e4m3x2(fb3, fa3)) << at
+                    at = 64 * lane + ((quad + lane) & 15)  # swizzled (column 4 lane, quad)
+                    store_item(tile, at, out0)
+                    store_item(tile, at + 16, out1)
+                    store_item(tile, at + 32, out2)
+                    store_item(tile, at + 48, out3)
+            cuda.syncthreads()
+            for i in range(tid, _TILE_OUT_WORDS, nthreads):  # store, position-contiguous
+                c = i >> 4
+                k = i & 15
+                col = 4 * w0 + c
+                if col < d and q0 + 4 * k < positions:
+                    store_word(out_words, col, (q0 >> 2) + k,
+                               load_item(tile, (c << 4) + ((k + (c >> 2)) & 15)))
+            cuda.syncthreads()

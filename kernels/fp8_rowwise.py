@@ -152,7 +152,8 @@ def _quantize_fp8_rowwise(f32):
             32 k, PASS_UNITS of them per step, in two passes (amax, then encode).
         """
         scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-        stash = cuda.shared.array(0, uint64, alignment=SHARED_PAIR_ALIGN)  # stash_units pairs a warp
+        # per warp: stash_units pairs of words
+        stash = cuda.shared.array(0, uint64, alignment=SHARED_PAIR_ALIGN)
         first = cuda.local.array(PASS_UNITS, uint64)
         second = cuda.local.array(PASS_UNITS, uint64)
         lane = cuda.threadIdx.x % WARP

@@ -564,8 +564,8 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
                                         threads=1 if sim else None)](
         words(data, _U64, "data", rows=True), row_scales, group_ends, keys, chunk)
     group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
-    tiles = -(-t // fp8_colwise.TILE_POSITIONS) * -(-(d // 4) // fp8_colwise.TILE_WORDS)
-    group_colwise_encode_kernel[launch_1d(tiles * THREADS_PER_BLOCK, stream)](
+    items = fp8_colwise.encode_items(t, d)
+    group_colwise_encode_kernel[launch_1d(items * THREADS_PER_BLOCK, stream)](
         words32, row_scales, group_ends, keys, words(data_t, _U32, "data_t", rows=True))
     return data_t, scales_t, aligned
 
