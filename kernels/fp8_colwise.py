@@ -59,7 +59,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from ._fp8 import E4M3_NAN, F32_INF, F32_MANT_1_75, F32_NAN, cvt_e4m3x2, bits_from_f32, \
     f32_from_bits, f32_from_e4m3
-from ._launch import kernel
+from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_item, load_word, store_item, store_word
 
 #: Rows each thread of the amax kernel walks (one atomic per column and group met), AMAX_UNROLL
@@ -76,6 +76,10 @@ TILE_WORDS = 32
 #: rows, groups and row scales looked up once for them, where each tile looked them up before:
 #: 56 times per stripe at D = 7168).
 CHUNK_TILES = 8
+#: CUDA blocks (of 256 threads) per multiprocessor the encode kernel is compiled for (launch
+#: bounds: 64 registers, 8 bytes spilled, where 74 unbounded left 3 blocks): 1.50 -> 1.43 ms at
+#: 131072 x 7168 on an H200 (bench/NOTES.md).
+ENCODE_BLOCKS_PER_SM = 4
 #: Position quads (4 consecutive positions, one output word per column) each thread of the encode
 #: kernel takes at a time: ENCODE_LOADS data words, all loaded first.
 ENCODE_QUADS = 2
@@ -288,7 +292,7 @@ def encode_items(positions, d):
     return -(-positions // TILE_POSITIONS) * -(-tiles_w // CHUNK_TILES)
 
 
-@kernel
+@kernel(launch_bounds=(THREADS_PER_BLOCK, ENCODE_BLOCKS_PER_SM))
 def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, out_words):
     """fp8 rowwise rows -> (D, T) e4m3 scaled per (group, column) (module docstring, kernel 3).
 
