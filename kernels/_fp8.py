@@ -152,6 +152,18 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    def _instruction(text, constraints, signature):
+        """An intrinsic's (signature, codegen) of one inline PTX instruction: ``text`` with its
+        operands ``$0`` (the result), ``$1``... and their LLVM ``constraints`` (``"=r,f,f"``:
+        ``h`` 16-bit, ``r`` 32-bit, ``f`` f32 registers)."""
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(context.get_value_type(sig.return_type),
+                                   [context.get_value_type(a) for a in sig.args])
+            return builder.call(ir.InlineAsm(fnty, text, constraints), list(args))
+
+        return signature, codegen
+
     @intrinsic
     def cvt_e4m3x2(typingctx, a, b):
         """e4m3fn bits of two f32 values in one uint16: ``a`` in the upper byte, ``b`` in the lower.
@@ -159,14 +171,8 @@ else:
         One PTX instruction, ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+): round to nearest even,
         saturate to +-448 (Inf too), NaN -> 0x7F with its sign.
         """
-        sig = types.uint16(types.float32, types.float32)
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.IntType(16), [ir.FloatType(), ir.FloatType()])
-            asm = ir.InlineAsm(fnty, "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f")
-            return builder.call(asm, list(args))
-
-        return sig, codegen
+        return _instruction("cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f",
+                            types.uint16(types.float32, types.float32))
 
     @intrinsic
     def f32_from_bits(typingctx, bits):
@@ -182,65 +188,35 @@ else:
     def cvt_f16x2_e4m3x2(typingctx, a):
         """Two f16 (in a uint32) of the two e4m3fn in the uint16 ``a``: the upper byte to the upper
         half. One PTX instruction, ``cvt.rn.f16x2.e4m3x2`` (sm_89+), exact."""
-        sig = types.uint32(types.uint16)
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(16)])
-            asm = ir.InlineAsm(fnty, "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
-            return builder.call(asm, list(args))
-
-        return sig, codegen
+        return _instruction("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
+                            types.uint32(types.uint16))
 
     @intrinsic
     def f32_from_f16_bits(typingctx, h):
         """The float32 value of the f16 with bits ``h`` (uint16): ``cvt.f32.f16``, exact."""
-        sig = types.float32(types.uint16)
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(16)])
-            asm = ir.InlineAsm(fnty, "cvt.f32.f16 $0, $1;", "=f,h")
-            return builder.call(asm, list(args))
-
-        return sig, codegen
+        return _instruction("cvt.f32.f16 $0, $1;", "=f,h",
+                            types.float32(types.uint16))
 
     @intrinsic
     def mul_f16x2(typingctx, a, b):
         """The two f16 products of the f16 pairs (uint32 bits) ``a`` and ``b``: one PTX
         instruction, ``mul.rn.f16x2`` (round to nearest even, subnormals kept, never fused)."""
-        sig = types.uint32(types.uint32, types.uint32)
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), ir.IntType(32)])
-            asm = ir.InlineAsm(fnty, "mul.rn.f16x2 $0, $1, $2;", "=r,r,r")
-            return builder.call(asm, list(args))
-
-        return sig, codegen
+        return _instruction("mul.rn.f16x2 $0, $1, $2;", "=r,r,r",
+                            types.uint32(types.uint32, types.uint32))
 
     @intrinsic
     def cvt_e4m3x2_f16x2(typingctx, h):
         """e4m3fn bits (uint16) of the two f16 in the uint32 ``h``, the upper half to the upper
         byte: one PTX instruction, ``cvt.rn.satfinite.e4m3x2.f16x2`` (sm_89+)."""
-        sig = types.uint16(types.uint32)
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.IntType(16), [ir.IntType(32)])
-            asm = ir.InlineAsm(fnty, "cvt.rn.satfinite.e4m3x2.f16x2 $0, $1;", "=h,r")
-            return builder.call(asm, list(args))
-
-        return sig, codegen
+        return _instruction("cvt.rn.satfinite.e4m3x2.f16x2 $0, $1;", "=h,r",
+                            types.uint16(types.uint32))
 
     @intrinsic
     def cvt_bf16x2_f32(typingctx, a, b):
         """Two bf16 (in a uint32) of the f32 values ``a`` (upper half) and ``b`` (lower): one PTX
         instruction, ``cvt.rn.bf16x2.f32`` (sm_80+), round to nearest even."""
-        sig = types.uint32(types.float32, types.float32)
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
-            asm = ir.InlineAsm(fnty, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
-            return builder.call(asm, list(args))
-
-        return sig, codegen
+        return _instruction("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
+                            types.uint32(types.float32, types.float32))
 
     @intrinsic
     def bits_from_f32(typingctx, x):
