@@ -107,8 +107,11 @@ def _loads(itemsize, align):
 
 
 def address(a):
-    """The address of the first element of the CuPy (GPU) or NumPy (simulator) array ``a``."""
-    return a.__array_interface__["data"][0] if simulated() else a.data.ptr
+    """The address of the first element of the CuPy or NumPy array ``a`` (NumPy arrays come on
+    the simulator and the host backend, also on a machine with a GPU)."""
+    if isinstance(a, numpy.ndarray):
+        return a.__array_interface__["data"][0]
+    return a.data.ptr
 
 
 def words(a, dtype, name, *, rows=False, align=None):
