@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 row1
 #         colwise1 ncu1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
@@ -41,6 +41,11 @@ print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba-cuda', numba_
 for phase in "$@"; do
     case $phase in
     tests1) step "gpu tests, 1 process" 300 python3 -m pytest -q -m "gpu and not mpi" tests ;;
+    ktests1)  # the kernel tests CI runs in Numba's simulator (every e4m3 byte under every shift,
+        # NaN/Inf and subnormal rows, ...), here on the GPU's kernels (their fixture picks them)
+        step "kernel tests on the GPU's kernels, 1 process" 300 python3 -m pytest -q -p no:cacheprovider \
+            -m "not mpi and not faults" tests/test_fp8_formats.py tests/test_mxfp8.py \
+            tests/test_permute.py tests/test_formats.py ;;
     tests2) step "gpu tests, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
         --deselect tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path tests ;;
