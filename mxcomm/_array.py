@@ -46,6 +46,29 @@ def as_device_array(x, name):
                     f"__cuda_array_interface__), got {type(x).__name__}")
 
 
+def check_rows(x, name, multiple, dtypes, convert=as_device_array):
+    """``x`` as an array of rows (``convert``: a device array by default), validated: 2-D (M, D),
+    dtype in ``dtypes``, D % ``multiple`` == 0, C-contiguous.
+
+    Raises:
+        TypeError: not an array (``convert``), or another dtype.
+        ValueError: not 2-D, D not a multiple of ``multiple``, or not C-contiguous.
+    """
+    x = convert(x, name)
+    if x.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D (M, D) array, "
+                         f"got {x.ndim}-D shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, "
+                        f"got {x.dtype}")
+    if x.shape[1] % multiple:
+        raise ValueError(f"{name}: expected the last dimension D to be a multiple of {multiple}, "
+                         f"got D = {x.shape[1]}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
+    return x
+
+
 def stream_ptr(stream=None):
     """The raw CUDA stream handle of ``stream`` (0 without a GPU).
 

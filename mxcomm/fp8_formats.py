@@ -34,7 +34,7 @@ import numpy
 
 from .kernels import (Launch, Words, address, array_module, launch_1d, prepared,  # first: decides
                       simulated, words)  # simulator vs GPU before numba loads
-from ._array import as_device_array, bfloat16, float32, stream_ptr
+from ._array import as_device_array, bfloat16, check_rows, float32, stream_ptr
 from ._platform import host_backend
 from .formats import PER_ROW, Format, register, register_conversion
 from .kernels import fp8_block, fp8_colwise, fp8_rowwise
@@ -77,24 +77,6 @@ _SHARED_RESERVED = 1024
 # ---------------------------------------------------------------------------------------------
 # Validation and views.
 # ---------------------------------------------------------------------------------------------
-
-def _check_rows(x, name, multiple, dtypes, convert=as_device_array):
-    """``x`` as an array (``convert``: a device array by default), validated: 2-D (M, D), dtype in
-    ``dtypes``, D % multiple == 0, C-contiguous."""
-    x = convert(x, name)
-    if x.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D (M, D) array, "
-                         f"got {x.ndim}-D shape {tuple(x.shape)}")
-    if x.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, "
-                        f"got {x.dtype}")
-    if x.shape[1] % multiple:
-        raise ValueError(f"{name}: expected the last dimension D to be a multiple of {multiple}, "
-                         f"got D = {x.shape[1]}")
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
-    return x
-
 
 def _check_array(a, name, dtype, shape, convert=as_device_array):
     """``a`` as an array (``convert``: a device array by default) of exactly ``dtype`` and
@@ -191,7 +173,7 @@ def quantize_fp8_rowwise(x, *, out=None, stream=None):
         ValueError: ``x`` not 2-D, D % 16 != 0, not C-contiguous or its address not a multiple of
             16 bytes; ``out`` of other shapes.
     """
-    x = _check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES)
+    x = check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES)
     FP8_ROWWISE.check_input(x)
     m, d = x.shape
     data, scales = _out_pair(out, (m, d), (m,))
@@ -253,7 +235,7 @@ def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=Non
         ValueError: ``data`` not 2-D, D % 16 != 0, or not C-contiguous; ``scales`` or ``out`` of
             another shape or not C-contiguous.
     """
-    data = _check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
+    data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
     m, d = data.shape
     scales = _check_array(scales, "scales", float32, (m,))
     out = _out_array(out, (m, d), _out_dtype(dtype))
@@ -316,7 +298,7 @@ def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
         ValueError: ``x`` not 2-D, D % 128 != 0 or not C-contiguous; unknown ``scale_mode``;
             ``out`` of other shapes.
     """
-    x = _check_rows(x, "x", FP8_BLOCK, _DTYPES)
+    x = check_rows(x, "x", FP8_BLOCK, _DTYPES)
     if scale_mode not in BLOCK_SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
     m, d = x.shape
@@ -370,7 +352,7 @@ def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=No
         ValueError: ``data`` not 2-D, D % 128 != 0, or not C-contiguous; ``scales`` or ``out`` of
             another shape or not C-contiguous.
     """
-    data = _check_rows(data, "data", FP8_BLOCK, (_U8,))
+    data = check_rows(data, "data", FP8_BLOCK, (_U8,))
     m, d = data.shape
     scales = _check_array(scales, "scales", float32, (m, d // FP8_BLOCK))
     out = _out_array(out, (m, d), _out_dtype(dtype))
@@ -524,7 +506,7 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     Group ends that are not sorted or exceed P are not detected (that needs a host sync): rows
     then land in the wrong groups or are ignored, but nothing is written out of bounds.
     """
-    data = _check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
+    data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
     p, d = data.shape
     scales = _check_array(scales, "scales", float32, (p,))
     ends = as_device_array(group_ends, "group_ends")
@@ -635,7 +617,7 @@ def _host_write(out, data, scales):
 def _host_quantize_fp8_rowwise(x, *, out=None):
     """:func:`quantize_fp8_rowwise` on NumPy arrays: ``x`` (M, D) bf16/fp32 -> (data (M, D) uint8,
     scales (M,) float32), written into the pair ``out`` when given."""
-    x = _check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES, _host_array)
+    x = check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES, _host_array)
     m, d = x.shape
     if d == 0:
         data, scales = numpy.zeros((m, 0), _U8), numpy.full(m, 2.0 ** -126, float32)
@@ -649,7 +631,7 @@ def _host_quantize_fp8_block128(x, scale_mode="plain", *, out=None):
     uint8, scales (M, D // 128) float32), written into the pair ``out`` when given."""
     if scale_mode not in BLOCK_SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
-    x = _check_rows(x, "x", FP8_BLOCK, _DTYPES, _host_array)
+    x = check_rows(x, "x", FP8_BLOCK, _DTYPES, _host_array)
     return _host_write(out, *_host_quantize_blocks(x, FP8_BLOCK, scale_mode == "pow2"))
 
 
@@ -676,14 +658,14 @@ def _host_dequantize_scaled(data, scales, block, dtype, out):
 
 def _host_dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None):
     """:func:`dequantize_fp8_rowwise` on NumPy arrays: (M, D) ``dtype``."""
-    data = _check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,), _host_array)
+    data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,), _host_array)
     scales = _check_array(scales, "scales", float32, data.shape[:1], _host_array)
     return _host_dequantize_scaled(data, scales, data.shape[1], dtype, out)
 
 
 def _host_dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None):
     """:func:`dequantize_fp8_block128` on NumPy arrays: (M, D) ``dtype``."""
-    data = _check_rows(data, "data", FP8_BLOCK, (_U8,), _host_array)
+    data = check_rows(data, "data", FP8_BLOCK, (_U8,), _host_array)
     m, d = data.shape
     scales = _check_array(scales, "scales", float32, (m, d // FP8_BLOCK), _host_array)
     return _host_dequantize_scaled(data, scales, FP8_BLOCK, dtype, out)

@@ -13,7 +13,7 @@ import numpy
 
 from .kernels import Launch, Words, array_module, launch_1d, prepared  # first: sets up the simulator before numba loads
 from . import _host
-from ._array import as_device_array, bfloat16, float32, stream_ptr
+from ._array import as_device_array, bfloat16, check_rows, float32, stream_ptr
 from ._platform import host_backend
 from .formats import Format, QuantizedArray, register
 from .kernels._fp8 import MX_BLOCK
@@ -24,19 +24,6 @@ from .kernels.mxfp8 import (PAIRS_PER_THREAD, WORDS_PER_THREAD, dequantize_mxfp8
 SCALE_MODES = ("rceil", "floor")
 _U8, _U16, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint16, numpy.uint64))
 _DTYPES = (bfloat16, float32)
-
-
-def _check_rows(x, name, dtypes=None):
-    """Validate a 2-D, C-contiguous (M, D) array with D % 32 == 0 (and a dtype from ``dtypes``)."""
-    if x.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D (M, D) array, got {x.ndim}-D shape {tuple(x.shape)}")
-    if dtypes is not None and x.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
-    if x.shape[1] % MX_BLOCK:
-        raise ValueError(f"{name}: expected the last dimension D to be a multiple of {MX_BLOCK}, "
-                         f"got D = {x.shape[1]}")
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
 
 
 class MXFP8Array(QuantizedArray):
@@ -89,8 +76,7 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
         ValueError: ``x`` not 2-D, D % 32 != 0 or not C-contiguous; unknown ``scale_mode``;
             ``out`` of another shape.
     """
-    x = as_device_array(x, "x")
-    _check_rows(x, "x", _DTYPES)
+    x = check_rows(x, "x", MX_BLOCK, _DTYPES)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
     m, d = x.shape
