@@ -41,7 +41,7 @@ import operator
 
 import numpy
 
-from ._array import as_device_array, bfloat16, float32
+from ._array import bfloat16, check_rows, float32
 from .kernels import array_module
 from .formats import PER_ROW, QuantizedArray, format_names, get_format
 from .layout import Layout
@@ -71,17 +71,7 @@ def _check_rows(x, name, rank):
     """``x`` as a 2-D array of rows (bf16 or fp32, C-contiguous), or a QuantizedArray as is."""
     if isinstance(x, QuantizedArray):
         return x
-    x = as_device_array(x, name)
-    if x.ndim != 2:
-        raise ValueError(f"{name} on rank {rank}: expected a 2-D (rows, D) array, got shape "
-                         f"{tuple(x.shape)}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"{name} on rank {rank}: expected dtype bfloat16 or float32, got "
-                        f"{x.dtype}")
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{name} on rank {rank}: expected a C-contiguous array (rows of a "
-                         f"row-major array); got strides {tuple(x.strides)}")
-    return x
+    return check_rows(x, f"{name} on rank {rank}", 1, _INPUT_DTYPES)
 
 
 def _check_splits(splits, name, comm):
