@@ -24,47 +24,63 @@ PAIR_BYTES = 16
 SHARED_PAIR_ALIGN = None if simulated() else PAIR_BYTES
 
 if simulated():
+    def _nonnegative(*indices):
+        """Refuse what the GPU forms would read out of bounds (they do not wrap a negative index
+        around): so a kernel's misuse fails in the simulator's tests, not silently on a GPU."""
+        for i in indices:
+            if i < 0:
+                raise IndexError(f"kernels._memory: negative index {i} (the GPU form reads "
+                                 f"out of bounds where NumPy indexing wraps around)")
+
     @cuda.jit(device=True)
     def load_pair(words, row, col):
         """Words ``2 col`` and ``2 col + 1`` of row ``row`` of the 2-D uint64 ``words``."""
+        _nonnegative(row, col)
         return words[row, 2 * col], words[row, 2 * col + 1]
 
     @cuda.jit(device=True)
     def store_pair(words, row, col, first, second):
         """Store ``first``, ``second`` into words ``2 col``, ``2 col + 1`` of row ``row`` of the
         2-D uint64 ``words``."""
+        _nonnegative(row, col)
         words[row, 2 * col] = first
         words[row, 2 * col + 1] = second
 
     @cuda.jit(device=True)
     def load_pair_flat(words, i):
         """Words ``2 i`` and ``2 i + 1`` of the 1-D uint64 ``words`` (global or shared)."""
+        _nonnegative(i)
         return words[2 * i], words[2 * i + 1]
 
     @cuda.jit(device=True)
     def store_pair_flat(words, i, first, second):
         """Store ``first``, ``second`` into words ``2 i``, ``2 i + 1`` of the 1-D ``words``."""
+        _nonnegative(i)
         words[2 * i] = first
         words[2 * i + 1] = second
 
     @cuda.jit(device=True)
     def load_word(words, row, col):
         """``words[row, col]`` of a 2-D array."""
+        _nonnegative(row, col)
         return words[row, col]
 
     @cuda.jit(device=True)
     def load_item(items, i):
         """``items[i]`` of a 1-D array (global, shared or local)."""
+        _nonnegative(i)
         return items[i]
 
     @cuda.jit(device=True)
     def store_item(items, i, value):
         """``items[i] = value`` of a 1-D array (global, shared or local)."""
+        _nonnegative(i)
         items[i] = value
 
     @cuda.jit(device=True)
     def store_word(words, row, col, value):
         """``words[row, col] = value`` of a 2-D array."""
+        _nonnegative(row, col)
         words[row, col] = value
 
 else:

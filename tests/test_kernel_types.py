@@ -258,3 +258,24 @@ def test_prepared_launch_rejects_misaligned_arrays():
     assert not kernel.calls
     pairs(0, 0x2010, 0x1008)
     assert len(kernel.calls) == 1
+
+
+# ------------------------------------------------------------------ row loads without index wrap
+def test_memory_helpers_in_the_simulator_refuse_negative_indices():
+    """kernels._memory's GPU forms do not wrap a negative index around (they would read out of
+    bounds), so their simulator twins refuse one: a kernel misusing them fails in CI."""
+    from numba import cuda
+    from mxcomm.kernels import _memory, simulated
+    if not simulated():
+        pytest.skip("the simulator twins (the GPU forms are checked by the kernels' GPU tests)")
+    words = np.arange(8, dtype=np.uint64).reshape(2, 4)
+    out = np.zeros(2, dtype=np.uint64)
+
+    @cuda.jit
+    def pair(words, row, col, out):
+        out[0], out[1] = _memory.load_pair(words, row, col)
+
+    pair[1, 1](words, 1, 1, out)
+    assert out.tolist() == [6, 7]
+    with pytest.raises(IndexError, match="negative index -1"):
+        pair[1, 1](words, 1, -1, out)
