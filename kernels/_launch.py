@@ -27,8 +27,6 @@ RESIDENT_BLOCKS_PER_SM = 32
 #: Under the simulator every CUDA thread is a Python thread: keep launches tiny.
 SIM_THREADS_PER_BLOCK = 32
 SIM_MAX_BLOCKS = 2
-#: Dynamic shared memory a launch may take without opting in (the driver's default), bytes.
-_DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
 @functools.cache
@@ -282,7 +280,7 @@ class Launch:
         self._names = tuple(p for p, a in zip(kernel.parameters, args) if isinstance(a, Words))
         if kernel._dispatcher is None:
             self._function = kernel._function(args)
-            if self._shared > _DEFAULT_SHARED_LIMIT:
+            if self._shared:  # a no-op up to the driver's default cap (PackedLaunch keeps it)
                 self._function.allow_shared(self._shared)
             self._values = _abi_values(args)
             self._slots, self._aligns, at = [], [], 0

@@ -210,11 +210,20 @@ class _RecordingKernel:
         self.parameters = parameters
         self._dispatcher = None
         self.calls = []
+        self.shared_allowed = []
 
     def _function(self, args):
         self.key = tuple(map(_launch._argument_key, args))
-        return lambda blocks, threads, stream, values, shared: self.calls.append(
-            (blocks, threads, stream, list(values), shared))
+        kernel = self
+
+        class Function:  # what PackedLaunch offers a Launch
+            def __call__(self, blocks, threads, stream, values, shared):
+                kernel.calls.append((blocks, threads, stream, list(values), shared))
+
+            def allow_shared(self, nbytes):
+                kernel.shared_allowed.append(nbytes)
+
+        return Function()
 
 
 def test_prepared_launch_fills_in_the_addresses_the_generic_launch_packs():
@@ -238,8 +247,10 @@ def test_prepared_launch_fills_in_the_addresses_the_generic_launch_packs():
     second[4], second[7 + 1 + 4] = 0x1000, 0x2000  # data fields: x at 4, out after x (7) and n
     assert kernel.calls[1] == (3, 64, 6, second, 0)
     assert kernel.key == tuple(map(_launch._argument_key, [x_like, 7, out_like, True]))
+    assert kernel.shared_allowed == []
     _launch.Launch(kernel, (3, 64, 99, 4096), *args)(7, x_like, out_like)  # dynamic shared memory
     assert kernel.calls[2] == (3, 64, 7, want, 4096)
+    assert kernel.shared_allowed == [4096]  # the function's cap is asked for (grown past 48 KiB)
 
 
 def test_prepared_launch_rejects_misaligned_arrays():
