@@ -112,16 +112,18 @@ else:
         second = builder.extract_element(vector, ir.IntType(32)(1))
         return context.make_tuple(builder, return_type, (first, second))
 
-    def _check_words(name, words, ndim):
-        if not (isinstance(words, types.Array) and words.ndim == ndim and words.layout == "C"
-                and words.dtype == types.uint64):
-            raise TypeError(f"{name}: expected a {ndim}-D C-contiguous uint64 array, got {words}")
+    def _check_array(name, array, ndim, dtype=None):
+        """TypeError unless ``array`` is a C-contiguous ``ndim``-D array (of ``dtype``)."""
+        if not (isinstance(array, types.Array) and array.ndim == ndim and array.layout == "C"
+                and (dtype is None or array.dtype == dtype)):
+            what = f"{dtype} " if dtype is not None else ""
+            raise TypeError(f"{name}: expected a {ndim}-D C-contiguous {what}array, got {array}")
 
     @intrinsic
     def load_pair(typingctx, words, row, col):
         """Words ``2 col`` and ``2 col + 1`` of row ``row`` of the 2-D uint64 ``words``: one
         16-byte load (``ld.global.v2.u64``); ``row``, ``col`` >= 0."""
-        _check_words("load_pair", words, 2)
+        _check_array("load_pair", words, 2, types.uint64)
         return_type = types.UniTuple(types.uint64, 2)
 
         def codegen(context, builder, signature, args):
@@ -147,7 +149,7 @@ else:
     def store_pair(typingctx, words, row, col, first, second):
         """Store ``first``, ``second`` into words ``2 col``, ``2 col + 1`` of row ``row`` of the
         2-D uint64 ``words``: one 16-byte store (``st.global.v2.u64``); ``row``, ``col`` >= 0."""
-        _check_words("store_pair", words, 2)
+        _check_array("store_pair", words, 2, types.uint64)
 
         def codegen(context, builder, signature, args):
             array, r, c, a, b = args
@@ -163,7 +165,7 @@ else:
     def load_pair_flat(typingctx, words, i):
         """Words ``2 i`` and ``2 i + 1`` of the 1-D uint64 ``words`` (global or shared): one
         16-byte load; ``i`` >= 0."""
-        _check_words("load_pair_flat", words, 1)
+        _check_array("load_pair_flat", words, 1, types.uint64)
         return_type = types.UniTuple(types.uint64, 2)
 
         def codegen(context, builder, signature, args):
@@ -178,7 +180,7 @@ else:
     def store_pair_flat(typingctx, words, i, first, second):
         """Store ``first``, ``second`` into words ``2 i``, ``2 i + 1`` of the 1-D uint64 ``words``:
         one 16-byte store; ``i`` >= 0."""
-        _check_words("store_pair_flat", words, 1)
+        _check_array("store_pair_flat", words, 1, types.uint64)
 
         def codegen(context, builder, signature, args):
             array, index, a, b = args
@@ -191,8 +193,7 @@ else:
     @intrinsic
     def load_word(typingctx, words, row, col):
         """``words[row, col]`` of a 2-D C-contiguous array, ``row``, ``col`` >= 0."""
-        if not (isinstance(words, types.Array) and words.ndim == 2 and words.layout == "C"):
-            raise TypeError(f"load_word: expected a 2-D C-contiguous array, got {words}")
+        _check_array("load_word", words, 2)
 
         def codegen(context, builder, signature, args):
             array, r, c = args
@@ -204,14 +205,10 @@ else:
 
         return words.dtype(words, row, col), codegen
 
-    def _check_flat(name, items):
-        if not (isinstance(items, types.Array) and items.ndim == 1 and items.layout == "C"):
-            raise TypeError(f"{name}: expected a 1-D C-contiguous array, got {items}")
-
     @intrinsic
     def load_item(typingctx, items, i):
         """``items[i]`` of a 1-D C-contiguous array (global, shared or local), ``i`` >= 0."""
-        _check_flat("load_item", items)
+        _check_array("load_item", items, 1)
 
         def codegen(context, builder, signature, args):
             array, index = args
@@ -225,7 +222,7 @@ else:
     def store_item(typingctx, items, i, value):
         """``items[i] = value`` of a 1-D C-contiguous array (global, shared or local),
         ``i`` >= 0."""
-        _check_flat("store_item", items)
+        _check_array("store_item", items, 1)
 
         def codegen(context, builder, signature, args):
             array, index, v = args
@@ -241,8 +238,7 @@ else:
     @intrinsic
     def store_word(typingctx, words, row, col, value):
         """``words[row, col] = value`` of a 2-D C-contiguous array, ``row``, ``col`` >= 0."""
-        if not (isinstance(words, types.Array) and words.ndim == 2 and words.layout == "C"):
-            raise TypeError(f"store_word: expected a 2-D C-contiguous array, got {words}")
+        _check_array("store_word", words, 2)
 
         def codegen(context, builder, signature, args):
             array, r, c, v = args
