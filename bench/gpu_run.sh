@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
-#         train2 train2par soak2 profile2 torch1 torchrun2 graph2 pipe2fp8 pipe1fp8 row1
+#         train2 train2par soak2 profile2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         colwise1 ncu1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
@@ -46,7 +46,8 @@ for phase in "$@"; do
         step "kernel tests on the GPU's kernels, 1 process" 300 python3 -m pytest -q -p no:cacheprovider \
             -m "not mpi and not faults" tests/test_fp8_formats.py tests/test_mxfp8.py \
             tests/test_permute.py tests/test_formats.py ;;
-    tests2) step "gpu tests, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
+    tests2) step "gpu tests, 2 ranks" 200 "${mpirun_env[@]}" --output-filename "$OUT/ranks-tests2" \
+        -n 2 python3 -m pytest -q -rfE -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
         --deselect tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path tests ;;
     pull2on1)  # two ranks on ONE GPU: NCCL never built (nccl_init lazy, which NCCL's duplicate-GPU
@@ -74,11 +75,12 @@ for phase in "$@"; do
                 -x PROBE_CASES -n 2 python3 bench/probe_host.py 4096 7168 ${AB_CALLS:-300}
             [ -n "${AB_OLD:-}" ] || break
         done ;;
-    graph2) export MXCOMM_GRAPH_TEST=1; step "CUDA graph test, 2 ranks" 90 "${mpirun_env[@]}" -x MXCOMM_GRAPH_TEST -n 2 python3 -m pytest -q -p no:cacheprovider \
-        -o faulthandler_timeout=70 -W ignore::DeprecationWarning --with-mpi \
+    graph2) step "CUDA graph test, 2 ranks" 90 "${mpirun_env[@]}" --output-filename "$OUT/ranks-graph2" \
+        -n 2 python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=70 -W ignore::DeprecationWarning --with-mpi \
         tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path ;;
     tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
-    formats2) step "format exchanges on GPUs, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q -p no:cacheprovider \
+    formats2) step "format exchanges on GPUs, 2 ranks" 200 "${mpirun_env[@]}" --output-filename "$OUT/ranks-formats2" \
+        -n 2 python3 -m pytest -q -rfE -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m mpi tests/test_formats_ep.py ;;
     kernels) step "bench kernels" 300 python3 -m mxcomm.bench kernels --formats ${KERNEL_FORMATS:-mxfp8 fp8_rowwise fp8_block128 fp8_block128_pow2} \
         --json "$res/kernels${KERNEL_SUFFIX:-}.json" --markdown "$res/kernels${KERNEL_SUFFIX:-}.md" ;;
@@ -183,6 +185,8 @@ for phase in "$@"; do
     soak2) step "soak, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 bench/soak.py --calls ${SOAK_CALLS:-1667} ;;
     torch1) step "torch.distributed and torchtitan gpu tests, 1 process" 300 python3 -m pytest -q -p no:cacheprovider \
         -m "gpu and not mpi" tests/test_torchdist.py tests/test_torchtitan.py ;;
+    titan2) step "torchtitan MoE layer with mxcomm's dispatcher under torchrun, 2 GPUs" 300 \
+        torchrun --nproc-per-node 2 tests/torchrun_torchtitan.py ;;
     torchrun2) step "pipeline under torchrun, 2 ranks" 400 torchrun --nproc-per-node 2 -m mxcomm.bench pipeline \
         --tokens 16384 --dim 7168 --hidden 2048 --experts 8 --no-stages \
         --json "$res/pipeline_torchrun_w2.json" --markdown "$res/pipeline_torchrun_w2.md" ;;

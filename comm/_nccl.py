@@ -22,6 +22,7 @@ import contextlib
 import math
 import threading
 import time
+import warnings
 
 from ._board import EXCHANGE
 from ._communicator import Communicator
@@ -114,6 +115,7 @@ class NcclCommunicator(Communicator):
         self._free_events = []                   # event handles ready for reuse
         self._in_flight = collections.deque()    # (event handle, host time recorded, call)
         self._stopping = False
+        self._captured = False   # an NCCL exchange was captured into a CUDA graph (close says so)
         self._host_since = None  # when the host entered an NCCL group call still running
         self._host_call = 0      # ... and the number of its exchange call (the board's)
         self._board = self._side.board  # made by mxcomm.comm.init
@@ -245,6 +247,7 @@ class NcclCommunicator(Communicator):
         it to the watchdog (not while the stream is being captured into a CUDA graph: the
         graph's launches are the caller's)."""
         if self._runtime.streamIsCapturing(stream_ptr):
+            self._captured = True  # a CUDA graph now holds NCCL work of this communicator
             return
         with self._lock:
             self._recycle()
@@ -359,16 +362,35 @@ class NcclCommunicator(Communicator):
             self._wake.notify()
         if self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=max(1.0, 10 * _WATCH_POLL_S))
-        if clean and self._nccl is not None:
-            self._nccl.destroy()
-        elif not clean:
-            self._abort_backend()
+        if self._nccl is not None:
+            self._release_nccl(clean)
         with self._lock:
             events = self._free_events + ([e for e, _, _ in self._in_flight] if clean else [])
             self._free_events = []
             self._in_flight.clear()
         for event in events:
             self._runtime.eventDestroy(event)
+
+    def _release_nccl(self, clean):
+        """``ncclCommDestroy`` (``clean``) or ``ncclCommAbort``, bounded by ``timeout``: NCCL
+        waits in both until every CUDA graph that captured one of this communicator's
+        operations has been destroyed, so a graph still alive would hang ``close`` forever.
+        Past the timeout the helper thread is left blocked (a daemon) and a ``RuntimeWarning``
+        says why; the process can go on and exit."""
+        release = self._nccl.destroy if clean else self._abort_backend
+        thread = threading.Thread(target=release, name=f"mxcomm-nccl-close-{self.rank}",
+                                  daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            why = ("a CUDA graph that captured an exchange of this communicator is still alive "
+                   "(NCCL waits until every such graph is destroyed: destroy the graphs, e.g. "
+                   "``del graph``, before closing)" if self._captured else
+                   "NCCL operations are still in flight")
+            warnings.warn(f"NcclCommunicator.close on rank {self.rank}: "
+                          f"{'ncclCommDestroy' if clean else 'ncclCommAbort'} did not return "
+                          f"within {self.timeout:g} s: {why}; its resources are left to the "
+                          f"process's exit", RuntimeWarning, stacklevel=3)
 
     def wait(self, stream=None):
         """Block the host until the work enqueued on ``stream`` so far is done, or ``timeout``.

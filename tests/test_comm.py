@@ -652,16 +652,19 @@ def test_nccl_timeout_aborts():
     send = cupy.zeros((64 * w, 128), cupy.uint8)
     c.alltoallv(send, counts[me], counts[:, me])  # connect the peers first: the stall is then
     c.wait()                                      # on the GPU, where the watchdog sees it
-    if me != w - 1:
-        start = time.monotonic()
-        with pytest.raises(TimeoutError, match=f"rank {w - 1} had not entered this call"):
-            c.alltoallv(send, counts[me], counts[:, me], validate=False)
-            c.wait()
-        assert time.monotonic() - start < TIMEOUT_S + 10.0
-        assert c.aborted
-        with pytest.raises(RuntimeError, match="aborted"):
-            c.wait()
-    w0.Barrier()
+    try:  # the ranks meet below even when an assertion fails here (else the others hang)
+        if me != w - 1:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError,
+                               match=f"rank {w - 1} had not entered this exchange call"):
+                c.alltoallv(send, counts[me], counts[:, me], validate=False)
+                c.wait()
+            assert time.monotonic() - start < TIMEOUT_S + 10.0
+            assert c.aborted
+            with pytest.raises(RuntimeError, match="aborted"):
+                c.wait()
+    finally:
+        w0.Barrier()
     if me == w - 1:
         c.abort()
     c.close()
