@@ -158,7 +158,7 @@ for phase in "$@"; do
         --json "$res/latency_w1.json" --markdown "$res/latency_w1.md" ;;
     pipe2topk) step "bench pipeline, 2 ranks, small batches, topk routing" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --routing topk \
-        --json "$res/pipeline_small_topk_w2.json" --markdown "$res/pipeline_small_topk_w2.md" ;;
+        --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} --json "$res/pipeline_small_topk_w2.json" --markdown "$res/pipeline_small_topk_w2.md" ;;
     latency2) step "bench latency, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench latency \
         --json "$res/latency_w2.json" --markdown "$res/latency_w2.md" ;;
     latency4) [ "$ngpu" -ge 4 ] && step "bench latency, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench latency \
