@@ -53,8 +53,10 @@ def describe(args, rt):
 
 
 def _host_and_device(fn, rt, iters, warmup):
-    """(host us per call, device ms per call, host collectives per call): ``iters`` calls
-    enqueued back to back after ``warmup`` untimed ones."""
+    """(host us per call: median, mean; device ms per call; host collectives per call):
+    ``iters`` calls enqueued back to back after ``warmup`` untimed ones. The median of the
+    calls' own enqueue times is the host's cost of a call; the mean also carries what stalls the
+    host now and then (garbage collection, a thread switch)."""
     import torch
     for _ in range(warmup):
         fn()
@@ -65,10 +67,12 @@ def _host_and_device(fn, rt, iters, warmup):
         end = torch.cuda.Event(enable_timing=True)
         start.record()
     collectives = rt.comm.host_collectives
-    t0 = time.perf_counter()
+    marks = [time.perf_counter()]
     for _ in range(iters):
         fn()
-    host_us = (time.perf_counter() - t0) / iters * 1e6
+        marks.append(time.perf_counter())
+    host_mean_us = (marks[-1] - marks[0]) / iters * 1e6
+    host_us = float(numpy.median(numpy.diff(marks))) * 1e6
     per_call = (rt.comm.host_collectives - collectives) / iters
     if rt.gpu:
         end.record()
@@ -77,8 +81,7 @@ def _host_and_device(fn, rt, iters, warmup):
     else:
         device_ms = float("nan")
     rt.comm.wait()
-    host_us, device_ms, per_call = rt.allreduce_max([host_us, device_ms, per_call])
-    return host_us, device_ms, per_call
+    return rt.allreduce_max([host_us, host_mean_us, device_ms, per_call])
 
 
 def measure(args, rt):
@@ -116,11 +119,14 @@ def measure(args, rt):
                 x, splits_in, splits_out, comm),
         }
         for name, fn in cases.items():
-            host_us, device_ms, per_call = _host_and_device(fn, rt, args.iters, args.warmup)
+            host_us, host_mean_us, device_ms, per_call = _host_and_device(fn, rt, args.iters,
+                                                                          args.warmup)
             rows_out.append({"rows": rows, "dim": args.dim, "call": name,
-                             "host_us": round(host_us, 1), "device_ms": device_ms,
+                             "host_us": round(host_us, 1), "host_mean_us": round(host_mean_us, 1),
+                             "device_ms": device_ms,
                              "host_collectives_per_call": per_call})
-    notes = ["host us: wall clock of enqueueing one call, calls back to back",
+    notes = ["host us: wall clock of enqueueing one call, calls back to back: the median over "
+             "calls (host mean: the mean, stalls of the host included)",
              "device ms: CUDA events around the calls back to back, per call",
              "slowest rank of each figure; host coll./call: host collectives per call"]
     if not rt.gpu:
@@ -131,7 +137,7 @@ def measure(args, rt):
     return meta, {"latency": rows_out}
 
 
-COLUMNS = ["rows", "call", "host us", "device ms", "vs torch", "host coll./call"]
+COLUMNS = ["rows", "call", "host us", "host mean", "device ms", "vs torch", "host coll./call"]
 
 
 def _display(tables):
@@ -142,6 +148,7 @@ def _display(tables):
         ms = r["device_ms"]
         timed = ms == ms and ms > 0
         shown.append({"rows": r["rows"], "call": r["call"], "host us": r["host_us"],
+                      "host mean": r.get("host_mean_us", "-"),
                       "device ms": ms if timed else "-",
                       "vs torch": _report.speedup(base.get(r["rows"], float("nan")) / ms)
                       if timed else "-",
