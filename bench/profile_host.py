@@ -1,4 +1,5 @@
-"""Profile the host path of layout-path calls through mxcomm.torch (rank 0's cProfile).
+"""Profile the host path of layout-path calls through mxcomm.torch (rank 0's cProfile), with the
+distribution of the calls' own enqueue times.
 
     mpirun -n 2 python bench/profile_host.py [rows] [dim] [calls]
 """
@@ -29,16 +30,20 @@ for name, fn in (("dispatch mxfp8", lambda: mxt.a2a_dispatch(x, layout)),
     torch.cuda.synchronize()
     comm.barrier()
     profiler = cProfile.Profile()
-    t0 = time.perf_counter()
+    marks = [time.perf_counter()]
     profiler.enable()
     for _ in range(calls):
         fn()
+        marks.append(time.perf_counter())
     profiler.disable()
-    host = (time.perf_counter() - t0) / calls * 1e6
+    each = sorted((b - a) * 1e6 for a, b in zip(marks, marks[1:]))
     torch.cuda.synchronize()
     comm.barrier()
     if comm.rank == 0:
-        print(f"==== {name}: {host:.1f} us per call (profiled)")
+        # A call that blocks (a host sync) shows as one C function with most of the tottime;
+        # Python's own overhead as many small lines.
+        print(f"==== {name}: us per call (profiled): mean {sum(each) / calls:.1f}, min "
+              f"{each[0]:.1f}, median {each[calls // 2]:.1f}, max {each[-1]:.1f}")
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(45)
