@@ -155,8 +155,9 @@ class Communicator(abc.ABC):
         Not blocking, except that the NCCL backend first waits (with the timeout) for its
         operations in flight, then for NCCL's release of the communicator (with the timeout
         too: NCCL holds it while a CUDA graph that captured one of its exchanges is alive, so
-        destroy such graphs first; past the timeout a ``RuntimeWarning`` says so). With the ``"pull"`` transport it frees memory the peers map; on the
-        MPI backend those are MPI windows, whose release MPI makes collective: close every rank.
+        destroy such graphs first; past the timeout a ``RuntimeWarning`` says so). With the
+        ``"pull"`` transport it frees memory the peers map; on the MPI backend those are MPI
+        windows, whose release MPI makes collective: close every rank.
         """
         if self._state == "closed":
             return
