@@ -40,6 +40,30 @@ _IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in fli
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
+def _bounded(fn, seconds, name):
+    """``fn()`` on a daemon helper thread named ``name``, waited for at most ``seconds``:
+    ``(True, its result)``, or ``(False, None)`` if it has not returned by then (the thread stays
+    blocked; a daemon does not keep the process alive). An exception ``fn`` raised in time is
+    raised here, on the caller's thread. For NCCL calls that block until the peers take part."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 (raised on the caller's thread)
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        return False, None
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return True, value
+
+
 class _StreamHandle:
     """A raw stream handle speaking the CUDA stream protocol (``__cuda_stream__``)."""
 
@@ -198,25 +222,16 @@ class NcclCommunicator(Communicator):
         Raises:
             TimeoutError: not every rank joined within ``timeout`` s.
         """
-        result = {}
-
         def init():
-            try:
-                self._cupy.cuda.Device(self.device).use()
-                result["comm"] = nccl.NcclCommunicator(self.size, unique_id, self.rank)
-            except BaseException as exc:  # handed to the caller
-                result["error"] = exc
+            self._cupy.cuda.Device(self.device).use()
+            return nccl.NcclCommunicator(self.size, unique_id, self.rank)
 
-        thread = threading.Thread(target=init, name=f"mxcomm-nccl-init-{self.rank}", daemon=True)
-        thread.start()
-        thread.join(self.timeout)
-        if thread.is_alive():
+        done, comm = _bounded(init, self.timeout, f"mxcomm-nccl-init-{self.rank}")
+        if not done:
             raise TimeoutError(f"NCCL bootstrap on rank {self.rank} of {self.size}: "
                                f"ncclCommInitRank did not complete within {self.timeout:g} s "
                                f"(a peer died or stopped after the unique id was shared)")
-        if "error" in result:
-            raise result["error"]
-        return result["comm"]
+        return comm
 
     def _stream_ptr(self, stream):
         return self._stream(stream)
@@ -376,13 +391,11 @@ class NcclCommunicator(Communicator):
         waits in both until every CUDA graph that captured one of this communicator's
         operations has been destroyed, so a graph still alive would hang ``close`` forever.
         Past the timeout the helper thread is left blocked (a daemon) and a ``RuntimeWarning``
-        says why; the process can go on and exit."""
+        says why; the process can go on and exit. An error NCCL raises in time is raised here.
+        """
         release = self._nccl.destroy if clean else self._abort_backend
-        thread = threading.Thread(target=release, name=f"mxcomm-nccl-close-{self.rank}",
-                                  daemon=True)
-        thread.start()
-        thread.join(self.timeout)
-        if thread.is_alive():
+        done, _ = _bounded(release, self.timeout, f"mxcomm-nccl-close-{self.rank}")
+        if not done:
             why = ("a CUDA graph that captured an exchange of this communicator is still alive "
                    "(NCCL waits until every such graph is destroyed: destroy the graphs, e.g. "
                    "``del graph``, before closing)" if self._captured else

@@ -795,6 +795,46 @@ def test_nccl_init_is_bounded_by_the_timeout(outcome):
         release.set()
 
 
+@pytest.mark.parametrize("outcome", ["blocks", "raises", "returns"])
+def test_nccl_release_is_bounded_by_the_timeout(outcome):
+    """ncclCommDestroy (and ncclCommAbort) wait until every CUDA graph holding the communicator's
+    work is destroyed: close must not hang on a graph still alive. Exercised on the CPU with a
+    stand-in NCCL whose destroy blocks (a RuntimeWarning naming the live graph, within the
+    timeout), raises (the error reaches close's caller) or returns (nothing said)."""
+    import threading
+    import types
+    import warnings
+
+    from mxcomm.comm._nccl import NcclCommunicator
+
+    release = threading.Event()
+
+    def destroy():
+        if outcome == "blocks":
+            release.wait(30)
+        elif outcome == "raises":
+            raise RuntimeError("NCCL error: unhandled cuda error")
+
+    comm = types.SimpleNamespace(timeout=0.3, rank=1, _captured=True,
+                                 _nccl=types.SimpleNamespace(destroy=destroy))
+    start = time.monotonic()
+    try:
+        if outcome == "blocks":
+            with pytest.warns(RuntimeWarning, match=r"close on rank 1: ncclCommDestroy did not "
+                                                    r"return within 0.3 s: a CUDA graph"):
+                NcclCommunicator._release_nccl(comm, True)
+            assert time.monotonic() - start < 5
+        elif outcome == "raises":
+            with pytest.raises(RuntimeError, match="unhandled cuda error"):
+                NcclCommunicator._release_nccl(comm, True)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                NcclCommunicator._release_nccl(comm, True)
+    finally:
+        release.set()
+
+
 # -------------------------------------------------------------------- the pull transport's schedule
 class _FakePeerMemory:
     """Views of zero-filled host buffers standing in for the staging (what a schedule keeps)."""
