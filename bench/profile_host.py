@@ -1,7 +1,10 @@
 """Profile the host path of layout-path calls through mxcomm.torch (rank 0's cProfile), with the
 distribution of the calls' own enqueue times.
 
-    mpirun -n 2 python bench/profile_host.py [rows] [dim] [calls]
+    mpirun -n 2 python bench/profile_host.py [rows] [dim] [calls] [fresh]
+
+With ``fresh``, every call gets a new layout with other counts per peer (as in training, where the
+routing changes every step); the layouts are exchanged before the profile.
 """
 import cProfile
 import pstats
@@ -20,11 +23,36 @@ comm = mxcomm.comm.init()
 torch.cuda.set_device(comm.device)
 e = comm.size * 8
 counts = torch.full((e,), rows // e, dtype=torch.int64, device="cuda")
-layout = mxt.exchange_layout(counts, comm)
+fresh = len(sys.argv) > 4 and sys.argv[4] == "fresh"
+
+
+def layouts():
+    """The same layout every call, or (fresh) a new one with i + 1 rows moved from the first
+    expert to the last."""
+    if not fresh:
+        layout = mxt.exchange_layout(counts, comm)
+        while True:
+            yield layout
+    made = []
+    for i in range(calls + 20):
+        c = counts.clone()
+        k = min(i + 1, int(c[0]))
+        c[0] -= k
+        c[-1] += k
+        made.append(mxt.exchange_layout(c, comm))
+    yield from made
+
+
 x = torch.randn(rows, dim, device="cuda").to(torch.bfloat16)
-for name, fn in (("dispatch mxfp8", lambda: mxt.a2a_dispatch(x, layout)),
-                 ("dispatch bf16", lambda: mxt.a2a_dispatch(x, layout, precision="bf16")),
-                 ("combine mxfp8", lambda: mxt.a2a_combine(x, layout, precision="mxfp8"))):
+y = torch.randn(2 * rows, dim, device="cuda").to(torch.bfloat16)
+for name, call in (("dispatch mxfp8", lambda lay: mxt.a2a_dispatch(x, lay)),
+                   ("dispatch bf16", lambda lay: mxt.a2a_dispatch(x, lay, precision="bf16")),
+                   ("combine mxfp8", lambda lay: mxt.a2a_combine(y[:lay.num_received], lay,
+                                                                 precision="mxfp8"))):
+    it = layouts()
+
+    def fn():
+        call(next(it))
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -42,7 +70,7 @@ for name, fn in (("dispatch mxfp8", lambda: mxt.a2a_dispatch(x, layout)),
     if comm.rank == 0:
         # A call that blocks (a host sync) shows as one C function with most of the tottime;
         # Python's own overhead as many small lines.
-        print(f"==== {name}: us per call (profiled): mean {sum(each) / calls:.1f}, min "
+        print(f"==== {name}{' (new layout per call)' if fresh else ''}: us per call (profiled): mean {sum(each) / calls:.1f}, min "
               f"{each[0]:.1f}, median {each[calls // 2]:.1f}, max {each[-1]:.1f}")
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(30)

@@ -7,7 +7,10 @@ one run:
 - ``mxcomm``'s bf16 ``alltoallv`` (the communicator alone, unchecked);
 - ``mxcomm.torch.a2a_dispatch`` and ``a2a_combine`` given the layout, bf16 and MXFP8 (no host
   collective per call);
-- the same dispatch with explicit splits (the validated path: one host allgather per call).
+- the same dispatch with explicit splits (the validated path: one host allgather per call);
+- dispatch and combine given a NEW layout on every call, with other row counts per peer (what a
+  training step does: the routing, so the layout, changes every step and layer; nothing a call
+  can cache per layout is reused). The layouts are exchanged before the timing.
 
 host us: wall clock of enqueueing one call, calls enqueued back to back (the host's cost; where
 it exceeds the device's, the step waits for the host). device ms: CUDA events, back to back, the
@@ -118,6 +121,23 @@ def measure(args, rt):
             "dispatch mxfp8 (splits, voted)": lambda: mxt.a2a_dispatch(
                 x, splits_in, splits_out, comm),
         }
+        fresh = _fresh_layouts(mxt, comm, device, rows, e, args.iters + args.warmup)
+        y_max = torch.randn(max(lay.num_received for lay in fresh), args.dim, generator=gen
+                            ).to(device, torch.bfloat16)
+
+        def each_layout(call):
+            it = iter(fresh)
+            return lambda: call(next(it))
+
+        cases.update({
+            "dispatch bf16 (new layout)": each_layout(
+                lambda lay: mxt.a2a_dispatch(x, lay, precision="bf16")),
+            "dispatch mxfp8 (new layout)": each_layout(lambda lay: mxt.a2a_dispatch(x, lay)),
+            "combine bf16 (new layout)": each_layout(
+                lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay)),
+            "combine mxfp8 (new layout)": each_layout(
+                lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay, precision="mxfp8")),
+        })
         for name, fn in cases.items():
             host_us, host_mean_us, device_ms, per_call = _host_and_device(fn, rt, args.iters,
                                                                           args.warmup)
@@ -135,6 +155,23 @@ def measure(args, rt):
                                           "experts_per_rank": args.experts}, notes,
                             run=describe(args, rt), iters=args.iters, warmup=args.warmup)
     return meta, {"latency": rows_out}
+
+
+def _fresh_layouts(mxt, comm, device, rows, experts, n):
+    """``n`` layouts of ``rows`` rows per rank, each with other counts per peer: layout ``i``
+    moves ``i + 1`` rows of every rank from its first global expert to its last (other ranks), so
+    the rows sent to each peer differ from call to call while M stays ``rows``."""
+    import torch
+    base = torch.full((experts,), rows // experts, dtype=torch.int64)
+    base[: rows % experts] += 1
+    layouts = []
+    for i in range(n):
+        counts = base.clone()
+        k = min(i + 1, int(counts[0]))
+        counts[0] -= k
+        counts[-1] += k
+        layouts.append(mxt.exchange_layout(counts.to(device), comm))
+    return layouts
 
 
 COLUMNS = ["rows", "call", "host us", "host mean", "device ms", "vs torch", "host coll./call"]
