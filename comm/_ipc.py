@@ -22,12 +22,11 @@ transfer, so the caller's consumer overlaps the rest.
 This is the only module that calls CUDA's IPC functions.
 """
 
-import math
 import pathlib
 
 import numpy
 
-from mxcomm._driver import PackedLaunch
+from mxcomm._driver import PackedLaunch, Words, address
 
 from ._staged import MAX_PIECES, describe_mismatch
 
@@ -135,23 +134,19 @@ class CudaPeerMemory:
         self._capacity = capacity
 
     def local(self, offset, shape, dtype):
-        """A CuPy view of this rank's buffer: ``shape`` of ``dtype`` from byte ``offset``."""
-        pointer = self._cupy.cuda.memory.MemoryPointer(self._memory, offset)
-        return self._cupy.ndarray(shape, dtype=dtype, memptr=pointer)
+        """This rank's buffer as ``shape`` (1-D or 2-D) of ``dtype`` from byte ``offset``: a
+        :class:`~mxcomm._driver.Words` (the address; no CuPy view), valid until it grows."""
+        return Words(self._memory.ptr + offset, shape, numpy.dtype(dtype))
 
     def peer_view(self, peer, offset, shape, dtype):
-        """A CuPy view of ``peer``'s buffer (mapped here): ``shape`` of ``dtype`` from byte
-        ``offset``; valid until the buffer grows."""
-        cupy = self._cupy
-        nbytes = math.prod(shape) * numpy.dtype(dtype).itemsize
-        memory = cupy.cuda.memory.UnownedMemory(self._peer_ptr[peer] + offset, nbytes, self,
-                                                cupy.cuda.Device().id)
-        return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
+        """``peer``'s buffer (mapped here) as ``shape`` (1-D or 2-D) of ``dtype`` from byte
+        ``offset``: a :class:`~mxcomm._driver.Words`, valid until the buffer grows."""
+        return Words(self._peer_ptr[peer] + offset, shape, numpy.dtype(dtype))
 
     def copy(self, peer, offset, out, out_offset, nbytes, side):
         """Copy engines, on ``side``: ``nbytes`` bytes of ``peer``'s buffer from byte ``offset``
-        into the C-contiguous array ``out`` from its byte ``out_offset``."""
-        self._rt.memcpyAsync(out.data.ptr + out_offset, self._peer_ptr[peer] + offset, nbytes,
+        into the C-contiguous array ``out`` (CuPy or Words) from its byte ``out_offset``."""
+        self._rt.memcpyAsync(address(out) + out_offset, self._peer_ptr[peer] + offset, nbytes,
                              _MEMCPY_DEFAULT, side)
 
     # --------------------------------------------------------------------------------- flags

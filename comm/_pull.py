@@ -18,6 +18,8 @@ every rank produces first the rows its step-1 receiver pulls first.
 
 import weakref
 
+from mxcomm._driver import row_range
+
 from ._staged import kind_base, kind_word, pieces, regions, row_bytes_of, send_order
 
 
@@ -70,7 +72,7 @@ class PullTransport:
         if own is not None:  # own rows, last: straight to the result, or into the staging
             begin, end, at, slots = own
             if slots is None:
-                slots = tuple(o[at:at + end - begin] for o in outs)
+                slots = tuple(row_range(o, at, at + end - begin) for o in outs)
             produce(begin, end, slots, stream)
         if in_place:
             if own is not None:

@@ -3,8 +3,9 @@ token permute/unpermute, fp8 bit conversions. Imports numba, and of ``mxcomm`` o
 ``mxcomm._platform`` (which decides where array work runs)."""
 
 from ._device import array_module, simulated  # first: sets up the simulator before numba loads
-from ._launch import (Kernel, Launch, Words, address, clear_prepared, kernel, launch_1d,
-                      prepared, words)
+from ._launch import (UNBOUNDED, Kernel, Launch, SizedLaunch, Words, address, clear_prepared,
+                      kernel, launch_1d, prepared, words)
+from .._driver import row_range
 
-__all__ = ["array_module", "simulated", "Kernel", "Launch", "Words", "address", "clear_prepared",
-           "kernel", "launch_1d", "prepared", "words"]
+__all__ = ["array_module", "simulated", "Kernel", "Launch", "SizedLaunch", "UNBOUNDED", "Words",
+           "address", "clear_prepared", "kernel", "launch_1d", "prepared", "row_range", "words"]

@@ -16,7 +16,7 @@ import numpy
 from numba import cuda, types
 from numba.np.numpy_support import from_dtype
 
-from .._driver import PackedLaunch
+from .._driver import PackedLaunch, Words, address
 from ._device import simulated
 
 #: Threads per block on a GPU (a multiple of the 32-thread warp).
@@ -64,52 +64,11 @@ def launch_1d(n, stream=0, *, threads=None, share=1.0):
     return blocks, threads, int(stream)
 
 
-class Words:
-    """A C-contiguous device array named by its address: all a launch needs of an array.
-
-    The GPU side of :func:`words`: a kernel takes it as a C-contiguous array of ``dtype`` and
-    ``shape`` (the same compiled function as for such a CuPy array), without the ~3 us of host
-    time a CuPy reshape or view costs (measured on an H100 host, bench/NOTES.md).
-
-    Attributes:
-        ptr: device address of the first word.
-        shape: ``(size,)`` or ``(rows, words per row)``.
-        dtype: NumPy dtype of a word.
-        align: the bytes the address must be a multiple of: the word's size by default; 16 for
-            a kernel that loads two 8-byte words at once (``_memory.load_pair``).
-    """
-
-    __slots__ = ("ptr", "shape", "dtype", "align", "size", "ndim")
-
-    def __init__(self, ptr, shape, dtype, align=None):
-        self.ptr, self.shape, self.dtype = ptr, shape, dtype
-        self.align = align or dtype.itemsize
-        self.ndim = len(shape)
-        self.size = shape[0] if self.ndim == 1 else shape[0] * shape[1]
-
-    def abi(self):
-        """Its fields in numba's kernel ABI: meminfo, parent, nitems, itemsize, data, shape,
-        strides (C order)."""
-        itemsize = self.dtype.itemsize
-        if self.ndim == 1:
-            return (0, 0, self.size, itemsize, self.ptr, self.size, itemsize)
-        rows, cols = self.shape
-        return (0, 0, self.size, itemsize, self.ptr, rows, cols, cols * itemsize, itemsize)
-
-
 def _loads(itemsize, align):
     """How a kernel reads words, for alignment messages."""
     if align == itemsize:
         return f"{itemsize}-byte words"
     return f"{itemsize}-byte words, loaded {align // itemsize} at a time"
-
-
-def address(a):
-    """The address of the first element of the CuPy or NumPy array ``a`` (NumPy arrays come on
-    the simulator and the host backend, also on a machine with a GPU)."""
-    if isinstance(a, numpy.ndarray):
-        return a.__array_interface__["data"][0]
-    return a.data.ptr
 
 
 def words(a, dtype, name, *, rows=False, align=None):
@@ -292,17 +251,22 @@ class Launch:
 
     def __call__(self, stream, *arrays):
         if self._kernel._dispatcher is not None:
-            self._simulate(arrays)
+            self._simulate(self._blocks, arrays)
             return
-        values = self._values.copy()
+        self._function(self._blocks, self._threads, stream, self._filled(self._values, arrays),
+                       self._shared)
+
+    def _filled(self, values, arrays):
+        """A copy of the ABI ``values`` with the addresses of ``arrays`` in their data fields."""
+        values = values.copy()
         for slot, align, a in zip(self._slots, self._aligns, arrays):
             ptr = a if type(a) is int else a.ptr if type(a) is Words else a.data.ptr
             if ptr % align:
                 self._misaligned(arrays)
             values[slot] = ptr
-        self._function(self._blocks, self._threads, stream, values, self._shared)
+        return values
 
-    def _simulate(self, arrays):
+    def _simulate(self, blocks, arrays):
         """Numba's dispatcher on NumPy views of ``arrays`` as the placeholders' words."""
         given = iter(zip(arrays, self._names))
         args = []
@@ -311,7 +275,7 @@ class Launch:
                 array, name = next(given)
                 a = words(array, a.dtype, name, rows=a.ndim == 2, align=a.align)
             args.append(a)
-        self._kernel._dispatcher[self._blocks, self._threads, 0, self._shared](*args)
+        self._kernel._dispatcher[blocks, self._threads, 0, self._shared](*args)
 
     def _misaligned(self, arrays):
         """Raise the ValueError of :func:`words` for the first misaligned array."""
@@ -322,6 +286,75 @@ class Launch:
                 raise ValueError(f"{name}: expected an address aligned to {p.align} bytes "
                                  f"({_loads(p.dtype.itemsize, p.align)}), got {ptr:#x}")
 
+
+class SizedLaunch(Launch):
+    """A :class:`Launch` whose arrays' sizes and grid scale with a count given at each call.
+
+    A prepared launch of fixed sizes fits one layout's row counts; in training the routing, so the
+    counts, change every step, and a cache of fixed launches would build new ones on every call
+    (about 20 us of host time each, measured on an H200 host, bench/NOTES.md). A sized launch is
+    prepared once per what stays fixed (kernel, dtypes, row width, grid share) and told the
+    *units* of work at each call: MX blocks, 128-element blocks or rows, as its format counts them.
+
+    Args:
+        kernel: the :class:`Kernel`.
+        config: ``(blocks, threads, stream[, shared])`` of the grid at its cap (``launch_1d``
+            of :data:`UNBOUNDED` work items): a call takes ``min(cap, needed)`` blocks.
+        threads_per_unit: ``(num, den)``: ``units`` units of work take ``ceil(units * num /
+            den)`` threads (the grid-stride loop's work items).
+        args: as :class:`Launch`, each :class:`Words` placeholder giving ONE unit's words:
+            ``(k,)`` for k words per unit, ``(1, c)`` for one row of c words per unit; a pair
+            ``(placeholder, i)`` scales with count ``i`` of a call's counts (default 0).
+
+    Calling it, ``launch(stream, units, *arrays)``: ``units`` an int > 0, or a tuple of counts
+    whose first drives the grid (a gather's rows and its source's); then the arrays as
+    :class:`Launch` takes them, each holding its placeholder's words times its count (not
+    checked).
+    """
+
+    __slots__ = ("_num", "_den", "_sizes")
+
+    def __init__(self, kernel, config, threads_per_unit, *args):
+        counted = [a if isinstance(a, tuple) else (a, 0) for a in args]
+        super().__init__(kernel, config, *(a for a, _ in counted))
+        self._num, self._den = threads_per_unit
+        self._sizes = []  # (ABI index of nitems, of shape[0], words and rows per unit, count)
+        at = 0
+        for a, count in counted:
+            if isinstance(a, Words):
+                if a.ndim == 2 and a.shape[0] != 1:
+                    raise ValueError(f"a sized launch's 2-D placeholder holds one row, got "
+                                     f"{a.shape}")
+                self._sizes.append((at + 2, at + 5, a.size, 1 if a.ndim == 2 else a.size, count))
+            at += len(a.abi()) if isinstance(a, Words) else 1
+
+    def blocks(self, units):
+        """The blocks of a call of ``units`` units (of the first count): what they need, at most
+        the cap, at least 1."""
+        need = -(-units * self._num // self._den)
+        return max(1, min(self._blocks, -(-need // self._threads)))
+
+    def values(self, units, arrays):
+        """The ABI parameter values of a call (GPU): sizes scaled to ``units`` (an int or a tuple
+        of counts), the addresses of ``arrays`` filled in."""
+        counts = units if type(units) is tuple else (units,)
+        values = self._filled(self._values, arrays)
+        for nitems, shape, per_unit, rows_per_unit, count in self._sizes:
+            values[nitems] = per_unit * counts[count]
+            values[shape] = rows_per_unit * counts[count]
+        return values
+
+    def __call__(self, stream, units, *arrays):
+        blocks = self.blocks(units[0] if type(units) is tuple else units)
+        if self._kernel._dispatcher is not None:
+            self._simulate(blocks, arrays)
+            return
+        self._function(blocks, self._threads, stream, self.values(units, arrays), self._shared)
+
+
+#: Work items of a grid at its cap: ``launch_1d(UNBOUNDED, ...)`` is the config a
+#: :class:`SizedLaunch` takes.
+UNBOUNDED = 1 << 62
 
 _PREPARED = []
 

@@ -9,17 +9,26 @@ with one ``struct.pack_into`` into a buffer it owns and launches through ``cuLau
 ``extra`` argument (``CU_LAUNCH_PARAM_BUFFER_POINTER``; CUDA driver API, "Execution Control").
 The driver copies the parameters at launch, so the buffer is reused at once.
 
-Leaf module: imports CuPy lazily, nothing of this package.
+Arrays reach a launch by address: :class:`Words` names a C-contiguous device array by its
+address, shape and word dtype, what a launch (and a copy) needs of it, without the host time of a
+CuPy view; the kernels (``mxcomm.kernels``) and the peer memory of the pull transport
+(``mxcomm.comm``) both use it.
+
+Leaf module: imports CuPy lazily, and NumPy; nothing of this package.
 """
 
 import ctypes
 import struct
 import threading
 
+import numpy
+
 # cuLaunchKernel's ``extra`` array markers (cuda.h).
 _PARAM_BUFFER_POINTER = 1
 _PARAM_BUFFER_SIZE = 2
 _PARAM_END = 0
+# cudaMemcpyKind (cuda_runtime_api.h).
+_MEMCPY_DEVICE_TO_DEVICE = 3
 # CUfunction_attribute (cuda.h).
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
@@ -74,3 +83,85 @@ class PackedLaunch:
         with self._lock:
             self._pack_into(self._buffer, 0, *values)
             self._launch(self._ptr, grid, 1, 1, block, 1, 1, shared, stream, 0, self._extra_ptr)
+
+
+class Words:
+    """A C-contiguous device array named by its address: all a launch needs of an array.
+
+    The GPU side of :func:`words`: a kernel takes it as a C-contiguous array of ``dtype`` and
+    ``shape`` (the same compiled function as for such a CuPy array), without the ~3 us of host
+    time a CuPy reshape or view costs (measured on an H100 host, bench/NOTES.md).
+
+    Attributes:
+        ptr: device address of the first word.
+        shape: ``(size,)`` or ``(rows, words per row)``.
+        dtype: NumPy dtype of a word.
+        align: the bytes the address must be a multiple of: the word's size by default; 16 for
+            a kernel that loads two 8-byte words at once (``_memory.load_pair``).
+    """
+
+    __slots__ = ("ptr", "shape", "dtype", "align", "size", "ndim")
+
+    def __init__(self, ptr, shape, dtype, align=None):
+        self.ptr, self.shape, self.dtype = ptr, shape, dtype
+        self.align = align or dtype.itemsize
+        self.ndim = len(shape)
+        self.size = shape[0] if self.ndim == 1 else shape[0] * shape[1]
+
+    def abi(self):
+        """Its fields in numba's kernel ABI: meminfo, parent, nitems, itemsize, data, shape,
+        strides (C order)."""
+        itemsize = self.dtype.itemsize
+        if self.ndim == 1:
+            return (0, 0, self.size, itemsize, self.ptr, self.size, itemsize)
+        rows, cols = self.shape
+        return (0, 0, self.size, itemsize, self.ptr, rows, cols, cols * itemsize, itemsize)
+
+
+def address(a):
+    """The address of the first element of the CuPy or NumPy array or :class:`Words` ``a``
+    (NumPy arrays come on the simulator and the host backend, also on a machine with a GPU)."""
+    if isinstance(a, numpy.ndarray):
+        return a.__array_interface__["data"][0]
+    if type(a) is Words:
+        return a.ptr
+    return a.data.ptr
+
+
+def row_range(a, begin, end):
+    """Rows ``[begin, end)`` of the C-contiguous 1-D or 2-D array ``a``, zero-copy: a
+    :class:`Words` of ``a``'s dtype on a GPU (a CuPy slice costs about three times the host
+    time), a NumPy slice elsewhere.
+
+    Args:
+        a: a CuPy array or :class:`Words` (GPU), or a NumPy array.
+        begin, end: ``0 <= begin <= end <= len(a)`` (not checked).
+    """
+    if isinstance(a, numpy.ndarray):
+        return a[begin:end]
+    shape = a.shape
+    ptr = a.ptr if type(a) is Words else a.data.ptr
+    if len(shape) == 1:
+        return Words(ptr + begin * a.dtype.itemsize, (end - begin,), a.dtype)
+    cols = shape[1]
+    return Words(ptr + begin * cols * a.dtype.itemsize, (end - begin, cols), a.dtype)
+
+
+def flat(a):
+    """The C-contiguous array ``a`` as 1-D, zero-copy: a :class:`Words` on a GPU, a reshape of a
+    NumPy array."""
+    if isinstance(a, numpy.ndarray):
+        return a.reshape(-1)
+    return Words(a.ptr if type(a) is Words else a.data.ptr, (a.size,), a.dtype)
+
+
+def copy_bytes(dst, src, stream):
+    """Copy the bytes of the C-contiguous array ``src`` into the C-contiguous ``dst`` (as many
+    bytes; shapes may differ): on a GPU ``cudaMemcpyAsync`` on the raw stream handle ``stream``;
+    NumPy arrays are assigned (done on return)."""
+    if isinstance(dst, numpy.ndarray):
+        dst.reshape(-1).view(numpy.uint8)[...] = src.reshape(-1).view(numpy.uint8)
+        return
+    import cupy
+    cupy.cuda.runtime.memcpyAsync(address(dst), address(src), dst.size * dst.dtype.itemsize,
+                                  _MEMCPY_DEVICE_TO_DEVICE, stream)

@@ -42,6 +42,7 @@ import operator
 import numpy
 
 from ._array import bfloat16, check_rows, float32
+from ._driver import copy_bytes, flat, row_range
 from .kernels import array_module
 from .formats import PER_ROW, QuantizedArray, format_names, get_format
 from .layout import Layout
@@ -135,22 +136,22 @@ class _QuantizedRows:
         """The travelling (data, scales) slots as a QuantizedArray (per-row scales 1-D)."""
         fmt = self._format
         if fmt.scale_block == PER_ROW:
-            scales = scales.reshape(data.shape[0])
+            scales = flat(scales)
         return fmt.view(data, scales)
 
     def produce(self, begin, end, slots, stream):
         data, scales = slots
         x = self._x
         if isinstance(x, QuantizedArray):  # already of the format: copy its bits
-            data[...] = x.data[begin:end]
-            scales[...] = x.scales[begin:end].reshape(scales.shape)
+            copy_bytes(data, row_range(x.data, begin, end), stream)
+            copy_bytes(scales, row_range(x.scales, begin, end), stream)
         else:
-            self._format.launch_quantize(x[begin:end], self._rows(data, scales), stream,
-                                         self._share, self._scale_mode)
+            self._format.launch_quantize(row_range(x, begin, end), self._rows(data, scales),
+                                         stream, self._share, self._scale_mode)
 
     def consume(self, begin, end, rows, stream):
-        self._format.launch_dequantize(self._rows(*rows), self._out[begin:end], stream,
-                                       1.0 if stream == self._caller else _BESIDE_SHARE)
+        self._format.launch_dequantize(self._rows(*rows), row_range(self._out, begin, end),
+                                       stream, 1.0 if stream == self._caller else _BESIDE_SHARE)
 
 
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,

@@ -32,8 +32,8 @@ imported.
 import ml_dtypes
 import numpy
 
-from .kernels import (Launch, Words, address, array_module, launch_1d, prepared,  # first: decides
-                      simulated, words)  # simulator vs GPU before numba loads
+from .kernels import (UNBOUNDED, SizedLaunch, Words, address, array_module,  # first: decides
+                      launch_1d, prepared, simulated, words)  # simulator vs GPU before numba loads
 from ._array import as_device_array, bfloat16, check_rows, float32, stream_ptr
 from ._platform import host_backend
 from .formats import PER_ROW, Format, register, register_conversion
@@ -189,17 +189,18 @@ def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
         return data, scales
     if host_backend():
         return _host_quantize_fp8_rowwise(x, out=(data, scales))
-    _rowwise_quantize_launch(m, d, x.dtype, share)(stream, x, data, scales)
+    _rowwise_quantize_launch(d, x.dtype, share)(stream, m, x, data, scales)
     return data, scales
 
 
 @prepared
-def _rowwise_quantize_launch(m, d, dtype, share):
-    """The prepared rowwise quantize launch (``kernels.Launch``) of (m, d) ``dtype`` rows."""
+def _rowwise_quantize_launch(d, dtype, share):
+    """The prepared rowwise quantize launch (``kernels.SizedLaunch``) of ``dtype`` rows of width
+    ``d``, per row."""
     if dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
-        kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (m, d // 8), _U64)
+        kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (1, d // 8), _U64)
     else:  # units of 4 elements -> one uint32
-        kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (m, d // 4), _U32)
+        kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (1, d // 4), _U32)
     # one warp per row, ROWS_PER_BLOCK rows per CUDA block, each kept in the block's shared
     # memory between the passes as far as STASH_BLOCK_BYTES go (the rest of a row is re-read)
     units = data.shape[1]
@@ -207,11 +208,11 @@ def _rowwise_quantize_launch(m, d, dtype, share):
     stash_units = min(units, fp8_rowwise.STASH_BLOCK_BYTES // (rows * fp8_rowwise.STASH_UNIT_BYTES))
     threads = _WARP * rows
     shared = rows * stash_units * fp8_rowwise.STASH_UNIT_BYTES
-    config = _resident_launch(-(-m // rows) * threads, threads, fp8_rowwise.QUANTIZE_REGISTERS,
-                              0, share, shared)
-    return Launch(kernel, config[:3] + (shared,),
-                  Words(0, (m, d * dtype.itemsize // 8), _U64, PAIR_BYTES),  # loaded in pairs
-                  data, Words(0, (m,), _U32), stash_units)
+    config = _resident_launch(UNBOUNDED, threads, fp8_rowwise.QUANTIZE_REGISTERS, 0, share,
+                              shared)
+    return SizedLaunch(kernel, config[:3] + (shared,), (_WARP, 1),  # a warp per row
+                       Words(0, (1, d * dtype.itemsize // 8), _U64, PAIR_BYTES),  # pair loads
+                       data, Words(0, (1,), _U32), stash_units)
 
 
 def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=None):
@@ -250,20 +251,22 @@ def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
     if host_backend():
         return _host_dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
     m, d = data.shape
-    _rowwise_dequantize_launch(m, d, out.dtype, share)(stream, data, scales, out)
+    _rowwise_dequantize_launch(d, out.dtype, share)(stream, m, data, scales, out)
     return out
 
 
 @prepared
-def _rowwise_dequantize_launch(m, d, dtype, share):
-    """The prepared rowwise dequantize launch of (m, d) rows into ``dtype``."""
-    n = m * d // 8
+def _rowwise_dequantize_launch(d, dtype, share):
+    """The prepared rowwise dequantize launch (``kernels.SizedLaunch``) of rows of width ``d``
+    into ``dtype``, per row."""
+    words = d // 8
     kernel = dequantize_fp8_rowwise_bf16_kernel if dtype == bfloat16 else \
         dequantize_fp8_rowwise_f32_kernel
-    config = _resident_launch(-(-n // fp8_rowwise.WORDS_PER_THREAD), THREADS_PER_BLOCK,
-                              fp8_rowwise.DEQUANTIZE_REGISTERS, 0, share)
-    return Launch(kernel, config, Words(0, (n,), _U64), Words(0, (m,), _U32),
-                  Words(0, (n * dtype.itemsize,), _U64), d // 8)
+    config = _resident_launch(UNBOUNDED, THREADS_PER_BLOCK, fp8_rowwise.DEQUANTIZE_REGISTERS, 0,
+                              share)
+    return SizedLaunch(kernel, config, (words, fp8_rowwise.WORDS_PER_THREAD),
+                       Words(0, (words,), _U64), Words(0, (1,), _U32),
+                       Words(0, (words * dtype.itemsize,), _U64), words)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,23 +316,24 @@ def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0)
         return data, scales
     if host_backend():
         return _host_quantize_fp8_block128(x, scale_mode, out=(data, scales))
-    m, d = x.shape
-    _block_quantize_launch(m * d, x.dtype, scale_mode == "pow2", share)(stream, x, data, scales)
+    _block_quantize_launch(x.dtype, scale_mode == "pow2", share)(stream, x.size // FP8_BLOCK, x,
+                                                                 data, scales)
     return data, scales
 
 
 @prepared
-def _block_quantize_launch(n, dtype, pow2, share):
-    """The prepared block128 quantize launch of ``n`` elements of ``dtype``."""
+def _block_quantize_launch(dtype, pow2, share):
+    """The prepared block128 quantize launch (``kernels.SizedLaunch``) of ``dtype`` rows, per
+    128-element block."""
     if dtype == bfloat16:
         kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
     else:
         kernel, registers = quantize_fp8_block128_f32_kernel, fp8_block.QUANTIZE_F32_REGISTERS
-    data = Words(0, (n // 8,), _U64)
-    n_threads = -(-data.size // UNITS_PER_THREAD)  # units of 8 elements
-    config = _resident_launch(n_threads, THREADS_PER_BLOCK, registers, 0, share)
-    return Launch(kernel, config, Words(0, (n * dtype.itemsize // 8,), _U64), data,
-                  Words(0, (n // FP8_BLOCK,), _U32), pow2)
+    data = Words(0, (FP8_BLOCK // 8,), _U64)  # units of 8 elements
+    config = _resident_launch(UNBOUNDED, THREADS_PER_BLOCK, registers, 0, share)
+    return SizedLaunch(kernel, config, (data.size, UNITS_PER_THREAD),
+                       Words(0, (FP8_BLOCK * dtype.itemsize // 8,), _U64), data,
+                       Words(0, (1,), _U32), pow2)
 
 
 def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=None):
@@ -366,22 +370,21 @@ def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
         return out
     if host_backend():
         return _host_dequantize_fp8_block128(data, scales, out.dtype, out=out)
-    m, d = out.shape
-    _block_dequantize_launch(m * d, out.dtype, share)(stream, data, scales, out)
+    _block_dequantize_launch(out.dtype, share)(stream, out.size // FP8_BLOCK, data, scales, out)
     return out
 
 
 @prepared
-def _block_dequantize_launch(n, dtype, share):
-    """The prepared block128 dequantize launch of ``n`` elements into ``dtype``."""
-    data = Words(0, (n // 8,), _U64)
-    n_threads = -(-data.size // WORDS_PER_THREAD)
+def _block_dequantize_launch(dtype, share):
+    """The prepared block128 dequantize launch (``kernels.SizedLaunch``) into ``dtype``, per
+    128-element block."""
+    data = Words(0, (FP8_BLOCK // 8,), _U64)
     kernel = dequantize_fp8_block128_bf16_kernel if dtype == bfloat16 else \
         dequantize_fp8_block128_f32_kernel
-    config = _resident_launch(n_threads, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, 0,
+    config = _resident_launch(UNBOUNDED, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, 0,
                               share)
-    return Launch(kernel, config, data, Words(0, (n // FP8_BLOCK,), _U32),
-                  Words(0, (n * dtype.itemsize // 8,), _U64))
+    return SizedLaunch(kernel, config, (data.size, WORDS_PER_THREAD), data, Words(0, (1,), _U32),
+                       Words(0, (FP8_BLOCK * dtype.itemsize // 8,), _U64))
 
 
 # ---------------------------------------------------------------------------------------------

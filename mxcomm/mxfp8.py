@@ -11,7 +11,7 @@ GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with 
 
 import numpy
 
-from .kernels import Launch, Words, array_module, launch_1d, prepared  # first: sets up the simulator before numba loads
+from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared  # first: sets up the simulator before numba loads
 from . import _host
 from ._array import as_device_array, bfloat16, check_rows, float32, stream_ptr
 from ._platform import host_backend
@@ -100,25 +100,25 @@ def launch_quantize(x, out, scale_mode, stream, share=1.0):
     if host_backend():
         _host.quantize_mxfp8(x, out.data, out.scales, scale_mode == "rceil")
         return out
-    m, d = x.shape
-    _quantize_launch(m * d, x.dtype, scale_mode == "rceil", share)(stream, x, out.data,
-                                                                   out.scales)
+    _quantize_launch(x.dtype, scale_mode == "rceil", share)(stream, x.size // MX_BLOCK, x,
+                                                            out.data, out.scales)
     return out
 
 
 @prepared
-def _quantize_launch(n, dtype, rceil, share):
-    """The prepared quantize launch (``kernels.Launch``) of ``n`` elements of ``dtype``."""
-    x = Words(0, (n * dtype.itemsize // 8,), _U64)
-    scales = Words(0, (n // MX_BLOCK,), _U8)
+def _quantize_launch(dtype, rceil, share):
+    """The prepared quantize launch (``kernels.SizedLaunch``) of ``dtype`` rows, per MX block."""
+    x = Words(0, (MX_BLOCK * dtype.itemsize // 8,), _U64)
+    scales = Words(0, (1,), _U8)
     # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
     if dtype == bfloat16:
-        kernel, data = quantize_mxfp8_bf16_kernel, Words(0, (n // 8,), _U64)
-        n_threads = -(-data.size // PAIRS_PER_THREAD)
+        kernel, data = quantize_mxfp8_bf16_kernel, Words(0, (MX_BLOCK // 8,), _U64)
+        per_unit = (data.size, PAIRS_PER_THREAD)
     else:
-        kernel, data = quantize_mxfp8_f32_kernel, Words(0, (n // 2,), _U16)
-        n_threads = -(-x.size // WORDS_PER_THREAD)
-    return Launch(kernel, launch_1d(n_threads, share=share), x, data, scales, rceil)
+        kernel, data = quantize_mxfp8_f32_kernel, Words(0, (MX_BLOCK // 2,), _U16)
+        per_unit = (x.size, WORDS_PER_THREAD)
+    return SizedLaunch(kernel, launch_1d(UNBOUNDED, share=share), per_unit, x, data, scales,
+                       rceil)
 
 
 def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
@@ -171,19 +171,18 @@ def launch_dequantize(mx, out, stream, share=1.0):
     if host_backend():
         _host.dequantize_mxfp8(mx.data, mx.scales, out)
         return out
-    m, d = out.shape
-    _dequantize_launch(m * d, out.dtype, share)(stream, mx.data, mx.scales, out)
+    _dequantize_launch(out.dtype, share)(stream, out.size // MX_BLOCK, mx.data, mx.scales, out)
     return out
 
 
 @prepared
-def _dequantize_launch(n, dtype, share):
-    """The prepared dequantize launch of ``n`` elements into ``dtype``."""
+def _dequantize_launch(dtype, share):
+    """The prepared dequantize launch (``kernels.SizedLaunch``) into ``dtype``, per MX block."""
     kernel = dequantize_mxfp8_bf16_kernel if dtype == bfloat16 else dequantize_mxfp8_f32_kernel
-    data = Words(0, (n // 8,), _U64)
-    n_threads = -(-data.size // WORDS_PER_THREAD)
-    return Launch(kernel, launch_1d(n_threads, share=share), data,
-                  Words(0, (n // MX_BLOCK,), _U8), Words(0, (n * dtype.itemsize // 8,), _U64))
+    data = Words(0, (MX_BLOCK // 8,), _U64)
+    return SizedLaunch(kernel, launch_1d(UNBOUNDED, share=share), (data.size, WORDS_PER_THREAD),
+                       data, Words(0, (1,), _U8),
+                       Words(0, (MX_BLOCK * dtype.itemsize // 8,), _U64))
 
 
 def _format_quantize(x, out, stream, share, scale_mode):

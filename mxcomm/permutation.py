@@ -26,7 +26,7 @@ import contextlib
 
 import numpy
 
-from .kernels import Launch, Words, address, array_module, launch_1d, prepared, simulated  # first: sets up the simulator before numba loads
+from .kernels import UNBOUNDED, SizedLaunch, Words, address, array_module, launch_1d, prepared, simulated  # first: sets up the simulator before numba loads
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
                               scatter_rows_kernel)
@@ -104,26 +104,36 @@ def _move_rows(kernel, indices, srcs, dsts, stream):
             src, dst = src.reshape(src.shape[0], width), dst.reshape(dst.shape[0], width)
         row_bytes = dst.shape[1] * dst.itemsize
         word = _word(row_bytes, (src, dst))
-        shapes.append((src.shape[0], dst.shape[0], row_bytes // word.itemsize, word))
+        shapes.append((row_bytes // word.itemsize, word))
         arrays += (src, dst)
+    other = dsts[0].shape[0] if kernel is scatter_rows_kernel else srcs[0].shape[0]
     if len(shapes) == 1:  # a missing second pair is an empty one (never an alias of the first:
-        shapes.append((0, 0, 0, _WORDS[0]))  # the simulator copies every argument in and out)
+        shapes.append(None)  # the simulator copies every argument in and out)
         arrays += (0, 0) if not simulated() else \
             tuple(numpy.empty((0, 0), _WORDS[0]) for _ in range(2))
-    if p == 0 or (shapes[0][2] == 0 and shapes[1][2] == 0):
+    if p == 0 or not any(shape and shape[0] for shape in shapes):
         return
-    _move_launch(kernel, p, tuple(shapes))(stream_ptr(stream), *arrays)
+    _move_launch(kernel, tuple(shapes))(stream_ptr(stream), (p, other, 0), *arrays)
 
 
 @prepared
-def _move_launch(kernel, p, shapes):
-    """The prepared launch of the gather or scatter ``kernel`` for ``p`` indices and two
-    ``(source rows, destination rows, words per row, word)`` pairs."""
-    args = [Words(0, (p,), numpy.dtype(numpy.int32))]
-    for src_rows, dst_rows, words, word in shapes:
-        args += (Words(0, (src_rows, words), word), Words(0, (dst_rows, words), word))
-    threads = _row_threads(max(shapes[0][2], shapes[1][2]))
-    return Launch(kernel, launch_1d(p * threads, threads=threads), *args)
+def _move_launch(kernel, shapes):
+    """The prepared launch (``kernels.SizedLaunch``) of the gather or scatter ``kernel`` for two
+    ``(words per row, word)`` pairs, the second None when missing (an empty (0, 0) pair). Its
+    counts: the indices (P, one CUDA block per row), the rows on the other side (a gather's
+    source, a scatter's destination), and 0 (the rows of the empty pair)."""
+    args = [Words(0, (1,), numpy.dtype(numpy.int32))]
+    gather = kernel is not scatter_rows_kernel
+    for shape in shapes:
+        if shape is None:
+            empty = (Words(0, (1, 0), _WORDS[0]), 2)
+            args += (empty, empty)
+            continue
+        words, word = shape
+        other, indexed = (Words(0, (1, words), word), 1), (Words(0, (1, words), word), 0)
+        args += (other, indexed) if gather else (indexed, other)
+    threads = _row_threads(max(shape[0] for shape in shapes if shape))
+    return SizedLaunch(kernel, launch_1d(UNBOUNDED, threads=threads), (threads, 1), *args)
 
 
 def _on_stream(stream):

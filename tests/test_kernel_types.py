@@ -23,6 +23,7 @@ import pytest
 
 import mxcomm
 from mxcomm import fp8_formats, mxfp8, permutation
+from mxcomm import _driver
 from mxcomm.kernels import _launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -251,6 +252,58 @@ def test_prepared_launch_fills_in_the_addresses_the_generic_launch_packs():
     _launch.Launch(kernel, (3, 64, 99, 4096), *args)(7, x_like, out_like)  # dynamic shared memory
     assert kernel.calls[2] == (3, 64, 7, want, 4096)
     assert kernel.shared_allowed == [4096]  # the function's cap is asked for (grown past 48 KiB)
+
+
+@pytest.mark.parametrize("units", [1, 5, 1000, 123457])
+def test_sized_launch_packs_what_a_launch_of_that_size_packs(units):
+    """A sized launch, prepared once per unit of work, packs for a call of ``units`` units exactly
+    the parameters the generic launch packs for arrays of that size (numba's ABI of full-size
+    ``Words``: nitems, shape, strides, addresses), with the fixed ints and bools as given; its grid
+    covers ``ceil(units * num / den)`` threads up to its cap, at least one block."""
+    u64, u32, u8 = np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint8)
+    kernel = _RecordingKernel(("x", "n", "rows", "scales", "flag"))
+    # per unit: 8 words of x, one row of 16 u32, one scale byte; 4 threads per 3 units; cap 40
+    launch = _launch.SizedLaunch(kernel, (40, 64, 0), (4, 3), _launch.Words(0, (8,), u64), 7,
+                                 _launch.Words(0, (1, 16), u32), _launch.Words(0, (1,), u8), True)
+    launch(9, units, 0x1000, 0x2000, 0x3000)
+    full = [_launch.Words(0x1000, (8 * units,), u64), 7, _launch.Words(0x2000, (units, 16), u32),
+            _launch.Words(0x3000, (units,), u8), True]
+    blocks, threads, stream, values, shared = kernel.calls[-1]
+    assert (threads, stream, shared) == (64, 9, 0)
+    assert values == _launch._abi_values(full)
+    assert blocks == max(1, min(40, -(-(-(-units * 4 // 3)) // 64)))
+    assert kernel.key == tuple(map(_launch._argument_key, full))  # the same compiled function
+    launch(9, 2, 0x1000, 0x2000, 0x3000)  # the prepared values are not changed by a call
+    assert kernel.calls[-1][3] == _launch._abi_values(
+        [_launch.Words(0x1000, (16,), u64), 7, _launch.Words(0x2000, (2, 16), u32),
+         _launch.Words(0x3000, (2,), u8), True])
+    with pytest.raises(ValueError, match="one row"):
+        _launch.SizedLaunch(kernel, (40, 64, 0), (1, 1), _launch.Words(0, (2, 16), u32))
+    # several counts: a placeholder paired with an index scales with that count; the first
+    # drives the grid (a gather of P rows from a source of N)
+    gather = _launch.SizedLaunch(kernel, (40, 64, 0), (64, 1), _launch.Words(0, (1,), u32),
+                                 (_launch.Words(0, (1, 16), u32), 1),
+                                 _launch.Words(0, (1, 16), u32))
+    gather(3, (units, 7), 0x1000, 0x2000, 0x3000)
+    blocks, _, _, values, _ = kernel.calls[-1]
+    assert values == _launch._abi_values([_launch.Words(0x1000, (units,), u32),
+                                          _launch.Words(0x2000, (7, 16), u32),
+                                          _launch.Words(0x3000, (units, 16), u32)])
+    assert blocks == min(40, units)
+
+
+def test_row_range_views_rows_by_address():
+    """``row_range`` of a device array is a Words at the rows' address with the rows' shape; of a
+    NumPy array, the slice itself."""
+    a = np.arange(24, dtype=np.float32).reshape(6, 4)
+    np.testing.assert_array_equal(_driver.row_range(a, 2, 5), a[2:5])
+    like = _DeviceArrayLike(a)
+    w = _driver.row_range(like, 2, 5)
+    base = a.__array_interface__["data"][0]
+    assert (w.ptr, w.shape, w.dtype) == (base + 2 * 16, (3, 4), a.dtype)
+    v = _driver.row_range(_DeviceArrayLike(a.reshape(-1)), 3, 7)
+    assert (v.ptr, v.shape) == (base + 12, (4,))
+    assert _driver.address(_driver.row_range(w, 1, 2)) == base + 3 * 16
 
 
 def test_prepared_launch_rejects_misaligned_arrays():
