@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
-#         train2 train2par soak2 profile2 profile2fresh torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
+#         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         colwise1 ncu1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
@@ -182,6 +182,9 @@ for phase in "$@"; do
             --json "$res/train_moe_w2.json" --markdown "$res/train_moe_w2.md" --plot "$res/train_moe_w2.png" \
             --note "${#groups[@]} jobs of 2 ranks ran at the same time on the 2 GPUs: tokens/s are measured under that contention" ;;
     profile2) step "host profile, 2 ranks" 240 "${mpirun_env[@]}" -n 2 python3 bench/profile_host.py 4096 7168 300 ;;
+    step2) for routing in uniform topk; do  # where a pipeline step's host time goes, per stage
+        step "host time per pipeline stage, 2 ranks, $routing routing" 240 "${mpirun_env[@]}" -n 2 \
+            python3 bench/profile_step.py ${STEP_ROWS:-4096} bf16,mxfp8 mxfp8 --routing $routing; done ;;
     profile2fresh) step "host profile, 2 ranks, a new layout per call" 240 "${mpirun_env[@]}" -n 2 \
         python3 bench/profile_host.py 4096 7168 300 fresh ;;
     soak2) step "soak, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 bench/soak.py --calls ${SOAK_CALLS:-1667} ;;

@@ -12,6 +12,11 @@
   ``[begin, end)`` of the receive order, where they are, enqueued on ``stream``; keep no
   reference to ``rows`` past the call.
 
+Slots and rows are C-contiguous arrays of ``(rows,) + row shape``: on a GPU the pull transport
+names them by address (``mxcomm._driver.Words``: what a kernel launch or ``copy_bytes`` takes,
+without the host time of a CuPy view), the grouped one hands CuPy arrays; on the host they are
+NumPy arrays.
+
 Two transports implement the movement (``_pull``: receivers read the senders' memory on one node;
 ``_grouped``: one ``alltoallv``). This module holds what they share: the plan, the byte layout of a
 staging region, the send order, the pieces of large regions and the 32-bit kind of an exchange.

@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy
 import pytest
 
+from mxcomm._driver import copy_bytes, row_range
+
 from mxcomm import comm as mxc
 from mxcomm.comm._nccl import _external_stream
 from mxcomm.comm._staged import MAX_PIECES, Plan
@@ -581,14 +583,13 @@ class DeviceRows:
         self.streams = set()
 
     def produce(self, begin, end, slots, stream):
-        with _external_stream(self.cupy, stream):
-            for slot, a in zip(slots, self.send):
-                slot[...] = a[begin:end]
+        # slots are arrays by address (the pull transport's staging) or CuPy arrays (grouped)
+        for slot, a in zip(slots, self.send):
+            copy_bytes(slot, a[begin:end], stream)
 
     def consume(self, begin, end, rows, stream):
         self.streams.add(stream)
-        with _external_stream(self.cupy, stream):
-            self.consumed[begin:end] = rows[0]
+        copy_bytes(row_range(self.consumed, begin, end), rows[0], stream)
 
 
 @pytest.mark.gpu
