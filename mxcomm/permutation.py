@@ -214,13 +214,21 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
             ``num_local_experts`` or ``align`` < 1; ``x`` not C-contiguous; on the host backend
             (counts in host memory), a negative count.
     """
+    return _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_format, stream,
+                    None)
+
+
+def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_format, stream,
+             alloc):
+    """:func:`permute`, its results (but a conversion's) from ``alloc(shape, dtype)`` (None: the
+    array module's ``empty``; ``mxcomm.torch`` hands in torch's allocator)."""
     srcs, fmt = _rows(x, "x")
     convert = None
     if out_format is not None and get_format(out_format, "out_format") is not fmt:
         convert = conversion(fmt, get_format(out_format, "out_format"))
     if isinstance(num_tokens_per_expert_group, Layout):
         return _permute_on_layout(x, srcs, fmt, convert, num_tokens_per_expert_group,
-                                  num_local_experts, align, stream)
+                                  num_local_experts, align, stream, alloc)
     if num_local_experts is None:
         raise TypeError("permute: num_local_experts is required without a layout")
     counts = as_device_array(num_tokens_per_expert_group, "num_tokens_per_expert_group")
@@ -237,23 +245,23 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
     m_recv = srcs[0].shape[0]
     p = _round_up(m_recv + e_local * align, align)
     indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream)
-    return _gather(x, srcs, fmt, convert, indices, stream), indices, group_offsets
+    return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
 
-def _gather(x, srcs, fmt, convert, indices, stream):
+def _gather(x, srcs, fmt, convert, indices, stream, alloc):
     """Rows ``indices`` of ``x`` (padding: zeros and the padding scale), or of ``x`` converted
     by ``convert`` (a ``mxcomm.formats.conversion``) in the same pass."""
     if convert is not None:
         return convert(x, indices, stream_ptr(stream))
-    xp = array_module()
+    alloc = alloc or array_module().empty
     p = indices.shape[0]
-    dsts = [xp.empty((p,) + tuple(s.shape[1:]), dtype=s.dtype) for s in srcs]
+    dsts = [alloc((p,) + tuple(s.shape[1:]), s.dtype) for s in srcs]
     _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
     _pad_scales(dsts, fmt, indices, srcs[0].shape[0])
     return _wrap(dsts, fmt)
 
 
-def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, stream):
+def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, stream, alloc):
     """:func:`permute` given the layout: rows checked against it (O(1)); the index and group
     offsets built once per layout and ``align``, and reused (no launch) by later calls."""
     e_local = layout.num_local_experts
@@ -272,7 +280,7 @@ def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, 
         cached = layout._cache[key] = _layout(layout.num_tokens_per_expert_group, e_local,
                                               align, m_recv, p, stream)
     indices, group_offsets = cached
-    return _gather(x, srcs, fmt, convert, indices, stream), indices, group_offsets
+    return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
 
 def _layout(counts, e_local, align, m_recv, p, stream):
@@ -311,6 +319,11 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
         TypeError: indices not int32; non-int ``num_rows``; ``y`` not an array.
         ValueError: indices not 1-D or not of length P; ``num_rows`` < 0; ``y`` not C-contiguous.
     """
+    return _unpermute(y, permuted_indices, num_rows, stream, None)
+
+
+def _unpermute(y, permuted_indices, num_rows, stream, alloc):
+    """:func:`unpermute`, its result from ``alloc(shape, dtype)`` (None: the array module's)."""
     srcs, fmt = _rows(y, "y")
     idx = _check_indices(permuted_indices, srcs[0].shape[0], "y", stream)
     # With the layout, the indices of its permute name every received row once (its counts
@@ -320,10 +333,12 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     if covered:
         num_rows = num_rows.num_received
     num_rows = _check_int(num_rows, "num_rows", 0)
-    xp = array_module()
-    with _on_stream(stream):
-        dsts = [(xp.empty if covered else xp.zeros)((num_rows,) + tuple(s.shape[1:]),
-                                                    dtype=s.dtype) for s in srcs]
+    alloc = alloc or array_module().empty
+    dsts = [alloc((num_rows,) + tuple(s.shape[1:]), s.dtype) for s in srcs]
+    if not covered and num_rows:
+        with _on_stream(stream):
+            for d in dsts:
+                d.fill(0)
     if num_rows:
         _move_rows(scatter_rows_kernel, idx, srcs, dsts, stream)
     return _wrap(dsts, fmt)
@@ -359,6 +374,12 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
         TypeError: indices not int32; ``grad`` not an array.
         ValueError: indices not 1-D; ``grad`` not C-contiguous.
     """
+    return _unpermute_backward(grad, permuted_indices, stream, None)
+
+
+def _unpermute_backward(grad, permuted_indices, stream, alloc):
+    """:func:`unpermute_backward`, its result from ``alloc(shape, dtype)`` (None: the array
+    module's)."""
     srcs, fmt = _rows(grad, "grad")
     idx = _check_indices(permuted_indices, None, "grad", stream)
-    return _gather(grad, srcs, fmt, None, idx, stream)
+    return _gather(grad, srcs, fmt, None, idx, stream, alloc)

@@ -109,8 +109,13 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
 
 
 def _dequantized(t):
-    """The bf16 values of the QuantizedTensor ``t`` as a plain tensor (no autograd)."""
-    return _tensor(_rows(t, type(t).__name__).dequantize(bfloat16, stream=_stream(t.qdata)))
+    """The bf16 values of the QuantizedTensor ``t`` as a plain tensor (no autograd), allocated by
+    torch (no DLPack import per call)."""
+    out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.qdata.device)
+    if out.numel():
+        _rows(t, type(t).__name__).dequantize(bfloat16, out=_view(out, bfloat16),
+                                              stream=_stream(t.qdata))
+    return out
 
 
 # ------------------------------------------------------------------------- QuantizedTensor
@@ -283,25 +288,35 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align, out_format):
         counts = num_tokens_per_expert_group
-        if not isinstance(counts, _layout.Layout):
+        layout = counts if isinstance(counts, _layout.Layout) else None
+        if layout is None:
             counts = _array(counts, "num_tokens_per_expert_group")
-        permuted, indices, offsets = _permutation.permute(_rows(x, "x"), counts,
-                                                          num_local_experts, align,
-                                                          out_format=out_format,
-                                                          stream=_stream(x))
-        indices, offsets = _tensor(indices), _tensor(offsets)
+        alloc = _Alloc(x.device)
+        permuted, indices, offsets = _permutation._permute(_rows(x, "x"), counts,
+                                                           num_local_experts, align, out_format,
+                                                           _stream(x), alloc)
+        # A layout keeps its permute index (per align): its tensors are kept beside it too, so a
+        # call imports nothing through DLPack.
+        key = ("torch permute index", align)
+        cached = layout._cache.get(key) if layout is not None else None
+        if cached is None or cached[0] is not indices:
+            cached = (indices, _tensor(indices), _tensor(offsets))
+            if layout is not None:
+                layout._cache[key] = cached
+        _, indices, offsets = cached
         ctx.save_for_backward(indices)
         ctx.num_rows = x.shape[0]
         ctx.mark_non_differentiable(indices, offsets)
-        return _wrap(permuted), indices, offsets
+        return _wrap(permuted, alloc), indices, offsets
 
     @staticmethod
     def backward(ctx, grad, grad_indices, grad_offsets):
         (indices,) = ctx.saved_tensors
-        dx = _permutation.permute_backward(_rows(grad, "grad"), _array(indices, "permuted_indices"),
-                                       ctx.num_rows, stream=_stream(grad))
+        alloc = _Alloc(grad.device)
+        dx = _permutation._unpermute(_rows(grad, "grad"), _array(indices, "permuted_indices"),
+                                     ctx.num_rows, _stream(grad), alloc)
         # None for: num_tokens_per_expert_group, num_local_experts, align, out_format
-        return _wrap(dx), None, None, None, None
+        return _wrap(dx, alloc), None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -315,16 +330,20 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, permuted_indices, num_rows):
         ctx.save_for_backward(permuted_indices)
-        return _wrap(_permutation.unpermute(_rows(y, "y"), _array(permuted_indices, "permuted_indices"),
-                                        num_rows, stream=_stream(y)))
+        alloc = _Alloc(y.device)
+        return _wrap(_permutation._unpermute(_rows(y, "y"),
+                                             _array(permuted_indices, "permuted_indices"),
+                                             num_rows, _stream(y), alloc), alloc)
 
     @staticmethod
     def backward(ctx, grad):
         (indices,) = ctx.saved_tensors
-        dy = _permutation.unpermute_backward(_rows(grad, "grad"), _array(indices, "permuted_indices"),
-                                         stream=_stream(grad))
+        alloc = _Alloc(grad.device)
+        dy = _permutation._unpermute_backward(_rows(grad, "grad"),
+                                              _array(indices, "permuted_indices"),
+                                              _stream(grad), alloc)
         # None for: permuted_indices, num_rows
-        return _wrap(dy), None, None
+        return _wrap(dy, alloc), None, None
 
 
 class _A2ACombine(torch.autograd.Function):
@@ -453,9 +472,9 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
 def unpermute(y, permuted_indices, num_rows):
     """Step 4, differentiable: (P, H) -> (num_rows, H) in received order.
 
-    ``num_rows`` is N, or the layout (its ``num_received``)."""
-    if isinstance(num_rows, _layout.Layout):
-        num_rows = num_rows.num_received
+    ``num_rows`` is N, or the layout whose permute made ``permuted_indices`` (its
+    ``num_received``; its indices name every received row once, so the result needs no
+    zero fill: one pass less)."""
     return _Unpermute.apply(y, permuted_indices, num_rows)
 
 

@@ -280,7 +280,7 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         return {"p": p, "indices": indices, "offs": offs, "rows_recv": h.shape[0]}
 
     def unpermute(s, y_):
-        return {"u": mxt.unpermute(y_, s["indices"], s["rows_recv"])}
+        return {"u": mxt.unpermute(y_, s["indices"], s["layout"])}
 
     if variant.gemm == "fp8":
         def fp8_gemm(s, p, w):
