@@ -305,6 +305,38 @@ def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
                 dequantize_word8_bf16(words[k], svals[k], out_words, 2 * i)
 
 
+@kernel
+def gather_dequantize_mxfp8_bf16_kernel(indices, data_rows, scales_rows, out_words):
+    """Permute and dequantize in one pass: bf16 row p = MXFP8 row ``indices[p]`` decoded as
+    :func:`dequantize_mxfp8_bf16_kernel` decodes it (bit for bit), zeros where ``indices[p]``
+    is negative or past the rows (padding).
+
+    Args:
+        indices: (P,) int32 source rows or -1. Read.
+        data_rows: (N, D // 8) uint64, e4m3fn bits, 8 per word. Read.
+        scales_rows: (N, D // 32) uint8, e8m0 bits. Read.
+        out_words: (P * D // 4,) uint64, bf16 bits, 4 per word; row p from word p * D // 4.
+            Written.
+    Launch: one CUDA block per row (P * blockDim threads, grid-stride over rows), its threads
+        striding over the row's words (as ``permute.gather_rows_kernel``).
+    """
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    nsrc = data_rows.shape[0]
+    words = data_rows.shape[1]
+    for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
+        i = indices[p]
+        base = p * 2 * words
+        if i >= 0 and i < nsrc:
+            for w in range(tid, words, nthreads):
+                dequantize_word8_bf16(data_rows[i, w],
+                                      uint32(scales_rows[i, w >> E4M3_WORDS_PER_BLOCK_LOG2]),
+                                      out_words, base + 2 * w)
+        else:
+            for w in range(tid, 2 * words, nthreads):
+                out_words[base + w] = uint64(0)
+
+
 @cuda.jit(device=True)
 def dequantize_word_f32(d, s, out_words, i):
     """Decode the 4 e4m3 in ``d`` (block scale ``s``) into 4 f32 (two uint64) at

@@ -276,7 +276,7 @@ def register(fmt):
 
 def register_conversion(source, target, launcher):
     """Let a permute convert rows of the format named ``source`` into ``target`` in its gather:
-    ``launcher(x, indices, stream) -> QuantizedArray`` (see :func:`conversion`)."""
+    ``launcher(x, indices, stream, alloc)`` (see :func:`conversion`)."""
     _CONVERSIONS[source, target] = launcher
 
 
@@ -302,8 +302,10 @@ def get_format(name, what="precision"):
 
 def conversion(source, target):
     """The gather that permutes rows of Format ``source`` into Format ``target`` in one pass:
-    ``convert(x, indices, stream) -> QuantizedArray`` (rows ``indices`` (P,) int32 of the
-    QuantizedArray ``x``; -1 gives a padding row with the target's padding scale).
+    ``convert(x, indices, stream, alloc) -> QuantizedArray`` (or a plain array for an unscaled
+    target such as ``"bf16"``): rows ``indices`` (P,) int32 of the QuantizedArray ``x``; -1 gives
+    a padding row (zeros, the target's padding scale); results from ``alloc(shape, dtype)`` (None:
+    the array module's ``empty``).
 
     Raises:
         ValueError: no such conversion (the message lists those there are).

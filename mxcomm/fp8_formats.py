@@ -777,9 +777,9 @@ FP8_BLOCK128_POW2 = register(Format(
     _block128_quantize("pow2"), _block128_dequantize, input_align=8))
 
 
-def _mx_to_rowwise(x, indices, stream):
+def _mx_to_rowwise(x, indices, stream, alloc):
     """The permute's MXFP8 -> fp8 rowwise gather (``mxcomm.formats.conversion``)."""
-    out = FP8_ROWWISE.empty(indices.shape[0], x.shape[1])
+    out = FP8_ROWWISE.empty(indices.shape[0], x.shape[1], alloc)
     launch_mx_to_rowwise_permute(x, indices, out.data, out.scales, stream)
     return out
 

@@ -15,11 +15,12 @@ from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, pre
 from . import _host
 from ._array import as_device_array, bfloat16, check_rows, float32, stream_ptr
 from ._platform import host_backend
-from .formats import Format, QuantizedArray, register
+from .formats import Format, QuantizedArray, register, register_conversion
 from .kernels._fp8 import MX_BLOCK
+from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.mxfp8 import (PAIRS_PER_THREAD, WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
-                            dequantize_mxfp8_f32_kernel, quantize_mxfp8_bf16_kernel,
-                            quantize_mxfp8_f32_kernel)
+                            dequantize_mxfp8_f32_kernel, gather_dequantize_mxfp8_bf16_kernel,
+                            quantize_mxfp8_bf16_kernel, quantize_mxfp8_f32_kernel)
 
 SCALE_MODES = ("rceil", "floor")
 _U8, _U16, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint16, numpy.uint64))
@@ -185,6 +186,50 @@ def _dequantize_launch(dtype, share):
                        Words(0, (MX_BLOCK * dtype.itemsize // 8,), _U64))
 
 
+def launch_gather_dequantize(mx, indices, out, stream):
+    """Rows ``indices`` of the MXFP8Array ``mx`` (N, D), dequantized into ``out`` (P, D) bf16 in
+    one pass: row p = the bf16 of row ``indices[p]`` exactly as :func:`dequantize_mxfp8` gives
+    it, zeros where the index is negative or >= N (arguments checked by the caller: ``indices``
+    (P,) int32 C-contiguous, ``out`` C-contiguous). Done on return on the host backend; else
+    enqueued on the raw stream handle ``stream``. Returns ``out``.
+
+    The permute's MXFP8 -> bf16 conversion (``permute(..., out_format="bf16")``): the rows a
+    bf16 grouped GEMM takes (Hopper has no MXFP8 one), without writing the permuted MXFP8 rows
+    and reading them again to dequantize."""
+    p, d = out.shape
+    if p == 0 or d == 0:
+        return out
+    if host_backend():
+        n = mx.shape[0]
+        idx = numpy.asarray(indices)
+        keep = (idx >= 0) & (idx < n)
+        rows = idx[keep]
+        decoded = numpy.empty((rows.shape[0], d), bfloat16)
+        _host.dequantize_mxfp8(mx.data[rows], mx.scales[rows], decoded)
+        out.view(_U16)[...] = 0
+        out[keep] = decoded
+        return out
+    _gather_dequantize_launch(d)(stream, (p, mx.shape[0]), indices, mx.data, mx.scales, out)
+    return out
+
+
+@prepared
+def _gather_dequantize_launch(d):
+    """The prepared MXFP8 -> bf16 gather (``kernels.SizedLaunch``) of rows of width ``d``;
+    counts: P (one CUDA block per row), then N (the source rows)."""
+    return SizedLaunch(gather_dequantize_mxfp8_bf16_kernel,
+                       launch_1d(UNBOUNDED, threads=THREADS_PER_BLOCK), (THREADS_PER_BLOCK, 1),
+                       Words(0, (1,), numpy.dtype(numpy.int32)),
+                       (Words(0, (1, d // 8), _U64), 1), (Words(0, (1, d // MX_BLOCK), _U8), 1),
+                       Words(0, (d // 4,), _U64))
+
+
+def _mx_to_bf16(x, indices, stream, alloc):
+    """The permute's MXFP8 -> bf16 gather (``mxcomm.formats.conversion``)."""
+    out = (alloc or array_module().empty)((indices.shape[0], x.shape[1]), bfloat16)
+    return launch_gather_dequantize(x, indices, out, stream)
+
+
 def _format_quantize(x, out, stream, share, scale_mode):
     launch_quantize(x, out, scale_mode, stream, share)
 
@@ -197,3 +242,4 @@ def _format_dequantize(q, out, stream, share):
 MXFP8 = register(Format("mxfp8", "e4m3fn", _U8, _U8, MX_BLOCK, MX_BLOCK, 0, SCALE_MODES,
                         "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array,
                         input_align=8))
+register_conversion("mxfp8", "bf16", _mx_to_bf16)

@@ -198,7 +198,10 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         out_format: None (or ``x``'s format) to move rows as they are; or a format to convert
             the QuantizedArray ``x`` to in the same pass where ``mxcomm.formats.conversion``
             has one: ``"fp8_rowwise"`` from ``"mxfp8"`` (``fp8_formats.mx_to_rowwise_permute``:
-            each row rescaled to one power-of-two scale; no bf16 round trip).
+            each row rescaled to one power-of-two scale; no bf16 round trip), or ``"bf16"``
+            from ``"mxfp8"`` (the permuted rows dequantized in the gather, bit for bit as
+            ``dequantize_mxfp8`` of the permuted rows, padding rows 0: what a bf16 grouped GEMM
+            takes, one pass instead of two).
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
@@ -223,9 +226,7 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
     """:func:`permute`, its results (but a conversion's) from ``alloc(shape, dtype)`` (None: the
     array module's ``empty``; ``mxcomm.torch`` hands in torch's allocator)."""
     srcs, fmt = _rows(x, "x")
-    convert = None
-    if out_format is not None and get_format(out_format, "out_format") is not fmt:
-        convert = conversion(fmt, get_format(out_format, "out_format"))
+    convert = _conversion(fmt, out_format, srcs)
     if isinstance(num_tokens_per_expert_group, Layout):
         return _permute_on_layout(x, srcs, fmt, convert, num_tokens_per_expert_group,
                                   num_local_experts, align, stream, alloc)
@@ -248,11 +249,24 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
     return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
 
+def _conversion(fmt, out_format, srcs):
+    """The gather converting rows of ``fmt`` (None: plain ``srcs``) into ``out_format``, or None
+    where they move as they are (no ``out_format``, the same format, bf16 rows to ``"bf16"``,
+    plain rows to ``"native"``). Raises ValueError where no conversion exists."""
+    if out_format is None:
+        return None
+    target = get_format(out_format, "out_format")
+    if target is fmt or (fmt is None and not target.quantized and
+                         (target.element_dtype is None or target.element_dtype == srcs[0].dtype)):
+        return None
+    return conversion(fmt, target)
+
+
 def _gather(x, srcs, fmt, convert, indices, stream, alloc):
     """Rows ``indices`` of ``x`` (padding: zeros and the padding scale), or of ``x`` converted
     by ``convert`` (a ``mxcomm.formats.conversion``) in the same pass."""
     if convert is not None:
-        return convert(x, indices, stream_ptr(stream))
+        return convert(x, indices, stream_ptr(stream), alloc)
     alloc = alloc or array_module().empty
     p = indices.shape[0]
     dsts = [alloc((p,) + tuple(s.shape[1:]), s.dtype) for s in srcs]
@@ -377,9 +391,9 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
     return _unpermute_backward(grad, permuted_indices, stream, None)
 
 
-def _unpermute_backward(grad, permuted_indices, stream, alloc):
+def _unpermute_backward(grad, permuted_indices, stream, alloc, out_format=None):
     """:func:`unpermute_backward`, its result from ``alloc(shape, dtype)`` (None: the array
-    module's)."""
+    module's), converted to ``out_format`` in the gather as :func:`permute` converts."""
     srcs, fmt = _rows(grad, "grad")
     idx = _check_indices(permuted_indices, None, "grad", stream)
-    return _gather(grad, srcs, fmt, None, idx, stream, alloc)
+    return _gather(grad, srcs, fmt, _conversion(fmt, out_format, srcs), idx, stream, alloc)

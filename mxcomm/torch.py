@@ -328,8 +328,9 @@ class _Unpermute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, permuted_indices, num_rows):
+    def forward(ctx, y, permuted_indices, num_rows, grad_format):
         ctx.save_for_backward(permuted_indices)
+        ctx.grad_format = grad_format
         alloc = _Alloc(y.device)
         return _wrap(_permutation._unpermute(_rows(y, "y"),
                                              _array(permuted_indices, "permuted_indices"),
@@ -341,9 +342,9 @@ class _Unpermute(torch.autograd.Function):
         alloc = _Alloc(grad.device)
         dy = _permutation._unpermute_backward(_rows(grad, "grad"),
                                               _array(indices, "permuted_indices"),
-                                              _stream(grad), alloc)
-        # None for: permuted_indices, num_rows
-        return _wrap(dy, alloc), None, None
+                                              _stream(grad), alloc, ctx.grad_format)
+        # None for: permuted_indices, num_rows, grad_format
+        return _wrap(dy, alloc), None, None, None
 
 
 class _A2ACombine(torch.autograd.Function):
@@ -449,8 +450,10 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         num_local_experts: E_local (not needed with a layout).
         align: rows each group is padded to a multiple of.
         out_format: None, or a format to convert quantized rows to in the same pass
-            (``"fp8_rowwise"`` from an MXFP8Tensor: :func:`mxcomm.permute`). The gradient of
-            ``x`` is bf16 either way.
+            (:func:`mxcomm.permute`): ``"bf16"`` from an MXFP8Tensor gives a plain bf16 tensor,
+            dequantized in the gather (for a bf16 grouped GEMM: one pass instead of a permute
+            and a dequantize); ``"fp8_rowwise"`` a QuantizedTensor for the fp8 grouped GEMM.
+            The gradient of ``x`` is bf16 either way.
     Returns:
         ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``;
         ``group_offsets`` is the ``offs`` of ``torch._grouped_mm``.
@@ -469,13 +472,21 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
     return _Permute.apply(x, num_tokens_per_expert_group, num_local_experts, align, out_format)
 
 
-def unpermute(y, permuted_indices, num_rows):
+def unpermute(y, permuted_indices, num_rows, *, grad_format=None):
     """Step 4, differentiable: (P, H) -> (num_rows, H) in received order.
 
     ``num_rows`` is N, or the layout whose permute made ``permuted_indices`` (its
     ``num_received``; its indices name every received row once, so the result needs no
-    zero fill: one pass less)."""
-    return _Unpermute.apply(y, permuted_indices, num_rows)
+    zero fill: one pass less). ``grad_format``: None, or a format the backward converts a
+    quantized gradient to in its gather, as :func:`permute`'s ``out_format`` does: ``"bf16"``
+    gives the bf16 grouped GEMM's backward plain bf16 rows, with no separate dequantize pass.
+
+    Raises:
+        ValueError: ``grad_format`` is not a format.
+    """
+    if grad_format is not None:
+        get_format(grad_format, "grad_format")
+    return _Unpermute.apply(y, permuted_indices, num_rows, grad_format)
 
 
 def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16",

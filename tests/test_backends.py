@@ -175,6 +175,29 @@ def test_permute_mxfp8_identical(use_backend, rng):
     assert_identical(run_both(use_backend, steps, x, counts))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NaN/Inf arithmetic
+def test_permute_mxfp8_to_bf16_identical(use_backend, rng):
+    """The permute's MXFP8 -> bf16 conversion (gather and dequantize in one pass) equals the
+    dequantize of the permuted MXFP8 rows bit for bit (padding rows 0, NaN and Inf blocks, every
+    scale), on each backend, and the backends agree; counts naming more rows than were received
+    give zero rows."""
+    counts = np.array([5, 0, 7, 6, 3, 0], np.int32)  # 21 rows named, 18 received
+    x = quantize_inputs(rng, BF16)
+
+    def steps(x, counts):
+        mx = quantize_mxfp8(x)
+        fused, indices, _ = permute(mx, counts, 3, 4, out_format="bf16")
+        separate = permute(mx, counts, 3, 4)[0].dequantize()
+        return fused, separate, indices
+
+    results = run_both(use_backend, steps, x, counts)
+    for name in BACKENDS:
+        fused, separate, indices = results[name]
+        np.testing.assert_array_equal(fused, separate)
+        assert (fused[indices.view(np.int32) < 0] == 0).all()
+    assert_identical(results)
+
+
 def test_permute_counts_beyond_rows_identical(use_backend, rng):
     """Counts naming more rows than received: the extra rows get index -1 and zero rows."""
     counts = np.array([3, 0, 2, 4], np.int32)
@@ -226,6 +249,24 @@ def test_gpu_dequantize_identical_large(use_backend, rng, dtype):
     scales = rng.integers(0, 256, (1024, 7168 // 32), dtype=np.uint8)
     assert_identical(run_both(use_backend,
                               lambda d, s: dequantize_mxfp8(MXFP8Array(d, s), dtype), data, scales))
+
+
+@pytest.mark.gpu
+def test_gpu_permute_mxfp8_to_bf16_identical_large(use_backend, rng):
+    """The MXFP8 -> bf16 gather on the GPU: equal to the permute then the dequantize there, and
+    to the host backend, bit for bit (7168-wide rows, a rank sending nothing, padding)."""
+    counts = random_counts(rng, 2, 8, high=200)
+    m = int(counts.sum())
+    x = random_blocks(rng, m, 7168, BF16)
+
+    def steps(x, counts):
+        mx = quantize_mxfp8(x)
+        fused = permute(mx, counts, 8, 32, out_format="bf16")[0]
+        return fused, permute(mx, counts, 8, 32)[0].dequantize()
+
+    results = run_both(use_backend, steps, x, counts)
+    np.testing.assert_array_equal(*results[BACKENDS[1]])
+    assert_identical(results)
 
 
 @pytest.mark.gpu

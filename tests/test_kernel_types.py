@@ -89,6 +89,7 @@ def _exercise(xp, rng):
     counts = xp.asarray(np.array([1, 2, 0, 1], dtype=np.int32))
     permuted, indices, offsets = permutation.permute(mx, counts, 2, 16)
     permutation.permute(mx, counts, 2, 16, out_format="fp8_rowwise")
+    permutation.permute(mx, counts, 2, 16, out_format="bf16")
     permutation.unpermute(xp.asarray(rng.standard_normal((len(indices), 64)).astype(BF16)),
                           indices, 4)
     data, scales = fp8_formats.quantize_fp8_rowwise(xp.asarray(

@@ -7,7 +7,7 @@ import pytest
 from mxcomm.kernels import array_module
 from mxcomm.mxfp8 import MXFP8Array, quantize_mxfp8
 from mxcomm.permutation import permute, permute_backward, unpermute, unpermute_backward
-from reference import gather_ref, permute_ref, unpermute_ref
+from reference import dequantize_mxfp8_ref, gather_ref, permute_ref, unpermute_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -102,6 +102,28 @@ def test_permute_mxfp8_keeps_scales_with_rows(rng):
     again = unpermute_backward(back, indices)
     np.testing.assert_array_equal(to_host(again.data), want_data)
     np.testing.assert_array_equal(to_host(again.scales), want_scales)
+
+
+def test_permute_mxfp8_to_bf16_matches_reference(rng):
+    """``out_format="bf16"``: the permuted rows dequantized in the gather equal the float64
+    reference decode of the gathered MXFP8 rows (padding rows 0); plain bf16 rows with
+    ``out_format="bf16"`` move as they are; plain rows cannot become another dtype."""
+    counts = random_counts(rng, 2, 2)
+    m = int(counts.sum())
+    x = (rng.standard_normal((m, 64)) * np.exp2(rng.integers(-20, 20, (m, 1)))).astype(BF16)
+    mx = quantize_mxfp8(to_device(x))
+    got, indices, _ = permute(mx, to_device(counts), 2, 4, out_format="bf16")
+    assert got.dtype == BF16 and got.shape == (indices.shape[0], 64)
+    want_idx = permute_ref(x, counts, 2, 4)[1]
+    want = np.zeros((want_idx.shape[0], 64), BF16)
+    keep = want_idx >= 0
+    want[keep] = dequantize_mxfp8_ref(to_host(mx.data)[want_idx[keep]],
+                                      to_host(mx.scales)[want_idx[keep]])
+    np.testing.assert_array_equal(bits(got), bits(want))
+    plain, _, _ = permute(to_device(x), to_device(counts), 2, 4, out_format="bf16")
+    np.testing.assert_array_equal(bits(plain), bits(permute_ref(x, counts, 2, 4)[0]))
+    with pytest.raises(ValueError, match="cannot convert plain rows to 'bf16'"):
+        permute(to_device(x.astype(np.float32)), to_device(counts), 2, 4, out_format="bf16")
 
 
 def test_unpermute_scatter_matches_reference(rng):

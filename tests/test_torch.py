@@ -153,6 +153,35 @@ def test_mxfp8_tensor_gradient_is_straight_through(rng):
     assert (t.grad == 3).all()
 
 
+def test_permute_to_bf16_and_unpermute_gradient_to_bf16(rng):
+    """``permute(out_format="bf16")`` of an MXFP8Tensor equals the permute then the dequantize,
+    bit for bit, as a plain bf16 tensor; ``unpermute(grad_format="bf16")`` hands its input a
+    plain bf16 gradient equal to the dequantized quantized gradient gathered by the index
+    (padding rows 0); the gradient of the permute's input is bf16 either way."""
+    t, _ = quantized_tensor(rng, m=6, d=64)
+    counts = torch.tensor([2, 0, 3, 1], dtype=torch.int32)  # E = 4, E_local = 2
+    x = t.detach().requires_grad_()
+    fused, idx, _ = mt.permute(x, counts, 2, 4, out_format="bf16")
+    separate, idx2, _ = mt.permute(t, counts, 2, 4)
+    assert type(fused) is torch.Tensor and fused.dtype == torch.bfloat16
+    assert torch.equal(idx, idx2)
+    numpy.testing.assert_array_equal(bits(to_numpy(fused)),
+                                     bits(to_numpy(separate.dequantize())))
+    y = fused.detach().clone().requires_grad_()
+    g, _ = quantized_tensor(rng, m=6, d=64)  # an MXFP8 gradient, as combine's backward gives
+    mt.unpermute(y, idx, 6, grad_format="bf16").backward(g)
+    assert type(y.grad) is torch.Tensor and y.grad.dtype == torch.bfloat16
+    keep = idx >= 0
+    want = torch.zeros_like(y.grad)
+    want[keep] = g.dequantize()[idx[keep].long()]
+    numpy.testing.assert_array_equal(bits(to_numpy(y.grad)), bits(to_numpy(want)))
+    fused.backward(torch.ones_like(fused))
+    assert x.grad.dtype == torch.bfloat16 and x.grad.shape == x.shape
+    assert (x.grad == 1).all()  # every received row lands once in the permute
+    with pytest.raises(ValueError, match="grad_format"):
+        mt.unpermute(y, idx, 6, grad_format="fp9")
+
+
 def test_mxfp8_tensor_rejects_bad_parts():
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         mt.MXFP8Tensor(torch.zeros(2, 32), torch.zeros(2, 1, dtype=torch.uint8))

@@ -6,8 +6,8 @@ computed from the same inputs: ``torch.distributed.all_to_all_single`` of the sa
 exchanges (quantized with the step's format, ``Format.quantize``, first, and dequantized after,
 where the step's precision is a quantized format), an index-based gather/scatter in torch for
 permute and unpermute (padding rows: data 0 and the format's padding scale, 1.0 for fp8_rowwise),
-a torch re-computation of the documented MXFP8 -> fp8 rowwise rescale for a permute that converts
-(:meth:`Checker._converted`), and an MPI allgather of the counts for the layout. Counts are rows
+a torch re-computation of the documented conversion for a permute that converts (MXFP8 -> fp8
+rowwise rescale, :meth:`Checker._converted`; MXFP8 -> bf16 decode, :meth:`Checker._decoded`), and an MPI allgather of the counts for the layout. Counts are rows
 whose bytes differ, summed over ranks. The exchanges of variants that use torch's own
 (``Variant.torch_a2a``) are not checked; a step with no reference is reported "skipped", never as
 exact.
@@ -174,7 +174,26 @@ class Checker:
             return self._gather(self._bytes(h), indices, self._padding_row(source, width))
         if (source, target) == ("mxfp8", "fp8_rowwise"):
             return self._converted(h, indices)
+        if (source, target) == ("mxfp8", "bf16"):
+            return self._decoded(h, indices)
         return None
+
+    @staticmethod
+    def _decoded(mx, indices):
+        """(P, 2 D) uint8: rows ``indices`` (P,) int64 of the (N, D) MXFP8Tensor ``mx`` as bf16,
+        decoded in torch from OCP MX v1.0: e4m3 * 2^(s - 127), exact in fp32, rounded to nearest
+        even in bf16; a NaN block scale (0xFF) gives NaN; padding rows 0."""
+        import torch
+        keep = indices >= 0
+        rows = indices[keep]
+        data = mx.qdata.view(torch.float8_e4m3fn)[rows].float()             # (n, D), exact
+        block = mx.scales.view(torch.uint8)[rows].to(torch.int32)           # (n, D / 32)
+        n, d = data.shape
+        values = data.reshape(n, -1, 32) * torch.exp2((block - 127).float())[..., None]
+        values[block == 0xFF] = float("nan")
+        out = torch.zeros((indices.shape[0], d), dtype=torch.bfloat16, device=data.device)
+        out[keep] = values.reshape(n, d).to(torch.bfloat16)
+        return out.view(torch.uint8)
 
     @staticmethod
     def _converted(mx, indices):
@@ -230,7 +249,8 @@ class Checker:
 
         The exchanges of a torch-exchange variant (``Variant.torch_a2a``: bf16, bf16+fp8gemm)
         are torch's own, so only its layout, permute and unpermute are checked. A step without
-        a reference (a permute conversion other than MXFP8 -> fp8 rowwise) gives a "skipped" row.
+        a reference (a permute conversion other than MXFP8 -> fp8 rowwise or bf16) gives a
+        "skipped" row.
 
         Args:
             variant: a ``_moe.Variant``.
@@ -267,7 +287,10 @@ class Checker:
                         self._moved(state["u"], p["combine"], recv, send, dequantized=True)),
                        ("combine bwd", p["combine_grad"], self._bytes(grads["u"]),
                         self._moved(case.grad_out, p["combine_grad"], send, recv))]
-        checks += [("unpermute bwd", p["combine_grad"], self._bytes(grads["y_"]),
+        grad_format = variant.unpermute_grad_format
+        checks += [("unpermute bwd", grad_format or p["combine_grad"], self._bytes(grads["y_"]),
+                    self._permuted(grads["u"], idx, p["combine_grad"], grad_format)
+                    if grad_format else
                     self._gather(self._bytes(grads["u"]), idx,
                                  self._padding_row(p["combine_grad"], case.hidden))),
                    ("permute bwd", "bf16", self._bytes(grads["h"]),

@@ -75,7 +75,10 @@ class Variant:
             precisions are then all ``"bf16"``); False: ``mxcomm.torch`` in the precisions below.
         dispatch, combine, dispatch_grad, combine_grad: wire formats (``mxcomm.formats`` names).
         permute_format: None, or the format the permute converts the received quantized rows to
-            (``out_format``).
+            (``out_format``): ``"bf16"`` for the bf16 GEMM (dequantized in the gather, one pass),
+            ``"fp8_rowwise"`` for the fp8 one.
+        unpermute_grad_format: None, or the format unpermute's backward converts the quantized
+            combine gradient to (``grad_format``): ``"bf16"`` for the bf16 GEMM's backward.
         gemm: ``"bf16"`` (bf16 rows, quantized ones dequantized first) or ``"fp8"``
             (``mxcomm.torch.grouped_mm``).
         wgrad: the fp8 GEMM's weight gradient, ``"fp8"`` or ``"bf16"`` (``grouped_mm``'s).
@@ -90,6 +93,7 @@ class Variant:
     dispatch_grad: str = "bf16"
     combine_grad: str = "bf16"
     permute_format: object = None
+    unpermute_grad_format: object = None
     gemm: str = "bf16"
     wgrad: str = "bf16"
     default: bool = True
@@ -102,6 +106,8 @@ class Variant:
             wire = (f"mxcomm, dispatch {self.dispatch}, combine {self.combine}, dispatch_grad "
                     f"{self.dispatch_grad}, combine_grad {self.combine_grad}")
         permute = f", permute to {self.permute_format}" if self.permute_format else ""
+        if self.unpermute_grad_format:
+            permute += f" (and its backward's gradient to {self.unpermute_grad_format})"
         gemm = f"fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm, {self.wgrad} wgrad)" \
             if self.gemm == "fp8" else "bf16 grouped GEMM"
         return f"{self.name} = {wire}{permute}, {gemm}"
@@ -109,9 +115,10 @@ class Variant:
 
 VARIANTS = (
     Variant("bf16", baseline=True, torch_a2a=True),
-    Variant("mxfp8", dispatch="mxfp8", combine="bf16", dispatch_grad="bf16", combine_grad="mxfp8"),
+    Variant("mxfp8", dispatch="mxfp8", combine="bf16", dispatch_grad="bf16", combine_grad="mxfp8",
+            permute_format="bf16", unpermute_grad_format="bf16"),
     Variant("mxfp8_all", dispatch="mxfp8", combine="mxfp8", dispatch_grad="mxfp8",
-            combine_grad="mxfp8"),
+            combine_grad="mxfp8", permute_format="bf16", unpermute_grad_format="bf16"),
     Variant("bf16+fp8gemm", torch_a2a=True, gemm="fp8"),
     Variant("fp8_rowwise", dispatch="fp8_rowwise", combine_grad="fp8_rowwise", gemm="fp8"),
     Variant("mxfp8+rowwise", dispatch="mxfp8", combine_grad="fp8_rowwise",
@@ -280,7 +287,8 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         return {"p": p, "indices": indices, "offs": offs, "rows_recv": h.shape[0]}
 
     def unpermute(s, y_):
-        return {"u": mxt.unpermute(y_, s["indices"], s["layout"])}
+        return {"u": mxt.unpermute(y_, s["indices"], s["layout"],
+                                   grad_format=variant.unpermute_grad_format)}
 
     if variant.gemm == "fp8":
         def fp8_gemm(s, p, w):

@@ -1,9 +1,10 @@
 """``python -m mxcomm.bench kernels``: quantize/dequantize and permute/unpermute bandwidth, per format.
 
 Single process. Every quantized format of ``mxcomm.formats`` (``--formats``): quantize from bf16
-(each scale mode), dequantize to bf16, permute and unpermute of its rows (data and scales), and the
-MXFP8 -> fp8 rowwise permute (``permute(..., out_format="fp8_rowwise")``), and the fp8 wgrad's operand
-conversion of permuted fp8 rowwise rows (``fp8_rowwise_to_group_colwise``). Each row: op, format,
+(each scale mode), dequantize to bf16, permute and unpermute of its rows (data and scales), the
+MXFP8 -> fp8 rowwise and MXFP8 -> bf16 permutes (``permute(..., out_format=...)``), and the fp8
+wgrad's operand conversion of permuted fp8 rowwise rows (``fp8_rowwise_to_group_colwise``). Each
+row: op, format,
 shape, median ms, bytes moved (read + written, the fewest the op must touch) and GB/s (1e9 bytes). On a GPU also a device-to-device copy of the same number of bytes
 timed in the same run; ratio = our GB/s / copy GB/s, against a target (quantize/dequantize >= 0.85,
 permute/unpermute >= 0.80). On a CPU the host backend (vectorized NumPy) is timed with the host
@@ -182,6 +183,11 @@ def measure(args, rt):
         cases = [("bf16", x, None, get_format("bf16").bytes_per_row(dim), None)]
         cases += [(fmt.name, fmt.quantize(x), None, fmt.bytes_per_row(dim), None)
                   for fmt in formats]
+        if "mxfp8" in [f.name for f in formats]:
+            # reads MXFP8 rows, writes bf16 rows (the permute's dequantize for a bf16 GEMM)
+            cases.append(("mxfp8->bf16", cases[[c[0] for c in cases].index("mxfp8")][1], "bf16",
+                          get_format("mxfp8").bytes_per_row(dim),
+                          get_format("bf16").bytes_per_row(dim)))
         if "mxfp8" in [f.name for f in formats] and "fp8_rowwise" in [f.name for f in formats]:
             # reads MXFP8 rows, writes fp8 rowwise rows: the bytes of each side
             cases.append(("mxfp8->fp8_rowwise", cases[[c[0] for c in cases].index("mxfp8")][1],
@@ -223,7 +229,8 @@ def measure(args, rt):
              f"{args.warmup} warm-up",
              f"permute/unpermute: {e_local} local experts, random counts summing to the rows, "
              f"align {ALIGN}; quantized rows move data and scales; mxfp8->fp8_rowwise permute "
-             f"reads MXFP8 rows and writes fp8 rowwise rows (rescaled in the same pass)",
+             f"reads MXFP8 rows and writes fp8 rowwise rows (rescaled in the same pass); "
+             f"mxfp8->bf16 writes them dequantized (bf16)",
              "unpermute given an int num_rows zero-fills its result first (rows no index names "
              "read 0): its bytes count that fill; given the layout (the EP path) it skips it",
              "colwise: permuted fp8 rowwise rows (P, D) to the fp8 wgrad's operand, (D, T) "

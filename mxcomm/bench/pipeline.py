@@ -360,8 +360,9 @@ def measure(args, rt):
         notes.append(_gemm_note(rt, fp8_gemm))
     notes.append("data movement: each step against an independent reference of the same bytes "
                  "(torch.distributed all_to_all_single; index-based gather/scatter, padding rows "
-                 "with the format's padding scale; for a permute to fp8_rowwise, the MXFP8 -> "
-                 "rowwise rescale recomputed in torch); rows that differ, summed over ranks; "
+                 "with the format's padding scale; for a permute that converts MXFP8 rows, the "
+                 "rescale to fp8_rowwise or the decode to bf16 recomputed in torch); rows that "
+                 "differ, summed over ranks; "
                  "exchanges of torch's own (bf16, bf16+fp8gemm) unchecked")
     skipped = sorted({f"{r['variant']} {r['step']}" for r in tables["exactness"]
                       if r["result"] == "skipped"})
