@@ -209,8 +209,9 @@ class Launch:
     function, the grid and every parameter but the arrays' addresses and the stream are found
     once; a call fills in the addresses and launches. ``kernel[config](...)`` spends 10-15 us of
     host time per launch on argument kinds, ABI values and word views; a prepared launch about 1
-    beyond the driver's (bench/NOTES.md). Launchers called per exchange keep one per shape
-    (``functools.lru_cache``).
+    beyond the driver's (bench/NOTES.md). Launchers called per exchange use its
+    :class:`SizedLaunch` form, one per kernel, dtype, width and grid share (:func:`prepared`):
+    row counts change with every layout.
 
     Args:
         kernel: the :class:`Kernel`.
