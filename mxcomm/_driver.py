@@ -86,11 +86,12 @@ class PackedLaunch:
 
 
 class Words:
-    """A C-contiguous device array named by its address: all a launch needs of an array.
+    """A C-contiguous device array named by its address: all a launch or a copy needs of it.
 
-    The GPU side of :func:`words`: a kernel takes it as a C-contiguous array of ``dtype`` and
-    ``shape`` (the same compiled function as for such a CuPy array), without the ~3 us of host
-    time a CuPy reshape or view costs (measured on an H100 host, bench/NOTES.md).
+    The GPU side of ``mxcomm.kernels.words``: a kernel takes it as a C-contiguous array of
+    ``dtype`` and ``shape`` (the same compiled function as for such a CuPy array), without the
+    ~3 us of host time a CuPy reshape or view costs (measured on an H100 host, bench/NOTES.md).
+    The engine also names rows by it (:func:`row_range`): then a "word" is an element.
 
     Attributes:
         ptr: device address of the first word.
