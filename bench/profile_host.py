@@ -15,6 +15,7 @@ import torch
 
 import mxcomm.comm
 import mxcomm.torch as mxt
+from mxcomm.bench.latency import _fresh_layouts
 
 rows = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 dim = int(sys.argv[2]) if len(sys.argv) > 2 else 7168
@@ -22,25 +23,18 @@ calls = int(sys.argv[3]) if len(sys.argv) > 3 else 300
 comm = mxcomm.comm.init()
 torch.cuda.set_device(comm.device)
 e = comm.size * 8
-counts = torch.full((e,), rows // e, dtype=torch.int64, device="cuda")
+counts = torch.full((e,), rows // e, dtype=torch.int64, device="cuda")  # rows % e == 0 here
 fresh = len(sys.argv) > 4 and sys.argv[4] == "fresh"
 
 
 def layouts():
-    """The same layout every call, or (fresh) a new one with i + 1 rows moved from the first
-    expert to the last."""
+    """The same layout every call, or (fresh) a new one each call with other counts per peer
+    (the latency benchmark's, ``mxcomm.bench.latency._fresh_layouts``)."""
     if not fresh:
         layout = mxt.exchange_layout(counts, comm)
         while True:
             yield layout
-    made = []
-    for i in range(calls + 20):
-        c = counts.clone()
-        k = min(i + 1, int(c[0]))
-        c[0] -= k
-        c[-1] += k
-        made.append(mxt.exchange_layout(c, comm))
-    yield from made
+    yield from _fresh_layouts(mxt, comm, "cuda", rows, e, calls + 20)
 
 
 x = torch.randn(rows, dim, device="cuda").to(torch.bfloat16)

@@ -1,11 +1,11 @@
 """Numba CUDA kernels of mxcomm (installed as ``mxcomm.kernels``): MXFP8 quantize/dequantize,
-token permute/unpermute, fp8 bit conversions. Imports numba, and of ``mxcomm`` only the leaf
-``mxcomm._platform`` (which decides where array work runs)."""
+token permute/unpermute, fp8 bit conversions. Imports numba, and of ``mxcomm`` only the leaves
+``mxcomm._platform`` (which decides where array work runs) and ``mxcomm._driver`` (launches, arrays
+by address)."""
 
 from ._device import array_module, simulated  # first: sets up the simulator before numba loads
 from ._launch import (UNBOUNDED, Kernel, Launch, SizedLaunch, Words, address, clear_prepared,
                       kernel, launch_1d, prepared, words)
-from .._driver import row_range
 
 __all__ = ["array_module", "simulated", "Kernel", "Launch", "SizedLaunch", "UNBOUNDED", "Words",
-           "address", "clear_prepared", "kernel", "launch_1d", "prepared", "row_range", "words"]
+           "address", "clear_prepared", "kernel", "launch_1d", "prepared", "words"]
