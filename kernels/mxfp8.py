@@ -23,6 +23,7 @@ from ._fp8 import (BF16_INF, BF16_NAN, E4M3_NAN, E8M0_NAN, F32_INF, F32_NAN, bf1
                    e8m0_from_f32_amax, f32_from_bits, f32_from_e4m3, f32_from_f16_bits,
                    inv_scale_f32_bits, scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
+from ._memory import load_item, load_pair, load_word, store_pair
 
 #: All 32 lanes of a warp, for warp shuffles.
 FULL_WARP = 0xFFFFFFFF
@@ -38,6 +39,10 @@ F32_WORDS_PER_BLOCK = 16
 E4M3_WORDS_PER_BLOCK = 4
 #: log2 of the words per MX block (block index = word index >> log2; indices are never negative).
 F32_WORDS_PER_BLOCK_LOG2, E4M3_WORDS_PER_BLOCK_LOG2 = 4, 2
+#: log2 of the pairs of e4m3 words (16 elements, one 16-byte load) per MX block.
+E4M3_PAIRS_PER_BLOCK_LOG2 = 1
+#: Pairs of data words each thread of the MXFP8 -> bf16 gather loads before decoding them.
+GATHER_PAIRS = 2
 
 
 _HIGH16 = uint32(0xFFFF0000)
@@ -221,15 +226,15 @@ def dequantize_e4m3(b, mult):
 
 
 @cuda.jit(device=True)
-def dequantize_word_bf16(d, s, out_words, i):
-    """Decode the 4 e4m3 in ``d`` (block scale ``s``) into 4 bf16 (one uint64) at ``out_words[i]``.
+def bf16_word_of_e4m3x4(d, s):
+    """The 4 bf16 (one uint64, element 0 lowest) of the 4 e4m3 in the uint32 ``d`` with block
+    scale ``s``, by integer arithmetic (NaN elements and NaN scales included).
 
     For BF16_EXACT_SCALES[0] <= s <= BF16_EXACT_SCALES[1] every product is a normal, finite bf16
     (4 significant bits), so the upper half of its f32 bits is already the bf16: no rounding.
     """
     if s == uint32(E8M0_NAN):
-        out_words[i] = uint64(BF16_NAN * 0x0001000100010001)
-        return
+        return uint64(BF16_NAN * 0x0001000100010001)
     mult = f32_from_bits(scale_f32_bits(s))
     f0 = dequantize_e4m3(d & uint32(0xFF), mult)
     f1 = dequantize_e4m3((d >> uint32(8)) & uint32(0xFF), mult)
@@ -241,7 +246,7 @@ def dequantize_word_bf16(d, s, out_words, i):
     else:
         lo = bf16_bits_from_f32_bits(f0) | (bf16_bits_from_f32_bits(f1) << uint32(16))
         hi = bf16_bits_from_f32_bits(f2) | (bf16_bits_from_f32_bits(f3) << uint32(16))
-    out_words[i] = uint64(lo) | (uint64(hi) << uint64(32))
+    return uint64(lo) | (uint64(hi) << uint64(32))
 
 
 @cuda.jit(device=True)
@@ -255,8 +260,9 @@ def bf16x2_from_e4m3x2(pair, mult):
 
 
 @cuda.jit(device=True)
-def dequantize_word8_bf16(d, s, out_words, j):
-    """Decode the 8 e4m3 in the uint64 ``d`` (block scale ``s``) into ``out_words[j:j + 2]``.
+def bf16_words_of_e4m3x8(d, s):
+    """The 8 bf16 (two uint64, element 0 lowest) of the 8 e4m3 in the uint64 ``d`` with block
+    scale ``s``.
 
     Words without NaN (no 0x7F/0xFF byte, finite scale) take the hardware conversions; the rest
     (never produced by quantize_mxfp8 outside NaN blocks) the integer path, for identical NaN bits.
@@ -266,14 +272,13 @@ def dequantize_word8_bf16(d, s, out_words, j):
     lo = uint32(d & uint64(0xFFFFFFFF))
     hi = uint32(d >> uint64(32))
     if nan_byte or s == uint32(E8M0_NAN):
-        dequantize_word_bf16(lo, s, out_words, j)
-        dequantize_word_bf16(hi, s, out_words, j + 1)
-        return
+        return bf16_word_of_e4m3x4(lo, s), bf16_word_of_e4m3x4(hi, s)
     mult = f32_from_bits(scale_f32_bits(s))
-    out_words[j] = uint64(bf16x2_from_e4m3x2(uint16(lo & uint32(0xFFFF)), mult)) | (
+    first = uint64(bf16x2_from_e4m3x2(uint16(lo & uint32(0xFFFF)), mult)) | (
         uint64(bf16x2_from_e4m3x2(uint16(lo >> uint32(16)), mult)) << uint64(32))
-    out_words[j + 1] = uint64(bf16x2_from_e4m3x2(uint16(hi & uint32(0xFFFF)), mult)) | (
+    second = uint64(bf16x2_from_e4m3x2(uint16(hi & uint32(0xFFFF)), mult)) | (
         uint64(bf16x2_from_e4m3x2(uint16(hi >> uint32(16)), mult)) << uint64(32))
+    return first, second
 
 
 @kernel
@@ -302,39 +307,54 @@ def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
         for k in range(WORDS_PER_THREAD):
             i = base + k * nthreads
             if i < n:  # 8 elements of one MX block
-                dequantize_word8_bf16(words[k], svals[k], out_words, 2 * i)
+                first, second = bf16_words_of_e4m3x8(words[k], svals[k])
+                out_words[2 * i] = first
+                out_words[2 * i + 1] = second
 
 
 @kernel
-def gather_dequantize_mxfp8_bf16_kernel(indices, data_rows, scales_rows, out_words):
+def gather_dequantize_mxfp8_bf16_kernel(indices, data_words, scales_rows, out_words):
     """Permute and dequantize in one pass: bf16 row p = MXFP8 row ``indices[p]`` decoded as
     :func:`dequantize_mxfp8_bf16_kernel` decodes it (bit for bit), zeros where ``indices[p]``
     is negative or past the rows (padding).
 
     Args:
         indices: (P,) int32 source rows or -1. Read.
-        data_rows: (N, D // 8) uint64, e4m3fn bits, 8 per word. Read.
+        data_words: (N, D // 8) uint64, e4m3fn bits, 8 per word. Read.
         scales_rows: (N, D // 32) uint8, e8m0 bits. Read.
-        out_words: (P * D // 4,) uint64, bf16 bits, 4 per word; row p from word p * D // 4.
-            Written.
-    Launch: one CUDA block per row (P * blockDim threads, grid-stride over rows), its threads
-        striding over the row's words (as ``permute.gather_rows_kernel``).
+        out_words: (P, D // 4) uint64, bf16 bits, 4 per word. Written.
+    Launch: one CUDA block per row (P * blockDim threads, grid-stride over rows); thread t takes
+        the row's pairs of data words t + k * blockDim (16 e4m3: one 16-byte load, two 16-byte
+        stores of bf16), GATHER_PAIRS loads in flight, with ``kernels._memory``'s loads (no index
+        wrap-around). The data and out addresses must be multiples of 16 bytes.
     """
+    first = cuda.local.array(GATHER_PAIRS, uint64)
+    second = cuda.local.array(GATHER_PAIRS, uint64)
+    sb = cuda.local.array(GATHER_PAIRS, uint32)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    nsrc = data_rows.shape[0]
-    words = data_rows.shape[1]
+    nsrc = data_words.shape[0]
+    npairs = data_words.shape[1] // 2
+    step = nthreads * GATHER_PAIRS
     for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
-        i = indices[p]
-        base = p * 2 * words
+        i = load_item(indices, p)
         if i >= 0 and i < nsrc:
-            for w in range(tid, words, nthreads):
-                dequantize_word8_bf16(data_rows[i, w],
-                                      uint32(scales_rows[i, w >> E4M3_WORDS_PER_BLOCK_LOG2]),
-                                      out_words, base + 2 * w)
+            for start in range(tid, npairs, step):
+                for k in range(GATHER_PAIRS):  # all loads first
+                    q = start + k * nthreads
+                    if q < npairs:
+                        first[k], second[k] = load_pair(data_words, i, q)
+                        sb[k] = uint32(load_word(scales_rows, i, q >> E4M3_PAIRS_PER_BLOCK_LOG2))
+                for k in range(GATHER_PAIRS):
+                    q = start + k * nthreads
+                    if q < npairs:
+                        a, b = bf16_words_of_e4m3x8(first[k], sb[k])
+                        c, d = bf16_words_of_e4m3x8(second[k], sb[k])
+                        store_pair(out_words, p, 2 * q, a, b)
+                        store_pair(out_words, p, 2 * q + 1, c, d)
         else:
-            for w in range(tid, 2 * words, nthreads):
-                out_words[base + w] = uint64(0)
+            for q in range(tid, 2 * npairs, nthreads):
+                store_pair(out_words, p, q, uint64(0), uint64(0))
 
 
 @cuda.jit(device=True)

@@ -18,6 +18,7 @@ from ._platform import host_backend
 from .formats import Format, QuantizedArray, register, register_conversion
 from .kernels._fp8 import MX_BLOCK
 from .kernels._launch import THREADS_PER_BLOCK
+from .kernels._memory import PAIR_BYTES
 from .kernels.mxfp8 import (PAIRS_PER_THREAD, WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, gather_dequantize_mxfp8_bf16_kernel,
                             quantize_mxfp8_bf16_kernel, quantize_mxfp8_f32_kernel)
@@ -193,6 +194,10 @@ def launch_gather_dequantize(mx, indices, out, stream):
     (P,) int32 C-contiguous, ``out`` C-contiguous). Done on return on the host backend; else
     enqueued on the raw stream handle ``stream``. Returns ``out``.
 
+    Raises:
+        ValueError: on a GPU, ``mx.data`` or ``out`` at an address that is not a multiple of 16
+            bytes (the kernel moves 16 bytes at a time; torch's and CuPy's allocations are).
+
     The permute's MXFP8 -> bf16 conversion (``permute(..., out_format="bf16")``): the rows a
     bf16 grouped GEMM takes (Hopper has no MXFP8 one), without writing the permuted MXFP8 rows
     and reading them again to dequantize."""
@@ -220,8 +225,9 @@ def _gather_dequantize_launch(d):
     return SizedLaunch(gather_dequantize_mxfp8_bf16_kernel,
                        launch_1d(UNBOUNDED, threads=THREADS_PER_BLOCK), (THREADS_PER_BLOCK, 1),
                        Words(0, (1,), numpy.dtype(numpy.int32)),
-                       (Words(0, (1, d // 8), _U64), 1), (Words(0, (1, d // MX_BLOCK), _U8), 1),
-                       Words(0, (d // 4,), _U64))
+                       (Words(0, (1, d // 8), _U64, PAIR_BYTES), 1),  # loaded in pairs
+                       (Words(0, (1, d // MX_BLOCK), _U8), 1),
+                       Words(0, (1, d // 4), _U64, PAIR_BYTES))  # stored in pairs
 
 
 def _mx_to_bf16(x, indices, stream, alloc):
