@@ -209,6 +209,13 @@ class Communicator(abc.ABC):
         """
 
     @abc.abstractmethod
+    def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
+        """Move checked rows: ``sc[r]`` rows of each of ``sends`` from row ``so[r]`` to rank r,
+        ``rc[r]`` rows from rank r into each of ``outs`` at row ``ro[r]`` (W host ints each);
+        the data movement of :meth:`alltoallv` after its checks (NCCL: enqueued on
+        ``stream_ptr``; the host backends: done on return)."""
+
+    @abc.abstractmethod
     def alltoall_counts(self, counts, *, stream=None):
         """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.
 
@@ -339,10 +346,24 @@ class Communicator(abc.ABC):
         """One new array of ``rows`` rows per ``(row shape, dtype)`` of ``arrays``."""
         return tuple(self._empty((rows,) + shape, dtype) for shape, dtype in arrays)
 
-    def _move(self, sends, plan, outs, stream_ptr):
-        """The grouped transport's data movement: one unchecked :meth:`alltoallv`."""
-        self.alltoallv(sends, plan.send_counts, plan.recv_counts, outs, stream=stream_ptr,
-                       validate=False)
+    def alltoallv_plan(self, sends, outs, plan, stream_ptr):
+        """:meth:`alltoallv` of rows whose counts every rank agreed: a
+        :class:`~mxcomm.comm._staged.Plan` (a layout's, or a vote's), no argument check and no
+        vote. The EP engine's bf16 exchanges and the grouped transport take it; the caller has
+        checked the arrays (C-contiguous, ``plan.rows_sent`` and ``plan.rows_received`` rows,
+        equal dtypes and row shapes).
+
+        Args:
+            sends, outs: tuples of arrays moved together (``alltoallv``'s ``send`` and ``out``).
+            plan: every rank's counts; this rank sends ``plan.send_counts`` rows from
+                ``plan.send_offsets`` and receives ``plan.recv_counts`` at ``plan.recv_offsets``.
+            stream_ptr: the raw stream handle (NCCL; ignored by the host backends).
+        Raises:
+            TimeoutError, RuntimeError: as :meth:`alltoallv`.
+        """
+        self._check_usable()
+        self._move_rows(sends, outs, plan.send_counts, plan.send_offsets, plan.recv_counts,
+                        plan.recv_offsets, stream_ptr)
 
     # ------------------------------------------------------------------------- argument checks
     def check(self, send_counts, recv_counts, description, *, error=None, validate=None,

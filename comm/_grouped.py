@@ -23,7 +23,7 @@ class GroupedTransport:
                 rows.produce(begin, end, tuple(a[begin:end] for a in staging), stream)
         if outs is None:
             outs = comm._new_arrays(rows.arrays, plan.rows_received)
-        comm._move(staging, plan, outs, stream)
+        comm.alltoallv_plan(staging, outs, plan, stream)
         if in_place:
             for step in range(comm.size):
                 peer = (comm.rank - step) % comm.size

@@ -94,6 +94,10 @@ class MpiCommunicator(HostCommunicator):
         self._check_usable()
         sends, outs, single, sc, rc, so, ro = self._plan(
             send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
+        self._move_rows(sends, outs, sc, so, rc, ro, None)
+        return outs[0] if single else outs
+
+    def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
         requests = []
         for s, o in zip(sends, outs):
             row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
@@ -110,7 +114,6 @@ class MpiCommunicator(HostCommunicator):
                                                  [_bytes(o), (rc, ro), datatype]))
         if requests:
             self._side.wait(requests, "alltoallv", keep=(sends, outs))
-        return outs[0] if single else outs
 
     def alltoall_counts(self, counts, *, stream=None):
         """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.

@@ -24,6 +24,8 @@ import threading
 import time
 import warnings
 
+from mxcomm._driver import address
+
 from ._board import EXCHANGE
 from ._communicator import Communicator
 
@@ -510,17 +512,20 @@ class NcclCommunicator(Communicator):
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                               validate)
         sends, outs, single, sc, rc, so, ro = plan
+        self._move_rows(sends, outs, sc, so, rc, ro, stream_ptr)
+        return outs[0] if single else outs
+
+    def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
+        self._connected(stream_ptr)
         call = self._board.enter(EXCHANGE)  # checked: this rank has arrived
         blocks = []  # (send ptr, recv ptr, row bytes) per array
         for s, o in zip(sends, outs):
-            row_bytes = s.itemsize * math.prod(s.shape[1:])
+            row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
             if row_bytes:
-                blocks.append((s.data.ptr, o.data.ptr, row_bytes))
-        # Nothing to move (zero-byte rows, e.g. a stand-in that only votes, or no rows at all):
-        # no NCCL group and no event.
+                blocks.append((address(s), address(o), row_bytes))
+        # Nothing to move (zero-byte rows, or no rows at all): no NCCL group and no event.
         if blocks and (any(sc) or any(rc)):
             self._group(blocks, sc, so, rc, ro, stream_ptr, call)
-        return outs[0] if single else outs
 
     def alltoall_counts(self, counts, *, stream=None):
         """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.

@@ -76,6 +76,10 @@ class TorchHostCommunicator(HostCommunicator):
         self._check_usable()
         sends, outs, single, sc, rc, so, ro = self._plan(
             send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
+        self._move_rows(sends, outs, sc, so, rc, ro, None)
+        return outs[0] if single else outs
+
+    def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
         works, keep, unpack = [], [], []
         for s, o in zip(sends, outs):
             row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
@@ -96,7 +100,6 @@ class TorchHostCommunicator(HostCommunicator):
             self._side.wait(works, "alltoallv", keep=(sends, outs, keep))
         for packed, o_flat in unpack:
             _scatter(packed, o_flat, rc, ro)
-        return outs[0] if single else outs
 
     def alltoall_counts(self, counts, *, stream=None):
         """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.

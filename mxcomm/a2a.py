@@ -212,20 +212,21 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     caller = comm._stream_ptr(stream)
     if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
         x = x.dequantize(bfloat16, stream=caller)
-    if not fmt.quantized:
-        return _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize, alloc)
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
-        plan = _unvoted_plan(comm, send_counts, recv_counts)
+        if fmt.quantized and comm.transport == "pull":
+            raise ValueError(f"validate=False on rank {rank}: the pull transport needs every "
+                             f"rank's counts; pass a layout (no vote) or validate")
+        plan = _local_plan(comm, send_counts, recv_counts)
+    if not fmt.quantized:
+        return _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc)
     kind = f"{function} {fmt.name} rows of D = {width}"
     return _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc)
 
 
-def _unvoted_plan(comm, send_counts, recv_counts):
-    """A plan without the vote (``validate=False``): only the grouped transport can run it."""
+def _local_plan(comm, send_counts, recv_counts):
+    """A plan of this rank's counts only (``validate=False``: the peers' are not known): enough
+    for a plain exchange and the grouped transport, not for the pull transport."""
     from .comm._staged import Plan
-    if comm.transport == "pull":
-        raise ValueError(f"validate=False on rank {comm.rank}: the pull transport needs every "
-                         f"rank's counts; pass a layout (no vote) or validate")
     sent = [[0] * comm.size for _ in range(comm.size)]
     sent[comm.rank] = list(send_counts)
     for peer, n in enumerate(recv_counts):
@@ -237,18 +238,19 @@ def _dtype_name(x):
     return x.format.name.upper() if isinstance(x, QuantizedArray) else x.dtype.name
 
 
-def _exchange_plain(x, fmt, send_counts, recv_counts, comm, caller, dequantize, alloc):
-    """One all-to-all of unscaled rows on the caller's stream (nothing to overlap); already
-    checked. ``"bf16"`` sends bf16 (fp32 rounded to it); ``"native"`` sends ``x``'s dtype as is.
-    A QuantizedArray ``x`` was dequantized to bf16 by the caller."""
+def _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc):
+    """One all-to-all of unscaled rows on the caller's stream (nothing to overlap), of the
+    agreed ``plan`` (its arrays already checked: no second check in the communicator).
+    ``"bf16"`` sends bf16 (fp32 rounded to it); ``"native"`` sends ``x``'s dtype as is. A
+    QuantizedArray ``x`` was dequantized to bf16 by the caller."""
     xp = array_module()
     with comm._on_stream(caller):
         wire = numpy.dtype(fmt.element_dtype or x.dtype)
         result_dtype = x.dtype if dequantize else wire
         if x.dtype != wire:  # fp32 -> bf16, the only conversion a plain format makes
             x = _f32_to_bf16(x)
-        out = (alloc or xp.empty)((sum(recv_counts), x.shape[1]), wire)
-        comm.alltoallv(x, send_counts, recv_counts, out, stream=caller, validate=False)
+        out = (alloc or xp.empty)((plan.rows_received, x.shape[1]), wire)
+        comm.alltoallv_plan((x,), (out,), plan, caller)
         if result_dtype != wire:
             out = _bf16_to_f32(out)
     return out
