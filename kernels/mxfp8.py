@@ -41,8 +41,13 @@ E4M3_WORDS_PER_BLOCK = 4
 F32_WORDS_PER_BLOCK_LOG2, E4M3_WORDS_PER_BLOCK_LOG2 = 4, 2
 #: log2 of the pairs of e4m3 words (16 elements, one 16-byte load) per MX block.
 E4M3_PAIRS_PER_BLOCK_LOG2 = 1
-#: Pairs of data words each thread of the MXFP8 -> bf16 gather loads before decoding them.
-GATHER_PAIRS = 2
+#: Lanes of a warp: the MXFP8 -> bf16 gather gives each permuted row one warp.
+WARP = 32
+#: Pairs of data words (16 e4m3) each lane of the MXFP8 -> bf16 gather loads before decoding them.
+GATHER_PAIRS = 4
+#: CUDA blocks (of THREADS_PER_BLOCK threads) per multiprocessor the gather is compiled for (launch
+#: bounds) and launched with: the structure of ``mx_rowwise``'s gather (bench/NOTES.md).
+GATHER_BLOCKS_PER_SM = 3
 
 
 _HIGH16 = uint32(0xFFFF0000)
@@ -312,7 +317,7 @@ def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
                 out_words[2 * i + 1] = second
 
 
-@kernel
+@kernel(launch_bounds=(THREADS_PER_BLOCK, GATHER_BLOCKS_PER_SM))
 def gather_dequantize_mxfp8_bf16_kernel(indices, data_words, scales_rows, out_words):
     """Permute and dequantize in one pass: bf16 row p = MXFP8 row ``indices[p]`` decoded as
     :func:`dequantize_mxfp8_bf16_kernel` decodes it (bit for bit), zeros where ``indices[p]``
@@ -323,38 +328,45 @@ def gather_dequantize_mxfp8_bf16_kernel(indices, data_words, scales_rows, out_wo
         data_words: (N, D // 8) uint64, e4m3fn bits, 8 per word. Read.
         scales_rows: (N, D // 32) uint8, e8m0 bits. Read.
         out_words: (P, D // 4) uint64, bf16 bits, 4 per word. Written.
-    Launch: one CUDA block per row (P * blockDim threads, grid-stride over rows); thread t takes
-        the row's pairs of data words t + k * blockDim (16 e4m3: one 16-byte load, two 16-byte
-        stores of bf16), GATHER_PAIRS loads in flight, with ``kernels._memory``'s loads (no index
-        wrap-around). The data and out addresses must be multiples of 16 bytes.
+    Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R, share=GATHER_BLOCKS_PER_SM /
+        (RESIDENT_THREADS_PER_SM / (32 * R))): one warp per permuted row (R rows per CUDA block,
+        as ``mx_rowwise.mx_to_rowwise_gather_kernel``), grid-stride over rows; lane l takes the
+        row's pairs of data words l + 32 k (16 e4m3: one 16-byte load, two 16-byte stores of
+        bf16), GATHER_PAIRS loads in flight, through ``kernels._memory`` (no index wrap-around).
+        The data and out addresses must be multiples of 16 bytes.
     """
     first = cuda.local.array(GATHER_PAIRS, uint64)
     second = cuda.local.array(GATHER_PAIRS, uint64)
     sb = cuda.local.array(GATHER_PAIRS, uint32)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
+    lane = cuda.threadIdx.x % WARP
+    rows_per_block = cuda.blockDim.x // WARP
+    npermuted = indices.shape[0]
     nsrc = data_words.shape[0]
     npairs = data_words.shape[1] // 2
-    step = nthreads * GATHER_PAIRS
-    for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
-        i = load_item(indices, p)
-        if i >= 0 and i < nsrc:
-            for start in range(tid, npairs, step):
-                for k in range(GATHER_PAIRS):  # all loads first
-                    q = start + k * nthreads
-                    if q < npairs:
-                        first[k], second[k] = load_pair(data_words, i, q)
-                        sb[k] = uint32(load_word(scales_rows, i, q >> E4M3_PAIRS_PER_BLOCK_LOG2))
-                for k in range(GATHER_PAIRS):
-                    q = start + k * nthreads
-                    if q < npairs:
-                        a, b = bf16_words_of_e4m3x8(first[k], sb[k])
-                        c, d = bf16_words_of_e4m3x8(second[k], sb[k])
-                        store_pair(out_words, p, 2 * q, a, b)
-                        store_pair(out_words, p, 2 * q + 1, c, d)
-        else:
-            for q in range(tid, 2 * npairs, nthreads):
-                store_pair(out_words, p, q, uint64(0), uint64(0))
+    step = WARP * GATHER_PAIRS
+    for base in range(cuda.blockIdx.x * rows_per_block, npermuted,
+                      cuda.gridDim.x * rows_per_block):
+        p = base + cuda.threadIdx.x // WARP
+        if p < npermuted:
+            i = load_item(indices, p)
+            if i >= 0 and i < nsrc:
+                for start in range(lane, npairs, step):
+                    for k in range(GATHER_PAIRS):  # all loads first
+                        q = start + k * WARP
+                        if q < npairs:
+                            first[k], second[k] = load_pair(data_words, i, q)
+                            sb[k] = uint32(load_word(scales_rows, i,
+                                                     q >> E4M3_PAIRS_PER_BLOCK_LOG2))
+                    for k in range(GATHER_PAIRS):
+                        q = start + k * WARP
+                        if q < npairs:
+                            a, b = bf16_words_of_e4m3x8(first[k], sb[k])
+                            c, d = bf16_words_of_e4m3x8(second[k], sb[k])
+                            store_pair(out_words, p, 2 * q, a, b)
+                            store_pair(out_words, p, 2 * q + 1, c, d)
+            else:
+                for q in range(lane, 2 * npairs, WARP):
+                    store_pair(out_words, p, q, uint64(0), uint64(0))
 
 
 @cuda.jit(device=True)

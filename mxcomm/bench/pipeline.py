@@ -32,7 +32,8 @@ Every run shows, from one traced forward + backward per variant:
     torch.distributed.all_to_all_single of the same bytes and an index-based permutation;
   - SQNR (dB) of the output, input gradient and weight gradient of each variant vs bf16.
 On a GPU it also times the whole forward and backward (CUDA events, median over --iters after
---warmup, max over ranks; speedups vs bf16 and vs bf16+fp8gemm) and each stage run alone. On a CPU
+--warmup, max over ranks; the variants interleaved iteration by iteration; speedups vs bf16 and vs
+bf16+fp8gemm) and each stage run alone. On a CPU
 it times nothing: the host backend's speed says nothing about a GPU's. Exit status 1 if any data
 movement is not exact.
 """
@@ -222,27 +223,42 @@ class _Case:
     def _state(self, x, w):
         return {"x": x, "w": w, "counts": self.counts}
 
-    def end_to_end(self, stage_list):
-        """Time forward and backward of the whole pipeline; returns (fwd, bwd, total) Stats."""
-        x = self.x.detach().clone().requires_grad_(True)
-        w = self.w.detach().clone().requires_grad_(True)
-        marks = []
+    def end_to_end(self, stage_lists):
+        """Time forward and backward of the whole pipeline of every variant, interleaved: each
+        iteration runs every variant once (in an order rotated by one per iteration), so a drift
+        of the host's or the GPU's speed during the run weighs on every variant alike.
+
+        Args:
+            stage_lists: ``{variant name: stage list}``.
+        Returns:
+            ``{variant name: (fwd, bwd, total) Stats}``, the max over ranks of each median.
+        """
+        names = list(stage_lists)
+        inputs = {name: (self.x.detach().clone().requires_grad_(True),
+                         self.w.detach().clone().requires_grad_(True)) for name in names}
+        marks = {name: [] for name in names}
         for i in range(self.args.warmup + self.args.iters):
-            x.grad = w.grad = None
-            state = self._state(x, w)
-            self.rt.barrier()
-            t0 = self.clock.mark()
-            out = _moe.forward(stage_list, state)
-            t1 = self.clock.mark()
-            out.backward(self.grad_out)
-            t2 = self.clock.mark()
-            if i >= self.args.warmup:
-                marks.append((t0, t1, t2))
-            del state, out
-        ms = [(self.clock.elapsed_ms(a, b), self.clock.elapsed_ms(b, c), self.clock.elapsed_ms(a, c))
-              for a, b, c in marks]
-        return tuple(_timing.max_over_ranks(_timing.Stats.of(col), self.rt.allreduce_max)
-                     for col in zip(*ms))
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                x, w = inputs[name]
+                x.grad = w.grad = None
+                state = self._state(x, w)
+                self.rt.barrier()
+                t0 = self.clock.mark()
+                out = _moe.forward(stage_lists[name], state)
+                t1 = self.clock.mark()
+                out.backward(self.grad_out)
+                t2 = self.clock.mark()
+                if i >= self.args.warmup:
+                    marks[name].append((t0, t1, t2))
+                del state, out
+        result = {}
+        for name in names:
+            ms = [(self.clock.elapsed_ms(a, b), self.clock.elapsed_ms(b, c),
+                   self.clock.elapsed_ms(a, c)) for a, b, c in marks[name]]
+            result[name] = tuple(_timing.max_over_ranks(_timing.Stats.of(col),
+                                                        self.rt.allreduce_max)
+                                 for col in zip(*ms))
+        return result
 
     def trace(self, stage_list):
         """One run keeping every intermediate and the gradient each stage output received."""
@@ -321,15 +337,17 @@ def measure(args, rt):
         checker = _checks.Checker(rt, case, _moe.ALIGN)
         reference = None
         stage_rows = {}
-        for variant in variants:
-            stage_list = _moe.stages(variant, rt.comm, case.e_local, loop_gemm=case.loop_gemm)
-            if rt.gpu:
-                rt.log(f"pipeline {case.label} {variant.name}: end to end")
-                fwd, bwd, total = case.end_to_end(stage_list)
+        stage_lists = {v.name: _moe.stages(v, rt.comm, case.e_local, loop_gemm=case.loop_gemm)
+                       for v in variants}
+        if rt.gpu:
+            rt.log(f"pipeline {case.label}: end to end, every variant interleaved")
+            for name, (fwd, bwd, total) in case.end_to_end(stage_lists).items():
                 tables["end_to_end"].append({
                     "tokens": case.tokens, "dim": case.dim, "hidden_dim": case.hidden,
-                    "experts_per_rank": case.e_local, "variant": variant.name,
+                    "experts_per_rank": case.e_local, "variant": name,
                     **fwd.as_dict("fwd_"), **bwd.as_dict("bwd_"), **total.as_dict("total_")})
+        for variant in variants:
+            stage_list = stage_lists[variant.name]
             rt.log(f"pipeline {case.label} {variant.name}: forward + backward, checks")
             state, grads, results = case.trace(stage_list)
             tables["wire"] += _checks.wire_rows(variant, case, state["input_splits"],
@@ -372,7 +390,8 @@ def measure(args, rt):
     if rt.gpu:
         notes += [f"fwd/bwd: the whole pipeline, each iteration after a device sync and a barrier, "
                   f"CUDA events, median of {args.iters} after {args.warmup} warm-up, max over "
-                  f"ranks",
+                  f"ranks; the variants interleaved (each iteration runs every variant once, in "
+                  f"an order rotated per iteration), so the host's drift weighs on all alike",
                   "stages: each stage alone on a traced run's tensors, iterations enqueued back to "
                   "back (device time, no overlap between stages)"]
     else:
