@@ -32,8 +32,8 @@ Every run shows, from one traced forward + backward per variant:
     torch.distributed.all_to_all_single of the same bytes and an index-based permutation;
   - SQNR (dB) of the output, input gradient and weight gradient of each variant vs bf16.
 On a GPU it also times the whole forward and backward (CUDA events, median over --iters after
---warmup, max over ranks; the variants interleaved iteration by iteration; speedups vs bf16 and vs
-bf16+fp8gemm) and each stage run alone. On a CPU
+--warmup, max over ranks; with --interleave the variants' iterations alternate; speedups vs bf16
+and vs bf16+fp8gemm) and each stage run alone. On a CPU
 it times nothing: the host backend's speed says nothing about a GPU's. Exit status 1 if any data
 movement is not exact.
 """
@@ -115,6 +115,12 @@ def add_arguments(parser):
                              f"reference, always runs)")
     parser.add_argument("--no-stages", action="store_true",
                         help="skip the per-stage timings (GPU only)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="time the variants' iterations interleaved, every variant once per "
+                             "iteration (for host-bound shapes: a drift of the host's speed "
+                             "during the run then weighs on all alike); default: each variant's "
+                             "iterations together, its allocator warm, as in a training job (GPU "
+                             "only)")
     parser.add_argument("--plot", metavar="PATH",
                         help="write a PNG: per-stage times on a GPU; bytes and SQNR on a CPU")
 
@@ -223,13 +229,14 @@ class _Case:
     def _state(self, x, w):
         return {"x": x, "w": w, "counts": self.counts}
 
-    def end_to_end(self, stage_lists):
-        """Time forward and backward of the whole pipeline of every variant, interleaved: each
-        iteration runs every variant once (in an order rotated by one per iteration), so a drift
-        of the host's or the GPU's speed during the run weighs on every variant alike.
+    def end_to_end(self, stage_lists, interleave=False):
+        """Time forward and backward of the whole pipeline of every variant.
 
         Args:
             stage_lists: ``{variant name: stage list}``.
+            interleave: run every variant once per iteration, in an order rotated by one per
+                iteration (a drift of the host's or the GPU's speed weighs on every variant
+                alike); else each variant's iterations one after another.
         Returns:
             ``{variant name: (fwd, bwd, total) Stats}``, the max over ranks of each median.
         """
@@ -237,20 +244,19 @@ class _Case:
         inputs = {name: (self.x.detach().clone().requires_grad_(True),
                          self.w.detach().clone().requires_grad_(True)) for name in names}
         marks = {name: [] for name in names}
-        for i in range(self.args.warmup + self.args.iters):
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                x, w = inputs[name]
-                x.grad = w.grad = None
-                state = self._state(x, w)
-                self.rt.barrier()
-                t0 = self.clock.mark()
-                out = _moe.forward(stage_lists[name], state)
-                t1 = self.clock.mark()
-                out.backward(self.grad_out)
-                t2 = self.clock.mark()
-                if i >= self.args.warmup:
-                    marks[name].append((t0, t1, t2))
-                del state, out
+        for i, name in self._runs(names, interleave):
+            x, w = inputs[name]
+            x.grad = w.grad = None
+            state = self._state(x, w)
+            self.rt.barrier()
+            t0 = self.clock.mark()
+            out = _moe.forward(stage_lists[name], state)
+            t1 = self.clock.mark()
+            out.backward(self.grad_out)
+            t2 = self.clock.mark()
+            if i >= self.args.warmup:
+                marks[name].append((t0, t1, t2))
+            del state, out
         result = {}
         for name in names:
             ms = [(self.clock.elapsed_ms(a, b), self.clock.elapsed_ms(b, c),
@@ -259,6 +265,14 @@ class _Case:
                                                         self.rt.allreduce_max)
                                  for col in zip(*ms))
         return result
+
+    def _runs(self, names, interleave):
+        """``(iteration, variant name)`` in the order :meth:`end_to_end` runs them."""
+        count = self.args.warmup + self.args.iters
+        if not interleave:
+            return [(i, name) for name in names for i in range(count)]
+        return [(i, name) for i in range(count)
+                for name in names[i % len(names):] + names[:i % len(names)]]
 
     def trace(self, stage_list):
         """One run keeping every intermediate and the gradient each stage output received."""
@@ -340,8 +354,9 @@ def measure(args, rt):
         stage_lists = {v.name: _moe.stages(v, rt.comm, case.e_local, loop_gemm=case.loop_gemm)
                        for v in variants}
         if rt.gpu:
-            rt.log(f"pipeline {case.label}: end to end, every variant interleaved")
-            for name, (fwd, bwd, total) in case.end_to_end(stage_lists).items():
+            rt.log(f"pipeline {case.label}: end to end")
+            interleave = getattr(args, "interleave", False)
+            for name, (fwd, bwd, total) in case.end_to_end(stage_lists, interleave).items():
                 tables["end_to_end"].append({
                     "tokens": case.tokens, "dim": case.dim, "hidden_dim": case.hidden,
                     "experts_per_rank": case.e_local, "variant": name,
@@ -390,8 +405,10 @@ def measure(args, rt):
     if rt.gpu:
         notes += [f"fwd/bwd: the whole pipeline, each iteration after a device sync and a barrier, "
                   f"CUDA events, median of {args.iters} after {args.warmup} warm-up, max over "
-                  f"ranks; the variants interleaved (each iteration runs every variant once, in "
-                  f"an order rotated per iteration), so the host's drift weighs on all alike",
+                  f"ranks; " + ("the variants interleaved (each iteration runs every variant "
+                                "once, in an order rotated per iteration), so the host's drift "
+                                "weighs on all alike" if getattr(args, "interleave", False) else
+                                "each variant's iterations together"),
                   "stages: each stage alone on a traced run's tensors, iterations enqueued back to "
                   "back (device time, no overlap between stages)"]
     else:
