@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         colwise1 ncu1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         colwise1 ncu1 gather1 ncugather1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -125,6 +125,12 @@ for phase in "$@"; do
             --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
             --section SchedulerStats --section WarpStateStats --section SourceCounters \
             python3 bench/probe_colwise.py --once ;;
+    gather1) step "MXFP8 -> bf16 gather beside its neighbours, one GPU" 120 python3 bench/probe_gather.py ;;
+    ncugather1)  # Nsight Compute on the MXFP8 -> bf16 gather and the flat dequantize (clocks left alone)
+        step "Nsight Compute, MXFP8 -> bf16 gather" 300 ncu --clock-control none \
+            -k regex:"gather_dequantize|dequantize_mxfp8_bf16" --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+            --section SchedulerStats --section WarpStateStats python3 bench/probe_gather.py --once ;;
     host1) step "host path pieces, 1 rank" 180 "${mpirun_env[@]}" -n 1 python3 bench/probe_host.py ;;
     host2) step "host path pieces, 2 ranks" 180 "${mpirun_env[@]}" -n 2 python3 bench/probe_host.py ;;
     hostab1)  # the host probe of the tree at $AB_OLD (a source tree, e.g. git archive) and of this
