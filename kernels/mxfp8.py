@@ -23,7 +23,7 @@ from ._fp8 import (BF16_INF, BF16_NAN, E4M3_NAN, E8M0_NAN, F32_INF, F32_NAN, bf1
                    e8m0_from_f32_amax, f32_from_bits, f32_from_e4m3, f32_from_f16_bits,
                    inv_scale_f32_bits, scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
-from ._memory import load_item, load_word, store_pair
+from ._memory import load_item, load_pair, load_word, store_pair
 
 #: All 32 lanes of a warp, for warp shuffles.
 FULL_WARP = 0xFFFFFFFF
@@ -39,10 +39,15 @@ F32_WORDS_PER_BLOCK = 16
 E4M3_WORDS_PER_BLOCK = 4
 #: log2 of the words per MX block (block index = word index >> log2; indices are never negative).
 F32_WORDS_PER_BLOCK_LOG2, E4M3_WORDS_PER_BLOCK_LOG2 = 4, 2
+#: log2 of the pairs of e4m3 words (16 elements, one 16-byte load) per MX block.
+E4M3_PAIRS_PER_BLOCK_LOG2 = 1
 #: Lanes of a warp: the MXFP8 -> bf16 gather gives each permuted row one warp.
 WARP = 32
-#: Data words (8 e4m3) each lane of the MXFP8 -> bf16 gather loads before decoding them.
-GATHER_WORDS = 8
+#: Pairs of data words (16 e4m3) each lane of the MXFP8 -> bf16 gather loads before decoding them.
+GATHER_PAIRS = 4
+#: CUDA blocks (of THREADS_PER_BLOCK threads) per multiprocessor the gather is compiled for (launch
+#: bounds) and launched with: the structure of ``mx_rowwise``'s gather (bench/NOTES.md).
+GATHER_BLOCKS_PER_SM = 3
 
 
 _HIGH16 = uint32(0xFFFF0000)
@@ -312,7 +317,7 @@ def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
                 out_words[2 * i + 1] = second
 
 
-@kernel
+@kernel(launch_bounds=(THREADS_PER_BLOCK, GATHER_BLOCKS_PER_SM))
 def gather_dequantize_mxfp8_bf16_kernel(indices, data_words, scales_rows, out_words):
     """Permute and dequantize in one pass: bf16 row p = MXFP8 row ``indices[p]`` decoded as
     :func:`dequantize_mxfp8_bf16_kernel` decodes it (bit for bit), zeros where ``indices[p]``
@@ -323,43 +328,45 @@ def gather_dequantize_mxfp8_bf16_kernel(indices, data_words, scales_rows, out_wo
         data_words: (N, D // 8) uint64, e4m3fn bits, 8 per word. Read.
         scales_rows: (N, D // 32) uint8, e8m0 bits. Read.
         out_words: (P, D // 4) uint64, bf16 bits, 4 per word. Written.
-    Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R): one warp per permuted row (R rows
-        per CUDA block), grid-stride over rows; lane l takes the row's data words l + 32 k (8
-        e4m3 each, GATHER_WORDS loads in flight) and stores each one's 8 bf16 with one 16-byte
-        store, so a warp's store covers 512 contiguous bytes (whole 32-byte sectors: with 16
-        e4m3 per lane, each store wrote half sectors and the L2 became the limit, bench/NOTES.md).
-        Loads and stores through ``kernels._memory`` (no index wrap-around). The out address
-        must be a multiple of 16 bytes.
+    Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R, share=GATHER_BLOCKS_PER_SM /
+        (RESIDENT_THREADS_PER_SM / (32 * R))): one warp per permuted row (R rows per CUDA block,
+        as ``mx_rowwise.mx_to_rowwise_gather_kernel``), grid-stride over rows; lane l takes the
+        row's pairs of data words l + 32 k (16 e4m3: one 16-byte load, two 16-byte stores of
+        bf16), GATHER_PAIRS loads in flight, through ``kernels._memory`` (no index wrap-around).
+        The data and out addresses must be multiples of 16 bytes.
     """
-    words = cuda.local.array(GATHER_WORDS, uint64)
-    sb = cuda.local.array(GATHER_WORDS, uint32)
+    first = cuda.local.array(GATHER_PAIRS, uint64)
+    second = cuda.local.array(GATHER_PAIRS, uint64)
+    sb = cuda.local.array(GATHER_PAIRS, uint32)
     lane = cuda.threadIdx.x % WARP
     rows_per_block = cuda.blockDim.x // WARP
     npermuted = indices.shape[0]
     nsrc = data_words.shape[0]
-    nwords = data_words.shape[1]
-    step = WARP * GATHER_WORDS
+    npairs = data_words.shape[1] // 2
+    step = WARP * GATHER_PAIRS
     for base in range(cuda.blockIdx.x * rows_per_block, npermuted,
                       cuda.gridDim.x * rows_per_block):
         p = base + cuda.threadIdx.x // WARP
         if p < npermuted:
             i = load_item(indices, p)
             if i >= 0 and i < nsrc:
-                for start in range(lane, nwords, step):
-                    for k in range(GATHER_WORDS):  # all loads first
-                        w = start + k * WARP
-                        if w < nwords:
-                            words[k] = load_word(data_words, i, w)
+                for start in range(lane, npairs, step):
+                    for k in range(GATHER_PAIRS):  # all loads first
+                        q = start + k * WARP
+                        if q < npairs:
+                            first[k], second[k] = load_pair(data_words, i, q)
                             sb[k] = uint32(load_word(scales_rows, i,
-                                                     w >> E4M3_WORDS_PER_BLOCK_LOG2))
-                    for k in range(GATHER_WORDS):
-                        w = start + k * WARP
-                        if w < nwords:
-                            a, b = bf16_words_of_e4m3x8(words[k], sb[k])
-                            store_pair(out_words, p, w, a, b)
+                                                     q >> E4M3_PAIRS_PER_BLOCK_LOG2))
+                    for k in range(GATHER_PAIRS):
+                        q = start + k * WARP
+                        if q < npairs:
+                            a, b = bf16_words_of_e4m3x8(first[k], sb[k])
+                            c, d = bf16_words_of_e4m3x8(second[k], sb[k])
+                            store_pair(out_words, p, 2 * q, a, b)
+                            store_pair(out_words, p, 2 * q + 1, c, d)
             else:
-                for w in range(lane, nwords, WARP):
-                    store_pair(out_words, p, w, uint64(0), uint64(0))
+                for q in range(lane, 2 * npairs, WARP):
+                    store_pair(out_words, p, q, uint64(0), uint64(0))
 
 
 @cuda.jit(device=True)

@@ -17,9 +17,10 @@ from ._array import as_device_array, bfloat16, check_rows, float32, stream_ptr
 from ._platform import host_backend
 from .formats import Format, QuantizedArray, register, register_conversion
 from .kernels._fp8 import MX_BLOCK
-from .kernels._launch import THREADS_PER_BLOCK
+from .kernels._launch import RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels._memory import PAIR_BYTES
-from .kernels.mxfp8 import (PAIRS_PER_THREAD, WARP, WORDS_PER_THREAD, dequantize_mxfp8_bf16_kernel,
+from .kernels.mxfp8 import (GATHER_BLOCKS_PER_SM, PAIRS_PER_THREAD, WARP, WORDS_PER_THREAD,
+                            dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, gather_dequantize_mxfp8_bf16_kernel,
                             quantize_mxfp8_bf16_kernel, quantize_mxfp8_f32_kernel)
 
@@ -195,8 +196,8 @@ def launch_gather_dequantize(mx, indices, out, stream):
     enqueued on the raw stream handle ``stream``. Returns ``out``.
 
     Raises:
-        ValueError: on a GPU, ``out`` at an address that is not a multiple of 16 bytes (the
-            kernel stores 16 bytes at a time; torch's and CuPy's allocations are).
+        ValueError: on a GPU, ``mx.data`` or ``out`` at an address that is not a multiple of 16
+            bytes (the kernel moves 16 bytes at a time; torch's and CuPy's allocations are).
 
     The permute's MXFP8 -> bf16 conversion (``permute(..., out_format="bf16")``): the rows a
     bf16 grouped GEMM takes (Hopper has no MXFP8 one), without writing the permuted MXFP8 rows
@@ -222,11 +223,13 @@ def launch_gather_dequantize(mx, indices, out, stream):
 def _gather_dequantize_launch(d):
     """The prepared MXFP8 -> bf16 gather (``kernels.SizedLaunch``) of rows of width ``d``;
     counts: P (one warp per row), then N (the source rows)."""
-    # one warp per row (the simulator's blocks are one warp)
+    # one warp per row (the simulator's blocks are one warp), GATHER_BLOCKS_PER_SM blocks per SM
+    share = GATHER_BLOCKS_PER_SM * THREADS_PER_BLOCK / RESIDENT_THREADS_PER_SM + 1e-9
     return SizedLaunch(gather_dequantize_mxfp8_bf16_kernel,
-                       launch_1d(UNBOUNDED, threads=THREADS_PER_BLOCK), (WARP, 1),
+                       launch_1d(UNBOUNDED, threads=THREADS_PER_BLOCK, share=share), (WARP, 1),
                        Words(0, (1,), numpy.dtype(numpy.int32)),
-                       (Words(0, (1, d // 8), _U64), 1), (Words(0, (1, d // MX_BLOCK), _U8), 1),
+                       (Words(0, (1, d // 8), _U64, PAIR_BYTES), 1),  # loaded in pairs
+                       (Words(0, (1, d // MX_BLOCK), _U8), 1),
                        Words(0, (1, d // 4), _U64, PAIR_BYTES))  # stored in pairs
 
 
