@@ -125,6 +125,25 @@ def test_alltoallv_tuple_moves_data_and_scales_together(comm):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["random", "zeros", "one_receiver", "empty"])
+def test_alltoallv_plan_moves_what_alltoallv_moves(comm, pattern):
+    """``alltoallv_plan`` (an agreed Plan, no second check, no vote): the same rows as the
+    reference, for a tuple of arrays, into the caller's buffers, with no host collective."""
+    w, me = comm.size, comm.rank
+    counts = count_matrix(pattern, w, seed=SEED + 5)
+    data = lambda r, n: rows_of(r, n, numpy.dtype(numpy.uint8), (64,), salt=1)  # noqa: E731
+    words = lambda r, n: rows_of(r, n, DTYPES[0], (3, 5), salt=3)  # noqa: E731
+    plan = Plan(me, counts.tolist())
+    m, n = plan.rows_sent, plan.rows_received
+    outs = (numpy.full((n, 64), 0xAA, numpy.uint8), numpy.zeros((n, 3, 5), DTYPES[0]))
+    before = comm.host_collectives
+    comm.alltoallv_plan((data(me, m), words(me, m)), outs, plan, None)
+    assert comm.host_collectives == before
+    numpy.testing.assert_array_equal(outs[0], expected_recv(me, counts, data))
+    numpy.testing.assert_array_equal(bits(outs[1]), bits(expected_recv(me, counts, words)))
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_alltoallv_chunked_with_offsets_equals_unchunked(comm, chunks):
     """Pipelining: the exchange split into chunks of every peer block, called on the same full

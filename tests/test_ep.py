@@ -171,6 +171,30 @@ def test_dispatch_mxfp8_moves_reference_bits(comm, routed):
     numpy.testing.assert_array_equal(to_host(got.scales), scales)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_dispatch_without_the_vote(comm, routed, precision):
+    """``validate=False`` with explicit splits: this rank's counts make the plan. bf16 moves
+    exactly and MXFP8 moves the reference bits on the grouped transport; the pull transport,
+    which needs every rank's counts, refuses MXFP8 on every rank, naming the way out."""
+    me = comm.rank
+    _, input_splits, output_splits = layout_ref(routed, me)
+    x = to_device(routed[me].x)
+    splits = [layout_ref(routed, r)[1] for r in range(comm.size)]
+    moved = move_ref([r.x for r in routed], splits, me)
+    if precision == "mxfp8" and comm.transport == "pull":
+        with pytest.raises(ValueError, match=f"validate=False on rank {me}: the pull transport "
+                                             f"needs every rank's counts; pass a layout"):
+            a2a_dispatch(x, input_splits, output_splits, comm, precision, validate=False)
+        return
+    got = a2a_dispatch(x, input_splits, output_splits, comm, precision, validate=False)
+    if precision == "bf16":
+        numpy.testing.assert_array_equal(bits(got), bits(moved))
+        return
+    data, scales = quantize_mxfp8_ref(moved, "rceil")
+    numpy.testing.assert_array_equal(to_host(got.data), data)
+    numpy.testing.assert_array_equal(to_host(got.scales), scales)
+
+
 def test_dispatch_floor_scales(comm, routed):
     me = comm.rank
     _, input_splits, output_splits = layout_ref(routed, me)
