@@ -184,6 +184,27 @@ def test_pipeline_summary_rows():
 
 
 # ------------------------------------------------------------------------- pipeline checks
+@pytest.mark.parametrize("interleave", [False, True])
+def test_pipeline_run_order(interleave):
+    """The end-to-end timing's order: each variant warmup + iters times; interleaved, every
+    iteration runs every variant once, the order rotated by one per iteration (each variant
+    leads as often as the others); else each variant's iterations together."""
+    import argparse
+    from mxcomm.bench.pipeline import _Case
+    case = object.__new__(_Case)
+    case.args = argparse.Namespace(warmup=2, iters=4)
+    names = ["bf16", "mxfp8", "fp8_rowwise"]
+    runs = case._runs(names, interleave)
+    assert sorted(runs) == sorted((i, n) for n in names for i in range(6))
+    if not interleave:
+        assert runs == [(i, n) for n in names for i in range(6)]
+        return
+    for i in range(6):
+        order = [n for j, n in runs if j == i]
+        assert order == names[i % 3:] + names[:i % 3]
+    assert [i for i, _ in runs] == sorted(i for i, _ in runs)  # iteration by iteration
+
+
 def test_row_bytes_and_wire_rows():
     from mxcomm.bench import _moe
     assert _checks.row_bytes("bf16", 1024) == 2048
