@@ -46,7 +46,8 @@ WARP = 32
 #: Pairs of data words (16 e4m3) each lane of the MXFP8 -> bf16 gather loads before decoding them.
 GATHER_PAIRS = 4
 #: CUDA blocks (of THREADS_PER_BLOCK threads) per multiprocessor the gather is compiled for (launch
-#: bounds) and launched with: the structure of ``mx_rowwise``'s gather (bench/NOTES.md).
+#: bounds) and launched with: the structure of ``mx_rowwise``'s gather; five (its 48 registers
+#: allow them) measured slower on an H200 (bench/results/gather_w1.md).
 GATHER_BLOCKS_PER_SM = 3
 
 
