@@ -241,11 +241,12 @@ class _Case:
             ``{variant name: (fwd, bwd, total) Stats}``, the max over ranks of each median.
         """
         names = list(stage_lists)
-        inputs = {name: (self.x.detach().clone().requires_grad_(True),
-                         self.w.detach().clone().requires_grad_(True)) for name in names}
+        # One pair of leaves serves every variant: none writes them, and each run resets their
+        # gradients.
+        x = self.x.detach().clone().requires_grad_(True)
+        w = self.w.detach().clone().requires_grad_(True)
         marks = {name: [] for name in names}
         for i, name in self._runs(names, interleave):
-            x, w = inputs[name]
             x.grad = w.grad = None
             state = self._state(x, w)
             self.rt.barrier()
@@ -342,6 +343,7 @@ def measure(args, rt):
     rt.init_torch_distributed()
     shapes = shapes_from_args(args, rt.backend)
     variants = parse_variants(getattr(args, "variants", None))
+    interleave = getattr(args, "interleave", False)
     tables = {"wire": [], "exactness": [], "sqnr": []}
     if rt.gpu:
         tables.update(end_to_end=[], stages=[])
@@ -355,7 +357,6 @@ def measure(args, rt):
                        for v in variants}
         if rt.gpu:
             rt.log(f"pipeline {case.label}: end to end")
-            interleave = getattr(args, "interleave", False)
             for name, (fwd, bwd, total) in case.end_to_end(stage_lists, interleave).items():
                 tables["end_to_end"].append({
                     "tokens": case.tokens, "dim": case.dim, "hidden_dim": case.hidden,
@@ -407,7 +408,7 @@ def measure(args, rt):
                   f"CUDA events, median of {args.iters} after {args.warmup} warm-up, max over "
                   f"ranks; " + ("the variants interleaved (each iteration runs every variant "
                                 "once, in an order rotated per iteration), so the host's drift "
-                                "weighs on all alike" if getattr(args, "interleave", False) else
+                                "weighs on all alike" if interleave else
                                 "each variant's iterations together"),
                   "stages: each stage alone on a traced run's tensors, iterations enqueued back to "
                   "back (device time, no overlap between stages)"]
