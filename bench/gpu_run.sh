@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         colwise1 ncu1 gather1 ncugather1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -14,7 +14,7 @@ mkdir -p "$OUT" "$res"
 log="$OUT/gpu.log"
 export MXCOMM_COMMIT=${MXCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 ngpu=$(nvidia-smi -L | wc -l)
-FP8_VARIANTS=${FP8_VARIANTS:-mxfp8,mxfp8_all,bf16+fp8gemm,fp8_rowwise,mxfp8+rowwise,fp8_rowwise_mxgrad,fp8_rowwise_fp8wgrad}
+FP8_VARIANTS=${FP8_VARIANTS:-mxfp8,mxfp8_all,bf16+fp8gemm,fp8_rowwise,mxfp8+rowwise,fp8_rowwise_mxgrad,fp8_rowwise_fp8wgrad,fp8_rowwise_acc32,fp8_rowwise_fastall,fp8_speed}
 # mpirun_env of the kit, as a command (timeout cannot run a shell function)
 mpirun_env=(mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
     -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS -x PYTHONUNBUFFERED -x MXCOMM_COMMIT)
@@ -126,6 +126,7 @@ for phase in "$@"; do
             --section SchedulerStats --section WarpStateStats --section SourceCounters \
             python3 bench/probe_colwise.py --once ;;
     gather1) step "MXFP8 -> bf16 gather beside its neighbours, one GPU" 120 python3 bench/probe_gather.py ;;
+    gemm1) step "fp8 grouped GEMM pieces alone, fast accumulation or not, one GPU" 180 python3 bench/probe_gemm.py ;;
     ncugather1)  # Nsight Compute on the MXFP8 -> bf16 gather and the flat dequantize (clocks left alone)
         step "Nsight Compute, MXFP8 -> bf16 gather" 300 ncu --clock-control none \
             -k regex:"gather_dequantize|dequantize_mxfp8_bf16" --section SpeedOfLight \

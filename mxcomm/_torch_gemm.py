@@ -33,6 +33,13 @@ into e4m3's subnormal range, so the wgrad's SQNR equals the bf16 wgrad's on the 
 operand conversions (byte-granular transposes) cost more than that saves on an H200 today, so
 bf16 is the default (bench/NOTES.md has the numbers).
 
+Accumulation: ``fast_accum`` names the products whose tensor-core sums are not promoted to fp32
+along the way (``use_fast_accum`` of ``torch._scaled_grouped_mm``: faster, a little less exact).
+The default, ``("forward",)``, is torchao's float8 training recipe (``Float8LinearConfig``: the
+output GEMM fast, the two gradient GEMMs promoted); torchao's fp8 rowwise MoE GEMM
+(``torchao.prototype.moe_training``) makes all three fast (``fast_accum=True``). Measured on
+2xH200 in bench/NOTES.md (time and SQNR). The bf16 fallback ignores it.
+
 Weights (and bf16 activations) are quantized per call by mxcomm's fp8 rowwise kernel on CUDA
 (:func:`quantize_rows_pow2`: power-of-two scales, scale = 2^clamp(ceil(log2(amax / 448)), -126,
 127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a
@@ -47,6 +54,8 @@ from ._torch_arrays import _array, _stream, _tensor
 
 E4M3_MAX = 448.0
 _SCALE_EXP_MIN, _SCALE_EXP_MAX = -126, 127
+#: The products of :func:`grouped_mm`, the names ``fast_accum`` takes.
+GEMMS = ("forward", "dgrad", "wgrad")
 
 
 def fp8_gemm_available(device):
@@ -130,13 +139,13 @@ def _group_colwise(data, scales, offs):
             _tensor(aligned))
 
 
-def _fp8_wgrad(x_rows, grad_rows, offs):
+def _fp8_wgrad(x_rows, grad_rows, offs, fast):
     """dw (G, K, N) bf16 = x^T grad per group, fp8 (module docstring): x_rows and grad_rows are
-    (data, scales) fp8 rowwise pairs of (P, K) and (P, N)."""
+    (data, scales) fp8 rowwise pairs of (P, K) and (P, N); ``fast``: ``use_fast_accum``."""
     a, scale_a, aligned = _group_colwise(*x_rows, offs)       # x^T (K, T), scales (G * K,)
     b, scale_b, _ = _group_colwise(*grad_rows, offs)          # grad^T (N, T), scales (G * N,)
     return torch._scaled_grouped_mm(a, b.t(), scale_a, scale_b, offs=aligned,
-                                    out_dtype=torch.bfloat16)
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -150,9 +159,10 @@ class _GroupedMM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, fp8, wgrad):
+    def forward(ctx, x, w, offs, fp8, wgrad, fast):
         ctx.fp8 = fp8
         ctx.fp8_wgrad = fp8 and wgrad == "fp8"
+        ctx.fast = fast
         kept = x.detach() if hasattr(x, "qdata") else x
         if not fp8:
             ctx.save_for_backward(kept, w, offs)
@@ -161,7 +171,8 @@ class _GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(*((a, scale_a) if ctx.fp8_wgrad else (kept,)), w, offs)
         b, scale_b = _fp8_weight(w)
         return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
-                                        out_dtype=torch.bfloat16)
+                                        out_dtype=torch.bfloat16,
+                                        use_fast_accum="forward" in fast)
 
     @staticmethod
     def backward(ctx, grad):
@@ -173,20 +184,36 @@ class _GroupedMM(torch.autograd.Function):
             if ctx.fp8:
                 b, scale_b = _fp8_weight_t(w)
                 dx = torch._scaled_grouped_mm(g, b, scale_g, scale_b, offs=offs,
-                                              out_dtype=torch.bfloat16)
+                                              out_dtype=torch.bfloat16,
+                                              use_fast_accum="dgrad" in ctx.fast)
             else:
                 dx = torch._grouped_mm(_plain(grad), w.detach().transpose(-2, -1), offs=offs)
         if ctx.needs_input_grad[1]:
             if ctx.fp8_wgrad:
-                dw = _fp8_wgrad(rows, (g, scale_g), offs)
+                dw = _fp8_wgrad(rows, (g, scale_g), offs, "wgrad" in ctx.fast)
             else:
                 dw = torch._grouped_mm(_plain(rows[0]).t(), _plain(grad), offs=offs)
             dw = dw.to(w.dtype)
-        # None for: offs, fp8, wgrad
-        return dx, dw, None, None, None
+        # None for: offs, fp8, wgrad, fast
+        return dx, dw, None, None, None, None
 
 
-def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16"):
+def _fast_set(fast_accum):
+    """``fast_accum`` as a frozenset of :data:`GEMMS` names; else ValueError."""
+    if fast_accum is True or fast_accum is False:
+        return frozenset(GEMMS if fast_accum else ())
+    names = (fast_accum,) if isinstance(fast_accum, str) else fast_accum
+    try:
+        chosen = frozenset(names)
+    except TypeError:
+        chosen = None
+    if chosen is None or not chosen <= set(GEMMS):
+        raise ValueError(f"grouped_mm: fast_accum: expected True, False or some of {GEMMS}, got "
+                         f"{fast_accum!r}")
+    return chosen
+
+
+def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16", fast_accum=("forward",)):
     """Differentiable grouped GEMM of pre-quantized permuted rows and bf16 expert weights.
 
     Args:
@@ -198,12 +225,18 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16"):
             any group sizes (empty groups too; the fp8 wgrad pads its own operands).
         fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available`, else the bf16
             fallback; True to require them; False for the bf16 fallback.
+        wgrad: the weight gradient's GEMM, ``"bf16"`` (default) or ``"fp8"`` (module
+            docstring).
+        fast_accum: the fp8 products accumulated without fp32 promotion (module docstring):
+            some of ``"forward"``, ``"dgrad"``, ``"wgrad"``, or True (all) / False (none).
+            Default ``("forward",)`` (torchao's float8 training recipe).
     Returns:
         (P, N) bf16.
     Raises:
         RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
         ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0,
-            or N % 16 != 0 on the fp8 path); ``wgrad`` not "fp8" or "bf16".
+            or N % 16 != 0 on the fp8 path); ``wgrad`` not "fp8" or "bf16"; ``fast_accum``
+            naming something else.
         TypeError: ``w`` not bf16, ``offs`` not int32.
     """
     if w.dim() != 3 or x.dim() != 2 or w.shape[1] != x.shape[1]:
@@ -213,6 +246,7 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16"):
         raise ValueError(f"grouped_mm: K = {x.shape[1]} is not a multiple of 16")
     if wgrad not in ("fp8", "bf16"):
         raise ValueError(f"grouped_mm: wgrad: expected 'fp8' or 'bf16', got {wgrad!r}")
+    fast = _fast_set(fast_accum)
     if w.dtype != torch.bfloat16:
         raise TypeError(f"grouped_mm: w: expected dtype bfloat16, got {w.dtype}")
     if offs.dtype != torch.int32 or tuple(offs.shape) != (w.shape[0],):
@@ -227,4 +261,4 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16"):
     if fp8 and w.shape[2] % 16:
         raise ValueError(f"grouped_mm: N = {w.shape[2]} is not a multiple of 16, which the fp8 "
                          f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
-    return _GroupedMM.apply(x, w, offs, fp8, wgrad)
+    return _GroupedMM.apply(x, w, offs, fp8, wgrad, fast)

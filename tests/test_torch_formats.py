@@ -106,10 +106,50 @@ def test_grouped_mm_fallback_autograd(monkeypatch):
                       torch.tensor([4], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("fast_accum,wgrad,expected", [
+    (("forward",), "bf16", [True, False]),      # the default: torchao's float8 recipe
+    (True, "fp8", [True, True, True]),
+    (False, "fp8", [False, False, False]),
+    ("dgrad", "fp8", [False, True, False]),
+    (["wgrad", "forward"], "fp8", [True, False, True]),
+])
+def test_grouped_mm_fast_accum_reaches_each_product(monkeypatch, fast_accum, wgrad, expected):
+    """On the fp8 path (as on SM90: torch._scaled_grouped_mm replaced by a recorder), each
+    product passes ``use_fast_accum`` as ``fast_accum`` names it: forward, dgrad, then the fp8
+    wgrad (a bf16 wgrad is torch._grouped_mm, which has none)."""
+    calls = []
+
+    def recorder(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (len(offs), a.shape[0],
+                                                                 b.shape[-1])
+        return torch.zeros(shape, dtype=out_dtype)
+
+    monkeypatch.setattr(_torch_gemm, "fp8_gemm_available", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", recorder, raising=False)
+    torch.manual_seed(2)
+    x = quantized_tensor(torch.randn(32, 64, dtype=torch.bfloat16), "fp8_rowwise")
+    w = torch.randn(2, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([16, 32], dtype=torch.int32)
+    y = mt.grouped_mm(x.requires_grad_(True), w, offs, wgrad=wgrad, fast_accum=fast_accum)
+    y.backward(torch.randn(32, 32, dtype=torch.bfloat16))
+    assert calls == expected
+
+
+@pytest.mark.parametrize("fast_accum", ["backward", ("forward", "fwd"), 3, [["forward"]]])
+def test_grouped_mm_rejects_bad_fast_accum(fast_accum):
+    x = torch.zeros(16, 32, dtype=torch.bfloat16)
+    w = torch.zeros(1, 32, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fast_accum: expected True, False or some of"):
+        mt.grouped_mm(x, w, torch.tensor([16], dtype=torch.int32), fast_accum=fast_accum)
+
+
 @pytest.mark.gpu
-def test_grouped_mm_fp8_sqnr_gpu():
+@pytest.mark.parametrize("fast_accum", [("forward",), True, False])
+def test_grouped_mm_fp8_sqnr_gpu(fast_accum):
     """SM90: the fp8 path against the bf16 GEMMs of the same bf16 rows (131072-row scale cut to
-    8192): output >= 28 dB, input grad >= 26 dB, weight grad >= 25 dB."""
+    8192): output >= 28 dB, input grad >= 26 dB, weight grad >= 25 dB, with each accumulation
+    (the default, every product fast, none)."""
     if not mt.fp8_gemm_available("cuda"):
         pytest.skip("needs an SM90 GPU with torch._scaled_grouped_mm")
     torch.manual_seed(0)
@@ -124,7 +164,7 @@ def test_grouped_mm_fp8_sqnr_gpu():
     a, s = _torch_gemm.quantize_rows_pow2(xb)
     xq = mt.QuantizedTensor(a, s, "fp8_rowwise").requires_grad_(True)
     wq = w.clone().requires_grad_(True)
-    y = mt.grouped_mm(xq, wq, offs, fp8=True)
+    y = mt.grouped_mm(xq, wq, offs, fp8=True, fast_accum=fast_accum)
     y.backward(grad)
     assert sqnr_db(torch._grouped_mm(xb, w, offs=offs), y.detach()) >= 28
     assert sqnr_db(xr.grad, xq.grad) >= 26
@@ -154,7 +194,8 @@ def test_grouped_mm_fp8_wgrad_any_groups_gpu():
     for wgrad in ("fp8", "bf16"):
         xq = mt.QuantizedTensor(a, s, "fp8_rowwise").requires_grad_(True)
         wq = w.clone().requires_grad_(True)
-        mt.grouped_mm(xq, wq, offs, fp8=True, wgrad=wgrad).backward(grad)
+        # every sum promoted: the operands' conversion is what this checks to > 40 dB
+        mt.grouped_mm(xq, wq, offs, fp8=True, wgrad=wgrad, fast_accum=False).backward(grad)
         grads[wgrad] = wq.grad
     wr = w.clone().requires_grad_(True)
     torch._grouped_mm(xb, wr, offs=offs).backward(grad)

@@ -32,11 +32,21 @@ combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gra
                                                                       (gradient: as received)
     fp8_rowwise_mxgrad  mxcomm  fp8_rowwise / bf16 / mxfp8 / fp8_rowwise  as fp8_rowwise
     fp8_rowwise_fp8wgrad  mxcomm  as fp8_rowwise                      as fp8_rowwise, fp8 wgrad
+    fp8_rowwise_acc32   mxcomm  as fp8_rowwise                        as fp8_rowwise, no fast
+                                                                      accumulation
+    fp8_rowwise_fastall mxcomm  as fp8_rowwise                        as fp8_rowwise, all three
+                                                                      products fast
+    fp8_speed           mxcomm  as fp8_rowwise_mxgrad                 as fp8_rowwise_fastall
 
-The last two run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is
+The last five run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is
 bf16 (``grouped_mm``'s default), except ``fp8_rowwise_fp8wgrad``: the same run with the fp8 wgrad
 (both operands rescaled per (group, column) along the tokens from the fp8 rows the forward and
-dgrad read), to measure that choice side by side.
+dgrad read), to measure that choice side by side. Their accumulation is ``grouped_mm``'s default
+(the forward's fast, the gradients' promoted to fp32: torchao's float8 training recipe), except
+``fp8_rowwise_acc32`` (every product promoted) and ``fp8_rowwise_fastall`` / ``fp8_speed`` (every
+product fast, as torchao's fp8 rowwise MoE GEMM): the time and the SQNR of that choice side by
+side. ``fp8_speed`` is the fastest combination measured so far: the MXFP8 dispatch gradient
+and fast accumulation everywhere.
 ``fp8_rowwise_mxgrad`` also sends dispatch_grad (the dgrad's bf16 output) in MXFP8: the
 backward's largest exchange halved, at the cost of a second quantization of the input gradient
 (MXFP8's 32-element blocks, about 31 dB, against rowwise's 28).
@@ -82,6 +92,8 @@ class Variant:
         gemm: ``"bf16"`` (bf16 rows, quantized ones dequantized first) or ``"fp8"``
             (``mxcomm.torch.grouped_mm``).
         wgrad: the fp8 GEMM's weight gradient, ``"fp8"`` or ``"bf16"`` (``grouped_mm``'s).
+        fast_accum: the fp8 GEMM's products without fp32 promotion (``grouped_mm``'s
+            ``fast_accum``).
         default: runs without ``--variants`` (the comparisons of one choice run when named).
     """
 
@@ -96,6 +108,7 @@ class Variant:
     unpermute_grad_format: object = None
     gemm: str = "bf16"
     wgrad: str = "bf16"
+    fast_accum: tuple = ("forward",)
     default: bool = True
 
     def describe(self):
@@ -108,8 +121,9 @@ class Variant:
         permute = f", permute to {self.permute_format}" if self.permute_format else ""
         if self.unpermute_grad_format:
             permute += f" (and its backward's gradient to {self.unpermute_grad_format})"
-        gemm = f"fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm, {self.wgrad} wgrad)" \
-            if self.gemm == "fp8" else "bf16 grouped GEMM"
+        fast = "/".join(self.fast_accum) or "none"
+        gemm = (f"fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm, {self.wgrad} wgrad, fast "
+                f"accumulation: {fast})") if self.gemm == "fp8" else "bf16 grouped GEMM"
         return f"{self.name} = {wire}{permute}, {gemm}"
 
 
@@ -127,6 +141,13 @@ VARIANTS = (
             combine_grad="fp8_rowwise", gemm="fp8", default=False),
     Variant("fp8_rowwise_fp8wgrad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
             gemm="fp8", wgrad="fp8", default=False),
+    Variant("fp8_rowwise_acc32", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
+            gemm="fp8", fast_accum=(), default=False),
+    Variant("fp8_rowwise_fastall", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
+            gemm="fp8", fast_accum=("forward", "dgrad", "wgrad"), default=False),
+    Variant("fp8_speed", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
+            combine_grad="fp8_rowwise", gemm="fp8", fast_accum=("forward", "dgrad", "wgrad"),
+            default=False),
 )
 #: The reference of every SQNR and the first speedup column.
 REFERENCE = "bf16"
@@ -294,7 +315,8 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         def fp8_gemm(s, p, w):
             # w (E_local, H, D) as grouped_mm's (G, K, N) = (E_local, D, H): a view; the fp8
             # path quantizes from it into its own contiguous operands.
-            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"], wgrad=variant.wgrad)}
+            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"], wgrad=variant.wgrad,
+                                         fast_accum=variant.fast_accum)}
 
         return [Stage("layout", (), None, layout),
                 Stage("dispatch", ("x",), "h", dispatch),

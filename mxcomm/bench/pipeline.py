@@ -3,9 +3,8 @@
 Per rank: --tokens rows of --dim elements, routed to W x --experts experts (--experts counts the
 experts of one rank, E_local). Forward: exchange_layout -> a2a_dispatch -> permute -> grouped GEMM
 (bf16 weights (E_local, hidden, dim), with gradient) -> unpermute -> a2a_combine; backward through
-all of it with a fixed random output gradient. Six variants in one run, two more on request
-(--variants picks; 
-wire = dispatch / combine / dispatch_grad / combine_grad):
+all of it with a fixed random output gradient. Six variants in one run, five more on request
+(--variants picks; wire = dispatch / combine / dispatch_grad / combine_grad):
   bf16           torch.distributed all_to_all_single in bf16, mxcomm permute/unpermute, bf16
                  GEMM (the reference of SQNR and speedups)
   mxfp8          mxcomm, default precisions: mxfp8 / bf16 / bf16 / mxfp8, bf16 GEMM on the
@@ -23,6 +22,11 @@ wire = dispatch / combine / dispatch_grad / combine_grad):
                  backward's largest exchange halved)
   fp8_rowwise_fp8wgrad   (only by --variants) fp8_rowwise with the GEMM's weight gradient in
                  fp8 (the others': bf16)
+  fp8_rowwise_acc32      (only by --variants) fp8_rowwise with every fp8 product's sums promoted
+                 to fp32 (the others: the forward's fast, torchao's float8 recipe)
+  fp8_rowwise_fastall    (only by --variants) fp8_rowwise with all three products fast (as
+                 torchao's fp8 rowwise MoE GEMM)
+  fp8_speed              (only by --variants) fp8_rowwise_mxgrad with all three products fast
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
@@ -60,7 +64,7 @@ def parse_variants(text):
 
     Args:
         text: comma-separated variant names (empty items ignored), or None for the default set
-            (every variant but the two fp8_rowwise comparisons, which --variants names).
+            (every variant but the fp8_rowwise comparisons, which --variants names).
     Returns:
         A tuple of ``_moe.Variant``.
     Raises:
@@ -316,13 +320,14 @@ class _Case:
 def _gemm_note(rt, fp8_gemm):
     """How the fp8 GEMM variants' GEMM ran here (SM90 fp8, or the bf16 fallback)."""
     if fp8_gemm:
-        return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise): "
+        return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise, fp8_speed): "
                 "mxcomm.torch.grouped_mm, torch._scaled_grouped_mm rowwise on SM90 (weights "
                 "quantized per call, e4m3 with power-of-two scales; forward and dgrad fp8, wgrad "
                 "bf16; fp8_rowwise_fp8wgrad: wgrad fp8, its operands rescaled per (group, column) "
-                "along the tokens)")
+                "along the tokens; fast accumulation (use_fast_accum) in the forward only, "
+                "except fp8_rowwise_acc32: none, fp8_rowwise_fastall and fp8_speed: all three)")
     where = "this GPU is not SM90 (or torch lacks _scaled_grouped_mm)" if rt.gpu else "CPU"
-    return (f"fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise): {where}, so "
+    return (f"fp8 GEMM variants: {where}, so "
             f"mxcomm.torch.grouped_mm ran its bf16 fallback (torch._grouped_mm on the dequantized "
             f"rows): their SQNR shows the wire's error only, not the GEMM's")
 
