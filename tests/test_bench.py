@@ -412,8 +412,7 @@ def test_pipeline_shapes_default_and_mismatch():
     (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
                                              "mxfp8, mxfp8_all, bf16+fp8gemm, fp8_rowwise, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
-                                             "fp8_rowwise_fp8wgrad, fp8_rowwise_acc32, "
-                                             "fp8_rowwise_fastall, fp8_speed"),
+                                             "fp8_rowwise_fp8wgrad, fp8_rowwise_acc32"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
 def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
@@ -431,9 +430,9 @@ def test_variants_option_parses_names_in_table_order_with_the_reference():
     every = parse_variants(p.parse_args(["pipeline"]).variants)
     assert [v.name for v in every] == ["bf16", "mxfp8", "mxfp8_all", "bf16+fp8gemm",
                                        "fp8_rowwise", "mxfp8+rowwise"]
-    extra = parse_variants("fp8_speed,fp8_rowwise_fp8wgrad,fp8_rowwise_mxgrad,fp8_rowwise")
+    extra = parse_variants("fp8_rowwise_acc32,fp8_rowwise_fp8wgrad,fp8_rowwise_mxgrad,fp8_rowwise")
     assert [v.name for v in extra] == ["bf16", "fp8_rowwise", "fp8_rowwise_mxgrad",
-                                       "fp8_rowwise_fp8wgrad", "fp8_speed"]
+                                       "fp8_rowwise_fp8wgrad", "fp8_rowwise_acc32"]
     a = p.parse_args(["pipeline", "--variants", "mxfp8+rowwise, bf16+fp8gemm,fp8_rowwise,",
                       "--no-stages"])
     assert a.no_stages
@@ -463,17 +462,12 @@ def test_variants_precisions_and_stages():
     assert v["mxfp8+rowwise"].combine_grad == "fp8_rowwise"  # the GEMM's dgrad reads it as is
     assert _checks.precisions(v["fp8_rowwise_mxgrad"])["dispatch_grad"] == "mxfp8"
     assert [x.name for x in _moe.VARIANTS if x.wgrad == "fp8"] == ["fp8_rowwise_fp8wgrad"]
-    # the fast-accumulation comparisons differ from fp8_rowwise (or fp8_rowwise_mxgrad) only there
-    same = dataclasses.replace
-    assert v["fp8_rowwise_acc32"] == same(v["fp8_rowwise"], name="fp8_rowwise_acc32",
-                                          fast_accum=(), default=False)
-    assert v["fp8_rowwise_fastall"] == same(v["fp8_rowwise"], name="fp8_rowwise_fastall",
-                                            fast_accum=("forward", "dgrad", "wgrad"),
-                                            default=False)
-    assert v["fp8_speed"] == same(v["fp8_rowwise_mxgrad"], name="fp8_speed",
-                                  fast_accum=("forward", "dgrad", "wgrad"))
-    assert {x.fast_accum for x in _moe.VARIANTS if x.default and x.gemm == "fp8"} == {
-        ("forward",)}
+    # the accumulation comparison differs from fp8_rowwise only there; the others use
+    # grouped_mm's default (every product fast)
+    assert v["fp8_rowwise_acc32"] == dataclasses.replace(
+        v["fp8_rowwise"], name="fp8_rowwise_acc32", fast_accum=(), default=False)
+    assert {x.fast_accum for x in _moe.VARIANTS if x.name != "fp8_rowwise_acc32"} == {
+        ("forward", "dgrad", "wgrad")}
     for x in _moe.VARIANTS:
         names = [s.name for s in _moe.stages(x, None, 2, loop_gemm=True)]
         if x.gemm == "fp8":

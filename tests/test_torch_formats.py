@@ -107,8 +107,8 @@ def test_grouped_mm_fallback_autograd(monkeypatch):
 
 
 @pytest.mark.parametrize("fast_accum,wgrad,expected", [
-    (("forward",), "bf16", [True, False]),      # the default: torchao's float8 recipe
-    (True, "fp8", [True, True, True]),
+    (("forward",), "bf16", [True, False]),      # torchao's dense float8 recipe
+    (True, "fp8", [True, True, True]),           # the default: torchao's fp8 rowwise MoE GEMM
     (False, "fp8", [False, False, False]),
     ("dgrad", "fp8", [False, True, False]),
     (["wgrad", "forward"], "fp8", [True, False, True]),
@@ -131,7 +131,8 @@ def test_grouped_mm_fast_accum_reaches_each_product(monkeypatch, fast_accum, wgr
     x = quantized_tensor(torch.randn(32, 64, dtype=torch.bfloat16), "fp8_rowwise")
     w = torch.randn(2, 64, 32, dtype=torch.bfloat16, requires_grad=True)
     offs = torch.tensor([16, 32], dtype=torch.int32)
-    y = mt.grouped_mm(x.requires_grad_(True), w, offs, wgrad=wgrad, fast_accum=fast_accum)
+    kw = {} if fast_accum is True else {"fast_accum": fast_accum}  # True: the default
+    y = mt.grouped_mm(x.requires_grad_(True), w, offs, wgrad=wgrad, **kw)
     y.backward(torch.randn(32, 32, dtype=torch.bfloat16))
     assert calls == expected
 
@@ -145,7 +146,7 @@ def test_grouped_mm_rejects_bad_fast_accum(fast_accum):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fast_accum", [("forward",), True, False])
+@pytest.mark.parametrize("fast_accum", [True, ("forward",), False])
 def test_grouped_mm_fp8_sqnr_gpu(fast_accum):
     """SM90: the fp8 path against the bf16 GEMMs of the same bf16 rows (131072-row scale cut to
     8192): output >= 28 dB, input grad >= 26 dB, weight grad >= 25 dB, with each accumulation

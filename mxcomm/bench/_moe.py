@@ -32,21 +32,15 @@ combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gra
                                                                       (gradient: as received)
     fp8_rowwise_mxgrad  mxcomm  fp8_rowwise / bf16 / mxfp8 / fp8_rowwise  as fp8_rowwise
     fp8_rowwise_fp8wgrad  mxcomm  as fp8_rowwise                      as fp8_rowwise, fp8 wgrad
-    fp8_rowwise_acc32   mxcomm  as fp8_rowwise                        as fp8_rowwise, no fast
-                                                                      accumulation
-    fp8_rowwise_fastall mxcomm  as fp8_rowwise                        as fp8_rowwise, all three
-                                                                      products fast
-    fp8_speed           mxcomm  as fp8_rowwise_mxgrad                 as fp8_rowwise_fastall
+    fp8_rowwise_acc32   mxcomm  as fp8_rowwise                        as fp8_rowwise, sums
+                                                                      promoted to fp32
 
-The last five run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is
+The last three run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is
 bf16 (``grouped_mm``'s default), except ``fp8_rowwise_fp8wgrad``: the same run with the fp8 wgrad
 (both operands rescaled per (group, column) along the tokens from the fp8 rows the forward and
 dgrad read), to measure that choice side by side. Their accumulation is ``grouped_mm``'s default
-(the forward's fast, the gradients' promoted to fp32: torchao's float8 training recipe), except
-``fp8_rowwise_acc32`` (every product promoted) and ``fp8_rowwise_fastall`` / ``fp8_speed`` (every
-product fast, as torchao's fp8 rowwise MoE GEMM): the time and the SQNR of that choice side by
-side. ``fp8_speed`` is the fastest combination measured so far: the MXFP8 dispatch gradient
-and fast accumulation everywhere.
+(every product's sums fast, as torchao's fp8 rowwise MoE GEMM), except ``fp8_rowwise_acc32``
+(every product's sums promoted to fp32): the time and the SQNR of that choice side by side.
 ``fp8_rowwise_mxgrad`` also sends dispatch_grad (the dgrad's bf16 output) in MXFP8: the
 backward's largest exchange halved, at the cost of a second quantization of the input gradient
 (MXFP8's 32-element blocks, about 31 dB, against rowwise's 28).
@@ -108,7 +102,7 @@ class Variant:
     unpermute_grad_format: object = None
     gemm: str = "bf16"
     wgrad: str = "bf16"
-    fast_accum: tuple = ("forward",)
+    fast_accum: tuple = ("forward", "dgrad", "wgrad")
     default: bool = True
 
     def describe(self):
@@ -143,11 +137,6 @@ VARIANTS = (
             gemm="fp8", wgrad="fp8", default=False),
     Variant("fp8_rowwise_acc32", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
             gemm="fp8", fast_accum=(), default=False),
-    Variant("fp8_rowwise_fastall", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
-            gemm="fp8", fast_accum=("forward", "dgrad", "wgrad"), default=False),
-    Variant("fp8_speed", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
-            combine_grad="fp8_rowwise", gemm="fp8", fast_accum=("forward", "dgrad", "wgrad"),
-            default=False),
 )
 #: The reference of every SQNR and the first speedup column.
 REFERENCE = "bf16"

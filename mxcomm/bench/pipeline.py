@@ -3,7 +3,7 @@
 Per rank: --tokens rows of --dim elements, routed to W x --experts experts (--experts counts the
 experts of one rank, E_local). Forward: exchange_layout -> a2a_dispatch -> permute -> grouped GEMM
 (bf16 weights (E_local, hidden, dim), with gradient) -> unpermute -> a2a_combine; backward through
-all of it with a fixed random output gradient. Six variants in one run, five more on request
+all of it with a fixed random output gradient. Six variants in one run, three more on request
 (--variants picks; wire = dispatch / combine / dispatch_grad / combine_grad):
   bf16           torch.distributed all_to_all_single in bf16, mxcomm permute/unpermute, bf16
                  GEMM (the reference of SQNR and speedups)
@@ -23,10 +23,7 @@ all of it with a fixed random output gradient. Six variants in one run, five mor
   fp8_rowwise_fp8wgrad   (only by --variants) fp8_rowwise with the GEMM's weight gradient in
                  fp8 (the others': bf16)
   fp8_rowwise_acc32      (only by --variants) fp8_rowwise with every fp8 product's sums promoted
-                 to fp32 (the others: the forward's fast, torchao's float8 recipe)
-  fp8_rowwise_fastall    (only by --variants) fp8_rowwise with all three products fast (as
-                 torchao's fp8 rowwise MoE GEMM)
-  fp8_speed              (only by --variants) fp8_rowwise_mxgrad with all three products fast
+                 to fp32 (the others: every product fast, grouped_mm's default)
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
@@ -320,12 +317,12 @@ class _Case:
 def _gemm_note(rt, fp8_gemm):
     """How the fp8 GEMM variants' GEMM ran here (SM90 fp8, or the bf16 fallback)."""
     if fp8_gemm:
-        return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise, fp8_speed): "
+        return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise): "
                 "mxcomm.torch.grouped_mm, torch._scaled_grouped_mm rowwise on SM90 (weights "
                 "quantized per call, e4m3 with power-of-two scales; forward and dgrad fp8, wgrad "
                 "bf16; fp8_rowwise_fp8wgrad: wgrad fp8, its operands rescaled per (group, column) "
-                "along the tokens; fast accumulation (use_fast_accum) in the forward only, "
-                "except fp8_rowwise_acc32: none, fp8_rowwise_fastall and fp8_speed: all three)")
+                "along the tokens; fast accumulation (use_fast_accum) in every product, except "
+                "fp8_rowwise_acc32: sums promoted to fp32)")
     where = "this GPU is not SM90 (or torch lacks _scaled_grouped_mm)" if rt.gpu else "CPU"
     return (f"fp8 GEMM variants: {where}, so "
             f"mxcomm.torch.grouped_mm ran its bf16 fallback (torch._grouped_mm on the dequantized "
