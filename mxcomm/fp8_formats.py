@@ -37,7 +37,7 @@ from .kernels import (UNBOUNDED, SizedLaunch, Words, address, array_module,  # f
 from ._array import as_device_array, bfloat16, check_rows, float32, stream_ptr
 from ._platform import host_backend
 from .formats import PER_ROW, Format, register, register_conversion
-from .kernels import fp8_block, fp8_colwise, fp8_rowwise
+from .kernels import fp8_block, fp8_colwise, fp8_rowwise, fp8_transpose
 from .kernels._launch import RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels._memory import PAIR_BYTES
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
@@ -49,6 +49,7 @@ from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_bf16_ke
                                   quantize_fp8_rowwise_bf16_kernel, quantize_fp8_rowwise_f32_kernel)
 from .kernels.fp8_colwise import (GROUP_ALIGN, group_colwise_amax_kernel,
                                   group_colwise_encode_kernel, group_colwise_scales_kernel)
+from .kernels.fp8_transpose import transpose_amax_kernel, transpose_encode_kernel
 from .kernels.mx_rowwise import GATHER_REGISTERS, mx_to_rowwise_gather_kernel
 from .mxfp8 import MXFP8Array
 
@@ -556,6 +557,75 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
 
 
 # ---------------------------------------------------------------------------------------------
+# bf16 matrices -> fp8 rowwise along their columns, transposed: the B operand of a dgrad.
+# ---------------------------------------------------------------------------------------------
+
+def quantize_fp8_rowwise_transposed(x, *, stream=None):
+    """fp8-rowwise-quantize the columns of each matrix of ``x`` and write them as rows.
+
+    For x (B, R, C) and every (b, c), the column x[b, :, c] is quantized as
+    :func:`quantize_fp8_rowwise` quantizes a row (scale 2^clamp(ceil(log2(amax / 448)), -126,
+    127), elements round-to-nearest-even e4m3fn saturated to +-448; a column holding NaN or Inf:
+    scale NaN, elements 0x7F), and becomes row c of matrix b of the result: bit-identical to
+    ``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that copy
+    (``kernels.fp8_transpose``). It is the B operand of a grouped dgrad in fp8 (``torch.
+    _scaled_grouped_mm``: B (G, N, K) column-major, scales (G, K)) from weights kept as (G, N, K)
+    with K contiguous, as MoE layers keep them.
+
+    Args:
+        x: (B, R, C) bf16 device array, C-contiguous, R % 16 == 0 and C % 16 == 0. Read.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data, scales): (B, C, R) uint8 e4m3fn bits and (B, C) float32 scales.
+    Raises:
+        TypeError: ``x`` is not a device array or not bf16.
+        ValueError: ``x`` not 3-D, R or C not a multiple of 16, or not C-contiguous.
+    """
+    x = as_device_array(x, "x")
+    if x.ndim != 3:
+        raise ValueError(f"x: expected a 3-D (B, R, C) array, got shape {tuple(x.shape)}")
+    b, r, c = x.shape
+    if x.dtype != bfloat16:
+        raise TypeError(f"x: expected dtype bfloat16, got {x.dtype}")
+    if r % ROWWISE_MULTIPLE or c % ROWWISE_MULTIPLE:
+        raise ValueError(f"x: expected R and C multiples of {ROWWISE_MULTIPLE}, got shape "
+                         f"{tuple(x.shape)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"x: expected a C-contiguous array, got strides {x.strides}")
+    return launch_quantize_fp8_rowwise_transposed(x, stream_ptr(stream))
+
+
+def launch_quantize_fp8_rowwise_transposed(x, stream):
+    """Enqueue the two kernels of :func:`quantize_fp8_rowwise_transposed` (``x`` checked by the
+    caller) on the raw stream handle ``stream``; returns (data, scales)."""
+    if host_backend():
+        return _host_quantize_fp8_rowwise_transposed(x)
+    xp = array_module()
+    b, r, c = x.shape
+    data = xp.empty((b, c, r), dtype=_U8)
+    scales = xp.empty((b, c), dtype=float32)
+    if data.size == 0:
+        scales[...] = 2.0 ** -126  # an empty column's amax is 0
+        return data, scales
+    keys = xp.empty(b * c, dtype=_U32)
+    if simulated():
+        keys[...] = 0
+    else:
+        import cupy
+        cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
+    x_words = x.reshape(b * r, c).view(_U64)
+    # the simulator: one thread per column (no atomics: they serialize its Python threads)
+    sim = simulated()
+    chunk = r if sim else fp8_transpose.CHUNK_ROWS
+    transpose_amax_kernel[launch_1d(b * -(-r // chunk) * (c // 4), stream,
+                                    threads=1 if sim else None)](x_words, r, keys, chunk)
+    tiles = b * -(-r // fp8_transpose.TILE_ROWS) * -(-(c // 4) // fp8_transpose.TILE_WORDS)
+    transpose_encode_kernel[launch_1d(tiles * THREADS_PER_BLOCK, stream)](
+        x_words, r, keys, data.reshape(b * c, r).view(_U32), scales.reshape(b * c).view(_U32))
+    return data, scales
+
+
+# ---------------------------------------------------------------------------------------------
 # NumPy host implementations, bit-identical to the kernels (the same operations: integer scale
 # exponents, fp32 products rounded by NumPy's float32 arithmetic, ml_dtypes' round-to-nearest-even
 # conversions to e4m3fn and bf16).
@@ -627,6 +697,16 @@ def _host_quantize_fp8_rowwise(x, *, out=None):
     else:
         data, scales = _host_quantize_blocks(x, d, True)
     return _host_write(out, data, scales.reshape(m))
+
+
+def _host_quantize_fp8_rowwise_transposed(x):
+    """:func:`quantize_fp8_rowwise_transposed` on NumPy arrays: ``x`` (B, R, C) bf16 -> (data
+    (B, C, R) uint8, scales (B, C) float32)."""
+    x = numpy.asarray(x)
+    b, r, c = x.shape
+    data, scales = _host_quantize_fp8_rowwise(
+        numpy.ascontiguousarray(x.transpose(0, 2, 1)).reshape(b * c, r))
+    return data.reshape(b, c, r), scales.reshape(b, c)
 
 
 def _host_quantize_fp8_block128(x, scale_mode="plain", *, out=None):

@@ -9,9 +9,11 @@ import pytest
 from mxcomm.fp8_formats import (_host_dequantize_fp8_block128, _host_dequantize_fp8_rowwise,
                                 _host_fp8_rowwise_to_group_colwise, _host_mx_to_rowwise_permute,
                                 _host_quantize_fp8_block128, _host_quantize_fp8_rowwise,
+                                _host_quantize_fp8_rowwise_transposed,
                                 dequantize_fp8_block128, dequantize_fp8_rowwise,
                                 fp8_rowwise_to_group_colwise, mx_to_rowwise_permute,
-                                quantize_fp8_block128, quantize_fp8_rowwise)
+                                quantize_fp8_block128, quantize_fp8_rowwise,
+                                quantize_fp8_rowwise_transposed)
 from mxcomm.kernels import address, array_module
 from mxcomm.mxfp8 import MXFP8Array
 from reference import permute_ref, quantize_mxfp8_ref
@@ -574,6 +576,71 @@ def test_group_colwise_rejects_bad_input(kernels):
         fp8_rowwise_to_group_colwise(data[:, :24], scales, ends)
 
 
+# --- bf16 matrices quantized along their columns, transposed (the dgrad's weight operand) ------
+
+def transposed_test_matrices(rng, b, r, c, specials=KERNEL_SPECIALS):
+    """(b, r, c) bf16: random columns spanning 2^-120..2^120 and, as columns, the special rows
+    (zeros, subnormals, the scale thresholds, NaN, Inf: ``special_rows`` of length r)."""
+    x = np.swapaxes(random_rows(rng, b * c, r, BF16).reshape(b, c, r), 1, 2).copy()
+    s = special_rows(BF16, r)[specials].T  # (r, specials) columns
+    for i in range(min(c, s.shape[1])):
+        x[i % b, :, c - 1 - i] = s[:, i]
+    return x
+
+
+def transposed_ref(x):
+    """The float64 reference: rowwise quantization of the transposed matrices."""
+    b, r, c = x.shape
+    data, scales = quantize_fp8_rowwise_ref(np.swapaxes(x, 1, 2).reshape(b * c, r))
+    return data.reshape(b, c, r), scales.reshape(b, c)
+
+
+def test_host_rowwise_transposed_bit_exact(rng):
+    x = transposed_test_matrices(rng, 3, 128, 48, slice(None))
+    assert_same(_host_quantize_fp8_rowwise_transposed(x), transposed_ref(x))
+
+
+@pytest.mark.parametrize("b, r, c", [(2, 32, 48), (1, 80, 144)])  # tiles cut in rows, columns
+def test_rowwise_transposed_kernels_bit_exact(kernels, rng, b, r, c):
+    x = transposed_test_matrices(rng, b, r, c)
+    data, scales = quantize_fp8_rowwise_transposed(to_device(x))
+    assert data.shape == (b, c, r) and scales.shape == (b, c)
+    assert_same((data, scales), transposed_ref(x))
+    nan_cols = ~np.isfinite(x.astype(np.float64)).all(axis=1)
+    assert nan_cols.any() and np.isnan(to_host(scales)[nan_cols]).all()
+
+
+def test_rowwise_transposed_amax_atomic_chunks(kernels, rng):
+    """The amax kernel in chunks smaller than the rows (its GPU configuration: keys merged by
+    atomic max across threads), against the exclusive configuration the simulator launches."""
+    from mxcomm.kernels.fp8_transpose import transpose_amax_kernel
+    from mxcomm.kernels import launch_1d
+    xp = kernels
+    x = transposed_test_matrices(rng, 2, 48, 16)
+    words = to_device(x).reshape(96, 16).view(np.uint64)
+    keys = []
+    for chunk in (16, 48):
+        k = xp.zeros(32, np.uint32)
+        transpose_amax_kernel[launch_1d(2 * -(-48 // chunk) * 4)](words, 48, k, chunk)
+        keys.append(to_host(k))
+    np.testing.assert_array_equal(keys[0], keys[1])
+    want = (bits(x).astype(np.uint32) & 0x7FFF).max(axis=1).reshape(32)
+    np.testing.assert_array_equal(keys[1], want)
+
+
+def test_rowwise_transposed_rejects_bad_input(kernels):
+    xp = kernels
+    x = xp.zeros((2, 32, 48), BF16)
+    with pytest.raises(ValueError, match=r"expected a 3-D \(B, R, C\) array"):
+        quantize_fp8_rowwise_transposed(x[0])
+    with pytest.raises(TypeError, match="expected dtype bfloat16"):
+        quantize_fp8_rowwise_transposed(x.astype(np.float32))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quantize_fp8_rowwise_transposed(x[:, :24])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        quantize_fp8_rowwise_transposed(xp.swapaxes(xp.zeros((2, 48, 32), BF16), 1, 2))
+
+
 # --- GPU: larger shapes against the same references ------------------------------------------
 
 @pytest.mark.gpu
@@ -660,3 +727,15 @@ def test_gpu_mx_to_rowwise_large_bit_exact(rng):
     sub = np.r_[np.flatnonzero(indices == 3), np.arange(0, len(indices), 97)]
     assert_same((to_host(got[0])[sub], to_host(got[1])[sub]),
                 mx_to_rowwise_ref(data, scales, indices[sub]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, r, c", [(8, 2048, 7168), (3, 5120, 1040), (2, 48, 16)])
+def test_gpu_rowwise_transposed_large_bit_exact(rng, b, r, c):
+    """The dgrad weight shapes (G, N, K), a width that cuts the last tile, one tiny matrix."""
+    x = np.swapaxes(random_rows(rng, b * c, r, BF16).reshape(b, c, r), 1, 2).copy()
+    x[0, 7, 5] = np.nan
+    x[b - 1, r - 1, c - 1] = -np.inf
+    x[b - 1, :, 3] = 0
+    got = quantize_fp8_rowwise_transposed(to_device(x))
+    assert_same(got, _host_quantize_fp8_rowwise_transposed(x))

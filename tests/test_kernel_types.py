@@ -96,6 +96,8 @@ def _exercise(xp, rng):
         rng.standard_normal((32, 32)).astype(BF16)))
     fp8_formats.fp8_rowwise_to_group_colwise(data, scales,
                                              xp.asarray(np.array([20, 32], np.int32)))
+    fp8_formats.quantize_fp8_rowwise_transposed(xp.asarray(
+        rng.standard_normal((2, 16, 32)).astype(BF16)))
 
 
 def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, tmp_path):

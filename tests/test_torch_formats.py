@@ -173,6 +173,25 @@ def test_grouped_mm_fp8_sqnr_gpu(fast_accum):
 
 
 @pytest.mark.gpu
+def test_grouped_mm_dgrad_weight_of_a_transposed_view_gpu():
+    """The dgrad's weight operand of a (G, K, N) view of (G, N, K) weights (as MoE layers hold
+    them) is quantized from the storage in place of a contiguous copy: the same bits, the same
+    column-major layout."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(3)
+    stored = (torch.randn(3, 48, 1040, device="cuda") * 4).to(torch.bfloat16)  # (G, N, K)
+    stored[1, 5, 7] = float("nan")
+    w = stored.transpose(-2, -1)  # (G, K, N)
+    b, scale = _torch_gemm._fp8_weight_t(w)
+    q, want = _torch_gemm.quantize_rows_pow2(w.contiguous())  # (G, K, N) along N
+    assert b.shape == (3, 48, 1040) and b.stride() == (48 * 1040, 1, 48)  # column-major
+    assert torch.equal(b.transpose(-2, -1).view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scale.view(torch.int32), want.view(torch.int32))
+    assert torch.isnan(scale[1, 7]) and not torch.isnan(scale[1, 6])
+
+
+@pytest.mark.gpu
 def test_grouped_mm_fp8_wgrad_any_groups_gpu():
     """SM90, groups of any size (not multiples of 16, an empty one, rows past the last group):
     the fp8 wgrad is the product of the fp8 rows it was given (x as quantized, the gradient as
