@@ -33,7 +33,7 @@ MXFP8 but the combine). A format mxcomm does not implement yet is refused before
 
 The Hopper fp8 GEMM path: ``fp8_gemm`` dispatches fp8 rowwise rows (one power-of-two scale per
 row, what SM90 ``torch._scaled_grouped_mm`` reads), keeps them quantized through the permute into
-``mxcomm.torch.grouped_mm`` (fp8 forward and dgrad, bf16 wgrad) for the gate and up GEMMs, and
+``mxcomm.torch.grouped_mm`` (fp8 forward, dgrad and wgrad) for the gate and up GEMMs, and
 sends the combine gradient fp8 rowwise straight into the down GEMM's dgrad; combine and dispatch
 gradient stay bf16. ``bf16_fp8gemm`` (= ``bf16+gemm=fp8``) runs the same fp8 GEMMs behind torch's
 bf16 wire, ``fp8_gemm+gemm=bf16`` the same wire with bf16 GEMMs: the two halves of fp8_gemm's
@@ -99,7 +99,7 @@ VARIANTS = {
 }
 
 #: Precisions of the experts' grouped GEMMs: ``bf16`` (``torch._grouped_mm``) or ``fp8``
-#: (``mxcomm.torch.grouped_mm``: SM90 fp8 rowwise forward and dgrad, bf16 wgrad).
+#: (``mxcomm.torch.grouped_mm``: SM90 fp8 rowwise forward, dgrad and wgrad, fast accumulation).
 GEMM_PRECISIONS = ("bf16", "fp8")
 
 #: Variant name -> GEMM precision, where not bf16.
@@ -470,8 +470,9 @@ def _grouped_mm(x, w, offsets):
 def expert_gemm(x, w, offsets):
     """:func:`_grouped_mm` on the Hopper fp8 path: ``mxcomm.torch.grouped_mm``.
 
-    On a CUDA device it requires SM90 fp8 grouped GEMMs (``fp8=True``: fp8 rowwise forward and
-    dgrad, bf16 wgrad; :func:`check_gemms` refuses other GPUs before training). Elsewhere (CPU)
+    On a CUDA device it requires SM90 fp8 grouped GEMMs (``fp8=True``: fp8 rowwise forward,
+    dgrad and wgrad, ``grouped_mm``'s defaults; :func:`check_gemms` refuses other GPUs before
+    training). Elsewhere (CPU)
     it is that function's documented fallback, bf16 ``torch._grouped_mm`` on the dequantized rows,
     which computes exactly what :func:`_grouped_mm` computes: on the CPU an fp8-GEMM variant
     trains like its bf16-GEMM twin ``NAME+gemm=bf16`` bit for bit, unless its permute converts

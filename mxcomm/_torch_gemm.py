@@ -17,10 +17,10 @@ device that every group of T is a multiple of 16. Each direction::
     dgrad    dx (P, K)    = A grad (P, N) fp8 rowwise (as delivered when combine's gradient is
                               fp8 rowwise; else quantized here)
                             x B  w^T (G, N, K), quantized per (group, column k) along N
-    wgrad    dw (G, K, N) = x^T grad in bf16 (``wgrad="bf16"``, the default: ``torch._grouped_mm``
-                            on x and the gradient as given, dequantized), or A x^T (K, T) x
-                            B grad (T, N), both scaled per (group, column) along the tokens
-                            (``wgrad="fp8"``)
+    wgrad    dw (G, K, N) = A x^T (K, T) x B grad (T, N), both scaled per (group, column) along
+                            the tokens (``wgrad="fp8"``, the default), or x^T grad in bf16
+                            (``wgrad="bf16"``: ``torch._grouped_mm`` on x and the gradient as
+                            given, dequantized)
 
 The fp8 wgrad operands come from the fp8 rowwise rows the forward and dgrad already read (x as
 permuted, saved for backward instead of x; the gradient as delivered or quantized for dgrad):
@@ -29,9 +29,10 @@ permuted, saved for backward instead of x; the gradient as delivered or quantize
 at least 16, with zeros, so the GEMM's rule holds for any routing, empty experts included, with
 no host sync. Rescaling between power-of-two scales keeps every element's bits unless it falls
 into e4m3's subnormal range, so the wgrad's SQNR equals the bf16 wgrad's on the same fp8 rows
-(tests/test_fp8_formats.py; bench/NOTES.md). Its GEMM is faster than the bf16 one, but its two
-operand conversions (byte-granular transposes) cost more than that saves on an H200 today, so
-bf16 is the default (bench/NOTES.md has the numbers).
+(tests/test_fp8_formats.py; bench/NOTES.md). Its two operand conversions (byte-granular
+transposes, 2.8 ms at 131072 x 7168 / 2048 on an H200) cost more than its GEMM saved while the
+products were promoted; with fast accumulation the fp8 wgrad's GEMM saves more than they cost at
+both of the pipeline's shapes (bench/NOTES.md has the numbers), so fp8 is the default.
 
 Accumulation: ``fast_accum`` names the products whose tensor-core sums are not promoted to fp32
 along the way (``use_fast_accum`` of ``torch._scaled_grouped_mm``: faster, a little less exact).
@@ -226,7 +227,7 @@ def _fast_set(fast_accum):
     return chosen
 
 
-def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16", fast_accum=True):
+def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
     """Differentiable grouped GEMM of pre-quantized permuted rows and bf16 expert weights.
 
     Args:
@@ -238,8 +239,8 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="bf16", fast_accum=True):
             any group sizes (empty groups too; the fp8 wgrad pads its own operands).
         fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available`, else the bf16
             fallback; True to require them; False for the bf16 fallback.
-        wgrad: the weight gradient's GEMM, ``"bf16"`` (default) or ``"fp8"`` (module
-            docstring).
+        wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"`` (module
+            docstring); the bf16 fallback ignores it.
         fast_accum: the fp8 products accumulated without fp32 promotion (module docstring):
             some of ``"forward"``, ``"dgrad"``, ``"wgrad"``, or True (all: the default, as
             torchao's fp8 rowwise MoE GEMM) / False (none).

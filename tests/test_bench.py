@@ -412,7 +412,7 @@ def test_pipeline_shapes_default_and_mismatch():
     (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
                                              "mxfp8, mxfp8_all, bf16+fp8gemm, fp8_rowwise, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
-                                             "fp8_rowwise_fp8wgrad, fp8_rowwise_acc32"),
+                                             "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
 def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
@@ -430,9 +430,10 @@ def test_variants_option_parses_names_in_table_order_with_the_reference():
     every = parse_variants(p.parse_args(["pipeline"]).variants)
     assert [v.name for v in every] == ["bf16", "mxfp8", "mxfp8_all", "bf16+fp8gemm",
                                        "fp8_rowwise", "mxfp8+rowwise"]
-    extra = parse_variants("fp8_rowwise_acc32,fp8_rowwise_fp8wgrad,fp8_rowwise_mxgrad,fp8_rowwise")
+    extra = parse_variants("fp8_rowwise_acc32,fp8_rowwise_bf16wgrad,fp8_rowwise_mxgrad,"
+                           "fp8_rowwise")
     assert [v.name for v in extra] == ["bf16", "fp8_rowwise", "fp8_rowwise_mxgrad",
-                                       "fp8_rowwise_fp8wgrad", "fp8_rowwise_acc32"]
+                                       "fp8_rowwise_bf16wgrad", "fp8_rowwise_acc32"]
     a = p.parse_args(["pipeline", "--variants", "mxfp8+rowwise, bf16+fp8gemm,fp8_rowwise,",
                       "--no-stages"])
     assert a.no_stages
@@ -461,7 +462,7 @@ def test_variants_precisions_and_stages():
     assert v["mxfp8+rowwise"].permute_format == "fp8_rowwise"
     assert v["mxfp8+rowwise"].combine_grad == "fp8_rowwise"  # the GEMM's dgrad reads it as is
     assert _checks.precisions(v["fp8_rowwise_mxgrad"])["dispatch_grad"] == "mxfp8"
-    assert [x.name for x in _moe.VARIANTS if x.wgrad == "fp8"] == ["fp8_rowwise_fp8wgrad"]
+    assert [x.name for x in _moe.VARIANTS if x.wgrad == "bf16"] == ["fp8_rowwise_bf16wgrad"]
     # the accumulation comparison differs from fp8_rowwise only there; the others use
     # grouped_mm's default (every product fast)
     assert v["fp8_rowwise_acc32"] == dataclasses.replace(

@@ -15,7 +15,7 @@ Forward, variants with the fp8 GEMM (``Variant.gemm == "fp8"``)::
 
 Their GEMM is ``mxcomm.torch.grouped_mm`` (mxcomm/_torch_gemm.py): on SM90 the rowwise recipe of
 ``torch._scaled_grouped_mm``, which takes fp8_rowwise rows (forward) and an fp8_rowwise gradient
-(dgrad) as they are and quantizes anything else per call (bf16 wgrad by default); elsewhere (CPU, other GPUs)
+(dgrad) as they are and quantizes anything else per call (fp8 wgrad by default); elsewhere (CPU, other GPUs)
 its bf16 fallback, ``torch._grouped_mm`` on the dequantized rows, with the same autograd wiring.
 They have no dequantize stages: nothing makes a bf16 pass in front of that GEMM.
 
@@ -31,14 +31,14 @@ combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gra
     mxfp8+rowwise  mxcomm     mxfp8 / bf16 / bf16 / fp8_rowwise       fp8 rowwise from the permute
                                                                       (gradient: as received)
     fp8_rowwise_mxgrad  mxcomm  fp8_rowwise / bf16 / mxfp8 / fp8_rowwise  as fp8_rowwise
-    fp8_rowwise_fp8wgrad  mxcomm  as fp8_rowwise                      as fp8_rowwise, fp8 wgrad
+    fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise                     as fp8_rowwise, bf16 wgrad
     fp8_rowwise_acc32   mxcomm  as fp8_rowwise                        as fp8_rowwise, sums
                                                                       promoted to fp32
 
 The last three run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is
-bf16 (``grouped_mm``'s default), except ``fp8_rowwise_fp8wgrad``: the same run with the fp8 wgrad
-(both operands rescaled per (group, column) along the tokens from the fp8 rows the forward and
-dgrad read), to measure that choice side by side. Their accumulation is ``grouped_mm``'s default
+fp8 (``grouped_mm``'s default: both operands rescaled per (group, column) along the tokens from
+the fp8 rows the forward and dgrad read), except ``fp8_rowwise_bf16wgrad``: the same run with the
+bf16 wgrad, to measure that choice side by side. Their accumulation is ``grouped_mm``'s default
 (every product's sums fast, as torchao's fp8 rowwise MoE GEMM), except ``fp8_rowwise_acc32``
 (every product's sums promoted to fp32): the time and the SQNR of that choice side by side.
 ``fp8_rowwise_mxgrad`` also sends dispatch_grad (the dgrad's bf16 output) in MXFP8: the
@@ -101,7 +101,7 @@ class Variant:
     permute_format: object = None
     unpermute_grad_format: object = None
     gemm: str = "bf16"
-    wgrad: str = "bf16"
+    wgrad: str = "fp8"
     fast_accum: tuple = ("forward", "dgrad", "wgrad")
     default: bool = True
 
@@ -133,8 +133,8 @@ VARIANTS = (
             permute_format="fp8_rowwise", gemm="fp8"),
     Variant("fp8_rowwise_mxgrad", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
             combine_grad="fp8_rowwise", gemm="fp8", default=False),
-    Variant("fp8_rowwise_fp8wgrad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
-            gemm="fp8", wgrad="fp8", default=False),
+    Variant("fp8_rowwise_bf16wgrad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
+            gemm="fp8", wgrad="bf16", default=False),
     Variant("fp8_rowwise_acc32", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
             gemm="fp8", fast_accum=(), default=False),
 )

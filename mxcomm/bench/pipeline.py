@@ -20,8 +20,8 @@ all of it with a fixed random output gradient. Six variants in one run, three mo
                  rowwise inside the permute, then the same fp8 GEMM
   fp8_rowwise_mxgrad     (only by --variants) fp8_rowwise with dispatch_grad in mxfp8 (the
                  backward's largest exchange halved)
-  fp8_rowwise_fp8wgrad   (only by --variants) fp8_rowwise with the GEMM's weight gradient in
-                 fp8 (the others': bf16)
+  fp8_rowwise_bf16wgrad  (only by --variants) fp8_rowwise with the GEMM's weight gradient in
+                 bf16 (the others': fp8, grouped_mm's default)
   fp8_rowwise_acc32      (only by --variants) fp8_rowwise with every fp8 product's sums promoted
                  to fp32 (the others: every product fast, grouped_mm's default)
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
@@ -319,9 +319,9 @@ def _gemm_note(rt, fp8_gemm):
     if fp8_gemm:
         return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise): "
                 "mxcomm.torch.grouped_mm, torch._scaled_grouped_mm rowwise on SM90 (weights "
-                "quantized per call, e4m3 with power-of-two scales; forward and dgrad fp8, wgrad "
-                "bf16; fp8_rowwise_fp8wgrad: wgrad fp8, its operands rescaled per (group, column) "
-                "along the tokens; fast accumulation (use_fast_accum) in every product, except "
+                "quantized per call, e4m3 with power-of-two scales; forward, dgrad and wgrad "
+                "fp8, the wgrad's operands rescaled per (group, column) along the tokens; "
+                "fp8_rowwise_bf16wgrad: wgrad bf16; fast accumulation (use_fast_accum) in every product, except "
                 "fp8_rowwise_acc32: sums promoted to fp32)")
     where = "this GPU is not SM90 (or torch lacks _scaled_grouped_mm)" if rt.gpu else "CPU"
     return (f"fp8 GEMM variants: {where}, so "
