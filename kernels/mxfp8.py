@@ -180,6 +180,49 @@ def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
                 quantize_bf16_pair(data_words, scales, p, first[k], second[k], amax, lead, rceil)
 
 
+@kernel
+def gather_quantize_mxfp8_bf16_kernel(rows, x_words, data_words, scales, rceil):
+    """:func:`quantize_mxfp8_bf16_kernel` of rows picked by an index: output row r is the MXFP8
+    quantization of input row ``rows[r]``, bit for bit (the same block arithmetic; only the
+    loads differ). The quantized dispatch gradient's producer uses it to read the permuted
+    gradient rows in received order, so the permute's backward writes nothing.
+
+    Args:
+        rows: (R,) int32, the input row of each output row (0 <= rows[r] < the input's rows,
+            not checked). Read.
+        x_words: (M, D // 4) uint64, bf16 bits, 4 elements per word; rows 16-byte aligned. Read.
+        data_words: (R * D // 8,) uint64, e4m3fn bits, 8 per word, output row-major. Written.
+        scales: (R * D // 32,) uint8, e8m0 bits. Written.
+        rceil: bool; True for the rceil scale, False for floor.
+    Launch: as :func:`quantize_mxfp8_bf16_kernel`, over the output's pairs (a row's D // 8 pairs
+        hold whole MX blocks, so a block's 4 lanes read one input row).
+    """
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+    first = cuda.local.array(PAIRS_PER_THREAD, uint64)
+    second = cuda.local.array(PAIRS_PER_THREAD, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    per_row = x_words.shape[1] >> 1
+    n = data_words.shape[0]
+    tile = nthreads * PAIRS_PER_THREAD
+    lead = tid % BF16_PAIRS_PER_BLOCK == 0
+    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
+            p = base + k * nthreads
+            if p < n:
+                r = p // per_row
+                first[k], second[k] = load_pair(x_words, load_item(rows, r), p - r * per_row)
+            else:
+                first[k] = uint64(0)
+                second[k] = uint64(0)
+        for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
+            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
+                             BF16_PAIRS_PER_BLOCK)
+            p = base + k * nthreads
+            if p < n:
+                quantize_bf16_pair(data_words, scales, p, first[k], second[k], amax, lead, rceil)
+
+
 @cuda.jit(device=True)
 def quantize_f32_word(data_half, scales, i, w, amax, lead, rceil):
     """Write word ``i``'s 2 e4m3 bytes, and its block's scale when ``lead``, from the block amax."""

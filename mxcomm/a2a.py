@@ -47,6 +47,7 @@ from .kernels import array_module
 from .formats import PER_ROW, QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
+from .permutation import GatheredRows
 
 #: Every precision a direction accepts: the formats of ``mxcomm.formats``.
 PRECISIONS = format_names()
@@ -69,8 +70,9 @@ def _check_precision(precision, name="precision", rank=None):
 
 
 def _check_rows(x, name, rank):
-    """``x`` as a 2-D array of rows (bf16 or fp32, C-contiguous), or a QuantizedArray as is."""
-    if isinstance(x, QuantizedArray):
+    """``x`` as a 2-D array of rows (bf16 or fp32, C-contiguous), or a QuantizedArray or
+    GatheredRows (made by this package from checked arrays) as is."""
+    if isinstance(x, (QuantizedArray, GatheredRows)):
         return x
     return check_rows(x, f"{name} on rank {rank}", 1, _INPUT_DTYPES)
 
@@ -145,6 +147,10 @@ class _QuantizedRows:
         if isinstance(x, QuantizedArray):  # already of the format: copy its bits
             copy_bytes(data, row_range(x.data, begin, end), stream)
             copy_bytes(scales, row_range(x.scales, begin, end), stream)
+        elif isinstance(x, GatheredRows):  # read where they are (the permuted gradient)
+            self._format.launch_quantize_gather(x.source, row_range(x.index, begin, end),
+                                                self._rows(data, scales), stream, self._share,
+                                                self._scale_mode)
         else:
             self._format.launch_quantize(row_range(x, begin, end), self._rows(data, scales),
                                          stream, self._share, self._scale_mode)
@@ -182,7 +188,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             raise ValueError(f"scale_mode on rank {rank}: expected one of {SCALE_MODES}, got "
                              f"{scale_mode!r}")
         width = x.shape[1]
-        fmt.check_input(x, f"{name} on rank {rank}")
+        fmt.check_input(x.source if isinstance(x, GatheredRows) else x, f"{name} on rank {rank}")
         if layout is not None:
             plan = layout.dispatch_plan if direction == "dispatch" else layout.combine_plan
             send_counts, recv_counts = plan.send_counts, plan.recv_counts
@@ -212,6 +218,9 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     caller = comm._stream_ptr(stream)
     if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
         x = x.dequantize(bfloat16, stream=caller)
+    if isinstance(x, GatheredRows) and not (fmt.quantized and fmt.quantizes_gathered(x.dtype)):
+        with comm._on_stream(caller):  # gathered where the format cannot read them in place
+            x = x.materialize(caller, alloc)
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
         if fmt.quantized and comm.transport == "pull":
             raise ValueError(f"validate=False on rank {rank}: the pull transport needs every "

@@ -69,6 +69,7 @@ class Format:
     _dequantize: object = dataclasses.field(default=None, repr=False)
     _array_class: object = dataclasses.field(default=None, repr=False)
     input_align: int = 1
+    _quantize_gather: object = dataclasses.field(default=None, repr=False)
 
     @property
     def quantized(self):
@@ -142,6 +143,20 @@ class Format:
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         self._quantize(x, out, stream, share, scale_mode or (self.scale_modes or (None,))[0])
+        return out
+
+    def quantizes_gathered(self, dtype):
+        """True if :meth:`launch_quantize_gather` takes rows of ``dtype`` (MXFP8 of bf16 so
+        far); elsewhere gathered rows are gathered first, then quantized."""
+        return self._quantize_gather is not None and dtype == bfloat16
+
+    def launch_quantize_gather(self, x, rows, out, stream, share=1.0, scale_mode=None):
+        """:meth:`launch_quantize` of rows ``rows`` (R,) int32 of ``x`` (M, D) into ``out``
+        (R, D), in one pass (where :meth:`quantizes_gathered`). Returns ``out``."""
+        if self._quantize_gather is None:
+            raise RuntimeError(f"format {self.name!r} does not quantize gathered rows")
+        self._quantize_gather(x, rows, out, stream, share,
+                              scale_mode or (self.scale_modes or (None,))[0])
         return out
 
     def launch_dequantize(self, q, out, stream, share=1.0):

@@ -22,6 +22,7 @@ from .kernels._memory import PAIR_BYTES
 from .kernels.mxfp8 import (GATHER_BLOCKS_PER_SM, PAIRS_PER_THREAD, WARP, WORDS_PER_THREAD,
                             dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, gather_dequantize_mxfp8_bf16_kernel,
+                            gather_quantize_mxfp8_bf16_kernel,
                             quantize_mxfp8_bf16_kernel, quantize_mxfp8_f32_kernel)
 
 SCALE_MODES = ("rceil", "floor")
@@ -106,6 +107,40 @@ def launch_quantize(x, out, scale_mode, stream, share=1.0):
     _quantize_launch(x.dtype, scale_mode == "rceil", share)(stream, x.size // MX_BLOCK, x,
                                                             out.data, out.scales)
     return out
+
+
+def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
+    """Quantize rows ``rows`` of ``x`` into the MXFP8Array ``out``: output row r is row
+    ``rows[r]`` of ``x`` quantized exactly as :func:`launch_quantize` quantizes it (arguments
+    checked by the caller: ``x`` (M, D) bf16 C-contiguous, 16-byte aligned rows; ``rows`` (R,)
+    int32 with 0 <= rows[r] < M; ``out`` (R, D)). Done on return on the host backend; else
+    enqueued on the raw stream handle ``stream`` with ``share`` of the device's grid. Returns
+    ``out``.
+
+    The quantized dispatch gradient's producer: it reads the permuted gradient rows in received
+    order (``mxcomm.permutation.GatheredRows``), so the permute's backward writes no bf16 rows
+    that would only be read again here."""
+    count, d = out.shape
+    if count == 0 or d == 0:
+        return out
+    if host_backend():
+        picked = numpy.ascontiguousarray(numpy.asarray(x)[numpy.asarray(rows)])
+        _host.quantize_mxfp8(picked, out.data, out.scales, scale_mode == "rceil")
+        return out
+    _quantize_gather_launch(d, scale_mode == "rceil", share)(stream, (count, x.shape[0]), rows, x,
+                                                              out.data, out.scales)
+    return out
+
+
+@prepared
+def _quantize_gather_launch(d, rceil, share):
+    """The prepared gather-quantize launch (``kernels.SizedLaunch``) of bf16 rows of width
+    ``d``; counts: the output rows, then the input's."""
+    pairs = d // 8
+    return SizedLaunch(gather_quantize_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
+                       (pairs, PAIRS_PER_THREAD), Words(0, (1,), numpy.dtype(numpy.int32)),
+                       (Words(0, (1, d // 4), _U64, PAIR_BYTES), 1),  # loaded in pairs
+                       Words(0, (pairs,), _U64), Words(0, (d // MX_BLOCK,), _U8), rceil)
 
 
 @prepared
@@ -247,8 +282,12 @@ def _format_dequantize(q, out, stream, share):
     launch_dequantize(q, out, stream, share)
 
 
+def _format_quantize_gather(x, rows, out, stream, share, scale_mode):
+    launch_quantize_gather(x, rows, out, scale_mode, stream, share)
+
+
 #: The ``"mxfp8"`` Format (registered with ``mxcomm.formats`` when this module is imported).
 MXFP8 = register(Format("mxfp8", "e4m3fn", _U8, _U8, MX_BLOCK, MX_BLOCK, 0, SCALE_MODES,
                         "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array,
-                        input_align=8))
+                        input_align=8, _quantize_gather=_format_quantize_gather))
 register_conversion("mxfp8", "bf16", _mx_to_bf16)

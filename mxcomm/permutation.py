@@ -68,6 +68,42 @@ def _rows(x, name):
     return [x], None
 
 
+class GatheredRows:
+    """Rows picked from another array by an index, not yet written anywhere: row i is
+    ``source[index[i]]``.
+
+    The gradient permute's backward owes dispatch's backward (``mxcomm.torch``, with a layout):
+    ``source`` the permuted gradient (P, D), ``index`` the layout's inverse permute index (N,)
+    int32 (received row -> permuted row). An exchange whose format quantizes gathered rows
+    (``Format.quantizes_gathered``) reads them in place; anything else :meth:`materialize` s
+    them first, the same bytes the permute's scatter would have written (docs/design.md, "The
+    permute's backward folded into a quantized dispatch gradient").
+
+    Attributes:
+        source: (M, D) C-contiguous device array. index: (N,) int32, 0 <= index[i] < M.
+        shape: (N, D). dtype: ``source``'s.
+    """
+
+    __slots__ = ("source", "index", "shape", "dtype")
+
+    def __init__(self, source, index):
+        self.source, self.index = source, index
+        self.shape = (index.shape[0],) + tuple(source.shape[1:])
+        self.dtype = source.dtype
+
+    @property
+    def size(self):
+        return int(numpy.prod(self.shape))
+
+    def materialize(self, stream, alloc=None):
+        """The rows as a new (N, D) array (``alloc(shape, dtype)``, None: the array module's
+        ``empty``), gathered on the raw stream handle ``stream``."""
+        out = (alloc or array_module().empty)(self.shape, self.dtype)
+        if self.shape[0]:
+            _move_rows(gather_rows_kernel, self.index, (self.source,), (out,), stream)
+        return out
+
+
 def _word(row_bytes, arrays):
     """The widest word of 8/4/2/1 bytes dividing ``row_bytes`` and every address of ``arrays``
     (so source and destination rows match word for word)."""

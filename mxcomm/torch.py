@@ -81,9 +81,12 @@ class _Alloc:
 
 def _rows(t, name):
     """A tensor as what the array API takes: a QuantizedArray (MXFP8Array for mxfp8) for a
-    QuantizedTensor, else an array."""
+    QuantizedTensor, GatheredRows for a :class:`_PendingGather`, else an array."""
     if isinstance(t, QuantizedTensor):
         return t.format.wrap(_array(t.qdata, f"{name}.qdata"), _array(t.scales, f"{name}.scales"))
+    if isinstance(t, _PendingGather):
+        return _permutation.GatheredRows(_array(t.source, f"{name}.source"),
+                                         _array(t.inverse, f"{name}.inverse"))
     return _array(t, name)
 
 
@@ -237,6 +240,63 @@ class MXFP8Tensor(QuantizedTensor):
 
 
 # ------------------------------------------------------------------------ autograd functions
+class _PendingGather(torch.Tensor):
+    """The gradient permute's backward hands dispatch's backward with a layout: (N, D), row i
+    = ``source[inverse[i]]`` of the permuted gradient (P, D), not written yet (docs/design.md,
+    "The permute's backward folded into a quantized dispatch gradient").
+
+    Dispatch's backward reads it as ``permutation.GatheredRows``: a quantized dispatch gradient
+    whose format quantizes gathered rows (MXFP8) reads the permuted rows in place, so the bf16
+    rows in received order are never written and read back. Any other torch op on it (the sum
+    with another gradient of the received rows, a hook) first materializes it by the scatter
+    permute's backward makes otherwise: the same bits either way.
+    """
+
+    @staticmethod
+    def __new__(cls, source, inverse, permuted_indices, layout):
+        shape = (inverse.shape[0],) + tuple(source.shape[1:])
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=source.dtype,
+                                                   device=source.device)
+        self.source, self.inverse = source, inverse
+        self.permuted_indices, self.row_layout = permuted_indices, layout
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass  # everything happens in __new__
+
+    def __repr__(self):
+        return f"_PendingGather(shape={tuple(self.shape)}, device={self.device})"
+
+    def materialize(self):
+        """The rows as a plain tensor: permute's backward scatter of ``source``."""
+        alloc = _Alloc(self.source.device)
+        dx = _permutation._unpermute(_array(self.source, "grad"),
+                                     _array(self.permuted_indices, "permuted_indices"),
+                                     self.row_layout, _stream(self.source), alloc)
+        return _wrap(dx, alloc)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(lambda a: a.materialize() if isinstance(a, _PendingGather) else a,
+                                (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _folds_into_dispatch(x, layout):
+    """True where permute's backward may hand its gradient to the dispatch that made ``x`` as a
+    :class:`_PendingGather`: ``x`` is the output of :func:`a2a_dispatch` on the same layout,
+    whose gradient precision quantizes gathered rows."""
+    node = x.grad_fn
+    backward = getattr(_A2ADispatch, "_backward_cls", None)
+    if layout is None or backward is None or not isinstance(node, backward):
+        return False
+    *_, grad_precision, dispatch_layout = node.args
+    fmt = get_format(grad_precision)
+    return dispatch_layout is layout and fmt.quantized and fmt.quantizes_gathered(bfloat16)
+
+
 class _Dequantize(torch.autograd.Function):
     """QuantizedTensor -> bf16.
 
@@ -286,7 +346,7 @@ class _Permute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align, out_format):
+    def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align, out_format, fold):
         counts = num_tokens_per_expert_group
         layout = counts if isinstance(counts, _layout.Layout) else None
         if layout is None:
@@ -305,18 +365,44 @@ class _Permute(torch.autograd.Function):
                 layout._cache[key] = cached
         _, indices, offsets = cached
         ctx.save_for_backward(indices)
-        ctx.num_rows = x.shape[0]
+        # with the layout, its permute's indices name every received row once: the backward's
+        # scatter needs no zero fill first (one pass over the gradient less)
+        ctx.num_rows = layout if layout is not None else x.shape[0]
+        ctx.inverse = _inverse_index(layout, align, indices) if fold else None
         ctx.mark_non_differentiable(indices, offsets)
         return _wrap(permuted, alloc), indices, offsets
 
     @staticmethod
     def backward(ctx, grad, grad_indices, grad_offsets):
         (indices,) = ctx.saved_tensors
-        alloc = _Alloc(grad.device)
-        dx = _permutation._unpermute(_rows(grad, "grad"), _array(indices, "permuted_indices"),
-                                     ctx.num_rows, _stream(grad), alloc)
-        # None for: num_tokens_per_expert_group, num_local_experts, align, out_format
-        return _wrap(dx, alloc), None, None, None, None
+        if ctx.inverse is not None and type(grad) is torch.Tensor and grad.is_contiguous() \
+                and grad.dtype == torch.bfloat16:
+            dx = _PendingGather(grad, ctx.inverse, indices, ctx.num_rows)
+        else:
+            alloc = _Alloc(grad.device)
+            dx = _wrap(_permutation._unpermute(_rows(grad, "grad"),
+                                               _array(indices, "permuted_indices"), ctx.num_rows,
+                                               _stream(grad), alloc), alloc)
+        # None for: num_tokens_per_expert_group, num_local_experts, align, out_format, fold
+        return dx, None, None, None, None, None
+
+
+def _inverse_index(layout, align, indices):
+    """(N,) int32 tensor: the permuted row of each received row, the inverse of the layout's
+    permute index ``indices`` (P,) (padding rows, -1, land in a dropped slot N); kept beside the
+    layout per ``align``, like the index, and built on the device (no host sync)."""
+    key = ("torch permute inverse", align)
+    cached = layout._cache.get(key)
+    if cached is not None and cached[0] is indices:
+        return cached[1]
+    n = layout.num_received
+    inverse = torch.empty(n + 1, dtype=torch.int32, device=indices.device)
+    slots = torch.where(indices >= 0, indices, n).long()
+    inverse.scatter_(0, slots, torch.arange(indices.shape[0], dtype=torch.int32,
+                                            device=indices.device))
+    inverse = inverse[:n]
+    layout._cache[key] = (indices, inverse)
+    return inverse
 
 
 class _Unpermute(torch.autograd.Function):
@@ -469,7 +555,10 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         raise TypeError("permute: num_local_experts is required without a layout")
     if out_format is not None:
         get_format(out_format, "out_format")
-    return _Permute.apply(x, num_tokens_per_expert_group, num_local_experts, align, out_format)
+    layout = num_tokens_per_expert_group if isinstance(num_tokens_per_expert_group,
+                                                      _layout.Layout) else None
+    return _Permute.apply(x, num_tokens_per_expert_group, num_local_experts, align, out_format,
+                          _folds_into_dispatch(x, layout))
 
 
 def unpermute(y, permuted_indices, num_rows, *, grad_format=None):

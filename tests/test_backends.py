@@ -104,6 +104,32 @@ def test_quantize_identical(use_backend, rng, dtype, mode):
     np.testing.assert_array_equal(results["host"]["scales"], scales)
 
 
+def _quantize_gathered(x, rows, mode):
+    """The MXFP8 quantize of rows ``rows`` of ``x``, gathered in the kernel's loads
+    (``launch_quantize_gather``), and the same rows gathered first, then quantized."""
+    from mxcomm import mxfp8
+    from mxcomm.kernels import array_module
+    xp = array_module()
+    out = MXFP8Array(xp.empty((rows.shape[0], x.shape[1]), np.uint8),
+                     xp.empty((rows.shape[0], x.shape[1] // 32), np.uint8))
+    mxfp8.launch_quantize_gather(x, rows, out, mode, 0)
+    return out, quantize_mxfp8(xp.ascontiguousarray(x[rows]), mode)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NaN/Inf arithmetic
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_gathered_identical(use_backend, rng, mode):
+    """Rows picked by an index (repeated, out of order, a subset) quantized in one pass: the
+    rows' quantization, bit for bit, on the host backend and on the kernels."""
+    x = quantize_inputs(rng, BF16)
+    rows = rng.permutation(x.shape[0])[:13].astype(np.int32)
+    rows[3] = rows[7]
+    results = run_both(use_backend, lambda a, r: _quantize_gathered(a, r, mode), x, rows)
+    for name in BACKENDS:
+        _assert_same(*results[name], name)
+    assert_identical(results)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator: 448 * 2^127 overflows
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
 def test_dequantize_identical(use_backend, rng, dtype):
@@ -249,6 +275,18 @@ def test_gpu_dequantize_identical_large(use_backend, rng, dtype):
     scales = rng.integers(0, 256, (1024, 7168 // 32), dtype=np.uint8)
     assert_identical(run_both(use_backend,
                               lambda d, s: dequantize_mxfp8(MXFP8Array(d, s), dtype), data, scales))
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_gathered_identical_large(use_backend, rng):
+    """The gather quantize at the dispatch gradient's width: equal to gathering then quantizing
+    on the GPU, and to the host backend, bit for bit."""
+    x = np.concatenate([random_blocks(rng, 700, 7168, BF16),
+                        random_bit_patterns(rng, (300, 7168), BF16)])
+    rows = rng.permutation(1000)[:777].astype(np.int32)
+    results = run_both(use_backend, lambda a, r: _quantize_gathered(a, r, "rceil"), x, rows)
+    _assert_same(*results[BACKENDS[1]], BACKENDS[1])
+    assert_identical(results)
 
 
 @pytest.mark.gpu

@@ -98,6 +98,10 @@ def _exercise(xp, rng):
                                              xp.asarray(np.array([20, 32], np.int32)))
     fp8_formats.quantize_fp8_rowwise_transposed(xp.asarray(
         rng.standard_normal((2, 16, 32)).astype(BF16)))
+    rows = xp.asarray(np.array([3, 0, 2], np.int32))
+    mxfp8.launch_quantize_gather(xp.asarray(rng.standard_normal((4, 64)).astype(BF16)), rows,
+                                 mxfp8.MXFP8Array(xp.empty((3, 64), np.uint8),
+                                                  xp.empty((3, 2), np.uint8)), "rceil", 0)
 
 
 def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, tmp_path):

@@ -290,6 +290,60 @@ def test_torch_pipeline_on_layout_makes_no_host_collective(comm):
     assert torch.equal(grad.view(torch.int16), ref_grad.view(torch.int16))
 
 
+@pytest.mark.parametrize("second_use", [False, True])
+def test_permute_backward_folds_into_the_quantized_dispatch_gradient(comm, monkeypatch,
+                                                                     second_use):
+    """With a layout and an MXFP8 dispatch gradient, permute's backward hands dispatch's
+    backward its permuted gradient and the inverse index (a pending gather), and the MXFP8
+    producer quantizes the permuted rows in place: the input gradient is bit-identical to the
+    explicit-splits calls (which scatter, then quantize). With a second use of the received
+    rows the gradients are summed first, which gathers them: identical again."""
+    torch = pytest.importorskip("torch")
+    import mxcomm.mxfp8
+    import mxcomm.torch as mxt
+    gathered = []
+    quantize_gather = mxcomm.mxfp8.launch_quantize_gather
+
+    def spy(*args, **kwargs):
+        gathered.append(args[1].shape[0])
+        return quantize_gather(*args, **kwargs)
+
+    monkeypatch.setattr(mxcomm.mxfp8, "launch_quantize_gather", spy)
+    w, me = comm.size, comm.rank
+    counts = random_counts(numpy.random.default_rng(SEED + 5), w, 3)
+    layout = mxt.exchange_layout(torch.from_numpy(counts[me].astype(numpy.int64)), comm)
+    group, input_splits, output_splits = layout
+    scale = torch.linspace(-2, 2, D, dtype=torch.bfloat16)
+
+    def run(use_layout, grad_precision="mxfp8"):
+        x = torch.from_numpy(rows_for(counts[me], SEED + me).view(numpy.int16)).view(
+            torch.bfloat16).requires_grad_()
+        if use_layout:
+            received = mxt.a2a_dispatch(x, layout, precision="fp8_rowwise",
+                                        grad_precision=grad_precision)
+            permuted, _, _ = mxt.permute(received, layout, align=8)
+        else:
+            received = mxt.a2a_dispatch(x, input_splits, output_splits, comm,
+                                        precision="fp8_rowwise", grad_precision=grad_precision)
+            permuted, _, _ = mxt.permute(received, group, E_LOCAL, 8)
+        loss = (permuted.dequantize() * scale).float().square().sum()
+        if second_use:
+            loss = loss + (received.dequantize() * 3).float().sum()
+        loss.backward()
+        return x.grad
+
+    folded = run(True)
+    rows_quantized = sum(gathered)
+    reference = run(False)
+    assert torch.equal(folded.view(torch.int16), reference.view(torch.int16))
+    received_rows = int(counts[:, me * E_LOCAL:(me + 1) * E_LOCAL].sum())
+    assert rows_quantized == (0 if second_use else received_rows)
+    assert sum(gathered) == rows_quantized  # the explicit calls never gather
+    gathered.clear()
+    run(True, grad_precision="bf16")  # a bf16 dispatch gradient: no pending gather
+    assert not gathered
+
+
 # ------------------------------------------------------------------------------- GPU (H200s)
 def _gpu_routed(w, me, step, width):
     rng = numpy.random.default_rng(SEED + step)
