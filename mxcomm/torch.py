@@ -342,7 +342,9 @@ class _Permute(torch.autograd.Function):
     Forward:  x (N, D) bf16 or QuantizedTensor -> permuted (P, D) of the same kind (data and
               scales move together; ``out_format``: converted), permuted_indices (P,) int32,
               group_offsets (E_local,) int32.
-    Backward: grad (P, D) -> (N, D), a scatter back to received order (padding rows dropped).
+    Backward: grad (P, D) -> (N, D), a scatter back to received order (padding rows dropped);
+              with ``fold`` (:func:`_folds_into_dispatch`), a :class:`_PendingGather` that the
+              dispatch's MXFP8 gradient reads in place instead.
     """
 
     @staticmethod
@@ -542,7 +544,10 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
             The gradient of ``x`` is bf16 either way.
     Returns:
         ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``;
-        ``group_offsets`` is the ``offs`` of ``torch._grouped_mm``.
+        ``group_offsets`` is the ``offs`` of ``torch._grouped_mm``. With a layout, when ``x``
+        is :func:`a2a_dispatch`'s output on it with an MXFP8 ``grad_precision``, the backward
+        hands the dispatch its permuted gradient to quantize in place (no bf16 rows written in
+        received order; the same bits, docs/design.md).
     Raises:
         ValueError: with a layout, ``x`` has another number of rows than it receives.
     """
