@@ -248,17 +248,16 @@ class _PendingGather(torch.Tensor):
     Dispatch's backward reads it as ``permutation.GatheredRows``: a quantized dispatch gradient
     whose format quantizes gathered rows (MXFP8) reads the permuted rows in place, so the bf16
     rows in received order are never written and read back. Any other torch op on it (the sum
-    with another gradient of the received rows, a hook) first materializes it by the scatter
-    permute's backward makes otherwise: the same bits either way.
+    with another gradient of the received rows, a hook) first materializes it (the gather
+    ``GatheredRows.materialize``: the rows permute's backward scatters otherwise, the same bits).
     """
 
     @staticmethod
-    def __new__(cls, source, inverse, permuted_indices, layout):
+    def __new__(cls, source, inverse):
         shape = (inverse.shape[0],) + tuple(source.shape[1:])
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=source.dtype,
                                                    device=source.device)
         self.source, self.inverse = source, inverse
-        self.permuted_indices, self.row_layout = permuted_indices, layout
         return self
 
     def __init__(self, *args, **kwargs):
@@ -268,12 +267,9 @@ class _PendingGather(torch.Tensor):
         return f"_PendingGather(shape={tuple(self.shape)}, device={self.device})"
 
     def materialize(self):
-        """The rows as a plain tensor: permute's backward scatter of ``source``."""
+        """The rows as a plain tensor, gathered from ``source`` on torch's current stream."""
         alloc = _Alloc(self.source.device)
-        dx = _permutation._unpermute(_array(self.source, "grad"),
-                                     _array(self.permuted_indices, "permuted_indices"),
-                                     self.row_layout, _stream(self.source), alloc)
-        return _wrap(dx, alloc)
+        return _wrap(_rows(self, "grad").materialize(_stream(self.source), alloc), alloc)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -379,7 +375,7 @@ class _Permute(torch.autograd.Function):
         (indices,) = ctx.saved_tensors
         if ctx.inverse is not None and type(grad) is torch.Tensor and grad.is_contiguous() \
                 and grad.dtype == torch.bfloat16:
-            dx = _PendingGather(grad, ctx.inverse, indices, ctx.num_rows)
+            dx = _PendingGather(grad, ctx.inverse)
         else:
             alloc = _Alloc(grad.device)
             dx = _wrap(_permutation._unpermute(_rows(grad, "grad"),
