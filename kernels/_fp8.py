@@ -147,6 +147,16 @@ if simulated():
         return uint32((int(bf16_bits_from_f32_bits(bits_from_f32(a))) << 16)
                       | int(bf16_bits_from_f32_bits(bits_from_f32(b))))
 
+    @cuda.jit(device=True)
+    def byte_perm(a, b, selector):
+        """The uint32 whose byte k is byte ``selector``'s nibble k (0-7) of the 8 bytes of ``b``
+        (bytes 4-7) and ``a`` (bytes 0-3), each a uint32 (PTX ``prmt.b32``, default mode; the
+        nibbles' top bit, sign replication, is not used here)."""
+        both = (int(b) << 32) | int(a)
+        sel = int(selector)
+        return uint32(sum(((both >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k)
+                          for k in range(4)))
+
 else:
     from llvmlite import ir
     from numba import types
@@ -217,6 +227,13 @@ else:
         instruction, ``cvt.rn.bf16x2.f32`` (sm_80+), round to nearest even."""
         return _instruction("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
                             types.uint32(types.float32, types.float32))
+
+    @intrinsic
+    def byte_perm(typingctx, a, b, selector):
+        """The uint32 whose byte k is byte ``selector``'s nibble k (0-7) of the 8 bytes of ``b``
+        (bytes 4-7) and ``a`` (bytes 0-3): one PTX instruction, ``prmt.b32`` (default mode)."""
+        return _instruction("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                            types.uint32(types.uint32, types.uint32, types.uint32))
 
     @intrinsic
     def bits_from_f32(typingctx, x):

@@ -20,9 +20,23 @@ its column's maximum rounds to a signed zero, so the exponent difference is clam
 [-32, 18]). Because both scales are powers of two, an element keeps its bits wherever its row's
 scale is already its column's, and rounds only where it lands in e4m3's subnormal range: on
 Gaussian rows the operands' SQNR against bf16 equals that of quantizing the bf16 columns directly
-(bench/NOTES.md). The arithmetic goes through fp32 and the hardware's e4m3 conversion: a version on
-the e4m3 fields in integers (exponent moves, rounding by shifts) measured 1.3x slower, and its
-inline common case slower still (bench/NOTES.md, fourth session).
+(bench/NOTES.md).
+
+Two exact shortcuts carry the common case (both measured in bench/NOTES.md, twelfth session; the
+first versions decoded every byte to fp32 and multiplied it, ~50 and ~30 instructions per byte):
+  - the amax compares integers: every nonzero e4m3 times a power of two is 2^E (1 + M / 8) (a
+    subnormal's 1-3 significant bits fit the same form), and its key 8 (E + KEY_BIAS) + M orders
+    such values exactly; for a normal e4m3 of magnitude m in a row of scale 2^e it is m plus the
+    row's base 8 (e - 7 + KEY_BIAS): one add per byte, where a SWAR test of each 4-byte word
+    finds no zero, subnormal or NaN byte (else each byte takes the general form);
+  - the encode rescales in f16 pairs: 2^k, k = r_p - s in -14..15, is a normal f16, and e4m3 (4
+    significant bits) times it is exact in f16 wherever the result can be nonzero (a result
+    below 2^-10, half e4m3's smallest subnormal, rounds to a signed zero either way, as in the
+    MXFP8 -> rowwise gather), so a decode to f16 pairs, one f16 multiply and one encode round
+    each element once. Where some factor of a position quad and a lane's 4 columns falls outside
+    that range (rows 2^15 apart, a NaN column, a zero or subnormal row scale) the quad takes the
+    fp32 path: the byte decoded to fp32, times row scale x the column's inverse scale (capped at
+    2^RESCALE_EXP_MAX).
 
 Token positions t: each group starts at a multiple of 16 and takes max(16, 16 * ceil(n_g / 16))
 positions (``aligned_ends``, written by :func:`group_colwise_scales_kernel`): its rows first, then
@@ -38,34 +52,35 @@ write them), 0 or NaN.
 
 Three kernels, grid-stride:
   1. :func:`group_colwise_amax_kernel`: each thread takes one data word (8 columns) of CHUNK_ROWS
-     consecutive rows, keeps the running max of |v| per column and group, and merges it into
+     consecutive rows, keeps the running max of the keys per column and group, and merges it into
      ``keys`` (G, D) with one atomic max per column and group met (the rows are sorted by group,
-     so a chunk meets one group, rarely two). |v| is kept as the fp32 bits of |v| * 2^-8 (finite
-     for every row scale up to 2^127; NaN above every finite key).
+     so a chunk meets one group, rarely two). Zero has the key 0, NaN (a NaN element or a
+     non-finite row scale) KEY_NAN, above every other key.
   2. :func:`group_colwise_scales_kernel`: the keys become the scale bits, in place; thread 0 also
      writes ``aligned_ends``.
   3. :func:`group_colwise_encode_kernel`: tiles of TILE_POSITIONS token positions x TILE_WORDS data
      words (4 columns each): lane j of a warp takes data word j of the rows of 4-position quads
-     (coalesced loads, ENCODE_LOADS words per thread in flight), multiplies each byte by its
-     rescale factor (row scale x the column's inverse scale, in fp32: exact, capped at
-     2^RESCALE_EXP_MAX; an int64 exponent clamp per byte measured 1.5x slower, bench/NOTES.md),
-     rounds the same column of two positions in one conversion, so it holds whole output words
-     (4 positions of a column), and stores them position-contiguous through a swizzled word tile.
-     A CUDA block takes CHUNK_TILES tiles of one stripe of positions in a row, looking up the
-     stripe's source rows once.
+     (coalesced loads, ENCODE_LOADS words per thread in flight; a quad never spans two groups,
+     which start at multiples of 16), transposes the quad's 4 x 4 bytes into one word per column
+     with byte permutes, rescales them (f16 pairs, or fp32 per byte), so it holds whole output
+     words (4 positions of a column), and stores them position-contiguous through a swizzled
+     word tile. A CUDA block takes CHUNK_TILES tiles of one stripe of positions in a row, looking
+     up the stripe's source rows, row exponents and each quad's exponent range once.
 """
 
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, uint16, uint32, uint64
 
-from ._fp8 import E4M3_NAN, F32_INF, F32_MANT_1_75, F32_NAN, cvt_e4m3x2, bits_from_f32, \
+from ._fp8 import E4M3_NAN, F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, cvt_e4m3x2_f16x2, \
+    cvt_f16x2_e4m3x2, mul_f16x2, \
     f32_from_bits, f32_from_e4m3
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_item, load_word, store_item, store_word
 
 #: Rows each thread of the amax kernel walks (one atomic per column and group met), AMAX_UNROLL
-#: rows loaded at a time, AMAX_COLUMNS columns (one uint64 data word) per thread. With 8 rows at a
-#: time numba's loops did not unroll and the loaded words went through local memory (ptxas: 96
-#: bytes of stack); with 4 they stay in registers.
+#: rows loaded at a time (written out: the kernel's four scalars), AMAX_COLUMNS columns (one
+#: uint64 data word) per thread. In a loop over a local array the loaded words went through local
+#: memory whenever the compiler did not unroll it (ptxas: 96 bytes of stack with 8 rows at a time,
+#: 48 with 4 once the integer keys' general case made the loop body longer).
 CHUNK_ROWS = 64
 AMAX_UNROLL = 4
 AMAX_COLUMNS = 8
@@ -93,7 +108,20 @@ _RESCALE_CAP = float32(2.0 ** RESCALE_EXP_MAX)
 #: Shared tile of the encode kernel: 4 * TILE_WORDS columns x TILE_POSITIONS / 4 words (4
 #: positions each), swizzled.
 _TILE_OUT_WORDS = 4 * TILE_WORDS * (TILE_POSITIONS // 4)
-_KEY_SHIFT = float32(2.0 ** -8)   # keys are |v| * 2^-8: finite for e4m3 (<= 448) times scales <= 2^127
+_TILE_QUADS = TILE_POSITIONS // 4
+_TILE_PAIRS = TILE_POSITIONS // 2
+#: Amax keys (module docstring, kernel 1): |v| = 2^E (1 + M / 8) has the key 8 (E + KEY_BIAS) + M,
+#: positive for every nonzero e4m3 times a power-of-two f32 (E >= -9 - 149); zero has 0, NaN
+#: KEY_NAN, above every other.
+KEY_BIAS = 160
+KEY_NAN = uint32(0xFFFFFFFF)
+#: The encode's f16 path (module docstring): rescale exponents r - s it takes (2^k a normal f16),
+#: the f16 pair of 2^1 as an exponent step in both halves, and its row lookup's sentinels.
+FAST_K_MIN, FAST_K_MAX = -14, 15
+F16X2_EXP_ONE = uint32(0x04000400)
+R_PAD, R_SLOW, R_BIG = -1, -2, 1 << 16
+#: Row kinds of :func:`row_key_base`.
+ROW_NORMAL, ROW_ZERO, ROW_NAN = 0, 1, 2
 _ABS = 0x7FFFFFFF
 
 
@@ -108,21 +136,48 @@ def first_group(group_ends, p):
 
 
 @cuda.jit(device=True)
-def abs_key(b, row_mult):
-    """The amax key (uint32 fp32 bits of |v| * 2^-8) of the e4m3 byte ``b`` (uint32) in a row
-    whose scale times 2^-8 is ``row_mult`` (f32; NaN for a non-finite row)."""
-    if (b & uint32(0x7F)) == uint32(E4M3_NAN):
-        return uint32(F32_NAN)
-    return bits_from_f32(f32_from_e4m3(b & uint32(0x7F)) * row_mult) & uint32(_ABS)
+def row_key_base(scale_bits):
+    """The amax key base of a row whose scale has f32 bits ``scale_bits`` (uint32): (base, kind),
+    kind ROW_NORMAL with base = 8 (e - 7 + KEY_BIAS) for a scale 2^e (f32 normal or subnormal;
+    the key of a normal e4m3 magnitude m is then m + base), ROW_ZERO for a zero scale, ROW_NAN
+    for a non-finite one (base 0)."""
+    bits = scale_bits & uint32(_ABS)
+    if bits >= uint32(F32_INF):
+        return int32(0), ROW_NAN
+    if bits == uint32(0):
+        return int32(0), ROW_ZERO
+    e = int32(bits >> uint32(23)) - int32(127)
+    if e == int32(-127):  # an f32 subnormal 2^e = 2^-149 * bits: its bit's position
+        e = int32(-118) - int32(cuda.clz(bits))
+    return int32(8) * (e - int32(7) + int32(KEY_BIAS)), ROW_NORMAL
 
 
 @cuda.jit(device=True)
-def row_key_mult(scale_bits):
-    """2^-8 times the row scale with bits ``scale_bits`` (uint32), as f32; NaN if not finite."""
-    bits = scale_bits & uint32(_ABS)
-    if bits >= uint32(F32_INF):
-        return f32_from_bits(uint32(F32_NAN))
-    return f32_from_bits(bits) * _KEY_SHIFT
+def exact_key(b, base, kind):
+    """The amax key of the e4m3 byte ``b`` (uint32) in a row of key base and kind ``base``,
+    ``kind`` (:func:`row_key_base`): the general case, subnormals, zeros and NaN included."""
+    m = b & uint32(0x7F)
+    if m == uint32(E4M3_NAN) or kind == ROW_NAN:
+        return KEY_NAN
+    if m == uint32(0) or kind == ROW_ZERO:
+        return uint32(0)
+    if m >= uint32(8):
+        return uint32(int32(m) + base)
+    # a subnormal mant * 2^-9: 2^(top - 9) (1 + M / 8) with top = floor(log2 mant)
+    top = int32(2) if m >= uint32(4) else (int32(1) if m >= uint32(2) else int32(0))
+    frac = int32((m << uint32(int32(3) - top)) & uint32(7))
+    return uint32(base + int32(8) * (top - int32(2)) + frac)
+
+
+@cuda.jit(device=True)
+def plain_word(x):
+    """True if none of the 4 e4m3 bytes of the uint32 ``x`` is a zero, a subnormal or a NaN (the
+    common case, whose key is its magnitude plus the row's base), by SWAR tests of the bytes'
+    exponent fields (zero) and magnitudes (0x7F)."""
+    e = (x >> uint32(3)) & uint32(0x0F0F0F0F)
+    normal = (e + uint32(0x7F7F7F7F)) & uint32(0x80808080)   # top bit: exponent field > 0
+    nan = ((x & uint32(0x7F7F7F7F)) + uint32(0x01010101)) & uint32(0x80808080)
+    return ((normal ^ uint32(0x80808080)) | nan) == uint32(0)
 
 
 @cuda.jit(device=True)
@@ -138,6 +193,30 @@ def flush_keys(keys, g, col, k, exclusive):
         k[j] = uint32(0)
 
 
+@cuda.jit(device=True)
+def take_row(keys, group_ends, k, g, g_end, q, d, scale_bits, col, exclusive):
+    """Merge row ``q``'s data word ``d`` (uint64: columns col..col+7) of row scale bits
+    ``scale_bits`` into the running keys ``k`` of group ``g`` (ending at ``g_end``), first
+    flushing them into ``keys`` where row ``q`` starts a later group; returns (g, g_end)."""
+    if q >= g_end:
+        flush_keys(keys, g, col, k, exclusive)
+        while g < group_ends.shape[0] - 1 and group_ends[g] <= q:  # bounded: bad ends
+            g += 1
+        g_end = group_ends[g]
+    base, kind = row_key_base(scale_bits)
+    lo = uint32(d & uint64(0xFFFFFFFF))  # bytes by 32-bit shifts
+    hi = uint32(d >> uint64(32))
+    if kind == ROW_NORMAL and plain_word(lo) and plain_word(hi):
+        for j in range(4):  # magnitude + base
+            k[j] = max(k[j], uint32(int32((lo >> uint32(8 * j)) & uint32(0x7F)) + base))
+            k[j + 4] = max(k[j + 4], uint32(int32((hi >> uint32(8 * j)) & uint32(0x7F)) + base))
+    else:
+        for j in range(4):
+            k[j] = max(k[j], exact_key((lo >> uint32(8 * j)) & uint32(0xFF), base, kind))
+            k[j + 4] = max(k[j + 4], exact_key((hi >> uint32(8 * j)) & uint32(0xFF), base, kind))
+    return g, g_end
+
+
 @kernel
 def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_rows):
     """Per (group, column) amax keys of fp8 rowwise rows (module docstring, kernel 1).
@@ -147,8 +226,8 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
             Read.
         row_scales: (P,) uint32, fp32 bits of the row scales. Read.
         group_ends: (G,) int32, cumulative group ends (non-decreasing, <= P). Read.
-        keys: (G, D) uint32, zeros on entry; max over the group's rows of the fp32 bits of
-            |v| * 2^-8 (NaN bits for a non-finite element). Written (atomic max).
+        keys: (G, D) uint32, zeros on entry; max over the group's rows of the keys of |v|
+            (module docstring; KEY_NAN for a non-finite element). Written (atomic max).
         chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= P makes every key written by one
             thread only (plain stores: the simulator's atomics serialize its Python threads on
             one lock, seconds per small launch).
@@ -156,8 +235,6 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         [c * chunk_rows, (c + 1) * chunk_rows), c = i // (D // 8), grid-stride; AMAX_UNROLL rows
         loaded at a time (all loads in flight first).
     """
-    loaded = cuda.local.array(AMAX_UNROLL, uint64)
-    loaded_scales = cuda.local.array(AMAX_UNROLL, uint32)
     k = cuda.local.array(AMAX_COLUMNS, uint32)
     words = data_words.shape[1]
     n_groups = group_ends.shape[0]
@@ -177,40 +254,38 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         for j in range(AMAX_COLUMNS):
             k[j] = uint32(0)
         for p in range(first, end, AMAX_UNROLL):
-            for u in range(AMAX_UNROLL):  # all loads first
-                if p + u < end:
-                    loaded[u] = load_word(data_words, p + u, w)
-                    loaded_scales[u] = load_item(row_scales, p + u)
-            for u in range(AMAX_UNROLL):
-                q = p + u
-                if q < end:
-                    if q >= g_end:
-                        flush_keys(keys, g, col, k, exclusive)
-                        while g < n_groups - 1 and group_ends[g] <= q:  # bounded: bad ends
-                            g += 1
-                        g_end = group_ends[g]
-                    mult = row_key_mult(loaded_scales[u])
-                    d = loaded[u]
-                    lo = uint32(d & uint64(0xFFFFFFFF))  # bytes by 32-bit shifts
-                    hi = uint32(d >> uint64(32))
-                    for j in range(4):
-                        k[j] = max(k[j], abs_key((lo >> uint32(8 * j)) & uint32(0xFF), mult))
-                        k[j + 4] = max(k[j + 4], abs_key((hi >> uint32(8 * j)) & uint32(0xFF),
-                                                         mult))
+            # AMAX_UNROLL = 4 rows, loaded first into scalars (a local array indexed in a loop
+            # the compiler does not unroll would live in local memory)
+            d0 = load_word(data_words, p, w)
+            s0 = load_item(row_scales, p)
+            d1 = load_word(data_words, p + 1, w) if p + 1 < end else uint64(0)
+            s1 = load_item(row_scales, p + 1) if p + 1 < end else uint32(0)
+            d2 = load_word(data_words, p + 2, w) if p + 2 < end else uint64(0)
+            s2 = load_item(row_scales, p + 2) if p + 2 < end else uint32(0)
+            d3 = load_word(data_words, p + 3, w) if p + 3 < end else uint64(0)
+            s3 = load_item(row_scales, p + 3) if p + 3 < end else uint32(0)
+            g, g_end = take_row(keys, group_ends, k, g, g_end, p, d0, s0, col, exclusive)
+            if p + 1 < end:
+                g, g_end = take_row(keys, group_ends, k, g, g_end, p + 1, d1, s1, col,
+                                    exclusive)
+            if p + 2 < end:
+                g, g_end = take_row(keys, group_ends, k, g, g_end, p + 2, d2, s2, col,
+                                    exclusive)
+            if p + 3 < end:
+                g, g_end = take_row(keys, group_ends, k, g, g_end, p + 3, d3, s3, col,
+                                    exclusive)
         flush_keys(keys, g, col, k, exclusive)
 
 
 @cuda.jit(device=True)
 def scale_exp_of_key(key):
-    """Biased exponent s (1..254) of the scale of a finite key: with |amax| = key * 2^8, the
-    rowwise rule clamp(ceil(log2(amax / 448)), -126, 127) + 127 = key's biased exponent, plus one
-    above a mantissa of 1.75 (448 = 1.75 * 2^8); subnormal and zero keys give 1."""
-    e = int32(key >> uint32(23))
-    if e == 0:
-        return uint32(1)
-    if (key & uint32(0x7FFFFF)) > uint32(F32_MANT_1_75):
-        e += 1
-    return uint32(min(max(e, int32(1)), int32(254)))
+    """Biased exponent s (1..254) of the scale of a finite nonzero key: with amax = 2^E (1 + M/8),
+    E = key / 8 - KEY_BIAS, M = key % 8, the rowwise rule clamp(ceil(log2(amax / 448)), -126,
+    127) + 127 is E - 8 + 127, plus one for M = 7 (1.875 > 1.75: 448 = 1.75 * 2^8)."""
+    e = int32(key >> uint32(3)) - int32(KEY_BIAS) - int32(8)
+    if (key & uint32(7)) == uint32(7):
+        e += int32(1)
+    return uint32(min(max(e, int32(-126)), int32(127)) + int32(127))
 
 
 @kernel
@@ -228,8 +303,10 @@ def group_colwise_scales_kernel(keys, group_ends, aligned_ends):
     n = keys.shape[0]
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         key = keys[i]
-        if key >= uint32(F32_INF):
+        if key == KEY_NAN:
             keys[i] = uint32(F32_NAN)
+        elif key == uint32(0):  # amax 0: 2^-126
+            keys[i] = uint32(1) << uint32(23)
         else:
             keys[i] = scale_exp_of_key(key) << uint32(23)
     if cuda.grid(1) == 0:
@@ -292,6 +369,46 @@ def encode_items(positions, d):
     return -(-positions // TILE_POSITIONS) * -(-tiles_w // CHUNK_TILES)
 
 
+@cuda.jit(device=True)
+def row_exponent(scale_bits):
+    """The biased exponent r (1..254) of a row scale 2^(r - 127) with f32 bits ``scale_bits``
+    (uint32) for the f16 path; R_SLOW where that path does not apply (zero, f32-subnormal,
+    negative, non-finite or not a power of two)."""
+    e = int32(scale_bits >> uint32(23))
+    if (scale_bits & uint32(0x807FFFFF)) or e == 0 or e == 255:
+        return int32(R_SLOW)
+    return e
+
+
+@cuda.jit(device=True)
+def rescale_column(col, drop_ab, drop_cd, col_term):
+    """The output word of one column: ``col`` (uint32) holds its e4m3 bytes at 4 positions (a, b,
+    c, d from the lowest byte). With hi the quad's top row exponent: ``col_term`` is
+    (hi + 15 - s) * 0x04000400 for the column's scale exponent s, ``drop_ab`` / ``drop_cd``
+    the pairs (hi - r) << 10 of positions a, b / c, d (high half: b, d), so col_term - drop is
+    the f16 pair 2^(r - s) of each position (every field in 1..30: no borrow). Each byte times
+    its factor in f16 (exact where the result can be nonzero; module docstring), rounded once
+    to e4m3."""
+    lo = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(col & uint32(0xFFFF))),
+                                    col_term - drop_ab))
+    hi = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(col >> uint32(16))),
+                                    col_term - drop_cd))
+    return uint32(lo) | (uint32(hi) << uint32(16))
+
+
+@cuda.jit(device=True)
+def slow_pair(loaded, at, src_a, src_b, scale_a, scale_b, inverse):
+    """The f32 path of two positions (the general case): 4 e4m3 pairs (uint16 each, position b's
+    byte high) of the columns of data words ``loaded[at]``, ``loaded[at + 1]``."""
+    fa0 = fa1 = fa2 = fa3 = fb0 = fb1 = fb2 = fb3 = float32(0)
+    if src_a >= 0:
+        fa0, fa1, fa2, fa3 = rescale_word(loaded[at], scale_a, inverse)
+    if src_b >= 0:
+        fb0, fb1, fb2, fb3 = rescale_word(loaded[at + 1], scale_b, inverse)
+    return (uint32(cvt_e4m3x2(fb0, fa0)), uint32(cvt_e4m3x2(fb1, fa1)),
+            uint32(cvt_e4m3x2(fb2, fa2)), uint32(cvt_e4m3x2(fb3, fa3)))
+
+
 @kernel(launch_bounds=(THREADS_PER_BLOCK, ENCODE_BLOCKS_PER_SM))
 def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, out_words):
     """fp8 rowwise rows -> (D, T) e4m3 scaled per (group, column) (module docstring, kernel 3).
@@ -305,24 +422,30 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
             word).
     Launch: launch_1d(encode_items(T, D) * THREADS_PER_BLOCK), blockDim.x one of 32, 64, 128,
         256: one work item at a time per CUDA block, grid-stride over items. An item is up to
-        CHUNK_TILES tiles of one stripe of positions: the stripe's source rows, groups and row
-        scales go into shared memory once, then its tiles follow. In a tile, lane j of each warp
-        takes data word
-        w0 + j (4 columns) of the rows of position quads (4 consecutive positions): it loads
+        CHUNK_TILES tiles of one stripe of TILE_POSITIONS positions: the stripe's source rows,
+        groups, row scales and, per position quad, the range of its rows' scale exponents and
+        their f16 factor terms go into shared memory once, then its tiles follow. In a tile,
+        lane j of each warp takes data word w0 + j (4 columns) of the rows of position quads (4
+        consecutive positions, always of one group: groups start at multiples of 16): it loads
         the 4 rows of two quads first (ENCODE_LOADS words in flight, coalesced across the warp),
-        rescales each byte by its row scale times its column's inverse scale (kept while the
-        group stays), rounds the
-        same column of two positions with one conversion, and so holds, per quad, one output
-        word per column (4 positions) to store into the shared tile; the tile's words then go out
-        position-contiguous (coalesced). The shared tile is swizzled (word (c, k) at
-        16 c + (k + c / 4) mod 16): at most 2-way bank conflicts on either side.
+        transposes each quad's 4 x 4 bytes with byte permutes into one word per column (its 4
+        positions), and rescales them in f16 pairs where every factor 2^(r - s) of the quad and
+        its columns is a normal f16 (the common case), else per byte in f32 (the general case);
+        the output words go into a shared tile, then out position-contiguous (coalesced). The
+        shared tile is swizzled (word (c, k) at 16 c + (k + c / 4) mod 16): at most 2-way bank
+        conflicts on either side.
     """
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     source = cuda.shared.array(TILE_POSITIONS, int32)   # row of each position, -1 for padding
     group = cuda.shared.array(TILE_POSITIONS, int32)
     row_scale = cuda.shared.array(TILE_POSITIONS, float32)
+    rexp = cuda.shared.array(TILE_POSITIONS, int32)     # row exponent, R_PAD, R_SLOW
+    quad_lo = cuda.shared.array(_TILE_QUADS, int32)
+    quad_hi = cuda.shared.array(_TILE_QUADS, int32)
+    pair_drop = cuda.shared.array(_TILE_PAIRS, uint32)
     loaded = cuda.local.array(ENCODE_LOADS, uint32)
     inverse = cuda.local.array(4, float32)
+    s_exp = cuda.local.array(4, int32)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     lane = tid % TILE_WORDS
@@ -357,12 +480,36 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                 g += 1
             source[i] = src
             group[i] = g
-            row_scale[i] = f32_from_bits(row_scales[src]) if src >= 0 else float32(0)
+            bits = row_scales[src] if src >= 0 else uint32(0)
+            row_scale[i] = f32_from_bits(bits)
+            rexp[i] = row_exponent(bits) if src >= 0 else int32(R_PAD)
+        cuda.syncthreads()
+        for i in range(tid, TILE_POSITIONS // 4, nthreads):  # each quad's exponent range
+            lo = int32(R_BIG)
+            hi = int32(-R_BIG)
+            for j in range(4):
+                r = rexp[4 * i + j]
+                if r == R_SLOW:
+                    lo = int32(-R_BIG)
+                    hi = int32(R_BIG)
+                elif r != R_PAD:
+                    lo = min(lo, r)
+                    hi = max(hi, r)
+            quad_lo[i] = lo
+            quad_hi[i] = hi
+            for h in range(2):  # (hi - r) per pair; padding rows (zeros) take r = hi
+                ra = rexp[4 * i + 2 * h]
+                rb = rexp[4 * i + 2 * h + 1]
+                da = uint32(hi - ra if ra >= 0 else 0) & uint32(0x1F)  # <= 29 where it is used
+                db = uint32(hi - rb if rb >= 0 else 0) & uint32(0x1F)
+                pair_drop[2 * i + h] = (da << uint32(10)) | (db << uint32(26))
         cuda.syncthreads()
         for t in range(first_tile, min(first_tile + CHUNK_TILES, tiles_w)):
             w0 = t * TILE_WORDS
             w = w0 + lane
-            cached_g = -1
+            cached_g = -1   # the group of ``inverse`` (f32 path)
+            fast_g = -1     # the group of ``s_exp``, s_min, s_max (f16 path)
+            s_min = s_max = int32(0)
             for quad0 in range(slot, TILE_POSITIONS // 4, ENCODE_QUADS * slots):
                 for u in range(ENCODE_LOADS):  # all loads first: the 4 rows of each quad
                     r = 4 * (quad0 + (u // 4) * slots) + u % 4
@@ -371,30 +518,56 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                         uint32(0)
                 for qi in range(ENCODE_QUADS):
                     quad = quad0 + qi * slots
+                    qp = 4 * quad
+                    lo = load_item(quad_lo, quad)
+                    hi = load_item(quad_hi, quad)
                     out0 = out1 = out2 = out3 = uint32(0)
-                    for half in range(2):  # positions (0, 1), then (2, 3) of the quad
-                        ra = 4 * quad + 2 * half
-                        fa0 = fa1 = fa2 = fa3 = fb0 = fb1 = fb2 = fb3 = float32(0)
-                        if load_item(source, ra) >= 0 and w < words:
-                            ga = load_item(group, ra)
-                            if ga != cached_g:
-                                cached_g = ga
-                                load_inverse_scales(scale_bits, cached_g, w, inverse)
-                            fa0, fa1, fa2, fa3 = rescale_word(loaded[4 * qi + 2 * half],
-                                                              load_item(row_scale, ra), inverse)
-                        if load_item(source, ra + 1) >= 0 and w < words:
-                            gb = load_item(group, ra + 1)
-                            if gb != cached_g:
-                                cached_g = gb
-                                load_inverse_scales(scale_bits, cached_g, w, inverse)
-                            fb0, fb1, fb2, fb3 = rescale_word(
-                                loaded[4 * qi + 2 * half + 1], load_item(row_scale, ra + 1),
-                                inverse)
-                        at = uint32(16 * half)  # the pair's bytes: positions 2 half, 2 half + 1
-                        out0 |= uint32(cvt_e4m3x2(fb0, fa0)) << at
-                        out1 |= uint32(cvt_e4m3x2(fb1, fa1)) << at
-                        out2 |= uint32(cvt_e4m3x2(fb2, fa2)) << at
-                        out3 |= uint32(cvt_e4m3x2(fb3, fa3)) << at
+                    if hi != -R_BIG and w < words:  # some row (else all padding: zeros)
+                        g = load_item(group, qp)
+                        if g != fast_g:
+                            fast_g = g
+                            s_min = int32(R_BIG)
+                            s_max = int32(0)
+                            for c in range(4):
+                                s = int32(load_word(scale_bits, g, 4 * w + c) >> uint32(23))
+                                s_exp[c] = s
+                                s_min = min(s_min, s if s != 255 else int32(-R_BIG))
+                                s_max = max(s_max, s)
+                        if hi - s_min <= FAST_K_MAX and lo - s_max >= FAST_K_MIN:
+                            a = loaded[4 * qi]
+                            b = loaded[4 * qi + 1]
+                            c = loaded[4 * qi + 2]
+                            e = loaded[4 * qi + 3]
+                            t0 = byte_perm(a, b, uint32(0x5140))   # a0 b0 a1 b1
+                            t1 = byte_perm(c, e, uint32(0x5140))   # c0 d0 c1 d1
+                            t2 = byte_perm(a, b, uint32(0x7362))   # a2 b2 a3 b3
+                            t3 = byte_perm(c, e, uint32(0x7362))   # c2 d2 c3 d3
+                            dab = load_item(pair_drop, 2 * quad)
+                            dcd = load_item(pair_drop, 2 * quad + 1)
+                            top = hi + int32(15)
+                            out0 = rescale_column(byte_perm(t0, t1, uint32(0x5410)), dab, dcd,
+                                                  uint32(top - s_exp[0]) * F16X2_EXP_ONE)
+                            out1 = rescale_column(byte_perm(t0, t1, uint32(0x7632)), dab, dcd,
+                                                  uint32(top - s_exp[1]) * F16X2_EXP_ONE)
+                            out2 = rescale_column(byte_perm(t2, t3, uint32(0x5410)), dab, dcd,
+                                                  uint32(top - s_exp[2]) * F16X2_EXP_ONE)
+                            out3 = rescale_column(byte_perm(t2, t3, uint32(0x7632)), dab, dcd,
+                                                  uint32(top - s_exp[3]) * F16X2_EXP_ONE)
+                        else:
+                            if g != cached_g:
+                                cached_g = g
+                                load_inverse_scales(scale_bits, g, w, inverse)
+                            for half in range(2):  # positions (0, 1), then (2, 3) of the quad
+                                ra = qp + 2 * half
+                                p0, p1, p2, p3 = slow_pair(
+                                    loaded, 4 * qi + 2 * half, load_item(source, ra),
+                                    load_item(source, ra + 1), load_item(row_scale, ra),
+                                    load_item(row_scale, ra + 1), inverse)
+                                at = uint32(16 * half)
+                                out0 |= p0 << at
+                                out1 |= p1 << at
+                                out2 |= p2 << at
+                                out3 |= p3 << at
                     at = 64 * lane + ((quad + lane) & 15)  # swizzled (column 4 lane, quad)
                     store_item(tile, at, out0)
                     store_item(tile, at + 16, out1)

@@ -538,6 +538,64 @@ def test_group_colwise_amax_atomic_chunks(kernels, rng):
     assert (keys[1][[0, 2, 3]] > 0).all() and (keys[1][1] == 0).all()  # group 1 is empty
 
 
+def f16_path_quads(data, scales, ends, want_scales):
+    """The fraction of non-empty position quads whose every rescale exponent r - s lies in the
+    encode kernel's f16 range (FAST_K_MIN..FAST_K_MAX): how much of a test's data that path
+    takes (computed here from the data, independently of the kernel)."""
+    from mxcomm.kernels.fp8_colwise import FAST_K_MAX, FAST_K_MIN
+    r = np.frexp(scales.astype(np.float64))[1] - 1                        # row exponents
+    s = np.frexp(want_scales.astype(np.float64))[1] - 1                   # (G, D)
+    fast = total = 0
+    start = 0
+    for g, end in enumerate(ends):
+        for q in range(start, end, 4):
+            k = r[q:min(q + 4, end), None] - s[g][None, :]
+            fast += bool(np.isfinite(want_scales[g]).all() and (k >= FAST_K_MIN).all()
+                         and (k <= FAST_K_MAX).all())
+            total += 1
+        start = end
+    return fast / max(total, 1)
+
+
+@pytest.mark.parametrize("spread", [0, 7, 20])
+def test_group_colwise_f16_path_bit_exact(kernels, rng, spread):
+    """Every e4m3 byte value (subnormals, zeros, both signs; no NaN) under row scales 2^r with r
+    spread over 2 ``spread`` + 1 binades: with spread 0 and 7 the encode's f16 path takes (most
+    of) the quads, with 20 its per-byte f32 path most of them; the amax keys' plain-word and
+    exact cases alike. Kernels against the float64 reference."""
+    p, d = 70, 64
+    data = rng.integers(0, 0x7F, (p, d), dtype=np.uint8) | (
+        rng.integers(0, 2, (p, d), dtype=np.uint8) << 7)
+    data[:, :8] = rng.integers(0x08, 0x7F, (p, 8), dtype=np.uint8)   # words of plain bytes
+    scales = np.exp2(rng.integers(-spread, spread + 1, p)).astype(F32)
+    ends = np.array([9, 9, 52, 68], dtype=np.int32)                   # rows 68, 69: no group
+    want = group_colwise_ref(data, scales, ends)
+    share = f16_path_quads(data, scales, ends, want[1])
+    assert share == 1.0 if spread == 0 else (share > 0.5 if spread == 7 else share < 0.5)
+    got = fp8_rowwise_to_group_colwise(to_device(data), to_device(scales), to_device(ends))
+    assert_same(got[:2], want[:2])
+    np.testing.assert_array_equal(to_host(got[2]), want[2])
+
+
+def test_group_colwise_amax_keys_order_subnormals_exactly(kernels):
+    """A column whose largest value is an e4m3 subnormal of a row with a larger scale, against
+    normals of rows with smaller scales (the integer keys rank subnormals by value): every
+    mantissa, every scale offset."""
+    rows, scales = [], []
+    for mant in range(1, 8):
+        for shift in range(0, 12):
+            rows += [mant, 0x08 + (mant % 8)]   # the subnormal, then a normal `shift` binades down
+            scales += [1.0, 2.0 ** -shift]
+    data = np.zeros((len(rows), 16), np.uint8)
+    data[:, 0] = rows
+    data[:, 1] = np.array(rows) | 0x80
+    scales = np.array(scales, F32)
+    ends = np.arange(2, len(rows) + 1, 2, dtype=np.int32)    # each pair its own group
+    got = fp8_rowwise_to_group_colwise(to_device(data), to_device(scales), to_device(ends))
+    want = group_colwise_ref(data, scales, ends)
+    assert_same(got[:2], want[:2])
+
+
 def test_group_colwise_keeps_the_operands_sqnr(rng):
     """Rows quantized rowwise, then rescaled per (group, column): the wgrad operand is as close to
     the bf16 rows as quantizing each group's columns directly (power-of-two scales on both
