@@ -49,9 +49,6 @@ def probe(p, d, kind, groups=8, once=False):
     keys = cupy.zeros((groups, d), numpy.uint32)
     aligned = cupy.empty(groups, numpy.int32)
     w64, w32, rs = data.view(numpy.uint64), data.view(numpy.uint32), scales.view(numpy.uint32)
-    chunks = -(-p // fp8_colwise.CHUNK_ROWS)
-    amax = fp8_colwise.group_colwise_amax_kernel[launch_1d(
-        chunks * (d // fp8_colwise.AMAX_COLUMNS), stream)]
     scale = fp8_colwise.group_colwise_scales_kernel[launch_1d(groups * d, stream)]
     col_scales = fp8_formats.fp8_rowwise_to_group_colwise(data, scales, ends)[1].view(
         numpy.uint32)  # the encode's real column scales (the timed amax and scales passes
@@ -61,8 +58,13 @@ def probe(p, d, kind, groups=8, once=False):
         for bounds in ((256, 3), None):
             encoders[f"encode@{bounds[1] if bounds else 'unbounded'}"] = kernel(
                 fp8_colwise.group_colwise_encode_kernel.py_func, launch_bounds=bounds)
+    amaxes = {"amax": fp8_colwise.CHUNK_ROWS}
+    if not once:  # other rows per thread (fewer atomics, fewer threads)
+        amaxes.update({"amax@128": 128, "amax@256": 256})
     cases = [
-        ("amax", lambda: amax(w64, rs, ends, keys, fp8_colwise.CHUNK_ROWS), p * d + p * 4),
+        *((name, (lambda c: lambda: fp8_colwise.group_colwise_amax_kernel[launch_1d(
+            -(-p // c) * (d // fp8_colwise.AMAX_COLUMNS), stream)](w64, rs, ends, keys, c))(c),
+           p * d + p * 4) for name, c in amaxes.items()),
         ("scales", lambda: scale(keys.reshape(-1), ends, aligned), groups * d * 8),
         *((name, (lambda k: lambda: k[launch_1d(fp8_colwise.encode_items(t, d) * 256, stream)](
             w32, rs, ends, col_scales, data_t.view(numpy.uint32)))(k), p * d + p * 4 + d * t)

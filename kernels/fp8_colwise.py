@@ -76,12 +76,14 @@ from ._fp8 import E4M3_NAN, F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, cvt_e4m3x2_
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_item, load_word, store_item, store_word
 
-#: Rows each thread of the amax kernel walks (one atomic per column and group met), AMAX_UNROLL
+#: Rows each thread of the amax kernel walks (one atomic per column and group met; 256 rather
+#: than 64: 0.52 -> 0.49 ms at 131072 x 7168, 0.20 -> 0.17 ms at x 2048 on an H200, fewer
+#: atomics, bench/NOTES.md twelfth session), AMAX_UNROLL
 #: rows loaded at a time (written out: the kernel's four scalars), AMAX_COLUMNS columns (one
 #: uint64 data word) per thread. In a loop over a local array the loaded words went through local
 #: memory whenever the compiler did not unroll it (ptxas: 96 bytes of stack with 8 rows at a time,
 #: 48 with 4 once the integer keys' general case made the loop body longer).
-CHUNK_ROWS = 64
+CHUNK_ROWS = 256
 AMAX_UNROLL = 4
 AMAX_COLUMNS = 8
 #: Token positions and data words (4 columns each) of one tile of the encode kernel.
@@ -92,8 +94,8 @@ TILE_WORDS = 32
 #: 56 times per stripe at D = 7168).
 CHUNK_TILES = 8
 #: CUDA blocks (of 256 threads) per multiprocessor the encode kernel is compiled for (launch
-#: bounds: 64 registers, 8 bytes spilled, where 74 unbounded left 3 blocks): 1.50 -> 1.43 ms at
-#: 131072 x 7168 on an H200 (bench/NOTES.md).
+#: bounds: 64 registers, 76 bytes spilled, where 83 unbounded leave 3 blocks): 1.25 ms at 131072 x
+#: 7168 on an H200 against 1.27 under bounds for 3 and 1.51 unbounded (bench/NOTES.md).
 ENCODE_BLOCKS_PER_SM = 4
 #: Position quads (4 consecutive positions, one output word per column) each thread of the encode
 #: kernel takes at a time: ENCODE_LOADS data words, all loaded first.

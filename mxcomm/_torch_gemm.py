@@ -30,9 +30,10 @@ at least 16, with zeros, so the GEMM's rule holds for any routing, empty experts
 no host sync. Rescaling between power-of-two scales keeps every element's bits unless it falls
 into e4m3's subnormal range, so the wgrad's SQNR equals the bf16 wgrad's on the same fp8 rows
 (tests/test_fp8_formats.py; bench/NOTES.md). Its two operand conversions (byte-granular
-transposes, 2.8 ms at 131072 x 7168 / 2048 on an H200) cost more than its GEMM saved while the
-products were promoted; with fast accumulation the fp8 wgrad's GEMM saves more than they cost at
-both of the pipeline's shapes (bench/NOTES.md has the numbers), so fp8 is the default.
+transposes: 2.8 ms at 131072 x 7168 / 2048 on an H200 when they decoded every byte to fp32, 2.3 ms
+with integer amax keys and f16 rescaling) cost more than its GEMM saved while the products were
+promoted; with fast accumulation the fp8 wgrad's GEMM saves more than they cost at both of the
+pipeline's shapes (bench/NOTES.md has the numbers), so fp8 is the default.
 
 Accumulation: ``fast_accum`` names the products whose tensor-core sums are not promoted to fp32
 along the way (``use_fast_accum`` of ``torch._scaled_grouped_mm``: faster, a little less exact).
