@@ -4,7 +4,8 @@ scales pass and the encode pass, on permuted fp8 rowwise rows of 8 groups at 131
 after 5 warm-up (CUDA events, back to back) and GB/s of the bytes each pass must touch. Two kinds
 of rows: ``bytes``, uniform random e4m3 bytes under one scale (the earlier sessions' data: 6 % of
 the bytes subnormal or zero), and ``gaussian``, Gaussian rows whose magnitudes vary by 2^N(0, 2)
-quantized by mxcomm's fp8 rowwise kernel (what a permute delivers).
+quantized by mxcomm's fp8 rowwise kernel (what a permute delivers), and ``relu``, those rows with
+their negative half zeroed.
 ``python bench/probe_colwise.py``; bench/NOTES.md says what it found. ``--once``: each pass
 once, untimed (for a profiler: ``bench/gpu_run.sh ncu1``).
 """
@@ -33,6 +34,8 @@ def rows(kind, p, d, rng):
     gen = cupy.random.default_rng(1)
     x = gen.standard_normal((p, d), dtype=numpy.float32)
     x *= cupy.exp2(2.0 * gen.standard_normal((p, 1), dtype=numpy.float32))
+    if kind == "relu":
+        cupy.maximum(x, 0, out=x)
     data, scales = fp8_formats.quantize_fp8_rowwise(x)
     del x
     return data, scales
@@ -85,7 +88,7 @@ def main():
     once = "--once" in sys.argv[1:]
     if not once:
         print("| rows x D | rows | pass | ms | GB/s |\n| --- | --- | --- | --- | --- |")
-    for kind in ("gaussian", "bytes"):
+    for kind in ("gaussian", "relu", "bytes"):
         for p, d in ((131072, 7168), (131072, 2048)):
             probe(p, d, kind, once=once)
             cupy.get_default_memory_pool().free_all_blocks()
