@@ -148,6 +148,13 @@ if simulated():
                       | int(bf16_bits_from_f32_bits(bits_from_f32(b))))
 
     @cuda.jit(device=True)
+    def max_u16x2(a, b):
+        """The unsigned 16-bit maxima of the halves of the uint32s ``a`` and ``b`` (PTX
+        ``max.u16x2``)."""
+        a, b = int(a), int(b)
+        return uint32(max(a & 0xFFFF, b & 0xFFFF) | (max(a >> 16, b >> 16) << 16))
+
+    @cuda.jit(device=True)
     def byte_perm(a, b, selector):
         """The uint32 whose byte k is byte ``selector``'s nibble k (0-7) of the 8 bytes of ``b``
         (bytes 4-7) and ``a`` (bytes 0-3), each a uint32 (PTX ``prmt.b32``, default mode; the
@@ -227,6 +234,13 @@ else:
         instruction, ``cvt.rn.bf16x2.f32`` (sm_80+), round to nearest even."""
         return _instruction("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
                             types.uint32(types.float32, types.float32))
+
+    @intrinsic
+    def max_u16x2(typingctx, a, b):
+        """The unsigned 16-bit maxima of the halves of the uint32s ``a`` and ``b``: one PTX
+        instruction, ``max.u16x2`` (sm_90+)."""
+        return _instruction("max.u16x2 $0, $1, $2;", "=r,r,r",
+                            types.uint32(types.uint32, types.uint32))
 
     @intrinsic
     def byte_perm(typingctx, a, b, selector):

@@ -27,9 +27,10 @@ first versions decoded every byte to fp32 and multiplied it, ~50 and ~30 instruc
   - the amax compares integers: every nonzero e4m3 times a power of two is 2^E (1 + M / 8) (a
     subnormal's 1-3 significant bits fit the same form), and its key 8 (E + KEY_BIAS) + M orders
     such values exactly; for a normal e4m3 of magnitude m in a row of scale 2^e it is m plus the
-    row's base 8 (e - 7 + KEY_BIAS): an add per byte where a SWAR test of the 8-byte word finds
-    only normals, a select more where it also finds zeros (a select on every byte cost 30 % on
-    dense rows), the general form where it finds a subnormal or a NaN;
+    row's base 8 (e - 7 + KEY_BIAS). Keys are below 2^12, so a thread keeps its 8 columns' running
+    maxima in 16-bit halves: one add and one ``max.u16x2`` per two bytes where a SWAR test of the
+    8-byte word finds only normals, a mask more where it also finds zeros (key 0), the general
+    form per byte where it finds a subnormal or a NaN;
   - the encode rescales in f16 pairs: 2^k, k = r_p - s in -14..15, is a normal f16, and e4m3 (4
     significant bits) times it is exact in f16 wherever the result can be nonzero (a result
     below 2^-10, half e4m3's smallest subnormal, rounds to a signed zero either way, as in the
@@ -72,7 +73,7 @@ Three kernels, grid-stride:
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from ._fp8 import E4M3_NAN, F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, cvt_e4m3x2_f16x2, \
-    cvt_f16x2_e4m3x2, mul_f16x2, \
+    cvt_f16x2_e4m3x2, max_u16x2, mul_f16x2, \
     f32_from_bits, f32_from_e4m3
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_item, load_word, store_item, store_word
@@ -87,6 +88,7 @@ from ._memory import load_item, load_word, store_item, store_word
 CHUNK_ROWS = 256
 AMAX_UNROLL = 4
 AMAX_COLUMNS = 8
+_KEY_PAIRS = AMAX_COLUMNS // 2   # running keys of a thread, two columns per uint32
 #: Token positions and data words (4 columns each) of one tile of the encode kernel.
 TILE_POSITIONS = 64
 TILE_WORDS = 32
@@ -180,7 +182,7 @@ WORD_NORMAL, WORD_ZEROS, WORD_SPECIAL = 0, 1, 2
 def word_kind(x):
     """What the 4 e4m3 bytes of the uint32 ``x`` hold, by SWAR tests of their magnitudes:
     WORD_NORMAL (normals only: the key is the magnitude plus the row's base), WORD_ZEROS (normals
-    and zeros: :func:`plain_key`), WORD_SPECIAL (a subnormal or a NaN: :func:`exact_key`)."""
+    and zeros: key 0 for a zero), WORD_SPECIAL (a subnormal or a NaN: :func:`exact_key`)."""
     m = (x & uint32(0x7F7F7F7F)) | uint32(0x80808080)          # magnitudes, top bits set
     below_8 = ~(m - uint32(0x08080808)) & uint32(0x80808080)   # no borrow across bytes
     nonzero = (m - uint32(0x01010101)) & uint32(0x80808080)
@@ -191,29 +193,45 @@ def word_kind(x):
 
 
 @cuda.jit(device=True)
-def plain_key(m, base):
-    """The key of a zero or normal e4m3 magnitude ``m`` (uint32) in a row of key base ``base``."""
-    return uint32(int32(m) + base) if m != uint32(0) else uint32(0)
+def pair_slot(c):
+    """(index, shift) of column ``c`` (0..7) of a thread's word in its packed running keys:
+    columns (0, 2), (1, 3), (4, 6), (5, 7) share a uint32, the first in the low half."""
+    return ((c & 4) >> 1) | (c & 1), uint32(16 * ((c >> 1) & 1))
+
+
+@cuda.jit(device=True)
+def nonzero_lanes(v):
+    """0xFFFF in each 16-bit half of the uint32 ``v`` (two magnitudes, 0..127) that is nonzero,
+    0 in each that is zero."""
+    return (((v + uint32(0x007F007F)) >> uint32(7)) & uint32(0x00010001)) * uint32(0xFFFF)
 
 
 @cuda.jit(device=True)
 def flush_keys(keys, g, col, k, exclusive):
-    """Merge the running keys ``k`` (8, local) of columns col..col+7 of group ``g`` into ``keys``:
-    atomic max, or a plain store where this thread is the only one to write them
-    (``exclusive``); then reset them."""
-    for j in range(AMAX_COLUMNS):
+    """Merge the packed running keys ``k`` (4, local; :func:`pair_slot`) of columns col..col+7 of
+    group ``g`` into ``keys``: atomic max, or a plain store where this thread is the only one to
+    write them (``exclusive``); then reset them."""
+    for c in range(AMAX_COLUMNS):
+        at, shift = pair_slot(c)
+        key = (k[at] >> shift) & uint32(0xFFFF)
+        if key == uint32(0xFFFF):
+            key = KEY_NAN
         if exclusive:
-            keys[g, col + j] = max(keys[g, col + j], k[j])
-        elif k[j]:
-            cuda.atomic.max(keys, (g, col + j), k[j])
-        k[j] = uint32(0)
+            keys[g, col + c] = max(keys[g, col + c], key)
+        elif key:
+            cuda.atomic.max(keys, (g, col + c), key)
+    for i in range(_KEY_PAIRS):
+        k[i] = uint32(0)
 
 
 @cuda.jit(device=True)
 def take_row(keys, group_ends, k, g, g_end, q, d, scale_bits, col, exclusive):
     """Merge row ``q``'s data word ``d`` (uint64: columns col..col+7) of row scale bits
-    ``scale_bits`` into the running keys ``k`` of group ``g`` (ending at ``g_end``), first
-    flushing them into ``keys`` where row ``q`` starts a later group; returns (g, g_end)."""
+    ``scale_bits`` into the packed running keys ``k`` of group ``g`` (ending at ``g_end``), first
+    flushing them into ``keys`` where row ``q`` starts a later group; returns (g, g_end).
+
+    Keys (< 2^12) run in 16-bit halves, two columns per uint32, so one add and one
+    ``max.u16x2`` serve two bytes; NaN runs as 0xFFFF."""
     if q >= g_end:
         flush_keys(keys, g, col, k, exclusive)
         while g < group_ends.shape[0] - 1 and group_ends[g] <= q:  # bounded: bad ends
@@ -223,18 +241,29 @@ def take_row(keys, group_ends, k, g, g_end, q, d, scale_bits, col, exclusive):
     lo = uint32(d & uint64(0xFFFFFFFF))  # bytes by 32-bit shifts
     hi = uint32(d >> uint64(32))
     words = max(word_kind(lo), word_kind(hi)) if kind == ROW_NORMAL else WORD_SPECIAL
-    if words == WORD_NORMAL:  # magnitude + base: an add per byte
-        for j in range(4):
-            k[j] = max(k[j], uint32(int32((lo >> uint32(8 * j)) & uint32(0x7F)) + base))
-            k[j + 4] = max(k[j + 4], uint32(int32((hi >> uint32(8 * j)) & uint32(0x7F)) + base))
-    elif words == WORD_ZEROS:  # and 0 for a zero (ReLU-sparse rows): a select more
-        for j in range(4):
-            k[j] = max(k[j], plain_key((lo >> uint32(8 * j)) & uint32(0x7F), base))
-            k[j + 4] = max(k[j + 4], plain_key((hi >> uint32(8 * j)) & uint32(0x7F), base))
+    if words != WORD_SPECIAL:  # magnitude + base, two bytes at a time
+        both = uint32(base) * uint32(0x00010001)
+        v0 = lo & uint32(0x007F007F)                      # columns 0, 2
+        v1 = (lo >> uint32(8)) & uint32(0x007F007F)       # 1, 3
+        v2 = hi & uint32(0x007F007F)                      # 4, 6
+        v3 = (hi >> uint32(8)) & uint32(0x007F007F)       # 5, 7
+        if words == WORD_NORMAL:
+            k[0] = max_u16x2(k[0], v0 + both)
+            k[1] = max_u16x2(k[1], v1 + both)
+            k[2] = max_u16x2(k[2], v2 + both)
+            k[3] = max_u16x2(k[3], v3 + both)
+        else:  # zeros key 0 (ReLU-sparse rows)
+            k[0] = max_u16x2(k[0], (v0 + both) & nonzero_lanes(v0))
+            k[1] = max_u16x2(k[1], (v1 + both) & nonzero_lanes(v1))
+            k[2] = max_u16x2(k[2], (v2 + both) & nonzero_lanes(v2))
+            k[3] = max_u16x2(k[3], (v3 + both) & nonzero_lanes(v3))
     else:
-        for j in range(4):
-            k[j] = max(k[j], exact_key((lo >> uint32(8 * j)) & uint32(0xFF), base, kind))
-            k[j + 4] = max(k[j + 4], exact_key((hi >> uint32(8 * j)) & uint32(0xFF), base, kind))
+        for c in range(AMAX_COLUMNS):
+            word = lo if c < 4 else hi
+            key = min(exact_key((word >> uint32(8 * (c & 3))) & uint32(0xFF), base, kind),
+                      uint32(0xFFFF))
+            at, shift = pair_slot(c)
+            k[at] = max_u16x2(k[at], key << shift)
     return g, g_end
 
 
@@ -256,7 +285,7 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         [c * chunk_rows, (c + 1) * chunk_rows), c = i // (D // 8), grid-stride; AMAX_UNROLL rows
         loaded at a time (all loads in flight first).
     """
-    k = cuda.local.array(AMAX_COLUMNS, uint32)
+    k = cuda.local.array(_KEY_PAIRS, uint32)   # packed: pair_slot
     words = data_words.shape[1]
     n_groups = group_ends.shape[0]
     if n_groups == 0:
@@ -272,7 +301,7 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         end = min(first + chunk_rows, rows)
         g = first_group(group_ends, first)
         g_end = group_ends[g]
-        for j in range(AMAX_COLUMNS):
+        for j in range(_KEY_PAIRS):
             k[j] = uint32(0)
         for p in range(first, end, AMAX_UNROLL):
             # AMAX_UNROLL = 4 rows, loaded first into scalars (a local array indexed in a loop
