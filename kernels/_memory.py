@@ -6,7 +6,10 @@ compiler from folding the constant steps of an unrolled loop into the loads' off
 rowwise kernels that arithmetic was about 20 of the ~76 instructions spent per 16 input bytes
 (SASS of ``quantize_fp8_rowwise_bf16_kernel``, sm_90): they issue instructions as fast as the
 multiprocessor takes them, so the instructions set their speed (bench/NOTES.md). The helpers here
-take non-negative indices only (not checked) and load two adjacent words in one 16-byte access.
+take non-negative indices only (not checked) and load two adjacent words in one 16-byte access;
+:func:`load_flat` and :func:`store_flat` take one flat index, which a kernel that keeps its
+indices in int32 turns into a single wide multiply-add per access (where a (row, column) pair
+costs two 64-bit products).
 
 On a GPU each helper is a Numba intrinsic (an address computed from the array's data pointer and
 shape, then one vector load or store); under the simulator a device function with the same
@@ -82,6 +85,18 @@ if simulated():
         """``words[row, col] = value`` of a 2-D array."""
         _nonnegative(row, col)
         words[row, col] = value
+
+    @cuda.jit(device=True)
+    def load_flat(words, i):
+        """Element ``i`` of the C-contiguous ``words`` (any dimensions) counted flat."""
+        _nonnegative(i)
+        return words.reshape(-1)[i]
+
+    @cuda.jit(device=True)
+    def store_flat(words, i, value):
+        """Store ``value`` as element ``i`` of the C-contiguous ``words`` counted flat."""
+        _nonnegative(i)
+        words.reshape(-1)[i] = value
 
 else:
     from llvmlite import ir
@@ -251,3 +266,41 @@ else:
             return context.get_dummy_value()
 
         return types.none(words, row, col, value), codegen
+
+    def _flat_pointer(context, builder, array_type, array, index, index_type):
+        """The pointer of element ``index`` (non-negative) of a C-contiguous array, counted
+        flat: the data pointer plus ``index`` elements (a 32-bit index stays one wide
+        multiply-add on the GPU)."""
+        ary = context.make_array(array_type)(context, builder, value=array)
+        return builder.gep(ary.data, [_intp(context, builder, index, index_type)])
+
+    @intrinsic
+    def load_flat(typingctx, words, i):
+        """Element ``i`` of the C-contiguous ``words`` (any dimensions) counted flat, ``i`` >=
+        0: one load, no row and column products (index with an int32 where it fits)."""
+        if not (isinstance(words, types.Array) and words.layout == "C"):
+            raise TypeError(f"load_flat: expected a C-contiguous array, got {words}")
+
+        def codegen(context, builder, signature, args):
+            array, index = args
+            return builder.load(_flat_pointer(context, builder, signature.args[0], array, index,
+                                              signature.args[1]))
+
+        return words.dtype(words, i), codegen
+
+    @intrinsic
+    def store_flat(typingctx, words, i, value):
+        """Store ``value`` as element ``i`` of the C-contiguous ``words`` counted flat, ``i`` >=
+        0."""
+        if not (isinstance(words, types.Array) and words.layout == "C"):
+            raise TypeError(f"store_flat: expected a C-contiguous array, got {words}")
+
+        def codegen(context, builder, signature, args):
+            array, index, v = args
+            words_type, index_type, value_type = signature.args
+            v = context.cast(builder, v, value_type, words_type.dtype)
+            builder.store(v, _flat_pointer(context, builder, words_type, array, index,
+                                           index_type))
+            return context.get_dummy_value()
+
+        return types.none(words, i, value), codegen

@@ -76,7 +76,7 @@ from ._fp8 import E4M3_NAN, F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, cvt_e4m3x2_
     cvt_f16x2_e4m3x2, max_u16x2, mul_f16x2, \
     f32_from_bits, f32_from_e4m3
 from ._launch import THREADS_PER_BLOCK, kernel
-from ._memory import load_item, load_word, store_item, store_word
+from ._memory import load_flat, load_item, load_word, store_flat, store_item
 
 #: Rows each thread of the amax kernel walks (one atomic per column and group met; 256 rather
 #: than 64: 0.52 -> 0.49 ms at 131072 x 7168, 0.20 -> 0.17 ms at x 2048 on an H200, fewer
@@ -100,6 +100,8 @@ CHUNK_TILES = 8
 #: bounds: 64 registers, 76 bytes spilled, where 83 unbounded leave 3 blocks): 1.25 ms at 131072 x
 #: 7168 on an H200 against 1.27 under bounds for 3 and 1.51 unbounded (bench/NOTES.md).
 ENCODE_BLOCKS_PER_SM = 4
+#: Words (4 bytes) the encode kernel's input and output may each hold: it indexes them in int32.
+ENCODE_MAX_WORDS = 2 ** 31 - 1
 #: Position quads (4 consecutive positions, one output word per column) each thread of the encode
 #: kernel takes at a time: ENCODE_LOADS data words, all loaded first.
 ENCODE_QUADS = 2
@@ -470,6 +472,7 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         scale_bits: (G, D) uint32, fp32 bits of the column scales (kernel 2). Read.
         out_words: (D, T // 4) uint32, e4m3 bits, 4 token positions per word. Written (every
             word).
+        Both word arrays hold at most ENCODE_MAX_WORDS words: they are indexed flat, in int32.
     Launch: launch_1d(encode_items(T, D) * THREADS_PER_BLOCK), blockDim.x one of 32, 64, 128,
         256: one work item at a time per CUDA block, grid-stride over items. An item is up to
         CHUNK_TILES tiles of one stripe of TILE_POSITIONS positions: the stripe's source rows,
@@ -483,10 +486,12 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         its columns is a normal f16 (the common case), else per byte in f32 (the general case);
         the output words go into a shared tile, then out position-contiguous (coalesced). The
         shared tile is swizzled (word (c, k) at 16 c + (k + c / 4) mod 16): at most 2-way bank
-        conflicts on either side.
+        conflicts on either side. Each position's row is kept in shared memory as the int32
+        index of its first word, so a load costs a shared load, an add and one wide multiply-add
+        (with 64-bit (row, word) products it took ~12 instructions: bench/NOTES.md).
     """
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
-    source = cuda.shared.array(TILE_POSITIONS, int32)   # row of each position, -1 for padding
+    row_word = cuda.shared.array(TILE_POSITIONS, int32)  # first word of each position's row, -1
     group = cuda.shared.array(TILE_POSITIONS, int32)
     row_scale = cuda.shared.array(TILE_POSITIONS, float32)
     rexp = cuda.shared.array(TILE_POSITIONS, int32)     # row exponent, R_PAD, R_SLOW
@@ -504,14 +509,19 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
     words = data_words.shape[1]
     n_rows = data_words.shape[0]
     d = 4 * words
-    positions = 4 * out_words.shape[1]
+    out_stride = out_words.shape[1]
+    positions = 4 * out_stride
     n_groups = group_ends.shape[0]
     tiles_w = -(-words // TILE_WORDS)
     chunks_w = -(-tiles_w // CHUNK_TILES)
     items = -(-positions // TILE_POSITIONS) * chunks_w
+    k_store = int32(tid & 15)           # the output word (4 positions) a thread stores
+    c_step = int32(nthreads >> 4)       # columns between a thread's stores
+    at_step = int32(c_step * out_stride)
     for item in range(cuda.blockIdx.x, items, cuda.gridDim.x):
         q0 = (item // chunks_w) * TILE_POSITIONS
         first_tile = (item % chunks_w) * CHUNK_TILES
+        store_quad = int32(q0 + 4 * k_store)  # its first position
         for i in range(tid, TILE_POSITIONS, nthreads):  # each position's source row
             q = q0 + i
             src = -1
@@ -528,7 +538,7 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                 aligned += span
                 start = group_ends[g]
                 g += 1
-            source[i] = src
+            row_word[i] = int32(src * words) if src >= 0 else int32(-1)
             group[i] = g
             bits = row_scales[src] if src >= 0 else uint32(0)
             row_scale[i] = f32_from_bits(bits)
@@ -556,23 +566,23 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
         cuda.syncthreads()
         for t in range(first_tile, min(first_tile + CHUNK_TILES, tiles_w)):
             w0 = t * TILE_WORDS
-            w = w0 + lane
-            cached_g = -1   # the group of ``inverse`` (f32 path)
-            fast_g = -1     # the group of ``s_exp``, s_min, s_max (f16 path)
+            w = int32(w0 + lane)
+            lane_in = w < words
+            cached_g = int32(-1)   # the group of ``inverse`` (f32 path)
+            fast_g = int32(-1)     # the group of ``s_exp``, s_min, s_max (f16 path)
             s_min = s_max = int32(0)
             for quad0 in range(slot, TILE_POSITIONS // 4, ENCODE_QUADS * slots):
                 for u in range(ENCODE_LOADS):  # all loads first: the 4 rows of each quad
-                    r = 4 * (quad0 + (u // 4) * slots) + u % 4
-                    src = load_item(source, r)
-                    loaded[u] = load_word(data_words, src, w) if src >= 0 and w < words else \
-                        uint32(0)
+                    first = load_item(row_word, 4 * (quad0 + (u // 4) * slots) + u % 4)
+                    loaded[u] = load_flat(data_words, int32(first + w)) \
+                        if first >= 0 and lane_in else uint32(0)
                 for qi in range(ENCODE_QUADS):
                     quad = quad0 + qi * slots
                     qp = 4 * quad
                     lo = load_item(quad_lo, quad)
                     hi = load_item(quad_hi, quad)
                     out0 = out1 = out2 = out3 = uint32(0)
-                    if hi != -R_BIG and w < words:  # some row (else all padding: zeros)
+                    if hi != int32(-R_BIG) and lane_in:  # some row (else all padding: zeros)
                         g = load_item(group, qp)
                         if g != fast_g:
                             fast_g = g
@@ -583,7 +593,7 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                                 s_exp[c] = s
                                 s_min = min(s_min, s if s != 255 else int32(-R_BIG))
                                 s_max = max(s_max, s)
-                        if hi - s_min <= FAST_K_MAX and lo - s_max >= FAST_K_MIN:
+                        if int32(hi - s_min) <= FAST_K_MAX and int32(lo - s_max) >= FAST_K_MIN:
                             a = loaded[4 * qi]
                             b = loaded[4 * qi + 1]
                             c = loaded[4 * qi + 2]
@@ -610,8 +620,8 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                             for half in range(2):  # positions (0, 1), then (2, 3) of the quad
                                 ra = qp + 2 * half
                                 p0, p1, p2, p3 = slow_pair(
-                                    loaded, 4 * qi + 2 * half, load_item(source, ra),
-                                    load_item(source, ra + 1), load_item(row_scale, ra),
+                                    loaded, 4 * qi + 2 * half, load_item(row_word, ra),
+                                    load_item(row_word, ra + 1), load_item(row_scale, ra),
                                     load_item(row_scale, ra + 1), inverse)
                                 at = uint32(16 * half)
                                 out0 |= p0 << at
@@ -624,11 +634,16 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                     store_item(tile, at + 32, out2)
                     store_item(tile, at + 48, out3)
             cuda.syncthreads()
-            for i in range(tid, _TILE_OUT_WORDS, nthreads):  # store, position-contiguous
-                c = i >> 4
-                k = i & 15
-                col = 4 * w0 + c
-                if col < d and q0 + 4 * k < positions:
-                    store_word(out_words, col, (q0 >> 2) + k,
-                               load_item(tile, (c << 4) + ((k + (c >> 2)) & 15)))
+            # store, position-contiguous: thread tid takes word k = tid % 16 of columns c =
+            # tid / 16, tid / 16 + nthreads / 16, ... (int32 throughout: with the 64-bit
+            # loop counter of a range, each store took ~40 instructions)
+            if store_quad < positions:
+                c = int32(tid >> 4)
+                c_end = int32(min(4 * TILE_WORDS, d - 4 * w0))  # the tile's columns
+                at = int32((4 * w0 + c) * out_stride + (store_quad >> 2))
+                while c < c_end:
+                    store_flat(out_words, at,
+                               load_item(tile, (c << 4) + ((k_store + (c >> 2)) & 15)))
+                    c = int32(c + c_step)
+                    at = int32(at + at_step)
             cuda.syncthreads()

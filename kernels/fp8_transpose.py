@@ -28,11 +28,11 @@ Two kernels, grid-stride:
      ``fp8_colwise``'s encode). The CUDA blocks of a matrix's first row tile write the scales.
 """
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from ._fp8 import BF16_INF, E4M3_NAN, F32_NAN, cvt_e4m3x2, f32_from_bits, inv_scale_f32_bits
 from ._launch import kernel
-from ._memory import load_item, load_word, store_item, store_word
+from ._memory import load_flat, load_item, load_word, store_flat, store_item
 from .fp8_rowwise import rowwise_scale_exp_bf16
 
 #: Rows each thread of the amax kernel walks (one atomic per column met), AMAX_UNROLL at a time.
@@ -45,6 +45,9 @@ TILE_WORDS = 32
 #: ENCODE_LOADS input words, all loaded first.
 ENCODE_QUADS = 2
 ENCODE_LOADS = 4 * ENCODE_QUADS
+#: Words (8-byte input, 4-byte output) the encode kernel's arrays may each hold: it indexes them
+#: flat in int32.
+ENCODE_MAX_WORDS = 2 ** 31 - 1
 #: Shared tile of the encode kernel: 4 * TILE_WORDS columns x TILE_ROWS / 4 words, swizzled.
 _TILE_OUT_WORDS = 4 * TILE_WORDS * (TILE_ROWS // 4)
 _QUADS = TILE_ROWS // 4
@@ -129,7 +132,9 @@ def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
         column of two rows with one conversion, and so holds, per quad, one output word per
         column to store into the shared tile; the tile's words then go out row-contiguous
         (coalesced). The tile is swizzled (word (c, q) at 16 c + (q + c / 4) mod 16): at most
-        2-way bank conflicts on either side.
+        2-way bank conflicts on either side. Both word arrays are indexed flat in int32 (a
+        load or store is one wide multiply-add, where (row, word) pairs took two 64-bit
+        products): each holds at most ENCODE_MAX_WORDS words.
     """
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     loaded = cuda.local.array(ENCODE_LOADS, uint64)
@@ -145,6 +150,10 @@ def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
         return
     cols = 4 * words
     matrices = x_words.shape[0] // rows
+    out_stride = out_words.shape[1]     # R / 4
+    q_store = int32(tid & 15)           # the output word (4 rows) a thread stores
+    c_step = int32(nthreads >> 4)       # columns between a thread's stores
+    at_step = int32(c_step * out_stride)
     tiles_r = -(-rows // TILE_ROWS)
     tiles_w = -(-words // TILE_WORDS)
     items = matrices * tiles_r * tiles_w
@@ -153,8 +162,9 @@ def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
         rest = item - b * tiles_r * tiles_w
         r0 = (rest // tiles_w) * TILE_ROWS
         w0 = (rest % tiles_w) * TILE_WORDS
-        w = w0 + lane
+        w = int32(w0 + lane)
         live = w < words
+        first_word = int32((b * rows + r0) * words + w)  # word w of the tile's first row
         if live:
             for j in range(4):  # this lane's columns: their scales, from the keys
                 key = load_item(keys, b * cols + 4 * w + j)
@@ -171,9 +181,9 @@ def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
                     store_item(scales, b * cols + 4 * w + j, scale_bits)
         for quad0 in range(slot, _QUADS, ENCODE_QUADS * slots):
             for u in range(ENCODE_LOADS):  # all loads first: the 4 rows of each quad
-                r = r0 + 4 * (quad0 + (u // 4) * slots) + u % 4
-                loaded[u] = load_word(x_words, b * rows + r, w) if live and r < rows else \
-                    uint64(0)
+                dr = int32(4 * (quad0 + (u // 4) * slots) + u % 4)
+                loaded[u] = load_flat(x_words, int32(first_word + dr * words)) \
+                    if live and r0 + dr < rows else uint64(0)
             for qi in range(ENCODE_QUADS):
                 quad = quad0 + qi * slots
                 if quad >= _QUADS:
@@ -193,11 +203,15 @@ def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
                             out = uint32(lo) | (uint32(hi) << uint32(16))
                     store_item(tile, at + 16 * j, out)
         cuda.syncthreads()
-        for i in range(tid, _TILE_OUT_WORDS, nthreads):  # store, row-contiguous
-            c = i >> 4
-            q = i & 15
-            col = 4 * w0 + c
-            if col < cols and r0 + 4 * q < rows:
-                store_word(out_words, b * cols + col, (r0 >> 2) + q,
-                           load_item(tile, (c << 4) + ((q + (c >> 2)) & 15)))
+        # store, row-contiguous: thread tid takes word q = tid % 16 of columns c = tid / 16,
+        # tid / 16 + nthreads / 16, ... (int32 throughout, as fp8_colwise's encode)
+        if r0 + 4 * q_store < rows:
+            c = int32(tid >> 4)
+            c_end = int32(min(4 * TILE_WORDS, cols - 4 * w0))  # the tile's columns
+            at = int32((b * cols + 4 * w0 + c) * out_stride + (r0 >> 2) + q_store)
+            while c < c_end:
+                store_flat(out_words, at,
+                           load_item(tile, (c << 4) + ((q_store + (c >> 2)) & 15)))
+                c = int32(c + c_step)
+                at = int32(at + at_step)
         cuda.syncthreads()

@@ -506,7 +506,8 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     Raises:
         TypeError: arrays of other dtypes, or not device arrays.
         ValueError: ``data`` not 2-D, D % 16 != 0 or not C-contiguous; ``scales`` of another
-            shape; ``group_ends`` not 1-D or empty.
+            shape; ``group_ends`` not 1-D or empty; an output of 2^33 bytes or more (8 GiB: the
+            encode kernel indexes words in int32).
     Group ends that are not sorted or exceed P are not detected (that needs a host sync): rows
     then land in the wrong groups or are ignored, but nothing is written out of bounds.
     """
@@ -518,6 +519,11 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
         raise ValueError(f"group_ends: expected a 1-D array of G >= 1 group ends, got shape "
                          f"{tuple(ends.shape)}")
     ends = _check_array(ends, "group_ends", numpy.dtype(numpy.int32), ends.shape)
+    if group_colwise_positions(p, ends.shape[0]) * d // 4 > fp8_colwise.ENCODE_MAX_WORDS:
+        raise ValueError(f"data: {p} x {d} rows in {ends.shape[0]} groups give an output of "
+                         f"{group_colwise_positions(p, ends.shape[0])} x {d} bytes, above the "
+                         f"{4 * fp8_colwise.ENCODE_MAX_WORDS} the encode kernel indexes (int32 "
+                         f"words); split the rows")
     return launch_fp8_rowwise_to_group_colwise(data, scales, ends, stream_ptr(stream))
 
 
@@ -539,7 +545,6 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
     elif keys.size:
         import cupy
         cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
-    words32 = words(data, _U32, "data", rows=True)
     row_scales = scales.view(_U32)
     # The simulator runs CUDA threads as Python threads whose device-function calls contend for a
     # lock (and its atomics for another): a launch of 32 of them took minutes where one took a
@@ -552,7 +557,8 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
     group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
     items = fp8_colwise.encode_items(t, d)
     group_colwise_encode_kernel[launch_1d(items * THREADS_PER_BLOCK, stream)](
-        words32, row_scales, group_ends, keys, words(data_t, _U32, "data_t", rows=True))
+        words(data, _U32, "data", rows=True), row_scales, group_ends, keys,
+        words(data_t, _U32, "data_t", rows=True))
     return data_t, scales_t, aligned
 
 
@@ -579,7 +585,8 @@ def quantize_fp8_rowwise_transposed(x, *, stream=None):
         (data, scales): (B, C, R) uint8 e4m3fn bits and (B, C) float32 scales.
     Raises:
         TypeError: ``x`` is not a device array or not bf16.
-        ValueError: ``x`` not 3-D, R or C not a multiple of 16, or not C-contiguous.
+        ValueError: ``x`` not 3-D, R or C not a multiple of 16, or not C-contiguous; 2^33 or
+            more elements (16 GiB: the encode kernel indexes words in int32).
     """
     x = as_device_array(x, "x")
     if x.ndim != 3:
@@ -592,6 +599,10 @@ def quantize_fp8_rowwise_transposed(x, *, stream=None):
                          f"{tuple(x.shape)}")
     if not x.flags.c_contiguous:
         raise ValueError(f"x: expected a C-contiguous array, got strides {x.strides}")
+    if x.size // 4 > fp8_transpose.ENCODE_MAX_WORDS:
+        raise ValueError(f"x: {x.size} elements (shape {tuple(x.shape)}), above the "
+                         f"{4 * fp8_transpose.ENCODE_MAX_WORDS} the encode kernel indexes "
+                         f"(int32 words); quantize fewer matrices per call")
     return launch_quantize_fp8_rowwise_transposed(x, stream_ptr(stream))
 
 
