@@ -57,7 +57,7 @@ for phase in "$@"; do
             MXCOMM_GRAPH_TEST=pull "${mpirun_env[@]}" -x MXCOMM_NCCL_INIT -x MXCOMM_GRAPH_TEST \
             -n 2 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=90 \
             -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
-            -k "layout_path_equals_validated or rank_skipping or cuda_graph or (nccl_exchange and pull)" \
+            -k "layout_path_equals_validated or permute_align or rank_skipping or cuda_graph or (nccl_exchange and pull)" \
             tests/test_layout.py tests/test_comm.py ;;
     host2on1)  # the host probe of the MXFP8 calls with two ranks on ONE GPU (as pull2on1; host
         # times are real, device times are not: the two processes time-slice the GPU)

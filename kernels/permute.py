@@ -147,3 +147,27 @@ def scatter_rows_kernel(indices, src0, dst0, src1, dst1):
             copy_row(src0, p, dst0, i, ncols0, tid, nthreads)
             for w in range(tid, ncols1, nthreads):
                 dst1[i, w] = src1[p, w]
+
+
+@kernel
+def zero_rows_kernel(indices, dst0, dst1):
+    """dst[p, :] = 0 where indices[p] < 0 (the padding rows of a permute), for two arrays at once;
+    other rows are left as they are.
+
+    Args:
+        indices: (P,) int32 source rows or -1. Read.
+        dst0, dst1: (P, W0) and (P, W1) words, C-contiguous, or an empty (0, 0) second array.
+            Written (the padding rows only).
+    Launch: launch_1d(P * blockDim): one CUDA block per row, as :func:`gather_rows_kernel`
+        (a row that is not padding costs its block one index load).
+    """
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    ncols0 = dst0.shape[1]
+    ncols1 = dst1.shape[1]
+    for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
+        if indices[p] < 0:
+            for w in range(tid, ncols0, nthreads):
+                dst0[p, w] = 0
+            for w in range(tid, ncols1, nthreads):
+                dst1[p, w] = 0

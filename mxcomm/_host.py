@@ -254,3 +254,12 @@ def scatter_rows(indices, srcs, dsts):
         valid = (indices >= 0) & (indices < dst_b.shape[0])
         dst_b[indices[valid]] = src_b[valid]
     return dsts
+
+
+def zero_rows(indices, dsts):
+    """``dst[p] = 0`` where ``indices[p] < 0``, for each array of ``dsts`` (P, ...); other rows
+    are left as they are (``kernels.permute.zero_rows_kernel``). Returns ``dsts``."""
+    pad = numpy.asarray(indices) < 0
+    for dst in dsts:
+        _byte_rows(dst)[pad] = 0
+    return dsts

@@ -47,7 +47,7 @@ from .kernels import array_module
 from .formats import PER_ROW, QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
-from .permutation import GatheredRows
+from .permutation import GatheredRows, _permute, _unpermute, expert_order, pad_rows, scatter_rows
 
 #: Every precision a direction accepts: the formats of ``mxcomm.formats``.
 PRECISIONS = format_names()
@@ -160,8 +160,21 @@ class _QuantizedRows:
                                        stream, 1.0 if stream == self._caller else _BESIDE_SHARE)
 
 
+class _PermutedRows(_QuantizedRows):
+    """The quantized exchange whose received rows land in permuted order (``permute_align``):
+    ``out`` is ``(inverse, permuted arrays)``, and each sender's rows are scattered from where
+    they are into their permuted rows (``scatter_rows``, through the inverse permute index)."""
+
+    __slots__ = ()
+
+    def consume(self, begin, end, rows, stream):
+        inverse, dsts = self._out
+        scatter_rows(row_range(inverse, begin, end), rows, dsts, stream,
+                     1.0 if stream == self._caller else _BESIDE_SHARE)
+
+
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
-              direction, dequantize, scale_mode, stream, validate, alloc):
+              direction, dequantize, scale_mode, stream, validate, alloc, permute_align=None):
     """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
 
     Args:
@@ -175,8 +188,13 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
         validate: explicit splits only: check across ranks first (None: the communicator's).
         alloc: ``alloc(shape, dtype)`` -> a new array for the results, or None for the array
             module's ``empty`` (``mxcomm.torch`` hands in torch's allocator).
+        permute_align: None, or (layout only) the expert side in ``permute``'s order for this
+            align (docs/design.md, "The expert side of an exchange in permute's order"): the
+            dispatch direction returns ``permute``'s triple, the combine direction reads ``x``
+            as the permuted rows (P, D).
     Returns:
-        (N, D) QuantizedArray or array.
+        (N, D) QuantizedArray or array; with ``permute_align`` in the dispatch direction,
+        ``(permuted (P, D), permuted_indices (P,), group_offsets (E_local,))``.
     """
     layout, comm = _resolve(input_splits, output_splits, comm, layout, function)
     rank = comm.rank
@@ -189,12 +207,21 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                              f"{scale_mode!r}")
         width = x.shape[1]
         fmt.check_input(x.source if isinstance(x, GatheredRows) else x, f"{name} on rank {rank}")
+        if permute_align is not None:
+            if layout is None:
+                raise TypeError(f"permute_align on rank {rank}: needs a layout (the permute "
+                                f"order is the layout's)")
+            permute_align = _check_align(permute_align, rank)
         if layout is not None:
             plan = layout.dispatch_plan if direction == "dispatch" else layout.combine_plan
             send_counts, recv_counts = plan.send_counts, plan.recv_counts
-            if x.shape[0] != plan.rows_sent:
+            rows, what = plan.rows_sent, f"sends {plan.rows_sent} in the {direction} direction"
+            if permute_align is not None and direction == "combine":
+                rows = layout.permuted_rows(permute_align)
+                what = f"permutes to {rows} rows for permute_align = {permute_align}"
+            if x.shape[0] != rows:
                 raise ValueError(f"{name} on rank {rank}: has {x.shape[0]} rows, but the layout "
-                                 f"sends {plan.rows_sent} in the {direction} direction")
+                                 f"{what}")
         else:
             sends, recvs = ((input_splits, "input_splits"), (output_splits, "output_splits"))
             if direction == "combine":
@@ -216,6 +243,11 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
         plan = comm.check(send_counts, recv_counts, description, error=error, validate=validate,
                           what=function)
     caller = comm._stream_ptr(stream)
+    if permute_align is not None and direction == "combine":  # x permuted: received order
+        indices, _, inverse = expert_order(layout, permute_align, caller)
+        with comm._on_stream(caller):
+            x = _unpermute(x, indices, layout, caller, alloc) if isinstance(x, QuantizedArray) \
+                else GatheredRows(x, inverse)
     if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
         x = x.dequantize(bfloat16, stream=caller)
     if isinstance(x, GatheredRows) and not (fmt.quantized and fmt.quantizes_gathered(x.dtype)):
@@ -227,9 +259,28 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                              f"rank's counts; pass a layout (no vote) or validate")
         plan = _local_plan(comm, send_counts, recv_counts)
     if not fmt.quantized:
-        return _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc)
+        out = _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc)
+        if permute_align is None or direction == "combine":
+            return out
+        with comm._on_stream(caller):  # NCCL leaves no place to scatter into: a gather after
+            return _permute(out, layout, None, permute_align, None, caller, alloc)
     kind = f"{function} {fmt.name} rows of D = {width}"
+    if permute_align is not None and direction == "dispatch":
+        return _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout,
+                                  permute_align)
     return _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc)
+
+
+def _check_align(align, rank):
+    """``align`` as a positive int; else TypeError/ValueError naming the rank."""
+    try:
+        value = operator.index(align)
+    except TypeError:
+        raise TypeError(f"permute_align on rank {rank}: expected an int (rows), got "
+                        f"{align!r}") from None
+    if value < 1:
+        raise ValueError(f"permute_align on rank {rank}: expected a positive int, got {value}")
+    return value
 
 
 def _local_plan(comm, send_counts, recv_counts):
@@ -304,6 +355,24 @@ def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind
         return received
 
 
+def _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):
+    """The quantized exchange in the dispatch direction whose received rows land in permuted
+    order (docs/design.md, "The expert side of an exchange in permute's order"): in place, each
+    sender's rows scattered from where they are into their permuted rows; the padding rows get
+    zeros and the padding scale first. Returns ``permute``'s triple."""
+    indices, offsets, inverse = expert_order(layout, align, caller)
+    p = indices.shape[0]
+    with comm._on_stream(caller):
+        permuted = fmt.empty(p, x.shape[1], alloc)
+        scales = permuted.scales  # per-row scales travel as (rows, 1)
+        dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)
+        pad_rows(dsts, fmt, indices, caller)
+        share = 1.0 - _BESIDE_SHARE if comm.transport == "pull" else 1.0
+        comm.exchange(_PermutedRows(x, fmt, kind, scale_mode, (inverse, dsts), caller, share),
+                      plan, in_place=True, stream=caller)
+    return permuted, indices, offsets
+
+
 def _dtype_of(x):
     """The dtype a dequantized result of ``x`` takes: ``x``'s, or bf16 for a QuantizedArray."""
     return bfloat16 if isinstance(x, QuantizedArray) else x.dtype
@@ -322,13 +391,14 @@ _CALLS = {
 
 
 def _call(function, x, input_splits, output_splits, comm, precision, layout=None, *,
-          scale_mode="rceil", stream=None, validate=None, alloc=None):
+          scale_mode="rceil", stream=None, validate=None, alloc=None, permute_align=None):
     """The public ``function`` (a key of ``_CALLS``), with the engine's ``alloc`` (the torch
     adapters pass torch's allocator)."""
     name, direction, dequantize = _CALLS[function]
     return _exchange(x, input_splits, output_splits, comm, precision, layout, function=function,
                      name=name, direction=direction, dequantize=dequantize,
-                     scale_mode=scale_mode, stream=stream, validate=validate, alloc=alloc)
+                     scale_mode=scale_mode, stream=stream, validate=validate, alloc=alloc,
+                     permute_align=permute_align)
 
 
 _COMMON_ARGS = """
@@ -347,11 +417,21 @@ _COMMON_ARGS = """
         validate: explicit splits only: check the call across ranks first (one small host
             allgather; the same error on every rank). None: the communicator's default. The
             low-precision exchanges need it (or a layout) where ``comm.transport == "pull"``.
+        permute_align: None, or (with a layout) an int A: the expert side of the exchange (the
+            rows received in the dispatch direction, sent in the combine direction) is in
+            :func:`~mxcomm.permute`'s order for ``align=A`` instead of received order, bit for
+            bit as a separate permute / unpermute would leave it, without that pass (with a
+            quantized format the received rows are scattered straight from where they arrive
+            into their permuted rows; docs/design.md, "The expert side of an exchange in
+            permute's order"). The dispatch direction then returns ``(permuted (P, D),
+            permuted_indices (P,) int32, group_offsets (E_local,) int32)`` as ``permute``
+            does; the combine direction takes the permuted (P, D) rows.
     Raises:
         ValueError: a bad precision, shape or split list (with explicit splits: the same message
             on every rank, naming the rank; ranks disagreeing on the precision, D or the counts
             too).
-        TypeError: a dtype other than bf16/fp32; a layout and splits both given.
+        TypeError: a dtype other than bf16/fp32; a layout and splits both given;
+            ``permute_align`` without a layout.
         TimeoutError: a peer did not arrive within ``comm.timeout`` s; the communicator is
             aborted.
         RuntimeError: the communicator is aborted or closed; a peer called a different
@@ -363,9 +443,11 @@ def _doc(text):
 
 
 def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8", *,
-                 scale_mode="rceil", stream=None, layout=None, validate=None):
+                 scale_mode="rceil", stream=None, layout=None, validate=None,
+                 permute_align=None):
     return _call("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
-                 scale_mode=scale_mode, stream=stream, validate=validate)
+                 scale_mode=scale_mode, stream=stream, validate=validate,
+                 permute_align=permute_align)
 
 
 a2a_dispatch.__doc__ = _doc("""Step 1: send routed token rows to the ranks holding their experts.
@@ -390,9 +472,11 @@ a2a_dispatch.__doc__ = _doc("""Step 1: send routed token rows to the ranks holdi
 
 def a2a_dispatch_backward(grad, input_splits=None, output_splits=None, comm=None,
                           precision="bf16", *, scale_mode="rceil", stream=None, layout=None,
-                          validate=None):
+                          validate=None,
+                          permute_align=None):
     return _call("a2a_dispatch_backward", grad, input_splits, output_splits, comm, precision,
-                 layout, scale_mode=scale_mode, stream=stream, validate=validate)
+                 layout, scale_mode=scale_mode, stream=stream, validate=validate,
+                 permute_align=permute_align)
 
 
 a2a_dispatch_backward.__doc__ = _doc("""Backward of :func:`a2a_dispatch`: return the received
@@ -410,9 +494,11 @@ a2a_dispatch_backward.__doc__ = _doc("""Backward of :func:`a2a_dispatch`: return
 
 
 def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16", *,
-                scale_mode="rceil", stream=None, layout=None, validate=None):
+                scale_mode="rceil", stream=None, layout=None, validate=None,
+                permute_align=None):
     return _call("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
-                 scale_mode=scale_mode, stream=stream, validate=validate)
+                 scale_mode=scale_mode, stream=stream, validate=validate,
+                 permute_align=permute_align)
 
 
 a2a_combine.__doc__ = _doc("""Step 5: return expert outputs to the ranks their tokens came from.
@@ -431,9 +517,11 @@ a2a_combine.__doc__ = _doc("""Step 5: return expert outputs to the ranks their t
 
 def a2a_combine_backward(grad, input_splits=None, output_splits=None, comm=None,
                          precision="mxfp8", *, scale_mode="rceil", stream=None, layout=None,
-                         validate=None):
+                         validate=None,
+                         permute_align=None):
     return _call("a2a_combine_backward", grad, input_splits, output_splits, comm, precision,
-                 layout, scale_mode=scale_mode, stream=stream, validate=validate)
+                 layout, scale_mode=scale_mode, stream=stream, validate=validate,
+                 permute_align=permute_align)
 
 
 a2a_combine_backward.__doc__ = _doc("""Backward of :func:`a2a_combine`: send the outputs'

@@ -29,7 +29,7 @@ import numpy
 from .kernels import UNBOUNDED, SizedLaunch, Words, address, array_module, launch_1d, prepared, simulated  # first: sets up the simulator before numba loads
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
-                              scatter_rows_kernel)
+                              scatter_rows_kernel, zero_rows_kernel)
 from . import _host
 from ._array import as_device_array, stream_ptr
 from ._platform import host_backend
@@ -124,10 +124,11 @@ def _row_threads(words):
     return threads
 
 
-def _move_rows(kernel, indices, srcs, dsts, stream):
+def _move_rows(kernel, indices, srcs, dsts, stream, share=1.0):
     """Move one or two (src, dst) row-array pairs by ``indices``: ``kernel`` is the gather or
     scatter kernel; on the host backend its NumPy twin (``_host.gather_rows`` /
-    ``_host.scatter_rows``) runs instead."""
+    ``_host.scatter_rows``) runs instead. Arrays are CuPy/NumPy arrays or, 2-D, ``Words``;
+    ``share``: the grid's share of the device (``launch_1d``)."""
     if host_backend():
         move = _host.gather_rows if kernel is gather_rows_kernel else _host.scatter_rows
         move(indices, srcs, dsts)
@@ -138,7 +139,7 @@ def _move_rows(kernel, indices, srcs, dsts, stream):
         if src.ndim != 2:  # rows of any shape move as rows of bytes
             width = int(numpy.prod(src.shape[1:]))
             src, dst = src.reshape(src.shape[0], width), dst.reshape(dst.shape[0], width)
-        row_bytes = dst.shape[1] * dst.itemsize
+        row_bytes = dst.shape[1] * dst.dtype.itemsize
         word = _word(row_bytes, (src, dst))
         shapes.append((row_bytes // word.itemsize, word))
         arrays += (src, dst)
@@ -149,11 +150,11 @@ def _move_rows(kernel, indices, srcs, dsts, stream):
             tuple(numpy.empty((0, 0), _WORDS[0]) for _ in range(2))
     if p == 0 or not any(shape and shape[0] for shape in shapes):
         return
-    _move_launch(kernel, tuple(shapes))(stream_ptr(stream), (p, other, 0), *arrays)
+    _move_launch(kernel, tuple(shapes), share)(stream_ptr(stream), (p, other, 0), *arrays)
 
 
 @prepared
-def _move_launch(kernel, shapes):
+def _move_launch(kernel, shapes, share=1.0):
     """The prepared launch (``kernels.SizedLaunch``) of the gather or scatter ``kernel`` for two
     ``(words per row, word)`` pairs, the second None when missing (an empty (0, 0) pair). Its
     counts: the indices (P, one CUDA block per row), the rows on the other side (a gather's
@@ -169,7 +170,8 @@ def _move_launch(kernel, shapes):
         other, indexed = (Words(0, (1, words), word), 1), (Words(0, (1, words), word), 0)
         args += (other, indexed) if gather else (indexed, other)
     threads = _row_threads(max(shape[0] for shape in shapes if shape))
-    return SizedLaunch(kernel, launch_1d(UNBOUNDED, threads=threads), (threads, 1), *args)
+    return SizedLaunch(kernel, launch_1d(UNBOUNDED, threads=threads, share=share), (threads, 1),
+                       *args)
 
 
 def _on_stream(stream):
@@ -203,15 +205,87 @@ def _wrap(arrays, fmt):
 
 def _pad_scales(dsts, fmt, indices, num_src):
     """Give the padding rows of a gather (index -1, or past the ``num_src`` source rows) the
-    format's padding scale (the gather wrote zeros: right for ``padding_scale == 0``). On the
-    device, no host sync."""
+    format's padding scale (the gather wrote zeros: right for ``padding_scale == 0``); ``num_src``
+    None: the rows of index -1 only. On the device, no host sync."""
     if fmt is None or not fmt.padding_scale or indices.shape[0] == 0:
         return
     scales = dsts[1]
-    pad = (indices < 0) | (indices >= num_src)
+    pad = (indices < 0) if num_src is None else (indices < 0) | (indices >= num_src)
     if scales.ndim == 2:
         pad = pad[:, None]
     array_module().copyto(scales, scales.dtype.type(fmt.padding_scale), where=pad)
+
+
+def scatter_rows(indices, srcs, dsts, stream, share=1.0):
+    """``dst[indices[i]] = src[i]`` for each (src, dst) pair of rows (data and scales), rows with
+    an index < 0 or past ``dst`` dropped, enqueued on ``stream``: the consumer of an exchange
+    whose received rows land in permuted order (``a2a``, ``permute_align``). ``srcs`` may be
+    ``Words`` (the rows where a sender left them); ``share``: the grid's share of the device."""
+    if indices.shape[0]:
+        _move_rows(scatter_rows_kernel, indices, srcs, dsts, stream, share)
+
+
+def pad_rows(dsts, fmt, indices, stream):
+    """Give the padding rows (``indices[p] < 0``) of the permuted row arrays ``dsts`` (data and
+    scales of ``fmt``, or one plain array, ``fmt`` None) zeros and the format's padding scale,
+    leaving the other rows alone: what a permute's gather writes there. One launch, on the
+    device (no host sync)."""
+    p = indices.shape[0]
+    if p == 0:
+        return
+    if host_backend():
+        _host.zero_rows(indices, dsts)
+    else:
+        shapes, arrays = [], [indices]
+        for dst in dsts:
+            if dst.ndim != 2:
+                dst = dst.reshape(dst.shape[0], int(numpy.prod(dst.shape[1:])))
+            word = _word(dst.shape[1] * dst.dtype.itemsize, (dst,))
+            shapes.append((dst.shape[1] * dst.dtype.itemsize // word.itemsize, word))
+            arrays.append(dst)
+        if len(shapes) == 1:
+            shapes.append(None)
+            arrays.append(0 if not simulated() else numpy.empty((0, 0), _WORDS[0]))
+        _zero_launch(tuple(shapes))(stream_ptr(stream), (p, 0), *arrays)
+    with _on_stream(stream):
+        _pad_scales(dsts, fmt, indices, None)
+
+
+@prepared
+def _zero_launch(shapes):
+    """The sized launch of ``zero_rows_kernel`` for two ``(words per row, word)`` arrays (the
+    second None: an empty (0, 0) array), scaled with the rows P."""
+    args = [Words(0, (1,), numpy.dtype(numpy.int32))]
+    for shape in shapes:
+        if shape is None:
+            args.append((Words(0, (1, 0), _WORDS[0]), 1))
+            continue
+        words, word = shape
+        args.append(Words(0, (1, words), word))
+    threads = _row_threads(max(shape[0] for shape in shapes if shape))
+    return SizedLaunch(zero_rows_kernel, launch_1d(UNBOUNDED, threads=threads), (threads, 1),
+                       *args)
+
+
+def expert_order(layout, align, stream):
+    """``(permuted_indices (P,), group_offsets (E_local,), inverse (N,))`` int32 device arrays of
+    ``layout``'s permute for ``align``: :func:`permute`'s index and offsets, and its inverse,
+    received row -> permuted row. Built on the device once per layout and ``align`` (no host
+    sync) and kept beside the layout; later calls launch nothing."""
+    align = _check_int(align, "align", 1)
+    key = ("expert order", align)
+    cached = layout._cache.get(key)
+    if cached is not None:
+        return cached
+    indices, offsets = _layout_index(layout, align, stream)
+    n = layout.num_received
+    xp = array_module()
+    with _on_stream(stream):
+        inverse = xp.empty(n + 1, dtype=numpy.int32)
+        inverse[xp.where(indices >= 0, indices, n)] = xp.arange(indices.shape[0],
+                                                                 dtype=numpy.int32)
+    cached = layout._cache[key] = (indices, offsets, inverse[:n])
+    return cached
 
 
 def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *, out_format=None,
@@ -323,14 +397,20 @@ def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, 
     if m_recv != layout.num_received:
         raise ValueError(f"permute: x on rank {layout.comm.rank} has {m_recv} rows, but the "
                          f"layout receives {layout.num_received}")
-    p = layout.permuted_rows(align)
+    indices, group_offsets = _layout_index(layout, align, stream)
+    return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
+
+
+def _layout_index(layout, align, stream):
+    """``(indices, group_offsets)`` of ``layout``'s permute for ``align``, built once per layout
+    and align (:func:`_layout`) and kept beside it."""
     key = ("permute", align)
     cached = layout._cache.get(key)
     if cached is None:
-        cached = layout._cache[key] = _layout(layout.num_tokens_per_expert_group, e_local,
-                                              align, m_recv, p, stream)
-    indices, group_offsets = cached
-    return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
+        cached = layout._cache[key] = _layout(
+            layout.num_tokens_per_expert_group, layout.num_local_experts, align,
+            layout.num_received, layout.permuted_rows(align), stream)
+    return cached
 
 
 def _layout(counts, e_local, align, m_recv, p, stream):

@@ -102,13 +102,31 @@ def _wrap(result, alloc=None):
     return tensor(result)
 
 
-def _exchange(function, rows, input_splits, output_splits, comm, precision, layout=None):
+def _exchange(function, rows, input_splits, output_splits, comm, precision, layout=None,
+              permute_align=None):
     """The array API's ``function`` (``mxcomm.a2a``) on the tensor ``rows`` (plain or a
-    QuantizedTensor), on torch's current stream, results allocated by torch: a tensor."""
+    QuantizedTensor), on torch's current stream, results allocated by torch: a tensor (with
+    ``permute_align`` in the dispatch direction, ``permute``'s triple of tensors)."""
     alloc = _Alloc(rows.device)
     result = _a2a._call(function, _rows(rows, _a2a._CALLS[function][0]), input_splits,
-                        output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc)
+                        output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc,
+                        permute_align=permute_align)
+    if type(result) is tuple:
+        permuted, indices, offsets = result
+        return (_wrap(permuted, alloc),) + _index_tensors(layout, permute_align, indices, offsets)
     return _wrap(result, alloc)
+
+
+def _index_tensors(layout, align, indices, offsets):
+    """The permute index and group offsets (arrays) of ``layout`` for ``align`` as tensors,
+    kept beside the layout (the arrays are too), so a call imports nothing through DLPack."""
+    key = ("torch permute index", align)
+    cached = layout._cache.get(key) if layout is not None else None
+    if cached is None or cached[0] is not indices:
+        cached = (indices, _tensor(indices), _tensor(offsets))
+        if layout is not None:
+            layout._cache[key] = cached
+    return cached[1], cached[2]
 
 
 def _dequantized(t):
@@ -288,9 +306,10 @@ def _folds_into_dispatch(x, layout):
     backward = getattr(_A2ADispatch, "_backward_cls", None)
     if layout is None or backward is None or not isinstance(node, backward):
         return False
-    *_, grad_precision, dispatch_layout = node.args
+    *_, grad_precision, dispatch_layout, permute_align = node.args
     fmt = get_format(grad_precision)
-    return dispatch_layout is layout and fmt.quantized and fmt.quantizes_gathered(bfloat16)
+    return dispatch_layout is layout and permute_align is None and fmt.quantized and \
+        fmt.quantizes_gathered(bfloat16)
 
 
 class _Dequantize(torch.autograd.Function):
@@ -314,22 +333,30 @@ class _A2ADispatch(torch.autograd.Function):
 
     Forward:  x (M, D) bf16 -> (N, D) QuantizedTensor of ``precision`` (MXFP8Tensor for
               ``"mxfp8"``) or a plain tensor (``"bf16"``, ``"native"``); sends
-              ``input_splits``, receives ``output_splits``.
-    Backward: grad (N, D) -> (M, D) bf16, combine direction, in ``grad_precision``.
+              ``input_splits``, receives ``output_splits``. With ``permute_align``: ``permute``'s
+              triple, permuted (P, D) rows (indices and offsets not differentiable).
+    Backward: grad (N, D), or (P, D) permuted -> (M, D) bf16, combine direction, in
+              ``grad_precision``.
     """
 
     @staticmethod
-    def forward(ctx, x, input_splits, output_splits, comm, precision, grad_precision, layout):
-        ctx.args = (input_splits, output_splits, comm, grad_precision, layout)
-        return _exchange("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout)
+    def forward(ctx, x, input_splits, output_splits, comm, precision, grad_precision, layout,
+                permute_align):
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align)
+        out = _exchange("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
+                        permute_align)
+        if type(out) is tuple:
+            ctx.mark_non_differentiable(*out[1:])
+        return out
 
     @staticmethod
-    def backward(ctx, grad):
-        input_splits, output_splits, comm, grad_precision, layout = ctx.args
+    def backward(ctx, grad, *index_grads):
+        input_splits, output_splits, comm, grad_precision, layout, permute_align = ctx.args
         dx = _exchange("a2a_dispatch_backward", grad, input_splits, output_splits, comm,
-                       grad_precision, layout)
-        # None for: input_splits, output_splits, comm, precision, grad_precision, layout
-        return dx, None, None, None, None, None, None
+                       grad_precision, layout, permute_align)
+        # None for: input_splits, output_splits, comm, precision, grad_precision, layout,
+        # permute_align
+        return dx, None, None, None, None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -353,15 +380,7 @@ class _Permute(torch.autograd.Function):
         permuted, indices, offsets = _permutation._permute(_rows(x, "x"), counts,
                                                            num_local_experts, align, out_format,
                                                            _stream(x), alloc)
-        # A layout keeps its permute index (per align): its tensors are kept beside it too, so a
-        # call imports nothing through DLPack.
-        key = ("torch permute index", align)
-        cached = layout._cache.get(key) if layout is not None else None
-        if cached is None or cached[0] is not indices:
-            cached = (indices, _tensor(indices), _tensor(offsets))
-            if layout is not None:
-                layout._cache[key] = cached
-        _, indices, offsets = cached
+        indices, offsets = _index_tensors(layout, align, indices, offsets)
         ctx.save_for_backward(indices)
         # with the layout, its permute's indices name every received row once: the backward's
         # scatter needs no zero fill first (one pass over the gradient less)
@@ -434,24 +453,29 @@ class _Unpermute(torch.autograd.Function):
 class _A2ACombine(torch.autograd.Function):
     """Step 5, the combine all-to-all.
 
-    Forward:  y (N, H) bf16 -> (M, H) bf16 in ``precision``; sends ``output_splits``, receives
-              ``input_splits``.
-    Backward: grad (M, H) bf16 -> (N, H) QuantizedTensor of ``grad_precision`` (quantized
-              formats) or a plain tensor, dispatch direction.
+    Forward:  y (N, H) bf16, or (P, H) permuted with ``permute_align`` -> (M, H) bf16 in
+              ``precision``; sends ``output_splits``, receives ``input_splits``.
+    Backward: grad (M, H) bf16 -> (N, H), or (P, H) permuted, QuantizedTensor of
+              ``grad_precision`` (quantized formats) or a plain tensor, dispatch direction.
     """
 
     @staticmethod
-    def forward(ctx, y, input_splits, output_splits, comm, precision, grad_precision, layout):
-        ctx.args = (input_splits, output_splits, comm, grad_precision, layout)
-        return _exchange("a2a_combine", y, input_splits, output_splits, comm, precision, layout)
+    def forward(ctx, y, input_splits, output_splits, comm, precision, grad_precision, layout,
+                permute_align):
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align)
+        return _exchange("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
+                         permute_align)
 
     @staticmethod
     def backward(ctx, grad):
-        input_splits, output_splits, comm, grad_precision, layout = ctx.args
+        input_splits, output_splits, comm, grad_precision, layout, permute_align = ctx.args
         dy = _exchange("a2a_combine_backward", grad, input_splits, output_splits, comm,
-                       grad_precision, layout)
-        # None for: input_splits, output_splits, comm, precision, grad_precision, layout
-        return dy, None, None, None, None, None, None
+                       grad_precision, layout, permute_align)
+        if type(dy) is tuple:  # the permuted gradient (the index is the forward's)
+            dy = dy[0]
+        # None for: input_splits, output_splits, comm, precision, grad_precision, layout,
+        # permute_align
+        return dy, None, None, None, None, None, None, None
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -509,18 +533,27 @@ def exchange_layout(num_tokens_per_expert, comm):
 
 
 def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8",
-                 grad_precision="bf16", *, layout=None):
+                 grad_precision="bf16", *, layout=None, permute_align=None):
     """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
 
     See :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the backward's wire format. Give the
     layout (``a2a_dispatch(x, layout)``) for calls without any host collective.
+
+    ``permute_align=A`` (with the layout): steps 1 and 2 in one, bit for bit ``permute(
+    a2a_dispatch(x, layout, ...), layout, align=A)``, forward and backward: returns
+    ``(permuted (P, D), permuted_indices (P,) int32, group_offsets (E_local,) int32)``, the
+    received rows scattered straight into their permuted rows where the precision is quantized
+    (no copy into received order, no separate permute pass), and the backward takes the permuted
+    gradient (an MXFP8 ``grad_precision`` quantizes it in place; docs/design.md, "The expert
+    side of an exchange in permute's order"). No ``out_format``: for a conversion in the
+    permute, call :func:`permute` separately.
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
     if isinstance(input_splits, _layout.Layout):
         layout, input_splits = input_splits, None
     return _A2ADispatch.apply(x, input_splits, output_splits, comm, precision, grad_precision,
-                              layout)
+                              layout, permute_align)
 
 
 def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
@@ -580,19 +613,27 @@ def unpermute(y, permuted_indices, num_rows, *, grad_format=None):
 
 
 def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16",
-                grad_precision="mxfp8", *, layout=None):
+                grad_precision="mxfp8", *, layout=None, permute_align=None):
     """Step 5, differentiable: (N, H) -> (M, H); splits (or the layout) as given to
     :func:`a2a_dispatch`.
 
     The gradient of ``y`` is a QuantizedTensor of ``grad_precision`` when that is a quantized
     format (an MXFP8Tensor for ``"mxfp8"``).
+
+    ``permute_align=A`` (with the layout): steps 4 and 5 in one, bit for bit ``a2a_combine(
+    unpermute(y, permuted_indices, layout), layout, ...)`` with ``permuted_indices`` the
+    layout's for ``align=A``: ``y`` is the permuted (P, H) rows (padding rows ignored), and the
+    gradient of ``y`` comes back permuted (padding rows zero with the format's padding scale),
+    scattered straight from where it arrives when ``grad_precision`` is quantized (no separate
+    unpermute backward pass; docs/design.md). No ``grad_format``: for a conversion, call
+    :func:`unpermute` separately.
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
     if isinstance(input_splits, _layout.Layout):
         layout, input_splits = input_splits, None
     return _A2ACombine.apply(y, input_splits, output_splits, comm, precision, grad_precision,
-                             layout)
+                             layout, permute_align)
 
 
 # ------------------------------------------------------------------------------------ drop-in

@@ -241,6 +241,32 @@ def test_unpermute_with_padding_and_out_of_range_indices(use_backend, rng):
     assert_identical(results)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_rowwise"])
+def test_pad_rows_identical(use_backend, rng, fmt):
+    """The padding fill of an exchange landing in permuted order (``permutation.pad_rows``):
+    rows of index -1 get zeros and the padding scale, every other row keeps its bytes, on each
+    backend."""
+    from mxcomm.formats import get_format
+    from mxcomm.permutation import pad_rows
+    f = get_format(fmt)
+    idx = np.array([3, -1, 0, 2, -1, 1, -1, 4], np.int32)
+    data = rng.integers(0, 256, (8, 64), dtype=np.uint8)
+    scales = rng.integers(0, 256, (8, 2), dtype=np.uint8) if fmt == "mxfp8" else \
+        rng.standard_normal((8, 1)).astype(np.float32)
+
+    def fill(d, s, i):
+        pad_rows((d, s), f, i, 0)
+        return d, s
+
+    results = run_both(use_backend, fill, data, scales, idx)
+    assert_identical(results)
+    d, s = results[BACKENDS[0]]
+    pad = idx < 0
+    assert not d[pad].any() and np.array_equal(d[~pad], data[~pad])
+    want_pad = np.asarray(f.padding_scale, scales.dtype).view(s.dtype)
+    assert np.all(s[pad] == want_pad) and np.array_equal(s[~pad], bits(scales)[~pad])
+
+
 def test_strided_indices_move_the_rows_of_their_contiguous_copy(use_backend, rng):
     """Indices that are a strided view (the kernels take contiguous ones: a copy is made on the
     call's stream) move exactly the rows the same indices move when contiguous, on each backend."""

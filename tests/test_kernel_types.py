@@ -92,6 +92,8 @@ def _exercise(xp, rng):
     permutation.permute(mx, counts, 2, 16, out_format="bf16")
     permutation.unpermute(xp.asarray(rng.standard_normal((len(indices), 64)).astype(BF16)),
                           indices, 4)
+    permutation.pad_rows((permuted.data, permuted.scales), mxcomm.formats.get_format("mxfp8"),
+                         indices, 0)
     data, scales = fp8_formats.quantize_fp8_rowwise(xp.asarray(
         rng.standard_normal((32, 32)).astype(BF16)))
     fp8_formats.fp8_rowwise_to_group_colwise(data, scales,

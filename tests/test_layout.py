@@ -344,6 +344,104 @@ def test_permute_backward_folds_into_the_quantized_dispatch_gradient(comm, monke
     assert not gathered
 
 
+def _words(r):
+    """The bytes of a result: a QuantizedArray's data and scales, or a plain array, as uint8
+    rows (exact comparison)."""
+    arrays = (r.data, r.scales) if hasattr(r, "scales") else (r,)
+    return [numpy.ascontiguousarray(to_host(a)).view(numpy.uint8) for a in arrays]
+
+
+def _same(got, want):
+    for g, w in zip(_words(got), _words(want)):
+        numpy.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "fp8_rowwise", "fp8_block128"])
+def test_expert_side_in_permute_order(comm, precision):
+    """``permute_align``: each of the four exchanges with its expert side in permute's order
+    equals the exchange and a separate permute / unpermute bit for bit, over layouts with empty
+    ranks, empty experts and one rank receiving everything (and their padding rows)."""
+    from mxcomm.permutation import permute_backward, unpermute_backward
+    w, me = comm.size, comm.rank
+    width, align = 128, 8
+    rng = numpy.random.default_rng(SEED + 11)
+    for step in range(4):
+        counts = random_counts(rng, w, step)
+        layout = exchange_layout(to_device(counts[me].astype(numpy.int32)), comm)
+        x = to_device(rows_for(counts[me], SEED + 100 * step + me, width))
+        permuted, idx, offs = a2a_dispatch(x, layout, precision=precision, permute_align=align)
+        want, want_idx, want_offs = permute(a2a_dispatch(x, layout, precision=precision),
+                                            layout, align=align)
+        _same(permuted, want)
+        numpy.testing.assert_array_equal(to_host(idx), to_host(want_idx))
+        numpy.testing.assert_array_equal(to_host(offs), to_host(want_offs))
+
+        g = to_device(rows_for(counts[me], SEED + 100 * step + 50 + me, width))
+        got = a2a_combine_backward(g, layout, precision=precision, permute_align=align)[0]
+        _same(got, unpermute_backward(a2a_combine_backward(g, layout, precision=precision),
+                                      want_idx))
+
+        p = layout.permuted_rows(align)
+        y = to_device(numpy.random.default_rng(SEED + step).standard_normal(
+            (p, width)).astype(BF16))
+        _same(a2a_combine(y, layout, precision=precision, permute_align=align),
+              a2a_combine(unpermute(y, want_idx, layout), layout, precision=precision))
+        _same(a2a_dispatch_backward(y, layout, precision=precision, permute_align=align),
+              a2a_dispatch_backward(permute_backward(y, want_idx, layout), layout,
+                                    precision=precision))
+
+
+def test_permute_align_errors(comm):
+    """``permute_align`` needs a layout and a positive int; the permuted input of the combine
+    direction must have the layout's P rows: each raises at once on the rank that made it."""
+    w, me = comm.size, comm.rank
+    counts = random_counts(numpy.random.default_rng(SEED), w, 0)
+    layout = exchange_layout(to_device(counts[me].astype(numpy.int32)), comm)
+    x = to_device(rows_for(counts[me], SEED + me))
+    with pytest.raises(TypeError, match=f"permute_align on rank {me}: needs a layout"):
+        a2a_dispatch(x, layout.input_splits, layout.output_splits, comm, permute_align=8,
+                     validate=False)
+    with pytest.raises(ValueError, match=f"permute_align on rank {me}: expected a positive"):
+        a2a_dispatch(x, layout, permute_align=0)
+    with pytest.raises(ValueError, match=f"y on rank {me}: has 3 rows, but the layout permutes "
+                                         f"to {layout.permuted_rows(8)} rows"):
+        a2a_combine(to_device(numpy.zeros((3, D), BF16)), layout, permute_align=8)
+
+
+@pytest.mark.parametrize("dispatch, grad", [("fp8_rowwise", "mxfp8"), ("mxfp8", "bf16")])
+def test_torch_permute_align_equals_separate_calls(comm, dispatch, grad):
+    """``mxcomm.torch``: dispatch and permute in one call, unpermute and combine in one call,
+    forward and backward bit for bit as the four separate calls."""
+    torch = pytest.importorskip("torch")
+    import mxcomm.torch as mxt
+    w, me = comm.size, comm.rank
+    width, align = 64, 16
+    counts = random_counts(numpy.random.default_rng(SEED + 7), w, 3)
+    layout = mxt.exchange_layout(torch.from_numpy(counts[me].astype(numpy.int64)), comm)
+    scale = torch.linspace(-2, 2, width, dtype=torch.bfloat16)
+
+    def run(fused):
+        x = torch.from_numpy(rows_for(counts[me], SEED + me, width).view(numpy.int16)).view(
+            torch.bfloat16).requires_grad_()
+        if fused:
+            p, idx, _ = mxt.a2a_dispatch(x, layout, precision=dispatch, grad_precision=grad,
+                                         permute_align=align)
+        else:
+            p, idx, _ = mxt.permute(mxt.a2a_dispatch(x, layout, precision=dispatch,
+                                                     grad_precision=grad), layout, align=align)
+        y = (p.dequantize() if hasattr(p, "qdata") else p) * scale
+        y.retain_grad()
+        if fused:
+            out = mxt.a2a_combine(y, layout, grad_precision=dispatch, permute_align=align)
+        else:
+            out = mxt.a2a_combine(mxt.unpermute(y, idx, layout), layout, grad_precision=dispatch)
+        (out.float() ** 2).sum().backward()
+        return out, x.grad, y.grad
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 # ------------------------------------------------------------------------------- GPU (H200s)
 def _gpu_routed(w, me, step, width):
     rng = numpy.random.default_rng(SEED + step)
@@ -382,6 +480,50 @@ def test_gpu_layout_path_equals_validated_path():
             assert bool((back.view(numpy.uint16) == slow_back.view(numpy.uint16)).all())
             data, _ = quantize_mxfp8_ref(move_ref(xs, splits_of(counts, w), me), "rceil")
             numpy.testing.assert_array_equal(to_host(fast[0].data), data)
+
+
+@pytest.mark.gpu
+def test_gpu_permute_align_equals_separate_calls():
+    """On GPUs (CUDA IPC pull): the quantized exchanges with their expert side in permute's
+    order (each sender's rows scattered over NVLink into their permuted rows, the padding rows
+    filled beside them) equal the exchange and a separate permute / unpermute bit for bit, over
+    consecutive calls with changing layouts (empty ranks and experts included)."""
+    import cupy
+    from mxcomm.permutation import permute_backward, unpermute_backward
+    with mxc.init("nccl", timeout=30.0) as c:
+        w, me = c.size, c.rank
+        stream = cupy.cuda.Stream(non_blocking=True)
+        align = 16
+        for step in range(4):
+            counts, xs = _gpu_routed(w, me, step, 512)
+            layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
+            x = cupy.asarray(xs[me])
+            rng = numpy.random.default_rng(SEED + step)
+            y = cupy.asarray(rng.standard_normal((layout.permuted_rows(align), 512)).astype(BF16))
+            cupy.cuda.get_current_stream().synchronize()
+            for precision in ("fp8_rowwise", "mxfp8"):
+                got, idx, _ = a2a_dispatch(x, layout, precision=precision, stream=stream,
+                                           permute_align=align)
+                want = permute(a2a_dispatch(x, layout, precision=precision, stream=stream),
+                               layout, align=align, stream=stream)[0]
+                got_g = a2a_combine_backward(x, layout, precision=precision, stream=stream,
+                                             permute_align=align)[0]
+                want_g = unpermute_backward(a2a_combine_backward(x, layout, precision=precision,
+                                                                 stream=stream), idx,
+                                            stream=stream)
+                c.wait(stream)
+                for a, b in ((got, want), (got_g, want_g)):
+                    assert bool((a.data == b.data).all()) and bool((a.scales == b.scales).all())
+            back = a2a_combine(y, layout, precision="mxfp8", stream=stream, permute_align=align)
+            want_back = a2a_combine(unpermute(y, idx, layout, stream=stream), layout,
+                                    precision="mxfp8", stream=stream)
+            grad = a2a_dispatch_backward(y, layout, precision="mxfp8", stream=stream,
+                                         permute_align=align)
+            want_grad = a2a_dispatch_backward(permute_backward(y, idx, layout, stream=stream),
+                                              layout, precision="mxfp8", stream=stream)
+            c.wait(stream)
+            assert bool((back.view(numpy.uint16) == want_back.view(numpy.uint16)).all())
+            assert bool((grad.view(numpy.uint16) == want_grad.view(numpy.uint16)).all())
 
 
 @pytest.mark.gpu

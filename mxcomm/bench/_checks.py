@@ -24,6 +24,8 @@ import numpy
 DIRECTIONS = (("dispatch", "dim", "input"), ("combine", "hidden", "output"),
               ("dispatch_grad", "dim", "output"), ("combine_grad", "hidden", "input"))
 #: The steps checked, in pipeline order (forward, then each step's backward).
+#: The verdict of a step a fused variant runs inside an exchange (checked there).
+FUSED = object()
 STEPS = ("layout", "dispatch", "permute index", "permute", "unpermute", "combine", "combine bwd",
          "unpermute bwd", "permute bwd", "dispatch bwd")
 
@@ -259,26 +261,50 @@ class Checker:
                 received, and ``"input_grad"``.
         Returns:
             Rows ``{shape, variant, step, precision, rows, rows_differ, result}``; ``result`` is
-            ``"exact"``, ``"<differ>/<rows> rows differ"`` or ``"skipped"``.
+            ``"exact"``, ``"<differ>/<rows> rows differ"``, ``"skipped"`` or, for a step a fused
+            variant runs inside an exchange, ``"in the exchange"``.
         """
         import torch
-        case, send, recv = self.case, state["input_splits"], state["output_splits"]
+        case, recv = self.case, state["output_splits"]
         group = [int(c) for c in state["group"].cpu().tolist()]
         index, offsets = permutation_index(group, case.e_local, self.align, sum(recv))
         idx = torch.as_tensor(index, device=case.x.device)
         index_ok = bool(torch.equal(state["indices"].to(torch.int64), idx)) and \
             [int(v) for v in state["offs"].cpu().tolist()] == offsets
         p = precisions(variant)
-        mx = not variant.torch_a2a
-        permuted_format = variant.permute_format or p["dispatch"]
         # (step, precision of the rows ("" for the index checks), got (rows, bytes) uint8, expected
         # the same, or got None and a verdict)
         checks = [("layout", "", None, self._layout_ok(state))]
+        steps = self._fused_checks if variant.fused else self._separate_checks
+        checks += steps(variant, state, grads, results, p, idx, index_ok)
+        # A missing reference is the same on every rank (it depends on the variant only).
+        counts = [n for _, _, got, want in checks for n in _differ(got, want)]
+        totals = self.rt.allreduce_sum(counts)
+        rows = []
+        for i, (step, precision, got, want) in enumerate(checks):
+            differ, total = int(totals[2 * i]), int(totals[2 * i + 1])
+            if want is None:
+                result = "skipped"
+            elif want is FUSED:
+                result = "in the exchange"
+            else:
+                result = "exact" if differ == 0 else f"{differ}/{total} rows differ"
+            rows.append({"shape": case.label, "variant": variant.name, "step": step,
+                         "precision": precision, "rows": total, "rows_differ": differ,
+                         "result": result})
+        return rows
+
+
+    def _separate_checks(self, variant, state, grads, results, p, idx, index_ok):
+        """The checks of the steps run one by one (every variant but the fused ones)."""
+        case, send, recv = self.case, state["input_splits"], state["output_splits"]
+        mx = not variant.torch_a2a
+        checks = []
         if mx:
             checks.append(("dispatch", p["dispatch"], self._bytes(state["h"]),
                            self._moved(case.x, p["dispatch"], send, recv)))
         checks += [("permute index", "", None, index_ok),
-                   ("permute", permuted_format, self._bytes(state["p"]),
+                   ("permute", variant.permute_format or p["dispatch"], self._bytes(state["p"]),
                     self._permuted(state["h"], idx, p["dispatch"], variant.permute_format)),
                    ("unpermute", "bf16", self._bytes(state["u"]),
                     self._scatter(self._bytes(state["y_"]), idx, sum(recv)))]
@@ -299,27 +325,37 @@ class Checker:
             checks.append(("dispatch bwd", p["dispatch_grad"], self._bytes(results["input_grad"]),
                            self._moved(grads["h"], p["dispatch_grad"], recv, send,
                                        dequantized=True)))
-        # A missing reference is the same on every rank (it depends on the variant only).
-        counts = [n for _, _, got, want in checks for n in _differ(got, want)]
-        totals = self.rt.allreduce_sum(counts)
-        rows = []
-        for i, (step, precision, got, want) in enumerate(checks):
-            differ, total = int(totals[2 * i]), int(totals[2 * i + 1])
-            if want is None:
-                result = "skipped"
-            else:
-                result = "exact" if differ == 0 else f"{differ}/{total} rows differ"
-            rows.append({"shape": case.label, "variant": variant.name, "step": step,
-                         "precision": precision, "rows": total, "rows_differ": differ,
-                         "result": result})
-        return rows
+        return checks
 
+    def _fused_checks(self, variant, state, grads, results, p, idx, index_ok):
+        """The checks of a fused variant (``Variant.fused``): each exchange and its permute (or
+        unpermute) against the reference exchange followed by the reference gather (or
+        scatter), under the exchange's step; the permute steps read "in the exchange"."""
+        import torch
+        case, send, recv = self.case, state["input_splits"], state["output_splits"]
+        n = sum(recv)
+        u = self._scatter(self._bytes(state["y_"]), idx, n).view(torch.bfloat16)
+        h_grad = self._scatter(self._bytes(grads["p"]), idx, n).view(torch.bfloat16)
+        return [
+            ("dispatch", p["dispatch"], self._bytes(state["p"]),
+             self._gather(self._moved(case.x, p["dispatch"], send, recv), idx,
+                          self._padding_row(p["dispatch"], case.dim))),
+            ("permute index", "", None, index_ok),
+            ("permute", "", None, FUSED), ("unpermute", "", None, FUSED),
+            ("combine", p["combine"], self._bytes(state["out"]),
+             self._moved(u, p["combine"], recv, send, dequantized=True)),
+            ("combine bwd", p["combine_grad"], self._bytes(grads["y_"]),
+             self._gather(self._moved(case.grad_out, p["combine_grad"], send, recv), idx,
+                          self._padding_row(p["combine_grad"], case.hidden))),
+            ("unpermute bwd", "", None, FUSED), ("permute bwd", "", None, FUSED),
+            ("dispatch bwd", p["dispatch_grad"], self._bytes(results["input_grad"]),
+             self._moved(h_grad, p["dispatch_grad"], recv, send, dequantized=True))]
 
 def _differ(got, want):
     """``(rows that differ, rows)`` of two (rows, bytes) uint8 tensors; with ``got`` None,
-    ``want`` is a verdict counted as one row; with ``want`` None (no reference: skipped),
-    ``(0, rows of got)``."""
-    if want is None:
+    ``want`` is a verdict counted as one row; with ``want`` None (no reference: skipped) or
+    FUSED, ``(0, rows of got)``."""
+    if want is None or want is FUSED:
         return 0, (0 if got is None else got.shape[0])
     if got is None:
         return (0 if want else 1), 1

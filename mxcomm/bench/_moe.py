@@ -88,6 +88,8 @@ class Variant:
         wgrad: the fp8 GEMM's weight gradient, ``"fp8"`` or ``"bf16"`` (``grouped_mm``'s).
         fast_accum: the fp8 GEMM's products without fp32 promotion (``grouped_mm``'s
             ``fast_accum``).
+        fused: the exchanges' expert side in permute's order (``permute_align``): dispatch and
+            permute in one call, unpermute and combine in one call, forward and backward.
         default: runs without ``--variants`` (the comparisons of one choice run when named).
     """
 
@@ -103,6 +105,7 @@ class Variant:
     gemm: str = "bf16"
     wgrad: str = "fp8"
     fast_accum: tuple = ("forward", "dgrad", "wgrad")
+    fused: bool = False
     default: bool = True
 
     def describe(self):
@@ -113,6 +116,9 @@ class Variant:
             wire = (f"mxcomm, dispatch {self.dispatch}, combine {self.combine}, dispatch_grad "
                     f"{self.dispatch_grad}, combine_grad {self.combine_grad}")
         permute = f", permute to {self.permute_format}" if self.permute_format else ""
+        if self.fused:
+            permute += (", dispatch and permute in one call, unpermute and combine in one call "
+                        "(permute_align)")
         if self.unpermute_grad_format:
             permute += f" (and its backward's gradient to {self.unpermute_grad_format})"
         fast = "/".join(self.fast_accum) or "none"
@@ -133,6 +139,8 @@ VARIANTS = (
             permute_format="fp8_rowwise", gemm="fp8"),
     Variant("fp8_rowwise_mxgrad", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
             combine_grad="fp8_rowwise", gemm="fp8", default=False),
+    Variant("fp8_rowwise_mxgrad_fused", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
+            combine_grad="fp8_rowwise", gemm="fp8", fused=True, default=False),
     Variant("fp8_rowwise_bf16wgrad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
             gemm="fp8", wgrad="bf16", default=False),
     Variant("fp8_rowwise_acc32", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
@@ -300,6 +308,19 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         return {"u": mxt.unpermute(y_, s["indices"], s["layout"],
                                    grad_format=variant.unpermute_grad_format)}
 
+    if variant.fused:
+        def dispatch_permute(s, x):
+            p, indices, offs = mxt.a2a_dispatch(x, s["layout"], precision=variant.dispatch,
+                                                grad_precision=variant.dispatch_grad,
+                                                permute_align=ALIGN)
+            return {"p": p, "indices": indices, "offs": offs,
+                    "rows_recv": s["layout"].num_received}
+
+        def unpermute_combine(s, y_):
+            return {"out": mxt.a2a_combine(y_, s["layout"], precision=variant.combine,
+                                           grad_precision=variant.combine_grad,
+                                           permute_align=ALIGN)}
+
     if variant.gemm == "fp8":
         def fp8_gemm(s, p, w):
             # w (E_local, H, D) as grouped_mm's (G, K, N) = (E_local, D, H): a view; the fp8
@@ -307,6 +328,11 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
             return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"], wgrad=variant.wgrad,
                                          fast_accum=variant.fast_accum)}
 
+        if variant.fused:  # the stages "dispatch" and "combine" hold the permute and unpermute
+            return [Stage("layout", (), None, layout),
+                    Stage("dispatch", ("x",), "p", dispatch_permute),
+                    Stage("gemm", ("p", "w"), "y_", fp8_gemm),
+                    Stage("combine", ("y_",), "out", unpermute_combine)]
         return [Stage("layout", (), None, layout),
                 Stage("dispatch", ("x",), "h", dispatch),
                 Stage("permute", ("h",), "p", permute),
