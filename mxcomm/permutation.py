@@ -203,17 +203,19 @@ def _wrap(arrays, fmt):
     return fmt.wrap(*arrays) if fmt is not None else arrays[0]
 
 
-def _pad_scales(dsts, fmt, indices, num_src):
+def _pad_scales(dsts, fmt, indices, num_src, stream):
     """Give the padding rows of a gather (index -1, or past the ``num_src`` source rows) the
     format's padding scale (the gather wrote zeros: right for ``padding_scale == 0``); ``num_src``
-    None: the rows of index -1 only. On the device, no host sync."""
+    None: the rows of index -1 only. On the device, on ``stream`` (after the gather that wrote
+    the zeros), no host sync."""
     if fmt is None or not fmt.padding_scale or indices.shape[0] == 0:
         return
     scales = dsts[1]
-    pad = (indices < 0) if num_src is None else (indices < 0) | (indices >= num_src)
-    if scales.ndim == 2:
-        pad = pad[:, None]
-    array_module().copyto(scales, scales.dtype.type(fmt.padding_scale), where=pad)
+    with _on_stream(stream):
+        pad = (indices < 0) if num_src is None else (indices < 0) | (indices >= num_src)
+        if scales.ndim == 2:
+            pad = pad[:, None]
+        array_module().copyto(scales, scales.dtype.type(fmt.padding_scale), where=pad)
 
 
 def scatter_rows(indices, srcs, dsts, stream, share=1.0):
@@ -247,8 +249,7 @@ def pad_rows(dsts, fmt, indices, stream):
             shapes.append(None)
             arrays.append(0 if not simulated() else numpy.empty((0, 0), _WORDS[0]))
         _zero_launch(tuple(shapes))(stream_ptr(stream), (p, 0), *arrays)
-    with _on_stream(stream):
-        _pad_scales(dsts, fmt, indices, None)
+    _pad_scales(dsts, fmt, indices, None, stream)
 
 
 @prepared
@@ -381,7 +382,7 @@ def _gather(x, srcs, fmt, convert, indices, stream, alloc):
     p = indices.shape[0]
     dsts = [alloc((p,) + tuple(s.shape[1:]), s.dtype) for s in srcs]
     _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
-    _pad_scales(dsts, fmt, indices, srcs[0].shape[0])
+    _pad_scales(dsts, fmt, indices, srcs[0].shape[0], stream)
     return _wrap(dsts, fmt)
 
 

@@ -412,6 +412,7 @@ def test_pipeline_shapes_default_and_mismatch():
     (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
                                              "mxfp8, mxfp8_all, bf16+fp8gemm, fp8_rowwise, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
+                                             "fp8_rowwise_mxgrad_fused, "
                                              "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
@@ -471,12 +472,17 @@ def test_variants_precisions_and_stages():
         ("forward", "dgrad", "wgrad")}
     for x in _moe.VARIANTS:
         names = [s.name for s in _moe.stages(x, None, 2, loop_gemm=True)]
-        if x.gemm == "fp8":
+        if x.fused:  # the permute and unpermute inside the exchanges
+            assert names == ["layout", "dispatch", "gemm", "combine"]
+        elif x.gemm == "fp8":
             assert names == ["layout", "dispatch", "permute", "gemm", "unpermute", "combine"]
         else:
             assert "dequantize" in names and "grad_dequantize" in names
         assert x.describe().startswith(f"{x.name} = ")
     assert "permute to fp8_rowwise" in v["mxfp8+rowwise"].describe()
+    assert v["fp8_rowwise_mxgrad_fused"] == dataclasses.replace(
+        v["fp8_rowwise_mxgrad"], name="fp8_rowwise_mxgrad_fused", fused=True)
+    assert "permute_align" in v["fp8_rowwise_mxgrad_fused"].describe()
 
 
 def test_converted_reference_matches_the_library_bit_for_bit():

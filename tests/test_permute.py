@@ -193,3 +193,24 @@ def test_gpu_permute_medium(rng, mxfp8):
     back = unpermute(permuted, indices, m)
     for h, g in zip(host, (back.data, back.scales) if mxfp8 else (back,)):
         np.testing.assert_array_equal(bits(g), bits(h))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_block128"])
+def test_gpu_permute_on_a_stream_gives_padding_rows_their_scale(rng, fmt):
+    """On a non-blocking stream, the padding rows of a permute of fp32-scaled rows get the
+    padding scale 1.0 after the gather wrote their zeros (the fill once ran on CuPy's current
+    stream instead, racing the gather), on every one of many calls."""
+    import cupy
+    from mxcomm.formats import get_format
+    f = get_format(fmt)
+    counts = cupy.asarray(np.array([300, 0, 17, 1, 250, 3], np.int32))
+    x = f.quantize(cupy.asarray(rng.standard_normal((571, 256)).astype(np.float32)))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for _ in range(20):
+        permuted, indices, _ = permute(x, counts, 2, 32, stream=stream)
+        stream.synchronize()
+        pad = cupy.asnumpy(indices) < 0
+        scales = cupy.asnumpy(permuted.scales).reshape(len(pad), -1)
+        assert pad.any() and np.all(scales[pad] == 1.0)
+        assert not cupy.asnumpy(permuted.data)[pad].any()
