@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         pipeab1fp8 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -102,6 +102,19 @@ for phase in "$@"; do
     pipe1fp8) step "bench pipeline, 1 rank, fp8 GEMM variants, 131072 rows" 330 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench pipeline \
         --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
         --json "$res/pipeline_fp8_w1.json" --markdown "$res/pipeline_fp8_w1.md" ;;
+    pipeab1fp8)  # the fp8 GEMM pipeline at 1 rank, 131072 rows: $AB_OLD's tree (variants
+        # $AB_OLD_VARIANTS), then this one ($FP8_VARIANTS), in one job
+        for tree in "$AB_OLD" "$PWD"; do
+            importable "$tree"
+            tag=$([ "$tree" = "$PWD" ] && echo new || echo old)
+            variants=$([ "$tag" = old ] && echo "${AB_OLD_VARIANTS:-$FP8_VARIANTS}" || echo "$FP8_VARIANTS")
+            commit=$([ "$tag" = old ] && echo "${AB_OLD_COMMIT:-old}" || echo "$MXCOMM_COMMIT")
+            step "bench pipeline, 1 rank, fp8 GEMM variants, 131072 rows, tree $tree" 330 env -C "$tree" \
+                PYTHONPATH="$tree:${PYTHONPATH:-}" MXCOMM_COMMIT="$commit" "${mpirun_env[@]}" -n 1 \
+                python3 -m mxcomm.bench pipeline --tokens 131072 --dim 7168 8192 --hidden 2048 5120 \
+                --experts 8 --no-stages --variants "$variants" \
+                --json "$res/pipeline_fp8_w1_$tag.json" --markdown "$res/pipeline_fp8_w1_$tag.md"
+        done ;;
     row1)  # the rowwise quantize and MXFP8 -> rowwise gather of $AB_OLD's tree (if set), then this
         # one's: sweeps (grid share, D), then Nsight Compute on one launch of each, 131072 x 7168
         # (ROW_NCU_OLD=0: on this tree only)
