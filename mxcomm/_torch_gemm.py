@@ -31,7 +31,7 @@ no host sync. Rescaling between power-of-two scales keeps every element's bits u
 into e4m3's subnormal range, so the wgrad's SQNR equals the bf16 wgrad's on the same fp8 rows
 (tests/test_fp8_formats.py; bench/NOTES.md). Its two operand conversions (byte-granular
 transposes: 2.8 ms at 131072 x 7168 / 2048 on an H200 when they decoded every byte to fp32, 2.3 ms
-with integer amax keys and f16 rescaling) cost more than its GEMM saved while the products were
+with integer amax keys and f16 rescaling, 1.7 ms with int32 addresses in the encode) cost more than its GEMM saved while the products were
 promoted; with fast accumulation the fp8 wgrad's GEMM saves more than they cost at both of the
 pipeline's shapes (bench/NOTES.md has the numbers), so fp8 is the default.
 
