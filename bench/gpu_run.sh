@@ -14,7 +14,7 @@ mkdir -p "$OUT" "$res"
 log="$OUT/gpu.log"
 export MXCOMM_COMMIT=${MXCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 ngpu=$(nvidia-smi -L | wc -l)
-FP8_VARIANTS=${FP8_VARIANTS:-mxfp8,mxfp8_all,bf16+fp8gemm,fp8_rowwise,mxfp8+rowwise,fp8_rowwise_mxgrad,fp8_rowwise_bf16wgrad,fp8_rowwise_acc32}
+FP8_VARIANTS=${FP8_VARIANTS:-mxfp8,mxfp8_all,bf16+fp8gemm,fp8_rowwise,mxfp8+rowwise,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused,fp8_rowwise_bf16wgrad,fp8_rowwise_acc32}
 # mpirun_env of the kit, as a command (timeout cannot run a shell function)
 mpirun_env=(mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
     -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS -x PYTHONUNBUFFERED -x MXCOMM_COMMIT)
