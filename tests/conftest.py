@@ -6,6 +6,7 @@ in the host backend, and the CUDA kernels run in Numba's CUDA simulator where a 
 """
 
 import contextlib
+import sys
 
 import numpy
 import pytest
@@ -14,6 +15,13 @@ from mxcomm import _platform
 from mxcomm.kernels import array_module
 
 SEED = 1234
+
+# Numba's CUDA simulator runs a block's threads as Python threads and polls them from the
+# launching thread without ever blocking: every time a simulated thread wants the GIL it waits
+# for that poller's switch interval (5 ms by default), so a kernel with block barriers took
+# seconds to minutes per launch, at random (10 s to 8 min for the serial suite's slowest test).
+# 0.1 ms: that launch (bench/NOTES.md, thirteenth session) 2.4 s -> 0.3 s.
+sys.setswitchinterval(1e-4)
 
 
 def pytest_collection_modifyitems(config, items):
