@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         pipeab1fp8 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         pipeab1fp8 fused2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -132,6 +132,8 @@ for phase in "$@"; do
             done
         done ;;
     colwise1) step "fp8 wgrad conversion kernels, each alone" 120 python3 bench/probe_colwise.py ;;
+    fused2) step "exchanges landing in permute's order vs exchange + permute, 2 ranks" 200 \
+        "${mpirun_env[@]}" -n 2 python3 bench/probe_fused.py ;;
     ncu1)  # Nsight Compute on the fp8 wgrad conversion kernels (clocks left alone), one launch each
         step "Nsight Compute, fp8 wgrad conversion kernels" 300 ncu --clock-control none \
             -k regex:group_colwise --section SpeedOfLight --section MemoryWorkloadAnalysis \

@@ -1,0 +1,97 @@
+"""Time the quantized exchanges that land in permute's order (``permute_align``) against the
+exchange and the permute called one after the other, at W ranks on GPUs.
+
+    mpirun -n W python bench/probe_fused.py [rows] [--dims D:H ...]
+
+Per shape (``rows`` x D token rows per rank, ``rows`` x H gradient rows; 8 experts per rank,
+uniform routing, align 32, fp8_rowwise on the wire): the dispatch (bf16 -> fp8_rowwise) and the
+combine gradient (``a2a_combine_backward``, the same direction at width H), each
+
+- alone (the exchange into received order),
+- followed by ``permute`` of what it received (the separate calls),
+- in one call with the scatter reading the rows where they landed (``consume="received"``: the
+  copy engines' pull, then each piece scattered on the side stream),
+- in one call with the scatter reading them where the sender left them (``"in place"``: over
+  NVLink by a quarter of the SMs, each sender's rows whole).
+
+Median ms of 20 after 5 warm-up, iterations back to back (CUDA events on the calls' stream),
+the slowest rank's. Rank 0 prints a Markdown table; bench/NOTES.md says what it found.
+"""
+
+import argparse
+
+import cupy
+import numpy
+from mpi4py import MPI
+
+import mxcomm.comm
+from mxcomm import a2a
+from mxcomm._array import bfloat16
+from mxcomm.bench._report import device_name
+from mxcomm.bench._timing import Clock, max_over_ranks, measure_back_to_back
+from mxcomm.layout import exchange_layout
+from mxcomm.permutation import permute
+
+EXPERTS_PER_RANK = 8
+ALIGN = 32
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rows", type=int, nargs="?", default=131072)
+    parser.add_argument("--dims", nargs="+", default=["7168:2048", "8192:5120"],
+                        help="D:H pairs (token width : gradient width)")
+    args = parser.parse_args()
+    comm = mxcomm.comm.init()
+    cupy.cuda.Device(comm.device).use()
+    w = comm.size
+    experts = w * EXPERTS_PER_RANK
+    counts = numpy.full(experts, args.rows // experts, numpy.int32)
+    counts[: args.rows - counts.sum()] += 1
+    layout = exchange_layout(cupy.asarray(counts), comm)
+    rng = numpy.random.default_rng(comm.rank)
+    clock = Clock("cupy")
+
+    def allreduce_max(values):
+        return [MPI.COMM_WORLD.allreduce(v, op=MPI.MAX) for v in values]
+
+    def before():
+        cupy.cuda.runtime.deviceSynchronize()
+        comm.barrier()
+
+    def timed(fn, consume=None):
+        if consume is not None:
+            a2a._PermutedRows.CONSUME = consume
+        try:
+            stats = measure_back_to_back(fn, clock, iters=20, warmup=5, before=before)
+        finally:
+            a2a._PermutedRows.CONSUME = default
+        return max_over_ranks(stats, allreduce_max).median
+
+    default = a2a._PermutedRows.CONSUME
+    lines = [f"probe_fused: {w} ranks, {args.rows} rows per rank, {EXPERTS_PER_RANK} experts per "
+             f"rank, align {ALIGN}, fp8_rowwise, transport {comm.transport}, device "
+             f"{device_name()}", "",
+             "| exchange | width | alone | + permute | received, scattered | read in place, "
+             "scattered |", "| --- | --- | --- | --- | --- | --- |"]
+    for pair in args.dims:
+        d, h = (int(v) for v in pair.split(":"))
+        for name, fn, width in (("dispatch", a2a.a2a_dispatch, d),
+                                ("combine backward", a2a.a2a_combine_backward, h)):
+            x = cupy.asarray(rng.standard_normal((args.rows, width), numpy.float32)
+                             .astype(bfloat16))
+            alone = timed(lambda: fn(x, layout, precision="fp8_rowwise"))
+            separate = timed(lambda: permute(fn(x, layout, precision="fp8_rowwise"), layout,
+                                             align=ALIGN))
+            fused = {mode: timed(lambda: fn(x, layout, precision="fp8_rowwise",
+                                            permute_align=ALIGN), mode)
+                     for mode in ("received", "in place")}
+            lines.append(f"| {name} | {width} | {alone:.3f} | {separate:.3f} | "
+                         f"{fused['received']:.3f} | {fused['in place']:.3f} |")
+    if comm.rank == 0:
+        print("\n".join(lines), flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
