@@ -9,10 +9,10 @@ combine gradient (``a2a_combine_backward``, the same direction at width H), each
 
 - alone (the exchange into received order),
 - followed by ``permute`` of what it received (the separate calls),
-- in one call with the scatter reading the rows where they landed (``consume="received"``: the
-  copy engines' pull, then each piece scattered on the side stream),
-- in one call with the scatter reading them where the sender left them (``"in place"``: over
-  NVLink by a quarter of the SMs, each sender's rows whole).
+- in one call (``permute_align``: the received rows scattered into their permuted rows where the
+  sender left them, over NVLink by a quarter of the SMs),
+- in one call with that scatter given half of the SMs (``a2a._BESIDE_SHARE``, the quantize
+  beside it the rest).
 
 Median ms of 20 after 5 warm-up, iterations back to back (CUDA events on the calls' stream),
 the slowest rank's. Rank 0 prints a Markdown table; bench/NOTES.md says what it found.
@@ -59,21 +59,15 @@ def main():
         cupy.cuda.runtime.deviceSynchronize()
         comm.barrier()
 
-    def timed(fn, consume=None):
-        if consume is not None:
-            a2a._PermutedRows.CONSUME = consume
-        try:
-            stats = measure_back_to_back(fn, clock, iters=20, warmup=5, before=before)
-        finally:
-            a2a._PermutedRows.CONSUME = default
+    def timed(fn):
+        stats = measure_back_to_back(fn, clock, iters=20, warmup=5, before=before)
         return max_over_ranks(stats, allreduce_max).median
 
-    default = a2a._PermutedRows.CONSUME
     lines = [f"probe_fused: {w} ranks, {args.rows} rows per rank, {EXPERTS_PER_RANK} experts per "
              f"rank, align {ALIGN}, fp8_rowwise, transport {comm.transport}, device "
              f"{device_name()}", "",
-             "| exchange | width | alone | + permute | received, scattered | read in place, "
-             "scattered |", "| --- | --- | --- | --- | --- | --- |"]
+             "| exchange | width | alone | + permute | in one call | in one call, scatter on 1/2 "
+             "of the SMs |", "| --- | --- | --- | --- | --- | --- |"]
     for pair in args.dims:
         d, h = (int(v) for v in pair.split(":"))
         for name, fn, width in (("dispatch", a2a.a2a_dispatch, d),
@@ -83,11 +77,14 @@ def main():
             alone = timed(lambda: fn(x, layout, precision="fp8_rowwise"))
             separate = timed(lambda: permute(fn(x, layout, precision="fp8_rowwise"), layout,
                                              align=ALIGN))
-            fused = {mode: timed(lambda: fn(x, layout, precision="fp8_rowwise",
-                                            permute_align=ALIGN), mode)
-                     for mode in ("received", "in place")}
-            lines.append(f"| {name} | {width} | {alone:.3f} | {separate:.3f} | "
-                         f"{fused['received']:.3f} | {fused['in place']:.3f} |")
+            fused = timed(lambda: fn(x, layout, precision="fp8_rowwise", permute_align=ALIGN))
+            share, a2a._BESIDE_SHARE = a2a._BESIDE_SHARE, 0.5
+            try:
+                half = timed(lambda: fn(x, layout, precision="fp8_rowwise", permute_align=ALIGN))
+            finally:
+                a2a._BESIDE_SHARE = share
+            lines.append(f"| {name} | {width} | {alone:.3f} | {separate:.3f} | {fused:.3f} | "
+                         f"{half:.3f} |")
     if comm.rank == 0:
         print("\n".join(lines), flush=True)
     comm.close()

@@ -20,7 +20,7 @@ import operator
 import numpy
 
 from . import _validate
-from ._staged import CONSUME_MODES, Plan
+from ._staged import Plan
 
 
 class Communicator(abc.ABC):
@@ -306,7 +306,7 @@ class Communicator(abc.ABC):
         else:
             self._transport = GroupedTransport(self)
 
-    def exchange(self, rows, plan, *, out=None, consume=None, stream=None):
+    def exchange(self, rows, plan, *, out=None, in_place=False, stream=None):
         """Move rows a producer writes where they travel from, to a consumer (``_staged``).
 
         Collective, on the devices only: no host collective and no host barrier (the staging
@@ -317,19 +317,15 @@ class Communicator(abc.ABC):
 
         Args:
             rows: the producer/consumer (``_staged`` docstring): ``arrays``, ``kind``,
-                ``produce``, and ``consume`` where ``consume`` is given.
+                ``produce``, and ``consume`` for ``in_place``.
             plan: a :class:`~mxcomm.comm._staged.Plan`, every rank's counts.
             out: arrays of ``plan.rows_received`` rows, one per entry of ``rows.arrays``, or
-                None to allocate them. Written. Must be None with ``consume``.
-            consume: None: the rows land in ``out``. ``"in place"``: the consumer reads each
-                sender's rows where they are (pull: in the sender's staging, over NVLink, on a
-                side stream beside the producer; each sender's rows whole). ``"received"``: the
-                consumer reads each piece once it has landed in this rank's memory (pull: after
-                the copy engines' copy of that piece, on the side stream; the grouped transport
-                consumes after its ``alltoallv`` in either mode).
+                None to allocate them. Written. Must be None with ``in_place``.
+            in_place: the consumer reads each sender's rows where they are (pull: over NVLink on
+                a side stream beside the producer) instead of them being copied into ``out``.
             stream: the caller's stream (NCCL: as in :meth:`alltoallv`; MPI: ignored).
         Returns:
-            The tuple of ``out`` arrays (complete on ``stream``), or None with ``consume``.
+            The tuple of ``out`` arrays (complete on ``stream``), or None with ``in_place``.
         Raises:
             TimeoutError: a peer did not arrive within ``timeout`` s (on the GPU: found by this
                 or a later call, or :meth:`wait`); the communicator is aborted.
@@ -337,16 +333,14 @@ class Communicator(abc.ABC):
                 aborted or closed.
         """
         self._check_usable()
-        if consume not in CONSUME_MODES:
-            raise ValueError(f"consume: expected one of {CONSUME_MODES}, got {consume!r}")
         stream_ptr = self._stream_ptr(stream)
         with self._on_stream(stream_ptr):  # allocations ordered on the caller's stream
-            outs = self._transport.run(rows, plan, None if out is None else tuple(out), consume,
+            outs = self._transport.run(rows, plan, None if out is None else tuple(out), in_place,
                                        stream_ptr)
         # No watchdog event here: the pull transport's device waits give up on their own after
         # ``timeout`` (the watchdog reads their status), and the grouped one's alltoallv
         # records its own.
-        return None if consume else outs
+        return None if in_place else outs
 
     def _new_arrays(self, arrays, rows):
         """One new array of ``rows`` rows per ``(row shape, dtype)`` of ``arrays``."""

@@ -13,7 +13,7 @@ class GroupedTransport:
     def __init__(self, comm):
         self._comm = comm
 
-    def run(self, rows, plan, outs, consume, stream):
+    def run(self, rows, plan, outs, in_place, stream):
         comm = self._comm
         staging = comm._new_arrays(rows.arrays, plan.rows_sent)
         for peer in send_order(comm.rank, comm.size):
@@ -24,7 +24,7 @@ class GroupedTransport:
         if outs is None:
             outs = comm._new_arrays(rows.arrays, plan.rows_received)
         comm.alltoallv_plan(staging, outs, plan, stream)
-        if consume:  # "in place" or "received": the same here, after the alltoallv
+        if in_place:
             for step in range(comm.size):
                 peer = (comm.rank - step) % comm.size
                 begin = plan.recv_offsets[peer]

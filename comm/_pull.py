@@ -3,8 +3,7 @@
 Every rank produces its peers' rows into its own staging memory, which every peer has mapped
 (CUDA IPC on GPUs, ``_ipc``; an MPI shared window on the host, ``_shm``), and signals each peer
 once its rows are there. Receivers wait for each sender's signal on a side stream, then copy the
-rows with copy engines into the result (and, ``consume="received"``, hand each piece that landed
-to the consumer on that stream), or hand them to the consumer where they are (``"in place"``)::
+rows with copy engines into the result, or hand them to the consumer where they are::
 
     caller stream:  begin  produce(r+1) signal  produce(r+2) signal ...  produce(r)  .. join
     side stream:           wait(r-1) pull(r-1)  wait(r-2) pull(r-2) ...  done(all)
@@ -54,11 +53,10 @@ class PullTransport:
             self.kinds.setdefault(base, text)
         return base
 
-    def run(self, rows, plan, outs, consume, stream):
+    def run(self, rows, plan, outs, in_place, stream):
         memory = self.memory
         arrays = rows.arrays
         row_bytes = row_bytes_of(arrays)
-        in_place = consume == "in place"
         base = self._kind(rows.kind + ", read in place" if in_place else rows.kind)
         memory.reserve(plan.staging_bytes(row_bytes), stream)
         schedule = self._schedule(plan, arrays, row_bytes, base, in_place)
@@ -76,21 +74,19 @@ class PullTransport:
             if slots is None:
                 slots = tuple(row_range(o, at, at + end - begin) for o in outs)
             produce(begin, end, slots, stream)
-            if consume:
-                rows.consume(at, at + end - begin, slots, stream)
         if in_place:
+            if own is not None:
+                rows.consume(own[2], own[2] + own[1] - own[0], own[3], stream)
             for peer, kind, begin, end, views in schedule.receives:
                 side = memory.await_ready(peer, 0, kind)
                 if end > begin:
                     rows.consume(begin, end, views, side)
         else:
             copy = memory.copy
-            for peer, piece, kind, copies, begin, end in schedule.receives:
+            for peer, piece, kind, copies in schedule.receives:
                 side = memory.await_ready(peer, piece, kind)
                 for offset, index, out_offset, nbytes in copies:
                     copy(peer, offset, outs[index], out_offset, nbytes, side)
-                if consume and end > begin:  # "received": this piece, where it landed
-                    rows.consume(begin, end, tuple(row_range(o, begin, end) for o in outs), side)
         memory.end(stream)
         return outs
 
@@ -125,9 +121,8 @@ class _Schedule:
             ``at``; ``slots`` None when they go straight into the result. None without own rows.
         receives: per sender, in pull order (step 1 first): with copies, ``(peer, piece, kind,
             [(offset in the sender's staging, array index, byte offset in the result, bytes),
-            ...], begin, end)`` per piece, the piece being received rows ``[begin, end)``; in
-            place, ``(peer, kind, begin, end, views)``, views of the sender's staging (mapped
-            here) holding received rows ``[begin, end)``.
+            ...])`` per piece; in place, ``(peer, kind, begin, end, views)``, views of the
+            sender's staging (mapped here) holding received rows ``[begin, end)``.
     """
 
     __slots__ = ("sends", "own", "receives")
@@ -169,4 +164,4 @@ class _Schedule:
                 copies = [(b + (first + lo) * rb, index, (at + lo) * rb, (hi - lo) * rb)
                           for index, (b, rb) in enumerate(zip(peer_bases, row_bytes))
                           if hi > lo and rb]
-                self.receives.append((peer, piece, kind, copies, at + lo, at + hi))
+                self.receives.append((peer, piece, kind, copies))

@@ -8,10 +8,9 @@
 - ``produce(begin, end, slots, stream)``: write rows ``[begin, end)`` of the send order (the rows
   for one peer, or a piece of them) into ``slots``, one array per entry of ``arrays``, enqueued
   on the stream handle ``stream``;
-- ``consume(begin, end, rows, stream)`` (exchanges given ``consume``): read received rows
-  ``[begin, end)`` of the receive order, enqueued on ``stream``: where the sender left them
-  (``"in place"``: a sender's rows whole) or where they landed (``"received"``: a sender's rows
-  or a piece of them); keep no reference to ``rows`` past the call.
+- ``consume(begin, end, rows, stream)`` (in-place exchanges only): read a sender's rows, rows
+  ``[begin, end)`` of the receive order, where they are, enqueued on ``stream``; keep no
+  reference to ``rows`` past the call.
 
 Slots and rows are C-contiguous arrays of ``(rows,) + row shape``: on a GPU the pull transport
 names them by address (``mxcomm._driver.Words``: what a kernel launch or ``copy_bytes`` takes,
@@ -38,9 +37,6 @@ ALIGN = 256
 #: two. In-place consumers take each peer's rows whole (pieces measured slower there).
 PIECE_BYTES = 256 << 20
 MAX_PIECES = 4
-#: How an exchange's rows reach the receiver (``Communicator.exchange``'s ``consume``): into
-#: ``out``; read by the consumer where the sender left them; read by it where they landed.
-CONSUME_MODES = (None, "in place", "received")
 
 
 class Plan:

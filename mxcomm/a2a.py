@@ -162,22 +162,15 @@ class _QuantizedRows:
 
 class _PermutedRows(_QuantizedRows):
     """The quantized exchange whose received rows land in permuted order (``permute_align``):
-    ``out`` is ``(inverse, permuted arrays)``, and the received rows are scattered into their
-    permuted rows (``scatter_rows``, through the inverse permute index) piece by piece as they
-    land (``CONSUME``)."""
+    ``out`` is ``(inverse, permuted arrays)``, and each sender's rows are scattered from where
+    they are into their permuted rows (``scatter_rows``, through the inverse permute index)."""
 
     __slots__ = ()
-    #: Where the scatter reads the rows (``Communicator.exchange``'s ``consume``): where they
-    #: landed, each piece as the copy engines bring it (bench/NOTES.md, fourteenth session: read
-    #: over NVLink by a quarter of the SMs, after the sender's whole share, the 2-rank dispatch
-    #: lost what the permute's pass saved).
-    CONSUME = "received"
 
     def consume(self, begin, end, rows, stream):
         inverse, dsts = self._out
         scatter_rows(row_range(inverse, begin, end), rows, dsts, stream,
-                     1.0 if stream == self._caller or self.CONSUME == "received"
-                     else _BESIDE_SHARE)
+                     1.0 if stream == self._caller else _BESIDE_SHARE)
 
 
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
@@ -350,7 +343,7 @@ def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind
             out = (alloc or xp.empty)((plan.rows_received, width), _dtype_of(x))
             share = 1.0 - _BESIDE_SHARE if pull else 1.0
             comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
-                          consume="in place", stream=caller)
+                          in_place=True, stream=caller)
             return out
         received = fmt.empty(plan.rows_received, width, alloc)
         scales = received.scales  # per-row scales travel as (rows, 1)
@@ -374,11 +367,9 @@ def _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layo
         scales = permuted.scales  # per-row scales travel as (rows, 1)
         dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)
         pad_rows(dsts, fmt, indices, caller)
-        consume = _PermutedRows.CONSUME
-        share = 1.0 if comm.transport != "pull" else \
-            _PULLED_SHARE if consume == "received" else 1.0 - _BESIDE_SHARE
+        share = 1.0 - _BESIDE_SHARE if comm.transport == "pull" else 1.0
         comm.exchange(_PermutedRows(x, fmt, kind, scale_mode, (inverse, dsts), caller, share),
-                      plan, consume=consume, stream=caller)
+                      plan, in_place=True, stream=caller)
     return permuted, indices, offsets
 
 

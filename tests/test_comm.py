@@ -199,13 +199,13 @@ class Rows:
             c[begin:end] = r
 
 
-def staged(comm, counts, make, arrays, consume=None):
+def staged(comm, counts, make, arrays, in_place=False):
     """Run ``comm.exchange`` of ``make(me, m)`` rows under the plan of ``counts``; return the
-    received rows (``out``, or with ``consume`` what the consumer copied) and the producer."""
+    received rows (``out``, or with ``in_place`` what ``consume`` copied) and the producer."""
     me = comm.rank
     plan = Plan(me, counts.tolist())
     rows = Rows(make(me, plan.rows_sent), arrays, plan.rows_received)
-    outs = comm.exchange(rows, plan, consume=consume)
+    outs = comm.exchange(rows, plan, in_place=in_place)
     # Every peer's rows produced once, in consecutive pieces, own rows last.
     offsets = numpy.concatenate([[0], numpy.cumsum(counts[me])])
     produced = sorted(rows.produced)
@@ -213,7 +213,7 @@ def staged(comm, counts, make, arrays, consume=None):
     assert sum(e - b for b, e in produced) == plan.rows_sent
     if counts[me, me]:
         assert rows.produced[-1][1] == offsets[me + 1]
-    if consume:
+    if in_place:
         assert outs is None
         return rows.received, rows
     return outs, rows
@@ -235,18 +235,13 @@ def pieces(request, monkeypatch):
     return request.param
 
 
-CONSUME = [None, "in place", "received"]
-
-
 @pytest.mark.mpi
-@pytest.mark.parametrize("consume", CONSUME, ids=["out", "in_place", "received"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
 @pytest.mark.parametrize("pattern", ["random", "zeros", "one_receiver", "empty"])
-def test_exchange_matches_reference(staged_comm, pattern, consume, pieces):
-    """Both transports move (data, scales, words) like the reference, into ``out`` or to a
-    consumer (reading in place, or where the rows landed), whole or in pieces; in place, each
-    sender's rows are consumed once, whole; where they landed, every received row once, in
-    pieces of one sender's rows; the staging grows between calls and is reused; no host
-    collective but the staging's growth."""
+def test_exchange_matches_reference(staged_comm, pattern, in_place, pieces):
+    """Both transports move (data, scales, words) like the reference, into ``out`` or read in
+    place, whole or in pieces; each sender's rows are consumed once, whole; the staging grows
+    between calls and is reused; no host collective but the staging's growth."""
     comm = staged_comm
     w, me = comm.size, comm.rank
     assert comm.transport == ("grouped" if comm._peer_memory is False else "pull")
@@ -259,25 +254,16 @@ def test_exchange_matches_reference(staged_comm, pattern, consume, pieces):
         scaled = counts * factor
         make = lambda r, n: (data(r, n), scales(r, n), words(r, n))  # noqa: E731
         before = comm.host_collectives
-        outs, rows = staged(comm, scaled, make, arrays, consume)
+        outs, rows = staged(comm, scaled, make, arrays, in_place)
         grew = comm.host_collectives - before
         assert grew == 0 or factor in (1, 3)
         for out, ref in zip(outs, (data, scales, words)):
             numpy.testing.assert_array_equal(bits(out), bits(expected_recv(me, scaled, ref)))
-        offsets = numpy.concatenate([[0], numpy.cumsum(scaled[:, me])])
-        whole = [(offsets[p], offsets[p + 1]) for p in range(w) if scaled[p, me]]
-        consumed = sorted(rows.consumed)
-        if consume == "in place" or (consume and not (pieces and comm.transport == "pull")):
-            assert consumed == whole  # each sender's rows handed over once, whole
-        elif consume:  # pieces tile each sender's rows
-            assert bool(consumed) == bool(whole)
-            assert all(e == b2 for (_, e), (b2, _) in zip(consumed, consumed[1:]))
-            assert not consumed or (consumed[0][0], consumed[-1][1]) == (0, offsets[-1])
-            ends = {e for _, e in consumed}
-            assert all(e in ends for _, e in whole)
-            if any(scaled[p, me] >= MAX_PIECES for p in range(w) if p != me):
-                assert len(consumed) > len(whole)
-        split = pieces and consume != "in place" and comm.transport == "pull"
+        if in_place:  # each sender's rows handed over once, whole
+            offsets = numpy.concatenate([[0], numpy.cumsum(scaled[:, me])])
+            assert sorted(rows.consumed) == [(offsets[p], offsets[p + 1]) for p in range(w)
+                                             if scaled[p, me]]
+        split = pieces and not in_place and comm.transport == "pull"
         if split and any(scaled[me, p] >= MAX_PIECES for p in range(w) if p != me):
             assert len(rows.produced) > w
 
@@ -627,13 +613,12 @@ class DeviceRows:
 
 @pytest.mark.gpu
 @pytest.mark.mpi
-@pytest.mark.parametrize("consume", CONSUME, ids=["out", "in_place", "received"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
 @pytest.mark.parametrize("peer_memory", [None, False], ids=["pull", "grouped"])
-def test_nccl_exchange(peer_memory, consume, pieces):
+def test_nccl_exchange(peer_memory, in_place, pieces):
     """The CUDA IPC pull with device flags (and the NCCL grouped fallback) equal the reference,
-    whole or in pieces, on a non-default stream (consumed in place or where the rows landed: on
-    the side stream the transport hands over), over repeated and growing calls with no host
-    collective but growth."""
+    whole or in pieces, on a non-default stream (in place: consumed on the side stream the
+    transport hands over), over repeated and growing calls with no host collective but growth."""
     import cupy
     with mxc.init("nccl", timeout=120.0, peer_memory=peer_memory) as comm:
         w, me = comm.size, comm.rank
@@ -653,10 +638,10 @@ def test_nccl_exchange(peer_memory, consume, pieces):
             # non-blocking `stream` (and the transport's side stream) do not wait for.
             cupy.cuda.get_current_stream().synchronize()
             before = comm.host_collectives
-            outs = comm.exchange(rows, plan, consume=consume, stream=stream)
+            outs = comm.exchange(rows, plan, in_place=in_place, stream=stream)
             assert comm.host_collectives == before or factor in (1, 4)
             comm.wait(stream)
-            if consume:
+            if in_place:
                 assert outs is None
                 numpy.testing.assert_array_equal(cupy.asnumpy(rows.consumed),
                                                  expected_recv(me, scaled, data))
@@ -904,14 +889,11 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     assert transport._schedule(plan, arrays, row_bytes, 0x1234, True) is not first
     # per sender, every piece's copies land the sender's rows for rank 1 at their place
     covered = {0: [], 1: []}
-    assert max(piece for _, piece, *_ in first.receives) > 0  # several pieces
-    for peer, piece, kind, copies, begin, end in first.receives:
+    assert max(piece for _, piece, _, _ in first.receives) > 0  # several pieces
+    for peer, piece, kind, copies in first.receives:
         assert kind == _staged.kind_word(0x1234, sent[peer][1])
         for offset, index, out_offset, nbytes in copies:
             covered[index].append((out_offset // row_bytes[index], nbytes // row_bytes[index]))
-            # the piece's received rows, as the "received" consumer is handed them
-            assert (begin, end - begin) == (out_offset // row_bytes[index],
-                                            nbytes // row_bytes[index])
     recv_offsets = plan.recv_offsets
     want = sorted((recv_offsets[p], sent[p][1]) for p in (0, 2))
     for index in (0, 1):
