@@ -104,13 +104,13 @@ for phase in "$@"; do
         --hidden 2048 5120 --experts 8 --variants ${STAGE_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
         --json "$res/pipeline_fp8_stages_w2.json" --markdown "$res/pipeline_fp8_stages_w2.md" ;;
     gcab2)  # the fp8 pipeline at 2 ranks, 131072 x 7168 -> 2048, with Python's garbage collector
-        # on and off (gc.disable() before anything is imported), alternating, twice: is the
-        # forward's slow mode the host's?
+        # on and off (--gc), alternating, twice: is the forward's slow mode the host's? (At 492cb02,
+        # which measured pipeline_gc_w2_h100, "off" was gc.disable() before any import.)
         for round in 1 2; do
             for gc in on off; do
                 step "bench pipeline, 2 ranks, fp8_rowwise_mxgrad, gc $gc (round $round)" 200 \
-                    "${mpirun_env[@]}" -n 2 python3 -c "import gc, runpy; gc.disable() if '$gc' == 'off' else None; runpy.run_module('mxcomm.bench', run_name='__main__', alter_sys=True)" \
-                    pipeline --tokens 131072 --dim 7168 --hidden 2048 --experts 8 --no-stages \
+                    "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline --gc $gc \
+                    --tokens 131072 --dim 7168 --hidden 2048 --experts 8 --no-stages \
                     --variants fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused --iters 40 \
                     --json "$res/pipeline_gc${gc}_r${round}_w2.json" --markdown "$res/pipeline_gc${gc}_r${round}_w2.md"
             done

@@ -378,6 +378,32 @@ def test_cli_parses_every_subcommand():
         p.parse_args(["nccl"])
 
 
+@pytest.mark.parametrize("gc_option", ["on", "off"])
+def test_cli_gc_option_holds_collection_off_while_measuring(monkeypatch, tmp_path, gc_option):
+    """``--gc off``: automatic collection off while the benchmark measures, back on after, and
+    the report says so; ``--gc on`` (the default) leaves it alone."""
+    import gc
+
+    from mxcomm.bench import _cli, kernels
+    seen = []
+
+    def measure(args, rt):
+        seen.append(gc.isenabled())
+        return _report.metadata("kernels", 1, []), {}
+
+    monkeypatch.setattr(kernels, "measure", measure)
+    monkeypatch.setattr(kernels, "render", lambda meta, tables: "")
+    monkeypatch.setattr(kernels, "markdown_sections", lambda tables: [])
+    monkeypatch.setenv("MXCOMM_BACKEND", "host")
+    path = tmp_path / "k.json"
+    assert gc.isenabled()
+    assert _cli.main(["kernels", "--gc", gc_option, "--json", str(path)]) == 0
+    assert seen == [gc_option == "on"] and gc.isenabled()
+    meta = json.loads(path.read_text())["meta"]
+    assert meta["gc"] == gc_option
+    assert any("garbage collection off" in n for n in meta["notes"]) == (gc_option == "off")
+
+
 def test_cli_help_gives_defaults_and_units(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["pipeline", "--help"])

@@ -8,6 +8,7 @@ Each benchmark module provides ``add_arguments(parser)``, ``validate(args)`` (ra
 """
 
 import argparse
+import gc
 import importlib
 import sys
 import traceback
@@ -48,6 +49,10 @@ def build_parser():
         p.add_argument("--json", metavar="PATH",
                        help="also write every number and the metadata as JSON to PATH")
         p.add_argument("--markdown", metavar="PATH", help="also write a Markdown report to PATH")
+        p.add_argument("--gc", choices=("on", "off"), default="on",
+                       help="Python's automatic garbage collection while measuring: on (default), "
+                            "or off after one collection (gc.disable(), as torchtitan's trainer "
+                            "runs; cyclic garbage then waits for the end of the run)")
         module.add_arguments(p)
     return parser
 
@@ -107,7 +112,20 @@ def main(argv=None):
     try:
         _apply_defaults(args, rt.gpu)
         rt.print(module.describe(args, rt))
-        meta, tables = module.measure(args, rt)
+        collecting = gc.isenabled()
+        if args.gc == "off":
+            gc.collect()
+            gc.disable()
+        try:
+            meta, tables = module.measure(args, rt)
+        finally:
+            if collecting:
+                gc.enable()
+        if args.gc == "off":
+            meta["notes"].append("Python's automatic garbage collection off while measuring "
+                                 "(--gc off: gc.disable() after one collection, as torchtitan's "
+                                 "trainer runs)")
+        meta["gc"] = args.gc
         if rt.rank == 0:
             print(module.render(meta, tables), flush=True)
             written = []
