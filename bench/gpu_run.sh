@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         pipeab1fp8 pipe2fp8stages gcab2 fused2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         pipeab1fp8 pipe2fp8stages gcab2 gcsmall2 fused2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -114,6 +114,13 @@ for phase in "$@"; do
                     --variants fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused --iters 40 \
                     --json "$res/pipeline_gc${gc}_r${round}_w2.json" --markdown "$res/pipeline_gc${gc}_r${round}_w2.md"
             done
+        done ;;
+    gcsmall2)  # the small-batch pipeline (issue 11) with Python's garbage collector on, then off
+        for gc in on off; do
+            step "bench pipeline, 2 ranks, small batches, gc $gc" 120 "${mpirun_env[@]}" -n 2 \
+                python3 -m mxcomm.bench pipeline --gc $gc --tokens 4096 16384 --dim 7168 --hidden 2048 \
+                --experts 8 --no-stages --interleave --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
+                --json "$res/pipeline_small_gc${gc}_w2.json" --markdown "$res/pipeline_small_gc${gc}_w2.md"
         done ;;
     pipe1fp8) step "bench pipeline, 1 rank, fp8 GEMM variants, 131072 rows" 330 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench pipeline \
         --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
