@@ -423,7 +423,9 @@ _COMMON_ARGS = """
             bit as a separate permute / unpermute would leave it, without that pass (with a
             quantized format the received rows are scattered straight from where they arrive
             into their permuted rows; docs/design.md, "The expert side of an exchange in
-            permute's order"). The dispatch direction then returns ``(permuted (P, D),
+            permute's order"; at 2 ranks on H100s, a dispatch of 131072 x 8192 bf16 rows as
+            fp8_rowwise took 2.77 ms in one call against 3.01 ms for the exchange and the
+            permute, bench/NOTES.md). The dispatch direction then returns ``(permuted (P, D),
             permuted_indices (P,) int32, group_offsets (E_local,) int32)`` as ``permute``
             does; the combine direction takes the permuted (P, D) rows.
     Raises:
