@@ -345,3 +345,37 @@ def test_gpu_permute_identical_large(use_backend, rng):
         return permuted, indices, offsets, unpermute(permuted, indices, m), permute(x, counts, 8)[0]
 
     assert_identical(run_both(use_backend, steps, x, counts))
+
+
+def test_simulated_shared_arrays_are_one_per_block_when_threads_interleave(use_backend, rng,
+                                                                           monkeypatch):
+    """tests/conftest.py's lock on the simulator's shared-array lookup: with the window between
+    its lookup and its store widened (a sleep in the simulator's ``numpy.empty``), every thread of
+    a block still gets the same array, so the rowwise quantize (a ``lanes_max`` through a shared
+    array) stays bit-exact; without the lock each thread got its own array and every launch
+    gave NaN or wrong rows."""
+    if not _platform.kernels_simulated():
+        pytest.skip("the CUDA kernels run on the GPU here")
+    import time
+    import types
+
+    from numba.cuda.simulator import kernelapi
+
+    from mxcomm.fp8_formats import quantize_fp8_rowwise
+    from reference_fp8 import quantize_fp8_rowwise_ref
+
+    def empty(*args, **kwargs):
+        time.sleep(0.001)  # the GIL goes to the block's other threads here
+        return np.empty(*args, **kwargs)
+
+    slow = types.SimpleNamespace(**{name: getattr(np, name) for name in dir(np)
+                                    if not name.startswith("__")})
+    slow.empty = empty
+    monkeypatch.setattr(kernelapi, "np", slow)
+    x = (rng.standard_normal((2, 64)) * 100).astype(np.float32).astype(BF16)
+    want = quantize_fp8_rowwise_ref(x)
+    with use_backend("simulator"):
+        for _ in range(3):
+            data, scales = quantize_fp8_rowwise(x)
+            np.testing.assert_array_equal(data, want[0])
+            np.testing.assert_array_equal(scales.view(np.uint32), want[1].view(np.uint32))
