@@ -15,19 +15,17 @@ combine gradient (``a2a_combine_backward``, the same direction at width H), each
   beside it the rest).
 
 Median ms of 20 after 5 warm-up, iterations back to back (CUDA events on the calls' stream),
-the slowest rank's. Rank 0 prints a Markdown table; bench/NOTES.md says what it found.
+the slowest rank's. Rank 0 prints a Markdown table; bench/NOTES.md says what it found. Without a
+GPU it runs the same calls on the host backend (a check that it runs; its times mean nothing).
 """
 
 import argparse
 
-import cupy
 import numpy
-from mpi4py import MPI
 
-import mxcomm.comm
 from mxcomm import a2a
-from mxcomm._array import bfloat16
 from mxcomm.bench._report import device_name
+from mxcomm.bench._runtime import Runtime
 from mxcomm.bench._timing import Clock, max_over_ranks, measure_back_to_back
 from mxcomm.layout import exchange_layout
 from mxcomm.permutation import permute
@@ -42,26 +40,17 @@ def main():
     parser.add_argument("--dims", nargs="+", default=["7168:2048", "8192:5120"],
                         help="D:H pairs (token width : gradient width)")
     args = parser.parse_args()
-    comm = mxcomm.comm.init()
-    cupy.cuda.Device(comm.device).use()
-    w = comm.size
+    rt = Runtime()
+    comm, w = rt.comm, rt.size
     experts = w * EXPERTS_PER_RANK
     counts = numpy.full(experts, args.rows // experts, numpy.int32)
     counts[: args.rows - counts.sum()] += 1
-    layout = exchange_layout(cupy.asarray(counts), comm)
-    rng = numpy.random.default_rng(comm.rank)
-    clock = Clock("cupy")
-
-    def allreduce_max(values):
-        return [MPI.COMM_WORLD.allreduce(v, op=MPI.MAX) for v in values]
-
-    def before():
-        cupy.cuda.runtime.deviceSynchronize()
-        comm.barrier()
+    layout = exchange_layout(rt.xp.asarray(counts), comm)
+    clock = Clock(rt.clock_kind)
 
     def timed(fn):
-        stats = measure_back_to_back(fn, clock, iters=20, warmup=5, before=before)
-        return max_over_ranks(stats, allreduce_max).median
+        stats = measure_back_to_back(fn, clock, iters=20, warmup=5, before=rt.barrier)
+        return max_over_ranks(stats, rt.allreduce_max).median
 
     lines = [f"probe_fused: {w} ranks, {args.rows} rows per rank, {EXPERTS_PER_RANK} experts per "
              f"rank, align {ALIGN}, fp8_rowwise, transport {comm.transport}, device "
@@ -72,8 +61,7 @@ def main():
         d, h = (int(v) for v in pair.split(":"))
         for name, fn, width in (("dispatch", a2a.a2a_dispatch, d),
                                 ("combine backward", a2a.a2a_combine_backward, h)):
-            x = cupy.asarray(rng.standard_normal((args.rows, width), numpy.float32)
-                             .astype(bfloat16))
+            x = rt.random_bf16((args.rows, width), seed=rt.rank)
             alone = timed(lambda: fn(x, layout, precision="fp8_rowwise"))
             separate = timed(lambda: permute(fn(x, layout, precision="fp8_rowwise"), layout,
                                              align=ALIGN))
@@ -85,9 +73,8 @@ def main():
                 a2a._BESIDE_SHARE = share
             lines.append(f"| {name} | {width} | {alone:.3f} | {separate:.3f} | {fused:.3f} | "
                          f"{half:.3f} |")
-    if comm.rank == 0:
-        print("\n".join(lines), flush=True)
-    comm.close()
+    rt.print("\n".join(lines))
+    rt.close()
 
 
 if __name__ == "__main__":
