@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         pipeab1fp8 pipe2fp8stages gcab2 gcsmall2 fused2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         pipeab1fp8 pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -155,6 +155,12 @@ for phase in "$@"; do
             done
         done ;;
     colwise1) step "fp8 wgrad conversion kernels, each alone" 120 python3 bench/probe_colwise.py ;;
+    dequant2) step "the dequantized exchange's pieces (dispatch gradient), 2 ranks" 240 \
+        "${mpirun_env[@]}" -n 2 python3 bench/probe_dequant.py ;;
+    stepfp8_2)  # per-iteration stage times of the fp8 pipeline at 131072 rows: the forward's slow mode
+        step "stage times per iteration, fp8 pipeline, 2 ranks" 300 "${mpirun_env[@]}" -n 2 \
+            python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
+            none --dim ${STEP_DIM:-8192} --hidden ${STEP_HIDDEN:-5120} --iters 30 ;;
     fused2) step "exchanges landing in permute's order vs exchange + permute, 2 ranks" 200 \
         "${mpirun_env[@]}" -n 2 python3 bench/probe_fused.py ;;
     ncu1)  # Nsight Compute on the fp8 wgrad conversion kernels (clocks left alone), one launch each

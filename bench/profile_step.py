@@ -1,15 +1,21 @@
-"""Where a pipeline step's host time goes: each forward stage's enqueue time and the backward's,
-per variant, beside the step's device time; then rank 0's cProfile of a variant's steps.
+"""Where a pipeline step's time goes: each forward stage's enqueue time (host) and device time,
+per variant and iteration, beside the backward's; then rank 0's cProfile of a variant's steps.
 
-    mpirun -n 2 python bench/profile_step.py [rows] [variants] [profiled variant]
+    mpirun -n 2 python bench/profile_step.py [rows] [variants] [profiled variant|none]
+        [--dim D] [--hidden H] [--iters N] [--routing uniform|topk] [--gc on|off]
 
 The step is the pipeline benchmark's (``python -m mxcomm.bench pipeline``: the same stages, inputs
-and routing, D = 7168, H = 2048, 8 experts per rank, uniform routing), each iteration after a device
-sync and a barrier as there. "host" is the wall clock of enqueueing (the median over iterations);
-where the device waits for the host, the step's device time is the host's.
+and routing, 8 experts per rank), each iteration after a device sync and a barrier as there.
+"host" is the wall clock of enqueueing a stage; "device" the CUDA-event time from the end of the
+stage before (or the iteration's start) to the end of this one. Per variant it prints the median
+and 90th percentile of each over the iterations (the slowest rank's), then, per rank, the
+forward's stages in its three slowest and three fastest iterations: a slow mode shows up in one
+stage or in all, and where a stage's device time tracks its host time the device waited for the
+host.
 """
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 
@@ -22,59 +28,92 @@ parser = argparse.ArgumentParser()
 parser.add_argument("rows", type=int, nargs="?", default=4096)
 parser.add_argument("variants", nargs="?", default="mxfp8")
 parser.add_argument("profiled", nargs="?", default="mxfp8")
+parser.add_argument("--dim", type=int, default=7168)
+parser.add_argument("--hidden", type=int, default=2048)
 parser.add_argument("--iters", type=int, default=30)
 parser.add_argument("--routing", default="uniform")
+parser.add_argument("--gc", choices=("on", "off"), default="on")
 args = parser.parse_args()
+if args.gc == "off":
+    gc.disable()
 rt = _runtime.Runtime()
 rt.init_torch_distributed()
 run = argparse.Namespace(warmup=5, iters=args.iters, routing=args.routing)
-case = _pipeline._Case(run, rt, (args.rows, 7168, 2048, 8))
+case = _pipeline._Case(run, rt, (args.rows, args.dim, args.hidden, 8))
 import torch  # noqa: E402  (after the runtime chose the device)
 
 
-def step(stage_list, timed):
-    """One synced iteration; ``timed``: {stage: [host us]} filled."""
+def event():
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def step(stage_list, host, device):
+    """One synced iteration; ``host`` and ``device``: {stage: [us or ms]} appended to."""
     x = case.x.detach().clone().requires_grad_(True)
     w = case.w.detach().clone().requires_grad_(True)
     state = case._state(x, w)
     if rt.gpu:
         torch.cuda.synchronize()
     rt.barrier()
-    start = torch.cuda.Event(enable_timing=True) if rt.gpu else None
-    middle = torch.cuda.Event(enable_timing=True) if rt.gpu else None
-    end = torch.cuda.Event(enable_timing=True) if rt.gpu else None
-    if rt.gpu:
-        start.record()
+    marks = [("start", event() if rt.gpu else None)]
     for stage in stage_list:
         t = time.perf_counter()
         state.update(stage.fn(state, *(state[k] for k in stage.inputs)))
-        timed.setdefault(stage.name, []).append((time.perf_counter() - t) * 1e6)
-    if rt.gpu:
-        middle.record()
+        host.setdefault(stage.name, []).append((time.perf_counter() - t) * 1e6)
+        marks.append((stage.name, event() if rt.gpu else None))
     t = time.perf_counter()
     state["out"].backward(case.grad_out)
-    timed.setdefault("backward (all)", []).append((time.perf_counter() - t) * 1e6)
-    if rt.gpu:
-        end.record()
-        end.synchronize()
-        timed.setdefault("device fwd ms", []).append(start.elapsed_time(middle))
-        timed.setdefault("device bwd ms", []).append(middle.elapsed_time(end))
+    host.setdefault("backward", []).append((time.perf_counter() - t) * 1e6)
+    if not rt.gpu:
+        return
+    marks.append(("backward", event()))
+    marks[-1][1].synchronize()
+    for (_, a), (name, b) in zip(marks, marks[1:]):
+        device.setdefault(name, []).append(a.elapsed_time(b))
+    device.setdefault("forward", []).append(marks[0][1].elapsed_time(marks[-2][1]))
+
+
+def report(name, host, device):
+    keys = list(device) if rt.gpu else []
+    stats = []
+    for k in host:
+        stats += [numpy.median(host[k]), numpy.percentile(host[k], 90)]
+    for k in keys:
+        stats += [numpy.median(device[k]), numpy.percentile(device[k], 90)]
+    worst = rt.allreduce_max([float(v) for v in stats])
+    lines = [f"==== {name}, {args.rows}x{args.dim}->{args.hidden} rows per rank, {rt.size} ranks, "
+             f"gc {args.gc}: median / p90 of {args.iters} iterations, slowest rank"]
+    for i, k in enumerate(host):
+        lines.append(f"  host us   {k:16s} {worst[2 * i]:10.1f} {worst[2 * i + 1]:10.1f}")
+    off = 2 * len(host)
+    for i, k in enumerate(keys):
+        lines.append(f"  device ms {k:16s} {worst[off + 2 * i]:10.3f} "
+                     f"{worst[off + 2 * i + 1]:10.3f}")
+    if rt.gpu:  # per rank: the forward's stages in the slowest and fastest iterations
+        order = numpy.argsort(device["forward"])
+        stages = [k for k in keys if k not in ("backward", "forward")]
+        mine = [f"  rank {rt.rank} iterations (forward ms | device ms per stage | host us per "
+                f"stage), stages {' '.join(stages)}"]
+        for i in list(order[-3:][::-1]) + list(order[:3]):
+            dev = " ".join(f"{device[k][i]:.3f}" for k in stages)
+            hst = " ".join(f"{host[k][i]:.0f}" for k in stages)
+            mine.append(f"    it {i:3d} fwd {device['forward'][i]:.3f} | {dev} | {hst}")
+        lines += sum(rt.allgather(mine), [])
+    else:
+        rt.allgather([])
+    rt.print("\n".join(lines))
 
 
 lists = {}
 for variant in _pipeline.parse_variants(args.variants):
     stage_list = _moe.stages(variant, rt.comm, case.e_local, loop_gemm=case.loop_gemm)
     lists[variant.name] = stage_list
-    timed = {}
+    host, device = {}, {}
     for i in range(5 + args.iters):
-        step(stage_list, timed if i >= 5 else {})
-    medians = {k: float(numpy.median(v)) for k, v in timed.items()}
-    worst = rt.allreduce_max(list(medians.values()))
-    if rt.rank == 0:
-        print(f"==== {variant.name}, {args.rows} rows per rank, {rt.size} ranks: host us per stage "
-              f"(median of {args.iters}, slowest rank)")
-        for (name, _), value in zip(medians.items(), worst):
-            print(f"  {name:24s} {value:10.1f}")
+        step(stage_list, host, device) if i >= 5 else step(stage_list, {}, {})
+    report(variant.name, host, device)
 
 profiled = lists.get(args.profiled)
 if profiled is not None:
@@ -82,7 +121,7 @@ if profiled is not None:
     for i in range(5 + args.iters):
         if i == 5:
             profiler.enable()
-        step(profiled, {})
+        step(profiled, {}, {})
     profiler.disable()
     if rt.rank == 0:
         print(f"==== cProfile of {args.iters} {args.profiled} steps (rank 0)")
