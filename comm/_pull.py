@@ -69,14 +69,14 @@ class PullTransport:
                 produce(begin, end, slots, stream)
             signal(peer, piece, kind, stream)
         own = schedule.own
-        if own is not None:  # own rows, last: straight to the result, or into the staging
+        if own is not None:  # own rows, last: straight to the result, or kept by the consumer
             begin, end, at, slots = own
-            if slots is None:
-                slots = tuple(row_range(o, at, at + end - begin) for o in outs)
-            produce(begin, end, slots, stream)
+            if in_place:
+                rows.keep(begin, end, at, slots, stream)
+            else:
+                produce(begin, end, tuple(row_range(o, at, at + end - begin) for o in outs),
+                        stream)
         if in_place:
-            if own is not None:
-                rows.consume(own[2], own[2] + own[1] - own[0], own[3], stream)
             for peer, kind, begin, end, views in schedule.receives:
                 side = memory.await_ready(peer, 0, kind)
                 if end > begin:

@@ -11,6 +11,11 @@
 - ``consume(begin, end, rows, stream)`` (in-place exchanges only): read a sender's rows, rows
   ``[begin, end)`` of the receive order, where they are, enqueued on ``stream``; keep no
   reference to ``rows`` past the call.
+- ``keep(begin, end, at, slots, stream)`` (in-place exchanges only; a transport may call it for
+  the rows a rank sends itself instead of ``produce`` and ``consume``): leave what ``produce``
+  into ``slots`` then ``consume`` of them as received rows ``[at, at + end - begin)`` would
+  leave, in one pass where the consumer can (the quantized exchange's round trip), enqueued on
+  ``stream``.
 
 Slots and rows are C-contiguous arrays of ``(rows,) + row shape``: on a GPU the pull transport
 names them by address (``mxcomm._driver.Words``: what a kernel launch or ``copy_bytes`` takes,

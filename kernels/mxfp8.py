@@ -23,7 +23,7 @@ from ._fp8 import (BF16_INF, BF16_NAN, E4M3_NAN, E8M0_NAN, F32_INF, F32_NAN, bf1
                    e8m0_from_f32_amax, f32_from_bits, f32_from_e4m3, f32_from_f16_bits,
                    inv_scale_f32_bits, scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
-from ._memory import load_item, load_pair, load_word, store_pair
+from ._memory import load_item, load_pair, load_word, store_pair, store_pair_flat
 
 #: All 32 lanes of a warp, for warp shuffles.
 FULL_WARP = 0xFFFFFFFF
@@ -124,17 +124,23 @@ def encode_f32x2(w, mult):
 
 
 @cuda.jit(device=True)
+def encode_bf16_pair(w0, w1, amax, rceil):
+    """The 8 e4m3 bytes (one uint64, element 0 lowest) of a pair of input words (``w0``, ``w1``:
+    8 bf16) and their block's e8m0 scale (uint32), from the block amax: NaN bytes and the NaN
+    scale for a block holding NaN or Inf."""
+    if amax >= uint32(BF16_INF):
+        return _E4M3_NAN_X8, uint32(E8M0_NAN)
+    s = e8m0_from_bf16_amax(amax, rceil)
+    mult = f32_from_bits(inv_scale_f32_bits(s))
+    return uint64(encode_bf16x4(w0, mult)) | (uint64(encode_bf16x4(w1, mult)) << uint64(32)), s
+
+
+@cuda.jit(device=True)
 def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
     """Write pair ``p``'s 8 e4m3 bytes (words ``w0``, ``w1``: 8 bf16) as one uint64, and its
     block's scale when ``lead``, from the block amax."""
-    if amax >= uint32(BF16_INF):
-        data_words[p] = _E4M3_NAN_X8
-        s = uint32(E8M0_NAN)
-    else:
-        s = e8m0_from_bf16_amax(amax, rceil)
-        mult = f32_from_bits(inv_scale_f32_bits(s))
-        data_words[p] = uint64(encode_bf16x4(w0, mult)) | (
-            uint64(encode_bf16x4(w1, mult)) << uint64(32))
+    d, s = encode_bf16_pair(w0, w1, amax, rceil)
+    data_words[p] = d
     if lead:
         scales[p >> BF16_PAIRS_PER_BLOCK_LOG2] = uint8(s)
 
@@ -359,6 +365,86 @@ def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
                 first, second = bf16_words_of_e4m3x8(words[k], svals[k])
                 out_words[2 * i] = first
                 out_words[2 * i + 1] = second
+
+
+@kernel
+def round_trip_mxfp8_bf16_kernel(x_words, out_words, rceil):
+    """bf16 -> MXFP8 -> bf16 in one pass: ``out`` holds what :func:`quantize_mxfp8_bf16_kernel`
+    then :func:`dequantize_mxfp8_bf16_kernel` would leave, bit for bit (the same block
+    arithmetic, the e4m3 bytes and scales kept in registers instead of memory). The quantized
+    exchanges that return bf16 use it for the rows a rank sends itself: they need the same
+    rounding as every other row, not the trip through memory.
+
+    Args:
+        x_words: (N // 4,) uint64, bf16 bits, 4 elements per word (element 0 lowest). Read.
+        out_words: (N // 4,) uint64, bf16 bits, 16-byte aligned (stored two words at a time).
+            Written (may not overlap ``x_words``).
+        rceil: bool; True for the rceil scale, False for floor.
+    Launch: as :func:`quantize_mxfp8_bf16_kernel` (over pairs of input words).
+    """
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+    first = cuda.local.array(PAIRS_PER_THREAD, uint64)
+    second = cuda.local.array(PAIRS_PER_THREAD, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    n = x_words.shape[0] >> 1
+    tile = nthreads * PAIRS_PER_THREAD
+    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
+            p = base + k * nthreads
+            first[k] = x_words[2 * p] if p < n else uint64(0)
+            second[k] = x_words[2 * p + 1] if p < n else uint64(0)
+        for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
+            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
+                             BF16_PAIRS_PER_BLOCK)
+            p = base + k * nthreads
+            if p < n:
+                d, s = encode_bf16_pair(first[k], second[k], amax, rceil)
+                a, b = bf16_words_of_e4m3x8(d, s)
+                store_pair_flat(out_words, p, a, b)
+
+
+@kernel
+def gather_round_trip_mxfp8_bf16_kernel(rows, x_words, out_words, rceil):
+    """:func:`round_trip_mxfp8_bf16_kernel` of rows picked by an index: output row r is input
+    row ``rows[r]`` through MXFP8 and back, bit for bit (the own rows of a quantized dispatch
+    gradient whose producer reads the permuted gradient, as
+    :func:`gather_quantize_mxfp8_bf16_kernel` does).
+
+    Args:
+        rows: (R,) int32, the input row of each output row (0 <= rows[r] < the input's rows,
+            not checked). Read.
+        x_words: (M, D // 4) uint64, bf16 bits; rows 16-byte aligned. Read.
+        out_words: (R * D // 4,) uint64, bf16 bits, output row-major, 16-byte aligned.
+            Written.
+        rceil: bool; True for the rceil scale, False for floor.
+    Launch: as :func:`gather_quantize_mxfp8_bf16_kernel`.
+    """
+    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+    first = cuda.local.array(PAIRS_PER_THREAD, uint64)
+    second = cuda.local.array(PAIRS_PER_THREAD, uint64)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    per_row = x_words.shape[1] >> 1
+    n = out_words.shape[0] >> 1
+    tile = nthreads * PAIRS_PER_THREAD
+    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
+            p = base + k * nthreads
+            if p < n:
+                r = p // per_row
+                first[k], second[k] = load_pair(x_words, load_item(rows, r), p - r * per_row)
+            else:
+                first[k] = uint64(0)
+                second[k] = uint64(0)
+        for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
+            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
+                             BF16_PAIRS_PER_BLOCK)
+            p = base + k * nthreads
+            if p < n:
+                d, s = encode_bf16_pair(first[k], second[k], amax, rceil)
+                a, b = bf16_words_of_e4m3x8(d, s)
+                store_pair_flat(out_words, p, a, b)
 
 
 @kernel(launch_bounds=(THREADS_PER_BLOCK, GATHER_BLOCKS_PER_SM))

@@ -25,8 +25,11 @@ the dequantize kernel reads each sender's rows in place over NVLink, on a side s
 quarter of the GPU, as soon as that sender has quantized them; the caller's stream goes on
 quantizing with the rest::
 
-    caller stream:  q(r+1) q(r+2) q(r+3) q(r) dq(r)
+    caller stream:  q(r+1) q(r+2) q(r+3) q+dq(r)
     side stream:           dq(r-1 over NVLink) .... dq(r-2) .......... dq(r-3) ..........
+
+(``q+dq(r)``: the rank's own rows through the format's one-pass round trip where it has one,
+MXFP8 of bf16; else quantized into the staging and dequantized from there.)
 
 Every precision argument takes any format of ``mxcomm.formats`` (``PRECISIONS``): the engine reads
 the Format object (row arrays, quantize and dequantize launchers) and never branches on its name;
@@ -120,7 +123,8 @@ class _QuantizedRows:
     """The quantized exchange's producer and consumer (``mxcomm.comm._staged`` protocol), for any
     quantized format: quantize each peer's rows straight into the memory they travel from (or
     copy their bits if ``x`` is already of the format); dequantize each sender's rows where they
-    are (in-place exchanges)."""
+    are (in-place exchanges); this rank's own rows through the format's one-pass round trip
+    where it has one (in-place exchanges: ``keep``)."""
 
     __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share")
 
@@ -159,6 +163,20 @@ class _QuantizedRows:
         self._format.launch_dequantize(self._rows(*rows), row_range(self._out, begin, end),
                                        stream, 1.0 if stream == self._caller else _BESIDE_SHARE)
 
+    def keep(self, begin, end, at, slots, stream):
+        # bf16 rows (read where they are, or through the permuted gradient's index) take the
+        # format's round trip where it has one: one pass, nothing written to the slots.
+        x, fmt = self._x, self._format
+        source, rows = (x.source, row_range(x.index, begin, end)) \
+            if isinstance(x, GatheredRows) else (x, None)
+        if isinstance(source, QuantizedArray) or not fmt.round_trips(source.dtype):
+            self.produce(begin, end, slots, stream)
+            self.consume(at, at + end - begin, slots, stream)
+            return
+        fmt.launch_round_trip(source if rows is not None else row_range(x, begin, end), rows,
+                              row_range(self._out, at, at + end - begin), stream, self._share,
+                              self._scale_mode)
+
 
 class _PermutedRows(_QuantizedRows):
     """The quantized exchange whose received rows land in permuted order (``permute_align``):
@@ -171,6 +189,10 @@ class _PermutedRows(_QuantizedRows):
         inverse, dsts = self._out
         scatter_rows(row_range(inverse, begin, end), rows, dsts, stream,
                      1.0 if stream == self._caller else _BESIDE_SHARE)
+
+    def keep(self, begin, end, at, slots, stream):
+        self.produce(begin, end, slots, stream)
+        self.consume(at, at + end - begin, slots, stream)
 
 
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,

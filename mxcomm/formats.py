@@ -70,6 +70,7 @@ class Format:
     _array_class: object = dataclasses.field(default=None, repr=False)
     input_align: int = 1
     _quantize_gather: object = dataclasses.field(default=None, repr=False)
+    _round_trip: object = dataclasses.field(default=None, repr=False)
 
     @property
     def quantized(self):
@@ -157,6 +158,23 @@ class Format:
             raise RuntimeError(f"format {self.name!r} does not quantize gathered rows")
         self._quantize_gather(x, rows, out, stream, share,
                               scale_mode or (self.scale_modes or (None,))[0])
+        return out
+
+    def round_trips(self, dtype):
+        """True if :meth:`launch_round_trip` takes rows of ``dtype`` (MXFP8 of bf16 so far)."""
+        return self._round_trip is not None and dtype == bfloat16
+
+    def launch_round_trip(self, x, rows, out, stream, share=1.0, scale_mode=None):
+        """Quantize rows of ``x`` (M, D) bf16 and decode them back to bf16 into ``out`` (R, D),
+        in one pass, bit for bit :meth:`launch_quantize` then :meth:`launch_dequantize` (where
+        :meth:`round_trips`): row r of ``out`` is row r of ``x`` (``rows`` None, R = M) or row
+        ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous, 16-byte aligned (fresh
+        allocations and their row ranges are). The quantized exchanges returning bf16 send
+        their own rows through it. Returns ``out``."""
+        if self._round_trip is None:
+            raise RuntimeError(f"format {self.name!r} has no one-pass round trip")
+        self._round_trip(x, rows, out, stream, share,
+                         scale_mode or (self.scale_modes or (None,))[0])
         return out
 
     def launch_dequantize(self, q, out, stream, share=1.0):

@@ -23,7 +23,8 @@ from .kernels.mxfp8 import (GATHER_BLOCKS_PER_SM, PAIRS_PER_THREAD, WARP, WORDS_
                             dequantize_mxfp8_bf16_kernel,
                             dequantize_mxfp8_f32_kernel, gather_dequantize_mxfp8_bf16_kernel,
                             gather_quantize_mxfp8_bf16_kernel,
-                            quantize_mxfp8_bf16_kernel, quantize_mxfp8_f32_kernel)
+                            gather_round_trip_mxfp8_bf16_kernel, quantize_mxfp8_bf16_kernel,
+                            quantize_mxfp8_f32_kernel, round_trip_mxfp8_bf16_kernel)
 
 SCALE_MODES = ("rceil", "floor")
 _U8, _U16, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint16, numpy.uint64))
@@ -159,6 +160,59 @@ def _quantize_launch(dtype, rceil, share):
                        rceil)
 
 
+def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
+    """bf16 rows through MXFP8 and back in one pass: ``out`` (R, D) bf16 is bit for bit what
+    :func:`launch_quantize` then :func:`launch_dequantize` leave, for row r of ``x`` (``rows``
+    None, R = M) or row ``rows[r]`` (``rows`` (R,) int32, 0 <= rows[r] < M). Arguments checked
+    by the caller: ``x`` (M, D) bf16 C-contiguous (16-byte aligned rows where ``rows`` is
+    given), ``out`` C-contiguous and 16-byte aligned. Done on return on the host backend; else
+    enqueued on the raw stream handle ``stream`` with ``share`` of the device's grid. Returns
+    ``out``.
+
+    Raises:
+        ValueError: on a GPU, an address the kernel cannot load or store 16 bytes at.
+
+    The quantized exchanges that return bf16 (the dispatch gradient, the drop-in) send a rank's
+    own rows through it: the same rounding as the rows of its peers, without writing the MXFP8
+    rows to memory and reading them again (bench/NOTES.md)."""
+    count, d = out.shape
+    if count == 0 or d == 0:
+        return out
+    rceil = scale_mode == "rceil"
+    if host_backend():
+        picked = numpy.asarray(x) if rows is None else \
+            numpy.ascontiguousarray(numpy.asarray(x)[numpy.asarray(rows)])
+        data = numpy.empty((count, d), _U8)
+        scales = numpy.empty((count, d // MX_BLOCK), _U8)
+        _host.quantize_mxfp8(picked, data, scales, rceil)
+        _host.dequantize_mxfp8(data, scales, out)
+        return out
+    if rows is None:
+        _round_trip_launch(rceil, share)(stream, out.size // MX_BLOCK, x, out)
+    else:
+        _gather_round_trip_launch(d, rceil, share)(stream, (count, x.shape[0]), rows, x, out)
+    return out
+
+
+@prepared
+def _round_trip_launch(rceil, share):
+    """The prepared bf16 -> MXFP8 -> bf16 launch (``kernels.SizedLaunch``), per MX block."""
+    words = MX_BLOCK * 2 // 8
+    return SizedLaunch(round_trip_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
+                       (MX_BLOCK // 8, PAIRS_PER_THREAD), Words(0, (words,), _U64),
+                       Words(0, (words,), _U64, PAIR_BYTES), rceil)  # stored in pairs
+
+
+@prepared
+def _gather_round_trip_launch(d, rceil, share):
+    """The prepared gathered bf16 -> MXFP8 -> bf16 launch (``kernels.SizedLaunch``) of rows of
+    width ``d``; counts: the output rows, then the input's."""
+    return SizedLaunch(gather_round_trip_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
+                       (d // 8, PAIRS_PER_THREAD), Words(0, (1,), numpy.dtype(numpy.int32)),
+                       (Words(0, (1, d // 4), _U64, PAIR_BYTES), 1),  # loaded in pairs
+                       Words(0, (d // 4,), _U64, PAIR_BYTES), rceil)  # stored in pairs
+
+
 def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
     """Decode an MXFP8Array: x = e4m3 * 2^(s - 127) (OCP Microscaling v1.0).
 
@@ -286,8 +340,13 @@ def _format_quantize_gather(x, rows, out, stream, share, scale_mode):
     launch_quantize_gather(x, rows, out, scale_mode, stream, share)
 
 
+def _format_round_trip(x, rows, out, stream, share, scale_mode):
+    launch_round_trip(x, rows, out, scale_mode, stream, share)
+
+
 #: The ``"mxfp8"`` Format (registered with ``mxcomm.formats`` when this module is imported).
 MXFP8 = register(Format("mxfp8", "e4m3fn", _U8, _U8, MX_BLOCK, MX_BLOCK, 0, SCALE_MODES,
                         "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array,
-                        input_align=8, _quantize_gather=_format_quantize_gather))
+                        input_align=8, _quantize_gather=_format_quantize_gather,
+                        _round_trip=_format_round_trip))
 register_conversion("mxfp8", "bf16", _mx_to_bf16)

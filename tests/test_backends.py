@@ -130,6 +130,39 @@ def test_quantize_gathered_identical(use_backend, rng, mode):
     assert_identical(results)
 
 
+def _round_trips(x, rows, mode):
+    """bf16 rows through MXFP8 and back in one pass (``launch_round_trip``: all rows of ``x``,
+    and rows ``rows`` gathered in the loads, written into the middle of a larger array), beside
+    the two passes they stand for (quantize then dequantize, of the rows gathered first)."""
+    from mxcomm import mxfp8
+    from mxcomm._driver import row_range
+    from mxcomm.kernels import array_module
+    xp = array_module()
+    whole = xp.empty_like(x)
+    mxfp8.launch_round_trip(x, None, whole, mode, 0)
+    padded = xp.zeros((rows.shape[0] + 4, x.shape[1]), x.dtype)
+    mxfp8.launch_round_trip(x, rows, row_range(padded, 2, 2 + rows.shape[0]), mode, 0)
+    return (whole, padded[2:-2], dequantize_mxfp8(quantize_mxfp8(x, mode)),
+            dequantize_mxfp8(quantize_mxfp8(xp.ascontiguousarray(x[rows]), mode)))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NaN/Inf arithmetic
+@pytest.mark.parametrize("mode", MODES)
+def test_round_trip_identical(use_backend, rng, mode):
+    """The one-pass round trip (the quantized exchanges' own rows) equals quantize then
+    dequantize bit for bit, contiguous and gathered (repeated, out of order, a subset), on the
+    host backend and on the kernels, over every kind of block (NaN/Inf blocks give NaN)."""
+    x = quantize_inputs(rng, BF16)
+    rows = rng.permutation(x.shape[0])[:13].astype(np.int32)
+    rows[3] = rows[7]
+    results = run_both(use_backend, lambda a, r: _round_trips(a, r, mode), x, rows)
+    for name in BACKENDS:
+        whole, gathered, two_pass, two_pass_gathered = results[name]
+        _assert_same(whole, two_pass, f"{name} contiguous")
+        _assert_same(gathered, two_pass_gathered, f"{name} gathered")
+    assert_identical(results)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator: 448 * 2^127 overflows
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
 def test_dequantize_identical(use_backend, rng, dtype):
@@ -312,6 +345,20 @@ def test_gpu_quantize_gathered_identical_large(use_backend, rng):
     rows = rng.permutation(1000)[:777].astype(np.int32)
     results = run_both(use_backend, lambda a, r: _quantize_gathered(a, r, "rceil"), x, rows)
     _assert_same(*results[BACKENDS[1]], BACKENDS[1])
+    assert_identical(results)
+
+
+@pytest.mark.gpu
+def test_gpu_round_trip_identical_large(use_backend, rng):
+    """The one-pass round trip at the dispatch gradient's width on the GPU: equal to quantize
+    then dequantize there (contiguous and gathered), and to the host backend, bit for bit."""
+    x = np.concatenate([random_blocks(rng, 700, 7168, BF16),
+                        random_bit_patterns(rng, (300, 7168), BF16)])
+    rows = rng.permutation(1000)[:777].astype(np.int32)
+    results = run_both(use_backend, lambda a, r: _round_trips(a, r, "rceil"), x, rows)
+    whole, gathered, two_pass, two_pass_gathered = results[BACKENDS[1]]
+    _assert_same(whole, two_pass, "contiguous")
+    _assert_same(gathered, two_pass_gathered, "gathered")
     assert_identical(results)
 
 

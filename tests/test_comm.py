@@ -198,6 +198,10 @@ class Rows:
             assert r.shape == (end - begin,) + c.shape[1:]
             c[begin:end] = r
 
+    def keep(self, begin, end, at, slots, stream):  # own rows in place: through the slots
+        self.produce(begin, end, slots, stream)
+        self.consume(at, at + end - begin, slots, stream)
+
 
 def staged(comm, counts, make, arrays, in_place=False):
     """Run ``comm.exchange`` of ``make(me, m)`` rows under the plan of ``counts``; return the
@@ -609,6 +613,10 @@ class DeviceRows:
     def consume(self, begin, end, rows, stream):
         self.streams.add(stream)
         copy_bytes(row_range(self.consumed, begin, end), rows[0], stream)
+
+    def keep(self, begin, end, at, slots, stream):  # own rows in place: through the slots
+        self.produce(begin, end, slots, stream)
+        self.consume(at, at + end - begin, slots, stream)
 
 
 @pytest.mark.gpu
