@@ -96,15 +96,18 @@ def copy_row(src, i, dst, p, ncols, tid, nthreads):
 
 
 @kernel
-def gather_rows_kernel(indices, src0, dst0, src1, dst1):
-    """dst[p, :] = src[indices[p], :], zero where indices[p] < 0, for two (src, dst) pairs at once.
+def gather_rows_kernel(indices, src0, dst0, src1, dst1, fill1):
+    """dst[p, :] = src[indices[p], :], for two (src, dst) pairs at once; where indices[p] < 0
+    (padding) dst0's row gets zeros and dst1's every word ``fill1`` (the padding scale).
 
     Args:
         indices: (P,) int32 source rows or -1; a row >= src.shape[0] is treated as -1. Read.
         src0, dst0: (M, W0) and (P, W0) words (uint64/32/16/8) of the rows, C-contiguous.
             src0 read, dst0 written.
-        src1, dst1: a second pair (MXFP8 scales) with the same rows, or an empty (0, 0) pair.
+        src1, dst1: a second pair (the scales) with the same rows, or an empty (0, 0) pair.
             Same roles.
+        fill1: int, a word of dst1's padding rows (the format's padding scale, repeated to
+            the word's width; 0 for e8m0 scales).
     Launch: launch_1d(P * blockDim): one CUDA block per row, grid-stride over rows, threads
         striding over the words of the row.
     """
@@ -123,7 +126,7 @@ def gather_rows_kernel(indices, src0, dst0, src1, dst1):
             for w in range(tid, ncols0, nthreads):
                 dst0[p, w] = 0
             for w in range(tid, ncols1, nthreads):
-                dst1[p, w] = 0
+                dst1[p, w] = fill1
 
 
 @kernel
@@ -150,14 +153,15 @@ def scatter_rows_kernel(indices, src0, dst0, src1, dst1):
 
 
 @kernel
-def zero_rows_kernel(indices, dst0, dst1):
-    """dst[p, :] = 0 where indices[p] < 0 (the padding rows of a permute), for two arrays at once;
-    other rows are left as they are.
+def zero_rows_kernel(indices, dst0, dst1, fill1):
+    """The padding rows of a permute (indices[p] < 0): dst0's row zeros, dst1's every word
+    ``fill1``, as :func:`gather_rows_kernel` writes them; other rows are left as they are.
 
     Args:
         indices: (P,) int32 source rows or -1. Read.
         dst0, dst1: (P, W0) and (P, W1) words, C-contiguous, or an empty (0, 0) second array.
             Written (the padding rows only).
+        fill1: int, a word of dst1's padding rows.
     Launch: launch_1d(P * blockDim): one CUDA block per row, as :func:`gather_rows_kernel`
         (a row that is not padding costs its block one index load).
     """
@@ -170,4 +174,4 @@ def zero_rows_kernel(indices, dst0, dst1):
             for w in range(tid, ncols0, nthreads):
                 dst0[p, w] = 0
             for w in range(tid, ncols1, nthreads):
-                dst1[p, w] = 0
+                dst1[p, w] = fill1

@@ -210,9 +210,10 @@ def _byte_rows(a):
         numpy.empty((a.shape[0], 0), dtype=numpy.uint8)
 
 
-def gather_rows(indices, srcs, dsts):
-    """``dst[p] = src[indices[p]]`` for each (src, dst) pair, zero where the index is negative or
-    past the source's rows (``kernels.permute.gather_rows_kernel``).
+def gather_rows(indices, srcs, dsts, fill=None):
+    """``dst[p] = src[indices[p]]`` for each (src, dst) pair; where the index is negative or past
+    the source's rows, zeros, and ``fill`` (a value of its dtype, None: 0) in the second dst
+    (``kernels.permute.gather_rows_kernel``: the padding scale).
 
     Args:
         indices: (P,) int32 array. Read.
@@ -222,16 +223,16 @@ def gather_rows(indices, srcs, dsts):
         ``dsts``.
     """
     indices = numpy.asarray(indices)
-    for src, dst in zip(srcs, dsts):
+    for k, (src, dst) in enumerate(zip(srcs, dsts)):
         src_b, dst_b = _byte_rows(src), _byte_rows(dst)
         if dst_b.shape[1] == 0 or indices.shape[0] == 0:
             continue
         invalid = (indices < 0) | (indices >= src_b.shape[0])
-        if src_b.shape[0] == 0:
-            dst_b[...] = 0
-            continue
-        numpy.take(src_b, numpy.where(invalid, 0, indices), axis=0, out=dst_b, mode="clip")
+        if src_b.shape[0]:
+            numpy.take(src_b, numpy.where(invalid, 0, indices), axis=0, out=dst_b, mode="clip")
         dst_b[invalid] = 0
+        if k == 1 and fill:
+            dst[invalid] = fill
     return dsts
 
 
@@ -256,10 +257,13 @@ def scatter_rows(indices, srcs, dsts):
     return dsts
 
 
-def zero_rows(indices, dsts):
-    """``dst[p] = 0`` where ``indices[p] < 0``, for each array of ``dsts`` (P, ...); other rows
-    are left as they are (``kernels.permute.zero_rows_kernel``). Returns ``dsts``."""
+def zero_rows(indices, dsts, fill=None):
+    """Where ``indices[p] < 0``: zeros in each array of ``dsts`` (P, ...), and ``fill`` (None:
+    0) in the second; other rows are left as they are (``kernels.permute.zero_rows_kernel``).
+    Returns ``dsts``."""
     pad = numpy.asarray(indices) < 0
-    for dst in dsts:
+    for k, dst in enumerate(dsts):
         _byte_rows(dst)[pad] = 0
+        if k == 1 and fill:
+            dst[pad] = fill
     return dsts

@@ -124,14 +124,39 @@ def _row_threads(words):
     return threads
 
 
-def _move_rows(kernel, indices, srcs, dsts, stream, share=1.0):
+def _padding_scale(fmt):
+    """The padding scale of ``fmt``'s rows as ``(value, scale dtype)`` (what a gather writes in
+    the scales of a padding row); None for plain rows."""
+    return None if fmt is None or not fmt.quantized else \
+        (fmt.padding_scale, numpy.dtype(fmt.scale_dtype))
+
+
+def _fill_word(fill, word):
+    """The ``word`` (a uint dtype) whose bytes are the padding scale ``fill`` (``(value,
+    dtype)``, or None: zeros) repeated, as an int: what the kernels write into every word of a
+    padding row's scales."""
+    if fill is None:
+        return 0
+    value = numpy.array(fill[0], fill[1]).tobytes()
+    if word.itemsize % len(value) == 0:
+        return int.from_bytes(value * (word.itemsize // len(value)), "little")
+    if value == bytes(len(value)):
+        return 0
+    raise AssertionError(f"unreachable: {word} words narrower than a {fill[1]} scale")
+
+
+def _move_rows(kernel, indices, srcs, dsts, stream, share=1.0, fill=None):
     """Move one or two (src, dst) row-array pairs by ``indices``: ``kernel`` is the gather or
     scatter kernel; on the host backend its NumPy twin (``_host.gather_rows`` /
     ``_host.scatter_rows``) runs instead. Arrays are CuPy/NumPy arrays or, 2-D, ``Words``;
-    ``share``: the grid's share of the device (``launch_1d``)."""
+    ``share``: the grid's share of the device (``launch_1d``); ``fill``: a gather's padding
+    scale for the second pair (``_padding_scale``; None: zeros)."""
+    gather = kernel is gather_rows_kernel
     if host_backend():
-        move = _host.gather_rows if kernel is gather_rows_kernel else _host.scatter_rows
-        move(indices, srcs, dsts)
+        if gather:
+            _host.gather_rows(indices, srcs, dsts, None if fill is None else fill[0])
+        else:
+            _host.scatter_rows(indices, srcs, dsts)
         return
     p = indices.shape[0]
     shapes, arrays = [], [indices]
@@ -143,22 +168,25 @@ def _move_rows(kernel, indices, srcs, dsts, stream, share=1.0):
         word = _word(row_bytes, (src, dst))
         shapes.append((row_bytes // word.itemsize, word))
         arrays += (src, dst)
-    other = dsts[0].shape[0] if kernel is scatter_rows_kernel else srcs[0].shape[0]
+    other = dsts[0].shape[0] if not gather else srcs[0].shape[0]
     if len(shapes) == 1:  # a missing second pair is an empty one (never an alias of the first:
         shapes.append(None)  # the simulator copies every argument in and out)
         arrays += (0, 0) if not simulated() else \
             tuple(numpy.empty((0, 0), _WORDS[0]) for _ in range(2))
     if p == 0 or not any(shape and shape[0] for shape in shapes):
         return
-    _move_launch(kernel, tuple(shapes), share)(stream_ptr(stream), (p, other, 0), *arrays)
+    fill_word = _fill_word(fill, shapes[1][1]) if gather and shapes[1] else 0
+    _move_launch(kernel, tuple(shapes), share, fill_word)(stream_ptr(stream), (p, other, 0),
+                                                           *arrays)
 
 
 @prepared
-def _move_launch(kernel, shapes, share=1.0):
+def _move_launch(kernel, shapes, share=1.0, fill_word=0):
     """The prepared launch (``kernels.SizedLaunch``) of the gather or scatter ``kernel`` for two
-    ``(words per row, word)`` pairs, the second None when missing (an empty (0, 0) pair). Its
-    counts: the indices (P, one CUDA block per row), the rows on the other side (a gather's
-    source, a scatter's destination), and 0 (the rows of the empty pair)."""
+    ``(words per row, word)`` pairs, the second None when missing (an empty (0, 0) pair), and a
+    gather's ``fill_word`` (``_fill_word``). Its counts: the indices (P, one CUDA block per
+    row), the rows on the other side (a gather's source, a scatter's destination), and 0 (the
+    rows of the empty pair)."""
     args = [Words(0, (1,), numpy.dtype(numpy.int32))]
     gather = kernel is not scatter_rows_kernel
     for shape in shapes:
@@ -169,6 +197,8 @@ def _move_launch(kernel, shapes, share=1.0):
         words, word = shape
         other, indexed = (Words(0, (1, words), word), 1), (Words(0, (1, words), word), 0)
         args += (other, indexed) if gather else (indexed, other)
+    if gather:
+        args.append(fill_word)
     threads = _row_threads(max(shape[0] for shape in shapes if shape))
     return SizedLaunch(kernel, launch_1d(UNBOUNDED, threads=threads, share=share), (threads, 1),
                        *args)
@@ -203,21 +233,6 @@ def _wrap(arrays, fmt):
     return fmt.wrap(*arrays) if fmt is not None else arrays[0]
 
 
-def _pad_scales(dsts, fmt, indices, num_src, stream):
-    """Give the padding rows of a gather (index -1, or past the ``num_src`` source rows) the
-    format's padding scale (the gather wrote zeros: right for ``padding_scale == 0``); ``num_src``
-    None: the rows of index -1 only. On the device, on ``stream`` (after the gather that wrote
-    the zeros), no host sync."""
-    if fmt is None or not fmt.padding_scale or indices.shape[0] == 0:
-        return
-    scales = dsts[1]
-    with _on_stream(stream):
-        pad = (indices < 0) if num_src is None else (indices < 0) | (indices >= num_src)
-        if scales.ndim == 2:
-            pad = pad[:, None]
-        array_module().copyto(scales, scales.dtype.type(fmt.padding_scale), where=pad)
-
-
 def scatter_rows(indices, srcs, dsts, stream, share=1.0):
     """``dst[indices[i]] = src[i]`` for each (src, dst) pair of rows (data and scales), rows with
     an index < 0 or past ``dst`` dropped, enqueued on ``stream``: the consumer of an exchange
@@ -235,27 +250,29 @@ def pad_rows(dsts, fmt, indices, stream):
     p = indices.shape[0]
     if p == 0:
         return
+    fill = _padding_scale(fmt)
     if host_backend():
-        _host.zero_rows(indices, dsts)
-    else:
-        shapes, arrays = [], [indices]
-        for dst in dsts:
-            if dst.ndim != 2:
-                dst = dst.reshape(dst.shape[0], int(numpy.prod(dst.shape[1:])))
-            word = _word(dst.shape[1] * dst.dtype.itemsize, (dst,))
-            shapes.append((dst.shape[1] * dst.dtype.itemsize // word.itemsize, word))
-            arrays.append(dst)
-        if len(shapes) == 1:
-            shapes.append(None)
-            arrays.append(0 if not simulated() else numpy.empty((0, 0), _WORDS[0]))
-        _zero_launch(tuple(shapes))(stream_ptr(stream), (p, 0), *arrays)
-    _pad_scales(dsts, fmt, indices, None, stream)
+        _host.zero_rows(indices, dsts, None if fill is None else fill[0])
+        return
+    shapes, arrays = [], [indices]
+    for dst in dsts:
+        if dst.ndim != 2:
+            dst = dst.reshape(dst.shape[0], int(numpy.prod(dst.shape[1:])))
+        word = _word(dst.shape[1] * dst.dtype.itemsize, (dst,))
+        shapes.append((dst.shape[1] * dst.dtype.itemsize // word.itemsize, word))
+        arrays.append(dst)
+    if len(shapes) == 1:
+        shapes.append(None)
+        arrays.append(0 if not simulated() else numpy.empty((0, 0), _WORDS[0]))
+    fill_word = _fill_word(fill, shapes[1][1]) if shapes[1] else 0
+    _zero_launch(tuple(shapes), fill_word)(stream_ptr(stream), (p, 0), *arrays)
 
 
 @prepared
-def _zero_launch(shapes):
+def _zero_launch(shapes, fill_word):
     """The sized launch of ``zero_rows_kernel`` for two ``(words per row, word)`` arrays (the
-    second None: an empty (0, 0) array), scaled with the rows P."""
+    second None: an empty (0, 0) array) and the second's padding ``fill_word``, scaled with the
+    rows P."""
     args = [Words(0, (1,), numpy.dtype(numpy.int32))]
     for shape in shapes:
         if shape is None:
@@ -263,6 +280,7 @@ def _zero_launch(shapes):
             continue
         words, word = shape
         args.append(Words(0, (1, words), word))
+    args.append(fill_word)
     threads = _row_threads(max(shape[0] for shape in shapes if shape))
     return SizedLaunch(zero_rows_kernel, launch_1d(UNBOUNDED, threads=threads), (threads, 1),
                        *args)
@@ -381,8 +399,7 @@ def _gather(x, srcs, fmt, convert, indices, stream, alloc):
     alloc = alloc or array_module().empty
     p = indices.shape[0]
     dsts = [alloc((p,) + tuple(s.shape[1:]), s.dtype) for s in srcs]
-    _move_rows(gather_rows_kernel, indices, srcs, dsts, stream)
-    _pad_scales(dsts, fmt, indices, srcs[0].shape[0], stream)
+    _move_rows(gather_rows_kernel, indices, srcs, dsts, stream, fill=_padding_scale(fmt))
     return _wrap(dsts, fmt)
 
 

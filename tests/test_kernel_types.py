@@ -104,6 +104,9 @@ def _exercise(xp, rng):
     mxfp8.launch_quantize_gather(xp.asarray(rng.standard_normal((4, 64)).astype(BF16)), rows,
                                  mxfp8.MXFP8Array(xp.empty((3, 64), np.uint8),
                                                   xp.empty((3, 2), np.uint8)), "rceil", 0)
+    y = xp.asarray(rng.standard_normal((4, 64)).astype(BF16))
+    mxfp8.launch_round_trip(y, None, xp.empty((4, 64), BF16), "rceil", 0)
+    mxfp8.launch_round_trip(y, rows, xp.empty((3, 64), BF16), "rceil", 0)
 
 
 def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, tmp_path):
