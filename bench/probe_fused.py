@@ -12,7 +12,10 @@ combine gradient (``a2a_combine_backward``, the same direction at width H), each
 - in one call (``permute_align``: the received rows scattered into their permuted rows where the
   sender left them, over NVLink by a quarter of the SMs),
 - in one call with that scatter given half of the SMs (``a2a._BESIDE_SHARE``, the quantize
-  beside it the rest).
+  beside it the rest);
+
+and the forward combine in bf16 (width H) alone, after ``unpermute``, and in one call (each
+peer's rows gathered through the inverse index into the staging it pulls from).
 
 Median ms of 20 after 5 warm-up, iterations back to back (CUDA events on the calls' stream),
 the slowest rank's. Rank 0 prints a Markdown table; bench/NOTES.md says what it found. Without a
@@ -28,7 +31,7 @@ from mxcomm.bench._report import device_name
 from mxcomm.bench._runtime import Runtime
 from mxcomm.bench._timing import Clock, max_over_ranks, measure_back_to_back
 from mxcomm.layout import exchange_layout
-from mxcomm.permutation import permute
+from mxcomm.permutation import permute, unpermute
 
 EXPERTS_PER_RANK = 8
 ALIGN = 32
@@ -73,6 +76,17 @@ def main():
                 a2a._BESIDE_SHARE = share
             lines.append(f"| {name} | {width} | {alone:.3f} | {separate:.3f} | {fused:.3f} | "
                          f"{half:.3f} |")
+        # the forward combine in bf16: unpermute then the exchange (NCCL), or in one call (each
+        # peer's rows gathered into the staging it pulls from)
+        y = rt.random_bf16((layout.permuted_rows(ALIGN), h), seed=rt.rank)
+        indices = permute(a2a.a2a_dispatch(rt.random_bf16((args.rows, d), seed=rt.rank), layout,
+                                           precision="fp8_rowwise"), layout, align=ALIGN)[1]
+        u = unpermute(y, indices, layout)
+        alone = timed(lambda: a2a.a2a_combine(u, layout))
+        separate = timed(lambda: a2a.a2a_combine(unpermute(y, indices, layout), layout))
+        fused = timed(lambda: a2a.a2a_combine(y, layout, permute_align=ALIGN))
+        lines.append(f"| combine (bf16) | {h} | {alone:.3f} | {separate:.3f} | {fused:.3f} | "
+                     f"n/a |")
     rt.print("\n".join(lines))
     rt.close()
 

@@ -37,7 +37,9 @@ below, "MXFP8" stands for any quantized format. Where it stays quantized (Quanti
 copy engines pull the rows into the result, peer
 after peer, with no SMs taken from the quantize kernels. Elsewhere (``"grouped"``) the rows are
 quantized into a staging array, move in one NCCL group (or MPI call), and are then dequantized.
-bf16 exchanges are one ``comm.alltoallv`` either way.
+bf16 exchanges are one ``comm.alltoallv`` either way, but for the combine direction of
+``permute_align`` on the pull transport: there each peer's rows are gathered out of permute's
+order into the staging it pulls from (no pass into received order first).
 """
 
 import operator
@@ -178,6 +180,23 @@ class _QuantizedRows:
                               self._scale_mode)
 
 
+class _GatheredPlainRows:
+    """The plain exchange of rows still to be gathered (``mxcomm.comm._staged`` protocol; the
+    combine direction with ``permute_align`` on the pull transport): each peer's rows gathered
+    through the inverse permute index straight into the staging the peer pulls from, the own
+    rows straight into the result."""
+
+    __slots__ = ("arrays", "kind", "_x")
+
+    def __init__(self, x, kind):
+        self.arrays = (((x.shape[1],), numpy.dtype(x.dtype)),)
+        self.kind = kind
+        self._x = x
+
+    def produce(self, begin, end, slots, stream):
+        self._x.write(begin, end, slots[0], stream, _PULLED_SHARE)
+
+
 class _PermutedRows(_QuantizedRows):
     """The quantized exchange whose received rows land in permuted order (``permute_align``):
     ``out`` is ``(inverse, permuted arrays)``, and each sender's rows are scattered from where
@@ -272,7 +291,13 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                 else GatheredRows(x, inverse)
     if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
         x = x.dequantize(bfloat16, stream=caller)
-    if isinstance(x, GatheredRows) and not (fmt.quantized and fmt.quantizes_gathered(x.dtype)):
+    # plain rows still to be gathered: gathered into the staging, where the pull transport
+    # moves them and the wire is their dtype
+    staged_gather = (isinstance(x, GatheredRows) and not fmt.quantized and
+                     comm.transport == "pull" and numpy.dtype(fmt.element_dtype or x.dtype) ==
+                     x.dtype)
+    if isinstance(x, GatheredRows) and not staged_gather and \
+            not (fmt.quantized and fmt.quantizes_gathered(x.dtype)):
         with comm._on_stream(caller):  # gathered where the format cannot read them in place
             x = x.materialize(caller, alloc)
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
@@ -280,13 +305,15 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             raise ValueError(f"validate=False on rank {rank}: the pull transport needs every "
                              f"rank's counts; pass a layout (no vote) or validate")
         plan = _local_plan(comm, send_counts, recv_counts)
+    kind = f"{function} {fmt.name} rows of D = {width}"
+    if staged_gather:
+        return _exchange_gathered_plain(x, plan, comm, caller, kind, alloc)
     if not fmt.quantized:
         out = _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc)
         if permute_align is None or direction == "combine":
             return out
         with comm._on_stream(caller):  # NCCL leaves no place to scatter into: a gather after
             return _permute(out, layout, None, permute_align, None, caller, alloc)
-    kind = f"{function} {fmt.name} rows of D = {width}"
     if permute_align is not None and direction == "dispatch":
         return _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout,
                                   permute_align)
@@ -335,6 +362,17 @@ def _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc):
         comm.alltoallv_plan((x,), (out,), plan, caller)
         if result_dtype != wire:
             out = _bf16_to_f32(out)
+    return out
+
+
+def _exchange_gathered_plain(x, plan, comm, caller, kind, alloc):
+    """The plain exchange of the pending gather ``x`` (``GatheredRows``) on the pull transport
+    (docs/design.md, "The expert side of an exchange in permute's order"): each peer's rows
+    gathered into the staging it pulls from, copy engines pulling them in pieces, the own rows
+    gathered straight into the result; no pass into received order first."""
+    with comm._on_stream(caller):
+        out = (alloc or array_module().empty)((plan.rows_received, x.shape[1]), x.dtype)
+        comm.exchange(_GatheredPlainRows(x, kind), plan, out=(out,), stream=caller)
     return out
 
 

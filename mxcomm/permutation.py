@@ -32,6 +32,7 @@ from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permut
                               scatter_rows_kernel, zero_rows_kernel)
 from . import _host
 from ._array import as_device_array, stream_ptr
+from ._driver import row_range
 from ._platform import host_backend
 from .layout import Layout
 from .formats import QuantizedArray, conversion, get_format
@@ -102,6 +103,14 @@ class GatheredRows:
         if self.shape[0]:
             _move_rows(gather_rows_kernel, self.index, (self.source,), (out,), stream)
         return out
+
+    def write(self, begin, end, out, stream, share=1.0):
+        """Rows ``[begin, end)`` gathered into ``out`` ((end - begin, D) of their dtype: an
+        array or ``Words``), on the raw stream handle ``stream`` with ``share`` of the device's
+        grid: a producer of the staged exchange (``a2a``)."""
+        if end > begin:
+            _move_rows(gather_rows_kernel, row_range(self.index, begin, end), (self.source,),
+                       (out,), stream, share)
 
 
 def _word(row_bytes, arrays):

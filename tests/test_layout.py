@@ -514,16 +514,21 @@ def test_gpu_permute_align_equals_separate_calls():
                 c.wait(stream)
                 for a, b in ((got, want), (got_g, want_g)):
                     assert bool((a.data == b.data).all()) and bool((a.scales == b.scales).all())
-            back = a2a_combine(y, layout, precision="mxfp8", stream=stream, permute_align=align)
-            want_back = a2a_combine(unpermute(y, idx, layout, stream=stream), layout,
-                                    precision="mxfp8", stream=stream)
-            grad = a2a_dispatch_backward(y, layout, precision="mxfp8", stream=stream,
-                                         permute_align=align)
-            want_grad = a2a_dispatch_backward(permute_backward(y, idx, layout, stream=stream),
-                                              layout, precision="mxfp8", stream=stream)
-            c.wait(stream)
-            assert bool((back.view(numpy.uint16) == want_back.view(numpy.uint16)).all())
-            assert bool((grad.view(numpy.uint16) == want_grad.view(numpy.uint16)).all())
+            # combine direction: MXFP8 (gathered in the quantize's loads) and bf16 (gathered
+            # into the staging the peers pull from)
+            for precision in ("mxfp8", "bf16"):
+                back = a2a_combine(y, layout, precision=precision, stream=stream,
+                                   permute_align=align)
+                want_back = a2a_combine(unpermute(y, idx, layout, stream=stream), layout,
+                                        precision=precision, stream=stream)
+                grad = a2a_dispatch_backward(y, layout, precision=precision, stream=stream,
+                                             permute_align=align)
+                want_grad = a2a_dispatch_backward(permute_backward(y, idx, layout,
+                                                                   stream=stream),
+                                                  layout, precision=precision, stream=stream)
+                c.wait(stream)
+                assert bool((back.view(numpy.uint16) == want_back.view(numpy.uint16)).all())
+                assert bool((grad.view(numpy.uint16) == want_grad.view(numpy.uint16)).all())
 
 
 @pytest.mark.gpu
