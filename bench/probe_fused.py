@@ -9,10 +9,8 @@ combine gradient (``a2a_combine_backward``, the same direction at width H), each
 
 - alone (the exchange into received order),
 - followed by ``permute`` of what it received (the separate calls),
-- in one call (``permute_align``: the received rows scattered into their permuted rows where the
-  sender left them, over NVLink by a quarter of the SMs),
-- in one call with that scatter given half of the SMs (``a2a._BESIDE_SHARE``, the quantize
-  beside it the rest);
+- in one call (``permute_align``: each (sender, local expert) run of rows pulled by the copy
+  engines straight into its permuted rows);
 
 and the forward combine in bf16 (width H) alone, after ``unpermute``, and in one call (each
 peer's rows gathered through the inverse index into the staging it pulls from).
@@ -58,8 +56,8 @@ def main():
     lines = [f"probe_fused: {w} ranks, {args.rows} rows per rank, {EXPERTS_PER_RANK} experts per "
              f"rank, align {ALIGN}, fp8_rowwise, transport {comm.transport}, device "
              f"{device_name()}", "",
-             "| exchange | width | alone | + permute | in one call | in one call, scatter on 1/2 "
-             "of the SMs |", "| --- | --- | --- | --- | --- | --- |"]
+             "| exchange | width | alone | + permute | in one call |",
+             "| --- | --- | --- | --- | --- |"]
     for pair in args.dims:
         d, h = (int(v) for v in pair.split(":"))
         for name, fn, width in (("dispatch", a2a.a2a_dispatch, d),
@@ -69,13 +67,7 @@ def main():
             separate = timed(lambda: permute(fn(x, layout, precision="fp8_rowwise"), layout,
                                              align=ALIGN))
             fused = timed(lambda: fn(x, layout, precision="fp8_rowwise", permute_align=ALIGN))
-            share, a2a._BESIDE_SHARE = a2a._BESIDE_SHARE, 0.5
-            try:
-                half = timed(lambda: fn(x, layout, precision="fp8_rowwise", permute_align=ALIGN))
-            finally:
-                a2a._BESIDE_SHARE = share
-            lines.append(f"| {name} | {width} | {alone:.3f} | {separate:.3f} | {fused:.3f} | "
-                         f"{half:.3f} |")
+            lines.append(f"| {name} | {width} | {alone:.3f} | {separate:.3f} | {fused:.3f} |")
         # the forward combine in bf16: unpermute then the exchange (NCCL), or in one call (each
         # peer's rows gathered into the staging it pulls from)
         y = rt.random_bf16((layout.permuted_rows(ALIGN), h), seed=rt.rank)
@@ -85,8 +77,7 @@ def main():
         alone = timed(lambda: a2a.a2a_combine(u, layout))
         separate = timed(lambda: a2a.a2a_combine(unpermute(y, indices, layout), layout))
         fused = timed(lambda: a2a.a2a_combine(y, layout, permute_align=ALIGN))
-        lines.append(f"| combine (bf16) | {h} | {alone:.3f} | {separate:.3f} | {fused:.3f} | "
-                     f"n/a |")
+        lines.append(f"| combine (bf16) | {h} | {alone:.3f} | {separate:.3f} | {fused:.3f} |")
     rt.print("\n".join(lines))
     rt.close()
 

@@ -306,7 +306,7 @@ class Communicator(abc.ABC):
         else:
             self._transport = GroupedTransport(self)
 
-    def exchange(self, rows, plan, *, out=None, in_place=False, stream=None):
+    def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
         """Move rows a producer writes where they travel from, to a consumer (``_staged``).
 
         Collective, on the devices only: no host collective and no host barrier (the staging
@@ -323,6 +323,11 @@ class Communicator(abc.ABC):
                 None to allocate them. Written. Must be None with ``in_place``.
             in_place: the consumer reads each sender's rows where they are (pull: over NVLink on
                 a side stream beside the producer) instead of them being copied into ``out``.
+            landing: None (received row r is row r of ``out``), or ``((received row, row of
+                out, rows), ...)`` sorted by received row, covering every received row once:
+                where each run of received rows lands in ``out`` (``out`` may have more rows,
+                which stay as they are). Not with ``in_place``. The pull transport copies each
+                run straight into place; the grouped one receives, then copies the runs.
             stream: the caller's stream (NCCL: as in :meth:`alltoallv`; MPI: ignored).
         Returns:
             The tuple of ``out`` arrays (complete on ``stream``), or None with ``in_place``.
@@ -333,10 +338,12 @@ class Communicator(abc.ABC):
                 aborted or closed.
         """
         self._check_usable()
+        if landing is not None and (in_place or out is None):
+            raise ValueError("landing: needs out arrays and in_place=False")
         stream_ptr = self._stream_ptr(stream)
         with self._on_stream(stream_ptr):  # allocations ordered on the caller's stream
             outs = self._transport.run(rows, plan, None if out is None else tuple(out), in_place,
-                                       stream_ptr)
+                                       stream_ptr, landing)
         # No watchdog event here: the pull transport's device waits give up on their own after
         # ``timeout`` (the watchdog reads their status), and the grouped one's alltoallv
         # records its own.

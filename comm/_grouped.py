@@ -2,7 +2,9 @@
 one ``alltoallv`` (one NCCL group, or MPI), then consume. Works on any communicator (several
 nodes, GPUs without peer access); nothing overlaps the transfer."""
 
-from ._staged import send_order
+from mxcomm._driver import copy_bytes, row_range
+
+from ._staged import landed, send_order
 
 
 class GroupedTransport:
@@ -13,7 +15,7 @@ class GroupedTransport:
     def __init__(self, comm):
         self._comm = comm
 
-    def run(self, rows, plan, outs, in_place, stream):
+    def run(self, rows, plan, outs, in_place, stream, landing=None):
         comm = self._comm
         staging = comm._new_arrays(rows.arrays, plan.rows_sent)
         for peer in send_order(comm.rank, comm.size):
@@ -23,6 +25,13 @@ class GroupedTransport:
                 rows.produce(begin, end, tuple(a[begin:end] for a in staging), stream)
         if outs is None:
             outs = comm._new_arrays(rows.arrays, plan.rows_received)
+        if landing is not None:  # received in order, then each run copied into place
+            received = comm._new_arrays(rows.arrays, plan.rows_received)
+            comm.alltoallv_plan(staging, received, plan, stream)
+            for r, at, n in landed(landing, 0, plan.rows_received):
+                for src, dst in zip(received, outs):
+                    copy_bytes(row_range(dst, at, at + n), row_range(src, r, r + n), stream)
+            return outs
         comm.alltoallv_plan(staging, outs, plan, stream)
         if in_place:
             for step in range(comm.size):

@@ -20,7 +20,7 @@ import weakref
 
 from mxcomm._driver import row_range
 
-from ._staged import kind_base, kind_word, pieces, regions, row_bytes_of, send_order
+from ._staged import kind_base, kind_word, landed, pieces, regions, row_bytes_of, send_order
 
 
 class PullTransport:
@@ -53,13 +53,13 @@ class PullTransport:
             self.kinds.setdefault(base, text)
         return base
 
-    def run(self, rows, plan, outs, in_place, stream):
+    def run(self, rows, plan, outs, in_place, stream, landing=None):
         memory = self.memory
         arrays = rows.arrays
         row_bytes = row_bytes_of(arrays)
         base = self._kind(rows.kind + ", read in place" if in_place else rows.kind)
         memory.reserve(plan.staging_bytes(row_bytes), stream)
-        schedule = self._schedule(plan, arrays, row_bytes, base, in_place)
+        schedule = self._schedule(plan, arrays, row_bytes, base, in_place, landing)
         if outs is None and not in_place:
             outs = self._comm._new_arrays(arrays, plan.rows_received)
         memory.begin(stream)
@@ -70,12 +70,13 @@ class PullTransport:
             signal(peer, piece, kind, stream)
         own = schedule.own
         if own is not None:  # own rows, last: straight to the result, or kept by the consumer
-            begin, end, at, slots = own
+            begin, end, at, slots, lands = own
             if in_place:
                 rows.keep(begin, end, at, slots, stream)
             else:
-                produce(begin, end, tuple(row_range(o, at, at + end - begin) for o in outs),
-                        stream)
+                for first, last, out_row in lands:
+                    produce(first, last, tuple(row_range(o, out_row, out_row + last - first)
+                                               for o in outs), stream)
         if in_place:
             for peer, kind, begin, end, views in schedule.receives:
                 side = memory.await_ready(peer, 0, kind)
@@ -90,7 +91,7 @@ class PullTransport:
         memory.end(stream)
         return outs
 
-    def _schedule(self, plan, arrays, row_bytes, base, in_place):
+    def _schedule(self, plan, arrays, row_bytes, base, in_place, landing):
         """The :class:`_Schedule` of ``plan`` for these rows, from the cache or made now."""
         if self.memory.epoch != self._epoch:  # the staging moved: forget every view of it
             self._schedules.clear()
@@ -98,11 +99,11 @@ class PullTransport:
         by_key = self._schedules.get(plan)
         if by_key is None:
             by_key = self._schedules[plan] = {}
-        key = (arrays, base, in_place)
+        key = (arrays, base, in_place, landing)
         schedule = by_key.get(key)
         if schedule is None:
             schedule = by_key[key] = _Schedule(plan, self.memory, arrays, row_bytes, base,
-                                               in_place)
+                                               in_place, landing)
         return schedule
 
     def close(self):
@@ -117,17 +118,21 @@ class _Schedule:
         sends: ``(begin, end, slots, peer, piece, kind)`` per piece produced for a peer, in send
             order: rows ``[begin, end)`` of the send order go into ``slots`` (views of this rank's
             staging), then ``peer`` is signalled.
-        own: ``(begin, end, at, slots)`` of this rank's own rows (produced last), received at row
-            ``at``; ``slots`` None when they go straight into the result. None without own rows.
+        own: ``(begin, end, at, slots, lands)`` of this rank's own rows (produced last),
+            received at row ``at``; ``slots`` (in place) the staging they are kept through;
+            ``lands``: ``[(first, last, result row), ...]``, the rows of the send order
+            produced straight into the result at that row (several where a ``landing`` splits
+            them). None without own rows.
         receives: per sender, in pull order (step 1 first): with copies, ``(peer, piece, kind,
             [(offset in the sender's staging, array index, byte offset in the result, bytes),
-            ...])`` per piece; in place, ``(peer, kind, begin, end, views)``, views of the
-            sender's staging (mapped here) holding received rows ``[begin, end)``.
+            ...])`` per piece (one copy per array, or per array and landed segment); in place,
+            ``(peer, kind, begin, end, views)``, views of the sender's staging (mapped here)
+            holding received rows ``[begin, end)``.
     """
 
     __slots__ = ("sends", "own", "receives")
 
-    def __init__(self, plan, memory, arrays, row_bytes, base, in_place):
+    def __init__(self, plan, memory, arrays, row_bytes, base, in_place, landing):
         rank, size = plan.rank, plan.size
         bases, _ = regions(row_bytes, plan.rows_sent)
 
@@ -140,8 +145,11 @@ class _Schedule:
             begin, count = plan.send_offsets[peer], plan.send_counts[peer]
             if peer == rank:
                 if count:
-                    self.own = (begin, begin + count, plan.recv_offsets[rank],
-                                slots(begin, count) if in_place else None)
+                    at = plan.recv_offsets[rank]
+                    lands = [(begin + r - at, begin + r - at + n, out_row)
+                             for r, out_row, n in landed(landing, at, at + count)]
+                    self.own = (begin, begin + count, at,
+                                slots(begin, count) if in_place else None, lands)
                 continue
             kind = kind_word(base, count)
             for piece, (lo, hi) in enumerate([(0, count)] if in_place
@@ -161,7 +169,7 @@ class _Schedule:
                 self.receives.append((peer, kind, at, at + count, views))
                 continue
             for piece, (lo, hi) in enumerate(pieces(count, row_bytes)):
-                copies = [(b + (first + lo) * rb, index, (at + lo) * rb, (hi - lo) * rb)
-                          for index, (b, rb) in enumerate(zip(peer_bases, row_bytes))
-                          if hi > lo and rb]
+                copies = [(b + (first + r - at) * rb, index, out_row * rb, n * rb)
+                          for index, (b, rb) in enumerate(zip(peer_bases, row_bytes)) if rb
+                          for r, out_row, n in landed(landing, at + lo, at + hi)]
                 self.receives.append((peer, piece, kind, copies))

@@ -114,6 +114,21 @@ def pieces(rows, layout):
     return [(rows * i // k, rows * (i + 1) // k) for i in range(k)]
 
 
+def landed(landing, lo, hi):
+    """Where received rows ``[lo, hi)`` land in the result: ``[(received row, result row,
+    rows), ...]`` in received order. ``landing``: None (each received row at its own index) or
+    ``((received row, result row, rows), ...)`` sorted by received row, covering every received
+    row once (an exchange whose rows land in another order: ``permute_align``)."""
+    if landing is None:
+        return [(lo, lo, hi - lo)] if hi > lo else []
+    out = []
+    for start, at, count in landing:
+        a, b = max(lo, start), min(hi, start + count)
+        if b > a:
+            out.append((a, at + a - start, b - a))
+    return out
+
+
 def row_bytes_of(arrays):
     """Bytes of one row of each array of ``arrays`` (``((row shape, dtype), ...)``)."""
     return tuple(dtype.itemsize * math.prod(shape) for shape, dtype in arrays)

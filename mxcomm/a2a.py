@@ -52,7 +52,8 @@ from .kernels import array_module
 from .formats import PER_ROW, QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
-from .permutation import GatheredRows, _permute, _unpermute, expert_order, pad_rows, scatter_rows
+from .permutation import (GatheredRows, _permute, _unpermute, expert_order, pad_rows,
+                          permuted_landing)
 
 #: Every precision a direction accepts: the formats of ``mxcomm.formats``.
 PRECISIONS = format_names()
@@ -195,23 +196,6 @@ class _GatheredPlainRows:
 
     def produce(self, begin, end, slots, stream):
         self._x.write(begin, end, slots[0], stream, _PULLED_SHARE)
-
-
-class _PermutedRows(_QuantizedRows):
-    """The quantized exchange whose received rows land in permuted order (``permute_align``):
-    ``out`` is ``(inverse, permuted arrays)``, and each sender's rows are scattered from where
-    they are into their permuted rows (``scatter_rows``, through the inverse permute index)."""
-
-    __slots__ = ()
-
-    def consume(self, begin, end, rows, stream):
-        inverse, dsts = self._out
-        scatter_rows(row_range(inverse, begin, end), rows, dsts, stream,
-                     1.0 if stream == self._caller else _BESIDE_SHARE)
-
-    def keep(self, begin, end, at, slots, stream):
-        self.produce(begin, end, slots, stream)
-        self.consume(at, at + end - begin, slots, stream)
 
 
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
@@ -417,19 +401,21 @@ def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind
 
 def _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):
     """The quantized exchange in the dispatch direction whose received rows land in permuted
-    order (docs/design.md, "The expert side of an exchange in permute's order"): in place, each
-    sender's rows scattered from where they are into their permuted rows; the padding rows get
-    zeros and the padding scale first. Returns ``permute``'s triple."""
-    indices, offsets, inverse = expert_order(layout, align, caller)
+    order (docs/design.md, "The expert side of an exchange in permute's order"): each
+    (sender, local expert) run of rows copied straight into its permuted rows (the exchange's
+    ``landing``: on the pull transport by the copy engines, from the sender's staging; the own
+    rows quantized straight into place); the padding rows get zeros and the padding scale
+    first. Returns ``permute``'s triple."""
+    indices, offsets, _ = expert_order(layout, align, caller)
     p = indices.shape[0]
     with comm._on_stream(caller):
         permuted = fmt.empty(p, x.shape[1], alloc)
         scales = permuted.scales  # per-row scales travel as (rows, 1)
         dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)
         pad_rows(dsts, fmt, indices, caller)
-        share = 1.0 - _BESIDE_SHARE if comm.transport == "pull" else 1.0
-        comm.exchange(_PermutedRows(x, fmt, kind, scale_mode, (inverse, dsts), caller, share),
-                      plan, in_place=True, stream=caller)
+        share = _PULLED_SHARE if comm.transport == "pull" else 1.0
+        comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, None, caller, share), plan,
+                      out=dsts, landing=permuted_landing(layout, align), stream=caller)
     return permuted, indices, offsets
 
 
@@ -480,12 +466,12 @@ _COMMON_ARGS = """
         permute_align: None, or (with a layout) an int A: the expert side of the exchange (the
             rows received in the dispatch direction, sent in the combine direction) is in
             :func:`~mxcomm.permute`'s order for ``align=A`` instead of received order, bit for
-            bit as a separate permute / unpermute would leave it, without that pass (with a
-            quantized format the received rows are scattered straight from where they arrive
-            into their permuted rows; docs/design.md, "The expert side of an exchange in
-            permute's order"; at 2 ranks on H100s, a dispatch of 131072 x 8192 bf16 rows as
-            fp8_rowwise took 2.77 ms in one call against 3.01 ms for the exchange and the
-            permute, bench/NOTES.md). The dispatch direction then returns ``(permuted (P, D),
+            bit as a separate permute / unpermute would leave it, without that pass (on the
+            pull transport the copy engines pull each (sender, local expert) run of rows
+            straight into its permuted rows, and the bf16 combine gathers each peer's rows into
+            the staging it pulls from; docs/design.md, "The expert side of an exchange in
+            permute's order"; measured in bench/NOTES.md). The dispatch direction then returns
+            ``(permuted (P, D),
             permuted_indices (P,) int32, group_offsets (E_local,) int32)`` as ``permute``
             does; the combine direction takes the permuted (P, D) rows.
     Raises:

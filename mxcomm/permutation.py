@@ -242,15 +242,6 @@ def _wrap(arrays, fmt):
     return fmt.wrap(*arrays) if fmt is not None else arrays[0]
 
 
-def scatter_rows(indices, srcs, dsts, stream, share=1.0):
-    """``dst[indices[i]] = src[i]`` for each (src, dst) pair of rows (data and scales), rows with
-    an index < 0 or past ``dst`` dropped, enqueued on ``stream``: the consumer of an exchange
-    whose received rows land in permuted order (``a2a``, ``permute_align``). ``srcs`` may be
-    ``Words`` (the rows where a sender left them); ``share``: the grid's share of the device."""
-    if indices.shape[0]:
-        _move_rows(scatter_rows_kernel, indices, srcs, dsts, stream, share)
-
-
 def pad_rows(dsts, fmt, indices, stream):
     """Give the padding rows (``indices[p] < 0``) of the permuted row arrays ``dsts`` (data and
     scales of ``fmt``, or one plain array, ``fmt`` None) zeros and the format's padding scale,
@@ -313,6 +304,36 @@ def expert_order(layout, align, stream):
         inverse[xp.where(indices >= 0, indices, n)] = xp.arange(indices.shape[0],
                                                                  dtype=numpy.int32)
     cached = layout._cache[key] = (indices, offsets, inverse[:n])
+    return cached
+
+
+def permuted_landing(layout, align):
+    """Where each received row lands in :func:`permute`'s order for ``align``: ``((received
+    row, permuted row, rows), ...)``, one run per (source rank, local expert) with rows, in
+    received order (``Communicator.exchange``'s ``landing``). Worked out on the host from the
+    layout's counts, as ``permute_layout_kernel`` works out the index on the device (the same
+    rows), once per layout and ``align``."""
+    align = _check_int(align, "align", 1)
+    key = ("landing", align)
+    cached = layout._cache.get(key)
+    if cached is not None:
+        return cached
+    e_local, world = layout.num_local_experts, layout.comm.size
+    first = layout.comm.rank * e_local
+    mine = layout.counts[:, first:first + e_local].tolist()  # [source rank][local expert]
+    start, end = [[0] * e_local for _ in range(world)], 0
+    for e in range(e_local):  # expert-major, then source rank; groups padded to align
+        for j in range(world):
+            start[j][e] = end
+            end += mine[j][e]
+        end = -(-end // align) * align
+    runs, row = [], 0
+    for j in range(world):  # received order: source rank, then local expert
+        for e in range(e_local):
+            if mine[j][e]:
+                runs.append((row, start[j][e], mine[j][e]))
+            row += mine[j][e]
+    cached = layout._cache[key] = tuple(runs)
     return cached
 
 

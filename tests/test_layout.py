@@ -301,14 +301,21 @@ def test_permute_backward_folds_into_the_quantized_dispatch_gradient(comm, monke
     torch = pytest.importorskip("torch")
     import mxcomm.mxfp8
     import mxcomm.torch as mxt
-    gathered = []
+    gathered = []  # rows read through the index: peers' rows quantized, own rows round-tripped
     quantize_gather = mxcomm.mxfp8.launch_quantize_gather
+    round_trip = mxcomm.mxfp8.launch_round_trip
 
     def spy(*args, **kwargs):
         gathered.append(args[1].shape[0])
         return quantize_gather(*args, **kwargs)
 
+    def spy_round_trip(*args, **kwargs):
+        if args[1] is not None:
+            gathered.append(args[1].shape[0])
+        return round_trip(*args, **kwargs)
+
     monkeypatch.setattr(mxcomm.mxfp8, "launch_quantize_gather", spy)
+    monkeypatch.setattr(mxcomm.mxfp8, "launch_round_trip", spy_round_trip)
     w, me = comm.size, comm.rank
     counts = random_counts(numpy.random.default_rng(SEED + 5), w, 3)
     layout = mxt.exchange_layout(torch.from_numpy(counts[me].astype(numpy.int64)), comm)
