@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         pipeab1fp8 pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
+#         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -99,6 +99,11 @@ for phase in "$@"; do
     pipe2fp8) step "bench pipeline, 2 ranks, fp8 GEMM variants, 131072 rows" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
         --json "$res/pipeline_fp8_w2.json" --markdown "$res/pipeline_fp8_w2.md" --plot "$res/pipeline_fp8_w2.png" ;;
+    pipe2fp8i) step "bench pipeline, 2 ranks, fp8 GEMM variants, 131072 rows, interleaved" 500 "${mpirun_env[@]}" -n 2 \
+        python3 -m mxcomm.bench pipeline --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 \
+        --no-stages --interleave --iters ${PIPE_ITERS:-30} --variants $FP8_VARIANTS \
+        --json "$res/pipeline_fp8_interleaved_w2.json" --markdown "$res/pipeline_fp8_interleaved_w2.md" \
+        --plot "$res/pipeline_fp8_interleaved_w2.png" ;;
     pipe2fp8stages) step "bench pipeline, 2 ranks, fp8 GEMM variants with stages, 131072 rows" 400 \
         "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline --tokens 131072 --dim 7168 8192 \
         --hidden 2048 5120 --experts 8 --variants ${STAGE_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
