@@ -31,11 +31,14 @@ combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gra
     mxfp8+rowwise  mxcomm     mxfp8 / bf16 / bf16 / fp8_rowwise       fp8 rowwise from the permute
                                                                       (gradient: as received)
     fp8_rowwise_mxgrad  mxcomm  fp8_rowwise / bf16 / mxfp8 / fp8_rowwise  as fp8_rowwise
+    fp8_rowwise_mxgrad_fused  as fp8_rowwise_mxgrad, the exchanges' expert side in permute's
+                        order (permute_align: no permute or unpermute pass)
     fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise                     as fp8_rowwise, bf16 wgrad
     fp8_rowwise_acc32   mxcomm  as fp8_rowwise                        as fp8_rowwise, sums
                                                                       promoted to fp32
 
-The last three run only when ``--variants`` names them. The fp8 GEMM variants' weight gradient is
+The last four run only when ``--variants`` names them (``fp8_rowwise_mxgrad_fused``: the
+fastest at 131072 rows on 2×H100, bench/NOTES.md). The fp8 GEMM variants' weight gradient is
 fp8 (``grouped_mm``'s default: both operands rescaled per (group, column) along the tokens from
 the fp8 rows the forward and dgrad read), except ``fp8_rowwise_bf16wgrad``: the same run with the
 bf16 wgrad, to measure that choice side by side. Their accumulation is ``grouped_mm``'s default

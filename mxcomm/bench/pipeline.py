@@ -3,7 +3,7 @@
 Per rank: --tokens rows of --dim elements, routed to W x --experts experts (--experts counts the
 experts of one rank, E_local). Forward: exchange_layout -> a2a_dispatch -> permute -> grouped GEMM
 (bf16 weights (E_local, hidden, dim), with gradient) -> unpermute -> a2a_combine; backward through
-all of it with a fixed random output gradient. Six variants in one run, three more on request
+all of it with a fixed random output gradient. Six variants in one run, four more on request
 (--variants picks; wire = dispatch / combine / dispatch_grad / combine_grad):
   bf16           torch.distributed all_to_all_single in bf16, mxcomm permute/unpermute, bf16
                  GEMM (the reference of SQNR and speedups)
@@ -20,6 +20,9 @@ all of it with a fixed random output gradient. Six variants in one run, three mo
                  rowwise inside the permute, then the same fp8 GEMM
   fp8_rowwise_mxgrad     (only by --variants) fp8_rowwise with dispatch_grad in mxfp8 (the
                  backward's largest exchange halved)
+  fp8_rowwise_mxgrad_fused  (only by --variants) that, with dispatch + permute and unpermute +
+                 combine each in one call (permute_align): the fastest at 131072 rows on
+                 2xH100s (bench/NOTES.md)
   fp8_rowwise_bf16wgrad  (only by --variants) fp8_rowwise with the GEMM's weight gradient in
                  bf16 (the others': fp8, grouped_mm's default)
   fp8_rowwise_acc32      (only by --variants) fp8_rowwise with every fp8 product's sums promoted
