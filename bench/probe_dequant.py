@@ -20,14 +20,10 @@ GPU it runs the same calls on the host backend (a check that it runs; its times 
 
 import argparse
 
-import numpy
-
 from mxcomm import a2a
 from mxcomm.bench._report import device_name
 from mxcomm.bench._runtime import Runtime
-from mxcomm.bench._timing import Clock, max_over_ranks, measure_back_to_back
 from mxcomm.formats import get_format
-from mxcomm.layout import exchange_layout
 
 EXPERTS_PER_RANK = 8
 SHARES = (0.125, 0.25, 0.5)
@@ -41,15 +37,8 @@ def main():
     args = parser.parse_args()
     rt = Runtime()
     comm, w = rt.comm, rt.size
-    experts = w * EXPERTS_PER_RANK
-    counts = numpy.full(experts, args.rows // experts, numpy.int32)
-    counts[: args.rows - counts.sum()] += 1
-    layout = exchange_layout(rt.xp.asarray(counts), comm)
-    clock = Clock(rt.clock_kind)
-
-    def timed(fn):
-        stats = measure_back_to_back(fn, clock, iters=20, warmup=5, before=rt.barrier)
-        return max_over_ranks(stats, rt.allreduce_max).median
+    layout = rt.uniform_layout(args.rows, EXPERTS_PER_RANK)
+    timed = rt.back_to_back_ms
 
     def wire(g, fmt):  # the combine direction, the rows left quantized
         return a2a._exchange(g, None, None, None, fmt, layout, function="a2a_dispatch_backward",

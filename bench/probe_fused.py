@@ -22,13 +22,9 @@ GPU it runs the same calls on the host backend (a check that it runs; its times 
 
 import argparse
 
-import numpy
-
 from mxcomm import a2a
 from mxcomm.bench._report import device_name
 from mxcomm.bench._runtime import Runtime
-from mxcomm.bench._timing import Clock, max_over_ranks, measure_back_to_back
-from mxcomm.layout import exchange_layout
 from mxcomm.permutation import permute, unpermute
 
 EXPERTS_PER_RANK = 8
@@ -43,15 +39,8 @@ def main():
     args = parser.parse_args()
     rt = Runtime()
     comm, w = rt.comm, rt.size
-    experts = w * EXPERTS_PER_RANK
-    counts = numpy.full(experts, args.rows // experts, numpy.int32)
-    counts[: args.rows - counts.sum()] += 1
-    layout = exchange_layout(rt.xp.asarray(counts), comm)
-    clock = Clock(rt.clock_kind)
-
-    def timed(fn):
-        stats = measure_back_to_back(fn, clock, iters=20, warmup=5, before=rt.barrier)
-        return max_over_ranks(stats, rt.allreduce_max).median
+    layout = rt.uniform_layout(args.rows, EXPERTS_PER_RANK)
+    timed = rt.back_to_back_ms
 
     lines = [f"probe_fused: {w} ranks, {args.rows} rows per rank, {EXPERTS_PER_RANK} experts per "
              f"rank, align {ALIGN}, fp8_rowwise, transport {comm.transport}, device "

@@ -143,6 +143,22 @@ class Runtime:
         """Element-wise maximum of a list of floats over ranks (host collective)."""
         return self._allreduce(values, "MAX")
 
+    def back_to_back_ms(self, fn, iters=20, warmup=5):
+        """The slowest rank's median ms of ``fn()`` enqueued back to back after a barrier (CUDA
+        events; the host clock on a CPU, where it means nothing for a GPU): the probes' timer."""
+        from . import _timing
+        stats = _timing.measure_back_to_back(fn, _timing.Clock(self.clock_kind), iters=iters,
+                                             warmup=warmup, before=self.barrier)
+        return _timing.max_over_ranks(stats, self.allreduce_max).median
+
+    def uniform_layout(self, rows, experts_per_rank):
+        """The layout of ``rows`` token rows per rank routed uniformly to ``experts_per_rank``
+        experts per rank (``mxcomm.exchange_layout``: a collective)."""
+        from mxcomm.layout import exchange_layout
+        from . import _workload
+        counts = _workload.uniform_expert_counts(rows, self.size * experts_per_rank)
+        return exchange_layout(self.xp.asarray(counts), self.comm)
+
     def allreduce_sum(self, values):
         """Element-wise sum of a list of numbers over ranks (host collective; float64, exact
         < 2^53)."""
