@@ -91,7 +91,7 @@ class PullTransport:
         memory.end(stream)
         return outs
 
-    def _schedule(self, plan, arrays, row_bytes, base, in_place, landing):
+    def _schedule(self, plan, arrays, row_bytes, base, in_place, landing=None):
         """The :class:`_Schedule` of ``plan`` for these rows, from the cache or made now."""
         if self.memory.epoch != self._epoch:  # the staging moved: forget every view of it
             self._schedules.clear()

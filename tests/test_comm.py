@@ -913,10 +913,33 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
             else:
                 merged.append((at, n))
         assert merged == want
+    # with a landing (runs of received rows placed elsewhere: permute_align), a schedule of its
+    # own whose copies put every received row of the peers, piece by piece, where its run says
+    # (received rows 0-1 from rank 0, 2-6 own, 7-14 from rank 2; runs cut inside senders)
+    landing = ((0, 20, 1), (1, 5, 1), (2, 0, 5), (7, 30, 3), (10, 10, 5))
+    landed = transport._schedule(plan, arrays, row_bytes, 0x1234, False, landing)
+    assert landed is not first and transport._schedule(plan, arrays, row_bytes, 0x1234, False,
+                                                        landing) is landed
+    place = {r + i: at + i for r, at, n in landing for i in range(n)}
+    for index in (0, 1):
+        seen = []
+        for peer, _, _, copies in landed.receives:
+            staged_first = sent[peer][0]  # rank 1's rows start after rank 0's in the staging
+            for offset, i, out_offset, nbytes in copies:
+                if i != index:
+                    continue
+                base = _staged.regions(row_bytes, sum(sent[peer]))[0][index]
+                r = recv_offsets[peer] + (offset - base) // row_bytes[index] - staged_first
+                for k in range(nbytes // row_bytes[index]):
+                    assert out_offset // row_bytes[index] + k == place[r + k]
+                    seen.append(r + k)
+        assert sorted(seen) == [0, 1] + list(range(7, 15))
+    own_begin, own_end, own_at, _, lands = landed.own
+    assert [(a, b, at) for a, b, at in lands] == [(own_begin, own_end, 0)]  # rows 2-6 -> 0-4
     memory.epoch += 1  # the staging moved: every schedule is made anew
     assert transport._schedule(plan, arrays, row_bytes, 0x1234, False) is not first
     assert len(transport._schedules) == 1
-    del plan, first
+    del plan, first, landed
     gc.collect()
     assert len(transport._schedules) == 0
 
