@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 ktests1 tests2 formats2 tests4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
@@ -78,7 +78,28 @@ for phase in "$@"; do
     graph2) step "CUDA graph test, 2 ranks" 90 "${mpirun_env[@]}" --output-filename "$OUT/ranks-graph2" \
         -n 2 python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=70 -W ignore::DeprecationWarning --with-mpi \
         tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path ;;
-    tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m pytest -q --with-mpi -m "gpu and mpi" tests ;;
+    tests4) [ "$ngpu" -ge 4 ] && step "gpu tests, 4 ranks" 300 "${mpirun_env[@]}" --output-filename "$OUT/ranks-tests4" \
+        -n 4 python3 -m pytest -q -rfE -p no:cacheprovider \
+        -o faulthandler_timeout=120 -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" \
+        --deselect tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path tests ;;
+    graph4) [ "$ngpu" -ge 4 ] && step "CUDA graph test, 4 ranks" 120 "${mpirun_env[@]}" --output-filename "$OUT/ranks-graph4" \
+        -n 4 python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=100 -W ignore::DeprecationWarning --with-mpi \
+        tests/test_layout.py::test_gpu_cuda_graph_replays_the_token_path ;;
+    formats4) [ "$ngpu" -ge 4 ] && step "format exchanges on GPUs, 4 ranks" 240 "${mpirun_env[@]}" --output-filename "$OUT/ranks-formats4" \
+        -n 4 python3 -m pytest -q -rfE -p no:cacheprovider \
+        -o faulthandler_timeout=120 -W ignore::DeprecationWarning --with-mpi -m mpi tests/test_formats_ep.py ;;
+    pipe4fp8) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks, fp8 GEMM variants, 131072 rows" 500 "${mpirun_env[@]}" -n 4 \
+        python3 -m mxcomm.bench pipeline --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 \
+        --no-stages --variants $FP8_VARIANTS \
+        --json "$res/pipeline_fp8_w4.json" --markdown "$res/pipeline_fp8_w4.md" --plot "$res/pipeline_fp8_w4.png" ;;
+    pipe4fp8i) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks, fp8 GEMM variants, 131072 rows, interleaved" 500 \
+        "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline --tokens 131072 --dim 7168 8192 --hidden 2048 5120 \
+        --experts 8 --no-stages --interleave --iters ${PIPE_ITERS:-30} --variants $FP8_VARIANTS \
+        --json "$res/pipeline_fp8_interleaved_w4.json" --markdown "$res/pipeline_fp8_interleaved_w4.md" ;;
+    pipe4small) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks, small batches" 300 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
+        --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --interleave \
+        --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
+        --json "$res/pipeline_small_w4.json" --markdown "$res/pipeline_small_w4.md" ;;
     formats2) step "format exchanges on GPUs, 2 ranks" 200 "${mpirun_env[@]}" --output-filename "$OUT/ranks-formats2" \
         -n 2 python3 -m pytest -q -rfE -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m mpi tests/test_formats_ep.py ;;
