@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
@@ -117,6 +117,15 @@ for phase in "$@"; do
         --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --interleave \
         --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
         --json "$res/pipeline_small_w2.json" --markdown "$res/pipeline_small_w2.md" ;;
+    pmsmall2|pmsmall4)  # the small-batch pipeline with peer memory (pull) and without (grouped: one
+        # NCCL group per exchange), one after the other: which transport serves small batches
+        n=${phase#pmsmall}
+        [ "$ngpu" -ge "$n" ] && for pm in auto off; do
+            step "bench pipeline, $n ranks, small batches, --peer-memory $pm" 300 "${mpirun_env[@]}" -n "$n" \
+                python3 -m mxcomm.bench pipeline --peer-memory $pm --tokens ${SMALL_TOKENS:-4096 16384 32768 65536} \
+                --dim 7168 --hidden 2048 --experts 8 --no-stages --interleave --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
+                --json "$res/pipeline_small_pm${pm}_w$n.json" --markdown "$res/pipeline_small_pm${pm}_w$n.md"
+        done ;;
     pipe2fp8) step "bench pipeline, 2 ranks, fp8 GEMM variants, 131072 rows" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
         --json "$res/pipeline_fp8_w2.json" --markdown "$res/pipeline_fp8_w2.md" --plot "$res/pipeline_fp8_w2.png" ;;
@@ -192,6 +201,8 @@ for phase in "$@"; do
             python3 bench/profile_step.py 4096 bf16+fp8gemm,fp8_rowwise_mxgrad fp8_rowwise_mxgrad --iters 30 ;;
     fused2) step "exchanges landing in permute's order vs exchange + permute, 2 ranks" 200 \
         "${mpirun_env[@]}" -n 2 python3 bench/probe_fused.py ;;
+    fused4) [ "$ngpu" -ge 4 ] && step "exchanges landing in permute's order vs exchange + permute, 4 ranks" 200 \
+        "${mpirun_env[@]}" -n 4 python3 bench/probe_fused.py ;;
     ncu1)  # Nsight Compute on the fp8 wgrad conversion kernels (clocks left alone), one launch each
         step "Nsight Compute, fp8 wgrad conversion kernels" 300 ncu --clock-control none \
             -k regex:group_colwise --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -239,9 +250,9 @@ for phase in "$@"; do
     pipe2topk) step "bench pipeline, 2 ranks, small batches, topk routing" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --routing topk --interleave \
         --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} --json "$res/pipeline_small_topk_w2.json" --markdown "$res/pipeline_small_topk_w2.md" ;;
-    latency2) step "bench latency, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench latency \
+    latency2) step "bench latency, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench latency ${LATENCY_ARGS:-} \
         --json "$res/latency_w2.json" --markdown "$res/latency_w2.md" ;;
-    latency4) [ "$ngpu" -ge 4 ] && step "bench latency, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench latency \
+    latency4) [ "$ngpu" -ge 4 ] && step "bench latency, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench latency ${LATENCY_ARGS:-} \
         --json "$res/latency_w4.json" --markdown "$res/latency_w4.md" ;;
     train2) step "train_moe, 2 ranks" 560 "${mpirun_env[@]}" -n 2 python3 examples/train_moe.py \
         --variants bf16,default,mxfp8 --seeds ${TRAIN_SEEDS:-0,1,2} --max-minutes ${TRAIN_MINUTES:-8} \

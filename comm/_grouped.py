@@ -4,7 +4,7 @@ nodes, GPUs without peer access); nothing overlaps the transfer."""
 
 from mxcomm._driver import copy_bytes, row_range
 
-from ._staged import landed, send_order
+from ._staged import landed
 
 
 class GroupedTransport:
@@ -18,11 +18,8 @@ class GroupedTransport:
     def run(self, rows, plan, outs, in_place, stream, landing=None):
         comm = self._comm
         staging = comm._new_arrays(rows.arrays, plan.rows_sent)
-        for peer in send_order(comm.rank, comm.size):
-            begin = plan.send_offsets[peer]
-            end = begin + plan.send_counts[peer]
-            if end > begin:
-                rows.produce(begin, end, tuple(a[begin:end] for a in staging), stream)
+        if plan.rows_sent:  # every peer's rows in one launch: the staging is in send order
+            rows.produce(0, plan.rows_sent, staging, stream)
         if outs is None:
             outs = comm._new_arrays(rows.arrays, plan.rows_received)
         if landing is not None:  # received in order, then each run copied into place

@@ -68,15 +68,9 @@ class PullTransport:
             if end > begin:
                 produce(begin, end, slots, stream)
             signal(peer, piece, kind, stream)
-        own = schedule.own
-        if own is not None:  # own rows, last: straight to the result, or kept by the consumer
-            begin, end, at, slots, lands = own
-            if in_place:
-                rows.keep(begin, end, at, slots, stream)
-            else:
-                for first, last, out_row in lands:
-                    produce(first, last, tuple(row_range(o, out_row, out_row + last - first)
-                                               for o in outs), stream)
+        # The side stream's waits and pulls are enqueued before the own rows' launches (which
+        # a landing splits into one per run): the copy engines can start as soon as a peer's
+        # rows are ready, not once the host has enqueued this rank's own rows too.
         if in_place:
             for peer, kind, begin, end, views in schedule.receives:
                 side = memory.await_ready(peer, 0, kind)
@@ -88,6 +82,15 @@ class PullTransport:
                 side = memory.await_ready(peer, piece, kind)
                 for offset, index, out_offset, nbytes in copies:
                     copy(peer, offset, outs[index], out_offset, nbytes, side)
+        own = schedule.own
+        if own is not None:  # own rows, last: straight to the result, or kept by the consumer
+            begin, end, at, slots, lands = own
+            if in_place:
+                rows.keep(begin, end, at, slots, stream)
+            else:
+                for first, last, out_row in lands:
+                    produce(first, last, tuple(row_range(o, out_row, out_row + last - first)
+                                               for o in outs), stream)
         memory.end(stream)
         return outs
 

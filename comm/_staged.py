@@ -6,8 +6,8 @@
 - ``arrays``: ``((row shape, dtype), ...)``, the arrays moved together (MXFP8: data and scales);
 - ``kind``: a short text naming the exchange (operation, format, D), compared across ranks;
 - ``produce(begin, end, slots, stream)``: write rows ``[begin, end)`` of the send order (the rows
-  for one peer, or a piece of them) into ``slots``, one array per entry of ``arrays``, enqueued
-  on the stream handle ``stream``;
+  for one peer or a piece of them; the grouped transport: every peer's at once) into ``slots``,
+  one array per entry of ``arrays``, enqueued on the stream handle ``stream``;
 - ``consume(begin, end, rows, stream)`` (in-place exchanges only): read a sender's rows, rows
   ``[begin, end)`` of the receive order, where they are, enqueued on ``stream``; keep no
   reference to ``rows`` past the call.

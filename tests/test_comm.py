@@ -210,12 +210,15 @@ def staged(comm, counts, make, arrays, in_place=False):
     plan = Plan(me, counts.tolist())
     rows = Rows(make(me, plan.rows_sent), arrays, plan.rows_received)
     outs = comm.exchange(rows, plan, in_place=in_place)
-    # Every peer's rows produced once, in consecutive pieces, own rows last.
+    # Every peer's rows produced once, in consecutive pieces: pulled, own rows last; grouped,
+    # all in one launch (nothing overlaps its transfer).
     offsets = numpy.concatenate([[0], numpy.cumsum(counts[me])])
     produced = sorted(rows.produced)
     assert all(e == b2 for (_, e), (b2, _) in zip(produced, produced[1:]))
     assert sum(e - b for b, e in produced) == plan.rows_sent
-    if counts[me, me]:
+    if comm.transport == "grouped":
+        assert rows.produced == ([(0, plan.rows_sent)] if plan.rows_sent else [])
+    elif counts[me, me]:
         assert rows.produced[-1][1] == offsets[me + 1]
     if in_place:
         assert outs is None

@@ -53,6 +53,12 @@ def build_parser():
                        help="Python's automatic garbage collection while measuring: on (default), "
                             "or off after one collection (gc.disable(), as torchtitan's trainer "
                             "runs; cyclic garbage then waits for the end of the run)")
+        if name != "kernels":
+            p.add_argument("--peer-memory", choices=("auto", "on", "off"), default="auto",
+                           help="the communicator's peer_memory (mxcomm.comm.init): auto "
+                                "(default: pull from the peers' memory where every rank can), on "
+                                "(require it), off (never: the grouped transport, one NCCL group "
+                                "per exchange)")
         module.add_arguments(p)
     return parser
 
@@ -108,7 +114,8 @@ def main(argv=None):
             print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
     from ._runtime import Runtime  # after parsing: --help needs no MPI or device
-    rt = Runtime(need_comm=args.command != "kernels")
+    peer_memory = {"auto": None, "on": True, "off": False}[getattr(args, "peer_memory", "auto")]
+    rt = Runtime(need_comm=args.command != "kernels", peer_memory=peer_memory)
     try:
         _apply_defaults(args, rt.gpu)
         rt.print(module.describe(args, rt))
@@ -126,6 +133,11 @@ def main(argv=None):
                                  "(--gc off: gc.disable() after one collection, as torchtitan's "
                                  "trainer runs)")
         meta["gc"] = args.gc
+        if rt.comm is not None:
+            meta["transport"] = rt.comm.transport
+            if peer_memory is not None:
+                meta["notes"].append(f"--peer-memory {args.peer_memory}: the communicator's "
+                                     f"exchanges use the {rt.comm.transport} transport")
         if rt.rank == 0:
             print(module.render(meta, tables), flush=True)
             written = []

@@ -26,6 +26,7 @@ class Runtime:
 
     Args:
         need_comm: create an mxcomm communicator (``mxcomm.comm.init``) over every rank.
+        peer_memory: its ``peer_memory`` (None: pull where every rank can; False: never).
     Attributes:
         launcher: ``"mpi"`` (mpirun, or one process alone) or ``"torchrun"``.
         rank, size: this process's rank and the world size.
@@ -36,7 +37,7 @@ class Runtime:
         clock_kind: ``"cupy"`` on a GPU, else ``"host"``.
     """
 
-    def __init__(self, need_comm=True):
+    def __init__(self, need_comm=True, peer_memory=None):
         self.launcher = "torchrun" if launched_by_torchrun() else "mpi"
         self._host_group = None  # torchrun: the gloo group of the host collectives
         if self.launcher == "torchrun":
@@ -68,13 +69,16 @@ class Runtime:
         if self.launcher == "torchrun":
             self._init_torchrun()
         self.comm = None
+        self._peer_memory = peer_memory
         if need_comm:
             self.comm = self.new_comm()
 
     def new_comm(self, **options):
         """A new mxcomm communicator over every rank (``mxcomm.comm.init``: MPI's world, or
-        torch.distributed's default group under torchrun); ``options`` as ``init`` takes them."""
+        torch.distributed's default group under torchrun); ``options`` as ``init`` takes them
+        (``peer_memory`` defaults to the run's)."""
         from mxcomm import comm as comm_module
+        options.setdefault("peer_memory", self._peer_memory)
         if self.launcher == "torchrun":
             import torch.distributed as dist
             return comm_module.init("auto", group=dist.group.WORLD, **options)

@@ -10,7 +10,10 @@ one run:
 - the same dispatch with explicit splits (the validated path: one host allgather per call);
 - dispatch and combine given a NEW layout on every call, with other row counts per peer (what a
   training step does: the routing, so the layout, changes every step and layer; nothing a call
-  can cache per layout is reused). The layouts are exchanged before the timing.
+  can cache per layout is reused). The layouts are exchanged before the timing;
+- with ``--grouped``, where the communicator pulls from peer memory, the MXFP8 dispatch and
+  combine again through a second communicator that never pulls (``peer_memory=False``: the
+  ``grouped`` transport, quantize then one NCCL group): which transport costs the host less.
 
 host us: wall clock of enqueueing one call, calls enqueued back to back (the host's cost; where
 it exceeds the device's, the step waits for the host). device ms: CUDA events, back to back, the
@@ -37,6 +40,9 @@ def add_arguments(parser):
                         help=f"row width in elements, a multiple of 32 (default {DEFAULT_DIM})")
     parser.add_argument("--experts", type=int, default=DEFAULT_EXPERTS, metavar="E_LOCAL",
                         help=f"experts per rank (default {DEFAULT_EXPERTS})")
+    parser.add_argument("--grouped", action="store_true",
+                        help="also time the MXFP8 calls through a communicator with the grouped "
+                             "transport (peer_memory=False), where the default one pulls")
 
 
 def validate(args):
@@ -55,7 +61,7 @@ def describe(args, rt):
             f"D = {args.dim}, {where}")
 
 
-def _host_and_device(fn, rt, iters, warmup):
+def _host_and_device(fn, rt, iters, warmup, comms=None):
     """(host us per call: median, mean; device ms per call; host collectives per call):
     ``iters`` calls enqueued back to back after ``warmup`` untimed ones. The median of the
     calls' own enqueue times is the host's cost of a call; the mean also carries what stalls the
@@ -69,21 +75,23 @@ def _host_and_device(fn, rt, iters, warmup):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-    collectives = rt.comm.host_collectives
+    comms = comms or (rt.comm,)
+    collectives = sum(c.host_collectives for c in comms)
     marks = [time.perf_counter()]
     for _ in range(iters):
         fn()
         marks.append(time.perf_counter())
     host_mean_us = (marks[-1] - marks[0]) / iters * 1e6
     host_us = float(numpy.median(numpy.diff(marks))) * 1e6
-    per_call = (rt.comm.host_collectives - collectives) / iters
+    per_call = (sum(c.host_collectives for c in comms) - collectives) / iters
     if rt.gpu:
         end.record()
         end.synchronize()
         device_ms = start.elapsed_time(end) / iters
     else:
         device_ms = float("nan")
-    rt.comm.wait()
+    for c in comms:
+        c.wait()
     return rt.allreduce_max([host_us, host_mean_us, device_ms, per_call])
 
 
@@ -95,6 +103,9 @@ def measure(args, rt):
     rt.init_torch_distributed()
     comm = rt.comm
     w = rt.size
+    grouped = None
+    if getattr(args, "grouped", False) and comm.transport == "pull":
+        grouped = rt.new_comm(peer_memory=False)
     device = rt.torch_device()
     rows_out = []
     for rows in args.tokens:
@@ -138,17 +149,41 @@ def measure(args, rt):
             "combine mxfp8 (new layout)": each_layout(
                 lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay, precision="mxfp8")),
         })
+        if grouped is not None:
+            g_layout = mxt.exchange_layout(counts.to(device), grouped)
+            g_fresh = _fresh_layouts(mxt, grouped, device, rows, e, args.iters + args.warmup)
+
+            def each_grouped(call):
+                it = iter(g_fresh)
+                return lambda: call(next(it))
+
+            cases.update({
+                "dispatch mxfp8 (layout, grouped)": lambda: mxt.a2a_dispatch(x, g_layout),
+                "combine mxfp8 (layout, grouped)": lambda: mxt.a2a_combine(
+                    y, g_layout, precision="mxfp8"),
+                "dispatch mxfp8 (new layout, grouped)": each_grouped(
+                    lambda lay: mxt.a2a_dispatch(x, lay)),
+                "combine mxfp8 (new layout, grouped)": each_grouped(
+                    lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay,
+                                                precision="mxfp8")),
+            })
         for name, fn in cases.items():
-            host_us, host_mean_us, device_ms, per_call = _host_and_device(fn, rt, args.iters,
-                                                                          args.warmup)
+            host_us, host_mean_us, device_ms, per_call = _host_and_device(
+                fn, rt, args.iters, args.warmup,
+                (comm,) if grouped is None else (comm, grouped))
             rows_out.append({"rows": rows, "dim": args.dim, "call": name,
                              "host_us": round(host_us, 1), "host_mean_us": round(host_mean_us, 1),
                              "device_ms": device_ms,
                              "host_collectives_per_call": per_call})
+    if grouped is not None:
+        grouped.close()
     notes = ["host us: wall clock of enqueueing one call, calls back to back: the median over "
              "calls (host mean: the mean, stalls of the host included)",
              "device ms: CUDA events around the calls back to back, per call",
              "slowest rank of each figure; host coll./call: host collectives per call"]
+    if grouped is not None:
+        notes.append("(grouped): through a second communicator with peer_memory=False (the "
+                     "grouped transport: quantize, one NCCL group); the others pull")
     if not rt.gpu:
         notes.append("CPU: host timings of the host backend, nothing about GPUs")
     meta = _report.metadata("latency", w, {"rows_per_rank": list(args.tokens), "dim": args.dim,
