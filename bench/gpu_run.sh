@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 stepfp8_4 profile4fresh kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
@@ -196,6 +196,13 @@ for phase in "$@"; do
         step "stage times per iteration, fp8 pipeline, 2 ranks" 300 "${mpirun_env[@]}" -n 2 \
             python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
             none --dim ${STEP_DIM:-8192} --hidden ${STEP_HIDDEN:-5120} --iters 30 ;;
+    stepfp8_4)  # per-iteration stage times of the fp8 pipeline at 4 ranks, 131072 rows, with rank
+        # 0's cProfile of the fused variant (the host time of an exchange landing in permute's order)
+        [ "$ngpu" -ge 4 ] && step "stage times per iteration and profile, fp8 pipeline, 4 ranks" 300 "${mpirun_env[@]}" -n 4 \
+            python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
+            ${STEP_PROFILED:-fp8_rowwise_mxgrad_fused} --dim ${STEP_DIM:-7168} --hidden ${STEP_HIDDEN:-2048} --iters 20 ;;
+    profile4fresh) [ "$ngpu" -ge 4 ] && step "host profile, 4 ranks, a new layout per call" 240 "${mpirun_env[@]}" -n 4 \
+        python3 bench/profile_host.py 4096 7168 300 fresh ;;
     stepfp8small2)  # the same at 4096 rows (issue 11: host-bound), with rank 0's cProfile of the fp8 path
         step "stage times per iteration and profile, fp8 pipeline, 4096 rows, 2 ranks" 300 "${mpirun_env[@]}" -n 2 \
             python3 bench/profile_step.py 4096 bf16+fp8gemm,fp8_rowwise_mxgrad fp8_rowwise_mxgrad --iters 30 ;;

@@ -324,7 +324,8 @@ class Communicator(abc.ABC):
             in_place: the consumer reads each sender's rows where they are (pull: over NVLink on
                 a side stream beside the producer) instead of them being copied into ``out``.
             landing: None (received row r is row r of ``out``), or ``((received row, row of
-                out, rows), ...)`` sorted by received row, covering every received row once:
+                out, rows), ...)``, runs of at least one row sorted by received row, covering
+                every received row once:
                 where each run of received rows lands in ``out`` (``out`` may have more rows,
                 which stay as they are). Not with ``in_place``. The pull transport copies each
                 run straight into place; the grouped one receives, then copies the runs.

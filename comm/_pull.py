@@ -171,8 +171,11 @@ class _Schedule:
                     if count else ()
                 self.receives.append((peer, kind, at, at + count, views))
                 continue
+            # received row r is row r + first - at of the peer's staging
+            starts = [(index, b + (first - at) * rb, rb)
+                      for index, (b, rb) in enumerate(zip(peer_bases, row_bytes)) if rb]
             for piece, (lo, hi) in enumerate(pieces(count, row_bytes)):
-                copies = [(b + (first + r - at) * rb, index, out_row * rb, n * rb)
-                          for index, (b, rb) in enumerate(zip(peer_bases, row_bytes)) if rb
-                          for r, out_row, n in landed(landing, at + lo, at + hi)]
+                runs = landed(landing, at + lo, at + hi)
+                copies = [(b + r * rb, index, out_row * rb, n * rb)
+                          for index, b, rb in starts for r, out_row, n in runs]
                 self.receives.append((peer, piece, kind, copies))

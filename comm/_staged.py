@@ -27,6 +27,7 @@ Two transports implement the movement (``_pull``: receivers read the senders' me
 staging region, the send order, the pieces of large regions and the 32-bit kind of an exchange.
 """
 
+import bisect
 import math
 import zlib
 
@@ -117,12 +118,18 @@ def pieces(rows, layout):
 def landed(landing, lo, hi):
     """Where received rows ``[lo, hi)`` land in the result: ``[(received row, result row,
     rows), ...]`` in received order. ``landing``: None (each received row at its own index) or
-    ``((received row, result row, rows), ...)`` sorted by received row, covering every received
-    row once (an exchange whose rows land in another order: ``permute_align``)."""
+    ``((received row, result row, rows), ...)``, runs of at least one row sorted by received row,
+    covering every received row once (an exchange whose rows land in another order:
+    ``permute_align``)."""
     if landing is None:
         return [(lo, lo, hi - lo)] if hi > lo else []
     out = []
-    for start, at, count in landing:
+    # the first run that may hold row lo: the last one starting at or before it (sorted runs);
+    # a schedule asks once per piece, so a layout of many runs costs O(log runs) per ask
+    i = max(0, bisect.bisect_right(landing, (lo, math.inf)) - 1)
+    for start, at, count in landing[i:]:
+        if start >= hi:
+            break
         a, b = max(lo, start), min(hi, start + count)
         if b > a:
             out.append((a, at + a - start, b - a))

@@ -947,6 +947,28 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     assert len(transport._schedules) == 0
 
 
+def test_landed_matches_row_by_row_placement():
+    """``landed`` (where received rows [lo, hi) land: the runs a schedule copies) equals a row
+    by row placement, for random landings (runs of 1-4 rows in a shuffled placement) and random
+    ranges, with or without a landing."""
+    from mxcomm.comm._staged import landed
+    rng = numpy.random.default_rng(SEED + 31)
+    for _ in range(200):
+        sizes = rng.integers(1, 5, rng.integers(1, 12)).tolist()
+        starts = numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]]).tolist()
+        ats = rng.permutation(len(sizes)).tolist()
+        landing = tuple((s, 100 * a, n) for s, a, n in zip(starts, ats, sizes))
+        total = sum(sizes)
+        lo = int(rng.integers(0, total + 1))
+        hi = int(rng.integers(lo, total + 1))
+        place = {s + i: at + i for s, at, n in landing for i in range(n)}
+        runs = landed(landing, lo, hi)
+        rows = [(r + i, out + i) for r, out, n in runs for i in range(n)]
+        assert rows == [(r, place[r]) for r in range(lo, hi)]
+        assert all(n > 0 for _, _, n in runs)
+        assert landed(None, lo, hi) == ([(lo, lo, hi - lo)] if hi > lo else [])
+
+
 # ------------------------------------------------------------------------------- arrival board
 @pytest.mark.mpi
 def test_arrival_board_names_the_ranks_behind(comm):
