@@ -28,7 +28,7 @@ import numpy
 
 from mxcomm._driver import PackedLaunch, Words, address
 
-from ._staged import MAX_PIECES, describe_mismatch
+from ._staged import MAX_BATCH, MAX_PIECES, describe_mismatch
 
 _EVENT_DISABLE_TIMING = 0x2   # cudaEventDisableTiming
 _MEMCPY_DEFAULT = 4           # cudaMemcpyDefault (unified addressing picks the direction)
@@ -36,6 +36,11 @@ _HOST_ALLOC_MAPPED = 0x2      # cudaHostAllocMapped
 _HANDLE_BYTES = 64            # cudaIpcMemHandle_t
 _GROWTH = 1.25                # a grown buffer holds this much more than asked, to grow rarely
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
+
+
+def _batch(values):
+    """``values`` padded with zeros to ``MAX_BATCH`` (a ``PeerWords`` field of _signal.cu)."""
+    return values + [0] * (MAX_BATCH - len(values))
 
 
 class CudaPeerMemory:
@@ -87,6 +92,12 @@ class CudaPeerMemory:
         self._signal_k = PackedLaunch(module.get_function("mx_signal").kernel, "QQI")
         self._signal_all_k = PackedLaunch(module.get_function("mx_signal_all").kernel, "QQi")
         self._wait_k = PackedLaunch(module.get_function("mx_wait").kernel, "QQIiQQ")
+        # PeerWords by value: MAX_BATCH addresses, kinds and peers
+        words = f"{MAX_BATCH}Q{MAX_BATCH}I{MAX_BATCH}I"
+        self._signal_each_k = PackedLaunch(module.get_function("mx_signal_each").kernel,
+                                           f"Q{words}i")
+        self._wait_each_k = PackedLaunch(module.get_function("mx_wait_each").kernel,
+                                         f"Q{words}iQQ")
         self._threads = max(32, -(-size // 32) * 32)
         self._timeout_ns = int(comm.timeout * 1e9)
         self._side = cupy.cuda.Stream(non_blocking=True)
@@ -143,11 +154,16 @@ class CudaPeerMemory:
         ``offset``: a :class:`~mxcomm._driver.Words`, valid until the buffer grows."""
         return Words(self._peer_ptr[peer] + offset, shape, numpy.dtype(dtype))
 
-    def copy(self, peer, offset, out, out_offset, nbytes, side):
-        """Copy engines, on ``side``: ``nbytes`` bytes of ``peer``'s buffer from byte ``offset``
-        into the C-contiguous array ``out`` (CuPy or Words) from its byte ``out_offset``."""
-        self._rt.memcpyAsync(address(out) + out_offset, self._peer_ptr[peer] + offset, nbytes,
-                             _MEMCPY_DEFAULT, side)
+    def copy_all(self, copies, outs, side):
+        """Copy engines, on ``side``: for each ``(peer, offset, array index, out_offset, nbytes)``
+        of ``copies``, ``nbytes`` bytes of ``peer``'s buffer from byte ``offset`` into the
+        C-contiguous array ``outs[array index]`` (CuPy or Words) from its byte ``out_offset``:
+        one ``cudaMemcpyAsync`` each, one Python call for a sender's (or every sender's)."""
+        memcpy, peer_ptr = self._rt.memcpyAsync, self._peer_ptr
+        bases = [address(o) for o in outs]
+        for peer, offset, index, out_offset, nbytes in copies:
+            memcpy(bases[index] + out_offset, peer_ptr[peer] + offset, nbytes, _MEMCPY_DEFAULT,
+                   side)
 
     # --------------------------------------------------------------------------------- flags
     def begin(self, stream):
@@ -171,6 +187,25 @@ class CudaPeerMemory:
         word = self._flags.ptr + 8 * (peer * MAX_PIECES + piece)
         self._wait_k(1, 1, self._side_ptr,
                      (self._gen_ptr, word, kind, peer, self._timeout_ns, self._status_ptr))
+        return self._side_ptr
+
+    def signal_ready_all(self, signals, stream):
+        """:meth:`signal_ready` for each ``(peer, piece, kind)`` of ``signals`` (at most
+        ``MAX_BATCH``), in one launch."""
+        me = self._rank * MAX_PIECES
+        self._signal_each_k(1, 32, stream, (
+            self._gen_ptr, *_batch([self._peer_flags[p] + 8 * (me + k) for p, k, _ in signals]),
+            *_batch([kind for _, _, kind in signals]), *_batch([0] * len(signals)),
+            len(signals)))
+
+    def await_ready_all(self, awaits):
+        """:meth:`await_ready` for each ``(peer, piece, kind)`` of ``awaits`` (at most
+        ``MAX_BATCH``), in one launch; return the side stream's handle."""
+        base = self._flags.ptr
+        self._wait_each_k(1, 32, self._side_ptr, (
+            self._gen_ptr, *_batch([base + 8 * (p * MAX_PIECES + k) for p, k, _ in awaits]),
+            *_batch([kind for _, _, kind in awaits]), *_batch([p for p, _, _ in awaits]),
+            len(awaits), self._timeout_ns, self._status_ptr))
         return self._side_ptr
 
     def end(self, stream):

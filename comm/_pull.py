@@ -20,7 +20,8 @@ import weakref
 
 from mxcomm._driver import row_range
 
-from ._staged import kind_base, kind_word, landed, pieces, regions, row_bytes_of, send_order
+from ._staged import (MAX_BATCH, batched, kind_base, kind_word, landed, pieces, regions,
+                      row_bytes_of, send_order)
 
 
 class PullTransport:
@@ -63,25 +64,31 @@ class PullTransport:
         if outs is None and not in_place:
             outs = self._comm._new_arrays(arrays, plan.rows_received)
         memory.begin(stream)
-        produce, signal = rows.produce, memory.signal_ready
-        for begin, end, slots, peer, piece, kind in schedule.sends:
+        produce = rows.produce
+        signal, signal_all = memory.signal_ready, memory.signal_ready_all
+        for begin, end, slots, signals in schedule.sends:
             if end > begin:
                 produce(begin, end, slots, stream)
-            signal(peer, piece, kind, stream)
+            if len(signals) == 1:
+                signal(*signals[0], stream)
+            elif signals:
+                signal_all(signals, stream)
         # The side stream's waits and pulls are enqueued before the own rows' launches (which
         # a landing splits into one per run): the copy engines can start as soon as a peer's
         # rows are ready, not once the host has enqueued this rank's own rows too.
+        await_one, await_all = memory.await_ready, memory.await_ready_all
         if in_place:
-            for peer, kind, begin, end, views in schedule.receives:
-                side = memory.await_ready(peer, 0, kind)
-                if end > begin:
-                    rows.consume(begin, end, views, side)
+            consume = rows.consume
+            for awaits, views in schedule.receives:
+                side = await_one(*awaits[0]) if len(awaits) == 1 else await_all(awaits)
+                for begin, end, held in views:
+                    if end > begin:
+                        consume(begin, end, held, side)
         else:
-            copy = memory.copy
-            for peer, piece, kind, copies in schedule.receives:
-                side = memory.await_ready(peer, piece, kind)
-                for offset, index, out_offset, nbytes in copies:
-                    copy(peer, offset, outs[index], out_offset, nbytes, side)
+            copy_all = memory.copy_all
+            for awaits, copies in schedule.receives:
+                side = await_one(*awaits[0]) if len(awaits) == 1 else await_all(awaits)
+                copy_all(copies, outs, side)
         own = schedule.own
         if own is not None:  # own rows, last: straight to the result, or kept by the consumer
             begin, end, at, slots, lands = own
@@ -118,19 +125,24 @@ class _Schedule:
     """One plan's exchange for one row layout, worked out (:class:`PullTransport`).
 
     Attributes:
-        sends: ``(begin, end, slots, peer, piece, kind)`` per piece produced for a peer, in send
-            order: rows ``[begin, end)`` of the send order go into ``slots`` (views of this rank's
-            staging), then ``peer`` is signalled.
+        sends: ``(begin, end, slots, signals)`` per launch of the producer, in send order: rows
+            ``[begin, end)`` of the send order go into ``slots`` (views of this rank's
+            staging), then each ``(peer, piece, kind)`` of ``signals`` is signalled (one launch
+            for one or all). A piece of one peer's rows per entry; where the peers' rows are few
+            (``_staged.batched``), every peer's rows in one or two ranges (those of the peers
+            after this rank, then before), every peer signalled after the last.
         own: ``(begin, end, at, slots, lands)`` of this rank's own rows (produced last),
             received at row ``at``; ``slots`` (in place) the staging they are kept through;
             ``lands``: ``[(first, last, result row), ...]``, the rows of the send order
             produced straight into the result at that row (several where a ``landing`` splits
             them). None without own rows.
-        receives: per sender, in pull order (step 1 first): with copies, ``(peer, piece, kind,
-            [(offset in the sender's staging, array index, byte offset in the result, bytes),
-            ...])`` per piece (one copy per array, or per array and landed segment); in place,
-            ``(peer, kind, begin, end, views)``, views of the sender's staging (mapped here)
-            holding received rows ``[begin, end)``.
+        receives: ``(awaits, work)`` in pull order (step 1 first): wait for each ``(peer,
+            piece, kind)`` of ``awaits`` (one launch for one or all), then ``work``: with
+            copies, ``[(peer, offset in its staging, array index, byte offset in the result,
+            bytes), ...]`` (one copy per array, or per array and landed segment); in place,
+            ``[(begin, end, views), ...]``, views of a sender's staging (mapped here) holding
+            received rows ``[begin, end)``. One entry per sender and piece; where the received
+            rows are few (``_staged.batched``), one entry awaiting every sender.
     """
 
     __slots__ = ("sends", "own", "receives")
@@ -144,21 +156,35 @@ class _Schedule:
                          for b, rb, (shape, dtype) in zip(bases, row_bytes, arrays))
 
         self.sends, self.own, self.receives = [], None, []
-        for peer in send_order(rank, size):
-            begin, count = plan.send_offsets[peer], plan.send_counts[peer]
-            if peer == rank:
-                if count:
-                    at = plan.recv_offsets[rank]
-                    lands = [(begin + r - at, begin + r - at + n, out_row)
-                             for r, out_row, n in landed(landing, at, at + count)]
-                    self.own = (begin, begin + count, at,
-                                slots(begin, count) if in_place else None, lands)
-                continue
-            kind = kind_word(base, count)
-            for piece, (lo, hi) in enumerate([(0, count)] if in_place
-                                             else pieces(count, row_bytes)):
-                self.sends.append((begin + lo, begin + hi, slots(begin + lo, hi - lo), peer, piece,
-                                   kind))
+        peers = size - 1
+        begin, count = plan.send_offsets[rank], plan.send_counts[rank]
+        if count:
+            at = plan.recv_offsets[rank]
+            lands = [(begin + r - at, begin + r - at + n, out_row)
+                     for r, out_row, n in landed(landing, at, at + count)]
+            self.own = (begin, begin + count, at, slots(begin, count) if in_place else None,
+                        lands)
+        if 0 < peers <= MAX_BATCH and batched(plan.rows_sent - count, row_bytes):
+            # the peers after this rank, then those before: each one range of the send order
+            signals = tuple((peer, 0, kind_word(base, plan.send_counts[peer]))
+                            for peer in send_order(rank, size) if peer != rank)
+            ranges = [(lo, hi) for lo, hi in ((begin + count, plan.rows_sent), (0, begin))
+                      if hi > lo] or [(0, 0)]
+            for lo, hi in ranges:
+                self.sends.append((lo, hi, slots(lo, hi - lo), ()))
+            self.sends[-1] = self.sends[-1][:3] + (signals,)
+        else:
+            for peer in send_order(rank, size):
+                if peer == rank:
+                    continue
+                begin, count = plan.send_offsets[peer], plan.send_counts[peer]
+                kind = kind_word(base, count)
+                for piece, (lo, hi) in enumerate([(0, count)] if in_place
+                                                 else pieces(count, row_bytes)):
+                    self.sends.append((begin + lo, begin + hi, slots(begin + lo, hi - lo),
+                                       ((peer, piece, kind),)))
+        batch = 0 < peers <= MAX_BATCH and \
+            batched(plan.rows_received - plan.recv_counts[rank], row_bytes)
         for step in range(1, size):
             peer = (rank - step) % size
             first = sum(plan.sent[peer][:rank])  # my rows' first row in the peer's staging
@@ -169,13 +195,16 @@ class _Schedule:
                 views = tuple(memory.peer_view(peer, b + first * rb, (count,) + shape, dtype)
                               for b, rb, (shape, dtype) in zip(peer_bases, row_bytes, arrays)) \
                     if count else ()
-                self.receives.append((peer, kind, at, at + count, views))
+                self.receives.append((((peer, 0, kind),), [(at, at + count, views)]))
                 continue
             # received row r is row r + first - at of the peer's staging
             starts = [(index, b + (first - at) * rb, rb)
                       for index, (b, rb) in enumerate(zip(peer_bases, row_bytes)) if rb]
             for piece, (lo, hi) in enumerate(pieces(count, row_bytes)):
                 runs = landed(landing, at + lo, at + hi)
-                copies = [(b + r * rb, index, out_row * rb, n * rb)
+                copies = [(peer, b + r * rb, index, out_row * rb, n * rb)
                           for index, b, rb in starts for r, out_row, n in runs]
-                self.receives.append((peer, piece, kind, copies))
+                self.receives.append((((peer, piece, kind),), copies))
+        if batch and self.receives:  # one wait for every sender, then all the work
+            self.receives = [(tuple(a for awaits, _ in self.receives for a in awaits),
+                              [w for _, work in self.receives for w in work])]

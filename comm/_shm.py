@@ -94,11 +94,14 @@ class HostPeerMemory:
         raw = self._segments[peer][offset:offset + math.prod(shape) * dtype.itemsize]
         return raw.view(dtype).reshape(shape)
 
-    def copy(self, peer, offset, out, out_offset, nbytes, side):
-        """Copy ``nbytes`` bytes of ``peer``'s segment from byte ``offset`` into the C-contiguous
-        array ``out`` from its byte ``out_offset``."""
-        out.reshape(-1).view(numpy.uint8)[out_offset:out_offset + nbytes] = \
-            self._segments[peer][offset:offset + nbytes]
+    def copy_all(self, copies, outs, side):
+        """For each ``(peer, offset, array index, out_offset, nbytes)`` of ``copies``: copy
+        ``nbytes`` bytes of ``peer``'s segment from byte ``offset`` into the C-contiguous array
+        ``outs[array index]`` from its byte ``out_offset``."""
+        flat = [o.reshape(-1).view(numpy.uint8) for o in outs]
+        segments = self._segments
+        for peer, offset, index, out_offset, nbytes in copies:
+            flat[index][out_offset:out_offset + nbytes] = segments[peer][offset:offset + nbytes]
 
     # --------------------------------------------------------------------------------- flags
     def begin(self, stream):
@@ -117,16 +120,31 @@ class HostPeerMemory:
         self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
             (self.generation << 32) | kind)
 
+    def signal_ready_all(self, signals, stream):
+        """:meth:`signal_ready` for each ``(peer, piece, kind)`` of ``signals``."""
+        self._flags_window.Sync()
+        for peer, piece, kind in signals:
+            self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
+                (self.generation << 32) | kind)
+
     def await_ready(self, peer, piece, kind):
         """Wait until ``peer`` has signalled this generation's rows of ``piece``; return the
         stream to read them on (0: the host)."""
-        word = self._flags[self._rank][peer * MAX_PIECES:peer * MAX_PIECES + MAX_PIECES]
+        return self.await_ready_all(((peer, piece, kind),))
+
+    def await_ready_all(self, awaits):
+        """Wait until each ``(peer, piece, kind)`` of ``awaits`` is signalled (a timeout names
+        every rank still missing); return the stream to read the rows on (0: the host)."""
+        flags = self._flags[self._rank]
         gen = self.generation
 
         def missing():
-            value = int(word[piece])
-            if value >> 32 == gen:
-                if value & _MASK != kind:
+            late = []
+            for peer, piece, kind in awaits:
+                value = int(flags[peer * MAX_PIECES + piece])
+                if value >> 32 != gen:
+                    late.append(peer)
+                elif value & _MASK != kind:
                     error = RuntimeError(
                         f"exchange on rank {self._rank}: "
                         + describe_mismatch(peer, kind, value & _MASK,
@@ -134,8 +152,7 @@ class HostPeerMemory:
                         + "; the communicator is aborted")
                     self._comm._fail(error, raised=True)
                     raise error
-                return []
-            return [peer]
+            return late
 
         self._spin(missing, "send its rows")
         self._flags_window.Sync()

@@ -91,3 +91,50 @@ extern "C" __global__ void mx_wait(const u32* gen, const u64* word, u32 kind, in
     }
     __threadfence_system();
 }
+
+// The words of several peers at once (up to MX_BATCH): one launch instead of one per peer.
+#define MX_BATCH 8
+struct PeerWords {
+    u64 word[MX_BATCH];   // addresses of the 64-bit words
+    u32 kind[MX_BATCH];   // the kind written into / expected in each
+    u32 peer[MX_BATCH];   // the peer each word is about (for a failed wait's report)
+};
+
+// mx_signal for `count` words at once: each gets (generation << 32 | kind), after everything this
+// stream wrote before. Launch: one block of at least `count` threads.
+extern "C" __global__ void mx_signal_each(const u32* gen, PeerWords w, int count) {
+    int i = threadIdx.x;
+    if (i < count) {
+        __threadfence_system();
+        atomicExch((u64*)w.word[i], ((u64)gen[0] << 32) | w.kind[i]);
+    }
+}
+
+// mx_wait for `count` local words at once (one thread each): the stream goes on once every word
+// holds this generation (each kind checked), or one wait failed. Launch: one block of at least
+// `count` threads.
+extern "C" __global__ void mx_wait_each(const u32* gen, PeerWords w, int count, u64 timeout_ns,
+                                        u32* status) {
+    int i = threadIdx.x;
+    if (i < count) {
+        u32 current = gen[0];
+        const volatile u64* word = (const u64*)w.word[i];
+        const volatile u32* failed = status;
+        u64 start = now_ns();
+        while (true) {
+            u64 value = *word;
+            if ((u32)(value >> 32) == current) {
+                if ((u32)value != w.kind[i]) report(status, 2, w.peer[i], w.kind[i], (u32)value);
+                break;
+            }
+            if (*failed) break;
+            if (now_ns() - start > timeout_ns) {
+                report(status, 1, w.peer[i], current, (u32)(value >> 32));
+                break;
+            }
+            __nanosleep(64);
+        }
+    }
+    __syncthreads();
+    __threadfence_system();
+}

@@ -43,6 +43,14 @@ ALIGN = 256
 #: two. In-place consumers take each peer's rows whole (pieces measured slower there).
 PIECE_BYTES = 256 << 20
 MAX_PIECES = 4
+#: A rank whose peers' rows of an exchange take at most this many bytes in all produces them in
+#: one launch and signals every peer in one more, and a receiver of at most this many bytes waits
+#: for every sender in one launch (at most MAX_BATCH peers): small exchanges are host-bound, and a
+#: launch per peer cost 4 ranks 12 launches per MXFP8 dispatch (bench/NOTES.md). Larger ones keep
+#: a launch per peer, so the first peer's pull starts while the next peer's rows are produced.
+#: Sender and receiver choose apart: both write and await the same flag words.
+BATCH_BYTES = 128 << 20
+MAX_BATCH = 8
 
 
 class Plan:
@@ -113,6 +121,13 @@ def pieces(rows, layout):
     receiver compute the same from the plan."""
     k = min(MAX_PIECES, max(1, -(-rows * sum(layout) // PIECE_BYTES)))
     return [(rows * i // k, rows * (i + 1) // k) for i in range(k)]
+
+
+def batched(rows, layout):
+    """Whether ``rows`` rows of ``layout`` (``(row_bytes, ...)``), a rank's rows for all its
+    peers or from all of them, are few enough to go in one launch (``BATCH_BYTES``; also within
+    one piece, so every peer's rows are one)."""
+    return rows * sum(layout) <= min(BATCH_BYTES, PIECE_BYTES)
 
 
 def landed(landing, lo, hi):

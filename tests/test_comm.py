@@ -900,10 +900,12 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     assert transport._schedule(plan, arrays, row_bytes, 0x1234, True) is not first
     # per sender, every piece's copies land the sender's rows for rank 1 at their place
     covered = {0: [], 1: []}
-    assert max(piece for _, piece, _, _ in first.receives) > 0  # several pieces
-    for peer, piece, kind, copies in first.receives:
+    assert max(awaits[0][1] for awaits, _ in first.receives) > 0  # several pieces
+    for awaits, copies in first.receives:
+        ((peer, piece, kind),) = awaits
         assert kind == _staged.kind_word(0x1234, sent[peer][1])
-        for offset, index, out_offset, nbytes in copies:
+        for sender, offset, index, out_offset, nbytes in copies:
+            assert sender == peer
             covered[index].append((out_offset // row_bytes[index], nbytes // row_bytes[index]))
     recv_offsets = plan.recv_offsets
     want = sorted((recv_offsets[p], sent[p][1]) for p in (0, 2))
@@ -926,9 +928,9 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     place = {r + i: at + i for r, at, n in landing for i in range(n)}
     for index in (0, 1):
         seen = []
-        for peer, _, _, copies in landed.receives:
-            staged_first = sent[peer][0]  # rank 1's rows start after rank 0's in the staging
-            for offset, i, out_offset, nbytes in copies:
+        for _, copies in landed.receives:
+            for peer, offset, i, out_offset, nbytes in copies:
+                staged_first = sent[peer][0]  # rank 1's rows start after rank 0's in staging
                 if i != index:
                     continue
                 base = _staged.regions(row_bytes, sum(sent[peer]))[0][index]
@@ -945,6 +947,38 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     del plan, first, landed
     gc.collect()
     assert len(transport._schedules) == 0
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["copies", "in_place"])
+def test_pull_schedule_batches_small_exchanges(monkeypatch, in_place):
+    """A rank whose peers' rows are few produces them in one or two launches (the peers after it,
+    then before: send order) and signals every peer once, after the last; a receiver of few rows
+    waits for every sender at once, then moves each sender's rows where the per-peer schedule
+    does (rank 1 of 4 here). Above ``BATCH_BYTES`` each peer has its own launch and wait."""
+    from mxcomm.comm import _staged
+    from mxcomm.comm._pull import _Schedule
+    arrays = (((8,), numpy.dtype(numpy.uint8)), ((1,), numpy.dtype(numpy.uint8)))
+    row_bytes = _staged.row_bytes_of(arrays)
+    sent = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    plan = Plan(1, sent)
+    batch = _Schedule(plan, _FakePeerMemory(), arrays, row_bytes, 0x1234, in_place, None)
+    kind = lambda n: _staged.kind_word(0x1234, n)  # noqa: E731
+    # rows 0-4 go to rank 0, 5-10 own, 11-17 to rank 2, 18-25 to rank 3
+    assert [(b, e) for b, e, _, _ in batch.sends] == [(11, 26), (0, 5)]
+    assert batch.sends[0][3] == ()
+    assert batch.sends[1][3] == ((2, 0, kind(7)), (3, 0, kind(8)), (0, 0, kind(5)))
+    assert batch.own[:3] == (5, 11, plan.recv_offsets[1])
+    ((awaits, work),) = batch.receives
+    assert awaits == ((0, 0, kind(2)), (3, 0, kind(14)), (2, 0, kind(10)))  # pull order
+    monkeypatch.setattr(_staged, "BATCH_BYTES", 8)
+    each = _Schedule(plan, _FakePeerMemory(), arrays, row_bytes, 0x1234, in_place, None)
+    assert [(b, e, sig) for b, e, _, sig in each.sends] == [
+        (11, 18, ((2, 0, kind(7)),)), (18, 26, ((3, 0, kind(8)),)), (0, 5, ((0, 0, kind(5)),))]
+    assert [a for a, _ in each.receives] == [(a,) for a in awaits]
+    if in_place:  # views compared by the rows they hold: the fake memory's are zero arrays
+        assert [(b, e) for _, ws in each.receives for b, e, _ in ws] == [(b, e) for b, e, _ in work]
+    else:
+        assert [w for _, ws in each.receives for w in ws] == work
 
 
 def test_landed_matches_row_by_row_placement():

@@ -97,14 +97,15 @@ def _die_in_pulls(comm, how):
     if comm.rank != BAD:
         return
 
-    def await_ready(self, peer, piece, kind):
+    def await_ready(self, *args):
         sys.stdout.flush()
         if how == "raise":
             raise KeyError("injected in the middle of the exchange")
         if how == "kill":
             os.kill(os.getpid(), 9)
         os._exit(3)
-    HostPeerMemory.await_ready = await_ready
+    # one sender's wait, or every sender's at once (small exchanges batch their waits)
+    HostPeerMemory.await_ready = HostPeerMemory.await_ready_all = await_ready
 
 
 def _mid(comm, how, direction):
