@@ -13,7 +13,9 @@ one (its reads of this rank's staging are over); ``join`` orders the caller's st
 stream, so the next exchange's ``begin`` follows this one's signals. Nothing here meets the other
 ranks' hosts: the ordering is on the devices, through the flags of the peer memory (see
 docs/design.md, "Signals on the device"). Step ``s`` pairs sender ``r`` with receiver ``r + s``:
-every rank produces first the rows its step-1 receiver pulls first.
+every rank produces first the rows its step-1 receiver pulls first. A small exchange
+(``_staged.batched``) produces every peer's rows in one launch (two around the own rows), signals
+every peer in one, and waits for every sender in one: as many launches at 4 ranks as at 2.
 """
 
 import weakref
