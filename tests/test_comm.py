@@ -981,6 +981,16 @@ def test_pull_schedule_batches_small_exchanges(monkeypatch, in_place):
         assert [w for _, ws in each.receives for w in ws] == work
 
 
+def test_signal_kernels_batch_as_many_peers_as_the_schedule():
+    """_signal.cu's PeerWords holds MAX_BATCH peers: the batched schedule never hands a launch
+    more, and the launches pack exactly that many fields."""
+    import pathlib
+    import re
+    from mxcomm.comm import _staged
+    source = (pathlib.Path(_staged.__file__).with_name("_signal.cu")).read_text()
+    assert int(re.search(r"#define MX_BATCH (\d+)", source).group(1)) == _staged.MAX_BATCH
+
+
 def test_landed_matches_row_by_row_placement():
     """``landed`` (where received rows [lo, hi) land: the runs a schedule copies) equals a row
     by row placement, for random landings (runs of 1-4 rows in a shuffled placement) and random
