@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 stepfp8_4 profile4fresh step4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 stepfp8_4 profile4fresh step4 pipe4fp8stages kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
@@ -138,6 +138,10 @@ for phase in "$@"; do
         "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline --tokens 131072 --dim 7168 8192 \
         --hidden 2048 5120 --experts 8 --variants ${STAGE_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
         --json "$res/pipeline_fp8_stages_w2.json" --markdown "$res/pipeline_fp8_stages_w2.md" ;;
+    pipe4fp8stages) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks, fp8 GEMM variants with stages, 131072 rows" 400 \
+        "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline --tokens 131072 --dim ${STAGE_DIMS:-7168} \
+        --hidden ${STAGE_HIDDENS:-2048} --experts 8 --variants ${STAGE_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
+        --json "$res/pipeline_fp8_stages_w4.json" --markdown "$res/pipeline_fp8_stages_w4.md" ;;
     gcab2)  # the fp8 pipeline at 2 ranks, 131072 x 7168 -> 2048, with Python's garbage collector
         # on and off (--gc), alternating, twice: is the forward's slow mode the host's? (At 492cb02,
         # which measured pipeline_gc_w2_h100, "off" was gc.disable() before any import.)
