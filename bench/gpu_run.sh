@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 stepfp8_4 profile4fresh step4 pipe4fp8stages kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
@@ -196,6 +196,8 @@ for phase in "$@"; do
     colwise1) step "fp8 wgrad conversion kernels, each alone" 120 python3 bench/probe_colwise.py ;;
     dequant2) step "the dequantized exchange's pieces (dispatch gradient), 2 ranks" 240 \
         "${mpirun_env[@]}" -n 2 python3 bench/probe_dequant.py ;;
+    dequant4) [ "$ngpu" -ge 4 ] && step "the dequantized exchange's pieces (dispatch gradient), 4 ranks" 240 \
+        "${mpirun_env[@]}" -n 4 python3 bench/probe_dequant.py ${DEQUANT_ARGS:-} ;;
     stepfp8_2)  # per-iteration stage times of the fp8 pipeline at 131072 rows: the forward's slow mode
         step "stage times per iteration, fp8 pipeline, 2 ranks" 300 "${mpirun_env[@]}" -n 2 \
             python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
