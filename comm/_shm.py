@@ -116,13 +116,11 @@ class HostPeerMemory:
 
     def signal_ready(self, peer, piece, kind, stream):
         """Tell ``peer`` that its rows (``piece``) are in this rank's staging."""
-        self._flags_window.Sync()  # the rows are stored before the flag
-        self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
-            (self.generation << 32) | kind)
+        self.signal_ready_all(((peer, piece, kind),), stream)
 
     def signal_ready_all(self, signals, stream):
         """:meth:`signal_ready` for each ``(peer, piece, kind)`` of ``signals``."""
-        self._flags_window.Sync()
+        self._flags_window.Sync()  # the rows are stored before the flags
         for peer, piece, kind in signals:
             self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
                 (self.generation << 32) | kind)
