@@ -32,6 +32,8 @@ class Communicator(abc.ABC):
             it on :meth:`close`) and binds its abort to the channel's timeouts.
         validate: default of the per-call ``validate`` flag of explicit-splits calls.
         peer_memory: None (auto), True or False: see :meth:`_choose_transport`.
+        small_exchange_bytes: None (the backend's ``SMALL_EXCHANGE_BYTES``) or a non-negative
+            int, the same on every rank (checked in :meth:`_choose_transport`).
 
     Attributes:
         rank: this process's rank in ``[0, size)``.
@@ -45,12 +47,24 @@ class Communicator(abc.ABC):
             staging); a layout-path exchange adds none.
         group: the torch.distributed process group the communicator was built over, or None
             (built from MPI).
+        small_exchange_bytes: a quantized exchange of plain rows in which no rank sends more
+            than this many bytes of them to its peers moves them as they are and quantizes
+            them on arrival, with the same results (docs/design.md, "Small exchanges travel
+            unquantized"); 0 never does.
     """
 
-    def __init__(self, side, *, validate=True, peer_memory=None):
+    #: The default of ``small_exchange_bytes``: 0 on the host backends, which exist to develop
+    #: and test the transports; the NCCL backend sets what its GPUs measured.
+    SMALL_EXCHANGE_BYTES = 0
+
+    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None):
         if peer_memory not in (None, True, False):
             raise ValueError(f"peer_memory: expected None (auto), True or False, got "
                              f"{peer_memory!r}")
+        if small_exchange_bytes is None:
+            small_exchange_bytes = self.SMALL_EXCHANGE_BYTES
+        self.small_exchange_bytes = _validate.byte_count(small_exchange_bytes,
+                                                         "small_exchange_bytes", side.rank)
         self._side = side
         side.on_timeout = self._mark_aborted_by_timeout
         self.rank = side.rank
@@ -289,13 +303,20 @@ class Communicator(abc.ABC):
         ``"pull"`` needs every rank on this node and the backend's peer memory (CUDA IPC on
         GPUs; on the host, MPI shared windows, so a torch side channel takes ``"grouped"``);
         ``peer_memory`` None takes it where every rank can, True requires it (RuntimeError on
-        every rank otherwise), False never uses it.
+        every rank otherwise), False never uses it. The same vote checks that every rank has
+        the same ``small_exchange_bytes`` (ValueError on every rank otherwise).
         """
         from ._grouped import GroupedTransport
         from ._pull import PullTransport
         _, one_node = self._side.node_info()
         here = self._peer_memory is not False and one_node and self._peer_memory_here()
-        votes = self._side.allgather_bytes(bytes([here]), "peer memory setup (vote)")
+        table = self._side.allgather_array(
+            numpy.array([here, self.small_exchange_bytes], numpy.int64),
+            "peer memory setup (vote)")
+        votes, limits = table[:, 0].tolist(), table[:, 1].tolist()
+        if len(set(limits)) > 1:
+            raise ValueError(f"small_exchange_bytes on rank {self.rank}: the ranks must agree, "
+                             f"but they gave {dict(enumerate(limits))} (rank: bytes)")
         if self._peer_memory and not all(votes):
             ranks = [r for r, v in enumerate(votes) if not v]
             raise RuntimeError(f"peer_memory=True: ranks {ranks} cannot map their peers' memory "

@@ -9,10 +9,12 @@ _BACKENDS = ("auto", "nccl", "mpi", "torch")
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
 #: The default of ``init``'s ``nccl_init``.
 _NCCL_INIT_ENV = "MXCOMM_NCCL_INIT"
+#: The default of ``init``'s ``small_exchange_bytes``.
+_SMALL_ENV = "MXCOMM_SMALL_EXCHANGE_BYTES"
 
 
 def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=True,
-         peer_memory=None, device=None, nccl_init=None):
+         peer_memory=None, device=None, nccl_init=None, small_exchange_bytes=None):
     """A communicator over the ranks of ``mpi_comm`` or of the torch.distributed ``group``.
 
     Collective: every rank of ``mpi_comm`` (or ``group``) must call it, with the same ``backend``.
@@ -52,13 +54,21 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             at the first call that moves data over NCCL (collective like every such call; not
             inside a CUDA graph capture), so a job whose exchanges all pull from peer memory
             never builds it. None: ``MXCOMM_NCCL_INIT`` from the environment, else ``"eager"``.
+        small_exchange_bytes: a quantized exchange (any direction, the drop-in) of bf16/fp32
+            rows in which no rank sends more than this many bytes of them to its peers moves
+            them unquantized, in one ``alltoallv``, and quantizes them on arrival: the same
+            results bit for bit, fewer launches and less host time where the saved bytes take
+            less time than those (docs/design.md, "Small exchanges travel unquantized"). 0
+            never does. Every rank must give the same value (checked here, collectively). None:
+            ``MXCOMM_SMALL_EXCHANGE_BYTES`` from the environment, else the backend's default:
+            48 MiB for NCCL (measured on H100s, bench/NOTES.md), 0 on the host backends.
     Returns:
         A communicator: ``rank``, ``size``, ``timeout``, ``transport``, ``group``,
         ``alltoallv``, ``exchange``, ``check``, ``alltoall_counts``, ``wait``, ``barrier``,
         ``abort``, ``close``; usable as a context manager.
     Raises:
-        ValueError: an unknown ``backend``, a non-positive ``timeout``, a bad ``peer_memory`` or
-            ``nccl_init``,
+        ValueError: an unknown ``backend``, a non-positive ``timeout``, a bad ``peer_memory``,
+            ``nccl_init`` or ``small_exchange_bytes`` (or ranks giving different ones),
             ``mpi_comm`` and ``group`` both given, a backend that does not fit the ranks'
             source (``"mpi"`` with a group, ``"torch"`` with ``mpi_comm``), a DeviceMesh of more
             than one dimension, or this process not in ``group``.
@@ -82,6 +92,18 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
     if nccl_init not in ("eager", "lazy"):
         raise ValueError(f"nccl_init: expected 'eager' or 'lazy' (None: ${_NCCL_INIT_ENV}, "
                          f"else 'eager'), got {nccl_init!r}")
+    if small_exchange_bytes is None and os.environ.get(_SMALL_ENV):
+        small_exchange_bytes = os.environ[_SMALL_ENV]
+        try:
+            small_exchange_bytes = int(small_exchange_bytes)
+        except ValueError:
+            raise ValueError(f"small_exchange_bytes: ${_SMALL_ENV} = {small_exchange_bytes!r} "
+                             f"is not an int (bytes)") from None
+    if small_exchange_bytes is not None and (
+            type(small_exchange_bytes) is bool or not isinstance(small_exchange_bytes, int) or
+            small_exchange_bytes < 0):
+        raise ValueError(f"small_exchange_bytes: expected None or a non-negative int (bytes), "
+                         f"got {small_exchange_bytes!r}")
     if mpi_comm is not None and group is not None:
         raise ValueError("init: give mpi_comm or group, not both")
     if group is None and mpi_comm is None and (backend == "torch" or
@@ -110,12 +132,14 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
         if device is None and side.kind == "torch":
             device = _torch_device()
         return NcclCommunicator(side, validate=validate, device=device, peer_memory=peer_memory,
-                                nccl_init=nccl_init)
+                                nccl_init=nccl_init, small_exchange_bytes=small_exchange_bytes)
     if side.kind == "torch":
         from ._torchdist import TorchHostCommunicator
-        return TorchHostCommunicator(side, validate=validate, peer_memory=peer_memory)
+        return TorchHostCommunicator(side, validate=validate, peer_memory=peer_memory,
+                                     small_exchange_bytes=small_exchange_bytes)
     from ._mpi import MpiCommunicator
-    return MpiCommunicator(side, validate=validate, peer_memory=peer_memory)
+    return MpiCommunicator(side, validate=validate, peer_memory=peer_memory,
+                           small_exchange_bytes=small_exchange_bytes)
 
 
 def _default_torch_group(backend):

@@ -63,10 +63,13 @@ class Plan:
     Attributes:
         sent, send_counts, recv_counts, send_offsets, recv_offsets (W ints each),
         rows_sent, rows_received.
+        largest_peer_rows: the most rows any rank sends to its peers (rows it keeps not
+            counted); the same on every rank, so ranks choose alike by it.
     """
 
     __slots__ = ("rank", "size", "sent", "send_counts", "recv_counts", "send_offsets",
-                 "recv_offsets", "rows_sent", "rows_received", "_staging_rows", "__weakref__")
+                 "recv_offsets", "rows_sent", "rows_received", "largest_peer_rows", "_staging_rows",
+                 "__weakref__")
 
     def __init__(self, rank, sent):
         self.rank = rank
@@ -79,6 +82,8 @@ class Plan:
         self.rows_sent = sum(self.send_counts)
         self.rows_received = sum(self.recv_counts)
         self._staging_rows = max([sum(row) for row in sent], default=0)
+        self.largest_peer_rows = max([sum(row) - row[j] for j, row in enumerate(sent)],
+                                     default=0)
 
     def transposed(self):
         """The plan of the reverse exchange (combine direction of a dispatch plan)."""

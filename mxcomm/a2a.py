@@ -284,6 +284,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             not (fmt.quantized and fmt.quantizes_gathered(x.dtype)):
         with comm._on_stream(caller):  # gathered where the format cannot read them in place
             x = x.materialize(caller, alloc)
+    agreed = plan is not None  # every rank's counts: ranks choose the small path alike
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
         if fmt.quantized and comm.transport == "pull":
             raise ValueError(f"validate=False on rank {rank}: the pull transport needs every "
@@ -292,6 +293,10 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     kind = f"{function} {fmt.name} rows of D = {width}"
     if staged_gather:
         return _exchange_gathered_plain(x, plan, comm, caller, kind, alloc)
+    if fmt.quantized and agreed and not isinstance(x, QuantizedArray) and \
+            plan.largest_peer_rows * width * x.dtype.itemsize <= comm.small_exchange_bytes:
+        return _exchange_small(x, fmt, plan, comm, caller, dequantize, scale_mode, alloc,
+                               layout, permute_align if direction == "dispatch" else None)
     if not fmt.quantized:
         out = _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc)
         if permute_align is None or direction == "combine":
@@ -373,6 +378,35 @@ def _f32_to_bf16(x):
 def _bf16_to_f32(x):
     """bf16 -> fp32 (exact), on the bits."""
     return (x.view(numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
+
+
+def _exchange_small(x, fmt, plan, comm, caller, dequantize, scale_mode, alloc, layout, align):
+    """A small quantized exchange (docs/design.md, "Small exchanges travel unquantized"): the
+    plain rows in one ``alltoallv`` as they are, then quantized on arrival on the caller's
+    stream; the same bits as the quantized exchange (every format is row-local). ``align``: the
+    dispatch direction's ``permute_align`` (then ``permute``'s triple is returned), or None."""
+    xp = array_module()
+    n, width = plan.rows_received, x.shape[1]
+    with comm._on_stream(caller):
+        if isinstance(x, GatheredRows):
+            x = x.materialize(caller, alloc)
+        received = (alloc or xp.empty)((n, width), x.dtype)
+        comm.alltoallv_plan((x,), (received,), plan, caller)
+        if dequantize:
+            out = (alloc or xp.empty)((n, width), x.dtype)
+            if n and fmt.round_trips(x.dtype):
+                fmt.launch_round_trip(received, None, out, caller, 1.0, scale_mode)
+            elif n:
+                fmt.launch_dequantize(fmt.launch_quantize(received, fmt.empty(n, width),
+                                                          caller, 1.0, scale_mode),
+                                      out, caller)
+            return out
+        out = fmt.empty(n, width, alloc)
+        if n:
+            fmt.launch_quantize(received, out, caller, 1.0, scale_mode)
+        if align is None:
+            return out
+        return _permute(out, layout, None, align, None, caller, alloc)
 
 
 def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc):

@@ -712,7 +712,7 @@ def test_nccl_lazy_init():
     import cupy
 
     import mxcomm
-    with mxc.init("nccl", timeout=120.0, nccl_init="lazy") as c:
+    with mxc.init("nccl", timeout=120.0, nccl_init="lazy", small_exchange_bytes=0) as c:
         w, me = c.size, c.rank
         assert c._nccl is None
         if c.transport == "pull":
@@ -784,6 +784,20 @@ def test_nccl_init_argument(monkeypatch):
     monkeypatch.setenv("MXCOMM_NCCL_INIT", "later")
     with pytest.raises(ValueError, match=r"MXCOMM_NCCL_INIT.*got 'later'"):
         mxc.init("mpi")
+
+
+@pytest.mark.mpi
+def test_small_exchange_bytes_from_the_environment(monkeypatch):
+    """``MXCOMM_SMALL_EXCHANGE_BYTES`` stands in for ``init``'s ``small_exchange_bytes=None``;
+    what is not an int of bytes is refused before any collective."""
+    monkeypatch.setenv("MXCOMM_SMALL_EXCHANGE_BYTES", "48M")
+    with pytest.raises(ValueError, match=r"MXCOMM_SMALL_EXCHANGE_BYTES = '48M' is not an int"):
+        mxc.init("mpi")
+    monkeypatch.setenv("MXCOMM_SMALL_EXCHANGE_BYTES", str(5 << 20))
+    with mxc.init("mpi", timeout=60.0) as c:
+        assert c.small_exchange_bytes == 5 << 20
+    with mxc.init("mpi", timeout=60.0, small_exchange_bytes=7) as c:  # the argument wins
+        assert c.small_exchange_bytes == 7
 
 
 @pytest.mark.parametrize("outcome", ["blocks", "raises", "joins"])

@@ -113,12 +113,20 @@ def expert_ref(rows, w):
     return (rows.astype(numpy.float64) @ w).astype(numpy.float32).astype(BF16)
 
 
-@pytest.fixture(scope="module", params=[None, False], ids=["pull", "grouped"])
+#: Communicators of every test (peer_memory, small_exchange_bytes): both transports of the
+#: quantized exchanges, and every exchange small enough to travel unquantized.
+SETUPS = {"pull": (None, 0), "grouped": (False, 0), "small": (None, 1 << 40)}
+
+
+@pytest.fixture(scope="module", params=list(SETUPS), ids=list(SETUPS))
 def comm(request):
-    """Both transports of the MXFP8 exchanges: pulled from peer memory (auto on one node) and
-    one grouped exchange."""
-    c = mxc.init(timeout=TIMEOUT_S, peer_memory=request.param)
-    assert c.transport == ("grouped" if request.param is False else "pull")
+    """Both transports of the MXFP8 exchanges, pulled from peer memory (auto on one node) and
+    one grouped exchange, and the small exchanges' path (rows moved unquantized, quantized on
+    arrival): every test's reference holds for each."""
+    peer_memory, small = SETUPS[request.param]
+    c = mxc.init(timeout=TIMEOUT_S, peer_memory=peer_memory, small_exchange_bytes=small)
+    assert c.transport == ("grouped" if peer_memory is False else "pull")
+    assert c.small_exchange_bytes == small
     yield c
     c.close()
 
@@ -407,3 +415,59 @@ def test_bad_splits_raise_on_every_rank(comm, routed):
     # The communicator is still usable.
     got = a2a_dispatch(x, input_splits, output_splits, comm, "bf16")
     assert got.shape == (sum(output_splits), D)
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["at", "one_byte_below"])
+def test_small_exchange_is_chosen_alike_on_every_rank(below):
+    """Whether an exchange travels unquantized is decided by the largest rank's bytes to its
+    peers (in the exchange's direction), so ranks sending less (rank 1 sends nothing) choose
+    as the largest does: a limit of exactly those bytes moves every rank's rows in one plain
+    ``alltoallv`` and no staged exchange; one byte less, the staged exchange on every rank.
+    Both move the reference bits, in every direction."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD.Get_size()
+    routed = all_routed(world)
+    splits = [layout_ref(routed, r)[1] for r in range(world)]
+    row = D * BF16.itemsize
+    dispatch = max(sum(s) - s[r] for r, s in enumerate(splits)) * row  # the largest sender's
+    combine = max(sum(s[r] for s in splits) - splits[r][r] for r in range(world)) * row
+    assert min(dispatch, combine) > 0
+    limit = min(dispatch, combine) - 1 if below else max(dispatch, combine)
+    with mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=limit) as c:
+        calls = {"exchange": 0, "alltoallv_plan": 0}
+        for name in calls:
+            def counted(*args, _name=name, _method=getattr(c, name), **kwargs):
+                calls[_name] += 1
+                return _method(*args, **kwargs)
+            setattr(c, name, counted)
+        me = c.rank
+        group, input_splits, output_splits = exchange_layout(to_device(routed[me].counts), c)
+        moved = move_ref([r.x for r in routed], splits, me)
+        got = a2a_dispatch(to_device(routed[me].x), input_splits, output_splits, c)
+        data, scales = quantize_mxfp8_ref(moved, "rceil")
+        numpy.testing.assert_array_equal(to_host(got.data), data)
+        numpy.testing.assert_array_equal(to_host(got.scales), scales)
+        home = a2a_combine(to_device(moved), input_splits, output_splits, c, "mxfp8")
+        numpy.testing.assert_array_equal(bits(home), bits(fake_quantize(routed[me].x)))
+        grad = a2a_dispatch_backward(to_device(moved), input_splits, output_splits, c, "mxfp8")
+        numpy.testing.assert_array_equal(bits(grad), bits(fake_quantize(routed[me].x)))
+        drop_in = all_to_all_single(to_device(routed[me].x), output_splits, input_splits, c)
+        numpy.testing.assert_array_equal(bits(drop_in), bits(fake_quantize(moved)))
+        assert calls == ({"exchange": 4, "alltoallv_plan": 0} if below else
+                         {"exchange": 0, "alltoallv_plan": 4})
+
+
+def test_small_exchange_bytes_must_agree():
+    """``small_exchange_bytes`` is agreed when the communicator is built: ranks giving different
+    values get the same ValueError, naming every rank's; a bad value is refused at once."""
+    from mpi4py import MPI
+    me = MPI.COMM_WORLD.Get_rank()
+    with pytest.raises(ValueError, match=r"small_exchange_bytes on rank \d+: the ranks must "
+                                         r"agree, but they gave \{0: 0, 1: 1") as info:
+        mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=me)
+    assert len(set(MPI.COMM_WORLD.allgather(str(info.value).split(":", 1)[1]))) == 1
+    with pytest.raises(ValueError, match="small_exchange_bytes: expected None or a "
+                                         "non-negative int"):
+        mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=-1)
+    with mxc.init(timeout=TIMEOUT_S) as c:  # the host backend's default
+        assert c.small_exchange_bytes == 0

@@ -16,7 +16,8 @@ from mxcomm.formats import get_format
 from mxcomm.layout import exchange_layout
 from mxcomm.permutation import permute, unpermute
 from reference import permute_ref
-from test_ep import (BF16, E_LOCAL, all_routed, bits, layout_ref, move_ref, to_device, to_host)
+from test_ep import (BF16, E_LOCAL, SETUPS, all_routed, bits, layout_ref, move_ref, to_device,
+                     to_host)
 from test_formats import dequantize_ref, quantize_ref
 
 D = 128         # a multiple of every format's (block128)
@@ -26,9 +27,10 @@ QUANTIZED = ("mxfp8", "fp8_rowwise", "fp8_block128", "fp8_block128_pow2")
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture(scope="module", params=[None, False], ids=["pull", "grouped"])
+@pytest.fixture(scope="module", params=list(SETUPS), ids=list(SETUPS))
 def comm(request):
-    c = mxc.init(timeout=60.0, peer_memory=request.param)
+    peer_memory, small = SETUPS[request.param]
+    c = mxc.init(timeout=60.0, peer_memory=peer_memory, small_exchange_bytes=small)
     yield c
     c.close()
 

@@ -18,7 +18,7 @@ from mxcomm.layout import Layout, exchange_layout
 from mxcomm.mxfp8 import MXFP8Array
 from mxcomm.permutation import permute, unpermute
 from reference import quantize_mxfp8_ref
-from test_ep import BF16, E_LOCAL, bits, fake_quantize, move_ref, to_device, to_host
+from test_ep import BF16, E_LOCAL, SETUPS, bits, fake_quantize, move_ref, to_device, to_host
 
 SEED = 4321
 D = 32
@@ -59,9 +59,10 @@ def splits_of(counts, w):
     return [[int(v) for v in row.reshape(w, E_LOCAL).sum(axis=1)] for row in counts]
 
 
-@pytest.fixture(params=[None, False], ids=["pull", "grouped"])
+@pytest.fixture(params=list(SETUPS), ids=list(SETUPS))
 def comm(request):
-    c = mxc.init("mpi", timeout=30.0, peer_memory=request.param)
+    peer_memory, small = SETUPS[request.param]
+    c = mxc.init("mpi", timeout=30.0, peer_memory=peer_memory, small_exchange_bytes=small)
     yield c
     c.close()
 
@@ -344,7 +345,8 @@ def test_permute_backward_folds_into_the_quantized_dispatch_gradient(comm, monke
     reference = run(False)
     assert torch.equal(folded.view(torch.int16), reference.view(torch.int16))
     received_rows = int(counts[:, me * E_LOCAL:(me + 1) * E_LOCAL].sum())
-    assert rows_quantized == (0 if second_use else received_rows)
+    # a small exchange gathers the rows, moves them as they are and quantizes them on arrival
+    assert rows_quantized == (0 if second_use or comm.small_exchange_bytes else received_rows)
     assert sum(gathered) == rows_quantized  # the explicit calls never gather
     gathered.clear()
     run(True, grad_precision="bf16")  # a bf16 dispatch gradient: no pending gather
@@ -462,7 +464,7 @@ def test_gpu_layout_path_equals_validated_path():
     explicit-splits path bit for bit, over consecutive calls with changing layouts, and no host
     collective but the layout exchanges and the staging's growth."""
     import cupy
-    with mxc.init("nccl", timeout=30.0) as c:
+    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0) as c:
         w, me = c.size, c.rank
         stream = cupy.cuda.Stream(non_blocking=True)
         for step in range(6):
@@ -490,6 +492,48 @@ def test_gpu_layout_path_equals_validated_path():
 
 
 @pytest.mark.gpu
+def test_gpu_small_exchanges_equal_the_pulled_ones():
+    """On GPUs: small exchanges (rows over NCCL as they are, quantized, round-tripped or
+    permuted on arrival) equal the pulled quantized exchanges bit for bit, in every direction,
+    MXFP8 and fp8 rowwise, over changing layouts."""
+    import cupy
+    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0) as pulled, \
+            mxc.init("nccl", timeout=30.0, small_exchange_bytes=1 << 40) as small:
+        w, me = pulled.size, pulled.rank
+        staged, exchange = [0], small.exchange
+
+        def counted(*args, **kwargs):
+            staged[0] += 1
+            return exchange(*args, **kwargs)
+        small.exchange = counted
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for step in range(3):
+            counts, xs = _gpu_routed(w, me, step, 512)
+            x = cupy.asarray(xs[me])
+            y = cupy.asarray(move_ref(xs, splits_of(counts, w), me))
+            cupy.cuda.get_current_stream().synchronize()  # inputs complete before `stream`
+            results = []
+            for c in (pulled, small):
+                layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
+                got = []
+                for precision in ("mxfp8", "fp8_rowwise"):
+                    got.append(a2a_dispatch(x, layout, precision=precision, stream=stream))
+                    got.append(a2a_dispatch(x, layout, precision=precision, stream=stream,
+                                            permute_align=16)[0])
+                    got.append(a2a_combine_backward(x, layout, precision=precision,
+                                                    stream=stream))
+                    got.append(a2a_combine(y, layout, precision=precision, stream=stream))
+                    got.append(a2a_dispatch_backward(y, layout, precision=precision,
+                                                     stream=stream))
+                c.wait(stream)
+                results.append(got)
+            assert staged == [0]  # every small exchange went over NCCL, none was staged
+            for a, b in zip(*results):
+                for u, v in zip(_words(a), _words(b)):
+                    numpy.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.gpu
 def test_gpu_permute_align_equals_separate_calls():
     """On GPUs (CUDA IPC pull): the quantized exchanges with their expert side in permute's
     order (each sender's rows scattered over NVLink into their permuted rows, the padding rows
@@ -497,7 +541,7 @@ def test_gpu_permute_align_equals_separate_calls():
     consecutive calls with changing layouts (empty ranks and experts included)."""
     import cupy
     from mxcomm.permutation import permute_backward, unpermute_backward
-    with mxc.init("nccl", timeout=30.0) as c:
+    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0) as c:
         w, me = c.size, c.rank
         stream = cupy.cuda.Stream(non_blocking=True)
         align = 16
@@ -550,7 +594,7 @@ def test_gpu_cuda_graph_replays_the_token_path():
     failing on one rank fails the test on every rank with that rank's error instead of leaving
     the others' replays waiting for it."""
     import cupy
-    with mxc.init("nccl", timeout=15.0) as c:
+    with mxc.init("nccl", timeout=15.0, small_exchange_bytes=0) as c:
         w, me = c.size, c.rank
         counts, xs = _gpu_routed(w, me, 1, 512)
         layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
@@ -627,7 +671,7 @@ def test_gpu_rank_skipping_a_call_times_out_naming_it():
     w, me = w0.Get_size(), w0.Get_rank()
     if w == 1:
         pytest.skip("needs two ranks")
-    c = mxc.init("nccl", timeout=3.0)
+    c = mxc.init("nccl", timeout=3.0, small_exchange_bytes=0)  # the pull's device waits
     late = w - 1
     counts = numpy.full((w, w * E_LOCAL), 64)
     layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)

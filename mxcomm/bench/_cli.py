@@ -59,6 +59,12 @@ def build_parser():
                                 "(default: pull from the peers' memory where every rank can), on "
                                 "(require it), off (never: the grouped transport, one NCCL group "
                                 "per exchange)")
+            p.add_argument("--small-exchange-bytes", type=int, metavar="BYTES",
+                           help="the communicator's small_exchange_bytes (mxcomm.comm.init): "
+                                "quantized exchanges in which no rank sends more bytes of rows "
+                                "to its peers move them unquantized and quantize on arrival; 0 "
+                                "never (default: the backend's, or "
+                                "$MXCOMM_SMALL_EXCHANGE_BYTES)")
         module.add_arguments(p)
     return parser
 
@@ -73,6 +79,9 @@ def validate(args, module):
         raise ValueError(f"--iters: expected >= 1, got {args.iters}")
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup: expected >= 0, got {args.warmup}")
+    if getattr(args, "small_exchange_bytes", None) is not None and args.small_exchange_bytes < 0:
+        raise ValueError(f"--small-exchange-bytes: expected >= 0, got "
+                         f"{args.small_exchange_bytes}")
     module.validate(args)
 
 
@@ -115,7 +124,9 @@ def main(argv=None):
         return 2
     from ._runtime import Runtime  # after parsing: --help needs no MPI or device
     peer_memory = {"auto": None, "on": True, "off": False}[getattr(args, "peer_memory", "auto")]
-    rt = Runtime(need_comm=args.command != "kernels", peer_memory=peer_memory)
+    small = getattr(args, "small_exchange_bytes", None)
+    rt = Runtime(need_comm=args.command != "kernels", peer_memory=peer_memory,
+                 small_exchange_bytes=small)
     try:
         _apply_defaults(args, rt.gpu)
         rt.print(module.describe(args, rt))
@@ -138,6 +149,12 @@ def main(argv=None):
             if peer_memory is not None:
                 meta["notes"].append(f"--peer-memory {args.peer_memory}: the communicator's "
                                      f"exchanges use the {rt.comm.transport} transport")
+            meta["small_exchange_bytes"] = rt.comm.small_exchange_bytes
+            if rt.comm.small_exchange_bytes:
+                meta["notes"].append(
+                    f"small exchanges: quantized exchanges in which no rank sends more than "
+                    f"{rt.comm.small_exchange_bytes} bytes of rows to its peers move them "
+                    f"unquantized and quantize on arrival (same results; small_exchange_bytes)")
         if rt.rank == 0:
             print(module.render(meta, tables), flush=True)
             written = []

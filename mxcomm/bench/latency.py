@@ -13,7 +13,10 @@ one run:
   can cache per layout is reused). The layouts are exchanged before the timing;
 - with ``--grouped``, where the communicator pulls from peer memory, the MXFP8 dispatch and
   combine again through a second communicator that never pulls (``peer_memory=False``: the
-  ``grouped`` transport, quantize then one NCCL group): which transport costs the host less.
+  ``grouped`` transport, quantize then one NCCL group): which transport costs the host less;
+- where the communicator moves small exchanges unquantized (``small_exchange_bytes``, the
+  default on GPUs), the MXFP8 dispatch and combine again through a communicator that stages
+  every quantized exchange however small (``small_exchange_bytes=0``; "staged").
 
 host us: wall clock of enqueueing one call, calls enqueued back to back (the host's cost; where
 it exceeds the device's, the step waits for the host). device ms: CUDA events, back to back, the
@@ -103,9 +106,12 @@ def measure(args, rt):
     rt.init_torch_distributed()
     comm = rt.comm
     w = rt.size
-    grouped = None
+    grouped = staged = None
     if getattr(args, "grouped", False) and comm.transport == "pull":
-        grouped = rt.new_comm(peer_memory=False)
+        grouped = rt.new_comm(peer_memory=False, small_exchange_bytes=0)
+    if comm.small_exchange_bytes:
+        staged = rt.new_comm(small_exchange_bytes=0)
+    comms = tuple(c for c in (comm, grouped, staged) if c is not None)
     device = rt.torch_device()
     rows_out = []
     for rows in args.tokens:
@@ -149,34 +155,35 @@ def measure(args, rt):
             "combine mxfp8 (new layout)": each_layout(
                 lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay, precision="mxfp8")),
         })
-        if grouped is not None:
-            g_layout = mxt.exchange_layout(counts.to(device), grouped)
-            g_fresh = _fresh_layouts(mxt, grouped, device, rows, e, args.iters + args.warmup)
+        for tag, other in (("grouped", grouped), ("staged", staged)):
+            if other is None:
+                continue
+            o_layout = mxt.exchange_layout(counts.to(device), other)
+            o_fresh = _fresh_layouts(mxt, other, device, rows, e, args.iters + args.warmup)
 
-            def each_grouped(call):
-                it = iter(g_fresh)
+            def each_other(call, o_fresh=o_fresh):
+                it = iter(o_fresh)
                 return lambda: call(next(it))
 
             cases.update({
-                "dispatch mxfp8 (layout, grouped)": lambda: mxt.a2a_dispatch(x, g_layout),
-                "combine mxfp8 (layout, grouped)": lambda: mxt.a2a_combine(
-                    y, g_layout, precision="mxfp8"),
-                "dispatch mxfp8 (new layout, grouped)": each_grouped(
+                f"dispatch mxfp8 (layout, {tag})": lambda lay=o_layout: mxt.a2a_dispatch(x, lay),
+                f"combine mxfp8 (layout, {tag})": lambda lay=o_layout: mxt.a2a_combine(
+                    y, lay, precision="mxfp8"),
+                f"dispatch mxfp8 (new layout, {tag})": each_other(
                     lambda lay: mxt.a2a_dispatch(x, lay)),
-                "combine mxfp8 (new layout, grouped)": each_grouped(
+                f"combine mxfp8 (new layout, {tag})": each_other(
                     lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay,
                                                 precision="mxfp8")),
             })
         for name, fn in cases.items():
             host_us, host_mean_us, device_ms, per_call = _host_and_device(
-                fn, rt, args.iters, args.warmup,
-                (comm,) if grouped is None else (comm, grouped))
+                fn, rt, args.iters, args.warmup, comms)
             rows_out.append({"rows": rows, "dim": args.dim, "call": name,
                              "host_us": round(host_us, 1), "host_mean_us": round(host_mean_us, 1),
                              "device_ms": device_ms,
                              "host_collectives_per_call": per_call})
-    if grouped is not None:
-        grouped.close()
+    for other in comms[1:]:
+        other.close()
     notes = ["host us: wall clock of enqueueing one call, calls back to back: the median over "
              "calls (host mean: the mean, stalls of the host included)",
              "device ms: CUDA events around the calls back to back, per call",
@@ -184,6 +191,11 @@ def measure(args, rt):
     if grouped is not None:
         notes.append("(grouped): through a second communicator with peer_memory=False (the "
                      "grouped transport: quantize, one NCCL group); the others pull")
+    if staged is not None:
+        notes.append(f"(staged): through a second communicator with small_exchange_bytes=0 "
+                     f"(every quantized exchange staged and pulled, however small); the others "
+                     f"move exchanges of at most {comm.small_exchange_bytes} bytes per rank to "
+                     f"its peers unquantized and quantize on arrival")
     if not rt.gpu:
         notes.append("CPU: host timings of the host backend, nothing about GPUs")
     meta = _report.metadata("latency", w, {"rows_per_rank": list(args.tokens), "dim": args.dim,
