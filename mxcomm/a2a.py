@@ -60,8 +60,16 @@ PRECISIONS = format_names()
 _INPUT_DTYPES = (bfloat16, float32)
 #: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
 #: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
-#: the rest of the SMs stay with the quantize kernels (bench/NOTES.md).
+#: the rest of the SMs stay with the quantize kernels (bench/NOTES.md). Measured best at 2 ranks
+#: (H200, H100: 1/4 against 1/8 and 1/2); at 4 ranks, where 3/4 of a rank's rows arrive over
+#: NVLink, 1/2 (H100: 2.97 against 3.18 ms at 131072 x 7168), taken from 3 ranks on (unmeasured).
 _BESIDE_SHARE = 0.25
+_BESIDE_SHARE_MANY = 0.5
+
+
+def _beside_share(size):
+    """The grid share of the dequantize beside the quantize, at ``size`` ranks."""
+    return _BESIDE_SHARE if size <= 2 else _BESIDE_SHARE_MANY
 #: Grid share of a quantize producing rows that copy engines pull: a little room is left for the
 #: one-thread wait kernel the side stream parks beside it (a full persistent grid would make it,
 #: or a quantize block, wait for a whole wave).
@@ -163,8 +171,9 @@ class _QuantizedRows:
                                          stream, self._share, self._scale_mode)
 
     def consume(self, begin, end, rows, stream):
+        # beside the producer on the side stream: the share of the SMs it leaves
         self._format.launch_dequantize(self._rows(*rows), row_range(self._out, begin, end),
-                                       stream, 1.0 if stream == self._caller else _BESIDE_SHARE)
+                                       stream, 1.0 if stream == self._caller else 1.0 - self._share)
 
     def keep(self, begin, end, at, slots, stream):
         # bf16 rows (read where they are, or through the permuted gradient's index) take the
@@ -419,7 +428,7 @@ def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind
     with comm._on_stream(caller):
         if dequantize:
             out = (alloc or xp.empty)((plan.rows_received, width), _dtype_of(x))
-            share = 1.0 - _BESIDE_SHARE if pull else 1.0
+            share = 1.0 - _beside_share(comm.size) if pull else 1.0
             comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
                           in_place=True, stream=caller)
             return out
