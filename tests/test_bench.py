@@ -217,19 +217,32 @@ def test_row_bytes_and_wire_rows():
     class Case:
         dim, hidden, label = 64, 32, "s"
 
+    def same(values):  # one rank's numbers as the sums (maxima) over ranks
+        return values
+
     # rank 1 of 3 sends [2, 5, 1] rows (keeps 5) and receives [4, 7, 0] rows (keeps 7)
-    rows = _checks.wire_rows(_moe.VARIANTS[1], Case, [2, 5, 1], [4, 7, 0], 1, lambda v: v)
+    rows = _checks.wire_rows(_moe.VARIANTS[1], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
     got = {r["direction"]: (r["precision"], r["rows"], r["bytes"]) for r in rows}
     assert got == {"dispatch": ("mxfp8", 3, 3 * 66), "combine": ("bf16", 4, 4 * 64),
                    "dispatch_grad": ("bf16", 4, 4 * 128), "combine_grad": ("mxfp8", 3, 3 * 33)}
     by_name = {v.name: v for v in _moe.VARIANTS}
-    rows = _checks.wire_rows(by_name["fp8_rowwise"], Case, [2, 5, 1], [4, 7, 0], 1, lambda v: v)
+    rows = _checks.wire_rows(by_name["fp8_rowwise"], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
     got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
     assert got == {"dispatch": ("fp8_rowwise", 3 * (64 + 4)), "combine": ("bf16", 4 * 64),
                    "dispatch_grad": ("bf16", 4 * 128), "combine_grad": ("fp8_rowwise", 3 * 36)}
     for name in ("bf16", "bf16+fp8gemm"):  # torch's exchanges: bf16 every way
-        rows = _checks.wire_rows(by_name[name], Case, [2, 5, 1], [4, 7, 0], 1, lambda v: v)
+        rows = _checks.wire_rows(by_name[name], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
         assert [r["bytes"] for r in rows] == [3 * 128, 4 * 64, 4 * 128, 3 * 64]
+    # small exchanges: the dispatch (3 rows of 64 bf16: 384 bytes) and the combine gradient
+    # (3 x 32: 192) move unquantized below their limits, quantized above
+    for limit, dispatch, grad in ((384, "bf16", "bf16"), (383, "mxfp8", "bf16"),
+                                  (191, "mxfp8", "mxfp8")):
+        rows = _checks.wire_rows(_moe.VARIANTS[1], Case, [2, 5, 1], [4, 7, 0], 1, same, same,
+                                 limit)
+        got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
+        label = {"bf16": "mxfp8 (bf16 on the wire)", "mxfp8": "mxfp8"}
+        assert got["dispatch"] == (label[dispatch], 3 * (128 if dispatch == "bf16" else 66))
+        assert got["combine_grad"] == (label[grad], 3 * (64 if grad == "bf16" else 33))
 
 
 @pytest.mark.parametrize("counts,e_local,align", [([2, 1, 0, 3], 2, 4), ([0, 0, 0, 0], 2, 32),

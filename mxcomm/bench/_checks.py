@@ -42,25 +42,39 @@ def precisions(variant):
     return {name: getattr(variant, name) for name, _, _ in DIRECTIONS}
 
 
-def wire_rows(variant, case, input_splits, output_splits, rank, allreduce_sum):
+def wire_rows(variant, case, input_splits, output_splits, rank, allreduce_sum, allreduce_max,
+              small_exchange_bytes=0):
     """Rows of the ``wire`` table for one variant: per direction, rows and bytes sent between
-    ranks, summed over ranks.
+    ranks, summed over ranks. A quantized direction whose exchange is small (no rank sends more
+    than ``small_exchange_bytes`` of bf16 rows to its peers: the communicator's rule, docs/
+    design.md "Small exchanges travel unquantized") counts its rows as bf16, and its precision
+    reads ``"<name> (bf16 on the wire)"``.
 
     Args:
         variant: a ``_moe.Variant``. case: has ``dim``, ``hidden`` and ``label``.
         input_splits, output_splits: this rank's splits (lists of W ints). rank: this rank.
-        allreduce_sum: maps a list of numbers to their element-wise sums over ranks.
+        allreduce_sum, allreduce_max: map a list of numbers to their element-wise sums (maxima)
+            over ranks.
+        small_exchange_bytes: the communicator's.
     """
+    from mxcomm.formats import get_format
     splits = {"input": input_splits, "output": output_splits}
-    rows, nbytes = [], []
-    for name, width_attr, side in DIRECTIONS:
-        off_rank = sum(splits[side]) - splits[side][rank]
-        rows.append(off_rank)
-        nbytes.append(off_rank * row_bytes(getattr(variant, name), getattr(case, width_attr)))
+    off_rank = [sum(splits[side]) - splits[side][rank] for _, _, side in DIRECTIONS]
+    largest = allreduce_max(off_rank)
+    rows, nbytes, labels = [], [], []
+    for (name, width_attr, _), sent, most in zip(DIRECTIONS, off_rank, largest):
+        precision, width = getattr(variant, name), getattr(case, width_attr)
+        if get_format(precision).quantized and most * width * 2 <= small_exchange_bytes:
+            precision, label = "bf16", f"{precision} (bf16 on the wire)"
+        else:
+            label = precision
+        rows.append(sent)
+        nbytes.append(sent * row_bytes(precision, width))
+        labels.append(label)
     totals = allreduce_sum(rows + nbytes)
     n = len(DIRECTIONS)
     return [{"shape": case.label, "variant": variant.name, "direction": name,
-             "precision": getattr(variant, name), "rows": int(totals[i]),
+             "precision": labels[i], "rows": int(totals[i]),
              "bytes": int(totals[n + i])} for i, (name, _, _) in enumerate(DIRECTIONS)]
 
 

@@ -372,7 +372,8 @@ def measure(args, rt):
             rt.log(f"pipeline {case.label} {variant.name}: forward + backward, checks")
             state, grads, results = case.trace(stage_list)
             tables["wire"] += _checks.wire_rows(variant, case, state["input_splits"],
-                                                state["output_splits"], rt.rank, rt.allreduce_sum)
+                                                state["output_splits"], rt.rank, rt.allreduce_sum,
+                                                rt.allreduce_max, rt.comm.small_exchange_bytes)
             tables["exactness"] += checker.run(variant, state, grads, results)
             if variant.baseline:
                 reference = results
