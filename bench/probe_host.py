@@ -149,7 +149,7 @@ def instrument():
         (_pull.PullTransport, "_slots"), (_pull.PullTransport, "_consume_in_place"),
         (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
         (_ipc.CudaPeerMemory, "end"), (_ipc.CudaPeerMemory, "signal_ready"),
-        (_ipc.CudaPeerMemory, "await_ready"), (_ipc.CudaPeerMemory, "copy"),
+        (_ipc.CudaPeerMemory, "await_ready"), (_ipc.CudaPeerMemory, "copy_all"),
         (_ipc.CudaPeerMemory, "local"), (_ipc.CudaPeerMemory, "peer_view"),
         (formats.Format, "empty"), (formats.Format, "wrap"), (formats.Format, "launch_quantize"),
         (formats.Format, "launch_dequantize"),

@@ -32,8 +32,9 @@ class Communicator(abc.ABC):
             it on :meth:`close`) and binds its abort to the channel's timeouts.
         validate: default of the per-call ``validate`` flag of explicit-splits calls.
         peer_memory: None (auto), True or False: see :meth:`_choose_transport`.
-        small_exchange_bytes: None (the backend's ``SMALL_EXCHANGE_BYTES``) or a non-negative
-            int, the same on every rank (checked in :meth:`_choose_transport`).
+        small_exchange_bytes: None (the backend's ``SMALL_EXCHANGE_BYTES`` where every rank is
+            on one node, else 0) or a non-negative int, the same on every rank (checked in
+            :meth:`_choose_transport`).
 
     Attributes:
         rank: this process's rank in ``[0, size)``.
@@ -53,18 +54,19 @@ class Communicator(abc.ABC):
             unquantized"); 0 never does.
     """
 
-    #: The default of ``small_exchange_bytes``: 0 on the host backends, which exist to develop
-    #: and test the transports; the NCCL backend sets what its GPUs measured.
+    #: The default of ``small_exchange_bytes`` where every rank is on one node: 0 on the host
+    #: backends, which exist to develop and test the transports; the NCCL backend sets what its
+    #: GPUs measured over NVLink. Across nodes the default is 0: the links are slower, so the
+    #: bytes a quantized exchange saves weigh more, and no limit was measured there.
     SMALL_EXCHANGE_BYTES = 0
 
     def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None):
         if peer_memory not in (None, True, False):
             raise ValueError(f"peer_memory: expected None (auto), True or False, got "
                              f"{peer_memory!r}")
-        if small_exchange_bytes is None:
-            small_exchange_bytes = self.SMALL_EXCHANGE_BYTES
-        self.small_exchange_bytes = _validate.byte_count(small_exchange_bytes,
-                                                         "small_exchange_bytes", side.rank)
+        #: None until :meth:`_choose_transport` resolves the default
+        self.small_exchange_bytes = None if small_exchange_bytes is None else \
+            _validate.byte_count(small_exchange_bytes, "small_exchange_bytes", side.rank)
         self._side = side
         side.on_timeout = self._mark_aborted_by_timeout
         self.rank = side.rank
@@ -309,6 +311,8 @@ class Communicator(abc.ABC):
         from ._grouped import GroupedTransport
         from ._pull import PullTransport
         _, one_node = self._side.node_info()
+        if self.small_exchange_bytes is None:
+            self.small_exchange_bytes = self.SMALL_EXCHANGE_BYTES if one_node else 0
         here = self._peer_memory is not False and one_node and self._peer_memory_here()
         table = self._side.allgather_array(
             numpy.array([here, self.small_exchange_bytes], numpy.int64),

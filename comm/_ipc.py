@@ -89,15 +89,11 @@ class CudaPeerMemory:
         # handle with their parameters packed in one buffer (_signal.cu's signatures): no
         # per-call stream object, no change of CuPy's current stream.
         self._begin_k = PackedLaunch(module.get_function("mx_begin").kernel, "QQiiQQ")
-        self._signal_k = PackedLaunch(module.get_function("mx_signal").kernel, "QQI")
         self._signal_all_k = PackedLaunch(module.get_function("mx_signal_all").kernel, "QQi")
-        self._wait_k = PackedLaunch(module.get_function("mx_wait").kernel, "QQIiQQ")
         # PeerWords by value: MAX_BATCH addresses, kinds and peers
         words = f"{MAX_BATCH}Q{MAX_BATCH}I{MAX_BATCH}I"
-        self._signal_each_k = PackedLaunch(module.get_function("mx_signal_each").kernel,
-                                           f"Q{words}i")
-        self._wait_each_k = PackedLaunch(module.get_function("mx_wait_each").kernel,
-                                         f"Q{words}iQQ")
+        self._signal_k = PackedLaunch(module.get_function("mx_signal").kernel, f"Q{words}i")
+        self._wait_k = PackedLaunch(module.get_function("mx_wait").kernel, f"Q{words}iQQ")
         self._threads = max(32, -(-size // 32) * 32)
         self._timeout_ns = int(comm.timeout * 1e9)
         self._side = cupy.cuda.Stream(non_blocking=True)
@@ -175,34 +171,23 @@ class CudaPeerMemory:
         self._rt.eventRecord(self._forked, stream)
         self._rt.streamWaitEvent(self._side_ptr, self._forked, 0)
 
-    def signal_ready(self, peer, piece, kind, stream):
-        """Tell ``peer`` (on ``stream``, after the rows produced so far) that its rows of
-        ``piece`` are in this rank's staging."""
-        word = self._peer_flags[peer] + 8 * (self._rank * MAX_PIECES + piece)
-        self._signal_k(1, 1, stream, (self._gen_ptr, word, kind))
-
-    def await_ready(self, peer, piece, kind):
-        """Order the side stream after ``peer``'s signal of this generation's ``piece``; return
-        its handle (work enqueued there next may read the rows)."""
-        word = self._flags.ptr + 8 * (peer * MAX_PIECES + piece)
-        self._wait_k(1, 1, self._side_ptr,
-                     (self._gen_ptr, word, kind, peer, self._timeout_ns, self._status_ptr))
-        return self._side_ptr
-
-    def signal_ready_all(self, signals, stream):
-        """:meth:`signal_ready` for each ``(peer, piece, kind)`` of ``signals`` (at most
-        ``MAX_BATCH``), in one launch."""
+    def signal_ready(self, signals, stream):
+        """Tell each ``peer`` of ``signals`` (``(peer, piece, kind)``, at most ``MAX_BATCH``),
+        on ``stream`` after the rows produced so far, that its rows of ``piece`` are in this
+        rank's staging: one launch."""
         me = self._rank * MAX_PIECES
-        self._signal_each_k(1, 32, stream, (
+        self._signal_k(1, 32, stream, (
             self._gen_ptr, *_batch([self._peer_flags[p] + 8 * (me + k) for p, k, _ in signals]),
             *_batch([kind for _, _, kind in signals]), *_batch([0] * len(signals)),
             len(signals)))
 
-    def await_ready_all(self, awaits):
-        """:meth:`await_ready` for each ``(peer, piece, kind)`` of ``awaits`` (at most
-        ``MAX_BATCH``), in one launch; return the side stream's handle."""
+    def await_ready(self, awaits):
+        """Order the side stream after each ``peer``'s signal of this generation's ``piece``
+        (``(peer, piece, kind)`` of ``awaits``, at most ``MAX_BATCH``; each kind checked), in
+        one launch; return the side stream's handle (work enqueued there next may read the
+        rows)."""
         base = self._flags.ptr
-        self._wait_each_k(1, 32, self._side_ptr, (
+        self._wait_k(1, 32, self._side_ptr, (
             self._gen_ptr, *_batch([base + 8 * (p * MAX_PIECES + k) for p, k, _ in awaits]),
             *_batch([kind for _, _, kind in awaits]), *_batch([p for p, _, _ in awaits]),
             len(awaits), self._timeout_ns, self._status_ptr))

@@ -109,8 +109,9 @@ class NcclCommunicator(Communicator):
             native exchanges, the grouped transport), on every rank, since those calls are
             collective. A job whose exchanges all take the pull transport then never builds it
             (no NCCL setup time or memory; and ranks may share a GPU, which NCCL refuses).
-        small_exchange_bytes: see ``mxcomm.comm.init``; None: ``SMALL_EXCHANGE_BYTES``. Small
-            exchanges move over NCCL: ranks sharing a GPU need 0.
+        small_exchange_bytes: see ``mxcomm.comm.init``; None: ``SMALL_EXCHANGE_BYTES`` where
+            every rank is on this node, else 0. Small exchanges move over NCCL: ranks sharing a
+            GPU need 0.
 
     Attributes:
         device: the CUDA device ordinal used (made current by the constructor).

@@ -67,30 +67,27 @@ class PullTransport:
             outs = self._comm._new_arrays(arrays, plan.rows_received)
         memory.begin(stream)
         produce = rows.produce
-        signal, signal_all = memory.signal_ready, memory.signal_ready_all
+        signal = memory.signal_ready
         for begin, end, slots, signals in schedule.sends:
             if end > begin:
                 produce(begin, end, slots, stream)
-            if len(signals) == 1:
-                signal(*signals[0], stream)
-            elif signals:
-                signal_all(signals, stream)
+            if signals:
+                signal(signals, stream)
         # The side stream's waits and pulls are enqueued before the own rows' launches (which
         # a landing splits into one per run): the copy engines can start as soon as a peer's
         # rows are ready, not once the host has enqueued this rank's own rows too.
-        await_one, await_all = memory.await_ready, memory.await_ready_all
+        await_ready = memory.await_ready
         if in_place:
             consume = rows.consume
             for awaits, views in schedule.receives:
-                side = await_one(*awaits[0]) if len(awaits) == 1 else await_all(awaits)
+                side = await_ready(awaits)
                 for begin, end, held in views:
                     if end > begin:
                         consume(begin, end, held, side)
         else:
             copy_all = memory.copy_all
             for awaits, copies in schedule.receives:
-                side = await_one(*awaits[0]) if len(awaits) == 1 else await_all(awaits)
-                copy_all(copies, outs, side)
+                copy_all(copies, outs, await_ready(awaits))
         own = schedule.own
         if own is not None:  # own rows, last: straight to the result, or kept by the consumer
             begin, end, at, slots, lands = own

@@ -114,23 +114,15 @@ class HostPeerMemory:
                    "finish reading this rank's rows of the previous exchange")
         self.generation = (want + 1) & _MASK
 
-    def signal_ready(self, peer, piece, kind, stream):
-        """Tell ``peer`` that its rows (``piece``) are in this rank's staging."""
-        self.signal_ready_all(((peer, piece, kind),), stream)
-
-    def signal_ready_all(self, signals, stream):
-        """:meth:`signal_ready` for each ``(peer, piece, kind)`` of ``signals``."""
+    def signal_ready(self, signals, stream):
+        """Tell each ``peer`` of ``signals`` (``(peer, piece, kind)``) that its rows of
+        ``piece`` are in this rank's staging."""
         self._flags_window.Sync()  # the rows are stored before the flags
         for peer, piece, kind in signals:
             self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
                 (self.generation << 32) | kind)
 
-    def await_ready(self, peer, piece, kind):
-        """Wait until ``peer`` has signalled this generation's rows of ``piece``; return the
-        stream to read them on (0: the host)."""
-        return self.await_ready_all(((peer, piece, kind),))
-
-    def await_ready_all(self, awaits):
+    def await_ready(self, awaits):
         """Wait until each ``(peer, piece, kind)`` of ``awaits`` is signalled (a timeout names
         every rank still missing); return the stream to read the rows on (0: the host)."""
         flags = self._flags[self._rank]

@@ -51,13 +51,6 @@ extern "C" __global__ void mx_begin(u32* gen, const u64* done, int size, int ran
     if (p == 0) gen[0] = current + 1;
 }
 
-// Write (generation << 32 | kind) into a peer's word, after everything this stream wrote before.
-// Launch: one thread.
-extern "C" __global__ void mx_signal(const u32* gen, u64* word, u32 kind) {
-    __threadfence_system();
-    atomicExch(word, ((u64)gen[0] << 32) | kind);
-}
-
 // Write (generation << 32) into the word at each of `count` addresses (one per peer).
 // Launch: one block of at least `count` threads.
 extern "C" __global__ void mx_signal_all(const u32* gen, const u64* addresses, int count) {
@@ -68,31 +61,7 @@ extern "C" __global__ void mx_signal_all(const u32* gen, const u64* addresses, i
     }
 }
 
-// Wait until a local word holds this generation; then check its kind.
-// Launch: one thread.
-extern "C" __global__ void mx_wait(const u32* gen, const u64* word, u32 kind, int peer,
-                                   u64 timeout_ns, u32* status) {
-    u32 current = gen[0];
-    const volatile u64* w = word;
-    const volatile u32* failed = status;
-    u64 start = now_ns();
-    while (true) {
-        u64 value = *w;
-        if ((u32)(value >> 32) == current) {
-            if ((u32)value != kind) report(status, 2, peer, kind, (u32)value);
-            break;
-        }
-        if (*failed) break;
-        if (now_ns() - start > timeout_ns) {
-            report(status, 1, peer, current, (u32)(value >> 32));
-            break;
-        }
-        __nanosleep(64);
-    }
-    __threadfence_system();
-}
-
-// The words of several peers at once (up to MX_BATCH): one launch instead of one per peer.
+// The words of one or several peers (up to MX_BATCH): one launch for all of them.
 #define MX_BATCH 8
 struct PeerWords {
     u64 word[MX_BATCH];   // addresses of the 64-bit words
@@ -100,9 +69,9 @@ struct PeerWords {
     u32 peer[MX_BATCH];   // the peer each word is about (for a failed wait's report)
 };
 
-// mx_signal for `count` words at once: each gets (generation << 32 | kind), after everything this
-// stream wrote before. Launch: one block of at least `count` threads.
-extern "C" __global__ void mx_signal_each(const u32* gen, PeerWords w, int count) {
+// Write (generation << 32 | kind) into each of `count` peers' words, after everything this stream
+// wrote before. Launch: one block of at least `count` threads.
+extern "C" __global__ void mx_signal(const u32* gen, PeerWords w, int count) {
     int i = threadIdx.x;
     if (i < count) {
         __threadfence_system();
@@ -110,11 +79,11 @@ extern "C" __global__ void mx_signal_each(const u32* gen, PeerWords w, int count
     }
 }
 
-// mx_wait for `count` local words at once (one thread each): the stream goes on once every word
-// holds this generation (each kind checked), or one wait failed. Launch: one block of at least
-// `count` threads.
-extern "C" __global__ void mx_wait_each(const u32* gen, PeerWords w, int count, u64 timeout_ns,
-                                        u32* status) {
+// Wait until each of `count` local words holds this generation (one thread each), then check its
+// kind: the stream goes on once every word has arrived, or one wait failed (timed out, or a kind
+// differs; reported in `status`). Launch: one block of at least `count` threads.
+extern "C" __global__ void mx_wait(const u32* gen, PeerWords w, int count, u64 timeout_ns,
+                                   u32* status) {
     int i = threadIdx.x;
     if (i < count) {
         u32 current = gen[0];

@@ -104,8 +104,7 @@ def _die_in_pulls(comm, how):
         if how == "kill":
             os.kill(os.getpid(), 9)
         os._exit(3)
-    # one sender's wait, or every sender's at once (small exchanges batch their waits)
-    HostPeerMemory.await_ready = HostPeerMemory.await_ready_all = await_ready
+    HostPeerMemory.await_ready = await_ready
 
 
 def _mid(comm, how, direction):
@@ -128,7 +127,7 @@ def _mid(comm, how, direction):
 
 def HostPeerMemory_await(comm):
     from mxcomm.comm._shm import HostPeerMemory
-    HostPeerMemory.await_ready(None, 0, 0, 0)
+    HostPeerMemory.await_ready(None, ((0, 0, 0),))
 
 
 def case_raise_mid_dispatch(comm):
