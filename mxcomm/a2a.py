@@ -37,6 +37,10 @@ below, "MXFP8" stands for any quantized format. Where it stays quantized (Quanti
 copy engines pull the rows into the result, peer
 after peer, with no SMs taken from the quantize kernels. Elsewhere (``"grouped"``) the rows are
 quantized into a staging array, move in one NCCL group (or MPI call), and are then dequantized.
+Small quantized exchanges (no rank sending more than ``comm.small_exchange_bytes`` of rows to
+its peers; 48 MiB on the GPUs of one node by default) skip all that: the bf16/fp32 rows move in
+one ``comm.alltoallv`` as they are and are quantized (or round-tripped) on arrival, the same bits
+(every format is row-local; docs/design.md, "Small exchanges travel unquantized").
 bf16 exchanges are one ``comm.alltoallv`` either way, but for the combine direction of
 ``permute_align`` on the pull transport: there each peer's rows are gathered out of permute's
 order into the staging it pulls from (no pass into received order first).
@@ -492,6 +496,9 @@ def _call(function, x, input_splits, output_splits, comm, precision, layout=None
 
 _COMMON_ARGS = """
         comm: a communicator (``mxcomm.comm.init()``); with a layout, None or the layout's.
+            A quantized exchange in which no rank sends more than its ``small_exchange_bytes``
+            of rows to its peers moves them unquantized, in one ``alltoallv``, and quantizes
+            them on arrival: the same results, bf16 bytes on the wire.
         scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, docs/design.md); the
             other formats fix their own scaling and ignore it.
         stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host). The rows
