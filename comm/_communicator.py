@@ -20,6 +20,7 @@ import operator
 import numpy
 
 from . import _validate
+from ._board import EXCHANGE
 from ._staged import Plan
 
 
@@ -589,3 +590,21 @@ class HostCommunicator(Communicator):
 
     def _empty(self, shape, dtype):
         return numpy.empty(shape, dtype=dtype)
+
+    def _enter_exchange(self):
+        """Count this rank into the next exchange call on the arrival board; its number (0
+        without a board)."""
+        board = self._side.board
+        return board.enter(EXCHANGE) if board is not None else 0
+
+    def _wait_moved(self, requests, keep, call):
+        """Wait (bounded) for the data movement of exchange call number ``call``; a timeout
+        names, by the arrival board, this node's ranks that had not entered the call (a
+        collective ``alltoallv`` cannot say which peer it waits for)."""
+        try:
+            self._side.wait(requests, "alltoallv", keep=keep)
+        except TimeoutError as exc:
+            board = self._side.board
+            if board is None:
+                raise
+            raise TimeoutError(f"{exc}; {board.describe(EXCHANGE, call)}") from None

@@ -100,6 +100,7 @@ class MpiCommunicator(HostCommunicator):
         return outs[0] if single else outs
 
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
+        call = self._enter_exchange()
         requests = []
         for s, o in zip(sends, outs):
             row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
@@ -115,7 +116,7 @@ class MpiCommunicator(HostCommunicator):
             requests.append(self._side.mpi.Ialltoallv([_bytes(s), (sc, so), datatype],
                                                  [_bytes(o), (rc, ro), datatype]))
         if requests:
-            self._side.wait(requests, "alltoallv", keep=(sends, outs))
+            self._wait_moved(requests, (sends, outs), call)
 
     def alltoall_counts(self, counts, *, stream=None):
         """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.

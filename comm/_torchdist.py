@@ -82,6 +82,7 @@ class TorchHostCommunicator(HostCommunicator):
         return outs[0] if single else outs
 
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
+        call = self._enter_exchange()
         works, keep, unpack = [], [], []
         for s, o in zip(sends, outs):
             row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
@@ -99,7 +100,7 @@ class TorchHostCommunicator(HostCommunicator):
             if o_packed:
                 unpack.append((o_rows, o_flat))
         if works:
-            self._side.wait(works, "alltoallv", keep=(sends, outs, keep))
+            self._wait_moved(works, (sends, outs, keep), call)
         for packed, o_flat in unpack:
             _scatter(packed, o_flat, rc, ro)
 

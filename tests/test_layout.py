@@ -150,15 +150,18 @@ def test_generation_wraps_around():
         c.close()
 
 
-def test_rank_skipping_a_call_times_out_naming_it():
+@pytest.mark.parametrize("small", [0, 1 << 40], ids=["staged", "small"])
+def test_rank_skipping_a_call_times_out_naming_it(small):
     """The last rank skips one dispatch: the others raise TimeoutError naming it within the
-    timeout (nothing waits forever); their communicator is aborted."""
+    timeout (nothing waits forever); their communicator is aborted. Staged, the sender's ready
+    flag is what is missing; small (one ``alltoallv``), the arrival board names the rank that
+    had not entered the call."""
     w0 = world()
     w, me = w0.Get_size(), w0.Get_rank()
     if w == 1:
         pytest.skip("needs two ranks")
     timeout = 2.0
-    c = mxc.init("mpi", timeout=timeout)
+    c = mxc.init("mpi", timeout=timeout, small_exchange_bytes=small)
     late = w - 1
     counts = numpy.full((w, w * E_LOCAL), 2)
     layout = exchange_layout(counts[me].astype(numpy.int32), c)
@@ -166,7 +169,9 @@ def test_rank_skipping_a_call_times_out_naming_it():
     a2a_dispatch(x, layout)  # everybody once: the staging is in place
     if me != late:
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=f"rank {late} did not send its rows within 2 s"):
+        named = (f"rank {late} had not entered this exchange call" if small else
+                 f"rank {late} did not send its rows within 2 s")
+        with pytest.raises(TimeoutError, match=named):
             a2a_dispatch(x, layout)
         assert timeout <= time.monotonic() - start < timeout + 5.0
         assert c.aborted
@@ -662,16 +667,19 @@ def test_gpu_cuda_graph_replays_the_token_path():
 
 
 @pytest.mark.gpu
-def test_gpu_rank_skipping_a_call_times_out_naming_it():
-    """The last rank skips a dispatch: on the others the device wait gives up after the
-    timeout, comm.wait raises TimeoutError naming that rank, the communicator is aborted, and
-    no GPU work stays queued."""
+@pytest.mark.parametrize("small", [0, 1 << 40], ids=["staged", "small"])
+def test_gpu_rank_skipping_a_call_times_out_naming_it(small):
+    """The last rank skips a dispatch: on the others the device wait (staged: the pull's; small:
+    NCCL's, ended by the watchdog) gives up after the timeout, comm.wait raises TimeoutError
+    naming that rank, the communicator is aborted, and no GPU work stays queued."""
     import cupy
     w0 = world()
     w, me = w0.Get_size(), w0.Get_rank()
     if w == 1:
         pytest.skip("needs two ranks")
-    c = mxc.init("nccl", timeout=3.0, small_exchange_bytes=0)  # the pull's device waits
+    if small and os.environ.get("MXCOMM_NCCL_INIT") == "lazy":
+        pytest.skip("small exchanges move over NCCL, which ranks sharing a GPU cannot build")
+    c = mxc.init("nccl", timeout=3.0, small_exchange_bytes=small)
     late = w - 1
     counts = numpy.full((w, w * E_LOCAL), 64)
     layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
@@ -687,7 +695,9 @@ def test_gpu_rank_skipping_a_call_times_out_naming_it():
             problem = "no error raised"
         except TimeoutError as exc:
             seconds = time.monotonic() - start
-            if f"rank {late} did not arrive" not in str(exc):
+            named = f"rank {late} had not entered this exchange call" if small else \
+                f"rank {late} did not arrive"
+            if named not in str(exc):
                 problem = f"TimeoutError not naming rank {late}: {exc}"
             elif seconds >= 3.0 + 10.0:
                 problem = f"raised after {seconds:.1f} s"
