@@ -61,7 +61,7 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             less time than those (docs/design.md, "Small exchanges travel unquantized"). 0
             never does. Every rank must give the same value (checked here, collectively). None:
             ``MXCOMM_SMALL_EXCHANGE_BYTES`` from the environment, else the backend's default
-            where every rank is on one node (48 MiB for NCCL, measured on H100s over NVLink,
+            where every rank is on one node (64 MiB for NCCL, measured on H100s over NVLink,
             bench/NOTES.md; 0 on the host backends), and 0 across nodes (unmeasured there, where
             the saved bytes weigh more).
     Returns:

@@ -124,8 +124,10 @@ class NcclCommunicator(Communicator):
     #: Measured on H100s (bench/NOTES.md, seventeenth session): at 4096 bf16 rows x 7168 per
     #: rank (42 MiB to the peers at 4 ranks, 28 at 2) the MXFP8 exchange took 0.202 ms on the
     #: device against the bf16 one's 0.172 at 4 ranks (0.167 / 0.133 at 2), and 3.6x its host
-    #: time; at 8192 rows (84 / 56 MiB) it was the faster.
-    SMALL_EXCHANGE_BYTES = 48 << 20
+    #: time; at 8192 rows (84 / 56 MiB) it was the faster on the device, but in the synced
+    #: pipeline at 2 ranks, 8192 rows, a 64 MiB limit (the dispatch moved unquantized) measured
+    #: 0.97x / 0.96x over bf16 against 0.92x / 0.91x with 48 MiB (two alternations, one job).
+    SMALL_EXCHANGE_BYTES = 64 << 20
 
     def __init__(self, side, *, validate=True, device=None, peer_memory=None,
                  nccl_init="eager", small_exchange_bytes=None):

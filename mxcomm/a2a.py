@@ -38,7 +38,7 @@ copy engines pull the rows into the result, peer
 after peer, with no SMs taken from the quantize kernels. Elsewhere (``"grouped"``) the rows are
 quantized into a staging array, move in one NCCL group (or MPI call), and are then dequantized.
 Small quantized exchanges (no rank sending more than ``comm.small_exchange_bytes`` of rows to
-its peers; 48 MiB on the GPUs of one node by default) skip all that: the bf16/fp32 rows move in
+its peers; 64 MiB on the GPUs of one node by default) skip all that: the bf16/fp32 rows move in
 one ``comm.alltoallv`` as they are and are quantized (or round-tripped) on arrival, the same bits
 (every format is row-local; docs/design.md, "Small exchanges travel unquantized").
 bf16 exchanges are one ``comm.alltoallv`` either way, but for the combine direction of
