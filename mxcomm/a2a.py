@@ -74,6 +74,8 @@ _BESIDE_SHARE_MANY = 0.5
 def _beside_share(size):
     """The grid share of the dequantize beside the quantize, at ``size`` ranks."""
     return _BESIDE_SHARE if size <= 2 else _BESIDE_SHARE_MANY
+
+
 #: Grid share of a quantize producing rows that copy engines pull: a little room is left for the
 #: one-thread wait kernel the side stream parks beside it (a full persistent grid would make it,
 #: or a quantize block, wait for a whole wave).
