@@ -109,6 +109,13 @@ class Communicator(abc.ABC):
         """``"pull"`` or ``"grouped"``: how :meth:`exchange` moves rows."""
         return self._transport.name
 
+    def small_exchange(self, rows, row_bytes):
+        """Whether a quantized exchange whose largest sender sends ``rows`` plain rows of
+        ``row_bytes`` bytes each to its peers (``Plan.largest_peer_rows``: the same on every
+        rank) moves them unquantized (``small_exchange_bytes``; docs/design.md, "Small exchanges
+        travel unquantized"). Local; no collective."""
+        return rows * row_bytes <= self.small_exchange_bytes
+
     def _check_usable(self):
         """Raise what the next call must raise: a stored error once, then a state error."""
         if self._pending_error is None and self._state == "open":

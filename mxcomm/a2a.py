@@ -309,7 +309,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     if staged_gather:
         return _exchange_gathered_plain(x, plan, comm, caller, kind, alloc)
     if fmt.quantized and agreed and not isinstance(x, QuantizedArray) and \
-            plan.largest_peer_rows * width * x.dtype.itemsize <= comm.small_exchange_bytes:
+            comm.small_exchange(plan.largest_peer_rows, width * x.dtype.itemsize):
         return _exchange_small(x, fmt, plan, comm, caller, dequantize, scale_mode, alloc,
                                layout, permute_align if direction == "dispatch" else None)
     if not fmt.quantized:

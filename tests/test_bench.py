@@ -2,11 +2,13 @@
 report metadata and tables, the command line."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 
 import numpy
 import pytest
@@ -233,12 +235,15 @@ def test_row_bytes_and_wire_rows():
     for name in ("bf16", "bf16+fp8gemm"):  # torch's exchanges: bf16 every way
         rows = _checks.wire_rows(by_name[name], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
         assert [r["bytes"] for r in rows] == [3 * 128, 4 * 64, 4 * 128, 3 * 64]
-    # small exchanges: the dispatch (3 rows of 64 bf16: 384 bytes) and the combine gradient
-    # (3 x 32: 192) move unquantized below their limits, quantized above
+    # small exchanges (the communicator's rule, on a stand-in holding only the limit): the
+    # dispatch (3 rows of 64 bf16: 384 bytes) and the combine gradient (3 x 32: 192) move
+    # unquantized below their limits, quantized above
+    from mxcomm.comm._communicator import Communicator
     for limit, dispatch, grad in ((384, "bf16", "bf16"), (383, "mxfp8", "bf16"),
                                   (191, "mxfp8", "mxfp8")):
+        comm = types.SimpleNamespace(small_exchange_bytes=limit)
         rows = _checks.wire_rows(_moe.VARIANTS[1], Case, [2, 5, 1], [4, 7, 0], 1, same, same,
-                                 limit)
+                                 functools.partial(Communicator.small_exchange, comm))
         got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
         label = {"bf16": "mxfp8 (bf16 on the wire)", "mxfp8": "mxfp8"}
         assert got["dispatch"] == (label[dispatch], 3 * (128 if dispatch == "bf16" else 66))

@@ -43,10 +43,10 @@ def precisions(variant):
 
 
 def wire_rows(variant, case, input_splits, output_splits, rank, allreduce_sum, allreduce_max,
-              small_exchange_bytes=0):
+              small_exchange=None):
     """Rows of the ``wire`` table for one variant: per direction, rows and bytes sent between
     ranks, summed over ranks. A quantized direction whose exchange is small (no rank sends more
-    than ``small_exchange_bytes`` of bf16 rows to its peers: the communicator's rule, docs/
+    than the communicator's ``small_exchange_bytes`` of bf16 rows to its peers: its rule, docs/
     design.md "Small exchanges travel unquantized") counts its rows as bf16, and its precision
     reads ``"<name> (bf16 on the wire)"``.
 
@@ -55,7 +55,8 @@ def wire_rows(variant, case, input_splits, output_splits, rank, allreduce_sum, a
         input_splits, output_splits: this rank's splits (lists of W ints). rank: this rank.
         allreduce_sum, allreduce_max: map a list of numbers to their element-wise sums (maxima)
             over ranks.
-        small_exchange_bytes: the communicator's.
+        small_exchange: the communicator's ``small_exchange(rows, row_bytes)``, or None (no
+            exchange is small).
     """
     from mxcomm.formats import get_format
     splits = {"input": input_splits, "output": output_splits}
@@ -64,7 +65,8 @@ def wire_rows(variant, case, input_splits, output_splits, rank, allreduce_sum, a
     rows, nbytes, labels = [], [], []
     for (name, width_attr, _), sent, most in zip(DIRECTIONS, off_rank, largest):
         precision, width = getattr(variant, name), getattr(case, width_attr)
-        if get_format(precision).quantized and most * width * 2 <= small_exchange_bytes:
+        if get_format(precision).quantized and small_exchange is not None and \
+                small_exchange(most, width * 2):
             precision, label = "bf16", f"{precision} (bf16 on the wire)"
         else:
             label = precision

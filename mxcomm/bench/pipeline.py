@@ -373,7 +373,7 @@ def measure(args, rt):
             state, grads, results = case.trace(stage_list)
             tables["wire"] += _checks.wire_rows(variant, case, state["input_splits"],
                                                 state["output_splits"], rt.rank, rt.allreduce_sum,
-                                                rt.allreduce_max, rt.comm.small_exchange_bytes)
+                                                rt.allreduce_max, rt.comm.small_exchange)
             tables["exactness"] += checker.run(variant, state, grads, results)
             if variant.baseline:
                 reference = results
