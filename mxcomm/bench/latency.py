@@ -142,18 +142,16 @@ def measure(args, rt):
         y_max = torch.randn(max(lay.num_received for lay in fresh), args.dim, generator=gen
                             ).to(device, torch.bfloat16)
 
-        def each_layout(call):
-            it = iter(fresh)
-            return lambda: call(next(it))
-
         cases.update({
-            "dispatch bf16 (new layout)": each_layout(
-                lambda lay: mxt.a2a_dispatch(x, lay, precision="bf16")),
-            "dispatch mxfp8 (new layout)": each_layout(lambda lay: mxt.a2a_dispatch(x, lay)),
-            "combine bf16 (new layout)": each_layout(
-                lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay)),
-            "combine mxfp8 (new layout)": each_layout(
-                lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay, precision="mxfp8")),
+            "dispatch bf16 (new layout)": _each_layout(
+                fresh, lambda lay: mxt.a2a_dispatch(x, lay, precision="bf16")),
+            "dispatch mxfp8 (new layout)": _each_layout(
+                fresh, lambda lay: mxt.a2a_dispatch(x, lay)),
+            "combine bf16 (new layout)": _each_layout(
+                fresh, lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay)),
+            "combine mxfp8 (new layout)": _each_layout(
+                fresh, lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay,
+                                                   precision="mxfp8")),
         })
         for tag, other in (("grouped", grouped), ("staged", staged)):
             if other is None:
@@ -161,19 +159,15 @@ def measure(args, rt):
             o_layout = mxt.exchange_layout(counts.to(device), other)
             o_fresh = _fresh_layouts(mxt, other, device, rows, e, args.iters + args.warmup)
 
-            def each_other(call, o_fresh=o_fresh):
-                it = iter(o_fresh)
-                return lambda: call(next(it))
-
             cases.update({
                 f"dispatch mxfp8 (layout, {tag})": lambda lay=o_layout: mxt.a2a_dispatch(x, lay),
                 f"combine mxfp8 (layout, {tag})": lambda lay=o_layout: mxt.a2a_combine(
                     y, lay, precision="mxfp8"),
-                f"dispatch mxfp8 (new layout, {tag})": each_other(
-                    lambda lay: mxt.a2a_dispatch(x, lay)),
-                f"combine mxfp8 (new layout, {tag})": each_other(
-                    lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay,
-                                                precision="mxfp8")),
+                f"dispatch mxfp8 (new layout, {tag})": _each_layout(
+                    o_fresh, lambda lay: mxt.a2a_dispatch(x, lay)),
+                f"combine mxfp8 (new layout, {tag})": _each_layout(
+                    o_fresh, lambda lay: mxt.a2a_combine(y_max[:lay.num_received], lay,
+                                                         precision="mxfp8")),
             })
         for name, fn in cases.items():
             host_us, host_mean_us, device_ms, per_call = _host_and_device(
@@ -202,6 +196,12 @@ def measure(args, rt):
                                           "experts_per_rank": args.experts}, notes,
                             run=describe(args, rt), iters=args.iters, warmup=args.warmup)
     return meta, {"latency": rows_out}
+
+
+def _each_layout(layouts, call):
+    """A call of ``call(layout)`` taking the next of ``layouts`` each time."""
+    it = iter(layouts)
+    return lambda: call(next(it))
 
 
 def _fresh_layouts(mxt, comm, device, rows, experts, n):
