@@ -40,12 +40,15 @@ quantized into a staging array, move in one NCCL group (or MPI call), and are th
 Small quantized exchanges (no rank sending more than ``comm.small_exchange_bytes`` of rows to
 its peers; 64 MiB on the GPUs of one node by default) skip all that: the bf16/fp32 rows move in
 one ``comm.alltoallv`` as they are and are quantized (or round-tripped) on arrival, the same bits
-(every format is row-local; docs/design.md, "Small exchanges travel unquantized").
+(every format is row-local; docs/design.md, "Small exchanges travel unquantized"). Every exchange
+that is one ``alltoallv`` of the rows as they are (plain, or small) runs through one
+:class:`_Direct` call, decided once per signature (docs/design.md, "Direct calls").
 bf16 exchanges are one ``comm.alltoallv`` either way, but for the combine direction of
 ``permute_align`` on the pull transport: there each peer's rows are gathered out of permute's
 order into the staging it pulls from (no pass into received order first).
 """
 
+import functools
 import operator
 
 import numpy
@@ -213,6 +216,85 @@ class _GatheredPlainRows:
         self._x.write(begin, end, slots[0], stream, _PULLED_SHARE)
 
 
+class _Direct:
+    """An exchange that is one ``alltoallv`` of the rows as they are (docs/design.md, "Direct
+    calls"), for one signature: function, format, scale mode, input dtype and row width. Made
+    once per signature (:func:`_direct`); row counts come with each call's plan.
+
+    Attributes:
+        fmt: the Format; dispatch: True in the dispatch direction (the layout's dispatch plan);
+        dequantize: whether a quantized format's result is decoded back (round trip);
+        dtype: the rows' dtype (the wire's); width: D; row_bytes: bytes of one row as it travels.
+
+    Calling it, ``direct(comm, plan, x, stream, empty)``: ``x`` the (``plan.rows_sent``, D) rows
+    (checked by the caller: C-contiguous, the signature's dtype and width, aligned) as a buffer
+    the communicator and the launches take (a ``Words`` or CuPy array on a GPU, a NumPy array on
+    the host); ``empty(shape, dtype)`` -> ``(result, buffer)``: a new array as returned to the
+    caller and as handed to the communicator and the launches (the same array for the array API,
+    a torch tensor and its address for ``mxcomm.torch``). Returns the result, or ``(data,
+    scales)`` results of a quantized format kept quantized. Enqueued on ``stream``; no host
+    synchronization; the quantized formats only where ``comm.small_exchange`` (:meth:`takes`).
+    """
+
+    __slots__ = ("fmt", "dispatch", "dequantize", "dtype", "width", "row_bytes", "_scale_mode",
+                 "_round_trip")
+
+    def __init__(self, fmt, dispatch, dequantize, dtype, width, scale_mode):
+        self.fmt, self.dispatch, self.dequantize = fmt, dispatch, dequantize
+        self.dtype, self.width = dtype, width
+        self.row_bytes = width * dtype.itemsize
+        self._scale_mode = scale_mode
+        self._round_trip = fmt.quantized and fmt.round_trips(dtype)
+
+    def takes(self, comm, plan):
+        """Whether the exchange of ``plan`` is direct: a plain format, or a quantized exchange
+        small enough to travel unquantized (the same answer on every rank)."""
+        return not self.fmt.quantized or comm.small_exchange(plan.largest_peer_rows,
+                                                             self.row_bytes)
+
+    def __call__(self, comm, plan, x, stream, empty):
+        n, width, dtype = plan.rows_received, self.width, self.dtype
+        result, received = empty((n, width), dtype)
+        comm.alltoallv_plan((x,), (received,), plan, stream)
+        fmt = self.fmt
+        if not fmt.quantized:
+            return result
+        if self.dequantize:
+            result, out = empty((n, width), dtype)
+            if n and self._round_trip:
+                fmt.launch_round_trip(received, None, out, stream, 1.0, self._scale_mode)
+            elif n:
+                q = fmt.view(empty((n, width), fmt.element_dtype)[1],
+                             empty(fmt.scales_shape(n, width), fmt.scale_dtype)[1])
+                fmt.launch_dequantize(fmt.launch_quantize(received, q, stream, 1.0,
+                                                          self._scale_mode), out, stream)
+            return result
+        data, data_buffer = empty((n, width), fmt.element_dtype)
+        scales, scales_buffer = empty(fmt.scales_shape(n, width), fmt.scale_dtype)
+        if n:
+            fmt.launch_quantize(received, fmt.view(data_buffer, scales_buffer), stream, 1.0,
+                                self._scale_mode)
+        return data, scales
+
+
+@functools.lru_cache(maxsize=256)
+def _direct(function, precision, scale_mode, dtype, width):
+    """The :class:`_Direct` of a signature, or None where its exchange is never direct: an
+    unknown precision or scale mode, rows of another dtype than bf16/fp32, a width the format
+    cannot take, or a plain format that converts the rows on the wire (fp32 in ``"bf16"``).
+    Nothing here raises: the engine's path raises the errors."""
+    try:
+        fmt = get_format(precision)
+    except (TypeError, ValueError):
+        return None
+    if dtype not in _INPUT_DTYPES or scale_mode not in SCALE_MODES or width % fmt.d_multiple:
+        return None
+    if not fmt.quantized and numpy.dtype(fmt.element_dtype or dtype) != dtype:
+        return None
+    _, direction, dequantize = _CALLS[function]
+    return _Direct(fmt, direction == "dispatch", dequantize, dtype, width, scale_mode)
+
+
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
               direction, dequantize, scale_mode, stream, validate, alloc, permute_align=None):
     """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
@@ -308,16 +390,18 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     kind = f"{function} {fmt.name} rows of D = {width}"
     if staged_gather:
         return _exchange_gathered_plain(x, plan, comm, caller, kind, alloc)
-    if fmt.quantized and agreed and not isinstance(x, QuantizedArray) and \
-            comm.small_exchange(plan.largest_peer_rows, width * x.dtype.itemsize):
-        return _exchange_small(x, fmt, plan, comm, caller, dequantize, scale_mode, alloc,
-                               layout, permute_align if direction == "dispatch" else None)
-    if not fmt.quantized:
-        out = _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc)
-        if permute_align is None or direction == "combine":
-            return out
-        with comm._on_stream(caller):  # NCCL leaves no place to scatter into: a gather after
-            return _permute(out, layout, None, permute_align, None, caller, alloc)
+    align = permute_align if direction == "dispatch" else None
+    if not isinstance(x, QuantizedArray):
+        # one alltoallv of the rows as they are: a plain format, or a small quantized exchange
+        # (which the ranks choose alike only from every rank's counts)
+        direct = _direct(function, fmt, scale_mode, x.dtype, width)
+        if direct is not None and (agreed or not fmt.quantized) and direct.takes(comm, plan):
+            return _run_direct(direct, x, comm, plan, caller, alloc, layout, align)
+    if not fmt.quantized:  # fp32 rows in "bf16": rounded to it, moved, widened back
+        with comm._on_stream(caller):
+            out = _run_direct(_direct(function, fmt, scale_mode, bfloat16, width),
+                              _f32_to_bf16(x), comm, plan, caller, alloc, layout, align)
+            return _bf16_to_f32(out) if dequantize else out
     if permute_align is not None and direction == "dispatch":
         return _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout,
                                   permute_align)
@@ -351,24 +435,6 @@ def _dtype_name(x):
     return x.format.name.upper() if isinstance(x, QuantizedArray) else x.dtype.name
 
 
-def _exchange_plain(x, fmt, plan, comm, caller, dequantize, alloc):
-    """One all-to-all of unscaled rows on the caller's stream (nothing to overlap), of the
-    agreed ``plan`` (its arrays already checked: no second check in the communicator).
-    ``"bf16"`` sends bf16 (fp32 rounded to it); ``"native"`` sends ``x``'s dtype as is. A
-    QuantizedArray ``x`` was dequantized to bf16 by the caller."""
-    xp = array_module()
-    with comm._on_stream(caller):
-        wire = numpy.dtype(fmt.element_dtype or x.dtype)
-        result_dtype = x.dtype if dequantize else wire
-        if x.dtype != wire:  # fp32 -> bf16, the only conversion a plain format makes
-            x = _f32_to_bf16(x)
-        out = (alloc or xp.empty)((plan.rows_received, x.shape[1]), wire)
-        comm.alltoallv_plan((x,), (out,), plan, caller)
-        if result_dtype != wire:
-            out = _bf16_to_f32(out)
-    return out
-
-
 def _exchange_gathered_plain(x, plan, comm, caller, kind, alloc):
     """The plain exchange of the pending gather ``x`` (``GatheredRows``) on the pull transport
     (docs/design.md, "The expert side of an exchange in permute's order"): each peer's rows
@@ -395,32 +461,26 @@ def _bf16_to_f32(x):
     return (x.view(numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
 
 
-def _exchange_small(x, fmt, plan, comm, caller, dequantize, scale_mode, alloc, layout, align):
-    """A small quantized exchange (docs/design.md, "Small exchanges travel unquantized"): the
-    plain rows in one ``alltoallv`` as they are, then quantized on arrival on the caller's
-    stream; the same bits as the quantized exchange (every format is row-local). ``align``: the
-    dispatch direction's ``permute_align`` (then ``permute``'s triple is returned), or None."""
-    xp = array_module()
-    n, width = plan.rows_received, x.shape[1]
+def _run_direct(direct, x, comm, plan, caller, alloc, layout=None, align=None):
+    """The :class:`_Direct` exchange of the array ``x`` (rows of a pending gather gathered
+    first) on the caller's stream, results from ``alloc`` (or the array module's ``empty``);
+    quantized results as a QuantizedArray; with ``align`` (the dispatch direction's
+    ``permute_align``), then the permute's gather: ``permute``'s triple."""
+    make = alloc or array_module().empty
+
+    def empty(shape, dtype):
+        a = make(shape, dtype)
+        return a, a
+
     with comm._on_stream(caller):
         if isinstance(x, GatheredRows):
             x = x.materialize(caller, alloc)
-        received = (alloc or xp.empty)((n, width), x.dtype)
-        comm.alltoallv_plan((x,), (received,), plan, caller)
-        if dequantize:
-            out = (alloc or xp.empty)((n, width), x.dtype)
-            if n and fmt.round_trips(x.dtype):
-                fmt.launch_round_trip(received, None, out, caller, 1.0, scale_mode)
-            elif n:
-                fmt.launch_dequantize(fmt.launch_quantize(received, fmt.empty(n, width),
-                                                          caller, 1.0, scale_mode),
-                                      out, caller)
-            return out
-        out = fmt.empty(n, width, alloc)
-        if n:
-            fmt.launch_quantize(received, out, caller, 1.0, scale_mode)
+        out = direct(comm, plan, x, caller, empty)
+        if type(out) is tuple:
+            out = direct.fmt.view(*out)
         if align is None:
             return out
+        # NCCL leaves no place to scatter into: the permute's gather after
         return _permute(out, layout, None, align, None, caller, alloc)
 
 

@@ -8,7 +8,10 @@ from ``data_ptr``: CuPy's DLPack import costs 17-27 us of host time per tensor),
 NumPy array; bf16 as ml_dtypes' bf16, fp8 as uint8 bits. The exchanges' results are allocated by
 torch (the engine's ``alloc``), so they come back as those tensors, with no DLPack export and no
 second memory pool. Work is enqueued on torch's current CUDA stream; CPU tensors run with the host
-backend and the MPI communicator, so CI exercises autograd too.
+backend and the MPI communicator, so CI exercises autograd too. Given a layout, a plain tensor whose
+exchange is one ``alltoallv`` (a plain precision, or a small quantized exchange) skips all that:
+checked in O(1) against the engine's direct call (``mxcomm.a2a._Direct``), it is passed by its
+address, and results are allocated by torch in their own dtypes (docs/design.md, "Direct calls").
 
 Quantized values travel as a :class:`QuantizedTensor` (any format of ``mxcomm.formats``; its
 ``"mxfp8"`` case is :class:`MXFP8Tensor`), a bf16-typed wrapper holding e4m3 data and the format's
@@ -33,8 +36,10 @@ from . import a2a as _a2a
 from . import layout as _layout
 from . import permutation as _permutation
 from ._array import bfloat16
+from ._driver import Words
+from ._platform import gpu_arrays
 from .kernels import array_module
-from ._torch_arrays import _TORCH_DTYPES, _array, _stream, _tensor, _view
+from ._torch_arrays import _ARRAY_DTYPES, _TORCH_DTYPES, _array, _stream, _tensor, _view
 from ._torch_gemm import fp8_gemm_available, grouped_mm
 from .formats import QuantizedArray, get_format
 
@@ -47,6 +52,8 @@ __all__ = ["QuantizedTensor", "MXFP8Tensor", "grouped_mm", "fp8_gemm_available",
 _DATA_DTYPE = torch.float8_e4m3fn
 _SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
                  numpy.dtype(numpy.float32): torch.float32}
+#: The scale rounding of every exchange made through this module (the array API's default).
+_SCALE_MODE = "rceil"
 
 
 class _Alloc:
@@ -106,7 +113,13 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
               permute_align=None):
     """The array API's ``function`` (``mxcomm.a2a``) on the tensor ``rows`` (plain or a
     QuantizedTensor), on torch's current stream, results allocated by torch: a tensor (with
-    ``permute_align`` in the dispatch direction, ``permute``'s triple of tensors)."""
+    ``permute_align`` in the dispatch direction, ``permute``'s triple of tensors). A plain
+    tensor whose exchange is one ``alltoallv`` goes straight to the engine's direct call."""
+    if layout is not None and permute_align is None and type(rows) is torch.Tensor and \
+            input_splits is None and output_splits is None and comm in (None, layout.comm):
+        out = _exchange_direct(function, rows, layout, precision)
+        if out is not None:
+            return out
     alloc = _Alloc(rows.device)
     result = _a2a._call(function, _rows(rows, _a2a._CALLS[function][0]), input_splits,
                         output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc,
@@ -115,6 +128,43 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
         permuted, indices, offsets = result
         return (_wrap(permuted, alloc),) + _index_tensors(layout, permute_align, indices, offsets)
     return _wrap(result, alloc)
+
+
+def _exchange_direct(function, t, layout, precision):
+    """The exchange of the plain tensor ``t`` given ``layout`` through the engine's direct call
+    (``mxcomm.a2a._Direct``; docs/design.md, "Direct calls"), or None where the engine's path
+    must take it (another signature, rows that do not fit the layout or the format, a staged
+    exchange): O(1) checks, ``t`` passed by its address, results allocated by torch."""
+    dtype = _ARRAY_DTYPES.get(t.dtype)
+    if dtype is None or t.dim() != 2:
+        return None
+    direct = _a2a._direct(function, precision, _SCALE_MODE, dtype, t.shape[1])
+    if direct is None:
+        return None
+    comm = layout.comm
+    plan = layout.dispatch_plan if direct.dispatch else layout.combine_plan
+    cuda = t.is_cuda
+    if t.shape[0] != plan.rows_sent or cuda != gpu_arrays() or not t.is_contiguous() or \
+            not direct.takes(comm, plan):
+        return None
+    if cuda:
+        ptr = t.data_ptr()
+        if ptr % direct.fmt.input_align:
+            return None
+        x = Words(ptr, (plan.rows_sent, direct.width), dtype)
+    else:
+        x = _view(t, dtype)
+    device = t.device
+
+    def empty(shape, dtype):
+        result = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
+        return result, Words(result.data_ptr(), shape, dtype) if cuda else _view(result, dtype)
+
+    out = direct(comm, plan, x, comm._stream_ptr(_stream(t)), empty)
+    if type(out) is not tuple:
+        return out
+    data, scales = out
+    return _quantized_tensor(data.view(_DATA_DTYPE), scales, direct.fmt)
 
 
 def _index_tensors(layout, align, indices, offsets):
@@ -225,6 +275,20 @@ class QuantizedTensor(torch.Tensor):
         args, kwargs = tree_map(lambda a: _dequantized(a) if isinstance(a, QuantizedTensor)
                                 else a, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def _quantized_tensor(qdata, scales, fmt):
+    """A QuantizedTensor (MXFP8Tensor for mxfp8) of ``qdata`` (float8_e4m3fn) and ``scales``
+    (uint8 bits of e8m0, viewed here, or float32) that this package made with ``fmt``'s dtypes
+    and shapes: without the constructor's checks."""
+    scale_dtype = _SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)]
+    if scales.dtype != scale_dtype:
+        scales = scales.view(scale_dtype)
+    self = torch.Tensor._make_wrapper_subclass(MXFP8Tensor if fmt.name == "mxfp8" else
+                                               QuantizedTensor, qdata.shape,
+                                               dtype=torch.bfloat16, device=qdata.device)
+    self.qdata, self.scales, self.format = qdata, scales, fmt
+    return self
 
 
 class MXFP8Tensor(QuantizedTensor):

@@ -113,6 +113,14 @@ def comm():
 
 
 @pytest.fixture(scope="module")
+def small_comm():
+    """A communicator that moves every quantized exchange unquantized (small_exchange_bytes)."""
+    c = mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=1 << 40)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
 def device(comm):
     return torch.device("cpu") if simulated() else torch.device("cuda", torch.cuda.current_device())
 
@@ -242,8 +250,14 @@ def test_exchange_layout_tensors(comm, device):
     ("fp8_rowwise", "bf16", "native", "fp8_rowwise"),
     ("fp8_rowwise", "fp8_rowwise", "fp8_rowwise", "mxfp8"),
 ])
-def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, combine_grad):
-    """Forward and all gradients of the whole path equal the reference exactly."""
+@pytest.mark.parametrize("given", ["splits", "layout", "layout, small"])
+def test_token_path_autograd(request, comm, device, monkeypatch, dispatch, dispatch_grad,
+                             combine, combine_grad, given):
+    """Forward and all gradients of the whole path equal the reference exactly, given the
+    splits (the engine's path, voted) or the layout (exchanges that are one alltoallv go
+    through the direct call: the plain ones, and with "small" every one)."""
+    if given == "layout, small":
+        comm = request.getfixturevalue("small_comm")
     me, world = comm.rank, comm.size
     routed = Routed(me, world)
     out_ref, dx_ref, dw_ref, grad = grads_ref(world, me, dispatch, dispatch_grad, combine,
@@ -251,9 +265,19 @@ def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, com
     x = to_torch(routed.x, device).requires_grad_()
     weights = to_torch(expert_weights(world)[me * E_LOCAL:(me + 1) * E_LOCAL],
                        device).requires_grad_()
-    group, input_splits, output_splits = mt.exchange_layout(to_torch(routed.counts, device), comm)
+    layout = mt.exchange_layout(to_torch(routed.counts, device), comm)
+    group, input_splits, output_splits = layout
+    direct_calls = []
+    exchange_direct = mt._exchange_direct
 
-    received = mt.a2a_dispatch(x, input_splits, output_splits, comm, dispatch, dispatch_grad)
+    def counted(*args):
+        out = exchange_direct(*args)
+        direct_calls.append(out is not None)
+        return out
+    monkeypatch.setattr(mt, "_exchange_direct", counted)
+    splits = (layout,) if given != "splits" else (input_splits, output_splits, comm)
+
+    received = mt.a2a_dispatch(x, *splits, precision=dispatch, grad_precision=dispatch_grad)
     assert isinstance(received, mt.MXFP8Tensor) == (dispatch == "mxfp8")
     seen = {}
     received.register_hook(lambda g: seen.setdefault("received", g))
@@ -263,8 +287,11 @@ def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, com
     y = expert_loop(permuted, weights, offsets)
     back = mt.unpermute(y, indices, received.shape[0])
     back.register_hook(lambda g: seen.setdefault("back", g))
-    out = mt.a2a_combine(back, input_splits, output_splits, comm, combine, combine_grad)
+    out = mt.a2a_combine(back, *splits, precision=combine, grad_precision=combine_grad)
     (out.float() * to_torch(grad, device).float()).sum().backward()
+    precisions = (dispatch, combine, combine_grad, dispatch_grad)
+    plain = sum(p in ("bf16", "native") for p in precisions)
+    assert sum(direct_calls) == {"splits": 0, "layout": plain, "layout, small": 4}[given]
 
     numpy.testing.assert_array_equal(bits(to_numpy(out)), bits(out_ref))
     numpy.testing.assert_array_equal(bits(to_numpy(x.grad)), bits(dx_ref))
@@ -276,6 +303,30 @@ def test_token_path_autograd(comm, device, dispatch, dispatch_grad, combine, com
     assert isinstance(seen["back"], mt.MXFP8Tensor) == (combine_grad == "mxfp8")
     if isinstance(seen["back"], mt.QuantizedTensor):
         assert seen["back"].format.name == combine_grad
+
+
+@pytest.mark.mpi
+def test_direct_call_leaves_other_tensors_to_the_engine(small_comm, device, monkeypatch):
+    """Tensors the direct call does not take go to the engine: a strided view (copied there
+    first: the same bits as the contiguous rows' direct call) and rows that do not fit the
+    layout (the engine's error, on the rank that made it)."""
+    comm = small_comm
+    routed = Routed(comm.rank, comm.size)
+    layout = mt.exchange_layout(to_torch(routed.counts, device), comm)
+    x = to_torch(routed.x, device)
+    strided = torch.cat([x, x], dim=1)[:, :x.shape[1]]
+    assert strided.is_contiguous() == (x.shape[0] == 0)  # torch calls empty views contiguous
+    direct = mt.a2a_dispatch(x, layout)
+    taken = []
+    exchange_direct = mt._exchange_direct
+    monkeypatch.setattr(mt, "_exchange_direct",
+                        lambda *args: taken.append(exchange_direct(*args)) or taken[-1])
+    engine = mt.a2a_dispatch(strided, layout)
+    assert len(taken) == 1 and (taken[0] is None) == (x.shape[0] > 0)  # declined: the engine
+    assert torch.equal(direct.qdata.view(torch.uint8), engine.qdata.view(torch.uint8))
+    assert torch.equal(direct.scales.view(torch.uint8), engine.scales.view(torch.uint8))
+    with pytest.raises(ValueError, match=f"rank {comm.rank}: has {x.shape[0] + 1} rows"):
+        mt.a2a_dispatch(torch.cat([x, x.new_zeros((1, x.shape[1]))]), layout)
 
 
 @pytest.mark.mpi
