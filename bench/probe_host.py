@@ -24,6 +24,7 @@ import torch
 
 import mxcomm
 import mxcomm.comm
+import mxcomm.formats
 import mxcomm.torch as mxt
 from mxcomm._driver import PackedLaunch
 
@@ -139,7 +140,9 @@ def instrument():
     from mxcomm.comm import _ipc, _nccl, _pull
     targets = [
         (a2a, "_exchange"), (a2a, "_check_rows"), (a2a, "_resolve"), (a2a, "_check_precision"),
-        (a2a, "_exchange_quantized"), (a2a, "_exchange_plain"),
+        (a2a, "_exchange_quantized"), (a2a, "_run_direct"), (a2a._Direct, "__call__"),
+        (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"),
+        (_nccl.NcclCommunicator, "_move_rows"), (_nccl.NcclCommunicator, "_group"),
         (a2a._QuantizedRows, "produce"), (a2a._QuantizedRows, "consume"),
         (a2a._QuantizedRows, "__init__"),
         (_nccl.NcclCommunicator.__mro__[1], "exchange"), (_nccl.NcclCommunicator, "alltoallv"),
@@ -220,7 +223,45 @@ def per_call(fn, n=2000):
 nop = cupy.RawKernel('extern "C" __global__ void nop(unsigned long long a) {}', "nop")
 nop_launch = PackedLaunch(nop.kernel, "Q")
 
+class _Two(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, call):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Eight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, b, c, d, e, f, g):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + (None,) * 7
+
+
+t_grad = torch.empty(rows, dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+fp8 = torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device="cuda")
+nccl_comm = comm._nccl
+nccl_mod = comm._nccl_mod
+
+
+def _empty_group():
+    nccl_mod.groupStart()
+    nccl_mod.groupEnd()
+
+
 prims = {
+    "autograd Function.apply, 2 arguments": lambda: _Two.apply(t_grad, (1, 2, 3, 4, 5, 6, 7)),
+    "autograd Function.apply, 8 arguments": lambda: _Eight.apply(t_grad, 1, 2, 3, 4, 5, 6, 7),
+    "QuantizedTensor unchecked, its scales from torch.empty": lambda: mxt._quantized_tensor(
+        fp8, torch.empty(rows, dim // 32, dtype=torch.uint8, device="cuda"),
+        mxcomm.formats.get_format("mxfp8")),
+    "tensor.data_ptr()": t.data_ptr,
+    "NCCL groupStart + groupEnd, empty": _empty_group,
     "PackedLaunch of an empty kernel": lambda: nop_launch(1, 32, stream.ptr, (0,)),
     "cupy.empty((rows, dim), uint8)": lambda: cupy.empty((rows, dim), dtype=cupy.uint8),
     "cupy.ndarray view on a Memory": lambda: cupy.ndarray(

@@ -401,11 +401,15 @@ class _A2ADispatch(torch.autograd.Function):
               triple, permuted (P, D) rows (indices and offsets not differentiable).
     Backward: grad (N, D), or (P, D) permuted -> (M, D) bf16, combine direction, in
               ``grad_precision``.
+
+    The arguments but ``x`` travel as one tuple, ``call`` = (input_splits, output_splits, comm,
+    precision, grad_precision, layout, permute_align): autograd's ``apply`` spends host time
+    on every argument.
     """
 
     @staticmethod
-    def forward(ctx, x, input_splits, output_splits, comm, precision, grad_precision, layout,
-                permute_align):
+    def forward(ctx, x, call):
+        input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
         ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align)
         out = _exchange("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
                         permute_align)
@@ -418,9 +422,7 @@ class _A2ADispatch(torch.autograd.Function):
         input_splits, output_splits, comm, grad_precision, layout, permute_align = ctx.args
         dx = _exchange("a2a_dispatch_backward", grad, input_splits, output_splits, comm,
                        grad_precision, layout, permute_align)
-        # None for: input_splits, output_splits, comm, precision, grad_precision, layout,
-        # permute_align
-        return dx, None, None, None, None, None, None, None
+        return dx, None  # None for the call's tuple
 
 
 class _Permute(torch.autograd.Function):
@@ -521,11 +523,13 @@ class _A2ACombine(torch.autograd.Function):
               ``precision``; sends ``output_splits``, receives ``input_splits``.
     Backward: grad (M, H) bf16 -> (N, H), or (P, H) permuted, QuantizedTensor of
               ``grad_precision`` (quantized formats) or a plain tensor, dispatch direction.
+
+    The arguments but ``y`` travel as one tuple, as :class:`_A2ADispatch`'s.
     """
 
     @staticmethod
-    def forward(ctx, y, input_splits, output_splits, comm, precision, grad_precision, layout,
-                permute_align):
+    def forward(ctx, y, call):
+        input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
         ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align)
         return _exchange("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
                          permute_align)
@@ -537,9 +541,7 @@ class _A2ACombine(torch.autograd.Function):
                        grad_precision, layout, permute_align)
         if type(dy) is tuple:  # the permuted gradient (the index is the forward's)
             dy = dy[0]
-        # None for: input_splits, output_splits, comm, precision, grad_precision, layout,
-        # permute_align
-        return dy, None, None, None, None, None, None, None
+        return dy, None  # None for the call's tuple
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -616,8 +618,8 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
     _a2a._check_precision(grad_precision, "grad_precision")
     if isinstance(input_splits, _layout.Layout):
         layout, input_splits = input_splits, None
-    return _A2ADispatch.apply(x, input_splits, output_splits, comm, precision, grad_precision,
-                              layout, permute_align)
+    return _A2ADispatch.apply(x, (input_splits, output_splits, comm, precision, grad_precision,
+                                 layout, permute_align))
 
 
 def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
@@ -696,8 +698,8 @@ def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="
     _a2a._check_precision(grad_precision, "grad_precision")
     if isinstance(input_splits, _layout.Layout):
         layout, input_splits = input_splits, None
-    return _A2ACombine.apply(y, input_splits, output_splits, comm, precision, grad_precision,
-                             layout, permute_align)
+    return _A2ACombine.apply(y, (input_splits, output_splits, comm, precision, grad_precision,
+                                layout, permute_align))
 
 
 # ------------------------------------------------------------------------------------ drop-in
