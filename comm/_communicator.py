@@ -65,9 +65,8 @@ class Communicator(abc.ABC):
         if peer_memory not in (None, True, False):
             raise ValueError(f"peer_memory: expected None (auto), True or False, got "
                              f"{peer_memory!r}")
-        #: None until :meth:`_choose_transport` resolves the default
-        self.small_exchange_bytes = None if small_exchange_bytes is None else \
-            _validate.byte_count(small_exchange_bytes, "small_exchange_bytes", side.rank)
+        #: checked by ``init``; None until :meth:`_choose_transport` resolves the default
+        self.small_exchange_bytes = small_exchange_bytes
         self._side = side
         side.on_timeout = self._mark_aborted_by_timeout
         self.rank = side.rank

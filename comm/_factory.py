@@ -103,9 +103,9 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
                              f"is not an int (bytes)") from None
     if small_exchange_bytes is not None and (
             type(small_exchange_bytes) is bool or not isinstance(small_exchange_bytes, int) or
-            small_exchange_bytes < 0):
-        raise ValueError(f"small_exchange_bytes: expected None or a non-negative int (bytes), "
-                         f"got {small_exchange_bytes!r}")
+            not 0 <= small_exchange_bytes < 2**63):  # the ranks agree on it as an int64
+        raise ValueError(f"small_exchange_bytes: expected None or a non-negative int (bytes, "
+                         f"below 2**63), got {small_exchange_bytes!r}")
     if mpi_comm is not None and group is not None:
         raise ValueError("init: give mpi_comm or group, not both")
     if group is None and mpi_comm is None and (backend == "torch" or

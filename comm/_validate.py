@@ -115,20 +115,6 @@ def _as_counts_numpy(values, name, rank, size):
     return arr
 
 
-def byte_count(value, name, rank):
-    """``value`` as a non-negative Python int (a number of bytes); else TypeError/ValueError
-    naming ``name`` and the rank."""
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} on rank {rank}: expected an int (bytes), got "
-                        f"{value!r}") from None
-    if not 0 <= n <= _INT64_MAX:
-        raise ValueError(f"{name} on rank {rank}: expected a non-negative number of bytes, got "
-                         f"{n}")
-    return n
-
-
 def exclusive_cumsum(counts):
     """Offsets of consecutive blocks of ``counts`` units: ``[0, c0, c0+c1, ...]`` (length W)."""
     offsets = []

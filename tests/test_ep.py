@@ -466,8 +466,9 @@ def test_small_exchange_bytes_must_agree():
                                          r"agree, but they gave \{0: 0, 1: 1") as info:
         mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=me)
     assert len(set(MPI.COMM_WORLD.allgather(str(info.value).split(":", 1)[1]))) == 1
-    with pytest.raises(ValueError, match="small_exchange_bytes: expected None or a "
-                                         "non-negative int"):
-        mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=-1)
+    for bad in (-1, 1 << 63, 2.0, True):  # the ranks agree on it as an int64
+        with pytest.raises(ValueError, match="small_exchange_bytes: expected None or a "
+                                             "non-negative int"):
+            mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=bad)
     with mxc.init(timeout=TIMEOUT_S) as c:  # the host backend's default
         assert c.small_exchange_bytes == 0
