@@ -258,7 +258,7 @@ prims = {
     "autograd Function.apply, 2 arguments": lambda: _Two.apply(t_grad, (1, 2, 3, 4, 5, 6, 7)),
     "autograd Function.apply, 8 arguments": lambda: _Eight.apply(t_grad, 1, 2, 3, 4, 5, 6, 7),
     "QuantizedTensor unchecked, its scales from torch.empty": lambda: mxt._quantized_tensor(
-        fp8, torch.empty(rows, dim // 32, dtype=torch.uint8, device="cuda"),
+        fp8, torch.empty(rows, dim // 32, dtype=torch.float8_e8m0fnu, device="cuda"),
         mxcomm.formats.get_format("mxfp8")),
     "tensor.data_ptr()": t.data_ptr,
     "NCCL groupStart + groupEnd, empty": _empty_group,

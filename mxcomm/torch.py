@@ -11,7 +11,7 @@ second memory pool. Work is enqueued on torch's current CUDA stream; CPU tensors
 backend and the MPI communicator, so CI exercises autograd too. Given a layout, a plain tensor whose
 exchange is one ``alltoallv`` (a plain precision, or a small quantized exchange) skips all that:
 checked in O(1) against the engine's direct call (``mxcomm.a2a._Direct``), it is passed by its
-address, and results are allocated by torch in their own dtypes (docs/design.md, "Direct calls").
+address, and results are allocated by torch (docs/design.md, "Direct calls").
 
 Quantized values travel as a :class:`QuantizedTensor` (any format of ``mxcomm.formats``; its
 ``"mxfp8"`` case is :class:`MXFP8Tensor`), a bf16-typed wrapper holding e4m3 data and the format's
@@ -163,8 +163,11 @@ def _exchange_direct(function, t, layout, precision):
     out = direct(comm, plan, x, comm._stream_ptr(_stream(t)), empty)
     if type(out) is not tuple:
         return out
-    data, scales = out
-    return _quantized_tensor(data.view(_DATA_DTYPE), scales, direct.fmt)
+    data, scales = out  # fp8 bits allocated as uint8
+    fmt = direct.fmt
+    scale_dtype = _SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)]
+    return _quantized_tensor(data.view(_DATA_DTYPE), scales if scales.dtype == scale_dtype
+                             else scales.view(scale_dtype), fmt)
 
 
 def _index_tensors(layout, align, indices, offsets):
@@ -239,13 +242,7 @@ class QuantizedTensor(torch.Tensor):
             raise ValueError(f"{cls.__name__}: expected data (M, D) with D % {fmt.d_multiple} "
                              f"== 0 and scales {_scales_shape_text(fmt)} ({fmt.name}), got "
                              f"{tuple(qdata.shape)} and {tuple(scales.shape)}")
-        self = torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.bfloat16,
-                                                   device=qdata.device,
-                                                   requires_grad=requires_grad)
-        self.qdata = qdata
-        self.scales = scales
-        self.format = fmt
-        return self
+        return _quantized_tensor(qdata, scales, fmt, cls, requires_grad)
 
     def __init__(self, *args, **kwargs):
         pass  # everything happens in __new__
@@ -277,16 +274,15 @@ class QuantizedTensor(torch.Tensor):
         return func(*args, **kwargs)
 
 
-def _quantized_tensor(qdata, scales, fmt):
-    """A QuantizedTensor (MXFP8Tensor for mxfp8) of ``qdata`` (float8_e4m3fn) and ``scales``
-    (uint8 bits of e8m0, viewed here, or float32) that this package made with ``fmt``'s dtypes
-    and shapes: without the constructor's checks."""
-    scale_dtype = _SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)]
-    if scales.dtype != scale_dtype:
-        scales = scales.view(scale_dtype)
-    self = torch.Tensor._make_wrapper_subclass(MXFP8Tensor if fmt.name == "mxfp8" else
-                                               QuantizedTensor, qdata.shape,
-                                               dtype=torch.bfloat16, device=qdata.device)
+def _quantized_tensor(qdata, scales, fmt, cls=None, requires_grad=False):
+    """A QuantizedTensor of ``qdata`` (float8_e4m3fn) and ``scales`` (the format's torch dtype)
+    of the quantized Format ``fmt``, unchecked: the constructor's end after its checks, and the
+    whole of it for results this package made with the format's dtypes and shapes. ``cls``:
+    the class (None: MXFP8Tensor for mxfp8, else QuantizedTensor)."""
+    if cls is None:
+        cls = MXFP8Tensor if fmt.name == "mxfp8" else QuantizedTensor
+    self = torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.bfloat16,
+                                               device=qdata.device, requires_grad=requires_grad)
     self.qdata, self.scales, self.format = qdata, scales, fmt
     return self
 
