@@ -3,13 +3,18 @@
     mpirun -n W python bench/probe_host.py [rows] [dim] [calls]
     PROBE_CASES=mxfp8 ...: only the calls whose label contains it (with ranks sharing a GPU and
     nccl_init='lazy', the bf16 calls would need NCCL, which refuses that)
+    PROBE_ABLATIONS=0: without the ablations (below; they need NCCL)
 
 For each call (array API and ``mxcomm.torch``, MXFP8 and bf16, dispatch and combine, given the
 layout): the host time per call of ``calls`` calls enqueued back to back (wall clock, no profiler,
 after warm-up), the Python function calls per call (``sys.setprofile``, a separate pass), and an
 instrumented pass that times the engine's pieces inclusively (a wrapper per piece adds ~0.3 us per
 entry, so the pieces add up to a little more than the plain time). Then the host cost of the CuPy,
-runtime and driver primitives the path is made of. Rank 0 prints; bench/NOTES.md says what it found.
+runtime and driver primitives the path is made of. Then ablations: the torch calls' plain host time
+with one piece at a time replaced by a no-op (the NCCL group, the watchdog's event, the driver's
+launch, the prepared quantize, the QuantizedTensor, autograd's ``apply``), then all of them, at the
+given rows and at 1/16 of them: what each piece costs inside the whole call, without timers. Rank 0
+prints; bench/NOTES.md says what it found.
 """
 
 import collections
@@ -287,5 +292,92 @@ prims = {
 out("\n=== primitives (us per call)")
 for label, fn in prims.items():
     out(f"  {label:45s} {per_call(fn):8.2f}")
+
+
+# ---------------------------------------------------------------------------- ablations
+# The plain host time of the torch layout-path calls with pieces replaced by no-ops, one piece
+# at a time, then all of them: what each piece costs inside the whole call (no timers), and what
+# is left. The results are wrong while a piece is off; nothing reads them. Also at a row count
+# whose device work is far below the host's (no back-pressure from the device).
+def ablations():
+    import mxcomm.a2a as a2a
+    from mxcomm._array import bfloat16
+    from mxcomm.comm import _nccl
+
+    class _Ctx:  # what the exchange Functions' forward uses of autograd's context
+        def mark_non_differentiable(self, *tensors):
+            pass
+
+    nccl_cls = _nccl.NcclCommunicator
+    directs = [a2a._direct(f, p, "rceil", bfloat16, dim)
+               for f in ("a2a_dispatch", "a2a_combine") for p in ("mxfp8", "bf16")]
+
+    def nothing(*args, **kwargs):
+        return None
+
+    def launch_without_driver(self, grid, block, stream, values, shared=0):
+        self._pack_into(self._buffer, 0, *values)
+
+    def group_without_nccl(self, blocks, sc, so, rc, ro, stream_ptr, call):
+        self._record(stream_ptr, call)
+
+    def apply_without_autograd(cls, x, call):
+        return cls.forward(_Ctx(), x, call)
+
+    pieces = {
+        "NCCL group (its watchdog event kept)": [(nccl_cls, "_group", group_without_nccl)],
+        "watchdog event": [(nccl_cls, "_record", nothing)],
+        "driver's kernel launch": [(PackedLaunch, "__call__", launch_without_driver)],
+        "prepared quantize / round trip": [(d, "_quantize", nothing) for d in directs
+                                           if d._quantize is not None]
+        + [(d, "_round_trip", nothing) for d in directs if d._round_trip is not None],
+        "QuantizedTensor": [(mxt, "_quantized_tensor",
+                             lambda data, scales, fmt, cls=None, requires_grad=False: data)],
+        "autograd Function.apply": [(mxt._A2ADispatch, "apply",
+                                     classmethod(apply_without_autograd)),
+                                    (mxt._A2ACombine, "apply",
+                                     classmethod(apply_without_autograd))],
+    }
+    pieces["all of the above"] = [p for patch in list(pieces.values()) for p in patch]
+
+    def patched(patch, fn, n):
+        saved = [(owner, name, owner.__dict__[name] if name in owner.__dict__ else
+                  getattr(owner, name)) for owner, name, _ in patch]
+        try:
+            for owner, name, value in patch:
+                setattr(owner, name, value)
+            for _ in range(20):
+                fn()
+            return host_us(fn, n)
+        finally:
+            for owner, name, value in saved:
+                setattr(owner, name, value)
+
+    small_rows = max(comm.size * 8, rows // 16)
+    counts_s = torch.full((experts,), small_rows // experts, dtype=torch.int64, device="cuda")
+    layout_s = mxt.exchange_layout(counts_s, comm)
+    x_s = torch.randn(layout_s.dispatch_plan.rows_sent, dim, device="cuda").to(torch.bfloat16)
+    y_s = torch.randn(layout_s.num_received, dim, device="cuda").to(torch.bfloat16)
+    for size, (x, y, lay) in ((rows, (x_t, y_t, layout_t)),
+                              (layout_s.dispatch_plan.rows_sent, (x_s, y_s, layout_s))):
+        calls_ = {
+            "dispatch mxfp8": lambda: mxt.a2a_dispatch(x, lay),
+            "dispatch bf16": lambda: mxt.a2a_dispatch(x, lay, precision="bf16"),
+            "combine mxfp8": lambda: mxt.a2a_combine(y, lay, precision="mxfp8"),
+            "combine bf16": lambda: mxt.a2a_combine(y, lay),
+        }
+        out(f"\n=== ablations, {size} x {dim} rows per rank: torch layout-path host us per call "
+            f"({calls} calls back to back, median of 3), with one piece a no-op")
+        out(f"  {'piece off':40s}" + "".join(f"{c:>16s}" for c in calls_))
+        base = {c: patched([], fn, calls) for c, fn in calls_.items()}
+        out(f"  {'(none)':40s}" + "".join(f"{base[c]:16.1f}" for c in calls_))
+        for label, patch in pieces.items():
+            row = {c: patched(patch, fn, calls) for c, fn in calls_.items()}
+            out(f"  {label:40s}" + "".join(f"{row[c]:9.1f} ({row[c] - base[c]:+5.1f})"
+                                           for c in calls_))
+
+
+if os.environ.get("PROBE_ABLATIONS", "1") != "0":
+    ablations()
 sync()
 comm.close()

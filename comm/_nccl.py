@@ -263,6 +263,8 @@ class NcclCommunicator(Communicator):
     def _stream(self, stream):
         """The raw handle of ``stream``: None for CuPy's current stream, ``.ptr``,
         ``.cuda_stream`` (torch), or an int."""
+        if type(stream) is int:
+            return stream
         if stream is None:
             return self._current_stream().ptr
         ptr = getattr(stream, "ptr", None)
@@ -279,8 +281,10 @@ class NcclCommunicator(Communicator):
             self._captured = True  # a CUDA graph now holds NCCL work of this communicator
             return
         with self._lock:
-            self._recycle()
-            event = self._free_events.pop() if self._free_events else None
+            free = self._free_events
+            if not free:  # finished events not yet recycled by the watchdog's poll
+                self._recycle()
+            event = free.pop() if free else None
         if event is None:
             event = self._runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
         self._runtime.eventRecord(event, stream_ptr)

@@ -346,11 +346,18 @@ class SizedLaunch(Launch):
         return values
 
     def __call__(self, stream, units, *arrays):
-        blocks = self.blocks(units[0] if type(units) is tuple else units)
+        # blocks() and values() inline: this runs once per launch of every exchange
+        counts = units if type(units) is tuple else (units,)
+        need = -(-counts[0] * self._num // self._den)
+        blocks = max(1, min(self._blocks, -(-need // self._threads)))
         if self._kernel._dispatcher is not None:
             self._simulate(blocks, arrays)
             return
-        self._function(blocks, self._threads, stream, self.values(units, arrays), self._shared)
+        values = self._filled(self._values, arrays)
+        for nitems, shape, per_unit, rows_per_unit, count in self._sizes:
+            values[nitems] = per_unit * counts[count]
+            values[shape] = rows_per_unit * counts[count]
+        self._function(blocks, self._threads, stream, values, self._shared)
 
 
 #: Work items of a grid at its cap: ``launch_1d(UNBOUNDED, ...)`` is the config a

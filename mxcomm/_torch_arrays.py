@@ -38,9 +38,14 @@ def _stream(t):
     """torch's current stream on ``t``'s device (raw handle), or None for CPU tensors."""
     if not t.is_cuda:
         return None
+    return _current_stream(t.device)
+
+
+def _current_stream(device):
+    """torch's current stream on the CUDA ``device`` (a torch.device), as a raw handle (int)."""
     if _RAW_STREAM is not None:
-        return _RAW_STREAM(t.device.index)
-    return torch.cuda.current_stream(t.device).cuda_stream
+        return _RAW_STREAM(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _view(t, dtype):

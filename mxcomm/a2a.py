@@ -219,7 +219,8 @@ class _GatheredPlainRows:
 class _Direct:
     """An exchange that is one ``alltoallv`` of the rows as they are (docs/design.md, "Direct
     calls"), for one signature: function, format, scale mode, input dtype and row width. Made
-    once per signature (:func:`_direct`); row counts come with each call's plan.
+    once per signature (:func:`_direct`), with its launch prepared for the signature
+    (``Format.quantizer`` / ``Format.round_tripper``); row counts come with each call's plan.
 
     Attributes:
         fmt: the Format; dispatch: True in the dispatch direction (the layout's dispatch plan);
@@ -229,51 +230,55 @@ class _Direct:
     Calling it, ``direct(comm, plan, x, stream, empty)``: ``x`` the (``plan.rows_sent``, D) rows
     (checked by the caller: C-contiguous, the signature's dtype and width, aligned) as a buffer
     the communicator and the launches take (a ``Words`` or CuPy array on a GPU, a NumPy array on
-    the host); ``empty(shape, dtype)`` -> ``(result, buffer)``: a new array as returned to the
-    caller and as handed to the communicator and the launches (the same array for the array API,
-    a torch tensor and its address for ``mxcomm.torch``). Returns the result, or ``(data,
-    scales)`` results of a quantized format kept quantized. Enqueued on ``stream``; no host
-    synchronization; the quantized formats only where ``comm.small_exchange`` (:meth:`takes`).
+    the host); ``empty(shape, dtype, kind)`` -> ``(result, buffer)``: a new array as returned to
+    the caller and as handed to the communicator and the launches (the same array for the array
+    API, a torch tensor and its address for ``mxcomm.torch``), ``kind`` saying which result it
+    is: ``"rows"`` (rows of ``dtype``), ``"data"`` or ``"scales"`` (a quantized result's arrays,
+    of the format's dtypes). Returns the result, or ``(data, scales)`` results of a quantized
+    format kept quantized. Enqueued on ``stream``; no host synchronization; the quantized formats
+    only where ``comm.small_exchange`` (:meth:`takes`).
     """
 
-    __slots__ = ("fmt", "dispatch", "dequantize", "dtype", "width", "row_bytes", "_scale_mode",
-                 "_round_trip")
+    __slots__ = ("fmt", "dispatch", "dequantize", "dtype", "width", "row_bytes", "_quantize",
+                 "_round_trip", "_scales_shape")
 
     def __init__(self, fmt, dispatch, dequantize, dtype, width, scale_mode):
         self.fmt, self.dispatch, self.dequantize = fmt, dispatch, dequantize
         self.dtype, self.width = dtype, width
         self.row_bytes = width * dtype.itemsize
-        self._scale_mode = scale_mode
-        self._round_trip = fmt.quantized and fmt.round_trips(dtype)
+        self._quantize = self._round_trip = self._scales_shape = None
+        if fmt.quantized:  # the launches prepared for this signature
+            self._quantize = fmt.quantizer(dtype, width, scale_mode)
+            if dequantize and dtype == bfloat16:
+                self._round_trip = fmt.round_tripper(width, scale_mode)
+            self._scales_shape = fmt.scales_shape(1, width)[1:]  # a row's: (D // block,) or ()
 
     def takes(self, comm, plan):
         """Whether the exchange of ``plan`` is direct: a plain format, or a quantized exchange
         small enough to travel unquantized (the same answer on every rank)."""
-        return not self.fmt.quantized or comm.small_exchange(plan.largest_peer_rows,
+        return self._quantize is None or comm.small_exchange(plan.largest_peer_rows,
                                                              self.row_bytes)
 
     def __call__(self, comm, plan, x, stream, empty):
         n, width, dtype = plan.rows_received, self.width, self.dtype
-        result, received = empty((n, width), dtype)
+        result, received = empty((n, width), dtype, "rows")
         comm.alltoallv_plan((x,), (received,), plan, stream)
+        if self._quantize is None:
+            return result
         fmt = self.fmt
-        if not fmt.quantized:
-            return result
         if self.dequantize:
-            result, out = empty((n, width), dtype)
-            if n and self._round_trip:
-                fmt.launch_round_trip(received, None, out, stream, 1.0, self._scale_mode)
+            result, out = empty((n, width), dtype, "rows")
+            if self._round_trip is not None:
+                self._round_trip(received, out, n, stream)
             elif n:
-                q = fmt.view(empty((n, width), fmt.element_dtype)[1],
-                             empty(fmt.scales_shape(n, width), fmt.scale_dtype)[1])
-                fmt.launch_dequantize(fmt.launch_quantize(received, q, stream, 1.0,
-                                                          self._scale_mode), out, stream)
+                data = empty((n, width), fmt.element_dtype, "data")[1]
+                scales = empty((n,) + self._scales_shape, fmt.scale_dtype, "scales")[1]
+                self._quantize(received, data, scales, n, stream)
+                fmt.launch_dequantize(fmt.view(data, scales), out, stream)
             return result
-        data, data_buffer = empty((n, width), fmt.element_dtype)
-        scales, scales_buffer = empty(fmt.scales_shape(n, width), fmt.scale_dtype)
-        if n:
-            fmt.launch_quantize(received, fmt.view(data_buffer, scales_buffer), stream, 1.0,
-                                self._scale_mode)
+        data, data_buffer = empty((n, width), fmt.element_dtype, "data")
+        scales, scales_buffer = empty((n,) + self._scales_shape, fmt.scale_dtype, "scales")
+        self._quantize(received, data_buffer, scales_buffer, n, stream)
         return data, scales
 
 
@@ -468,7 +473,7 @@ def _run_direct(direct, x, comm, plan, caller, alloc, layout=None, align=None):
     ``permute_align``), then the permute's gather: ``permute``'s triple."""
     make = alloc or array_module().empty
 
-    def empty(shape, dtype):
+    def empty(shape, dtype, kind):
         a = make(shape, dtype)
         return a, a
 

@@ -54,6 +54,12 @@ class Format:
         source: where its definition comes from.
         input_align: bytes the address of the rows to quantize must be a multiple of (its
             quantize kernel loads 8 or 16 bytes at a time); 1 for the unscaled formats.
+
+    The launchers (private fields) are the format module's: ``_quantize``, ``_dequantize``,
+    ``_quantize_gather`` and ``_round_trip`` behind the ``launch_*`` methods, and
+    ``_sized_quantize`` / ``_sized_round_trip``: ``(dtype, width, scale_mode)`` -> ``(sized
+    launch, its units of work per row)``, or None where the work does not run as a CUDA
+    launch (the host backend), behind :meth:`quantizer` and :meth:`round_tripper`.
     """
 
     name: str
@@ -71,6 +77,8 @@ class Format:
     input_align: int = 1
     _quantize_gather: object = dataclasses.field(default=None, repr=False)
     _round_trip: object = dataclasses.field(default=None, repr=False)
+    _sized_quantize: object = dataclasses.field(default=None, repr=False)
+    _sized_round_trip: object = dataclasses.field(default=None, repr=False)
 
     @property
     def quantized(self):
@@ -159,6 +167,56 @@ class Format:
         self._quantize_gather(x, rows, out, stream, share,
                               scale_mode or (self.scale_modes or (None,))[0])
         return out
+
+    def quantizer(self, dtype, width, scale_mode=None):
+        """The quantize of rows of ``dtype`` (bf16/fp32) and width ``width`` (checked by the
+        caller: a multiple of ``d_multiple``) prepared once for this signature (docs/design.md,
+        "A direct call's launch, prepared with its signature"): ``quantize(x, data, scales, rows,
+        stream)`` quantizes ``rows`` rows of ``x`` into ``data`` and ``scales`` of this format's
+        dtypes and shapes (C-contiguous buffers: :class:`Words` or CuPy arrays on a GPU, NumPy
+        arrays on the host backend and the simulator; ``x`` aligned to ``input_align``), as
+        :meth:`launch_quantize` does, on the raw stream handle ``stream``; nothing for 0 rows.
+        ``scale_mode``: as :meth:`launch_quantize` takes it."""
+        if not self.quantized:
+            raise RuntimeError(f"format {self.name!r} does not quantize")
+        dtype = numpy.dtype(dtype)
+        scale_mode = scale_mode or (self.scale_modes or (None,))[0]
+        sized = self._sized_quantize and self._sized_quantize(dtype, width, scale_mode)
+        if sized:
+            launch, per_row = sized
+
+            def quantize(x, data, scales, rows, stream):
+                if rows:
+                    launch(stream, rows * per_row, x, data, scales)
+            return quantize
+        general, view = self._quantize, self.view
+
+        def quantize(x, data, scales, rows, stream):
+            if rows:
+                general(x, view(data, scales), stream, 1.0, scale_mode)
+        return quantize
+
+    def round_tripper(self, width, scale_mode=None):
+        """:meth:`launch_round_trip` of bf16 rows of width ``width`` (all rows, in order)
+        prepared once for this signature, as :meth:`quantizer` is: ``round_trip(x, out, rows,
+        stream)``; None where the format has no one-pass round trip (``round_trips(bf16)``)."""
+        if not self.round_trips(bfloat16):
+            return None
+        scale_mode = scale_mode or (self.scale_modes or (None,))[0]
+        sized = self._sized_round_trip and self._sized_round_trip(bfloat16, width, scale_mode)
+        if sized:
+            launch, per_row = sized
+
+            def round_trip(x, out, rows, stream):
+                if rows:
+                    launch(stream, rows * per_row, x, out)
+            return round_trip
+        general = self._round_trip
+
+        def round_trip(x, out, rows, stream):
+            if rows:
+                general(x, None, out, stream, 1.0, scale_mode)
+        return round_trip
 
     def round_trips(self, dtype):
         """True if :meth:`launch_round_trip` takes rows of ``dtype`` (MXFP8 of bf16 so far)."""

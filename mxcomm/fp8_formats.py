@@ -853,19 +853,36 @@ def _block128_dequantize(q, out, stream, share):
     launch_dequantize_fp8_block128(q.data, q.scales, out, stream, share)
 
 
+def _rowwise_sized_quantize(dtype, width, scale_mode):
+    if host_backend():
+        return None
+    return _rowwise_quantize_launch(width, dtype, 1.0), 1  # per row
+
+
+def _block128_sized_quantize(mode):
+    def sized(dtype, width, scale_mode):
+        if host_backend():
+            return None
+        return _block_quantize_launch(dtype, mode == "pow2", 1.0), width // FP8_BLOCK
+    return sized
+
+
 #: ``"fp8_rowwise"``, ``"fp8_block128"`` and ``"fp8_block128_pow2"`` (``mxcomm.formats``).
 FP8_ROWWISE = register(Format(
     "fp8_rowwise", "e4m3fn", _U8, float32, PER_ROW, ROWWISE_MULTIPLE, PADDING_SCALE, (),
     "SM90 torch._scaled_grouped_mm's A operand (fp32 row scales, K % 16)",
-    _rowwise_quantize, _rowwise_dequantize, input_align=PAIR_BYTES))
+    _rowwise_quantize, _rowwise_dequantize, input_align=PAIR_BYTES,
+    _sized_quantize=_rowwise_sized_quantize))
 FP8_BLOCK128 = register(Format(
     "fp8_block128", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
     "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448",
-    _block128_quantize("plain"), _block128_dequantize, input_align=8))
+    _block128_quantize("plain"), _block128_dequantize, input_align=8,
+    _sized_quantize=_block128_sized_quantize("plain")))
 FP8_BLOCK128_POW2 = register(Format(
     "fp8_block128_pow2", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
     "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))",
-    _block128_quantize("pow2"), _block128_dequantize, input_align=8))
+    _block128_quantize("pow2"), _block128_dequantize, input_align=8,
+    _sized_quantize=_block128_sized_quantize("pow2")))
 
 
 def _mx_to_rowwise(x, indices, stream, alloc):

@@ -344,9 +344,22 @@ def _format_round_trip(x, rows, out, stream, share, scale_mode):
     launch_round_trip(x, rows, out, scale_mode, stream, share)
 
 
+def _sized_quantize(dtype, width, scale_mode):
+    if host_backend():
+        return None
+    return _quantize_launch(dtype, scale_mode == "rceil", 1.0), width // MX_BLOCK
+
+
+def _sized_round_trip(dtype, width, scale_mode):
+    if host_backend():
+        return None
+    return _round_trip_launch(scale_mode == "rceil", 1.0), width // MX_BLOCK
+
+
 #: The ``"mxfp8"`` Format (registered with ``mxcomm.formats`` when this module is imported).
 MXFP8 = register(Format("mxfp8", "e4m3fn", _U8, _U8, MX_BLOCK, MX_BLOCK, 0, SCALE_MODES,
                         "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array,
                         input_align=8, _quantize_gather=_format_quantize_gather,
-                        _round_trip=_format_round_trip))
+                        _round_trip=_format_round_trip, _sized_quantize=_sized_quantize,
+                        _sized_round_trip=_sized_round_trip))
 register_conversion("mxfp8", "bf16", _mx_to_bf16)

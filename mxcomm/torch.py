@@ -39,7 +39,8 @@ from ._array import bfloat16
 from ._driver import Words
 from ._platform import gpu_arrays
 from .kernels import array_module
-from ._torch_arrays import _ARRAY_DTYPES, _TORCH_DTYPES, _array, _stream, _tensor, _view
+from ._torch_arrays import (_ARRAY_DTYPES, _TORCH_DTYPES, _array, _current_stream, _stream,
+                            _tensor, _view)
 from ._torch_gemm import fp8_gemm_available, grouped_mm
 from .formats import QuantizedArray, get_format
 
@@ -54,6 +55,11 @@ _SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
                  numpy.dtype(numpy.float32): torch.float32}
 #: The scale rounding of every exchange made through this module (the array API's default).
 _SCALE_MODE = "rceil"
+# (kind, array dtype) of a direct call's result (``mxcomm.a2a._Direct``) -> its torch dtype
+_DIRECT_DTYPES = {("rows", dtype): torch_dtype for dtype, torch_dtype in _TORCH_DTYPES.items()}
+_DIRECT_DTYPES.update({("data", numpy.dtype(numpy.uint8)): _DATA_DTYPE})
+_DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
+                       in _SCALE_DTYPES.items()})
 
 
 class _Alloc:
@@ -134,40 +140,40 @@ def _exchange_direct(function, t, layout, precision):
     """The exchange of the plain tensor ``t`` given ``layout`` through the engine's direct call
     (``mxcomm.a2a._Direct``; docs/design.md, "Direct calls"), or None where the engine's path
     must take it (another signature, rows that do not fit the layout or the format, a staged
-    exchange): O(1) checks, ``t`` passed by its address, results allocated by torch."""
+    exchange): O(1) checks, ``t`` passed by its address, results allocated by torch in their
+    final dtypes (a quantized result's data as float8_e4m3fn, its scales as the format's)."""
     dtype = _ARRAY_DTYPES.get(t.dtype)
-    if dtype is None or t.dim() != 2:
+    shape = t.shape
+    if dtype is None or len(shape) != 2:
         return None
-    direct = _a2a._direct(function, precision, _SCALE_MODE, dtype, t.shape[1])
+    direct = _a2a._direct(function, precision, _SCALE_MODE, dtype, shape[1])
     if direct is None:
         return None
     comm = layout.comm
     plan = layout.dispatch_plan if direct.dispatch else layout.combine_plan
     cuda = t.is_cuda
-    if t.shape[0] != plan.rows_sent or cuda != gpu_arrays() or not t.is_contiguous() or \
+    if shape[0] != plan.rows_sent or cuda != gpu_arrays() or not t.is_contiguous() or \
             not direct.takes(comm, plan):
         return None
+    device = t.device
     if cuda:
         ptr = t.data_ptr()
         if ptr % direct.fmt.input_align:
             return None
         x = Words(ptr, (plan.rows_sent, direct.width), dtype)
+        stream = comm._stream_ptr(_current_stream(device))
     else:
         x = _view(t, dtype)
-    device = t.device
+        stream = comm._stream_ptr(None)
 
-    def empty(shape, dtype):
-        result = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
+    def empty(shape, dtype, kind):
+        result = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
         return result, Words(result.data_ptr(), shape, dtype) if cuda else _view(result, dtype)
 
-    out = direct(comm, plan, x, comm._stream_ptr(_stream(t)), empty)
+    out = direct(comm, plan, x, stream, empty)
     if type(out) is not tuple:
         return out
-    data, scales = out  # fp8 bits allocated as uint8
-    fmt = direct.fmt
-    scale_dtype = _SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)]
-    return _quantized_tensor(data.view(_DATA_DTYPE), scales if scales.dtype == scale_dtype
-                             else scales.view(scale_dtype), fmt)
+    return _quantized_tensor(out[0], out[1], direct.fmt)
 
 
 def _index_tensors(layout, align, indices, offsets):

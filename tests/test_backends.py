@@ -45,7 +45,8 @@ def run_both(use_backend, fn, *arrays):
 
 
 def _host_bits(out):
-    if isinstance(out, MXFP8Array):
+    from mxcomm.formats import QuantizedArray
+    if isinstance(out, QuantizedArray):
         return {"data": bits(out.data), "scales": bits(out.scales)}
     if isinstance(out, tuple):
         return tuple(_host_bits(o) for o in out)
@@ -188,6 +189,50 @@ def test_roundtrip_identical(use_backend, rng, mode):
     results = run_both(use_backend, lambda a: tuple(
         quantize_mxfp8(a, mode).dequantize(dtype) for dtype in (BF16, F32)), x)
     assert_identical(results)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NaN/Inf arithmetic
+@pytest.mark.parametrize("name,mode", [("mxfp8", "rceil"), ("mxfp8", "floor"),
+                                       ("fp8_rowwise", None), ("fp8_block128", None),
+                                       ("fp8_block128_pow2", None)])
+def test_prepared_quantizers_identical(use_backend, rng, name, mode):
+    """A format's launches prepared for a signature (``Format.quantizer``, ``round_tripper``:
+    the direct calls' sized launches and their units per row on the kernels, the general
+    launchers on the host backend) give the bits of the format's public quantize and of
+    quantize then dequantize, on both backends; 0 rows write nothing."""
+    from mxcomm.formats import get_format
+    fmt = get_format(name)
+    width = 128
+    for dtype in (BF16, F32):
+        x = np.concatenate([quantize_inputs(rng, dtype).reshape(-1, width)[:7],
+                            random_blocks(rng, 2, width, dtype)])
+
+        def prepared(a):
+            from mxcomm.kernels import array_module
+            xp = array_module()
+            n = a.shape[0]
+            data = xp.full((n, width), 0xAB, np.uint8)
+            scales = xp.zeros(fmt.scales_shape(n, width), fmt.scale_dtype)
+            quantize = fmt.quantizer(dtype, width, mode)
+            quantize(a, data, scales, 0, 0)
+            assert (to_host(data) == 0xAB).all(), "0 rows wrote"
+            quantize(a, data, scales, n, 0)
+            out = (fmt.view(data, scales), fmt.quantize(a, scale_mode=mode))
+            round_trip = fmt.round_tripper(width, mode)
+            if dtype == BF16 and round_trip is not None:
+                trip = xp.empty((n, width), BF16)
+                round_trip(a, trip, n, 0)
+                out += (trip, fmt.quantize(a, scale_mode=mode).dequantize(BF16))
+            return out
+
+        results = run_both(use_backend, prepared, x)
+        for backend in BACKENDS:
+            got = results[backend]
+            _assert_same(got[0], got[1], f"{backend} {dtype} quantize")
+            if len(got) > 2:
+                _assert_same(got[2], got[3], f"{backend} round trip")
+        assert (len(results["host"]) > 2) == (name == "mxfp8" and dtype == BF16)
+        assert_identical(results)
 
 
 # ------------------------------------------------------------------------------------ permutation
