@@ -191,21 +191,20 @@ def test_roundtrip_identical(use_backend, rng, mode):
     assert_identical(results)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NaN/Inf arithmetic
-@pytest.mark.parametrize("name,mode", [("mxfp8", "rceil"), ("mxfp8", "floor"),
-                                       ("fp8_rowwise", None), ("fp8_block128", None),
-                                       ("fp8_block128_pow2", None)])
-def test_prepared_quantizers_identical(use_backend, rng, name, mode):
+PREPARED = [("mxfp8", "rceil"), ("mxfp8", "floor"), ("fp8_rowwise", None),
+            ("fp8_block128", None), ("fp8_block128_pow2", None)]
+
+
+def check_prepared(use_backend, rng, name, mode, width, rows):
     """A format's launches prepared for a signature (``Format.quantizer``, ``round_tripper``:
     the direct calls' sized launches and their units per row on the kernels, the general
     launchers on the host backend) give the bits of the format's public quantize and of
     quantize then dequantize, on both backends; 0 rows write nothing."""
     from mxcomm.formats import get_format
     fmt = get_format(name)
-    width = 128
     for dtype in (BF16, F32):
-        x = np.concatenate([quantize_inputs(rng, dtype).reshape(-1, width)[:7],
-                            random_blocks(rng, 2, width, dtype)])
+        x = np.concatenate([np.resize(quantize_inputs(rng, dtype), (7, width)),  # cycled
+                            random_blocks(rng, rows, width, dtype)])
 
         def prepared(a):
             from mxcomm.kernels import array_module
@@ -233,6 +232,12 @@ def test_prepared_quantizers_identical(use_backend, rng, name, mode):
                 _assert_same(got[2], got[3], f"{backend} round trip")
         assert (len(results["host"]) > 2) == (name == "mxfp8" and dtype == BF16)
         assert_identical(results)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NaN/Inf arithmetic
+@pytest.mark.parametrize("name,mode", PREPARED)
+def test_prepared_quantizers_identical(use_backend, rng, name, mode):
+    check_prepared(use_backend, rng, name, mode, 128, 2)
 
 
 # ------------------------------------------------------------------------------------ permutation
@@ -363,6 +368,12 @@ def test_strided_indices_move_the_rows_of_their_contiguous_copy(use_backend, rng
 
 
 # --------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,mode", PREPARED)
+def test_gpu_prepared_quantizers_identical_large(use_backend, rng, name, mode):
+    check_prepared(use_backend, rng, name, mode, 7168, 600)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("mode", MODES)
