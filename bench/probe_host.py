@@ -340,9 +340,14 @@ def ablations():
     }
     pieces["all of the above"] = [p for patch in list(pieces.values()) for p in patch]
 
+    missing = object()
+
     def patched(patch, fn, n):
-        saved = [(owner, name, owner.__dict__[name] if name in owner.__dict__ else
-                  getattr(owner, name)) for owner, name, _ in patch]
+        saved = []  # (owner, name, its own value or `missing`: inherited, deleted after)
+        for owner, name, _ in patch:
+            own = getattr(owner, "__dict__", None)  # None: an instance with __slots__
+            saved.append((owner, name, getattr(owner, name) if own is None
+                          else own.get(name, missing)))
         try:
             for owner, name, value in patch:
                 setattr(owner, name, value)
@@ -350,8 +355,11 @@ def ablations():
                 fn()
             return host_us(fn, n)
         finally:
-            for owner, name, value in saved:
-                setattr(owner, name, value)
+            for owner, name, value in reversed(saved):
+                if value is missing:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, value)
 
     small_rows = max(comm.size * 8, rows // 16)
     counts_s = torch.full((experts,), small_rows // experts, dtype=torch.int64, device="cuda")

@@ -260,21 +260,25 @@ class _Direct:
                                                              self.row_bytes)
 
     def __call__(self, comm, plan, x, stream, empty):
+        # Every array allocated here stays referenced until the launches that use it are
+        # enqueued: an allocator may hand a freed array's memory to the next request at once
+        # (freed in stream order, it is safe for work enqueued later on `stream`).
         n, width, dtype = plan.rows_received, self.width, self.dtype
-        result, received = empty((n, width), dtype, "rows")
+        arrived, received = empty((n, width), dtype, "rows")
         comm.alltoallv_plan((x,), (received,), plan, stream)
         if self._quantize is None:
-            return result
+            return arrived
         fmt = self.fmt
         if self.dequantize:
             result, out = empty((n, width), dtype, "rows")
             if self._round_trip is not None:
                 self._round_trip(received, out, n, stream)
             elif n:
-                data = empty((n, width), fmt.element_dtype, "data")[1]
-                scales = empty((n,) + self._scales_shape, fmt.scale_dtype, "scales")[1]
-                self._quantize(received, data, scales, n, stream)
-                fmt.launch_dequantize(fmt.view(data, scales), out, stream)
+                data, data_buffer = empty((n, width), fmt.element_dtype, "data")
+                scales, scales_buffer = empty((n,) + self._scales_shape, fmt.scale_dtype,
+                                              "scales")
+                self._quantize(received, data_buffer, scales_buffer, n, stream)
+                fmt.launch_dequantize(fmt.view(data_buffer, scales_buffer), out, stream)
             return result
         data, data_buffer = empty((n, width), fmt.element_dtype, "data")
         scales, scales_buffer = empty((n,) + self._scales_shape, fmt.scale_dtype, "scales")

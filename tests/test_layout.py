@@ -405,6 +405,63 @@ def test_expert_side_in_permute_order(comm, precision):
                                     precision=precision))
 
 
+class _ReusingAllocator:
+    """A direct call's ``empty`` (``a2a._Direct``) that behaves like a caching allocator at its
+    worst: an array's memory is poisoned the moment the caller drops its owner, and handed to
+    the next request that fits."""
+
+    class Owner:
+        def __init__(self, allocator, block, array):
+            self.allocator, self.block, self.array = allocator, block, array
+
+        def __del__(self):
+            self.block[...] = 0xA5
+            self.allocator.free.append(self.block)
+
+    def __init__(self):
+        self.free = []
+
+    def __call__(self, shape, dtype, kind):
+        nbytes = int(numpy.prod(shape)) * numpy.dtype(dtype).itemsize
+        fits = [b for b in self.free if b.nbytes >= nbytes]
+        block = fits[0] if fits else numpy.empty(max(nbytes, 1), numpy.uint8)
+        if fits:
+            self.free.remove(block)
+        array = block[:nbytes].view(dtype).reshape(shape)
+        return self.Owner(self, block, array), array
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "fp8_rowwise", "fp8_block128"])
+def test_direct_calls_hold_their_arrays_until_launched(precision):
+    """A direct call (``a2a._Direct``: an exchange that is one ``alltoallv``) keeps every array
+    it allocates referenced until the launches that use it are enqueued: with an allocator that
+    poisons and reuses an array's memory as soon as its owner is dropped (torch's and CuPy's
+    caching allocators reuse it in stream order; an address alone does not keep it), its
+    results in every direction equal the engine's bit for bit."""
+    from mxcomm import a2a
+    w, me = world().size, world().rank
+    width = 128
+    rng = numpy.random.default_rng(SEED + 23)
+    with mxc.init("mpi", timeout=30.0, small_exchange_bytes=1 << 40) as c:
+        for step in range(3):
+            counts = random_counts(rng, w, step)
+            layout = exchange_layout(to_device(counts[me].astype(numpy.int32)), c)
+            x = to_device(rows_for(counts[me], SEED + 100 * step + me, width))
+            y = to_device(rows_for(numpy.array([layout.num_received]), SEED + step, width))
+            for function, call in (("a2a_dispatch", a2a_dispatch),
+                                   ("a2a_combine_backward", a2a_combine_backward),
+                                   ("a2a_combine", a2a_combine),
+                                   ("a2a_dispatch_backward", a2a_dispatch_backward)):
+                rows = x if function in ("a2a_dispatch", "a2a_combine_backward") else y
+                direct = a2a._direct(function, precision, "rceil", BF16, width)
+                plan = layout.dispatch_plan if direct.dispatch else layout.combine_plan
+                assert direct.takes(c, plan)
+                held = direct(c, plan, rows, 0, _ReusingAllocator())  # the results' owners
+                got = direct.fmt.view(*(o.array for o in held)) if type(held) is tuple \
+                    else held.array
+                _same(got, call(rows, layout, precision=precision))
+
+
 def test_permute_align_errors(comm):
     """``permute_align`` needs a layout and a positive int; the permuted input of the combine
     direction must have the layout's P rows: each raises at once on the rank that made it."""
