@@ -97,10 +97,12 @@ for phase in "$@"; do
         "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline --tokens 131072 --dim 7168 8192 --hidden 2048 5120 \
         --experts 8 --no-stages --interleave --iters ${PIPE_ITERS:-30} --variants $FP8_VARIANTS \
         --json "$res/pipeline_fp8_interleaved_w4.json" --markdown "$res/pipeline_fp8_interleaved_w4.md" ;;
-    pipe4small) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks, small batches" 300 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
-        --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --interleave \
+    pipe4small) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks, small batches, ${SMALL_ROUTING:-uniform} routing" 300 \
+        "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline --routing ${SMALL_ROUTING:-uniform} \
+        --tokens ${SMALL_TOKENS:-4096 16384 32768 65536} --dim 7168 --hidden 2048 --experts 8 --no-stages --interleave \
         --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
-        --json "$res/pipeline_small_w4.json" --markdown "$res/pipeline_small_w4.md" ;;
+        --json "$res/pipeline_small_${SMALL_ROUTING:-uniform}_w4.json" \
+        --markdown "$res/pipeline_small_${SMALL_ROUTING:-uniform}_w4.md" ;;
     formats2) step "format exchanges on GPUs, 2 ranks" 200 "${mpirun_env[@]}" --output-filename "$OUT/ranks-formats2" \
         -n 2 python3 -m pytest -q -rfE -p no:cacheprovider \
         -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi -m mpi tests/test_formats_ep.py ;;
