@@ -11,10 +11,11 @@ after warm-up), the Python function calls per call (``sys.setprofile``, a separa
 instrumented pass that times the engine's pieces inclusively (a wrapper per piece adds ~0.3 us per
 entry, so the pieces add up to a little more than the plain time). Then the host cost of the CuPy,
 runtime and driver primitives the path is made of. Then ablations: the torch calls' plain host time
-with one piece at a time replaced by a no-op (the NCCL group, the watchdog's event, the driver's
-launch, the prepared quantize, the QuantizedTensor, autograd's ``apply``), then all of them, at the
-given rows and at 1/16 of them: what each piece costs inside the whole call, without timers. Rank 0
-prints; bench/NOTES.md says what it found.
+with one piece at a time replaced by a no-op (the NCCL group, the watchdog's event and its polls,
+the driver's launch, the prepared quantize, the QuantizedTensor, autograd's ``apply``, Python's
+garbage collector), then all of them, at the
+given rows and at 1/16 of them, interleaved over PROBE_ROUNDS rounds (default 7): what each piece
+costs inside the whole call, without timers. Rank 0 prints; bench/NOTES.md says what it found.
 """
 
 import collections
@@ -297,9 +298,12 @@ for label, fn in prims.items():
 # ---------------------------------------------------------------------------- ablations
 # The plain host time of the torch layout-path calls with pieces replaced by no-ops, one piece
 # at a time, then all of them: what each piece costs inside the whole call (no timers), and what
-# is left. The results are wrong while a piece is off; nothing reads them. Also at a row count
-# whose device work is far below the host's (no back-pressure from the device).
+# is left. The results are wrong while a piece is off; nothing reads them. The variants run
+# interleaved, PROBE_ROUNDS rounds of each (these hosts drift by tens of us between runs of the
+# same code), and each piece's cost is the median over rounds of its difference to the plain
+# call of the same round. Also at a row count whose device work is far below the host's.
 def ablations():
+    import gc
     import mxcomm.a2a as a2a
     from mxcomm._array import bfloat16
     from mxcomm.comm import _nccl
@@ -324,9 +328,13 @@ def ablations():
     def apply_without_autograd(cls, x, call):
         return cls.forward(_Ctx(), x, call)
 
+    class _NoGC:  # a patch target whose setattr switches Python's cyclic garbage collector
+        pass
+
     pieces = {
         "NCCL group (its watchdog event kept)": [(nccl_cls, "_group", group_without_nccl)],
         "watchdog event": [(nccl_cls, "_record", nothing)],
+        "watchdog's polls (1 s apart, not 50 ms)": [(_nccl, "_WATCH_POLL_S", 1.0)],
         "driver's kernel launch": [(PackedLaunch, "__call__", launch_without_driver)],
         "prepared quantize / round trip": [(d, "_quantize", nothing) for d in directs
                                            if d._quantize is not None]
@@ -337,9 +345,9 @@ def ablations():
                                      classmethod(apply_without_autograd)),
                                     (mxt._A2ACombine, "apply",
                                      classmethod(apply_without_autograd))],
+        "Python's garbage collector": [(_NoGC, "off", True)],
     }
     pieces["all of the above"] = [p for patch in list(pieces.values()) for p in patch]
-
     missing = object()
 
     def patched(patch, fn, n):
@@ -351,21 +359,28 @@ def ablations():
         try:
             for owner, name, value in patch:
                 setattr(owner, name, value)
-            for _ in range(20):
+            if getattr(_NoGC, "off", False):
+                gc.disable()
+            for _ in range(10):
                 fn()
             return host_us(fn, n)
         finally:
+            gc.enable()
             for owner, name, value in reversed(saved):
                 if value is missing:
                     delattr(owner, name)
                 else:
                     setattr(owner, name, value)
 
+    rounds = int(os.environ.get("PROBE_ROUNDS", "7"))
+    n = max(30, calls // 3)
     small_rows = max(comm.size * 8, rows // 16)
     counts_s = torch.full((experts,), small_rows // experts, dtype=torch.int64, device="cuda")
     layout_s = mxt.exchange_layout(counts_s, comm)
     x_s = torch.randn(layout_s.dispatch_plan.rows_sent, dim, device="cuda").to(torch.bfloat16)
     y_s = torch.randn(layout_s.num_received, dim, device="cuda").to(torch.bfloat16)
+    variants = {"(none)": []}
+    variants.update(pieces)
     for size, (x, y, lay) in ((rows, (x_t, y_t, layout_t)),
                               (layout_s.dispatch_plan.rows_sent, (x_s, y_s, layout_s))):
         calls_ = {
@@ -374,15 +389,27 @@ def ablations():
             "combine mxfp8": lambda: mxt.a2a_combine(y, lay, precision="mxfp8"),
             "combine bf16": lambda: mxt.a2a_combine(y, lay),
         }
+        got = {(v, c): [] for v in variants for c in calls_}
+        for _ in range(rounds):
+            for label, patch in variants.items():
+                for c, fn in calls_.items():
+                    got[label, c].append(patched(patch, fn, n))
         out(f"\n=== ablations, {size} x {dim} rows per rank: torch layout-path host us per call "
-            f"({calls} calls back to back, median of 3), with one piece a no-op")
-        out(f"  {'piece off':40s}" + "".join(f"{c:>16s}" for c in calls_))
-        base = {c: patched([], fn, calls) for c, fn in calls_.items()}
-        out(f"  {'(none)':40s}" + "".join(f"{base[c]:16.1f}" for c in calls_))
-        for label, patch in pieces.items():
-            row = {c: patched(patch, fn, calls) for c, fn in calls_.items()}
-            out(f"  {label:40s}" + "".join(f"{row[c]:9.1f} ({row[c] - base[c]:+5.1f})"
-                                           for c in calls_))
+            f"({n} calls back to back, median of 3) with one piece a no-op; the median over "
+            f"{rounds} interleaved rounds, and (in brackets) the median of its difference to "
+            f"the plain call of the same round")
+        out(f"  {'piece off':42s}" + "".join(f"{c:>17s}" for c in calls_))
+        for label in variants:
+            cells = []
+            for c in calls_:
+                value = statistics.median(got[label, c])
+                if label == "(none)":
+                    cells.append(f"{value:17.1f}")
+                    continue
+                change = statistics.median(a - b for a, b in zip(got[label, c],
+                                                                 got["(none)", c]))
+                cells.append(f"{value:9.1f} ({change:+6.1f})")
+            out(f"  {label:42s}" + "".join(cells))
 
 
 if os.environ.get("PROBE_ABLATIONS", "1") != "0":
