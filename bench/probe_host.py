@@ -11,11 +11,10 @@ after warm-up), the Python function calls per call (``sys.setprofile``, a separa
 instrumented pass that times the engine's pieces inclusively (a wrapper per piece adds ~0.3 us per
 entry, so the pieces add up to a little more than the plain time). Then the host cost of the CuPy,
 runtime and driver primitives the path is made of. Then ablations: the torch calls' plain host time
-with one piece at a time replaced by a no-op (the NCCL group, the watchdog's event and its polls,
-the driver's launch, the prepared quantize, the QuantizedTensor, autograd's ``apply``, Python's
-garbage collector), then all of them, at the
-given rows and at 1/16 of them, interleaved over PROBE_ROUNDS rounds (default 7): what each piece
-costs inside the whole call, without timers. Rank 0 prints; bench/NOTES.md says what it found.
+with one piece at a time replaced by a no-op (the NCCL group, the watchdog's event, its queue and
+its polls, the driver's launch, the prepared quantize, the QuantizedTensor, autograd's ``apply``,
+Python's garbage collector), then all of them, at the given rows and at 1/16 of them, interleaved
+over PROBE_ROUNDS rounds (default 7): what each piece costs inside the whole call, without timers. Rank 0 prints; bench/NOTES.md says what it found.
 """
 
 import collections
@@ -322,6 +321,16 @@ def ablations():
     def launch_without_driver(self, grid, block, stream, values, shared=0):
         self._pack_into(self._buffer, 0, *values)
 
+    def record_unwatched(self, stream_ptr, call):  # the event recorded, not queued
+        runtime = self._runtime
+        if runtime.streamIsCapturing(stream_ptr):
+            return
+        with self._lock:
+            event = self._free_events.pop() if self._free_events else \
+                runtime.eventCreateWithFlags(2)
+            runtime.eventRecord(event, stream_ptr)
+            self._free_events.append(event)
+
     def group_without_nccl(self, blocks, sc, so, rc, ro, stream_ptr, call):
         self._record(stream_ptr, call)
 
@@ -334,6 +343,8 @@ def ablations():
     pieces = {
         "NCCL group (its watchdog event kept)": [(nccl_cls, "_group", group_without_nccl)],
         "watchdog event": [(nccl_cls, "_record", nothing)],
+        "watchdog's queue (events recorded, not queued)": [(nccl_cls, "_record",
+                                                             record_unwatched)],
         "watchdog's polls (1 s apart, not 50 ms)": [(_nccl, "_WATCH_POLL_S", 1.0)],
         "driver's kernel launch": [(PackedLaunch, "__call__", launch_without_driver)],
         "prepared quantize / round trip": [(d, "_quantize", nothing) for d in directs

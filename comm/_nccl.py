@@ -151,7 +151,8 @@ class NcclCommunicator(Communicator):
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._free_events = []                   # event handles ready for reuse
-        self._in_flight = collections.deque()    # (event handle, host time recorded, call)
+        self._in_flight = collections.deque()    # (event, host time recorded, call, stream)
+        self._mixed = False      # in-flight events on more than one stream (else in order)
         self._stopping = False
         self._captured = False   # an NCCL exchange was captured into a CUDA graph (close says so)
         self._host_since = None  # when the host entered an NCCL group call still running
@@ -280,31 +281,48 @@ class NcclCommunicator(Communicator):
         if self._runtime.streamIsCapturing(stream_ptr):
             self._captured = True  # a CUDA graph now holds NCCL work of this communicator
             return
-        with self._lock:
+        runtime = self._runtime
+        with self._lock:  # recorded and queued together: the queue is in record order
             free = self._free_events
             if not free:  # finished events not yet recycled by the watchdog's poll
-                self._recycle()
-            event = free.pop() if free else None
-        if event is None:
-            event = self._runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
-        self._runtime.eventRecord(event, stream_ptr)
-        with self._lock:
-            self._in_flight.append((event, time.monotonic(), call))
-            if len(self._in_flight) == 1:
+                self._retire_finished()
+            event = free.pop() if free else runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
+            runtime.eventRecord(event, stream_ptr)
+            flight = self._in_flight
+            if flight and flight[-1][3] != stream_ptr:
+                self._mixed = True
+            flight.append((event, time.monotonic(), call, stream_ptr))
+            if len(flight) == 1:
                 self._wake.notify()
 
-    def _recycle(self, most=4):
-        """Move up to ``most`` finished events from the head of the in-flight queue back to the
-        pool (under the lock), so back-to-back calls do not wait for the watchdog's poll."""
-        query = self._runtime.eventQuery
-        for _ in range(most):
-            if not self._in_flight:
-                return
-            event = self._in_flight[0][0]
-            if query(event) != _CUDA_SUCCESS:
-                return
-            self._in_flight.popleft()
-            self._free_events.append(event)
+    def _retire_finished(self):
+        """Move the finished events at the head of the in-flight queue back to the pool (under
+        the lock); returns how many. The queue is in record order (``_record``); while every
+        in-flight event is on one stream they finish in that order, so a binary search finds
+        the finished ones in O(log n) queries, and the watchdog's work per poll does not grow
+        with the calls made since (its Python competes with the calling thread for the GIL).
+        Events on several streams are retired from the head, one query each."""
+        flight, query = self._in_flight, self._runtime.eventQuery
+        if not flight or query(flight[0][0]) != _CUDA_SUCCESS:
+            return 0
+        if self._mixed:
+            done = 1
+            while done < len(flight) and query(flight[done][0]) == _CUDA_SUCCESS:
+                done += 1
+        else:  # the first not finished, in [1, len]
+            done, end = 1, len(flight)
+            while done < end:
+                mid = (done + end) // 2
+                if query(flight[mid][0]) == _CUDA_SUCCESS:
+                    done = mid + 1
+                else:
+                    end = mid
+        free = self._free_events
+        for _ in range(done):
+            free.append(flight.popleft()[0])
+        if not flight:
+            self._mixed = False
+        return done
 
     def _watch(self):
         """Watchdog thread: recycle finished events; abort NCCL on a timeout or async error."""
@@ -337,13 +355,12 @@ class NcclCommunicator(Communicator):
                 return
             if head is None:
                 continue
-            event, recorded, call = head
+            event, recorded, call, _ = head
             status = runtime.eventQuery(event)
             now = time.monotonic()
             if status == _CUDA_SUCCESS:
                 with self._lock:
-                    self._in_flight.popleft()
-                    self._free_events.append(event)
+                    self._retire_finished()
                 oldest_since = now
                 continue
             oldest_since = recorded if oldest_since is None else max(oldest_since, recorded)
@@ -398,9 +415,10 @@ class NcclCommunicator(Communicator):
         if self._nccl is not None:
             self._release_nccl(clean)
         with self._lock:
-            events = self._free_events + ([e for e, _, _ in self._in_flight] if clean else [])
+            events = self._free_events + ([e for e, *_ in self._in_flight] if clean else [])
             self._free_events = []
             self._in_flight.clear()
+            self._mixed = False
         for event in events:
             self._runtime.eventDestroy(event)
 

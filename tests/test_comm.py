@@ -777,6 +777,81 @@ def test_nccl_lazy_connect_once_not_in_capture_aborts_on_failure():
     assert failing.failed == (late, True) and failing._nccl is None
 
 
+class _WatchdogStandIn:
+    """What ``NcclCommunicator._record`` and ``_retire_finished`` read of their communicator
+    (CPU stand-in), with a runtime whose events finish when the test says so."""
+
+    def __init__(self):
+        import collections
+        import threading
+        from mxcomm.comm._nccl import NcclCommunicator
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._free_events, self._in_flight, self._mixed = [], collections.deque(), False
+        self._captured = False
+        self._runtime = self
+        self.done, self.queries, self.created = set(), 0, 0
+        self.record = lambda stream, call: NcclCommunicator._record(self, stream, call)
+        self._retire_finished = lambda: NcclCommunicator._retire_finished(self)
+
+    def streamIsCapturing(self, stream):
+        return False
+
+    def eventCreateWithFlags(self, flags):
+        self.created += 1
+        return self.created
+
+    def eventRecord(self, event, stream):
+        self.done.discard(event)
+
+    def eventQuery(self, event):
+        self.queries += 1
+        return 0 if event in self.done else 600  # cudaSuccess, cudaErrorNotReady
+
+
+def test_nccl_watchdog_retires_finished_events():
+    """The NCCL watchdog's event queue (CPU stand-in): on one stream events finish in record
+    order, so the finished head of 1000 is found in O(log n) queries, exactly; on several
+    streams head by head, stopping at the first unfinished one; recording with an empty pool
+    reuses finished events before it creates any."""
+    comm = _WatchdogStandIn()
+    for call in range(1000):
+        comm.record(7, call)
+    assert comm.created == 1000 and not comm._mixed
+    comm.queries = 0
+    assert comm._retire_finished() == 0 and comm.queries == 1  # nothing finished
+    comm.done.update(range(1, 638))
+    comm.queries = 0
+    assert comm._retire_finished() == 637
+    assert comm.queries <= 2 + 10  # the head, then a binary search over 999
+    assert sorted(comm._free_events) == list(range(1, 638))
+    assert [e for e, *_ in comm._in_flight] == list(range(638, 1001))
+    comm.done.update(range(638, 1001))
+    assert comm._retire_finished() == 363 and not comm._in_flight
+    comm._free_events.clear()
+
+    comm.record(7, 0)
+    comm.record(8, 1)  # a second stream: no order between them
+    comm.record(7, 2)
+    comm.record(8, 3)
+    assert comm._mixed
+    first = [e for e, *_ in comm._in_flight]
+    comm.done.update([first[0], first[1], first[3]])
+    assert comm._retire_finished() == 2  # stops at the unfinished third
+    assert [e for e, *_ in comm._in_flight] == first[2:]
+    comm.done.update(first)
+    assert comm._retire_finished() == 2 and not comm._in_flight and not comm._mixed
+
+    created = comm.created
+    comm._free_events.clear()
+    comm.record(7, 4)
+    comm.record(7, 5)
+    comm.done.update(e for e, *_ in comm._in_flight)
+    comm.record(7, 6)  # an empty pool: the two finished ones come back first
+    assert comm.created == created + 2
+    assert len(comm._in_flight) == 1 and len(comm._free_events) == 1
+
+
 @pytest.mark.mpi
 def test_nccl_init_argument(monkeypatch):
     with pytest.raises(ValueError, match=r"nccl_init: expected 'eager' or 'lazy'.*got 'soon'"):
