@@ -195,7 +195,7 @@ PREPARED = [("mxfp8", "rceil"), ("mxfp8", "floor"), ("fp8_rowwise", None),
             ("fp8_block128", None), ("fp8_block128_pow2", None)]
 
 
-def check_prepared(use_backend, rng, name, mode, width, rows):
+def check_prepared(use_backend, rng, name, mode, width, special, rows):
     """A format's launches prepared for a signature (``Format.quantizer``, ``round_tripper``:
     the direct calls' sized launches and their units per row on the kernels, the general
     launchers on the host backend) give the bits of the format's public quantize and of
@@ -203,7 +203,7 @@ def check_prepared(use_backend, rng, name, mode, width, rows):
     from mxcomm.formats import get_format
     fmt = get_format(name)
     for dtype in (BF16, F32):
-        x = np.concatenate([np.resize(quantize_inputs(rng, dtype), (7, width)),  # cycled
+        x = np.concatenate([np.resize(quantize_inputs(rng, dtype), (special, width)),  # cycled
                             random_blocks(rng, rows, width, dtype)])
 
         def prepared(a):
@@ -237,7 +237,7 @@ def check_prepared(use_backend, rng, name, mode, width, rows):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator's NaN/Inf arithmetic
 @pytest.mark.parametrize("name,mode", PREPARED)
 def test_prepared_quantizers_identical(use_backend, rng, name, mode):
-    check_prepared(use_backend, rng, name, mode, 128, 2)
+    check_prepared(use_backend, rng, name, mode, 128, 3, 1)  # the simulator: a few rows
 
 
 # ------------------------------------------------------------------------------------ permutation
@@ -371,7 +371,7 @@ def test_strided_indices_move_the_rows_of_their_contiguous_copy(use_backend, rng
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,mode", PREPARED)
 def test_gpu_prepared_quantizers_identical_large(use_backend, rng, name, mode):
-    check_prepared(use_backend, rng, name, mode, 7168, 600)
+    check_prepared(use_backend, rng, name, mode, 7168, 7, 600)
 
 
 @pytest.mark.gpu

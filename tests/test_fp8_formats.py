@@ -584,17 +584,14 @@ def test_group_colwise_f16_path_bit_exact(kernels, rng, spread):
 def test_group_colwise_amax_keys_order_subnormals_exactly(kernels):
     """A column whose largest value is an e4m3 subnormal of a row with a larger scale, against
     normals of rows with smaller scales (the integer keys rank subnormals by value): every
-    mantissa, every scale offset."""
-    rows, scales = [], []
-    for mant in range(1, 8):
-        for shift in range(0, 12):
-            rows += [mant, 0x08 + (mant % 8)]   # the subnormal, then a normal `shift` binades down
-            scales += [1.0, 2.0 ** -shift]
-    data = np.zeros((len(rows), 16), np.uint8)
-    data[:, 0] = rows
-    data[:, 1] = np.array(rows) | 0x80
-    scales = np.array(scales, F32)
-    ends = np.arange(2, len(rows) + 1, 2, dtype=np.int32)    # each pair its own group
+    mantissa (a column each, and its negative), every scale offset (a group each)."""
+    shifts, mants = range(0, 12), np.arange(1, 8)
+    data = np.zeros((2 * len(shifts), 16), np.uint8)
+    data[0::2, :7] = mants                   # the subnormals, in rows of scale 1
+    data[1::2, :7] = 0x08 + (mants % 8)      # normals, in rows `shift` binades down
+    data[:, 8:15] = data[:, :7] | 0x80
+    scales = np.array([s for shift in shifts for s in (1.0, 2.0 ** -shift)], F32)
+    ends = np.arange(2, data.shape[0] + 1, 2, dtype=np.int32)    # each pair its own group
     got = fp8_rowwise_to_group_colwise(to_device(data), to_device(scales), to_device(ends))
     want = group_colwise_ref(data, scales, ends)
     assert_same(got[:2], want[:2])
