@@ -329,24 +329,9 @@ class SizedLaunch(Launch):
                 self._sizes.append((at + 2, at + 5, a.size, 1 if a.ndim == 2 else a.size, count))
             at += len(a.abi()) if isinstance(a, Words) else 1
 
-    def blocks(self, units):
-        """The blocks of a call of ``units`` units (of the first count): what they need, at most
-        the cap, at least 1."""
-        need = -(-units * self._num // self._den)
-        return max(1, min(self._blocks, -(-need // self._threads)))
-
-    def values(self, units, arrays):
-        """The ABI parameter values of a call (GPU): sizes scaled to ``units`` (an int or a tuple
-        of counts), the addresses of ``arrays`` filled in."""
-        counts = units if type(units) is tuple else (units,)
-        values = self._filled(self._values, arrays)
-        for nitems, shape, per_unit, rows_per_unit, count in self._sizes:
-            values[nitems] = per_unit * counts[count]
-            values[shape] = rows_per_unit * counts[count]
-        return values
-
     def __call__(self, stream, units, *arrays):
-        # blocks() and values() inline: this runs once per launch of every exchange
+        # the grid: the blocks the first count needs, at most the cap, at least 1; then the ABI
+        # values: sizes scaled to the counts, the arrays' addresses filled in
         counts = units if type(units) is tuple else (units,)
         need = -(-counts[0] * self._num // self._den)
         blocks = max(1, min(self._blocks, -(-need // self._threads)))
