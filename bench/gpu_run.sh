@@ -116,8 +116,8 @@ for phase in "$@"; do
         --json "$res/pipeline_w2.json" --markdown "$res/pipeline_w2.md" --plot "$res/pipeline_w2.png" ;;
     pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w4.json" --markdown "$res/pipeline_w4.md" --plot "$res/pipeline_w4.png" ;;
-    pipe2small) step "bench pipeline, 2 ranks, small batches" 300 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
-        --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --interleave \
+    pipe2small) step "bench pipeline, 2 ranks, small batches" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
+        --tokens ${SMALL_TOKENS:-4096 16384 32768 65536} --dim 7168 --hidden 2048 --experts 8 --no-stages --interleave \
         --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
         --json "$res/pipeline_small_w2.json" --markdown "$res/pipeline_small_w2.md" ;;
     pmsmall2|pmsmall4)  # the small-batch pipeline with peer memory (pull) and without (grouped: one
@@ -311,7 +311,7 @@ for phase in "$@"; do
     latency1) step "bench latency, 1 rank" 300 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench latency \
         --json "$res/latency_w1.json" --markdown "$res/latency_w1.md" ;;
     pipe2topk) step "bench pipeline, 2 ranks, small batches, topk routing" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
-        --tokens 4096 16384 32768 65536 --dim 7168 --hidden 2048 --experts 8 --no-stages --routing topk --interleave \
+        --tokens ${SMALL_TOKENS:-4096 16384 32768 65536} --dim 7168 --hidden 2048 --experts 8 --no-stages --routing topk --interleave \
         --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} --json "$res/pipeline_small_topk_w2.json" --markdown "$res/pipeline_small_topk_w2.md" ;;
     latency2) step "bench latency, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench latency ${LATENCY_ARGS:-} \
         --json "$res/latency_w2.json" --markdown "$res/latency_w2.md" ;;
