@@ -234,7 +234,7 @@ for phase in "$@"; do
             python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
             ${STEP_PROFILED:-fp8_rowwise_mxgrad_fused} --dim ${STEP_DIM:-7168} --hidden ${STEP_HIDDEN:-2048} --iters 20 ;;
     profile4fresh) [ "$ngpu" -ge 4 ] && step "host profile, 4 ranks, a new layout per call" 240 "${mpirun_env[@]}" -n 4 \
-        python3 bench/profile_host.py 4096 7168 300 fresh ;;
+        python3 bench/profile_host.py ${PROFILE_ROWS:-4096} 7168 ${PROFILE_CALLS:-300} fresh ;;
     stepfp8small2)  # the same at 4096 rows (issue 11: host-bound), with rank 0's cProfile of the fp8 path
         step "stage times per iteration and profile, fp8 pipeline, 4096 rows, 2 ranks" 300 "${mpirun_env[@]}" -n 2 \
             python3 bench/profile_step.py 4096 bf16+fp8gemm,fp8_rowwise_mxgrad fp8_rowwise_mxgrad --iters 30 ;;
@@ -335,14 +335,14 @@ for phase in "$@"; do
         step "train_moe report" 120 python3 examples/train_moe_report.py "${parts[@]}" \
             --json "$res/train_moe_w2.json" --markdown "$res/train_moe_w2.md" --plot "$res/train_moe_w2.png" \
             --note "${#groups[@]} jobs of 2 ranks ran at the same time on the 2 GPUs: tokens/s are measured under that contention" ;;
-    profile2) step "host profile, 2 ranks" 240 "${mpirun_env[@]}" -n 2 python3 bench/profile_host.py 4096 7168 300 ;;
+    profile2) step "host profile, 2 ranks" 240 "${mpirun_env[@]}" -n 2 python3 bench/profile_host.py ${PROFILE_ROWS:-4096} 7168 ${PROFILE_CALLS:-300} ;;
     step2) for routing in uniform topk; do  # where a pipeline step's host time goes, per stage
         step "host time per pipeline stage, 2 ranks, $routing routing" 240 "${mpirun_env[@]}" -n 2 \
             python3 bench/profile_step.py ${STEP_ROWS:-4096} bf16,mxfp8 mxfp8 --routing $routing; done ;;
     step4) [ "$ngpu" -ge 4 ] && step "host time per pipeline stage, 4 ranks, uniform routing" 240 "${mpirun_env[@]}" -n 4 \
         python3 bench/profile_step.py ${STEP_ROWS:-4096} bf16,mxfp8 mxfp8 --routing uniform ;;
     profile2fresh) step "host profile, 2 ranks, a new layout per call" 240 "${mpirun_env[@]}" -n 2 \
-        python3 bench/profile_host.py 4096 7168 300 fresh ;;
+        python3 bench/profile_host.py ${PROFILE_ROWS:-4096} 7168 ${PROFILE_CALLS:-300} fresh ;;
     soak2) step "soak, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 bench/soak.py --calls ${SOAK_CALLS:-1667} ;;
     torch1) step "torch.distributed and torchtitan gpu tests, 1 process" 300 python3 -m pytest -q -p no:cacheprovider \
         -m "gpu and not mpi" tests/test_torchdist.py tests/test_torchtitan.py ;;
