@@ -41,8 +41,9 @@ Small quantized exchanges (no rank sending more than ``comm.small_exchange_bytes
 its peers; 64 MiB on the GPUs of one node by default) skip all that: the bf16/fp32 rows move in
 one ``comm.alltoallv`` as they are and are quantized (or round-tripped) on arrival, the same bits
 (every format is row-local; docs/design.md, "Small exchanges travel unquantized"). Every exchange
-that is one ``alltoallv`` of the rows as they are (plain, or small) runs through one
-:class:`_Direct` call, decided once per signature (docs/design.md, "Direct calls").
+of rows as they come that is one ``alltoallv`` (plain, or small) or a staged one whose result
+stays quantized runs through one :class:`_Direct` call, decided once per signature
+(docs/design.md, "Direct calls").
 bf16 exchanges are one ``comm.alltoallv`` either way, but for the combine direction of
 ``permute_align`` on the pull transport: there each peer's rows are gathered out of permute's
 order into the staging it pulls from (no pass into received order first).
@@ -54,7 +55,7 @@ import operator
 import numpy
 
 from ._array import bfloat16, check_rows, float32
-from ._driver import copy_bytes, flat, row_range
+from ._driver import Words, copy_bytes, flat, row_range
 from .kernels import array_module
 from .formats import PER_ROW, QuantizedArray, format_names, get_format
 from .layout import Layout
@@ -146,7 +147,8 @@ class _QuantizedRows:
     are (in-place exchanges); this rank's own rows through the format's one-pass round trip
     where it has one (in-place exchanges: ``keep``)."""
 
-    __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share")
+    __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share",
+                 "_quantize")
 
     def __init__(self, x, fmt, kind, scale_mode, out, caller, share):
         self.arrays = fmt.row_arrays(x.shape[1])
@@ -157,6 +159,9 @@ class _QuantizedRows:
         self._scale_mode = scale_mode
         self._caller = caller
         self._share = share
+        # plain rows: the format's quantize prepared for their signature and this grid share
+        self._quantize = None if isinstance(x, (QuantizedArray, GatheredRows)) else \
+            _quantizer(fmt, x.dtype, x.shape[1], scale_mode, share)
 
     def _rows(self, data, scales):
         """The travelling (data, scales) slots as a QuantizedArray (per-row scales 1-D)."""
@@ -176,8 +181,9 @@ class _QuantizedRows:
                                                 self._rows(data, scales), stream, self._share,
                                                 self._scale_mode)
         else:
-            self._format.launch_quantize(row_range(x, begin, end), self._rows(data, scales),
-                                         stream, self._share, self._scale_mode)
+            if self._format.scale_block == PER_ROW:
+                scales = flat(scales)
+            self._quantize(row_range(x, begin, end), data, scales, end - begin, stream)
 
     def consume(self, begin, end, rows, stream):
         # beside the producer on the side stream: the share of the SMs it leaves
@@ -217,15 +223,18 @@ class _GatheredPlainRows:
 
 
 class _Direct:
-    """An exchange that is one ``alltoallv`` of the rows as they are (docs/design.md, "Direct
-    calls"), for one signature: function, format, scale mode, input dtype and row width. Made
-    once per signature (:func:`_direct`), with its launch prepared for the signature
+    """An exchange of rows as they come that one call runs (docs/design.md, "Direct calls"): one
+    ``alltoallv`` of the rows as they are (a plain format, or a quantized exchange small enough
+    to travel unquantized), or a staged quantized exchange whose result stays quantized, for
+    one signature: function, format, scale mode, input dtype and row width. Made once per
+    signature (:func:`_direct`), with its launches prepared for the signature
     (``Format.quantizer`` / ``Format.round_tripper``); row counts come with each call's plan.
 
     Attributes:
         fmt: the Format; dispatch: True in the dispatch direction (the layout's dispatch plan);
         dequantize: whether a quantized format's result is decoded back (round trip);
-        dtype: the rows' dtype (the wire's); width: D; row_bytes: bytes of one row as it travels.
+        dtype: the rows' dtype (the wire's); width: D; row_bytes: bytes of one row as it travels;
+        kind: the exchange in words (the staged exchange's kind: peers compare it).
 
     Calling it, ``direct(comm, plan, x, stream, empty)``: ``x`` the (``plan.rows_sent``, D) rows
     (checked by the caller: C-contiguous, the signature's dtype and width, aligned) as a buffer
@@ -235,17 +244,19 @@ class _Direct:
     API, a torch tensor and its address for ``mxcomm.torch``), ``kind`` saying which result it
     is: ``"rows"`` (rows of ``dtype``), ``"data"`` or ``"scales"`` (a quantized result's arrays,
     of the format's dtypes). Returns the result, or ``(data, scales)`` results of a quantized
-    format kept quantized. Enqueued on ``stream``; no host synchronization; the quantized formats
-    only where ``comm.small_exchange`` (:meth:`takes`).
+    format kept quantized. Enqueued on ``stream``; no host synchronization. Only for the
+    exchanges :meth:`runs` names.
     """
 
-    __slots__ = ("fmt", "dispatch", "dequantize", "dtype", "width", "row_bytes", "_quantize",
-                 "_round_trip", "_scales_shape")
+    __slots__ = ("fmt", "dispatch", "dequantize", "dtype", "width", "row_bytes", "kind",
+                 "_scale_mode", "_quantize", "_round_trip", "_scales_shape")
 
-    def __init__(self, fmt, dispatch, dequantize, dtype, width, scale_mode):
+    def __init__(self, fmt, function, dispatch, dequantize, dtype, width, scale_mode):
         self.fmt, self.dispatch, self.dequantize = fmt, dispatch, dequantize
         self.dtype, self.width = dtype, width
         self.row_bytes = width * dtype.itemsize
+        self.kind = _kind(function, fmt, width)
+        self._scale_mode = scale_mode
         self._quantize = self._round_trip = self._scales_shape = None
         if fmt.quantized:  # the launches prepared for this signature
             self._quantize = fmt.quantizer(dtype, width, scale_mode)
@@ -253,22 +264,30 @@ class _Direct:
                 self._round_trip = fmt.round_tripper(width, scale_mode)
             self._scales_shape = fmt.scales_shape(1, width)[1:]  # a row's: (D // block,) or ()
 
-    def takes(self, comm, plan):
-        """Whether the exchange of ``plan`` is direct: a plain format, or a quantized exchange
-        small enough to travel unquantized (the same answer on every rank)."""
-        return self._quantize is None or comm.small_exchange(plan.largest_peer_rows,
-                                                             self.row_bytes)
+    def runs(self, comm, plan, staged=True):
+        """Whether this call runs the exchange of ``plan``: one ``alltoallv`` (a plain format,
+        or a quantized exchange small enough to travel unquantized), or with ``staged`` a staged
+        quantized exchange whose result stays quantized. The same answer on every rank."""
+        if self._quantize is None or comm.small_exchange(plan.largest_peer_rows, self.row_bytes):
+            return True
+        return staged and not self.dequantize
 
     def __call__(self, comm, plan, x, stream, empty):
         # Every array allocated here stays referenced until the launches that use it are
         # enqueued: an allocator may hand a freed array's memory to the next request at once
         # (freed in stream order, it is safe for work enqueued later on `stream`).
-        n, width, dtype = plan.rows_received, self.width, self.dtype
+        n, width, dtype, fmt = plan.rows_received, self.width, self.dtype, self.fmt
+        if self._quantize is not None and not self.dequantize and \
+                not comm.small_exchange(plan.largest_peer_rows, self.row_bytes):  # staged
+            data, data_buffer = empty((n, width), fmt.element_dtype, "data")
+            scales, scales_buffer = empty((n,) + self._scales_shape, fmt.scale_dtype, "scales")
+            _exchange_kept(x, fmt, plan, comm, stream, self._scale_mode, self.kind, data_buffer,
+                           scales_buffer)
+            return data, scales
         arrived, received = empty((n, width), dtype, "rows")
         comm.alltoallv_plan((x,), (received,), plan, stream)
         if self._quantize is None:
             return arrived
-        fmt = self.fmt
         if self.dequantize:
             result, out = empty((n, width), dtype, "rows")
             if self._round_trip is not None:
@@ -301,7 +320,19 @@ def _direct(function, precision, scale_mode, dtype, width):
     if not fmt.quantized and numpy.dtype(fmt.element_dtype or dtype) != dtype:
         return None
     _, direction, dequantize = _CALLS[function]
-    return _Direct(fmt, direction == "dispatch", dequantize, dtype, width, scale_mode)
+    return _Direct(fmt, function, direction == "dispatch", dequantize, dtype, width, scale_mode)
+
+
+@functools.lru_cache(maxsize=256)
+def _quantizer(fmt, dtype, width, scale_mode, share):
+    """``fmt.quantizer(dtype, width, scale_mode, share)``, made once per signature and share
+    (the staged exchange's producer asks on every call)."""
+    return fmt.quantizer(dtype, width, scale_mode, share)
+
+
+def _kind(function, fmt, width):
+    """An exchange in words: the kind the staged exchange's peers compare (and name in errors)."""
+    return f"{function} {fmt.name} rows of D = {width}"
 
 
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
@@ -396,15 +427,17 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             raise ValueError(f"validate=False on rank {rank}: the pull transport needs every "
                              f"rank's counts; pass a layout (no vote) or validate")
         plan = _local_plan(comm, send_counts, recv_counts)
-    kind = f"{function} {fmt.name} rows of D = {width}"
+    kind = _kind(function, fmt, width)
     if staged_gather:
         return _exchange_gathered_plain(x, plan, comm, caller, kind, alloc)
     align = permute_align if direction == "dispatch" else None
     if not isinstance(x, QuantizedArray):
-        # one alltoallv of the rows as they are: a plain format, or a small quantized exchange
-        # (which the ranks choose alike only from every rank's counts)
+        # one alltoallv of the rows as they are (a plain format, or a small quantized exchange,
+        # which the ranks choose alike only from every rank's counts), or a staged quantized
+        # exchange kept quantized (not with permute_align: that one lands in permuted order)
         direct = _direct(function, fmt, scale_mode, x.dtype, width)
-        if direct is not None and (agreed or not fmt.quantized) and direct.takes(comm, plan):
+        if direct is not None and (agreed or not fmt.quantized) and \
+                direct.runs(comm, plan, staged=align is None):
             return _run_direct(direct, x, comm, plan, caller, alloc, layout, align)
     if not fmt.quantized:  # fp32 rows in "bf16": rounded to it, moved, widened back
         with comm._on_stream(caller):
@@ -508,13 +541,23 @@ def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind
                           in_place=True, stream=caller)
             return out
         received = fmt.empty(plan.rows_received, width, alloc)
-        scales = received.scales  # per-row scales travel as (rows, 1)
-        travelling = (received.data, scales.reshape(plan.rows_received, 1)
-                      if fmt.scale_block == PER_ROW else scales)
-        comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, None, caller,
-                                     _PULLED_SHARE if pull else 1.0), plan,
-                      out=travelling, stream=caller)
+        _exchange_kept(x, fmt, plan, comm, caller, scale_mode, kind, received.data,
+                       received.scales)
         return received
+
+
+def _exchange_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):
+    """The staged quantized exchange of ``x`` (plain rows, rows of ``fmt`` or a pending
+    gather) whose result stays quantized: the received rows land in ``data`` and ``scales``
+    (``plan.rows_received`` rows, the format's shapes; CuPy or NumPy arrays, or ``Words``), the
+    copy engines pulling them where the transport is ``"pull"``. Enqueued on ``stream``."""
+    if fmt.scale_block == PER_ROW:  # per-row scales travel as (rows, 1)
+        n = plan.rows_received
+        scales = Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
+            scales.reshape(n, 1)
+    share = _PULLED_SHARE if comm.transport == "pull" else 1.0
+    comm.exchange(_QuantizedRows(x, fmt, kind, scale_mode, None, stream, share), plan,
+                  out=(data, scales), stream=stream)
 
 
 def _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):

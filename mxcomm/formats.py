@@ -57,9 +57,10 @@ class Format:
 
     The launchers (private fields) are the format module's: ``_quantize``, ``_dequantize``,
     ``_quantize_gather`` and ``_round_trip`` behind the ``launch_*`` methods, and
-    ``_sized_quantize`` / ``_sized_round_trip``: ``(dtype, width, scale_mode)`` -> ``(sized
-    launch, its units of work per row)``, or None where the work does not run as a CUDA
-    launch (the host backend), behind :meth:`quantizer` and :meth:`round_tripper`.
+    ``_sized_quantize``: ``(dtype, width, scale_mode, share)`` and ``_sized_round_trip``:
+    ``(dtype, width, scale_mode)`` -> ``(sized launch, its units of work per row)``, or None
+    where the work does not run as a CUDA launch (the host backend), behind :meth:`quantizer`
+    and :meth:`round_tripper`.
     """
 
     name: str
@@ -168,7 +169,7 @@ class Format:
                               scale_mode or (self.scale_modes or (None,))[0])
         return out
 
-    def quantizer(self, dtype, width, scale_mode=None):
+    def quantizer(self, dtype, width, scale_mode=None, share=1.0):
         """The quantize of rows of ``dtype`` (bf16/fp32) and width ``width`` (checked by the
         caller: a multiple of ``d_multiple``) prepared once for this signature (docs/design.md,
         "A direct call's launch, prepared with its signature"): ``quantize(x, data, scales, rows,
@@ -176,12 +177,13 @@ class Format:
         dtypes and shapes (C-contiguous buffers: :class:`Words` or CuPy arrays on a GPU, NumPy
         arrays on the host backend and the simulator; ``x`` aligned to ``input_align``), as
         :meth:`launch_quantize` does, on the raw stream handle ``stream``; nothing for 0 rows.
-        ``scale_mode``: as :meth:`launch_quantize` takes it."""
+        ``scale_mode`` and ``share`` (the grid's share of the device): as
+        :meth:`launch_quantize` takes them."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         dtype = numpy.dtype(dtype)
         scale_mode = scale_mode or (self.scale_modes or (None,))[0]
-        sized = self._sized_quantize and self._sized_quantize(dtype, width, scale_mode)
+        sized = self._sized_quantize and self._sized_quantize(dtype, width, scale_mode, share)
         if sized:
             launch, per_row = sized
 
@@ -193,7 +195,7 @@ class Format:
 
         def quantize(x, data, scales, rows, stream):
             if rows:
-                general(x, view(data, scales), stream, 1.0, scale_mode)
+                general(x, view(data, scales), stream, share, scale_mode)
         return quantize
 
     def round_tripper(self, width, scale_mode=None):

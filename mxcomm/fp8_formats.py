@@ -853,17 +853,17 @@ def _block128_dequantize(q, out, stream, share):
     launch_dequantize_fp8_block128(q.data, q.scales, out, stream, share)
 
 
-def _rowwise_sized_quantize(dtype, width, scale_mode):
+def _rowwise_sized_quantize(dtype, width, scale_mode, share):
     if host_backend():
         return None
-    return _rowwise_quantize_launch(width, dtype, 1.0), 1  # per row
+    return _rowwise_quantize_launch(width, dtype, share), 1  # per row
 
 
 def _block128_sized_quantize(mode):
-    def sized(dtype, width, scale_mode):
+    def sized(dtype, width, scale_mode, share):
         if host_backend():
             return None
-        return _block_quantize_launch(dtype, mode == "pow2", 1.0), width // FP8_BLOCK
+        return _block_quantize_launch(dtype, mode == "pow2", share), width // FP8_BLOCK
     return sized
 
 

@@ -344,10 +344,10 @@ def _format_round_trip(x, rows, out, stream, share, scale_mode):
     launch_round_trip(x, rows, out, scale_mode, stream, share)
 
 
-def _sized_quantize(dtype, width, scale_mode):
+def _sized_quantize(dtype, width, scale_mode, share):
     if host_backend():
         return None
-    return _quantize_launch(dtype, scale_mode == "rceil", 1.0), width // MX_BLOCK
+    return _quantize_launch(dtype, scale_mode == "rceil", share), width // MX_BLOCK
 
 
 def _sized_round_trip(dtype, width, scale_mode):

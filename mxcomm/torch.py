@@ -9,9 +9,10 @@ NumPy array; bf16 as ml_dtypes' bf16, fp8 as uint8 bits. The exchanges' results 
 torch (the engine's ``alloc``), so they come back as those tensors, with no DLPack export and no
 second memory pool. Work is enqueued on torch's current CUDA stream; CPU tensors run with the host
 backend and the MPI communicator, so CI exercises autograd too. Given a layout, a plain tensor whose
-exchange is one ``alltoallv`` (a plain precision, or a small quantized exchange) skips all that:
-checked in O(1) against the engine's direct call (``mxcomm.a2a._Direct``), it is passed by its
-address, and results are allocated by torch (docs/design.md, "Direct calls").
+exchange is one ``alltoallv`` (a plain precision, or a small quantized exchange) or a staged one
+whose result stays quantized skips all that: checked in O(1) against the engine's direct call
+(``mxcomm.a2a._Direct``), it is passed by its address, and results are allocated by torch
+(docs/design.md, "Direct calls").
 
 Quantized values travel as a :class:`QuantizedTensor` (any format of ``mxcomm.formats``; its
 ``"mxfp8"`` case is :class:`MXFP8Tensor`), a bf16-typed wrapper holding e4m3 data and the format's
@@ -120,7 +121,7 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
     """The array API's ``function`` (``mxcomm.a2a``) on the tensor ``rows`` (plain or a
     QuantizedTensor), on torch's current stream, results allocated by torch: a tensor (with
     ``permute_align`` in the dispatch direction, ``permute``'s triple of tensors). A plain
-    tensor whose exchange is one ``alltoallv`` goes straight to the engine's direct call."""
+    tensor whose exchange the engine's direct call runs goes straight to it."""
     if layout is not None and permute_align is None and type(rows) is torch.Tensor and \
             input_splits is None and output_splits is None and comm in (None, layout.comm):
         out = _exchange_direct(function, rows, layout, precision)
@@ -140,8 +141,9 @@ def _exchange_direct(function, t, layout, precision):
     """The exchange of the plain tensor ``t`` given ``layout`` through the engine's direct call
     (``mxcomm.a2a._Direct``; docs/design.md, "Direct calls"), or None where the engine's path
     must take it (another signature, rows that do not fit the layout or the format, a staged
-    exchange): O(1) checks, ``t`` passed by its address, results allocated by torch in their
-    final dtypes (a quantized result's data as float8_e4m3fn, its scales as the format's)."""
+    exchange whose result is dequantized): O(1) checks, ``t`` passed by its address, results
+    allocated by torch in their final dtypes (a quantized result's data as float8_e4m3fn, its
+    scales as the format's)."""
     dtype = _ARRAY_DTYPES.get(t.dtype)
     shape = t.shape
     if dtype is None or len(shape) != 2:
@@ -153,7 +155,7 @@ def _exchange_direct(function, t, layout, precision):
     plan = layout.dispatch_plan if direct.dispatch else layout.combine_plan
     cuda = t.is_cuda
     if shape[0] != plan.rows_sent or cuda != gpu_arrays() or not t.is_contiguous() or \
-            not direct.takes(comm, plan):
+            not direct.runs(comm, plan):
         return None
     device = t.device
     if cuda:

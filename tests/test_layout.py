@@ -431,18 +431,21 @@ class _ReusingAllocator:
         return self.Owner(self, block, array), array
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["one alltoallv", "staged"])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8", "fp8_rowwise", "fp8_block128"])
-def test_direct_calls_hold_their_arrays_until_launched(precision):
-    """A direct call (``a2a._Direct``: an exchange that is one ``alltoallv``) keeps every array
-    it allocates referenced until the launches that use it are enqueued: with an allocator that
-    poisons and reuses an array's memory as soon as its owner is dropped (torch's and CuPy's
-    caching allocators reuse it in stream order; an address alone does not keep it), its
-    results in every direction equal the engine's bit for bit."""
+def test_direct_calls_hold_their_arrays_until_launched(precision, small):
+    """A direct call (``a2a._Direct``: an exchange that is one ``alltoallv``, or a staged one
+    whose result stays quantized) keeps every array it allocates referenced until the launches
+    and copies that use it are enqueued: with an allocator that poisons and reuses an array's
+    memory as soon as its owner is dropped (torch's and CuPy's caching allocators reuse it in
+    stream order; an address alone does not keep it), its results in every direction it runs
+    equal the engine's bit for bit. Staged, it runs the quantized exchanges kept quantized (the
+    dispatch and the combine's gradient) and no dequantized one."""
     from mxcomm import a2a
     w, me = world().size, world().rank
     width = 128
     rng = numpy.random.default_rng(SEED + 23)
-    with mxc.init("mpi", timeout=30.0, small_exchange_bytes=1 << 40) as c:
+    with mxc.init("mpi", timeout=30.0, small_exchange_bytes=(1 << 40) if small else 0) as c:
         for step in range(3):
             counts = random_counts(rng, w, step)
             layout = exchange_layout(to_device(counts[me].astype(numpy.int32)), c)
@@ -455,7 +458,11 @@ def test_direct_calls_hold_their_arrays_until_launched(precision):
                 rows = x if function in ("a2a_dispatch", "a2a_combine_backward") else y
                 direct = a2a._direct(function, precision, "rceil", BF16, width)
                 plan = layout.dispatch_plan if direct.dispatch else layout.combine_plan
-                assert direct.takes(c, plan)
+                staged = not c.small_exchange(plan.largest_peer_rows, direct.row_bytes)
+                if staged and direct.fmt.quantized and direct.dequantize:
+                    assert not direct.runs(c, plan)  # consumed in place: the engine's
+                    continue
+                assert direct.runs(c, plan)
                 held = direct(c, plan, rows, 0, _ReusingAllocator())  # the results' owners
                 got = direct.fmt.view(*(o.array for o in held)) if type(held) is tuple \
                     else held.array
@@ -607,17 +614,26 @@ def _tensor_words(t):
 def test_gpu_torch_direct_calls_equal_the_engine(monkeypatch):
     """On GPUs: mxcomm.torch's direct calls (tensors passed by address, results allocated by
     torch, quantized ones wrapped unchecked) equal the array engine's results bit for bit, in
-    every direction, bf16 and small MXFP8 and fp8 rowwise, over changing layouts; every one of
-    them took the direct call."""
+    every direction, bf16, MXFP8 and fp8 rowwise, over changing layouts, small exchanges and
+    staged ones: every small exchange took the direct call, and of the staged ones those whose
+    result stays quantized (the dispatch and the combine's gradient)."""
     torch = pytest.importorskip("torch")
-    import cupy
     import mxcomm.torch as mxt
     functions = {"a2a_dispatch": a2a_dispatch, "a2a_combine_backward": a2a_combine_backward,
                  "a2a_combine": a2a_combine, "a2a_dispatch_backward": a2a_dispatch_backward}
-    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=1 << 40) as c:
+    exchange_direct = mxt._exchange_direct
+    for small in (True, False):
+        _gpu_torch_direct_calls(torch, small, functions, exchange_direct, monkeypatch)
+
+
+def _gpu_torch_direct_calls(torch, small, functions, exchange_direct, monkeypatch):
+    """One communicator's half of :func:`test_gpu_torch_direct_calls_equal_the_engine`."""
+    import cupy
+    import mxcomm.torch as mxt
+    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=(1 << 40) if small else 0) as c:
         torch.cuda.set_device(c.device)
         w, me = c.size, c.rank
-        taken, exchange_direct = [], mxt._exchange_direct
+        taken = []
         monkeypatch.setattr(mxt, "_exchange_direct",
                             lambda *args: taken.append(exchange_direct(*args)) or taken[-1])
         stream = torch.cuda.current_stream().cuda_stream
@@ -639,7 +655,11 @@ def test_gpu_torch_direct_calls_equal_the_engine(monkeypatch):
                     torch.cuda.synchronize()
                     for g, v in zip(_tensor_words(got), _words(want)):
                         numpy.testing.assert_array_equal(g, v)
-        assert len(taken) == 3 * 3 * 4 and all(t is not None for t in taken)
+        assert len(taken) == 3 * 3 * 4
+        kept = ("a2a_dispatch", "a2a_combine_backward")
+        want = [small or precision == "bf16" or function in kept for _ in range(3)
+                for precision in ("bf16", "mxfp8", "fp8_rowwise") for function in functions]
+        assert [t is not None for t in taken] == want
 
 
 @pytest.mark.gpu

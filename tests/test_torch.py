@@ -254,8 +254,9 @@ def test_exchange_layout_tensors(comm, device):
 def test_token_path_autograd(request, comm, device, monkeypatch, dispatch, dispatch_grad,
                              combine, combine_grad, given):
     """Forward and all gradients of the whole path equal the reference exactly, given the
-    splits (the engine's path, voted) or the layout (exchanges that are one alltoallv go
-    through the direct call: the plain ones, and with "small" every one)."""
+    splits (the engine's path, voted) or the layout (through the direct call: the plain
+    exchanges and the staged ones whose result stays quantized, the dispatch and the combine's
+    gradient; with "small" every one)."""
     if given == "layout, small":
         comm = request.getfixturevalue("small_comm")
     me, world = comm.rank, comm.size
@@ -291,7 +292,8 @@ def test_token_path_autograd(request, comm, device, monkeypatch, dispatch, dispa
     (out.float() * to_torch(grad, device).float()).sum().backward()
     precisions = (dispatch, combine, combine_grad, dispatch_grad)
     plain = sum(p in ("bf16", "native") for p in precisions)
-    assert sum(direct_calls) == {"splits": 0, "layout": plain, "layout, small": 4}[given]
+    kept = sum(p not in ("bf16", "native") for p in (dispatch, combine_grad))  # staged, quantized
+    assert sum(direct_calls) == {"splits": 0, "layout": plain + kept, "layout, small": 4}[given]
 
     numpy.testing.assert_array_equal(bits(to_numpy(out)), bits(out_ref))
     numpy.testing.assert_array_equal(bits(to_numpy(x.grad)), bits(dx_ref))
