@@ -287,11 +287,13 @@ for phase in "$@"; do
             --variants mxfp8,fp8_rowwise --json "$res/pipeline_small_w1.json" --markdown "$res/pipeline_small_w1.md" ;;
     latencyab2|smallab2)  # the latency benchmark (latencyab2) or the small-batch pipeline
         # (smallab2, SMALL_ROUTING) of the tree at $AB_OLD and of this one, alternating, twice
-        # (latency) or once (pipeline), in one job: host timings differ between machines
+        # (latency: old new, then new old, so neither tree always runs second) or once
+        # (pipeline), in one job: host timings differ between machines
         importable "$AB_OLD"
         rounds="1 2"; [ "$phase" = smallab2 ] && rounds=1
         for round in $rounds; do
-            for tree in old new; do
+            order="old new"; [ "$round" = 2 ] && order="new old"
+            for tree in $order; do
                 if [ "$tree" = old ]; then treepath=(env PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}")
                 else treepath=(env); fi
                 if [ "$phase" = latencyab2 ]; then
