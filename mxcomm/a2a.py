@@ -259,7 +259,7 @@ class _Direct:
         self._scale_mode = scale_mode
         self._quantize = self._round_trip = self._scales_shape = None
         if fmt.quantized:  # the launches prepared for this signature
-            self._quantize = fmt.quantizer(dtype, width, scale_mode)
+            self._quantize = _quantizer(fmt, dtype, width, scale_mode, 1.0)
             if dequantize and dtype == bfloat16:
                 self._round_trip = fmt.round_tripper(width, scale_mode)
             self._scales_shape = fmt.scales_shape(1, width)[1:]  # a row's: (D // block,) or ()
@@ -279,10 +279,8 @@ class _Direct:
         n, width, dtype, fmt = plan.rows_received, self.width, self.dtype, self.fmt
         if self._quantize is not None and not self.dequantize and \
                 not comm.small_exchange(plan.largest_peer_rows, self.row_bytes):  # staged
-            data, data_buffer = empty((n, width), fmt.element_dtype, "data")
-            scales, scales_buffer = empty((n,) + self._scales_shape, fmt.scale_dtype, "scales")
-            _exchange_kept(x, fmt, plan, comm, stream, self._scale_mode, self.kind, data_buffer,
-                           scales_buffer)
+            data, scales, buffers = self._quantized(n, empty)
+            _exchange_kept(x, fmt, plan, comm, stream, self._scale_mode, self.kind, *buffers)
             return data, scales
         arrived, received = empty((n, width), dtype, "rows")
         comm.alltoallv_plan((x,), (received,), plan, stream)
@@ -293,16 +291,21 @@ class _Direct:
             if self._round_trip is not None:
                 self._round_trip(received, out, n, stream)
             elif n:
-                data, data_buffer = empty((n, width), fmt.element_dtype, "data")
-                scales, scales_buffer = empty((n,) + self._scales_shape, fmt.scale_dtype,
-                                              "scales")
-                self._quantize(received, data_buffer, scales_buffer, n, stream)
-                fmt.launch_dequantize(fmt.view(data_buffer, scales_buffer), out, stream)
+                data, scales, buffers = self._quantized(n, empty)
+                self._quantize(received, *buffers, n, stream)
+                fmt.launch_dequantize(fmt.view(*buffers), out, stream)
             return result
-        data, data_buffer = empty((n, width), fmt.element_dtype, "data")
-        scales, scales_buffer = empty((n,) + self._scales_shape, fmt.scale_dtype, "scales")
-        self._quantize(received, data_buffer, scales_buffer, n, stream)
+        data, scales, buffers = self._quantized(n, empty)
+        self._quantize(received, *buffers, n, stream)
         return data, scales
+
+    def _quantized(self, n, empty):
+        """A quantized result of ``n`` rows from ``empty``: ``(data, scales, (data buffer,
+        scales buffer))``; the caller keeps all four until its launches are enqueued."""
+        fmt = self.fmt
+        data, data_buffer = empty((n, self.width), fmt.element_dtype, "data")
+        scales, scales_buffer = empty((n,) + self._scales_shape, fmt.scale_dtype, "scales")
+        return data, scales, (data_buffer, scales_buffer)
 
 
 @functools.lru_cache(maxsize=256)
