@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
-#         train2 train2par soak2 profile2 profile2fresh step2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
+#         train2 train2par soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
@@ -343,6 +343,9 @@ for phase in "$@"; do
             python3 bench/profile_step.py ${STEP_ROWS:-4096} bf16,mxfp8 mxfp8 --routing $routing; done ;;
     step4) [ "$ngpu" -ge 4 ] && step "host time per pipeline stage, 4 ranks, uniform routing" 240 "${mpirun_env[@]}" -n 4 \
         python3 bench/profile_step.py ${STEP_ROWS:-4096} bf16,mxfp8 mxfp8 --routing uniform ;;
+    steppieces2) for rows in ${STEP_ROWS:-4096 16384}; do  # each stage's pieces of the host path
+            step "host path pieces of a pipeline step, 2 ranks, $rows rows" 240 "${mpirun_env[@]}" -n 2 \
+            python3 bench/profile_step.py $rows bf16,mxfp8 none --pieces --routing uniform; done ;;
     profile2fresh) step "host profile, 2 ranks, a new layout per call" 240 "${mpirun_env[@]}" -n 2 \
         python3 bench/profile_host.py ${PROFILE_ROWS:-4096} 7168 ${PROFILE_CALLS:-300} fresh ;;
     soak2) step "soak, 2 ranks" 300 "${mpirun_env[@]}" -n 2 python3 bench/soak.py --calls ${SOAK_CALLS:-1667} ;;

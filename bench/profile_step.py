@@ -12,6 +12,10 @@ and 90th percentile of each over the iterations (the slowest rank's), then, per 
 forward's stages in its three slowest and three fastest iterations: a slow mode shows up in one
 stage or in all, and where a stage's device time tracks its host time the device waited for the
 host.
+
+``--pieces``: then, per variant, the same steps again with a timer around each piece of the
+layout, permute and exchange stages (where it is looked up; a wrapper adds ~0.3 us per entry):
+us per step of each piece, inclusive, per rank, and how often ``NcclCommunicator.wait`` slept.
 """
 import argparse
 import cProfile
@@ -33,6 +37,7 @@ parser.add_argument("--hidden", type=int, default=2048)
 parser.add_argument("--iters", type=int, default=30)
 parser.add_argument("--routing", default="uniform")
 parser.add_argument("--gc", choices=("on", "off"), default="on")
+parser.add_argument("--pieces", action="store_true")
 args = parser.parse_args()
 if args.gc == "off":
     gc.disable()
@@ -114,6 +119,101 @@ for variant in _pipeline.parse_variants(args.variants):
     for i in range(5 + args.iters):
         step(stage_list, host, device) if i >= 5 else step(stage_list, {}, {})
     report(variant.name, host, device)
+
+
+def pieces():
+    """The pieces of the host path a step goes through (module docstring, ``--pieces``), each
+    as ``(owner, attribute name)``; ones an older tree lacks are skipped."""
+    import mxcomm.a2a as a2a
+    import mxcomm.layout as layout
+    import mxcomm.permutation as permutation
+    import mxcomm.torch as mxt
+    from mxcomm._driver import PackedLaunch
+    from mxcomm.comm import _communicator, _ipc, _nccl, _pull, _sidechannel, _staged
+    from mxcomm.kernels import _launch
+    return [
+        (mxt, "exchange_layout"), (mxt.Layout, "__new__"), (layout, "exchange_layout"),
+        (layout, "_local_counts"), (layout.Layout, "__new__"), (_staged.Plan, "__init__"),
+        (_staged.Plan, "transposed"), (_nccl.NcclCommunicator, "wait"),
+        (_sidechannel.SideChannel, "allgather_bytes"),
+        (_sidechannel.SideChannel, "allgather_array"), (_sidechannel.MpiSideChannel, "wait"),
+        (mxt, "permute"), (mxt._Permute, "forward"), (permutation, "_permute"),
+        (permutation, "_layout_index"), (permutation, "_layout"), (permutation, "_gather"),
+        (mxt, "_index_tensors"), (mxt, "_inverse_index"), (mxt, "_folds_into_dispatch"),
+        (mxt, "unpermute"), (permutation, "_unpermute"),
+        (mxt, "_rows"), (mxt, "_wrap"), (mxt, "_tensor"), (mxt, "_array"),
+        (mxt._Alloc, "__call__"), (_launch.Kernel, "_launch"), (_launch.SizedLaunch, "__call__"),
+        (PackedLaunch, "__call__"),
+        (mxt, "a2a_dispatch"), (mxt, "a2a_combine"), (mxt, "_exchange"),
+        (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"), (a2a, "_exchange"),
+        (a2a._Direct, "__call__"), (a2a, "_exchange_kept"), (a2a, "_exchange_quantized"),
+        (_communicator.Communicator, "exchange"), (_nccl.NcclCommunicator, "_move_rows"),
+        (_nccl.NcclCommunicator, "_record"), (_pull.PullTransport, "run"),
+        (_pull.PullTransport, "_schedule"), (_pull._Schedule, "__init__"),
+        (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
+        (_ipc.CudaPeerMemory, "signal_ready"), (_ipc.CudaPeerMemory, "await_ready"),
+        (_ipc.CudaPeerMemory, "copy_all"), (_ipc.CudaPeerMemory, "end"),
+    ]
+
+
+def instrumented(stage_list):
+    """``args.iters`` steps with a timer around each piece of :func:`pieces`; prints us per step
+    of each, per rank."""
+    import collections
+    from mxcomm.comm import _nccl
+    totals, entries, undo = collections.defaultdict(int), collections.Counter(), []
+
+    def timed(label, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[label] += time.perf_counter_ns() - t0
+                entries[label] += 1
+        return wrapper
+
+    for owner, name in pieces():
+        fn = owner.__dict__.get(name)
+        if fn is None:
+            continue
+        label = f"{owner.__name__}.{name}" if not isinstance(owner, type) else \
+            f"{owner.__module__.rsplit('.', 1)[-1]}.{owner.__name__}.{name}"
+        wrapped = staticmethod(timed(label, fn.__func__)) if isinstance(fn, staticmethod) \
+            else timed(label, fn)
+        setattr(owner, name, wrapped)
+        undo.append((owner, name, fn))
+    sleeps = collections.Counter()
+    real_time = _nccl.time
+
+    class _Time:  # NcclCommunicator.wait's sleeps, counted
+        monotonic = staticmethod(real_time.monotonic)
+
+        @staticmethod
+        def sleep(s):
+            sleeps[s] += 1
+            real_time.sleep(s)
+    _nccl.time = _Time
+    try:
+        for _ in range(args.iters):
+            step(stage_list, {}, {})
+    finally:
+        _nccl.time = real_time
+        for owner, name, fn in undo:
+            setattr(owner, name, fn)
+    lines = [f"  rank {rt.rank}: us per step (inclusive), calls per step"]
+    for label, ns in sorted(totals.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {label:42s} {ns / args.iters / 1e3:9.1f} {entries[label] / args.iters:6.1f}")
+    lines.append(f"    NcclCommunicator.wait slept (s: times per step): "
+                 f"{ {s: n / args.iters for s, n in sorted(sleeps.items())} }")
+    return lines
+
+
+if args.pieces:
+    for name, stage_list in lists.items():
+        mine = instrumented(stage_list)
+        lines = sum(rt.allgather(mine), [])
+        rt.print("\n".join([f"==== {name}: the host path's pieces, {args.iters} steps"] + lines))
 
 profiled = lists.get(args.profiled)
 if profiled is not None:
