@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 (AB_OLD, AB_FLOAT: source trees to
+#         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -285,10 +285,12 @@ for phase in "$@"; do
         step "pipeline, 1 rank, small batches, this tree" 200 "${mpirun_env[@]}" -n 1 python3 -m mxcomm.bench \
             pipeline --tokens 4096 16384 --dim 7168 --hidden 2048 --experts 8 --no-stages \
             --variants mxfp8,fp8_rowwise --json "$res/pipeline_small_w1.json" --markdown "$res/pipeline_small_w1.md" ;;
-    latencyab2|smallab2)  # the latency benchmark (latencyab2) or the small-batch pipeline
-        # (smallab2, SMALL_ROUTING) of the tree at $AB_OLD and of this one, alternating, twice
-        # (latency: old new, then new old, so neither tree always runs second) or once
-        # (pipeline), in one job: host timings differ between machines
+    latencyab2|smallab2|layoutab2|stepab2)  # the latency benchmark (latencyab2), the small-batch
+        # pipeline (smallab2, SMALL_ROUTING), what a new layout costs (layoutab2:
+        # bench/probe_layout.py, LAYOUT_ROWS) or the host time per pipeline stage (stepab2,
+        # STEP_ROWS) of the tree at $AB_OLD and of this one, alternating, twice (old new, then
+        # new old, so neither tree always runs second; the pipeline once), in one job: host
+        # timings differ between machines
         importable "$AB_OLD"
         rounds="1 2"; [ "$phase" = smallab2 ] && rounds=1
         for round in $rounds; do
@@ -296,7 +298,13 @@ for phase in "$@"; do
             for tree in $order; do
                 if [ "$tree" = old ]; then treepath=(env PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}")
                 else treepath=(env); fi
-                if [ "$phase" = latencyab2 ]; then
+                if [ "$phase" = layoutab2 ]; then
+                    step "what a new layout costs, 2 ranks, $tree tree (round $round)" 120 "${treepath[@]}" "${mpirun_env[@]}" -n 2 \
+                        python3 bench/probe_layout.py ${LAYOUT_ROWS:-16384} 7168 50
+                elif [ "$phase" = stepab2 ]; then
+                    step "host time per pipeline stage, 2 ranks, $tree tree (round $round)" 200 "${treepath[@]}" "${mpirun_env[@]}" -n 2 \
+                        python3 bench/profile_step.py ${STEP_ROWS:-16384} bf16,mxfp8 none --routing uniform
+                elif [ "$phase" = latencyab2 ]; then
                     step "bench latency, 2 ranks, $tree tree (round $round)" 300 "${treepath[@]}" "${mpirun_env[@]}" -n 2 \
                         python3 -m mxcomm.bench latency ${LATENCY_ARGS:-} \
                         --json "$res/latency_ab_${tree}_w2.json" --markdown "$res/latency_ab_${tree}_w2.md"

@@ -39,6 +39,11 @@ _EVENT_DISABLE_TIMING = 0x2    # cudaEventDisableTiming
 _WATCH_POLL_S = 0.05
 _ASYNC_CHECK_S = 1.0           # period of ncclCommGetAsyncError checks while in flight
 _IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in flight
+#: ``wait`` polls its event without sleeping for this long, then sleeps between polls (doubling
+#: up to 1 ms): the host read of the layout exchange waits here for the work before it, and a
+#: sleep overshoots its end by up to its own length (at least ~50 us on Linux) while the device
+#: idles until the layout is agreed.
+_WAIT_SPIN_S = 2e-3
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
@@ -494,8 +499,9 @@ class NcclCommunicator(Communicator):
                                             f"{self.timeout:g} s on rank {self.rank} ({late}); "
                                             f"the communicator is aborted"))
                     self._check_usable()
-                time.sleep(sleep)
-                sleep = min(2 * sleep, 1e-3)
+                if time.monotonic() - start > _WAIT_SPIN_S:
+                    time.sleep(sleep)
+                    sleep = min(2 * sleep, 1e-3)
         finally:
             with self._lock:
                 self._free_events.append(event)

@@ -267,14 +267,17 @@ class Launch:
             values[slot] = ptr
         return values
 
-    def _simulate(self, blocks, arrays):
-        """Numba's dispatcher on NumPy views of ``arrays`` as the placeholders' words."""
+    def _simulate(self, blocks, arrays, ints=None):
+        """Numba's dispatcher on NumPy views of ``arrays`` as the placeholders' words; ``ints``:
+        ``{argument index: value}`` of a sized launch's counted integers."""
         given = iter(zip(arrays, self._names))
         args = []
-        for a in self._args:
+        for index, a in enumerate(self._args):
             if isinstance(a, Words):
                 array, name = next(given)
                 a = words(array, a.dtype, name, rows=a.ndim == 2, align=a.align)
+            elif ints and index in ints:
+                a = ints[index]
             args.append(a)
         self._kernel._dispatcher[blocks, self._threads, 0, self._shared](*args)
 
@@ -305,7 +308,8 @@ class SizedLaunch(Launch):
             den)`` threads (the grid-stride loop's work items).
         args: as :class:`Launch`, each :class:`Words` placeholder giving ONE unit's words:
             ``(k,)`` for k words per unit, ``(1, c)`` for one row of c words per unit; a pair
-            ``(placeholder, i)`` scales with count ``i`` of a call's counts (default 0).
+            ``(placeholder, i)`` scales with count ``i`` of a call's counts (default 0). An
+            integer argument is fixed, or with ``(None, i)`` count ``i`` of each call.
 
     Calling it, ``launch(stream, units, *arrays)``: ``units`` an int > 0, or a tuple of counts
     whose first drives the grid (a gather's rows and its source's); then the arrays as
@@ -313,20 +317,24 @@ class SizedLaunch(Launch):
     checked).
     """
 
-    __slots__ = ("_num", "_den", "_sizes")
+    __slots__ = ("_num", "_den", "_sizes", "_counted_ints")
 
     def __init__(self, kernel, config, threads_per_unit, *args):
         counted = [a if isinstance(a, tuple) else (a, 0) for a in args]
-        super().__init__(kernel, config, *(a for a, _ in counted))
+        # a counted integer: 0 until a call gives it (the ABI slot of an int64)
+        super().__init__(kernel, config, *(0 if a is None else a for a, _ in counted))
         self._num, self._den = threads_per_unit
         self._sizes = []  # (ABI index of nitems, of shape[0], words and rows per unit, count)
+        self._counted_ints = []  # (argument index, ABI index, count)
         at = 0
-        for a, count in counted:
+        for index, (a, count) in enumerate(counted):
             if isinstance(a, Words):
                 if a.ndim == 2 and a.shape[0] != 1:
                     raise ValueError(f"a sized launch's 2-D placeholder holds one row, got "
                                      f"{a.shape}")
                 self._sizes.append((at + 2, at + 5, a.size, 1 if a.ndim == 2 else a.size, count))
+            elif a is None:
+                self._counted_ints.append((index, at, count))
             at += len(a.abi()) if isinstance(a, Words) else 1
 
     def __call__(self, stream, units, *arrays):
@@ -336,12 +344,15 @@ class SizedLaunch(Launch):
         need = -(-counts[0] * self._num // self._den)
         blocks = max(1, min(self._blocks, -(-need // self._threads)))
         if self._kernel._dispatcher is not None:
-            self._simulate(blocks, arrays)
+            self._simulate(blocks, arrays, {index: counts[count]
+                                            for index, _, count in self._counted_ints})
             return
         values = self._filled(self._values, arrays)
         for nitems, shape, per_unit, rows_per_unit, count in self._sizes:
             values[nitems] = per_unit * counts[count]
             values[shape] = rows_per_unit * counts[count]
+        for _, at, count in self._counted_ints:
+            values[at] = counts[count]
         self._function(blocks, self._threads, stream, values, self._shared)
 
 

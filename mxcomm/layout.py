@@ -94,6 +94,13 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
             naming the rank, the expert and the value).
         TimeoutError: a rank did not join within ``comm.timeout`` s; the communicator is aborted.
     """
+    return _exchange(num_tokens_per_expert, comm, stream, Layout, None)
+
+
+def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
+    """:func:`exchange_layout`, making the layout as ``cls`` (a :class:`Layout` subclass, e.g.
+    ``mxcomm.torch``'s) and this rank's (E,) int32 group counts on the device with
+    ``upload(host array)`` -> device array (None: the array module's, on ``stream``)."""
     rank, world = comm.rank, comm.size
     error, host = None, None
     try:
@@ -109,17 +116,17 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
                                                                                   b"\0")
     table = comm._side.allgather_bytes(header.tobytes() + text, "exchange_layout (verdicts)")
     stride = 16 + _TEXT_BYTES
-    verdicts = [(numpy.frombuffer(table[r * stride:r * stride + 16], dtype=numpy.int64),
-                 table[r * stride + 16:(r + 1) * stride].rstrip(b"\0").decode(errors="replace"))
-                for r in range(world)]
-    bad = [r for r, (h, _) in enumerate(verdicts) if h[0] != _VALID]
+    headers = numpy.frombuffer(table, dtype=numpy.uint8).reshape(world, stride)[:, :16]
+    headers = headers.copy().view(numpy.int64)  # (W, 2): verdict, E
+    bad = numpy.flatnonzero(headers[:, 0] != _VALID).tolist()
     if bad:
         first = bad[0]
-        kind = TypeError if verdicts[first][0][0] == _BAD_TYPE else ValueError
+        kind = TypeError if headers[first, 0] == _BAD_TYPE else ValueError
+        message = table[first * stride + 16:(first + 1) * stride].rstrip(b"\0")
         also = f" (also invalid on rank{'s' if len(bad) > 2 else ''} " \
                f"{', '.join(map(str, bad[1:]))})" if len(bad) > 1 else ""
-        raise kind(f"exchange_layout: {verdicts[first][1]}{also}")
-    lengths = [int(h[1]) for h, _ in verdicts]
+        raise kind(f"exchange_layout: {message.decode(errors='replace')}{also}")
+    lengths = headers[:, 1].tolist()
     if len(set(lengths)) > 1:
         other = next(r for r in range(world) if lengths[r] != lengths[0])
         raise ValueError(f"exchange_layout: num_tokens_per_expert has {lengths[0]} experts on "
@@ -129,10 +136,13 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
     num_experts = lengths[0]
     local_experts = num_experts // world
     mine = counts[:, rank * local_experts:(rank + 1) * local_experts].reshape(-1)
-    xp = array_module()
-    with comm._on_stream(comm._stream_ptr(stream)):
-        group = xp.asarray(mine.astype(numpy.int32))
-    return Layout(comm, group, counts, local_experts)
+    mine = mine.astype(numpy.int32)
+    if upload is not None:
+        group = upload(mine)
+    else:
+        with comm._on_stream(comm._stream_ptr(stream)):
+            group = array_module().asarray(mine)
+    return cls(comm, group, counts, local_experts)
 
 
 def _local_counts(num_tokens_per_expert, comm, stream, rank, world):
@@ -154,24 +164,19 @@ def _local_counts(num_tokens_per_expert, comm, stream, rank, world):
     else:
         comm.wait(stream)  # bounded: the counts may come from work still running
         host = counts.get()
-    if counts.dtype.kind == "u" and counts.dtype.itemsize == 8:
-        too_big = numpy.flatnonzero(host > _INT32_MAX)
-        if too_big.size:
-            e = int(too_big[0])
-            raise ValueError(f"{name} on rank {rank}: count {int(host[e])} for expert {e} is "
-                             f"beyond 2**31 - 1 rows")
-    host = host.astype(numpy.int64)
-    negative = numpy.flatnonzero(host < 0)
-    if negative.size:
-        e = int(negative[0])
-        raise ValueError(f"{name} on rank {rank}: count {int(host[e])} for expert {e} is "
-                         f"negative")
-    too_big = numpy.flatnonzero(host > _INT32_MAX)
-    if too_big.size:
-        e = int(too_big[0])
+    # two reductions; the expert a message names is looked up only when a check fails
+    # (uint64 compared before the int64 conversion, which would wrap it)
+    if int(host.max()) > _INT32_MAX:
+        e = int(numpy.flatnonzero(host > _INT32_MAX)[0])
         raise ValueError(f"{name} on rank {rank}: count {int(host[e])} for expert {e} is beyond "
                          f"2**31 - 1 rows")
-    if int(host.sum()) > _INT32_MAX:
-        raise ValueError(f"{name} on rank {rank}: the counts add up to {int(host.sum())} rows, "
-                         f"beyond 2**31 - 1")
+    if int(host.min()) < 0:
+        e = int(numpy.flatnonzero(host < 0)[0])
+        raise ValueError(f"{name} on rank {rank}: count {int(host[e])} for expert {e} is "
+                         f"negative")
+    host = host.astype(numpy.int64)
+    total = int(host.sum())
+    if total > _INT32_MAX:
+        raise ValueError(f"{name} on rank {rank}: the counts add up to {total} rows, beyond "
+                         f"2**31 - 1")
     return host

@@ -38,6 +38,7 @@ from .layout import Layout
 from .formats import QuantizedArray, conversion, get_format
 
 _WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
+_INT32 = numpy.dtype(numpy.int32)
 #: Words of a row each thread of a row-moving block aims to copy. Measured on an H200 (MXFP8 rows,
 #: 131072x7168, 896 words a row): 4 -> 0.608 ms, 8 -> 0.587, 16 -> 0.534, 32 -> 0.504 per permute:
 #: smaller blocks put more rows, and their dependent index loads, in flight.
@@ -402,9 +403,12 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
     if counts.shape[0] == 0 or counts.shape[0] % e_local:
         raise ValueError(f"num_tokens_per_expert_group: expected a length that is a positive "
                          f"multiple of num_local_experts = {e_local}, got {counts.shape[0]}")
+    if not counts.flags.c_contiguous:  # the kernels take contiguous counts
+        with _on_stream(stream):
+            counts = counts.copy()
     m_recv = srcs[0].shape[0]
     p = _round_up(m_recv + e_local * align, align)
-    indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream)
+    indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream, alloc)
     return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
 
@@ -445,38 +449,55 @@ def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, 
     if m_recv != layout.num_received:
         raise ValueError(f"permute: x on rank {layout.comm.rank} has {m_recv} rows, but the "
                          f"layout receives {layout.num_received}")
-    indices, group_offsets = _layout_index(layout, align, stream)
+    indices, group_offsets = _layout_index(layout, align, stream, alloc)
     return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
 
-def _layout_index(layout, align, stream):
+def _layout_index(layout, align, stream, alloc=None):
     """``(indices, group_offsets)`` of ``layout``'s permute for ``align``, built once per layout
-    and align (:func:`_layout`) and kept beside it."""
+    and align (:func:`_layout`, into arrays from ``alloc``) and kept beside it."""
     key = ("permute", align)
     cached = layout._cache.get(key)
     if cached is None:
         cached = layout._cache[key] = _layout(
             layout.num_tokens_per_expert_group, layout.num_local_experts, align,
-            layout.num_received, layout.permuted_rows(align), stream)
+            layout.num_received, layout.permuted_rows(align), stream, alloc)
     return cached
 
 
-def _layout(counts, e_local, align, m_recv, p, stream):
+def _layout(counts, e_local, align, m_recv, p, stream, alloc=None):
     """``(indices (P,) int32, group_offsets (E_local,) int32)`` of :func:`permute`: from
-    ``_host.permute_layout`` on the host backend, else from the layout and index kernels."""
+    ``_host.permute_layout`` on the host backend, else from the layout and index kernels'
+    prepared launches (:func:`_index_launches`), into arrays from ``alloc(shape, dtype)``
+    (None: the array module's ``empty``)."""
     if host_backend():
         return _host.permute_layout(counts, e_local, align, m_recv, p)
-    xp = array_module()
-    src_start = xp.empty(counts.shape[0], dtype=numpy.int32)
-    dst_start = xp.empty(counts.shape[0], dtype=numpy.int32)
-    group_offsets = xp.empty(e_local, dtype=numpy.int32)
-    indices = xp.empty(p, dtype=numpy.int32)
+    alloc = alloc or array_module().empty
+    e = counts.shape[0]
+    starts = alloc((2, e), _INT32)  # each segment's first received and first permuted row
+    group_offsets = alloc((e_local,), _INT32)
+    indices = alloc((p,), _INT32)
+    layout_launch, index_launch = _index_launches(align)
     ptr = stream_ptr(stream)
-    permute_layout_kernel[launch_1d(1, ptr)](counts, e_local, align, src_start, dst_start,
-                                             group_offsets)
-    permute_indices_kernel[launch_1d(p, ptr)](counts, src_start, dst_start, group_offsets, m_recv,
-                                              indices)
+    src_start, dst_start = row_range(starts, 0, 1), row_range(starts, 1, 2)
+    layout_launch(ptr, (1, e, e_local), counts, src_start, dst_start, group_offsets)
+    index_launch(ptr, (p, e, e_local, m_recv), counts, src_start, dst_start, group_offsets,
+                 indices)
     return indices, group_offsets
+
+
+@prepared
+def _index_launches(align):
+    """The sized launches of ``permute_layout_kernel`` (one thread) and
+    ``permute_indices_kernel`` (a thread per permuted row) for ``align``; their counts: ``(1,
+    E, E_local)`` and ``(P, E, E_local, M_recv)``."""
+    def words(count):
+        return Words(0, (1,), _INT32), count
+    layout = SizedLaunch(permute_layout_kernel, launch_1d(1, threads=32), (0, 1), words(1),
+                         (None, 2), align, words(1), words(1), words(2))
+    index = SizedLaunch(permute_indices_kernel, launch_1d(UNBOUNDED), (1, 1), words(1),
+                        words(1), words(1), words(2), (None, 3), words(0))
+    return layout, index
 
 
 def unpermute(y, permuted_indices, num_rows, *, stream=None):

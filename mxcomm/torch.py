@@ -178,16 +178,31 @@ def _exchange_direct(function, t, layout, precision):
     return _quantized_tensor(out[0], out[1], direct.fmt)
 
 
-def _index_tensors(layout, align, indices, offsets):
-    """The permute index and group offsets (arrays) of ``layout`` for ``align`` as tensors,
-    kept beside the layout (the arrays are too), so a call imports nothing through DLPack."""
+def _index_tensors(layout, align, indices, offsets, alloc=None):
+    """The permute index and group offsets (arrays) of ``layout`` for ``align`` as tensors: the
+    tensors ``alloc`` (an :class:`_Alloc`) made them in, else exported through DLPack once;
+    kept beside the layout (the arrays are too), so a later call imports and exports nothing,
+    and :func:`_index_array` finds the index's array from its tensor."""
     key = ("torch permute index", align)
     cached = layout._cache.get(key) if layout is not None else None
     if cached is None or cached[0] is not indices:
-        cached = (indices, _tensor(indices), _tensor(offsets))
+        tensor = _tensor if alloc is None else alloc.tensor
+        cached = (indices, tensor(indices), tensor(offsets))
         if layout is not None:
             layout._cache[key] = cached
+            layout._cache["torch index array", id(cached[1])] = (cached[1], indices)
     return cached[1], cached[2]
+
+
+def _index_array(t, layout):
+    """The permute index tensor ``t`` as an array: the one kept beside ``layout`` (a layout or
+    None) where ``t`` is the layout's index tensor (:func:`_index_tensors`), else a view of
+    ``t``."""
+    if layout is not None:
+        kept = layout._cache.get(("torch index array", id(t)))
+        if kept is not None and kept[0] is t:
+            return kept[1]
+    return _array(t, "permuted_indices")
 
 
 def _dequantized(t):
@@ -450,7 +465,7 @@ class _Permute(torch.autograd.Function):
         permuted, indices, offsets = _permutation._permute(_rows(x, "x"), counts,
                                                            num_local_experts, align, out_format,
                                                            _stream(x), alloc)
-        indices, offsets = _index_tensors(layout, align, indices, offsets)
+        indices, offsets = _index_tensors(layout, align, indices, offsets, alloc)
         ctx.save_for_backward(indices)
         # with the layout, its permute's indices name every received row once: the backward's
         # scatter needs no zero fill first (one pass over the gradient less)
@@ -467,9 +482,9 @@ class _Permute(torch.autograd.Function):
             dx = _PendingGather(grad, ctx.inverse)
         else:
             alloc = _Alloc(grad.device)
-            dx = _wrap(_permutation._unpermute(_rows(grad, "grad"),
-                                               _array(indices, "permuted_indices"), ctx.num_rows,
-                                               _stream(grad), alloc), alloc)
+            layout = ctx.num_rows if isinstance(ctx.num_rows, _layout.Layout) else None
+            dx = _wrap(_permutation._unpermute(_rows(grad, "grad"), _index_array(indices, layout),
+                                               ctx.num_rows, _stream(grad), alloc), alloc)
         # None for: num_tokens_per_expert_group, num_local_experts, align, out_format, fold
         return dx, None, None, None, None, None
 
@@ -504,9 +519,10 @@ class _Unpermute(torch.autograd.Function):
     def forward(ctx, y, permuted_indices, num_rows, grad_format):
         ctx.save_for_backward(permuted_indices)
         ctx.grad_format = grad_format
+        ctx.layout = num_rows if isinstance(num_rows, _layout.Layout) else None
         alloc = _Alloc(y.device)
         return _wrap(_permutation._unpermute(_rows(y, "y"),
-                                             _array(permuted_indices, "permuted_indices"),
+                                             _index_array(permuted_indices, ctx.layout),
                                              num_rows, _stream(y), alloc), alloc)
 
     @staticmethod
@@ -514,7 +530,7 @@ class _Unpermute(torch.autograd.Function):
         (indices,) = ctx.saved_tensors
         alloc = _Alloc(grad.device)
         dy = _permutation._unpermute_backward(_rows(grad, "grad"),
-                                              _array(indices, "permuted_indices"),
+                                              _index_array(indices, ctx.layout),
                                               _stream(grad), alloc, ctx.grad_format)
         # None for: permuted_indices, num_rows, grad_format
         return _wrap(dy, alloc), None, None, None
@@ -571,12 +587,16 @@ class _AllToAllSingle(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------- public
 class Layout(_layout.Layout):
-    """:class:`mxcomm.layout.Layout` on tensors: ``num_tokens_per_expert_group`` is an (E,)
-    int32 tensor (unpacks as ``(group tensor, input_splits, output_splits)``)."""
+    """:class:`mxcomm.layout.Layout` on tensors: ``group_tensor`` is its (E,) int32
+    ``num_tokens_per_expert_group`` as a tensor (the array is a view of it); unpacks as
+    ``(group tensor, input_splits, output_splits)``."""
 
-    def __new__(cls, layout):
-        self = _layout.Layout.__new__(cls, layout.comm, layout.num_tokens_per_expert_group,
-                                      layout.counts, layout.num_local_experts)
+    @classmethod
+    def of(cls, layout):
+        """The layout on tensors of the array API's ``layout`` (its group array exported as a
+        tensor through DLPack)."""
+        self = cls(layout.comm, layout.num_tokens_per_expert_group, layout.counts,
+                   layout.num_local_experts)
         self.group_tensor = _tensor(layout.num_tokens_per_expert_group)
         return self
 
@@ -597,9 +617,20 @@ def exchange_layout(num_tokens_per_expert, comm):
         :func:`a2a_combine` (no host collective per call); it unpacks as
         ``(num_tokens_per_expert_group (E,) int32 tensor, input_splits, output_splits)``.
     """
-    return Layout(_layout.exchange_layout(
-        _array(num_tokens_per_expert, "num_tokens_per_expert"), comm,
-        stream=_stream(num_tokens_per_expert)))
+    device = num_tokens_per_expert.device
+    made = []
+
+    def upload(host):  # the group counts, copied by torch on its current stream, as an array
+        t = torch.from_numpy(host)
+        if device.type != "cpu":
+            t = t.to(device, non_blocking=True)  # pageable: staged before this returns
+        made.append(t)
+        return _array(t, "num_tokens_per_expert_group")
+
+    layout = _layout._exchange(_array(num_tokens_per_expert, "num_tokens_per_expert"), comm,
+                               _stream(num_tokens_per_expert), Layout, upload)
+    layout.group_tensor = made[0]
+    return layout
 
 
 def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8",

@@ -302,6 +302,17 @@ def test_sized_launch_packs_what_a_launch_of_that_size_packs(units):
                                           _launch.Words(0x2000, (7, 16), u32),
                                           _launch.Words(0x3000, (units, 16), u32)])
     assert blocks == min(40, units)
+    # an integer argument given per call: ``(None, i)`` is count i of each call, packed where
+    # the generic launch packs that int (the permute index's received rows)
+    index = _launch.SizedLaunch(kernel, (40, 64, 0), (1, 1), (_launch.Words(0, (1,), u32), 1),
+                                3, (None, 2), _launch.Words(0, (1,), u32))
+    index(4, (units, 5, 12345), 0x1000, 0x2000)
+    assert kernel.calls[-1][3] == _launch._abi_values(
+        [_launch.Words(0x1000, (5,), u32), 3, 12345, _launch.Words(0x2000, (units,), u32)])
+    assert kernel.key == tuple(map(_launch._argument_key, [_launch.Words(0, (1,), u32), 3, 0,
+                                                           _launch.Words(0, (1,), u32)]))
+    index(4, (units, 5, 7), 0x1000, 0x2000)  # another value, the same prepared launch
+    assert kernel.calls[-1][3][8] == 7  # after the counts Words (7 values) and the fixed 3
 
 
 def test_row_range_views_rows_by_address():

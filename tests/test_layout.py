@@ -254,7 +254,7 @@ def test_layout_calls_check_locally(comm):
         import mxcomm.torch as mxt  # noqa: F401 (the torch adapter checks rows too)
         import torch
         mxt.permute(torch.zeros((layout.num_received + 1, D), dtype=torch.bfloat16),
-                    mxt.Layout(layout))
+                    mxt.Layout.of(layout))
 
 
 def test_torch_pipeline_on_layout_makes_no_host_collective(comm):
@@ -643,7 +643,7 @@ def _gpu_torch_direct_calls(torch, small, functions, exchange_direct, monkeypatc
             y = cupy.asarray(move_ref(xs, splits_of(counts, w), me))
             cupy.cuda.get_current_stream().synchronize()  # inputs complete before `stream`
             layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
-            on_tensors = mxt.Layout(layout)
+            on_tensors = mxt.Layout.of(layout)
             rows = {"x": (x, mxt._tensor(x)), "y": (y, mxt._tensor(y))}
             for precision in ("bf16", "mxfp8", "fp8_rowwise"):
                 for function, call in functions.items():
