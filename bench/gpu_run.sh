@@ -289,10 +289,10 @@ for phase in "$@"; do
         # pipeline (smallab2, SMALL_ROUTING), what a new layout costs (layoutab2:
         # bench/probe_layout.py, LAYOUT_ROWS) or the host time per pipeline stage (stepab2,
         # STEP_ROWS) of the tree at $AB_OLD and of this one, alternating, twice (old new, then
-        # new old, so neither tree always runs second; the pipeline once), in one job: host
-        # timings differ between machines
+        # new old, so neither tree always runs second; the pipeline once unless SMALL_ROUNDS=2),
+        # in one job: host timings differ between machines
         importable "$AB_OLD"
-        rounds="1 2"; [ "$phase" = smallab2 ] && rounds=1
+        rounds="1 2"; [ "$phase" = smallab2 ] && [ "${SMALL_ROUNDS:-1}" = 1 ] && rounds=1
         for round in $rounds; do
             order="old new"; [ "$round" = 2 ] && order="new old"
             for tree in $order; do
@@ -313,8 +313,8 @@ for phase in "$@"; do
                         python3 -m mxcomm.bench pipeline --routing ${SMALL_ROUTING:-uniform} \
                         --tokens ${SMALL_TOKENS:-4096 16384 32768 65536} --dim 7168 --hidden 2048 --experts 8 \
                         --no-stages --interleave --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
-                        --json "$res/pipeline_small_ab_${tree}_${SMALL_ROUTING:-uniform}_w2.json" \
-                        --markdown "$res/pipeline_small_ab_${tree}_${SMALL_ROUTING:-uniform}_w2.md"
+                        --json "$res/pipeline_small_ab_${tree}_${SMALL_ROUTING:-uniform}_r${round}_w2.json" \
+                        --markdown "$res/pipeline_small_ab_${tree}_${SMALL_ROUTING:-uniform}_r${round}_w2.md"
                 fi
             done
         done ;;

@@ -305,6 +305,13 @@ class Communicator(abc.ABC):
         """
         self._check_usable()
 
+    def _to_host(self, a, stream):
+        """The values of the 1-D device array ``a`` as a new NumPy array, read once the work
+        enqueued on ``stream`` so far is done (bounded, as :meth:`wait`): the layout exchange's
+        one host read."""
+        self.wait(stream)
+        return a.get()
+
     # ---------------------------------------------------------------------- staged exchange
     def _choose_transport(self):
         """Pick the transport of :meth:`exchange`; collective (from the constructors).

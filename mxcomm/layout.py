@@ -161,9 +161,8 @@ def _local_counts(num_tokens_per_expert, comm, stream, rank, world):
                          f"multiple of the {world} ranks")
     if isinstance(counts, numpy.ndarray):
         host = counts
-    else:
-        comm.wait(stream)  # bounded: the counts may come from work still running
-        host = counts.get()
+    else:  # bounded: the counts may come from work still running
+        host = comm._to_host(counts, stream)
     # two reductions; the expert a message names is looked up only when a check fails
     # (uint64 compared before the int64 conversion, which would wrap it)
     if int(host.max()) > _INT32_MAX:
