@@ -296,6 +296,32 @@ def test_torch_pipeline_on_layout_makes_no_host_collective(comm):
     assert torch.equal(grad.view(torch.int16), ref_grad.view(torch.int16))
 
 
+def test_torch_layout_keeps_its_index(comm):
+    """The torch layout is made by the one exchange (its group tensor equals its group array);
+    its permute index, handed back to unpermute, is found as the array kept beside the layout
+    (no new view), and another tensor of the same values is viewed anew; ``Layout.of`` gives an
+    array layout's equivalent on tensors."""
+    torch = pytest.importorskip("torch")
+    import mxcomm.torch as mxt
+    w, me = comm.size, comm.rank
+    counts = random_counts(numpy.random.default_rng(SEED + 9), w, 1)
+    layout = mxt.exchange_layout(torch.from_numpy(counts[me].astype(numpy.int64)), comm)
+    assert isinstance(layout, mxt.Layout)
+    numpy.testing.assert_array_equal(layout.group_tensor.numpy(),
+                                     numpy.asarray(layout.num_tokens_per_expert_group))
+    h = torch.zeros((layout.num_received, D), dtype=torch.bfloat16)
+    _, indices, offsets = mxt.permute(h, layout, align=8)
+    kept = layout._cache["permute", 8][0]
+    assert mxt._index_array(indices, layout) is kept
+    other = mxt._index_array(indices.clone(), layout)
+    assert other is not kept
+    numpy.testing.assert_array_equal(numpy.asarray(other), numpy.asarray(kept))
+    on_arrays = exchange_layout(counts[me].astype(numpy.int32), comm)
+    again = mxt.Layout.of(on_arrays)
+    assert again.input_splits == layout.input_splits == on_arrays.input_splits
+    assert torch.equal(again.group_tensor, layout.group_tensor)
+
+
 @pytest.mark.parametrize("second_use", [False, True])
 def test_permute_backward_folds_into_the_quantized_dispatch_gradient(comm, monkeypatch,
                                                                      second_use):
