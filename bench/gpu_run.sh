@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
@@ -151,6 +151,16 @@ for phase in "$@"; do
                 --tokens ${SWEEP_TOKENS:-16384 32768} --dim 7168 --hidden 2048 --experts 8 --no-stages \
                 --interleave --variants ${SWEEP_VARIANTS:-mxfp8} \
                 --json "$res/pipeline_sxsweep_${sx}_w$n.json" --markdown "$res/pipeline_sxsweep_${sx}_w$n.md"
+        done ;;
+    mxsweep2|mxsweep4)  # the medium-exchange limit swept (MX_VALUES, bytes per rank to its
+        # peers) over SWEEP_TOKENS rows per rank, uniform routing, one run per limit
+        n=${phase#mxsweep}
+        [ "$ngpu" -ge "$n" ] && for mx in ${MX_VALUES:-0 134217728 536870912}; do
+            step "bench pipeline, $n ranks, medium_exchange_bytes $mx" 300 "${mpirun_env[@]}" -n "$n" \
+                python3 -m mxcomm.bench pipeline --medium-exchange-bytes "$mx" \
+                --tokens ${SWEEP_TOKENS:-16384 32768} --dim 7168 --hidden 2048 --experts 8 --no-stages \
+                --interleave --variants ${SWEEP_VARIANTS:-mxfp8} \
+                --json "$res/pipeline_mxsweep_${mx}_w$n.json" --markdown "$res/pipeline_mxsweep_${mx}_w$n.md"
         done ;;
     pipe2fp8) step "bench pipeline, 2 ranks, fp8 GEMM variants, 131072 rows" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \

@@ -36,6 +36,7 @@ class Communicator(abc.ABC):
         small_exchange_bytes: None (the backend's ``SMALL_EXCHANGE_BYTES`` where every rank is
             on one node, else 0) or a non-negative int, the same on every rank (checked in
             :meth:`_choose_transport`).
+        medium_exchange_bytes: the same for ``medium_exchange_bytes`` (``MEDIUM_EXCHANGE_BYTES``).
 
     Attributes:
         rank: this process's rank in ``[0, size)``.
@@ -53,6 +54,11 @@ class Communicator(abc.ABC):
             than this many bytes of them to its peers moves them as they are and quantizes
             them on arrival, with the same results (docs/design.md, "Small exchanges travel
             unquantized"); 0 never does.
+        medium_exchange_bytes: a quantized exchange of plain rows, not small, whose result stays
+            quantized and in which no rank sends more than this many bytes of them to its peers
+            quantizes them on the caller's stream and moves them in one :meth:`alltoallv` instead
+            of staging them, with the same results (docs/design.md, "Medium exchanges travel
+            quantized in one alltoallv"); 0 never does.
     """
 
     #: The default of ``small_exchange_bytes`` where every rank is on one node: 0 on the host
@@ -60,13 +66,18 @@ class Communicator(abc.ABC):
     #: GPUs measured over NVLink. Across nodes the default is 0: the links are slower, so the
     #: bytes a quantized exchange saves weigh more, and no limit was measured there.
     SMALL_EXCHANGE_BYTES = 0
+    #: The default of ``medium_exchange_bytes`` where every rank is on one node (0 elsewhere), as
+    #: ``SMALL_EXCHANGE_BYTES``.
+    MEDIUM_EXCHANGE_BYTES = 0
 
-    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None):
+    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
+                 medium_exchange_bytes=None):
         if peer_memory not in (None, True, False):
             raise ValueError(f"peer_memory: expected None (auto), True or False, got "
                              f"{peer_memory!r}")
         #: checked by ``init``; None until :meth:`_choose_transport` resolves the default
         self.small_exchange_bytes = small_exchange_bytes
+        self.medium_exchange_bytes = medium_exchange_bytes
         self._side = side
         side.on_timeout = self._mark_aborted_by_timeout
         self.rank = side.rank
@@ -114,6 +125,12 @@ class Communicator(abc.ABC):
         rank) moves them unquantized (``small_exchange_bytes``; docs/design.md, "Small exchanges
         travel unquantized"). Local; no collective."""
         return rows * row_bytes <= self.small_exchange_bytes
+
+    def medium_exchange(self, rows, row_bytes):
+        """Whether such an exchange, not small, whose result stays quantized, travels quantized
+        in one :meth:`alltoallv` (``medium_exchange_bytes``; docs/design.md, "Medium exchanges
+        travel quantized in one alltoallv"). Local; no collective."""
+        return rows * row_bytes <= self.medium_exchange_bytes
 
     def _check_usable(self):
         """Raise what the next call must raise: a stored error once, then a state error."""
@@ -320,21 +337,26 @@ class Communicator(abc.ABC):
         GPUs; on the host, MPI shared windows, so a torch side channel takes ``"grouped"``);
         ``peer_memory`` None takes it where every rank can, True requires it (RuntimeError on
         every rank otherwise), False never uses it. The same vote checks that every rank has
-        the same ``small_exchange_bytes`` (ValueError on every rank otherwise).
+        the same ``small_exchange_bytes`` and ``medium_exchange_bytes`` (ValueError on every
+        rank otherwise).
         """
         from ._grouped import GroupedTransport
         from ._pull import PullTransport
         _, one_node = self._side.node_info()
         if self.small_exchange_bytes is None:
             self.small_exchange_bytes = self.SMALL_EXCHANGE_BYTES if one_node else 0
+        if self.medium_exchange_bytes is None:
+            self.medium_exchange_bytes = self.MEDIUM_EXCHANGE_BYTES if one_node else 0
         here = self._peer_memory is not False and one_node and self._peer_memory_here()
         table = self._side.allgather_array(
-            numpy.array([here, self.small_exchange_bytes], numpy.int64),
-            "peer memory setup (vote)")
-        votes, limits = table[:, 0].tolist(), table[:, 1].tolist()
-        if len(set(limits)) > 1:
-            raise ValueError(f"small_exchange_bytes on rank {self.rank}: the ranks must agree, "
-                             f"but they gave {dict(enumerate(limits))} (rank: bytes)")
+            numpy.array([here, self.small_exchange_bytes, self.medium_exchange_bytes],
+                        numpy.int64), "peer memory setup (vote)")
+        votes = table[:, 0].tolist()
+        for column, name in ((1, "small_exchange_bytes"), (2, "medium_exchange_bytes")):
+            limits = table[:, column].tolist()
+            if len(set(limits)) > 1:
+                raise ValueError(f"{name} on rank {self.rank}: the ranks must agree, but they "
+                                 f"gave {dict(enumerate(limits))} (rank: bytes)")
         if self._peer_memory and not all(votes):
             ranks = [r for r, v in enumerate(votes) if not v]
             raise RuntimeError(f"peer_memory=True: ranks {ranks} cannot map their peers' memory "

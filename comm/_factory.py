@@ -9,12 +9,14 @@ _BACKENDS = ("auto", "nccl", "mpi", "torch")
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
 #: The default of ``init``'s ``nccl_init``.
 _NCCL_INIT_ENV = "MXCOMM_NCCL_INIT"
-#: The default of ``init``'s ``small_exchange_bytes``.
+#: The defaults of ``init``'s ``small_exchange_bytes`` and ``medium_exchange_bytes``.
 _SMALL_ENV = "MXCOMM_SMALL_EXCHANGE_BYTES"
+_MEDIUM_ENV = "MXCOMM_MEDIUM_EXCHANGE_BYTES"
 
 
 def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=True,
-         peer_memory=None, device=None, nccl_init=None, small_exchange_bytes=None):
+         peer_memory=None, device=None, nccl_init=None, small_exchange_bytes=None,
+         medium_exchange_bytes=None):
     """A communicator over the ranks of ``mpi_comm`` or of the torch.distributed ``group``.
 
     Collective: every rank of ``mpi_comm`` (or ``group``) must call it, with the same ``backend``.
@@ -64,13 +66,24 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             where every rank is on one node (64 MiB for NCCL, measured on H100s over NVLink,
             bench/NOTES.md; 0 on the host backends), and 0 across nodes (unmeasured there, where
             the saved bytes weigh more).
+        medium_exchange_bytes: an exchange of bf16/fp32 rows that is not small, whose result
+            stays quantized (``a2a_dispatch``, ``a2a_combine_backward``), and in which no rank
+            sends more than this many bytes of them (in their own dtype, as above) to its peers
+            quantizes them on the caller's stream and moves the quantized rows in one
+            ``alltoallv``, instead of staging them: the same results bit for bit, less host time
+            per call (docs/design.md, "Medium exchanges travel quantized in one alltoallv"). 0
+            never does. Every rank must give the same value. None:
+            ``MXCOMM_MEDIUM_EXCHANGE_BYTES`` from the environment, else the backend's default
+            where every rank is on one node (128 MiB for NCCL, bench/NOTES.md; 0 on the host
+            backends), and 0 across nodes.
     Returns:
         A communicator: ``rank``, ``size``, ``timeout``, ``transport``, ``group``,
         ``alltoallv``, ``exchange``, ``check``, ``alltoall_counts``, ``wait``, ``barrier``,
         ``abort``, ``close``; usable as a context manager.
     Raises:
         ValueError: an unknown ``backend``, a non-positive ``timeout``, a bad ``peer_memory``,
-            ``nccl_init`` or ``small_exchange_bytes`` (or ranks giving different ones),
+            ``nccl_init``, ``small_exchange_bytes`` or ``medium_exchange_bytes`` (or ranks
+            giving different ones),
             ``mpi_comm`` and ``group`` both given, a backend that does not fit the ranks'
             source (``"mpi"`` with a group, ``"torch"`` with ``mpi_comm``), a DeviceMesh of more
             than one dimension, or this process not in ``group``.
@@ -94,18 +107,10 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
     if nccl_init not in ("eager", "lazy"):
         raise ValueError(f"nccl_init: expected 'eager' or 'lazy' (None: ${_NCCL_INIT_ENV}, "
                          f"else 'eager'), got {nccl_init!r}")
-    if small_exchange_bytes is None and os.environ.get(_SMALL_ENV):
-        small_exchange_bytes = os.environ[_SMALL_ENV]
-        try:
-            small_exchange_bytes = int(small_exchange_bytes)
-        except ValueError:
-            raise ValueError(f"small_exchange_bytes: ${_SMALL_ENV} = {small_exchange_bytes!r} "
-                             f"is not an int (bytes)") from None
-    if small_exchange_bytes is not None and (
-            type(small_exchange_bytes) is bool or not isinstance(small_exchange_bytes, int) or
-            not 0 <= small_exchange_bytes < 2**63):  # the ranks agree on it as an int64
-        raise ValueError(f"small_exchange_bytes: expected None or a non-negative int (bytes, "
-                         f"below 2**63), got {small_exchange_bytes!r}")
+    small_exchange_bytes = _exchange_bytes(small_exchange_bytes, "small_exchange_bytes",
+                                           _SMALL_ENV)
+    medium_exchange_bytes = _exchange_bytes(medium_exchange_bytes, "medium_exchange_bytes",
+                                            _MEDIUM_ENV)
     if mpi_comm is not None and group is not None:
         raise ValueError("init: give mpi_comm or group, not both")
     if group is None and mpi_comm is None and (backend == "torch" or
@@ -134,14 +139,17 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
         if device is None and side.kind == "torch":
             device = _torch_device()
         return NcclCommunicator(side, validate=validate, device=device, peer_memory=peer_memory,
-                                nccl_init=nccl_init, small_exchange_bytes=small_exchange_bytes)
+                                nccl_init=nccl_init, small_exchange_bytes=small_exchange_bytes,
+                                medium_exchange_bytes=medium_exchange_bytes)
     if side.kind == "torch":
         from ._torchdist import TorchHostCommunicator
         return TorchHostCommunicator(side, validate=validate, peer_memory=peer_memory,
-                                     small_exchange_bytes=small_exchange_bytes)
+                                     small_exchange_bytes=small_exchange_bytes,
+                                     medium_exchange_bytes=medium_exchange_bytes)
     from ._mpi import MpiCommunicator
     return MpiCommunicator(side, validate=validate, peer_memory=peer_memory,
-                           small_exchange_bytes=small_exchange_bytes)
+                           small_exchange_bytes=small_exchange_bytes,
+                           medium_exchange_bytes=medium_exchange_bytes)
 
 
 def _default_torch_group(backend):
@@ -184,3 +192,20 @@ def _nccl_available():
         return bool(nccl.available) and nccl.get_version() > 0
     except Exception:  # no CuPy, no NCCL library, no driver: fall back to the host backend
         return False
+
+
+def _exchange_bytes(value, name, env):
+    """``init``'s ``value`` of ``name`` (small or medium exchange bytes), or the environment's
+    ``env`` where None; checked: None or an int in [0, 2**63) (the ranks agree on it as an
+    int64)."""
+    if value is None and os.environ.get(env):
+        value = os.environ[env]
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"{name}: ${env} = {value!r} is not an int (bytes)") from None
+    if value is not None and (type(value) is bool or not isinstance(value, int) or
+                              not 0 <= value < 2**63):
+        raise ValueError(f"{name}: expected None or a non-negative int (bytes, below 2**63), "
+                         f"got {value!r}")
+    return value

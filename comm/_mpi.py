@@ -26,15 +26,17 @@ class MpiCommunicator(HostCommunicator):
         peer_memory: transport of :meth:`exchange`: None (auto) pulls from MPI shared-memory
             windows where every rank is on this node; True requires that; False uses one
             ``alltoallv``.
-        small_exchange_bytes: see ``mxcomm.comm.init``; None: 0.
+        small_exchange_bytes, medium_exchange_bytes: see ``mxcomm.comm.init``; None: 0.
 
     Collective: every rank of the MPI communicator constructs it. Every method that moves data
     is collective and blocks the host until done (or ``timeout``).
     """
 
-    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None):
+    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
+                 medium_exchange_bytes=None):
         super().__init__(side, validate=validate, peer_memory=peer_memory,
-                         small_exchange_bytes=small_exchange_bytes)
+                         small_exchange_bytes=small_exchange_bytes,
+                         medium_exchange_bytes=medium_exchange_bytes)
         self._row_types = {}  # row bytes -> committed MPI contiguous datatype
         self._choose_transport()
 

@@ -120,6 +120,8 @@ class NcclCommunicator(Communicator):
         small_exchange_bytes: see ``mxcomm.comm.init``; None: ``SMALL_EXCHANGE_BYTES`` where
             every rank is on this node, else 0. Small exchanges move over NCCL: ranks sharing a
             GPU need 0.
+        medium_exchange_bytes: the same with ``MEDIUM_EXCHANGE_BYTES``; medium exchanges move
+            over NCCL too.
 
     Attributes:
         device: the CUDA device ordinal used (made current by the constructor).
@@ -136,11 +138,17 @@ class NcclCommunicator(Communicator):
     #: pipeline at 2 ranks, 8192 rows, a 64 MiB limit (the dispatch moved unquantized) measured
     #: 0.97x / 0.96x over bf16 against 0.92x / 0.91x with 48 MiB (two alternations, one job).
     SMALL_EXCHANGE_BYTES = 64 << 20
+    #: Estimated on H100s (docs/design.md, "Medium exchanges travel quantized in one
+    #: alltoallv"; measured in bench/NOTES.md, twenty-first session): up to 16384 bf16 rows x 7168
+    #: per rank at 2 ranks (117 MB to the peer), where the staged exchange's host time holds up
+    #: the step and its device time is no shorter than a quantize and one NCCL group.
+    MEDIUM_EXCHANGE_BYTES = 128 << 20
 
     def __init__(self, side, *, validate=True, device=None, peer_memory=None,
-                 nccl_init="eager", small_exchange_bytes=None):
+                 nccl_init="eager", small_exchange_bytes=None, medium_exchange_bytes=None):
         super().__init__(side, validate=validate, peer_memory=peer_memory,
-                         small_exchange_bytes=small_exchange_bytes)
+                         small_exchange_bytes=small_exchange_bytes,
+                         medium_exchange_bytes=medium_exchange_bytes)
         import cupy
         from cupy.cuda import nccl
         self._cupy = cupy

@@ -24,15 +24,17 @@ class TorchHostCommunicator(HostCommunicator):
         validate: default of the per-call ``validate`` flag (cross-rank count checks).
         peer_memory: None or False (the grouped transport); True raises RuntimeError on every
             rank (no peer memory without MPI shared windows).
-        small_exchange_bytes: see ``mxcomm.comm.init``; None: 0.
+        small_exchange_bytes, medium_exchange_bytes: see ``mxcomm.comm.init``; None: 0.
 
     Collective: every rank of the group constructs it. Every method that moves data is
     collective and blocks the host until done (or ``timeout``).
     """
 
-    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None):
+    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
+                 medium_exchange_bytes=None):
         super().__init__(side, validate=validate, peer_memory=peer_memory,
-                         small_exchange_bytes=small_exchange_bytes)
+                         small_exchange_bytes=small_exchange_bytes,
+                         medium_exchange_bytes=medium_exchange_bytes)
         import torch
         self._torch = torch
         self._options = torch.distributed.AllToAllOptions

@@ -225,7 +225,8 @@ class _GatheredPlainRows:
 class _Direct:
     """An exchange of rows as they come that one call runs (docs/design.md, "Direct calls"): one
     ``alltoallv`` of the rows as they are (a plain format, or a quantized exchange small enough
-    to travel unquantized), or a staged quantized exchange whose result stays quantized, for
+    to travel unquantized), or, for a quantized exchange whose result stays quantized, one
+    ``alltoallv`` of the quantized rows (a medium exchange) or a staged exchange (larger), for
     one signature: function, format, scale mode, input dtype and row width. Made once per
     signature (:func:`_direct`), with its launches prepared for the signature
     (``Format.quantizer`` / ``Format.round_tripper``); row counts come with each call's plan.
@@ -266,11 +267,14 @@ class _Direct:
 
     def runs(self, comm, plan, staged=True):
         """Whether this call runs the exchange of ``plan``: one ``alltoallv`` (a plain format,
-        or a quantized exchange small enough to travel unquantized), or with ``staged`` a staged
-        quantized exchange whose result stays quantized. The same answer on every rank."""
+        a quantized exchange small enough to travel unquantized, or a medium one whose result
+        stays quantized), or with ``staged`` a staged quantized exchange whose result stays
+        quantized. The same answer on every rank."""
         if self._quantize is None or comm.small_exchange(plan.largest_peer_rows, self.row_bytes):
             return True
-        return staged and not self.dequantize
+        if self.dequantize:
+            return False
+        return staged or comm.medium_exchange(plan.largest_peer_rows, self.row_bytes)
 
     def __call__(self, comm, plan, x, stream, empty):
         # Every array allocated here stays referenced until the launches that use it are
@@ -278,9 +282,16 @@ class _Direct:
         # (freed in stream order, it is safe for work enqueued later on `stream`).
         n, width, dtype, fmt = plan.rows_received, self.width, self.dtype, self.fmt
         if self._quantize is not None and not self.dequantize and \
-                not comm.small_exchange(plan.largest_peer_rows, self.row_bytes):  # staged
+                not comm.small_exchange(plan.largest_peer_rows, self.row_bytes):
             data, scales, buffers = self._quantized(n, empty)
-            _exchange_kept(x, fmt, plan, comm, stream, self._scale_mode, self.kind, *buffers)
+            if comm.medium_exchange(plan.largest_peer_rows, self.row_bytes):
+                # medium: every row quantized here, then one alltoallv of data and scales
+                m = plan.rows_sent
+                sent, sent_scales, quantized = self._quantized(m, empty)
+                self._quantize(x, *quantized, m, stream)
+                comm.alltoallv_plan(quantized, buffers, plan, stream)
+            else:  # staged
+                _exchange_kept(x, fmt, plan, comm, stream, self._scale_mode, self.kind, *buffers)
             return data, scales
         arrived, received = empty((n, width), dtype, "rows")
         comm.alltoallv_plan((x,), (received,), plan, stream)

@@ -712,7 +712,8 @@ def test_nccl_lazy_init():
     import cupy
 
     import mxcomm
-    with mxc.init("nccl", timeout=120.0, nccl_init="lazy", small_exchange_bytes=0) as c:
+    with mxc.init("nccl", timeout=120.0, nccl_init="lazy", small_exchange_bytes=0,
+                  medium_exchange_bytes=0) as c:
         w, me = c.size, c.rank
         assert c._nccl is None
         if c.transport == "pull":
@@ -862,17 +863,20 @@ def test_nccl_init_argument(monkeypatch):
 
 
 @pytest.mark.mpi
-def test_small_exchange_bytes_from_the_environment(monkeypatch):
-    """``MXCOMM_SMALL_EXCHANGE_BYTES`` stands in for ``init``'s ``small_exchange_bytes=None``;
-    what is not an int of bytes is refused before any collective."""
-    monkeypatch.setenv("MXCOMM_SMALL_EXCHANGE_BYTES", "48M")
-    with pytest.raises(ValueError, match=r"MXCOMM_SMALL_EXCHANGE_BYTES = '48M' is not an int"):
+@pytest.mark.parametrize("name", ["small", "medium"])
+def test_small_exchange_bytes_from_the_environment(monkeypatch, name):
+    """``MXCOMM_SMALL_EXCHANGE_BYTES`` (``MXCOMM_MEDIUM_EXCHANGE_BYTES``) stands in for
+    ``init``'s ``small_exchange_bytes=None`` (``medium_exchange_bytes``); what is not an int of
+    bytes is refused before any collective."""
+    env, argument = f"MXCOMM_{name.upper()}_EXCHANGE_BYTES", f"{name}_exchange_bytes"
+    monkeypatch.setenv(env, "48M")
+    with pytest.raises(ValueError, match=rf"{env} = '48M' is not an int"):
         mxc.init("mpi")
-    monkeypatch.setenv("MXCOMM_SMALL_EXCHANGE_BYTES", str(5 << 20))
+    monkeypatch.setenv(env, str(5 << 20))
     with mxc.init("mpi", timeout=60.0) as c:
-        assert c.small_exchange_bytes == 5 << 20
-    with mxc.init("mpi", timeout=60.0, small_exchange_bytes=7) as c:  # the argument wins
-        assert c.small_exchange_bytes == 7
+        assert getattr(c, argument) == 5 << 20
+    with mxc.init("mpi", timeout=60.0, **{argument: 7}) as c:  # the argument wins
+        assert getattr(c, argument) == 7
 
 
 @pytest.mark.parametrize("outcome", ["blocks", "raises", "joins"])

@@ -113,20 +113,24 @@ def expert_ref(rows, w):
     return (rows.astype(numpy.float64) @ w).astype(numpy.float32).astype(BF16)
 
 
-#: Communicators of every test (peer_memory, small_exchange_bytes): both transports of the
-#: quantized exchanges, and every exchange small enough to travel unquantized.
-SETUPS = {"pull": (None, 0), "grouped": (False, 0), "small": (None, 1 << 40)}
+#: Communicators of every test (peer_memory, small_exchange_bytes, medium_exchange_bytes): both
+#: transports of the quantized exchanges, every exchange small enough to travel unquantized, and
+#: every one kept quantized medium enough to travel quantized in one alltoallv.
+SETUPS = {"pull": (None, 0, 0), "grouped": (False, 0, 0), "small": (None, 1 << 40, 0),
+          "medium": (None, 0, 1 << 40)}
 
 
 @pytest.fixture(scope="module", params=list(SETUPS), ids=list(SETUPS))
 def comm(request):
     """Both transports of the MXFP8 exchanges, pulled from peer memory (auto on one node) and
-    one grouped exchange, and the small exchanges' path (rows moved unquantized, quantized on
-    arrival): every test's reference holds for each."""
-    peer_memory, small = SETUPS[request.param]
-    c = mxc.init(timeout=TIMEOUT_S, peer_memory=peer_memory, small_exchange_bytes=small)
+    one grouped exchange, the small exchanges' path (rows moved unquantized, quantized on
+    arrival) and the medium ones' (quantized, then one alltoallv): every test's reference holds
+    for each."""
+    peer_memory, small, medium = SETUPS[request.param]
+    c = mxc.init(timeout=TIMEOUT_S, peer_memory=peer_memory, small_exchange_bytes=small,
+                 medium_exchange_bytes=medium)
     assert c.transport == ("grouped" if peer_memory is False else "pull")
-    assert c.small_exchange_bytes == small
+    assert (c.small_exchange_bytes, c.medium_exchange_bytes) == (small, medium)
     yield c
     c.close()
 
@@ -457,18 +461,19 @@ def test_small_exchange_is_chosen_alike_on_every_rank(below):
                          {"exchange": 0, "alltoallv_plan": 4})
 
 
-def test_small_exchange_bytes_must_agree():
-    """``small_exchange_bytes`` is agreed when the communicator is built: ranks giving different
-    values get the same ValueError, naming every rank's; a bad value is refused at once."""
+@pytest.mark.parametrize("name", ["small_exchange_bytes", "medium_exchange_bytes"])
+def test_small_exchange_bytes_must_agree(name):
+    """``small_exchange_bytes`` and ``medium_exchange_bytes`` are agreed when the communicator is
+    built: ranks giving different values get the same ValueError, naming every rank's; a bad
+    value is refused at once."""
     from mpi4py import MPI
     me = MPI.COMM_WORLD.Get_rank()
-    with pytest.raises(ValueError, match=r"small_exchange_bytes on rank \d+: the ranks must "
+    with pytest.raises(ValueError, match=rf"{name} on rank \d+: the ranks must "
                                          r"agree, but they gave \{0: 0, 1: 1") as info:
-        mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=me)
+        mxc.init(timeout=TIMEOUT_S, **{name: me})
     assert len(set(MPI.COMM_WORLD.allgather(str(info.value).split(":", 1)[1]))) == 1
     for bad in (-1, 1 << 63, 2.0, True):  # the ranks agree on it as an int64
-        with pytest.raises(ValueError, match="small_exchange_bytes: expected None or a "
-                                             "non-negative int"):
-            mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=bad)
+        with pytest.raises(ValueError, match=f"{name}: expected None or a non-negative int"):
+            mxc.init(timeout=TIMEOUT_S, **{name: bad})
     with mxc.init(timeout=TIMEOUT_S) as c:  # the host backend's default
-        assert c.small_exchange_bytes == 0
+        assert c.small_exchange_bytes == c.medium_exchange_bytes == 0

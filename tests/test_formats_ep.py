@@ -29,8 +29,9 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module", params=list(SETUPS), ids=list(SETUPS))
 def comm(request):
-    peer_memory, small = SETUPS[request.param]
-    c = mxc.init(timeout=60.0, peer_memory=peer_memory, small_exchange_bytes=small)
+    peer_memory, small, medium = SETUPS[request.param]
+    c = mxc.init(timeout=60.0, peer_memory=peer_memory, small_exchange_bytes=small,
+                 medium_exchange_bytes=medium)
     yield c
     c.close()
 

@@ -61,8 +61,9 @@ def splits_of(counts, w):
 
 @pytest.fixture(params=list(SETUPS), ids=list(SETUPS))
 def comm(request):
-    peer_memory, small = SETUPS[request.param]
-    c = mxc.init("mpi", timeout=30.0, peer_memory=peer_memory, small_exchange_bytes=small)
+    peer_memory, small, medium = SETUPS[request.param]
+    c = mxc.init("mpi", timeout=30.0, peer_memory=peer_memory, small_exchange_bytes=small,
+                 medium_exchange_bytes=medium)
     yield c
     c.close()
 
@@ -457,24 +458,32 @@ class _ReusingAllocator:
         return self.Owner(self, block, array), array
 
 
-@pytest.mark.parametrize("small", [True, False], ids=["one alltoallv", "staged"])
+@pytest.mark.parametrize("mode", ["small", "medium", "staged"])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8", "fp8_rowwise", "fp8_block128"])
-def test_direct_calls_hold_their_arrays_until_launched(precision, small):
+def test_direct_calls_hold_their_arrays_until_launched(precision, mode):
     """A direct call (``a2a._Direct``: an exchange that is one ``alltoallv``, or a staged one
     whose result stays quantized) keeps every array it allocates referenced until the launches
     and copies that use it are enqueued: with an allocator that poisons and reuses an array's
     memory as soon as its owner is dropped (torch's and CuPy's caching allocators reuse it in
     stream order; an address alone does not keep it), its results in every direction it runs
-    equal the engine's bit for bit. Staged, it runs the quantized exchanges kept quantized (the
-    dispatch and the combine's gradient) and no dequantized one."""
+    equal the engine's bit for bit. Medium and staged, it runs the quantized exchanges kept
+    quantized (the dispatch and the combine's gradient) and no dequantized one; a medium one
+    (quantized, then one alltoallv) equals the staged exchange of a communicator that stages
+    it."""
     from mxcomm import a2a
     w, me = world().size, world().rank
     width = 128
     rng = numpy.random.default_rng(SEED + 23)
-    with mxc.init("mpi", timeout=30.0, small_exchange_bytes=(1 << 40) if small else 0) as c:
+    huge = 1 << 40
+    with mxc.init("mpi", timeout=30.0, small_exchange_bytes=huge if mode == "small" else 0,
+                  medium_exchange_bytes=huge if mode == "medium" else 0) as c, \
+            mxc.init("mpi", timeout=30.0, small_exchange_bytes=0,
+                     medium_exchange_bytes=0) as staging:
         for step in range(3):
             counts = random_counts(rng, w, step)
             layout = exchange_layout(to_device(counts[me].astype(numpy.int32)), c)
+            reference = exchange_layout(to_device(counts[me].astype(numpy.int32)), staging) \
+                if mode == "medium" else layout
             x = to_device(rows_for(counts[me], SEED + 100 * step + me, width))
             y = to_device(rows_for(numpy.array([layout.num_received]), SEED + step, width))
             for function, call in (("a2a_dispatch", a2a_dispatch),
@@ -489,10 +498,12 @@ def test_direct_calls_hold_their_arrays_until_launched(precision, small):
                     assert not direct.runs(c, plan)  # consumed in place: the engine's
                     continue
                 assert direct.runs(c, plan)
+                assert direct.runs(c, plan, staged=False) == (
+                    not staged or mode != "staged" or not direct.fmt.quantized)
                 held = direct(c, plan, rows, 0, _ReusingAllocator())  # the results' owners
                 got = direct.fmt.view(*(o.array for o in held)) if type(held) is tuple \
                     else held.array
-                _same(got, call(rows, layout, precision=precision))
+                _same(got, call(rows, reference, precision=precision))
 
 
 def test_permute_align_errors(comm):
@@ -559,7 +570,8 @@ def test_gpu_layout_path_equals_validated_path():
     explicit-splits path bit for bit, over consecutive calls with changing layouts, and no host
     collective but the layout exchanges and the staging's growth."""
     import cupy
-    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0) as c:
+    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0,
+                  medium_exchange_bytes=0) as c:
         w, me = c.size, c.rank
         stream = cupy.cuda.Stream(non_blocking=True)
         for step in range(6):
@@ -589,18 +601,28 @@ def test_gpu_layout_path_equals_validated_path():
 @pytest.mark.gpu
 def test_gpu_small_exchanges_equal_the_pulled_ones():
     """On GPUs: small exchanges (rows over NCCL as they are, quantized, round-tripped or
-    permuted on arrival) equal the pulled quantized exchanges bit for bit, in every direction,
-    MXFP8 and fp8 rowwise, over changing layouts."""
+    permuted on arrival) and medium ones (quantized, then one NCCL group; the results kept
+    quantized) equal the pulled quantized exchanges bit for bit, in every direction, MXFP8 and
+    fp8 rowwise, over changing layouts."""
     import cupy
-    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0) as pulled, \
-            mxc.init("nccl", timeout=30.0, small_exchange_bytes=1 << 40) as small:
+    huge = 1 << 40
+    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0,
+                  medium_exchange_bytes=0) as pulled, \
+            mxc.init("nccl", timeout=30.0, small_exchange_bytes=huge) as small, \
+            mxc.init("nccl", timeout=30.0, small_exchange_bytes=0,
+                     medium_exchange_bytes=huge) as medium:
         w, me = pulled.size, pulled.rank
-        staged, exchange = [0], small.exchange
+        staged = {small: [], medium: []}  # the kinds each staged
 
-        def counted(*args, **kwargs):
-            staged[0] += 1
-            return exchange(*args, **kwargs)
-        small.exchange = counted
+        def counting(c):
+            exchange = c.exchange
+
+            def counted(rows, *args, **kwargs):
+                staged[c].append(rows.kind)
+                return exchange(rows, *args, **kwargs)
+            c.exchange = counted
+        counting(small)
+        counting(medium)
         stream = cupy.cuda.Stream(non_blocking=True)
         for step in range(3):
             counts, xs = _gpu_routed(w, me, step, 512)
@@ -608,7 +630,7 @@ def test_gpu_small_exchanges_equal_the_pulled_ones():
             y = cupy.asarray(move_ref(xs, splits_of(counts, w), me))
             cupy.cuda.get_current_stream().synchronize()  # inputs complete before `stream`
             results = []
-            for c in (pulled, small):
+            for c in (pulled, small, medium):
                 layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
                 got = []
                 for precision in ("mxfp8", "fp8_rowwise"):
@@ -622,10 +644,15 @@ def test_gpu_small_exchanges_equal_the_pulled_ones():
                                                      stream=stream))
                 c.wait(stream)
                 results.append(got)
-            assert staged == [0]  # every small exchange went over NCCL, none was staged
-            for a, b in zip(*results):
-                for u, v in zip(_words(a), _words(b)):
-                    numpy.testing.assert_array_equal(u, v)
+            for other in results[1:]:
+                for a, b in zip(results[0], other):
+                    for u, v in zip(_words(a), _words(b)):
+                        numpy.testing.assert_array_equal(u, v)
+        # every small exchange went over NCCL, none was staged; of the medium ones only those
+        # whose result is dequantized (the combine and the dispatch's gradient) were staged
+        assert staged[small] == []
+        assert staged[medium] and all(kind.startswith(("a2a_combine ", "a2a_dispatch_backward "))
+                                      for kind in staged[medium])
 
 
 def _tensor_words(t):
@@ -656,7 +683,8 @@ def _gpu_torch_direct_calls(torch, small, functions, exchange_direct, monkeypatc
     """One communicator's half of :func:`test_gpu_torch_direct_calls_equal_the_engine`."""
     import cupy
     import mxcomm.torch as mxt
-    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=(1 << 40) if small else 0) as c:
+    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=(1 << 40) if small else 0,
+                  medium_exchange_bytes=0) as c:
         torch.cuda.set_device(c.device)
         w, me = c.size, c.rank
         taken = []
@@ -696,7 +724,8 @@ def test_gpu_permute_align_equals_separate_calls():
     consecutive calls with changing layouts (empty ranks and experts included)."""
     import cupy
     from mxcomm.permutation import permute_backward, unpermute_backward
-    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0) as c:
+    with mxc.init("nccl", timeout=30.0, small_exchange_bytes=0,
+                  medium_exchange_bytes=0) as c:
         w, me = c.size, c.rank
         stream = cupy.cuda.Stream(non_blocking=True)
         align = 16
@@ -749,7 +778,8 @@ def test_gpu_cuda_graph_replays_the_token_path():
     failing on one rank fails the test on every rank with that rank's error instead of leaving
     the others' replays waiting for it."""
     import cupy
-    with mxc.init("nccl", timeout=15.0, small_exchange_bytes=0) as c:
+    with mxc.init("nccl", timeout=15.0, small_exchange_bytes=0,
+                  medium_exchange_bytes=0) as c:
         w, me = c.size, c.rank
         counts, xs = _gpu_routed(w, me, 1, 512)
         layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)

@@ -65,6 +65,12 @@ def build_parser():
                                 "to its peers move them unquantized and quantize on arrival; 0 "
                                 "never (default: the backend's, or "
                                 "$MXCOMM_SMALL_EXCHANGE_BYTES)")
+            p.add_argument("--medium-exchange-bytes", type=int, metavar="BYTES",
+                           help="the communicator's medium_exchange_bytes (mxcomm.comm.init): "
+                                "quantized exchanges kept quantized, not small, in which no rank "
+                                "sends more bytes of rows to its peers are quantized, then moved "
+                                "in one alltoallv instead of staged; 0 never (default: the "
+                                "backend's, or $MXCOMM_MEDIUM_EXCHANGE_BYTES)")
         module.add_arguments(p)
     return parser
 
@@ -79,9 +85,10 @@ def validate(args, module):
         raise ValueError(f"--iters: expected >= 1, got {args.iters}")
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup: expected >= 0, got {args.warmup}")
-    if getattr(args, "small_exchange_bytes", None) is not None and args.small_exchange_bytes < 0:
-        raise ValueError(f"--small-exchange-bytes: expected >= 0, got "
-                         f"{args.small_exchange_bytes}")
+    for name in ("small_exchange_bytes", "medium_exchange_bytes"):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            raise ValueError(f"--{name.replace('_', '-')}: expected >= 0, got {value}")
     module.validate(args)
 
 
@@ -124,9 +131,9 @@ def main(argv=None):
         return 2
     from ._runtime import Runtime  # after parsing: --help needs no MPI or device
     peer_memory = {"auto": None, "on": True, "off": False}[getattr(args, "peer_memory", "auto")]
-    small = getattr(args, "small_exchange_bytes", None)
     rt = Runtime(need_comm=args.command != "kernels", peer_memory=peer_memory,
-                 small_exchange_bytes=small)
+                 small_exchange_bytes=getattr(args, "small_exchange_bytes", None),
+                 medium_exchange_bytes=getattr(args, "medium_exchange_bytes", None))
     try:
         _apply_defaults(args, rt.gpu)
         rt.print(module.describe(args, rt))
@@ -155,6 +162,14 @@ def main(argv=None):
                     f"small exchanges: quantized exchanges in which no rank sends more than "
                     f"{rt.comm.small_exchange_bytes} bytes of rows to its peers move them "
                     f"unquantized and quantize on arrival (same results; small_exchange_bytes)")
+            meta["medium_exchange_bytes"] = rt.comm.medium_exchange_bytes
+            if rt.comm.medium_exchange_bytes:
+                meta["notes"].append(
+                    f"medium exchanges: quantized exchanges kept quantized (dispatch, combine "
+                    f"gradient), not small, in which no rank sends more than "
+                    f"{rt.comm.medium_exchange_bytes} bytes of rows to its peers are quantized, "
+                    f"then moved in one alltoallv instead of staged (same results; "
+                    f"medium_exchange_bytes)")
         if rt.rank == 0:
             print(module.render(meta, tables), flush=True)
             written = []

@@ -27,7 +27,8 @@ class Runtime:
     Args:
         need_comm: create an mxcomm communicator (``mxcomm.comm.init``) over every rank.
         peer_memory: its ``peer_memory`` (None: pull where every rank can; False: never).
-        small_exchange_bytes: its ``small_exchange_bytes`` (None: the backend's default).
+        small_exchange_bytes, medium_exchange_bytes: its ``small_exchange_bytes`` and
+            ``medium_exchange_bytes`` (None: the backend's defaults).
     Attributes:
         launcher: ``"mpi"`` (mpirun, or one process alone) or ``"torchrun"``.
         rank, size: this process's rank and the world size.
@@ -38,7 +39,8 @@ class Runtime:
         clock_kind: ``"cupy"`` on a GPU, else ``"host"``.
     """
 
-    def __init__(self, need_comm=True, peer_memory=None, small_exchange_bytes=None):
+    def __init__(self, need_comm=True, peer_memory=None, small_exchange_bytes=None,
+                 medium_exchange_bytes=None):
         self.launcher = "torchrun" if launched_by_torchrun() else "mpi"
         self._host_group = None  # torchrun: the gloo group of the host collectives
         if self.launcher == "torchrun":
@@ -72,16 +74,19 @@ class Runtime:
         self.comm = None
         self._peer_memory = peer_memory
         self._small_exchange_bytes = small_exchange_bytes
+        self._medium_exchange_bytes = medium_exchange_bytes
         if need_comm:
             self.comm = self.new_comm()
 
     def new_comm(self, **options):
         """A new mxcomm communicator over every rank (``mxcomm.comm.init``: MPI's world, or
         torch.distributed's default group under torchrun); ``options`` as ``init`` takes them
-        (``peer_memory`` and ``small_exchange_bytes`` default to the run's)."""
+        (``peer_memory``, ``small_exchange_bytes`` and ``medium_exchange_bytes`` default to the
+        run's)."""
         from mxcomm import comm as comm_module
         options.setdefault("peer_memory", self._peer_memory)
         options.setdefault("small_exchange_bytes", self._small_exchange_bytes)
+        options.setdefault("medium_exchange_bytes", self._medium_exchange_bytes)
         if self.launcher == "torchrun":
             import torch.distributed as dist
             return comm_module.init("auto", group=dist.group.WORLD, **options)

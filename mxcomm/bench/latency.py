@@ -14,9 +14,10 @@ one run:
 - with ``--grouped``, where the communicator pulls from peer memory, the MXFP8 dispatch and
   combine again through a second communicator that never pulls (``peer_memory=False``: the
   ``grouped`` transport, quantize then one NCCL group): which transport costs the host less;
-- where the communicator moves small exchanges unquantized (``small_exchange_bytes``, the
-  default on GPUs), the MXFP8 dispatch and combine again through a communicator that stages
-  every quantized exchange however small (``small_exchange_bytes=0``; "staged").
+- where the communicator moves small exchanges unquantized or medium ones in one alltoallv
+  (``small_exchange_bytes``, ``medium_exchange_bytes``, the defaults on GPUs), the MXFP8 dispatch
+  and combine again through a communicator that stages every quantized exchange however small
+  (both 0; "staged").
 
 host us: wall clock of enqueueing one call, calls enqueued back to back (the host's cost; where
 it exceeds the device's, the step waits for the host). device ms: CUDA events, back to back, the
@@ -108,9 +109,10 @@ def measure(args, rt):
     w = rt.size
     grouped = staged = None
     if getattr(args, "grouped", False) and comm.transport == "pull":
-        grouped = rt.new_comm(peer_memory=False, small_exchange_bytes=0)
-    if comm.small_exchange_bytes:
-        staged = rt.new_comm(small_exchange_bytes=0)
+        grouped = rt.new_comm(peer_memory=False, small_exchange_bytes=0,
+                              medium_exchange_bytes=0)
+    if comm.small_exchange_bytes or comm.medium_exchange_bytes:
+        staged = rt.new_comm(small_exchange_bytes=0, medium_exchange_bytes=0)
     comms = tuple(c for c in (comm, grouped, staged) if c is not None)
     device = rt.torch_device()
     rows_out = []
@@ -187,9 +189,11 @@ def measure(args, rt):
                      "grouped transport: quantize, one NCCL group); the others pull")
     if staged is not None:
         notes.append(f"(staged): through a second communicator with small_exchange_bytes=0 "
-                     f"(every quantized exchange staged and pulled, however small); the others "
-                     f"move exchanges of at most {comm.small_exchange_bytes} bytes per rank to "
-                     f"its peers unquantized and quantize on arrival")
+                     f"and medium_exchange_bytes=0 (every quantized exchange staged and pulled, "
+                     f"however small); the others move exchanges of at most "
+                     f"{comm.small_exchange_bytes} bytes per rank to its peers unquantized and "
+                     f"quantize on arrival, and quantize those kept quantized of at most "
+                     f"{comm.medium_exchange_bytes} bytes before one alltoallv")
     if not rt.gpu:
         notes.append("CPU: host timings of the host backend, nothing about GPUs")
     meta = _report.metadata("latency", w, {"rows_per_rank": list(args.tokens), "dim": args.dim,
