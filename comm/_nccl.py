@@ -138,10 +138,10 @@ class NcclCommunicator(Communicator):
     #: pipeline at 2 ranks, 8192 rows, a 64 MiB limit (the dispatch moved unquantized) measured
     #: 0.97x / 0.96x over bf16 against 0.92x / 0.91x with 48 MiB (two alternations, one job).
     SMALL_EXCHANGE_BYTES = 64 << 20
-    #: Estimated on H100s (docs/design.md, "Medium exchanges travel quantized in one
-    #: alltoallv"; measured in bench/NOTES.md, twenty-first session): up to 16384 bf16 rows x 7168
-    #: per rank at 2 ranks (117 MB to the peer), where the staged exchange's host time holds up
-    #: the step and its device time is no shorter than a quantize and one NCCL group.
+    #: Measured on H100s (docs/design.md, "Medium exchanges travel quantized in one
+    #: alltoallv"; bench/NOTES.md, twenty-first session): up to 16384 bf16 rows x 7168 per rank
+    #: at 2 ranks (117 MB to the peer), where the staged exchange's host time holds up the step:
+    #: the synced pipeline +0.00 to +0.05 over staging; at 32768 rows it lost 0.02.
     MEDIUM_EXCHANGE_BYTES = 128 << 20
 
     def __init__(self, side, *, validate=True, device=None, peer_memory=None,

@@ -151,18 +151,20 @@ def test_generation_wraps_around():
         c.close()
 
 
-@pytest.mark.parametrize("small", [0, 1 << 40], ids=["staged", "small"])
-def test_rank_skipping_a_call_times_out_naming_it(small):
+@pytest.mark.parametrize("mode", ["staged", "small", "medium"])
+def test_rank_skipping_a_call_times_out_naming_it(mode):
     """The last rank skips one dispatch: the others raise TimeoutError naming it within the
     timeout (nothing waits forever); their communicator is aborted. Staged, the sender's ready
-    flag is what is missing; small (one ``alltoallv``), the arrival board names the rank that
-    had not entered the call."""
+    flag is what is missing; small or medium (one ``alltoallv``), the arrival board names the
+    rank that had not entered the call."""
     w0 = world()
     w, me = w0.Get_size(), w0.Get_rank()
     if w == 1:
         pytest.skip("needs two ranks")
     timeout = 2.0
-    c = mxc.init("mpi", timeout=timeout, small_exchange_bytes=small)
+    small = mode != "staged"
+    c = mxc.init("mpi", timeout=timeout, small_exchange_bytes=(1 << 40) * (mode == "small"),
+                 medium_exchange_bytes=(1 << 40) * (mode == "medium"))
     late = w - 1
     counts = numpy.full((w, w * E_LOCAL), 2)
     layout = exchange_layout(counts[me].astype(numpy.int32), c)
@@ -847,19 +849,22 @@ def test_gpu_cuda_graph_replays_the_token_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("small", [0, 1 << 40], ids=["staged", "small"])
-def test_gpu_rank_skipping_a_call_times_out_naming_it(small):
-    """The last rank skips a dispatch: on the others the device wait (staged: the pull's; small:
-    NCCL's, ended by the watchdog) gives up after the timeout, comm.wait raises TimeoutError
-    naming that rank, the communicator is aborted, and no GPU work stays queued."""
+@pytest.mark.parametrize("mode", ["staged", "small", "medium"])
+def test_gpu_rank_skipping_a_call_times_out_naming_it(mode):
+    """The last rank skips a dispatch: on the others the device wait (staged: the pull's; small
+    or medium: NCCL's, ended by the watchdog) gives up after the timeout, comm.wait raises
+    TimeoutError naming that rank, the communicator is aborted, and no GPU work stays queued."""
     import cupy
     w0 = world()
     w, me = w0.Get_size(), w0.Get_rank()
     if w == 1:
         pytest.skip("needs two ranks")
+    small = mode != "staged"
     if small and os.environ.get("MXCOMM_NCCL_INIT") == "lazy":
-        pytest.skip("small exchanges move over NCCL, which ranks sharing a GPU cannot build")
-    c = mxc.init("nccl", timeout=3.0, small_exchange_bytes=small)
+        pytest.skip("small and medium exchanges move over NCCL, which ranks sharing a GPU "
+                    "cannot build")
+    c = mxc.init("nccl", timeout=3.0, small_exchange_bytes=(1 << 40) * (mode == "small"),
+                 medium_exchange_bytes=(1 << 40) * (mode == "medium"))
     late = w - 1
     counts = numpy.full((w, w * E_LOCAL), 64)
     layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
