@@ -142,25 +142,18 @@ for phase in "$@"; do
                 --json "$res/pipeline_small_sx${sx}_${SMALL_ROUTING:-uniform}_w$n.json" \
                 --markdown "$res/pipeline_small_sx${sx}_${SMALL_ROUTING:-uniform}_w$n.md"
         done ;;
-    sxsweep2|sxsweep4)  # the small-exchange limit swept (SX_VALUES, bytes per rank to its
-        # peers) over SWEEP_TOKENS rows per rank, uniform routing, one run per limit
-        n=${phase#sxsweep}
-        [ "$ngpu" -ge "$n" ] && for sx in ${SX_VALUES:-0 50331648 134217728 402653184}; do
-            step "bench pipeline, $n ranks, small_exchange_bytes $sx" 300 "${mpirun_env[@]}" -n "$n" \
-                python3 -m mxcomm.bench pipeline --small-exchange-bytes "$sx" \
+    sxsweep2|sxsweep4|mxsweep2|mxsweep4)  # the small- (SX_VALUES) or medium-exchange limit
+        # (MX_VALUES) swept, bytes per rank to its peers, over SWEEP_TOKENS rows per rank,
+        # uniform routing, one run per limit
+        n=${phase: -1}; kind=${phase%sweep*}
+        if [ "$kind" = sx ]; then option=small; values=${SX_VALUES:-0 50331648 134217728 402653184}
+        else option=medium; values=${MX_VALUES:-0 134217728 536870912}; fi
+        [ "$ngpu" -ge "$n" ] && for limit in $values; do
+            step "bench pipeline, $n ranks, ${option}_exchange_bytes $limit" 300 "${mpirun_env[@]}" -n "$n" \
+                python3 -m mxcomm.bench pipeline --$option-exchange-bytes "$limit" \
                 --tokens ${SWEEP_TOKENS:-16384 32768} --dim 7168 --hidden 2048 --experts 8 --no-stages \
                 --interleave --variants ${SWEEP_VARIANTS:-mxfp8} \
-                --json "$res/pipeline_sxsweep_${sx}_w$n.json" --markdown "$res/pipeline_sxsweep_${sx}_w$n.md"
-        done ;;
-    mxsweep2|mxsweep4)  # the medium-exchange limit swept (MX_VALUES, bytes per rank to its
-        # peers) over SWEEP_TOKENS rows per rank, uniform routing, one run per limit
-        n=${phase#mxsweep}
-        [ "$ngpu" -ge "$n" ] && for mx in ${MX_VALUES:-0 134217728 536870912}; do
-            step "bench pipeline, $n ranks, medium_exchange_bytes $mx" 300 "${mpirun_env[@]}" -n "$n" \
-                python3 -m mxcomm.bench pipeline --medium-exchange-bytes "$mx" \
-                --tokens ${SWEEP_TOKENS:-16384 32768} --dim 7168 --hidden 2048 --experts 8 --no-stages \
-                --interleave --variants ${SWEEP_VARIANTS:-mxfp8} \
-                --json "$res/pipeline_mxsweep_${mx}_w$n.json" --markdown "$res/pipeline_mxsweep_${mx}_w$n.md"
+                --json "$res/pipeline_${kind}sweep_${limit}_w$n.json" --markdown "$res/pipeline_${kind}sweep_${limit}_w$n.md"
         done ;;
     pipe2fp8) step "bench pipeline, 2 ranks, fp8 GEMM variants, 131072 rows" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --tokens 131072 --dim 7168 8192 --hidden 2048 5120 --experts 8 --no-stages --variants $FP8_VARIANTS \
