@@ -78,6 +78,9 @@ class Communicator(abc.ABC):
         #: checked by ``init``; None until :meth:`_choose_transport` resolves the default
         self.small_exchange_bytes = small_exchange_bytes
         self.medium_exchange_bytes = medium_exchange_bytes
+        #: E of the last layout agreed on this communicator (the same on every rank), or None:
+        #: ``mxcomm.layout`` exchanges the next layout of that E in one round
+        self._layout_experts = None
         self._side = side
         side.on_timeout = self._mark_aborted_by_timeout
         self.rank = side.rank

@@ -73,9 +73,11 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
 
     Collective. The counts are read to the host (ONE device-to-host copy, after a wait bounded by
     ``comm.timeout``: the only host synchronization of the token path), then every rank's verdict
-    and counts are gathered over the communicator's host side channel (two small allgathers).
-    Every rank checks the same table, so bad counts on any rank raise the same exception on every
-    rank, naming the rank. Later calls given the layout make no host collective.
+    and counts are gathered over the communicator's host side channel: one small allgather where
+    the communicator's last layout had the same E on every rank, else two (verdicts with E and a
+    message, then the counts; also when the one round finds a bad rank or a new E). Every rank
+    checks the same table, so bad counts on any rank raise the same exception on every rank,
+    naming the rank. Later calls given the layout make no host collective.
 
     Args:
         num_tokens_per_expert: (E,) integer array (any integer dtype holding the values; device
@@ -112,6 +114,20 @@ def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
         header[0] = _BAD_TYPE if isinstance(error, TypeError) else _BAD_VALUE
     else:
         header[1] = host.shape[0]
+    # One round where every rank has the E of the last layout agreed on this communicator (the
+    # same on every rank): each sends its verdict, its E and its counts at that size; a table
+    # every rank reads alike says whether all are valid with that E. Anything else (the first
+    # layout, a bad rank, a new E) takes the two rounds below on every rank.
+    known = comm._layout_experts
+    if known is not None:
+        message = numpy.zeros(2 + known, dtype=numpy.int64)
+        message[:2] = header
+        if error is None and host.shape[0] == known:
+            message[2:] = host
+        table = comm._side.allgather_array(message, "exchange_layout (counts)")
+        if (table[:, 0] == _VALID).all() and (table[:, 1] == known).all():
+            return _made(cls, comm, numpy.ascontiguousarray(table[:, 2:]), known, stream,
+                         upload)
     text = (str(error) if error is not None else "").encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES,
                                                                                   b"\0")
     table = comm._side.allgather_bytes(header.tobytes() + text, "exchange_layout (verdicts)")
@@ -133,7 +149,14 @@ def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
                          f"rank 0 but {lengths[other]} on rank {other}; every rank must count "
                          f"the same E experts")
     counts = comm._side.allgather_array(host, "exchange_layout (counts)")
-    num_experts = lengths[0]
+    comm._layout_experts = lengths[0]
+    return _made(cls, comm, counts, lengths[0], stream, upload)
+
+
+def _made(cls, comm, counts, num_experts, stream, upload):
+    """The layout (``cls``) of every rank's ``counts`` ((W, E) int64, agreed and checked): this
+    rank's group counts put on the device (``upload``, or the array module's on ``stream``)."""
+    rank, world = comm.rank, comm.size
     local_experts = num_experts // world
     mine = counts[:, rank * local_experts:(rank + 1) * local_experts].reshape(-1)
     mine = mine.astype(numpy.int32)

@@ -90,7 +90,8 @@ def test_layout_object(comm):
 def test_hundreds_of_calls_without_host_collectives(comm):
     """Layouts change every few steps; within a step dispatch (MXFP8), permute, unpermute,
     combine (bf16) and their backwards move exactly the reference rows, and the only host
-    collectives are the layout exchanges' (2 each) and the staging's rare growth."""
+    collectives are the layout exchanges' (2 for the communicator's first, then 1 each: the
+    number of experts is known) and the staging's rare growth."""
     w, me = comm.size, comm.rank
     rng = numpy.random.default_rng(SEED)  # the same stream on every rank: the same layouts
     layouts = exchanges = 0
@@ -98,7 +99,7 @@ def test_hundreds_of_calls_without_host_collectives(comm):
         counts = random_counts(rng, w, step)
         before = comm.host_collectives
         layout = exchange_layout(to_device(counts[me].astype(numpy.int32)), comm)
-        assert comm.host_collectives - before == 2
+        assert comm.host_collectives - before == (2 if step == 0 else 1)
         layouts += 1
         splits = splits_of(counts, w)
         xs = [rows_for(counts[s], SEED + 100 * step + s) for s in range(w)]
@@ -211,13 +212,18 @@ def test_ranks_calling_different_exchanges_raise():
         c.close()
 
 
-def test_bad_counts_raise_the_same_error_on_every_rank(comm):
+@pytest.mark.parametrize("after_a_layout", [False, True], ids=["first", "after a layout"])
+def test_bad_counts_raise_the_same_error_on_every_rank(comm, after_a_layout):
     """exchange_layout: a bad length, dtype, negative or oversized count on ONE rank raises the
-    same exception on every rank at once (no rank waits for the timeout), naming the rank."""
+    same exception on every rank at once (no rank waits for the timeout), naming the rank; the
+    same after a layout of the communicator (whose E lets the next exchange take one round,
+    which finds the bad rank and falls back to the two rounds on every rank)."""
     w0 = world()
     w, me = comm.size, comm.rank
     bad = w - 1
     good = numpy.ones(w * E_LOCAL, numpy.int32)
+    if after_a_layout:
+        exchange_layout(good, comm)
     cases = [
         (numpy.ones(w * E_LOCAL + 1, numpy.int32), ValueError,
          f"num_tokens_per_expert on rank {bad}: length {w * E_LOCAL + 1} is not a positive "
@@ -242,6 +248,26 @@ def test_bad_counts_raise_the_same_error_on_every_rank(comm):
                                        numpy.int32), comm)
     layout = exchange_layout(good, comm)  # still usable
     assert layout.num_rows == w * E_LOCAL
+
+
+def test_layouts_of_a_new_number_of_experts(comm):
+    """The communicator's first layout takes two host rounds (verdicts, then counts), a later
+    one of the same E one, a layout of a new E (on every rank) three (the one round finds the
+    change) and then one again; every layout equals the reference."""
+    w, me = comm.size, comm.rank
+    rng = numpy.random.default_rng(SEED + 11)
+    for e_local, rounds in ((E_LOCAL, 2), (E_LOCAL, 1), (2 * E_LOCAL, 3), (2 * E_LOCAL, 1),
+                            (E_LOCAL, 3)):
+        counts = rng.integers(0, 9, (w, w * e_local))
+        before = comm.host_collectives
+        layout = exchange_layout(counts[me].astype(numpy.int64), comm)
+        assert comm.host_collectives - before == rounds
+        numpy.testing.assert_array_equal(layout.counts, counts)
+        assert layout.num_local_experts == e_local
+        assert layout.output_splits == [int(counts[j, me * e_local:(me + 1) * e_local].sum())
+                                        for j in range(w)]
+        numpy.testing.assert_array_equal(to_host(layout.num_tokens_per_expert_group),
+                                         counts[:, me * e_local:(me + 1) * e_local].reshape(-1))
 
 
 def test_layout_calls_check_locally(comm):
