@@ -31,6 +31,7 @@ import mxcomm
 import mxcomm.comm
 import mxcomm.formats
 import mxcomm.torch as mxt
+from _pieces import Pieces  # bench/, beside this script
 from mxcomm._driver import PackedLaunch
 
 rows = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
@@ -119,24 +120,11 @@ def python_calls(fn, n=20):
 
 
 # ------------------------------------------------------------------------- instrumented pieces
-totals = collections.defaultdict(float)
-entries = collections.Counter()
-
-
-def timed(label, fn):
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter_ns()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[label] += time.perf_counter_ns() - t0
-            entries[label] += 1
-    wrapper.__wrapped__ = fn
-    return wrapper
+timers = Pieces()
 
 
 def instrument():
-    """Wrap the pieces of the path (where they are looked up) with timers; return an undo list."""
+    """Wrap the pieces of the path (where they are looked up) with :data:`timers`."""
     import mxcomm._driver as driver
     import mxcomm.a2a as a2a
     import mxcomm.formats as formats
@@ -171,16 +159,8 @@ def instrument():
         (getattr(mxt, "_Alloc", None), "tensor"),
         (formats.Format, "view"),
     ]
-    undo = []
-    for owner, name in targets:
-        fn = owner.__dict__.get(name) if owner is not None else None  # older trees lack some
-        if fn is None:
-            out(f"  (no {getattr(owner, '__name__', owner)}.{name} to time)")
-            continue
-        label = f"{getattr(owner, '__name__', owner)}.{name}"
-        setattr(owner, name, timed(label, fn))
-        undo.append((owner, name, fn))
-    return undo
+    for label in timers.wrap(targets):  # older trees lack some
+        out(f"  (no {label} to time)")
 
 
 for label, fn in cases.items():
@@ -189,22 +169,21 @@ for label, fn in cases.items():
     plain = host_us(fn, calls)
     single = single_us(fn)
     py, c = python_calls(fn)
-    undo = instrument()
-    totals.clear()
-    entries.clear()
+    instrument()
+    timers.clear()
     sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     instrumented = (time.perf_counter() - t0) / calls * 1e6
     sync()
-    for owner, name, fn0 in undo:
-        setattr(owner, name, fn0)
+    timers.unwrap()
     out(f"\n=== {label}: {plain:.1f} us per call (plain), {instrumented:.1f} instrumented; "
         f"{py:.0f} Python calls + {c:.0f} C calls per call; {single:.1f} us alone on an idle "
         f"device")
-    for piece, ns in sorted(totals.items(), key=lambda kv: -kv[1]):
-        out(f"  {piece:45s} {ns / calls / 1e3:8.2f} us/call  {entries[piece] / calls:5.1f} x")
+    for piece, ns in sorted(timers.totals.items(), key=lambda kv: -kv[1]):
+        out(f"  {piece:45s} {ns / calls / 1e3:8.2f} us/call  "
+            f"{timers.entries[piece] / calls:5.1f} x")
 
 # ---------------------------------------------------------------------------- primitives
 rt = cupy.cuda.runtime

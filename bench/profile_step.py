@@ -160,29 +160,10 @@ def instrumented(stage_list):
     """``args.iters`` steps with a timer around each piece of :func:`pieces`; prints us per step
     of each, per rank."""
     import collections
+    from _pieces import Pieces
     from mxcomm.comm import _nccl
-    totals, entries, undo = collections.defaultdict(int), collections.Counter(), []
-
-    def timed(label, fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter_ns()
-            try:
-                return fn(*a, **k)
-            finally:
-                totals[label] += time.perf_counter_ns() - t0
-                entries[label] += 1
-        return wrapper
-
-    for owner, name in pieces():
-        fn = owner.__dict__.get(name)
-        if fn is None:
-            continue
-        label = f"{owner.__name__}.{name}" if not isinstance(owner, type) else \
-            f"{owner.__module__.rsplit('.', 1)[-1]}.{owner.__name__}.{name}"
-        wrapped = staticmethod(timed(label, fn.__func__)) if isinstance(fn, staticmethod) \
-            else timed(label, fn)
-        setattr(owner, name, wrapped)
-        undo.append((owner, name, fn))
+    timers = Pieces()
+    timers.wrap(pieces())
     sleeps = collections.Counter()
     real_time = _nccl.time
 
@@ -199,11 +180,11 @@ def instrumented(stage_list):
             step(stage_list, {}, {})
     finally:
         _nccl.time = real_time
-        for owner, name, fn in undo:
-            setattr(owner, name, fn)
+        timers.unwrap()
     lines = [f"  rank {rt.rank}: us per step (inclusive), calls per step"]
-    for label, ns in sorted(totals.items(), key=lambda kv: -kv[1]):
-        lines.append(f"    {label:42s} {ns / args.iters / 1e3:9.1f} {entries[label] / args.iters:6.1f}")
+    for label, ns in sorted(timers.totals.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {label:42s} {ns / args.iters / 1e3:9.1f} "
+                     f"{timers.entries[label] / args.iters:6.1f}")
     lines.append(f"    NcclCommunicator.wait slept (s: times per step): "
                  f"{ {s: n / args.iters for s, n in sorted(sleeps.items())} }")
     return lines

@@ -474,12 +474,12 @@ def _layout(counts, e_local, align, m_recv, p, stream, alloc=None):
         return _host.permute_layout(counts, e_local, align, m_recv, p)
     alloc = alloc or array_module().empty
     e = counts.shape[0]
-    starts = alloc((2, e), _INT32)  # each segment's first received and first permuted row
+    starts = alloc((2 * e,), _INT32)  # each segment's first received, then permuted row
     group_offsets = alloc((e_local,), _INT32)
     indices = alloc((p,), _INT32)
     layout_launch, index_launch = _index_launches(align)
     ptr = stream_ptr(stream)
-    src_start, dst_start = row_range(starts, 0, 1), row_range(starts, 1, 2)
+    src_start, dst_start = row_range(starts, 0, e), row_range(starts, e, 2 * e)
     layout_launch(ptr, (1, e, e_local), counts, src_start, dst_start, group_offsets)
     index_launch(ptr, (p, e, e_local, m_recv), counts, src_start, dst_start, group_offsets,
                  indices)
