@@ -3,7 +3,7 @@
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         train2 train2par soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
-#         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
+#         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
@@ -260,6 +260,8 @@ for phase in "$@"; do
             --section SchedulerStats --section WarpStateStats python3 bench/probe_gather.py --once ;;
     host1) step "host path pieces, 1 rank" 180 "${mpirun_env[@]}" -n 1 python3 bench/probe_host.py ;;
     host2) step "host path pieces, 2 ranks" 180 "${mpirun_env[@]}" -n 2 python3 bench/probe_host.py ;;
+    self2) step "a rank's own rows in an NCCL exchange, 2 ranks" 180 "${mpirun_env[@]}" -n 2 python3 bench/probe_self.py ;;
+    self4) [ "$ngpu" -ge 4 ] && step "a rank's own rows in an NCCL exchange, 4 ranks" 180 "${mpirun_env[@]}" -n 4 python3 bench/probe_self.py ;;
     host4) [ "$ngpu" -ge 4 ] && step "host path pieces, 4 ranks" 180 "${mpirun_env[@]}" -n 4 python3 bench/probe_host.py ;;
     hostab1)  # the host probe of the tree at $AB_OLD (a source tree, e.g. git archive) and of this
         # one, alternating, twice, in one job (host timings differ between machines)
