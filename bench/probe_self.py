@@ -18,8 +18,7 @@ slowest rank's), for rows of 2 bytes (bf16) and of 1 byte per element (fp8):
 Then the medium MXFP8 exchange's quantize (``mxfp8``, bf16 rows of width ``dim``): of every row,
 and of the peers' rows only (``(W-1)/W`` of them). Last, ``mxcomm.torch.a2a_dispatch`` in MXFP8
 with a layout (uniform counts), as a medium exchange (a communicator that takes every exchange as
-medium) with the own rows' quantize given each grid share of 0.25-1 at the second size
-(``mxcomm.a2a._OWN_ROWS_SHARE``), and staged (a communicator with both limits 0). Rank 0 prints a Markdown table.
+medium) and staged (a communicator with both limits 0). Rank 0 prints a Markdown table.
 """
 
 import statistics
@@ -127,27 +126,17 @@ for rows in sizes:
                          timed(lambda: quantize(xw, dw, sw, n, stream_ptr))))
     del x, data, scales
 
-import mxcomm.a2a  # noqa: E402
 import mxcomm.torch as mxt  # noqa: E402
 
 staged = mxcomm.comm.init(small_exchange_bytes=0, medium_exchange_bytes=0)
 medium = mxcomm.comm.init(small_exchange_bytes=0, medium_exchange_bytes=1 << 40)
 counts = torch.full((8 * W,), 0, dtype=torch.int64)
-default_share = mxcomm.a2a._OWN_ROWS_SHARE
 for rows in sizes:
     counts.fill_(rows // (8 * W))
     x = torch.randn(rows, dim, device="cuda").to(torch.bfloat16)
-    layout = mxt.exchange_layout(counts.cuda(), medium)
-    for share in (0.25, 0.5, 0.75, 1.0) if rows == sizes[1] else (default_share,):
-        mxcomm.a2a._OWN_ROWS_SHARE = share
-        mxcomm.a2a._direct.cache_clear()
-        rows_out.append((rows, "mxfp8", f"a2a_dispatch, medium, own rows' share {share}",
-                         timed(lambda: mxt.a2a_dispatch(x, layout))))
-    mxcomm.a2a._OWN_ROWS_SHARE = default_share
-    mxcomm.a2a._direct.cache_clear()
-    s_layout = mxt.exchange_layout(counts.cuda(), staged)
-    rows_out.append((rows, "mxfp8", "a2a_dispatch, staged",
-                     timed(lambda: mxt.a2a_dispatch(x, s_layout))))
+    for label, c in (("a2a_dispatch, medium", medium), ("a2a_dispatch, staged", staged)):
+        layout = mxt.exchange_layout(counts.cuda(), c)
+        rows_out.append((rows, "mxfp8", label, timed(lambda: mxt.a2a_dispatch(x, layout))))
 medium.close()
 staged.close()
 

@@ -332,16 +332,6 @@ class Communicator(abc.ABC):
         self.wait(stream)
         return a.get()
 
-    def _fork(self, stream):
-        """A second stream ordered after the work enqueued on ``stream`` so far (its raw handle
-        or the host backends' None), for work beside the caller's; :meth:`_join` orders the
-        caller's stream after it. The host backends' work is done when each call returns: their
-        side stream is ``stream`` itself."""
-        return stream
-
-    def _join(self, stream):
-        """Order ``stream`` after the work enqueued on :meth:`_fork`'s stream so far."""
-
     # ---------------------------------------------------------------------- staged exchange
     def _choose_transport(self):
         """Pick the transport of :meth:`exchange`; collective (from the constructors).
@@ -428,7 +418,7 @@ class Communicator(abc.ABC):
         """One new array of ``rows`` rows per ``(row shape, dtype)`` of ``arrays``."""
         return tuple(self._empty((rows,) + shape, dtype) for shape, dtype in arrays)
 
-    def alltoallv_plan(self, sends, outs, plan, stream_ptr, own=True):
+    def alltoallv_plan(self, sends, outs, plan, stream_ptr):
         """:meth:`alltoallv` of rows whose counts every rank agreed: a
         :class:`~mxcomm.comm._staged.Plan` (a layout's, or a vote's), no argument check and no
         vote. The EP engine's bf16 exchanges and the grouped transport take it; the caller has
@@ -440,17 +430,12 @@ class Communicator(abc.ABC):
             plan: every rank's counts; this rank sends ``plan.send_counts`` rows from
                 ``plan.send_offsets`` and receives ``plan.recv_counts`` at ``plan.recv_offsets``.
             stream_ptr: the raw stream handle (NCCL; ignored by the host backends).
-            own: False to leave this rank's own rows out (its own counts taken as 0): the
-                caller places them.
         Raises:
             TimeoutError, RuntimeError: as :meth:`alltoallv`.
         """
         self._check_usable()
-        sc, rc = plan.send_counts, plan.recv_counts
-        if not own:
-            sc, rc = list(sc), list(rc)
-            sc[self.rank] = rc[self.rank] = 0
-        self._move_rows(sends, outs, sc, plan.send_offsets, rc, plan.recv_offsets, stream_ptr)
+        self._move_rows(sends, outs, plan.send_counts, plan.send_offsets, plan.recv_counts,
+                        plan.recv_offsets, stream_ptr)
 
     # ------------------------------------------------------------------------- argument checks
     def check(self, send_counts, recv_counts, description, *, error=None, validate=None,

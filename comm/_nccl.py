@@ -168,8 +168,6 @@ class NcclCommunicator(Communicator):
         self._wake = threading.Condition(self._lock)
         self._free_events = []                   # event handles ready for reuse
         self._pinned, self._pinned_bytes = None, 0  # pinned host memory of _to_host
-        self._side_stream = None  # _fork's stream and its two events, made at the first fork
-        self._forked = self._joined = None
         self._in_flight = collections.deque()    # (event, host time recorded, call, stream)
         self._mixed = False      # in-flight events on more than one stream (else in order)
         self._stopping = False
@@ -291,21 +289,6 @@ class NcclCommunicator(Communicator):
         if ptr is None:
             ptr = getattr(stream, "cuda_stream", stream)
         return int(ptr)
-
-    def _fork(self, stream):
-        if self._side_stream is None:
-            runtime = self._runtime
-            self._side_stream = self._cupy.cuda.Stream(non_blocking=True)
-            self._forked = runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
-            self._joined = runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
-        side = self._side_stream.ptr
-        self._runtime.eventRecord(self._forked, stream)
-        self._runtime.streamWaitEvent(side, self._forked, 0)
-        return side
-
-    def _join(self, stream):
-        self._runtime.eventRecord(self._joined, self._side_stream.ptr)
-        self._runtime.streamWaitEvent(stream, self._joined, 0)
 
     # ------------------------------------------------------------------------------ watchdog
     def _record(self, stream_ptr, call):
@@ -453,9 +436,6 @@ class NcclCommunicator(Communicator):
             self._free_events = []
             self._in_flight.clear()
             self._mixed = False
-        if self._side_stream is not None:  # CUDA frees both once their work is done
-            events += [self._forked, self._joined]
-            self._side_stream = self._forked = self._joined = None
         for event in events:
             self._runtime.eventDestroy(event)
 

@@ -85,10 +85,6 @@ def _beside_share(size):
 #: or a quantize block, wait for a whole wave).
 _PULLED_SHARE = 0.98
 
-#: Grid share of a medium exchange's quantize of the own rows, on a side stream beside the NCCL
-#: group of the peers' rows: the group's kernel needs room on the SMs to start beside it.
-_OWN_ROWS_SHARE = 0.5
-
 
 # ---------------------------------------------------------------------------------- arguments
 def _check_precision(precision, name="precision", rank=None):
@@ -254,7 +250,7 @@ class _Direct:
     """
 
     __slots__ = ("fmt", "dispatch", "dequantize", "dtype", "width", "row_bytes", "kind",
-                 "_scale_mode", "_quantize", "_quantize_own", "_round_trip", "_scales_shape")
+                 "_scale_mode", "_quantize", "_round_trip", "_scales_shape")
 
     def __init__(self, fmt, function, dispatch, dequantize, dtype, width, scale_mode):
         self.fmt, self.dispatch, self.dequantize = fmt, dispatch, dequantize
@@ -262,10 +258,9 @@ class _Direct:
         self.row_bytes = width * dtype.itemsize
         self.kind = _kind(function, fmt, width)
         self._scale_mode = scale_mode
-        self._quantize = self._quantize_own = self._round_trip = self._scales_shape = None
+        self._quantize = self._round_trip = self._scales_shape = None
         if fmt.quantized:  # the launches prepared for this signature
             self._quantize = _quantizer(fmt, dtype, width, scale_mode, 1.0)
-            self._quantize_own = _quantizer(fmt, dtype, width, scale_mode, _OWN_ROWS_SHARE)
             if dequantize and dtype == bfloat16:
                 self._round_trip = fmt.round_tripper(width, scale_mode)
             self._scales_shape = fmt.scales_shape(1, width)[1:]  # a row's: (D // block,) or ()
@@ -290,7 +285,11 @@ class _Direct:
                 not comm.small_exchange(plan.largest_peer_rows, self.row_bytes):
             data, scales, buffers = self._quantized(n, empty)
             if comm.medium_exchange(plan.largest_peer_rows, self.row_bytes):
-                self._medium(comm, plan, x, stream, empty, buffers)
+                # medium: every row quantized here, then one alltoallv of data and scales
+                m = plan.rows_sent
+                sent, sent_scales, quantized = self._quantized(m, empty)
+                self._quantize(x, *quantized, m, stream)
+                comm.alltoallv_plan(quantized, buffers, plan, stream)
             else:  # staged
                 _exchange_kept(x, fmt, plan, comm, stream, self._scale_mode, self.kind, *buffers)
             return data, scales
@@ -310,28 +309,6 @@ class _Direct:
         data, scales, buffers = self._quantized(n, empty)
         self._quantize(received, *buffers, n, stream)
         return data, scales
-
-    def _medium(self, comm, plan, x, stream, empty, buffers):
-        """A medium exchange into ``buffers`` (the result's data and scales; docs/design.md,
-        "Medium exchanges travel quantized in one alltoallv"): the peers' rows quantized into a
-        send buffer, one ``alltoallv`` of them, and meanwhile, on the communicator's side
-        stream, the own rows quantized straight into the result."""
-        rank, m = comm.rank, plan.rows_sent
-        first, own = plan.send_offsets[rank], plan.send_counts[rank]
-        sent, sent_scales, quantized = self._quantized(m, empty)
-        quantize = self._quantize
-        for begin, end in ((0, first), (first + own, m)):  # the peers' rows around the own
-            if end > begin:
-                quantize(row_range(x, begin, end),
-                         *(row_range(q, begin, end) for q in quantized), end - begin, stream)
-        if own:
-            at = plan.recv_offsets[rank]
-            side = comm._fork(stream)
-            self._quantize_own(row_range(x, first, first + own),
-                               *(row_range(b, at, at + own) for b in buffers), own, side)
-        comm.alltoallv_plan(quantized, buffers, plan, stream, own=False)
-        if own:
-            comm._join(stream)
 
     def _quantized(self, n, empty):
         """A quantized result of ``n`` rows from ``empty``: ``(data, scales, (data buffer,
