@@ -469,6 +469,7 @@ class _Permute(torch.autograd.Function):
         ctx.save_for_backward(indices)
         # with the layout, its permute's indices name every received row once: the backward's
         # scatter needs no zero fill first (one pass over the gradient less)
+        ctx.layout = layout
         ctx.num_rows = layout if layout is not None else x.shape[0]
         ctx.inverse = _inverse_index(layout, align, indices) if fold else None
         ctx.mark_non_differentiable(indices, offsets)
@@ -482,8 +483,8 @@ class _Permute(torch.autograd.Function):
             dx = _PendingGather(grad, ctx.inverse)
         else:
             alloc = _Alloc(grad.device)
-            layout = ctx.num_rows if isinstance(ctx.num_rows, _layout.Layout) else None
-            dx = _wrap(_permutation._unpermute(_rows(grad, "grad"), _index_array(indices, layout),
+            dx = _wrap(_permutation._unpermute(_rows(grad, "grad"),
+                                               _index_array(indices, ctx.layout),
                                                ctx.num_rows, _stream(grad), alloc), alloc)
         # None for: num_tokens_per_expert_group, num_local_experts, align, out_format, fold
         return dx, None, None, None, None, None
