@@ -47,7 +47,7 @@ WARP = 32
 GATHER_PAIRS = 4
 #: CUDA blocks (of THREADS_PER_BLOCK threads) per multiprocessor the gather is compiled for (launch
 #: bounds) and launched with: the structure of ``mx_rowwise``'s gather; five (its 48 registers
-#: allow them) measured slower on an H200 (bench/results/gather_w1.md).
+#: allow them) measured slower on an H200 (bench/results/2026-11-23/gather_w1.md).
 GATHER_BLOCKS_PER_SM = 3
 
 
