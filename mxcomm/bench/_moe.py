@@ -327,9 +327,12 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
     if variant.gemm == "fp8":
         def fp8_gemm(s, p, w):
             # w (E_local, H, D) as grouped_mm's (G, K, N) = (E_local, D, H): a view; the fp8
-            # path quantizes from it into its own contiguous operands.
-            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"], wgrad=variant.wgrad,
-                                         fast_accum=variant.fast_accum)}
+            # path quantizes from it into its own contiguous operands (kept while w is
+            # unchanged: grouped_mm's weight cache). fp8 wherever it runs, bf16 rows too
+            # (bf16+fp8gemm: grouped_mm's default gives plain rows the bf16 GEMM).
+            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"],
+                                         fp8=mxt.fp8_gemm_available(w.device),
+                                         wgrad=variant.wgrad, fast_accum=variant.fast_accum)}
 
         if variant.fused:  # the stages "dispatch" and "combine" hold the permute and unpermute
             return [Stage("layout", (), None, layout),

@@ -1,0 +1,202 @@
+"""The expert-parallel object: one per EP group, a recipe, ``dispatch`` and ``combine`` (re-exported
+by mxcomm.torch as :class:`ExpertParallel`).
+
+Glossary: M rows this rank routes, D dim, H the expert GEMM's output width, E experts, E_local
+experts per rank, W ranks, P permuted rows (``layout.permuted_rows(align)``).
+
+Built from the validated ``mxcomm.torch`` primitives, keyword for keyword as the recipe says
+(``mxcomm.recipes``; docs/design.md, "Recipes and the expert-parallel object")::
+
+    ep = ExpertParallel(group, num_local_experts=8)            # recipe="auto"
+    rows, offsets, handle = ep.dispatch(x, num_tokens_per_expert)
+    y = mxcomm.torch.grouped_mm(rows, w, offsets)              # (P, H) bf16
+    out = ep.combine(y, handle)                                # (M, H) bf16
+"""
+
+import dataclasses
+
+import numpy
+import torch
+
+from . import recipes as _recipes
+from .torch import (a2a_combine, a2a_dispatch, communicator_for, exchange_layout,
+                    fp8_gemm_available, permute, unpermute)
+
+#: Key of the recipe ``"auto"`` chose, kept beside the layout (``layout._cache``).
+_CHOICE = "ExpertParallel recipe"
+
+
+@dataclasses.dataclass(frozen=True)
+class EPHandle:
+    """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine`.
+
+    Attributes:
+        layout: the layout of this dispatch (``mxcomm.torch.exchange_layout``), agreed by all.
+        recipe: the :class:`mxcomm.recipes.Recipe` that ran (``"auto"``'s choice, or the pinned).
+        permuted_indices: (P,) int32 tensor, the received row of each permuted row (-1: padding).
+        group_offsets: (E_local,) int32 tensor, cumulative group ends.
+        align: rows each expert group is padded to a multiple of.
+    """
+
+    layout: object
+    recipe: object
+    permuted_indices: object
+    group_offsets: object
+    align: int
+
+
+class ExpertParallel:
+    """The token path of an MoE layer over one EP group, in one recipe's formats.
+
+    Args:
+        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh``, an mxcomm
+            communicator, or None (torch.distributed's default group; or ``comm``).
+        num_local_experts: E_local, the experts on each rank (the same on every rank).
+        recipe: ``"auto"`` (default: per layout, the recipe ``mxcomm.recipes.choose_recipe``
+            predicts fastest), or a recipe name to pin the numerics (``mxcomm.recipes``).
+        comm: an mxcomm communicator (instead of ``group``).
+        align: rows each expert group is padded to a multiple of (32: MX GEMMs; 16: SM90 fp8).
+        hidden: H, the expert GEMM's output width, for ``"auto"``'s prediction (None: D).
+        gemm_fallback: False (default): a pinned recipe with an fp8 GEMM on devices without
+            SM90 fp8 grouped GEMMs raises at construction; True: it runs, its GEMM on
+            ``grouped_mm``'s bf16 fallback (its wire formats as named; CPU runs and tests).
+        table: the ``mxcomm.recipes.CostTable`` ``"auto"`` predicts with.
+
+    Collectives at construction: building the group's communicator (first use of a group), and
+    one small host allgather in which the ranks agree on the recipe, E_local, ``align``,
+    ``hidden`` and the device class (the least capable rank's). So bad arguments on any rank
+    raise the same error on every rank, before any data moves.
+
+    Raises:
+        ValueError: an unknown recipe (the message lists them), or arguments that differ across
+            ranks (naming the ranks), on every rank alike; ``num_local_experts`` or ``align``
+            not positive.
+        RuntimeError: a pinned recipe the devices cannot run (an fp8 GEMM off SM90) without
+            ``gemm_fallback``, on every rank alike.
+        TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).
+    """
+
+    def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
+                 align=32, hidden=None, gemm_fallback=False, table=_recipes.H100_TABLE):
+        self.comm = comm if comm is not None else communicator_for(group)
+        rank = self.comm.rank
+        names = _recipes.recipe_names()
+        if int(num_local_experts) <= 0 or int(align) <= 0:
+            raise ValueError(f"ExpertParallel on rank {rank}: num_local_experts and align must "
+                             f"be positive, got {num_local_experts} and {align}")
+        self.num_local_experts = int(num_local_experts)
+        self.align = int(align)
+        self.hidden = hidden
+        self.table = table
+        device = self._local_device_class()
+        mine = numpy.array([names.index(recipe) if recipe in names else -1,
+                            _recipes.DEVICE_CLASSES.index(device), self.num_local_experts,
+                            self.align, -1 if hidden is None else int(hidden)],
+                           dtype=numpy.int64)
+        table_ = self.comm._side.allgather_array(mine, "ExpertParallel (arguments)")
+        unknown = numpy.flatnonzero(table_[:, 0] < 0).tolist()
+        if unknown:
+            raise ValueError(f"ExpertParallel: unknown recipe on rank"
+                             f"{'s' if len(unknown) > 1 else ''} "
+                             f"{', '.join(map(str, unknown))}"
+                             f"{f' ({recipe!r} here)' if recipe not in names else ''}; "
+                             f"expected one of {', '.join(names)}")
+        for column, what in ((0, "recipe"), (2, "num_local_experts"), (3, "align"),
+                             (4, "hidden")):
+            differs = numpy.flatnonzero(table_[:, column] != table_[0, column]).tolist()
+            if differs:
+                raise ValueError(f"ExpertParallel: {what} differs across ranks (rank 0 and rank "
+                                 f"{differs[0]}); every rank of the group passes the same")
+        #: The agreed device class (``mxcomm.recipes.DEVICE_CLASSES``): the least capable rank's.
+        self.device_class = _recipes.DEVICE_CLASSES[int(table_[:, 1].min())]
+        self.recipe_name = recipe
+        self._pinned = None if recipe == _recipes.AUTO else _recipes.get_recipe(recipe)
+        if self._pinned is not None and not gemm_fallback and \
+                not _recipes.runnable(self._pinned, self.device_class):
+            raise RuntimeError(f"ExpertParallel: recipe {recipe!r} needs SM90 fp8 grouped GEMMs "
+                               f"(torch._scaled_grouped_mm on a compute capability 9.x GPU), "
+                               f"which the group's devices ({self.device_class}) lack; pass "
+                               f"gemm_fallback=True to run its GEMM in bf16, or choose another "
+                               f"recipe")
+
+    def _local_device_class(self):
+        """This rank's device class: its communicator's GPU (an NCCL one), else the CPU."""
+        device = getattr(self.comm, "device", None)
+        if device is None:
+            return "cpu"
+        device = torch.device("cuda", int(device))
+        return "sm90" if fp8_gemm_available(device) else "cuda"
+
+    def recipe_for(self, layout, dim):
+        """The :class:`~mxcomm.recipes.Recipe` this object runs for ``layout`` and rows of width
+        ``dim``: the pinned one, or ``"auto"``'s choice, kept beside the layout (a second call
+        with it costs a dict lookup). No host sync, no communication: every rank chooses alike
+        from the agreed layout, dims and device class."""
+        if self._pinned is not None:
+            return self._pinned
+        key = (_CHOICE, dim, self.hidden, self.device_class, id(self.table))
+        chosen = layout._cache.get(key)
+        if chosen is None:
+            chosen = layout._cache[key] = _recipes.choose_recipe(
+                layout, dim, dim if self.hidden is None else self.hidden,
+                device=self.device_class, table=self.table)
+        return chosen
+
+    def dispatch(self, x, num_tokens_per_expert):
+        """Send routed rows to their experts, in the recipe's formats, in permuted order.
+
+        Args:
+            x: (M, D) bf16 tensor, rows sorted by global expert, D % 32 == 0. Read;
+                differentiable.
+            num_tokens_per_expert: (E,) integer tensor, rows of ``x`` per global expert
+                (E = W * E_local).
+        Returns:
+            ``(rows, group_offsets, handle)``: rows (P, D), expert-major, each expert's group
+            padded with zero rows to a multiple of ``align``: a bf16 tensor (``"bf16"``,
+            ``"mxfp8"``: dequantized in the permute's gather) or an fp8 rowwise
+            ``QuantizedTensor`` (``"fp8_rowwise"``), as ``mxcomm.torch.grouped_mm`` takes it;
+            group_offsets (E_local,) int32; handle an :class:`EPHandle` (``handle.recipe``).
+        Raises:
+            ValueError, TypeError: bad counts (``exchange_layout``: the same error on every
+                rank) or rows that do not match them.
+        Host syncs and collectives: the layout exchange (one host round, the only one); the
+        exchanges themselves (none on the host, given the layout).
+        """
+        layout = exchange_layout(num_tokens_per_expert, self.comm)
+        recipe = self.recipe_for(layout, x.shape[-1])
+        align = self.align
+        if recipe.fused:
+            rows, indices, offsets = a2a_dispatch(
+                x, layout, precision=recipe.dispatch, grad_precision=recipe.dispatch_grad,
+                permute_align=align)
+        else:
+            received = a2a_dispatch(x, layout, precision=recipe.dispatch,
+                                    grad_precision=recipe.dispatch_grad)
+            rows, indices, offsets = permute(received, layout, align=align,
+                                             out_format=recipe.permute_format)
+        return rows, offsets, EPHandle(layout, recipe, indices, offsets, align)
+
+    def combine(self, y, handle):
+        """Return the experts' output rows to the ranks that routed them.
+
+        Args:
+            y: (P, H) bf16 tensor, the expert GEMM's output in the permuted order ``dispatch``
+                returned (padding rows ignored). Read; differentiable (its gradient: bf16, or a
+                ``QuantizedTensor`` of the recipe's combine_grad where the GEMM reads one).
+            handle: the :class:`EPHandle` of the matching ``dispatch``.
+        Returns:
+            (M, H) bf16 tensor, in the order of ``dispatch``'s ``x``.
+        Raises:
+            TypeError: ``handle`` not an :class:`EPHandle`.
+        """
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"combine: handle: expected the EPHandle dispatch returned, got "
+                            f"{type(handle).__name__}")
+        recipe, layout = handle.recipe, handle.layout
+        if recipe.fused:
+            return a2a_combine(y, layout, precision=recipe.combine,
+                               grad_precision=recipe.combine_grad, permute_align=handle.align)
+        back = unpermute(y, handle.permuted_indices, layout,
+                         grad_format=recipe.unpermute_grad_format)
+        return a2a_combine(back, layout, precision=recipe.combine,
+                           grad_precision=recipe.combine_grad)
