@@ -22,10 +22,6 @@ from . import recipes as _recipes
 from .torch import (a2a_combine, a2a_dispatch, communicator_for, exchange_layout,
                     fp8_gemm_available, permute, unpermute)
 
-#: Key of the recipe ``"auto"`` chose, kept beside the layout (``layout._cache``).
-_CHOICE = "ExpertParallel recipe"
-
-
 @dataclasses.dataclass(frozen=True)
 class EPHandle:
     """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine`.
@@ -110,6 +106,7 @@ class ExpertParallel:
         #: The agreed device class (``mxcomm.recipes.DEVICE_CLASSES``): the least capable rank's.
         self.device_class = _recipes.DEVICE_CLASSES[int(table_[:, 1].min())]
         self.recipe_name = recipe
+        self._choosers = {}  # D -> mxcomm.recipes.Chooser ("auto")
         self._pinned = None if recipe == _recipes.AUTO else _recipes.get_recipe(recipe)
         if self._pinned is not None and not gemm_fallback and \
                 not _recipes.runnable(self._pinned, self.device_class):
@@ -129,18 +126,19 @@ class ExpertParallel:
 
     def recipe_for(self, layout, dim):
         """The :class:`~mxcomm.recipes.Recipe` this object runs for ``layout`` and rows of width
-        ``dim``: the pinned one, or ``"auto"``'s choice, kept beside the layout (a second call
-        with it costs a dict lookup). No host sync, no communication: every rank chooses alike
-        from the agreed layout, dims and device class."""
+        ``dim``: the pinned one, or ``"auto"``'s choice (a :class:`mxcomm.recipes.Chooser` kept
+        per D: a bisection in the layout's rows per rank). No host sync, no communication:
+        every rank chooses alike from the agreed layout, dims and device class."""
         if self._pinned is not None:
             return self._pinned
-        key = (_CHOICE, dim, self.hidden, self.device_class, id(self.table))
-        chosen = layout._cache.get(key)
-        if chosen is None:
-            chosen = layout._cache[key] = _recipes.choose_recipe(
-                layout, dim, dim if self.hidden is None else self.hidden,
-                device=self.device_class, table=self.table)
-        return chosen
+        chooser = self._choosers.get(dim)
+        if chooser is None or chooser.device != self.device_class or \
+                chooser.table is not self.table:
+            chooser = self._choosers[dim] = _recipes.Chooser(
+                dim, dim if self.hidden is None else self.hidden, device=self.device_class,
+                table=self.table)
+            chooser.device, chooser.table = self.device_class, self.table
+        return chooser(layout)
 
     def dispatch(self, x, num_tokens_per_expert):
         """Send routed rows to their experts, in the recipe's formats, in permuted order.

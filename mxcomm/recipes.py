@@ -164,10 +164,71 @@ H100_TABLE = CostTable(
 
 
 def rows_per_rank(layout):
-    """The most rows any rank sends or receives in ``layout`` (its ``sent`` table, W x W host
-    ints, agreed on every rank): the rank that sets the pace."""
-    sent = layout.sent
-    return max(max(map(sum, sent)), max(map(sum, zip(*sent))))
+    """The most rows any rank sends in ``layout`` (its ``sent`` table, W x W host ints, agreed
+    on every rank): the rows per rank of the table's measurements (uniform routing, where every
+    rank also receives as many). Rows received are not read: at W = 8 reading them too took the
+    choice past its 5 us budget (bench/NOTES.md)."""
+    return max(map(sum, layout.sent))
+
+
+class Chooser:
+    """``"auto"``'s answer for one shape and device class as intervals of rows per rank.
+
+    The predictions are linear between the table's points, so the fastest recipe changes only
+    at a point or where two lines cross; the chooser finds those bounds once, and a choice is
+    then a bisection (well under a microsecond; bench/NOTES.md).
+
+    Args:
+        dim, hidden, device, table, margin: as :func:`choose_recipe`.
+    Attributes:
+        bounds: ascending rows per rank where the answer changes.
+        answers: the :class:`Recipe` of each interval (``len(bounds) + 1``).
+    """
+
+    def __init__(self, dim, hidden, *, device="cpu", table=H100_TABLE, margin=0.02):
+        if device not in DEVICE_CLASSES:
+            raise ValueError(f"choose_recipe: device: expected one of {DEVICE_CLASSES}, got "
+                             f"{device!r}")
+        self._scale = dim * hidden / (table.ref_dim * table.ref_hidden)
+        if device == "cpu":  # the host backend: the table does not describe it
+            self.bounds, self.answers = [], [_BY_NAME["bf16"]]
+            return
+        names = [r.name for r in _RECIPES if runnable(r, device) and r.name in table.ms]
+        factor = {name: (1.0 - margin if name == "bf16" else 1.0) for name in names}
+
+        def cost(name, x):  # in the table's rows (scaled), margin applied to bf16
+            return factor[name] * table.predict(name, x, table.ref_dim, table.ref_hidden)
+
+        points = list(table.rows)
+        cuts = set(points)
+        edges = [points[0] - 1.0] + points + [2.0 * points[-1] + 1.0]
+        for lo, hi in zip(edges, edges[1:]):
+            for i, a in enumerate(names):
+                for b in names[i + 1:]:
+                    d0, d1 = cost(a, lo) - cost(b, lo), cost(a, hi) - cost(b, hi)
+                    if d0 * d1 < 0:
+                        cuts.add(lo + (hi - lo) * d0 / (d0 - d1))
+        cuts = sorted(cuts)
+        probes = [cuts[0] - 1.0] + [(u + v) / 2 for u, v in zip(cuts, cuts[1:])] + \
+            [cuts[-1] + 1.0]
+        answers = [self._best(names, cost, x) for x in probes]
+        self.bounds, self.answers = [], [answers[0]]
+        for cut, answer in zip(cuts, answers[1:]):
+            if answer is not self.answers[-1]:
+                self.bounds.append(cut)
+                self.answers.append(answer)
+
+    @staticmethod
+    def _best(names, cost, x):
+        best = min(names, key=lambda name: (cost(name, x), names.index(name)))
+        return _BY_NAME[best]
+
+    def __call__(self, layout):
+        """The recipe for ``layout`` (its agreed ``sent`` table; no host sync)."""
+        if not self.bounds:
+            return self.answers[0]
+        return self.answers[bisect.bisect_right(self.bounds,
+                                                rows_per_rank(layout) * self._scale)]
 
 
 def choose_recipe(layout, dim, hidden, *, device="cpu", table=H100_TABLE, margin=0.02):
@@ -179,6 +240,7 @@ def choose_recipe(layout, dim, hidden, *, device="cpu", table=H100_TABLE, margin
     recipe (bf16, mxfp8, fp8_rowwise). On ``"cpu"`` (the host backend, which the table does not
     describe) the answer is ``"bf16"``. Deterministic in its arguments: with the agreed layout,
     dims and device class, every rank chooses alike, with no communication. No host sync.
+    Callers that choose often keep a :class:`Chooser` (what this builds) per shape.
 
     Args:
         layout: a layout (``mxcomm.exchange_layout``); its ``sent`` table is read.
@@ -191,17 +253,4 @@ def choose_recipe(layout, dim, hidden, *, device="cpu", table=H100_TABLE, margin
     Raises:
         ValueError: ``device`` not a device class.
     """
-    if device not in DEVICE_CLASSES:
-        raise ValueError(f"choose_recipe: device: expected one of {DEVICE_CLASSES}, got "
-                         f"{device!r}")
-    best = _BY_NAME["bf16"]
-    if device == "cpu":
-        return best
-    rows = rows_per_rank(layout)
-    best_ms = table.predict(best.name, rows, dim, hidden) * (1.0 - margin)
-    for recipe in _RECIPES[1:]:
-        if runnable(recipe, device) and recipe.name in table.ms:
-            ms = table.predict(recipe.name, rows, dim, hidden)
-            if ms < best_ms:
-                best, best_ms = recipe, ms
-    return best
+    return Chooser(dim, hidden, device=device, table=table, margin=margin)(layout)
