@@ -234,8 +234,8 @@ for phase in "$@"; do
     stepfp8_4)  # per-iteration stage times of the fp8 pipeline at 4 ranks, 131072 rows, with rank
         # 0's cProfile of the fused variant (the host time of an exchange landing in permute's order)
         [ "$ngpu" -ge 4 ] && step "stage times per iteration and profile, fp8 pipeline, 4 ranks" 300 "${mpirun_env[@]}" -n 4 \
-            python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
-            ${STEP_PROFILED:-fp8_rowwise_mxgrad_fused} --dim ${STEP_DIM:-7168} --hidden ${STEP_HIDDEN:-2048} --iters 20 ;;
+            python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-fp8_rowwise_mxgrad,fp8_rowwise} \
+            ${STEP_PROFILED:-fp8_rowwise} --dim ${STEP_DIM:-7168} --hidden ${STEP_HIDDEN:-2048} --iters 20 ;;
     profile4fresh) [ "$ngpu" -ge 4 ] && step "host profile, 4 ranks, a new layout per call" 240 "${mpirun_env[@]}" -n 4 \
         python3 bench/profile_host.py ${PROFILE_ROWS:-4096} 7168 ${PROFILE_CALLS:-300} fresh ;;
     stepfp8small2)  # the same at 4096 rows (issue 11: host-bound), with rank 0's cProfile of the fp8 path
