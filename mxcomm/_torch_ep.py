@@ -14,13 +14,16 @@ Built from the validated ``mxcomm.torch`` primitives, keyword for keyword as the
 """
 
 import dataclasses
+import weakref
 
 import numpy
 import torch
 
 from . import recipes as _recipes
-from .torch import (a2a_combine, a2a_dispatch, communicator_for, exchange_layout,
-                    fp8_gemm_available, permute, unpermute)
+from ._torch_gemm import fp8_gemm_available
+
+# mxcomm.torch re-exports this module's names, so its primitives are looked up when an object is
+# built (``_primitives``), not when this module is imported: either module may be imported first.
 
 @dataclasses.dataclass(frozen=True)
 class EPHandle:
@@ -74,7 +77,9 @@ class ExpertParallel:
 
     def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
                  align=32, hidden=None, gemm_fallback=False, table=_recipes.H100_TABLE):
-        self.comm = comm if comm is not None else communicator_for(group)
+        from . import torch as primitives
+        self._p = primitives
+        self.comm = comm if comm is not None else primitives.communicator_for(group)
         rank = self.comm.rank
         names = _recipes.recipe_names()
         if int(num_local_experts) <= 0 or int(align) <= 0:
@@ -160,18 +165,19 @@ class ExpertParallel:
         Host syncs and collectives: the layout exchange (one host round, the only one); the
         exchanges themselves (none on the host, given the layout).
         """
-        layout = exchange_layout(num_tokens_per_expert, self.comm)
+        p = self._p
+        layout = p.exchange_layout(num_tokens_per_expert, self.comm)
         recipe = self.recipe_for(layout, x.shape[-1])
         align = self.align
         if recipe.fused:
-            rows, indices, offsets = a2a_dispatch(
+            rows, indices, offsets = p.a2a_dispatch(
                 x, layout, precision=recipe.dispatch, grad_precision=recipe.dispatch_grad,
                 permute_align=align)
         else:
-            received = a2a_dispatch(x, layout, precision=recipe.dispatch,
-                                    grad_precision=recipe.dispatch_grad)
-            rows, indices, offsets = permute(received, layout, align=align,
-                                             out_format=recipe.permute_format)
+            received = p.a2a_dispatch(x, layout, precision=recipe.dispatch,
+                                      grad_precision=recipe.dispatch_grad)
+            rows, indices, offsets = p.permute(received, layout, align=align,
+                                               out_format=recipe.permute_format)
         return rows, offsets, EPHandle(layout, recipe, indices, offsets, align)
 
     def combine(self, y, handle):
@@ -190,11 +196,57 @@ class ExpertParallel:
         if not isinstance(handle, EPHandle):
             raise TypeError(f"combine: handle: expected the EPHandle dispatch returned, got "
                             f"{type(handle).__name__}")
-        recipe, layout = handle.recipe, handle.layout
+        p, recipe, layout = self._p, handle.recipe, handle.layout
         if recipe.fused:
-            return a2a_combine(y, layout, precision=recipe.combine,
-                               grad_precision=recipe.combine_grad, permute_align=handle.align)
-        back = unpermute(y, handle.permuted_indices, layout,
-                         grad_format=recipe.unpermute_grad_format)
-        return a2a_combine(back, layout, precision=recipe.combine,
-                           grad_precision=recipe.combine_grad)
+            return p.a2a_combine(y, layout, precision=recipe.combine,
+                                 grad_precision=recipe.combine_grad, permute_align=handle.align)
+        back = p.unpermute(y, handle.permuted_indices, layout,
+                           grad_format=recipe.unpermute_grad_format)
+        return p.a2a_combine(back, layout, precision=recipe.combine,
+                             grad_precision=recipe.combine_grad)
+
+
+def grouped_experts_class(parent_cls):
+    """A subclass of torchtitan's ``GroupedExperts`` (``parent_cls``, torchtitan 0.3's
+    ``torchtitan.models.common.moe.GroupedExperts`` or a subclass) whose grouped GEMMs are
+    ``mxcomm.torch.grouped_mm``: the rows :meth:`ExpertParallel.dispatch` returns feed the GEMMs
+    as they are, with no bf16 pass in between.
+
+    It overrides the two seams torchtitan's float8 / MX converters use: ``forward`` notes
+    whether the rows came quantized (the recipe's GEMM is fp8), then runs the parent's SwiGLU;
+    ``_grouped_mm(*, A, B_t, offs)`` runs ``grouped_mm(A, B_t, offs)``, fp8 for all three GEMMs
+    (w1, w3 on the rows as received; w2 on the SwiGLU's bf16 output, quantized per call; the
+    w2 dgrad reads an fp8 rowwise combine gradient as delivered) when the rows came quantized and
+    the device has SM90 fp8 GEMMs, else bf16 GEMMs (``grouped_mm``'s fallback for quantized
+    rows). Weights are the parent's, cast by the parent (``.bfloat16()``: bf16 parameters are
+    used as they are, so ``grouped_mm``'s weight cache reuses their quantized operands).
+
+    The caller (a token dispatcher) passes the padded group sizes: the rows are padded per
+    expert to ``align``, and torchtitan computes the offsets as the cumulative sum of what it is
+    given (``group_offsets`` differenced). For the torchtitan integration's installer.
+
+    Returns:
+        The subclass (one per ``parent_cls``: the same class on every call).
+    """
+    cached = _EXPERTS_CLASSES.get(parent_cls)
+    if cached is not None:
+        return cached
+
+    class MxcommGroupedExperts(parent_cls):
+        def forward(self, x_RD, num_tokens_per_expert_E):
+            self._mxcomm_fp8 = hasattr(x_RD, "qdata") and fp8_gemm_available(x_RD.device)
+            return super().forward(x_RD, num_tokens_per_expert_E)
+
+        def _grouped_mm(self, *, A, B_t, offs):
+            from .torch import grouped_mm
+            return grouped_mm(A, B_t, offs, fp8=getattr(self, "_mxcomm_fp8", False) or None)
+
+    MxcommGroupedExperts.__name__ = MxcommGroupedExperts.__qualname__ = \
+        f"Mxcomm{parent_cls.__name__}"
+    _EXPERTS_CLASSES[parent_cls] = MxcommGroupedExperts
+    return MxcommGroupedExperts
+
+
+#: parent class -> its :func:`grouped_experts_class` (classes, not state: one per parent, so
+#: ``isinstance`` and torch.compile see one class)
+_EXPERTS_CLASSES = weakref.WeakKeyDictionary()
