@@ -525,7 +525,16 @@ def test_variants_precisions_and_stages():
         v["fp8_rowwise_bf16grad"], name="fp8_rowwise_acc32", fast_accum=())
     assert {x.fast_accum for x in _moe.VARIANTS if x.name != "fp8_rowwise_acc32"} == {
         ("forward", "dgrad", "wgrad")}
+    with pytest.raises(ValueError, match="auto has no stages until resolved"):
+        _moe.stages(v["auto"], None, 2, loop_gemm=True)
+    layout = types.SimpleNamespace(sent=[[131072, 0], [0, 131072]])
+    for device, chose in (("sm90", "fp8_rowwise"), ("cuda", "mxfp8"), ("cpu", "bf16")):
+        resolved = _moe.resolve(v["auto"], layout, 7168, 2048, device)
+        assert (resolved.name, resolved.chose) == ("auto", chose)
+        assert resolved.fused == (chose == "fp8_rowwise")
     for x in _moe.VARIANTS:
+        if x.name == "auto":
+            x = resolved
         names = [s.name for s in _moe.stages(x, None, 2, loop_gemm=True)]
         if x.fused:  # the permute and unpermute inside the exchanges
             assert names == ["layout", "dispatch", "gemm", "combine"]
@@ -533,7 +542,8 @@ def test_variants_precisions_and_stages():
             assert names == ["layout", "dispatch", "permute", "gemm", "unpermute", "combine"]
         else:
             assert "dequantize" in names and "grad_dequantize" in names
-        assert x.describe().startswith(f"{x.name} = ")
+        assert x.describe().startswith(f"{x.name} = " if x.chose is None else
+                                       f"auto (chose {x.chose}) = ")
     assert "permute to fp8_rowwise" in v["mxfp8+rowwise"].describe()
     # the recipe fp8_rowwise: the former fp8_rowwise_mxgrad_fused
     assert v["fp8_rowwise"] == dataclasses.replace(

@@ -313,7 +313,12 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         num_local_experts: E_local.
         loop_gemm: the bf16 GEMM as a per-expert loop of matmuls (:func:`grouped_mm`); the fp8
             GEMM has no loop (its CPU fallback is ``torch._grouped_mm``).
+    Raises:
+        ValueError: ``auto`` not yet resolved (:func:`resolve`).
     """
+    if variant.recipe == "auto" and variant.chose is None:
+        raise ValueError("stages: the variant auto has no stages until resolved for a shape "
+                         "(_moe.resolve)")
     from mxcomm import torch as mxt
 
     def layout(s):
