@@ -464,3 +464,34 @@ def test_expert_parallel_gpu_equals_the_validated_calls(comm, device, name):
     ref = _by_hand(name, xb, counts, wb, grad, comm)
     assert torch.equal(out, ref) and torch.equal(xa.grad, xb.grad)
     assert torch.equal(wa.grad, wb.grad)
+
+
+# ------------------------------------------------------------- torch.distributed groups
+def ep_group_checks(rank, size):
+    """Rank ``rank`` of a gloo world: ExpertParallel from the default group (None), the
+    ProcessGroup and a 1-D DeviceMesh share one communicator, and each recipe through it equals
+    the primitives by hand, bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
+    built = [mt.ExpertParallel(g, num_local_experts=E_LOCAL, recipe="mxfp8", align=ALIGN)
+             for g in (None, dist.group.WORLD, mesh)]
+    assert len({id(ep.comm) for ep in built}) == 1
+    comm = built[0].comm
+    x, counts, grad, w = _routed(rank, size, torch.device("cpu"))
+    same = []
+    for name in ("bf16", "mxfp8", "fp8_rowwise"):
+        ep = mt.ExpertParallel(mesh, num_local_experts=E_LOCAL, recipe=name, align=ALIGN,
+                               gemm_fallback=True)
+        xa, wa = _leaves(x, w)
+        out, _, _ = _through_ep(ep, xa, counts, wa, grad)
+        xb, wb = _leaves(x, w)
+        ref = _by_hand(name, xb, counts, wb, grad, comm)
+        same.append(torch.equal(out, ref) and torch.equal(xa.grad, xb.grad)
+                    and torch.equal(wa.grad, wb.grad))
+    return same
+
+
+def test_expert_parallel_over_torch_distributed_groups():
+    from torch_world import run_world
+    assert run_world(2, ep_group_checks) == [[True] * 3] * 2
