@@ -9,11 +9,11 @@ Built from the validated ``mxcomm.torch`` primitives, keyword for keyword as the
 
     ep = ExpertParallel(group, num_local_experts=8)            # recipe="auto"
     rows, offsets, handle = ep.dispatch(x, num_tokens_per_expert)
-    y = mxcomm.torch.grouped_mm(rows, w, offsets)              # (P, H) bf16
+    y = mxcomm.torch.grouped_mm(rows, w, offsets)              # w (E_local, D, H) -> (P, H)
     out = ep.combine(y, handle)                                # (M, H) bf16
 """
 
-import dataclasses
+import typing
 import weakref
 
 import numpy
@@ -23,11 +23,12 @@ from . import recipes as _recipes
 from ._torch_gemm import fp8_gemm_available
 
 # mxcomm.torch re-exports this module's names, so its primitives are looked up when an object is
-# built (``_primitives``), not when this module is imported: either module may be imported first.
+# built (``self._p``), not when this module is imported: either module may be imported first.
 
-@dataclasses.dataclass(frozen=True)
-class EPHandle:
-    """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine`.
+
+class EPHandle(typing.NamedTuple):
+    """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine` (a named
+    tuple: read-only, and a third of a frozen dataclass's host time to build).
 
     Attributes:
         layout: the layout of this dispatch (``mxcomm.torch.exchange_layout``), agreed by all.
