@@ -104,15 +104,6 @@ def get_recipe(name):
     return recipe
 
 
-def device_class(capability):
-    """The device class of a CUDA compute capability ``(major, minor)``, or of None (no GPU):
-    ``"sm90"`` where the fp8 grouped GEMMs run (``mxcomm.torch.fp8_gemm_available``), ``"cuda"``
-    for other GPUs, ``"cpu"``."""
-    if capability is None:
-        return "cpu"
-    return "sm90" if capability[0] == 9 else "cuda"
-
-
 def runnable(recipe, device):
     """True when the devices of class ``device`` run ``recipe`` as named: an fp8 GEMM needs
     ``"sm90"`` (elsewhere ``grouped_mm`` falls back to bf16 GEMMs: other numerics)."""
