@@ -45,14 +45,16 @@ torchao's dense float8 recipe (``Float8LinearConfig``) makes only the forward fa
 
 Quantized weights are kept while the weight is unchanged (:class:`WeightCache`): the forward's
 operand (quantized along K) and the dgrad's (along N) are made once per version of the weight and
-reused by every micro-batch's forward and backward until an in-place update (an optimizer step)
-or a new tensor. The bf16 activations, and weights the first time, are quantized by mxcomm's fp8
+reused by every micro-batch's forward and backward until an in-place update, an optimizer's
+step or a new tensor. The bf16 activations, and weights the first time, are quantized by mxcomm's fp8
 rowwise kernel on CUDA
 (:func:`quantize_rows_pow2`: power-of-two scales, scale = 2^clamp(ceil(log2(amax / 448)), -126,
 127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a
 torch without ``_scaled_grouped_mm``) the documented fallback is bf16: ``torch._grouped_mm`` on the
 dequantized rows, in all three products, with the same autograd wiring (so CPU tests exercise it).
 """
+
+import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -174,20 +176,40 @@ class WeightCache:
     Keyed by the tensor that owns the weight's storage (weakly: an entry dies with it), the
     view's geometry, which operand (``"forward"``, ``"dgrad"``), and the tensor's version counter
     (``w._version``, shared by a tensor and its views, bumped by every in-place update: an
-    optimizer's step, ``w.copy_``, ``w.add_`` under ``no_grad``). So forward and backward of
-    several micro-batches on one weight (gradient accumulation) quantize it once per operand,
-    and a step or a new tensor makes the next call quantize again. Writes through ``w.data``
-    bypass the version counter (as they do torch's own saved-tensor checks): call
-    :meth:`clear` after them. One entry per (tensor, view, operand): a new version replaces the
-    old; the cache holds about one byte per weight element per operand (the fp8 data).
+    optimizer's step, ``w.copy_``, ``w.add_`` under ``no_grad``). Every ``torch.optim``
+    optimizer's step also empties the cache (a global step hook): FSDP2 writes each step's
+    all-gathered weights into the same unsharded parameters with their version counters
+    preserved (``torch.autograd._unsafe_preserve_version_counter``), which the version alone
+    would not see. So forward and backward of several micro-batches on one weight (gradient
+    accumulation) quantize it once per operand, and a step, an in-place update or a new tensor
+    makes the next call quantize again. Writes that neither bump the version counter nor follow
+    an optimizer's step (through ``w.data``; FSDP2's all-gather after a ``load_state_dict``; an
+    optimizer outside ``torch.optim``) are not seen: call :meth:`clear` after them. One entry
+    per (tensor, view, operand); the cache holds about one byte per weight element per operand
+    (the fp8 data).
 
     Attributes:
         hits, misses: counts of :meth:`get` calls that reused / made an operand.
+        steps: optimizer steps seen (each emptied the cache).
     """
 
     def __init__(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
         self._entries = WeakIdKeyDictionary()
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.steps = 0
+        this = weakref.ref(self)
+
+        def stepped(optimizer, args, kwargs):
+            cache = this()
+            if cache is not None:
+                cache.steps += 1
+                cache.clear()
+        self._hook = register_optimizer_step_post_hook(stepped)
+
+    def __del__(self):
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
 
     def get(self, w, operand, make):
         """``make(w)`` for ``w`` of this version and geometry, made once and then reused.
@@ -215,7 +237,7 @@ class WeightCache:
         return value
 
     def clear(self):
-        """Forget every operand (after writes that bypass the version counter)."""
+        """Forget every operand (after writes the cache cannot see; see the class docstring)."""
         self._entries = WeakIdKeyDictionary()
 
 

@@ -142,6 +142,18 @@ def test_weight_cache_hits_until_the_weight_changes():
     cache.clear()
     cache.get(w2.transpose(-2, -1), "forward", make)
     assert cache.misses == 6
+    # FSDP2's way: new values written with the version counter preserved (its all-gather into
+    # the unsharded parameter), after an optimizer's step on other tensors (the shards)
+    before = cache.get(w2.transpose(-2, -1), "forward", make)  # a hit
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w2):
+        w2.copy_(torch.randn_like(w2))
+    assert cache.get(w2.transpose(-2, -1), "forward", make) is before  # not seen by itself
+    shard = torch.zeros(3, requires_grad=True)
+    shard.grad = torch.ones(3)
+    torch.optim.SGD([shard], lr=0.1).step()
+    assert cache.steps == 2
+    value = cache.get(w2.transpose(-2, -1), "forward", make)
+    assert cache.misses == 7 and torch.equal(value, w2.detach().transpose(-2, -1))
 
 
 def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None,
