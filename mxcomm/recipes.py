@@ -172,7 +172,8 @@ class Chooser:
     Args:
         dim, hidden, device, table, margin: as :func:`choose_recipe`.
     Attributes:
-        bounds: ascending rows per rank where the answer changes.
+        bounds: ascending points where the answer changes, in the table's rows (rows per rank
+            scaled by ``dim * hidden / (ref_dim * ref_hidden)``: rows per rank at its shape).
         answers: the :class:`Recipe` of each interval (``len(bounds) + 1``).
     """
 
@@ -192,7 +193,9 @@ class Chooser:
 
         points = list(table.rows)
         cuts = set(points)
-        edges = [points[0] - 1.0] + points + [2.0 * points[-1] + 1.0]
+        # below the first point the predictions are flat (no crossing); above the last they are
+        # lines: a far edge finds where any two cross
+        edges = points + [1e6 * points[-1] + 1.0]
         for lo, hi in zip(edges, edges[1:]):
             for i, a in enumerate(names):
                 for b in names[i + 1:]:

@@ -100,6 +100,17 @@ def test_auto_device_classes_and_margin():
         recipes.choose_recipe(big, D, H, device="gpu")
 
 
+def test_auto_extrapolates_past_the_last_point():
+    """Above the table the predictions are lines: a crossing far past the last point is found
+    (bf16 1 + 0.1 x against fp8_rowwise 3 + 0.01 x cross at x = 22.2)."""
+    table = recipes.CostTable(rows=(0, 10), ms={"bf16": (1.0, 2.0), "fp8_rowwise": (3.0, 3.1)},
+                              ref_dim=D, ref_hidden=H)
+    chooser = recipes.Chooser(D, H, device="sm90", table=table, margin=0)
+    assert [round(b, 3) for b in chooser.bounds] == [22.222]
+    for rows, expected in ((22, "bf16"), (23, "fp8_rowwise"), (10 ** 6, "fp8_rowwise")):
+        assert chooser(_Sent([[rows, 0], [0, 0]])).name == expected
+
+
 def test_h100_table_crossovers():
     """The measured table's answers at the issue's shape: bf16 at 4096 rows, mxfp8 at 16384,
     fp8_rowwise from 65536 (the fp8 recipe's crossover with bf16 near 32768 rows)."""
