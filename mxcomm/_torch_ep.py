@@ -56,7 +56,8 @@ class ExpertParallel:
             predicts fastest), or a recipe name to pin the numerics (``mxcomm.recipes``).
         comm: an mxcomm communicator (instead of ``group``).
         align: rows each expert group is padded to a multiple of (32: MX GEMMs; 16: SM90 fp8).
-        hidden: H, the expert GEMM's output width, for ``"auto"``'s prediction (None: D).
+        hidden: H, the expert GEMM's output width, for ``"auto"``'s prediction (None: D times
+            the table's H / D, 2048 / 7168: the DeepSeek-V3 MoE layer's proportions).
         gemm_fallback: False (default): a pinned recipe with an fp8 GEMM on devices without
             SM90 fp8 grouped GEMMs raises at construction; True: it runs, its GEMM on
             ``grouped_mm``'s bf16 fallback (its wire formats as named; CPU runs and tests).
@@ -141,7 +142,8 @@ class ExpertParallel:
         if chooser is None or chooser.device != self.device_class or \
                 chooser.table is not self.table:
             chooser = self._choosers[dim] = _recipes.Chooser(
-                dim, dim if self.hidden is None else self.hidden, device=self.device_class,
+                dim, self.hidden if self.hidden is not None
+                else dim * self.table.ref_hidden / self.table.ref_dim, device=self.device_class,
                 table=self.table)
             chooser.device, chooser.table = self.device_class, self.table
         return chooser(layout)
