@@ -46,10 +46,9 @@ torchao's dense float8 recipe (``Float8LinearConfig``) makes only the forward fa
 Quantized weights are kept while the weight is unchanged (:class:`WeightCache`): the forward's
 operand (quantized along K) and the dgrad's (along N) are made once per version of the weight and
 reused by every micro-batch's forward and backward until an in-place update, an optimizer's
-step or a new tensor. The bf16 activations, and weights the first time, are quantized by mxcomm's fp8
-rowwise kernel on CUDA
-(:func:`quantize_rows_pow2`: power-of-two scales, scale = 2^clamp(ceil(log2(amax / 448)), -126,
-127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a
+step or a new tensor. The bf16 activations, and weights the first time, are quantized by
+mxcomm's fp8 rowwise kernel on CUDA (:func:`quantize_rows_pow2`: power-of-two scales, scale =
+2^clamp(ceil(log2(amax / 448)), -126, 127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a
 torch without ``_scaled_grouped_mm``) the documented fallback is bf16: ``torch._grouped_mm`` on the
 dequantized rows, in all three products, with the same autograd wiring (so CPU tests exercise it).
 """
