@@ -14,7 +14,7 @@ mkdir -p "$OUT" "$res"
 log="$OUT/gpu.log"
 export MXCOMM_COMMIT=${MXCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 ngpu=$(nvidia-smi -L | wc -l)
-FP8_VARIANTS=${FP8_VARIANTS:-mxfp8,mxfp8_all,bf16+fp8gemm,fp8_rowwise,mxfp8+rowwise,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused,fp8_rowwise_bf16wgrad,fp8_rowwise_acc32}
+FP8_VARIANTS=${FP8_VARIANTS:-auto,mxfp8,fp8_rowwise,mxfp8_all,bf16+fp8gemm,fp8_rowwise_bf16grad,mxfp8+rowwise,fp8_rowwise_mxgrad,fp8_rowwise_bf16wgrad,fp8_rowwise_acc32}
 # mpirun_env of the kit, as a command (timeout cannot run a shell function)
 mpirun_env=(mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
     -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS -x PYTHONUNBUFFERED -x MXCOMM_COMMIT)
@@ -165,11 +165,11 @@ for phase in "$@"; do
         --plot "$res/pipeline_fp8_interleaved_w2.png" ;;
     pipe2fp8stages) step "bench pipeline, 2 ranks, fp8 GEMM variants with stages, 131072 rows" 400 \
         "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline --tokens 131072 --dim 7168 8192 \
-        --hidden 2048 5120 --experts 8 --variants ${STAGE_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
+        --hidden 2048 5120 --experts 8 --variants ${STAGE_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise} \
         --json "$res/pipeline_fp8_stages_w2.json" --markdown "$res/pipeline_fp8_stages_w2.md" ;;
     pipe4fp8stages) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks, fp8 GEMM variants with stages, 131072 rows" 400 \
         "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline --tokens 131072 --dim ${STAGE_DIMS:-7168} \
-        --hidden ${STAGE_HIDDENS:-2048} --experts 8 --variants ${STAGE_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
+        --hidden ${STAGE_HIDDENS:-2048} --experts 8 --variants ${STAGE_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise} \
         --json "$res/pipeline_fp8_stages_w4.json" --markdown "$res/pipeline_fp8_stages_w4.md" ;;
     gcab2)  # the fp8 pipeline at 2 ranks, 131072 x 7168 -> 2048, with Python's garbage collector
         # on and off (--gc), alternating, twice: is the forward's slow mode the host's? (At 492cb02,
@@ -179,7 +179,7 @@ for phase in "$@"; do
                 step "bench pipeline, 2 ranks, fp8_rowwise_mxgrad, gc $gc (round $round)" 200 \
                     "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline --gc $gc \
                     --tokens 131072 --dim 7168 --hidden 2048 --experts 8 --no-stages \
-                    --variants fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused --iters 40 \
+                    --variants fp8_rowwise_mxgrad,fp8_rowwise --iters 40 \
                     --json "$res/pipeline_gc${gc}_r${round}_w2.json" --markdown "$res/pipeline_gc${gc}_r${round}_w2.md"
             done
         done ;;
@@ -229,13 +229,13 @@ for phase in "$@"; do
         "${mpirun_env[@]}" -n 4 python3 bench/probe_dequant.py ${DEQUANT_ARGS:-} ;;
     stepfp8_2)  # per-iteration stage times of the fp8 pipeline at 131072 rows: the forward's slow mode
         step "stage times per iteration, fp8 pipeline, 2 ranks" 300 "${mpirun_env[@]}" -n 2 \
-            python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
+            python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-bf16+fp8gemm,fp8_rowwise_mxgrad,fp8_rowwise} \
             none --dim ${STEP_DIM:-8192} --hidden ${STEP_HIDDEN:-5120} --iters 30 ;;
     stepfp8_4)  # per-iteration stage times of the fp8 pipeline at 4 ranks, 131072 rows, with rank
         # 0's cProfile of the fused variant (the host time of an exchange landing in permute's order)
         [ "$ngpu" -ge 4 ] && step "stage times per iteration and profile, fp8 pipeline, 4 ranks" 300 "${mpirun_env[@]}" -n 4 \
-            python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
-            ${STEP_PROFILED:-fp8_rowwise_mxgrad_fused} --dim ${STEP_DIM:-7168} --hidden ${STEP_HIDDEN:-2048} --iters 20 ;;
+            python3 bench/profile_step.py 131072 ${STEP_VARIANTS:-fp8_rowwise_mxgrad,fp8_rowwise} \
+            ${STEP_PROFILED:-fp8_rowwise} --dim ${STEP_DIM:-7168} --hidden ${STEP_HIDDEN:-2048} --iters 20 ;;
     profile4fresh) [ "$ngpu" -ge 4 ] && step "host profile, 4 ranks, a new layout per call" 240 "${mpirun_env[@]}" -n 4 \
         python3 bench/profile_host.py ${PROFILE_ROWS:-4096} 7168 ${PROFILE_CALLS:-300} fresh ;;
     stepfp8small2)  # the same at 4096 rows (issue 11: host-bound), with rank 0's cProfile of the fp8 path

@@ -43,14 +43,20 @@ torchao's dense float8 recipe (``Float8LinearConfig``) makes only the forward fa
 ``bench/probe_gemm.py``): each product 12-17 % faster, its SQNR against the bf16 product within
 0.05 dB of the promoted one (28.43-28.48 dB). The bf16 fallback ignores it.
 
-Weights (and bf16 activations) are quantized per call by mxcomm's fp8 rowwise kernel on CUDA
-(:func:`quantize_rows_pow2`: power-of-two scales, scale = 2^clamp(ceil(log2(amax / 448)), -126,
-127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a
+Quantized weights are kept while the weight is unchanged (:class:`WeightCache`): the forward's
+operand (quantized along K) and the dgrad's (along N) are made once per version of the weight and
+reused by every micro-batch's forward and backward until an in-place update, an optimizer's
+step or a new tensor. The bf16 activations, and weights the first time, are quantized by
+mxcomm's fp8 rowwise kernel on CUDA (:func:`quantize_rows_pow2`: power-of-two scales, scale =
+2^clamp(ceil(log2(amax / 448)), -126, 127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a
 torch without ``_scaled_grouped_mm``) the documented fallback is bf16: ``torch._grouped_mm`` on the
 dequantized rows, in all three products, with the same autograd wiring (so CPU tests exercise it).
 """
 
+import weakref
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import fp8_formats
 from ._torch_arrays import _array, _stream, _tensor
@@ -163,6 +169,86 @@ def _fp8_wgrad(x_rows, grad_rows, offs, fast):
                                     out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
+class WeightCache:
+    """Quantized expert weights, reused while the weight is unchanged.
+
+    Keyed by the tensor that owns the weight's storage (weakly: an entry dies with it), the
+    view's geometry, which operand (``"forward"``, ``"dgrad"``), and the tensor's version counter
+    (``w._version``, shared by a tensor and its views, bumped by every in-place update: an
+    optimizer's step, ``w.copy_``, ``w.add_`` under ``no_grad``). Every ``torch.optim``
+    optimizer's step also empties the cache (a global step hook): FSDP2 writes each step's
+    all-gathered weights into the same unsharded parameters with their version counters
+    preserved (``torch.autograd._unsafe_preserve_version_counter``), which the version alone
+    would not see. So forward and backward of several micro-batches on one weight (gradient
+    accumulation) quantize it once per operand, and a step, an in-place update or a new tensor
+    makes the next call quantize again. Writes that neither bump the version counter nor follow
+    an optimizer's step (through ``w.data``; FSDP2's all-gather after a ``load_state_dict``; an
+    optimizer outside ``torch.optim``) are not seen: call :meth:`clear` after them. One entry
+    per (tensor, view, operand); the cache holds about one byte per weight element per operand
+    (the fp8 data).
+
+    Attributes:
+        hits, misses: counts of :meth:`get` calls that reused / made an operand.
+        steps: optimizer steps seen (each emptied the cache).
+    """
+
+    def __init__(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        self._entries = WeakIdKeyDictionary()
+        self.hits = self.misses = self.steps = 0
+        this = weakref.ref(self)
+
+        def stepped(optimizer, args, kwargs):
+            cache = this()
+            if cache is not None:
+                cache.steps += 1
+                cache.clear()
+        self._hook = register_optimizer_step_post_hook(stepped)
+
+    def __del__(self):
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+
+    def get(self, w, operand, make):
+        """``make(w)`` for ``w`` of this version and geometry, made once and then reused.
+
+        Args:
+            w: a tensor (or a view of one). Read.
+            operand: the name of what ``make`` makes (part of the key).
+            make: ``w -> value`` (here, a quantizer: tests inject a counting one).
+        Returns:
+            ``make(w)``'s value, from the cache when ``w`` is unchanged since it was made.
+        """
+        owner = w._base if w._base is not None else w
+        key = (operand, tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, w.device)
+        entries = self._entries.get(owner)
+        if entries is None:
+            entries = self._entries[owner] = {}
+        version = w._version
+        found = entries.get(key)
+        if found is not None and found[0] == version:
+            self.hits += 1
+            return found[1]
+        self.misses += 1
+        value = make(w)
+        entries[key] = (version, value)
+        return value
+
+    def clear(self):
+        """Forget every operand (after writes the cache cannot see; see the class docstring)."""
+        self._entries = WeakIdKeyDictionary()
+
+
+#: The cache :func:`grouped_mm` uses unless given another (``weight_cache=``).
+default_weight_cache = WeightCache()
+
+
+def _weight_operand(cache, w, operand, make):
+    """``make(w)``, through ``cache`` (a :class:`WeightCache`) or made afresh (None)."""
+    return make(w) if cache is None else cache.get(w, operand, make)
+
+
 class _GroupedMM(torch.autograd.Function):
     """y = x @ w per group, x given as fp8 rowwise rows (module docstring).
 
@@ -174,8 +260,12 @@ class _GroupedMM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, fp8, wgrad, fast):
+    def forward(ctx, x, w, offs, fp8, wgrad, fast, cache):
         ctx.fp8 = fp8
+        ctx.cache = cache
+        # the weight as given (a view keeps its base's identity and version), for the cache:
+        # a saved tensor unpacks as a new tensor object
+        ctx.weight = w if cache is not None else None
         ctx.fp8_wgrad = fp8 and wgrad == "fp8"
         ctx.fast = fast
         kept = x.detach() if hasattr(x, "qdata") else x
@@ -184,7 +274,7 @@ class _GroupedMM(torch.autograd.Function):
             return torch._grouped_mm(_plain(x), w.detach(), offs=offs)
         a, scale_a = _fp8_operand_a(x)
         ctx.save_for_backward(*((a, scale_a) if ctx.fp8_wgrad else (kept,)), w, offs)
-        b, scale_b = _fp8_weight(w)
+        b, scale_b = _weight_operand(cache, w, "forward", _fp8_weight)
         return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
                                         out_dtype=torch.bfloat16,
                                         use_fast_accum="forward" in fast)
@@ -197,7 +287,8 @@ class _GroupedMM(torch.autograd.Function):
             g, scale_g = _fp8_operand_a(grad)
         if ctx.needs_input_grad[0]:
             if ctx.fp8:
-                b, scale_b = _fp8_weight_t(w)
+                b, scale_b = _weight_operand(ctx.cache, ctx.weight if ctx.cache is not None
+                                             else w, "dgrad", _fp8_weight_t)
                 dx = torch._scaled_grouped_mm(g, b, scale_g, scale_b, offs=offs,
                                               out_dtype=torch.bfloat16,
                                               use_fast_accum="dgrad" in ctx.fast)
@@ -209,8 +300,8 @@ class _GroupedMM(torch.autograd.Function):
             else:
                 dw = torch._grouped_mm(_plain(rows[0]).t(), _plain(grad), offs=offs)
             dw = dw.to(w.dtype)
-        # None for: offs, fp8, wgrad, fast
-        return dx, dw, None, None, None, None
+        # None for: offs, fp8, wgrad, fast, cache
+        return dx, dw, None, None, None, None, None
 
 
 def _fast_set(fast_accum):
@@ -228,7 +319,7 @@ def _fast_set(fast_accum):
     return chosen
 
 
-def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
+def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cache=True):
     """Differentiable grouped GEMM of pre-quantized permuted rows and bf16 expert weights.
 
     Args:
@@ -238,13 +329,18 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
         w: (G, K, N) bf16 tensor, the local experts' weights.
         offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``),
             any group sizes (empty groups too; the fp8 wgrad pads its own operands).
-        fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available`, else the bf16
-            fallback; True to require them; False for the bf16 fallback.
+        fp8: None: the SM90 fp8 GEMMs for quantized rows where :func:`fp8_gemm_available`
+            (plain bf16 rows, as ``ExpertParallel``'s bf16 and mxfp8 recipes deliver them, get
+            the bf16 GEMMs), else the bf16 fallback; True to require them (bf16 rows are then
+            quantized per call); False for the bf16 fallback.
         wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"`` (module
             docstring); the bf16 fallback ignores it.
         fast_accum: the fp8 products accumulated without fp32 promotion (module docstring):
             some of ``"forward"``, ``"dgrad"``, ``"wgrad"``, or True (all: the default, as
             torchao's fp8 rowwise MoE GEMM) / False (none).
+        weight_cache: the fp8 path's quantized weights (:class:`WeightCache`): True (default)
+            for :data:`default_weight_cache`, a :class:`WeightCache`, or False to quantize on
+            every call. Values are the same either way.
     Returns:
         (P, N) bf16.
     Raises:
@@ -272,8 +368,17 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
                            f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
                            f"the bf16 fallback)")
-    fp8 = available if fp8 is None else bool(fp8)
+    fp8 = available and hasattr(x, "qdata") if fp8 is None else bool(fp8)
     if fp8 and w.shape[2] % 16:
         raise ValueError(f"grouped_mm: N = {w.shape[2]} is not a multiple of 16, which the fp8 "
                          f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
-    return _GroupedMM.apply(x, w, offs, fp8, wgrad, fast)
+    if weight_cache is True:
+        cache = default_weight_cache
+    elif weight_cache is False:
+        cache = None
+    elif isinstance(weight_cache, WeightCache):
+        cache = weight_cache
+    else:
+        raise TypeError(f"grouped_mm: weight_cache: expected True, False or a WeightCache, got "
+                        f"{type(weight_cache).__name__}")
+    return _GroupedMM.apply(x, w, offs, fp8, wgrad, fast, cache)

@@ -42,12 +42,13 @@ from ._platform import gpu_arrays
 from .kernels import array_module
 from ._torch_arrays import (_ARRAY_DTYPES, _TORCH_DTYPES, _array, _current_stream, _stream,
                             _tensor, _view)
-from ._torch_gemm import fp8_gemm_available, grouped_mm
+from ._torch_gemm import WeightCache, fp8_gemm_available, grouped_mm
 from .formats import QuantizedArray, get_format
 
 __all__ = ["QuantizedTensor", "MXFP8Tensor", "grouped_mm", "fp8_gemm_available",
            "exchange_layout", "a2a_dispatch", "permute", "unpermute", "a2a_combine",
-           "all_to_all_single", "all_to_all_single_fn", "communicator_for"]
+           "all_to_all_single", "all_to_all_single_fn", "communicator_for", "ExpertParallel",
+           "EPHandle", "WeightCache"]
 
 # array dtype of a quantized format's data / scales -> the torch dtype its tensor has
 # (fp8 travels as uint8 bits: data is e4m3fn, uint8 scales are e8m0)
@@ -937,3 +938,6 @@ def all_to_all_single_fn(precision="mxfp8", group=None):
                                           f"(mxcomm.torch.all_to_all_single_fn)")
     all_to_all_single_autograd.precision = precision
     return all_to_all_single_autograd
+
+
+from ._torch_ep import EPHandle, ExpertParallel  # noqa: E402 (it builds on the above)

@@ -13,6 +13,7 @@ import types
 import numpy
 import pytest
 
+from mxcomm import recipes
 from mxcomm.bench import _checks, _report, _timing, _workload
 from mxcomm.bench._cli import build_parser
 from mxcomm.bench.pipeline import shapes_from_args, summary_rows
@@ -223,12 +224,15 @@ def test_row_bytes_and_wire_rows():
         return values
 
     # rank 1 of 3 sends [2, 5, 1] rows (keeps 5) and receives [4, 7, 0] rows (keeps 7)
-    rows = _checks.wire_rows(_moe.VARIANTS[1], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
+    by_name = {v.name: v for v in _moe.VARIANTS}
+    rows = _checks.wire_rows(by_name["mxfp8"], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
     got = {r["direction"]: (r["precision"], r["rows"], r["bytes"]) for r in rows}
     assert got == {"dispatch": ("mxfp8", 3, 3 * 66), "combine": ("bf16", 4, 4 * 64),
                    "dispatch_grad": ("bf16", 4, 4 * 128), "combine_grad": ("mxfp8", 3, 3 * 33)}
-    by_name = {v.name: v for v in _moe.VARIANTS}
     rows = _checks.wire_rows(by_name["fp8_rowwise"], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
+    got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
+    assert got["dispatch_grad"] == ("mxfp8", 4 * 66)  # the recipe's dispatch_grad
+    rows = _checks.wire_rows(by_name["fp8_rowwise_bf16grad"], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
     got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
     assert got == {"dispatch": ("fp8_rowwise", 3 * (64 + 4)), "combine": ("bf16", 4 * 64),
                    "dispatch_grad": ("bf16", 4 * 128), "combine_grad": ("fp8_rowwise", 3 * 36)}
@@ -242,7 +246,7 @@ def test_row_bytes_and_wire_rows():
     for limit, dispatch, grad in ((384, "bf16", "bf16"), (383, "mxfp8", "bf16"),
                                   (191, "mxfp8", "mxfp8")):
         comm = types.SimpleNamespace(small_exchange_bytes=limit)
-        rows = _checks.wire_rows(_moe.VARIANTS[1], Case, [2, 5, 1], [4, 7, 0], 1, same, same,
+        rows = _checks.wire_rows(by_name["mxfp8"], Case, [2, 5, 1], [4, 7, 0], 1, same, same,
                                  functools.partial(Communicator.small_exchange, comm))
         got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
         label = {"bf16": "mxfp8 (bf16 on the wire)", "mxfp8": "mxfp8"}
@@ -291,9 +295,10 @@ def test_a_step_without_reference_is_skipped_not_exact():
 
 
 def _pipeline_tables(gpu):
-    """Tables of a 2-shape pipeline run of the default variants as ``measure`` builds them."""
+    """Tables of a 2-shape pipeline run of the default variants and the GEMM reference as
+    ``measure`` builds them."""
     from mxcomm.bench import _moe
-    variants = [v for v in _moe.VARIANTS if v.default]
+    variants = [v for v in _moe.VARIANTS if v.default or v.name == _moe.GEMM_REFERENCE]
     tables = {"wire": [], "exactness": [], "sqnr": []}
     if gpu:
         tables.update(end_to_end=[], stages=[])
@@ -373,11 +378,16 @@ def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
     assert lines[-3:] == [f"wrote {p}" for p in paths] and all(p.stat().st_size for p in paths)
     result = json.loads(paths[0].read_text())
     tables = result["tables"]
-    assert tables["exactness"] and all(r["result"] == "exact" for r in tables["exactness"])
+    assert tables["exactness"] and all(r["result"] in ("exact", "in the exchange")
+                                       for r in tables["exactness"])
     assert "end_to_end" not in tables and "ms" not in out.stdout
-    names = ["bf16", "mxfp8", "mxfp8_all", "bf16+fp8gemm", "fp8_rowwise", "mxfp8+rowwise"]
+    names = ["bf16", "auto", "bf16_mxcomm", "mxfp8", "fp8_rowwise"]
     assert result["meta"]["variants"] == names and result["meta"]["fp8_gemm"] is False
     assert [r["variant"] for r in tables["sqnr"]] == names[1:]
+    # auto on the CPU: bf16 through mxcomm, shown with its choice
+    assert result["meta"]["auto_chose"] == {"96x64x32x2": "bf16"}
+    assert [r["recipe"] for r in tables["sqnr"]] == ["bf16", None, None, None]
+    assert "| auto (bf16) " in out.stdout
     assert "ran its bf16 fallback" in out.stdout  # the report says the fp8 GEMM was not fp8
 
 
@@ -454,9 +464,9 @@ def test_pipeline_shapes_default_and_mismatch():
     (["kernels", "--rows", "0"], "--rows: expected positive values, got 0"),
     (["a2a", "--leak-iters", "-2"], "--leak-iters: expected >= 0, got -2"),
     (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
-                                             "mxfp8, mxfp8_all, bf16+fp8gemm, fp8_rowwise, "
+                                             "auto, bf16_mxcomm, mxfp8, fp8_rowwise, mxfp8_all, "
+                                             "bf16+fp8gemm, fp8_rowwise_bf16grad, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
-                                             "fp8_rowwise_mxgrad_fused, "
                                              "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
@@ -473,8 +483,9 @@ def test_variants_option_parses_names_in_table_order_with_the_reference():
     from mxcomm.bench.pipeline import parse_variants
     p = build_parser()
     every = parse_variants(p.parse_args(["pipeline"]).variants)
-    assert [v.name for v in every] == ["bf16", "mxfp8", "mxfp8_all", "bf16+fp8gemm",
-                                       "fp8_rowwise", "mxfp8+rowwise"]
+    # the reference, then the recipes, auto first among mxcomm's
+    assert [v.name for v in every] == ["bf16", "auto", "bf16_mxcomm", "mxfp8", "fp8_rowwise"]
+    assert [v.recipe for v in every] == [None, "auto", "bf16", "mxfp8", "fp8_rowwise"]
     extra = parse_variants("fp8_rowwise_acc32,fp8_rowwise_bf16wgrad,fp8_rowwise_mxgrad,"
                            "fp8_rowwise")
     assert [v.name for v in extra] == ["bf16", "fp8_rowwise", "fp8_rowwise_mxgrad",
@@ -482,10 +493,10 @@ def test_variants_option_parses_names_in_table_order_with_the_reference():
     a = p.parse_args(["pipeline", "--variants", "mxfp8+rowwise, bf16+fp8gemm,fp8_rowwise,",
                       "--no-stages"])
     assert a.no_stages
-    assert [v.name for v in parse_variants(a.variants)] == ["bf16", "bf16+fp8gemm", "fp8_rowwise",
+    assert [v.name for v in parse_variants(a.variants)] == ["bf16", "fp8_rowwise", "bf16+fp8gemm",
                                                              "mxfp8+rowwise"]
     assert [v.name for v in parse_variants("bf16,bf16")] == ["bf16"]
-    with pytest.raises(ValueError, match="unknown variant 'fp8'; accepted: bf16, mxfp8"):
+    with pytest.raises(ValueError, match="unknown variant 'fp8'; accepted: bf16, auto, bf16_mxcomm"):
         parse_variants("fp8_rowwise,fp8")
     with pytest.raises(ValueError, match="unknown variant 'BF16'"):
         parse_variants("BF16")  # names are exact
@@ -500,7 +511,7 @@ def test_variants_precisions_and_stages():
     assert [x.name for x in _moe.VARIANTS if x.baseline] == ["bf16"]
     assert _checks.precisions(v["bf16+fp8gemm"]) == _checks.precisions(v["bf16"])
     assert v["bf16+fp8gemm"].torch_a2a and v["bf16+fp8gemm"].gemm == "fp8"
-    assert _checks.precisions(v["fp8_rowwise"]) == {
+    assert _checks.precisions(v["fp8_rowwise_bf16grad"]) == {
         "dispatch": "fp8_rowwise", "combine": "bf16", "dispatch_grad": "bf16",
         "combine_grad": "fp8_rowwise"}
     assert _checks.precisions(v["mxfp8+rowwise"])["dispatch"] == "mxfp8"
@@ -508,13 +519,22 @@ def test_variants_precisions_and_stages():
     assert v["mxfp8+rowwise"].combine_grad == "fp8_rowwise"  # the GEMM's dgrad reads it as is
     assert _checks.precisions(v["fp8_rowwise_mxgrad"])["dispatch_grad"] == "mxfp8"
     assert [x.name for x in _moe.VARIANTS if x.wgrad == "bf16"] == ["fp8_rowwise_bf16wgrad"]
-    # the accumulation comparison differs from fp8_rowwise only there; the others use
+    # the accumulation comparison differs from fp8_rowwise_bf16grad only there; the others use
     # grouped_mm's default (every product fast)
     assert v["fp8_rowwise_acc32"] == dataclasses.replace(
-        v["fp8_rowwise"], name="fp8_rowwise_acc32", fast_accum=(), default=False)
+        v["fp8_rowwise_bf16grad"], name="fp8_rowwise_acc32", fast_accum=())
     assert {x.fast_accum for x in _moe.VARIANTS if x.name != "fp8_rowwise_acc32"} == {
         ("forward", "dgrad", "wgrad")}
+    with pytest.raises(ValueError, match="auto has no stages until resolved"):
+        _moe.stages(v["auto"], None, 2, loop_gemm=True)
+    layout = types.SimpleNamespace(sent=[[131072, 0], [0, 131072]])
+    for device, chose in (("sm90", "fp8_rowwise"), ("cuda", "mxfp8"), ("cpu", "bf16")):
+        resolved = _moe.resolve(v["auto"], layout, 7168, 2048, device)
+        assert (resolved.name, resolved.chose) == ("auto", chose)
+        assert resolved.fused == (chose == "fp8_rowwise")
     for x in _moe.VARIANTS:
+        if x.name == "auto":
+            x = resolved
         names = [s.name for s in _moe.stages(x, None, 2, loop_gemm=True)]
         if x.fused:  # the permute and unpermute inside the exchanges
             assert names == ["layout", "dispatch", "gemm", "combine"]
@@ -522,11 +542,19 @@ def test_variants_precisions_and_stages():
             assert names == ["layout", "dispatch", "permute", "gemm", "unpermute", "combine"]
         else:
             assert "dequantize" in names and "grad_dequantize" in names
-        assert x.describe().startswith(f"{x.name} = ")
+        assert x.describe().startswith(f"{x.name} = " if x.chose is None else
+                                       f"auto (chose {x.chose}) = ")
     assert "permute to fp8_rowwise" in v["mxfp8+rowwise"].describe()
-    assert v["fp8_rowwise_mxgrad_fused"] == dataclasses.replace(
-        v["fp8_rowwise_mxgrad"], name="fp8_rowwise_mxgrad_fused", fused=True)
-    assert "permute_align" in v["fp8_rowwise_mxgrad_fused"].describe()
+    # the recipe fp8_rowwise: the former fp8_rowwise_mxgrad_fused
+    assert v["fp8_rowwise"] == dataclasses.replace(
+        v["fp8_rowwise_mxgrad"], name="fp8_rowwise", fused=True, default=True,
+        recipe="fp8_rowwise")
+    assert "permute_align" in v["fp8_rowwise"].describe()
+    for name in ("bf16_mxcomm", "mxfp8", "fp8_rowwise"):  # each recipe's formats, as named
+        recipe = recipes.get_recipe(v[name].recipe)
+        assert _checks.precisions(v[name]) == {d: getattr(recipe, d) for d in (
+            "dispatch", "combine", "dispatch_grad", "combine_grad")}
+        assert (v[name].gemm, v[name].fused) == (recipe.gemm, recipe.fused)
 
 
 def test_converted_reference_matches_the_library_bit_for_bit():
@@ -595,21 +623,29 @@ def pipeline_world():
 
 @pytest.mark.mpi
 def test_pipeline_every_variant_exact_sane_sqnr_and_wire_bytes(pipeline_world):
-    """measure() on every rank, all six variants: every step exact (none skipped), SQNR of the
-    fp8 variants vs bf16 above the targets, bf16+fp8gemm's equal to bf16's within bf16 GEMM
-    rounding where its GEMM falls back to bf16 (CPU), and the bytes of each wire format."""
+    """measure() on every rank, auto, fp8_rowwise and three comparisons: every step exact (none
+    skipped; the fused recipe's permutes inside its exchanges), SQNR of the fp8 variants vs bf16
+    above the targets, bf16+fp8gemm's equal to bf16's within bf16 GEMM rounding where its GEMM
+    falls back to bf16 (CPU), and the bytes of each wire format."""
+    import copy
     from mxcomm.bench import pipeline
     rt, args = pipeline_world
+    args = copy.copy(args)
+    # six, as the text tables fit 120 columns (bf16_mxcomm and mxfp8: tests/test_recipes.py)
+    args.variants = "auto,fp8_rowwise,bf16+fp8gemm,fp8_rowwise_bf16grad,mxfp8+rowwise"
     meta, tables = pipeline.measure(args, rt)
-    names = [v.name for v in pipeline.parse_variants(None)]
+    names = [v.name for v in pipeline.parse_variants(args.variants)]
     assert meta["variants"] == names
     assert not pipeline.failed(tables)
     assert {r["variant"] for r in tables["exactness"]} == set(names)
-    assert all(r["result"] == "exact" for r in tables["exactness"]), \
+    assert all(r["result"] == "exact" or (r["result"] == "in the exchange" and
+                                          r["variant"] == "fp8_rowwise")
+               for r in tables["exactness"]), \
         [r for r in tables["exactness"] if r["result"] != "exact"]
     sqnr = {r["variant"]: r for r in tables["sqnr"]}
     assert list(sqnr) == names[1:]
-    for name in ("fp8_rowwise", "mxfp8+rowwise"):
+    assert meta["auto_chose"] == {k: "bf16" for k in meta["auto_chose"]}  # on the CPU
+    for name in ("fp8_rowwise", "fp8_rowwise_bf16grad", "mxfp8+rowwise"):
         r = sqnr[name]
         assert r["out_db"] > 28 and r["input_grad_db"] > 26 and r["weight_grad_db"] > 25, r
         assert r["ok"] == "yes"
@@ -631,8 +667,10 @@ def test_pipeline_every_variant_exact_sane_sqnr_and_wire_bytes(pipeline_world):
     rows = wire[("fp8_rowwise", "dispatch")]["rows"]
     assert wire[("fp8_rowwise", "dispatch")]["bytes"] == rows * (dim + 4)
     assert wire[("mxfp8+rowwise", "dispatch")]["bytes"] == rows * (dim + dim // 32)
+    rows = wire[("fp8_rowwise", "dispatch_grad")]["rows"]
+    assert wire[("fp8_rowwise", "dispatch_grad")]["bytes"] == rows * (dim + dim // 32)
     rows = wire[("fp8_rowwise", "combine_grad")]["rows"]
-    for name in ("fp8_rowwise", "mxfp8+rowwise"):
+    for name in ("fp8_rowwise", "fp8_rowwise_bf16grad", "mxfp8+rowwise"):
         assert wire[(name, "combine_grad")]["bytes"] == rows * (hidden + 4)
         assert wire[(name, "combine")]["bytes"] == wire[("bf16", "combine")]["bytes"]
     text = pipeline.render(meta, tables)
@@ -642,7 +680,7 @@ def test_pipeline_every_variant_exact_sane_sqnr_and_wire_bytes(pipeline_world):
 @pytest.mark.mpi
 def test_pipeline_fp8_variants_feed_the_gemm_quantized_rows(pipeline_world):
     """A traced run of each fp8 GEMM variant: the GEMM reads fp8 rowwise rows (fp8_rowwise and
-    mxfp8+rowwise: no bf16 pass in front of it) and its dgrad an fp8 rowwise gradient, as sent by
+    fp8_rowwise_bf16grad and mxfp8+rowwise: no bf16 pass in front of it) and its dgrad an fp8 rowwise gradient, as sent by
     combine's backward; the input gradient is bf16; each stage times alone (the GPU's per-stage
     table) with no dequantize stage."""
     import torch
@@ -651,7 +689,7 @@ def test_pipeline_fp8_variants_feed_the_gemm_quantized_rows(pipeline_world):
     shape = tuple(int(v) for v in MPI_SHAPE[1::2])
     case = pipeline._Case(args, rt, shape)
     variants = {v.name: v for v in _moe.VARIANTS}
-    for name in ("bf16+fp8gemm", "fp8_rowwise", "mxfp8+rowwise"):
+    for name in ("bf16+fp8gemm", "fp8_rowwise_bf16grad", "mxfp8+rowwise"):
         stage_list = _moe.stages(variants[name], rt.comm, case.e_local, loop_gemm=case.loop_gemm)
         state, grads, results = case.trace(stage_list)
         quantized = name != "bf16+fp8gemm"

@@ -20,43 +20,47 @@ its bf16 fallback, ``torch._grouped_mm`` on the dequantized rows, with the same 
 They have no dequantize stages: nothing makes a bf16 pass in front of that GEMM.
 
 Variants (:data:`VARIANTS`; wire: the formats of dispatch / combine / dispatch_grad /
-combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gradient likewise)::
+combine_grad; GEMM input: what the GEMM's forward reads; its dgrad reads the gradient likewise).
+Those run by default are the reference and mxcomm's recipes (``mxcomm.recipes``), ``auto``
+first; the others are comparisons of one choice, run when ``--variants`` names them::
 
     name           exchanges  wire                                    GEMM input
-    bf16           torch      bf16 / bf16 / bf16 / bf16               bf16
-    mxfp8          mxcomm     mxfp8 / bf16 / bf16 / mxfp8             mxfp8, dequantized to bf16
+    bf16           torch      bf16 / bf16 / bf16 / bf16               bf16 (the reference)
+    auto           mxcomm     the recipe ``auto`` chooses for the shape (``chose``)
+    bf16_mxcomm    mxcomm     the recipe bf16: bf16 / bf16 / bf16 / bf16   bf16
+    mxfp8          mxcomm     the recipe mxfp8: mxfp8 / bf16 / bf16 / mxfp8   mxfp8, dequantized
+                                                                      to bf16 in the permute
+    fp8_rowwise    mxcomm     the recipe fp8_rowwise: fp8_rowwise / bf16 / mxfp8 / fp8_rowwise,
+                              the exchanges' expert side in permute's order (permute_align:
+                              no permute or unpermute pass)       fp8 rowwise as received
+    -- comparisons (--variants) --
     mxfp8_all      mxcomm     mxfp8 / mxfp8 / mxfp8 / mxfp8           mxfp8, dequantized to bf16
     bf16+fp8gemm   torch      bf16 / bf16 / bf16 / bf16               bf16, quantized by the GEMM
-    fp8_rowwise    mxcomm     fp8_rowwise / bf16 / bf16 / fp8_rowwise  fp8 rowwise as received
+    fp8_rowwise_bf16grad  mxcomm  fp8_rowwise / bf16 / bf16 / fp8_rowwise, permuted separately
+                                                                      fp8 rowwise as received
     mxfp8+rowwise  mxcomm     mxfp8 / bf16 / bf16 / fp8_rowwise       fp8 rowwise from the permute
                                                                       (gradient: as received)
-    fp8_rowwise_mxgrad  mxcomm  fp8_rowwise / bf16 / mxfp8 / fp8_rowwise  as fp8_rowwise
-    fp8_rowwise_mxgrad_fused  as fp8_rowwise_mxgrad, the exchanges' expert side in permute's
-                        order (permute_align: no permute or unpermute pass)
-    fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise                     as fp8_rowwise, bf16 wgrad
-    fp8_rowwise_acc32   mxcomm  as fp8_rowwise                        as fp8_rowwise, sums
-                                                                      promoted to fp32
+    fp8_rowwise_mxgrad  mxcomm  as the recipe fp8_rowwise, permuted separately (not fused)
+    fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise_bf16grad          bf16 wgrad
+    fp8_rowwise_acc32   mxcomm  as fp8_rowwise_bf16grad               sums promoted to fp32
 
-The last four run only when ``--variants`` names them (``fp8_rowwise_mxgrad_fused``: the
-fastest at 131072 rows on 2×H100, bench/NOTES.md). The fp8 GEMM variants' weight gradient is
-fp8 (``grouped_mm``'s default: both operands rescaled per (group, column) along the tokens from
-the fp8 rows the forward and dgrad read), except ``fp8_rowwise_bf16wgrad``: the same run with the
-bf16 wgrad, to measure that choice side by side. Their accumulation is ``grouped_mm``'s default
-(every product's sums fast, as torchao's fp8 rowwise MoE GEMM), except ``fp8_rowwise_acc32``
-(every product's sums promoted to fp32): the time and the SQNR of that choice side by side.
-``fp8_rowwise_mxgrad`` also sends dispatch_grad (the dgrad's bf16 output) in MXFP8: the
+The fp8 GEMM variants' weight gradient is fp8 (``grouped_mm``'s default: both operands rescaled
+per (group, column) along the tokens from the fp8 rows the forward and dgrad read), except
+``fp8_rowwise_bf16wgrad``: the same run with the bf16 wgrad, to measure that choice side by
+side. Their accumulation is ``grouped_mm``'s default (every product's sums fast, as torchao's
+fp8 rowwise MoE GEMM), except ``fp8_rowwise_acc32`` (every product's sums promoted to fp32).
+The recipe ``fp8_rowwise`` sends dispatch_grad (the dgrad's bf16 output) in MXFP8: the
 backward's largest exchange halved, at the cost of a second quantization of the input gradient
-(MXFP8's 32-element blocks, about 31 dB, against rowwise's 28).
+(MXFP8's 32-element blocks, about 31 dB, against rowwise's 28); ``fp8_rowwise_bf16grad`` is the
+same path with that exchange in bf16 and the permute separate (the benchmark's ``fp8_rowwise``
+before the recipes, 2026-11-27; the recipe is the former ``fp8_rowwise_mxgrad_fused``).
 
 ``bf16`` is the reference of SQNR and speedups; ``bf16+fp8gemm`` (the same wire, the GEMM
 quantizing its bf16 rows and gradient per call) is the reference of the fp8 GEMM variants.
-``fp8_rowwise`` sends the rows in the GEMM's A format and receives the gradient of the GEMM's
-output as fp8 rowwise rows (combine_grad): unpermute's backward gathers them with their scales
-and the GEMM's dgrad reads them as they are. ``mxfp8+rowwise`` sends MXFP8 and converts it to
-fp8 rowwise in the permute's gather (``permute(..., out_format="fp8_rowwise")``, no bf16 round
-trip); its combine_grad is fp8_rowwise as well, because an ``"mxfp8"`` gradient would reach the
-GEMM as MXFP8, which ``grouped_mm`` dequantizes and quantizes again (a bf16 pass). Both send
-combine (the GEMM's bf16 output) and dispatch_grad (its bf16 dgrad) in bf16.
+``mxfp8+rowwise`` sends MXFP8 and converts it to fp8 rowwise in the permute's gather
+(``permute(..., out_format="fp8_rowwise")``, no bf16 round trip); its combine_grad is
+fp8_rowwise as well, because an ``"mxfp8"`` gradient would reach the GEMM as MXFP8, which
+``grouped_mm`` dequantizes and quantizes again (a bf16 pass).
 
 The torch-exchange variants move tokens with ``torch.distributed.all_to_all_single`` (a small
 autograd Function, :class:`_TorchAllToAll`); the others use ``mxcomm.torch`` with a precision per
@@ -94,6 +98,9 @@ class Variant:
         fused: the exchanges' expert side in permute's order (``permute_align``): dispatch and
             permute in one call, unpermute and combine in one call, forward and backward.
         default: runs without ``--variants`` (the comparisons of one choice run when named).
+        recipe: the ``mxcomm.recipes`` name the variant runs (``"auto"``: chosen per shape,
+            :func:`resolve`), or None for a comparison.
+        chose: for ``auto`` once resolved, the recipe it chose (else None).
     """
 
     name: str
@@ -110,9 +117,13 @@ class Variant:
     fast_accum: tuple = ("forward", "dgrad", "wgrad")
     fused: bool = False
     default: bool = True
+    recipe: object = None
+    chose: object = None
 
     def describe(self):
         """One line for the report's notes: the exchanges, the permute, the GEMM."""
+        if self.recipe == "auto" and self.chose is None:
+            return "auto = the recipe mxcomm.recipes.choose_recipe predicts fastest per shape"
         if self.torch_a2a:
             wire = "torch.distributed all_to_all_single in bf16"
         else:
@@ -127,23 +138,51 @@ class Variant:
         fast = "/".join(self.fast_accum) or "none"
         gemm = (f"fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm, {self.wgrad} wgrad, fast "
                 f"accumulation: {fast})") if self.gemm == "fp8" else "bf16 grouped GEMM"
-        return f"{self.name} = {wire}{permute}, {gemm}"
+        chose = f" (chose {self.chose})" if self.chose else ""
+        return f"{self.name}{chose} = {wire}{permute}, {gemm}"
+
+
+def from_recipe(recipe, name=None, **fields):
+    """The :class:`Variant` of an ``mxcomm.recipes.Recipe`` (its formats, GEMM and layout)."""
+    return Variant(name or recipe.name, dispatch=recipe.dispatch, combine=recipe.combine,
+                   dispatch_grad=recipe.dispatch_grad, combine_grad=recipe.combine_grad,
+                   permute_format=recipe.permute_format,
+                   unpermute_grad_format=recipe.unpermute_grad_format, gemm=recipe.gemm,
+                   wgrad=recipe.wgrad, fast_accum=recipe.fast_accum, fused=recipe.fused,
+                   recipe=recipe.name, **fields)
+
+
+def resolve(variant, layout, dim, hidden, device):
+    """``variant``, or for ``auto`` the variant of the recipe it chooses for ``layout``
+    (``mxcomm.recipes.Chooser`` on the agreed ``device`` class), still named ``auto``."""
+    if variant.recipe != "auto":
+        return variant
+    from mxcomm import recipes
+    chosen = recipes.Chooser(dim, hidden, device=device)(layout)
+    return from_recipe(chosen, "auto", chose=chosen.name)
+
+
+def _recipe_variants():
+    from mxcomm import recipes
+    return (Variant("auto", recipe="auto"),
+            from_recipe(recipes.get_recipe("bf16"), "bf16_mxcomm"),
+            from_recipe(recipes.get_recipe("mxfp8")),
+            from_recipe(recipes.get_recipe("fp8_rowwise")))
 
 
 VARIANTS = (
     Variant("bf16", baseline=True, torch_a2a=True),
-    Variant("mxfp8", dispatch="mxfp8", combine="bf16", dispatch_grad="bf16", combine_grad="mxfp8",
-            permute_format="bf16", unpermute_grad_format="bf16"),
+    *_recipe_variants(),
     Variant("mxfp8_all", dispatch="mxfp8", combine="mxfp8", dispatch_grad="mxfp8",
-            combine_grad="mxfp8", permute_format="bf16", unpermute_grad_format="bf16"),
-    Variant("bf16+fp8gemm", torch_a2a=True, gemm="fp8"),
-    Variant("fp8_rowwise", dispatch="fp8_rowwise", combine_grad="fp8_rowwise", gemm="fp8"),
+            combine_grad="mxfp8", permute_format="bf16", unpermute_grad_format="bf16",
+            default=False),
+    Variant("bf16+fp8gemm", torch_a2a=True, gemm="fp8", default=False),
+    Variant("fp8_rowwise_bf16grad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
+            gemm="fp8", default=False),
     Variant("mxfp8+rowwise", dispatch="mxfp8", combine_grad="fp8_rowwise",
-            permute_format="fp8_rowwise", gemm="fp8"),
+            permute_format="fp8_rowwise", gemm="fp8", default=False),
     Variant("fp8_rowwise_mxgrad", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
             combine_grad="fp8_rowwise", gemm="fp8", default=False),
-    Variant("fp8_rowwise_mxgrad_fused", dispatch="fp8_rowwise", dispatch_grad="mxfp8",
-            combine_grad="fp8_rowwise", gemm="fp8", fused=True, default=False),
     Variant("fp8_rowwise_bf16wgrad", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
             gemm="fp8", wgrad="bf16", default=False),
     Variant("fp8_rowwise_acc32", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
@@ -274,7 +313,12 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         num_local_experts: E_local.
         loop_gemm: the bf16 GEMM as a per-expert loop of matmuls (:func:`grouped_mm`); the fp8
             GEMM has no loop (its CPU fallback is ``torch._grouped_mm``).
+    Raises:
+        ValueError: ``auto`` not yet resolved (:func:`resolve`).
     """
+    if variant.recipe == "auto" and variant.chose is None:
+        raise ValueError("stages: the variant auto has no stages until resolved for a shape "
+                         "(_moe.resolve)")
     from mxcomm import torch as mxt
 
     def layout(s):
@@ -327,9 +371,12 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
     if variant.gemm == "fp8":
         def fp8_gemm(s, p, w):
             # w (E_local, H, D) as grouped_mm's (G, K, N) = (E_local, D, H): a view; the fp8
-            # path quantizes from it into its own contiguous operands.
-            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"], wgrad=variant.wgrad,
-                                         fast_accum=variant.fast_accum)}
+            # path quantizes from it into its own contiguous operands (kept while w is
+            # unchanged: grouped_mm's weight cache). fp8 wherever it runs, bf16 rows too
+            # (bf16+fp8gemm: grouped_mm's default gives plain rows the bf16 GEMM).
+            return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"],
+                                         fp8=mxt.fp8_gemm_available(w.device),
+                                         wgrad=variant.wgrad, fast_accum=variant.fast_accum)}
 
         if variant.fused:  # the stages "dispatch" and "combine" hold the permute and unpermute
             return [Stage("layout", (), None, layout),

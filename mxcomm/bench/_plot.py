@@ -9,19 +9,19 @@ Variants are those of the tables (``--variants``), in the order of :data:`VARIAN
 import math
 
 #: Legend label of each pipeline variant (``_moe.VARIANTS``), in table order.
-VARIANT_LABELS = {"bf16": "bf16 (torch.distributed)", "mxfp8": "mxcomm default",
+VARIANT_LABELS = {"bf16": "bf16 (torch.distributed)", "auto": "auto (mxcomm's choice)",
+                  "bf16_mxcomm": "recipe bf16 (mxcomm)", "mxfp8": "recipe mxfp8",
+                  "fp8_rowwise": "recipe fp8_rowwise (fused, fp8 GEMM)",
                   "mxfp8_all": "mxcomm all mxfp8", "bf16+fp8gemm": "bf16 + fp8 GEMM",
-                  "fp8_rowwise": "fp8 rowwise wire + fp8 GEMM",
+                  "fp8_rowwise_bf16grad": "fp8 rowwise wire + fp8 GEMM",
                   "mxfp8+rowwise": "mxfp8 wire -> rowwise + fp8 GEMM",
-                  "fp8_rowwise_mxgrad_fused": "fp8 rowwise wire, mxfp8 dispatch grad, "
-                                              "permute_align",
                   "fp8_rowwise_mxgrad": "fp8 rowwise wire, mxfp8 dispatch grad",
                   "fp8_rowwise_bf16wgrad": "fp8 rowwise wire, bf16 wgrad",
                   "fp8_rowwise_acc32": "fp8 rowwise wire, fp32-promoted sums"}
 #: One color per variant in every panel (matplotlib's tab10 colors).
 COLORS = dict(zip(VARIANT_LABELS.values(), ("tab:blue", "tab:orange", "tab:green", "tab:purple",
                                             "tab:red", "tab:brown", "tab:cyan", "tab:pink",
-                                            "tab:olive", "tab:gray")))
+                                            "tab:olive", "tab:gray", "gold", "black")))
 
 
 #: Entries per legend row (six variants and a target line do not fit one row).

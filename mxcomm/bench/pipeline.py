@@ -1,32 +1,34 @@
-"""``mpirun -n W python -m mxcomm.bench pipeline``: the MoE EP token path, bf16 vs MXFP8 vs fp8.
+"""``mpirun -n W python -m mxcomm.bench pipeline``: the MoE EP token path in each recipe vs bf16.
 
 Per rank: --tokens rows of --dim elements, routed to W x --experts experts (--experts counts the
 experts of one rank, E_local). Forward: exchange_layout -> a2a_dispatch -> permute -> grouped GEMM
 (bf16 weights (E_local, hidden, dim), with gradient) -> unpermute -> a2a_combine; backward through
-all of it with a fixed random output gradient. Six variants in one run, four more on request
-(--variants picks; wire = dispatch / combine / dispatch_grad / combine_grad):
+all of it with a fixed random output gradient. By default the reference and mxcomm's recipes
+(``mxcomm.recipes``), ``auto`` first among mxcomm's; more on request (--variants picks; wire =
+dispatch / combine / dispatch_grad / combine_grad):
   bf16           torch.distributed all_to_all_single in bf16, mxcomm permute/unpermute, bf16
                  GEMM (the reference of SQNR and speedups)
-  mxfp8          mxcomm, default precisions: mxfp8 / bf16 / bf16 / mxfp8, bf16 GEMM on the
-                 dequantized rows
-  mxfp8_all      mxcomm, every direction mxfp8, bf16 GEMM
-  bf16+fp8gemm   the bf16 wire of bf16, then the fp8 rowwise grouped GEMM
-                 (mxcomm.torch.grouped_mm) quantizing its bf16 rows and gradient per call
-                 (the reference of the fp8 GEMM: the second speedup column)
-  fp8_rowwise    mxcomm, fp8_rowwise / bf16 / bf16 / fp8_rowwise: the rows arrive in the GEMM's
-                 fp8 rowwise format, stay quantized through the permute, and the GEMM's forward
-                 and dgrad read them (and the fp8 rowwise gradient) with no bf16 pass
-  mxfp8+rowwise  mxcomm, mxfp8 / bf16 / bf16 / fp8_rowwise: MXFP8 on the wire, converted to fp8
-                 rowwise inside the permute, then the same fp8 GEMM
-  fp8_rowwise_mxgrad     (only by --variants) fp8_rowwise with dispatch_grad in mxfp8 (the
-                 backward's largest exchange halved)
-  fp8_rowwise_mxgrad_fused  (only by --variants) that, with dispatch + permute and unpermute +
-                 combine each in one call (permute_align): the fastest at 131072 rows on
-                 2xH100s (bench/NOTES.md)
-  fp8_rowwise_bf16wgrad  (only by --variants) fp8_rowwise with the GEMM's weight gradient in
-                 bf16 (the others': fp8, grouped_mm's default)
-  fp8_rowwise_acc32      (only by --variants) fp8_rowwise with every fp8 product's sums promoted
-                 to fp32 (the others: every product fast, grouped_mm's default)
+  auto           the recipe mxcomm.recipes.choose_recipe predicts fastest for the shape (the
+                 tables name it: "auto (fp8_rowwise)")
+  bf16_mxcomm    the recipe bf16: mxcomm's exchanges, bf16 every way, bf16 GEMM
+  mxfp8          the recipe mxfp8: mxfp8 / bf16 / bf16 / mxfp8, bf16 GEMM on the rows
+                 dequantized in the permute's gather
+  fp8_rowwise    the recipe fp8_rowwise: fp8_rowwise / bf16 / mxfp8 / fp8_rowwise, dispatch +
+                 permute and unpermute + combine each in one call (permute_align), the fp8
+                 rowwise grouped GEMM (mxcomm.torch.grouped_mm) reading the rows as received
+  mxfp8_all      (only by --variants) every direction mxfp8, bf16 GEMM
+  bf16+fp8gemm   (only by --variants) the bf16 wire of bf16, then the fp8 rowwise grouped GEMM
+                 quantizing its bf16 rows and gradient per call (the reference of the fp8
+                 GEMM: the second speedup column)
+  fp8_rowwise_bf16grad  (only by --variants) fp8_rowwise / bf16 / bf16 / fp8_rowwise, permuted
+                 separately (the benchmark's fp8_rowwise before the recipes)
+  mxfp8+rowwise  (only by --variants) mxfp8 / bf16 / bf16 / fp8_rowwise: MXFP8 on the wire,
+                 converted to fp8 rowwise inside the permute, then the fp8 GEMM
+  fp8_rowwise_mxgrad     (only by --variants) the recipe fp8_rowwise permuted separately
+  fp8_rowwise_bf16wgrad  (only by --variants) fp8_rowwise_bf16grad with the GEMM's weight
+                 gradient in bf16 (the others': fp8, grouped_mm's default)
+  fp8_rowwise_acc32      (only by --variants) fp8_rowwise_bf16grad with every fp8 product's sums
+                 promoted to fp32 (the others: every product fast, grouped_mm's default)
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
@@ -64,7 +66,7 @@ def parse_variants(text):
 
     Args:
         text: comma-separated variant names (empty items ignored), or None for the default set
-            (every variant but the fp8_rowwise comparisons, which --variants names).
+            (the reference and the recipes; the comparisons run when --variants names them).
     Returns:
         A tuple of ``_moe.Variant``.
     Raises:
@@ -350,6 +352,7 @@ def measure(args, rt):
     variants = parse_variants(getattr(args, "variants", None))
     interleave = getattr(args, "interleave", False)
     tables = {"wire": [], "exactness": [], "sqnr": []}
+    chose = {}  # shape label -> the recipe auto chose
     if rt.gpu:
         tables.update(end_to_end=[], stages=[])
     fp8_gemm = _fp8_gemm_available(rt.torch_device())
@@ -358,16 +361,19 @@ def measure(args, rt):
         checker = _checks.Checker(rt, case, _moe.ALIGN)
         reference = None
         stage_rows = {}
+        shape_variants = _resolved(variants, case, rt, fp8_gemm)
+        chose.update({case.label: v.chose for v in shape_variants if v.chose})
         stage_lists = {v.name: _moe.stages(v, rt.comm, case.e_local, loop_gemm=case.loop_gemm)
-                       for v in variants}
+                       for v in shape_variants}
         if rt.gpu:
             rt.log(f"pipeline {case.label}: end to end")
             for name, (fwd, bwd, total) in case.end_to_end(stage_lists, interleave).items():
                 tables["end_to_end"].append({
                     "tokens": case.tokens, "dim": case.dim, "hidden_dim": case.hidden,
                     "experts_per_rank": case.e_local, "variant": name,
+                    "recipe": chose.get(case.label) if name == "auto" else None,
                     **fwd.as_dict("fwd_"), **bwd.as_dict("bwd_"), **total.as_dict("total_")})
-        for variant in variants:
+        for variant in shape_variants:
             stage_list = stage_lists[variant.name]
             rt.log(f"pipeline {case.label} {variant.name}: forward + backward, checks")
             state, grads, results = case.trace(stage_list)
@@ -380,6 +386,7 @@ def measure(args, rt):
             else:
                 sqnr = {k: _sqnr(reference[k], results[k]) for k in SQNR_TARGETS}
                 tables["sqnr"].append({"shape": case.label, "variant": variant.name,
+                                       "recipe": variant.chose,
                                        **{f"{k}_db": v for k, v in sqnr.items()},
                                        "ok": "yes" if all(sqnr[k] >= t for k, t in
                                                           SQNR_TARGETS.items()) else "no"})
@@ -396,7 +403,10 @@ def measure(args, rt):
              "layout exchange, permute and unpermute; bf16 is the reference of SQNR and speedups",
              f"E_local experts per rank, W * E_local in all; routing: {args.routing}; "
              f"rows padded to {_moe.ALIGN} per expert group"]
-    if any(v.gemm == "fp8" for v in variants):
+    if chose:
+        notes.append("auto chose: " + "; ".join(f"{k}: {v}" for k, v in chose.items()) +
+                     " (mxcomm.recipes.Chooser on the agreed layout of each shape)")
+    if any(v.gemm == "fp8" or v.recipe == "auto" for v in variants):
         notes.append(_gemm_note(rt, fp8_gemm))
     notes.append("data movement: each step against an independent reference of the same bytes "
                  "(torch.distributed all_to_all_single; index-based gather/scatter, padding rows "
@@ -425,8 +435,20 @@ def measure(args, rt):
                             [dict(zip(("tokens", "dim", "hidden", "experts_per_rank"), s))
                              for s in shapes], notes, run=describe(args, rt), iters=args.iters,
                             warmup=args.warmup, routing=args.routing, variants=names,
+                            auto_chose=chose,
                             fp8_gemm=fp8_gemm, sqnr_targets_db=SQNR_TARGETS)
     return meta, tables
+
+
+def _resolved(variants, case, rt, fp8_gemm):
+    """``variants`` for ``case``: ``auto`` as the recipe it chooses for the shape's layout (one
+    layout exchange, collective; every rank decides alike from it), the others as they are."""
+    if not any(v.recipe == "auto" for v in variants):
+        return variants
+    from mxcomm.torch import exchange_layout
+    layout = exchange_layout(case.counts, rt.comm)
+    device = "sm90" if fp8_gemm else ("cuda" if rt.gpu else "cpu")
+    return tuple(_moe.resolve(v, layout, case.dim, case.hidden, device) for v in variants)
 
 
 def failed(tables):
@@ -453,6 +475,11 @@ def _ratio(a, b):
     return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else float("nan")
 
 
+def _shown(r):
+    """A row's variant as shown: ``auto`` with the recipe it chose, ``"auto (mxfp8)"``."""
+    return f"{r['variant']} ({r['recipe']})" if r.get("recipe") else r["variant"]
+
+
 def summary_rows(end_to_end):
     """One row per (shape, variant): fwd/bwd/total ms; fwd, bwd and total as speedups over
     ``bf16`` (``"fwd vs bf16"``, ``"bwd vs bf16"``, ``"vs bf16"``: the reference's ms / the
@@ -466,7 +493,7 @@ def summary_rows(end_to_end):
     for r in end_to_end:
         key = (r["tokens"], r["dim"], r["hidden_dim"], r["experts_per_rank"])
         b, g = base.get(key), gemm_base.get(key)
-        row = {"shape": "x".join(str(k) for k in key), "variant": r["variant"]}
+        row = {"shape": "x".join(str(k) for k in key), "variant": _shown(r)}
         for k in ("fwd", "bwd", "total"):
             row[f"{k}_ms"] = r[f"{k}_ms"]
         for k, column in (("fwd", "fwd vs bf16"), ("bwd", "bwd vs bf16"), ("total", "vs bf16")):
@@ -579,7 +606,7 @@ def _sections(tables, markdown=False):
             [r for r in tables["exactness"] if r["shape"] == shape], sep)
         sections.append((f"data movement, bit for bit against an independent reference (torch's: "
                          f"the own exchanges of bf16 and bf16+fp8gemm){suffix}", exact, exact_cols))
-    sqnr = [{"shape": r["shape"], "variant": r["variant"], "output_dB": r["out_db"],
+    sqnr = [{"shape": r["shape"], "variant": _shown(r), "output_dB": r["out_db"],
              "input_grad_dB": r["input_grad_db"], "weight_grad_dB": r["weight_grad_db"],
              "ok": r["ok"]} for r in tables["sqnr"]]
     several = len({r["shape"] for r in sqnr}) > 1

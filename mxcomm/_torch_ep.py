@@ -1,0 +1,255 @@
+"""The expert-parallel object: one per EP group, a recipe, ``dispatch`` and ``combine`` (re-exported
+by mxcomm.torch as :class:`ExpertParallel`).
+
+Glossary: M rows this rank routes, D dim, H the expert GEMM's output width, E experts, E_local
+experts per rank, W ranks, P permuted rows (``layout.permuted_rows(align)``).
+
+Built from the validated ``mxcomm.torch`` primitives, keyword for keyword as the recipe says
+(``mxcomm.recipes``; docs/design.md, "Recipes and the expert-parallel object")::
+
+    ep = ExpertParallel(group, num_local_experts=8)            # recipe="auto"
+    rows, offsets, handle = ep.dispatch(x, num_tokens_per_expert)
+    y = mxcomm.torch.grouped_mm(rows, w, offsets)              # w (E_local, D, H) -> (P, H)
+    out = ep.combine(y, handle)                                # (M, H) bf16
+"""
+
+import typing
+import weakref
+
+import numpy
+import torch
+
+from . import recipes as _recipes
+from ._torch_gemm import fp8_gemm_available
+
+# mxcomm.torch re-exports this module's names, so its primitives are looked up when an object is
+# built (``self._p``), not when this module is imported: either module may be imported first.
+
+
+class EPHandle(typing.NamedTuple):
+    """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine` (a named
+    tuple: read-only, and a third of a frozen dataclass's host time to build).
+
+    Attributes:
+        layout: the layout of this dispatch (``mxcomm.torch.exchange_layout``), agreed by all.
+        recipe: the :class:`mxcomm.recipes.Recipe` that ran (``"auto"``'s choice, or the pinned).
+        permuted_indices: (P,) int32 tensor, the received row of each permuted row (-1: padding).
+        group_offsets: (E_local,) int32 tensor, cumulative group ends.
+        align: rows each expert group is padded to a multiple of.
+    """
+
+    layout: object
+    recipe: object
+    permuted_indices: object
+    group_offsets: object
+    align: int
+
+
+class ExpertParallel:
+    """The token path of an MoE layer over one EP group, in one recipe's formats.
+
+    Args:
+        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh``, an mxcomm
+            communicator, or None (torch.distributed's default group; or ``comm``).
+        num_local_experts: E_local, the experts on each rank (the same on every rank).
+        recipe: ``"auto"`` (default: per layout, the recipe ``mxcomm.recipes.choose_recipe``
+            predicts fastest), or a recipe name to pin the numerics (``mxcomm.recipes``).
+        comm: an mxcomm communicator (instead of ``group``).
+        align: rows each expert group is padded to a multiple of (32: MX GEMMs; 16: SM90 fp8).
+        hidden: H, the expert GEMM's output width, for ``"auto"``'s prediction (None: D times
+            the table's H / D, 2048 / 7168: the DeepSeek-V3 MoE layer's proportions).
+        gemm_fallback: False (default): a pinned recipe with an fp8 GEMM on devices without
+            SM90 fp8 grouped GEMMs raises at construction; True: it runs, its GEMM on
+            ``grouped_mm``'s bf16 fallback (its wire formats as named; CPU runs and tests).
+        table: the ``mxcomm.recipes.CostTable`` ``"auto"`` predicts with.
+
+    Collectives at construction: building the group's communicator (first use of a group), and
+    one small host allgather in which the ranks agree on the recipe, E_local, ``align``,
+    ``hidden`` and the device class (the least capable rank's). So bad arguments on any rank
+    raise the same error on every rank, before any data moves.
+
+    Raises:
+        ValueError: an unknown recipe (the message lists them), or arguments that differ across
+            ranks (naming the ranks), on every rank alike; ``num_local_experts`` or ``align``
+            not positive.
+        RuntimeError: a pinned recipe the devices cannot run (an fp8 GEMM off SM90) without
+            ``gemm_fallback``, on every rank alike.
+        TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).
+    """
+
+    def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
+                 align=32, hidden=None, gemm_fallback=False, table=_recipes.H100_TABLE):
+        from . import torch as primitives
+        self._p = primitives
+        self.comm = comm if comm is not None else primitives.communicator_for(group)
+        rank = self.comm.rank
+        names = _recipes.recipe_names()
+        if int(num_local_experts) <= 0 or int(align) <= 0:
+            raise ValueError(f"ExpertParallel on rank {rank}: num_local_experts and align must "
+                             f"be positive, got {num_local_experts} and {align}")
+        self.num_local_experts = int(num_local_experts)
+        self.align = int(align)
+        self.hidden = hidden
+        self.table = table
+        device = self._local_device_class()
+        mine = numpy.array([names.index(recipe) if recipe in names else -1,
+                            _recipes.DEVICE_CLASSES.index(device), self.num_local_experts,
+                            self.align, -1 if hidden is None else int(hidden)],
+                           dtype=numpy.int64)
+        table_ = self.comm._side.allgather_array(mine, "ExpertParallel (arguments)")
+        unknown = numpy.flatnonzero(table_[:, 0] < 0).tolist()
+        if unknown:
+            raise ValueError(f"ExpertParallel: unknown recipe on rank"
+                             f"{'s' if len(unknown) > 1 else ''} "
+                             f"{', '.join(map(str, unknown))}"
+                             f"{f' ({recipe!r} here)' if recipe not in names else ''}; "
+                             f"expected one of {', '.join(names)}")
+        for column, what in ((0, "recipe"), (2, "num_local_experts"), (3, "align"),
+                             (4, "hidden")):
+            differs = numpy.flatnonzero(table_[:, column] != table_[0, column]).tolist()
+            if differs:
+                raise ValueError(f"ExpertParallel: {what} differs across ranks (rank 0 and rank "
+                                 f"{differs[0]}); every rank of the group passes the same")
+        #: The agreed device class (``mxcomm.recipes.DEVICE_CLASSES``): the least capable rank's.
+        self.device_class = _recipes.DEVICE_CLASSES[int(table_[:, 1].min())]
+        self.recipe_name = recipe
+        self._choosers = {}  # D -> mxcomm.recipes.Chooser ("auto")
+        self._pinned = None if recipe == _recipes.AUTO else _recipes.get_recipe(recipe)
+        if self._pinned is not None and not gemm_fallback and \
+                not _recipes.runnable(self._pinned, self.device_class):
+            raise RuntimeError(f"ExpertParallel: recipe {recipe!r} needs SM90 fp8 grouped GEMMs "
+                               f"(torch._scaled_grouped_mm on a compute capability 9.x GPU), "
+                               f"which the group's devices ({self.device_class}) lack; pass "
+                               f"gemm_fallback=True to run its GEMM in bf16, or choose another "
+                               f"recipe")
+
+    def _local_device_class(self):
+        """This rank's device class: its communicator's GPU (an NCCL one), else the CPU."""
+        device = getattr(self.comm, "device", None)
+        if device is None:
+            return "cpu"
+        device = torch.device("cuda", int(device))
+        return "sm90" if fp8_gemm_available(device) else "cuda"
+
+    def recipe_for(self, layout, dim):
+        """The :class:`~mxcomm.recipes.Recipe` this object runs for ``layout`` and rows of width
+        ``dim``: the pinned one, or ``"auto"``'s choice (a :class:`mxcomm.recipes.Chooser` kept
+        per D: a bisection in the layout's rows per rank). No host sync, no communication:
+        every rank chooses alike from the agreed layout, dims and device class."""
+        if self._pinned is not None:
+            return self._pinned
+        chooser = self._choosers.get(dim)
+        if chooser is None or chooser.device != self.device_class or \
+                chooser.table is not self.table:
+            chooser = self._choosers[dim] = _recipes.Chooser(
+                dim, self.hidden if self.hidden is not None
+                else dim * self.table.ref_hidden / self.table.ref_dim, device=self.device_class,
+                table=self.table)
+            chooser.device, chooser.table = self.device_class, self.table
+        return chooser(layout)
+
+    def dispatch(self, x, num_tokens_per_expert):
+        """Send routed rows to their experts, in the recipe's formats, in permuted order.
+
+        Args:
+            x: (M, D) bf16 tensor, rows sorted by global expert, D % 32 == 0. Read;
+                differentiable.
+            num_tokens_per_expert: (E,) integer tensor, rows of ``x`` per global expert
+                (E = W * E_local).
+        Returns:
+            ``(rows, group_offsets, handle)``: rows (P, D), expert-major, each expert's group
+            padded with zero rows to a multiple of ``align``: a bf16 tensor (``"bf16"``,
+            ``"mxfp8"``: dequantized in the permute's gather) or an fp8 rowwise
+            ``QuantizedTensor`` (``"fp8_rowwise"``), as ``mxcomm.torch.grouped_mm`` takes it;
+            group_offsets (E_local,) int32; handle an :class:`EPHandle` (``handle.recipe``).
+        Raises:
+            ValueError, TypeError: bad counts (``exchange_layout``: the same error on every
+                rank) or rows that do not match them.
+        Host syncs and collectives: the layout exchange (one host round, the only one); the
+        exchanges themselves (none on the host, given the layout).
+        """
+        p = self._p
+        layout = p.exchange_layout(num_tokens_per_expert, self.comm)
+        recipe = self.recipe_for(layout, x.shape[-1])
+        align = self.align
+        if recipe.fused:
+            rows, indices, offsets = p.a2a_dispatch(
+                x, layout, precision=recipe.dispatch, grad_precision=recipe.dispatch_grad,
+                permute_align=align)
+        else:
+            received = p.a2a_dispatch(x, layout, precision=recipe.dispatch,
+                                      grad_precision=recipe.dispatch_grad)
+            rows, indices, offsets = p.permute(received, layout, align=align,
+                                               out_format=recipe.permute_format)
+        return rows, offsets, EPHandle(layout, recipe, indices, offsets, align)
+
+    def combine(self, y, handle):
+        """Return the experts' output rows to the ranks that routed them.
+
+        Args:
+            y: (P, H) bf16 tensor, the expert GEMM's output in the permuted order ``dispatch``
+                returned (padding rows ignored). Read; differentiable (its gradient: bf16, or a
+                ``QuantizedTensor`` of the recipe's combine_grad where the GEMM reads one).
+            handle: the :class:`EPHandle` of the matching ``dispatch``.
+        Returns:
+            (M, H) bf16 tensor, in the order of ``dispatch``'s ``x``.
+        Raises:
+            TypeError: ``handle`` not an :class:`EPHandle`.
+        """
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"combine: handle: expected the EPHandle dispatch returned, got "
+                            f"{type(handle).__name__}")
+        p, recipe, layout = self._p, handle.recipe, handle.layout
+        if recipe.fused:
+            return p.a2a_combine(y, layout, precision=recipe.combine,
+                                 grad_precision=recipe.combine_grad, permute_align=handle.align)
+        back = p.unpermute(y, handle.permuted_indices, layout,
+                           grad_format=recipe.unpermute_grad_format)
+        return p.a2a_combine(back, layout, precision=recipe.combine,
+                             grad_precision=recipe.combine_grad)
+
+
+def grouped_experts_class(parent_cls):
+    """A subclass of torchtitan's ``GroupedExperts`` (``parent_cls``, torchtitan 0.3's
+    ``torchtitan.models.common.moe.GroupedExperts`` or a subclass) whose grouped GEMMs are
+    ``mxcomm.torch.grouped_mm``: the rows :meth:`ExpertParallel.dispatch` returns feed the GEMMs
+    as they are, with no bf16 pass in between.
+
+    It overrides the two seams torchtitan's float8 / MX converters use: ``forward`` notes
+    whether the rows came quantized (the recipe's GEMM is fp8), then runs the parent's SwiGLU;
+    ``_grouped_mm(*, A, B_t, offs)`` runs ``grouped_mm(A, B_t, offs)``, fp8 for all three GEMMs
+    (w1, w3 on the rows as received; w2 on the SwiGLU's bf16 output, quantized per call; the
+    w2 dgrad reads an fp8 rowwise combine gradient as delivered) when the rows came quantized and
+    the device has SM90 fp8 GEMMs, else bf16 GEMMs (``grouped_mm``'s fallback for quantized
+    rows). Weights are the parent's, cast by the parent (``.bfloat16()``: bf16 parameters are
+    used as they are, so ``grouped_mm``'s weight cache reuses their quantized operands).
+
+    The caller (a token dispatcher) passes the padded group sizes: the rows are padded per
+    expert to ``align``, and torchtitan computes the offsets as the cumulative sum of what it is
+    given (``group_offsets`` differenced). For the torchtitan integration's installer.
+
+    Returns:
+        The subclass (one per ``parent_cls``: the same class on every call).
+    """
+    cached = _EXPERTS_CLASSES.get(parent_cls)
+    if cached is not None:
+        return cached
+
+    class MxcommGroupedExperts(parent_cls):
+        def forward(self, x_RD, num_tokens_per_expert_E):
+            self._mxcomm_fp8 = hasattr(x_RD, "qdata") and fp8_gemm_available(x_RD.device)
+            return super().forward(x_RD, num_tokens_per_expert_E)
+
+        def _grouped_mm(self, *, A, B_t, offs):
+            from .torch import grouped_mm
+            return grouped_mm(A, B_t, offs, fp8=getattr(self, "_mxcomm_fp8", False) or None)
+
+    MxcommGroupedExperts.__name__ = MxcommGroupedExperts.__qualname__ = \
+        f"Mxcomm{parent_cls.__name__}"
+    _EXPERTS_CLASSES[parent_cls] = MxcommGroupedExperts
+    return MxcommGroupedExperts
+
+
+#: parent class -> its :func:`grouped_experts_class` (classes, not state: one per parent, so
+#: ``isinstance`` and torch.compile see one class)
+_EXPERTS_CLASSES = weakref.WeakKeyDictionary()
