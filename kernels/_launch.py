@@ -64,6 +64,32 @@ def launch_1d(n, stream=0, *, threads=None, share=1.0):
     return blocks, threads, int(stream)
 
 
+#: Hopper's (sm_90) register file and warp slots per multiprocessor (registers are allocated per
+#: warp in units of 256, 8 per thread), its shared memory per multiprocessor and what the driver
+#: reserves of it per block.
+REGISTERS_PER_SM = 65536
+WARPS_PER_SM = 64
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED = 1024
+
+
+def resident_launch(n, threads, registers, stream, share, shared=0):
+    """:func:`launch_1d` for a kernel of ``registers`` per thread and ``shared`` bytes of shared
+    memory per block, its persistent grid capped at the blocks that stay resident together.
+
+    Above 32 registers a thread only part of RESIDENT_THREADS_PER_SM fit, and the blocks beyond
+    would run in a second, partial wave (every block of a grid-stride loop gets the same work).
+    """
+    warps = threads // 32
+    warp_registers = -(-registers // 8) * 8 * 32
+    by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED) if shared else RESIDENT_BLOCKS_PER_SM
+    resident = max(1, min(RESIDENT_BLOCKS_PER_SM, WARPS_PER_SM // warps, by_shared,
+                          REGISTERS_PER_SM // (warp_registers * warps)))
+    per_sm = max(1, min(RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM // threads))
+    fit = min(1.0, resident / per_sm + 1e-9)  # + 1e-9: launch_1d truncates its product
+    return launch_1d(n, stream, threads=threads, share=share * fit)
+
+
 def _loads(itemsize, align):
     """How a kernel reads words, for alignment messages."""
     if align == itemsize:

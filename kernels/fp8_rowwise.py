@@ -39,8 +39,8 @@ from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import SHARED_PAIR_ALIGN, load_pair, load_pair_flat, store_pair_flat, store_word
-from .mxfp8 import (WARP, bf16x2_from_e4m3x2, bf16x4_absmax, encode_bf16x4, encode_f32x2,
-                    f32x2_absmax, lanes_max)
+from .mx_dequantize import bf16x2_from_e4m3x2
+from .mx_quantize import WARP, bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
 
 #: Units (16 input bytes: 8 bf16 or 4 fp32) each thread loads per step, all in flight at once.
 PASS_UNITS = 4

@@ -37,7 +37,7 @@ from ._fp8 import E4M3_NAN, E8M0_NAN, F32_NAN, cvt_e4m3x2_f16x2, cvt_f16x2_e4m3x
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_pair, load_word, store_pair
 from .fp8_rowwise import F32_ONE, SCALE_EXP_MIN, WARP, nan_byte_mask
-from .mxfp8 import lanes_max
+from .mx_quantize import lanes_max
 
 #: Pairs of data words (16 e4m3, one 16-byte load) each thread loads per step, all in flight.
 PASS_PAIRS = 4

@@ -1,4 +1,5 @@
-"""Arrays in, arrays out: conversion of caller arrays and streams for the kernels and communicators.
+"""Arrays in, arrays out: the one acceptance of caller arrays and streams, and the checks of rows,
+arrays and outputs, for the engine's public functions (formats, permute, the exchange).
 
 Device arrays are CuPy arrays on a GPU and NumPy arrays on a CPU (the host backend, or Numba's CUDA
 simulator); which one is decided once, in ``mxcomm._platform`` (``gpu_arrays``), and
@@ -67,6 +68,55 @@ def check_rows(x, name, multiple, dtypes, convert=as_device_array):
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
     return x
+
+
+def check_array(a, name, dtype, shape, convert=as_device_array):
+    """``a`` as an array (``convert``: a device array by default) of exactly ``dtype`` and
+    ``shape``, C-contiguous.
+
+    Raises:
+        TypeError: not an array (``convert``), or another dtype.
+        ValueError: another shape, or not C-contiguous.
+    """
+    a = convert(a, name)
+    if a.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype}")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
+    return a
+
+
+def out_dtype(dtype):
+    """``dtype`` as a NumPy dtype, bf16 or fp32 (a dequantize's output); TypeError otherwise."""
+    try:
+        dtype = numpy.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype!r}") from None
+    if dtype not in (bfloat16, float32):
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
+    return dtype
+
+
+def out_array(out, shape, dtype):
+    """The ``out`` argument: a new array of ``shape`` and ``dtype`` when None, else checked
+    (:func:`check_array`)."""
+    if out is None:
+        return array_module().empty(shape, dtype=dtype)
+    return check_array(out, "out", dtype, shape)
+
+
+def out_pair(out, data_shape, scales_shape, scales_dtype=float32):
+    """The ``out`` argument of a quantize: a (data uint8, scales) pair, new when None, else
+    checked (:func:`check_array`); TypeError when not a pair."""
+    if out is None:
+        xp = array_module()
+        return xp.empty(data_shape, dtype=numpy.uint8), xp.empty(scales_shape, dtype=scales_dtype)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out: expected a (data, scales) pair or None, got {type(out).__name__}")
+    return (check_array(out[0], "out[0] (data)", numpy.dtype(numpy.uint8), data_shape),
+            check_array(out[1], "out[1] (scales)", numpy.dtype(scales_dtype), scales_shape))
 
 
 def stream_ptr(stream=None):

@@ -13,9 +13,9 @@ so a new format is one module and its kernels::
     "bf16"               bf16            none                            1
     "native"             the input's     none (fp32 stays fp32, exact)   1
     "mxfp8"              e4m3fn (uint8)  (M, D // 32) e8m0 (uint8)       32    mxcomm.mxfp8
-    "fp8_rowwise"        e4m3fn (uint8)  (M,) fp32, powers of two        16    mxcomm.fp8_formats
-    "fp8_block128"       e4m3fn (uint8)  (M, D // 128) fp32, amax / 448  128   mxcomm.fp8_formats
-    "fp8_block128_pow2"  e4m3fn (uint8)  (M, D // 128) fp32, powers of 2 128   mxcomm.fp8_formats
+    "fp8_rowwise"        e4m3fn (uint8)  (M,) fp32, powers of two        16    mxcomm.rowwise
+    "fp8_block128"       e4m3fn (uint8)  (M, D // 128) fp32, amax / 448  128   mxcomm.block128
+    "fp8_block128_pow2"  e4m3fn (uint8)  (M, D // 128) fp32, powers of 2 128   mxcomm.block128
 
 Quantized rows are a :class:`QuantizedArray` (data, scales, format); ``mxcomm.MXFP8Array`` is its
 ``"mxfp8"`` case (``get_format("mxfp8").wrap`` returns one).

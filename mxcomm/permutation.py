@@ -357,7 +357,7 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
             grouped GEMMs).
         out_format: None (or ``x``'s format) to move rows as they are; or a format to convert
             the QuantizedArray ``x`` to in the same pass where ``mxcomm.formats.conversion``
-            has one: ``"fp8_rowwise"`` from ``"mxfp8"`` (``fp8_formats.mx_to_rowwise_permute``:
+            has one: ``"fp8_rowwise"`` from ``"mxfp8"`` (``rowwise.mx_to_rowwise_permute``:
             each row rescaled to one power-of-two scale; no bf16 round trip), or ``"bf16"``
             from ``"mxfp8"`` (the permuted rows dequantized in the gather, bit for bit as
             ``dequantize_mxfp8`` of the permuted rows, padding rows 0: what a bf16 grouped GEMM

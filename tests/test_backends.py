@@ -464,7 +464,7 @@ def test_simulated_shared_arrays_are_one_per_block_when_threads_interleave(use_b
 
     from numba.cuda.simulator import kernelapi
 
-    from mxcomm.fp8_formats import quantize_fp8_rowwise
+    from mxcomm.rowwise import quantize_fp8_rowwise
     from reference_fp8 import quantize_fp8_rowwise_ref
 
     def empty(*args, **kwargs):

@@ -536,7 +536,7 @@ def test_converted_reference_matches_the_library_bit_for_bit():
     torch = pytest.importorskip("torch")
     import mxcomm.torch as mt
     from mxcomm.formats import get_format
-    from mxcomm.fp8_formats import _host_mx_to_rowwise_permute
+    from mxcomm._host import mx_to_rowwise_permute as _host_mx_to_rowwise_permute
     rng = numpy.random.default_rng(3)
     x = torch.from_numpy(rng.standard_normal((12, 128)).astype(numpy.float32)).to(torch.bfloat16)
     x[3] = 0

@@ -100,15 +100,15 @@ def test_registry_is_filled_by_the_format_modules():
     once), and the permute's conversion is the fp8 formats module's."""
     import ast
     import inspect
-    from mxcomm import formats, fp8_formats, mxfp8
+    from mxcomm import formats, mxfp8, rowwise
     tree = ast.parse(inspect.getsource(formats))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"_array", "kernels"}, imported
     assert get_format("mxfp8") is mxfp8.MXFP8
     row = mxfp8.MXFP8.view(np.zeros((1, 32), np.uint8), np.zeros((1, 1), np.uint8))
     assert type(row) is mxfp8.MXFP8Array and row.format is mxfp8.MXFP8
-    assert get_format("fp8_rowwise") is fp8_formats.FP8_ROWWISE
-    assert formats.conversion(mxfp8.MXFP8, fp8_formats.FP8_ROWWISE) is fp8_formats._mx_to_rowwise
+    assert get_format("fp8_rowwise") is rowwise.FP8_ROWWISE
+    assert formats.conversion(mxfp8.MXFP8, rowwise.FP8_ROWWISE) is rowwise._mx_to_rowwise
     with pytest.raises(ValueError, match="'fp8_rowwise' is registered already"):
         formats.register(formats.Format("fp8_rowwise", "e4m3fn", np.uint8))
     assert format_names().count("fp8_rowwise") == 1
