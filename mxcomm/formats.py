@@ -23,6 +23,7 @@ Quantized rows are a :class:`QuantizedArray` (data, scales, format); ``mxcomm.MX
 
 import dataclasses
 import functools
+import math
 
 import numpy
 
@@ -414,3 +415,45 @@ def conversion(source, target):
 register(Format("bf16", "bf16", bfloat16, source="bf16 on the wire (torch's EP path)"))
 register(Format("native", "input", None,
                 source="the input's dtype as is: fp32 stays fp32, bit for bit"))
+
+
+def sqnr(ref, out, *, chunk_rows=4096):
+    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - out||).
+
+    The one SQNR of the project (the thresholds of docs/design.md "Correctness references" are in
+    it): sums of squares in float64, over chunks of ``chunk_rows`` rows on the arrays' device.
+
+    Args:
+        ref, out: arrays of one shape: NumPy, CuPy or torch (CPU or CUDA; quantized tensors
+            dequantized first by the caller). Read.
+        chunk_rows: rows (first dimension) per chunk converted to float64 at a time.
+    Returns:
+        float: inf when ``out`` equals ``ref``; NaN when either holds a non-finite value or
+        ``ref`` is all zero.
+    Raises:
+        ValueError: the shapes differ.
+    Host syncs: one per chunk on a GPU (the sums are read).
+    """
+    if tuple(ref.shape) != tuple(out.shape):
+        raise ValueError(f"out: expected shape {tuple(ref.shape)} like ref, got {tuple(out.shape)}")
+    rows = ref.shape[0] if len(ref.shape) else 1
+    ref, out = ref.reshape(rows, -1), out.reshape(rows, -1)
+    signal = noise = 0.0
+    for i in range(0, rows, chunk_rows):
+        r, o = _float64(ref[i:i + chunk_rows]), _float64(out[i:i + chunk_rows])
+        signal += float((r * r).sum())
+        noise += float(((r - o) ** 2).sum())
+    return sqnr_from_sums(signal, noise)
+
+
+def sqnr_from_sums(signal, noise):
+    """:func:`sqnr` of sums of squares already made, ``10 log10(signal / noise)``: inf for no
+    noise, NaN for a non-finite sum or no signal."""
+    if not (math.isfinite(signal) and math.isfinite(noise)) or signal <= 0:
+        return math.nan
+    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+
+
+def _float64(a):
+    """``a`` (a NumPy, CuPy or torch array) as float64 on its device."""
+    return a.detach().double() if hasattr(a, "detach") else a.astype(numpy.float64)

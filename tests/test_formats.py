@@ -9,12 +9,13 @@ import pytest
 
 import mxcomm
 from mxcomm.formats import PER_ROW, QuantizedArray, format_names, get_format
+from mxcomm import sqnr
 from mxcomm.kernels import array_module
 from mxcomm.mxfp8 import MXFP8Array
 from mxcomm.permutation import permute, unpermute, unpermute_backward
 from reference import permute_ref, quantize_mxfp8_ref, dequantize_mxfp8_ref, unpermute_ref
 from reference_fp8 import (dequantize_scaled_ref, mx_to_rowwise_ref, quantize_fp8_block128_ref,
-                           quantize_fp8_rowwise_ref, sqnr_db)
+                           quantize_fp8_rowwise_ref)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 QUANTIZED = ("mxfp8", "fp8_rowwise", "fp8_block128", "fp8_block128_pow2")
@@ -142,7 +143,7 @@ def test_sqnr_against_bf16(rng):
     x = rng.standard_normal((256, 1024)).astype(BF16)
     got = {}
     for name in QUANTIZED:
-        got[name] = sqnr_db(x, to_host(get_format(name).quantize(to_device(x)).dequantize()))
+        got[name] = sqnr(x, to_host(get_format(name).quantize(to_device(x)).dequantize()))
     assert got["mxfp8"] >= 30 and got["fp8_block128"] >= 30 and got["fp8_block128_pow2"] >= 30
     assert got["fp8_rowwise"] >= 28
     assert got["fp8_block128"] >= got["fp8_block128_pow2"] - 0.01  # plain scales fit tighter
@@ -220,7 +221,7 @@ def test_permute_mx_to_rowwise(rng):
     keep = idx >= 0
     np.testing.assert_array_equal(to_host(out.scales)[keep], to_host(direct.scales)[idx[keep]])
     converted = to_host(out.dequantize()).astype(np.float64)[keep]
-    assert sqnr_db(x[idx[keep]], converted) > 25
+    assert sqnr(x[idx[keep]], converted) > 25
     with pytest.raises(ValueError, match="cannot convert fp8_rowwise rows to 'mxfp8'"):
         permute(direct, to_device(counts), e_local, align, out_format="mxfp8")
     with pytest.raises(ValueError, match="out_format: expected one of"):

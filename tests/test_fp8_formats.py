@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mxcomm import _host
+from mxcomm import _host, sqnr
 from mxcomm.block128 import dequantize_fp8_block128, quantize_fp8_block128
 from mxcomm.colwise import fp8_rowwise_to_group_colwise, quantize_fp8_rowwise_transposed
 from mxcomm.rowwise import dequantize_fp8_rowwise, mx_to_rowwise_permute, quantize_fp8_rowwise
@@ -14,7 +14,7 @@ from mxcomm.kernels import address, array_module
 from mxcomm.mxfp8 import MXFP8Array
 from reference import permute_ref, quantize_mxfp8_ref
 from reference_fp8 import (dequantize_scaled_ref, group_colwise_ref, mx_to_rowwise_ref,
-                           quantize_fp8_block128_ref, quantize_fp8_rowwise_ref, sqnr_db)
+                           quantize_fp8_block128_ref, quantize_fp8_rowwise_ref)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -221,7 +221,7 @@ def test_mx_to_rowwise_sqnr():
         conv = _host.dequantize_fp8_rowwise(
             *_host.mx_to_rowwise_permute(HostMX(*quantize_mxfp8_ref(x, "rceil")),
                                          np.arange(m, dtype=np.int32)), np.float32)
-        s_direct, s_conv = sqnr_db(ref, direct), sqnr_db(ref, conv)
+        s_direct, s_conv = sqnr(ref, direct), sqnr(ref, conv)
         assert s_direct >= 31.0 and abs(s_direct - s_conv) <= 0.01, (s_direct, s_conv)
 
 
@@ -612,9 +612,9 @@ def test_group_colwise_keeps_the_operands_sqnr(rng):
         position, start = aligned[k], end
     got, direct = np.concatenate(got), np.concatenate(direct)
     rowwise = data.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * scales[:, None]
-    assert abs(sqnr_db(xf, got) - sqnr_db(xf, direct)) < 0.3
-    assert abs(sqnr_db(xf, got) - sqnr_db(xf, rowwise)) < 0.3
-    assert sqnr_db(xf, got) > 28
+    assert abs(sqnr(xf, got) - sqnr(xf, direct)) < 0.3
+    assert abs(sqnr(xf, got) - sqnr(xf, rowwise)) < 0.3
+    assert sqnr(xf, got) > 28
 
 
 def test_group_colwise_rejects_bad_input(kernels):
