@@ -27,7 +27,8 @@ import math
 
 import numpy
 
-from ._array import as_device_array, bfloat16, float32, stream_ptr
+from ._array import (bfloat16, check_array, check_rows, float32, out_array,
+                     out_dtype, stream_ptr)
 from .kernels import address, array_module
 
 #: ``Format.scale_block`` of a format with one scale per row.
@@ -250,12 +251,7 @@ class Format:
         """Quantize ``x`` (M, D) bf16/fp32 device array, C-contiguous, D % ``d_multiple`` == 0,
         into a new (or the given) QuantizedArray of this format. Raises TypeError (dtype, or
         ``out`` of another format) / ValueError (shape)."""
-        x = as_device_array(x, "x")
-        if x.dtype not in _OUT_DTYPES:
-            raise TypeError(f"x: expected dtype bfloat16 or float32, got {x.dtype}")
-        if x.ndim != 2 or not x.flags.c_contiguous:
-            raise ValueError(f"x: expected a 2-D C-contiguous (M, D) array, got shape "
-                             f"{tuple(x.shape)}")
+        x = check_rows(x, "x", 1, _OUT_DTYPES)
         self.check_input(x)
         if out is None:
             out = self.empty(*x.shape)
@@ -290,25 +286,9 @@ class QuantizedArray:
     def __init__(self, data, scales, format):  # noqa: A002 (the attribute's name)
         if not isinstance(format, Format) or not format.quantized:
             raise TypeError(f"format: expected a quantized Format, got {format!r}")
-        data = as_device_array(data, "data")
-        scales = as_device_array(scales, "scales")
-        for a, name, dtype in ((data, "data", format.element_dtype),
-                               (scales, "scales", format.scale_dtype)):
-            if a.dtype != dtype:
-                raise TypeError(f"{name}: expected dtype {numpy.dtype(dtype)} ({format.name}), "
-                                f"got {a.dtype}")
-            if not a.flags.c_contiguous:
-                raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
-        if data.ndim != 2:
-            raise ValueError(f"data: expected a 2-D array, got {data.ndim}-D shape "
-                             f"{tuple(data.shape)}")
-        m, d = data.shape
-        if d % format.d_multiple:
-            raise ValueError(f"data: expected the last dimension D to be a multiple of "
-                             f"{format.d_multiple}, got D = {d}")
-        if tuple(scales.shape) != format.scales_shape(m, d):
-            raise ValueError(f"scales: expected shape {format.scales_shape(m, d)} for data of "
-                             f"shape {(m, d)}, got {tuple(scales.shape)}")
+        data = check_rows(data, "data", format.d_multiple, (numpy.dtype(format.element_dtype),))
+        scales = check_array(scales, "scales", numpy.dtype(format.scale_dtype),
+                             format.scales_shape(*data.shape))
         self.data, self.scales, self.format = data, scales, format
 
     @property
@@ -323,22 +303,7 @@ class QuantizedArray:
             TypeError: ``dtype`` not bf16/fp32, ``out`` of another dtype.
             ValueError: ``out`` of another shape or not C-contiguous.
         """
-        try:
-            dtype = numpy.dtype(dtype)
-        except TypeError:
-            raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype!r}") from None
-        if dtype not in _OUT_DTYPES:
-            raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
-        if out is None:
-            out = array_module().empty(self.shape, dtype=dtype)
-        else:
-            out = as_device_array(out, "out")
-            if out.dtype != dtype:
-                raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
-            if tuple(out.shape) != self.shape:
-                raise ValueError(f"out: expected shape {self.shape}, got {tuple(out.shape)}")
-            if not out.flags.c_contiguous:
-                raise ValueError(f"out: expected a C-contiguous array, got strides {out.strides}")
+        out = out_array(out, self.shape, out_dtype(dtype))
         return self.format.launch_dequantize(self, out, stream_ptr(stream))
 
     def rows(self, begin, end):
