@@ -2,15 +2,15 @@
 arrays and outputs, for the engine's public functions (formats, permute, the exchange).
 
 Device arrays are CuPy arrays on a GPU and NumPy arrays on a CPU (the host backend, or Numba's CUDA
-simulator); which one is decided once, in ``mxcomm._platform`` (``gpu_arrays``), and
-``mxcomm.kernels.array_module`` names the module. On a GPU anything exporting
-``__cuda_array_interface__`` or DLPack is accepted zero-copy; on a CPU anything NumPy can view.
+simulator); which one is decided once, in ``mxcomm._platform`` (``gpu_arrays``). On a GPU anything
+exporting ``__cuda_array_interface__`` or DLPack is accepted zero-copy; on a CPU anything NumPy can
+view. A leaf like ``_platform``: at import it needs only NumPy, ml_dtypes and ``_platform``, so
+``comm/`` may accept arrays through it too (``as_device_array(x, name, device=...)``).
 """
 
 import ml_dtypes
 import numpy
 
-from .kernels import array_module
 from ._platform import gpu_arrays
 
 #: bf16 as an array dtype (CuPy and NumPy both use ml_dtypes' type).
@@ -18,33 +18,45 @@ bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
 float32 = numpy.dtype(numpy.float32)
 
 
-def as_device_array(x, name):
-    """``x`` as an array of the array module, zero-copy.
+def as_device_array(x, name, *, device=None):
+    """``x`` as a CuPy (device) or NumPy (host) array, zero-copy: the one acceptance of a
+    caller's array.
 
     Args:
-        x: a CuPy/NumPy array, or any object exporting ``__cuda_array_interface__`` or DLPack.
-        name: the argument's name, for the error message.
+        x: a CuPy/NumPy array, or any object exporting ``__cuda_array_interface__`` or DLPack
+            (device), or anything NumPy can view (host).
+        name: the argument's name (and rank, where it matters), for the error message.
+        device: True for a CuPy array, False for a NumPy array, None for the platform's
+            (``mxcomm._platform.gpu_arrays``).
     Raises:
-        TypeError: ``x`` is not an array the current device can use.
+        TypeError: ``x`` is not an array of that kind.
     """
-    xp = array_module()
-    if isinstance(x, xp.ndarray):
-        return x
-    if gpu_arrays():
+    if device is None:
+        device = gpu_arrays()
+    if device:
+        import cupy
+        if isinstance(x, cupy.ndarray):
+            return x
         if hasattr(x, "__cuda_array_interface__"):
-            return xp.asarray(x)
-        if hasattr(x, "__dlpack__"):
-            return xp.from_dlpack(x)
-    elif hasattr(x, "__array__") or hasattr(x, "__array_interface__"):
+            return cupy.asarray(x)
+        if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
+            try:
+                return cupy.from_dlpack(x)
+            except Exception:  # a host tensor: the TypeError below
+                pass
+    elif isinstance(x, numpy.ndarray):
+        return x
+    elif not hasattr(x, "__cuda_array_interface__") and (
+            hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
         try:
             return numpy.asarray(x)
         except TypeError as e:  # e.g. a torch bf16 tensor: NumPy has no bfloat16
             raise TypeError(f"{name}: cannot view {type(x).__module__}.{type(x).__name__} of dtype "
                             f"{getattr(x, 'dtype', '?')} as a NumPy array ({e}); pass torch "
                             f"tensors to mxcomm.torch (e.g. mxcomm.torch.a2a_dispatch)") from None
-    where = "CUDA device" if gpu_arrays() else "host"
-    raise TypeError(f"{name}: expected a {where} array ({xp.__name__}.ndarray, DLPack or "
-                    f"__cuda_array_interface__), got {type(x).__name__}")
+    kind = "CUDA device array (cupy.ndarray, DLPack or __cuda_array_interface__)" if device \
+        else "host array (numpy.ndarray)"
+    raise TypeError(f"{name}: expected a {kind}, got {type(x).__name__}")
 
 
 def check_rows(x, name, multiple, dtypes, convert=as_device_array):
@@ -103,6 +115,7 @@ def out_array(out, shape, dtype):
     """The ``out`` argument: a new array of ``shape`` and ``dtype`` when None, else checked
     (:func:`check_array`)."""
     if out is None:
+        from .kernels import array_module
         return array_module().empty(shape, dtype=dtype)
     return check_array(out, "out", dtype, shape)
 
@@ -111,6 +124,7 @@ def out_pair(out, data_shape, scales_shape, scales_dtype=float32):
     """The ``out`` argument of a quantize: a (data uint8, scales) pair, new when None, else
     checked (:func:`check_array`); TypeError when not a pair."""
     if out is None:
+        from .kernels import array_module
         xp = array_module()
         return xp.empty(data_shape, dtype=numpy.uint8), xp.empty(scales_shape, dtype=scales_dtype)
     if not isinstance(out, (tuple, list)) or len(out) != 2:
