@@ -17,7 +17,7 @@ import numpy
 
 from mxcomm import colwise, rowwise
 from mxcomm.bench._timing import Clock, measure
-from mxcomm.kernels import fp8_colwise, kernel, launch_1d
+from mxcomm.kernels import fp8_colwise, fp8_colwise_encode, kernel, launch_1d
 
 
 def median_ms(fn, iters=20, warmup=5):
@@ -56,11 +56,11 @@ def probe(p, d, kind, groups=8, once=False):
     col_scales = colwise.fp8_rowwise_to_group_colwise(data, scales, ends)[1].view(
         numpy.uint32)  # the encode's real column scales (the timed amax and scales passes
     # leave ``keys`` as neither)
-    encoders = {"encode": fp8_colwise.group_colwise_encode_kernel}
+    encoders = {"encode": fp8_colwise_encode.group_colwise_encode_kernel}
     if not once:  # the encode under other launch bounds (registers per thread vs resident blocks)
         for bounds in ((256, 3), None):
             encoders[f"encode@{bounds[1] if bounds else 'unbounded'}"] = kernel(
-                fp8_colwise.group_colwise_encode_kernel.py_func, launch_bounds=bounds)
+                fp8_colwise_encode.group_colwise_encode_kernel.py_func, launch_bounds=bounds)
     amaxes = {"amax": fp8_colwise.CHUNK_ROWS}
     if not once:  # other rows per thread (fewer atomics, fewer threads)
         amaxes.update({"amax@128": 128, "amax@256": 256})
@@ -69,7 +69,7 @@ def probe(p, d, kind, groups=8, once=False):
             -(-p // c) * (d // fp8_colwise.AMAX_COLUMNS), stream)](w64, rs, ends, keys, c))(c),
            p * d + p * 4) for name, c in amaxes.items()),
         ("scales", lambda: scale(keys.reshape(-1), ends, aligned), groups * d * 8),
-        *((name, (lambda k: lambda: k[launch_1d(fp8_colwise.encode_items(t, d) * 256, stream)](
+        *((name, (lambda k: lambda: k[launch_1d(fp8_colwise_encode.encode_items(t, d) * 256, stream)](
             w32, rs, ends, col_scales, data_t.view(numpy.uint32)))(k), p * d + p * 4 + d * t)
           for name, k in encoders.items()),
         ("all", lambda: colwise.fp8_rowwise_to_group_colwise(data, scales, ends),

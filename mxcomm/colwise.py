@@ -17,8 +17,8 @@ from ._array import as_device_array, bfloat16, check_array, check_rows, float32,
 from ._platform import host_backend
 from .kernels import fp8_colwise, fp8_transpose
 from .kernels._launch import THREADS_PER_BLOCK
-from .kernels.fp8_colwise import (group_colwise_amax_kernel, group_colwise_encode_kernel,
-                                  group_colwise_scales_kernel)
+from .kernels.fp8_colwise import group_colwise_amax_kernel, group_colwise_scales_kernel
+from .kernels.fp8_colwise_encode import ENCODE_MAX_WORDS, encode_items, group_colwise_encode_kernel
 from .kernels.fp8_transpose import transpose_amax_kernel, transpose_encode_kernel
 from .rowwise import ROWWISE_MULTIPLE
 
@@ -73,10 +73,10 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
         raise ValueError(f"group_ends: expected a 1-D array of G >= 1 group ends, got shape "
                          f"{tuple(ends.shape)}")
     ends = check_array(ends, "group_ends", numpy.dtype(numpy.int32), ends.shape)
-    if group_colwise_positions(p, ends.shape[0]) * d // 4 > fp8_colwise.ENCODE_MAX_WORDS:
+    if group_colwise_positions(p, ends.shape[0]) * d // 4 > ENCODE_MAX_WORDS:
         raise ValueError(f"data: {p} x {d} rows in {ends.shape[0]} groups give an output of "
                          f"{group_colwise_positions(p, ends.shape[0])} x {d} bytes, above the "
-                         f"{4 * fp8_colwise.ENCODE_MAX_WORDS} the encode kernel indexes (int32 "
+                         f"{4 * ENCODE_MAX_WORDS} the encode kernel indexes (int32 "
                          f"words); split the rows")
     return launch_fp8_rowwise_to_group_colwise(data, scales, ends, stream_ptr(stream))
 
@@ -109,7 +109,7 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
                                         threads=1 if sim else None)](
         words(data, _U64, "data", rows=True), row_scales, group_ends, keys, chunk)
     group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
-    items = fp8_colwise.encode_items(t, d)
+    items = encode_items(t, d)
     group_colwise_encode_kernel[launch_1d(items * THREADS_PER_BLOCK, stream)](
         words(data, _U32, "data", rows=True), row_scales, group_ends, keys,
         words(data_t, _U32, "data_t", rows=True))

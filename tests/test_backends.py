@@ -326,11 +326,11 @@ def test_unpermute_with_padding_and_out_of_range_indices(use_backend, rng):
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "fp8_rowwise"])
 def test_pad_rows_identical(use_backend, rng, fmt):
-    """The padding fill of an exchange landing in permuted order (``permutation.pad_rows``):
+    """The padding fill of an exchange landing in permuted order (``_row_moves.pad_rows``):
     rows of index -1 get zeros and the padding scale, every other row keeps its bytes, on each
     backend."""
     from mxcomm.formats import get_format
-    from mxcomm.permutation import pad_rows
+    from mxcomm._row_moves import pad_rows
     f = get_format(fmt)
     idx = np.array([3, -1, 0, 2, -1, 1, -1, 4], np.int32)
     data = rng.integers(0, 256, (8, 64), dtype=np.uint8)

@@ -538,7 +538,7 @@ def f16_path_quads(data, scales, ends, want_scales):
     """The fraction of (position quad, 4 columns) units of the encode kernel, rows present, whose
     every rescale exponent r - s lies in its f16 range (FAST_K_MIN..FAST_K_MAX): how much of a
     test's data that path takes (computed here from the data, independently of the kernel)."""
-    from mxcomm.kernels.fp8_colwise import FAST_K_MAX, FAST_K_MIN
+    from mxcomm.kernels.fp8_colwise_encode import FAST_K_MAX, FAST_K_MIN
     r = np.frexp(scales.astype(np.float64))[1] - 1                        # row exponents
     s = np.frexp(want_scales.astype(np.float64))[1] - 1                   # (G, D)
     fast = total = 0

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mxcomm
-from mxcomm import colwise, mxfp8, permutation, rowwise
+from mxcomm import _row_moves, colwise, mxfp8, permutation, rowwise
 from mxcomm import _driver
 from mxcomm.kernels import _launch
 
@@ -92,7 +92,7 @@ def _exercise(xp, rng):
     permutation.permute(mx, counts, 2, 16, out_format="bf16")
     permutation.unpermute(xp.asarray(rng.standard_normal((len(indices), 64)).astype(BF16)),
                           indices, 4)
-    permutation.pad_rows((permuted.data, permuted.scales), mxcomm.formats.get_format("mxfp8"),
+    _row_moves.pad_rows((permuted.data, permuted.scales), mxcomm.formats.get_format("mxfp8"),
                          indices, 0)
     data, scales = rowwise.quantize_fp8_rowwise(xp.asarray(
         rng.standard_normal((32, 32)).astype(BF16)))
