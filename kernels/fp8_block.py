@@ -166,8 +166,7 @@ def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
 
 def _dequantize_fp8_block128(f32):
     """The 1x128-block dequantize kernel for bf16 (``f32`` False) or fp32 output, the output's
-    dtype a compile-time constant (as ``fp8_rowwise._dequantize_fp8_rowwise``, for the same
-    measured reason)."""
+    dtype a compile-time constant (as ``fp8_rowwise._dequantize_fp8_rowwise``)."""
 
     @kernel
     def dequantize_fp8_block128_kernel(data_words, scales, out_words):

@@ -132,9 +132,8 @@ class Format:
 
     def view(self, data, scales):
         """``data`` and ``scales`` as a QuantizedArray of this format, unchecked: for arrays this
-        package made with this format's dtypes and shapes (staging slots, results); about 1 us
-        where :meth:`wrap`'s checks take 5 (H100 host, bench/NOTES.md). Anything else goes
-        through :meth:`wrap`."""
+        package made with this format's dtypes and shapes (staging slots, results), a fifth of
+        :meth:`wrap`'s host time. Anything else goes through :meth:`wrap`."""
         q = object.__new__(self._array_class or QuantizedArray)
         q.data, q.scales, q.format = data, scales, self
         return q

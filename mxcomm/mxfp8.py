@@ -175,7 +175,7 @@ def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
 
     The quantized exchanges that return bf16 (the dispatch gradient, the drop-in) send a rank's
     own rows through it: the same rounding as the rows of its peers, without writing the MXFP8
-    rows to memory and reading them again (bench/NOTES.md)."""
+    rows to memory and reading them again."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
