@@ -1,24 +1,14 @@
-"""Formats: how rows travel and are permuted, one object per format; quantized rows of any format.
+"""Formats: how rows travel and are permuted, one object per format; quantized rows of any format;
+the SQNR that measures them.
 
-Glossary: M rows, D hidden (row width). A format (docs/design.md "Formats") says how an (M, D) row
-array is stored: element dtype, scale dtype and granularity, the D multiple it needs, the bytes a
-row takes, the scale of a padding row, and how to quantize into it and dequantize out of it. The
-exchange (``mxcomm.a2a``), the permutation (``mxcomm.permutation``), the torch wrapper tensor
-(``mxcomm.torch``) and the benchmarks read only this object. This module is a leaf: it holds the
-registry and the unscaled formats; each quantized format's module (below) builds its Format around
-its launchers and registers it (:func:`register`) when imported, and ``mxcomm`` imports them all,
-so a new format is one module and its kernels::
-
-    name                 elements        scales                          D %   kernels (module)
-    "bf16"               bf16            none                            1
-    "native"             the input's     none (fp32 stays fp32, exact)   1
-    "mxfp8"              e4m3fn (uint8)  (M, D // 32) e8m0 (uint8)       32    mxcomm.mxfp8
-    "fp8_rowwise"        e4m3fn (uint8)  (M,) fp32, powers of two        16    mxcomm.rowwise
-    "fp8_block128"       e4m3fn (uint8)  (M, D // 128) fp32, amax / 448  128   mxcomm.block128
-    "fp8_block128_pow2"  e4m3fn (uint8)  (M, D // 128) fp32, powers of 2 128   mxcomm.block128
-
-Quantized rows are a :class:`QuantizedArray` (data, scales, format); ``mxcomm.MXFP8Array`` is its
-``"mxfp8"`` case (``get_format("mxfp8").wrap`` returns one).
+Glossary: M rows, D hidden (row width). A :class:`Format` says how an (M, D) row array is stored
+(element dtype, scale dtype and granularity, the D multiple, the bytes of a row, a padding row's
+scale) and how to quantize into it and out of it; the formats and their sources are tabled in
+docs/design.md "Formats". The exchange, the permutation, the torch wrapper tensor and the
+benchmarks read only this object. This module is a leaf holding the registry and the unscaled
+formats; each quantized format's module (``mxcomm.mxfp8``, ``rowwise``, ``block128``) builds its
+Format around its launchers and registers it (:func:`register`) when imported. Quantized rows are
+a :class:`QuantizedArray`; ``mxcomm.MXFP8Array`` is its ``"mxfp8"`` case.
 """
 
 import dataclasses

@@ -1,17 +1,11 @@
-"""The fp8 rowwise format: e4m3fn elements, one power-of-two fp32 scale per row; and the permute's
-MXFP8 -> fp8 rowwise gather.
+"""The fp8 rowwise format (e4m3fn elements, one power-of-two fp32 scale per row: the A operand of
+Hopper's ``torch._scaled_grouped_mm``), and the permute's MXFP8 -> fp8 rowwise gather.
 
-Glossary: M rows, D hidden, N source rows, P permuted rows. e4m3fn data are uint8 bit arrays (as in
-``mxcomm.mxfp8``), scales (M,) float32 arrays, ``x ~= e4m3 * scale``, D % 16 == 0. It is the A
-operand of Hopper's ``torch._scaled_grouped_mm`` (aten/src/ATen/native/cuda/GroupedBlas.cpp
-``_check_scales_fp8_rowwise``: float32 scales, 1-D, contiguous, one per row, K % 16 == 0).
-With amax = max |x| over a row: scale = 2^clamp(ceil(log2(amax / 448)), -126, 127), element =
-RNE(x / scale); a non-finite row gets scale NaN and elements 0x7F. The exact rules are in
-``kernels.fp8_rowwise`` and ``kernels.mx_rowwise``.
-
-The ``launch_*`` functions choose: the host twin in ``mxcomm._host`` (bit-identical, tested) where
-``mxcomm._platform.host_backend()``, else the kernel. :data:`FP8_ROWWISE` and the MXFP8 -> rowwise
-conversion are registered with ``mxcomm.formats`` when this module is imported.
+Glossary: M rows, D hidden (D % 16 == 0), N source rows, P permuted rows. e4m3fn data are uint8
+bit arrays, scales (M,) float32, ``x ~= e4m3 * scale``; the formulas are in the functions'
+docstrings. The ``launch_*`` functions choose: the host twin in ``mxcomm._host`` (bit-identical,
+tested) where ``mxcomm._platform.host_backend()``, else the kernel. :data:`FP8_ROWWISE` and the
+MXFP8 -> rowwise conversion are registered with ``mxcomm.formats`` when this module is imported.
 """
 
 import numpy
@@ -46,7 +40,8 @@ def quantize_fp8_rowwise(x, *, out=None, stream=None):
     """fp8-rowwise-quantize the rows of ``x``: e4m3fn elements, one power-of-two fp32 scale per row.
 
     With amax = max |x| over a row (exact arithmetic), the layout SM90 ``torch._scaled_grouped_mm``
-    takes for its A operand (scales (M,) float32, 1-D, contiguous; D % 16 == 0):
+    takes for its A operand (scales (M,) float32, 1-D, contiguous; D % 16 == 0: aten/src/ATen/
+    native/cuda/GroupedBlas.cpp ``_check_scales_fp8_rowwise``):
       scale   = 2^e, e = clamp(ceil(log2(amax / 448)), -126, 127)   (MXFP8's "rceil", per row;
                 amax = 0 gives 2^-126: scale and 1 / scale are normal fp32)
       element = round-to-nearest-even(x / scale) as e4m3fn, saturated to +-448.
