@@ -59,24 +59,28 @@ def as_device_array(x, name, *, device=None):
     raise TypeError(f"{name}: expected a {kind}, got {type(x).__name__}")
 
 
-def check_rows(x, name, multiple, dtypes, convert=as_device_array):
-    """``x`` as an array of rows (``convert``: a device array by default), validated: 2-D (M, D),
-    dtype in ``dtypes``, D % ``multiple`` == 0, C-contiguous.
+def check_rows(x, name, multiple=1, dtypes=None, *, two_d=True):
+    """``x`` as a device array of rows (:func:`as_device_array`), validated: 2-D (M, D) (or, with
+    ``two_d`` False, rows of any shape: at least 1-D), dtype in ``dtypes`` (None: any), D %
+    ``multiple`` == 0, C-contiguous: the one check of rows.
 
     Raises:
-        TypeError: not an array (``convert``), or another dtype.
-        ValueError: not 2-D, D not a multiple of ``multiple``, or not C-contiguous.
+        TypeError: not an array, or another dtype.
+        ValueError: not 2-D (not at least 1-D), D not a multiple of ``multiple``, or not
+            C-contiguous.
     """
-    x = convert(x, name)
-    if x.ndim != 2:
+    x = as_device_array(x, name)
+    if two_d and x.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D (M, D) array, "
                          f"got {x.ndim}-D shape {tuple(x.shape)}")
-    if x.dtype not in dtypes:
+    if x.ndim < 1:
+        raise ValueError(f"{name}: expected an array of rows (at least 1-D), got a 0-D array")
+    if dtypes is not None and x.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, "
                         f"got {x.dtype}")
-    if x.shape[1] % multiple:
+    if x.shape[-1] % multiple:
         raise ValueError(f"{name}: expected the last dimension D to be a multiple of {multiple}, "
-                         f"got D = {x.shape[1]}")
+                         f"got D = {x.shape[-1]}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
     return x

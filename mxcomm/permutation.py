@@ -31,7 +31,7 @@ from .kernels import (UNBOUNDED, SizedLaunch, Words, array_module,  # first: set
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
                               scatter_rows_kernel)
 from . import _host
-from ._array import as_device_array, stream_ptr
+from ._array import as_device_array, check_rows, stream_ptr
 from ._driver import row_range
 from ._platform import host_backend
 from ._row_moves import move_rows, padding_scale
@@ -58,12 +58,7 @@ def _rows(x, name):
     and its Format (None for a plain array)."""
     if isinstance(x, QuantizedArray):
         return [x.data, x.scales], x.format
-    x = as_device_array(x, name)
-    if x.ndim < 1:
-        raise ValueError(f"{name}: expected an array of rows (at least 1-D), got a 0-D array")
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
-    return [x], None
+    return [check_rows(x, name, two_d=False)], None
 
 
 class GatheredRows:
