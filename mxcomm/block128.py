@@ -12,8 +12,9 @@ The ``launch_*`` functions choose: the host twin in ``mxcomm._host`` (bit-identi
 
 import numpy
 
-from .kernels import UNBOUNDED, SizedLaunch, Words, prepared, resident_launch  # first: decides
-from . import _host                                                       # simulator vs GPU
+from .kernels import (UNBOUNDED, SizedLaunch, Words,  # first: decides simulator vs GPU
+                      prepared, resident_launch)
+from . import _host
 from ._array import bfloat16, check_array, check_rows, float32, out_array, out_dtype, out_pair, \
     stream_ptr
 from ._platform import host_backend

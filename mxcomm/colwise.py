@@ -23,6 +23,7 @@ from .kernels.fp8_transpose import transpose_amax_kernel, transpose_encode_kerne
 from .rowwise import ROWWISE_MULTIPLE
 
 _U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uint64))
+#: T of :func:`fp8_rowwise_to_group_colwise` for (rows, groups): the host twin's (one definition).
 group_colwise_positions = _host.group_colwise_positions
 
 
