@@ -247,3 +247,37 @@ def test_format_launchers_pick_the_kernels(rng, use_backend, name):
     for h, k in zip(got["host"], got[kernels]):
         np.testing.assert_array_equal(np.ascontiguousarray(h).view(np.uint8),
                                       np.ascontiguousarray(k).view(np.uint8))
+
+
+def test_as_device_array_is_the_one_acceptance():
+    """_array.as_device_array by request: host arrays pass through zero-copy (the same object,
+    or a view of the same memory), device-only objects are refused on the host naming the
+    argument, and a torch bf16 tensor is refused with a pointer to mxcomm.torch."""
+    from mxcomm._array import as_device_array
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert as_device_array(x, "x", device=False) is x
+    class HostLike:
+        __array_interface__ = x.__array_interface__
+    viewed = as_device_array(HostLike(), "x", device=False)
+    assert np.shares_memory(viewed, x) and (viewed == x).all()
+
+    class DeviceOnly:
+        __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+    with pytest.raises(TypeError, match=r"x on rank 0: expected a host array .*DeviceOnly"):
+        as_device_array(DeviceOnly(), "x on rank 0", device=False)
+    with pytest.raises(TypeError, match=r"y: expected a host array .*list"):
+        as_device_array([1.0], "y", device=False)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"t: cannot view torch.Tensor .*mxcomm.torch"):
+        as_device_array(torch.zeros(2, dtype=torch.bfloat16), "t", device=False)
+
+
+@pytest.mark.gpu
+def test_as_device_array_refuses_host_arrays_for_the_device():
+    from mxcomm._array import as_device_array
+    cupy = pytest.importorskip("cupy")
+    x = cupy.zeros((2, 3), cupy.float32)
+    assert as_device_array(x, "x", device=True) is x
+    with pytest.raises(TypeError, match=r"x: expected a CUDA device array .*ndarray"):
+        as_device_array(np.zeros(3), "x", device=True)
