@@ -15,9 +15,9 @@ import sys
 import cupy
 import numpy
 
-from mxcomm import fp8_formats
+from mxcomm import colwise, rowwise
 from mxcomm.bench._timing import Clock, measure
-from mxcomm.kernels import fp8_colwise, kernel, launch_1d
+from mxcomm.kernels import fp8_colwise, fp8_colwise_encode, kernel, launch_1d
 
 
 def median_ms(fn, iters=20, warmup=5):
@@ -36,7 +36,7 @@ def rows(kind, p, d, rng):
     x *= cupy.exp2(2.0 * gen.standard_normal((p, 1), dtype=numpy.float32))
     if kind == "relu":
         cupy.maximum(x, 0, out=x)
-    data, scales = fp8_formats.quantize_fp8_rowwise(x)
+    data, scales = rowwise.quantize_fp8_rowwise(x)
     del x
     return data, scales
 
@@ -47,20 +47,20 @@ def probe(p, d, kind, groups=8, once=False):
     ends = cupy.asarray(numpy.cumsum(-(-sizes // 32) * 32).astype(numpy.int32))
     data, scales = rows(kind, p, d, rng)
     stream = cupy.cuda.get_current_stream().ptr
-    t = fp8_formats.group_colwise_positions(p, groups)
+    t = colwise.group_colwise_positions(p, groups)
     data_t = cupy.empty((d, t), numpy.uint8)
     keys = cupy.zeros((groups, d), numpy.uint32)
     aligned = cupy.empty(groups, numpy.int32)
     w64, w32, rs = data.view(numpy.uint64), data.view(numpy.uint32), scales.view(numpy.uint32)
     scale = fp8_colwise.group_colwise_scales_kernel[launch_1d(groups * d, stream)]
-    col_scales = fp8_formats.fp8_rowwise_to_group_colwise(data, scales, ends)[1].view(
+    col_scales = colwise.fp8_rowwise_to_group_colwise(data, scales, ends)[1].view(
         numpy.uint32)  # the encode's real column scales (the timed amax and scales passes
     # leave ``keys`` as neither)
-    encoders = {"encode": fp8_colwise.group_colwise_encode_kernel}
+    encoders = {"encode": fp8_colwise_encode.group_colwise_encode_kernel}
     if not once:  # the encode under other launch bounds (registers per thread vs resident blocks)
         for bounds in ((256, 3), None):
             encoders[f"encode@{bounds[1] if bounds else 'unbounded'}"] = kernel(
-                fp8_colwise.group_colwise_encode_kernel.py_func, launch_bounds=bounds)
+                fp8_colwise_encode.group_colwise_encode_kernel.py_func, launch_bounds=bounds)
     amaxes = {"amax": fp8_colwise.CHUNK_ROWS}
     if not once:  # other rows per thread (fewer atomics, fewer threads)
         amaxes.update({"amax@128": 128, "amax@256": 256})
@@ -69,10 +69,10 @@ def probe(p, d, kind, groups=8, once=False):
             -(-p // c) * (d // fp8_colwise.AMAX_COLUMNS), stream)](w64, rs, ends, keys, c))(c),
            p * d + p * 4) for name, c in amaxes.items()),
         ("scales", lambda: scale(keys.reshape(-1), ends, aligned), groups * d * 8),
-        *((name, (lambda k: lambda: k[launch_1d(fp8_colwise.encode_items(t, d) * 256, stream)](
+        *((name, (lambda k: lambda: k[launch_1d(fp8_colwise_encode.encode_items(t, d) * 256, stream)](
             w32, rs, ends, col_scales, data_t.view(numpy.uint32)))(k), p * d + p * 4 + d * t)
           for name, k in encoders.items()),
-        ("all", lambda: fp8_formats.fp8_rowwise_to_group_colwise(data, scales, ends),
+        ("all", lambda: colwise.fp8_rowwise_to_group_colwise(data, scales, ends),
          p * d + p * 4 + d * t),
     ]
     for name, fn, nbytes in cases:

@@ -11,7 +11,7 @@ import sys
 import cupy
 import numpy
 
-from mxcomm import mxfp8, permutation
+from mxcomm import _row_moves, mxfp8
 from mxcomm._array import bfloat16
 from mxcomm.bench._timing import Clock, measure_back_to_back
 from mxcomm.kernels.permute import gather_rows_kernel
@@ -41,7 +41,7 @@ def main(rows=131072, d=7168, once=False):
         ("dequantize (flat)", 3 * d + d // 32,
          lambda: mxfp8.launch_dequantize(mx, out, stream)),
         ("MXFP8 gather (data + scales), random rows", 2 * (d + d // 32),
-         lambda: permutation._move_rows(gather_rows_kernel, shuffled, (mx.data, mx.scales),
+         lambda: _row_moves.move_rows(gather_rows_kernel, shuffled, (mx.data, mx.scales),
                                         (data_out, scales_out), stream)),
     ]
     for name, row_bytes, fn in cases:

@@ -10,17 +10,12 @@ to back), and the SQNR (dB) of each fp8 product against the bf16 one of the same
 
 import torch
 
-from mxcomm import _torch_gemm as g
+from mxcomm import _torch_gemm as g, sqnr
 from mxcomm.bench._timing import Clock, measure_back_to_back
 
 
 def median_ms(fn):
     return measure_back_to_back(fn, Clock("torch"), iters=20, warmup=5).median
-
-
-def sqnr_db(ref, test):
-    ref, test = ref.double(), test.double()
-    return float(20 * torch.log10(ref.norm() / (ref - test).norm()))
 
 
 def main(rows=131072, groups=8):
@@ -84,7 +79,7 @@ def shape(rows, groups, k, n):
         ms = median_ms(fn)
         quality = ""
         if ref is not None:
-            quality = f"  {sqnr_db(ref, product('fast' in name)):6.2f} dB vs bf16"
+            quality = f"  {sqnr(ref, product('fast' in name)):6.2f} dB vs bf16"
         print(f"{name:52s} {ms:7.3f} ms{quality}")
 
 

@@ -13,7 +13,7 @@ import numpy
 
 from mxcomm._array import bfloat16
 from mxcomm.bench import _timing
-from mxcomm.fp8_formats import launch_mx_to_rowwise_permute, launch_quantize_fp8_rowwise
+from mxcomm.rowwise import launch_mx_to_rowwise_permute, launch_quantize_fp8_rowwise
 from mxcomm.mxfp8 import quantize_mxfp8
 
 SHARES = [0.25, 0.5, 0.75, 1.0]

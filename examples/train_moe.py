@@ -743,7 +743,7 @@ def train_run(cfg, variant, seed, comm, device, corpus, deadline=None):
         if step in probes:
             signal_noise = torch.stack([m.sqnr[0] for m in moes])      # (layers, 2) float64
             dist.all_reduce(signal_noise)
-            sqnr_db[step] = [report.db(s, n) for s, n in signal_noise.tolist()]
+            sqnr_db[step] = [mxcomm.formats.sqnr_from_sums(s, n) for s, n in signal_noise.tolist()]
             for moe in moes:
                 moe.sqnr = None
         if step + 1 == warm_step:

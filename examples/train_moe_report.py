@@ -48,13 +48,6 @@ def final_loss(losses, share=0.1):
     return sum(tail) / len(tail)
 
 
-def db(signal, noise):
-    """SQNR in dB, ``10·log10(signal / noise)`` of sums of squares; inf for no noise."""
-    if signal <= 0 or not math.isfinite(signal) or not math.isfinite(noise):
-        return math.nan
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
-
-
 def si(value):
     """``1.23M``-style display of a rate."""
     if not math.isfinite(value):

@@ -1,8 +1,7 @@
 """Kernel launches: grid sizing (one helper, no block sizes scattered around) and the launcher.
 
-Numba's dispatcher costs 50-130 us of host time per launch (argument typing and conversion, measured
-on an H200 with CuPy arrays), more than some of our kernels take on the device. So on a GPU a
-:class:`Kernel` compiles each argument-type combination once with numba (``cuda.compile_ptx`` for the
+Numba's dispatcher costs more host time per launch than some of our kernels take on the device
+(docs/design.md "Arrays"). So on a GPU a :class:`Kernel` compiles each argument-type combination once with numba (``cuda.compile_ptx`` for the
 device's compute capability), loads the PTX through CuPy and launches it through the driver with the
 arguments in numba's kernel ABI packed into one buffer (``mxcomm._driver.PackedLaunch``). Under the
 simulator it is numba's dispatcher.
@@ -62,6 +61,32 @@ def launch_1d(n, stream=0, *, threads=None, share=1.0):
     cap = max(1, int(per_sm * _device_properties()[0] * share))
     blocks = max(1, min(-(-n // threads), cap))
     return blocks, threads, int(stream)
+
+
+#: Hopper's (sm_90) register file and warp slots per multiprocessor (registers are allocated per
+#: warp in units of 256, 8 per thread), its shared memory per multiprocessor and what the driver
+#: reserves of it per block.
+REGISTERS_PER_SM = 65536
+WARPS_PER_SM = 64
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED = 1024
+
+
+def resident_launch(n, threads, registers, stream, share, shared=0):
+    """:func:`launch_1d` for a kernel of ``registers`` per thread and ``shared`` bytes of shared
+    memory per block, its persistent grid capped at the blocks that stay resident together.
+
+    Above 32 registers a thread only part of RESIDENT_THREADS_PER_SM fit, and the blocks beyond
+    would run in a second, partial wave (every block of a grid-stride loop gets the same work).
+    """
+    warps = threads // 32
+    warp_registers = -(-registers // 8) * 8 * 32
+    by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED) if shared else RESIDENT_BLOCKS_PER_SM
+    resident = max(1, min(RESIDENT_BLOCKS_PER_SM, WARPS_PER_SM // warps, by_shared,
+                          REGISTERS_PER_SM // (warp_registers * warps)))
+    per_sm = max(1, min(RESIDENT_BLOCKS_PER_SM, RESIDENT_THREADS_PER_SM // threads))
+    fit = min(1.0, resident / per_sm + 1e-9)  # + 1e-9: launch_1d truncates its product
+    return launch_1d(n, stream, threads=threads, share=share * fit)
 
 
 def _loads(itemsize, align):
@@ -186,7 +211,7 @@ class Kernel:
     def _function(self, args):
         """The launcher of the compiled function for ``args``, looked up by a cheap key of their
         kinds (dtype, dimensions, contiguity); numba types are built only on the first launch of
-        a kind (building them took about 60 us per launch, measured on an H200 host)."""
+        a kind."""
         key = tuple(map(_argument_key, args))
         function = self._functions.get(key)
         if function is None:
@@ -207,9 +232,7 @@ class Kernel:
 class Launch:
     """One launch of a :class:`Kernel` prepared for arrays of fixed shapes: the compiled
     function, the grid and every parameter but the arrays' addresses and the stream are found
-    once; a call fills in the addresses and launches. ``kernel[config](...)`` spends 10-15 us of
-    host time per launch on argument kinds, ABI values and word views; a prepared launch about 1
-    beyond the driver's (bench/NOTES.md). Launchers called per exchange use its
+    once; a call fills in the addresses and launches. Launchers called per exchange use its
     :class:`SizedLaunch` form, one per kernel, dtype, width and grid share (:func:`prepared`):
     row counts change with every layout.
 
@@ -294,9 +317,8 @@ class Launch:
 class SizedLaunch(Launch):
     """A :class:`Launch` whose arrays' sizes and grid scale with a count given at each call.
 
-    A prepared launch of fixed sizes fits one layout's row counts; in training the routing, so the
-    counts, change every step, and a cache of fixed launches would build new ones on every call
-    (about 20 us of host time each, measured on an H200 host, bench/NOTES.md). A sized launch is
+    A prepared launch of fixed sizes fits one layout's row counts, which change every training
+    step (docs/design.md "What a call builds, and what it reuses"). A sized launch is
     prepared once per what stays fixed (kernel, dtypes, row width, grid share) and told the
     *units* of work at each call: MX blocks, 128-element blocks or rows, as its format counts them.
 

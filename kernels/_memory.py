@@ -2,10 +2,8 @@
 
 Numba indexes an array with a signed index as Python does: every access first maps a negative
 index to ``index + shape`` (a compare and a select in 64-bit integers), which also keeps the
-compiler from folding the constant steps of an unrolled loop into the loads' offsets. In the
-rowwise kernels that arithmetic was about 20 of the ~76 instructions spent per 16 input bytes
-(SASS of ``quantize_fp8_rowwise_bf16_kernel``, sm_90): they issue instructions as fast as the
-multiprocessor takes them, so the instructions set their speed (bench/NOTES.md). The helpers here
+compiler from folding the constant steps of an unrolled loop into the loads' offsets; in kernels
+bound by instruction issue that arithmetic sets their speed (bench/NOTES.md). The helpers here
 take non-negative indices only (not checked) and load two adjacent words in one 16-byte access;
 :func:`load_flat` and :func:`store_flat` take one flat index, which a kernel that keeps its
 indices in int32 turns into a single wide multiply-add per access (where a (row, column) pair

@@ -25,7 +25,7 @@ blocks of small values (gradients) keep their precision. Blocks holding NaN or +
 elements 0x7F. Dequantization is ``e4m3 * scale`` in fp32 (one rounding), then round-to-nearest-even
 to bf16, NaN canonical.
 
-Layout and coalescing follow ``kernels.mxfp8``: flat arrays; a unit of 8 elements (16 bytes of bf16,
+Layout and coalescing follow ``kernels.mx_quantize``: flat arrays; a unit of 8 elements (16 bytes of bf16,
 32 of fp32) per thread per step, 16 consecutive lanes per 128-element block, whose partial max-abs
 values meet through warp shuffles (``lanes_max``); UNITS_PER_THREAD units per thread per tile, all
 loads issued first, in a grid-stride loop uniform per CUDA block.
@@ -37,7 +37,7 @@ from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bits_from_f32, f32_from
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
 from .fp8_rowwise import rowwise_scale_exp, store_words
-from .mxfp8 import bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
+from .mx_quantize import bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
 
 #: Elements per scale block along the last dimension.
 FP8_BLOCK = 128
@@ -166,8 +166,7 @@ def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
 
 def _dequantize_fp8_block128(f32):
     """The 1x128-block dequantize kernel for bf16 (``f32`` False) or fp32 output, the output's
-    dtype a compile-time constant (as ``fp8_rowwise._dequantize_fp8_rowwise``, for the same
-    measured reason)."""
+    dtype a compile-time constant (as ``fp8_rowwise._dequantize_fp8_rowwise``)."""
 
     @kernel
     def dequantize_fp8_block128_kernel(data_words, scales, out_words):

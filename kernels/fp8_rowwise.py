@@ -19,12 +19,8 @@ of 16 input bytes at a time, one 16-byte load each (``_memory.load_pair``: the r
 multiple of 16 bytes), all in flight first, for the amax, which meets through warp
 shuffles (no block barrier: the warps of a CUDA block go at their own pace), keeping the row's
 first units in the block's dynamic shared memory (:data:`STASH_BLOCK_BYTES`, shared by the
-block's warps); then it encodes the units, those from there, the rest read again (from L2 at
-best), and stores them. A stash of whole rows (14 KiB at D = 7168 in bf16) would leave two blocks
-per multiprocessor; two thirds of a row and three blocks measured faster.
-(Re-reading the whole row from L1/L2 instead measured 0.60x copy bandwidth on an H200 at 131072 x
-7168, 0.70x with half the resident grid; spreading a row over a group of warps that hold it in
-registers, meeting through a block barrier, 0.44x; one CUDA block per row, 0.48x: bench/NOTES.md.)
+block's warps); then it encodes the units, those from there, the rest read again, and stores
+them (the alternatives measured are in bench/NOTES.md).
 The dequantize kernels go flat over the data words like the 1x128 block ones, each word's scale
 found through its row (:func:`row_of`, once per tile).
 
@@ -39,8 +35,8 @@ from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import SHARED_PAIR_ALIGN, load_pair, load_pair_flat, store_pair_flat, store_word
-from .mxfp8 import (WARP, bf16x2_from_e4m3x2, bf16x4_absmax, encode_bf16x4, encode_f32x2,
-                    f32x2_absmax, lanes_max)
+from .mx_dequantize import bf16x2_from_e4m3x2
+from .mx_quantize import WARP, bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
 
 #: Units (16 input bytes: 8 bf16 or 4 fp32) each thread loads per step, all in flight at once.
 PASS_UNITS = 4
@@ -57,10 +53,8 @@ F32_ONE = 0x3F800000
 QUANTIZE_REGISTERS = 72
 DEQUANTIZE_REGISTERS = 40
 #: Dynamic shared memory a quantize block keeps its ROWS_PER_BLOCK rows in: three blocks per
-#: multiprocessor (Hopper has 228 KiB, 1 KiB of it reserved per block), each row's first 9600
-#: bytes (two thirds of a row at D = 7168 in bf16; the rest is re-read). Swept on an H200 at
-#: 131072 rows (bench/sweep_rowwise.py --stash-kib): 0.74x copy bandwidth at 112 KiB (two blocks,
-#: whole rows), 0.80x at 75, 0.79x at 56, 0.75x at 37, 0.62x at 0 (D = 7168).
+#: multiprocessor, each row's first 9600 bytes (two thirds of a row at D = 7168 in bf16; the rest
+#: is re-read); the best of a sweep (bench/sweep_rowwise.py --stash-kib).
 STASH_BLOCK_BYTES = 75 * 1024
 #: Bytes of shared memory one unit takes in the stash (two uint64 words).
 STASH_UNIT_BYTES = 16
@@ -315,9 +309,7 @@ def store_words(out_words, base, nthreads, n, words, sbits, f32):
 
 def _dequantize_fp8_rowwise(f32):
     """The rowwise dequantize kernel for bf16 (``f32`` False) or fp32 output: one source, two
-    kernels, the output's dtype a compile-time constant (one kernel with a runtime flag, both
-    store paths in it, measured 0.64x copy bandwidth on an H200 against 0.86x for the two
-    specialized kernels, though ptxas gave it fewer registers: 32 against 40 and 38)."""
+    kernels, the output's dtype a compile-time constant (faster than a runtime flag)."""
 
     @kernel
     def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row):

@@ -11,9 +11,8 @@ contiguous. An MoE layer keeps its expert weights as (G, N, K) with K contiguous
     out[b, c, r]   = RNE_e4m3(x[b, r, c] / scales[b, c]), saturated    ((B, C, R) uint8)
 
 the fp8 rowwise rule (``fp8_rowwise``) of the rows of x transposed: bit-identical to
-``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that bf16 copy
-(torch's transposing copy took most of the 2.4 ms the dgrad weight operand cost at 8 x 5120 x 8192
-on an H200, bench/NOTES.md). A column holding NaN or Inf gets scale NaN and elements 0x7F.
+``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that bf16 copy.
+A column holding NaN or Inf gets scale NaN and elements 0x7F.
 
 Two kernels, grid-stride:
   1. :func:`transpose_amax_kernel`: each thread takes one input word (4 columns) of CHUNK_ROWS

@@ -1,15 +1,16 @@
-"""Arrays in, arrays out: conversion of caller arrays and streams for the kernels and communicators.
+"""Arrays in, arrays out: the one acceptance of caller arrays and streams, and the checks of rows,
+arrays and outputs, for the engine's public functions (formats, permute, the exchange).
 
 Device arrays are CuPy arrays on a GPU and NumPy arrays on a CPU (the host backend, or Numba's CUDA
-simulator); which one is decided once, in ``mxcomm._platform`` (``gpu_arrays``), and
-``mxcomm.kernels.array_module`` names the module. On a GPU anything exporting
-``__cuda_array_interface__`` or DLPack is accepted zero-copy; on a CPU anything NumPy can view.
+simulator); which one is decided once, in ``mxcomm._platform`` (``gpu_arrays``). On a GPU anything
+exporting ``__cuda_array_interface__`` or DLPack is accepted zero-copy; on a CPU anything NumPy can
+view. A leaf like ``_platform``: at import it needs only NumPy, ml_dtypes and ``_platform``, so
+``comm/`` may accept arrays through it too (``as_device_array(x, name, device=...)``).
 """
 
 import ml_dtypes
 import numpy
 
-from .kernels import array_module
 from ._platform import gpu_arrays
 
 #: bf16 as an array dtype (CuPy and NumPy both use ml_dtypes' type).
@@ -17,56 +18,123 @@ bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
 float32 = numpy.dtype(numpy.float32)
 
 
-def as_device_array(x, name):
-    """``x`` as an array of the array module, zero-copy.
+def as_device_array(x, name, *, device=None):
+    """``x`` as a CuPy (device) or NumPy (host) array, zero-copy: the one acceptance of a
+    caller's array.
 
     Args:
-        x: a CuPy/NumPy array, or any object exporting ``__cuda_array_interface__`` or DLPack.
-        name: the argument's name, for the error message.
+        x: a CuPy/NumPy array, or any object exporting ``__cuda_array_interface__`` or DLPack
+            (device), or anything NumPy can view (host).
+        name: the argument's name (and rank, where it matters), for the error message.
+        device: True for a CuPy array, False for a NumPy array, None for the platform's
+            (``mxcomm._platform.gpu_arrays``).
     Raises:
-        TypeError: ``x`` is not an array the current device can use.
+        TypeError: ``x`` is not an array of that kind.
     """
-    xp = array_module()
-    if isinstance(x, xp.ndarray):
-        return x
-    if gpu_arrays():
+    if device is None:
+        device = gpu_arrays()
+    if device:
+        import cupy
+        if isinstance(x, cupy.ndarray):
+            return x
         if hasattr(x, "__cuda_array_interface__"):
-            return xp.asarray(x)
-        if hasattr(x, "__dlpack__"):
-            return xp.from_dlpack(x)
-    elif hasattr(x, "__array__") or hasattr(x, "__array_interface__"):
+            return cupy.asarray(x)
+        if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
+            try:
+                return cupy.from_dlpack(x)
+            except Exception:  # a host tensor: the TypeError below
+                pass
+    elif isinstance(x, numpy.ndarray):
+        return x
+    elif not hasattr(x, "__cuda_array_interface__") and (
+            hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
         try:
             return numpy.asarray(x)
         except TypeError as e:  # e.g. a torch bf16 tensor: NumPy has no bfloat16
             raise TypeError(f"{name}: cannot view {type(x).__module__}.{type(x).__name__} of dtype "
                             f"{getattr(x, 'dtype', '?')} as a NumPy array ({e}); pass torch "
                             f"tensors to mxcomm.torch (e.g. mxcomm.torch.a2a_dispatch)") from None
-    where = "CUDA device" if gpu_arrays() else "host"
-    raise TypeError(f"{name}: expected a {where} array ({xp.__name__}.ndarray, DLPack or "
-                    f"__cuda_array_interface__), got {type(x).__name__}")
+    kind = "CUDA device array (cupy.ndarray, DLPack or __cuda_array_interface__)" if device \
+        else "host array (numpy.ndarray)"
+    raise TypeError(f"{name}: expected a {kind}, got {type(x).__name__}")
 
 
-def check_rows(x, name, multiple, dtypes, convert=as_device_array):
-    """``x`` as an array of rows (``convert``: a device array by default), validated: 2-D (M, D),
-    dtype in ``dtypes``, D % ``multiple`` == 0, C-contiguous.
+def check_rows(x, name, multiple=1, dtypes=None, *, two_d=True):
+    """``x`` as a device array of rows (:func:`as_device_array`), validated: 2-D (M, D) (or, with
+    ``two_d`` False, rows of any shape: at least 1-D), dtype in ``dtypes`` (None: any), D %
+    ``multiple`` == 0, C-contiguous: the one check of rows.
 
     Raises:
-        TypeError: not an array (``convert``), or another dtype.
-        ValueError: not 2-D, D not a multiple of ``multiple``, or not C-contiguous.
+        TypeError: not an array, or another dtype.
+        ValueError: not 2-D (not at least 1-D), D not a multiple of ``multiple``, or not
+            C-contiguous.
     """
-    x = convert(x, name)
-    if x.ndim != 2:
+    x = as_device_array(x, name)
+    if two_d and x.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D (M, D) array, "
                          f"got {x.ndim}-D shape {tuple(x.shape)}")
-    if x.dtype not in dtypes:
+    if x.ndim < 1:
+        raise ValueError(f"{name}: expected an array of rows (at least 1-D), got a 0-D array")
+    if dtypes is not None and x.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, "
                         f"got {x.dtype}")
-    if x.shape[1] % multiple:
+    if x.shape[-1] % multiple:
         raise ValueError(f"{name}: expected the last dimension D to be a multiple of {multiple}, "
-                         f"got D = {x.shape[1]}")
+                         f"got D = {x.shape[-1]}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
     return x
+
+
+def check_array(a, name, dtype, shape, convert=as_device_array):
+    """``a`` as an array (``convert``: a device array by default) of exactly ``dtype`` and
+    ``shape``, C-contiguous.
+
+    Raises:
+        TypeError: not an array (``convert``), or another dtype.
+        ValueError: another shape, or not C-contiguous.
+    """
+    a = convert(a, name)
+    if a.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype}")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
+    return a
+
+
+def out_dtype(dtype):
+    """``dtype`` as a NumPy dtype, bf16 or fp32 (a dequantize's output); TypeError otherwise."""
+    try:
+        dtype = numpy.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype!r}") from None
+    if dtype not in (bfloat16, float32):
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
+    return dtype
+
+
+def out_array(out, shape, dtype):
+    """The ``out`` argument: a new array of ``shape`` and ``dtype`` when None, else checked
+    (:func:`check_array`)."""
+    if out is None:
+        from .kernels import array_module
+        return array_module().empty(shape, dtype=dtype)
+    return check_array(out, "out", dtype, shape)
+
+
+def out_pair(out, data_shape, scales_shape, scales_dtype=float32):
+    """The ``out`` argument of a quantize: a (data uint8, scales) pair, new when None, else
+    checked (:func:`check_array`); TypeError when not a pair."""
+    if out is None:
+        from .kernels import array_module
+        xp = array_module()
+        return xp.empty(data_shape, dtype=numpy.uint8), xp.empty(scales_shape, dtype=scales_dtype)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out: expected a (data, scales) pair or None, got {type(out).__name__}")
+    return (check_array(out[0], "out[0] (data)", numpy.dtype(numpy.uint8), data_shape),
+            check_array(out[1], "out[1] (scales)", numpy.dtype(scales_dtype), scales_shape))
 
 
 def stream_ptr(stream=None):

@@ -1,7 +1,8 @@
 """The host backend: vectorized NumPy versions of the kernels, for arrays in host memory.
 
 Where there is no GPU (``mxcomm._platform.backend() == "host"``, the default on a CPU) the wrappers
-in ``mxcomm.mxfp8`` and ``mxcomm.permutation`` call these functions instead of launching the CUDA
+of every format (``mxcomm.mxfp8``, ``rowwise``, ``block128``, ``colwise``) and of the permutation
+call these functions instead of launching the CUDA
 kernels of ``mxcomm.kernels``. Every result is bit-identical to the kernels' (tests/test_backends.py
 runs both on the same inputs), so a CPU run shows exactly what a GPU run computes.
 
@@ -267,3 +268,204 @@ def zero_rows(indices, dsts, fill=None):
         if k == 1 and fill:
             dst[pad] = fill
     return dsts
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 rowwise, 1x128 block, MXFP8 -> rowwise and the group colwise rescale (``mxcomm.rowwise``,
+# ``mxcomm.block128``, ``mxcomm.colwise``): the same operations as their kernels (integer scale
+# exponents, fp32 products rounded by NumPy's float32 arithmetic, ml_dtypes' round-to-nearest-even
+# conversions to e4m3fn and bf16).
+# ---------------------------------------------------------------------------------------------
+
+#: Elements per fp8 block (``kernels.fp8_block.FP8_BLOCK``); token positions a colwise group is
+#: padded to (``kernels.fp8_colwise.GROUP_ALIGN``); fp8 block scale modes; a padding row's scale.
+FP8_BLOCK = 128
+GROUP_ALIGN = 16
+BLOCK_SCALE_MODES = ("plain", "pow2")
+PADDING_SCALE = 1.0
+
+_E4M3 = numpy.dtype(ml_dtypes.float8_e4m3fn)
+_F32_INF_BITS = 0x7F800000
+_PLAIN_AMAX_MIN = numpy.float32(448.0 * 2.0 ** -126)
+
+
+def _abs_f32_bits(x):
+    """uint32 fp32 bits of |x| for bf16 / fp32 ``x`` (bf16 widened exactly)."""
+    if x.dtype == BF16:
+        return (x.view(numpy.uint16).astype(_U32) & numpy.uint32(0x7FFF)) << numpy.uint32(16)
+    return x.view(_U32) & numpy.uint32(0x7FFFFFFF)
+
+
+def _e4m3(y):
+    """e4m3fn bits (uint8) of the float32 ``y``: round to nearest even, saturated to +-448."""
+    return numpy.clip(y, -448.0, 448.0).astype(_E4M3).view(numpy.uint8)
+
+
+def _quantize_scaled(x, block, pow2):
+    """(data (M, D) uint8, scales (M, D // block) float32) of ``x`` (M, D) bf16/fp32 in blocks of
+    ``block`` consecutive elements of a row, with pow2 or plain scales."""
+    m, d = x.shape
+    nb = d // block if block else 0
+    xb = x.reshape(m, nb, block)
+    amax = _abs_f32_bits(xb).max(axis=-1, initial=0)
+    nonfinite = amax >= _F32_INF_BITS
+    with numpy.errstate(invalid="ignore", over="ignore"):  # non-finite blocks, overwritten below
+        if pow2:  # the e8m0 "rceil" exponent: exp - 8, plus 1 above a mantissa of 1.75
+            e = (amax >> numpy.uint32(23)).astype(numpy.int64) - 8 + (
+                (amax & numpy.uint32(0x7FFFFF)) > numpy.uint32(0x600000))
+            s = numpy.clip(e, 1, 254).astype(_U32)
+            scale_bits = s << numpy.uint32(23)
+            mult = ((numpy.uint32(254) - s) << numpy.uint32(23)).view(F32)
+        else:
+            a = numpy.maximum(numpy.where(nonfinite, 0, amax).astype(_U32).view(F32),
+                              _PLAIN_AMAX_MIN)
+            scale = a / numpy.float32(448.0)
+            mult = numpy.float32(1.0) / scale
+            scale_bits = scale.view(_U32)
+        data = _e4m3(xb.astype(F32) * mult[..., None])
+    data[nonfinite] = E4M3_NAN
+    scale_bits = numpy.where(nonfinite, numpy.uint32(F32_NAN), scale_bits).astype(_U32)
+    return data.reshape(m, d), scale_bits.view(F32)
+
+
+def _write(out, data, scales):
+    """Copy (data, scales) into the pair ``out`` (if given); return what holds the result."""
+    if out is None:
+        return data, scales
+    out[0][...] = data
+    out[1][...] = scales
+    return out[0], out[1]
+
+
+def quantize_fp8_rowwise(x, *, out=None):
+    """``mxcomm.rowwise.quantize_fp8_rowwise`` on NumPy arrays: ``x`` (M, D) bf16/fp32 -> (data (M, D) uint8,
+    scales (M,) float32), written into the pair ``out`` when given."""
+    x = numpy.asarray(x)
+    m, d = x.shape
+    if d == 0:
+        data, scales = numpy.zeros((m, 0), numpy.uint8), numpy.full(m, 2.0 ** -126, F32)
+    else:
+        data, scales = _quantize_scaled(x, d, True)
+    return _write(out, data, scales.reshape(m))
+
+
+def quantize_fp8_rowwise_transposed(x):
+    """``mxcomm.colwise.quantize_fp8_rowwise_transposed`` on NumPy arrays: ``x`` (B, R, C) bf16 -> (data
+    (B, C, R) uint8, scales (B, C) float32)."""
+    x = numpy.asarray(x)
+    b, r, c = x.shape
+    data, scales = quantize_fp8_rowwise(
+        numpy.ascontiguousarray(x.transpose(0, 2, 1)).reshape(b * c, r))
+    return data.reshape(b, c, r), scales.reshape(b, c)
+
+
+def quantize_fp8_block128(x, scale_mode="plain", *, out=None):
+    """``mxcomm.block128.quantize_fp8_block128`` on NumPy arrays: ``x`` (M, D) bf16/fp32 -> (data (M, D)
+    uint8, scales (M, D // 128) float32), written into the pair ``out`` when given."""
+    return _write(out, *_quantize_scaled(numpy.asarray(x), FP8_BLOCK, scale_mode == "pow2"))
+
+
+def _dequantize_scaled(data, scales, block, dtype, out):
+    """``data`` (M, D) e4m3 bits times ``scales`` (M, D // block) in fp32 (one rounding), as
+    ``dtype`` (bf16: round to nearest even), canonical NaN."""
+    m, d = data.shape
+    dtype = numpy.dtype(dtype)
+    nb = d // block if d else 0
+    v = numpy.ascontiguousarray(data).view(_E4M3).astype(F32).reshape(m, nb, block)
+    with numpy.errstate(invalid="ignore", over="ignore"):  # NaN scales, 0 * Inf; overflow to Inf
+        v = (v * numpy.asarray(scales, dtype=F32).reshape(m, nb, 1)).reshape(m, d)
+        result = v.astype(dtype)
+    nan = numpy.isnan(v)
+    if dtype == F32:
+        result.view(_U32)[nan] = F32_NAN
+    else:
+        result.view(numpy.uint16)[nan] = BF16_NAN
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
+def dequantize_fp8_rowwise(data, scales, dtype=BF16, *, out=None):
+    """``mxcomm.rowwise.dequantize_fp8_rowwise`` on NumPy arrays: (M, D) ``dtype``."""
+    data = numpy.asarray(data)
+    return _dequantize_scaled(data, scales, data.shape[1], dtype, out)
+
+
+def dequantize_fp8_block128(data, scales, dtype=BF16, *, out=None):
+    """``mxcomm.block128.dequantize_fp8_block128`` on NumPy arrays: (M, D) ``dtype``."""
+    data = numpy.asarray(data)
+    return _dequantize_scaled(data, scales, FP8_BLOCK, dtype, out)
+
+
+def fp8_rowwise_to_group_colwise(data, scales, group_ends):
+    """``mxcomm.colwise.fp8_rowwise_to_group_colwise`` on NumPy arrays: (P, D) uint8 and (P,) float32 rows,
+    (G,) int group ends -> (data_t (D, T) uint8, scales_t (G, D) float32, aligned_ends (G,)
+    int32). v = e4m3 * scale is exact in float64; the column scales come from its amax."""
+    data, scales = numpy.asarray(data), numpy.asarray(scales, dtype=F32)
+    ends = numpy.asarray(group_ends).astype(numpy.int64)
+    p, d = data.shape
+    g = ends.shape[0]
+    data_t = numpy.zeros((d, group_colwise_positions(p, g)), numpy.uint8)
+    scales_t = numpy.empty((g, d), F32)
+    aligned = numpy.empty(g, numpy.int32)
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        v = data.view(_E4M3).astype(numpy.float64) * scales.astype(numpy.float64)[:, None]
+    start = position = 0
+    for k in range(g):
+        end = min(max(int(ends[k]), start), p)
+        rows = v[start:end]
+        finite = numpy.isfinite(rows).all(axis=0)
+        amax = numpy.abs(numpy.where(numpy.isfinite(rows), rows, 0)).max(axis=0, initial=0.0)
+        with numpy.errstate(divide="ignore"):
+            e = numpy.clip(numpy.ceil(numpy.log2(amax / 448.0)), -126, 127)
+        scale = numpy.exp2(e)
+        with numpy.errstate(invalid="ignore"):
+            q = _e4m3(rows / scale)
+        q[:, ~finite] = E4M3_NAN
+        scales_t[k] = scale
+        scales_t[k].view(_U32)[~finite] = F32_NAN
+        data_t[:, position:position + end - start] = q.T
+        position += max(GROUP_ALIGN, -(-(end - start) // GROUP_ALIGN) * GROUP_ALIGN)
+        aligned[k] = position
+        start = end
+    return data_t, scales_t, aligned
+
+
+def mx_to_rowwise_permute(mx, permuted_indices, *, out=None):
+    """``mxcomm.rowwise.mx_to_rowwise_permute`` on NumPy arrays: ``mx`` with NumPy ``.data`` (N, D) uint8 and
+    ``.scales`` (N, D // 32) uint8, ``permuted_indices`` (P,) int -> (data (P, D) uint8, scales
+    (P,) float32), written into the pair ``out`` when given."""
+    src_data, src_scales = numpy.asarray(mx.data), numpy.asarray(mx.scales)
+    n, d = src_data.shape
+    idx = numpy.asarray(permuted_indices).astype(numpy.int64)
+    p = idx.shape[0]
+    valid = (idx >= 0) & (idx < n)
+    rows = numpy.where(valid, idx, 0)
+    if n == 0:
+        src_data, src_scales = numpy.zeros((1, d), numpy.uint8), numpy.zeros((1, d // 32), numpy.uint8)
+    d8 = src_data[rows]                                    # (P, D) e4m3 bits
+    s = src_scales[rows].astype(numpy.int64)               # (P, D / 32) biased exponents
+    smax = s.max(axis=1, initial=0)
+    r = numpy.maximum(smax, 1)
+    k = numpy.maximum(s - r[:, None], -32)                 # <= 0; below -19 everything is 0
+    mult = ((127 + k).astype(_U32) << numpy.uint32(23)).view(F32)
+    with numpy.errstate(invalid="ignore"):
+        v = d8.view(_E4M3).astype(F32).reshape(p, d // 32, 32) * mult[..., None]
+        conv = v.astype(_E4M3).view(numpy.uint8).reshape(p, d)
+    data = numpy.where((d8 & 0x7F) == E4M3_NAN, d8, conv)
+    scale_bits = (r.astype(_U32) << numpy.uint32(23))
+    nan_row = smax == 0xFF
+    data[nan_row] = E4M3_NAN
+    scale_bits[nan_row] = F32_NAN
+    data[~valid] = 0
+    scales = scale_bits.view(F32).copy()
+    scales[~valid] = PADDING_SCALE
+    return _write(out, data, scales)
+
+
+def group_colwise_positions(rows, groups):
+    """T, the token positions of ``fp8_rowwise_to_group_colwise``'s output for ``rows`` rows in
+    ``groups`` groups: 16 * ceil(rows / 16) + 16 * groups (each group padded to a multiple of 16
+    positions, at least 16)."""
+    return -(-rows // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * groups

@@ -2,8 +2,8 @@
 module share (a leaf: it imports torch, NumPy and CuPy, and of this package only ``_array`` and
 ``_platform``).
 
-A CUDA tensor is seen as a CuPy array built over its ``data_ptr`` (CuPy's DLPack import costs
-17-27 us of host time per tensor), a CPU tensor as a NumPy array; bf16 as ml_dtypes' bf16, fp8 as
+A CUDA tensor is seen as a CuPy array built over its ``data_ptr`` (a tenth of the host time of
+CuPy's DLPack import), a CPU tensor as a NumPy array; bf16 as ml_dtypes' bf16, fp8 as
 uint8 bits. Arrays become tensors through DLPack.
 """
 
@@ -50,9 +50,8 @@ def _current_stream(device):
 
 def _view(t, dtype):
     """The bytes of the contiguous tensor ``t`` as an array of ``dtype`` and ``t``'s shape,
-    zero-copy, keeping ``t`` alive: a CuPy array over its device memory (built directly, about
-    3 us; CuPy's DLPack import took 29, measured on an H100 host), or a NumPy array over its
-    host memory. No stream synchronization: the work is enqueued on torch's current stream."""
+    zero-copy, keeping ``t`` alive: a CuPy array over its device memory (built directly), or a
+    NumPy array over its host memory. No stream synchronization: the work is enqueued on torch's current stream."""
     if t.is_cuda:
         import cupy
         memory = cupy.cuda.memory.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t,

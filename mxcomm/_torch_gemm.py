@@ -24,7 +24,7 @@ device that every group of T is a multiple of 16. Each direction::
 
 The fp8 wgrad operands come from the fp8 rowwise rows the forward and dgrad already read (x as
 permuted, saved for backward instead of x; the gradient as delivered or quantized for dgrad):
-``mxcomm.fp8_formats.fp8_rowwise_to_group_colwise`` rescales them to one power-of-two scale per
+``mxcomm.colwise.fp8_rowwise_to_group_colwise`` rescales them to one power-of-two scale per
 (group, column) and transposes them in two reads, padding every group to a multiple of 16 tokens,
 at least 16, with zeros, so the GEMM's rule holds for any routing, empty experts included, with
 no host sync. Rescaling between power-of-two scales keeps every element's bits unless it falls
@@ -58,7 +58,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import fp8_formats
+from . import colwise, rowwise
 from ._torch_arrays import _array, _stream, _tensor
 
 E4M3_MAX = 448.0
@@ -86,7 +86,7 @@ def quantize_rows_pow2(t):
         NaN scales.
 
     On a CUDA device, for bf16/fp32 with K % 16 == 0, this is mxcomm's own fp8 rowwise quantize
-    kernel (``mxcomm.fp8_formats.quantize_fp8_rowwise``: one pass, bit-exact, zero-copy through
+    kernel (``mxcomm.rowwise.quantize_fp8_rowwise``: one pass, bit-exact, zero-copy through
     DLPack) on the (rows, K) view; elsewhere torch ops (float32 arithmetic: at a power-of-two
     boundary of amax / 448 the scale may differ from the kernel's exact rule by one binade).
     Per call the weights of a grouped GEMM are quantized twice (forward along K, dgrad along N):
@@ -98,7 +98,7 @@ def quantize_rows_pow2(t):
         rows = t.detach().reshape(-1, k)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        data, scales = fp8_formats.quantize_fp8_rowwise(_array(rows, "t"), stream=_stream(rows))
+        data, scales = rowwise.quantize_fp8_rowwise(_array(rows, "t"), stream=_stream(rows))
         return (_tensor(data, torch.float8_e4m3fn).view(t.shape),
                 _tensor(scales).view(t.shape[:-1]))
     amax = t.detach().abs().amax(dim=-1).float()
@@ -131,13 +131,13 @@ def _fp8_weight_t(w):
 
     Where ``w`` is the transposed view of a (G, N, K) bf16 tensor (as MoE layers hold their
     weights) on a CUDA device, its storage is quantized along N and transposed in one kernel
-    pair (``mxcomm.fp8_formats.quantize_fp8_rowwise_transposed``; the same bits as quantizing a
+    pair (``mxcomm.colwise.quantize_fp8_rowwise_transposed``; the same bits as quantizing a
     contiguous copy, which took most of the 2.4 ms this operand cost at 8 x 5120 x 8192 on an
     H200); elsewhere the rows of a contiguous ``w`` are quantized along N."""
     stored = w.detach().transpose(-2, -1)  # (G, N, K)
     if (w.is_cuda and w.dtype == torch.bfloat16 and stored.is_contiguous() and stored.numel()
             and stored.shape[-1] % 16 == 0 and stored.shape[-2] % 16 == 0):
-        data, scales = fp8_formats.quantize_fp8_rowwise_transposed(
+        data, scales = colwise.quantize_fp8_rowwise_transposed(
             _array(stored, "w"), stream=_stream(stored))
         return _tensor(data, torch.float8_e4m3fn).transpose(-2, -1), _tensor(scales)
     q, scale = quantize_rows_pow2(w.detach().contiguous())  # (G, K, N) along N
@@ -152,8 +152,8 @@ def _plain(t):
 def _group_colwise(data, scales, offs):
     """fp8 rowwise rows (data (P, C) float8_e4m3fn, scales (P,) float32) as a wgrad operand:
     ((C, T) float8_e4m3fn token-contiguous, (G * C,) float32 scales per (group, column), (G,)
-    int32 aligned group ends); ``mxcomm.fp8_formats.fp8_rowwise_to_group_colwise``."""
-    data_t, scales_t, aligned = fp8_formats.fp8_rowwise_to_group_colwise(
+    int32 aligned group ends); ``mxcomm.colwise.fp8_rowwise_to_group_colwise``."""
+    data_t, scales_t, aligned = colwise.fp8_rowwise_to_group_colwise(
         _array(data, "data"), _array(scales, "scales"), _array(offs, "offs"),
         stream=_stream(data))
     return (_tensor(data_t, torch.float8_e4m3fn), _tensor(scales_t).reshape(-1),

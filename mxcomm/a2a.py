@@ -60,8 +60,8 @@ from .kernels import array_module
 from .formats import PER_ROW, QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
-from .permutation import (GatheredRows, _permute, _unpermute, expert_order, pad_rows,
-                          permuted_landing)
+from ._row_moves import pad_rows
+from .permutation import GatheredRows, _permute, _unpermute, expert_order, permuted_landing
 
 #: Every precision a direction accepts: the formats of ``mxcomm.formats``.
 PRECISIONS = format_names()

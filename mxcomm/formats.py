@@ -1,32 +1,24 @@
-"""Formats: how rows travel and are permuted, one object per format; quantized rows of any format.
+"""Formats: how rows travel and are permuted, one object per format; quantized rows of any format;
+the SQNR that measures them.
 
-Glossary: M rows, D hidden (row width). A format (docs/design.md "Formats") says how an (M, D) row
-array is stored: element dtype, scale dtype and granularity, the D multiple it needs, the bytes a
-row takes, the scale of a padding row, and how to quantize into it and dequantize out of it. The
-exchange (``mxcomm.a2a``), the permutation (``mxcomm.permutation``), the torch wrapper tensor
-(``mxcomm.torch``) and the benchmarks read only this object. This module is a leaf: it holds the
-registry and the unscaled formats; each quantized format's module (below) builds its Format around
-its launchers and registers it (:func:`register`) when imported, and ``mxcomm`` imports them all,
-so a new format is one module and its kernels::
-
-    name                 elements        scales                          D %   kernels (module)
-    "bf16"               bf16            none                            1
-    "native"             the input's     none (fp32 stays fp32, exact)   1
-    "mxfp8"              e4m3fn (uint8)  (M, D // 32) e8m0 (uint8)       32    mxcomm.mxfp8
-    "fp8_rowwise"        e4m3fn (uint8)  (M,) fp32, powers of two        16    mxcomm.fp8_formats
-    "fp8_block128"       e4m3fn (uint8)  (M, D // 128) fp32, amax / 448  128   mxcomm.fp8_formats
-    "fp8_block128_pow2"  e4m3fn (uint8)  (M, D // 128) fp32, powers of 2 128   mxcomm.fp8_formats
-
-Quantized rows are a :class:`QuantizedArray` (data, scales, format); ``mxcomm.MXFP8Array`` is its
-``"mxfp8"`` case (``get_format("mxfp8").wrap`` returns one).
+Glossary: M rows, D hidden (row width). A :class:`Format` says how an (M, D) row array is stored
+(element dtype, scale dtype and granularity, the D multiple, the bytes of a row, a padding row's
+scale) and how to quantize into it and out of it; the formats and their sources are tabled in
+docs/design.md "Formats". The exchange, the permutation, the torch wrapper tensor and the
+benchmarks read only this object. This module is a leaf holding the registry and the unscaled
+formats; each quantized format's module (``mxcomm.mxfp8``, ``rowwise``, ``block128``) builds its
+Format around its launchers and registers it (:func:`register`) when imported. Quantized rows are
+a :class:`QuantizedArray`; ``mxcomm.MXFP8Array`` is its ``"mxfp8"`` case.
 """
 
 import dataclasses
 import functools
+import math
 
 import numpy
 
-from ._array import as_device_array, bfloat16, float32, stream_ptr
+from ._array import (bfloat16, check_array, check_rows, float32, out_array,
+                     out_dtype, stream_ptr)
 from .kernels import address, array_module
 
 #: ``Format.scale_block`` of a format with one scale per row.
@@ -130,9 +122,8 @@ class Format:
 
     def view(self, data, scales):
         """``data`` and ``scales`` as a QuantizedArray of this format, unchecked: for arrays this
-        package made with this format's dtypes and shapes (staging slots, results); about 1 us
-        where :meth:`wrap`'s checks take 5 (H100 host, bench/NOTES.md). Anything else goes
-        through :meth:`wrap`."""
+        package made with this format's dtypes and shapes (staging slots, results), a fifth of
+        :meth:`wrap`'s host time. Anything else goes through :meth:`wrap`."""
         q = object.__new__(self._array_class or QuantizedArray)
         q.data, q.scales, q.format = data, scales, self
         return q
@@ -249,12 +240,7 @@ class Format:
         """Quantize ``x`` (M, D) bf16/fp32 device array, C-contiguous, D % ``d_multiple`` == 0,
         into a new (or the given) QuantizedArray of this format. Raises TypeError (dtype, or
         ``out`` of another format) / ValueError (shape)."""
-        x = as_device_array(x, "x")
-        if x.dtype not in _OUT_DTYPES:
-            raise TypeError(f"x: expected dtype bfloat16 or float32, got {x.dtype}")
-        if x.ndim != 2 or not x.flags.c_contiguous:
-            raise ValueError(f"x: expected a 2-D C-contiguous (M, D) array, got shape "
-                             f"{tuple(x.shape)}")
+        x = check_rows(x, "x", 1, _OUT_DTYPES)
         self.check_input(x)
         if out is None:
             out = self.empty(*x.shape)
@@ -289,25 +275,9 @@ class QuantizedArray:
     def __init__(self, data, scales, format):  # noqa: A002 (the attribute's name)
         if not isinstance(format, Format) or not format.quantized:
             raise TypeError(f"format: expected a quantized Format, got {format!r}")
-        data = as_device_array(data, "data")
-        scales = as_device_array(scales, "scales")
-        for a, name, dtype in ((data, "data", format.element_dtype),
-                               (scales, "scales", format.scale_dtype)):
-            if a.dtype != dtype:
-                raise TypeError(f"{name}: expected dtype {numpy.dtype(dtype)} ({format.name}), "
-                                f"got {a.dtype}")
-            if not a.flags.c_contiguous:
-                raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
-        if data.ndim != 2:
-            raise ValueError(f"data: expected a 2-D array, got {data.ndim}-D shape "
-                             f"{tuple(data.shape)}")
-        m, d = data.shape
-        if d % format.d_multiple:
-            raise ValueError(f"data: expected the last dimension D to be a multiple of "
-                             f"{format.d_multiple}, got D = {d}")
-        if tuple(scales.shape) != format.scales_shape(m, d):
-            raise ValueError(f"scales: expected shape {format.scales_shape(m, d)} for data of "
-                             f"shape {(m, d)}, got {tuple(scales.shape)}")
+        data = check_rows(data, "data", format.d_multiple, (numpy.dtype(format.element_dtype),))
+        scales = check_array(scales, "scales", numpy.dtype(format.scale_dtype),
+                             format.scales_shape(*data.shape))
         self.data, self.scales, self.format = data, scales, format
 
     @property
@@ -322,22 +292,7 @@ class QuantizedArray:
             TypeError: ``dtype`` not bf16/fp32, ``out`` of another dtype.
             ValueError: ``out`` of another shape or not C-contiguous.
         """
-        try:
-            dtype = numpy.dtype(dtype)
-        except TypeError:
-            raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype!r}") from None
-        if dtype not in _OUT_DTYPES:
-            raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
-        if out is None:
-            out = array_module().empty(self.shape, dtype=dtype)
-        else:
-            out = as_device_array(out, "out")
-            if out.dtype != dtype:
-                raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
-            if tuple(out.shape) != self.shape:
-                raise ValueError(f"out: expected shape {self.shape}, got {tuple(out.shape)}")
-            if not out.flags.c_contiguous:
-                raise ValueError(f"out: expected a C-contiguous array, got strides {out.strides}")
+        out = out_array(out, self.shape, out_dtype(dtype))
         return self.format.launch_dequantize(self, out, stream_ptr(stream))
 
     def rows(self, begin, end):
@@ -414,3 +369,45 @@ def conversion(source, target):
 register(Format("bf16", "bf16", bfloat16, source="bf16 on the wire (torch's EP path)"))
 register(Format("native", "input", None,
                 source="the input's dtype as is: fp32 stays fp32, bit for bit"))
+
+
+def sqnr(ref, out, *, chunk_rows=4096):
+    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - out||).
+
+    The one SQNR of the project (the thresholds of docs/design.md "Correctness references" are in
+    it): sums of squares in float64, over chunks of ``chunk_rows`` rows on the arrays' device.
+
+    Args:
+        ref, out: arrays of one shape: NumPy, CuPy or torch (CPU or CUDA; quantized tensors
+            dequantized first by the caller). Read.
+        chunk_rows: rows (first dimension) per chunk converted to float64 at a time.
+    Returns:
+        float: inf when ``out`` equals ``ref``; NaN when either holds a non-finite value or
+        ``ref`` is all zero.
+    Raises:
+        ValueError: the shapes differ.
+    Host syncs: one per chunk on a GPU (the sums are read).
+    """
+    if tuple(ref.shape) != tuple(out.shape):
+        raise ValueError(f"out: expected shape {tuple(ref.shape)} like ref, got {tuple(out.shape)}")
+    rows = ref.shape[0] if len(ref.shape) else 1
+    ref, out = ref.reshape(rows, -1), out.reshape(rows, -1)
+    signal = noise = 0.0
+    for i in range(0, rows, chunk_rows):
+        r, o = _float64(ref[i:i + chunk_rows]), _float64(out[i:i + chunk_rows])
+        signal += float((r * r).sum())
+        noise += float(((r - o) ** 2).sum())
+    return sqnr_from_sums(signal, noise)
+
+
+def sqnr_from_sums(signal, noise):
+    """:func:`sqnr` of sums of squares already made, ``10 log10(signal / noise)``: inf for no
+    noise, NaN for a non-finite sum or no signal."""
+    if not (math.isfinite(signal) and math.isfinite(noise)) or signal <= 0:
+        return math.nan
+    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+
+
+def _float64(a):
+    """``a`` (a NumPy, CuPy or torch array) as float64 on its device."""
+    return a.detach().double() if hasattr(a, "detach") else a.astype(numpy.float64)

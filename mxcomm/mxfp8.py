@@ -13,18 +13,19 @@ import numpy
 
 from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared  # first: sets up the simulator before numba loads
 from . import _host
-from ._array import as_device_array, bfloat16, check_rows, float32, stream_ptr
+from ._array import bfloat16, check_rows, float32, out_array, out_dtype, stream_ptr
 from ._platform import host_backend
 from .formats import Format, QuantizedArray, register, register_conversion
 from .kernels._fp8 import MX_BLOCK
 from .kernels._launch import RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels._memory import PAIR_BYTES
-from .kernels.mxfp8 import (GATHER_BLOCKS_PER_SM, PAIRS_PER_THREAD, WARP, WORDS_PER_THREAD,
-                            dequantize_mxfp8_bf16_kernel,
-                            dequantize_mxfp8_f32_kernel, gather_dequantize_mxfp8_bf16_kernel,
-                            gather_quantize_mxfp8_bf16_kernel,
-                            gather_round_trip_mxfp8_bf16_kernel, quantize_mxfp8_bf16_kernel,
-                            quantize_mxfp8_f32_kernel, round_trip_mxfp8_bf16_kernel)
+from .kernels.mx_dequantize import (GATHER_BLOCKS_PER_SM, dequantize_mxfp8_bf16_kernel,
+                                    dequantize_mxfp8_f32_kernel, gather_dequantize_mxfp8_bf16_kernel,
+                                    gather_round_trip_mxfp8_bf16_kernel,
+                                    round_trip_mxfp8_bf16_kernel)
+from .kernels.mx_quantize import (PAIRS_PER_THREAD, WARP, WORDS_PER_THREAD,
+                                  gather_quantize_mxfp8_bf16_kernel, quantize_mxfp8_bf16_kernel,
+                                  quantize_mxfp8_f32_kernel)
 
 SCALE_MODES = ("rceil", "floor")
 _U8, _U16, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint16, numpy.uint64))
@@ -174,7 +175,7 @@ def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
 
     The quantized exchanges that return bf16 (the dispatch gradient, the drop-in) send a rank's
     own rows through it: the same rounding as the rows of its peers, without writing the MXFP8
-    rows to memory and reading them again (bench/NOTES.md)."""
+    rows to memory and reading them again."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
@@ -233,23 +234,7 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
     """
     if not isinstance(mx, MXFP8Array):
         raise TypeError(f"mx: expected an MXFP8Array, got {type(mx).__name__}")
-    try:
-        dtype = numpy.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype!r}") from None
-    if dtype not in _DTYPES:
-        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
-    m, d = mx.shape
-    if out is None:
-        out = array_module().empty((m, d), dtype=dtype)
-    else:
-        out = as_device_array(out, "out")
-        if out.dtype != dtype:
-            raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
-        if tuple(out.shape) != (m, d):
-            raise ValueError(f"out: expected shape {(m, d)}, got {tuple(out.shape)}")
-        if not out.flags.c_contiguous:
-            raise ValueError(f"out: expected a C-contiguous array, got strides {out.strides}")
+    out = out_array(out, mx.shape, out_dtype(dtype))
     return launch_dequantize(mx, out, stream_ptr(stream))
 
 

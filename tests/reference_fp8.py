@@ -113,13 +113,6 @@ def mx_to_rowwise_ref(data, scales, indices):
     return out, out_scales
 
 
-def sqnr_db(ref, test):
-    """20 log10(||ref|| / ||ref - test||), in float64."""
-    ref = np.asarray(ref, dtype=np.float64)
-    err = ref - np.asarray(test, dtype=np.float64)
-    return 20 * np.log10(np.linalg.norm(ref) / np.linalg.norm(err))
-
-
 def group_colwise_ref(data, scales, group_ends):
     """fp8 per (group, column), transposed, of fp8 rowwise rows ``data`` (P, D) uint8 / ``scales``
     (P,) float32 in groups ending at ``group_ends`` (G,): (data_t (D, T) uint8, scales_t (G, D)

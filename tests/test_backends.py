@@ -326,11 +326,11 @@ def test_unpermute_with_padding_and_out_of_range_indices(use_backend, rng):
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "fp8_rowwise"])
 def test_pad_rows_identical(use_backend, rng, fmt):
-    """The padding fill of an exchange landing in permuted order (``permutation.pad_rows``):
+    """The padding fill of an exchange landing in permuted order (``_row_moves.pad_rows``):
     rows of index -1 get zeros and the padding scale, every other row keeps its bytes, on each
     backend."""
     from mxcomm.formats import get_format
-    from mxcomm.permutation import pad_rows
+    from mxcomm._row_moves import pad_rows
     f = get_format(fmt)
     idx = np.array([3, -1, 0, 2, -1, 1, -1, 4], np.int32)
     data = rng.integers(0, 256, (8, 64), dtype=np.uint8)
@@ -464,7 +464,7 @@ def test_simulated_shared_arrays_are_one_per_block_when_threads_interleave(use_b
 
     from numba.cuda.simulator import kernelapi
 
-    from mxcomm.fp8_formats import quantize_fp8_rowwise
+    from mxcomm.rowwise import quantize_fp8_rowwise
     from reference_fp8 import quantize_fp8_rowwise_ref
 
     def empty(*args, **kwargs):

@@ -10,10 +10,12 @@ import subprocess
 import sys
 import types
 
+import ml_dtypes
 import numpy
 import pytest
 
 from mxcomm import recipes
+from mxcomm import sqnr
 from mxcomm.bench import _checks, _report, _timing, _workload
 from mxcomm.bench._cli import build_parser
 from mxcomm.bench.pipeline import shapes_from_args, summary_rows
@@ -84,25 +86,29 @@ def test_padded_rows_bandwidth_helpers():
 
 
 # ----------------------------------------------------------------------------------- SQNR
-def test_sqnr_db():
-    ref = numpy.random.default_rng(0).standard_normal((64, 32))
-    assert _workload.sqnr_db(ref, ref) == math.inf
-    assert _workload.sqnr_db(ref, ref * 1.1) == pytest.approx(20.0)      # noise = 0.1 * signal
-    assert _workload.sqnr_db(ref, ref + 0.01 * ref) == pytest.approx(40.0)
+def test_sqnr():
+    """mxcomm.sqnr against exact ratios and an independent float64 norm, chunked or not, on NumPy
+    (bf16 too) and torch arrays; NaN for non-finite input or no signal; shapes checked."""
+    rng = numpy.random.default_rng(0)
+    ref = rng.standard_normal((9000, 8))  # more rows than one chunk
+    assert sqnr(ref, ref) == math.inf
+    assert sqnr(ref, ref * 1.1) == pytest.approx(20.0)      # noise = 0.1 * signal
+    assert sqnr(ref, ref + 0.01 * ref) == pytest.approx(40.0)
+    out = ref + 0.05 * rng.standard_normal(ref.shape)
+    want = 20 * math.log10(numpy.linalg.norm(ref) / numpy.linalg.norm(ref - out))
+    assert sqnr(ref, out) == pytest.approx(want, rel=1e-12)
+    assert sqnr(ref, out, chunk_rows=7) == pytest.approx(want, rel=1e-12)
+    bf16 = out.astype(ml_dtypes.bfloat16)
+    assert sqnr(ref, bf16) == pytest.approx(
+        20 * math.log10(numpy.linalg.norm(ref) / numpy.linalg.norm(ref - bf16.astype(float))))
     bad = ref.copy()
     bad[0, 0] = numpy.nan
-    assert math.isnan(_workload.sqnr_db(ref, bad))
-    assert math.isnan(_workload.sqnr_db(numpy.zeros(3), numpy.ones(3)))
+    assert math.isnan(sqnr(ref, bad))
+    assert math.isnan(sqnr(numpy.zeros(3), numpy.ones(3)))
     with pytest.raises(ValueError, match="shape"):
-        _workload.sqnr_db(ref, ref[:3])
-
-
-def test_pipeline_sqnr_torch_matches_numpy():
+        sqnr(ref, ref[:3])
     torch = pytest.importorskip("torch")
-    from mxcomm.bench.pipeline import _sqnr
-    ref = torch.randn(9000, 8, dtype=torch.float64)  # more rows than one chunk
-    out = ref + 0.05 * torch.randn(9000, 8, dtype=torch.float64)
-    assert _sqnr(ref, out) == pytest.approx(_workload.sqnr_db(ref.numpy(), out.numpy()))
+    assert sqnr(torch.from_numpy(ref), torch.from_numpy(out)) == pytest.approx(want, rel=1e-12)
 
 
 # --------------------------------------------------------------------------------- timing
@@ -564,7 +570,7 @@ def test_converted_reference_matches_the_library_bit_for_bit():
     torch = pytest.importorskip("torch")
     import mxcomm.torch as mt
     from mxcomm.formats import get_format
-    from mxcomm.fp8_formats import _host_mx_to_rowwise_permute
+    from mxcomm._host import mx_to_rowwise_permute as _host_mx_to_rowwise_permute
     rng = numpy.random.default_rng(3)
     x = torch.from_numpy(rng.standard_normal((12, 128)).astype(numpy.float32)).to(torch.bfloat16)
     x[3] = 0

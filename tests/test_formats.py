@@ -9,12 +9,13 @@ import pytest
 
 import mxcomm
 from mxcomm.formats import PER_ROW, QuantizedArray, format_names, get_format
+from mxcomm import sqnr
 from mxcomm.kernels import array_module
 from mxcomm.mxfp8 import MXFP8Array
 from mxcomm.permutation import permute, unpermute, unpermute_backward
 from reference import permute_ref, quantize_mxfp8_ref, dequantize_mxfp8_ref, unpermute_ref
 from reference_fp8 import (dequantize_scaled_ref, mx_to_rowwise_ref, quantize_fp8_block128_ref,
-                           quantize_fp8_rowwise_ref, sqnr_db)
+                           quantize_fp8_rowwise_ref)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 QUANTIZED = ("mxfp8", "fp8_rowwise", "fp8_block128", "fp8_block128_pow2")
@@ -100,15 +101,15 @@ def test_registry_is_filled_by_the_format_modules():
     once), and the permute's conversion is the fp8 formats module's."""
     import ast
     import inspect
-    from mxcomm import formats, fp8_formats, mxfp8
+    from mxcomm import formats, mxfp8, rowwise
     tree = ast.parse(inspect.getsource(formats))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"_array", "kernels"}, imported
     assert get_format("mxfp8") is mxfp8.MXFP8
     row = mxfp8.MXFP8.view(np.zeros((1, 32), np.uint8), np.zeros((1, 1), np.uint8))
     assert type(row) is mxfp8.MXFP8Array and row.format is mxfp8.MXFP8
-    assert get_format("fp8_rowwise") is fp8_formats.FP8_ROWWISE
-    assert formats.conversion(mxfp8.MXFP8, fp8_formats.FP8_ROWWISE) is fp8_formats._mx_to_rowwise
+    assert get_format("fp8_rowwise") is rowwise.FP8_ROWWISE
+    assert formats.conversion(mxfp8.MXFP8, rowwise.FP8_ROWWISE) is rowwise._mx_to_rowwise
     with pytest.raises(ValueError, match="'fp8_rowwise' is registered already"):
         formats.register(formats.Format("fp8_rowwise", "e4m3fn", np.uint8))
     assert format_names().count("fp8_rowwise") == 1
@@ -142,7 +143,7 @@ def test_sqnr_against_bf16(rng):
     x = rng.standard_normal((256, 1024)).astype(BF16)
     got = {}
     for name in QUANTIZED:
-        got[name] = sqnr_db(x, to_host(get_format(name).quantize(to_device(x)).dequantize()))
+        got[name] = sqnr(x, to_host(get_format(name).quantize(to_device(x)).dequantize()))
     assert got["mxfp8"] >= 30 and got["fp8_block128"] >= 30 and got["fp8_block128_pow2"] >= 30
     assert got["fp8_rowwise"] >= 28
     assert got["fp8_block128"] >= got["fp8_block128_pow2"] - 0.01  # plain scales fit tighter
@@ -220,7 +221,7 @@ def test_permute_mx_to_rowwise(rng):
     keep = idx >= 0
     np.testing.assert_array_equal(to_host(out.scales)[keep], to_host(direct.scales)[idx[keep]])
     converted = to_host(out.dequantize()).astype(np.float64)[keep]
-    assert sqnr_db(x[idx[keep]], converted) > 25
+    assert sqnr(x[idx[keep]], converted) > 25
     with pytest.raises(ValueError, match="cannot convert fp8_rowwise rows to 'mxfp8'"):
         permute(direct, to_device(counts), e_local, align, out_format="mxfp8")
     with pytest.raises(ValueError, match="out_format: expected one of"):
@@ -246,3 +247,37 @@ def test_format_launchers_pick_the_kernels(rng, use_backend, name):
     for h, k in zip(got["host"], got[kernels]):
         np.testing.assert_array_equal(np.ascontiguousarray(h).view(np.uint8),
                                       np.ascontiguousarray(k).view(np.uint8))
+
+
+def test_as_device_array_is_the_one_acceptance():
+    """_array.as_device_array by request: host arrays pass through zero-copy (the same object,
+    or a view of the same memory), device-only objects are refused on the host naming the
+    argument, and a torch bf16 tensor is refused with a pointer to mxcomm.torch."""
+    from mxcomm._array import as_device_array
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert as_device_array(x, "x", device=False) is x
+    class HostLike:
+        __array_interface__ = x.__array_interface__
+    viewed = as_device_array(HostLike(), "x", device=False)
+    assert np.shares_memory(viewed, x) and (viewed == x).all()
+
+    class DeviceOnly:
+        __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+    with pytest.raises(TypeError, match=r"x on rank 0: expected a host array .*DeviceOnly"):
+        as_device_array(DeviceOnly(), "x on rank 0", device=False)
+    with pytest.raises(TypeError, match=r"y: expected a host array .*list"):
+        as_device_array([1.0], "y", device=False)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"t: cannot view torch.Tensor .*mxcomm.torch"):
+        as_device_array(torch.zeros(2, dtype=torch.bfloat16), "t", device=False)
+
+
+@pytest.mark.gpu
+def test_as_device_array_refuses_host_arrays_for_the_device():
+    from mxcomm._array import as_device_array
+    cupy = pytest.importorskip("cupy")
+    x = cupy.zeros((2, 3), cupy.float32)
+    assert as_device_array(x, "x", device=True) is x
+    with pytest.raises(TypeError, match=r"x: expected a CUDA device array .*ndarray"):
+        as_device_array(np.zeros(3), "x", device=True)

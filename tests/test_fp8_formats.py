@@ -6,19 +6,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mxcomm.fp8_formats import (_host_dequantize_fp8_block128, _host_dequantize_fp8_rowwise,
-                                _host_fp8_rowwise_to_group_colwise, _host_mx_to_rowwise_permute,
-                                _host_quantize_fp8_block128, _host_quantize_fp8_rowwise,
-                                _host_quantize_fp8_rowwise_transposed,
-                                dequantize_fp8_block128, dequantize_fp8_rowwise,
-                                fp8_rowwise_to_group_colwise, mx_to_rowwise_permute,
-                                quantize_fp8_block128, quantize_fp8_rowwise,
-                                quantize_fp8_rowwise_transposed)
+from mxcomm import _host, sqnr
+from mxcomm.block128 import dequantize_fp8_block128, quantize_fp8_block128
+from mxcomm.colwise import fp8_rowwise_to_group_colwise, quantize_fp8_rowwise_transposed
+from mxcomm.rowwise import dequantize_fp8_rowwise, mx_to_rowwise_permute, quantize_fp8_rowwise
 from mxcomm.kernels import address, array_module
 from mxcomm.mxfp8 import MXFP8Array
 from reference import permute_ref, quantize_mxfp8_ref
 from reference_fp8 import (dequantize_scaled_ref, group_colwise_ref, mx_to_rowwise_ref,
-                           quantize_fp8_block128_ref, quantize_fp8_rowwise_ref, sqnr_db)
+                           quantize_fp8_block128_ref, quantize_fp8_rowwise_ref)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -137,7 +133,7 @@ def random_scales(rng, shape):
 @DTYPES
 def test_host_rowwise_bit_exact(rng, dtype):
     x = np.concatenate([mixed_rows(rng, dtype, 40, 256), random_rows(rng, 8, 4096, dtype)[:, :256]])
-    data, scales = _host_quantize_fp8_rowwise(x)
+    data, scales = _host.quantize_fp8_rowwise(x)
     assert_same((data, scales), quantize_fp8_rowwise_ref(x))
     nonfinite = ~np.isfinite(x.astype(np.float64)).all(axis=1)
     assert np.isnan(scales[nonfinite]).all() and (data[nonfinite] == 0x7F).all()
@@ -145,7 +141,7 @@ def test_host_rowwise_bit_exact(rng, dtype):
     assert (np.frexp(scales[~nonfinite])[0] == 0.5).all()  # powers of two
     assert (scales[~nonfinite] >= 2.0 ** -126).all()
     out = (np.empty_like(data), np.empty_like(scales))
-    got = _host_quantize_fp8_rowwise(x, out=out)
+    got = _host.quantize_fp8_rowwise(x, out=out)
     assert got[0] is out[0] and got[1] is out[1]
     assert_same(out, (data, scales))
 
@@ -154,7 +150,7 @@ def test_host_rowwise_bit_exact(rng, dtype):
 @pytest.mark.parametrize("mode", MODES)
 def test_host_block128_bit_exact(rng, dtype, mode):
     x = np.concatenate([block_test_data(rng, dtype, 40), random_rows(rng, 8, 512, dtype)[:, :256]])
-    data, scales = _host_quantize_fp8_block128(x, mode)
+    data, scales = _host.quantize_fp8_block128(x, mode)
     assert_same((data, scales), quantize_fp8_block128_ref(x, mode))
     assert scales.shape == (x.shape[0], 2)
 
@@ -165,9 +161,9 @@ def test_host_dequantize_bit_exact(rng, dtype):
     row_scales = random_scales(rng, 16)
     block_scales = random_scales(rng, (16, 2))
     with np.errstate(over="ignore", invalid="ignore"):
-        assert_same(_host_dequantize_fp8_rowwise(data, row_scales, dtype),
+        assert_same(_host.dequantize_fp8_rowwise(data, row_scales, dtype),
                     dequantize_scaled_ref(data, row_scales, 256, dtype))
-        assert_same(_host_dequantize_fp8_block128(data, block_scales, dtype),
+        assert_same(_host.dequantize_fp8_block128(data, block_scales, dtype),
                     dequantize_scaled_ref(data, block_scales, 128, dtype))
 
 
@@ -189,7 +185,7 @@ def test_host_mx_to_rowwise_bit_exact(rng):
     data, scales = mx_test_rows(rng)
     n = data.shape[0]
     indices = np.r_[rng.permutation(n), -1, -1, n, n + 7, 3].astype(np.int32)
-    got = _host_mx_to_rowwise_permute(HostMX(data, scales), indices)
+    got = _host.mx_to_rowwise_permute(HostMX(data, scales), indices)
     assert_same(got, mx_to_rowwise_ref(data, scales, indices))
     assert (got[1][indices < 0] == 1.0).all() and (got[0][indices < 0] == 0).all()
 
@@ -200,7 +196,7 @@ def test_mx_to_rowwise_matches_direct_rowwise(rng):
     only in the e4m3 subnormal range of the row scale (rescaling a normal e4m3 by 2^-k is exact)."""
     x = random_rows(rng, 64, 512, BF16)
     data, scales = quantize_mxfp8_ref(x, "rceil")
-    conv_data, conv_scales = _host_mx_to_rowwise_permute(HostMX(data, scales),
+    conv_data, conv_scales = _host.mx_to_rowwise_permute(HostMX(data, scales),
                                                          np.arange(64, dtype=np.int32))
     direct_data, direct_scales = quantize_fp8_rowwise_ref(x)
     assert_same(conv_scales, direct_scales)
@@ -221,11 +217,11 @@ def test_mx_to_rowwise_sqnr():
     for x64 in (gauss, outliers):
         x = x64.astype(BF16)
         ref = x.astype(np.float64)
-        direct = _host_dequantize_fp8_rowwise(*_host_quantize_fp8_rowwise(x), np.float32)
-        conv = _host_dequantize_fp8_rowwise(
-            *_host_mx_to_rowwise_permute(HostMX(*quantize_mxfp8_ref(x, "rceil")),
+        direct = _host.dequantize_fp8_rowwise(*_host.quantize_fp8_rowwise(x), np.float32)
+        conv = _host.dequantize_fp8_rowwise(
+            *_host.mx_to_rowwise_permute(HostMX(*quantize_mxfp8_ref(x, "rceil")),
                                          np.arange(m, dtype=np.int32)), np.float32)
-        s_direct, s_conv = sqnr_db(ref, direct), sqnr_db(ref, conv)
+        s_direct, s_conv = sqnr(ref, direct), sqnr(ref, conv)
         assert s_direct >= 31.0 and abs(s_direct - s_conv) <= 0.01, (s_direct, s_conv)
 
 
@@ -245,7 +241,7 @@ def test_block128_matches_deepgemm_cast(rng, mode):
         exp = ((b >> 23) & 0xFF) + (b & 0x7FFFFF).bool().int()
         sf = (exp.clamp(1, 254) << 23).view(torch.float)
     want = (xt * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn).view(torch.uint8).view(32, 512)
-    data, scales = _host_quantize_fp8_block128(x, mode)
+    data, scales = _host.quantize_fp8_block128(x, mode)
     np.testing.assert_array_equal(data, want.numpy())
     np.testing.assert_array_equal(scales, sf.numpy())
 
@@ -261,7 +257,7 @@ def test_rowwise_matches_torchao_pow2_cast(rng):
     amax = xt.abs().amax(dim=1, keepdim=True).double().clamp(min=1e-12)
     scale = torch.exp2(torch.floor(torch.log2((448.0 / amax).float())))
     want = (xt * scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-    data, scales = _host_quantize_fp8_rowwise(x)
+    data, scales = _host.quantize_fp8_rowwise(x)
     np.testing.assert_array_equal(data, want.numpy())
     np.testing.assert_array_equal(scales, scale.reciprocal().reshape(-1).numpy())
 
@@ -283,7 +279,7 @@ def test_rowwise_kernels_bit_exact(kernels, rng, dtype):
     x = mixed_rows(rng, dtype, 2, 64, KERNEL_SPECIALS)
     data, scales = quantize_fp8_rowwise(to_device(x))
     assert_same((data, scales), quantize_fp8_rowwise_ref(x))
-    assert_same((data, scales), _host_quantize_fp8_rowwise(x))
+    assert_same((data, scales), _host.quantize_fp8_rowwise(x))
     dq = dequantize_fp8_rowwise(data, scales, dtype)
     assert_same(dq, dequantize_scaled_ref(to_host(data), to_host(scales), 64, dtype))
     nonfinite = ~np.isfinite(x.astype(np.float64)).all(axis=1)
@@ -340,7 +336,7 @@ def test_block128_kernels_bit_exact(kernels, rng, dtype, mode, part):
     x = np.ascontiguousarray(block_test_data(rng, dtype, 1)[part::4])
     data, scales = quantize_fp8_block128(to_device(x), mode)
     assert_same((data, scales), quantize_fp8_block128_ref(x, mode))
-    assert_same((data, scales), _host_quantize_fp8_block128(x, mode))
+    assert_same((data, scales), _host.quantize_fp8_block128(x, mode))
     assert_same(dequantize_fp8_block128(data, scales, dtype),
                 dequantize_scaled_ref(to_host(data), to_host(scales), 128, dtype))
 
@@ -361,7 +357,7 @@ def test_mx_to_rowwise_kernel_bit_exact(kernels, rng):
     indices = np.r_[rng.permutation(n), -1, n + 2, 0].astype(np.int32)
     got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
     assert_same(got, mx_to_rowwise_ref(data, scales, indices))
-    assert_same(got, _host_mx_to_rowwise_permute(HostMX(data, scales), indices))
+    assert_same(got, _host.mx_to_rowwise_permute(HostMX(data, scales), indices))
 
 
 def test_mx_to_rowwise_kernel_permute_layout(kernels, rng):
@@ -503,9 +499,9 @@ GROUP_CASES = pytest.mark.parametrize("p, d, ends", [
 def test_host_group_colwise_bit_exact(rng, p, d, ends):
     data, scales = grouped_rowwise_rows(rng, p, d, ends)
     ends = np.array(ends, dtype=np.int32)
-    assert_same(_host_fp8_rowwise_to_group_colwise(data, scales, ends)[:2],
+    assert_same(_host.fp8_rowwise_to_group_colwise(data, scales, ends)[:2],
                 group_colwise_ref(data, scales, ends)[:2])
-    np.testing.assert_array_equal(_host_fp8_rowwise_to_group_colwise(data, scales, ends)[2],
+    np.testing.assert_array_equal(_host.fp8_rowwise_to_group_colwise(data, scales, ends)[2],
                                   group_colwise_ref(data, scales, ends)[2])
 
 
@@ -542,7 +538,7 @@ def f16_path_quads(data, scales, ends, want_scales):
     """The fraction of (position quad, 4 columns) units of the encode kernel, rows present, whose
     every rescale exponent r - s lies in its f16 range (FAST_K_MIN..FAST_K_MAX): how much of a
     test's data that path takes (computed here from the data, independently of the kernel)."""
-    from mxcomm.kernels.fp8_colwise import FAST_K_MAX, FAST_K_MIN
+    from mxcomm.kernels.fp8_colwise_encode import FAST_K_MAX, FAST_K_MIN
     r = np.frexp(scales.astype(np.float64))[1] - 1                        # row exponents
     s = np.frexp(want_scales.astype(np.float64))[1] - 1                   # (G, D)
     fast = total = 0
@@ -604,7 +600,7 @@ def test_group_colwise_keeps_the_operands_sqnr(rng):
     x = rng.standard_normal((512, 64)).astype(BF16)
     ends = np.array([100, 100, 300, 512], dtype=np.int32)
     data, scales = quantize_fp8_rowwise_ref(x)
-    data_t, scales_t, aligned = _host_fp8_rowwise_to_group_colwise(data, scales, ends)
+    data_t, scales_t, aligned = _host.fp8_rowwise_to_group_colwise(data, scales, ends)
     xf = x.astype(np.float64)
     start, position, got, direct = 0, 0, [], []
     for k, end in enumerate(ends):
@@ -616,9 +612,9 @@ def test_group_colwise_keeps_the_operands_sqnr(rng):
         position, start = aligned[k], end
     got, direct = np.concatenate(got), np.concatenate(direct)
     rowwise = data.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * scales[:, None]
-    assert abs(sqnr_db(xf, got) - sqnr_db(xf, direct)) < 0.3
-    assert abs(sqnr_db(xf, got) - sqnr_db(xf, rowwise)) < 0.3
-    assert sqnr_db(xf, got) > 28
+    assert abs(sqnr(xf, got) - sqnr(xf, direct)) < 0.3
+    assert abs(sqnr(xf, got) - sqnr(xf, rowwise)) < 0.3
+    assert sqnr(xf, got) > 28
 
 
 def test_group_colwise_rejects_bad_input(kernels):
@@ -656,7 +652,7 @@ def transposed_ref(x):
 
 def test_host_rowwise_transposed_bit_exact(rng):
     x = transposed_test_matrices(rng, 3, 128, 48, slice(None))
-    assert_same(_host_quantize_fp8_rowwise_transposed(x), transposed_ref(x))
+    assert_same(_host.quantize_fp8_rowwise_transposed(x), transposed_ref(x))
 
 
 @pytest.mark.parametrize("b, r, c", [(2, 32, 48), (1, 80, 144)])  # tiles cut in rows, columns
@@ -753,7 +749,7 @@ def test_gpu_group_colwise_large_bit_exact(rng):
     p, d = int(ends[-1]) + 7, 2064
     data, scales = grouped_rowwise_rows(rng, p, d, ends)
     got = fp8_rowwise_to_group_colwise(to_device(data), to_device(scales), to_device(ends))
-    want = _host_fp8_rowwise_to_group_colwise(data, scales, ends)
+    want = _host.fp8_rowwise_to_group_colwise(data, scales, ends)
     assert_same(got[:2], want[:2])
     np.testing.assert_array_equal(to_host(got[2]), want[2])
     cols = [0, 3, 1000, d - 1]
@@ -778,11 +774,11 @@ def test_gpu_mx_to_rowwise_large_bit_exact(rng):
     counts = rng.multinomial(2048, np.ones(16) / 16)  # 2 ranks x 8 local experts
     _, indices, _ = permute_ref(np.arange(2048), counts, 8, 16)
     got = mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)), to_device(indices))
-    assert_same(got, _host_mx_to_rowwise_permute(HostMX(data, scales), indices))
+    assert_same(got, _host.mx_to_rowwise_permute(HostMX(data, scales), indices))
     odd = indices[:2041]  # the last CUDA block's warps partly without a row
     assert_same(mx_to_rowwise_permute(MXFP8Array(to_device(data), to_device(scales)),
                                       to_device(odd)),
-                _host_mx_to_rowwise_permute(HostMX(data, scales), odd))
+                _host.mx_to_rowwise_permute(HostMX(data, scales), odd))
     sub = np.r_[np.flatnonzero(indices == 3), np.arange(0, len(indices), 97)]
     assert_same((to_host(got[0])[sub], to_host(got[1])[sub]),
                 mx_to_rowwise_ref(data, scales, indices[sub]))
@@ -797,4 +793,4 @@ def test_gpu_rowwise_transposed_large_bit_exact(rng, b, r, c):
     x[b - 1, r - 1, c - 1] = -np.inf
     x[b - 1, :, 3] = 0
     got = quantize_fp8_rowwise_transposed(to_device(x))
-    assert_same(got, _host_quantize_fp8_rowwise_transposed(x))
+    assert_same(got, _host.quantize_fp8_rowwise_transposed(x))

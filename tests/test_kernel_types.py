@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mxcomm
-from mxcomm import fp8_formats, mxfp8, permutation
+from mxcomm import _row_moves, colwise, mxfp8, permutation, rowwise
 from mxcomm import _driver
 from mxcomm.kernels import _launch
 
@@ -65,7 +65,7 @@ def _ptxas():
 
 def _register_budgets():
     """{kernel: registers per thread its launcher sizes the resident grid for}
-    (``fp8_formats._resident_launch``): more would leave part of the grid to a second wave."""
+    (``kernels.resident_launch``): more would leave part of the grid to a second wave."""
     from mxcomm.kernels import fp8_block, fp8_rowwise, mx_rowwise
     return {"quantize_fp8_rowwise_bf16_kernel": fp8_rowwise.QUANTIZE_REGISTERS,
             "quantize_fp8_rowwise_f32_kernel": fp8_rowwise.QUANTIZE_REGISTERS,
@@ -92,13 +92,13 @@ def _exercise(xp, rng):
     permutation.permute(mx, counts, 2, 16, out_format="bf16")
     permutation.unpermute(xp.asarray(rng.standard_normal((len(indices), 64)).astype(BF16)),
                           indices, 4)
-    permutation.pad_rows((permuted.data, permuted.scales), mxcomm.formats.get_format("mxfp8"),
+    _row_moves.pad_rows((permuted.data, permuted.scales), mxcomm.formats.get_format("mxfp8"),
                          indices, 0)
-    data, scales = fp8_formats.quantize_fp8_rowwise(xp.asarray(
+    data, scales = rowwise.quantize_fp8_rowwise(xp.asarray(
         rng.standard_normal((32, 32)).astype(BF16)))
-    fp8_formats.fp8_rowwise_to_group_colwise(data, scales,
+    colwise.fp8_rowwise_to_group_colwise(data, scales,
                                              xp.asarray(np.array([20, 32], np.int32)))
-    fp8_formats.quantize_fp8_rowwise_transposed(xp.asarray(
+    colwise.quantize_fp8_rowwise_transposed(xp.asarray(
         rng.standard_normal((2, 16, 32)).astype(BF16)))
     rows = xp.asarray(np.array([3, 0, 2], np.int32))
     mxfp8.launch_quantize_gather(xp.asarray(rng.standard_normal((4, 64)).astype(BF16)), rows,

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import mxcomm.torch as mt  # noqa: E402
-from mxcomm import comm as mxc  # noqa: E402
+from mxcomm import comm as mxc, sqnr  # noqa: E402
 from mxcomm.kernels import simulated  # noqa: E402
 from reference import dequantize_mxfp8_ref, quantize_mxfp8_ref  # noqa: E402
 from test_formats import dequantize_ref, quantize_ref  # noqa: E402
@@ -46,13 +46,6 @@ def to_numpy(t):
 def bits(a):
     a = numpy.asarray(a)
     return a.view(numpy.uint16) if a.dtype == BF16 else a
-
-
-def sqnr(ref, out):
-    """Signal-to-quantization-noise ratio in dB: 20·log10(‖ref‖ / ‖ref − out‖)."""
-    ref, out = ref.detach().double(), out.detach().double()
-    return (20 * torch.log10(torch.linalg.vector_norm(ref)
-                             / torch.linalg.vector_norm(ref - out))).item()
 
 
 def grads_ref(world, me, dispatch, dispatch_grad, combine, combine_grad):

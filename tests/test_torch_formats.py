@@ -10,14 +10,9 @@ torch = pytest.importorskip("torch")
 
 import mxcomm.torch as mt
 from mxcomm import _torch_gemm  # noqa: E402
-from mxcomm.formats import get_format  # noqa: E402
+from mxcomm.formats import get_format, sqnr  # noqa: E402
 
 QUANTIZED = ("mxfp8", "fp8_rowwise", "fp8_block128", "fp8_block128_pow2")
-
-
-def sqnr_db(ref, test):
-    ref, test = ref.double(), test.double()
-    return float(20 * torch.log10(ref.norm() / (ref - test).norm()))
 
 
 def quantized_tensor(x, name):
@@ -36,7 +31,7 @@ def test_quantized_tensor(name):
     assert tuple(t.scales.shape) == get_format(name).scales_shape(4, 256)
     t.requires_grad_(True)
     y = t.dequantize()
-    assert sqnr_db(x, y) > 28
+    assert sqnr(x, y) > 28
     (y * 3).sum().backward()
     assert (t.grad == 3).all()  # straight-through, bf16
     assert torch.equal(t.detach().qdata.view(torch.uint8), t.qdata.view(torch.uint8))  # kept
@@ -63,7 +58,7 @@ def test_permute_out_format_rowwise():
     permuted, indices, offsets = mt.permute(mx, counts, 2, 16, out_format="fp8_rowwise")
     assert permuted.format.name == "fp8_rowwise" and offsets.tolist() == [16, 32]
     keep = indices >= 0
-    assert sqnr_db(mx.dequantize().detach()[indices[keep].long()],
+    assert sqnr(mx.dequantize().detach()[indices[keep].long()],
                    permuted.dequantize().detach()[keep]) > 25
     (permuted.dequantize() * 2).sum().backward()
     assert torch.equal(mx.grad, torch.full_like(mx.grad, 2))
@@ -88,9 +83,9 @@ def test_grouped_mm_fallback_autograd(monkeypatch):
     bounds = [(0, 16, 0), (16, 48, 2)]
     for lo, hi, e in bounds:
         ref = xd[lo:hi] @ w[e].detach().double()
-        assert sqnr_db(ref, y[lo:hi].detach()) > 40
-        assert sqnr_db(g[lo:hi].double() @ w[e].detach().double().t(), x.grad[lo:hi]) > 40
-        assert sqnr_db(xd[lo:hi].t() @ g[lo:hi].double(), w.grad[e]) > 40
+        assert sqnr(ref, y[lo:hi].detach()) > 40
+        assert sqnr(g[lo:hi].double() @ w[e].detach().double().t(), x.grad[lo:hi]) > 40
+        assert sqnr(xd[lo:hi].t() @ g[lo:hi].double(), w.grad[e]) > 40
     assert (w.grad[1] == 0).all()
     with pytest.raises(ValueError, match="wgrad: expected 'fp8' or 'bf16'"):
         mt.grouped_mm(x, w, offs, wgrad="fp16")
@@ -167,9 +162,9 @@ def test_grouped_mm_fp8_sqnr_gpu(fast_accum):
     wq = w.clone().requires_grad_(True)
     y = mt.grouped_mm(xq, wq, offs, fp8=True, fast_accum=fast_accum)
     y.backward(grad)
-    assert sqnr_db(torch._grouped_mm(xb, w, offs=offs), y.detach()) >= 28
-    assert sqnr_db(xr.grad, xq.grad) >= 26
-    assert sqnr_db(wr.grad, wq.grad) >= 25
+    assert sqnr(torch._grouped_mm(xb, w, offs=offs), y.detach()) >= 28
+    assert sqnr(xr.grad, xq.grad) >= 26
+    assert sqnr(wr.grad, wq.grad) >= 25
 
 
 @pytest.mark.gpu
@@ -224,10 +219,10 @@ def test_grouped_mm_fp8_wgrad_any_groups_gpu():
     live = [e for e, size in enumerate(sizes) if size]
     for e in live:
         lo, hi = int(ends[e] - sizes[e]), int(ends[e])
-        assert sqnr_db(xd[lo:hi].t() @ gd[lo:hi], grads["fp8"][e]) > 40
-    assert sqnr_db(wr.grad[live], grads["fp8"][live]) >= 25
+        assert sqnr(xd[lo:hi].t() @ gd[lo:hi], grads["fp8"][e]) > 40
+    assert sqnr(wr.grad[live], grads["fp8"][live]) >= 25
     # the bf16 wgrad reads the bf16 gradient as given; the fp8 one its quantized rows
-    assert sqnr_db(wr.grad[live], grads["bf16"][live]) > sqnr_db(wr.grad[live], grads["fp8"][live])
+    assert sqnr(wr.grad[live], grads["bf16"][live]) > sqnr(wr.grad[live], grads["fp8"][live])
     assert (grads["fp8"][1] == 0).all() and (grads["bf16"][1] == 0).all()
     assert torch.isfinite(grads["fp8"]).all()
 

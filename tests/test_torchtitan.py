@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan.models.common.token_dispatcher",
                     reason="torchtitan 0.3 is not installed (.ci/run installs it)")
 
+from mxcomm import sqnr  # noqa: E402
 from torch_world import run_world  # noqa: E402
 
 E_LOCAL, DIM, HIDDEN, TOP_K, BATCH, SEQ = 2, 256, 64, 2, 4, 32
@@ -82,11 +83,6 @@ def _run(dispatcher, backend, dtype, rank, size, mesh):
     return {k: v.detach().float().clone() for k, v in result.items()}
 
 
-def _sqnr(ref, got):
-    noise = (ref.double() - got.double()).norm()
-    return float("inf") if noise == 0 else float(20 * torch.log10(ref.double().norm() / noise))
-
-
 def moe_checks(rank, size, device="cpu"):
     """Every variant against the reference on this rank; returns the SQNRs of the MXFP8 ones.
 
@@ -130,7 +126,7 @@ def moe_checks(rank, size, device="cpu"):
                 continue
             for variant in (("mxfp8", "mxfp8"), ("mxfp8", "bf16")):
                 got = _run(mxcomm(*variant), backend, dtype, rank, size, mesh)
-                sqnrs[(backend, variant)] = {k: _sqnr(reference[k], got[k]) for k in reference
+                sqnrs[(backend, variant)] = {k: sqnr(reference[k], got[k]) for k in reference
                                              if k == "output" or k == "input grad" or "inner"
                                              in k}
     return sqnrs

@@ -217,7 +217,7 @@ class Checker:
     def _converted(mx, indices):
         """(P, D + 4) uint8: rows ``indices`` (P,) int64 of the (N, D) MXFP8Tensor ``mx`` as fp8
         rowwise rows, recomputed in torch from the rule that
-        ``mxcomm.fp8_formats.mx_to_rowwise_permute`` documents: row scale 2^(r - 127), with
+        ``mxcomm.rowwise.mx_to_rowwise_permute`` documents: row scale 2^(r - 127), with
         r = max(max block scale, 1);
         each element of block b (scale s_b) RNE_e4m3(e4m3 * 2^(s_b - r)) (e4m3 NaNs kept);
         a NaN block scale (0xFF) gives scale NaN and elements 0x7F; padding rows data 0, scale

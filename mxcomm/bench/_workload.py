@@ -5,7 +5,6 @@ without a GPU. Glossary: M rows per rank, D hidden, H GEMM output, E experts, E_
 rank, W ranks.
 """
 
-import math
 
 import numpy
 
@@ -145,29 +144,3 @@ def gbps(nbytes, ms):
 def busbw(algbw, world_size):
     """nccl-tests' all-to-all bus bandwidth: ``algbw * (W - 1) / W``."""
     return algbw * (world_size - 1) / world_size
-
-
-def sqnr_db(ref, out):
-    """Signal-to-quantization-noise ratio in dB: ``20 * log10(||ref|| / ||ref - out||)``.
-
-    Computed in float64 on the host. ``inf`` when ``out`` equals ``ref`` exactly; NaN when either
-    holds a non-finite value or ``ref`` is all zero.
-
-    Args:
-        ref, out: arrays of one shape (NumPy or anything ``numpy.asarray`` takes).
-    Raises:
-        ValueError: the shapes differ.
-    """
-    r = numpy.asarray(ref, dtype=numpy.float64)
-    o = numpy.asarray(out, dtype=numpy.float64)
-    if r.shape != o.shape:
-        raise ValueError(f"out: expected shape {r.shape} like ref, got {o.shape}")
-    if not (numpy.isfinite(r).all() and numpy.isfinite(o).all()):
-        return float("nan")
-    signal = float(numpy.linalg.norm(r))
-    noise = float(numpy.linalg.norm(r - o))
-    if signal == 0.0:
-        return float("nan")
-    if noise == 0.0:
-        return math.inf
-    return 20.0 * math.log10(signal / noise)

@@ -21,6 +21,7 @@ a device synchronize and an MPI barrier (latency: the host's time per call is ex
 import numpy
 
 from . import _report, _timing, _workload
+from ..formats import sqnr
 
 #: Rows per rank and row length by default: on a GPU, on a CPU (host backend), in the simulator.
 GPU_ROWS, GPU_DIM = [16384, 65536, 131072], 7168
@@ -87,15 +88,13 @@ def describe(args, rt):
 
 
 def _exact_sqnr(rt, ref, out):
-    """SQNR (dB) of ``out`` against ``ref`` (bf16 arrays), float64 sums over row chunks on the
-    device (through torch when it is installed, else on a host copy)."""
+    """``mxcomm.sqnr`` of ``out`` against ``ref`` (bf16 arrays), through torch when it is
+    installed (CuPy does no bf16 arithmetic), else on host copies."""
     try:
-        from .pipeline import _sqnr
-        return _sqnr(rt.to_torch(ref), rt.to_torch(out))
+        return sqnr(rt.to_torch(ref), rt.to_torch(out))
     except ImportError:
         asnumpy = getattr(rt.xp, "asnumpy", numpy.asarray)
-        return _workload.sqnr_db(asnumpy(ref).astype(numpy.float32),
-                                 asnumpy(out).astype(numpy.float32))
+        return sqnr(asnumpy(ref), asnumpy(out))
 
 
 class _Bench:

@@ -210,8 +210,7 @@ def measure(args, rt):
                 rows.append(_row("unpermute", label, shape, stats, nbytes, copy, bw))
                 del permuted, indices
             if "colwise" in args.ops and label == "fp8_rowwise":
-                from mxcomm.fp8_formats import (fp8_rowwise_to_group_colwise,
-                                                group_colwise_positions)
+                from mxcomm.colwise import fp8_rowwise_to_group_colwise, group_colwise_positions
                 rt.log(f"colwise {label} {shape}")
                 permuted, _, offsets = permute(value, counts, e_local, ALIGN)
                 stats = _timing.measure(lambda: fp8_rowwise_to_group_colwise(

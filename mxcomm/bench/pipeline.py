@@ -47,6 +47,7 @@ movement is not exact.
 import math
 
 from . import _checks, _moe, _report, _timing, _workload
+from ..formats import sqnr
 
 #: (tokens, dim, hidden, experts per rank) run by default: on a GPU, on the CPU host backend (the
 #: CI smoke run: 2 ranks on 2 cores in seconds), under Numba's CUDA simulator (tiny).
@@ -190,22 +191,8 @@ def _plain(t):
 
 
 def _sqnr(ref, out):
-    """SQNR (dB) of two torch tensors, float64 sums over row chunks on their device."""
-    import torch
-    ref, out = _plain(ref).detach(), _plain(out).detach()
-    if ref.shape != out.shape:
-        raise ValueError(f"out: expected shape {tuple(ref.shape)} like ref, got {tuple(out.shape)}")
-    signal = noise = 0.0
-    r2, o2 = ref.reshape(ref.shape[0], -1), out.reshape(out.shape[0], -1)
-    for i in range(0, r2.shape[0], 4096):
-        r, o = r2[i:i + 4096].double(), o2[i:i + 4096].double()
-        if not (bool(torch.isfinite(r).all()) and bool(torch.isfinite(o).all())):
-            return float("nan")
-        signal += float((r * r).sum())
-        noise += float(((r - o) ** 2).sum())
-    if signal == 0:
-        return float("nan")
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    """``mxcomm.sqnr`` of two torch tensors, quantized ones dequantized first."""
+    return sqnr(_plain(ref).detach(), _plain(out).detach())
 
 
 class _Case:

@@ -1,0 +1,166 @@
+"""Rows moved by an index on the device: the gather, scatter and padding launches of the permutation
+(``mxcomm.permutation``) and of the exchanges that land rows in its order.
+
+Rows of any shape move as rows of words, the widest of 8/4/2/1 bytes dividing the row and every
+address; one or two (source, destination) pairs per launch (data, and scales of a quantized
+format), one CUDA block per row (``kernels.permute``). On the host backend the NumPy twins of
+``mxcomm._host`` run instead.
+"""
+
+import numpy
+
+from .kernels import UNBOUNDED, SizedLaunch, Words, address, launch_1d, prepared, simulated
+from .kernels._launch import THREADS_PER_BLOCK
+from .kernels.permute import gather_rows_kernel, scatter_rows_kernel, zero_rows_kernel
+from . import _host
+from ._array import stream_ptr
+from ._platform import host_backend
+
+_WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
+#: Words of a row each thread of a row-moving block aims to copy (32: the fastest of 4..32 on an
+#: H200, bench/NOTES.md): smaller blocks put more rows, and their index loads, in flight.
+WORDS_PER_ROW_THREAD = 32
+
+
+def _word(row_bytes, arrays):
+    """The widest word of 8/4/2/1 bytes dividing ``row_bytes`` and every address of ``arrays``
+    (so source and destination rows match word for word)."""
+    for word in _WORDS:
+        if row_bytes % word.itemsize == 0 and all(address(a) % word.itemsize == 0
+                                                 for a in arrays if a.size):
+            return word
+    raise AssertionError("unreachable: a uint8 word divides every row")
+
+
+def _row_threads(words):
+    """Threads per block moving a row of ``words`` words: about WORDS_PER_ROW_THREAD each, a power
+    of two in [32, THREADS_PER_BLOCK]. Short rows (MXFP8 data: 896 words at D = 7168) get smaller
+    blocks, so more rows, and their index loads, are in flight per multiprocessor."""
+    threads = 32
+    while threads < THREADS_PER_BLOCK and threads * WORDS_PER_ROW_THREAD < words:
+        threads *= 2
+    return threads
+
+
+def padding_scale(fmt):
+    """The padding scale of ``fmt``'s rows as ``(value, scale dtype)`` (what a gather writes in
+    the scales of a padding row); None for plain rows."""
+    return None if fmt is None or not fmt.quantized else \
+        (fmt.padding_scale, numpy.dtype(fmt.scale_dtype))
+
+
+def _fill_word(fill, word):
+    """The ``word`` (a uint dtype) whose bytes are the padding scale ``fill`` (``(value,
+    dtype)``, or None: zeros) repeated, as an int: what the kernels write into every word of a
+    padding row's scales."""
+    if fill is None:
+        return 0
+    value = numpy.array(fill[0], fill[1]).tobytes()
+    if word.itemsize % len(value) == 0:
+        return int.from_bytes(value * (word.itemsize // len(value)), "little")
+    if value == bytes(len(value)):
+        return 0
+    raise AssertionError(f"unreachable: {word} words narrower than a {fill[1]} scale")
+
+
+def move_rows(kernel, indices, srcs, dsts, stream, share=1.0, fill=None):
+    """Move one or two (src, dst) row-array pairs by ``indices``: ``kernel`` is the gather or
+    scatter kernel; on the host backend its NumPy twin (``_host.gather_rows`` /
+    ``_host.scatter_rows``) runs instead. Arrays are CuPy/NumPy arrays or, 2-D, ``Words``;
+    ``share``: the grid's share of the device (``launch_1d``); ``fill``: a gather's padding
+    scale for the second pair (``padding_scale``; None: zeros)."""
+    gather = kernel is gather_rows_kernel
+    if host_backend():
+        if gather:
+            _host.gather_rows(indices, srcs, dsts, None if fill is None else fill[0])
+        else:
+            _host.scatter_rows(indices, srcs, dsts)
+        return
+    p = indices.shape[0]
+    shapes, arrays = [], [indices]
+    for src, dst in zip(srcs, dsts):
+        if src.ndim != 2:  # rows of any shape move as rows of bytes
+            width = int(numpy.prod(src.shape[1:]))
+            src, dst = src.reshape(src.shape[0], width), dst.reshape(dst.shape[0], width)
+        row_bytes = dst.shape[1] * dst.dtype.itemsize
+        word = _word(row_bytes, (src, dst))
+        shapes.append((row_bytes // word.itemsize, word))
+        arrays += (src, dst)
+    other = dsts[0].shape[0] if not gather else srcs[0].shape[0]
+    if len(shapes) == 1:  # a missing second pair is an empty one (never an alias of the first:
+        shapes.append(None)  # the simulator copies every argument in and out)
+        arrays += (0, 0) if not simulated() else \
+            tuple(numpy.empty((0, 0), _WORDS[0]) for _ in range(2))
+    if p == 0 or not any(shape and shape[0] for shape in shapes):
+        return
+    fill_word = _fill_word(fill, shapes[1][1]) if gather and shapes[1] else 0
+    _move_launch(kernel, tuple(shapes), share, fill_word)(stream_ptr(stream), (p, other, 0),
+                                                           *arrays)
+
+
+@prepared
+def _move_launch(kernel, shapes, share=1.0, fill_word=0):
+    """The prepared launch (``kernels.SizedLaunch``) of the gather or scatter ``kernel`` for two
+    ``(words per row, word)`` pairs, the second None when missing (an empty (0, 0) pair), and a
+    gather's ``fill_word`` (``_fill_word``). Its counts: the indices (P, one CUDA block per
+    row), the rows on the other side (a gather's source, a scatter's destination), and 0 (the
+    rows of the empty pair)."""
+    args = [Words(0, (1,), numpy.dtype(numpy.int32))]
+    gather = kernel is not scatter_rows_kernel
+    for shape in shapes:
+        if shape is None:
+            empty = (Words(0, (1, 0), _WORDS[0]), 2)
+            args += (empty, empty)
+            continue
+        words, word = shape
+        other, indexed = (Words(0, (1, words), word), 1), (Words(0, (1, words), word), 0)
+        args += (other, indexed) if gather else (indexed, other)
+    if gather:
+        args.append(fill_word)
+    threads = _row_threads(max(shape[0] for shape in shapes if shape))
+    return SizedLaunch(kernel, launch_1d(UNBOUNDED, threads=threads, share=share), (threads, 1),
+                       *args)
+
+
+def pad_rows(dsts, fmt, indices, stream):
+    """Give the padding rows (``indices[p] < 0``) of the permuted row arrays ``dsts`` (data and
+    scales of ``fmt``, or one plain array, ``fmt`` None) zeros and the format's padding scale,
+    leaving the other rows alone: what a permute's gather writes there. One launch, on the
+    device (no host sync)."""
+    p = indices.shape[0]
+    if p == 0:
+        return
+    fill = padding_scale(fmt)
+    if host_backend():
+        _host.zero_rows(indices, dsts, None if fill is None else fill[0])
+        return
+    shapes, arrays = [], [indices]
+    for dst in dsts:
+        if dst.ndim != 2:
+            dst = dst.reshape(dst.shape[0], int(numpy.prod(dst.shape[1:])))
+        word = _word(dst.shape[1] * dst.dtype.itemsize, (dst,))
+        shapes.append((dst.shape[1] * dst.dtype.itemsize // word.itemsize, word))
+        arrays.append(dst)
+    if len(shapes) == 1:
+        shapes.append(None)
+        arrays.append(0 if not simulated() else numpy.empty((0, 0), _WORDS[0]))
+    fill_word = _fill_word(fill, shapes[1][1]) if shapes[1] else 0
+    _zero_launch(tuple(shapes), fill_word)(stream_ptr(stream), (p, 0), *arrays)
+
+
+@prepared
+def _zero_launch(shapes, fill_word):
+    """The sized launch of ``zero_rows_kernel`` for two ``(words per row, word)`` arrays (the
+    second None: an empty (0, 0) array) and the second's padding ``fill_word``, scaled with the
+    rows P."""
+    args = [Words(0, (1,), numpy.dtype(numpy.int32))]
+    for shape in shapes:
+        if shape is None:
+            args.append((Words(0, (1, 0), _WORDS[0]), 1))
+            continue
+        words, word = shape
+        args.append(Words(0, (1, words), word))
+    args.append(fill_word)
+    threads = _row_threads(max(shape[0] for shape in shapes if shape))
+    return SizedLaunch(zero_rows_kernel, launch_1d(UNBOUNDED, threads=threads), (threads, 1),
+                       *args)

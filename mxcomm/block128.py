@@ -1,0 +1,183 @@
+"""The fp8 1x128 block format: e4m3fn elements, one fp32 scale per 128 elements of a row.
+
+Glossary: M rows, D hidden. e4m3fn data are (M, D) uint8 bit arrays, scales (M, D // 128) float32,
+row-major, ``x ~= e4m3 * scale``, D % 128 == 0. DeepSeek-V3's activation format (DeepEP's fp8
+dispatch, DeepGEMM's SM90 GEMMs; DeepGEMM wants the scales transposed, M-major and TMA-aligned: a
+copy for its adapter to make). The exact rules are in ``kernels.fp8_block``.
+
+The ``launch_*`` functions choose: the host twin in ``mxcomm._host`` (bit-identical, tested) where
+``mxcomm._platform.host_backend()``, else the kernel. :data:`FP8_BLOCK128` and
+:data:`FP8_BLOCK128_POW2` are registered with ``mxcomm.formats`` when this module is imported.
+"""
+
+import numpy
+
+from .kernels import (UNBOUNDED, SizedLaunch, Words,  # first: decides simulator vs GPU
+                      prepared, resident_launch)
+from . import _host
+from ._array import bfloat16, check_array, check_rows, float32, out_array, out_dtype, out_pair, \
+    stream_ptr
+from ._platform import host_backend
+from .formats import Format, register
+from .kernels import fp8_block
+from .kernels._launch import THREADS_PER_BLOCK
+from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
+                                dequantize_fp8_block128_bf16_kernel,
+                                dequantize_fp8_block128_f32_kernel,
+                                quantize_fp8_block128_bf16_kernel, quantize_fp8_block128_f32_kernel)
+
+#: Scale modes of fp8 block128: "plain" amax / 448 (DeepSeek-V3, DeepEP's default), "pow2" (UE8M0).
+BLOCK_SCALE_MODES = _host.BLOCK_SCALE_MODES
+#: The scale of a padding row (its elements are zeros).
+PADDING_SCALE = _host.PADDING_SCALE
+
+_DTYPES = (bfloat16, float32)
+_U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uint64))
+
+
+def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
+    """Quantize the rows of ``x`` in blocks of 128: e4m3fn elements, one fp32 scale per block.
+
+    DeepSeek-V3's fine-grained activation quantization (DeepEP's fp8 dispatch format). With
+    amax = max |x| over a block:
+      "plain" (DeepSeek-V3, DeepEP's default; DeepGEMM's ``per_token_cast_to_fp8``):
+          a = max(amax, 448 * 2^-126); scale = fl32(a / 448);
+          element = RNE_e4m3(fl32(x * fl32(1 / scale)))
+          (fl32: one IEEE fp32 operation, round to nearest even). Bit-identical to DeepGEMM's cast
+          for amax >= 1e-4, where DeepGEMM and DeepEP clamp amax to 1e-4 instead.
+      "pow2" (DeepGEMM's UE8M0 scales, DeepEP's round_scale):
+          scale = 2^clamp(ceil(log2(amax / 448)), -126, 127); element = RNE_e4m3(x / scale)
+    Elements saturate to +-448. A block holding NaN or +-Inf gets scale NaN and elements 0x7F.
+
+    Args:
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 128 == 0. Read.
+        scale_mode: "plain" or "pow2".
+        out: a (data, scales) pair to write, (M, D) uint8 and (M, D // 128) float32, C-contiguous,
+            or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data, scales): (M, D) uint8 e4m3fn bits and (M, D // 128) float32 scales.
+    Raises:
+        TypeError: ``x`` is not a device array or not bf16/fp32; ``out`` not a pair, or of other
+            dtypes.
+        ValueError: ``x`` not 2-D, D % 128 != 0 or not C-contiguous; unknown ``scale_mode``;
+            ``out`` of other shapes.
+    """
+    x = check_rows(x, "x", FP8_BLOCK, _DTYPES)
+    if scale_mode not in BLOCK_SCALE_MODES:
+        raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
+    m, d = x.shape
+    data, scales = out_pair(out, (m, d), (m, d // FP8_BLOCK))
+    return launch_quantize_fp8_block128(x, data, scales, scale_mode, stream_ptr(stream))
+
+
+def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0):
+    """Enqueue the block128 quantize kernel (arguments checked by the caller): ``x`` (M, D) bf16/
+    fp32 into ``data`` (M, D) uint8 and ``scales`` (M, D // 128) float32. Returns (data, scales)."""
+    if x.size == 0:
+        return data, scales
+    if host_backend():
+        return _host.quantize_fp8_block128(x, scale_mode, out=(data, scales))
+    _block_quantize_launch(x.dtype, scale_mode == "pow2", share)(stream, x.size // FP8_BLOCK, x,
+                                                                 data, scales)
+    return data, scales
+
+
+@prepared
+def _block_quantize_launch(dtype, pow2, share):
+    """The prepared block128 quantize launch (``kernels.SizedLaunch``) of ``dtype`` rows, per
+    128-element block."""
+    if dtype == bfloat16:
+        kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
+    else:
+        kernel, registers = quantize_fp8_block128_f32_kernel, fp8_block.QUANTIZE_F32_REGISTERS
+    data = Words(0, (FP8_BLOCK // 8,), _U64)  # units of 8 elements
+    config = resident_launch(UNBOUNDED, THREADS_PER_BLOCK, registers, 0, share)
+    return SizedLaunch(kernel, config, (data.size, UNITS_PER_THREAD),
+                       Words(0, (FP8_BLOCK * dtype.itemsize // 8,), _U64), data,
+                       Words(0, (1,), _U32), pow2)
+
+
+def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=None):
+    """Decode fp8 block128 rows: x = e4m3 * scale of its 128-element block.
+
+    The product is rounded once to fp32; bf16 output is its round-to-nearest-even. A NaN scale or
+    NaN element gives NaN (canonical quiet NaN: bf16 0x7FC0, fp32 0x7FC00000).
+
+    Args:
+        data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 128 == 0. Read.
+        scales: (M, D // 128) float32, C-contiguous. Read.
+        dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
+        out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        ``out``: (M, D) ``dtype``.
+    Raises:
+        TypeError: ``data``/``scales`` not device arrays or of other dtypes; ``dtype`` not
+            bf16/fp32; ``out`` of another dtype.
+        ValueError: ``data`` not 2-D, D % 128 != 0, or not C-contiguous; ``scales`` or ``out`` of
+            another shape or not C-contiguous.
+    """
+    data = check_rows(data, "data", FP8_BLOCK, (_U8,))
+    m, d = data.shape
+    scales = check_array(scales, "scales", float32, (m, d // FP8_BLOCK))
+    out = out_array(out, (m, d), out_dtype(dtype))
+    return launch_dequantize_fp8_block128(data, scales, out, stream_ptr(stream))
+
+
+def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
+    """Enqueue the block128 dequantize kernel (arguments checked by the caller): ``data`` (M, D)
+    uint8 and ``scales`` (M, D // 128) float32 into ``out`` (M, D) bf16/fp32. Returns ``out``."""
+    if out.size == 0:
+        return out
+    if host_backend():
+        return _host.dequantize_fp8_block128(data, scales, out.dtype, out=out)
+    _block_dequantize_launch(out.dtype, share)(stream, out.size // FP8_BLOCK, data, scales, out)
+    return out
+
+
+@prepared
+def _block_dequantize_launch(dtype, share):
+    """The prepared block128 dequantize launch (``kernels.SizedLaunch``) into ``dtype``, per
+    128-element block."""
+    data = Words(0, (FP8_BLOCK // 8,), _U64)
+    kernel = dequantize_fp8_block128_bf16_kernel if dtype == bfloat16 else \
+        dequantize_fp8_block128_f32_kernel
+    config = resident_launch(UNBOUNDED, THREADS_PER_BLOCK, fp8_block.DEQUANTIZE_REGISTERS, 0,
+                              share)
+    return SizedLaunch(kernel, config, (data.size, WORDS_PER_THREAD), data, Words(0, (1,), _U32),
+                       Words(0, (FP8_BLOCK * dtype.itemsize // 8,), _U64))
+
+
+
+def _block128_quantize(mode):
+    def quantize(x, out, stream, share, scale_mode):
+        launch_quantize_fp8_block128(x, out.data, out.scales, mode, stream, share)
+    return quantize
+
+
+def _block128_dequantize(q, out, stream, share):
+    launch_dequantize_fp8_block128(q.data, q.scales, out, stream, share)
+
+
+def _block128_sized_quantize(mode):
+    def sized(dtype, width, scale_mode, share):
+        if host_backend():
+            return None
+        return _block_quantize_launch(dtype, mode == "pow2", share), width // FP8_BLOCK
+    return sized
+
+
+#: ``"fp8_block128"`` and ``"fp8_block128_pow2"`` (``mxcomm.formats``).
+FP8_BLOCK128 = register(Format(
+    "fp8_block128", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
+    "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448",
+    _block128_quantize("plain"), _block128_dequantize, input_align=8,
+    _sized_quantize=_block128_sized_quantize("plain")))
+FP8_BLOCK128_POW2 = register(Format(
+    "fp8_block128_pow2", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
+    "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))",
+    _block128_quantize("pow2"), _block128_dequantize, input_align=8,
+    _sized_quantize=_block128_sized_quantize("pow2")))
+
+

@@ -1,0 +1,189 @@
+"""fp8 operands of the grouped GEMM's gradients: fp8 rowwise rows rescaled per (group, column) and
+transposed (the wgrad's token-axis operands), and bf16 matrices quantized along their columns,
+transposed (the dgrad's B operand).
+
+Glossary: P rows, D hidden, G groups, T token positions, B matrices of R x C. e4m3fn data are uint8
+bit arrays, scales float32 powers of two: the fp8 rowwise rule (``mxcomm.rowwise``) along the
+other axis. The exact rules are in ``kernels.fp8_colwise`` and ``kernels.fp8_transpose``. The
+``launch_*`` functions choose: the host twin in ``mxcomm._host`` where
+``mxcomm._platform.host_backend()``, else the kernels.
+"""
+
+import numpy
+
+from .kernels import array_module, launch_1d, simulated, words  # first: decides simulator vs GPU
+from . import _host
+from ._array import as_device_array, bfloat16, check_array, check_rows, float32, stream_ptr
+from ._platform import host_backend
+from .kernels import fp8_colwise, fp8_transpose
+from .kernels._launch import THREADS_PER_BLOCK
+from .kernels.fp8_colwise import group_colwise_amax_kernel, group_colwise_scales_kernel
+from .kernels.fp8_colwise_encode import ENCODE_MAX_WORDS, encode_items, group_colwise_encode_kernel
+from .kernels.fp8_transpose import transpose_amax_kernel, transpose_encode_kernel
+from .rowwise import ROWWISE_MULTIPLE
+
+_U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uint64))
+#: T of :func:`fp8_rowwise_to_group_colwise` for (rows, groups): the host twin's (one definition).
+group_colwise_positions = _host.group_colwise_positions
+
+
+def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
+    """Rescale fp8 rowwise rows to one scale per (group, column) and transpose them, in two reads.
+
+    The operands of a grouped weight gradient dw[g] = x[g]^T @ grad[g] in fp8 are scaled along
+    the token axis per group and laid out token-contiguous: ``torch._scaled_grouped_mm``'s 2d-2d
+    case (A = ``data_t`` (D, T) row-major, B = another ``data_t``'s transpose, scales flattened,
+    ``offs=aligned_ends``). With v = e4m3 * row scale (exact) and amax = max |v| over a group's
+    rows in a column:
+
+        scales_t[g, d] = 2^clamp(ceil(log2(amax / 448)), -126, 127)   (amax = 0: 2^-126)
+        data_t[d, t]   = RNE_e4m3(v[p, d] / scales_t[g, d])            (one rounding)
+
+    the fp8 rowwise rule along the token axis (``kernels.fp8_colwise``). Group g's rows take the
+    token positions from ``aligned_ends[g - 1]`` on, followed by zero padding up to a multiple of
+    16 positions, at least 16 (so the GEMM sees no empty and no misaligned group: its 2d-2d kernel
+    asserts on the device that each group is a multiple of 16). A row with a NaN/Inf scale or a
+    NaN element makes its group's column NaN (scale NaN, elements 0x7F). Bit-identical to a
+    float64 evaluation of these formulas.
+
+    Args:
+        data: (P, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0: fp8 rowwise rows sorted by
+            group (a permute's output). Read.
+        scales: (P,) float32 row scales: powers of two (as the fp8 rowwise quantizers and
+            ``mx_to_rowwise_permute`` write them), 0 or NaN. Read.
+        group_ends: (G,) int32 device array, G >= 1: the cumulative group ends (``permute``'s
+            ``group_offsets``), non-decreasing, the last <= P; rows from the last on are
+            ignored. Read on the device (no host sync).
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data_t, scales_t, aligned_ends): (D, T) uint8 e4m3fn bits, (G, D) float32 and (G,)
+        int32, T = :func:`group_colwise_positions` (P, G).
+    Raises:
+        TypeError: arrays of other dtypes, or not device arrays.
+        ValueError: ``data`` not 2-D, D % 16 != 0 or not C-contiguous; ``scales`` of another
+            shape; ``group_ends`` not 1-D or empty; an output of 2^33 bytes or more (8 GiB: the
+            encode kernel indexes words in int32).
+    Group ends that are not sorted or exceed P are not detected (that needs a host sync): rows
+    then land in the wrong groups or are ignored, but nothing is written out of bounds.
+    """
+    data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
+    p, d = data.shape
+    scales = check_array(scales, "scales", float32, (p,))
+    ends = as_device_array(group_ends, "group_ends")
+    if ends.ndim != 1 or ends.shape[0] == 0:
+        raise ValueError(f"group_ends: expected a 1-D array of G >= 1 group ends, got shape "
+                         f"{tuple(ends.shape)}")
+    ends = check_array(ends, "group_ends", numpy.dtype(numpy.int32), ends.shape)
+    if group_colwise_positions(p, ends.shape[0]) * d // 4 > ENCODE_MAX_WORDS:
+        raise ValueError(f"data: {p} x {d} rows in {ends.shape[0]} groups give an output of "
+                         f"{group_colwise_positions(p, ends.shape[0])} x {d} bytes, above the "
+                         f"{4 * ENCODE_MAX_WORDS} the encode kernel indexes (int32 "
+                         f"words); split the rows")
+    return launch_fp8_rowwise_to_group_colwise(data, scales, ends, stream_ptr(stream))
+
+
+def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
+    """Enqueue the three kernels of :func:`fp8_rowwise_to_group_colwise` (arguments checked by
+    the caller) on the raw stream handle ``stream``; returns (data_t, scales_t, aligned_ends)."""
+    if host_backend():
+        return _host.fp8_rowwise_to_group_colwise(data, scales, group_ends)
+    xp = array_module()
+    p, d = data.shape
+    g = group_ends.shape[0]
+    t = group_colwise_positions(p, g)
+    data_t = xp.empty((d, t), dtype=_U8)
+    scales_t = xp.empty((g, d), dtype=float32)
+    aligned = xp.empty(g, dtype=numpy.int32)
+    keys = scales_t.view(_U32)
+    if simulated():
+        keys[...] = 0
+    elif keys.size:
+        import cupy
+        cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
+    row_scales = scales.view(_U32)
+    # The simulator runs CUDA threads as Python threads whose device-function calls contend for a
+    # lock (and its atomics for another): a launch of 32 of them took minutes where one took a
+    # fraction of a second. There, one thread per block takes whole columns (no atomics).
+    sim = simulated()
+    chunk = max(p, 1) if sim else fp8_colwise.CHUNK_ROWS
+    group_colwise_amax_kernel[launch_1d(-(-p // chunk) * (d // fp8_colwise.AMAX_COLUMNS), stream,
+                                        threads=1 if sim else None)](
+        words(data, _U64, "data", rows=True), row_scales, group_ends, keys, chunk)
+    group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
+    items = encode_items(t, d)
+    group_colwise_encode_kernel[launch_1d(items * THREADS_PER_BLOCK, stream)](
+        words(data, _U32, "data", rows=True), row_scales, group_ends, keys,
+        words(data_t, _U32, "data_t", rows=True))
+    return data_t, scales_t, aligned
+
+
+
+def quantize_fp8_rowwise_transposed(x, *, stream=None):
+    """fp8-rowwise-quantize the columns of each matrix of ``x`` and write them as rows.
+
+    For x (B, R, C) and every (b, c), the column x[b, :, c] is quantized as
+    :func:`quantize_fp8_rowwise` quantizes a row (scale 2^clamp(ceil(log2(amax / 448)), -126,
+    127), elements round-to-nearest-even e4m3fn saturated to +-448; a column holding NaN or Inf:
+    scale NaN, elements 0x7F), and becomes row c of matrix b of the result: bit-identical to
+    ``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that copy
+    (``kernels.fp8_transpose``). It is the B operand of a grouped dgrad in fp8 (``torch.
+    _scaled_grouped_mm``: B (G, N, K) column-major, scales (G, K)) from weights kept as (G, N, K)
+    with K contiguous, as MoE layers keep them.
+
+    Args:
+        x: (B, R, C) bf16 device array, C-contiguous, R % 16 == 0 and C % 16 == 0. Read.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data, scales): (B, C, R) uint8 e4m3fn bits and (B, C) float32 scales.
+    Raises:
+        TypeError: ``x`` is not a device array or not bf16.
+        ValueError: ``x`` not 3-D, R or C not a multiple of 16, or not C-contiguous; 2^33 or
+            more elements (16 GiB: the encode kernel indexes words in int32).
+    """
+    x = as_device_array(x, "x")
+    if x.ndim != 3:
+        raise ValueError(f"x: expected a 3-D (B, R, C) array, got shape {tuple(x.shape)}")
+    b, r, c = x.shape
+    if x.dtype != bfloat16:
+        raise TypeError(f"x: expected dtype bfloat16, got {x.dtype}")
+    if r % ROWWISE_MULTIPLE or c % ROWWISE_MULTIPLE:
+        raise ValueError(f"x: expected R and C multiples of {ROWWISE_MULTIPLE}, got shape "
+                         f"{tuple(x.shape)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"x: expected a C-contiguous array, got strides {x.strides}")
+    if x.size // 4 > fp8_transpose.ENCODE_MAX_WORDS:
+        raise ValueError(f"x: {x.size} elements (shape {tuple(x.shape)}), above the "
+                         f"{4 * fp8_transpose.ENCODE_MAX_WORDS} the encode kernel indexes "
+                         f"(int32 words); quantize fewer matrices per call")
+    return launch_quantize_fp8_rowwise_transposed(x, stream_ptr(stream))
+
+
+def launch_quantize_fp8_rowwise_transposed(x, stream):
+    """Enqueue the two kernels of :func:`quantize_fp8_rowwise_transposed` (``x`` checked by the
+    caller) on the raw stream handle ``stream``; returns (data, scales)."""
+    if host_backend():
+        return _host.quantize_fp8_rowwise_transposed(x)
+    xp = array_module()
+    b, r, c = x.shape
+    data = xp.empty((b, c, r), dtype=_U8)
+    scales = xp.empty((b, c), dtype=float32)
+    if data.size == 0:
+        scales[...] = 2.0 ** -126  # an empty column's amax is 0
+        return data, scales
+    keys = xp.empty(b * c, dtype=_U32)
+    if simulated():
+        keys[...] = 0
+    else:
+        import cupy
+        cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
+    x_words = x.reshape(b * r, c).view(_U64)
+    # the simulator: one thread per column (no atomics: they serialize its Python threads)
+    sim = simulated()
+    chunk = r if sim else fp8_transpose.CHUNK_ROWS
+    transpose_amax_kernel[launch_1d(b * -(-r // chunk) * (c // 4), stream,
+                                    threads=1 if sim else None)](x_words, r, keys, chunk)
+    tiles = b * -(-r // fp8_transpose.TILE_ROWS) * -(-(c // 4) // fp8_transpose.TILE_WORDS)
+    transpose_encode_kernel[launch_1d(tiles * THREADS_PER_BLOCK, stream)](
+        x_words, r, keys, data.reshape(b * c, r).view(_U32), scales.reshape(b * c).view(_U32))
+    return data, scales
+

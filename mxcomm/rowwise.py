@@ -1,0 +1,260 @@
+"""The fp8 rowwise format (e4m3fn elements, one power-of-two fp32 scale per row: the A operand of
+Hopper's ``torch._scaled_grouped_mm``), and the permute's MXFP8 -> fp8 rowwise gather.
+
+Glossary: M rows, D hidden (D % 16 == 0), N source rows, P permuted rows. e4m3fn data are uint8
+bit arrays, scales (M,) float32, ``x ~= e4m3 * scale``; the formulas are in the functions'
+docstrings. The ``launch_*`` functions choose: the host twin in ``mxcomm._host`` (bit-identical,
+tested) where ``mxcomm._platform.host_backend()``, else the kernel. :data:`FP8_ROWWISE` and the
+MXFP8 -> rowwise conversion are registered with ``mxcomm.formats`` when this module is imported.
+"""
+
+import numpy
+
+from .kernels import (UNBOUNDED, SizedLaunch, Words, address,  # first: decides simulator vs GPU
+                      prepared, resident_launch, simulated, words)
+from . import _host
+from ._array import (as_device_array, bfloat16, check_array, check_rows, float32, out_array,
+                     out_dtype, out_pair, stream_ptr)
+from ._platform import host_backend
+from .formats import PER_ROW, Format, register, register_conversion
+from .kernels import fp8_rowwise
+from .kernels._launch import THREADS_PER_BLOCK
+from .kernels._memory import PAIR_BYTES
+from .kernels.fp8_rowwise import (ROWS_PER_BLOCK, dequantize_fp8_rowwise_bf16_kernel,
+                                  dequantize_fp8_rowwise_f32_kernel,
+                                  quantize_fp8_rowwise_bf16_kernel, quantize_fp8_rowwise_f32_kernel)
+from .kernels.mx_rowwise import GATHER_REGISTERS, mx_to_rowwise_gather_kernel
+from .mxfp8 import MXFP8Array
+
+#: D must be a multiple of it for fp8 rowwise (torch._scaled_grouped_mm: K % 16 == 0).
+ROWWISE_MULTIPLE = 16
+#: The scale of a padding row written by mx_to_rowwise_permute (its elements are zeros).
+PADDING_SCALE = _host.PADDING_SCALE
+
+_DTYPES = (bfloat16, float32)
+_U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uint64))
+_WARP = 32
+
+
+def quantize_fp8_rowwise(x, *, out=None, stream=None):
+    """fp8-rowwise-quantize the rows of ``x``: e4m3fn elements, one power-of-two fp32 scale per row.
+
+    With amax = max |x| over a row (exact arithmetic), the layout SM90 ``torch._scaled_grouped_mm``
+    takes for its A operand (scales (M,) float32, 1-D, contiguous; D % 16 == 0: aten/src/ATen/
+    native/cuda/GroupedBlas.cpp ``_check_scales_fp8_rowwise``):
+      scale   = 2^e, e = clamp(ceil(log2(amax / 448)), -126, 127)   (MXFP8's "rceil", per row;
+                amax = 0 gives 2^-126: scale and 1 / scale are normal fp32)
+      element = round-to-nearest-even(x / scale) as e4m3fn, saturated to +-448.
+    A row holding NaN or +-Inf gets scale NaN and elements 0x7F: it dequantizes (and multiplies in
+    the GEMM) to NaN. Bit-identical to a float64 evaluation of these formulas.
+
+    Args:
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 16 == 0, its address a multiple
+            of 16 bytes (the kernel loads 16 bytes at a time). Read.
+        out: a (data, scales) pair to write, (M, D) uint8 and (M,) float32, C-contiguous, or None
+            to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data, scales): (M, D) uint8 e4m3fn bits and (M,) float32 scales.
+    Raises:
+        TypeError: ``x`` is not a device array or not bf16/fp32; ``out`` not a pair, or of other
+            dtypes.
+        ValueError: ``x`` not 2-D, D % 16 != 0, not C-contiguous or its address not a multiple of
+            16 bytes; ``out`` of other shapes.
+    """
+    x = check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES)
+    FP8_ROWWISE.check_input(x)
+    m, d = x.shape
+    data, scales = out_pair(out, (m, d), (m,))
+    return launch_quantize_fp8_rowwise(x, data, scales, stream_ptr(stream))
+
+
+def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
+    """Enqueue the rowwise quantize kernel (arguments checked by the caller): ``x`` (M, D) bf16/
+    fp32 into ``data`` (M, D) uint8 and ``scales`` (M,) float32, on the raw stream handle
+    ``stream``, with a grid of ``share`` of the device. Returns (data, scales)."""
+    m, d = x.shape
+    if m == 0:
+        return data, scales
+    if host_backend():
+        return _host.quantize_fp8_rowwise(x, out=(data, scales))
+    _rowwise_quantize_launch(d, x.dtype, share)(stream, m, x, data, scales)
+    return data, scales
+
+
+@prepared
+def _rowwise_quantize_launch(d, dtype, share):
+    """The prepared rowwise quantize launch (``kernels.SizedLaunch``) of ``dtype`` rows of width
+    ``d``, per row."""
+    if dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
+        kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (1, d // 8), _U64)
+    else:  # units of 4 elements -> one uint32
+        kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (1, d // 4), _U32)
+    # one warp per row, ROWS_PER_BLOCK rows per CUDA block, each kept in the block's shared
+    # memory between the passes as far as STASH_BLOCK_BYTES go (the rest of a row is re-read)
+    units = data.shape[1]
+    rows = 1 if simulated() else ROWS_PER_BLOCK  # the simulator's blocks are one warp
+    stash_units = min(units, fp8_rowwise.STASH_BLOCK_BYTES // (rows * fp8_rowwise.STASH_UNIT_BYTES))
+    threads = _WARP * rows
+    shared = rows * stash_units * fp8_rowwise.STASH_UNIT_BYTES
+    config = resident_launch(UNBOUNDED, threads, fp8_rowwise.QUANTIZE_REGISTERS, 0, share,
+                              shared)
+    return SizedLaunch(kernel, config[:3] + (shared,), (_WARP, 1),  # a warp per row
+                       Words(0, (1, d * dtype.itemsize // 8), _U64, PAIR_BYTES),  # pair loads
+                       data, Words(0, (1,), _U32), stash_units)
+
+
+def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=None):
+    """Decode fp8 rowwise rows: x = e4m3 * scale.
+
+    The product is rounded once to fp32 (exact for power-of-two scales); bf16 output is its
+    round-to-nearest-even. A NaN scale or NaN element gives NaN (canonical quiet NaN: bf16 0x7FC0,
+    fp32 0x7FC00000). Any fp32 scales are accepted (e.g. from another quantizer).
+
+    Args:
+        data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0. Read.
+        scales: (M,) float32, C-contiguous. Read.
+        dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
+        out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        ``out``: (M, D) ``dtype``.
+    Raises:
+        TypeError: ``data``/``scales`` not device arrays or of other dtypes; ``dtype`` not
+            bf16/fp32; ``out`` of another dtype.
+        ValueError: ``data`` not 2-D, D % 16 != 0, or not C-contiguous; ``scales`` or ``out`` of
+            another shape or not C-contiguous.
+    """
+    data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
+    m, d = data.shape
+    scales = check_array(scales, "scales", float32, (m,))
+    out = out_array(out, (m, d), out_dtype(dtype))
+    return launch_dequantize_fp8_rowwise(data, scales, out, stream_ptr(stream))
+
+
+def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
+    """Enqueue the rowwise dequantize kernel (arguments checked by the caller): ``data`` (M, D)
+    uint8 and ``scales`` (M,) float32 into ``out`` (M, D) bf16/fp32. Returns ``out``."""
+    if out.size == 0:
+        return out
+    if host_backend():
+        return _host.dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
+    m, d = data.shape
+    _rowwise_dequantize_launch(d, out.dtype, share)(stream, m, data, scales, out)
+    return out
+
+
+@prepared
+def _rowwise_dequantize_launch(d, dtype, share):
+    """The prepared rowwise dequantize launch (``kernels.SizedLaunch``) of rows of width ``d``
+    into ``dtype``, per row."""
+    words = d // 8
+    kernel = dequantize_fp8_rowwise_bf16_kernel if dtype == bfloat16 else \
+        dequantize_fp8_rowwise_f32_kernel
+    config = resident_launch(UNBOUNDED, THREADS_PER_BLOCK, fp8_rowwise.DEQUANTIZE_REGISTERS, 0,
+                              share)
+    return SizedLaunch(kernel, config, (words, fp8_rowwise.WORDS_PER_THREAD),
+                       Words(0, (words,), _U64), Words(0, (1,), _U32),
+                       Words(0, (words * dtype.itemsize,), _U64), words)
+
+
+
+def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
+    """Gather MXFP8 rows by ``permuted_indices`` and write them as fp8 rowwise rows, in one pass.
+
+    Row p is source row i = permuted_indices[p] with its blocks rescaled to one scale per row:
+    scale = 2^(r - 127) with r = max(max of the row's e8m0 block scales, 1), and each element of
+    block b (scale s_b) becomes RNE_e4m3(e4m3 * 2^(s_b - r)) (exact product, one rounding; blocks
+    at the row's scale are copied bit for bit). For MXFP8 quantized with "rceil" the row scale is
+    exactly what :func:`quantize_fp8_rowwise` gives for the original row. Padding rows (i < 0, or
+    i >= N) get zeros and scale 1.0 (finite, so the GEMM's epilogue gives 0 for them, also for
+    consumers that invert scales); a row with a NaN block (scale 0xFF) gets scale NaN and elements
+    0x7F; NaN elements stay NaN.
+
+        permuted row   0    1    2    3      (P = 4)
+        indices        5    0   -1   -1
+        data           q(mx[5]) q(mx[0]) 0  0
+        scales         s5   s0   1.0  1.0
+
+    Args:
+        mx: MXFP8Array (N, D), the received rows; its data's address a multiple of 16 bytes (the
+            kernel moves 16 bytes at a time). Read.
+        permuted_indices: (P,) int32 device array, C-contiguous: source row or -1 (as returned
+            by ``mxcomm.permute``). Read.
+        out: a (data, scales) pair to write, (P, D) uint8 and (P,) float32, C-contiguous, data's
+            address a multiple of 16 bytes, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+    Returns:
+        (data, scales): (P, D) uint8 e4m3fn bits and (P,) float32 power-of-two row scales, ready
+        for ``torch._scaled_grouped_mm`` with the permute's ``group_offsets``.
+    Raises:
+        TypeError: ``mx`` not an MXFP8Array; ``permuted_indices`` not an int32 device array;
+            ``out`` not a pair, or of other dtypes.
+        ValueError: ``permuted_indices`` not 1-D or not C-contiguous; ``out`` of other shapes;
+            ``mx.data`` or the out data at an address not a multiple of 16 bytes.
+    """
+    if not isinstance(mx, MXFP8Array):
+        raise TypeError(f"mx: expected an MXFP8Array, got {type(mx).__name__}")
+    indices = as_device_array(permuted_indices, "permuted_indices")
+    if indices.ndim != 1:
+        raise ValueError(f"permuted_indices: expected a 1-D array, "
+                         f"got shape {tuple(indices.shape)}")
+    indices = check_array(indices, "permuted_indices", numpy.dtype(numpy.int32), indices.shape)
+    p = indices.shape[0]
+    d = mx.shape[1]
+    data, scales = out_pair(out, (p, d), (p,))
+    for a, name in ((mx.data, "mx.data"), (data, "out[0] (data)")):
+        if a.size and address(a) % PAIR_BYTES:
+            raise ValueError(f"{name}: expected an address that is a multiple of {PAIR_BYTES} "
+                             f"bytes (the gather moves 16 bytes at a time), got {address(a):#x}")
+    return launch_mx_to_rowwise_permute(mx, indices, data, scales, stream_ptr(stream))
+
+
+def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
+    """Enqueue the MXFP8 -> rowwise gather (arguments checked by the caller): rows
+    ``indices`` (P,) int32 of ``mx`` (N, D) into ``data`` (P, D) uint8 and ``scales`` (P,)
+    float32. Returns (data, scales)."""
+    p = indices.shape[0]
+    if p == 0:
+        return data, scales
+    if host_backend():
+        return _host.mx_to_rowwise_permute(mx, indices, out=(data, scales))
+    out_words = words(data, _U64, "out data", rows=True, align=PAIR_BYTES)  # stored in pairs
+    threads = _WARP * ROWS_PER_BLOCK  # one warp per row
+    mx_to_rowwise_gather_kernel[resident_launch(-(-p // ROWS_PER_BLOCK) * threads, threads,
+                                                 GATHER_REGISTERS, stream, share)](
+        indices, words(mx.data, _U64, "mx.data", rows=True, align=PAIR_BYTES), mx.scales, out_words,
+        words(scales, _U32, "scales"))
+    return data, scales
+
+
+
+def _rowwise_quantize(x, out, stream, share, scale_mode):
+    launch_quantize_fp8_rowwise(x, out.data, out.scales, stream, share)
+
+
+def _rowwise_dequantize(q, out, stream, share):
+    launch_dequantize_fp8_rowwise(q.data, q.scales, out, stream, share)
+
+
+def _rowwise_sized_quantize(dtype, width, scale_mode, share):
+    if host_backend():
+        return None
+    return _rowwise_quantize_launch(width, dtype, share), 1  # per row
+
+
+#: ``"fp8_rowwise"`` (``mxcomm.formats``).
+FP8_ROWWISE = register(Format(
+    "fp8_rowwise", "e4m3fn", _U8, float32, PER_ROW, ROWWISE_MULTIPLE, PADDING_SCALE, (),
+    "SM90 torch._scaled_grouped_mm's A operand (fp32 row scales, K % 16)",
+    _rowwise_quantize, _rowwise_dequantize, input_align=PAIR_BYTES,
+    _sized_quantize=_rowwise_sized_quantize))
+
+def _mx_to_rowwise(x, indices, stream, alloc):
+    """The permute's MXFP8 -> fp8 rowwise gather (``mxcomm.formats.conversion``)."""
+    out = FP8_ROWWISE.empty(indices.shape[0], x.shape[1], alloc)
+    launch_mx_to_rowwise_permute(x, indices, out.data, out.scales, stream)
+    return out
+
+
+register_conversion("mxfp8", "fp8_rowwise", _mx_to_rowwise)
