@@ -130,17 +130,17 @@ def instrument():
     import mxcomm.formats as formats
     import mxcomm.mxfp8 as mxfp8
     import mxcomm.kernels._launch as launch
-    from mxcomm.comm import _ipc, _nccl, _pull
+    from mxcomm.comm import NcclCommunicator, _ipc, _pull
     targets = [
         (a2a, "_exchange"), (a2a, "_check_rows"), (a2a, "_resolve"), (a2a, "_check_precision"),
         (a2a, "_exchange_quantized"), (a2a, "_run_direct"), (a2a._Direct, "__call__"),
         (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"),
-        (_nccl.NcclCommunicator, "_move_rows"), (_nccl.NcclCommunicator, "_group"),
+        (NcclCommunicator, "_move_rows"), (NcclCommunicator, "_group"),
         (a2a._QuantizedRows, "produce"), (a2a._QuantizedRows, "consume"),
         (a2a._QuantizedRows, "__init__"),
-        (_nccl.NcclCommunicator.__mro__[1], "exchange"), (_nccl.NcclCommunicator, "alltoallv"),
-        (_nccl.NcclCommunicator, "_record"), (_nccl.NcclCommunicator.__mro__[1], "_check_usable"),
-        (_nccl.NcclCommunicator, "_on_stream"), (_nccl.NcclCommunicator, "_stream_ptr"),
+        (NcclCommunicator.__mro__[1], "exchange"), (NcclCommunicator, "alltoallv"),
+        (NcclCommunicator, "_record"), (NcclCommunicator.__mro__[1], "_check_usable"),
+        (NcclCommunicator, "on_stream"), (NcclCommunicator, "stream_ptr"),
         (_pull.PullTransport, "run"), (_pull.PullTransport, "_pull"),
         (_pull.PullTransport, "_slots"), (_pull.PullTransport, "_consume_in_place"),
         (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
@@ -229,8 +229,8 @@ class _Eight(torch.autograd.Function):
 
 t_grad = torch.empty(rows, dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
 fp8 = torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device="cuda")
-nccl_comm = comm._nccl
-nccl_mod = comm._nccl_mod
+nccl_comm = comm.nccl_comm()
+nccl_mod = cupy.cuda.nccl
 
 
 def _empty_group():
@@ -284,13 +284,13 @@ def ablations():
     import gc
     import mxcomm.a2a as a2a
     from mxcomm._array import bfloat16
-    from mxcomm.comm import _nccl
+    from mxcomm.comm import NcclCommunicator, _nccl
 
     class _Ctx:  # what the exchange Functions' forward uses of autograd's context
         def mark_non_differentiable(self, *tensors):
             pass
 
-    nccl_cls = _nccl.NcclCommunicator
+    nccl_cls = NcclCommunicator
     directs = [a2a._direct(f, p, "rceil", bfloat16, dim)
                for f in ("a2a_dispatch", "a2a_combine") for p in ("mxfp8", "bf16")]
 

@@ -129,12 +129,12 @@ def pieces():
     import mxcomm.permutation as permutation
     import mxcomm.torch as mxt
     from mxcomm._driver import PackedLaunch
-    from mxcomm.comm import _communicator, _ipc, _nccl, _pull, _sidechannel, _staged
+    from mxcomm.comm import Communicator, NcclCommunicator, Plan, _ipc, _pull, _sidechannel
     from mxcomm.kernels import _launch
     return [
         (mxt, "exchange_layout"), (mxt.Layout, "__new__"), (layout, "exchange_layout"),
-        (layout, "_local_counts"), (layout.Layout, "__new__"), (_staged.Plan, "__init__"),
-        (_staged.Plan, "transposed"), (_nccl.NcclCommunicator, "wait"),
+        (layout, "_local_counts"), (layout.Layout, "__new__"), (Plan, "__init__"),
+        (Plan, "transposed"), (NcclCommunicator, "wait"),
         (_sidechannel.SideChannel, "allgather_bytes"),
         (_sidechannel.SideChannel, "allgather_array"), (_sidechannel.MpiSideChannel, "wait"),
         (mxt, "permute"), (mxt._Permute, "forward"), (permutation, "_permute"),
@@ -147,8 +147,8 @@ def pieces():
         (mxt, "a2a_dispatch"), (mxt, "a2a_combine"), (mxt, "_exchange"),
         (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"), (a2a, "_exchange"),
         (a2a._Direct, "__call__"), (a2a, "_exchange_kept"), (a2a, "_exchange_quantized"),
-        (_communicator.Communicator, "exchange"), (_nccl.NcclCommunicator, "_move_rows"),
-        (_nccl.NcclCommunicator, "_record"), (_pull.PullTransport, "run"),
+        (Communicator, "exchange"), (NcclCommunicator, "_move_rows"),
+        (NcclCommunicator, "_record"), (_pull.PullTransport, "run"),
         (_pull.PullTransport, "_schedule"), (_pull._Schedule, "__init__"),
         (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
         (_ipc.CudaPeerMemory, "signal_ready"), (_ipc.CudaPeerMemory, "await_ready"),

@@ -26,10 +26,11 @@ import warnings
 
 import numpy
 
-from mxcomm._driver import address
+from mxcomm._driver import address, external_stream
 
 from ._board import EXCHANGE
 from ._communicator import Communicator
+from ._validate import check_counts_array
 
 _CUDA_SUCCESS = 0
 _CUDA_NOT_READY = 600          # cudaErrorNotReady
@@ -72,30 +73,6 @@ def _bounded(fn, seconds, name):
     if not ok:
         raise value
     return True, value
-
-
-class _StreamHandle:
-    """A raw stream handle speaking the CUDA stream protocol (``__cuda_stream__``)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def _external_stream(cupy, ptr):
-    """A CuPy stream object over the raw handle ``ptr`` (not owned): ``Stream.from_external``
-    where CuPy has it (CuPy 14 deprecates ``ExternalStream``)."""
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        try:
-            return from_external(_StreamHandle(ptr))
-        except (TypeError, ValueError):  # a CuPy whose from_external wants another argument
-            pass
-    return cupy.cuda.ExternalStream(ptr)
 
 
 class NcclCommunicator(Communicator):
@@ -167,7 +144,7 @@ class NcclCommunicator(Communicator):
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._free_events = []                   # event handles ready for reuse
-        self._pinned, self._pinned_bytes = None, 0  # pinned host memory of _to_host
+        self._pinned, self._pinned_bytes = None, 0  # pinned host memory of to_host
         self._in_flight = collections.deque()    # (event, host time recorded, call, stream)
         self._mixed = False      # in-flight events on more than one stream (else in order)
         self._stopping = False
@@ -244,6 +221,19 @@ class NcclCommunicator(Communicator):
         with self._lock:
             self._nccl = comm
 
+    def nccl_comm(self, stream=None):
+        """NCCL's own communicator (``cupy.cuda.nccl.NcclCommunicator``), for probes that time
+        NCCL's calls themselves (``bench/probe_self.py``, ``bench/probe_host.py``); what is
+        enqueued on it bypasses this communicator's checks and watchdog. Built first where
+        ``nccl_init="lazy"`` has not yet (then collective: every rank calls it).
+
+        Raises:
+            RuntimeError, TimeoutError: as the bootstrap (a graph capture on ``stream``, a rank
+                that did not join within ``timeout`` s).
+        """
+        self._connected(self.stream_ptr(stream))
+        return self._nccl
+
     def _init_bounded(self, nccl, unique_id):
         """``ncclCommInitRank``, bounded by ``timeout``: it blocks until every rank has joined,
         so a peer that dies after the unique id went out would hang this rank forever. It runs
@@ -265,17 +255,17 @@ class NcclCommunicator(Communicator):
                                f"(a peer died or stopped after the unique id was shared)")
         return comm
 
-    def _stream_ptr(self, stream):
+    def stream_ptr(self, stream):
         return self._stream(stream)
 
-    def _on_stream(self, stream_ptr):
+    def on_stream(self, stream_ptr):
         if stream_ptr == self._current_stream().ptr:
             return _NULL_CONTEXT
         stream = self._external.get(stream_ptr)
         if stream is None:  # one wrapper per stream, reused (nothing built per call)
             if len(self._external) > 64:
                 self._external.clear()
-            stream = self._external[stream_ptr] = _external_stream(self._cupy, stream_ptr)
+            stream = self._external[stream_ptr] = external_stream(stream_ptr)
         return stream
 
     def _stream(self, stream):
@@ -518,13 +508,13 @@ class NcclCommunicator(Communicator):
             with self._lock:
                 self._free_events.append(event)
 
-    def _to_host(self, a, stream):
-        """:meth:`Communicator._to_host` as one copy into pinned memory, enqueued on ``stream``
+    def to_host(self, a, stream):
+        """:meth:`Communicator.to_host` as one copy into pinned memory, enqueued on ``stream``
         after the work that makes ``a``, then the bounded wait: no pageable copy and no second
         synchronization after the wait (a CuPy ``get`` cost ~60-80 us more per layout on an
         H100 host, bench/NOTES.md)."""
         if not a.flags.c_contiguous:
-            return super()._to_host(a, stream)
+            return super().to_host(a, stream)
         nbytes = a.nbytes
         if self._pinned is None or self._pinned_bytes < nbytes:
             self._pinned_bytes = max(nbytes, 4096)
@@ -577,7 +567,7 @@ class NcclCommunicator(Communicator):
         self._check_usable()
         stream_ptr = self._stream(stream)
         self._connected(stream_ptr)
-        with self._on_stream(stream_ptr):  # allocate out stream-ordered
+        with self.on_stream(stream_ptr):  # allocate out stream-ordered
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                               validate)
         sends, outs, single, sc, rc, so, ro = plan
@@ -617,7 +607,7 @@ class NcclCommunicator(Communicator):
         """
         self._check_usable()
         self._connected(self._stream(stream))
-        counts, k = self._check_counts_array(counts)
+        counts, k = check_counts_array(self, counts)
         call = self._board.enter(EXCHANGE)
         counts = self._cupy.ascontiguousarray(counts)
         out = self._cupy.empty_like(counts)

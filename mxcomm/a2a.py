@@ -141,7 +141,7 @@ def _resolve(input_splits, output_splits, comm, layout, function):
 
 # ---------------------------------------------------------------------------------- the engine
 class _QuantizedRows:
-    """The quantized exchange's producer and consumer (``mxcomm.comm._staged`` protocol), for any
+    """The quantized exchange's producer and consumer (the rows protocol of ``Communicator.exchange``), for any
     quantized format: quantize each peer's rows straight into the memory they travel from (or
     copy their bits if ``x`` is already of the format); dequantize each sender's rows where they
     are (in-place exchanges); this rank's own rows through the format's one-pass round trip
@@ -206,7 +206,7 @@ class _QuantizedRows:
 
 
 class _GatheredPlainRows:
-    """The plain exchange of rows still to be gathered (``mxcomm.comm._staged`` protocol; the
+    """The plain exchange of rows still to be gathered (the rows protocol of ``Communicator.exchange``; the
     combine direction with ``permute_align`` on the pull transport): each peer's rows gathered
     through the inverse permute index straight into the staging the peer pulls from, the own
     rows straight into the result."""
@@ -418,10 +418,10 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             f"precision {fmt.name!r}, D = {width}, {_dtype_name(x)} rows"
         plan = comm.check(send_counts, recv_counts, description, error=error, validate=validate,
                           what=function)
-    caller = comm._stream_ptr(stream)
+    caller = comm.stream_ptr(stream)
     if permute_align is not None and direction == "combine":  # x permuted: received order
         indices, _, inverse = expert_order(layout, permute_align, caller)
-        with comm._on_stream(caller):
+        with comm.on_stream(caller):
             x = _unpermute(x, indices, layout, caller, alloc) if isinstance(x, QuantizedArray) \
                 else GatheredRows(x, inverse)
     if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
@@ -433,7 +433,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                      x.dtype)
     if isinstance(x, GatheredRows) and not staged_gather and \
             not (fmt.quantized and fmt.quantizes_gathered(x.dtype)):
-        with comm._on_stream(caller):  # gathered where the format cannot read them in place
+        with comm.on_stream(caller):  # gathered where the format cannot read them in place
             x = x.materialize(caller, alloc)
     agreed = plan is not None  # every rank's counts: ranks choose the small path alike
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
@@ -454,7 +454,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                 direct.runs(comm, plan, staged=align is None):
             return _run_direct(direct, x, comm, plan, caller, alloc, layout, align)
     if not fmt.quantized:  # fp32 rows in "bf16": rounded to it, moved, widened back
-        with comm._on_stream(caller):
+        with comm.on_stream(caller):
             out = _run_direct(_direct(function, fmt, scale_mode, bfloat16, width),
                               _f32_to_bf16(x), comm, plan, caller, alloc, layout, align)
             return _bf16_to_f32(out) if dequantize else out
@@ -479,7 +479,7 @@ def _check_align(align, rank):
 def _local_plan(comm, send_counts, recv_counts):
     """A plan of this rank's counts only (``validate=False``: the peers' are not known): enough
     for a plain exchange and the grouped transport, not for the pull transport."""
-    from .comm._staged import Plan
+    from .comm import Plan
     sent = [[0] * comm.size for _ in range(comm.size)]
     sent[comm.rank] = list(send_counts)
     for peer, n in enumerate(recv_counts):
@@ -496,7 +496,7 @@ def _exchange_gathered_plain(x, plan, comm, caller, kind, alloc):
     (docs/design.md, "The expert side of an exchange in permute's order"): each peer's rows
     gathered into the staging it pulls from, copy engines pulling them in pieces, the own rows
     gathered straight into the result; no pass into received order first."""
-    with comm._on_stream(caller):
+    with comm.on_stream(caller):
         out = (alloc or array_module().empty)((plan.rows_received, x.shape[1]), x.dtype)
         comm.exchange(_GatheredPlainRows(x, kind), plan, out=(out,), stream=caller)
     return out
@@ -528,7 +528,7 @@ def _run_direct(direct, x, comm, plan, caller, alloc, layout=None, align=None):
         a = make(shape, dtype)
         return a, a
 
-    with comm._on_stream(caller):
+    with comm.on_stream(caller):
         if isinstance(x, GatheredRows):
             x = x.materialize(caller, alloc)
         out = direct(comm, plan, x, caller, empty)
@@ -547,7 +547,7 @@ def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind
     xp = array_module()
     width = x.shape[1]
     pull = comm.transport == "pull"
-    with comm._on_stream(caller):
+    with comm.on_stream(caller):
         if dequantize:
             out = (alloc or xp.empty)((plan.rows_received, width), _dtype_of(x))
             share = 1.0 - _beside_share(comm.size) if pull else 1.0
@@ -583,7 +583,7 @@ def _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layo
     first. Returns ``permute``'s triple."""
     indices, offsets, _ = expert_order(layout, align, caller)
     p = indices.shape[0]
-    with comm._on_stream(caller):
+    with comm.on_stream(caller):
         permuted = fmt.empty(p, x.shape[1], alloc)
         scales = permuted.scales  # per-row scales travel as (rows, 1)
         dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)

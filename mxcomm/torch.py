@@ -163,10 +163,10 @@ def _exchange_direct(function, t, layout, precision):
         if ptr % direct.fmt.input_align:
             return None
         x = Words(ptr, (plan.rows_sent, direct.width), dtype)
-        stream = comm._stream_ptr(_current_stream(device))
+        stream = comm.stream_ptr(_current_stream(device))
     else:
         x = _view(t, dtype)
-        stream = comm._stream_ptr(None)
+        stream = comm.stream_ptr(None)
 
     def empty(shape, dtype, kind):
         result = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
@@ -761,7 +761,7 @@ class _Communicators:
         """The open communicator of ``pg`` (a ``ProcessGroup``), built if needed."""
         comm = self._by_group.get(pg)
         # Closed (by the caller, on every rank): a new one. Aborted stays: its calls raise.
-        if comm is None or comm._state == "closed":
+        if comm is None or comm.closed:
             from .comm import init
             comm = self._by_group[pg] = init(group=pg)
         return comm
@@ -792,7 +792,7 @@ def communicator_for(group):
 def _resolve_group(group):
     """``(communicator or None, ProcessGroup or None)`` of a drop-in's ``group``; TypeError
     naming what is accepted."""
-    from .comm._communicator import Communicator
+    from .comm import Communicator
     if isinstance(group, Communicator):
         return group, group.group
     import torch.distributed as dist

@@ -21,7 +21,6 @@ import pytest
 from mxcomm._driver import copy_bytes, row_range
 
 from mxcomm import comm as mxc
-from mxcomm.comm._nccl import _external_stream
 from mxcomm.comm._staged import MAX_PIECES, Plan
 
 SEED = 1234
