@@ -127,6 +127,7 @@ def pieces():
     import mxcomm.a2a as a2a
     import mxcomm.layout as layout
     import mxcomm.permutation as permutation
+    import mxcomm.route as route
     import mxcomm.torch as mxt
     from mxcomm._driver import PackedLaunch
     from mxcomm.comm import Communicator, NcclCommunicator, Plan, _ipc, _pull, _sidechannel
@@ -146,7 +147,7 @@ def pieces():
         (PackedLaunch, "__call__"),
         (mxt, "a2a_dispatch"), (mxt, "a2a_combine"), (mxt, "_exchange"),
         (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"), (a2a, "_exchange"),
-        (a2a._Direct, "__call__"), (a2a, "_exchange_kept"), (a2a, "_exchange_quantized"),
+        (route, "run"), (route, "staged_kept"), (a2a, "_exchange_quantized"),
         (Communicator, "exchange"), (NcclCommunicator, "_move_rows"),
         (NcclCommunicator, "_record"), (_pull.PullTransport, "run"),
         (_pull.PullTransport, "_schedule"), (_pull._Schedule, "__init__"),

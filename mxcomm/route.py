@@ -1,0 +1,273 @@
+"""How an exchange of rows travels: its route, decided once per signature, and its paths.
+
+A :class:`Route` is a frozen record made once per signature (the public function, the format,
+the scale mode, the rows' dtype and width; :func:`route`), with the format's launches prepared
+for it. Per call, :meth:`Route.path` names the path from the plan (the largest sender's rows to
+its peers: the same on every rank, so every rank takes the same path) and :func:`run` takes it.
+Both front ends call these: the array API (``mxcomm.a2a``) after its checks, the torch adapter
+(``mxcomm.torch``) straight from a tensor.
+
+=============  ==========================================================================  =======
+path           what travels                                                                when
+=============  ==========================================================================  =======
+``alltoallv``  one ``comm.alltoallv_plan`` of the rows as they are; a quantized format      plain
+               quantizes (or round-trips) them on arrival, the same bits (every format is  format,
+               row-local)                                                                  small
+``medium``     every row quantized on the caller's stream, one ``alltoallv_plan`` of data   medium,
+               and scales                                                                  kept
+``staged``     ``comm.exchange`` with :class:`QuantizedRows`: each peer's rows quantized    larger,
+               where they travel from                                                      kept
+None           the engine's staged exchange whose result is dequantized (consumed in       larger,
+               place, ``mxcomm.a2a``)                                                      decoded
+=============  ==========================================================================  =======
+
+Small: no rank sends more than ``comm.small_exchange_bytes`` of plain rows to its peers; medium:
+not small and at most ``comm.medium_exchange_bytes``; kept: the result stays quantized
+(``a2a_dispatch``, ``a2a_combine_backward``). docs/design.md, "One route", has the measurements.
+
+Buffers: ``x`` and the results are what the caller hands (``Words`` on a GPU, NumPy arrays on
+the host); ``empty(shape, dtype, kind)`` -> ``(result, buffer)`` allocates from the caller's
+allocator (``kind``: ``"rows"``, ``"data"`` or ``"scales"``).
+"""
+
+import dataclasses
+import functools
+
+import numpy
+
+from ._array import bfloat16, float32
+from ._driver import Words, copy_bytes, flat, row_range
+from .formats import PER_ROW, QuantizedArray, get_format
+from .mxfp8 import SCALE_MODES
+from .permutation import GatheredRows
+
+_INPUT_DTYPES = (bfloat16, float32)
+#: Grid share of a quantize producing rows that copy engines pull: a little room is left for the
+#: one-thread wait kernel the side stream parks beside it (a full persistent grid would make it,
+#: or a quantize block, wait for a whole wave).
+PULLED_SHARE = 0.98
+#: Each public function: the name of the rows it takes, the direction it sends, and whether it
+#: returns them dequantized (``mxcomm.a2a``'s table).
+CALLS = {
+    "a2a_dispatch": ("x", "dispatch", False),
+    "a2a_dispatch_backward": ("grad", "combine", True),
+    "a2a_combine": ("y", "combine", True),
+    "a2a_combine_backward": ("grad", "dispatch", False),
+    "all_to_all_single": ("x", "dispatch", True),
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Route:
+    """The route of one signature (module docstring).
+
+    Attributes:
+        fmt: the Format; function: the public function; dispatch: True in the dispatch
+        direction (the layout's dispatch plan); dequantize: a quantized result is decoded back;
+        dtype: the rows' dtype (bf16 or fp32); width: D; scale_mode: ``"rceil"`` or ``"floor"``;
+        row_bytes: bytes of one plain row; kind: the exchange in words (the staged exchange's
+        kind, compared by the peers); quantize, round_trip: the format's launches prepared for
+        the signature (None for a plain format; ``round_trip`` None without a one-pass round
+        trip); scales_shape: a quantized row's scales, ``(D // block,)`` or ``()``.
+    """
+
+    fmt: object
+    function: str
+    dispatch: bool
+    dequantize: bool
+    dtype: numpy.dtype
+    width: int
+    scale_mode: str
+    row_bytes: int
+    kind: str
+    quantize: object
+    round_trip: object
+    scales_shape: tuple
+
+    def path(self, comm, plan, staged=True):
+        """The path of an exchange of ``plan`` (module docstring): ``"alltoallv"``,
+        ``"medium"``, ``"staged"`` (only with ``staged``: not where the result lands in
+        permute's order), or None. The same answer on every rank; no collective."""
+        if self.quantize is None:
+            return "alltoallv"
+        rows = plan.largest_peer_rows
+        if comm.small_exchange(rows, self.row_bytes):
+            return "alltoallv"
+        if self.dequantize:
+            return None
+        if comm.medium_exchange(rows, self.row_bytes):
+            return "medium"
+        return "staged" if staged else None
+
+
+def kind(function, fmt, width):
+    """An exchange in words: the kind the staged exchange's peers compare (and name in errors)."""
+    return f"{function} {fmt.name} rows of D = {width}"
+
+
+@functools.lru_cache(maxsize=256)
+def route(function, precision, scale_mode, dtype, width):
+    """The :class:`Route` of a signature, or None where no path of this module takes it: an
+    unknown precision or scale mode, rows of another dtype than bf16/fp32, a width the format
+    cannot take, or a plain format that converts the rows on the wire (fp32 in ``"bf16"``).
+    Nothing here raises: the engine's checks raise the errors. Cached (an LRU of 256)."""
+    try:
+        fmt = get_format(precision)
+    except (TypeError, ValueError):
+        return None
+    if dtype not in _INPUT_DTYPES or scale_mode not in SCALE_MODES or width % fmt.d_multiple:
+        return None
+    if not fmt.quantized and numpy.dtype(fmt.element_dtype or dtype) != dtype:
+        return None
+    _, direction, dequantize = CALLS[function]
+    quantize = round_trip = scales_shape = None
+    if fmt.quantized:
+        quantize = quantizer(fmt, dtype, width, scale_mode, 1.0)
+        if dequantize and dtype == bfloat16:
+            round_trip = fmt.round_tripper(width, scale_mode)
+        scales_shape = fmt.scales_shape(1, width)[1:]
+    return Route(fmt, function, direction == "dispatch", dequantize, dtype, width, scale_mode,
+                 width * dtype.itemsize, kind(function, fmt, width), quantize, round_trip,
+                 scales_shape)
+
+
+@functools.lru_cache(maxsize=256)
+def quantizer(fmt, dtype, width, scale_mode, share):
+    """``fmt.quantizer(dtype, width, scale_mode, share)``, made once per signature and share."""
+    return fmt.quantizer(dtype, width, scale_mode, share)
+
+
+def run(r, path, comm, plan, x, stream, empty):
+    """Take ``path`` (from ``r.path``) for the (``plan.rows_sent``, D) rows ``x``, enqueued on
+    the raw stream ``stream``; no host synchronization. Every array allocated stays referenced
+    until the launches that use it are enqueued (an allocator may hand a freed array's memory to
+    the next request at once).
+
+    Returns:
+        The (N, D) result, or its ``(data, scales)`` where a quantized result stays quantized.
+    """
+    return _PATHS[path](r, comm, plan, x, stream, empty)
+
+
+def _quantized(r, n, empty):
+    """``n`` quantized rows from ``empty``: ``(data, scales, (data buffer, scales buffer))``."""
+    data, data_buffer = empty((n, r.width), r.fmt.element_dtype, "data")
+    scales, scales_buffer = empty((n,) + r.scales_shape, r.fmt.scale_dtype, "scales")
+    return data, scales, (data_buffer, scales_buffer)
+
+
+def _alltoallv(r, comm, plan, x, stream, empty):
+    n = plan.rows_received
+    arrived, received = empty((n, r.width), r.dtype, "rows")
+    comm.alltoallv_plan((x,), (received,), plan, stream)
+    if r.quantize is None:
+        return arrived
+    if not r.dequantize:
+        data, scales, buffers = _quantized(r, n, empty)
+        r.quantize(received, *buffers, n, stream)
+        return data, scales
+    result, out = empty((n, r.width), r.dtype, "rows")
+    if r.round_trip is not None:
+        r.round_trip(received, out, n, stream)
+    elif n:
+        data, scales, buffers = _quantized(r, n, empty)
+        r.quantize(received, *buffers, n, stream)
+        r.fmt.launch_dequantize(r.fmt.view(*buffers), out, stream)
+    return result
+
+
+def _medium(r, comm, plan, x, stream, empty):
+    data, scales, buffers = _quantized(r, plan.rows_received, empty)
+    m = plan.rows_sent
+    sent, sent_scales, quantized = _quantized(r, m, empty)
+    r.quantize(x, *quantized, m, stream)
+    comm.alltoallv_plan(quantized, buffers, plan, stream)
+    return data, scales
+
+
+def _staged(r, comm, plan, x, stream, empty):
+    data, scales, buffers = _quantized(r, plan.rows_received, empty)
+    staged_kept(x, r.fmt, plan, comm, stream, r.scale_mode, r.kind, *buffers)
+    return data, scales
+
+
+_PATHS = {"alltoallv": _alltoallv, "medium": _medium, "staged": _staged}
+
+
+def staged_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):
+    """The staged quantized exchange of ``x`` (plain rows, rows of ``fmt`` or a pending
+    gather) whose result stays quantized: the received rows land in ``data`` and ``scales``
+    (``plan.rows_received`` rows, the format's shapes; CuPy or NumPy arrays, or ``Words``), the
+    copy engines pulling them where the transport is ``"pull"``. Enqueued on ``stream``."""
+    if fmt.scale_block == PER_ROW:  # per-row scales travel as (rows, 1)
+        n = plan.rows_received
+        scales = Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
+            scales.reshape(n, 1)
+    share = PULLED_SHARE if comm.transport == "pull" else 1.0
+    comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, stream, share), plan,
+                  out=(data, scales), stream=stream)
+
+
+class QuantizedRows:
+    """The quantized exchange's producer and consumer (the rows protocol of
+    ``Communicator.exchange``), for any quantized format: quantize each peer's rows straight
+    into the memory they travel from (or copy their bits if ``x`` is already of the format);
+    dequantize each sender's rows where they are (in-place exchanges); this rank's own rows
+    through the format's one-pass round trip where it has one (in-place exchanges: ``keep``)."""
+
+    __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share",
+                 "_quantize")
+
+    def __init__(self, x, fmt, kind, scale_mode, out, caller, share):
+        self.arrays = fmt.row_arrays(x.shape[1])
+        self.kind = kind
+        self._x = x
+        self._format = fmt
+        self._out = out
+        self._scale_mode = scale_mode
+        self._caller = caller
+        self._share = share
+        # plain rows: the format's quantize prepared for their signature and this grid share
+        self._quantize = None if isinstance(x, (QuantizedArray, GatheredRows)) else \
+            quantizer(fmt, x.dtype, x.shape[1], scale_mode, share)
+
+    def _rows(self, data, scales):
+        """The travelling (data, scales) slots as a QuantizedArray (per-row scales 1-D)."""
+        fmt = self._format
+        if fmt.scale_block == PER_ROW:
+            scales = flat(scales)
+        return fmt.view(data, scales)
+
+    def produce(self, begin, end, slots, stream):
+        data, scales = slots
+        x = self._x
+        if isinstance(x, QuantizedArray):  # already of the format: copy its bits
+            copy_bytes(data, row_range(x.data, begin, end), stream)
+            copy_bytes(scales, row_range(x.scales, begin, end), stream)
+        elif isinstance(x, GatheredRows):  # read where they are (the permuted gradient)
+            self._format.launch_quantize_gather(x.source, row_range(x.index, begin, end),
+                                                self._rows(data, scales), stream, self._share,
+                                                self._scale_mode)
+        else:
+            if self._format.scale_block == PER_ROW:
+                scales = flat(scales)
+            self._quantize(row_range(x, begin, end), data, scales, end - begin, stream)
+
+    def consume(self, begin, end, rows, stream):
+        # beside the producer on the side stream: the share of the SMs it leaves
+        self._format.launch_dequantize(self._rows(*rows), row_range(self._out, begin, end),
+                                       stream, 1.0 if stream == self._caller else 1.0 - self._share)
+
+    def keep(self, begin, end, at, slots, stream):
+        # bf16 rows (read where they are, or through the permuted gradient's index) take the
+        # format's round trip where it has one: one pass, nothing written to the slots.
+        x, fmt = self._x, self._format
+        source, rows = (x.source, row_range(x.index, begin, end)) \
+            if isinstance(x, GatheredRows) else (x, None)
+        if isinstance(source, QuantizedArray) or not fmt.round_trips(source.dtype):
+            self.produce(begin, end, slots, stream)
+            self.consume(at, at + end - begin, slots, stream)
+            return
+        fmt.launch_round_trip(source if rows is not None else row_range(x, begin, end), rows,
+                              row_range(self._out, at, at + end - begin), stream, self._share,
+                              self._scale_mode)
