@@ -134,7 +134,7 @@ def instrument():
     from mxcomm.comm import NcclCommunicator, _ipc, _pull
     targets = [
         (a2a, "_exchange"), (a2a, "_check_rows"), (a2a, "_resolve"), (a2a, "_check_precision"),
-        (a2a, "_exchange_quantized"), (a2a, "_run_route"), (route, "run"),
+        (route, "staged_quantized"), (a2a, "_run_route"), (route, "run"),
         (route, "_alltoallv"), (route, "_medium"), (route, "_staged"),
         (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"),
         (NcclCommunicator, "_move_rows"), (NcclCommunicator, "_group"),
@@ -284,7 +284,7 @@ for label, fn in prims.items():
 # call of the same round. Also at a row count whose device work is far below the host's.
 def ablations():
     import gc
-    from mxcomm.comm import NcclCommunicator, _nccl
+    from mxcomm.comm import NcclCommunicator, _watchdog
 
     class _Ctx:  # what the exchange Functions' forward uses of autograd's context
         def mark_non_differentiable(self, *tensors):
@@ -322,7 +322,7 @@ def ablations():
         "watchdog event": [(nccl_cls, "_record", nothing)],
         "watchdog's queue (events recorded, not queued)": [(nccl_cls, "_record",
                                                              record_unwatched)],
-        "watchdog's polls (1 s apart, not 50 ms)": [(_nccl, "_WATCH_POLL_S", 1.0)],
+        "watchdog's polls (1 s apart, not 50 ms)": [(_watchdog, "_WATCH_POLL_S", 1.0)],
         "driver's kernel launch": [(PackedLaunch, "__call__", launch_without_driver)],
         "QuantizedTensor": [(mxt, "_quantized_tensor",
                              lambda data, scales, fmt, cls=None, requires_grad=False: data)],

@@ -147,7 +147,7 @@ def pieces():
         (PackedLaunch, "__call__"),
         (mxt, "a2a_dispatch"), (mxt, "a2a_combine"), (mxt, "_exchange"),
         (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"), (a2a, "_exchange"),
-        (route, "run"), (route, "staged_kept"), (a2a, "_exchange_quantized"),
+        (route, "run"), (route, "staged_kept"), (route, "staged_quantized"),
         (Communicator, "exchange"), (NcclCommunicator, "_move_rows"),
         (NcclCommunicator, "_record"), (_pull.PullTransport, "run"),
         (_pull.PullTransport, "_schedule"), (_pull._Schedule, "__init__"),
@@ -162,11 +162,11 @@ def instrumented(stage_list):
     of each, per rank."""
     import collections
     from _pieces import Pieces
-    from mxcomm.comm import _nccl
+    from mxcomm.comm import _watchdog
     timers = Pieces()
     timers.wrap(pieces())
     sleeps = collections.Counter()
-    real_time = _nccl.time
+    real_time = _watchdog.time
 
     class _Time:  # NcclCommunicator.wait's sleeps, counted
         monotonic = staticmethod(real_time.monotonic)
@@ -175,12 +175,12 @@ def instrumented(stage_list):
         def sleep(s):
             sleeps[s] += 1
             real_time.sleep(s)
-    _nccl.time = _Time
+    _watchdog.time = _Time
     try:
         for _ in range(args.iters):
             step(stage_list, {}, {})
     finally:
-        _nccl.time = real_time
+        _watchdog.time = real_time
         timers.unwrap()
     lines = [f"  rank {rt.rank}: us per step (inclusive), calls per step"]
     for label, ns in sorted(timers.totals.items(), key=lambda kv: -kv[1]):

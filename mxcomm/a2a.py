@@ -54,31 +54,16 @@ import numpy
 
 from ._array import bfloat16, check_rows, float32
 from .kernels import array_module
-from .formats import PER_ROW, QuantizedArray, format_names, get_format
+from .formats import QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
-from .permutation import (GatheredRows, _permute, _unpermute, expert_order, pad_rows,
-                          permuted_landing)
-from .route import CALLS, PULLED_SHARE, QuantizedRows, route, run, staged_kept
+from .permutation import GatheredRows, _permute, _unpermute, expert_order
+from .route import CALLS, gathered_plain, landed, route, run, staged_quantized
 from .route import kind as route_kind
 
 #: Every precision a direction accepts: the formats of ``mxcomm.formats``.
 PRECISIONS = format_names()
 _INPUT_DTYPES = (bfloat16, float32)
-#: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
-#: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
-#: the rest of the SMs stay with the quantize kernels (bench/NOTES.md). Measured best at 2 ranks
-#: (H200, H100: 1/4 against 1/8 and 1/2); at 4 ranks, where 3/4 of a rank's rows arrive over
-#: NVLink, 1/2 (H100: 2.97 against 3.18 ms at 131072 x 7168), taken from 3 ranks on (unmeasured).
-_BESIDE_SHARE = 0.25
-_BESIDE_SHARE_MANY = 0.5
-
-
-def _beside_share(size):
-    """The grid share of the dequantize beside the quantize, at ``size`` ranks."""
-    return _BESIDE_SHARE if size <= 2 else _BESIDE_SHARE_MANY
-
-
 # ---------------------------------------------------------------------------------- arguments
 def _check_precision(precision, name="precision", rank=None):
     """The :class:`~mxcomm.formats.Format` named ``precision``; else ValueError naming
@@ -133,23 +118,6 @@ def _resolve(input_splits, output_splits, comm, layout, function):
 
 
 # ---------------------------------------------------------------------------------- the engine
-class _GatheredPlainRows:
-    """The plain exchange of rows still to be gathered (the rows protocol of ``Communicator.exchange``; the
-    combine direction with ``permute_align`` on the pull transport): each peer's rows gathered
-    through the inverse permute index straight into the staging the peer pulls from, the own
-    rows straight into the result."""
-
-    __slots__ = ("arrays", "kind", "_x")
-
-    def __init__(self, x, kind):
-        self.arrays = (((x.shape[1],), numpy.dtype(x.dtype)),)
-        self.kind = kind
-        self._x = x
-
-    def produce(self, begin, end, slots, stream):
-        self._x.write(begin, end, slots[0], stream, PULLED_SHARE)
-
-
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
               direction, dequantize, scale_mode, stream, validate, alloc, permute_align=None):
     """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
@@ -244,7 +212,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
         plan = _local_plan(comm, send_counts, recv_counts)
     kind = route_kind(function, fmt, width)
     if staged_gather:
-        return _exchange_gathered_plain(x, plan, comm, caller, kind, alloc)
+        return gathered_plain(x, plan, comm, caller, kind, alloc)
     align = permute_align if direction == "dispatch" else None
     if not isinstance(x, QuantizedArray):
         # the route of rows as they come (mxcomm.route): a quantized format's paths need every
@@ -261,9 +229,8 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                              _f32_to_bf16(x), comm, plan, caller, alloc, layout, align)
             return _bf16_to_f32(out) if dequantize else out
     if permute_align is not None and direction == "dispatch":
-        return _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout,
-                                  permute_align)
-    return _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc)
+        return landed(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, permute_align)
+    return staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc)
 
 
 def _check_align(align, rank):
@@ -291,17 +258,6 @@ def _local_plan(comm, send_counts, recv_counts):
 
 def _dtype_name(x):
     return x.format.name.upper() if isinstance(x, QuantizedArray) else x.dtype.name
-
-
-def _exchange_gathered_plain(x, plan, comm, caller, kind, alloc):
-    """The plain exchange of the pending gather ``x`` (``GatheredRows``) on the pull transport
-    (docs/design.md, "The expert side of an exchange in permute's order"): each peer's rows
-    gathered into the staging it pulls from, copy engines pulling them in pieces, the own rows
-    gathered straight into the result; no pass into received order first."""
-    with comm.on_stream(caller):
-        out = (alloc or array_module().empty)((plan.rows_received, x.shape[1]), x.dtype)
-        comm.exchange(_GatheredPlainRows(x, kind), plan, out=(out,), stream=caller)
-    return out
 
 
 def _f32_to_bf16(x):
@@ -340,51 +296,6 @@ def _run_route(r, path, x, comm, plan, caller, alloc, layout=None, align=None):
             return out
         # NCCL leaves no place to scatter into: the permute's gather after
         return _permute(out, layout, None, align, None, caller, alloc)
-
-
-def _exchange_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc):
-    """The quantized exchange (module docstring), for the quantized format ``fmt``: quantize into
-    the travelling memory peer by peer; dequantize each sender's rows where they are, or collect
-    them still quantized."""
-    xp = array_module()
-    width = x.shape[1]
-    pull = comm.transport == "pull"
-    with comm.on_stream(caller):
-        if dequantize:
-            out = (alloc or xp.empty)((plan.rows_received, width), _dtype_of(x))
-            share = 1.0 - _beside_share(comm.size) if pull else 1.0
-            comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
-                          in_place=True, stream=caller)
-            return out
-        received = fmt.empty(plan.rows_received, width, alloc)
-        staged_kept(x, fmt, plan, comm, caller, scale_mode, kind, received.data,
-                    received.scales)
-        return received
-
-
-def _exchange_permuted(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):
-    """The quantized exchange in the dispatch direction whose received rows land in permuted
-    order (docs/design.md, "The expert side of an exchange in permute's order"): each
-    (sender, local expert) run of rows copied straight into its permuted rows (the exchange's
-    ``landing``: on the pull transport by the copy engines, from the sender's staging; the own
-    rows quantized straight into place); the padding rows get zeros and the padding scale
-    first. Returns ``permute``'s triple."""
-    indices, offsets, _ = expert_order(layout, align, caller)
-    p = indices.shape[0]
-    with comm.on_stream(caller):
-        permuted = fmt.empty(p, x.shape[1], alloc)
-        scales = permuted.scales  # per-row scales travel as (rows, 1)
-        dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)
-        pad_rows(dsts, fmt, indices, caller)
-        share = PULLED_SHARE if comm.transport == "pull" else 1.0
-        comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, caller, share), plan,
-                      out=dsts, landing=permuted_landing(layout, align), stream=caller)
-    return permuted, indices, offsets
-
-
-def _dtype_of(x):
-    """The dtype a dequantized result of ``x`` takes: ``x``'s, or bf16 for a QuantizedArray."""
-    return bfloat16 if isinstance(x, QuantizedArray) else x.dtype
 
 
 # ------------------------------------------------------------------------------------- public

@@ -38,14 +38,28 @@ import numpy
 from ._array import bfloat16, float32
 from ._driver import Words, copy_bytes, flat, row_range
 from .formats import PER_ROW, QuantizedArray, get_format
+from .kernels import array_module
 from .mxfp8 import SCALE_MODES
-from .permutation import GatheredRows
+from .permutation import GatheredRows, expert_order, pad_rows, permuted_landing
 
 _INPUT_DTYPES = (bfloat16, float32)
 #: Grid share of a quantize producing rows that copy engines pull: a little room is left for the
 #: one-thread wait kernel the side stream parks beside it (a full persistent grid would make it,
 #: or a quantize block, wait for a whole wave).
 PULLED_SHARE = 0.98
+#: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
+#: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
+#: the rest of the SMs stay with the quantize kernels (bench/NOTES.md). Measured best at 2 ranks
+#: (H200, H100: 1/4 against 1/8 and 1/2); at 4 ranks, where 3/4 of a rank's rows arrive over
+#: NVLink, 1/2 (H100: 2.97 against 3.18 ms at 131072 x 7168), taken from 3 ranks on (unmeasured).
+BESIDE_SHARE = 0.25
+BESIDE_SHARE_MANY = 0.5
+
+
+def beside_share(size):
+    """The grid share of the dequantize beside the quantize, at ``size`` ranks."""
+    return BESIDE_SHARE if size <= 2 else BESIDE_SHARE_MANY
+
 #: Each public function: the name of the rows it takes, the direction it sends, and whether it
 #: returns them dequantized (``mxcomm.a2a``'s table).
 CALLS = {
@@ -271,3 +285,77 @@ class QuantizedRows:
         fmt.launch_round_trip(source if rows is not None else row_range(x, begin, end), rows,
                               row_range(self._out, at, at + end - begin), stream, self._share,
                               self._scale_mode)
+
+
+class GatheredPlainRows:
+    """The plain exchange of rows still to be gathered (the rows protocol of
+    ``Communicator.exchange``; the
+    combine direction with ``permute_align`` on the pull transport): each peer's rows gathered
+    through the inverse permute index straight into the staging the peer pulls from, the own
+    rows straight into the result."""
+
+    __slots__ = ("arrays", "kind", "_x")
+
+    def __init__(self, x, kind):
+        self.arrays = (((x.shape[1],), numpy.dtype(x.dtype)),)
+        self.kind = kind
+        self._x = x
+
+    def produce(self, begin, end, slots, stream):
+        self._x.write(begin, end, slots[0], stream, PULLED_SHARE)
+
+
+def gathered_plain(x, plan, comm, caller, kind, alloc):
+    """The plain exchange of the pending gather ``x`` (``GatheredRows``) on the pull transport
+    (docs/design.md, "The expert side of an exchange in permute's order"): each peer's rows
+    gathered into the staging it pulls from, copy engines pulling them in pieces, the own rows
+    gathered straight into the result; no pass into received order first."""
+    with comm.on_stream(caller):
+        out = (alloc or array_module().empty)((plan.rows_received, x.shape[1]), x.dtype)
+        comm.exchange(GatheredPlainRows(x, kind), plan, out=(out,), stream=caller)
+    return out
+
+
+def staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc):
+    """The quantized exchange (module docstring), for the quantized format ``fmt``: quantize into
+    the travelling memory peer by peer; dequantize each sender's rows where they are, or collect
+    them still quantized."""
+    xp = array_module()
+    width = x.shape[1]
+    pull = comm.transport == "pull"
+    with comm.on_stream(caller):
+        if dequantize:
+            out = (alloc or xp.empty)((plan.rows_received, width), dtype_of(x))
+            share = 1.0 - beside_share(comm.size) if pull else 1.0
+            comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
+                          in_place=True, stream=caller)
+            return out
+        received = fmt.empty(plan.rows_received, width, alloc)
+        staged_kept(x, fmt, plan, comm, caller, scale_mode, kind, received.data,
+                    received.scales)
+        return received
+
+
+def landed(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):
+    """The quantized exchange in the dispatch direction whose received rows land in permuted
+    order (docs/design.md, "The expert side of an exchange in permute's order"): each
+    (sender, local expert) run of rows copied straight into its permuted rows (the exchange's
+    ``landing``: on the pull transport by the copy engines, from the sender's staging; the own
+    rows quantized straight into place); the padding rows get zeros and the padding scale
+    first. Returns ``permute``'s triple."""
+    indices, offsets, _ = expert_order(layout, align, caller)
+    p = indices.shape[0]
+    with comm.on_stream(caller):
+        permuted = fmt.empty(p, x.shape[1], alloc)
+        scales = permuted.scales  # per-row scales travel as (rows, 1)
+        dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)
+        pad_rows(dsts, fmt, indices, caller)
+        share = PULLED_SHARE if comm.transport == "pull" else 1.0
+        comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, caller, share), plan,
+                      out=dsts, landing=permuted_landing(layout, align), stream=caller)
+    return permuted, indices, offsets
+
+
+def dtype_of(x):
+    """The dtype a dequantized result of ``x`` takes: ``x``'s, or bf16 for a QuantizedArray."""
+    return bfloat16 if isinstance(x, QuantizedArray) else x.dtype
