@@ -58,7 +58,7 @@ from .formats import QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
 from .permutation import GatheredRows, _permute, _unpermute, expert_order
-from .route import CALLS, gathered_plain, landed, route, run, staged_quantized
+from .route import CALLS, choose, gathered_plain, landed, run, staged_quantized
 from .route import kind as route_kind
 
 #: Every precision a direction accepts: the formats of ``mxcomm.formats``.
@@ -195,42 +195,31 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                 else GatheredRows(x, inverse)
     if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
         x = x.dequantize(bfloat16, stream=caller)
-    # plain rows still to be gathered: gathered into the staging, where the pull transport
-    # moves them and the wire is their dtype
-    staged_gather = (isinstance(x, GatheredRows) and not fmt.quantized and
-                     comm.transport == "pull" and numpy.dtype(fmt.element_dtype or x.dtype) ==
-                     x.dtype)
-    if isinstance(x, GatheredRows) and not staged_gather and \
-            not (fmt.quantized and fmt.quantizes_gathered(x.dtype)):
-        with comm.on_stream(caller):  # gathered where the format cannot read them in place
-            x = x.materialize(caller, alloc)
     agreed = plan is not None  # every rank's counts: ranks choose the small path alike
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
         if fmt.quantized and comm.transport == "pull":
             raise ValueError(f"validate=False on rank {rank}: the pull transport needs every "
                              f"rank's counts; pass a layout (no vote) or validate")
         plan = _local_plan(comm, send_counts, recv_counts)
-    kind = route_kind(function, fmt, width)
-    if staged_gather:
-        return gathered_plain(x, plan, comm, caller, kind, alloc)
     align = permute_align if direction == "dispatch" else None
-    if not isinstance(x, QuantizedArray):
-        # the route of rows as they come (mxcomm.route): a quantized format's paths need every
-        # rank's counts, so that the ranks choose alike; with permute_align in the dispatch
-        # direction the staged path is the landed one below
-        r = route(function, fmt, scale_mode, x.dtype, width)
-        path = r.path(comm, plan, staged=align is None) if r is not None and \
-            (agreed or not fmt.quantized) else None
-        if path is not None:
-            return _run_route(r, path, x, comm, plan, caller, alloc, layout, align)
-    if not fmt.quantized:  # fp32 rows in "bf16": rounded to it, moved, widened back
+    path, r = choose(function, fmt, scale_mode, comm, plan, x, agreed=agreed, align=align)
+    if isinstance(x, GatheredRows) and path != "gathered" and \
+            not (fmt.quantized and fmt.quantizes_gathered(x.dtype)):
+        with comm.on_stream(caller):  # gathered where the format cannot read them in place
+            x = x.materialize(caller, alloc)
+    kind = route_kind(function, fmt, width)
+    if path == "gathered":
+        return gathered_plain(x, plan, comm, caller, kind, alloc)
+    if path == "widened":  # fp32 rows in "bf16": rounded to it, moved, widened back
         with comm.on_stream(caller):
-            out = _run_route(route(function, fmt, scale_mode, bfloat16, width), "alltoallv",
-                             _f32_to_bf16(x), comm, plan, caller, alloc, layout, align)
+            out = _run_route(r, "alltoallv", _f32_to_bf16(x), comm, plan, caller, alloc, layout,
+                             align)
             return _bf16_to_f32(out) if dequantize else out
-    if permute_align is not None and direction == "dispatch":
-        return landed(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, permute_align)
-    return staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc)
+    if path == "landed":
+        return landed(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align)
+    if path == "engine":
+        return staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc)
+    return _run_route(r, path, x, comm, plan, caller, alloc, layout, align)
 
 
 def _check_align(align, rank):

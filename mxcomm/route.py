@@ -145,6 +145,39 @@ def route(function, precision, scale_mode, dtype, width):
                  scales_shape)
 
 
+def choose(function, fmt, scale_mode, comm, plan, x, *, agreed, align):
+    """The path of an exchange of ``x`` (the array API's, after its checks and conversions) and
+    its route (or None): the one place the path is chosen. The same answer on every rank.
+
+    Args:
+        function, fmt, scale_mode: the signature (a public function's name, a Format).
+        comm, plan: the communicator and the plan of this exchange.
+        x: plain rows (array), rows of ``fmt`` (QuantizedArray) or a pending gather
+            (GatheredRows).
+        agreed: the plan holds every rank's counts (a layout's or a vote's), so that the
+            ranks choose a quantized format's path alike.
+        align: ``permute_align`` in the dispatch direction, else None.
+    Returns:
+        ``(path, route)``: ``"gathered"`` (plain rows of a pending gather on the pull transport,
+        gathered into the staging: :func:`gathered_plain`), a route's path (``"alltoallv"``,
+        ``"medium"``, ``"staged"``: :func:`run`), ``"widened"`` (fp32 rows in ``"bf16"``: the
+        bf16 route's ``"alltoallv"``), ``"landed"`` (:func:`landed`) or ``"engine"`` (the staged
+        exchange of :func:`staged_quantized`).
+    """
+    if isinstance(x, GatheredRows) and not fmt.quantized and comm.transport == "pull" and \
+            numpy.dtype(fmt.element_dtype or x.dtype) == x.dtype:
+        return "gathered", None
+    width = x.shape[1]
+    if not isinstance(x, QuantizedArray) and (agreed or not fmt.quantized):
+        r = route(function, fmt, scale_mode, x.dtype, width)
+        path = r.path(comm, plan, staged=align is None) if r is not None else None
+        if path is not None:
+            return path, r
+    if not fmt.quantized:
+        return "widened", route(function, fmt, scale_mode, bfloat16, width)
+    return ("landed" if align is not None else "engine"), None
+
+
 @functools.lru_cache(maxsize=256)
 def quantizer(fmt, dtype, width, scale_mode, share):
     """``fmt.quantizer(dtype, width, scale_mode, share)``, made once per signature and share."""
