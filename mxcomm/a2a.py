@@ -58,7 +58,7 @@ from .formats import QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
 from .permutation import GatheredRows, _permute, _unpermute, expert_order
-from .route import CALLS, choose, gathered_plain, landed, run, staged_quantized
+from .route import CALLS, arrays, choose, gathered_plain, landed, run, staged_quantized
 from .route import kind as route_kind
 
 #: Every precision a direction accepts: the formats of ``mxcomm.formats``.
@@ -270,17 +270,12 @@ def _run_route(r, path, x, comm, plan, caller, alloc, layout=None, align=None):
     module's ``empty``); quantized results as a QuantizedArray; with ``align`` (the dispatch
     direction's ``permute_align``), then the permute's gather: ``permute``'s triple."""
     make = alloc or array_module().empty
-
-    def empty(shape, dtype, kind):
-        a = make(shape, dtype)
-        return a, a
-
     with comm.on_stream(caller):
         if isinstance(x, GatheredRows):
             x = x.materialize(caller, alloc)
-        out = run(r, path, comm, plan, x, caller, empty)
-        if type(out) is tuple:
-            out = r.fmt.view(*out)
+        buffers = [make(shape, dtype) for shape, dtype, _ in arrays(r, path, plan)]
+        run(r, path, comm, plan, x, caller, buffers)
+        out = r.fmt.view(*buffers[:2]) if r.kept else buffers[0]
         if align is None:
             return out
         # NCCL leaves no place to scatter into: the permute's gather after

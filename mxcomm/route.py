@@ -25,9 +25,10 @@ Small: no rank sends more than ``comm.small_exchange_bytes`` of plain rows to it
 not small and at most ``comm.medium_exchange_bytes``; kept: the result stays quantized
 (``a2a_dispatch``, ``a2a_combine_backward``). docs/design.md, "One route", has the measurements.
 
-Buffers: ``x`` and the results are what the caller hands (``Words`` on a GPU, NumPy arrays on
-the host); ``empty(shape, dtype, kind)`` -> ``(result, buffer)`` allocates from the caller's
-allocator (``kind``: ``"rows"``, ``"data"`` or ``"scales"``).
+Buffers: the caller allocates what :func:`arrays` lists for a path (the result and the path's
+temporaries, from its own allocator: torch's in ``mxcomm.torch``) and hands ``x`` and them as
+the communicator and the launches take them (``Words`` on a GPU, NumPy arrays on the host): no
+call goes back up into the caller.
 """
 
 import dataclasses
@@ -97,6 +98,11 @@ class Route:
     quantize: object
     round_trip: object
     scales_shape: tuple
+
+    @property
+    def kept(self):
+        """A quantized format whose result stays quantized (data and scales)."""
+        return self.quantize is not None and not self.dequantize
 
     def path(self, comm, plan, staged=True):
         """The path of an exchange of ``plan`` (module docstring): ``"alltoallv"``,
@@ -184,58 +190,66 @@ def quantizer(fmt, dtype, width, scale_mode, share):
     return fmt.quantizer(dtype, width, scale_mode, share)
 
 
-def run(r, path, comm, plan, x, stream, empty):
-    """Take ``path`` (from ``r.path``) for the (``plan.rows_sent``, D) rows ``x``, enqueued on
-    the raw stream ``stream``; no host synchronization. Every array allocated stays referenced
-    until the launches that use it are enqueued (an allocator may hand a freed array's memory to
-    the next request at once).
+def arrays(r, path, plan):
+    """The arrays :func:`run` of ``path`` writes, as ``((shape, dtype, kind), ...)`` for the
+    caller to allocate (``kind``: ``"rows"``, ``"data"`` or ``"scales"``, the latter two a
+    quantized row's arrays in the format's dtypes): the result first (its rows, or its data and
+    scales where ``r.kept``), then the path's temporaries. The caller holds every one of them
+    until :func:`run` has returned (its launches are enqueued then)."""
+    n, w = plan.rows_received, r.width
 
-    Returns:
-        The (N, D) result, or its ``(data, scales)`` where a quantized result stays quantized.
-    """
-    return _PATHS[path](r, comm, plan, x, stream, empty)
+    def rows(k):
+        return ((k, w), r.dtype, "rows")
 
+    def quantized(k):
+        return (((k, w), r.fmt.element_dtype, "data"),
+                ((k,) + r.scales_shape, r.fmt.scale_dtype, "scales"))
 
-def _quantized(r, n, empty):
-    """``n`` quantized rows from ``empty``: ``(data, scales, (data buffer, scales buffer))``."""
-    data, data_buffer = empty((n, r.width), r.fmt.element_dtype, "data")
-    scales, scales_buffer = empty((n,) + r.scales_shape, r.fmt.scale_dtype, "scales")
-    return data, scales, (data_buffer, scales_buffer)
-
-
-def _alltoallv(r, comm, plan, x, stream, empty):
-    n = plan.rows_received
-    arrived, received = empty((n, r.width), r.dtype, "rows")
-    comm.alltoallv_plan((x,), (received,), plan, stream)
+    if path == "medium":
+        return quantized(n) + quantized(plan.rows_sent)
+    if path == "staged":
+        return quantized(n)
     if r.quantize is None:
-        return arrived
-    if not r.dequantize:
-        data, scales, buffers = _quantized(r, n, empty)
-        r.quantize(received, *buffers, n, stream)
-        return data, scales
-    result, out = empty((n, r.width), r.dtype, "rows")
-    if r.round_trip is not None:
-        r.round_trip(received, out, n, stream)
-    elif n:
-        data, scales, buffers = _quantized(r, n, empty)
-        r.quantize(received, *buffers, n, stream)
-        r.fmt.launch_dequantize(r.fmt.view(*buffers), out, stream)
-    return result
+        return (rows(n),)
+    if r.kept:
+        return quantized(n) + (rows(n),)
+    return (rows(n), rows(n)) + (quantized(n) if r.round_trip is None else ())
 
 
-def _medium(r, comm, plan, x, stream, empty):
-    data, scales, buffers = _quantized(r, plan.rows_received, empty)
-    m = plan.rows_sent
-    sent, sent_scales, quantized = _quantized(r, m, empty)
-    r.quantize(x, *quantized, m, stream)
-    comm.alltoallv_plan(quantized, buffers, plan, stream)
-    return data, scales
+def run(r, path, comm, plan, x, stream, buffers):
+    """Take ``path`` (from ``r.path``) for the (``plan.rows_sent``, D) rows ``x`` into
+    ``buffers``, the arrays :func:`arrays` lists (as the communicator and the launches take them:
+    ``Words`` on a GPU, NumPy arrays on the host), enqueued on the raw stream ``stream``; no host
+    synchronization. The result is the first of ``buffers`` (two where ``r.kept``)."""
+    _PATHS[path](r, comm, plan, x, stream, buffers)
 
 
-def _staged(r, comm, plan, x, stream, empty):
-    data, scales, buffers = _quantized(r, plan.rows_received, empty)
+def _alltoallv(r, comm, plan, x, stream, buffers):
+    n = plan.rows_received
+    if r.quantize is None:
+        comm.alltoallv_plan((x,), (buffers[0],), plan, stream)
+    elif r.kept:
+        data, scales, received = buffers
+        comm.alltoallv_plan((x,), (received,), plan, stream)
+        r.quantize(received, data, scales, n, stream)
+    else:
+        out, received = buffers[:2]
+        comm.alltoallv_plan((x,), (received,), plan, stream)
+        if r.round_trip is not None:
+            r.round_trip(received, out, n, stream)
+        elif n:
+            r.quantize(received, *buffers[2:], n, stream)
+            r.fmt.launch_dequantize(r.fmt.view(*buffers[2:]), out, stream)
+
+
+def _medium(r, comm, plan, x, stream, buffers):
+    data, scales, sent, sent_scales = buffers
+    r.quantize(x, sent, sent_scales, plan.rows_sent, stream)
+    comm.alltoallv_plan((sent, sent_scales), (data, scales), plan, stream)
+
+
+def _staged(r, comm, plan, x, stream, buffers):
     staged_kept(x, r.fmt, plan, comm, stream, r.scale_mode, r.kind, *buffers)
-    return data, scales
 
 
 _PATHS = {"alltoallv": _alltoallv, "medium": _medium, "staged": _staged}

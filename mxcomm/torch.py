@@ -170,14 +170,13 @@ def _exchange_direct(function, t, layout, precision):
         x = _view(t, dtype)
         stream = comm.stream_ptr(None)
 
-    def empty(shape, dtype, kind):
-        result = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
-        return result, Words(result.data_ptr(), shape, dtype) if cuda else _view(result, dtype)
-
-    out = _route.run(r, path, comm, plan, x, stream, empty)
-    if type(out) is not tuple:
-        return out
-    return _quantized_tensor(out[0], out[1], r.fmt)
+    specs = _route.arrays(r, path, plan)
+    tensors = [torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
+               for shape, dtype, kind in specs]
+    buffers = [Words(t.data_ptr(), shape, dtype) if cuda else _view(t, dtype)
+               for t, (shape, dtype, _) in zip(tensors, specs)]
+    _route.run(r, path, comm, plan, x, stream, buffers)
+    return _quantized_tensor(tensors[0], tensors[1], r.fmt) if r.kept else tensors[0]
 
 
 def _index_tensors(layout, align, indices, offsets, alloc=None):

@@ -461,9 +461,9 @@ def test_expert_side_in_permute_order(comm, precision):
 
 
 class _ReusingAllocator:
-    """A route's ``empty`` (``mxcomm.route.run``) that behaves like a caching allocator at its
-    worst: an array's memory is poisoned the moment the caller drops its owner, and handed to
-    the next request that fits."""
+    """An allocator of the arrays a route's path writes (``mxcomm.route.arrays``) that behaves
+    like a caching allocator at its worst: an array's memory is poisoned the moment the caller
+    drops its owner, and handed to the next request that fits."""
 
     class Owner:
         def __init__(self, allocator, block, array):
@@ -490,14 +490,14 @@ class _ReusingAllocator:
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8", "fp8_rowwise", "fp8_block128"])
 def test_routes_hold_their_arrays_until_launched(precision, mode):
     """A route's path (``mxcomm.route``: an exchange that is one ``alltoallv``, a medium one, or
-    a staged one whose result stays quantized) keeps every array it allocates referenced until
-    the launches and copies that use it are enqueued: with an allocator that poisons and reuses an array's
-    memory as soon as its owner is dropped (torch's and CuPy's caching allocators reuse it in
-    stream order; an address alone does not keep it), its results in every direction it runs
-    equal the engine's bit for bit. Medium and staged, it runs the quantized exchanges kept
-    quantized (the dispatch and the combine's gradient) and no dequantized one; a medium one
-    (quantized, then one alltoallv) equals the staged exchange of a communicator that stages
-    it."""
+    a staged one whose result stays quantized) writes only the arrays ``route.arrays`` lists,
+    which the caller holds until ``route.run`` returns: with an allocator that poisons and
+    reuses an array's memory as soon as its owner is dropped (torch's and CuPy's caching
+    allocators reuse it in stream order; an address alone does not keep it), its results in
+    every direction it runs equal the engine's bit for bit. Medium and staged, it runs the
+    quantized exchanges kept quantized (the dispatch and the combine's gradient) and no
+    dequantized one; a medium one (quantized, then one alltoallv) equals the staged exchange of
+    a communicator that stages it."""
     from mxcomm import route
     w, me = world().size, world().rank
     width = 128
@@ -529,9 +529,10 @@ def test_routes_hold_their_arrays_until_launched(precision, mode):
                 assert path == ("alltoallv" if not staged or not r.fmt.quantized else mode)
                 assert (r.path(c, plan, staged=False) is not None) == (
                     not staged or mode != "staged" or not r.fmt.quantized)
-                held = route.run(r, path, c, plan, rows, 0, _ReusingAllocator())  # owners
-                got = r.fmt.view(*(o.array for o in held)) if type(held) is tuple \
-                    else held.array
+                alloc = _ReusingAllocator()
+                held = [alloc(*spec) for spec in route.arrays(r, path, plan)]  # (owner, array)
+                route.run(r, path, c, plan, rows, 0, [array for _, array in held])
+                got = r.fmt.view(held[0][1], held[1][1]) if r.kept else held[0][1]
                 _same(got, call(rows, reference, precision=precision))
 
 
