@@ -8,11 +8,12 @@ peer and array, zero-size ones skipped. Rows travel as raw bytes (``NCCL_UINT8``
 works: bf16, fp8 bits, scales.
 
 Nothing here blocks the host except :meth:`NcclCommunicator.wait`, which polls with the timeout.
-A per-instance watchdog thread polls a CUDA event recorded after each group or exchange; if one is
-not done ``timeout`` seconds after it became the oldest outstanding, the watchdog calls
-``ncclCommAbort`` and stores a ``TimeoutError`` that the next call raises. It also polls the failure
-word of the pull transport's device waits (``_ipc``), so a peer that never signals is named. Events come from a small pool on the
-instance and go back to it when done, so nothing grows with the number of calls.
+A per-instance watchdog thread (``_watchdog``) polls a CUDA event recorded after each group or
+exchange; if one is not done ``timeout`` seconds after it became the oldest outstanding, the
+watchdog calls ``ncclCommAbort`` and stores a ``TimeoutError`` that the next call raises. It also
+polls the failure word of the pull transport's device waits (``_ipc``), so a peer that never
+signals is named. Events come from a small pool on the instance and go back to it when done, so
+nothing grows with the number of calls.
 
 This is the only module that imports ``cupy.cuda.nccl``.
 """
