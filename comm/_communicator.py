@@ -49,9 +49,9 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             rank), or None: ``mxcomm.exchange_layout`` agrees on the next layout of that E in
             one round, and sets it.
         closed: True once :meth:`close` ran.
-        small_exchange_bytes, medium_exchange_bytes: the limits of :meth:`small_exchange` and
-            :meth:`medium_exchange`, in bytes of plain rows the largest sender sends its peers
-            (docs/design.md, "Communicators"); 0 never.
+        small_exchange_bytes, medium_exchange_bytes: the limits of the small and the medium
+            route of a quantized exchange (``mxcomm.route``), in bytes of plain rows the largest
+            sender sends its peers; 0 never.
     """
 
     #: The defaults of ``small_exchange_bytes`` and ``medium_exchange_bytes`` where every rank is
@@ -84,19 +84,6 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
     @property
     def host_collectives(self):
         return self._side.collectives
-
-    def small_exchange(self, rows, row_bytes):
-        """Whether a quantized exchange whose largest sender sends ``rows`` plain rows of
-        ``row_bytes`` bytes each to its peers (``Plan.largest_peer_rows``: the same on every
-        rank) moves them unquantized (``small_exchange_bytes``; docs/design.md, "Small exchanges
-        travel unquantized"). Local; no collective."""
-        return rows * row_bytes <= self.small_exchange_bytes
-
-    def medium_exchange(self, rows, row_bytes):
-        """Whether such an exchange, not small, whose result stays quantized, travels quantized
-        in one :meth:`alltoallv` (``medium_exchange_bytes``; docs/design.md, "Medium exchanges
-        travel quantized in one alltoallv"). Local; no collective."""
-        return rows * row_bytes <= self.medium_exchange_bytes
 
     # ------------------------------------------------------------------------- backend hooks
     @abc.abstractmethod

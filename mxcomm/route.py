@@ -110,14 +110,21 @@ class Route:
         permute's order), or None. The same answer on every rank; no collective."""
         if self.quantize is None:
             return "alltoallv"
-        rows = plan.largest_peer_rows
-        if comm.small_exchange(rows, self.row_bytes):
+        nbytes = plan.largest_peer_rows * self.row_bytes
+        if nbytes <= comm.small_exchange_bytes:
             return "alltoallv"
         if self.dequantize:
             return None
-        if comm.medium_exchange(rows, self.row_bytes):
+        if nbytes <= comm.medium_exchange_bytes:
             return "medium"
         return "staged" if staged else None
+
+
+def small(comm, rows, row_bytes):
+    """Whether a quantized exchange whose largest sender sends ``rows`` plain rows of
+    ``row_bytes`` bytes each to its peers (``Plan.largest_peer_rows``: the same on every rank)
+    is small, so moves them unquantized (``comm.small_exchange_bytes``; :meth:`Route.path`)."""
+    return rows * row_bytes <= comm.small_exchange_bytes
 
 
 def kind(function, fmt, width):

@@ -521,7 +521,7 @@ def test_routes_hold_their_arrays_until_launched(precision, mode):
                 rows = x if function in ("a2a_dispatch", "a2a_combine_backward") else y
                 r = route.route(function, precision, "rceil", BF16, width)
                 plan = layout.dispatch_plan if r.dispatch else layout.combine_plan
-                staged = not c.small_exchange(plan.largest_peer_rows, r.row_bytes)
+                staged = not route.small(c, plan.largest_peer_rows, r.row_bytes)
                 path = r.path(c, plan)
                 if staged and r.fmt.quantized and r.dequantize:
                     assert path is None  # consumed in place: the engine's
