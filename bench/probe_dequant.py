@@ -11,7 +11,7 @@ format (``rows`` x D bf16 rows per rank, 8 experts per rank, uniform routing), e
 - ``wire``: the exchange returning the rows still quantized (quantize, pull by copy engines);
 - ``wire + dequantize``: that, then the dequantize of every received row;
 - ``in place 1/4`` (and 1/8, 1/2): the library's call: each sender's rows dequantized where
-  they are (over NVLink) by that share of the SMs beside the quantize (``a2a._beside_share``).
+  they are (over NVLink) by that share of the SMs beside the quantize (``mxcomm.route.beside_share``).
 
 Median ms of 20 after 5 warm-up, iterations back to back (CUDA events on the calls' stream),
 the slowest rank's. Rank 0 prints a Markdown table; bench/NOTES.md says what it found. Without a
@@ -20,7 +20,7 @@ GPU it runs the same calls on the host backend (a check that it runs; its times 
 
 import argparse
 
-from mxcomm import a2a
+from mxcomm import a2a, route
 from mxcomm.bench._report import device_name
 from mxcomm.bench._runtime import Runtime
 from mxcomm.formats import get_format
@@ -58,14 +58,14 @@ def main():
             q = fmt.quantize(g)
             cells = [timed(lambda: fmt.quantize(g)), timed(lambda: q.dequantize()), bf16,
                      timed(lambda: wire(g, fmt)), timed(lambda: wire(g, fmt).dequantize())]
-            for share in SHARES:  # at any world size (both of a2a's shares set)
-                old = a2a._BESIDE_SHARE, a2a._BESIDE_SHARE_MANY
-                a2a._BESIDE_SHARE = a2a._BESIDE_SHARE_MANY = share
+            for share in SHARES:  # at any world size (both of route's shares set)
+                old = route.BESIDE_SHARE, route.BESIDE_SHARE_MANY
+                route.BESIDE_SHARE = route.BESIDE_SHARE_MANY = share
                 try:
                     cells.append(timed(lambda: a2a.a2a_dispatch_backward(g, layout,
                                                                          precision=name)))
                 finally:
-                    a2a._BESIDE_SHARE, a2a._BESIDE_SHARE_MANY = old
+                    route.BESIDE_SHARE, route.BESIDE_SHARE_MANY = old
             lines.append(f"| {name} | {d} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     rt.print("\n".join(lines))
     rt.close()

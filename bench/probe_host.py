@@ -12,7 +12,7 @@ instrumented pass that times the engine's pieces inclusively (a wrapper per piec
 entry, so the pieces add up to a little more than the plain time). Then the host cost of the CuPy,
 runtime and driver primitives the path is made of. Then ablations: the torch calls' plain host time
 with one piece at a time replaced by a no-op (the NCCL group, the watchdog's event, its queue and
-its polls, the driver's launch, the prepared quantize, the QuantizedTensor, autograd's ``apply``,
+its polls, the driver's launch, the QuantizedTensor, autograd's ``apply``,
 Python's garbage collector), then all of them, at the given rows and at 1/16 of them, interleaved
 over PROBE_ROUNDS rounds (default 7): what each piece costs inside the whole call, without timers. Rank 0 prints; bench/NOTES.md says what it found.
 """
@@ -129,18 +129,20 @@ def instrument():
     import mxcomm.a2a as a2a
     import mxcomm.formats as formats
     import mxcomm.mxfp8 as mxfp8
+    import mxcomm.route as route
     import mxcomm.kernels._launch as launch
-    from mxcomm.comm import _ipc, _nccl, _pull
+    from mxcomm.comm import NcclCommunicator, _ipc, _pull
     targets = [
         (a2a, "_exchange"), (a2a, "_check_rows"), (a2a, "_resolve"), (a2a, "_check_precision"),
-        (a2a, "_exchange_quantized"), (a2a, "_run_direct"), (a2a._Direct, "__call__"),
+        (route, "staged_quantized"), (a2a, "_run_route"), (route, "run"),
+        (route, "_alltoallv"), (route, "_medium"), (route, "_staged"),
         (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"),
-        (_nccl.NcclCommunicator, "_move_rows"), (_nccl.NcclCommunicator, "_group"),
-        (a2a._QuantizedRows, "produce"), (a2a._QuantizedRows, "consume"),
-        (a2a._QuantizedRows, "__init__"),
-        (_nccl.NcclCommunicator.__mro__[1], "exchange"), (_nccl.NcclCommunicator, "alltoallv"),
-        (_nccl.NcclCommunicator, "_record"), (_nccl.NcclCommunicator.__mro__[1], "_check_usable"),
-        (_nccl.NcclCommunicator, "_on_stream"), (_nccl.NcclCommunicator, "_stream_ptr"),
+        (NcclCommunicator, "_move_rows"), (NcclCommunicator, "_group"),
+        (route.QuantizedRows, "produce"), (route.QuantizedRows, "consume"),
+        (route.QuantizedRows, "__init__"),
+        (NcclCommunicator.__mro__[1], "exchange"), (NcclCommunicator, "alltoallv"),
+        (NcclCommunicator, "_record"), (NcclCommunicator.__mro__[1], "_check_usable"),
+        (NcclCommunicator, "on_stream"), (NcclCommunicator, "stream_ptr"),
         (_pull.PullTransport, "run"), (_pull.PullTransport, "_pull"),
         (_pull.PullTransport, "_slots"), (_pull.PullTransport, "_consume_in_place"),
         (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
@@ -229,8 +231,8 @@ class _Eight(torch.autograd.Function):
 
 t_grad = torch.empty(rows, dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
 fp8 = torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device="cuda")
-nccl_comm = comm._nccl
-nccl_mod = comm._nccl_mod
+nccl_comm = comm.nccl_comm()
+nccl_mod = cupy.cuda.nccl
 
 
 def _empty_group():
@@ -282,17 +284,13 @@ for label, fn in prims.items():
 # call of the same round. Also at a row count whose device work is far below the host's.
 def ablations():
     import gc
-    import mxcomm.a2a as a2a
-    from mxcomm._array import bfloat16
-    from mxcomm.comm import _nccl
+    from mxcomm.comm import NcclCommunicator, _watchdog
 
     class _Ctx:  # what the exchange Functions' forward uses of autograd's context
         def mark_non_differentiable(self, *tensors):
             pass
 
-    nccl_cls = _nccl.NcclCommunicator
-    directs = [a2a._direct(f, p, "rceil", bfloat16, dim)
-               for f in ("a2a_dispatch", "a2a_combine") for p in ("mxfp8", "bf16")]
+    nccl_cls = NcclCommunicator
 
     def nothing(*args, **kwargs):
         return None
@@ -324,11 +322,8 @@ def ablations():
         "watchdog event": [(nccl_cls, "_record", nothing)],
         "watchdog's queue (events recorded, not queued)": [(nccl_cls, "_record",
                                                              record_unwatched)],
-        "watchdog's polls (1 s apart, not 50 ms)": [(_nccl, "_WATCH_POLL_S", 1.0)],
+        "watchdog's polls (1 s apart, not 50 ms)": [(_watchdog, "_WATCH_POLL_S", 1.0)],
         "driver's kernel launch": [(PackedLaunch, "__call__", launch_without_driver)],
-        "prepared quantize / round trip": [(d, "_quantize", nothing) for d in directs
-                                           if d._quantize is not None]
-        + [(d, "_round_trip", nothing) for d in directs if d._round_trip is not None],
         "QuantizedTensor": [(mxt, "_quantized_tensor",
                              lambda data, scales, fmt, cls=None, requires_grad=False: data)],
         "autograd Function.apply": [(mxt._A2ADispatch, "apply",

@@ -89,7 +89,7 @@ for step in range(steps + 5):
             times[k].append(v)
 
 medians = [statistics.median(v) for v in times.values()]
-worst = comm._side.allgather_array(numpy.array(medians), "probe").max(axis=0)
+worst = comm.allgather(numpy.array(medians), "probe").max(axis=0)
 if comm.rank == 0:
     print(f"probe_layout: {comm.size} ranks, {rows} rows per rank, {experts} experts, D = {dim}, "
           f"{steps} steps, busy kernel {busy_us:g} us; host us, median, slowest rank")

@@ -24,6 +24,7 @@ medium) and staged (a communicator with both limits 0). Rank 0 prints a Markdown
 import statistics
 import sys
 
+import cupy
 import numpy
 import torch
 
@@ -42,10 +43,10 @@ W, rank = comm.size, comm.rank
 main = torch.cuda.current_stream()
 side = torch.cuda.Stream()
 stream_ptr = main.cuda_stream
-comm._connected(stream_ptr)
-nccl, cuda_nccl = comm._nccl, comm._nccl_mod
+nccl = comm.nccl_comm(stream_ptr)
+cuda_nccl = cupy.cuda.nccl
 uint8 = cuda_nccl.NCCL_UINT8
-runtime = comm._runtime
+runtime = cupy.cuda.runtime
 fork, join = torch.cuda.Event(), torch.cuda.Event()
 
 
@@ -99,7 +100,7 @@ def timed(fn):
         end.record(main)
     torch.cuda.synchronize()
     mine = statistics.median(s.elapsed_time(e) for s, e in events)
-    return float(comm._side.allgather_array(numpy.array([mine]), "probe").max())
+    return float(comm.allgather(numpy.array([mine]), "probe").max())
 
 
 fmt = get_format("mxfp8")

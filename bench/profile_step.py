@@ -127,14 +127,15 @@ def pieces():
     import mxcomm.a2a as a2a
     import mxcomm.layout as layout
     import mxcomm.permutation as permutation
+    import mxcomm.route as route
     import mxcomm.torch as mxt
     from mxcomm._driver import PackedLaunch
-    from mxcomm.comm import _communicator, _ipc, _nccl, _pull, _sidechannel, _staged
+    from mxcomm.comm import Communicator, NcclCommunicator, Plan, _ipc, _pull, _sidechannel
     from mxcomm.kernels import _launch
     return [
         (mxt, "exchange_layout"), (mxt.Layout, "__new__"), (layout, "exchange_layout"),
-        (layout, "_local_counts"), (layout.Layout, "__new__"), (_staged.Plan, "__init__"),
-        (_staged.Plan, "transposed"), (_nccl.NcclCommunicator, "wait"),
+        (layout, "_local_counts"), (layout.Layout, "__new__"), (Plan, "__init__"),
+        (Plan, "transposed"), (NcclCommunicator, "wait"),
         (_sidechannel.SideChannel, "allgather_bytes"),
         (_sidechannel.SideChannel, "allgather_array"), (_sidechannel.MpiSideChannel, "wait"),
         (mxt, "permute"), (mxt._Permute, "forward"), (permutation, "_permute"),
@@ -146,9 +147,9 @@ def pieces():
         (PackedLaunch, "__call__"),
         (mxt, "a2a_dispatch"), (mxt, "a2a_combine"), (mxt, "_exchange"),
         (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"), (a2a, "_exchange"),
-        (a2a._Direct, "__call__"), (a2a, "_exchange_kept"), (a2a, "_exchange_quantized"),
-        (_communicator.Communicator, "exchange"), (_nccl.NcclCommunicator, "_move_rows"),
-        (_nccl.NcclCommunicator, "_record"), (_pull.PullTransport, "run"),
+        (route, "run"), (route, "staged_kept"), (route, "staged_quantized"),
+        (Communicator, "exchange"), (NcclCommunicator, "_move_rows"),
+        (NcclCommunicator, "_record"), (_pull.PullTransport, "run"),
         (_pull.PullTransport, "_schedule"), (_pull._Schedule, "__init__"),
         (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
         (_ipc.CudaPeerMemory, "signal_ready"), (_ipc.CudaPeerMemory, "await_ready"),
@@ -161,11 +162,11 @@ def instrumented(stage_list):
     of each, per rank."""
     import collections
     from _pieces import Pieces
-    from mxcomm.comm import _nccl
+    from mxcomm.comm import _watchdog
     timers = Pieces()
     timers.wrap(pieces())
     sleeps = collections.Counter()
-    real_time = _nccl.time
+    real_time = _watchdog.time
 
     class _Time:  # NcclCommunicator.wait's sleeps, counted
         monotonic = staticmethod(real_time.monotonic)
@@ -174,12 +175,12 @@ def instrumented(stage_list):
         def sleep(s):
             sleeps[s] += 1
             real_time.sleep(s)
-    _nccl.time = _Time
+    _watchdog.time = _Time
     try:
         for _ in range(args.iters):
             step(stage_list, {}, {})
     finally:
-        _nccl.time = real_time
+        _watchdog.time = real_time
         timers.unwrap()
     lines = [f"  rank {rt.rank}: us per step (inclusive), calls per step"]
     for label, ns in sorted(timers.totals.items(), key=lambda kv: -kv[1]):

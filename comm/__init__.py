@@ -7,10 +7,11 @@ torch.distributed, among the ranks of an mpi4py communicator or of a torch.distr
 from ._factory import init
 
 __all__ = ["init", "Communicator", "MpiCommunicator", "NcclCommunicator",
-           "TorchHostCommunicator"]
+           "TorchHostCommunicator", "Plan"]
 
 _LAZY = {"Communicator": "._communicator", "MpiCommunicator": "._mpi",
-         "NcclCommunicator": "._nccl", "TorchHostCommunicator": "._torchdist"}
+         "NcclCommunicator": "._nccl", "TorchHostCommunicator": "._torchdist",
+         "Plan": "._staged"}
 
 
 def __getattr__(name):

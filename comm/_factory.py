@@ -10,8 +10,6 @@ _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
 #: The default of ``init``'s ``nccl_init``.
 _NCCL_INIT_ENV = "MXCOMM_NCCL_INIT"
 #: The defaults of ``init``'s ``small_exchange_bytes`` and ``medium_exchange_bytes``.
-_SMALL_ENV = "MXCOMM_SMALL_EXCHANGE_BYTES"
-_MEDIUM_ENV = "MXCOMM_MEDIUM_EXCHANGE_BYTES"
 
 
 def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=True,
@@ -62,8 +60,7 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             results bit for bit, fewer launches and less host time where the saved bytes take
             less time than those (docs/design.md, "Small exchanges travel unquantized"). 0
             never does. Every rank must give the same value (checked here, collectively). None:
-            ``MXCOMM_SMALL_EXCHANGE_BYTES`` from the environment, else the backend's default
-            where every rank is on one node (64 MiB for NCCL, measured on H100s over NVLink,
+            the backend's default where every rank is on one node (64 MiB for NCCL, measured on H100s over NVLink,
             bench/NOTES.md; 0 on the host backends), and 0 across nodes (unmeasured there, where
             the saved bytes weigh more).
         medium_exchange_bytes: an exchange of bf16/fp32 rows that is not small, whose result
@@ -72,8 +69,7 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             quantizes them on the caller's stream and moves the quantized rows in one
             ``alltoallv``, instead of staging them: the same results bit for bit, less host time
             per call (docs/design.md, "Medium exchanges travel quantized in one alltoallv"). 0
-            never does. Every rank must give the same value. None:
-            ``MXCOMM_MEDIUM_EXCHANGE_BYTES`` from the environment, else the backend's default
+            never does. Every rank must give the same value. None: the backend's default
             where every rank is on one node (128 MiB for NCCL, bench/NOTES.md; 0 on the host
             backends), and 0 across nodes.
     Returns:
@@ -107,10 +103,8 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
     if nccl_init not in ("eager", "lazy"):
         raise ValueError(f"nccl_init: expected 'eager' or 'lazy' (None: ${_NCCL_INIT_ENV}, "
                          f"else 'eager'), got {nccl_init!r}")
-    small_exchange_bytes = _exchange_bytes(small_exchange_bytes, "small_exchange_bytes",
-                                           _SMALL_ENV)
-    medium_exchange_bytes = _exchange_bytes(medium_exchange_bytes, "medium_exchange_bytes",
-                                            _MEDIUM_ENV)
+    _check_exchange_bytes(small_exchange_bytes, "small_exchange_bytes")
+    _check_exchange_bytes(medium_exchange_bytes, "medium_exchange_bytes")
     if mpi_comm is not None and group is not None:
         raise ValueError("init: give mpi_comm or group, not both")
     if group is None and mpi_comm is None and (backend == "torch" or
@@ -194,18 +188,10 @@ def _nccl_available():
         return False
 
 
-def _exchange_bytes(value, name, env):
-    """``init``'s ``value`` of ``name`` (small or medium exchange bytes), or the environment's
-    ``env`` where None; checked: None or an int in [0, 2**63) (the ranks agree on it as an
-    int64)."""
-    if value is None and os.environ.get(env):
-        value = os.environ[env]
-        try:
-            value = int(value)
-        except ValueError:
-            raise ValueError(f"{name}: ${env} = {value!r} is not an int (bytes)") from None
+def _check_exchange_bytes(value, name):
+    """Check ``init``'s ``value`` of ``name`` (small or medium exchange bytes): None or an int in
+    [0, 2**63) (the ranks agree on it as an int64)."""
     if value is not None and (type(value) is bool or not isinstance(value, int) or
                               not 0 <= value < 2**63):
         raise ValueError(f"{name}: expected None or a non-negative int (bytes, below 2**63), "
                          f"got {value!r}")
-    return value

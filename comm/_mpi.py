@@ -11,7 +11,7 @@ import operator
 
 import numpy
 
-from ._communicator import HostCommunicator
+from ._hostcomm import HostCommunicator
 
 _INT32_MAX = 2**31 - 1
 
@@ -106,7 +106,7 @@ class MpiCommunicator(HostCommunicator):
         requests = []
         for s, o in zip(sends, outs):
             row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
-            if row_bytes == 0:  # nothing to move (e.g. a zero-byte stand-in that only votes)
+            if row_bytes == 0:  # rows of zero bytes (an empty row shape): nothing to move
                 continue
             if not requests:  # MPI counts and displacements are C ints
                 for name, ends in (("send", map(operator.add, so, sc)),

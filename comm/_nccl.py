@@ -8,16 +8,16 @@ peer and array, zero-size ones skipped. Rows travel as raw bytes (``NCCL_UINT8``
 works: bf16, fp8 bits, scales.
 
 Nothing here blocks the host except :meth:`NcclCommunicator.wait`, which polls with the timeout.
-A per-instance watchdog thread polls a CUDA event recorded after each group or exchange; if one is
-not done ``timeout`` seconds after it became the oldest outstanding, the watchdog calls
-``ncclCommAbort`` and stores a ``TimeoutError`` that the next call raises. It also polls the failure
-word of the pull transport's device waits (``_ipc``), so a peer that never signals is named. Events come from a small pool on the
-instance and go back to it when done, so nothing grows with the number of calls.
+A per-instance watchdog thread (``_watchdog``) polls a CUDA event recorded after each group or
+exchange; if one is not done ``timeout`` seconds after it became the oldest outstanding, the
+watchdog calls ``ncclCommAbort`` and stores a ``TimeoutError`` that the next call raises. It also
+polls the failure word of the pull transport's device waits (``_ipc``), so a peer that never
+signals is named. Events come from a small pool on the instance and go back to it when done, so
+nothing grows with the number of calls.
 
 This is the only module that imports ``cupy.cuda.nccl``.
 """
 
-import collections
 import contextlib
 import math
 import threading
@@ -26,27 +26,14 @@ import warnings
 
 import numpy
 
-from mxcomm._driver import address
+from mxcomm._driver import address, external_stream
 
 from ._board import EXCHANGE
 from ._communicator import Communicator
+from ._validate import check_counts_array
+from ._watchdog import _WATCH_POLL_S, Watchdog
 
-_CUDA_SUCCESS = 0
-_CUDA_NOT_READY = 600          # cudaErrorNotReady
-_EVENT_DISABLE_TIMING = 0x2    # cudaEventDisableTiming
 _MEMCPY_DEVICE_TO_HOST = 2     # cudaMemcpyDeviceToHost
-#: Watchdog polling period while operations are in flight. It only bounds how late a timeout is
-#: noticed: the calls recycle finished events themselves. Polling every millisecond made the
-#: calling thread wait for the interpreter lock: the host time of an MXFP8 dispatch went from
-#: about 0.5 to 0.9 ms (H200 host, bench/NOTES.md).
-_WATCH_POLL_S = 0.05
-_ASYNC_CHECK_S = 1.0           # period of ncclCommGetAsyncError checks while in flight
-_IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in flight
-#: ``wait`` polls its event without sleeping for this long, then sleeps between polls (doubling
-#: up to 1 ms): the host read of the layout exchange waits here for the work before it, and a
-#: sleep overshoots its end by up to its own length (at least ~50 us on Linux) while the device
-#: idles until the layout is agreed.
-_WAIT_SPIN_S = 2e-3
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
@@ -74,31 +61,7 @@ def _bounded(fn, seconds, name):
     return True, value
 
 
-class _StreamHandle:
-    """A raw stream handle speaking the CUDA stream protocol (``__cuda_stream__``)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def _external_stream(cupy, ptr):
-    """A CuPy stream object over the raw handle ``ptr`` (not owned): ``Stream.from_external``
-    where CuPy has it (CuPy 14 deprecates ``ExternalStream``)."""
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        try:
-            return from_external(_StreamHandle(ptr))
-        except (TypeError, ValueError):  # a CuPy whose from_external wants another argument
-            pass
-    return cupy.cuda.ExternalStream(ptr)
-
-
-class NcclCommunicator(Communicator):
+class NcclCommunicator(Watchdog, Communicator):
     """All-to-all of rows of CuPy device arrays over NCCL, one process per GPU.
 
     Args:
@@ -163,21 +126,11 @@ class NcclCommunicator(Communicator):
         self.device = int(device)
         cupy.cuda.Device(self.device).use()
         self._nccl = self._connect() if nccl_init == "eager" else None
-        # Watchdog state, shared with the thread under self._lock.
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._free_events = []                   # event handles ready for reuse
-        self._pinned, self._pinned_bytes = None, 0  # pinned host memory of _to_host
-        self._in_flight = collections.deque()    # (event, host time recorded, call, stream)
-        self._mixed = False      # in-flight events on more than one stream (else in order)
-        self._stopping = False
+        self._pinned, self._pinned_bytes = None, 0  # pinned host memory of to_host
         self._captured = False   # an NCCL exchange was captured into a CUDA graph (close says so)
         self._host_since = None  # when the host entered an NCCL group call still running
         self._host_call = 0      # ... and the number of its exchange call (the board's)
-        self._board = self._side.board  # made by mxcomm.comm.init
-        self._watchdog = threading.Thread(target=self._watch, name=f"mxcomm-nccl-watchdog-"
-                                          f"{self.rank}", daemon=True)
-        self._watchdog.start()
+        self._start_watchdog()
         devices = self._side.allgather_bytes(self.device.to_bytes(4, "little"), "device ids")
         self._peer_devices = [int.from_bytes(devices[4 * r:4 * r + 4], "little")
                               for r in range(self.size) if r != self.rank]
@@ -244,6 +197,19 @@ class NcclCommunicator(Communicator):
         with self._lock:
             self._nccl = comm
 
+    def nccl_comm(self, stream=None):
+        """NCCL's own communicator (``cupy.cuda.nccl.NcclCommunicator``), for probes that time
+        NCCL's calls themselves (``bench/probe_self.py``, ``bench/probe_host.py``); what is
+        enqueued on it bypasses this communicator's checks and watchdog. Built first where
+        ``nccl_init="lazy"`` has not yet (then collective: every rank calls it).
+
+        Raises:
+            RuntimeError, TimeoutError: as the bootstrap (a graph capture on ``stream``, a rank
+                that did not join within ``timeout`` s).
+        """
+        self._connected(self.stream_ptr(stream))
+        return self._nccl
+
     def _init_bounded(self, nccl, unique_id):
         """``ncclCommInitRank``, bounded by ``timeout``: it blocks until every rank has joined,
         so a peer that dies after the unique id went out would hang this rank forever. It runs
@@ -265,17 +231,17 @@ class NcclCommunicator(Communicator):
                                f"(a peer died or stopped after the unique id was shared)")
         return comm
 
-    def _stream_ptr(self, stream):
+    def stream_ptr(self, stream):
         return self._stream(stream)
 
-    def _on_stream(self, stream_ptr):
+    def on_stream(self, stream_ptr):
         if stream_ptr == self._current_stream().ptr:
             return _NULL_CONTEXT
         stream = self._external.get(stream_ptr)
         if stream is None:  # one wrapper per stream, reused (nothing built per call)
             if len(self._external) > 64:
                 self._external.clear()
-            stream = self._external[stream_ptr] = _external_stream(self._cupy, stream_ptr)
+            stream = self._external[stream_ptr] = external_stream(stream_ptr)
         return stream
 
     def _stream(self, stream):
@@ -289,123 +255,6 @@ class NcclCommunicator(Communicator):
         if ptr is None:
             ptr = getattr(stream, "cuda_stream", stream)
         return int(ptr)
-
-    # ------------------------------------------------------------------------------ watchdog
-    def _record(self, stream_ptr, call):
-        """Record a pooled event on ``stream_ptr`` after exchange call number ``call`` and hand
-        it to the watchdog (not while the stream is being captured into a CUDA graph: the
-        graph's launches are the caller's)."""
-        if self._runtime.streamIsCapturing(stream_ptr):
-            self._captured = True  # a CUDA graph now holds NCCL work of this communicator
-            return
-        runtime = self._runtime
-        with self._lock:  # recorded and queued together: the queue is in record order
-            free = self._free_events
-            if not free:  # finished events not yet recycled by the watchdog's poll
-                self._retire_finished()
-            event = free.pop() if free else runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
-            runtime.eventRecord(event, stream_ptr)
-            flight = self._in_flight
-            if flight and flight[-1][3] != stream_ptr:
-                self._mixed = True
-            flight.append((event, time.monotonic(), call, stream_ptr))
-            if len(flight) == 1:
-                self._wake.notify()
-
-    def _retire_finished(self):
-        """Move the finished events at the head of the in-flight queue back to the pool (under
-        the lock); returns how many. The queue is in record order (``_record``); while every
-        in-flight event is on one stream they finish in that order, so a binary search finds
-        the finished ones in O(log n) queries, and the watchdog's work per poll does not grow
-        with the calls made since (its Python competes with the calling thread for the GIL).
-        Events on several streams are retired from the head, one query each."""
-        flight, query = self._in_flight, self._runtime.eventQuery
-        if not flight or query(flight[0][0]) != _CUDA_SUCCESS:
-            return 0
-        if self._mixed:
-            done = 1
-            while done < len(flight) and query(flight[done][0]) == _CUDA_SUCCESS:
-                done += 1
-        else:  # the first not finished, in [1, len]
-            done, end = 1, len(flight)
-            while done < end:
-                mid = (done + end) // 2
-                if query(flight[mid][0]) == _CUDA_SUCCESS:
-                    done = mid + 1
-                else:
-                    end = mid
-        free = self._free_events
-        for _ in range(done):
-            free.append(flight.popleft()[0])
-        if not flight:
-            self._mixed = False
-        return done
-
-    def _watch(self):
-        """Watchdog thread: recycle finished events; abort NCCL on a timeout or async error."""
-        runtime = self._runtime
-        try:
-            runtime.setDevice(self.device)
-        except Exception:  # event queries work across devices anyway
-            pass
-        oldest_since = None  # when the current oldest event became the oldest
-        last_async_check = 0.0
-        while True:
-            with self._lock:
-                if self._stopping:
-                    return
-                head = self._in_flight[0] if self._in_flight else None
-                if head is None:
-                    oldest_since = None
-                    self._wake.wait(min(_IDLE_WAKE_S, self.timeout / 4))
-            failure = self._device_failure()
-            if failure is not None:
-                self._fail(failure)
-                return
-            host_since = self._host_since
-            if host_since is not None and time.monotonic() - host_since > self.timeout:
-                late = self._board.describe(EXCHANGE, self._host_call)
-                self._fail(TimeoutError(
-                    f"alltoallv: NCCL did not accept an exchange within {self.timeout:g} s on "
-                    f"rank {self.rank} of {self.size} (blocked in ncclGroupEnd, e.g. connecting "
-                    f"to a peer that does not call; {late}); the communicator is aborted"))
-                return
-            if head is None:
-                continue
-            event, recorded, call, _ = head
-            status = runtime.eventQuery(event)
-            now = time.monotonic()
-            if status == _CUDA_SUCCESS:
-                with self._lock:
-                    self._retire_finished()
-                oldest_since = now
-                continue
-            oldest_since = recorded if oldest_since is None else max(oldest_since, recorded)
-            if status != _CUDA_NOT_READY:
-                self._fail(RuntimeError(f"NcclCommunicator on rank {self.rank}: CUDA error "
-                                        f"{status} while waiting for an NCCL group; the "
-                                        f"communicator is aborted"))
-                return
-            # A device wait of the pull transport gives up after `timeout` and names the peer
-            # it missed (above): leave it the time to, before the generic message.
-            if now - oldest_since > self.timeout * 1.25 + 1.0:
-                late = self._board.describe(EXCHANGE, call)
-                self._fail(TimeoutError(
-                    f"alltoallv: an NCCL exchange did not finish within {self.timeout:g} s on "
-                    f"rank {self.rank} of {self.size} ({late}); the communicator is aborted"))
-                return
-            if now - last_async_check > _ASYNC_CHECK_S:
-                last_async_check = now
-                try:
-                    with self._lock:
-                        if self._state == "open" and self._nccl is not None:
-                            self._nccl.check_async_error()
-                except Exception as exc:  # NcclError: a peer or the network failed
-                    self._fail(RuntimeError(f"NcclCommunicator on rank {self.rank}: NCCL "
-                                            f"reported an asynchronous error ({exc}); the "
-                                            f"communicator is aborted"))
-                    return
-            time.sleep(_WATCH_POLL_S)
 
     def _state_lock(self):
         return self._lock
@@ -458,73 +307,13 @@ class NcclCommunicator(Communicator):
                           f"within {self.timeout:g} s: {why}; its resources are left to the "
                           f"process's exit", RuntimeWarning, stacklevel=3)
 
-    def wait(self, stream=None):
-        """Block the host until the work enqueued on ``stream`` so far is done, or ``timeout``.
-
-        Use it instead of a device synchronize before the host reads a result, e.g. the output
-        of :meth:`alltoall_counts`: it polls a CUDA event, so a peer that never joins produces a
-        ``TimeoutError`` rather than a hang. This is the only method that syncs the host.
-
-        Args:
-            stream: None for CuPy's current stream, a stream object (``.ptr``/``.cuda_stream``),
-                or a raw handle.
-        Raises:
-            TimeoutError: a device wait of an exchange on the stream gave up after ``timeout`` s
-                (naming the rank that did not arrive), or the stream's work is not done within
-                ``1.25 * timeout + 1`` s (naming, by the arrival board, this node's ranks that
-                had not entered the last exchange call); the communicator is aborted.
-            RuntimeError: the communicator is aborted or closed; a peer called a different
-                exchange.
-        """
-        self._check_usable()
-        runtime = self._runtime
-        with self._lock:
-            event = self._free_events.pop() if self._free_events else None
-        if event is None:
-            event = runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
-        runtime.eventRecord(event, self._stream(stream))
-        start = time.monotonic()
-        sleep = 1e-5
-        try:
-            while True:
-                status = runtime.eventQuery(event)
-                if status == _CUDA_SUCCESS:
-                    # A device wait that gave up lets its stream go on, so the work completes
-                    # either way: what it missed is in the status it wrote, read here (the
-                    # watchdog may not have polled it yet).
-                    self._check_usable()
-                    return
-                if status != _CUDA_NOT_READY:
-                    self._fail(RuntimeError(f"NcclCommunicator.wait on rank {self.rank}: CUDA "
-                                            f"error {status}; the communicator is aborted"))
-                    self._check_usable()
-                if self._pending_error is not None or self._state != "open":
-                    self._check_usable()
-                # The pull transport's device waits give up after `timeout` from when they
-                # start, which is after this call starts: leave them the time to name the rank
-                # (the watchdog finds their status within its poll, aborts NCCL on its own
-                # thread, and the check above raises the error it kept) before the generic
-                # message.
-                if time.monotonic() - start > self.timeout * 1.25 + 1.0:
-                    late = self._board.describe(EXCHANGE, self._board.entered[EXCHANGE])
-                    self._fail(TimeoutError(f"wait: the stream's work did not finish within "
-                                            f"{self.timeout:g} s on rank {self.rank} ({late}); "
-                                            f"the communicator is aborted"))
-                    self._check_usable()
-                if time.monotonic() - start > _WAIT_SPIN_S:
-                    time.sleep(sleep)
-                    sleep = min(2 * sleep, 1e-3)
-        finally:
-            with self._lock:
-                self._free_events.append(event)
-
-    def _to_host(self, a, stream):
-        """:meth:`Communicator._to_host` as one copy into pinned memory, enqueued on ``stream``
+    def to_host(self, a, stream):
+        """:meth:`Communicator.to_host` as one copy into pinned memory, enqueued on ``stream``
         after the work that makes ``a``, then the bounded wait: no pageable copy and no second
         synchronization after the wait (a CuPy ``get`` cost ~60-80 us more per layout on an
         H100 host, bench/NOTES.md)."""
         if not a.flags.c_contiguous:
-            return super()._to_host(a, stream)
+            return super().to_host(a, stream)
         nbytes = a.nbytes
         if self._pinned is None or self._pinned_bytes < nbytes:
             self._pinned_bytes = max(nbytes, 4096)
@@ -577,7 +366,7 @@ class NcclCommunicator(Communicator):
         self._check_usable()
         stream_ptr = self._stream(stream)
         self._connected(stream_ptr)
-        with self._on_stream(stream_ptr):  # allocate out stream-ordered
+        with self.on_stream(stream_ptr):  # allocate out stream-ordered
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                               validate)
         sends, outs, single, sc, rc, so, ro = plan
@@ -617,7 +406,7 @@ class NcclCommunicator(Communicator):
         """
         self._check_usable()
         self._connected(self._stream(stream))
-        counts, k = self._check_counts_array(counts)
+        counts, k = check_counts_array(self, counts)
         call = self._board.enter(EXCHANGE)
         counts = self._cupy.ascontiguousarray(counts)
         out = self._cupy.empty_like(counts)

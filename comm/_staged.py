@@ -1,7 +1,8 @@
 """The staged exchange: rows a producer writes where they travel from and a consumer reads.
 
-:meth:`Communicator.exchange` moves the rows described by a :class:`Rows` object according to a
-:class:`Plan` (every rank's counts). The caller's ``Rows`` implements the protocol:
+:meth:`Communicator.exchange` moves the rows described by a *rows* object (any object with the
+protocol below; the engine's are in ``mxcomm.a2a``) according to a :class:`Plan` (every rank's
+counts). The rows object implements:
 
 - ``arrays``: ``((row shape, dtype), ...)``, the arrays moved together (MXFP8: data and scales);
 - ``kind``: a short text naming the exchange (operation, format, D), compared across ranks;
@@ -188,3 +189,106 @@ def describe_mismatch(peer, expected, got, kinds):
                 f"or D)")
     return (f"rank {peer} sends {got & 0xFFFF} rows (mod 65536) where this rank's layout expects "
             f"{expected & 0xFFFF} (ranks use different layouts)")
+
+
+def choose_transport(comm, peer_memory):
+    """The transport of ``comm.exchange``; collective (one host allgather, from the backends'
+    constructors).
+
+    ``"pull"`` needs every rank on this node and the backend's peer memory (CUDA IPC on GPUs; on
+    the host, MPI shared windows, so a torch side channel takes ``"grouped"``); ``peer_memory``
+    None takes it where every rank can, True requires it (RuntimeError on every rank
+    otherwise), False never uses it. The same round resolves ``comm.small_exchange_bytes`` and
+    ``comm.medium_exchange_bytes`` (None: the backend's default on one node, else 0) and checks
+    that every rank has the same (ValueError on every rank otherwise).
+    """
+    import numpy
+
+    from ._grouped import GroupedTransport
+    from ._pull import PullTransport
+    _, one_node = comm._side.node_info()
+    if comm.small_exchange_bytes is None:
+        comm.small_exchange_bytes = comm.SMALL_EXCHANGE_BYTES if one_node else 0
+    if comm.medium_exchange_bytes is None:
+        comm.medium_exchange_bytes = comm.MEDIUM_EXCHANGE_BYTES if one_node else 0
+    here = peer_memory is not False and one_node and comm._peer_memory_here()
+    table = comm.allgather(numpy.array([here, comm.small_exchange_bytes,
+                                        comm.medium_exchange_bytes], numpy.int64),
+                           "peer memory setup (vote)")
+    votes = table[:, 0].tolist()
+    for column, name in ((1, "small_exchange_bytes"), (2, "medium_exchange_bytes")):
+        limits = table[:, column].tolist()
+        if len(set(limits)) > 1:
+            raise ValueError(f"{name} on rank {comm.rank}: the ranks must agree, but they gave "
+                             f"{dict(enumerate(limits))} (rank: bytes)")
+    if peer_memory and not all(votes):
+        ranks = [r for r, v in enumerate(votes) if not v]
+        raise RuntimeError(f"peer_memory=True: ranks {ranks} cannot map their peers' memory (all "
+                           f"ranks must share one node, with peer access between GPUs; on the "
+                           f"host, an MPI communicator)")
+    if all(votes):
+        return PullTransport(comm, comm._new_peer_memory())
+    return GroupedTransport(comm)
+
+
+class StagedExchange:
+    """The staged exchange's entry on a :class:`~mxcomm.comm.Communicator` (a base of it):
+    :meth:`exchange` over the transport :func:`choose_transport` picked."""
+
+    @property
+    def transport(self):
+        """``"pull"`` or ``"grouped"``: how :meth:`exchange` moves rows."""
+        return self._transport.name
+
+    def _choose_transport(self):
+        """Pick the transport of :meth:`exchange` (:func:`choose_transport`); collective, from
+        the backends' constructors."""
+        self._transport = choose_transport(self, self._peer_memory)
+
+    def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
+        """Move rows a producer writes where they travel from, to a consumer (``_staged``).
+
+        Collective, on the devices only: no host collective and no host barrier (the staging
+        grows collectively in the rare call that needs more). The plan must be the same on
+        every rank (a layout's, or one from :meth:`check`); a peer calling another exchange,
+        another kind of rows or another plan is detected where the transport can (the pull
+        transport compares a kind word) and ends in an error, else in a timeout.
+
+        Args:
+            rows: the producer/consumer (``_staged`` docstring): ``arrays``, ``kind``,
+                ``produce``, and ``consume`` for ``in_place``.
+            plan: a :class:`~mxcomm.comm.Plan`, every rank's counts.
+            out: arrays of ``plan.rows_received`` rows, one per entry of ``rows.arrays``, or
+                None to allocate them. Written. Must be None with ``in_place``.
+            in_place: the consumer reads each sender's rows where they are (pull: over NVLink on
+                a side stream beside the producer) instead of them being copied into ``out``.
+            landing: None (received row r is row r of ``out``), or ``((received row, row of
+                out, rows), ...)``, runs of at least one row sorted by received row, covering
+                every received row once:
+                where each run of received rows lands in ``out`` (``out`` may have more rows,
+                which stay as they are). Not with ``in_place``. The pull transport copies each
+                run straight into place; the grouped one receives, then copies the runs.
+            stream: the caller's stream (NCCL: as in :meth:`alltoallv`; MPI: ignored).
+        Returns:
+            The tuple of ``out`` arrays (complete on ``stream``), or None with ``in_place``.
+        Raises:
+            TimeoutError: a peer did not arrive within ``timeout`` s (on the GPU: found by this
+                or a later call, or :meth:`wait`); the communicator is aborted.
+            RuntimeError: a peer called a different exchange (as above); the communicator is
+                aborted or closed.
+        """
+        self._check_usable()
+        if landing is not None and (in_place or out is None):
+            raise ValueError("landing: needs out arrays and in_place=False")
+        stream_ptr = self.stream_ptr(stream)
+        with self.on_stream(stream_ptr):  # allocations ordered on the caller's stream
+            outs = self._transport.run(rows, plan, None if out is None else tuple(out), in_place,
+                                       stream_ptr, landing)
+        # No watchdog event here: the pull transport's device waits give up on their own after
+        # ``timeout`` (the watchdog reads their status), and the grouped one's alltoallv
+        # records its own.
+        return None if in_place else outs
+
+    def _new_arrays(self, arrays, rows):
+        """One new array of ``rows`` rows per ``(row shape, dtype)`` of ``arrays``."""
+        return tuple(self._empty((rows,) + shape, dtype) for shape, dtype in arrays)

@@ -12,7 +12,7 @@ import warnings
 
 import numpy
 
-from ._communicator import HostCommunicator
+from ._hostcomm import HostCommunicator
 from ._validate import exclusive_cumsum
 
 
@@ -88,7 +88,7 @@ class TorchHostCommunicator(HostCommunicator):
         works, keep, unpack = [], [], []
         for s, o in zip(sends, outs):
             row_bytes = s.dtype.itemsize * math.prod(s.shape[1:])
-            if row_bytes == 0:  # nothing to move (e.g. a zero-byte stand-in that only votes)
+            if row_bytes == 0:  # rows of zero bytes (an empty row shape): nothing to move
                 continue
             elements = math.prod(s.shape[1:])
             s_flat = s.reshape(s.shape[0], elements)

@@ -1,67 +1,17 @@
-"""Argument checks of the communicators, local and cross-rank.
+"""Argument checks of the communicators' calls, local and across ranks.
 
-Every collective first checks its arguments locally (types, lengths, signs, bounds), then, unless
-validation is off, all ranks exchange one fixed-size ``int64`` *ballot* in a single allgather:
-
-======================  =========================================================================
-words                   content
-======================  =========================================================================
-``[0]``                 verdict: 0 valid, 1 ``ValueError``, 2 ``TypeError`` (local checks)
-``[1]``                 the operation (1 ``alltoallv``, 2 ``alltoall_counts``), to catch ranks
-                        calling different collectives
-``[2 : 2+W]``           units this rank sends to each rank (``send_counts``; -1 if unreadable)
-``[2+W : 2+2W]``        units this rank expects from each rank (``recv_counts``)
-``[2+2W : ]``           ``TEXT_BYTES`` of UTF-8: the local error message if the verdict is not 0,
-                        else a description of the rows (dtypes and row shapes)
-======================  =========================================================================
-
-Every rank then composes the same message from the same table, so a problem on any rank raises the
-same exception with the same text on every rank, and no rank goes on to move data while another
-has given up. Units are rows for ``alltoallv`` and entries for ``alltoall_counts``.
+Every call with explicit counts first checks its arguments locally (types, lengths, signs,
+bounds), then, unless validation is off, agrees on them with its peers in one agreement round
+(``Communicator.agree``): an error on any rank raises the same exception on every rank.
 """
 
 import operator
-import struct
 
 import numpy
 
-#: Operation codes carried in a ballot.
-OP_ALLTOALLV = 1
-OP_ALLTOALL_COUNTS = 2
-OP_NAMES = {OP_ALLTOALLV: "alltoallv", OP_ALLTOALL_COUNTS: "alltoall_counts"}
+from ._agreement import counts_verdict
 
-#: Verdict codes carried in a ballot, and the exception each one raises.
-VALID, BAD_VALUE, BAD_TYPE = 0, 1, 2
-_ERRORS = {BAD_VALUE: ValueError, BAD_TYPE: TypeError}
-
-#: Bytes of message text in a ballot (longer messages are cut, ending in "...").
-TEXT_BYTES = 256
-_TEXT_WORDS = TEXT_BYTES // 8
-_HEADER = 2
 _INT64_MAX = 2**63 - 1
-
-
-def ballot_size(size):
-    """Number of int64 words of one rank's ballot in a world of ``size`` ranks."""
-    return _HEADER + 2 * size + _TEXT_WORDS
-
-
-def encode_text(text):
-    """``text`` as ``TEXT_BYTES // 8`` int64 words (UTF-8, zero padded, cut with "...")."""
-    return numpy.frombuffer(_text_bytes(text), dtype=numpy.int64)
-
-
-def _text_bytes(text):
-    """``text`` as exactly ``TEXT_BYTES`` bytes: UTF-8, zero padded, cut with "..."."""
-    raw = text.encode("utf-8", "replace")
-    if len(raw) > TEXT_BYTES:
-        raw = raw[:TEXT_BYTES - 3] + b"..."
-    return raw.ljust(TEXT_BYTES, b"\0")
-
-
-def decode_text(words):
-    """Inverse of :func:`encode_text`."""
-    return numpy.ascontiguousarray(words).tobytes().rstrip(b"\0").decode("utf-8", "replace")
 
 
 def as_counts(values, name, rank, size):
@@ -159,120 +109,143 @@ def check_region(counts, offsets, rows, what, rank, explicit):
                                  f"{b} overlap in out")
 
 
-class Ballot:
-    """One rank's ballot and the gathered table, in buffers reused from call to call.
+def vote_counts(comm, op, error, send_counts, recv_counts, description, what, unit="rows"):
+    """The vote of a call with explicit counts (``op``: its name, as ``comm.agree`` takes it):
+    one agreement round of this rank's verdict, counts and ``description``, then the check that
+    every rank expects what its peers send. Returns ``sent[j][i]``, the units rank j sends to rank i (W lists of W ints).
 
-    The valid path packs and reads the buffers with one ``struct`` call each (no per-call NumPy
-    on arrays of a few words); the messages of an invalid call are composed with NumPy.
-
-    Args:
-        rank, size: this process's rank and the number of ranks.
+    Raises (the same exception on every rank): the first invalid rank's error, a rank calling
+    another collective or describing other rows, or counts not matching the peers' (ValueError).
     """
+    w = comm.size
+    words = comm.agree(op, error, (0,) * 2 * w if error is not None else
+                       (*send_counts, *recv_counts), text=description, what=what).tolist()
+    sent = [row[:w] for row in words]
+    verdict = counts_verdict(sent, [row[w:] for row in words], what, unit)
+    if verdict is not None:
+        raise verdict
+    return sent
 
-    def __init__(self, rank, size):
-        self.rank = rank
-        self.size = size
-        n = ballot_size(size)
-        self.mine = numpy.zeros(n, dtype=numpy.int64)
-        self.table = numpy.zeros((size, n), dtype=numpy.int64)
-        self._text_cache = {}
-        record = f"{_HEADER + 2 * size}q{TEXT_BYTES}s"
-        self._pack = struct.Struct("=" + record).pack_into
-        self._unpack = struct.Struct("=" + record * size).unpack_from
-        self._stride = _HEADER + 2 * size + 1  # items per rank in the unpacked table
 
-    def fill(self, op, error, send_counts, recv_counts, description):
-        """Write this rank's ballot.
+def check_arrays(arrays, name, rank):
+    """Check arrays moved together: at least 1-D, C-contiguous, equal rows; return the rows."""
+    rows = None
+    for i, a in enumerate(arrays):
+        label = name if len(arrays) == 1 else f"{name}[{i}]"
+        if a.ndim < 1:
+            raise ValueError(f"{label} on rank {rank} is 0-d; expected rows along the first axis")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{label} on rank {rank} must be C-contiguous")
+        if rows is None:
+            rows = a.shape[0]
+        elif a.shape[0] != rows:
+            raise ValueError(f"{label} on rank {rank} has {a.shape[0]} rows, {name}[0] {rows}: "
+                             f"arrays moved together need equal rows")
+    return rows
 
-        Args:
-            op: an ``OP_*`` code.
-            error: the local exception (``ValueError``/``TypeError``), or None.
-            send_counts, recv_counts: W ints each (units), or None when unreadable.
-            description: text naming the rows (dtypes, row shapes); compared across ranks.
-        """
-        w = self.size
-        mine = self.mine
-        if error is not None:
-            mine[0] = BAD_TYPE if isinstance(error, TypeError) else BAD_VALUE
-            mine[1] = op
-            mine[_HEADER:_HEADER + 2 * w] = -1
-            mine[_HEADER + 2 * w:] = encode_text(str(error))
-            return
-        text = self._text_cache.get(description)
-        if text is None:
-            if len(self._text_cache) > 64:
-                self._text_cache.clear()
-            text = self._text_cache[description] = _text_bytes(description)
-        self._pack(mine, 0, VALID, op, *send_counts, *recv_counts, text)
 
-    def sent_counts(self):
-        """``sent[j][i]``: units rank j sends to rank i, from the last gathered table."""
-        w = self.size
-        return self.table[:, _HEADER:_HEADER + w].tolist()
+def _local_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, recv_offsets):
+    """The local checks of an ``alltoallv`` call: ``(sends, outs, single, sc, rc, so, ro)``
+    (tuples of backend arrays, ``outs`` empty for None, whether ``send`` was one array, counts
+    and offsets as W ints each); raises the argument errors."""
+    rank, size = comm.rank, comm.size
+    single = not isinstance(send, (tuple, list))
+    sends = (comm._as_array(send, "send"),) if single else \
+        tuple([comm._as_array(a, "send") for a in send])
+    if not sends:
+        raise ValueError("send is an empty tuple; expected one or more arrays")
+    rows = check_arrays(sends, "send", rank)
+    sc = as_counts(send_counts, "send_counts", rank, size)
+    rc = as_counts(recv_counts, "recv_counts", rank, size)
+    so = exclusive_cumsum(sc) if send_offsets is None else \
+        as_counts(send_offsets, "send_offsets", rank, size)
+    ro = exclusive_cumsum(rc) if recv_offsets is None else \
+        as_counts(recv_offsets, "recv_offsets", rank, size)
+    check_region(sc, so, rows, "send", rank, send_offsets is not None)
+    outs = ()
+    if out is not None:
+        outs = tuple(comm._as_array(a, "out") for a in
+                     ((out,) if not isinstance(out, (tuple, list)) else out))
+        if len(outs) != len(sends):
+            raise ValueError(f"out on rank {rank} holds {len(outs)} arrays, send {len(sends)}")
+        out_rows = check_arrays(outs, "out", rank)
+        for i, (s, o) in enumerate(zip(sends, outs)):
+            at = "" if single else f"[{i}]"
+            if o.dtype != s.dtype:
+                raise TypeError(f"out{at} on rank {rank} has dtype {o.dtype}, send{at} "
+                                f"{s.dtype}")
+            if o.shape[1:] != s.shape[1:]:
+                raise ValueError(f"out{at} on rank {rank} has rows of shape {o.shape[1:]}, "
+                                 f"send{at} {s.shape[1:]}")
+        check_region(rc, ro, out_rows, "recv", rank, recv_offsets is not None)
+    elif recv_offsets is not None:
+        check_region(rc, ro, max(map(operator.add, ro, rc), default=0), "recv", rank, True)
+    return sends, outs, single, sc, rc, so, ro
 
-    def all_valid(self):
-        """True when the gathered table shows a valid call everywhere: no local error, one
-        operation, one description of the rows, and every rank expecting what its peers send.
 
-        The plain-Python test of the common case; :meth:`verdict` says what is wrong.
-        """
-        w = self.size
-        stride = self._stride
-        flat = self._unpack(self.table)
-        if any(flat[0::stride]):
-            return False
-        ops = flat[1::stride]
-        if ops.count(ops[0]) != w:
-            return False
-        texts = flat[_HEADER + 2 * w::stride]
-        if texts.count(texts[0]) != w:
-            return False
-        sent = [flat[j * stride + _HEADER:j * stride + _HEADER + w] for j in range(w)]
-        received = zip(*sent)  # received[i]: what each rank j sends to rank i
-        return all(flat[i * stride + _HEADER + w:i * stride + _HEADER + 2 * w] == column
-                   for i, column in enumerate(received))
+def check_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, recv_offsets,
+                    validate, descriptions):
+    """Check an ``alltoallv`` call locally and, unless ``validate`` is off, across ranks (one
+    agreement round); allocate ``out`` if None. ``descriptions``: the caller's cache of the
+    rows' texts, keyed by (dtype, row shape) per array.
 
-    def verdict(self, unit="rows", name=None):
-        """The exception every rank raises for the gathered table, or None if all is well.
+    Returns:
+        ``(sends, outs, single, sc, rc, so, ro)``: tuples of backend arrays, whether ``send``
+        was a single array, and counts and offsets in rows (W Python ints each).
+    """
+    error = None
+    sends = outs = ()
+    single, sc, rc, so, ro = True, None, None, None, None
+    try:
+        sends, outs, single, sc, rc, so, ro = _local_alltoallv(
+            comm, send, send_counts, recv_counts, out, send_offsets, recv_offsets)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if validate:
+        description = ""
+        if error is None:
+            key = tuple([(a.dtype, a.shape[1:]) for a in sends])
+            description = descriptions.get(key)
+            if description is None:
+                if len(descriptions) > 64:
+                    descriptions.clear()
+                description = descriptions[key] = " + ".join(
+                    f"{dtype.name} rows of shape {shape}" for dtype, shape in key)
+        vote_counts(comm, "alltoallv", error, sc, rc, description, "alltoallv")
+    elif error is not None:
+        raise type(error)(f"alltoallv: {error}")
+    if not outs:
+        nrows = max(map(operator.add, ro, rc), default=0) if recv_offsets is not None \
+            else sum(rc)
+        outs = tuple([comm._empty((nrows,) + a.shape[1:], a.dtype) for a in sends])
+    return sends, outs, single, sc, rc, so, ro
 
-        Args:
-            unit: what the counts count, for messages (``"rows"`` or ``"entries"``).
-            name: the call, prefixed to the message (default: the operation's name).
-        Returns:
-            A ``ValueError``/``TypeError`` whose message is identical on every rank, or None.
-        """
-        table = self.table
-        w = self.size
-        status = table[:, 0]
-        ops = table[:, 1]
-        op_name = name or OP_NAMES.get(int(ops[self.rank]), "collective")
-        if status.any():
-            bad = numpy.flatnonzero(status)
-            first = int(bad[0])
-            text = decode_text(table[first, _HEADER + 2 * w:])
-            if len(bad) > 1:
-                text += f" (also invalid on rank{'s' if len(bad) > 2 else ''} " \
-                        f"{', '.join(str(int(r)) for r in bad[1:])})"
-            called = name or OP_NAMES.get(int(ops[first]), op_name)
-            return _ERRORS[int(status[first])](f"{called}: {text}")
-        if (ops != ops[0]).any():
-            other = int(numpy.flatnonzero(ops != ops[0])[0])
-            return ValueError(f"collective mismatch: rank 0 called {OP_NAMES.get(int(ops[0]))} "
-                                f"but rank {other} called {OP_NAMES.get(int(ops[other]))}")
-        texts = table[:, _HEADER + 2 * w:]
-        differ = numpy.flatnonzero((texts != texts[0]).any(axis=1))
-        if len(differ):
-            r = int(differ[0])
-            return ValueError(f"{op_name}: rows differ across ranks: rank 0 has "
-                             f"{decode_text(texts[0])}, rank {r} has {decode_text(texts[r])}")
-        sent = table[:, _HEADER:_HEADER + w]          # sent[j, i]: units rank j sends to rank i
-        expected = table[:, _HEADER + w:_HEADER + 2 * w]  # expected[i, j]: i expects from j
-        if numpy.array_equal(expected, sent.T):
-            return None
-        pairs = numpy.argwhere(expected != sent.T)
-        i, j = (int(v) for v in pairs[0])
-        text = (f"{op_name}: rank {i} expects {int(expected[i, j])} {unit} from rank {j}, but "
-                f"rank {j} sends {int(sent[j, i])}")
-        if len(pairs) > 1:
-            text += f" ({len(pairs)} mismatched (receiver, sender) pairs in all)"
-        return ValueError(text)
+
+def check_counts_array(comm, counts):
+    """Check an ``alltoall_counts`` input locally and, if ``comm.validate``, across ranks.
+
+    Returns:
+        ``(counts, k)``: the backend array and its entries per rank.
+    """
+    error = None
+    k = 0
+    description = ""
+    try:
+        counts = comm._as_array(counts, "counts")
+        if counts.ndim != 1 or counts.dtype.kind not in "iu":
+            raise TypeError(f"counts on rank {comm.rank} must be a 1-D integer array, got "
+                            f"{counts.ndim}-D {counts.dtype}")
+        if counts.shape[0] % comm.size:
+            raise ValueError(f"counts on rank {comm.rank} has {counts.shape[0]} entries, not a "
+                             f"multiple of the {comm.size} ranks")
+        k = counts.shape[0] // comm.size
+        description = f"{counts.dtype.name} counts"
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if comm.validate:
+        per_rank = None if error is not None else [k] * comm.size
+        vote_counts(comm, "alltoall_counts", error, per_rank, per_rank, description,
+                    "alltoall_counts", unit="entries")
+    elif error is not None:
+        raise error
+    return counts, k

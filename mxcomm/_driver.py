@@ -166,3 +166,28 @@ def copy_bytes(dst, src, stream):
     import cupy
     cupy.cuda.runtime.memcpyAsync(address(dst), address(src), dst.size * dst.dtype.itemsize,
                                   _MEMCPY_DEVICE_TO_DEVICE, stream)
+
+
+class _StreamHandle:
+    """A raw stream handle speaking the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(ptr):
+    """A CuPy stream object over the raw handle ``ptr`` (not owned): ``Stream.from_external``
+    where CuPy has it (CuPy 14 deprecates ``ExternalStream``)."""
+    import cupy
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(_StreamHandle(ptr))
+        except (TypeError, ValueError):  # a CuPy whose from_external wants another argument
+            pass
+    return cupy.cuda.ExternalStream(ptr)

@@ -96,7 +96,7 @@ class ExpertParallel:
                             _recipes.DEVICE_CLASSES.index(device), self.num_local_experts,
                             self.align, -1 if hidden is None else int(hidden)],
                            dtype=numpy.int64)
-        table_ = self.comm._side.allgather_array(mine, "ExpertParallel (arguments)")
+        table_ = self.comm.allgather(mine, "ExpertParallel (arguments)")
         unknown = numpy.flatnonzero(table_[:, 0] < 0).tolist()
         if unknown:
             raise ValueError(f"ExpertParallel: unknown recipe on rank"

@@ -9,13 +9,10 @@ permute, unpermute, combine and their backwards, given the :class:`Layout`, need
 import numpy
 
 from ._array import as_device_array
-from .comm._staged import Plan
+from .comm import Plan
 from .kernels import array_module
 
 _INT32_MAX = 2**31 - 1
-_TEXT_BYTES = 512
-#: Header of one rank in the layout exchange: verdict (0 valid, 1 ValueError, 2 TypeError), E.
-_VALID, _BAD_VALUE, _BAD_TYPE = 0, 1, 2
 
 
 class Layout(tuple):
@@ -103,53 +100,33 @@ def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
     """:func:`exchange_layout`, making the layout as ``cls`` (a :class:`Layout` subclass, e.g.
     ``mxcomm.torch``'s) and this rank's (E,) int32 group counts on the device with
     ``upload(host array)`` -> device array (None: the array module's, on ``stream``)."""
-    rank, world = comm.rank, comm.size
     error, host = None, None
     try:
-        host = _local_counts(num_tokens_per_expert, comm, stream, rank, world)
+        host = _local_counts(num_tokens_per_expert, comm, stream, comm.rank, comm.size)
     except (TypeError, ValueError) as exc:
         error = exc
-    header = numpy.zeros(2, dtype=numpy.int64)
-    if error is not None:
-        header[0] = _BAD_TYPE if isinstance(error, TypeError) else _BAD_VALUE
-    else:
-        header[1] = host.shape[0]
-    # One round where every rank has the E of the last layout agreed on this communicator (the
-    # same on every rank): each sends its verdict, its E and its counts at that size; a table
-    # every rank reads alike says whether all are valid with that E. Anything else (the first
-    # layout, a bad rank, a new E) takes the two rounds below on every rank.
-    known = comm._layout_experts
-    if known is not None:
-        message = numpy.zeros(2 + known, dtype=numpy.int64)
-        message[:2] = header
-        if error is None and host.shape[0] == known:
-            message[2:] = host
-        table = comm._side.allgather_array(message, "exchange_layout (counts)")
-        if (table[:, 0] == _VALID).all() and (table[:, 1] == known).all():
-            return _made(cls, comm, numpy.ascontiguousarray(table[:, 2:]), known, stream,
-                         upload)
-    text = (str(error) if error is not None else "").encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES,
-                                                                                  b"\0")
-    table = comm._side.allgather_bytes(header.tobytes() + text, "exchange_layout (verdicts)")
-    stride = 16 + _TEXT_BYTES
-    headers = numpy.frombuffer(table, dtype=numpy.uint8).reshape(world, stride)[:, :16]
-    headers = headers.copy().view(numpy.int64)  # (W, 2): verdict, E
-    bad = numpy.flatnonzero(headers[:, 0] != _VALID).tolist()
-    if bad:
-        first = bad[0]
-        kind = TypeError if headers[first, 0] == _BAD_TYPE else ValueError
-        message = table[first * stride + 16:(first + 1) * stride].rstrip(b"\0")
-        also = f" (also invalid on rank{'s' if len(bad) > 2 else ''} " \
-               f"{', '.join(map(str, bad[1:]))})" if len(bad) > 1 else ""
-        raise kind(f"exchange_layout: {message.decode(errors='replace')}{also}")
-    lengths = headers[:, 1].tolist()
+    # One agreement round (``comm.agree``: an error anywhere raises on every rank) of E and, at
+    # the E of the last layout agreed on this communicator (the same on every rank), the counts:
+    # where every rank counts that E the layout is made from it. Anything else (the first
+    # layout, a new E) gathers the counts in a second round.
+    known = comm.layout_experts or 0
+    words = numpy.zeros(1 + known, dtype=numpy.int64)
+    if error is None:
+        words[0] = host.shape[0]
+        if host.shape[0] == known:
+            words[1:] = host
+    table = comm.agree("exchange_layout", error, words.tolist())
+    lengths = table[:, 0].tolist()
     if len(set(lengths)) > 1:
-        other = next(r for r in range(world) if lengths[r] != lengths[0])
+        other = next(r for r in range(comm.size) if lengths[r] != lengths[0])
         raise ValueError(f"exchange_layout: num_tokens_per_expert has {lengths[0]} experts on "
                          f"rank 0 but {lengths[other]} on rank {other}; every rank must count "
                          f"the same E experts")
-    counts = comm._side.allgather_array(host, "exchange_layout (counts)")
-    comm._layout_experts = lengths[0]
+    if lengths[0] == known:
+        counts = table[:, 1:].copy()  # the table is the ballot's buffer, reused
+    else:
+        counts = comm.allgather(host, "exchange_layout (counts)")
+        comm.layout_experts = lengths[0]
     return _made(cls, comm, counts, lengths[0], stream, upload)
 
 
@@ -163,7 +140,7 @@ def _made(cls, comm, counts, num_experts, stream, upload):
     if upload is not None:
         group = upload(mine)
     else:
-        with comm._on_stream(comm._stream_ptr(stream)):
+        with comm.on_stream(comm.stream_ptr(stream)):
             group = array_module().asarray(mine)
     return cls(comm, group, counts, local_experts)
 
@@ -185,7 +162,7 @@ def _local_counts(num_tokens_per_expert, comm, stream, rank, world):
     if isinstance(counts, numpy.ndarray):
         host = counts
     else:  # bounded: the counts may come from work still running
-        host = comm._to_host(counts, stream)
+        host = comm.to_host(counts, stream)
     # two reductions; the expert a message names is looked up only when a check fails
     # (uint64 compared before the int64 conversion, which would wrap it)
     if int(host.max()) > _INT32_MAX:

@@ -110,9 +110,8 @@ def _on_stream(stream):
     ordered before the kernels launched there; nothing on the host backend."""
     if stream is None or host_backend() or simulated():
         return contextlib.nullcontext()
-    import cupy
-    from .comm._nccl import _external_stream
-    return _external_stream(cupy, stream_ptr(stream))
+    from ._driver import external_stream
+    return external_stream(stream_ptr(stream))
 
 
 def _check_indices(permuted_indices, rows, name, stream):

@@ -11,7 +11,7 @@ second memory pool. Work is enqueued on torch's current CUDA stream; CPU tensors
 backend and the MPI communicator, so CI exercises autograd too. Given a layout, a plain tensor whose
 exchange is one ``alltoallv`` (a plain precision, or a small quantized exchange) or a staged one
 whose result stays quantized skips all that: checked in O(1) against the engine's direct call
-(``mxcomm.a2a._Direct``), it is passed by its address, and results are allocated by torch
+(``mxcomm.route``), it is passed by its address, and results are allocated by torch
 (docs/design.md, "Direct calls").
 
 Quantized values travel as a :class:`QuantizedTensor` (any format of ``mxcomm.formats``; its
@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 from . import a2a as _a2a
 from . import layout as _layout
 from . import permutation as _permutation
+from . import route as _route
 from ._array import bfloat16
 from ._driver import Words
 from ._platform import gpu_arrays
@@ -57,7 +58,7 @@ _SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
                  numpy.dtype(numpy.float32): torch.float32}
 #: The scale rounding of every exchange made through this module (the array API's default).
 _SCALE_MODE = "rceil"
-# (kind, array dtype) of a direct call's result (``mxcomm.a2a._Direct``) -> its torch dtype
+# (kind, array dtype) of a direct call's result (``mxcomm.route``) -> its torch dtype
 _DIRECT_DTYPES = {("rows", dtype): torch_dtype for dtype, torch_dtype in _TORCH_DTYPES.items()}
 _DIRECT_DTYPES.update({("data", numpy.dtype(numpy.uint8)): _DATA_DTYPE})
 _DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
@@ -139,44 +140,44 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
 
 
 def _exchange_direct(function, t, layout, precision):
-    """The exchange of the plain tensor ``t`` given ``layout`` through the engine's direct call
-    (``mxcomm.a2a._Direct``; docs/design.md, "Direct calls"), or None where the engine's path
-    must take it (another signature, rows that do not fit the layout or the format, a staged
-    exchange whose result is dequantized): O(1) checks, ``t`` passed by its address, results
-    allocated by torch in their final dtypes (a quantized result's data as float8_e4m3fn, its
-    scales as the format's)."""
+    """The exchange of the plain tensor ``t`` given ``layout`` on its route (``mxcomm.route``;
+    docs/design.md, "One route"), or None where the engine must take it (another signature,
+    rows that do not fit the layout or the format, a staged exchange whose result is
+    dequantized): O(1) checks, ``t`` passed by its address, results allocated by torch in their
+    final dtypes (a quantized result's data as float8_e4m3fn, its scales as the format's)."""
     dtype = _ARRAY_DTYPES.get(t.dtype)
     shape = t.shape
     if dtype is None or len(shape) != 2:
         return None
-    direct = _a2a._direct(function, precision, _SCALE_MODE, dtype, shape[1])
-    if direct is None:
+    r = _route.route(function, precision, _SCALE_MODE, dtype, shape[1])
+    if r is None:
         return None
     comm = layout.comm
-    plan = layout.dispatch_plan if direct.dispatch else layout.combine_plan
+    plan = layout.dispatch_plan if r.dispatch else layout.combine_plan
     cuda = t.is_cuda
-    if shape[0] != plan.rows_sent or cuda != gpu_arrays() or not t.is_contiguous() or \
-            not direct.runs(comm, plan):
+    if shape[0] != plan.rows_sent or cuda != gpu_arrays() or not t.is_contiguous():
+        return None
+    path = r.path(comm, plan)
+    if path is None:
         return None
     device = t.device
     if cuda:
         ptr = t.data_ptr()
-        if ptr % direct.fmt.input_align:
+        if ptr % r.fmt.input_align:
             return None
-        x = Words(ptr, (plan.rows_sent, direct.width), dtype)
-        stream = comm._stream_ptr(_current_stream(device))
+        x = Words(ptr, (plan.rows_sent, r.width), dtype)
+        stream = comm.stream_ptr(_current_stream(device))
     else:
         x = _view(t, dtype)
-        stream = comm._stream_ptr(None)
+        stream = comm.stream_ptr(None)
 
-    def empty(shape, dtype, kind):
-        result = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
-        return result, Words(result.data_ptr(), shape, dtype) if cuda else _view(result, dtype)
-
-    out = direct(comm, plan, x, stream, empty)
-    if type(out) is not tuple:
-        return out
-    return _quantized_tensor(out[0], out[1], direct.fmt)
+    specs = _route.arrays(r, path, plan)
+    tensors = [torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
+               for shape, dtype, kind in specs]
+    buffers = [Words(t.data_ptr(), shape, dtype) if cuda else _view(t, dtype)
+               for t, (shape, dtype, _) in zip(tensors, specs)]
+    _route.run(r, path, comm, plan, x, stream, buffers)
+    return _quantized_tensor(tensors[0], tensors[1], r.fmt) if r.kept else tensors[0]
 
 
 def _index_tensors(layout, align, indices, offsets, alloc=None):
@@ -762,7 +763,7 @@ class _Communicators:
         """The open communicator of ``pg`` (a ``ProcessGroup``), built if needed."""
         comm = self._by_group.get(pg)
         # Closed (by the caller, on every rank): a new one. Aborted stays: its calls raise.
-        if comm is None or comm._state == "closed":
+        if comm is None or comm.closed:
             from .comm import init
             comm = self._by_group[pg] = init(group=pg)
         return comm
@@ -793,7 +794,7 @@ def communicator_for(group):
 def _resolve_group(group):
     """``(communicator or None, ProcessGroup or None)`` of a drop-in's ``group``; TypeError
     naming what is accepted."""
-    from .comm._communicator import Communicator
+    from .comm import Communicator
     if isinstance(group, Communicator):
         return group, group.group
     import torch.distributed as dist

@@ -248,12 +248,12 @@ def test_row_bytes_and_wire_rows():
     # small exchanges (the communicator's rule, on a stand-in holding only the limit): the
     # dispatch (3 rows of 64 bf16: 384 bytes) and the combine gradient (3 x 32: 192) move
     # unquantized below their limits, quantized above
-    from mxcomm.comm._communicator import Communicator
+    from mxcomm import route
     for limit, dispatch, grad in ((384, "bf16", "bf16"), (383, "mxfp8", "bf16"),
                                   (191, "mxfp8", "mxfp8")):
         comm = types.SimpleNamespace(small_exchange_bytes=limit)
         rows = _checks.wire_rows(by_name["mxfp8"], Case, [2, 5, 1], [4, 7, 0], 1, same, same,
-                                 functools.partial(Communicator.small_exchange, comm))
+                                 functools.partial(route.small, comm))
         got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
         label = {"bf16": "mxfp8 (bf16 on the wire)", "mxfp8": "mxfp8"}
         assert got["dispatch"] == (label[dispatch], 3 * (128 if dispatch == "bf16" else 66))

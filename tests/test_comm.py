@@ -21,7 +21,6 @@ import pytest
 from mxcomm._driver import copy_bytes, row_range
 
 from mxcomm import comm as mxc
-from mxcomm.comm._nccl import _external_stream
 from mxcomm.comm._staged import MAX_PIECES, Plan
 
 SEED = 1234
@@ -860,23 +859,6 @@ def test_nccl_init_argument(monkeypatch):
     monkeypatch.setenv("MXCOMM_NCCL_INIT", "later")
     with pytest.raises(ValueError, match=r"MXCOMM_NCCL_INIT.*got 'later'"):
         mxc.init("mpi")
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("name", ["small", "medium"])
-def test_small_exchange_bytes_from_the_environment(monkeypatch, name):
-    """``MXCOMM_SMALL_EXCHANGE_BYTES`` (``MXCOMM_MEDIUM_EXCHANGE_BYTES``) stands in for
-    ``init``'s ``small_exchange_bytes=None`` (``medium_exchange_bytes``); what is not an int of
-    bytes is refused before any collective."""
-    env, argument = f"MXCOMM_{name.upper()}_EXCHANGE_BYTES", f"{name}_exchange_bytes"
-    monkeypatch.setenv(env, "48M")
-    with pytest.raises(ValueError, match=rf"{env} = '48M' is not an int"):
-        mxc.init("mpi")
-    monkeypatch.setenv(env, str(5 << 20))
-    with mxc.init("mpi", timeout=60.0) as c:
-        assert getattr(c, argument) == 5 << 20
-    with mxc.init("mpi", timeout=60.0, **{argument: 7}) as c:  # the argument wins
-        assert getattr(c, argument) == 7
 
 
 @pytest.mark.parametrize("outcome", ["blocks", "raises", "joins"])

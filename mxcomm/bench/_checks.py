@@ -55,8 +55,8 @@ def wire_rows(variant, case, input_splits, output_splits, rank, allreduce_sum, a
         input_splits, output_splits: this rank's splits (lists of W ints). rank: this rank.
         allreduce_sum, allreduce_max: map a list of numbers to their element-wise sums (maxima)
             over ranks.
-        small_exchange: the communicator's ``small_exchange(rows, row_bytes)``, or None (no
-            exchange is small).
+        small_exchange: ``mxcomm.route.small`` bound to the communicator (``(rows,
+            row_bytes)`` -> bool), or None (no exchange is small).
     """
     from mxcomm.formats import get_format
     splits = {"input": input_splits, "output": output_splits}

@@ -63,14 +63,13 @@ def build_parser():
                            help="the communicator's small_exchange_bytes (mxcomm.comm.init): "
                                 "quantized exchanges in which no rank sends more bytes of rows "
                                 "to its peers move them unquantized and quantize on arrival; 0 "
-                                "never (default: the backend's, or "
-                                "$MXCOMM_SMALL_EXCHANGE_BYTES)")
+                                "never (default: the backend's)")
             p.add_argument("--medium-exchange-bytes", type=int, metavar="BYTES",
                            help="the communicator's medium_exchange_bytes (mxcomm.comm.init): "
                                 "quantized exchanges kept quantized, not small, in which no rank "
                                 "sends more bytes of rows to its peers are quantized, then moved "
                                 "in one alltoallv instead of staged; 0 never (default: the "
-                                "backend's, or $MXCOMM_MEDIUM_EXCHANGE_BYTES)")
+                                "backend's)")
         module.add_arguments(p)
     return parser
 

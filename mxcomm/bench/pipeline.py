@@ -44,8 +44,10 @@ it times nothing: the host backend's speed says nothing about a GPU's. Exit stat
 movement is not exact.
 """
 
+import functools
 import math
 
+from .. import route
 from . import _checks, _moe, _report, _timing, _workload
 from ..formats import sqnr
 
@@ -366,7 +368,8 @@ def measure(args, rt):
             state, grads, results = case.trace(stage_list)
             tables["wire"] += _checks.wire_rows(variant, case, state["input_splits"],
                                                 state["output_splits"], rt.rank, rt.allreduce_sum,
-                                                rt.allreduce_max, rt.comm.small_exchange)
+                                                rt.allreduce_max,
+                                                functools.partial(route.small, rt.comm))
             tables["exactness"] += checker.run(variant, state, grads, results)
             if variant.baseline:
                 reference = results

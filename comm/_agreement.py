@@ -1,0 +1,160 @@
+"""The agreement round: every rank shows its local verdict and a few words, in one allgather.
+
+A collective whose arguments are checked across ranks (an explicit-splits ``alltoallv``,
+``alltoall_counts``, the layout exchange ``mxcomm.exchange_layout``) first checks them locally,
+then all ranks exchange one fixed-size ``int64`` *ballot* in a single allgather of the host side
+channel:
+
+======================  =========================================================================
+words                   content
+======================  =========================================================================
+``[0]``                 verdict: 0 valid, 1 ``ValueError``, 2 ``TypeError`` (local checks)
+``[1]``                 the operation (an ``OP_*`` code), to catch ranks calling different
+                        collectives
+``[2 : 2+n]``           the caller's n words (an ``alltoallv``: the W counts this rank sends,
+                        then the W it expects; a layout: E, then the counts per expert)
+``[2+n : ]``            ``TEXT_BYTES`` of UTF-8: the local error message if the verdict is not 0,
+                        else a description of the rows (dtypes and row shapes), compared across
+                        ranks
+======================  =========================================================================
+
+Every rank composes the same message from the same table, so a problem on any rank raises the
+same exception with the same text on every rank, and no rank goes on to move data while another
+has given up. What the words must satisfy across ranks (counts that match the peers', one E) the
+caller checks on the table it gets back, alike on every rank.
+"""
+
+import struct
+
+import numpy
+
+#: Operation codes carried in a ballot.
+OP_ALLTOALLV = 1
+OP_ALLTOALL_COUNTS = 2
+OP_EXCHANGE_LAYOUT = 3
+OP_NAMES = {OP_ALLTOALLV: "alltoallv", OP_ALLTOALL_COUNTS: "alltoall_counts",
+            OP_EXCHANGE_LAYOUT: "exchange_layout"}
+OP_CODES = {name: code for code, name in OP_NAMES.items()}
+
+#: Verdict codes carried in a ballot, and the exception each one raises.
+VALID, BAD_VALUE, BAD_TYPE = 0, 1, 2
+_ERRORS = {BAD_VALUE: ValueError, BAD_TYPE: TypeError}
+
+#: Bytes of message text in a ballot (longer messages are cut, ending in "...").
+TEXT_BYTES = 256
+_TEXT_WORDS = TEXT_BYTES // 8
+_HEADER = 2
+
+
+def _text_bytes(text):
+    """``text`` as exactly ``TEXT_BYTES`` bytes: UTF-8, zero padded, cut with "..."."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) > TEXT_BYTES:
+        raw = raw[:TEXT_BYTES - 3] + b"..."
+    return raw.ljust(TEXT_BYTES, b"\0")
+
+
+def _decode_text(words):
+    """The text of a ballot's ``TEXT_BYTES // 8`` words."""
+    return numpy.ascontiguousarray(words).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
+
+class Ballot:
+    """One rank's ballot of ``n`` words and the gathered table, in buffers reused from call to
+    call.
+
+    The valid path packs and reads the buffers with one ``struct`` call each (no per-call NumPy
+    on arrays of a few words); the messages of an invalid call are composed with NumPy.
+
+    Args:
+        rank, size: this process's rank and the number of ranks.
+        n: the caller's words per rank, the same on every rank.
+    """
+
+    def __init__(self, rank, size, n):
+        self.rank = rank
+        self.size = size
+        self.n = n
+        width = _HEADER + n + _TEXT_WORDS
+        self.mine = numpy.zeros(width, dtype=numpy.int64)
+        self.table = numpy.zeros((size, width), dtype=numpy.int64)
+        self._text_cache = {}
+        record = f"{_HEADER + n}q{TEXT_BYTES}s"
+        self._pack = struct.Struct("=" + record).pack_into
+        self._unpack = struct.Struct("=" + record * size).unpack_from
+        self._stride = _HEADER + n + 1  # items per rank in the unpacked table
+
+    def fill(self, op, error, words, text):
+        """Write this rank's ballot: ``op`` (an ``OP_*`` code); the local ``error`` (a
+        ``ValueError``/``TypeError``) or None; ``n`` ints (ignored with an error); ``text``
+        naming the rows, compared across ranks."""
+        mine = self.mine
+        if error is not None:
+            mine[0] = BAD_TYPE if isinstance(error, TypeError) else BAD_VALUE
+            mine[1] = op
+            mine[_HEADER:_HEADER + self.n] = -1
+            mine[_HEADER + self.n:] = numpy.frombuffer(_text_bytes(str(error)), numpy.int64)
+            return
+        raw = self._text_cache.get(text)
+        if raw is None:
+            if len(self._text_cache) > 64:
+                self._text_cache.clear()
+            raw = self._text_cache[text] = _text_bytes(text)
+        self._pack(mine, 0, VALID, op, *words, raw)
+
+    def all_valid(self):
+        """True when the gathered table shows no local error, one operation and one text: the
+        plain-Python test of the common case; :meth:`verdict` says what is wrong."""
+        stride = self._stride
+        flat = self._unpack(self.table)
+        if any(flat[0::stride]):
+            return False
+        ops = flat[1::stride]
+        texts = flat[_HEADER + self.n::stride]
+        return ops.count(ops[0]) == self.size and texts.count(texts[0]) == self.size
+
+    def verdict(self, name):
+        """The exception every rank raises for the gathered table (``name``: the call, prefixed
+        to the message), or None when :meth:`all_valid`. Its message is identical on every rank."""
+        table, n = self.table, self.n
+        status = table[:, 0]
+        ops = table[:, 1]
+        if status.any():
+            bad = numpy.flatnonzero(status)
+            first = int(bad[0])
+            text = _decode_text(table[first, _HEADER + n:])
+            if len(bad) > 1:
+                text += f" (also invalid on rank{'s' if len(bad) > 2 else ''} " \
+                        f"{', '.join(str(int(r)) for r in bad[1:])})"
+            return _ERRORS[int(status[first])](f"{name}: {text}")
+        if (ops != ops[0]).any():
+            other = int(numpy.flatnonzero(ops != ops[0])[0])
+            return ValueError(f"collective mismatch: rank 0 called {OP_NAMES.get(int(ops[0]))} "
+                              f"but rank {other} called {OP_NAMES.get(int(ops[other]))}")
+        texts = table[:, _HEADER + n:]
+        differ = numpy.flatnonzero((texts != texts[0]).any(axis=1))
+        if len(differ):
+            r = int(differ[0])
+            return ValueError(f"{name}: rows differ across ranks: rank 0 has "
+                              f"{_decode_text(texts[0])}, rank {r} has {_decode_text(texts[r])}")
+        return None
+
+    def words(self):
+        """(W, n) int64: every rank's words from the last gathered table (a view)."""
+        return self.table[:, _HEADER:_HEADER + self.n]
+
+
+def counts_verdict(sent, expected, name, unit):
+    """The ``ValueError`` every rank raises when some rank expects other counts than its peers
+    send, or None. ``sent[j][i]``: units rank j sends to rank i; ``expected[i][j]``: units rank i
+    expects from rank j (W lists of W ints each, every rank's)."""
+    if all(list(column) == row for row, column in zip(expected, zip(*sent))):
+        return None
+    pairs = [(i, j) for i, row in enumerate(expected) for j, e in enumerate(row)
+             if e != sent[j][i]]
+    i, j = pairs[0]
+    text = (f"{name}: rank {i} expects {expected[i][j]} {unit} from rank {j}, but rank {j} "
+            f"sends {sent[j][i]}")
+    if len(pairs) > 1:
+        text += f" ({len(pairs)} mismatched (receiver, sender) pairs in all)"
+    return ValueError(text)

@@ -1,0 +1,416 @@
+"""How an exchange of rows travels: its route, decided once per signature, and its paths.
+
+A :class:`Route` is a frozen record made once per signature (the public function, the format,
+the scale mode, the rows' dtype and width; :func:`route`), with the format's launches prepared
+for it. Per call, :meth:`Route.path` names the path from the plan (the largest sender's rows to
+its peers: the same on every rank, so every rank takes the same path) and :func:`run` takes it.
+Both front ends call these: the array API (``mxcomm.a2a``) after its checks, the torch adapter
+(``mxcomm.torch``) straight from a tensor.
+
+=============  ==========================================================================  =======
+path           what travels                                                                when
+=============  ==========================================================================  =======
+``alltoallv``  one ``comm.alltoallv_plan`` of the rows as they are; a quantized format      plain
+               quantizes (or round-trips) them on arrival, the same bits (every format is  format,
+               row-local)                                                                  small
+``medium``     every row quantized on the caller's stream, one ``alltoallv_plan`` of data   medium,
+               and scales                                                                  kept
+``staged``     ``comm.exchange`` with :class:`QuantizedRows`: each peer's rows quantized    larger,
+               where they travel from                                                      kept
+None           the engine's staged exchange whose result is dequantized (consumed in       larger,
+               place, ``mxcomm.a2a``)                                                      decoded
+=============  ==========================================================================  =======
+
+Small: no rank sends more than ``comm.small_exchange_bytes`` of plain rows to its peers; medium:
+not small and at most ``comm.medium_exchange_bytes``; kept: the result stays quantized
+(``a2a_dispatch``, ``a2a_combine_backward``). docs/design.md, "One route", has the measurements.
+
+Buffers: the caller allocates what :func:`arrays` lists for a path (the result and the path's
+temporaries, from its own allocator: torch's in ``mxcomm.torch``) and hands ``x`` and them as
+the communicator and the launches take them (``Words`` on a GPU, NumPy arrays on the host): no
+call goes back up into the caller.
+"""
+
+import dataclasses
+import functools
+
+import numpy
+
+from ._array import bfloat16, float32
+from ._driver import Words, copy_bytes, flat, row_range
+from .formats import PER_ROW, QuantizedArray, get_format
+from .kernels import array_module
+from .mxfp8 import SCALE_MODES
+from ._row_moves import pad_rows
+from .permutation import GatheredRows, expert_order, permuted_landing
+
+_INPUT_DTYPES = (bfloat16, float32)
+#: Grid share of a quantize producing rows that copy engines pull: a little room is left for the
+#: one-thread wait kernel the side stream parks beside it (a full persistent grid would make it,
+#: or a quantize block, wait for a whole wave).
+PULLED_SHARE = 0.98
+#: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
+#: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
+#: the rest of the SMs stay with the quantize kernels (bench/NOTES.md). Measured best at 2 ranks
+#: (H200, H100: 1/4 against 1/8 and 1/2); at 4 ranks, where 3/4 of a rank's rows arrive over
+#: NVLink, 1/2 (H100: 2.97 against 3.18 ms at 131072 x 7168), taken from 3 ranks on (unmeasured).
+BESIDE_SHARE = 0.25
+BESIDE_SHARE_MANY = 0.5
+
+
+def beside_share(size):
+    """The grid share of the dequantize beside the quantize, at ``size`` ranks."""
+    return BESIDE_SHARE if size <= 2 else BESIDE_SHARE_MANY
+
+#: Each public function: the name of the rows it takes, the direction it sends, and whether it
+#: returns them dequantized (``mxcomm.a2a``'s table).
+CALLS = {
+    "a2a_dispatch": ("x", "dispatch", False),
+    "a2a_dispatch_backward": ("grad", "combine", True),
+    "a2a_combine": ("y", "combine", True),
+    "a2a_combine_backward": ("grad", "dispatch", False),
+    "all_to_all_single": ("x", "dispatch", True),
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Route:
+    """The route of one signature (module docstring).
+
+    Attributes:
+        fmt: the Format; function: the public function; dispatch: True in the dispatch
+        direction (the layout's dispatch plan); dequantize: a quantized result is decoded back;
+        dtype: the rows' dtype (bf16 or fp32); width: D; scale_mode: ``"rceil"`` or ``"floor"``;
+        row_bytes: bytes of one plain row; kind: the exchange in words (the staged exchange's
+        kind, compared by the peers); quantize, round_trip: the format's launches prepared for
+        the signature (None for a plain format; ``round_trip`` None without a one-pass round
+        trip); scales_shape: a quantized row's scales, ``(D // block,)`` or ``()``.
+    """
+
+    fmt: object
+    function: str
+    dispatch: bool
+    dequantize: bool
+    dtype: numpy.dtype
+    width: int
+    scale_mode: str
+    row_bytes: int
+    kind: str
+    quantize: object
+    round_trip: object
+    scales_shape: tuple
+
+    @property
+    def kept(self):
+        """A quantized format whose result stays quantized (data and scales)."""
+        return self.quantize is not None and not self.dequantize
+
+    def path(self, comm, plan, staged=True):
+        """The path of an exchange of ``plan`` (module docstring): ``"alltoallv"``,
+        ``"medium"``, ``"staged"`` (only with ``staged``: not where the result lands in
+        permute's order), or None. The same answer on every rank; no collective."""
+        if self.quantize is None:
+            return "alltoallv"
+        nbytes = plan.largest_peer_rows * self.row_bytes
+        if nbytes <= comm.small_exchange_bytes:
+            return "alltoallv"
+        if self.dequantize:
+            return None
+        if nbytes <= comm.medium_exchange_bytes:
+            return "medium"
+        return "staged" if staged else None
+
+
+def small(comm, rows, row_bytes):
+    """Whether a quantized exchange whose largest sender sends ``rows`` plain rows of
+    ``row_bytes`` bytes each to its peers (``Plan.largest_peer_rows``: the same on every rank)
+    is small, so moves them unquantized (``comm.small_exchange_bytes``; :meth:`Route.path`)."""
+    return rows * row_bytes <= comm.small_exchange_bytes
+
+
+def kind(function, fmt, width):
+    """An exchange in words: the kind the staged exchange's peers compare (and name in errors)."""
+    return f"{function} {fmt.name} rows of D = {width}"
+
+
+@functools.lru_cache(maxsize=256)
+def route(function, precision, scale_mode, dtype, width):
+    """The :class:`Route` of a signature, or None where no path of this module takes it: an
+    unknown precision or scale mode, rows of another dtype than bf16/fp32, a width the format
+    cannot take, or a plain format that converts the rows on the wire (fp32 in ``"bf16"``).
+    Nothing here raises: the engine's checks raise the errors. Cached (an LRU of 256)."""
+    try:
+        fmt = get_format(precision)
+    except (TypeError, ValueError):
+        return None
+    if dtype not in _INPUT_DTYPES or scale_mode not in SCALE_MODES or width % fmt.d_multiple:
+        return None
+    if not fmt.quantized and numpy.dtype(fmt.element_dtype or dtype) != dtype:
+        return None
+    _, direction, dequantize = CALLS[function]
+    quantize = round_trip = scales_shape = None
+    if fmt.quantized:
+        quantize = quantizer(fmt, dtype, width, scale_mode, 1.0)
+        if dequantize and dtype == bfloat16:
+            round_trip = fmt.round_tripper(width, scale_mode)
+        scales_shape = fmt.scales_shape(1, width)[1:]
+    return Route(fmt, function, direction == "dispatch", dequantize, dtype, width, scale_mode,
+                 width * dtype.itemsize, kind(function, fmt, width), quantize, round_trip,
+                 scales_shape)
+
+
+def choose(function, fmt, scale_mode, comm, plan, x, *, agreed, align):
+    """The path of an exchange of ``x`` (the array API's, after its checks and conversions) and
+    its route (or None): the one place the path is chosen. The same answer on every rank.
+
+    Args:
+        function, fmt, scale_mode: the signature (a public function's name, a Format).
+        comm, plan: the communicator and the plan of this exchange.
+        x: plain rows (array), rows of ``fmt`` (QuantizedArray) or a pending gather
+            (GatheredRows).
+        agreed: the plan holds every rank's counts (a layout's or a vote's), so that the
+            ranks choose a quantized format's path alike.
+        align: ``permute_align`` in the dispatch direction, else None.
+    Returns:
+        ``(path, route)``: ``"gathered"`` (plain rows of a pending gather on the pull transport,
+        gathered into the staging: :func:`gathered_plain`), a route's path (``"alltoallv"``,
+        ``"medium"``, ``"staged"``: :func:`run`), ``"widened"`` (fp32 rows in ``"bf16"``: the
+        bf16 route's ``"alltoallv"``), ``"landed"`` (:func:`landed`) or ``"engine"`` (the staged
+        exchange of :func:`staged_quantized`).
+    """
+    if isinstance(x, GatheredRows) and not fmt.quantized and comm.transport == "pull" and \
+            numpy.dtype(fmt.element_dtype or x.dtype) == x.dtype:
+        return "gathered", None
+    width = x.shape[1]
+    if not isinstance(x, QuantizedArray) and (agreed or not fmt.quantized):
+        r = route(function, fmt, scale_mode, x.dtype, width)
+        path = r.path(comm, plan, staged=align is None) if r is not None else None
+        if path is not None:
+            return path, r
+    if not fmt.quantized:
+        return "widened", route(function, fmt, scale_mode, bfloat16, width)
+    return ("landed" if align is not None else "engine"), None
+
+
+@functools.lru_cache(maxsize=256)
+def quantizer(fmt, dtype, width, scale_mode, share):
+    """``fmt.quantizer(dtype, width, scale_mode, share)``, made once per signature and share."""
+    return fmt.quantizer(dtype, width, scale_mode, share)
+
+
+def arrays(r, path, plan):
+    """The arrays :func:`run` of ``path`` writes, as ``((shape, dtype, kind), ...)`` for the
+    caller to allocate (``kind``: ``"rows"``, ``"data"`` or ``"scales"``, the latter two a
+    quantized row's arrays in the format's dtypes): the result first (its rows, or its data and
+    scales where ``r.kept``), then the path's temporaries. The caller holds every one of them
+    until :func:`run` has returned (its launches are enqueued then)."""
+    n, w = plan.rows_received, r.width
+
+    def rows(k):
+        return ((k, w), r.dtype, "rows")
+
+    def quantized(k):
+        return (((k, w), r.fmt.element_dtype, "data"),
+                ((k,) + r.scales_shape, r.fmt.scale_dtype, "scales"))
+
+    if path == "medium":
+        return quantized(n) + quantized(plan.rows_sent)
+    if path == "staged":
+        return quantized(n)
+    if r.quantize is None:
+        return (rows(n),)
+    if r.kept:
+        return quantized(n) + (rows(n),)
+    return (rows(n), rows(n)) + (quantized(n) if r.round_trip is None else ())
+
+
+def run(r, path, comm, plan, x, stream, buffers):
+    """Take ``path`` (from ``r.path``) for the (``plan.rows_sent``, D) rows ``x`` into
+    ``buffers``, the arrays :func:`arrays` lists (as the communicator and the launches take them:
+    ``Words`` on a GPU, NumPy arrays on the host), enqueued on the raw stream ``stream``; no host
+    synchronization. The result is the first of ``buffers`` (two where ``r.kept``)."""
+    _PATHS[path](r, comm, plan, x, stream, buffers)
+
+
+def _alltoallv(r, comm, plan, x, stream, buffers):
+    n = plan.rows_received
+    if r.quantize is None:
+        comm.alltoallv_plan((x,), (buffers[0],), plan, stream)
+    elif r.kept:
+        data, scales, received = buffers
+        comm.alltoallv_plan((x,), (received,), plan, stream)
+        r.quantize(received, data, scales, n, stream)
+    else:
+        out, received = buffers[:2]
+        comm.alltoallv_plan((x,), (received,), plan, stream)
+        if r.round_trip is not None:
+            r.round_trip(received, out, n, stream)
+        elif n:
+            r.quantize(received, *buffers[2:], n, stream)
+            r.fmt.launch_dequantize(r.fmt.view(*buffers[2:]), out, stream)
+
+
+def _medium(r, comm, plan, x, stream, buffers):
+    data, scales, sent, sent_scales = buffers
+    r.quantize(x, sent, sent_scales, plan.rows_sent, stream)
+    comm.alltoallv_plan((sent, sent_scales), (data, scales), plan, stream)
+
+
+def _staged(r, comm, plan, x, stream, buffers):
+    staged_kept(x, r.fmt, plan, comm, stream, r.scale_mode, r.kind, *buffers)
+
+
+_PATHS = {"alltoallv": _alltoallv, "medium": _medium, "staged": _staged}
+
+
+def staged_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):
+    """The staged quantized exchange of ``x`` (plain rows, rows of ``fmt`` or a pending
+    gather) whose result stays quantized: the received rows land in ``data`` and ``scales``
+    (``plan.rows_received`` rows, the format's shapes; CuPy or NumPy arrays, or ``Words``), the
+    copy engines pulling them where the transport is ``"pull"``. Enqueued on ``stream``."""
+    if fmt.scale_block == PER_ROW:  # per-row scales travel as (rows, 1)
+        n = plan.rows_received
+        scales = Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
+            scales.reshape(n, 1)
+    share = PULLED_SHARE if comm.transport == "pull" else 1.0
+    comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, stream, share), plan,
+                  out=(data, scales), stream=stream)
+
+
+class QuantizedRows:
+    """The quantized exchange's producer and consumer (the rows protocol of
+    ``Communicator.exchange``), for any quantized format: quantize each peer's rows straight
+    into the memory they travel from (or copy their bits if ``x`` is already of the format);
+    dequantize each sender's rows where they are (in-place exchanges); this rank's own rows
+    through the format's one-pass round trip where it has one (in-place exchanges: ``keep``)."""
+
+    __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share",
+                 "_quantize")
+
+    def __init__(self, x, fmt, kind, scale_mode, out, caller, share):
+        self.arrays = fmt.row_arrays(x.shape[1])
+        self.kind = kind
+        self._x = x
+        self._format = fmt
+        self._out = out
+        self._scale_mode = scale_mode
+        self._caller = caller
+        self._share = share
+        # plain rows: the format's quantize prepared for their signature and this grid share
+        self._quantize = None if isinstance(x, (QuantizedArray, GatheredRows)) else \
+            quantizer(fmt, x.dtype, x.shape[1], scale_mode, share)
+
+    def _rows(self, data, scales):
+        """The travelling (data, scales) slots as a QuantizedArray (per-row scales 1-D)."""
+        fmt = self._format
+        if fmt.scale_block == PER_ROW:
+            scales = flat(scales)
+        return fmt.view(data, scales)
+
+    def produce(self, begin, end, slots, stream):
+        data, scales = slots
+        x = self._x
+        if isinstance(x, QuantizedArray):  # already of the format: copy its bits
+            copy_bytes(data, row_range(x.data, begin, end), stream)
+            copy_bytes(scales, row_range(x.scales, begin, end), stream)
+        elif isinstance(x, GatheredRows):  # read where they are (the permuted gradient)
+            self._format.launch_quantize_gather(x.source, row_range(x.index, begin, end),
+                                                self._rows(data, scales), stream, self._share,
+                                                self._scale_mode)
+        else:
+            if self._format.scale_block == PER_ROW:
+                scales = flat(scales)
+            self._quantize(row_range(x, begin, end), data, scales, end - begin, stream)
+
+    def consume(self, begin, end, rows, stream):
+        # beside the producer on the side stream: the share of the SMs it leaves
+        self._format.launch_dequantize(self._rows(*rows), row_range(self._out, begin, end),
+                                       stream, 1.0 if stream == self._caller else 1.0 - self._share)
+
+    def keep(self, begin, end, at, slots, stream):
+        # bf16 rows (read where they are, or through the permuted gradient's index) take the
+        # format's round trip where it has one: one pass, nothing written to the slots.
+        x, fmt = self._x, self._format
+        source, rows = (x.source, row_range(x.index, begin, end)) \
+            if isinstance(x, GatheredRows) else (x, None)
+        if isinstance(source, QuantizedArray) or not fmt.round_trips(source.dtype):
+            self.produce(begin, end, slots, stream)
+            self.consume(at, at + end - begin, slots, stream)
+            return
+        fmt.launch_round_trip(source if rows is not None else row_range(x, begin, end), rows,
+                              row_range(self._out, at, at + end - begin), stream, self._share,
+                              self._scale_mode)
+
+
+class GatheredPlainRows:
+    """The plain exchange of rows still to be gathered (the rows protocol of
+    ``Communicator.exchange``; the
+    combine direction with ``permute_align`` on the pull transport): each peer's rows gathered
+    through the inverse permute index straight into the staging the peer pulls from, the own
+    rows straight into the result."""
+
+    __slots__ = ("arrays", "kind", "_x")
+
+    def __init__(self, x, kind):
+        self.arrays = (((x.shape[1],), numpy.dtype(x.dtype)),)
+        self.kind = kind
+        self._x = x
+
+    def produce(self, begin, end, slots, stream):
+        self._x.write(begin, end, slots[0], stream, PULLED_SHARE)
+
+
+def gathered_plain(x, plan, comm, caller, kind, alloc):
+    """The plain exchange of the pending gather ``x`` (``GatheredRows``) on the pull transport
+    (docs/design.md, "The expert side of an exchange in permute's order"): each peer's rows
+    gathered into the staging it pulls from, copy engines pulling them in pieces, the own rows
+    gathered straight into the result; no pass into received order first."""
+    with comm.on_stream(caller):
+        out = (alloc or array_module().empty)((plan.rows_received, x.shape[1]), x.dtype)
+        comm.exchange(GatheredPlainRows(x, kind), plan, out=(out,), stream=caller)
+    return out
+
+
+def staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc):
+    """The quantized exchange (module docstring), for the quantized format ``fmt``: quantize into
+    the travelling memory peer by peer; dequantize each sender's rows where they are, or collect
+    them still quantized."""
+    xp = array_module()
+    width = x.shape[1]
+    pull = comm.transport == "pull"
+    with comm.on_stream(caller):
+        if dequantize:
+            out = (alloc or xp.empty)((plan.rows_received, width), dtype_of(x))
+            share = 1.0 - beside_share(comm.size) if pull else 1.0
+            comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
+                          in_place=True, stream=caller)
+            return out
+        received = fmt.empty(plan.rows_received, width, alloc)
+        staged_kept(x, fmt, plan, comm, caller, scale_mode, kind, received.data,
+                    received.scales)
+        return received
+
+
+def landed(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):
+    """The quantized exchange in the dispatch direction whose received rows land in permuted
+    order (docs/design.md, "The expert side of an exchange in permute's order"): each
+    (sender, local expert) run of rows copied straight into its permuted rows (the exchange's
+    ``landing``: on the pull transport by the copy engines, from the sender's staging; the own
+    rows quantized straight into place); the padding rows get zeros and the padding scale
+    first. Returns ``permute``'s triple."""
+    indices, offsets, _ = expert_order(layout, align, caller)
+    p = indices.shape[0]
+    with comm.on_stream(caller):
+        permuted = fmt.empty(p, x.shape[1], alloc)
+        scales = permuted.scales  # per-row scales travel as (rows, 1)
+        dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)
+        pad_rows(dsts, fmt, indices, caller)
+        share = PULLED_SHARE if comm.transport == "pull" else 1.0
+        comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, caller, share), plan,
+                      out=dsts, landing=permuted_landing(layout, align), stream=caller)
+    return permuted, indices, offsets
+
+
+def dtype_of(x):
+    """The dtype a dequantized result of ``x`` takes: ``x``'s, or bf16 for a QuantizedArray."""
+    return bfloat16 if isinstance(x, QuantizedArray) else x.dtype
