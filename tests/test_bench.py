@@ -567,6 +567,37 @@ def test_padding_rows_carry_the_format_padding_scale():
     assert out.tolist() == [[3, 4, 5], [7, 8, 9], [0, 1, 2]]
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_rowwise", "fp8_block128"])
+def test_checks_take_a_rank_that_receives_no_rows(fmt):
+    """A rank may receive no rows (a tiny --tokens, or more ranks than rows): the checker's byte
+    rows of an empty tensor are (0, bytes of a row), like those of any other (each row: its data
+    bytes, then its scale bytes); the permute references of no received rows are padding rows."""
+    torch = pytest.importorskip("torch")
+    import mxcomm.torch as mt
+    from mxcomm.formats import get_format
+    rng = numpy.random.default_rng(5)
+    width = 256
+    for rows in (0, 3):
+        x = rng.standard_normal((rows, width)).astype(mt.bfloat16)
+        q = get_format(fmt).quantize(x)
+        got = _checks.Checker._bytes(mt._wrap(q))
+        want = numpy.zeros((rows, get_format(fmt).bytes_per_row(width)), numpy.uint8)
+        for i in range(rows):
+            data, scales = q.data[i].view(numpy.uint8), q.scales[i].reshape(-1).view(numpy.uint8)
+            want[i] = numpy.concatenate([data, scales])
+        assert got.dtype == torch.uint8 and got.shape == want.shape
+        numpy.testing.assert_array_equal(got.numpy(), want)
+        plain = torch.from_numpy(x.view(numpy.int16)).view(torch.bfloat16)
+        assert _checks.Checker._bytes(plain).shape == (rows, 2 * width)
+    empty = mt._wrap(get_format("mxfp8").quantize(numpy.zeros((0, width), mt.bfloat16)))
+    padding = torch.full((4,), -1, dtype=torch.int64)
+    numpy.testing.assert_array_equal(_checks.Checker._converted(empty, padding).numpy(),
+                                     numpy.tile(_checks.Checker._padding_row("fp8_rowwise",
+                                                                              width), (4, 1)))
+    assert _checks.Checker._decoded(empty, padding).shape == (4, 2 * width)
+    assert not _checks.Checker._decoded(empty, padding).any()
+
+
 # ------------------------------------------------------------------- pipeline on MPI ranks
 MPI_SHAPE = ("--tokens", "256", "--dim", "64", "--hidden", "32", "--experts", "2")
 
@@ -637,6 +668,30 @@ def test_pipeline_every_variant_exact_sane_sqnr_and_wire_bytes(pipeline_world):
         assert wire[(name, "combine")]["bytes"] == wire[("bf16", "combine")]["bytes"]
     text = pipeline.render(meta, tables)
     assert max(len(line) for line in text.splitlines()) <= 120
+
+
+@pytest.mark.mpi
+def test_pipeline_exact_where_a_rank_receives_no_rows(pipeline_world):
+    """--tokens 1 with 2 experts per rank: every rank's row goes to rank 0's first expert, so the
+    other ranks receive none; every variant runs, and every checked step is exact on every rank."""
+    from mxcomm.bench import _cli, pipeline
+    rt, _ = pipeline_world
+    if rt.size < 2:
+        pytest.skip("needs 2 ranks or more (a rank that receives nothing)")
+    args = build_parser().parse_args(["pipeline", "--tokens", "1", "--dim", "64", "--hidden",
+                                      "32", "--experts", "2", "--iters", "1", "--warmup", "0",
+                                      "--no-stages"])
+    pipeline.validate(args)
+    _cli._apply_defaults(args, rt.gpu)
+    case = pipeline._Case(args, rt, (1, 64, 32, 2))
+    counts = numpy.array(rt.allgather(case.counts.cpu().tolist()))         # [source rank, e]
+    received = counts.reshape(rt.size, rt.size, 2).sum(axis=(0, 2))          # per rank
+    assert received.min() == 0, received  # the case this test is for
+    meta, tables = pipeline.measure(args, rt)
+    assert meta["variants"] == [v.name for v in pipeline.parse_variants(None)]
+    assert not pipeline.failed(tables)
+    assert all(r["result"] == "exact" for r in tables["exactness"]), \
+        [r for r in tables["exactness"] if r["result"] != "exact"]
 
 
 @pytest.mark.mpi
