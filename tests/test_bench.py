@@ -442,6 +442,42 @@ def test_pipeline_shapes_default_and_mismatch():
                          "cuda")
 
 
+def test_latency_shapes_by_backend():
+    """latency's defaults follow the backend (the GPU's shapes ran for more than 10 minutes on a
+    2-core CPU); an option given replaces its default only."""
+    from mxcomm.bench import latency
+    p = build_parser()
+    args = p.parse_args(["latency"])
+    assert latency.shape(args, "cuda") == ((4096, 8192, 16384, 32768), 7168, 8)
+    assert latency.shape(args, "host") == ((512, 2048), 1024, 4)
+    assert latency.shape(args, "simulator") == ((64,), 64, 2)
+    assert latency.shape(p.parse_args(["latency", "--dim", "256"]), "host") == \
+        ((512, 2048), 256, 4)
+    assert latency.shape(p.parse_args(["latency", "--tokens", "8", "--experts", "3"]), "cuda") \
+        == ((8,), 7168, 3)
+
+
+def test_latency_on_a_cpu_runs_its_cpu_shapes_and_says_so(tmp_path):
+    """A one-process CPU run without shape options: the first line names the shapes and says
+    they are the CPU's defaults; the JSON has a row per call at each of them."""
+    pytest.importorskip("torch")
+    path = tmp_path / "l.json"
+    env = dict(os.environ, MXCOMM_BACKEND="host")
+    out = subprocess.run([sys.executable, "-m", "mxcomm.bench", "latency", "--iters", "1",
+                          "--warmup", "0", "--json", str(path)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert "1 rank, rows per rank 512 2048, D = 1024, 4 experts per rank (CPU-sized " \
+           "defaults, seconds to run" in first and "CPU: host timings only" in first
+    result = json.loads(path.read_text())
+    assert result["meta"]["shapes"] == {"rows_per_rank": [512, 2048], "dim": 1024,
+                                        "experts_per_rank": 4}
+    rows = result["tables"]["latency"]
+    assert {r["rows"] for r in rows} == {512, 2048} and {r["dim"] for r in rows} == {1024}
+    assert all(r["host_us"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["pipeline", "--dim", "48"], "--dim: expected multiples of 32 (MXFP8 blocks of 32 elements), "
                                   "got 48"),
@@ -453,6 +489,9 @@ def test_pipeline_shapes_default_and_mismatch():
     (["kernels", "--dim", "100"], "--dim: expected a positive multiple of 32"),
     (["kernels", "--rows", "0"], "--rows: expected positive values, got 0"),
     (["a2a", "--leak-iters", "-2"], "--leak-iters: expected >= 0, got -2"),
+    (["latency", "--dim", "40"], "--dim: expected a positive multiple of 32"),
+    (["latency", "--tokens", "0"], "--tokens: expected positive row counts"),
+    (["latency", "--experts", "0"], "--experts: expected >= 1, got 0"),
     (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
                                              "mxfp8, mxfp8_all, bf16+fp8gemm, fp8_rowwise, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
