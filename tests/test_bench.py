@@ -290,6 +290,37 @@ def test_a_step_without_reference_is_skipped_not_exact():
     assert not pipeline.failed({"exactness": rows})
 
 
+def test_pipeline_verdict_names_what_failed():
+    """The pipeline's last line: exact and targets met, or each step not exact and each variant
+    below target (with its shape where there are several); skipped steps counted, never passed
+    off as exact; one rank said."""
+    from mxcomm.bench import pipeline
+
+    def exact(variant, step, differ=0, result=None, shape="s1"):
+        return {"shape": shape, "variant": variant, "step": step, "precision": "", "rows": 4,
+                "rows_differ": differ, "result": result or ("exact" if not differ else "x")}
+
+    def sqnr(variant, ok, shape="s1"):
+        return {"shape": shape, "variant": variant, "ok": ok}
+
+    meta = {"world_size": 2}
+    tables = {"exactness": [exact("bf16", "layout"), exact("mxfp8", "dispatch")],
+              "sqnr": [sqnr("mxfp8", "yes")]}
+    assert pipeline.verdict(meta, tables) == \
+        "pipeline: data movement exact on every checked step; SQNR targets met"
+    tables["exactness"].append(exact("mxfp8", "permute", result="skipped"))
+    assert pipeline.verdict({"world_size": 1}, tables) == (
+        "pipeline: data movement exact on every checked step (1 skipped: no reference); SQNR "
+        "targets met; 1 rank: nothing crossed ranks")
+    tables = {"exactness": [exact("mxfp8", "dispatch", 3), exact("mxfp8", "combine"),
+                            exact("fp8_rowwise", "combine bwd", 1, shape="s2")],
+              "sqnr": [sqnr("mxfp8", "yes"), sqnr("mxfp8_all", "no", shape="s2")]}
+    assert pipeline.failed(tables)
+    assert pipeline.verdict(meta, tables) == (
+        "pipeline: data movement NOT exact: mxfp8 dispatch at s1, fp8_rowwise combine bwd at s2; "
+        "SQNR below target: mxfp8_all at s2")
+
+
 def _pipeline_tables(gpu):
     """Tables of a 2-shape pipeline run of the default variants as ``measure`` builds them."""
     from mxcomm.bench import _moe
@@ -357,8 +388,10 @@ def test_pipeline_report_fits_120_columns(tmp_path, gpu):
 
 
 def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
-    """A whole (one-process, tiny) run: the first line, every check exact, a line per file."""
+    """A whole (one-process, tiny) run: the first line, every check exact, a line per file, the
+    verdict last."""
     pytest.importorskip("torch")
+    from mxcomm.bench import pipeline
     paths = [tmp_path / name for name in ("p.json", "p.md", "p.png")]
     env = dict(os.environ, MXCOMM_BACKEND="host")
     out = subprocess.run([sys.executable, "-m", "mxcomm.bench", "pipeline", "--tokens", "96",
@@ -370,7 +403,13 @@ def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0].startswith("mxcomm EP pipeline, 1 rank on a CPU, host backend")
     assert "No timings" in lines[0]
-    assert lines[-3:] == [f"wrote {p}" for p in paths] and all(p.stat().st_size for p in paths)
+    # one rank: the first line and the notes say why the bytes are 0 and their ratios n/a
+    assert lines[0].endswith(" " + pipeline.ONE_RANK) and "expert parallelism needs 2 ranks" in \
+        pipeline.ONE_RANK
+    assert "note: One rank: no row crosses ranks" in out.stdout
+    assert lines[-4:-1] == [f"wrote {p}" for p in paths] and all(p.stat().st_size for p in paths)
+    assert lines[-1] == ("pipeline: data movement exact on every checked step; SQNR targets met; "
+                         "1 rank: nothing crossed ranks")
     result = json.loads(paths[0].read_text())
     tables = result["tables"]
     assert tables["exactness"] and all(r["result"] == "exact" for r in tables["exactness"])

@@ -3,8 +3,9 @@
 Each benchmark module provides ``add_arguments(parser)``, ``validate(args)`` (raises ValueError),
 ``describe(args, rt) -> str`` (the first line printed: what the run is and is not),
 ``measure(args, rt) -> (meta, tables)``, ``render(meta, tables) -> str``,
-``markdown_sections(tables)`` and optionally ``plot(path, meta, tables)`` and
-``failed(tables) -> bool``; measuring never prints results.
+``markdown_sections(tables)`` and optionally ``plot(path, meta, tables)``,
+``failed(tables) -> bool`` and ``verdict(meta, tables) -> str`` (the last line printed: what
+passed and what failed); measuring never prints results.
 """
 
 import argparse
@@ -185,6 +186,8 @@ def main(argv=None):
                 written.append(args.plot)
             for path in written:
                 print(f"wrote {path}", flush=True)
+            if hasattr(module, "verdict"):
+                print(module.verdict(meta, tables), flush=True)
         rt.close()
     except BaseException:
         if rt.size > 1:
