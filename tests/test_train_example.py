@@ -130,6 +130,39 @@ def test_fp8_gemms_are_refused_on_gpus_that_cannot_run_them(monkeypatch):
     train_moe.check_gemms(variants, train_moe.PRESETS["gpu"], cuda)   # align 32
 
 
+def test_every_variant_is_checked_against_the_model_before_training(monkeypatch):
+    """A variant whose wire format does not fit the model's D is refused before the first
+    variant trains, every such variant and direction named in one error."""
+    parse = train_moe.parse_variant
+    tiny = train_moe.PRESETS["tiny"]                      # D = 64
+    cpu = torch.device("cpu")
+    bad = [parse(v) for v in ("bf16", "mxfp8", "fp8_block128", "default+combine=fp8_block128")]
+    with pytest.raises(ValueError) as error:
+        train_moe.check_variants(bad, tiny, cpu)
+    assert str(error.value) == (
+        "--variants: with --dim 64: fp8_block128 moves rows in fp8_block128 (dispatch, combine, "
+        "dispatch_grad, combine_grad), which needs D a multiple of 128; "
+        "default+combine=fp8_block128 moves rows in fp8_block128 (combine), which needs D a "
+        "multiple of 128")
+    train_moe.check_variants(bad, train_moe.PRESETS["gpu"], cpu)            # D = 512
+    with pytest.raises(ValueError, match="mxfp8 moves rows in mxfp8 .* a multiple of 32"):
+        train_moe.check_variants(bad[:2], dataclasses.replace(tiny, dim=48), cpu)
+    # fp8 GEMMs are checked with the rest (check_gemms): refused where a GPU cannot run them
+    monkeypatch.setattr(train_moe.mxt, "fp8_gemm_available", lambda device: False)
+    with pytest.raises(ValueError, match="fp8_gemm need SM90"):
+        train_moe.check_variants([parse("fp8_gemm")], tiny, types.SimpleNamespace(type="cuda"))
+    # main() checks before training anything: the bf16 run, first, never starts
+    trained = []
+    monkeypatch.setattr(train_moe, "bootstrap", lambda: (types.SimpleNamespace(rank=0, size=1),
+                                                         cpu))
+    monkeypatch.setattr(train_moe, "shutdown", lambda comm: None)
+    monkeypatch.setattr(train_moe, "load_corpus", lambda: pytest.fail("loaded the corpus"))
+    monkeypatch.setattr(train_moe, "train_run", lambda *a, **k: trained.append(a))
+    with pytest.raises(ValueError, match="fp8_block128 moves rows in fp8_block128"):
+        train_moe.main(["--variants", "bf16,fp8_block128", "--preset", "tiny"])
+    assert trained == []
+
+
 def _rowwise(x):
     """x (M, K) as an fp8_rowwise QuantizedTensor."""
     from mxcomm._torch_gemm import quantize_rows_pow2
