@@ -59,6 +59,7 @@ GEMMs) on the same input and weights: the whole variant's forward, wire and GEMM
 import argparse
 import dataclasses
 import importlib.metadata
+import importlib.util
 import math
 import socket
 import time
@@ -906,6 +907,9 @@ def main(argv=None):
                 print(f"{name:>14}: not available ({error})")
         return None
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # else: after the training
+        raise ValueError("--plot: needs matplotlib, which is not installed (pip install "
+                         "matplotlib, or leave --plot out)")
     comm, device = bootstrap()
     try:
         preset, cfg = config_from_args(args, device.type == "cuda")

@@ -392,12 +392,14 @@ def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
     verdict last."""
     pytest.importorskip("torch")
     from mxcomm.bench import pipeline
-    paths = [tmp_path / name for name in ("p.json", "p.md", "p.png")]
+    import importlib.util
+    plot = importlib.util.find_spec("matplotlib") is not None  # optional: --plot only with it
+    paths = [tmp_path / name for name in ("p.json", "p.md", "p.png")[:3 if plot else 2]]
     env = dict(os.environ, MXCOMM_BACKEND="host")
     out = subprocess.run([sys.executable, "-m", "mxcomm.bench", "pipeline", "--tokens", "96",
                           "--dim", "64", "--hidden", "32", "--experts", "2",
                           "--json", str(paths[0]), "--markdown", str(paths[1]),
-                          "--plot", str(paths[2])],
+                          *(["--plot", str(paths[2])] if plot else [])],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -407,7 +409,8 @@ def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
     assert lines[0].endswith(" " + pipeline.ONE_RANK) and "expert parallelism needs 2 ranks" in \
         pipeline.ONE_RANK
     assert "note: One rank: no row crosses ranks" in out.stdout
-    assert lines[-4:-1] == [f"wrote {p}" for p in paths] and all(p.stat().st_size for p in paths)
+    assert lines[-1 - len(paths):-1] == [f"wrote {p}" for p in paths]
+    assert all(p.stat().st_size for p in paths)
     assert lines[-1] == ("pipeline: data movement exact on every checked step; SQNR targets met; "
                          "1 rank: nothing crossed ranks")
     result = json.loads(paths[0].read_text())
@@ -459,6 +462,20 @@ def test_cli_gc_option_holds_collection_off_while_measuring(monkeypatch, tmp_pat
     meta = json.loads(path.read_text())["meta"]
     assert meta["gc"] == gc_option
     assert any("garbage collection off" in n for n in meta["notes"]) == (gc_option == "off")
+
+
+def test_cli_refuses_plot_without_matplotlib_before_measuring(monkeypatch, capsys):
+    """--plot needs matplotlib (optional): without it, one line and exit status 2 on every rank
+    before anything runs, not rank 0's traceback after the measurement."""
+    import importlib.util
+    from mxcomm.bench import _cli
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None
+                        if name.split(".")[0] == "matplotlib" else find_spec(name, package))
+    assert _cli.main(["pipeline", "--plot", "p.png"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("python -m mxcomm.bench pipeline: error: --plot: needs matplotlib, which is "
+                   "not installed (pip install matplotlib, or leave --plot out)\n")
 
 
 def test_cli_help_gives_defaults_and_units(capsys):

@@ -11,6 +11,7 @@ passed and what failed); measuring never prints results.
 import argparse
 import gc
 import importlib
+import importlib.util
 import sys
 import traceback
 
@@ -80,7 +81,7 @@ def validate(args, module):
     """Check the options shared by every benchmark, then the module's own.
 
     Raises:
-        ValueError: a bad value, with a message naming the option.
+        ValueError: a bad value, with a message naming the option; --plot without matplotlib.
     """
     if args.iters is not None and args.iters < 1:
         raise ValueError(f"--iters: expected >= 1, got {args.iters}")
@@ -90,6 +91,9 @@ def validate(args, module):
         value = getattr(args, name, None)
         if value is not None and value < 0:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 0, got {value}")
+    if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot: needs matplotlib, which is not installed (pip install "
+                         "matplotlib, or leave --plot out)")
     module.validate(args)
 
 
