@@ -39,7 +39,9 @@ On a GPU it also times the whole forward and backward (CUDA events, median over 
 --warmup, max over ranks; with --interleave the variants' iterations alternate; speedups vs bf16
 and vs bf16+fp8gemm) and each stage run alone. On a CPU
 it times nothing: the host backend's speed says nothing about a GPU's. Exit status 1 if any data
-movement is not exact.
+movement is not exact. The last line printed is the verdict: every checked step exact or those that
+were not, the SQNR targets met or the variants below them. On one rank no row crosses ranks, which
+the first line says (expert parallelism needs 2 ranks or more).
 """
 
 import math
@@ -400,9 +402,9 @@ def measure(args, rt):
     names = [v.name for v in variants]
     notes = [ONE_RANK] if rt.size == 1 else []
     notes += ["variants: " + "; ".join(v.describe() for v in variants) + ". All share mxcomm's "
-             "layout exchange, permute and unpermute; bf16 is the reference of SQNR and speedups",
-             f"E_local experts per rank, W * E_local in all; routing: {args.routing}; "
-             f"rows padded to {_moe.ALIGN} per expert group"]
+              "layout exchange, permute and unpermute; bf16 is the reference of SQNR and speedups",
+              f"E_local experts per rank, W * E_local in all; routing: {args.routing}; "
+              f"rows padded to {_moe.ALIGN} per expert group"]
     if any(v.gemm == "fp8" for v in variants):
         notes.append(_gemm_note(rt, fp8_gemm))
     notes.append("data movement: each step against an independent reference of the same bytes "
