@@ -92,6 +92,8 @@ def test_sqnr_db():
     bad[0, 0] = numpy.nan
     assert math.isnan(_workload.sqnr_db(ref, bad))
     assert math.isnan(_workload.sqnr_db(numpy.zeros(3), numpy.ones(3)))
+    # both all zero (the weight gradient of experts that received no rows): equal, not undefined
+    assert _workload.sqnr_db(numpy.zeros(3), numpy.zeros(3)) == math.inf
     with pytest.raises(ValueError, match="shape"):
         _workload.sqnr_db(ref, ref[:3])
 
@@ -102,6 +104,9 @@ def test_pipeline_sqnr_torch_matches_numpy():
     ref = torch.randn(9000, 8, dtype=torch.float64)  # more rows than one chunk
     out = ref + 0.05 * torch.randn(9000, 8, dtype=torch.float64)
     assert _sqnr(ref, out) == pytest.approx(_workload.sqnr_db(ref.numpy(), out.numpy()))
+    zero = torch.zeros(3, 8, dtype=torch.float64)
+    assert _sqnr(zero, zero) == _workload.sqnr_db(zero.numpy(), zero.numpy()) == math.inf
+    assert math.isnan(_sqnr(zero, zero + 1)) and math.isnan(_sqnr(ref, ref * math.nan))
 
 
 # --------------------------------------------------------------------------------- timing

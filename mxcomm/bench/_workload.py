@@ -150,8 +150,9 @@ def busbw(algbw, world_size):
 def sqnr_db(ref, out):
     """Signal-to-quantization-noise ratio in dB: ``20 * log10(||ref|| / ||ref - out||)``.
 
-    Computed in float64 on the host. ``inf`` when ``out`` equals ``ref`` exactly; NaN when either
-    holds a non-finite value or ``ref`` is all zero.
+    Computed in float64 on the host. ``inf`` when ``out`` equals ``ref`` exactly (both all zero
+    included: a gradient of experts that received no rows); NaN when either holds a non-finite
+    value, or ``ref`` is all zero and ``out`` is not.
 
     Args:
         ref, out: arrays of one shape (NumPy or anything ``numpy.asarray`` takes).
@@ -166,8 +167,8 @@ def sqnr_db(ref, out):
         return float("nan")
     signal = float(numpy.linalg.norm(r))
     noise = float(numpy.linalg.norm(r - o))
-    if signal == 0.0:
-        return float("nan")
     if noise == 0.0:
         return math.inf
+    if signal == 0.0:
+        return float("nan")
     return 20.0 * math.log10(signal / noise)

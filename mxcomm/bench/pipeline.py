@@ -196,7 +196,9 @@ def _plain(t):
 
 
 def _sqnr(ref, out):
-    """SQNR (dB) of two torch tensors, float64 sums over row chunks on their device."""
+    """SQNR (dB) of two torch tensors, float64 sums over row chunks on their device, as
+    ``_workload.sqnr_db``: inf where equal, NaN where not finite or ``ref`` is all zero and
+    ``out`` is not."""
     import torch
     ref, out = _plain(ref).detach(), _plain(out).detach()
     if ref.shape != out.shape:
@@ -209,9 +211,9 @@ def _sqnr(ref, out):
             return float("nan")
         signal += float((r * r).sum())
         noise += float(((r - o) ** 2).sum())
-    if signal == 0:
-        return float("nan")
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    if noise == 0:  # equal, all zero included (a rank whose experts received no rows)
+        return math.inf
+    return float("nan") if signal == 0 else 10 * math.log10(signal / noise)
 
 
 class _Case:
