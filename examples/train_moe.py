@@ -29,7 +29,9 @@ Variants (``--variants``, comma-separated; ``--list-variants`` prints them): a n
 :data:`VARIANTS` (``bf16``, ``bf16_mxcomm`` = mxcomm with bf16 everywhere, which must equal
 ``bf16``, ``default``, ``mxfp8``, ...), or overrides joined with ``+`` to switch one direction at a
 time: ``dispatch=mxfp8`` (mxcomm in bf16 but the dispatch in MXFP8), ``mxfp8+combine=bf16`` (all
-MXFP8 but the combine). A format mxcomm does not implement yet is refused before training.
+MXFP8 but the combine). A format mxcomm does not implement yet, or one the model's D does not
+fit (fp8_block128 needs D a multiple of 128, mxfp8 of 32), is refused before the first variant
+trains.
 
 The Hopper fp8 GEMM path: ``fp8_gemm`` dispatches fp8 rowwise rows (one power-of-two scale per
 row, what SM90 ``torch._scaled_grouped_mm`` reads), keeps them quantized through the permute into
@@ -57,6 +59,7 @@ GEMMs) on the same input and weights: the whole variant's forward, wire and GEMM
 import argparse
 import dataclasses
 import importlib.metadata
+import importlib.util
 import math
 import socket
 import time
@@ -843,6 +846,31 @@ def config_from_args(args, on_gpu):
     return preset, dataclasses.replace(PRESETS[preset], **given)
 
 
+def check_variants(variants, cfg, device):
+    """Refuse, before the first variant trains, any variant that cannot run with this model.
+
+    Every direction of the token path moves rows of D = ``cfg.dim`` elements, which each wire
+    format needs to be a multiple of its block (``Format.d_multiple``: 32 for mxfp8, 128 for
+    fp8_block128); fp8 GEMMs are checked by :func:`check_gemms`. Every variant is checked, and
+    every problem named in one error, so a long invocation does not fail after its first runs.
+
+    Raises:
+        ValueError: naming each variant, its formats and what they need, or from
+            :func:`check_gemms`.
+    """
+    problems = []
+    for variant in variants:
+        for name in dict.fromkeys((variant.precisions or {}).values()):
+            fmt = mxcomm.formats.get_format(name)
+            if cfg.dim % fmt.d_multiple:
+                directions = [d for d in DIRECTIONS if variant.precisions[d] == name]
+                problems.append(f"{variant.name} moves rows in {name} ({', '.join(directions)}), "
+                                f"which needs D a multiple of {fmt.d_multiple}")
+    if problems:
+        raise ValueError(f"--variants: with --dim {cfg.dim}: {'; '.join(problems)}")
+    check_gemms(variants, cfg, device)
+
+
 def check_gemms(variants, cfg, device):
     """Refuse, before training, fp8-GEMM variants a GPU cannot run as asked.
 
@@ -879,10 +907,13 @@ def main(argv=None):
                 print(f"{name:>14}: not available ({error})")
         return None
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # else: after the training
+        raise ValueError("--plot: needs matplotlib, which is not installed (pip install "
+                         "matplotlib, or leave --plot out)")
     comm, device = bootstrap()
     try:
         preset, cfg = config_from_args(args, device.type == "cuda")
-        check_gemms(variants, cfg, device)
+        check_variants(variants, cfg, device)
         seeds = [int(s) for s in (args.seeds or ("0,1,2" if preset == "gpu" else "0")).split(",")]
         train, val, corpus = load_corpus()
         meta = report.metadata(device, comm.size, cfg, preset, corpus, seeds, variants)

@@ -6,6 +6,12 @@ Arrays in, arrays out (CuPy on a GPU, NumPy on a CPU: ``mxcomm._platform``); tor
 
 __version__ = "0.1.0"
 
+from . import _platform
+
+# The one decision of where array work runs (MXCOMM_BACKEND), made first: a bad value fails here,
+# naming the variable, its value and the accepted ones, not inside whichever module asked first.
+_platform.backend()
+
 # Importing a format's module registers its formats (mxcomm.formats), in this order.
 from . import mxfp8, rowwise, block128  # noqa: I001 (the registry's order)
 from . import colwise, comm

@@ -2,7 +2,8 @@
 
 ``kernels`` (the CUDA kernels), ``comm`` (the communicators) and the ``mxcomm`` wrappers all ask
 this module and never branch on the environment themselves. The decision is made once per process,
-on first use, from the environment variable ``MXCOMM_BACKEND``:
+on first use (``import mxcomm`` makes it first: a bad value fails there, naming the variable, its
+value and the accepted ones), from the environment variable ``MXCOMM_BACKEND``:
 
     MXCOMM_BACKEND    backend()    arrays  MXFP8 and permute work runs in
     auto (unset)      "cuda"       CuPy    the CUDA kernels, on the GPU (a CUDA device present)

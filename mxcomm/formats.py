@@ -382,8 +382,9 @@ def sqnr(ref, out, *, chunk_rows=4096):
             dequantized first by the caller). Read.
         chunk_rows: rows (first dimension) per chunk converted to float64 at a time.
     Returns:
-        float: inf when ``out`` equals ``ref``; NaN when either holds a non-finite value or
-        ``ref`` is all zero.
+        float: inf when ``out`` equals ``ref`` (both all zero included: the weight gradient of
+        experts that received no rows); NaN when either holds a non-finite value, or ``ref`` is
+        all zero and ``out`` is not.
     Raises:
         ValueError: the shapes differ.
     Host syncs: one per chunk on a GPU (the sums are read).
@@ -402,10 +403,12 @@ def sqnr(ref, out, *, chunk_rows=4096):
 
 def sqnr_from_sums(signal, noise):
     """:func:`sqnr` of sums of squares already made, ``10 log10(signal / noise)``: inf for no
-    noise, NaN for a non-finite sum or no signal."""
-    if not (math.isfinite(signal) and math.isfinite(noise)) or signal <= 0:
+    noise (no signal either included), NaN for a non-finite sum or noise without signal."""
+    if not (math.isfinite(signal) and math.isfinite(noise)):
         return math.nan
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    if noise == 0:
+        return math.inf
+    return math.nan if signal <= 0 else 10 * math.log10(signal / noise)
 
 
 def _float64(a):

@@ -3,20 +3,28 @@
 # on the CPU (which exits 1 if any data movement is not exact). Without a GPU the API runs in the
 # host backend with the MPI communicator, and tests/test_backends.py runs the CUDA kernels in Numba's
 # CUDA simulator against it. Every stage runs under `timeout` so a hung rank fails the run instead of
-# stalling it.
+# stalling it. At the end: one line per stage (name, passed or FAILED, exit status, seconds), then
+# "N passed, N failed" (stages); the exit status is 1 if any stage failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-status=0
+summary=()
+passed=0
+failed=0
 stage() {  # stage NAME COMMAND...: run, treat pytest's exit 5 (no tests collected) as success
-    echo "=== $1"
+    local name=$1 start=$SECONDS verdict=passed
+    echo "=== $name"
     shift
     "$@"
     local rc=$?
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
         echo "=== FAILED (exit $rc)"
-        status=1
+        verdict=FAILED
+        failed=$((failed + 1))
+    else
+        passed=$((passed + 1))
     fi
+    summary+=("$(printf '%-26s %-6s exit %-3s %5s s' "$name" "$verdict" "$rc" $((SECONDS - start)))")
 }
 
 stage "serial suite" timeout 2400 python -m pytest -q -m "not mpi and not faults" tests
@@ -27,4 +35,8 @@ stage "fault injection, 3 ranks" env FAULTS_RANKS=3 timeout 120 python -m pytest
 stage "soak, 2 ranks" timeout 120 mpiexec -n 2 python bench/soak.py --calls 200
 stage "soak, 3 ranks" timeout 120 mpiexec -n 3 python bench/soak.py --calls 40
 stage "main job on the CPU" timeout 600 mpiexec -n 2 python -m mxcomm.bench pipeline
-exit $status
+
+echo "=== summary (stage, verdict, exit status, seconds)"
+printf '%s\n' "${summary[@]}"
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

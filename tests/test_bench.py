@@ -105,6 +105,8 @@ def test_sqnr():
     bad[0, 0] = numpy.nan
     assert math.isnan(sqnr(ref, bad))
     assert math.isnan(sqnr(numpy.zeros(3), numpy.ones(3)))
+    # both all zero (the weight gradient of experts that received no rows): equal, not undefined
+    assert sqnr(numpy.zeros(3), numpy.zeros(3)) == math.inf
     with pytest.raises(ValueError, match="shape"):
         sqnr(ref, ref[:3])
     torch = pytest.importorskip("torch")
@@ -300,6 +302,37 @@ def test_a_step_without_reference_is_skipped_not_exact():
     assert not pipeline.failed({"exactness": rows})
 
 
+def test_pipeline_verdict_names_what_failed():
+    """The pipeline's last line: exact and targets met, or each step not exact and each variant
+    below target (with its shape where there are several); skipped steps counted, never passed
+    off as exact; one rank said."""
+    from mxcomm.bench import pipeline
+
+    def exact(variant, step, differ=0, result=None, shape="s1"):
+        return {"shape": shape, "variant": variant, "step": step, "precision": "", "rows": 4,
+                "rows_differ": differ, "result": result or ("exact" if not differ else "x")}
+
+    def sqnr(variant, ok, shape="s1"):
+        return {"shape": shape, "variant": variant, "ok": ok}
+
+    meta = {"world_size": 2}
+    tables = {"exactness": [exact("bf16", "layout"), exact("mxfp8", "dispatch")],
+              "sqnr": [sqnr("mxfp8", "yes")]}
+    assert pipeline.verdict(meta, tables) == \
+        "pipeline: data movement exact on every checked step; SQNR targets met"
+    tables["exactness"].append(exact("mxfp8", "permute", result="skipped"))
+    assert pipeline.verdict({"world_size": 1}, tables) == (
+        "pipeline: data movement exact on every checked step (1 skipped: no reference); SQNR "
+        "targets met; 1 rank: nothing crossed ranks")
+    tables = {"exactness": [exact("mxfp8", "dispatch", 3), exact("mxfp8", "combine"),
+                            exact("fp8_rowwise", "combine bwd", 1, shape="s2")],
+              "sqnr": [sqnr("mxfp8", "yes"), sqnr("mxfp8_all", "no", shape="s2")]}
+    assert pipeline.failed(tables)
+    assert pipeline.verdict(meta, tables) == (
+        "pipeline: data movement NOT exact: mxfp8 dispatch at s1, fp8_rowwise combine bwd at s2; "
+        "SQNR below target: mxfp8_all at s2")
+
+
 def _pipeline_tables(gpu):
     """Tables of a 2-shape pipeline run of the default variants and the GEMM reference as
     ``measure`` builds them."""
@@ -368,20 +401,31 @@ def test_pipeline_report_fits_120_columns(tmp_path, gpu):
 
 
 def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
-    """A whole (one-process, tiny) run: the first line, every check exact, a line per file."""
+    """A whole (one-process, tiny) run: the first line, every check exact, a line per file, the
+    verdict last."""
     pytest.importorskip("torch")
-    paths = [tmp_path / name for name in ("p.json", "p.md", "p.png")]
+    from mxcomm.bench import pipeline
+    import importlib.util
+    plot = importlib.util.find_spec("matplotlib") is not None  # optional: --plot only with it
+    paths = [tmp_path / name for name in ("p.json", "p.md", "p.png")[:3 if plot else 2]]
     env = dict(os.environ, MXCOMM_BACKEND="host")
     out = subprocess.run([sys.executable, "-m", "mxcomm.bench", "pipeline", "--tokens", "96",
                           "--dim", "64", "--hidden", "32", "--experts", "2",
                           "--json", str(paths[0]), "--markdown", str(paths[1]),
-                          "--plot", str(paths[2])],
+                          *(["--plot", str(paths[2])] if plot else [])],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("mxcomm EP pipeline, 1 rank on a CPU, host backend")
     assert "No timings" in lines[0]
-    assert lines[-3:] == [f"wrote {p}" for p in paths] and all(p.stat().st_size for p in paths)
+    # one rank: the first line and the notes say why the bytes are 0 and their ratios n/a
+    assert lines[0].endswith(" " + pipeline.ONE_RANK) and "expert parallelism needs 2 ranks" in \
+        pipeline.ONE_RANK
+    assert "note: One rank: no row crosses ranks" in out.stdout
+    assert lines[-1 - len(paths):-1] == [f"wrote {p}" for p in paths]
+    assert all(p.stat().st_size for p in paths)
+    assert lines[-1] == ("pipeline: data movement exact on every checked step; SQNR targets met; "
+                         "1 rank: nothing crossed ranks")
     result = json.loads(paths[0].read_text())
     tables = result["tables"]
     assert tables["exactness"] and all(r["result"] in ("exact", "in the exchange")
@@ -438,6 +482,20 @@ def test_cli_gc_option_holds_collection_off_while_measuring(monkeypatch, tmp_pat
     assert any("garbage collection off" in n for n in meta["notes"]) == (gc_option == "off")
 
 
+def test_cli_refuses_plot_without_matplotlib_before_measuring(monkeypatch, capsys):
+    """--plot needs matplotlib (optional): without it, one line and exit status 2 on every rank
+    before anything runs, not rank 0's traceback after the measurement."""
+    import importlib.util
+    from mxcomm.bench import _cli
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None
+                        if name.split(".")[0] == "matplotlib" else find_spec(name, package))
+    assert _cli.main(["pipeline", "--plot", "p.png"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("python -m mxcomm.bench pipeline: error: --plot: needs matplotlib, which is "
+                   "not installed (pip install matplotlib, or leave --plot out)\n")
+
+
 def test_cli_help_gives_defaults_and_units(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["pipeline", "--help"])
@@ -458,6 +516,42 @@ def test_pipeline_shapes_default_and_mismatch():
                          "cuda")
 
 
+def test_latency_shapes_by_backend():
+    """latency's defaults follow the backend (the GPU's shapes ran for more than 10 minutes on a
+    2-core CPU); an option given replaces its default only."""
+    from mxcomm.bench import latency
+    p = build_parser()
+    args = p.parse_args(["latency"])
+    assert latency.shape(args, "cuda") == ((4096, 8192, 16384, 32768), 7168, 8)
+    assert latency.shape(args, "host") == ((512, 2048), 1024, 4)
+    assert latency.shape(args, "simulator") == ((64,), 64, 2)
+    assert latency.shape(p.parse_args(["latency", "--dim", "256"]), "host") == \
+        ((512, 2048), 256, 4)
+    assert latency.shape(p.parse_args(["latency", "--tokens", "8", "--experts", "3"]), "cuda") \
+        == ((8,), 7168, 3)
+
+
+def test_latency_on_a_cpu_runs_its_cpu_shapes_and_says_so(tmp_path):
+    """A one-process CPU run without shape options: the first line names the shapes and says
+    they are the CPU's defaults; the JSON has a row per call at each of them."""
+    pytest.importorskip("torch")
+    path = tmp_path / "l.json"
+    env = dict(os.environ, MXCOMM_BACKEND="host")
+    out = subprocess.run([sys.executable, "-m", "mxcomm.bench", "latency", "--iters", "1",
+                          "--warmup", "0", "--json", str(path)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert "1 rank, rows per rank 512 2048, D = 1024, 4 experts per rank (CPU-sized " \
+           "defaults, seconds to run" in first and "CPU: host timings only" in first
+    result = json.loads(path.read_text())
+    assert result["meta"]["shapes"] == {"rows_per_rank": [512, 2048], "dim": 1024,
+                                        "experts_per_rank": 4}
+    rows = result["tables"]["latency"]
+    assert {r["rows"] for r in rows} == {512, 2048} and {r["dim"] for r in rows} == {1024}
+    assert all(r["host_us"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["pipeline", "--dim", "48"], "--dim: expected multiples of 32 (MXFP8 blocks of 32 elements), "
                                   "got 48"),
@@ -469,6 +563,9 @@ def test_pipeline_shapes_default_and_mismatch():
     (["kernels", "--dim", "100"], "--dim: expected a positive multiple of 32"),
     (["kernels", "--rows", "0"], "--rows: expected positive values, got 0"),
     (["a2a", "--leak-iters", "-2"], "--leak-iters: expected >= 0, got -2"),
+    (["latency", "--dim", "40"], "--dim: expected a positive multiple of 32"),
+    (["latency", "--tokens", "0"], "--tokens: expected positive row counts"),
+    (["latency", "--experts", "0"], "--experts: expected >= 1, got 0"),
     (["pipeline", "--variants", "mxfp8,fp4"], "--variants: unknown variant 'fp4'; accepted: bf16, "
                                              "auto, bf16_mxcomm, mxfp8, fp8_rowwise, mxfp8_all, "
                                              "bf16+fp8gemm, fp8_rowwise_bf16grad, "
@@ -601,6 +698,37 @@ def test_padding_rows_carry_the_format_padding_scale():
     assert out.tolist() == [[3, 4, 5], [7, 8, 9], [0, 1, 2]]
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_rowwise", "fp8_block128"])
+def test_checks_take_a_rank_that_receives_no_rows(fmt):
+    """A rank may receive no rows (a tiny --tokens, or more ranks than rows): the checker's byte
+    rows of an empty tensor are (0, bytes of a row), like those of any other (each row: its data
+    bytes, then its scale bytes); the permute references of no received rows are padding rows."""
+    torch = pytest.importorskip("torch")
+    import mxcomm.torch as mt
+    from mxcomm.formats import get_format
+    rng = numpy.random.default_rng(5)
+    width = 256
+    for rows in (0, 3):
+        x = rng.standard_normal((rows, width)).astype(mt.bfloat16)
+        q = get_format(fmt).quantize(x)
+        got = _checks.Checker._bytes(mt._wrap(q))
+        want = numpy.zeros((rows, get_format(fmt).bytes_per_row(width)), numpy.uint8)
+        for i in range(rows):
+            data, scales = q.data[i].view(numpy.uint8), q.scales[i].reshape(-1).view(numpy.uint8)
+            want[i] = numpy.concatenate([data, scales])
+        assert got.dtype == torch.uint8 and got.shape == want.shape
+        numpy.testing.assert_array_equal(got.numpy(), want)
+        plain = torch.from_numpy(x.view(numpy.int16)).view(torch.bfloat16)
+        assert _checks.Checker._bytes(plain).shape == (rows, 2 * width)
+    empty = mt._wrap(get_format("mxfp8").quantize(numpy.zeros((0, width), mt.bfloat16)))
+    padding = torch.full((4,), -1, dtype=torch.int64)
+    numpy.testing.assert_array_equal(_checks.Checker._converted(empty, padding).numpy(),
+                                     numpy.tile(_checks.Checker._padding_row("fp8_rowwise",
+                                                                              width), (4, 1)))
+    assert _checks.Checker._decoded(empty, padding).shape == (4, 2 * width)
+    assert not _checks.Checker._decoded(empty, padding).any()
+
+
 # ------------------------------------------------------------------- pipeline on MPI ranks
 MPI_SHAPE = ("--tokens", "256", "--dim", "64", "--hidden", "32", "--experts", "2")
 
@@ -681,6 +809,30 @@ def test_pipeline_every_variant_exact_sane_sqnr_and_wire_bytes(pipeline_world):
         assert wire[(name, "combine")]["bytes"] == wire[("bf16", "combine")]["bytes"]
     text = pipeline.render(meta, tables)
     assert max(len(line) for line in text.splitlines()) <= 120
+
+
+@pytest.mark.mpi
+def test_pipeline_exact_where_a_rank_receives_no_rows(pipeline_world):
+    """--tokens 1 with 2 experts per rank: every rank's row goes to rank 0's first expert, so the
+    other ranks receive none; every variant runs, and every checked step is exact on every rank."""
+    from mxcomm.bench import _cli, pipeline
+    rt, _ = pipeline_world
+    if rt.size < 2:
+        pytest.skip("needs 2 ranks or more (a rank that receives nothing)")
+    args = build_parser().parse_args(["pipeline", "--tokens", "1", "--dim", "64", "--hidden",
+                                      "32", "--experts", "2", "--iters", "1", "--warmup", "0",
+                                      "--no-stages"])
+    pipeline.validate(args)
+    _cli._apply_defaults(args, rt.gpu)
+    case = pipeline._Case(args, rt, (1, 64, 32, 2))
+    counts = numpy.array(rt.allgather(case.counts.cpu().tolist()))         # [source rank, e]
+    received = counts.reshape(rt.size, rt.size, 2).sum(axis=(0, 2))          # per rank
+    assert received.min() == 0, received  # the case this test is for
+    meta, tables = pipeline.measure(args, rt)
+    assert meta["variants"] == [v.name for v in pipeline.parse_variants(None)]
+    assert not pipeline.failed(tables)
+    assert all(r["result"] == "exact" for r in tables["exactness"]), \
+        [r for r in tables["exactness"] if r["result"] != "exact"]
 
 
 @pytest.mark.mpi

@@ -9,24 +9,26 @@ types ``_argument_type`` gives, which are what a GPU launch compiles), and a chi
 for sm_90 and lowers it to LLVM IR, its device functions included (tests/kernel_types_check.py).
 No GPU needed. Where the CUDA compiler wheels are installed (nvidia-cuda-nvcc-cu12 and
 nvidia-cuda-nvrtc-cu12; .ci/run installs them) it also compiles each to PTX and reads ptxas's
-registers per thread, which must not exceed the budget the launcher sizes its resident grid for.
+registers per thread, which must not exceed the budget the launcher sizes its resident grid for;
+without them that check skips, saying why.
 """
 
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import mxcomm
-from mxcomm import _row_moves, colwise, mxfp8, permutation, rowwise
-from mxcomm import _driver
-from mxcomm.kernels import _launch
+from mxcomm import _driver, _platform, _row_moves, colwise, mxfp8, permutation, rowwise
+from mxcomm.kernels import _launch, array_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SEED = 1234
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -54,9 +56,13 @@ def _all_kernels():
 
 def _ptxas():
     """The ptxas of the CUDA compiler wheel (nvidia-cuda-nvcc-cu12: NVVM and ptxas; .ci/run
-    installs it with NVRTC), or None: then the check stops at LLVM IR."""
+    installs it with NVRTC), or None where it is not installed: then the check stops at LLVM IR
+    and the register check skips."""
     import importlib.util
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ModuleNotFoundError:  # no ``nvidia`` package at all: find_spec imports the parent
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "ptxas")
@@ -109,7 +115,15 @@ def _exercise(xp, rng):
     mxfp8.launch_round_trip(y, rows, xp.empty((3, 64), BF16), "rceil", 0)
 
 
-def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, tmp_path):
+@pytest.fixture(scope="module")
+def type_check(tmp_path_factory):
+    """Every kernel's signatures, recorded from the public functions in the simulator, typed and
+    lowered for sm_90 in a child process (tests/kernel_types_check.py), once for the module.
+
+    Returns a namespace: ``kernels`` ({Kernel: (module, attribute)}), ``seen`` (the recorded
+    ``(kernel, specs)``), ``signatures``, ``ptxas`` (None without the compiler wheel) and the
+    child's ``out`` (``subprocess.CompletedProcess``).
+    """
     from numba import config
     if not config.ENABLE_CUDASIM:
         pytest.skip("on a GPU every kernel compiles in the gpu tests")
@@ -132,18 +146,16 @@ def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, t
         seen.setdefault((kernel, json.dumps(specs)), specs)
         prepare(self, kernel, config, *args)
 
-    monkeypatch.setattr(_launch.Kernel, "__getitem__", recording)
-    monkeypatch.setattr(_launch.Launch, "__init__", preparing)
-    _launch.clear_prepared()  # launches prepared by earlier tests would not be seen
-    with use_backend("simulator") as xp:
-        _exercise(xp, rng)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_launch.Kernel, "__getitem__", recording)
+        m.setattr(_launch.Launch, "__init__", preparing)
+        m.setattr(_platform, "backend", lambda: "simulator")  # conftest's use_backend, once
+        _launch.clear_prepared()  # launches prepared by earlier tests would not be seen
+        _exercise(array_module(), np.random.default_rng(SEED))
     kernels = _all_kernels()
-    missed = sorted(f"{m}.{a}" for k, (m, a) in kernels.items()
-                    if k not in {kernel for kernel, _ in seen})
-    assert not missed, f"kernels this test does not launch (add them to _exercise): {missed}"
     signatures = [[*kernels[kernel], specs] for (kernel, _), specs in seen.items()]
     ptxas = _ptxas()
-    path = tmp_path / "signatures.json"
+    path = tmp_path_factory.mktemp("kernel_types") / "signatures.json"
     path.write_text(json.dumps({
         "mxcomm_dir": os.path.dirname(mxcomm.__file__),
         "kernels_dir": os.path.dirname(_launch.__file__),
@@ -152,10 +164,26 @@ def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, t
                                                              "MXCOMM_BACKEND")}
     out = subprocess.run([sys.executable, os.path.join(HERE, "kernel_types_check.py"), str(path)],
                          capture_output=True, text=True, timeout=600, env=env)
+    return SimpleNamespace(kernels=kernels, seen=seen, signatures=signatures, ptxas=ptxas,
+                           out=out)
+
+
+def test_every_kernel_types_for_the_cuda_target(type_check):
+    kernels, out = type_check.kernels, type_check.out
+    missed = sorted(f"{m}.{a}" for k, (m, a) in kernels.items()
+                    if k not in {kernel for kernel, _ in type_check.seen})
+    assert not missed, f"kernels this test does not launch (add them to _exercise): {missed}"
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count(": ok") == len(signatures) >= len(kernels), out.stdout + out.stderr
-    if ptxas is None:
-        return
+    assert out.stdout.count(": ok") == len(type_check.signatures) >= len(kernels), \
+        out.stdout + out.stderr
+
+
+def test_every_kernel_fits_its_register_budget(type_check):
+    if type_check.ptxas is None:
+        pytest.skip("ptxas not installed (the CUDA compiler wheel nvidia-cuda-nvcc-cu12, which "
+                    ".ci/run installs): registers per thread not checked")
+    out = type_check.out
+    assert out.returncode == 0, out.stdout + out.stderr
     used = {}
     for line in out.stdout.splitlines():
         name = line.split("(", 1)[0].rsplit(".", 1)[-1]
@@ -164,6 +192,27 @@ def test_every_kernel_types_for_the_cuda_target(use_backend, monkeypatch, rng, t
             if used[name] > budget}
     assert not over, (f"kernels using more registers per thread than the budget their grids are "
                       f"sized for (ptxas, sm_90: used, budget): {over}")
+
+
+def test_a_missing_compiler_wheel_means_no_register_check(monkeypatch):
+    """Without any ``nvidia`` package, ``importlib.util.find_spec("nvidia.cuda_nvcc")`` raises
+    (it imports the parent): the helper answers None, as where the parent exists without it."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+
+    def missing(name, package=None):
+        if name == "nvidia" or name.startswith("nvidia."):
+            if name != "nvidia":
+                raise ModuleNotFoundError("No module named 'nvidia'", name="nvidia")
+            return None
+        return find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    assert _ptxas() is None
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, package=None: None if name.startswith("nvidia") else
+                        find_spec(name, package))  # the namespace, without the compiler wheel
+    assert _ptxas() is None
 
 
 # ------------------------------------------------------------------ launch arguments by address

@@ -1,6 +1,7 @@
 """The one decision of where array work runs (``mxcomm._platform``, ``MXCOMM_BACKEND``)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -72,3 +73,8 @@ def test_bad_backend_is_a_clear_error(value, error):
         pytest.skip("a CUDA device is present")
     out = run_python("import mxcomm", value)
     assert out.returncode != 0 and error in out.stderr
+    # raised where the backend is decided, first thing at import: no frame of another module
+    frames = re.findall(r'File "([^"]+)", line \d+', out.stderr)
+    package = os.path.dirname(os.path.abspath(_platform.__file__))
+    assert frames == ["<string>", os.path.join(package, "__init__.py"),
+                      os.path.join(package, "_platform.py")], out.stderr

@@ -12,7 +12,10 @@ step costs a few seconds (kernel launches), so the run is as small as the model 
 tests cover the variant syntax, the GEMM refusals and the expert GEMMs' fallback, and the merge of
 several invocations' JSON files into one report (``train_moe_report.py FILE... --json ...``: the
 tables one invocation of all the runs writes; incompatible files and duplicate runs refused); the
-MPI test merges two real invocations and compares with the single one.
+MPI test merges two real invocations and compares with the single one. What a rank does alone
+(rank 0's files) is followed by a vote, so that a failure there fails every rank instead of leaving
+the others waiting in the next collective; the plot (matplotlib, optional) is skipped on every
+rank where it is missing.
 
 Run: ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_train_example.py`` (and
 ``-n 3``); ``python -m pytest -q -m "not mpi" tests/test_train_example.py``.
@@ -128,6 +131,51 @@ def test_fp8_gemms_are_refused_on_gpus_that_cannot_run_them(monkeypatch):
     with pytest.raises(ValueError, match="multiple of 16 rows, got align 8"):
         train_moe.check_gemms(variants, cfg, cuda)
     train_moe.check_gemms(variants, train_moe.PRESETS["gpu"], cuda)   # align 32
+
+
+def test_every_variant_is_checked_against_the_model_before_training(monkeypatch):
+    """A variant whose wire format does not fit the model's D is refused before the first
+    variant trains, every such variant and direction named in one error."""
+    parse = train_moe.parse_variant
+    tiny = train_moe.PRESETS["tiny"]                      # D = 64
+    cpu = torch.device("cpu")
+    bad = [parse(v) for v in ("bf16", "mxfp8", "fp8_block128", "default+combine=fp8_block128")]
+    with pytest.raises(ValueError) as error:
+        train_moe.check_variants(bad, tiny, cpu)
+    assert str(error.value) == (
+        "--variants: with --dim 64: fp8_block128 moves rows in fp8_block128 (dispatch, combine, "
+        "dispatch_grad, combine_grad), which needs D a multiple of 128; "
+        "default+combine=fp8_block128 moves rows in fp8_block128 (combine), which needs D a "
+        "multiple of 128")
+    train_moe.check_variants(bad, train_moe.PRESETS["gpu"], cpu)            # D = 512
+    with pytest.raises(ValueError, match="mxfp8 moves rows in mxfp8 .* a multiple of 32"):
+        train_moe.check_variants(bad[:2], dataclasses.replace(tiny, dim=48), cpu)
+    # fp8 GEMMs are checked with the rest (check_gemms): refused where a GPU cannot run them
+    monkeypatch.setattr(train_moe.mxt, "fp8_gemm_available", lambda device: False)
+    with pytest.raises(ValueError, match="fp8_gemm need SM90"):
+        train_moe.check_variants([parse("fp8_gemm")], tiny, types.SimpleNamespace(type="cuda"))
+    # main() checks before training anything: the bf16 run, first, never starts
+    trained = []
+    monkeypatch.setattr(train_moe, "bootstrap", lambda: (types.SimpleNamespace(rank=0, size=1),
+                                                         cpu))
+    monkeypatch.setattr(train_moe, "shutdown", lambda comm: None)
+    monkeypatch.setattr(train_moe, "load_corpus", lambda: pytest.fail("loaded the corpus"))
+    monkeypatch.setattr(train_moe, "train_run", lambda *a, **k: trained.append(a))
+    with pytest.raises(ValueError, match="fp8_block128 moves rows in fp8_block128"):
+        train_moe.main(["--variants", "bf16,fp8_block128", "--preset", "tiny"])
+    assert trained == []
+
+
+def test_plot_without_matplotlib_is_refused_before_anything_runs(monkeypatch):
+    """--plot needs matplotlib (optional): without it, an error on every rank before the job
+    starts, not rank 0's after the training (its peers then waited in the next collective)."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None
+                        if name.split(".")[0] == "matplotlib" else find_spec(name, package))
+    monkeypatch.setattr(train_moe, "bootstrap", lambda: pytest.fail("the job started"))
+    with pytest.raises(ValueError, match="--plot: needs matplotlib, which is not installed"):
+        train_moe.main(["--variants", "bf16", "--plot", "x.png"])
 
 
 def _rowwise(x):
@@ -303,17 +351,46 @@ def test_corpus_is_the_plays_and_batches_follow_the_seed():
 
 
 # --------------------------------------------------------------------------------- MPI
+def on_every_rank(world, fn):
+    """``fn()`` on this rank, then a vote: where it raised on any rank, every rank raises (the
+    error itself where it was raised, a failure naming those ranks elsewhere), so that no rank
+    goes on to a collective the failed one never reaches (a hang, not a failure)."""
+    error = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 (raised again below, after the vote)
+        error = e
+    failed = [r for r, bad in enumerate(world.allgather(error is not None)) if bad]
+    if error is not None:
+        raise error
+    if failed:
+        pytest.fail(f"failed on rank{'s' if len(failed) > 1 else ''} "
+                    f"{', '.join(map(str, failed))} (see there)")
+    return result
+
+
+def _plot_everywhere(world):
+    """True where matplotlib (optional: ``--plot``) is installed on every rank."""
+    import importlib.util
+    from mpi4py import MPI
+    return world.allreduce(importlib.util.find_spec("matplotlib") is not None, op=MPI.LAND)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """One invocation of the example on every rank; rank 0 writes the three files. Returns
-    ``(result, paths, rank, gradients)``: ``gradients`` names the format of each gradient that
-    reached ``mxcomm.torch.grouped_mm``'s backward (``"bf16"`` for a plain tensor), in order."""
+    """One invocation of the example on every rank; rank 0 writes the files (the plot only where
+    matplotlib is installed; else ``paths["png"]`` is None). Returns ``(result, paths, rank,
+    gradients)``: ``gradients`` names the format of each gradient that reached
+    ``mxcomm.torch.grouped_mm``'s backward (``"bf16"`` for a plain tensor), in order. A failure
+    on any rank fails every rank (:func:`on_every_rank`)."""
     from mpi4py import MPI
 
     from mxcomm import _torch_gemm
     world = MPI.COMM_WORLD
     folder = world.bcast(str(tmp_path_factory.mktemp("train_moe")) if world.rank == 0 else None)
     paths = {ext: os.path.join(folder, f"moe.{ext}") for ext in ("json", "md", "png")}
+    if not _plot_everywhere(world):
+        paths["png"] = None
     gradients, backward = [], _torch_gemm._GroupedMM.backward
 
     def spy(ctx, grad):
@@ -322,9 +399,9 @@ def tiny_run(tmp_path_factory):
 
     _torch_gemm._GroupedMM.backward = staticmethod(spy)
     try:
-        result = train_moe.main(["--variants", VARIANTS, "--seeds", "3", *TINY,
-                                 "--json", paths["json"], "--markdown", paths["md"],
-                                 "--plot", paths["png"]])
+        result = on_every_rank(world, lambda: train_moe.main(
+            ["--variants", VARIANTS, "--seeds", "3", *TINY, "--json", paths["json"],
+             "--markdown", paths["md"], *(["--plot", paths["png"]] if paths["png"] else [])]))
     finally:
         _torch_gemm._GroupedMM.backward = staticmethod(backward)
     return result, paths, world.rank, gradients
@@ -426,8 +503,17 @@ def test_output_files_name_the_setup(tiny_run):
     for needle in ("device:", "world size", "commit:", "date:", "| mxfp8 |", "SQNR", "GEMMs",
                    "| fp8_gemm | fp8_rowwise/bf16/bf16/fp8_rowwise |", "| bf16_fp8gemm |"):
         assert needle in text, needle
-    with open(paths["png"], "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_corpus
+@pytest.mark.mpi
+def test_plot_of_the_losses(tiny_run):
+    _, paths, rank, _ = tiny_run
+    if paths["png"] is None:  # the same on every rank (tiny_run asked them all)
+        pytest.skip("matplotlib is not installed (optional: --plot)")
+    if rank == 0:
+        with open(paths["png"], "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @needs_corpus
@@ -442,8 +528,12 @@ def test_merged_invocations_give_the_single_invocations_losses(tiny_run):
     folder = os.path.dirname(paths["json"])
     parts = [os.path.join(folder, f"part{i}.json") for i in (1, 2)]
     for variants, path in zip(("bf16,bf16_mxcomm,mxfp8", FP8_GEMM_VARIANTS), parts):
-        train_moe.main(["--variants", variants, "--seeds", "3", *TINY, "--json", path])
-    if rank == 0:
+        on_every_rank(world, lambda: train_moe.main(["--variants", variants, "--seeds", "3",
+                                                     *TINY, "--json", path]))
+
+    def merge():  # rank 0's files
+        if rank != 0:
+            return
         out = os.path.join(folder, "merged.md")
         merged = train_moe_report.main([*parts, "--markdown", out, "--note", "one after another"])
         assert _final_rows(merged) == _final_rows(result)
@@ -451,4 +541,4 @@ def test_merged_invocations_give_the_single_invocations_losses(tiny_run):
         assert [s["file"] for s in merged["meta"]["sources"]] == parts
         with open(out) as f:
             assert "note: one after another" in f.read()
-    world.Barrier()
+    on_every_rank(world, merge)  # the other ranks wait for rank 0's verdict, not forever

@@ -18,6 +18,8 @@ D e4m3 bytes + one float32 scale), summed over ranks. Glossary: M rows per rank,
 D dim, H hidden, P permuted rows.
 """
 
+import math
+
 import numpy
 
 #: The four directions of the exchanges: (name, width attribute of the case, splits it sends).
@@ -115,10 +117,8 @@ class Checker:
         """(rows, bytes) uint8 view of a tensor; an MXFP8 tensor's data and scales side by side."""
         import torch
         if hasattr(t, "qdata"):  # a QuantizedTensor of any format: data bytes, scale bytes
-            return torch.cat([t.qdata.reshape(t.shape[0], -1).view(torch.uint8),
-                              t.scales.reshape(t.shape[0], -1).view(torch.uint8)], dim=1)
-        t = t.detach().contiguous()
-        return t.reshape(t.shape[0], -1).view(torch.uint8)
+            return torch.cat([_byte_rows(t.qdata), _byte_rows(t.scales)], dim=1)
+        return _byte_rows(t.detach())
 
     def _quantized(self, t, precision):
         """(rows, format.bytes_per_row(D)) uint8: the bf16 tensor ``t`` quantized in the format
@@ -126,8 +126,7 @@ class Checker:
         import torch
         from mxcomm.formats import get_format
         q = get_format(precision).quantize(self.rt.from_torch(t.detach().contiguous()))
-        parts = [self.rt.to_torch(a.reshape(a.shape[0], -1)).contiguous().view(torch.uint8)
-                 for a in (q.data, q.scales)]
+        parts = [_byte_rows(self.rt.to_torch(a)) for a in (q.data, q.scales)]
         return torch.cat(parts, dim=1)
 
     def _dequantized(self, rows, width, precision):
@@ -207,7 +206,7 @@ class Checker:
         data = mx.qdata.view(torch.float8_e4m3fn)[rows].float()             # (n, D), exact
         block = mx.scales.view(torch.uint8)[rows].to(torch.int32)           # (n, D / 32)
         n, d = data.shape
-        values = data.reshape(n, -1, 32) * torch.exp2((block - 127).float())[..., None]
+        values = data.reshape(n, d // 32, 32) * torch.exp2((block - 127).float())[..., None]
         values[block == 0xFF] = float("nan")
         out = torch.zeros((indices.shape[0], d), dtype=torch.bfloat16, device=data.device)
         out[keep] = values.reshape(n, d).to(torch.bfloat16)
@@ -231,7 +230,7 @@ class Checker:
         smax = block.amax(dim=1) if n and block.shape[1] else block.new_zeros(n)
         r = smax.clamp(min=1)
         mult = torch.exp2((block - r[:, None]).to(torch.float32))           # exact powers of 2
-        values = data.view(torch.float8_e4m3fn).float().reshape(n, -1, 32) * mult[..., None]
+        values = data.view(torch.float8_e4m3fn).float().reshape(n, d // 32, 32) * mult[..., None]
         conv = values.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, d)
         conv = torch.where((data & 0x7F) == 0x7F, data, conv)
         bits = r << 23
@@ -366,6 +365,20 @@ class Checker:
             ("unpermute bwd", "", None, FUSED), ("permute bwd", "", None, FUSED),
             ("dispatch bwd", p["dispatch_grad"], self._bytes(results["input_grad"]),
              self._moved(h_grad, p["dispatch_grad"], recv, send, dequantized=True))]
+
+
+def _byte_rows(t):
+    """(rows, bytes per row) uint8 view of the torch tensor ``t`` (rows, ...), C-contiguous.
+
+    A rank may receive no rows: ``reshape(0, -1)`` cannot size such a tensor, and an empty tensor
+    may carry strides a dtype view refuses, so its (0, bytes per row) tensor is made anew.
+    """
+    import torch
+    width = math.prod(t.shape[1:]) * t.element_size()
+    if t.shape[0] == 0:
+        return torch.empty((0, width), dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+
 
 def _differ(got, want):
     """``(rows that differ, rows)`` of two (rows, bytes) uint8 tensors; with ``got`` None,

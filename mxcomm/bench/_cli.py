@@ -3,13 +3,15 @@
 Each benchmark module provides ``add_arguments(parser)``, ``validate(args)`` (raises ValueError),
 ``describe(args, rt) -> str`` (the first line printed: what the run is and is not),
 ``measure(args, rt) -> (meta, tables)``, ``render(meta, tables) -> str``,
-``markdown_sections(tables)`` and optionally ``plot(path, meta, tables)`` and
-``failed(tables) -> bool``; measuring never prints results.
+``markdown_sections(tables)`` and optionally ``plot(path, meta, tables)``,
+``failed(tables) -> bool`` and ``verdict(meta, tables) -> str`` (the last line printed: what
+passed and what failed); measuring never prints results.
 """
 
 import argparse
 import gc
 import importlib
+import importlib.util
 import sys
 import traceback
 
@@ -78,7 +80,7 @@ def validate(args, module):
     """Check the options shared by every benchmark, then the module's own.
 
     Raises:
-        ValueError: a bad value, with a message naming the option.
+        ValueError: a bad value, with a message naming the option; --plot without matplotlib.
     """
     if args.iters is not None and args.iters < 1:
         raise ValueError(f"--iters: expected >= 1, got {args.iters}")
@@ -88,6 +90,9 @@ def validate(args, module):
         value = getattr(args, name, None)
         if value is not None and value < 0:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 0, got {value}")
+    if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot: needs matplotlib, which is not installed (pip install "
+                         "matplotlib, or leave --plot out)")
     module.validate(args)
 
 
@@ -184,6 +189,8 @@ def main(argv=None):
                 written.append(args.plot)
             for path in written:
                 print(f"wrote {path}", flush=True)
+            if hasattr(module, "verdict"):
+                print(module.verdict(meta, tables), flush=True)
         rt.close()
     except BaseException:
         if rt.size > 1:

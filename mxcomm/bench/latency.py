@@ -22,7 +22,8 @@ one run:
 host us: wall clock of enqueueing one call, calls enqueued back to back (the host's cost; where
 it exceeds the device's, the step waits for the host). device ms: CUDA events, back to back, the
 median over calls. Numbers are the slowest rank's. Without a GPU this benchmark reports host time
-on the CPU only, which says nothing about GPUs.
+on the CPU only, which says nothing about GPUs, and its default shapes are a CPU's (seconds on 2
+cores; :data:`DEFAULTS`), as its first line says.
 """
 
 import time
@@ -31,38 +32,70 @@ import numpy
 
 from . import _report
 
-DEFAULT_TOKENS = (4096, 8192, 16384, 32768)
-DEFAULT_DIM = 7168
-DEFAULT_EXPERTS = 8
+#: (rows per rank, D, experts per rank) run by default: on a GPU; on a CPU in the host backend
+#: (2 ranks on 2 cores in seconds: the GPU's shapes ran for more than 10 minutes there); in
+#: Numba's CUDA simulator (tiny).
+DEFAULTS = {"cuda": ((4096, 8192, 16384, 32768), 7168, 8),
+            "host": ((512, 2048), 1024, 4),
+            "simulator": ((64,), 64, 2)}
+
+
+def _default_help(i):
+    """The defaults of item ``i`` of :data:`DEFAULTS`, for --help."""
+    where = {"cuda": "on a GPU", "host": "on a CPU", "simulator": "in the simulator"}
+    return ", ".join(f"{' '.join(map(str, v[i])) if i == 0 else v[i]} {where[k]}"
+                     for k, v in DEFAULTS.items())
 
 
 def add_arguments(parser):
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
-                        metavar="ROWS", help=f"rows per rank (default: "
-                                             f"{' '.join(map(str, DEFAULT_TOKENS))})")
-    parser.add_argument("--dim", type=int, default=DEFAULT_DIM, metavar="D",
-                        help=f"row width in elements, a multiple of 32 (default {DEFAULT_DIM})")
-    parser.add_argument("--experts", type=int, default=DEFAULT_EXPERTS, metavar="E_LOCAL",
-                        help=f"experts per rank (default {DEFAULT_EXPERTS})")
+    parser.add_argument("--tokens", type=int, nargs="+", metavar="ROWS",
+                        help=f"rows per rank (default: {_default_help(0)})")
+    parser.add_argument("--dim", type=int, metavar="D",
+                        help=f"row width in elements, a multiple of 32 (default: "
+                             f"{_default_help(1)})")
+    parser.add_argument("--experts", type=int, metavar="E_LOCAL",
+                        help=f"experts per rank (default: {_default_help(2)})")
     parser.add_argument("--grouped", action="store_true",
                         help="also time the MXFP8 calls through a communicator with the grouped "
                              "transport (peer_memory=False), where the default one pulls")
 
 
 def validate(args):
-    if not args.tokens or min(args.tokens) < 1:
+    """Check the options before anything runs (every rank checks the same arguments).
+
+    Raises:
+        ValueError: --tokens not positive, --dim not a positive multiple of 32, --experts < 1.
+    """
+    if args.tokens is not None and (not args.tokens or min(args.tokens) < 1):
         raise ValueError(f"--tokens: expected positive row counts, got {args.tokens}")
-    if args.dim < 32 or args.dim % 32:
+    if args.dim is not None and (args.dim < 32 or args.dim % 32):
         raise ValueError(f"--dim: expected a positive multiple of 32 (the MX block), got "
                          f"{args.dim}")
-    if args.experts < 1:
+    if args.experts is not None and args.experts < 1:
         raise ValueError(f"--experts: expected >= 1, got {args.experts}")
 
 
+def shape(args, backend):
+    """``(rows per rank (tuple), D, experts per rank)``: the options, each missing one the
+    default of ``backend`` (:data:`DEFAULTS`)."""
+    tokens, dim, experts = DEFAULTS[backend]
+    return (tuple(args.tokens) if args.tokens else tokens, args.dim or dim,
+            args.experts or experts)
+
+
 def describe(args, rt):
-    where = "GPU, CUDA events" if rt.gpu else "CPU: host timings only, nothing about GPUs"
-    return (f"mxcomm latency: host and device time per dispatch/combine call, {rt.size} ranks, "
-            f"D = {args.dim}, {where}")
+    """The first line printed: what this run is (its shapes, the backend's defaults for the
+    options left out) and what it is not."""
+    tokens, dim, experts = shape(args, rt.backend)
+    head = (f"mxcomm latency: host and device time per dispatch/combine call, {rt.size} "
+            f"rank{'s' if rt.size > 1 else ''}, rows per rank {' '.join(map(str, tokens))}, "
+            f"D = {dim}, {experts} experts per rank")
+    if rt.gpu:
+        return f"{head}, GPU, CUDA events"
+    sized = "" if args.tokens and args.dim and args.experts else \
+        f" ({'CPU' if rt.backend == 'host' else 'simulator'}-sized defaults, seconds to run; a " \
+        f"GPU's: {' '.join(map(str, DEFAULTS['cuda'][0]))} rows, D = {DEFAULTS['cuda'][1]})"
+    return f"{head}{sized}, CPU: host timings only, nothing about GPUs"
 
 
 def _host_and_device(fn, rt, iters, warmup, comms=None):
@@ -107,6 +140,7 @@ def measure(args, rt):
     rt.init_torch_distributed()
     comm = rt.comm
     w = rt.size
+    tokens, dim, experts = shape(args, rt.backend)
     grouped = staged = None
     if getattr(args, "grouped", False) and comm.transport == "pull":
         grouped = rt.new_comm(peer_memory=False, small_exchange_bytes=0,
@@ -116,17 +150,17 @@ def measure(args, rt):
     comms = tuple(c for c in (comm, grouped, staged) if c is not None)
     device = rt.torch_device()
     rows_out = []
-    for rows in args.tokens:
-        rt.log(f"latency: {rows} rows x {args.dim}")
-        e = w * args.experts
+    for rows in tokens:
+        rt.log(f"latency: {rows} rows x {dim}")
+        e = w * experts
         counts = torch.full((e,), rows // e, dtype=torch.int64)
         counts[: rows % e] += 1
         layout = mxt.exchange_layout(counts.to(device), comm)
         gen = torch.Generator(device="cpu").manual_seed(1234 + rt.rank)
-        x = torch.randn(rows, args.dim, generator=gen).to(device, torch.bfloat16)
-        y = torch.randn(layout.num_received, args.dim, generator=gen).to(device, torch.bfloat16)
+        x = torch.randn(rows, dim, generator=gen).to(device, torch.bfloat16)
+        y = torch.randn(layout.num_received, dim, generator=gen).to(device, torch.bfloat16)
         splits_in, splits_out = layout.input_splits, layout.output_splits
-        out_t = torch.empty(layout.num_received, args.dim, dtype=torch.bfloat16, device=device)
+        out_t = torch.empty(layout.num_received, dim, dtype=torch.bfloat16, device=device)
         x_arr = mxt._array(x, "x")
         cases = {
             "torch all_to_all_single bf16": lambda: dist.all_to_all_single(
@@ -141,7 +175,7 @@ def measure(args, rt):
                 x, splits_in, splits_out, comm),
         }
         fresh = _fresh_layouts(mxt, comm, device, rows, e, args.iters + args.warmup)
-        y_max = torch.randn(max(lay.num_received for lay in fresh), args.dim, generator=gen
+        y_max = torch.randn(max(lay.num_received for lay in fresh), dim, generator=gen
                             ).to(device, torch.bfloat16)
 
         cases.update({
@@ -174,7 +208,7 @@ def measure(args, rt):
         for name, fn in cases.items():
             host_us, host_mean_us, device_ms, per_call = _host_and_device(
                 fn, rt, args.iters, args.warmup, comms)
-            rows_out.append({"rows": rows, "dim": args.dim, "call": name,
+            rows_out.append({"rows": rows, "dim": dim, "call": name,
                              "host_us": round(host_us, 1), "host_mean_us": round(host_mean_us, 1),
                              "device_ms": device_ms,
                              "host_collectives_per_call": per_call})
@@ -196,8 +230,8 @@ def measure(args, rt):
                      f"{comm.medium_exchange_bytes} bytes before one alltoallv")
     if not rt.gpu:
         notes.append("CPU: host timings of the host backend, nothing about GPUs")
-    meta = _report.metadata("latency", w, {"rows_per_rank": list(args.tokens), "dim": args.dim,
-                                          "experts_per_rank": args.experts}, notes,
+    meta = _report.metadata("latency", w, {"rows_per_rank": list(tokens), "dim": dim,
+                                          "experts_per_rank": experts}, notes,
                             run=describe(args, rt), iters=args.iters, warmup=args.warmup)
     return meta, {"latency": rows_out}
 

@@ -41,7 +41,9 @@ On a GPU it also times the whole forward and backward (CUDA events, median over 
 --warmup, max over ranks; with --interleave the variants' iterations alternate; speedups vs bf16
 and vs bf16+fp8gemm) and each stage run alone. On a CPU
 it times nothing: the host backend's speed says nothing about a GPU's. Exit status 1 if any data
-movement is not exact.
+movement is not exact. The last line printed is the verdict: every checked step exact or those that
+were not, the SQNR targets met or the variants below them. On one rank no row crosses ranks, which
+the first line says (expert parallelism needs 2 ranks or more).
 """
 
 import functools
@@ -61,6 +63,11 @@ SEED = 1234
 SQNR_TARGETS = {"out": 28.0, "input_grad": 26.0, "weight_grad": 25.0}
 VARIANT_NAMES = [v.name for v in _moe.VARIANTS]
 MB = 1e6
+#: What the first line and the notes add on one rank (zeros and "n/a" in the wire table otherwise
+#: read as a result).
+ONE_RANK = ("One rank: no row crosses ranks, so the bytes between ranks are 0 and their ratios "
+            "n/a; expert parallelism needs 2 ranks or more (mpiexec -n 2 python -m mxcomm.bench "
+            "pipeline).")
 
 
 def parse_variants(text):
@@ -180,11 +187,12 @@ def describe(args, rt):
     if rt.gpu:
         return (f"{head} on GPUs: CUDA-event timings of bf16, MXFP8 and fp8 GEMM variants (whole "
                 f"pipeline and per stage), SQNR, bytes on the wire, exactness of the data "
-                f"movement.")
+                f"movement.{' ' + ONE_RANK if rt.size == 1 else ''}")
     what = "host backend (vectorized NumPy)" if rt.backend == "host" else \
         "CUDA kernels in Numba's simulator"
     return (f"{head} on a CPU, {what}: exactness of the data movement, SQNR of every variant, "
-            f"bytes on the wire. No timings: a CPU run says nothing about GPU speed.")
+            f"bytes on the wire. No timings: a CPU run says nothing about GPU speed."
+            f"{' ' + ONE_RANK if rt.size == 1 else ''}")
 
 
 def _plain(t):
@@ -389,7 +397,8 @@ def measure(args, rt):
             tables["stages"] += _stage_rows(case.label, stage_rows, variants)
         del case, reference
     names = [v.name for v in variants]
-    notes = ["variants: " + "; ".join(v.describe() for v in variants) + ". All share mxcomm's "
+    notes = [ONE_RANK] if rt.size == 1 else []
+    notes += ["variants: " + "; ".join(v.describe() for v in variants) + ". All share mxcomm's "
              "layout exchange, permute and unpermute; bf16 is the reference of SQNR and speedups",
              f"E_local experts per rank, W * E_local in all; routing: {args.routing}; "
              f"rows padded to {_moe.ALIGN} per expert group"]
@@ -444,6 +453,27 @@ def _resolved(variants, case, rt, fp8_gemm):
 def failed(tables):
     """True when some data movement was not exact (the exit status of the run)."""
     return any(r["rows_differ"] for r in tables["exactness"])
+
+
+def verdict(meta, tables):
+    """The last line printed: whether every checked step's data movement was exact (what
+    :func:`failed` makes the exit status) and every variant met the SQNR targets, naming what
+    did not; on one rank, that nothing crossed ranks."""
+    several = len({r["shape"] for r in tables["exactness"]}) > 1
+
+    def where(r):
+        return f"{r['variant']} {r.get('step', '')}".strip() + (f" at {r['shape']}" if several
+                                                                 else "")
+    differ = [where(r) for r in tables["exactness"] if r["rows_differ"]]
+    skipped = sum(r["result"] == "skipped" for r in tables["exactness"])
+    low = [where(r) for r in tables["sqnr"] if r["ok"] != "yes"]
+    parts = [f"data movement NOT exact: {', '.join(differ)}" if differ else
+             "data movement exact on every checked step"
+             + (f" ({skipped} skipped: no reference)" if skipped else ""),
+             f"SQNR below target: {', '.join(low)}" if low else "SQNR targets met"]
+    if meta["world_size"] == 1:
+        parts.append("1 rank: nothing crossed ranks")
+    return "pipeline: " + "; ".join(parts)
 
 
 def _stage_rows(label, stage_rows, variants):
