@@ -37,7 +37,8 @@ def build_parser():
         description="Benchmarks of mxcomm. Multi-rank ones run under mpirun or torchrun, one "
                     "process per GPU; without a GPU they run on the CPU (host backend, MPI or "
                     "torch.distributed communicator).")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{kernels,a2a,pipeline,latency,torchtitan}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{" + ",".join(COMMANDS) + "}")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"mxcomm.bench.{name}")
         p = sub.add_parser(name, help=help_text, description=module.__doc__,

@@ -1,0 +1,160 @@
+"""``python -m mxcomm.bench torchtitan``: torchtitan 0.3's MoE layer against mxcomm's (CPU).
+
+The benchmark under ``torchrun`` at 2 gloo ranks, its defaults (tiny shapes, eager): it exits 0,
+and mxcomm's variant meets torchao's SQNR targets against torchtitan's bf16 layer. The pieces
+serially: the layer's config against torchtitan's DeepSeek-V3 671B config, the SQNR helper against
+the NumPy one, how the integration is detected, and the exit status. Everything skips without
+torchtitan.
+
+Run: ``timeout 300 python -m pytest -q tests/test_bench_torchtitan.py`` (about 30 s on 2 cores).
+"""
+
+import inspect
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchtitan.models.deepseek_v3",
+                    reason="torchtitan 0.3 is not installed (.ci/run installs it)")
+
+from mxcomm.bench import torchtitan as bench  # noqa: E402
+from mxcomm.bench._workload import sqnr_db  # noqa: E402
+
+
+def test_benchmark_under_torchrun_mxcomm_meets_the_sqnr_targets(tmp_path):
+    """``torchrun --nproc-per-node 2 -m mxcomm.bench torchtitan`` on the CPU: exit status 0,
+    both variants timed, float8 skipped with its reason, mxcomm's SQNR >= 28 / 26 / 25 dB."""
+    path = tmp_path / "titan.json"
+    env = dict(os.environ, MXCOMM_BACKEND="host", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "-m", "mxcomm.bench", "torchtitan", "--json", str(path)]
+    # Its own session, so a hung run is killed whole (torchrun's workers with it).
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("torchrun -m mxcomm.bench torchtitan did not finish within 180 s")
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.startswith("torchtitan's MoE layer (DeepSeek-V3 671B config), 2 ranks on a CPU")
+    result = json.loads(path.read_text())
+    meta, tables = result["meta"], result["tables"]
+    assert meta["world_size"] == 2 and meta["modes"] == ["eager"]
+    assert meta["shapes"] == [dict(zip(("tokens", "dim", "hidden", "e_local"), bench.HOST_SHAPE))]
+    assert meta["mxcomm_integration"] == bench.mxcomm_integration()[1]
+    assert any(n.startswith("torchtitan_float8 skipped") for n in meta["notes"])
+    runs = {(r["variant"], r["mode"]): r for r in tables["runs"]}
+    assert set(runs) == {("torchtitan_bf16", "eager"), ("mxcomm_auto", "eager")}
+    for r in runs.values():
+        assert r["ms"] > 0 and r["tokens_per_s"] == pytest.approx(64 / (r["ms"] * 1e-3))
+        assert r["peak_gb"] is None  # n/a on a CPU (NaN in JSON: null)
+    (row,) = tables["sqnr"]
+    assert (row["variant"], row["mode"], row["ok"]) == ("mxcomm_auto", "eager", "yes")
+    for key, target in bench.SQNR_TARGETS.items():
+        value = row[f"{key}_db"]
+        assert value == "inf" or value >= target, (key, value)
+    assert "SQNR vs torchtitan_bf16" in stdout
+
+
+def test_moe_config_is_the_flavor_layer_at_the_shape():
+    """The 671B layer's router settings and shared expert at the benchmark's dims; its node-limited
+    routing kept where the experts form its groups, dropped (with a note) where they cannot."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    layer = bench.flavor_layer()
+    router = layer.router
+    assert (router.top_k, router.score_func, router.route_norm, router.route_scale) == \
+        (8, "sigmoid", True, 2.5)
+    shapes = bench.shapes_from_args(_args(), True, layer)
+    assert [(s.tokens, s.dim, s.hidden, s.e_local) for s in shapes] == \
+        [(4096, 7168, 2048, 8), (16384, 7168, 2048, 8)]
+    config, notes = bench.moe_config(layer, bench.Shape(32, 64, 32, 8), 2)
+    assert notes == []
+    assert (config.num_experts, config.router.num_experts, config.router.top_k) == (16, 16, 8)
+    assert (config.router.num_expert_groups, config.router.num_limited_groups) == (8, 4)
+    assert (config.router.gate.in_features, config.router.gate.out_features) == (64, 16)
+    inner = config.routed_experts.inner_experts
+    assert (inner.dim, inner.hidden_dim, inner.num_experts) == (64, 32, 8)
+    dispatcher = config.routed_experts.token_dispatcher
+    assert type(dispatcher) is AllToAllTokenDispatcher.Config
+    assert (dispatcher.num_experts, dispatcher.top_k) == (16, 8)
+    assert (config.shared_experts.w1.in_features, config.shared_experts.w1.out_features) == (64, 32)
+    config, notes = bench.moe_config(layer, bench.Shape(32, 64, 32, 4), 2)
+    assert config.router.num_expert_groups is None and "dropped" in notes[0]
+    with pytest.raises(ValueError, match="--experts: .* picks 8 experts .* 2 x 2 = 4"):
+        bench.moe_config(layer, bench.Shape(32, 64, 32, 2), 2)
+
+
+def _args(**given):
+    values = dict(tokens=None, dim=None, hidden=None, experts=None)
+    values.update(given)
+    return type("Args", (), values)()
+
+
+def test_sqnr_of_tensor_lists_matches_numpy():
+    g = torch.Generator().manual_seed(5)
+    refs = [torch.randn(7, 33, generator=g), torch.randn(2, 3, 5, generator=g)]
+    outs = [r + 0.01 * torch.randn(r.shape, generator=g) for r in refs]
+    joined = [numpy.concatenate([t.numpy().ravel() for t in ts]) for ts in (refs, outs)]
+    assert bench.sqnr(refs, [o.bfloat16() for o in outs]) == pytest.approx(
+        sqnr_db(joined[0], numpy.concatenate([o.bfloat16().float().numpy().ravel()
+                                              for o in outs])), abs=1e-9)
+    assert bench.sqnr(refs, outs) == pytest.approx(sqnr_db(*joined), abs=1e-9)
+    assert bench.sqnr(refs, refs) == math.inf
+    bad = [refs[0].clone(), refs[1]]
+    bad[0][3, 4] = float("nan")
+    assert math.isnan(bench.sqnr(refs, bad))
+    assert math.isnan(bench.sqnr([torch.zeros(2, 4)], [torch.ones(2, 4)]))
+    with pytest.raises(ValueError, match=r"outs: expected shape \(7, 33\)"):
+        bench.sqnr(refs[:1], [refs[0][:3]])
+    with pytest.raises(ValueError, match="outs: expected 2 tensors"):
+        bench.sqnr(refs, refs[:1])
+
+
+def test_integration_detected_by_its_signature(monkeypatch):
+    """``recipe="auto"`` where ``use_mxcomm`` takes ``recipe``, else its default precisions."""
+    import mxcomm.integrations.torchtitan as integration
+    keywords, text = bench.mxcomm_integration()
+    takes = "recipe" in inspect.signature(integration.use_mxcomm).parameters
+    assert keywords == ({"recipe": "auto"} if takes else {})
+
+    def with_recipe(config, *, recipe="auto"):
+        return 1
+
+    def without(config, *, dispatch_precision="mxfp8", combine_precision="bf16"):
+        return 1
+
+    monkeypatch.setattr(integration, "use_mxcomm", with_recipe)
+    assert bench.mxcomm_integration() == ({"recipe": "auto"}, 'use_mxcomm(config, recipe="auto")')
+    monkeypatch.setattr(integration, "use_mxcomm", without)
+    keywords, text = bench.mxcomm_integration()
+    assert keywords == {} and "takes no recipe=" in text and "dispatch mxfp8" in text
+
+
+def test_exit_status_follows_mxcomm_rows_only():
+    row = {"shape": "s", "mode": "eager", "ok": "yes"}
+    assert not bench.failed({"sqnr": [dict(row, variant="mxcomm_auto")]})
+    assert bench.failed({"sqnr": [dict(row, variant="mxcomm_auto", ok="no")]})
+    assert not bench.failed({"sqnr": [dict(row, variant="torchtitan_float8", ok="no")]})
+
+
+def test_cli_rejects_bad_sizes_in_one_line(capsys):
+    from mxcomm.bench import _cli
+    assert _cli.main(["torchtitan", "--dim", "100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("python -m mxcomm.bench torchtitan: error: --dim: expected a multiple of 32 "
+                   "(MXFP8 blocks of 32 elements), got 100")
+    assert _cli.main(["torchtitan", "--tokens", "64", "0"]) == 2
+    assert "--tokens: expected positive values, got 0" in capsys.readouterr().err
+
+
+def test_float8_needs_an_sm90_gpu():
+    assert "need an SM90 GPU, this is a CPU" in bench.float8_unavailable(torch.device("cpu"))
