@@ -144,6 +144,12 @@ def test_exit_status_follows_mxcomm_rows_only():
     assert not bench.failed({"sqnr": [dict(row, variant="mxcomm_auto")]})
     assert bench.failed({"sqnr": [dict(row, variant="mxcomm_auto", ok="no")]})
     assert not bench.failed({"sqnr": [dict(row, variant="torchtitan_float8", ok="no")]})
+    raised = {"shape": "s", "mode": "compiled", "error": "rank 1: RuntimeError: x"}
+    assert bench.failed({"sqnr": [], "failures": [dict(raised, variant="mxcomm_auto")]})
+    assert not bench.failed({"sqnr": [], "failures": [dict(raised, variant="torchtitan_float8")]})
+    meta = bench._report.metadata("torchtitan", 2, [])
+    text = bench.render(meta, {"runs": [], "sqnr": [], "failures": [dict(raised, variant="x")]})
+    assert "runs that raised" in text and "rank 1: RuntimeError: x" in text
 
 
 def test_cli_rejects_bad_sizes_in_one_line(capsys):

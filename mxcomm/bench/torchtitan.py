@@ -26,8 +26,9 @@ CUDA events on a GPU, the host clock on a CPU, where the time says nothing about
 per second per rank, the peak of ``torch.cuda.max_memory_allocated`` in an iteration (n/a on a
 CPU), and the SQNR of the output, the input gradient and the routed experts' weight gradients
 (w1, w2, w3 together) against torchtitan_bf16 eager (compiled where only compiled runs; the
-minimum over ranks). Exit status 1 if an
-mxcomm variant misses a target (output 28, input gradient 26, weight gradient 25 dB).
+minimum over ranks). A run other than the reference that raises is reported, and skipped on
+every rank. Exit status 1 if an mxcomm run raised or missed a target (output 28, input gradient
+26, weight gradient 25 dB).
 """
 
 import dataclasses
@@ -422,8 +423,9 @@ def _time(args, rt, runs, x, grad, device):
 def measure(args, rt):
     """Run the benchmark; returns ``(meta, tables)``.
 
-    ``tables``: ``runs`` (one row per shape, variant and mode: times, tokens/s, peak memory) and
-    ``sqnr`` (one row per shape and non-reference run, and the compiled reference).
+    ``tables``: ``runs`` (one row per shape, variant and mode: times, tokens/s, peak memory),
+    ``sqnr`` (one row per shape and run but the reference) and ``failures`` (runs that raised
+    on some rank, the reference's excepted: every rank skips them).
 
     Raises:
         ValueError: --experts too few for the router's top-k (on every rank alike).
@@ -453,9 +455,10 @@ def measure(args, rt):
         notes.append(skipped)
         variants.remove("torchtitan_float8")
     _, integration = mxcomm_integration()
-    tables = {"runs": [], "sqnr": []}
-    failures = {}
+    tables = {"runs": [], "sqnr": [], "failures": []}
     for shape in shapes:
+        if "compiled" in modes:
+            torch._dynamo.reset()  # each shape's compilations from scratch, under the cache limit
         base, shape_notes = moe_config(layer, shape, rt.size)
         notes += [n for n in shape_notes if n not in notes]
         gen = torch.Generator(device=device).manual_seed(SEED + 1000 + rt.rank)
@@ -475,10 +478,11 @@ def measure(args, rt):
             rt.log(f"torchtitan {shape.label} {run.name}: forward + backward, SQNR")
             try:
                 got = _trace(run, x, grad)
-            except Exception as exc:  # noqa: BLE001 (a compile failure: agreed below, reported)
-                if run.mode != "compiled" or run is runs[0]:
-                    raise
-                errors[run.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            except Exception as exc:  # noqa: BLE001 (agreed below, reported, not timed)
+                if run is runs[0]:
+                    raise  # no reference, no comparison
+                errors[run.name] = f"{type(exc).__name__}: " \
+                                   f"{(str(exc).splitlines() or [''])[0][:300]}"
                 continue
             if reference is None:
                 reference = got
@@ -487,7 +491,8 @@ def measure(args, rt):
             del got
         del reference
         agreed = _agree_errors(rt, errors)
-        failures.update({f"{shape.label} {k}": v for k, v in agreed.items()})
+        tables["failures"] += [{"shape": shape.label, "variant": r.variant, "mode": r.mode,
+                                "error": agreed[r.name]} for r in runs if r.name in agreed]
         runs = [r for r in runs if r.name not in agreed]
         for run in runs[1:]:
             # the minimum over ranks
@@ -523,7 +528,6 @@ def measure(args, rt):
                      "capture_scalar_outputs on; mxcomm custom ops registered for compile: " +
                      ("yes" if ops else "no (the integration then runs torchtitan's own "
                       "exchanges while compiled)"))
-    notes += [f"failed, not timed: {k}: {v}" for k, v in failures.items()]
     if stood_in:
         notes.append("stand-ins for torch < 2.12: " + ", ".join(stood_in))
     clock = "CUDA events" if rt.gpu else "the host clock (CPU: says nothing about a GPU)"
@@ -544,13 +548,15 @@ def measure(args, rt):
 
 
 def failed(tables):
-    """True when an mxcomm run missed an SQNR target (the exit status of the run)."""
-    return any(r["ok"] != "yes" for r in tables["sqnr"] if r["variant"].startswith("mxcomm"))
+    """True when an mxcomm run failed or missed an SQNR target (the exit status of the run)."""
+    return any(r["variant"].startswith("mxcomm") and r.get("ok") != "yes"
+               for r in tables["sqnr"] + tables.get("failures", []))
 
 
 RUN_COLUMNS = ["shape", "variant", "mode", "ms", "tokens_per_s", "speedup", "peak_gb",
                "peak_above_start_gb"]
 SQNR_COLUMNS = ["shape", "variant", "mode", "out_db", "input_grad_db", "weight_grad_db", "ok"]
+FAILURE_COLUMNS = ["shape", "variant", "mode", "error"]
 
 
 def _sections(tables):
@@ -562,7 +568,9 @@ def _sections(tables):
             (f"SQNR vs torchtitan_bf16 (eager; compiled where only compiled runs; dB, minimum "
              f"over ranks; targets: output "
              f"{SQNR_TARGETS['out']}, input grad {SQNR_TARGETS['input_grad']}, weight grad "
-             f"{SQNR_TARGETS['weight_grad']}; ok: all three met)", tables["sqnr"], SQNR_COLUMNS)]
+             f"{SQNR_TARGETS['weight_grad']}; ok: all three met)", tables["sqnr"], SQNR_COLUMNS)
+            ] + ([("runs that raised (on the rank named; every rank skipped them; not timed)",
+                   tables["failures"], FAILURE_COLUMNS)] if tables.get("failures") else [])
 
 
 def render(meta, tables):
