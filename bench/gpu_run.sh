@@ -368,12 +368,15 @@ for phase in "$@"; do
         torchrun --nproc-per-node 2 tests/torchrun_torchtitan.py ;;
     titanbench2|titanbench4)  # torchtitan's MoE layer (DeepSeek-V3 671B dims) fwd + bwd: its bf16 and
         # float8 experts vs mxcomm's, eager and compiled; torchtitan and torchao from TITAN_SITE
-        # (installed there with --no-deps), TITAN_TOKENS rows per rank (default 4096 16384)
+        # (installed there with --no-deps); one run per TITAN_TOKENS value (tokens per rank,
+        # default 4096 16384), so a run cut short keeps the shapes it finished
         n=${phase#titanbench}
-        [ "$ngpu" -ge "$n" ] && step "bench torchtitan, $n ranks" 580 \
-            env PYTHONPATH="${TITAN_SITE:-/tmp/site}:${PYTHONPATH:-}" torchrun --nproc-per-node "$n" \
-            -m mxcomm.bench torchtitan --tokens ${TITAN_TOKENS:-4096 16384} --iters ${TITAN_ITERS:-20} \
-            --json "$res/torchtitan_w$n.json" --markdown "$res/torchtitan_w$n.md" ;;
+        [ "$ngpu" -ge "$n" ] && for tokens in ${TITAN_TOKENS:-4096 16384}; do
+            step "bench torchtitan, $n ranks, $tokens tokens per rank" 560 \
+                env PYTHONPATH="${TITAN_SITE:-/tmp/site}:${PYTHONPATH:-}" torchrun --nproc-per-node "$n" \
+                -m mxcomm.bench torchtitan --tokens "$tokens" --iters ${TITAN_ITERS:-20} \
+                --json "$res/torchtitan_${tokens}_w$n.json" --markdown "$res/torchtitan_${tokens}_w$n.md"
+        done ;;
     torchrun2) step "pipeline under torchrun, 2 ranks" 400 torchrun --nproc-per-node 2 -m mxcomm.bench pipeline \
         --tokens 16384 --dim 7168 --hidden 2048 --experts 8 --no-stages \
         --json "$res/pipeline_torchrun_w2.json" --markdown "$res/pipeline_torchrun_w2.md" ;;
