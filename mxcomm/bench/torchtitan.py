@@ -339,22 +339,24 @@ def sqnr(refs, outs):
 
 
 class _Run:
-    """One variant in one mode: the module, the callable (compiled or not), its traced results."""
+    """One variant in one mode: its module and the callable that runs it (compiled or not)."""
 
     def __init__(self, variant, mode, moe):
         import torch
         self.variant, self.mode, self.moe = variant, mode, moe
         self.fn = torch.compile(moe, fullgraph=True) if mode == "compiled" else moe
-        self.error = None
 
     @property
     def name(self):
         return f"{self.variant} {self.mode}"
 
-    def step(self, x, grad):
-        """Forward and backward once, the gradients reset first; returns the output."""
+    def reset(self, x):
+        """Drop the gradients of the module's weights and of ``x`` (a step accumulates none)."""
         self.moe.zero_grad(set_to_none=True)
         x.grad = None
+
+    def step(self, x, grad):
+        """Forward and backward once; returns the output."""
         out = self.fn(x)
         out.backward(grad)
         return out
@@ -362,20 +364,30 @@ class _Run:
 
 def _trace(run, x, grad):
     """One step of ``run``; its output, input gradient and expert weight gradients, detached."""
+    run.reset(x)
     out = run.step(x, grad)
     return {"out": [out.detach().clone()], "input_grad": [x.grad.detach().clone()],
             "weight_grad": [g.detach().clone() for g in expert_grads(run.moe)]}
 
 
-def _agree_errors(rt, errors):
-    """Every rank learns of every run that failed on some rank (so all skip it alike); returns
-    ``{run name: "rank r: message"}``."""
-    gathered = rt.allgather(dict(errors))
-    merged = {}
-    for rank, found in enumerate(gathered):
+def _first_line(exc):
+    """``"Type: the message's first line"`` (at most 300 characters of it)."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+
+
+def _drop_failed(rt, runs, errors, shape, tables):
+    """``runs`` without those that failed on any rank (``errors``: run name -> message, this
+    rank's), so every rank goes on with the same runs; each failure becomes a row of
+    ``tables["failures"]`` naming the first rank it failed on. A host allgather."""
+    failed_runs = {}
+    for rank, found in enumerate(rt.allgather(dict(errors))):
         for name, message in found.items():
-            merged.setdefault(name, f"rank {rank}: {message}")
-    return merged
+            failed_runs.setdefault(name, f"rank {rank}: {message}")
+    for name, message in failed_runs.items():
+        variant, mode = name.split(" ")
+        tables["failures"].append({"shape": shape.label, "variant": variant, "mode": mode,
+                                   "error": message})
+    return [r for r in runs if r.name not in failed_runs]
 
 
 def _time(args, rt, runs, x, grad, device):
@@ -394,6 +406,7 @@ def _time(args, rt, runs, x, grad, device):
     for i in range(args.warmup + args.iters):
         k = i % len(runs)
         for run in runs[k:] + runs[:k]:
+            run.reset(x)
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -466,11 +479,19 @@ def measure(args, rt):
                         dtype=torch.bfloat16).requires_grad_()
         grad = torch.randn(1, shape.tokens, shape.dim, generator=gen, device=device,
                            dtype=torch.bfloat16)
-        runs = []
+        runs, errors = [], {}
         for variant in variants:
-            moe = build_moe(variant_config(variant, base, "compiled" in modes), mesh, device,
-                            rt.rank)
+            try:
+                moe = build_moe(variant_config(variant, base, "compiled" in modes), mesh, device,
+                                rt.rank)
+            except Exception as exc:  # noqa: BLE001 (agreed below, reported, not run)
+                if variant == REFERENCE:
+                    raise  # no reference, no comparison
+                errors.update({f"{variant} {mode}": _first_line(exc) for mode in modes})
+                continue
             runs += [_Run(variant, mode, moe) for mode in modes]
+        # every rank runs the same runs: those built everywhere
+        runs = _drop_failed(rt, runs, errors, shape, tables)
         # runs[0], torchtitan_bf16 in the first mode (eager unless only compiled runs), is the
         # reference: traced first, kept while the others are compared with it
         reference, errors, local_sqnr = None, {}, {}
@@ -481,8 +502,7 @@ def measure(args, rt):
             except Exception as exc:  # noqa: BLE001 (agreed below, reported, not timed)
                 if run is runs[0]:
                     raise  # no reference, no comparison
-                errors[run.name] = f"{type(exc).__name__}: " \
-                                   f"{(str(exc).splitlines() or [''])[0][:300]}"
+                errors[run.name] = _first_line(exc)
                 continue
             if reference is None:
                 reference = got
@@ -490,10 +510,7 @@ def measure(args, rt):
                 local_sqnr[run.name] = [sqnr(reference[k], got[k]) for k in SQNR_TARGETS]
             del got
         del reference
-        agreed = _agree_errors(rt, errors)
-        tables["failures"] += [{"shape": shape.label, "variant": r.variant, "mode": r.mode,
-                                "error": agreed[r.name]} for r in runs if r.name in agreed]
-        runs = [r for r in runs if r.name not in agreed]
+        runs = _drop_failed(rt, runs, errors, shape, tables)
         for run in runs[1:]:
             # the minimum over ranks
             worst = [-v for v in rt.allreduce_max([-v for v in local_sqnr[run.name]])]
@@ -523,9 +540,10 @@ def measure(args, rt):
              f"{layer.router.route_scale}), its shared expert; weights and inputs seeded per "
              f"rank, bf16; torchtitan spmd backend {spmd_backend}"] + notes
     if "compiled" in modes:
-        ops = hasattr(torch.ops, "mxcomm") and bool(list(torch.ops.mxcomm))
+        ops = any(s.name.startswith("mxcomm::") for s in torch._C._jit_get_all_schemas())
         notes.append("compiled: torch.compile(moe, fullgraph=True) of each variant's module, "
-                     "capture_scalar_outputs on; mxcomm custom ops registered for compile: " +
+                     "capture_scalar_outputs on; custom ops in the mxcomm:: namespace "
+                     "registered: " +
                      ("yes" if ops else "no (the integration then runs torchtitan's own "
                       "exchanges while compiled)"))
     if stood_in:
