@@ -29,12 +29,15 @@ from mxcomm.bench._workload import sqnr_db  # noqa: E402
 
 
 def test_benchmark_under_torchrun_mxcomm_meets_the_sqnr_targets(tmp_path):
-    """``torchrun --nproc-per-node 2 -m mxcomm.bench torchtitan`` on the CPU: exit status 0,
-    both variants timed, float8 skipped with its reason, mxcomm's SQNR >= 28 / 26 / 25 dB."""
+    """``torchrun --nproc-per-node 2 -m mxcomm.bench torchtitan --mxcomm-recipe mxfp8`` on the
+    CPU: exit status 0, both variants timed, float8 skipped with its reason, mxcomm's SQNR >= 28 /
+    26 / 25 dB and finite. (The recipe is pinned: "auto" chooses bf16 on a CPU, whose SQNR is
+    infinite wherever the integration takes recipes: a check that quantization could fail.)"""
     path = tmp_path / "titan.json"
     env = dict(os.environ, MXCOMM_BACKEND="host", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", "-m", "mxcomm.bench", "torchtitan", "--json", str(path)]
+               "2", "-m", "mxcomm.bench", "torchtitan", "--mxcomm-recipe", "mxfp8", "--json",
+               str(path)]
     # Its own session, so a hung run is killed whole (torchrun's workers with it).
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
@@ -50,18 +53,20 @@ def test_benchmark_under_torchrun_mxcomm_meets_the_sqnr_targets(tmp_path):
     meta, tables = result["meta"], result["tables"]
     assert meta["world_size"] == 2 and meta["modes"] == ["eager"]
     assert meta["shapes"] == [dict(zip(("tokens", "dim", "hidden", "e_local"), bench.HOST_SHAPE))]
-    assert meta["mxcomm_integration"] == bench.mxcomm_integration()[1]
+    assert meta["mxcomm_recipe"] == "mxfp8" and len(meta["mxcomm_integration"]) == 1
     assert any(n.startswith("torchtitan_float8 skipped") for n in meta["notes"])
     runs = {(r["variant"], r["mode"]): r for r in tables["runs"]}
-    assert set(runs) == {("torchtitan_bf16", "eager"), ("mxcomm_auto", "eager")}
+    assert set(runs) == {("torchtitan_bf16", "eager"), ("mxcomm", "eager")}
+    assert (runs["mxcomm", "eager"]["recipe"], runs["torchtitan_bf16", "eager"]["recipe"]) == \
+        ("mxfp8", "")
     for r in runs.values():
         assert r["ms"] > 0 and r["tokens_per_s"] == pytest.approx(64 / (r["ms"] * 1e-3))
         assert r["peak_gb"] is None  # n/a on a CPU (NaN in JSON: null)
     (row,) = tables["sqnr"]
-    assert (row["variant"], row["mode"], row["ok"]) == ("mxcomm_auto", "eager", "yes")
+    assert (row["variant"], row["mode"], row["ok"]) == ("mxcomm", "eager", "yes")
     for key, target in bench.SQNR_TARGETS.items():
         value = row[f"{key}_db"]
-        assert value == "inf" or value >= target, (key, value)
+        assert value != "inf" and value >= target, (key, value)
     assert "SQNR vs torchtitan_bf16" in stdout
 
 
@@ -120,32 +125,55 @@ def test_sqnr_of_tensor_lists_matches_numpy():
 
 
 def test_integration_detected_by_its_signature(monkeypatch):
-    """``recipe="auto"`` where ``use_mxcomm`` takes ``recipe``, else its default precisions."""
+    """A recipe where ``use_mxcomm`` takes ``recipe=``; "auto" where it accepts it, else resolved
+    by the chooser for the shape's rows; the recipe's precisions where it takes no recipe."""
     import mxcomm.integrations.torchtitan as integration
-    keywords, text = bench.mxcomm_integration()
-    takes = "recipe" in inspect.signature(integration.use_mxcomm).parameters
-    assert keywords == ({"recipe": "auto"} if takes else {})
+    from mxcomm.recipes import get_recipe
 
-    def with_recipe(config, *, recipe="auto"):
+    def with_recipe(config, *, recipe=None):
+        return 1
+
+    def refusing_auto(config, *, recipe=None):
+        if recipe == "auto":
+            raise ValueError("recipe: 'auto' chooses per layout")
         return 1
 
     def without(config, *, dispatch_precision="mxfp8", combine_precision="bf16"):
         return 1
 
+    def call(recipe, rows=4096, device="sm90"):
+        return bench.mxcomm_integration(recipe, object(), rows, 7168, 2048, device)
+
     monkeypatch.setattr(integration, "use_mxcomm", with_recipe)
-    assert bench.mxcomm_integration() == ({"recipe": "auto"}, 'use_mxcomm(config, recipe="auto")')
+    assert call("auto") == ({"recipe": "auto"}, "auto", 'use_mxcomm(config, recipe="auto")')
+    assert call("mxfp8")[:2] == ({"recipe": "mxfp8"}, "mxfp8")
+    monkeypatch.setattr(integration, "use_mxcomm", refusing_auto)
+    # the H100 table's points (mxcomm.recipes.H100_TABLE): fp8_rowwise at 131072 rows on SM90,
+    # mxfp8 where no fp8 GEMM runs, bf16 at 4096 rows and always on the CPU
+    for rows, device, chosen in ((131072, "sm90", "fp8_rowwise"), (131072, "cuda", "mxfp8"),
+                                 (4096, "sm90", "bf16"), (131072, "cpu", "bf16")):
+        keywords, shown, text = call("auto", rows, device)
+        assert (keywords, shown) == ({"recipe": chosen}, f"auto ({chosen})"), (rows, device)
+        assert "refuses" in text and device in text
+    assert call("fp8_rowwise")[:2] == ({"recipe": "fp8_rowwise"}, "fp8_rowwise")
     monkeypatch.setattr(integration, "use_mxcomm", without)
-    keywords, text = bench.mxcomm_integration()
-    assert keywords == {} and "takes no recipe=" in text and "dispatch mxfp8" in text
+    keywords, shown, text = call("auto")
+    assert (keywords, shown) == ({}, "auto (defaults)") and "takes no recipe=" in text
+    keywords, shown, text = call("mxfp8")
+    r = get_recipe("mxfp8")
+    assert keywords == dict(dispatch_precision=r.dispatch, combine_precision=r.combine,
+                            dispatch_grad_precision=r.dispatch_grad,
+                            combine_grad_precision=r.combine_grad)
+    assert shown == "mxfp8" and "takes no recipe=" in text
 
 
 def test_exit_status_follows_mxcomm_rows_only():
     row = {"shape": "s", "mode": "eager", "ok": "yes"}
-    assert not bench.failed({"sqnr": [dict(row, variant="mxcomm_auto")]})
-    assert bench.failed({"sqnr": [dict(row, variant="mxcomm_auto", ok="no")]})
+    assert not bench.failed({"sqnr": [dict(row, variant="mxcomm")]})
+    assert bench.failed({"sqnr": [dict(row, variant="mxcomm", ok="no")]})
     assert not bench.failed({"sqnr": [dict(row, variant="torchtitan_float8", ok="no")]})
-    raised = {"shape": "s", "mode": "compiled", "error": "rank 1: RuntimeError: x"}
-    assert bench.failed({"sqnr": [], "failures": [dict(raised, variant="mxcomm_auto")]})
+    raised = {"shape": "s", "tokens": 64, "mode": "compiled", "error": "rank 1: RuntimeError: x"}
+    assert bench.failed({"sqnr": [], "failures": [dict(raised, variant="mxcomm")]})
     assert not bench.failed({"sqnr": [], "failures": [dict(raised, variant="torchtitan_float8")]})
     meta = bench._report.metadata("torchtitan", 2, [])
     text = bench.render(meta, {"runs": [], "sqnr": [], "failures": [dict(raised, variant="x")]})
@@ -164,3 +192,20 @@ def test_cli_rejects_bad_sizes_in_one_line(capsys):
 
 def test_float8_needs_an_sm90_gpu():
     assert "need an SM90 GPU, this is a CPU" in bench.float8_unavailable(torch.device("cpu"))
+
+
+def test_report_fits_120_columns():
+    """The widest rows a GPU run makes (float8, a chosen recipe, 4-digit ms, a long error)."""
+    row = {"shape": "16384x7168x2048x8", "tokens": 16384, "variant": "torchtitan_float8",
+           "recipe": "", "mode": "compiled", "ms": 1234.5, "tokens_per_s": 1234567.0,
+           "speedup": 1.23, "peak_gb": 71.2, "peak_above_start_gb": 40.1}
+    sqnr = {"shape": row["shape"], "tokens": 16384, "variant": "mxcomm",
+            "recipe": "auto (fp8_rowwise)", "mode": "compiled", "out_db": 31.2,
+            "input_grad_db": 30.1, "weight_grad_db": 26.2, "ok": "yes"}
+    raised = {"shape": row["shape"], "tokens": 16384, "variant": "torchtitan_float8",
+              "mode": "compiled", "error": "rank 0: RuntimeError: " + "word " * 60}
+    tables = {"runs": [row, dict(row, variant="mxcomm", recipe="auto (fp8_rowwise)")],
+              "sqnr": [sqnr], "failures": [raised]}
+    text = bench.render(bench._report.metadata("torchtitan", 2, []), tables)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "auto (fp8_rowwise)" in text and "1234567" in text and "1.23x" in text

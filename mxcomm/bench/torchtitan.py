@@ -13,9 +13,12 @@ weights seeded per rank, the same in every variant; the output gradient is seede
   torchtitan_float8   torchtitan's float8 grouped experts (Float8GroupedExpertsConverter: torchao's
                       fp8 rowwise scaled grouped GEMMs, its padded TorchAOTokenDispatcher); needs
                       torchao and an SM90 GPU, else skipped with a note
-  mxcomm_auto         ``mxcomm.integrations.torchtitan.use_mxcomm(config, recipe="auto")``, or,
-                      where the installed integration takes no ``recipe=``, ``use_mxcomm(config)``
-                      with its default precisions (the report says which)
+  mxcomm              mxcomm's integration with recipe --mxcomm-recipe (default auto):
+                      ``mxcomm.integrations.torchtitan.use_mxcomm(config, recipe=...)``; where
+                      it refuses "auto" (a config holds one recipe), auto resolved for the
+                      shape by ``mxcomm.recipes.Chooser``; where it takes no ``recipe=``, the
+                      recipe's four precisions (auto: its default ones) and torchtitan's
+                      GEMMs. The tables name the recipe that ran, the notes the call
 each eager and compiled (``torch.compile(moe, fullgraph=True)``, as torchtitan compiles its blocks,
 ``capture_scalar_outputs`` on as torchtitan sets it). On a GPU both modes run by default; on a CPU
 eager only (--modes picks).
@@ -34,7 +37,9 @@ every rank. Exit status 1 if an mxcomm run raised or missed a target (output 28,
 import dataclasses
 import inspect
 import math
+import textwrap
 
+from .. import recipes as _recipes
 from . import _report, _timing
 
 #: Shapes run by default: (tokens per rank, dim, moe_inter_dim, experts per rank). On a GPU the
@@ -46,7 +51,7 @@ FLAVOR = "671B"
 SEED = 4321
 #: torchao's end-to-end thresholds (docs/design.md): output, input gradient, weight gradient.
 SQNR_TARGETS = {"out": 28.0, "input_grad": 26.0, "weight_grad": 25.0}
-VARIANTS = ("torchtitan_bf16", "torchtitan_float8", "mxcomm_auto")
+VARIANTS = ("torchtitan_bf16", "torchtitan_float8", "mxcomm")
 REFERENCE = VARIANTS[0]
 MODES = ("eager", "compiled")
 GB = 1e9
@@ -73,6 +78,10 @@ def add_arguments(parser):
     parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
                         help="eager and/or compiled (default: both on a GPU, eager on a CPU, "
                              "where compiling takes minutes)")
+    parser.add_argument("--mxcomm-recipe", default="auto", metavar="RECIPE",
+                        choices=_recipes.recipe_names(),
+                        help=f"the mxcomm variant's recipe, of "
+                             f"{', '.join(_recipes.recipe_names())} (default auto)")
     parser.add_argument("--spmd-backend", choices=("spmd_types", "full_dtensor"),
                         help="torchtitan's spmd backend (default: its own, spmd_types, on a GPU; "
                              "full_dtensor on a CPU, where spmd_types' exchange of uneven splits "
@@ -211,16 +220,59 @@ def moe_config(layer, shape, world_size):
     return config, notes
 
 
-def mxcomm_integration():
-    """How the installed ``mxcomm.integrations.torchtitan`` is applied: ``(keywords of
-    use_mxcomm, a description for the report)``; ``recipe="auto"`` where ``use_mxcomm`` takes a
-    ``recipe`` (``inspect.signature``), else its default precisions."""
+def mxcomm_integration(recipe, config, rows, dim, hidden, device_class):
+    """How the installed ``mxcomm.integrations.torchtitan`` applies ``recipe`` to ``config``.
+
+    Where ``use_mxcomm`` takes a ``recipe`` (``inspect.signature``): that recipe, or for
+    ``"auto"`` where the integration refuses it (tried on a copy of ``config``), the recipe
+    ``mxcomm.recipes.Chooser`` picks for ``rows`` rows per rank (every rank routes tokens x
+    top-k rows) of ``dim`` x ``hidden`` on ``device_class``. Where it takes none: the recipe's
+    four wire formats as precisions (``"auto"``: the integration's defaults), torchtitan's GEMMs.
+
+    Returns:
+        ``(keywords of use_mxcomm, the recipe as shown, e.g. "auto (bf16)", the call as
+        described in the report)``.
+    """
+    import copy
+    import types
+
     from mxcomm.integrations import torchtitan as integration
-    if "recipe" in inspect.signature(integration.use_mxcomm).parameters:
-        return {"recipe": "auto"}, 'use_mxcomm(config, recipe="auto")'
-    return {}, ("use_mxcomm(config) with its default precisions (this integration takes no "
+    if "recipe" not in inspect.signature(integration.use_mxcomm).parameters:
+        if recipe == _recipes.AUTO:
+            return {}, "auto (defaults)", (
+                "use_mxcomm(config) with its default precisions (this integration takes no "
                 "recipe=): dispatch mxfp8, combine bf16, dispatch_grad bf16, combine_grad mxfp8 "
                 "(the mxfp8 recipe's wire), torchtitan's bf16 grouped GEMMs")
+        r = _recipes.get_recipe(recipe)
+        return (dict(dispatch_precision=r.dispatch, combine_precision=r.combine,
+                     dispatch_grad_precision=r.dispatch_grad,
+                     combine_grad_precision=r.combine_grad),
+                recipe, f"use_mxcomm(config) with the {recipe} recipe's precisions (this "
+                        f"integration takes no recipe=): {r.describe()}; torchtitan's bf16 "
+                        f"grouped GEMMs")
+    if recipe != _recipes.AUTO:
+        return {"recipe": recipe}, recipe, f'use_mxcomm(config, recipe="{recipe}")'
+    try:
+        integration.use_mxcomm(copy.deepcopy(config), recipe=recipe)
+        return {"recipe": recipe}, recipe, 'use_mxcomm(config, recipe="auto")'
+    except ValueError:
+        pass
+    # the chooser reads only the layout's sent table: every rank sends `rows` in all
+    chosen = _recipes.Chooser(dim, hidden, device=device_class)(
+        types.SimpleNamespace(sent=[[rows]])).name
+    return {"recipe": chosen}, f"auto ({chosen})", (
+        f'use_mxcomm(config, recipe=auto\'s choice): the integration refuses "auto" in a '
+        f'config, so mxcomm.recipes.Chooser chose for T x top-k rows per rank on the '
+        f'{device_class} device class (the tables name its choice)')
+
+
+def device_class(device):
+    """``mxcomm.recipes``' class of ``device``: ``"sm90"`` (fp8 grouped GEMMs), ``"cuda"``,
+    ``"cpu"``."""
+    if device.type != "cuda":
+        return "cpu"
+    from mxcomm.torch import fp8_gemm_available
+    return "sm90" if fp8_gemm_available(device) else "cuda"
 
 
 def float8_unavailable(device):
@@ -239,9 +291,10 @@ def float8_unavailable(device):
     return None
 
 
-def variant_config(name, base, model_compile):
+def variant_config(name, base, model_compile, mxcomm_keywords):
     """The ``MoE.Config`` of variant ``name``: ``base`` (torchtitan's bf16) as it is, through
-    torchtitan's float8 grouped-experts converter, or through mxcomm's integration."""
+    torchtitan's float8 grouped-experts converter, or through mxcomm's integration
+    (``use_mxcomm(config, **mxcomm_keywords)``)."""
     import copy
     config = copy.deepcopy(base)
     if name == "torchtitan_float8":
@@ -249,13 +302,12 @@ def variant_config(name, base, model_compile):
         converter = Float8GroupedExpertsConverter.Config(
             model_compile_enabled=model_compile).build()
         return converter.convert(config)
-    if name == "mxcomm_auto":
+    if name == "mxcomm":
         from mxcomm.integrations.torchtitan import use_mxcomm
-        keywords, _ = mxcomm_integration()
-        use_mxcomm(config, **keywords)
+        use_mxcomm(config, **mxcomm_keywords)
         installed = type(config.routed_experts.token_dispatcher)
         if not installed.__module__.startswith("mxcomm"):
-            raise RuntimeError(f"mxcomm_auto: use_mxcomm left torchtitan's token dispatcher "
+            raise RuntimeError(f"mxcomm: use_mxcomm left torchtitan's token dispatcher "
                                f"({installed.__qualname__}) in the MoE config")
     return config
 
@@ -385,8 +437,8 @@ def _drop_failed(rt, runs, errors, shape, tables):
             failed_runs.setdefault(name, f"rank {rank}: {message}")
     for name, message in failed_runs.items():
         variant, mode = name.split(" ")
-        tables["failures"].append({"shape": shape.label, "variant": variant, "mode": mode,
-                                   "error": message})
+        tables["failures"].append({"shape": shape.label, "tokens": shape.tokens,
+                                   "variant": variant, "mode": mode, "error": message})
     return [r for r in runs if r.name not in failed_runs]
 
 
@@ -467,13 +519,18 @@ def measure(args, rt):
     if skipped:
         notes.append(skipped)
         variants.remove("torchtitan_float8")
-    _, integration = mxcomm_integration()
+    classed = device_class(device)
+    calls = []  # how mxcomm's integration was called, per shape (deduplicated)
     tables = {"runs": [], "sqnr": [], "failures": []}
     for shape in shapes:
         if "compiled" in modes:
             torch._dynamo.reset()  # each shape's compilations from scratch, under the cache limit
         base, shape_notes = moe_config(layer, shape, rt.size)
         notes += [n for n in shape_notes if n not in notes]
+        keywords, shown, call = mxcomm_integration(args.mxcomm_recipe, base,
+                                                   shape.tokens * layer.router.top_k, shape.dim,
+                                                   shape.hidden, classed)
+        calls += [call] if call not in calls else []
         gen = torch.Generator(device=device).manual_seed(SEED + 1000 + rt.rank)
         x = torch.randn(1, shape.tokens, shape.dim, generator=gen, device=device,
                         dtype=torch.bfloat16).requires_grad_()
@@ -482,8 +539,8 @@ def measure(args, rt):
         runs, errors = [], {}
         for variant in variants:
             try:
-                moe = build_moe(variant_config(variant, base, "compiled" in modes), mesh, device,
-                                rt.rank)
+                moe = build_moe(variant_config(variant, base, "compiled" in modes, keywords),
+                                mesh, device, rt.rank)
             except Exception as exc:  # noqa: BLE001 (agreed below, reported, not run)
                 if variant == REFERENCE:
                     raise  # no reference, no comparison
@@ -514,7 +571,8 @@ def measure(args, rt):
         for run in runs[1:]:
             # the minimum over ranks
             worst = [-v for v in rt.allreduce_max([-v for v in local_sqnr[run.name]])]
-            row = {"shape": shape.label, "variant": run.variant, "mode": run.mode,
+            row = {"shape": shape.label, "tokens": shape.tokens, "variant": run.variant,
+                   "mode": run.mode, "recipe": shown if run.variant == "mxcomm" else "",
                    **{f"{k}_db": v for k, v in zip(SQNR_TARGETS, worst)}}
             row["ok"] = "yes" if all(v >= t for v, t in zip(worst, SQNR_TARGETS.values())) \
                 else "no"
@@ -529,12 +587,13 @@ def measure(args, rt):
             tables["runs"].append({
                 "shape": shape.label, "tokens": shape.tokens, "dim": shape.dim,
                 "hidden_dim": shape.hidden, "experts_per_rank": shape.e_local,
-                "variant": run.variant, "mode": run.mode, **stats.as_dict(),
+                "variant": run.variant, "mode": run.mode,
+                "recipe": shown if run.variant == "mxcomm" else "", **stats.as_dict(),
                 "tokens_per_s": shape.tokens / (stats.median * 1e-3),
                 "peak_gb": peak, "peak_above_start_gb": above,
                 "speedup": ref / stats.median if stats.median > 0 else math.nan})
         del runs, x, grad
-    notes = [f"mxcomm_auto: {integration}",
+    notes = [f"mxcomm (recipe {args.mxcomm_recipe}): " + "; ".join(calls),
              f"router: the {FLAVOR} config's (top-{layer.router.top_k}, "
              f"{layer.router.score_func}, route_norm {layer.router.route_norm}, route_scale "
              f"{layer.router.route_scale}), its shared expert; weights and inputs seeded per "
@@ -560,7 +619,8 @@ def measure(args, rt):
     meta = _report.metadata("torchtitan", rt.size, [dataclasses.asdict(s) for s in shapes],
                             notes, run=describe(args, rt), iters=args.iters, warmup=args.warmup,
                             variants=variants, modes=list(modes), flavor=FLAVOR,
-                            top_k=layer.router.top_k, mxcomm_integration=integration,
+                            top_k=layer.router.top_k, mxcomm_recipe=args.mxcomm_recipe,
+                            mxcomm_integration=calls, device_class=classed,
                             spmd_backend=spmd_backend, sqnr_targets_db=SQNR_TARGETS)
     return meta, tables
 
@@ -571,24 +631,31 @@ def failed(tables):
                for r in tables["sqnr"] + tables.get("failures", []))
 
 
-RUN_COLUMNS = ["shape", "variant", "mode", "ms", "tokens_per_s", "speedup", "peak_gb",
-               "peak_above_start_gb"]
-SQNR_COLUMNS = ["shape", "variant", "mode", "out_db", "input_grad_db", "weight_grad_db", "ok"]
-FAILURE_COLUMNS = ["shape", "variant", "mode", "error"]
+#: The displayed tables (under 120 columns): a shape by its tokens per rank (its dims are the
+#: metadata's), SQNR columns shortened.
+RUN_COLUMNS = ["tokens", "variant", "recipe", "mode", "ms", "tokens/s", "vs bf16", "peak", "step"]
+SQNR_COLUMNS = ["tokens", "variant", "recipe", "mode", "output dB", "in grad dB", "w grad dB", "ok"]
+FAILURE_COLUMNS = ["tokens", "variant", "mode", "error"]
 
 
 def _sections(tables):
-    runs = [dict(r, speedup="" if r["variant"] == REFERENCE else _report.speedup(r["speedup"]),
-                 tokens_per_s=f"{r['tokens_per_s']:.0f}") for r in tables["runs"]]
+    runs = [dict(r, **{"vs bf16": "" if r["variant"] == REFERENCE else
+                       _report.speedup(r["speedup"]), "tokens/s": f"{r['tokens_per_s']:.0f}",
+                       "peak": r["peak_gb"], "step": r["peak_above_start_gb"]})
+            for r in tables["runs"]]
+    sqnr_rows = [dict(r, **{"output dB": r["out_db"], "in grad dB": r["input_grad_db"],
+                            "w grad dB": r["weight_grad_db"]}) for r in tables["sqnr"]]
     return [("forward + backward of the MoE layer (ms: median, max over ranks; tokens/s per rank; "
-             "speedup vs torchtitan_bf16 in the same mode; peak GB, n/a on a CPU)", runs,
-             RUN_COLUMNS),
+             "vs bf16: torchtitan_bf16's ms in the same mode / the run's; peak: "
+             "torch.cuda.max_memory_allocated in GB, step: its rise over the iteration's start, "
+             "GB; n/a on a CPU)", runs, RUN_COLUMNS),
             (f"SQNR vs torchtitan_bf16 (eager; compiled where only compiled runs; dB, minimum "
              f"over ranks; targets: output "
              f"{SQNR_TARGETS['out']}, input grad {SQNR_TARGETS['input_grad']}, weight grad "
-             f"{SQNR_TARGETS['weight_grad']}; ok: all three met)", tables["sqnr"], SQNR_COLUMNS)
+             f"{SQNR_TARGETS['weight_grad']}; ok: all three met)", sqnr_rows, SQNR_COLUMNS)
             ] + ([("runs that raised (on the rank named; every rank skipped them; not timed)",
-                   tables["failures"], FAILURE_COLUMNS)] if tables.get("failures") else [])
+                   [dict(r, error=textwrap.fill(r["error"], 70)) for r in tables["failures"]],
+                   FAILURE_COLUMNS)] if tables.get("failures") else [])
 
 
 def render(meta, tables):
