@@ -42,9 +42,9 @@ import textwrap
 from .. import recipes as _recipes
 from . import _report, _timing
 
-#: Shapes run by default: (tokens per rank, dim, moe_inter_dim, experts per rank). On a GPU the
-#: 671B layer's dims (read from torchtitan's config: these are checked against it); on a CPU tiny
-#: ones, so that two gloo ranks finish in seconds.
+#: Shapes run by default. On a GPU: these tokens per rank and experts per rank, at the 671B
+#: layer's dim and moe_inter_dim read from torchtitan's config; on a CPU, (tokens per rank, dim,
+#: moe_inter_dim, experts per rank) tiny, so that two gloo ranks finish in seconds.
 GPU_TOKENS, GPU_EXPERTS = (4096, 16384), 8
 HOST_SHAPE = (64, 256, 128, 4)
 FLAVOR = "671B"
