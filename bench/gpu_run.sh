@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
-#         train2 train2par soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 graph2 pipe2fp8 pipe1fp8 row1
+#         train2 train2par soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
@@ -366,6 +366,17 @@ for phase in "$@"; do
         -m "gpu and not mpi" tests/test_torchdist.py tests/test_torchtitan.py ;;
     titan2) step "torchtitan MoE layer with mxcomm's dispatcher under torchrun, 2 GPUs" 300 \
         torchrun --nproc-per-node 2 tests/torchrun_torchtitan.py ;;
+    titanbench2|titanbench4)  # torchtitan's MoE layer (DeepSeek-V3 671B dims) fwd + bwd: its bf16 and
+        # float8 experts vs mxcomm's, eager and compiled; torchtitan and torchao from TITAN_SITE
+        # (installed there with --no-deps); one run per TITAN_TOKENS value (tokens per rank,
+        # default 4096 16384), so a run cut short keeps the shapes it finished
+        n=${phase#titanbench}
+        [ "$ngpu" -ge "$n" ] && for tokens in ${TITAN_TOKENS:-4096 16384}; do
+            step "bench torchtitan, $n ranks, $tokens tokens per rank" 560 \
+                env PYTHONPATH="${TITAN_SITE:-/tmp/site}:${PYTHONPATH:-}" torchrun --nproc-per-node "$n" \
+                -m mxcomm.bench torchtitan --tokens "$tokens" --iters ${TITAN_ITERS:-20} \
+                --json "$res/torchtitan_${tokens}_w$n.json" --markdown "$res/torchtitan_${tokens}_w$n.md"
+        done ;;
     torchrun2) step "pipeline under torchrun, 2 ranks" 400 torchrun --nproc-per-node 2 -m mxcomm.bench pipeline \
         --tokens 16384 --dim 7168 --hidden 2048 --experts 8 --no-stages \
         --json "$res/pipeline_torchrun_w2.json" --markdown "$res/pipeline_torchrun_w2.md" ;;

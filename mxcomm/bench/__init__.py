@@ -1,4 +1,4 @@
-"""Benchmarks of mxcomm: ``python -m mxcomm.bench {kernels,a2a,pipeline}``.
+"""Benchmarks of mxcomm: ``python -m mxcomm.bench {kernels,a2a,pipeline,latency,torchtitan}``.
 
 - ``kernels``: MXFP8 quantize/dequantize and permute/unpermute bandwidth against a device copy.
 - ``a2a``: all-to-all-v throughput, mxcomm's communicator vs ``torch.distributed`` (nccl-tests
@@ -6,6 +6,10 @@
 - ``pipeline``: the MoE expert-parallel token path forward and backward, bf16 vs MXFP8: timings
   per stage and in total on GPUs; everywhere, the bytes on the wire, the SQNR of every variant and
   the exactness of every step's data movement.
+- ``latency``: host and device time per dispatch/combine call through ``mxcomm.torch``, vs torch.
+- ``torchtitan``: torchtitan 0.3's own MoE layer (DeepSeek-V3 671B config), forward and backward,
+  its bf16 and float8 experts against mxcomm's integration, eager and compiled: tokens/s, peak
+  memory, SQNR.
 
 Run the multi-rank ones under ``mpirun -n W`` or ``torchrun --nproc-per-node W`` (one process per
 GPU; ``python -m`` becomes ``torchrun ... -m``). Without a GPU they run on the CPU in the host

@@ -22,6 +22,8 @@ COMMANDS = {
     "a2a": "all-to-all-v: mxcomm vs torch.distributed, drop-in all_to_all_single, leak check",
     "pipeline": "MoE EP pipeline forward + backward: bf16 vs MXFP8 (the main benchmark)",
     "latency": "host and device time per dispatch/combine call through mxcomm.torch, vs torch",
+    "torchtitan": "torchtitan's MoE layer (DeepSeek-V3 config) fwd + bwd: its bf16 and float8 "
+                  "experts vs mxcomm's, eager and compiled",
 }
 
 #: Defaults of --iters/--warmup: on a GPU, and on a CPU (where only ``kernels`` times anything,
@@ -31,13 +33,14 @@ CPU_ITERS, CPU_WARMUP = 3, 1
 
 
 def build_parser():
-    """The ``python -m mxcomm.bench`` parser with its three subcommands."""
+    """The ``python -m mxcomm.bench`` parser with its subcommands (:data:`COMMANDS`)."""
     parser = argparse.ArgumentParser(
         prog="python -m mxcomm.bench",
         description="Benchmarks of mxcomm. Multi-rank ones run under mpirun or torchrun, one "
                     "process per GPU; without a GPU they run on the CPU (host backend, MPI or "
                     "torch.distributed communicator).")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{kernels,a2a,pipeline,latency}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{" + ",".join(COMMANDS) + "}")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"mxcomm.bench.{name}")
         p = sub.add_parser(name, help=help_text, description=module.__doc__,
