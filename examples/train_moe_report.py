@@ -1,25 +1,31 @@
-"""Summaries and output files of ``train_moe.py``: final losses against bf16, SQNR, loss curves.
+"""Summaries and output files of ``train_moe.py``: held-out loss against bf16 with its interval,
+the repeat floor, SQNR, held-out loss curves.
 
-Every variant is a wire (the precisions of dispatch, combine and their gradients, or torch's bf16
-all-to-all) and a precision of the experts' GEMMs (bf16, or the Hopper fp8 path); the tables show
-both, the GEMM column as it ran (an fp8 variant on the CPU ran bf16 GEMMs: marked).
+Every variant is a wire (the precisions of dispatch, combine and their gradients, torch's bf16
+all-to-all, or an ``ExpertParallel`` recipe) and a precision of the experts' GEMMs (bf16, or the
+Hopper fp8 path); the tables show both, the GEMM column as it ran (an fp8 variant on the CPU ran
+bf16 GEMMs: marked).
 
 A result is ``{"meta": ..., "runs": [...], "summary": {...}}``: ``meta`` from :func:`metadata`,
 ``runs`` the records of ``train_moe.train_run`` and ``summary`` from :func:`summarize`. Every file
 names the device, world size, shapes, date and commit.
 
-The final loss of a run is the mean of its last 10 % of steps. A variant is compared with ``bf16``
-seed by seed (the same seed gives both the same weights and data, so the paired difference has
-less noise than the difference of means), against the seed-to-seed spread of bf16 itself.
+The criterion is a run's final held-out loss (its last evaluation, on the same held-out batches in
+every run). A variant is compared with ``bf16`` seed by seed (the same seed gives both the same
+weights and data, so the paired difference has less noise than the difference of means): the
+mean of the per-seed relative differences with its 95 % Student-t interval
+(:func:`paired_interval`), against the target (:func:`meets_target`: mean within ±0.5 %,
+interval inside ±1 %), beside bf16's seed-to-seed spread and its repeat floor (the spread of
+bf16 runs of one seed: nondeterminism, :func:`repeat_floor`).
 
-Several invocations (e.g. jobs sharing the same GPUs, each running some variants) merge into one
-report, the one a single invocation of all their runs would write (:func:`merge`)::
+Several invocations (e.g. GPU calls of ``bench/gpu_run.sh converge2``, each one seed set) merge
+into one report, the one a single invocation of all their runs would write (:func:`merge`)::
 
-    python examples/train_moe_report.py part1.json part2.json --json all.json \
-        --markdown all.md --plot all.png --note "4 jobs of 2 ranks shared the 2 GPUs"
+    python examples/train_moe_report.py converge_*.json --json all.json \
+        --markdown all.md --plot all.png --note "one 2-rank job per call, at commit ..."
 
-The files must agree on what makes their runs comparable (:data:`MATCHING`); a (variant, seed)
-run in two files is refused. The merged ``meta`` lists every source file (its commit, date,
+The files must agree on what makes their runs comparable (:data:`MATCHING`); a (variant, seed,
+repeat) run in two files is refused. The merged ``meta`` lists every source file (its commit, date,
 device, variants, seeds) under ``sources``, and ``note`` (``--note``) says how the jobs ran.
 """
 
