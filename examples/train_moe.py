@@ -1096,7 +1096,8 @@ def train_run(cfg, variant, seed, comm, device, corpus, deadline=None, repeat=0)
     _sync(device)
     t_end = time.perf_counter()
     steps_done = len(losses)
-    gemm_ran = "fp8" if variant.gemm == "fp8" and mxt.fp8_gemm_available(device) else "bf16"
+    gemm_ran = variant.gemm if variant.gemm not in GEMM_PRECISIONS else \
+        "fp8" if variant.gemm == "fp8" and mxt.fp8_gemm_available(device) else "bf16"
     return {"variant": variant.name, "precisions": variant.precisions, "gemm": variant.gemm,
             "gemm_ran": gemm_ran, "seed": seed, "repeat": repeat,
             "recipes_ran": dict(wire.ran) if isinstance(wire, RecipeWire) else None,
