@@ -336,6 +336,7 @@ class Corpus:
     about: str
 
     def pin(self):
+        """``DIST==VERSION``, as pip takes it."""
         return f"{self.dist}=={self.version}"
 
 

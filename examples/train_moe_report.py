@@ -554,7 +554,8 @@ def write_plot(path, result):
     by_step.set_xlabel("step")
     by_tokens.set_xlabel("tokens trained on")
     seed_note = ", ".join(f"{styles[i % len(styles)]} seed {s}" for i, s in enumerate(seeds))
-    by_step.legend(fontsize=7, ncol=2, title=f"line style: {seed_note}", title_fontsize=7)
+    if runs:                             # files from before the evaluations have no curves
+        by_step.legend(fontsize=7, ncol=2, title=f"line style: {seed_note}", title_fontsize=7)
     paired.axhspan(-TARGET_CI_PCT, TARGET_CI_PCT, color="green", alpha=0.06,
                    label=f"±{TARGET_CI_PCT:g} % (interval target)")
     paired.axhspan(-TARGET_MEAN_PCT, TARGET_MEAN_PCT, color="green", alpha=0.12,
