@@ -1170,11 +1170,20 @@ def build_parser():
                    help="stop after this long (counted from the first run's start, so leave a "
                         "minute for start-up): the run going on then ends early (marked "
                         "truncated, left out of the tables); no run starts that would not fit")
-    p.add_argument("--json", metavar="PATH", help="write every run's record")
+    p.add_argument("--json", metavar="PATH",
+                   help="write every run's record (rewritten after each run, so an invocation "
+                        "cut short keeps the runs it finished)")
     p.add_argument("--markdown", metavar="PATH", help="write the summary tables")
     p.add_argument("--plot", metavar="PATH", help="write the loss curves (PNG)")
     p.add_argument("--list-variants", action="store_true", help="print the variants and exit")
     return p
+
+
+def _result(meta, runs, variants, start):
+    """``{"meta", "runs", "summary"}`` of the runs so far; ``meta["seconds"]`` since ``start``."""
+    meta["seconds"] = time.monotonic() - start
+    return {"meta": meta, "runs": runs,
+            "summary": report.summarize(runs, variants, cfg=meta["shapes"])}
 
 
 def _indices(text, option):
@@ -1306,9 +1315,9 @@ def main(argv=None):
                 f"{report.final_loss(run['losses']):.4f}, held-out loss {run['val_loss']:.4f}"
                 f" ({report.flat_text(run, cfg)})"
                 + (" (truncated)" if run["truncated"] else ""), flush=True)
-        meta["seconds"] = time.monotonic() - start
-        result = {"meta": meta, "runs": runs,
-                  "summary": report.summarize(runs, variants, cfg=meta["shapes"])}
+            if args.json and comm.rank == 0:   # after every run: a call cut short keeps its runs
+                report.write_json(args.json, _result(meta, runs, variants, start))
+        result = _result(meta, runs, variants, start)
         if comm.rank == 0:
             print(report.render_summary(result), flush=True)
             for path, write in ((args.json, report.write_json), (args.markdown,

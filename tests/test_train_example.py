@@ -472,6 +472,32 @@ def test_main_refuses_repetition_before_training(monkeypatch):
     assert trained == []
 
 
+def test_json_is_written_after_every_run(monkeypatch, tmp_path):
+    """An invocation that dies in its second run (a GPU call cut short) leaves the first run's
+    record in --json, which the report reads."""
+    monkeypatch.setattr(train_moe, "bootstrap", lambda: (types.SimpleNamespace(rank=0, size=1),
+                                                         torch.device("cpu")))
+    monkeypatch.setattr(train_moe, "shutdown", lambda comm: None)
+    data = torch.zeros(100_000, dtype=torch.uint8)
+    info = {"name": "zeros", "files": 1, "tokens": 2 * len(data), "train_tokens": len(data),
+            "val_tokens": len(data)}
+    monkeypatch.setattr(train_moe, "load_corpus", lambda name, folder: (data, data, info))
+    fake = iter(_fake_result(["bf16"], [0, 1])["runs"])
+
+    def train_run(cfg, variant, seed, *args, **kwargs):
+        if seed == 1:
+            raise RuntimeError("the call was cut short")
+        return next(fake)
+    monkeypatch.setattr(train_moe, "train_run", train_run)
+    path = str(tmp_path / "part.json")
+    with pytest.raises(RuntimeError, match="cut short"):
+        train_moe.main(["--variants", "bf16", "--preset", "tiny", "--seeds", "0,1",
+                        "--json", path])
+    saved = train_moe_report.read_run_file(path)
+    assert [(r["variant"], r["seed"]) for r in saved["runs"]] == [("bf16", 0)]
+    assert saved["meta"]["seeds"] == [0, 1] and saved["summary"]["final"][0]["seeds"] == 1
+
+
 def test_students_t_interval_of_paired_differences():
     """t(0.975, 4) = 2.776 (any t table); the interval of 1..5 is 3 ± 2.776 * sqrt(2.5) / sqrt(5);
     the table's last entries; one value has no interval."""
