@@ -52,9 +52,16 @@ class HostPeerMemory:
         self.epoch = 0
 
     def _allocate_flags(self):
-        """The flags window, every rank's words set to the starting generation (collective)."""
+        """The flags window, every rank's words set to the starting generation (collective).
+
+        ``MPI_Win_allocate_shared`` cannot be bounded, so every rank first meets the others in a
+        barrier of the side channel, which is: a rank that failed before its first exchange (or
+        called another one) makes its peers time out there, naming it, instead of leaving them
+        in the allocation. The staging's allocations follow a barrier too (this one's closing
+        barrier, or that of its growth)."""
         side = self._comm._side
         words = self._ready_words + self._size
+        side.barrier("peer memory setup (every rank in its first exchange)")
         self._flags_window = side.MPI.Win.Allocate_shared(8 * words, 8, comm=side.mpi)
         self._flags_window.Lock_all()
         self._flags = [numpy.frombuffer(self._flags_window.Shared_query(p)[0], dtype=numpy.uint64)

@@ -70,6 +70,7 @@ def test_every_rank_raises(case, exc, words):
 @pytest.mark.parametrize("case, named", [
     ("raise_before_explicit", True),  # the argument vote times out naming the rank
     ("raise_before_layout", True),    # the flag wait times out naming the rank
+    ("raise_before_first_layout", True),  # the barrier before the shared windows, naming it
     ("raise_mid_dispatch", True),     # raised in its first pull: the peers' next call times out
     ("raise_mid_combine", False),     # combine's bf16 alltoallv: times out, names no rank yet
 ])
@@ -85,6 +86,30 @@ def test_rank_raises(case, named):
         assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
         if named:
             assert f"rank {BAD} did not" in msg, msg
+
+
+@pytest.mark.parametrize("case, bad_exc, named", [
+    ("rows_before_first_layout", "ValueError", True),  # its own rows: raised at once there
+    ("foreign_layout_first", "TimeoutError", False),   # its dispatch waits on the other comm
+])
+def test_first_layout_dispatch_fails(case, bad_exc, named):
+    """Rank BAD's first layout-based dispatch (the one that allocates the peer memory) fails on
+    it alone: its peers meet a bounded barrier before the unbounded MPI window allocation and
+    time out within the timeout (naming BAD where it never came); no rank returns rows."""
+    results, rc, wall, out = run_job(case)
+    assert sorted(results) == list(range(RANKS)), out
+    assert results[BAD][0] == bad_exc, results[BAD]
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc != "none", (rank, msg)
+        if rank == BAD and bad_exc != "TimeoutError":
+            assert seconds < 1.0, (rank, seconds)
+            continue
+        assert exc == "TimeoutError", (rank, exc, msg)
+        assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
+        if named:
+            assert f"rank {BAD} did not" in msg, msg
+        else:  # a peer that went to another communicator: each names the ones not there
+            assert "did not arrive" in msg, msg
 
 
 @pytest.mark.parametrize("case", ["exit_before_explicit", "exit_before_layout",

@@ -315,7 +315,8 @@ def test_torch_pipeline_on_layout_makes_no_host_collective(comm):
 
     before = comm.host_collectives
     out, grad = run(True)
-    assert comm.host_collectives - before <= 2  # the staging's first growth at most
+    # the peer memory's setup at most: the barriers around the flags window, the staging
+    assert comm.host_collectives - before <= 3
     before = comm.host_collectives
     out, grad = run(True)
     assert comm.host_collectives == before

@@ -21,6 +21,9 @@ TIMEOUT = 2.0
 E_LOCAL = 2
 D = 32
 BAD = 1  # the rank that misbehaves
+#: Cases whose rank BAD raises at once while its peers wait: it stays alive as the others time
+#: out (mpiexec ends the job when a rank exits).
+STAY = {"rows_before_first_layout", "foreign_layout_first"}
 
 
 def layout_counts(comm, fill=2, dtype=numpy.int32):
@@ -72,6 +75,30 @@ def case_raise_before_layout(comm):
     if comm.rank == BAD:
         raise KeyError("injected before the collective")
     a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def case_raise_before_first_layout(comm):
+    """Rank BAD raises before the first layout-based dispatch (the one that sets up the peer
+    memory): the others must not wait in the unbounded shared-window allocation."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    if comm.rank == BAD:
+        raise KeyError("injected before the first dispatch")
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def case_rows_before_first_layout(comm):
+    """A wrong row count on rank BAD in the first layout-based dispatch: a local ValueError
+    there, a TimeoutError naming it on the others."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    a2a_dispatch(_rows(layout.num_rows + (1 if comm.rank == BAD else 0)), layout)
+
+
+def case_foreign_layout_first(comm):
+    """Rank BAD passes a layout of another communicator to its first layout-based dispatch."""
+    other = mxc.init(timeout=TIMEOUT)
+    layout = exchange_layout(layout_counts(comm), comm)
+    theirs = exchange_layout(layout_counts(other), other)
+    a2a_dispatch(_rows(layout.num_rows), theirs if comm.rank == BAD else layout)
 
 
 def case_exit_before_layout(comm):
@@ -189,7 +216,7 @@ def main():
         exc, msg = type(e).__name__, " ".join(str(e).split())
     print(f"RESULT rank={comm.rank} exc={exc} t={time.perf_counter() - t0:.2f} msg={msg}",
           flush=True)
-    if exc in ("KeyError", "TimeoutError"):
+    if exc in ("KeyError", "TimeoutError") or (comm.rank == BAD and case in STAY):
         # Stay alive while the peers time out, since mpiexec ends the job when a rank exits: the
         # injected raise, as a rank that raised would, and every survivor that timed out (one
         # that exited at once took a peer whose clock started a moment later with it, before
