@@ -112,6 +112,24 @@ def test_first_layout_dispatch_fails(case, bad_exc, named):
             assert "did not arrive" in msg, msg
 
 
+@pytest.mark.parametrize("case, seconds", [
+    ("stuck_at_exit", TIMEOUT),          # uncaught: ends right after the traceback
+    ("stuck_caught_exit", 2 * TIMEOUT),  # caught, then MPI_Finalize under an alarm of TIMEOUT
+])
+def test_survivors_exit_past_a_stuck_peer(case, seconds):
+    """Rank BAD is stuck (a 60 s sleep) before the first dispatch; the others time out naming it,
+    and their processes end without waiting for it in MPI_Finalize: the job ends (mpiexec takes
+    the stuck rank down) long before the sleep does."""
+    results, rc, wall, out = run_job(case)
+    assert rc != 0, out
+    survivors = {r: v for r, v in results.items() if r != BAD}
+    assert sorted(survivors) == [r for r in range(RANKS) if r != BAD], out
+    for rank, (exc, t, msg) in survivors.items():
+        assert exc == "TimeoutError" and f"rank {BAD} did not" in msg, (rank, exc, msg)
+        assert t < TIMEOUT + SLACK, (rank, t)
+    assert wall < seconds + SLACK + 5, wall  # + the job's start (imports) on a loaded machine
+
+
 @pytest.mark.parametrize("case", ["exit_before_explicit", "exit_before_layout",
                                   "kill_before_layout", "exit_mid_dispatch", "kill_mid_dispatch",
                                   "kill_mid_combine"])

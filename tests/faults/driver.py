@@ -203,6 +203,28 @@ def case_torch_tensor(comm):
     a2a_dispatch(torch.ones(comm.size, D, dtype=torch.bfloat16), splits, splits, comm)
 
 
+def case_stuck_at_exit(comm):
+    """Rank BAD is stuck (sleeps far past the timeout) before the first dispatch; the others'
+    TimeoutError goes uncaught (main lets it through): they must exit at once, not wait in
+    MPI_Finalize for the stuck rank."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    if comm.rank == BAD:
+        time.sleep(60)
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def case_stuck_caught_exit(comm):
+    """As stuck_at_exit, but the others catch their TimeoutError and end as a program does
+    (main returns): MPI finalizes, bounded by the communicator's timeout."""
+    case_stuck_at_exit(comm)
+
+
+#: Cases whose exceptions main prints and lets through, to test the process's exit.
+UNCAUGHT = {"stuck_at_exit"}
+#: Cases after which main returns (MPI finalizes at exit) instead of ending the process.
+FINALIZE = {"stuck_caught_exit"}
+
+
 def main():
     case = sys.argv[1]
     comm = mxc.init(timeout=TIMEOUT)
@@ -214,15 +236,22 @@ def main():
         exc, msg = "none", ""
     except Exception as e:  # reported, not swallowed: the test asserts on it
         exc, msg = type(e).__name__, " ".join(str(e).split())
+        if case in UNCAUGHT:
+            print(f"RESULT rank={comm.rank} exc={exc} t={time.perf_counter() - t0:.2f} "
+                  f"msg={msg}", flush=True)
+            raise
     print(f"RESULT rank={comm.rank} exc={exc} t={time.perf_counter() - t0:.2f} msg={msg}",
           flush=True)
-    if exc in ("KeyError", "TimeoutError") or (comm.rank == BAD and case in STAY):
+    if case not in FINALIZE and (exc in ("KeyError", "TimeoutError") or
+                                 (comm.rank == BAD and case in STAY)):
         # Stay alive while the peers time out, since mpiexec ends the job when a rank exits: the
         # injected raise, as a rank that raised would, and every survivor that timed out (one
         # that exited at once took a peer whose clock started a moment later with it, before
         # that peer printed: seen at 3 ranks on a loaded 2-core CI machine). Until TIMEOUT + 4 s
         # after the start: longer than the test's bound on them, TIMEOUT + SLACK.
         time.sleep(max(0.0, t0 + TIMEOUT + 4 - time.perf_counter()))
+    if case in FINALIZE and comm.rank != BAD:
+        return
     os._exit(0)  # no finalize handshake with a peer that may be gone
 
 
