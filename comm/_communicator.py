@@ -81,6 +81,8 @@ class Communicator(abc.ABC):
         #: E of the last layout agreed on this communicator (the same on every rank), or None:
         #: ``mxcomm.layout`` exchanges the next layout of that E in one round
         self._layout_experts = None
+        #: layouts agreed on this communicator (``mxcomm.layout`` numbers its plans by it)
+        self._layouts = 0
         self._side = side
         side.on_timeout = self._mark_aborted_by_timeout
         self.rank = side.rank
@@ -628,6 +630,40 @@ class HostCommunicator(Communicator):
 
     def _empty(self, shape, dtype):
         return numpy.empty(shape, dtype=dtype)
+
+    def alltoallv_plan(self, sends, outs, plan, stream_ptr):
+        """:meth:`Communicator.alltoallv_plan`; a layout's plan (``plan.generation`` set) is
+        first checked across ranks, since nothing else would stop an MPI or gloo alltoallv whose
+        ranks disagree (MPI moves garbage, gloo aborts the process): one small allgather of the
+        vote's ballot, travelling with the rows (not counted in ``host_collectives``), in which
+        every rank shows the layout it uses, its call number with it (``plan.calls``), its rows'
+        dtypes and row shapes, and its counts. Every rank raises the same error before any data
+        moves where they differ.
+
+        Raises:
+            ValueError: the ranks use different layouts (a stale one), rows of other dtypes or
+                row shapes (e.g. ``precision="native"`` of fp32 and bf16), or a rank is at
+                another call of the layout (one failed a call alone, or skipped one after
+                a failure); the message names the ranks and what each has.
+            TimeoutError, RuntimeError: as :meth:`alltoallv`.
+        """
+        self._check_usable()
+        if plan.generation is not None:
+            plan.calls += 1
+            key = (plan.generation, plan.calls, tuple([(a.dtype, a.shape[1:]) for a in sends]))
+            description = f"layout {key[0]}, call {key[1]} of it, " + " + ".join(
+                f"{dtype.name} rows of shape {shape}" for dtype, shape in key[2])
+            ballot = self._ballot
+            ballot.fill(_validate.OP_ALLTOALLV, None, plan.send_counts, plan.recv_counts,
+                        description)
+            self._side.allgather_into(ballot.mine, ballot.table, "alltoallv (layout check)",
+                                      counted=False)
+            if not ballot.all_valid():
+                verdict = ballot.verdict("rows", "alltoallv of a layout")
+                if verdict is not None:
+                    raise verdict
+        self._move_rows(sends, outs, plan.send_counts, plan.send_offsets, plan.recv_counts,
+                        plan.recv_offsets, stream_ptr)
 
     def _enter_exchange(self):
         """Count this rank into the next exchange call on the arrival board; its number (0

@@ -99,10 +99,14 @@ class SideChannel(abc.ABC):
         self._gather(mine, table, what)
         return table
 
-    def allgather_into(self, mine, table, what):
+    def allgather_into(self, mine, table, what, counted=True):
         """Allgather the buffer ``mine`` into ``table`` ((W, n), rank order); the vote reuses
-        both buffers from call to call."""
+        both buffers from call to call. ``counted=False``: not counted in :attr:`collectives`
+        (the host backends' check of a layout-path exchange, which travels with its rows)."""
+        collectives = self.collectives
         self._gather(mine, table, what)
+        if not counted:
+            self.collectives = collectives
 
     def barrier(self, what="barrier"):
         """Block until every rank has arrived (bounded)."""

@@ -54,6 +54,8 @@ class Layout(tuple):
         self.num_received = sum(output_splits)
         self.dispatch_plan = Plan(rank, sent)
         self.combine_plan = self.dispatch_plan.transposed()
+        comm._layouts += 1  # every rank agrees on every layout, so numbers them alike
+        self.dispatch_plan.generation = self.combine_plan.generation = comm._layouts
         self._cache = {}  # per-layout results reused by the primitives (e.g. permute indices)
         return self
 

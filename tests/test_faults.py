@@ -28,6 +28,53 @@ BAD = 1
 LINE = re.compile(r"RESULT rank=(\d+) exc=(\S+) t=([\d.]+) msg=(.*?)(?=RESULT rank=|$)", re.S)
 
 
+#: The cases run in one gloo world (one spawn for all: a world takes seconds to start).
+GLOO_CASES = ("native_dtype_mix", "dim_mix_layout", "stale_layout", "fail_one_of_three_layout",
+              "precision_mix_layout", "raise_before_first_layout", "rows_before_first_layout",
+              "foreign_layout_first")
+
+
+def _gloo_rank(rank, size, cases):
+    """One rank of a gloo world (tests/torch_world.py, as torchrun makes one) running each of
+    the driver's ``cases`` on a communicator of its own; returns ``{case: (exc, seconds,
+    message)}`` as the driver's RESULT lines say."""
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.dirname(DRIVER))
+    import driver
+    from mxcomm import comm as mxc
+    results = {}
+    for case in cases:
+        comm = mxc.init(group=dist.group.WORLD, timeout=TIMEOUT)
+        t0 = time.perf_counter()
+        try:
+            getattr(driver, "case_" + case)(comm)
+            exc, msg = "none", ""
+        except Exception as e:  # noqa: BLE001 (reported: the test asserts on it)
+            exc, msg = type(e).__name__, " ".join(str(e).split())
+        results[case] = (exc, time.perf_counter() - t0, msg)
+        dist.barrier()  # every rank done with the case (the peers had their timeout)
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_world():
+    """Every case of GLOO_CASES run in one gloo world of RANKS ranks: ``{case: {rank: (exc,
+    seconds, message)}}``."""
+    pytest.importorskip("torch")
+    from torch_world import run_world
+    per_rank = run_world(RANKS, _gloo_rank, GLOO_CASES, timeout=len(GLOO_CASES) * 10 + 60)
+    return {case: {r: per_rank[r][case] for r in range(RANKS)} for case in GLOO_CASES}
+
+
+def run_case(world, case, gloo_world):
+    """The results of ``case`` at RANKS ranks under ``world`` (``"mpiexec"``: its own MPI job;
+    ``"gloo"``: from the module's gloo world): ``({rank: (exc, seconds, message)}, output)``."""
+    if world == "mpiexec":
+        results, rc, wall, out = run_job(case)
+        return results, out
+    return gloo_world[case], gloo_world[case]
+
+
 def run_job(case, ranks=RANKS):
     """Run one case; return ({rank: (exc, seconds, message)}, exit code, wall seconds, output)."""
     t0 = time.perf_counter()
@@ -70,7 +117,6 @@ def test_every_rank_raises(case, exc, words):
 @pytest.mark.parametrize("case, named", [
     ("raise_before_explicit", True),  # the argument vote times out naming the rank
     ("raise_before_layout", True),    # the flag wait times out naming the rank
-    ("raise_before_first_layout", True),  # the barrier before the shared windows, naming it
     ("raise_mid_dispatch", True),     # raised in its first pull: the peers' next call times out
     ("raise_mid_combine", False),     # combine's bf16 alltoallv: times out, names no rank yet
 ])
@@ -88,28 +134,55 @@ def test_rank_raises(case, named):
             assert f"rank {BAD} did not" in msg, msg
 
 
-@pytest.mark.parametrize("case, bad_exc, named", [
-    ("rows_before_first_layout", "ValueError", True),  # its own rows: raised at once there
-    ("foreign_layout_first", "TimeoutError", False),   # its dispatch waits on the other comm
+def names_late(msg, rank):
+    """Whether a timeout's message names ``rank`` as the one that did not arrive (the MPI side
+    channel says so itself; gloo's through the arrival board)."""
+    return f"rank {rank} did not arrive" in msg or f"rank {rank} had not entered" in msg
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+@pytest.mark.parametrize("case, bad_exc", [
+    ("raise_before_first_layout", "KeyError"),   # a plain exception, then stays alive
+    ("rows_before_first_layout", "ValueError"),  # its own rows: raised at once there
+    ("foreign_layout_first", "TimeoutError"),    # its dispatch waits on the other comm
 ])
-def test_first_layout_dispatch_fails(case, bad_exc, named):
-    """Rank BAD's first layout-based dispatch (the one that allocates the peer memory) fails on
-    it alone: its peers meet a bounded barrier before the unbounded MPI window allocation and
-    time out within the timeout (naming BAD where it never came); no rank returns rows."""
-    results, rc, wall, out = run_job(case)
+def test_first_layout_dispatch_fails(world, case, bad_exc, request):
+    """Rank BAD's first layout-based dispatch (MPI: the one that allocates the peer memory) fails
+    on it alone: its peers time out within the timeout, naming BAD (MPI: in a bounded barrier
+    before the unbounded MPI window allocation, where they hung; gloo: in the layout check);
+    no rank returns rows. A rank that went to another communicator is not there: each names
+    the other."""
+    results, out = run_case(world, case, request.getfixturevalue("gloo_world")
+                            if world == "gloo" else None)
     assert sorted(results) == list(range(RANKS)), out
     assert results[BAD][0] == bad_exc, results[BAD]
     for rank, (exc, seconds, msg) in results.items():
-        assert exc != "none", (rank, msg)
         if rank == BAD and bad_exc != "TimeoutError":
             assert seconds < 1.0, (rank, seconds)
             continue
         assert exc == "TimeoutError", (rank, exc, msg)
         assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
-        if named:
-            assert f"rank {BAD} did not" in msg, msg
-        else:  # a peer that went to another communicator: each names the ones not there
-            assert "did not arrive" in msg, msg
+        if rank != BAD:
+            assert names_late(msg, BAD), msg
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+def test_precision_mix_on_the_layout_path(world, request):
+    """precision "bf16" on rank BAD, "mxfp8" on the others, given a layout. gloo: every rank
+    checks its rows before moving them (the same ValueError everywhere, naming both). MPI: the
+    quantized exchange waits for its peers' flags where rank BAD is in the layout check: each
+    times out naming the others, within the timeout. No rank returns rows."""
+    results, out = run_case(world, "precision_mix_layout",
+                            request.getfixturevalue("gloo_world") if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    for rank, (exc, seconds, msg) in results.items():
+        if world == "gloo":
+            assert exc == "ValueError" and f"rank {BAD} has" in msg and "bfloat16" in msg, msg
+            assert seconds < 1.0, (rank, seconds)
+        else:
+            assert exc == "TimeoutError", (rank, exc, msg)
+            assert seconds < TIMEOUT + SLACK, (rank, seconds)
+            assert names_late(msg, 0 if rank == BAD else BAD), msg
 
 
 @pytest.mark.parametrize("case, seconds", [
@@ -128,6 +201,31 @@ def test_survivors_exit_past_a_stuck_peer(case, seconds):
         assert exc == "TimeoutError" and f"rank {BAD} did not" in msg, (rank, exc, msg)
         assert t < TIMEOUT + SLACK, (rank, t)
     assert wall < seconds + SLACK + 5, wall  # + the job's start (imports) on a loaded machine
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+@pytest.mark.parametrize("case, words", [
+    ("native_dtype_mix", ["bfloat16 rows", f"rank {BAD} has", "float32 rows"]),
+    ("dim_mix_layout", ["shape (32,)", f"rank {BAD} has", "shape (64,)"]),
+    ("stale_layout", ["rank 0 has layout 2", f"rank {BAD} has layout 1"]),
+    ("fail_one_of_three_layout", ["rank 0 has layout 1, call 2", f"rank {BAD} has layout 1, call 3"]),
+])
+def test_layout_path_mismatch(world, case, words, request):
+    """Ranks disagreeing on a layout-path exchange (rows of another dtype or width, a stale
+    layout, a rank whose call failed alone going on to the next): the same ValueError on every
+    rank, naming the rank and what each has, before any data moves (MPI moved garbage here,
+    gloo aborted the processes); nothing returned anywhere."""
+    results, out = run_case(world, case, request.getfixturevalue("gloo_world")
+                            if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    messages = set()
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc == "ValueError", (rank, exc, msg)
+        assert seconds < TIMEOUT, (rank, seconds)
+        for w in words:
+            assert w in msg, (rank, w, msg)
+        messages.add(msg)
+    assert len(messages) == 1, messages
 
 
 @pytest.mark.parametrize("case", ["exit_before_explicit", "exit_before_layout",

@@ -95,7 +95,7 @@ def case_rows_before_first_layout(comm):
 
 def case_foreign_layout_first(comm):
     """Rank BAD passes a layout of another communicator to its first layout-based dispatch."""
-    other = mxc.init(timeout=TIMEOUT)
+    other = mxc.init(group=comm.group, timeout=TIMEOUT)  # over the same ranks (MPI, or gloo)
     layout = exchange_layout(layout_counts(comm), comm)
     theirs = exchange_layout(layout_counts(other), other)
     a2a_dispatch(_rows(layout.num_rows), theirs if comm.rank == BAD else layout)
@@ -201,6 +201,56 @@ def case_torch_tensor(comm):
     import torch
     splits = [1] * comm.size
     a2a_dispatch(torch.ones(comm.size, D, dtype=torch.bfloat16), splits, splits, comm)
+
+
+def case_native_dtype_mix(comm):
+    """precision="native" on the layout path: fp32 rows on rank BAD, bf16 on the others."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    x = numpy.ones((layout.num_rows, D), numpy.float32 if comm.rank == BAD else bfloat16)
+    a2a_dispatch(x, layout, precision="native")
+
+
+def case_dim_mix_layout(comm):
+    """bf16 rows of D = 64 on rank BAD, 32 on the others, on the layout path."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    a2a_dispatch(numpy.ones((layout.num_rows, 2 * D if comm.rank == BAD else D), bfloat16),
+                 layout, precision="bf16")
+
+
+def case_precision_mix_layout(comm):
+    """precision "bf16" on rank BAD, "mxfp8" on the others, on the layout path."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    a2a_dispatch(_rows(layout.num_rows), layout,
+                 precision="bf16" if comm.rank == BAD else "mxfp8")
+
+
+def case_stale_layout(comm):
+    """Rank BAD dispatches with the step's first layout, the others with the second."""
+    first = exchange_layout(layout_counts(comm), comm)
+    second = exchange_layout(layout_counts(comm, fill=3), comm)
+    layout = first if comm.rank == BAD else second
+    a2a_dispatch(_rows(layout.num_rows), layout, precision="bf16")
+
+
+def _fail_second(comm, call):
+    """Three same-shape calls ``call(rows)``; rank BAD's second has one row too many, fails its
+    local check (raised at once on it alone), and rank BAD goes on to the third: its third must
+    not pair with the others' second unnoticed. Returns the third call's result."""
+    call(0)
+    if comm.rank == BAD:
+        try:
+            call(1)
+        except ValueError:
+            pass
+    else:
+        call(0)
+    return call(0)
+
+
+def case_fail_one_of_three_layout(comm):
+    layout = exchange_layout(layout_counts(comm), comm)
+    _fail_second(comm, lambda extra: a2a_dispatch(_rows(layout.num_rows + extra), layout,
+                                                 precision="bf16"))
 
 
 def case_stuck_at_exit(comm):
