@@ -127,7 +127,8 @@ class SideChannel(abc.ABC):
 
     def _timed_out(self, what, missing=""):
         """Call ``on_timeout`` and return the ``TimeoutError`` to raise."""
-        self.on_timeout(f"{what} timed out after {self.timeout:g} s")
+        self.on_timeout(f"{what} timed out after {self.timeout:g} s"
+                        + (f":{missing.rstrip(';')}" if missing else ""))
         return TimeoutError(
             f"{what}: did not finish within {self.timeout:g} s on rank {self.rank} of "
             f"{self.size};{missing} the communicator is aborted (a rank may have "

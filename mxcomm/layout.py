@@ -97,6 +97,7 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
             differs across ranks, or a count is negative or beyond 2**31 - 1 (every rank raises,
             naming the rank, the expert and the value).
         TimeoutError: a rank did not join within ``comm.timeout`` s; the communicator is aborted.
+        RuntimeError: the communicator is aborted (e.g. an earlier timeout) or closed, at once.
     """
     return _exchange(num_tokens_per_expert, comm, stream, Layout, None)
 
@@ -106,6 +107,7 @@ def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
     ``mxcomm.torch``'s) and this rank's (E,) int32 group counts on the device with
     ``upload(host array)`` -> device array (None: the array module's, on ``stream``)."""
     rank, world = comm.rank, comm.size
+    comm._check_usable()  # an aborted communicator refuses at once, as the exchanges do
     error, host = None, None
     try:
         host = _local_counts(num_tokens_per_expert, comm, stream, rank, world)
@@ -173,7 +175,7 @@ def _made(cls, comm, counts, num_experts, stream, upload):
 def _local_counts(num_tokens_per_expert, comm, stream, rank, world):
     """This rank's counts on the host as (E,) int64, checked; raises the argument errors."""
     name = "num_tokens_per_expert"
-    counts = as_device_array(num_tokens_per_expert, name)
+    counts = as_device_array(num_tokens_per_expert, f"{name} on rank {rank}")
     if counts.dtype.kind not in "iu":
         raise TypeError(f"{name} on rank {rank}: expected an integer array, got dtype "
                         f"{counts.dtype}")

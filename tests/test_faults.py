@@ -102,6 +102,8 @@ def assert_all_raise(case, exc, *words, bound=1.0):
     ("layout_float", "TypeError", ["num_tokens_per_expert", f"rank {BAD}", "float32"]),
     ("layout_negative", "ValueError", ["num_tokens_per_expert", f"rank {BAD}", "-1"]),
     ("layout_2e33", "ValueError", ["num_tokens_per_expert", f"rank {BAD}", str(2 ** 33)]),
+    ("layout_none", "TypeError", ["num_tokens_per_expert", f"rank {BAD}", "NoneType"]),
+    ("layout_list", "TypeError", ["num_tokens_per_expert", f"rank {BAD}", "list"]),
     ("precision_mismatch", "ValueError", ["rank 0 has precision 'mxfp8'",
                                           f"rank {BAD} has precision 'bf16'"]),
     ("dim_mismatch", "ValueError", ["D = 32", f"rank {BAD}", "D = 64"]),
@@ -226,6 +228,18 @@ def test_layout_path_mismatch(world, case, words, request):
             assert w in msg, (rank, w, msg)
         messages.add(msg)
     assert len(messages) == 1, messages
+
+
+def test_layout_exchange_after_a_timeout_refuses_at_once():
+    """After its layout exchange timed out (rank BAD never came), a rank's next exchange_layout
+    raises RuntimeError at once, as a dispatch does, instead of waiting a timeout again."""
+    results, rc, wall, out = run_job("layout_after_timeout")
+    assert sorted(results) == list(range(RANKS)), out
+    for rank, (exc, seconds, msg) in results.items():
+        if rank == BAD:
+            continue
+        assert exc == "RuntimeError" and "aborted" in msg and f"rank {BAD}" in msg, (rank, msg)
+        assert TIMEOUT - 0.5 < seconds < TIMEOUT + 1.0, (rank, seconds)  # one wait, not two
 
 
 @pytest.mark.parametrize("case", ["exit_before_explicit", "exit_before_layout",

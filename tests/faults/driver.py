@@ -46,6 +46,29 @@ def case_layout_negative(comm):
     exchange_layout(c, comm)
 
 
+def case_layout_none(comm):
+    exchange_layout(None if comm.rank == BAD else layout_counts(comm), comm)
+
+
+def case_layout_list(comm):
+    c = layout_counts(comm)
+    exchange_layout(c.tolist() if comm.rank == BAD else c, comm)
+
+
+def case_layout_after_timeout(comm):
+    """Rank BAD raises before a layout exchange; the others time out in it, then call
+    exchange_layout again: refused at once (RuntimeError), no second wait."""
+    if comm.rank == BAD:
+        raise KeyError("injected before the layout exchange")
+    try:
+        exchange_layout(layout_counts(comm), comm)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("the first layout exchange did not time out")
+    exchange_layout(layout_counts(comm), comm)
+
+
 def case_layout_2e33(comm):
     c = layout_counts(comm, dtype=numpy.int64)
     if comm.rank == BAD:
@@ -292,7 +315,7 @@ def main():
             raise
     print(f"RESULT rank={comm.rank} exc={exc} t={time.perf_counter() - t0:.2f} msg={msg}",
           flush=True)
-    if case not in FINALIZE and (exc in ("KeyError", "TimeoutError") or
+    if case not in FINALIZE and (exc in ("KeyError", "TimeoutError", "RuntimeError") or
                                  (comm.rank == BAD and case in STAY)):
         # Stay alive while the peers time out, since mpiexec ends the job when a rank exits: the
         # injected raise, as a rank that raised would, and every survivor that timed out (one
