@@ -55,8 +55,12 @@ class MpiCommunicator(HostCommunicator):
     def _abort_backend(self):
         """An aborted MPI communicator may leave a peer stuck (in a collective, or anywhere),
         and ``MPI_Finalize`` at the process's exit would wait for it: bound that exit
-        (:class:`_BoundedExit`)."""
+        (:class:`_BoundedExit`). With the pull transport, tell the peers this rank gave up on
+        its exchange (``HostPeerMemory.give_up``)."""
         _BOUNDED_EXIT.arm(self.timeout)
+        memory = getattr(self._transport, "memory", None)
+        if memory is not None:  # the pull transport: a late peer learns it at once
+            memory.give_up()
 
     def _close_backend(self, clean):
         for datatype in self._row_types.values():

@@ -19,6 +19,10 @@ from ._staged import MAX_PIECES, describe_mismatch
 
 _GROWTH = 1.25
 _MASK = 0xFFFFFFFF
+#: The kind a rank whose communicator was aborted writes into its ready words to the peers, for
+#: the exchange it gave up: a peer that comes later raises at once, naming it, instead of
+#: waiting a timeout and blaming the ranks that were there.
+_GAVE_UP = 0xFFFFFFFF
 _SPIN_S = 1e-3
 _MAX_SLEEP_S = 1e-3
 
@@ -43,6 +47,7 @@ class HostPeerMemory:
         self._rank = comm.rank
         self._ready_words = self._size * MAX_PIECES
         self.generation = generation & _MASK
+        self._current = self.generation  # the generation of the exchange begun last
         self._flags_window = None  # allocated with the first staging (collective)
         self._flags = []
         self._window = None
@@ -115,6 +120,7 @@ class HostPeerMemory:
         """Open the next generation: wait until every peer is done reading this rank's staging
         of the previous one."""
         want = self.generation
+        self._current = (want + 1) & _MASK
         done = self._flags[self._rank][self._ready_words:]
         self._spin(lambda: [p for p in range(self._size)
                             if p != self._rank and not reached(int(done[p]) >> 32, want)],
@@ -136,11 +142,14 @@ class HostPeerMemory:
         gen = self.generation
 
         def missing():
-            late = []
+            late, gave_up = [], []
             for peer, piece, kind in awaits:
                 value = int(flags[peer * MAX_PIECES + piece])
                 if value >> 32 != gen:
                     late.append(peer)
+                elif value & _MASK == _GAVE_UP:
+                    if peer not in gave_up:
+                        gave_up.append(peer)
                 elif value & _MASK != kind:
                     error = RuntimeError(
                         f"exchange on rank {self._rank}: "
@@ -149,6 +158,15 @@ class HostPeerMemory:
                         + "; the communicator is aborted")
                     self._comm._fail(error, raised=True)
                     raise error
+            if gave_up and not late:  # the others gave up, and no other rank is missing
+                ranks = ", ".join(map(str, gave_up))
+                error = RuntimeError(
+                    f"exchange on rank {self._rank}: rank{'s' if len(gave_up) > 1 else ''} "
+                    f"{ranks} had given up on this exchange (generation {gen}) before this "
+                    f"rank came to it: this rank is late (its peers timed out waiting for it), "
+                    f"or they failed; the communicator is aborted")
+                self._comm._fail(error, raised=True)
+                raise error
             return late
 
         self._spin(missing, "send its rows")
@@ -162,6 +180,17 @@ class HostPeerMemory:
         for p in range(self._size):
             if p != self._rank:
                 self._flags[p][slot] = value
+
+    def give_up(self):
+        """Tell every peer that this rank gave up on the exchange it began last (its
+        communicator was aborted): its ready words to them say so (:data:`_GAVE_UP`). Local
+        stores, never blocks; nothing after the flags window's setup."""
+        if self._flags_window is None:
+            return
+        value = numpy.uint64((self._current << 32) | _GAVE_UP)
+        for peer in range(self._size):
+            if peer != self._rank:
+                self._flags[peer][self._rank * MAX_PIECES:(self._rank + 1) * MAX_PIECES] = value
 
     def _spin(self, missing, what):
         """Spin (then sleep) until ``missing()`` is empty; TimeoutError naming the ranks after

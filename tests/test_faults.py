@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy
@@ -78,8 +79,10 @@ def run_case(world, case, gloo_world):
 def run_job(case, ranks=RANKS):
     """Run one case; return ({rank: (exc, seconds, message)}, exit code, wall seconds, output)."""
     t0 = time.perf_counter()
-    p = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, DRIVER, case],
-                       capture_output=True, text=True, timeout=TIMEOUT + 20)
+    with tempfile.TemporaryDirectory() as folder:  # where each rank says it printed its line
+        p = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, DRIVER, case],
+                           capture_output=True, text=True, timeout=TIMEOUT + 20,
+                           env=dict(os.environ, FAULTS_DIR=folder))
     wall = time.perf_counter() - t0
     out = p.stdout + p.stderr
     results = {int(r): (exc, float(t), msg.strip()) for r, exc, t, msg in LINE.findall(out)}
@@ -240,6 +243,21 @@ def test_layout_exchange_after_a_timeout_refuses_at_once():
             continue
         assert exc == "RuntimeError" and "aborted" in msg and f"rank {BAD}" in msg, (rank, msg)
         assert TIMEOUT - 0.5 < seconds < TIMEOUT + 1.0, (rank, seconds)  # one wait, not two
+
+
+def test_a_late_rank_names_itself_late():
+    """Rank BAD comes to a dispatch 1 s after its peers timed out in it (pull transport): it
+    raises at once, saying the peers had given up and it is late, instead of waiting a timeout
+    and blaming them; the peers' TimeoutError names it."""
+    results, rc, wall, out = run_job("late_rank")
+    assert sorted(results) == list(range(RANKS)), out
+    exc, seconds, msg = results[BAD]
+    assert exc == "RuntimeError" and "this rank is late" in msg, msg
+    assert seconds < TIMEOUT + 1 + 1.0, seconds  # its sleep, then at once
+    for rank, (exc, seconds, msg) in results.items():
+        if rank != BAD:
+            assert exc == "TimeoutError" and f"rank {BAD} did not" in msg, (rank, msg)
+            assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
 
 
 @pytest.mark.parametrize("case", ["exit_before_explicit", "exit_before_layout",

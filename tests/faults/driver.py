@@ -276,6 +276,15 @@ def case_fail_one_of_three_layout(comm):
                                                  precision="bf16"))
 
 
+def case_late_rank(comm):
+    """Rank BAD comes to a layout-based dispatch 1 s after its peers timed out in it: it must
+    raise at once naming a peer that gave up (itself late), not time out blaming them."""
+    layout = _layout(comm)
+    if comm.rank == BAD:
+        time.sleep(TIMEOUT + 1)
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
 def case_stuck_at_exit(comm):
     """Rank BAD is stuck (sleeps far past the timeout) before the first dispatch; the others'
     TimeoutError goes uncaught (main lets it through): they must exit at once, not wait in
@@ -315,14 +324,23 @@ def main():
             raise
     print(f"RESULT rank={comm.rank} exc={exc} t={time.perf_counter() - t0:.2f} msg={msg}",
           flush=True)
-    if case not in FINALIZE and (exc in ("KeyError", "TimeoutError", "RuntimeError") or
-                                 (comm.rank == BAD and case in STAY)):
-        # Stay alive while the peers time out, since mpiexec ends the job when a rank exits: the
-        # injected raise, as a rank that raised would, and every survivor that timed out (one
-        # that exited at once took a peer whose clock started a moment later with it, before
-        # that peer printed: seen at 3 ranks on a loaded 2-core CI machine). Until TIMEOUT + 4 s
-        # after the start: longer than the test's bound on them, TIMEOUT + SLACK.
-        time.sleep(max(0.0, t0 + TIMEOUT + 4 - time.perf_counter()))
+    if case not in FINALIZE:
+        # Stay alive while the peers time out, since mpiexec ends the job when a rank exits:
+        # every rank, until every rank has printed its line (FAULTS_DIR: the test's folder, where
+        # each leaves a file once it printed), or until TIMEOUT + 4 s after the start (longer
+        # than the test's bound on them, TIMEOUT + SLACK). One that exited at once took a peer
+        # whose clock started a moment later with it, before that peer printed: seen at 3 ranks
+        # on a loaded 2-core CI machine.
+        folder = os.environ.get("FAULTS_DIR")
+        deadline = t0 + TIMEOUT + 4
+        if folder:
+            open(os.path.join(folder, str(comm.rank)), "w").close()
+            while len(os.listdir(folder)) < comm.size and time.perf_counter() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)  # the last line on its way through mpiexec
+        elif exc in ("KeyError", "TimeoutError", "RuntimeError") or \
+                (comm.rank == BAD and case in STAY):
+            time.sleep(max(0.0, deadline - time.perf_counter()))
     if case in FINALIZE and comm.rank != BAD:
         return
     os._exit(0)  # no finalize handshake with a peer that may be gone
