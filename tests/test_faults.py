@@ -309,3 +309,58 @@ def test_unpermute_more_rows_than_named():
     assert y.shape == (7, 32)
     assert (numpy.asarray(y[:4], numpy.float32) == numpy.asarray(x, numpy.float32)).all()
     assert not numpy.asarray(y[4:], numpy.float32).any()
+
+
+# ---------------------------------------------------------------------------- on GPUs (2 ranks)
+GPU_TIMEOUT = 10.0  # the driver's on GPUs
+#: comm.wait's own timeout comes after 1.25 * timeout + 1 s (docs/design.md, "Error model")
+GPU_BOUND = 1.25 * GPU_TIMEOUT + 1 + SLACK
+
+
+def run_gpu_job(case):
+    results, rc, wall, out = run_job(case, ranks=2)
+    return results, rc, wall, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["nccl", "pull"])
+def test_gpu_rank_raises_before_the_first_dispatch(path):
+    """NCCL backend, 2 ranks: rank BAD raises before the first layout-based dispatch (bf16 over
+    NCCL, or MXFP8 pulled over CUDA IPC, whose peer memory that dispatch sets up): the other
+    raises TimeoutError naming it within the bound, and returns nothing."""
+    results, rc, wall, out = run_gpu_job(f"gpu_raise_first_{path}")
+    assert sorted(results) == [0, 1], out
+    assert results[BAD][0] == "KeyError", results[BAD]
+    exc, seconds, msg = results[1 - BAD]
+    assert exc == "TimeoutError" and f"rank {BAD}" in msg, (exc, msg)
+    assert seconds < GPU_BOUND, seconds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["nccl", "pull"])
+def test_gpu_rank_skips_one_of_three_calls(path):
+    """NCCL backend, 2 ranks: rank BAD skips the second of three same-shape dispatches. Its third
+    pairs with the other's second: no counter can tell them apart (docs/design.md, "Error
+    model"), so what is asserted is the bound: the other's third call raises TimeoutError
+    naming rank BAD within the bound."""
+    results, rc, wall, out = run_gpu_job(f"gpu_skip_{path}")
+    assert sorted(results) == [0, 1], out
+    exc, seconds, msg = results[1 - BAD]
+    assert exc == "TimeoutError" and f"rank {BAD}" in msg, (exc, msg)
+    assert seconds < GPU_BOUND + 5, seconds  # two calls went first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["nccl", "pull"])
+def test_gpu_rank_killed_mid_call(path):
+    """NCCL backend, 2 ranks: rank BAD is SIGKILLed between two dispatches: the job ends (mpiexec
+    takes it down) or the survivor raises TimeoutError naming it, within the bound."""
+    results, rc, wall, out = run_gpu_job(f"gpu_kill_{path}")
+    assert wall < GPU_BOUND + 20, wall  # + the job's start (CUDA, NCCL) on two GPUs
+    survivor = results.get(1 - BAD)
+    if survivor is not None and survivor[0] != "none":
+        exc, seconds, msg = survivor
+        assert exc == "TimeoutError" and f"rank {BAD}" in msg, (exc, msg)
+        assert seconds < GPU_BOUND + 5, seconds
+    else:
+        assert survivor is None, survivor  # it returned rows of a dead peer

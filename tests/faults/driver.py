@@ -285,6 +285,59 @@ def case_late_rank(comm):
     a2a_dispatch(_rows(layout.num_rows), layout)
 
 
+# ---------------------------------------------------------------------- on GPUs (2 ranks)
+# ``gpu_<case>_<path>``: the NCCL backend; path "nccl" moves bf16 rows in one NCCL group, "pull"
+# MXFP8 rows over CUDA IPC (the pull transport). Every call is followed by ``comm.wait``, where a
+# device-side failure surfaces.
+GPU_TIMEOUT = 10.0  # the NCCL bootstrap is bounded by it too
+
+
+def _gpu_dispatch(comm, layout, path):
+    import cupy
+    x = cupy.asarray(_rows(layout.num_rows))
+    out = a2a_dispatch(x, layout, precision="bf16" if path == "nccl" else "mxfp8")
+    comm.wait()
+    return out
+
+
+def _gpu_layout(comm):
+    import cupy
+    return exchange_layout(cupy.asarray(layout_counts(comm)), comm)
+
+
+def _gpu_raise_first(comm, path):
+    layout = _gpu_layout(comm)
+    if comm.rank == BAD:
+        raise KeyError("injected before the first dispatch")
+    _gpu_dispatch(comm, layout, path)
+
+
+def _gpu_skip(comm, path):
+    """Three same-shape dispatches; rank BAD skips the second."""
+    layout = _gpu_layout(comm)
+    for i in range(3):
+        if comm.rank == BAD and i == 1:
+            continue
+        _gpu_dispatch(comm, layout, path)
+
+
+def _gpu_kill(comm, path):
+    """Rank BAD is SIGKILLed after the first dispatch, before the second."""
+    layout = _gpu_layout(comm)
+    _gpu_dispatch(comm, layout, path)
+    if comm.rank == BAD:
+        sys.stdout.flush()
+        os.kill(os.getpid(), 9)
+    _gpu_dispatch(comm, layout, path)
+
+
+for _path in ("nccl", "pull"):
+    for _name, _case in (("raise_first", _gpu_raise_first), ("skip", _gpu_skip),
+                         ("kill", _gpu_kill)):
+        globals()[f"case_gpu_{_name}_{_path}"] = \
+            lambda comm, _case=_case, _path=_path: _case(comm, _path)
+
+
 def case_stuck_at_exit(comm):
     """Rank BAD is stuck (sleeps far past the timeout) before the first dispatch; the others'
     TimeoutError goes uncaught (main lets it through): they must exit at once, not wait in
@@ -309,7 +362,11 @@ FINALIZE = {"stuck_caught_exit"}
 
 def main():
     case = sys.argv[1]
-    comm = mxc.init(timeout=TIMEOUT)
+    if case.startswith("gpu_"):
+        comm = mxc.init("nccl", timeout=GPU_TIMEOUT, small_exchange_bytes=0,
+                        medium_exchange_bytes=0)
+    else:
+        comm = mxc.init(timeout=TIMEOUT)
     if case == "torch_tensor":
         import torch  # noqa: F401 (imported before the clock starts)
     t0 = time.perf_counter()
@@ -332,7 +389,7 @@ def main():
         # whose clock started a moment later with it, before that peer printed: seen at 3 ranks
         # on a loaded 2-core CI machine.
         folder = os.environ.get("FAULTS_DIR")
-        deadline = t0 + TIMEOUT + 4
+        deadline = t0 + comm.timeout * 1.25 + 5
         if folder:
             open(os.path.join(folder, str(comm.rank)), "w").close()
             while len(os.listdir(folder)) < comm.size and time.perf_counter() < deadline:
