@@ -124,7 +124,7 @@ def test_every_rank_raises(case, exc, words):
     ("raise_before_explicit", True),  # the argument vote times out naming the rank
     ("raise_before_layout", True),    # the flag wait times out naming the rank
     ("raise_mid_dispatch", True),     # raised in its first pull: the peers' next call times out
-    ("raise_mid_combine", False),     # combine's bf16 alltoallv: times out, names no rank yet
+    ("raise_mid_combine", True),      # the layout check before combine's bf16 alltoallv names it
 ])
 def test_rank_raises(case, named):
     """Rank BAD raises (and stays alive): the others raise TimeoutError within the timeout."""
@@ -264,9 +264,10 @@ def test_a_late_rank_names_itself_late():
 
 @pytest.mark.parametrize("case", ["exit_before_explicit", "exit_before_layout",
                                   "kill_before_layout", "exit_mid_dispatch", "kill_mid_dispatch",
-                                  "kill_mid_combine"])
+                                  "kill_mid_combine", "sigint_mid_dispatch"])
 def test_rank_dies(case):
-    """Rank BAD exits (os._exit) or is SIGKILLed before or in the middle of an exchange: mpich's
+    """Rank BAD exits (os._exit), is SIGKILLed, or interrupted (SIGINT: an uncaught
+    KeyboardInterrupt) before or in the middle of an exchange: mpich's
     mpiexec aborts the whole job, well within the timeout (survivors never hang); a survivor that
     got there first raises TimeoutError naming the rank."""
     results, rc, wall, out = run_job(case)

@@ -153,6 +153,9 @@ def _die_in_pulls(comm, how):
             raise KeyError("injected in the middle of the exchange")
         if how == "kill":
             os.kill(os.getpid(), 9)
+        if how == "sigint":
+            os.kill(os.getpid(), 2)
+            time.sleep(1)  # the KeyboardInterrupt comes at the next bytecode
         os._exit(3)
     HostPeerMemory.await_ready = await_ready
 
@@ -190,6 +193,10 @@ def case_exit_mid_dispatch(comm):
 
 def case_kill_mid_dispatch(comm):
     _mid(comm, "kill", "dispatch")
+
+
+def case_sigint_mid_dispatch(comm):
+    _mid(comm, "sigint", "dispatch")
 
 
 def case_raise_mid_combine(comm):
@@ -389,7 +396,7 @@ def main():
         # whose clock started a moment later with it, before that peer printed: seen at 3 ranks
         # on a loaded 2-core CI machine.
         folder = os.environ.get("FAULTS_DIR")
-        deadline = t0 + comm.timeout * 1.25 + 5
+        deadline = t0 + (1.25 * comm.timeout + 5 if case.startswith("gpu_") else TIMEOUT + 4)
         if folder:
             open(os.path.join(folder, str(comm.rank)), "w").close()
             while len(os.listdir(folder)) < comm.size and time.perf_counter() < deadline:
