@@ -60,10 +60,14 @@ class HostPeerMemory:
         """The flags window, every rank's words set to the starting generation (collective).
 
         ``MPI_Win_allocate_shared`` cannot be bounded, so every rank first meets the others in a
-        barrier of the side channel, which is: a rank that failed before its first exchange (or
-        called another one) makes its peers time out there, naming it, instead of leaving them
-        in the allocation. The staging's allocations follow a barrier too (this one's closing
-        barrier, or that of its growth)."""
+        barrier of the side channel, which the timeout bounds: a rank that failed before its
+        first exchange (or called another one) makes its peers time out there, naming it,
+        instead of leaving them in the allocation. The staging's allocations follow a barrier
+        too (this one's closing barrier, or that of its growth).
+
+        Raises:
+            TimeoutError: a rank did not come within the timeout (the communicator is aborted).
+        """
         side = self._comm._side
         words = self._ready_words + self._size
         side.barrier("peer memory setup (every rank in its first exchange)")
