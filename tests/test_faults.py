@@ -265,6 +265,16 @@ def test_a_late_rank_names_itself_late():
             assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
 
 
+def test_an_aborted_communicator_keeps_a_clean_exit():
+    """Every rank aborts its communicator and ends normally, no peer stuck: the bounded exit
+    finalizes MPI as usual, at once, and the job's status stays 0 (the alarm never fires)."""
+    results, rc, wall, out = run_job("abort_then_finalize")
+    assert rc == 0, out
+    assert sorted(results) == list(range(RANKS)), out
+    assert all(exc == "none" for exc, _, _ in results.values()), results
+    assert wall < TIMEOUT + 10, wall  # well before an alarm of TIMEOUT after the start (+ start)
+
+
 @pytest.mark.parametrize("case", ["exit_before_explicit", "exit_before_layout",
                                   "kill_before_layout", "exit_mid_dispatch", "kill_mid_dispatch",
                                   "kill_mid_combine", "sigint_mid_dispatch"])

@@ -361,10 +361,18 @@ def case_stuck_caught_exit(comm):
     case_stuck_at_exit(comm)
 
 
+def case_abort_then_finalize(comm):
+    """Every rank aborts its communicator, then ends as a program does (main returns): no peer
+    is stuck, so MPI finalizes at once and the job's status stays 0."""
+    comm.abort()
+
+
 #: Cases whose exceptions main prints and lets through, to test the process's exit.
 UNCAUGHT = {"stuck_at_exit"}
-#: Cases after which main returns (MPI finalizes at exit) instead of ending the process.
-FINALIZE = {"stuck_caught_exit"}
+#: Cases after which main returns (MPI finalizes at exit) instead of ending the process: on
+#: every rank but BAD (stuck), or on every rank.
+FINALIZE = {"stuck_caught_exit", "abort_then_finalize"}
+FINALIZE_ALL = {"abort_then_finalize"}
 
 
 def main():
@@ -405,7 +413,7 @@ def main():
         elif exc in ("KeyError", "TimeoutError", "RuntimeError") or \
                 (comm.rank == BAD and case in STAY):
             time.sleep(max(0.0, deadline - time.perf_counter()))
-    if case in FINALIZE and comm.rank != BAD:
+    if case in FINALIZE and (comm.rank != BAD or case in FINALIZE_ALL):
         return
     os._exit(0)  # no finalize handshake with a peer that may be gone
 
