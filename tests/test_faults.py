@@ -218,7 +218,8 @@ def test_survivors_exit_past_a_stuck_peer(case, seconds):
     ("native_dtype_mix", ["bfloat16 rows", f"rank {BAD} has", "float32 rows"]),
     ("dim_mix_layout", ["shape (32,)", f"rank {BAD} has", "shape (64,)"]),
     ("stale_layout", ["rank 0 has layout 2", f"rank {BAD} has layout 1"]),
-    ("fail_one_of_three_layout", ["rank 0 has layout 1, call 2", f"rank {BAD} has layout 1, call 3"]),
+    ("fail_one_of_three_layout", ["rank 0 has layout 1, call 2",
+                                  f"rank {BAD} has layout 1, call 3"]),
 ])
 def test_layout_path_mismatch(world, case, words, request):
     """Ranks disagreeing on a layout-path exchange (rows of another dtype or width, a stale
