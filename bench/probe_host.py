@@ -141,7 +141,7 @@ def instrument():
         (route.QuantizedRows, "produce"), (route.QuantizedRows, "consume"),
         (route.QuantizedRows, "__init__"),
         (NcclCommunicator.__mro__[1], "exchange"), (NcclCommunicator, "alltoallv"),
-        (NcclCommunicator, "_record"), (NcclCommunicator.__mro__[1], "_check_usable"),
+        (NcclCommunicator, "_record"), (NcclCommunicator.__mro__[1], "check_usable"),
         (NcclCommunicator, "on_stream"), (NcclCommunicator, "stream_ptr"),
         (_pull.PullTransport, "run"), (_pull.PullTransport, "_pull"),
         (_pull.PullTransport, "_slots"), (_pull.PullTransport, "_consume_in_place"),

@@ -68,6 +68,8 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         self.small_exchange_bytes = small_exchange_bytes
         self.medium_exchange_bytes = medium_exchange_bytes
         self.layout_experts = None
+        #: layouts agreed on this communicator (``next_layout_number``)
+        self._layouts = 0
         self._side = side
         side.on_timeout = self._mark_aborted_by_timeout
         self.rank = side.rank
@@ -183,7 +185,7 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             TimeoutError: not every rank arrived within ``timeout`` s; the communicator is aborted.
             RuntimeError: the communicator is aborted or closed.
         """
-        self._check_usable()
+        self.check_usable()
         self._side.barrier()
 
     def wait(self, stream=None):
@@ -193,7 +195,7 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             TimeoutError: a peer did not arrive in an exchange (found since the last call).
             RuntimeError: the communicator is aborted or closed.
         """
-        self._check_usable()
+        self.check_usable()
 
     def to_host(self, a, stream):
         """The values of the 1-D device array ``a`` as a new NumPy array, read once the work
@@ -215,7 +217,13 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         """
         return self._side.allgather_array(mine, what)
 
-    def agree(self, op, error, words, *, text="", what=None):
+    def next_layout_number(self):
+        """Number the next layout agreed on this communicator (1, 2, ...): every rank agrees on
+        every layout, so the numbers match across ranks (``Plan.generation``)."""
+        self._layouts += 1
+        return self._layouts
+
+    def agree(self, op, error, words, *, text="", what=None, counted=True):
         """One agreement round: every rank shows its local verdict, ``words`` and ``text`` in
         one host allgather (``_agreement``: the vote of explicit-splits calls, the layout
         exchange's round), so that bad arguments anywhere raise the same exception on every
@@ -229,6 +237,8 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
                 with an error.
             text: names this rank's rows (dtypes, row shapes); must be the same on every rank.
             what: the call, prefixed to messages (default ``op``).
+            counted: False leaves the round out of ``host_collectives`` (the host backends'
+                check of a layout-path exchange, which travels with its rows).
         Returns:
             (W, n) int64 NumPy array of every rank's words, row r from rank r: a view valid
             until the next round of n words.
@@ -239,13 +249,13 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted.
             RuntimeError: the communicator is aborted or closed.
         """
-        self._check_usable()
+        self.check_usable()
         what = what or op
         ballot = self._ballots.get(len(words))
         if ballot is None:
             ballot = self._ballots[len(words)] = Ballot(self.rank, self.size, len(words))
         ballot.fill(OP_CODES[op], error, words, text)
-        self._side.allgather_into(ballot.mine, ballot.table, f"{what} (agreement)")
+        self._side.allgather_into(ballot.mine, ballot.table, f"{what} (agreement)", counted)
         if not ballot.all_valid():
             raise ballot.verdict(what)
         return ballot.words()
@@ -265,7 +275,7 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         Raises:
             TimeoutError, RuntimeError: as :meth:`alltoallv`.
         """
-        self._check_usable()
+        self.check_usable()
         self._move_rows(sends, outs, plan.send_counts, plan.send_offsets, plan.recv_counts,
                         plan.recv_offsets, stream_ptr)
 
@@ -292,7 +302,7 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             ValueError, TypeError: invalid here or on another rank (same message everywhere).
             TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted.
         """
-        self._check_usable()
+        self.check_usable()
         if not (self.validate if validate is None else validate):
             if error is not None:
                 raise error

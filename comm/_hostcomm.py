@@ -2,6 +2,7 @@
 
 import numpy
 
+from ._agreement import counts_verdict
 from ._board import EXCHANGE
 from ._communicator import Communicator
 from ._validate import check_counts_array
@@ -27,7 +28,7 @@ class HostCommunicator(Communicator):
         """:meth:`alltoall_counts` of the host backends: check ``counts`` (locally and across
         ranks), then ``move(counts, out, nbytes)`` returns the pending requests that exchange
         ``nbytes`` per rank; waited for with the timeout."""
-        self._check_usable()
+        self.check_usable()
         counts, k = check_counts_array(self, counts)
         counts = numpy.ascontiguousarray(counts)
         out = numpy.empty_like(counts)
@@ -35,6 +36,37 @@ class HostCommunicator(Communicator):
         if nbytes:
             self._side.wait(move(counts, out, nbytes), what, keep=(counts, out))
         return out
+
+    def alltoallv_plan(self, sends, outs, plan, stream_ptr):
+        """:meth:`Communicator.alltoallv_plan`; a layout's plan (``plan.generation`` set) is
+        first checked across ranks, since nothing else would stop an MPI or gloo alltoallv whose
+        ranks disagree (MPI moves garbage, gloo aborts the process): one agreement round,
+        travelling with the rows (not counted in ``host_collectives``), in which every rank
+        shows the layout it uses, its call number with it (``plan.calls``), its rows' dtypes
+        and row shapes, and its counts. Every rank raises the same error before any data moves
+        where they differ.
+
+        Raises:
+            ValueError: the ranks use different layouts (a stale one), rows of other dtypes or
+                row shapes (e.g. ``precision="native"`` of fp32 and bf16), or a rank is at
+                another call of the layout (one failed a call alone, or skipped one after
+                a failure); the message names the ranks and what each has.
+            TimeoutError, RuntimeError: as :meth:`alltoallv`.
+        """
+        self.check_usable()
+        if plan.generation is not None:
+            plan.calls += 1
+            text = f"layout {plan.generation}, call {plan.calls} of it, " + " + ".join(
+                f"{a.dtype.name} rows of shape {a.shape[1:]}" for a in sends)
+            size = self.size
+            table = self.agree("alltoallv", None, (*plan.send_counts, *plan.recv_counts),
+                               text=text, what="alltoallv of a layout", counted=False)
+            verdict = counts_verdict(table[:, :size].tolist(), table[:, size:].tolist(),
+                                     "alltoallv of a layout", "rows")
+            if verdict is not None:
+                raise verdict
+        self._move_rows(sends, outs, plan.send_counts, plan.send_offsets, plan.recv_counts,
+                        plan.recv_offsets, stream_ptr)
 
     def _enter_exchange(self):
         """Count this rank into the next exchange call on the arrival board; its number (0

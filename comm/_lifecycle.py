@@ -39,7 +39,7 @@ class Lifecycle:
         """True once :meth:`close` ran."""
         return self._state == "closed"
 
-    def _check_usable(self):
+    def check_usable(self):
         """Raise what the next call must raise: a stored error once, then a state error."""
         if self._pending_error is None and self._state == "open":
             failure = self._device_failure()

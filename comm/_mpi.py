@@ -6,8 +6,12 @@ bytes), so counts and displacements are in rows and stay far below the int32 lim
 even for arrays of many GiB. Every request is polled until ``timeout`` (``_sidechannel``).
 """
 
+import atexit
 import math
 import operator
+import os
+import signal
+import sys
 
 import numpy
 
@@ -47,6 +51,16 @@ class MpiCommunicator(HostCommunicator):
     def _new_peer_memory(self):
         from ._shm import HostPeerMemory
         return HostPeerMemory(self)
+
+    def _abort_backend(self):
+        """An aborted MPI communicator may leave a peer stuck (in a collective, or anywhere),
+        and ``MPI_Finalize`` at the process's exit would wait for it: bound that exit
+        (:class:`_BoundedExit`). With the pull transport, tell the peers this rank gave up on
+        its exchange (``HostPeerMemory.give_up``)."""
+        _BOUNDED_EXIT.arm(self.timeout)
+        memory = getattr(self._transport, "memory", None)
+        if memory is not None:  # the pull transport: a late peer learns it at once
+            memory.give_up()
 
     def _close_backend(self, clean):
         for datatype in self._row_types.values():
@@ -95,7 +109,7 @@ class MpiCommunicator(HostCommunicator):
             TimeoutError: not done within ``timeout`` s; the communicator is aborted.
             RuntimeError: the communicator is aborted or closed.
         """
-        self._check_usable()
+        self.check_usable()
         sends, outs, single, sc, rc, so, ro = self._plan(
             send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
         self._move_rows(sends, outs, sc, so, rc, ro, None)
@@ -142,6 +156,50 @@ class MpiCommunicator(HostCommunicator):
             return [self._side.mpi.Ialltoall([_bytes(counts), nbytes, byte],
                                              [_bytes(out), nbytes, byte])]
         return self._host_alltoall_counts(counts, move)
+
+
+class _BoundedExit:
+    """The exit of a process one of whose MPI communicators was aborted (process-wide, as the
+    exit is). mpi4py finalizes MPI at exit, after the ``atexit`` functions, and
+    ``MPI_Finalize`` waits for every peer, a stuck one too. So, once armed:
+
+    - an exception that reaches the top (``sys.excepthook``) ends the process with status 1
+      right after its traceback, without finalizing: mpiexec then ends the job;
+    - any other exit finalizes as usual (keeping its status: pytest's, ``sys.exit``'s) under
+      an alarm of ``timeout`` s, whose default action ends the process if the finalization
+      waits on a stuck peer.
+    """
+
+    def __init__(self):
+        self.seconds = 0
+        self.uncaught = False
+        self._hook = None
+
+    def arm(self, timeout):
+        """Arm it with the communicator's ``timeout`` s (the longest of those armed)."""
+        self.seconds = max(self.seconds, max(1, math.ceil(timeout)))
+        if self._hook is None:
+            self._hook = sys.excepthook
+            sys.excepthook = self._excepthook
+            atexit.register(self._at_exit)  # after mpi4py's: runs before its finalization
+
+    def _excepthook(self, *info):
+        self.uncaught = True
+        self._hook(*info)
+
+    def _at_exit(self):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 (a closed stream: nothing to flush)
+                pass
+        if self.uncaught:
+            os._exit(1)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(self.seconds)
+
+
+_BOUNDED_EXIT = _BoundedExit()
 
 
 def _bytes(a):

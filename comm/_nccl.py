@@ -363,7 +363,7 @@ class NcclCommunicator(Watchdog, Communicator):
                 exchange did not (found by the watchdog); the communicator is aborted.
             RuntimeError: the communicator is aborted or closed.
         """
-        self._check_usable()
+        self.check_usable()
         stream_ptr = self._stream(stream)
         self._connected(stream_ptr)
         with self.on_stream(stream_ptr):  # allocate out stream-ordered
@@ -404,7 +404,7 @@ class NcclCommunicator(Watchdog, Communicator):
             TimeoutError: the check did not finish in ``timeout`` s, or an earlier exchange did
                 not; the communicator is aborted.
         """
-        self._check_usable()
+        self.check_usable()
         self._connected(self._stream(stream))
         counts, k = check_counts_array(self, counts)
         call = self._board.enter(EXCHANGE)
@@ -448,7 +448,7 @@ class NcclCommunicator(Watchdog, Communicator):
             finally:
                 nccl.groupEnd()
         except Exception:
-            self._check_usable()  # the watchdog's TimeoutError, if it aborted us meanwhile
+            self.check_usable()  # the watchdog's TimeoutError, if it aborted us meanwhile
             raise
         finally:
             self._host_since = None

@@ -19,6 +19,10 @@ from ._staged import MAX_PIECES, describe_mismatch
 
 _GROWTH = 1.25
 _MASK = 0xFFFFFFFF
+#: The kind a rank whose communicator was aborted writes into its ready words to the peers, for
+#: the exchange it gave up: a peer that comes later raises at once, naming it, instead of
+#: waiting a timeout and blaming the ranks that were there.
+_GAVE_UP = 0xFFFFFFFF
 _SPIN_S = 1e-3
 _MAX_SLEEP_S = 1e-3
 
@@ -43,6 +47,7 @@ class HostPeerMemory:
         self._rank = comm.rank
         self._ready_words = self._size * MAX_PIECES
         self.generation = generation & _MASK
+        self._current = self.generation  # the generation of the exchange begun last
         self._flags_window = None  # allocated with the first staging (collective)
         self._flags = []
         self._window = None
@@ -52,9 +57,20 @@ class HostPeerMemory:
         self.epoch = 0
 
     def _allocate_flags(self):
-        """The flags window, every rank's words set to the starting generation (collective)."""
+        """The flags window, every rank's words set to the starting generation (collective).
+
+        ``MPI_Win_allocate_shared`` cannot be bounded, so every rank first meets the others in a
+        barrier of the side channel, which the timeout bounds: a rank that failed before its
+        first exchange (or called another one) makes its peers time out there, naming it,
+        instead of leaving them in the allocation. The staging's allocations follow a barrier
+        too (this one's closing barrier, or that of its growth).
+
+        Raises:
+            TimeoutError: a rank did not come within the timeout (the communicator is aborted).
+        """
         side = self._comm._side
         words = self._ready_words + self._size
+        side.barrier("peer memory setup (every rank in its first exchange)")
         self._flags_window = side.MPI.Win.Allocate_shared(8 * words, 8, comm=side.mpi)
         self._flags_window.Lock_all()
         self._flags = [numpy.frombuffer(self._flags_window.Shared_query(p)[0], dtype=numpy.uint64)
@@ -108,6 +124,7 @@ class HostPeerMemory:
         """Open the next generation: wait until every peer is done reading this rank's staging
         of the previous one."""
         want = self.generation
+        self._current = (want + 1) & _MASK
         done = self._flags[self._rank][self._ready_words:]
         self._spin(lambda: [p for p in range(self._size)
                             if p != self._rank and not reached(int(done[p]) >> 32, want)],
@@ -129,11 +146,14 @@ class HostPeerMemory:
         gen = self.generation
 
         def missing():
-            late = []
+            late, gave_up = [], []
             for peer, piece, kind in awaits:
                 value = int(flags[peer * MAX_PIECES + piece])
                 if value >> 32 != gen:
                     late.append(peer)
+                elif value & _MASK == _GAVE_UP:
+                    if peer not in gave_up:
+                        gave_up.append(peer)
                 elif value & _MASK != kind:
                     error = RuntimeError(
                         f"exchange on rank {self._rank}: "
@@ -142,6 +162,15 @@ class HostPeerMemory:
                         + "; the communicator is aborted")
                     self._comm._fail(error, raised=True)
                     raise error
+            if gave_up and not late:  # the others gave up, and no other rank is missing
+                ranks = ", ".join(map(str, gave_up))
+                error = RuntimeError(
+                    f"exchange on rank {self._rank}: rank{'s' if len(gave_up) > 1 else ''} "
+                    f"{ranks} had given up on this exchange (generation {gen}) before this "
+                    f"rank came to it: this rank is late (its peers timed out waiting for it), "
+                    f"or they failed; the communicator is aborted")
+                self._comm._fail(error, raised=True)
+                raise error
             return late
 
         self._spin(missing, "send its rows")
@@ -155,6 +184,17 @@ class HostPeerMemory:
         for p in range(self._size):
             if p != self._rank:
                 self._flags[p][slot] = value
+
+    def give_up(self):
+        """Tell every peer that this rank gave up on the exchange it began last (its
+        communicator was aborted): its ready words to them say so (:data:`_GAVE_UP`). Local
+        stores, never blocks; nothing after the flags window's setup."""
+        if self._flags_window is None:
+            return
+        value = numpy.uint64((self._current << 32) | _GAVE_UP)
+        for peer in range(self._size):
+            if peer != self._rank:
+                self._flags[peer][self._rank * MAX_PIECES:(self._rank + 1) * MAX_PIECES] = value
 
     def _spin(self, missing, what):
         """Spin (then sleep) until ``missing()`` is empty; TimeoutError naming the ranks after

@@ -31,8 +31,12 @@ from ._board import ArrivalBoard
 _SPIN_S = 2e-3
 _MIN_SLEEP_S = 5e-5
 _MAX_SLEEP_S = 5e-3
-#: Tag of the side channel's point-to-point messages (on its private duplicate communicator).
+#: Tags of the side channel's point-to-point messages (on its private duplicate communicator):
+#: ``_TAG`` plus the message's bytes modulo ``_TAGS``, so that ranks in two different gathers
+#: (a rank in another call) do not match each other's messages of another size (MPI would fail
+#: on the truncation, or abort the process on a partial element) but time out, naming the rank.
 _TAG = 17
+_TAGS = 16384
 
 
 def _not_bound(reason):
@@ -95,10 +99,14 @@ class SideChannel(abc.ABC):
         self._gather(mine, table, what)
         return table
 
-    def allgather_into(self, mine, table, what):
+    def allgather_into(self, mine, table, what, counted=True):
         """Allgather the buffer ``mine`` into ``table`` ((W, n), rank order); the vote reuses
-        both buffers from call to call."""
+        both buffers from call to call. ``counted=False``: not counted in :attr:`collectives`
+        (the host backends' check of a layout-path exchange, which travels with its rows)."""
+        collectives = self.collectives
         self._gather(mine, table, what)
+        if not counted:
+            self.collectives = collectives
 
     def barrier(self, what="barrier"):
         """Block until every rank has arrived (bounded)."""
@@ -119,7 +127,8 @@ class SideChannel(abc.ABC):
 
     def _timed_out(self, what, missing=""):
         """Call ``on_timeout`` and return the ``TimeoutError`` to raise."""
-        self.on_timeout(f"{what} timed out after {self.timeout:g} s")
+        self.on_timeout(f"{what} timed out after {self.timeout:g} s"
+                        + (f":{missing.rstrip(';')}" if missing else ""))
         return TimeoutError(
             f"{what}: did not finish within {self.timeout:g} s on rank {self.rank} of "
             f"{self.size};{missing} the communicator is aborted (a rank may have "
@@ -192,13 +201,14 @@ class MpiSideChannel(SideChannel):
     def _gather(self, mine, table, what):
         """Point to point, so a timeout names the ranks that did not arrive."""
         table[self.rank] = mine
+        tag = _TAG + mine.nbytes % _TAGS
         requests, peers = [], []
         for step in range(1, self.size):
             source = (self.rank - step) % self.size
             dest = (self.rank + step) % self.size
-            requests.append(self.mpi.Irecv(table[source], source=source, tag=_TAG))
+            requests.append(self.mpi.Irecv(table[source], source=source, tag=tag))
             peers.append(source)
-            requests.append(self.mpi.Isend(mine, dest=dest, tag=_TAG))
+            requests.append(self.mpi.Isend(mine, dest=dest, tag=tag))
             peers.append(None)
         self.collectives += 1
         if requests:

@@ -66,11 +66,16 @@ class Plan:
         rows_sent, rows_received.
         largest_peer_rows: the most rows any rank sends to its peers (rows it keeps not
             counted); the same on every rank, so ranks choose alike by it.
+        generation: which layout of its communicator the plan is a direction of (1, 2, ...:
+            ``exchange_layout`` numbers them alike on every rank), or None (a vote's plan).
+        calls: calls of the layout path made with this plan on this rank, those that failed
+            their local checks included; the host backends compare it across ranks
+            (``HostCommunicator.alltoallv_plan``).
     """
 
     __slots__ = ("rank", "size", "sent", "send_counts", "recv_counts", "send_offsets",
                  "recv_offsets", "rows_sent", "rows_received", "largest_peer_rows", "_staging_rows",
-                 "__weakref__")
+                 "generation", "calls", "__weakref__")
 
     def __init__(self, rank, sent):
         self.rank = rank
@@ -85,6 +90,8 @@ class Plan:
         self._staging_rows = max([sum(row) for row in sent], default=0)
         self.largest_peer_rows = max([sum(row) - row[j] for j, row in enumerate(sent)],
                                      default=0)
+        self.generation = None
+        self.calls = 0
 
     def transposed(self):
         """The plan of the reverse exchange (combine direction of a dispatch plan)."""
@@ -277,7 +284,7 @@ class StagedExchange:
             RuntimeError: a peer called a different exchange (as above); the communicator is
                 aborted or closed.
         """
-        self._check_usable()
+        self.check_usable()
         if landing is not None and (in_place or out is None):
             raise ValueError("landing: needs out arrays and in_place=False")
         stream_ptr = self.stream_ptr(stream)

@@ -77,7 +77,7 @@ class TorchHostCommunicator(HostCommunicator):
             TimeoutError: not done within ``timeout`` s; the communicator is aborted.
             RuntimeError: gloo failed (a peer crashed); the communicator is aborted or closed.
         """
-        self._check_usable()
+        self.check_usable()
         sends, outs, single, sc, rc, so, ro = self._plan(
             send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
         self._move_rows(sends, outs, sc, so, rc, ro, None)

@@ -31,7 +31,7 @@ class Watchdog:
     """The watchdog's part of :class:`~mxcomm.comm.NcclCommunicator` (a base of it): the event
     pool and queue, the thread, and :meth:`wait`. The communicator supplies ``_runtime``,
     ``_board``, ``_stream``, ``_nccl``, ``timeout``, ``device``, ``rank``, ``size`` and the
-    lifecycle (``_fail``, ``_check_usable``, ``_device_failure``)."""
+    lifecycle (``_fail``, ``check_usable``, ``_device_failure``)."""
 
     def _start_watchdog(self):
         """The watchdog's state, shared with its thread under ``self._lock``, and the thread."""
@@ -180,7 +180,7 @@ class Watchdog:
             RuntimeError: the communicator is aborted or closed; a peer called a different
                 exchange.
         """
-        self._check_usable()
+        self.check_usable()
         runtime = self._runtime
         with self._lock:
             event = self._free_events.pop() if self._free_events else None
@@ -196,14 +196,14 @@ class Watchdog:
                     # A device wait that gave up lets its stream go on, so the work completes
                     # either way: what it missed is in the status it wrote, read here (the
                     # watchdog may not have polled it yet).
-                    self._check_usable()
+                    self.check_usable()
                     return
                 if status != _CUDA_NOT_READY:
                     self._fail(RuntimeError(f"NcclCommunicator.wait on rank {self.rank}: CUDA "
                                             f"error {status}; the communicator is aborted"))
-                    self._check_usable()
+                    self.check_usable()
                 if self._pending_error is not None or self._state != "open":
-                    self._check_usable()
+                    self.check_usable()
                 # The pull transport's device waits give up after `timeout` from when they
                 # start, which is after this call starts: leave them the time to name the rank
                 # (the watchdog finds their status within its poll, aborts NCCL on its own
@@ -214,7 +214,7 @@ class Watchdog:
                     self._fail(TimeoutError(f"wait: the stream's work did not finish within "
                                             f"{self.timeout:g} s on rank {self.rank} ({late}); "
                                             f"the communicator is aborted"))
-                    self._check_usable()
+                    self.check_usable()
                 if time.monotonic() - start > _WAIT_SPIN_S:
                     time.sleep(sleep)
                     sleep = min(2 * sleep, 1e-3)

@@ -177,7 +177,9 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                 raise ValueError(f"{sends[1]} on rank {rank}: adds up to {sum(send_counts)} "
                                  f"rows, but {name} has {x.shape[0]} rows")
     except (TypeError, ValueError) as exc:
-        if layout is not None:
+        if layout is not None:  # counted, as the peers count this call: a later one of this
+            # rank does not pair with it unnoticed (``HostCommunicator.alltoallv_plan``)
+            (layout.dispatch_plan if direction == "dispatch" else layout.combine_plan).calls += 1
             raise type(exc)(f"{function}: {exc}") from None
         error = exc
     if layout is None:

@@ -51,6 +51,8 @@ class Layout(tuple):
         self.num_received = sum(output_splits)
         self.dispatch_plan = Plan(rank, sent)
         self.combine_plan = self.dispatch_plan.transposed()
+        # every rank agrees on every layout, so numbers them alike
+        self.dispatch_plan.generation = self.combine_plan.generation = comm.next_layout_number()
         self._cache = {}  # per-layout results reused by the primitives (e.g. permute indices)
         return self
 
@@ -92,6 +94,7 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
             differs across ranks, or a count is negative or beyond 2**31 - 1 (every rank raises,
             naming the rank, the expert and the value).
         TimeoutError: a rank did not join within ``comm.timeout`` s; the communicator is aborted.
+        RuntimeError: the communicator is aborted (e.g. an earlier timeout) or closed, at once.
     """
     return _exchange(num_tokens_per_expert, comm, stream, Layout, None)
 
@@ -100,6 +103,7 @@ def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
     """:func:`exchange_layout`, making the layout as ``cls`` (a :class:`Layout` subclass, e.g.
     ``mxcomm.torch``'s) and this rank's (E,) int32 group counts on the device with
     ``upload(host array)`` -> device array (None: the array module's, on ``stream``)."""
+    comm.check_usable()  # an aborted communicator refuses at once, as the exchanges do
     error, host = None, None
     try:
         host = _local_counts(num_tokens_per_expert, comm, stream, comm.rank, comm.size)
@@ -148,7 +152,7 @@ def _made(cls, comm, counts, num_experts, stream, upload):
 def _local_counts(num_tokens_per_expert, comm, stream, rank, world):
     """This rank's counts on the host as (E,) int64, checked; raises the argument errors."""
     name = "num_tokens_per_expert"
-    counts = as_device_array(num_tokens_per_expert, name)
+    counts = as_device_array(num_tokens_per_expert, f"{name} on rank {rank}")
     if counts.dtype.kind not in "iu":
         raise TypeError(f"{name} on rank {rank}: expected an integer array, got dtype "
                         f"{counts.dtype}")

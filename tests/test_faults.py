@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy
@@ -25,14 +26,67 @@ RANKS = int(os.environ.get("FAULTS_RANKS", "2"))
 TIMEOUT = 2.0  # the driver's communicator timeout
 SLACK = 3.0
 BAD = 1
-LINE = re.compile(r"RESULT rank=(\d+) exc=(\S+) t=([\d.]+) msg=(.*?)(?=RESULT rank=|$)", re.S)
+# one line per rank; two ranks' lines may run together, and mpiexec's words may follow the last
+LINE = re.compile(r"RESULT rank=(\d+) exc=(\S+) t=([\d.]+) msg=(.*?)(?=RESULT rank=|\n|$)")
 
 
-def run_job(case, ranks=RANKS):
-    """Run one case; return ({rank: (exc, seconds, message)}, exit code, wall seconds, output)."""
+#: The cases run in one gloo world (one spawn for all: a world takes seconds to start).
+GLOO_CASES = ("native_dtype_mix", "dim_mix_layout", "stale_layout", "fail_one_of_three_layout",
+              "precision_mix_layout", "raise_before_first_layout", "rows_before_first_layout",
+              "foreign_layout_first")
+
+
+def _gloo_rank(rank, size, cases):
+    """One rank of a gloo world (tests/torch_world.py, as torchrun makes one) running each of
+    the driver's ``cases`` on a communicator of its own; returns ``{case: (exc, seconds,
+    message)}`` as the driver's RESULT lines say."""
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.dirname(DRIVER))
+    import driver
+    from mxcomm import comm as mxc
+    results = {}
+    for case in cases:
+        comm = mxc.init(group=dist.group.WORLD, timeout=TIMEOUT)
+        t0 = time.perf_counter()
+        try:
+            getattr(driver, "case_" + case)(comm)
+            exc, msg = "none", ""
+        except Exception as e:  # noqa: BLE001 (reported: the test asserts on it)
+            exc, msg = type(e).__name__, " ".join(str(e).split())
+        results[case] = (exc, time.perf_counter() - t0, msg)
+        dist.barrier()  # every rank done with the case (the peers had their timeout)
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_world():
+    """Every case of GLOO_CASES run in one gloo world of RANKS ranks: ``{case: {rank: (exc,
+    seconds, message)}}``."""
+    pytest.importorskip("torch")
+    from torch_world import run_world
+    per_rank = run_world(RANKS, _gloo_rank, GLOO_CASES, timeout=len(GLOO_CASES) * 10 + 60)
+    return {case: {r: per_rank[r][case] for r in range(RANKS)} for case in GLOO_CASES}
+
+
+def run_case(world, case, gloo_world):
+    """The results of ``case`` at RANKS ranks under ``world`` (``"mpiexec"``: its own MPI job;
+    ``"gloo"``: from the module's gloo world): ``({rank: (exc, seconds, message)}, output)``."""
+    if world == "mpiexec":
+        results, rc, wall, out = run_job(case)
+        return results, out
+    return gloo_world[case], gloo_world[case]
+
+
+def run_job(case, ranks=RANKS, limit=TIMEOUT + 20):
+    """Run one case (``FAULTS_MPIEXEC``: the launcher, default ``mpiexec``, e.g. ``"mpirun
+    --allow-run-as-root"`` for Open MPI as root); return ({rank: (exc, seconds, message)}, exit
+    code, wall seconds, output)."""
+    launcher = os.environ.get("FAULTS_MPIEXEC", "mpiexec").split()
     t0 = time.perf_counter()
-    p = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, DRIVER, case],
-                       capture_output=True, text=True, timeout=TIMEOUT + 20)
+    with tempfile.TemporaryDirectory() as folder:  # where each rank says it printed its line
+        p = subprocess.run(launcher + ["-n", str(ranks), sys.executable, DRIVER, case],
+                           capture_output=True, text=True, timeout=limit,
+                           env=dict(os.environ, FAULTS_DIR=folder))
     wall = time.perf_counter() - t0
     out = p.stdout + p.stderr
     results = {int(r): (exc, float(t), msg.strip()) for r, exc, t, msg in LINE.findall(out)}
@@ -55,6 +109,8 @@ def assert_all_raise(case, exc, *words, bound=1.0):
     ("layout_float", "TypeError", ["num_tokens_per_expert", f"rank {BAD}", "float32"]),
     ("layout_negative", "ValueError", ["num_tokens_per_expert", f"rank {BAD}", "-1"]),
     ("layout_2e33", "ValueError", ["num_tokens_per_expert", f"rank {BAD}", str(2 ** 33)]),
+    ("layout_none", "TypeError", ["num_tokens_per_expert", f"rank {BAD}", "NoneType"]),
+    ("layout_list", "TypeError", ["num_tokens_per_expert", f"rank {BAD}", "list"]),
     ("precision_mismatch", "ValueError", ["rank 0 has precision 'mxfp8'",
                                           f"rank {BAD} has precision 'bf16'"]),
     ("dim_mismatch", "ValueError", ["D = 32", f"rank {BAD}", "D = 64"]),
@@ -71,7 +127,7 @@ def test_every_rank_raises(case, exc, words):
     ("raise_before_explicit", True),  # the argument vote times out naming the rank
     ("raise_before_layout", True),    # the flag wait times out naming the rank
     ("raise_mid_dispatch", True),     # raised in its first pull: the peers' next call times out
-    ("raise_mid_combine", False),     # combine's bf16 alltoallv: times out, names no rank yet
+    ("raise_mid_combine", True),      # the layout check before combine's bf16 alltoallv names it
 ])
 def test_rank_raises(case, named):
     """Rank BAD raises (and stays alive): the others raise TimeoutError within the timeout."""
@@ -87,11 +143,145 @@ def test_rank_raises(case, named):
             assert f"rank {BAD} did not" in msg, msg
 
 
+def names_late(msg, rank):
+    """Whether a timeout's message names ``rank`` as the one that did not arrive (the MPI side
+    channel says so itself; gloo's through the arrival board)."""
+    return re.search(rf"ranks? (\d+, )*{rank}(, \d+)* (did not arrive|had not entered)", msg) \
+        is not None
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+@pytest.mark.parametrize("case, bad_exc", [
+    ("raise_before_first_layout", "KeyError"),   # a plain exception, then stays alive
+    ("rows_before_first_layout", "ValueError"),  # its own rows: raised at once there
+    ("foreign_layout_first", "TimeoutError"),    # its dispatch waits on the other comm
+])
+def test_first_layout_dispatch_fails(world, case, bad_exc, request):
+    """Rank BAD's first layout-based dispatch (MPI: the one that allocates the peer memory) fails
+    on it alone: its peers time out within the timeout, naming BAD (MPI: in a bounded barrier
+    before the unbounded MPI window allocation, where they hung; gloo: in the layout check);
+    no rank returns rows. A rank that went to another communicator is not there: each names
+    the other."""
+    results, out = run_case(world, case, request.getfixturevalue("gloo_world")
+                            if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    assert results[BAD][0] == bad_exc, results[BAD]
+    for rank, (exc, seconds, msg) in results.items():
+        if rank == BAD and bad_exc != "TimeoutError":
+            assert seconds < 1.0, (rank, seconds)
+            continue
+        assert exc == "TimeoutError", (rank, exc, msg)
+        assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
+        if rank != BAD:
+            assert names_late(msg, BAD), msg
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+def test_precision_mix_on_the_layout_path(world, request):
+    """precision "bf16" on rank BAD, "mxfp8" on the others, given a layout. gloo: every rank
+    checks its rows before moving them (the same ValueError everywhere, naming both). MPI: the
+    quantized exchange waits for its peers' flags where rank BAD is in the layout check: each
+    times out naming the others, within the timeout. No rank returns rows."""
+    results, out = run_case(world, "precision_mix_layout",
+                            request.getfixturevalue("gloo_world") if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    for rank, (exc, seconds, msg) in results.items():
+        if world == "gloo":
+            assert exc == "ValueError" and f"rank {BAD} has" in msg and "bfloat16" in msg, msg
+            assert seconds < 1.0, (rank, seconds)
+        else:
+            assert exc == "TimeoutError", (rank, exc, msg)
+            assert seconds < TIMEOUT + SLACK, (rank, seconds)
+            assert names_late(msg, 0 if rank == BAD else BAD), msg
+
+
+@pytest.mark.parametrize("case, seconds", [
+    ("stuck_at_exit", TIMEOUT),          # uncaught: ends right after the traceback
+    ("stuck_caught_exit", 2 * TIMEOUT),  # caught, then MPI_Finalize under an alarm of TIMEOUT
+])
+def test_survivors_exit_past_a_stuck_peer(case, seconds):
+    """Rank BAD is stuck (a 60 s sleep) before the first dispatch; the others time out naming it,
+    and their processes end without waiting for it in MPI_Finalize: the job ends (mpiexec takes
+    the stuck rank down) long before the sleep does."""
+    results, rc, wall, out = run_job(case)
+    assert rc != 0, out
+    survivors = {r: v for r, v in results.items() if r != BAD}
+    assert sorted(survivors) == [r for r in range(RANKS) if r != BAD], out
+    for rank, (exc, t, msg) in survivors.items():
+        assert exc == "TimeoutError" and f"rank {BAD} did not" in msg, (rank, exc, msg)
+        assert t < TIMEOUT + SLACK, (rank, t)
+    assert wall < seconds + SLACK + 5, wall  # + the job's start (imports) on a loaded machine
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+@pytest.mark.parametrize("case, words", [
+    ("native_dtype_mix", ["bfloat16 rows", f"rank {BAD} has", "float32 rows"]),
+    ("dim_mix_layout", ["shape (32,)", f"rank {BAD} has", "shape (64,)"]),
+    ("stale_layout", ["rank 0 has layout 2", f"rank {BAD} has layout 1"]),
+    ("fail_one_of_three_layout", ["rank 0 has layout 1, call 2",
+                                  f"rank {BAD} has layout 1, call 3"]),
+])
+def test_layout_path_mismatch(world, case, words, request):
+    """Ranks disagreeing on a layout-path exchange (rows of another dtype or width, a stale
+    layout, a rank whose call failed alone going on to the next): the same ValueError on every
+    rank, naming the rank and what each has, before any data moves (MPI moved garbage here,
+    gloo aborted the processes); nothing returned anywhere."""
+    results, out = run_case(world, case, request.getfixturevalue("gloo_world")
+                            if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    messages = set()
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc == "ValueError", (rank, exc, msg)
+        assert seconds < TIMEOUT, (rank, seconds)
+        for w in words:
+            assert w in msg, (rank, w, msg)
+        messages.add(msg)
+    assert len(messages) == 1, messages
+
+
+def test_layout_exchange_after_a_timeout_refuses_at_once():
+    """After its layout exchange timed out (rank BAD never came), a rank's next exchange_layout
+    raises RuntimeError at once, as a dispatch does, instead of waiting a timeout again."""
+    results, rc, wall, out = run_job("layout_after_timeout")
+    assert sorted(results) == list(range(RANKS)), out
+    for rank, (exc, seconds, msg) in results.items():
+        if rank == BAD:
+            continue
+        assert exc == "RuntimeError" and "aborted" in msg and f"rank {BAD}" in msg, (rank, msg)
+        assert TIMEOUT - 0.5 < seconds < TIMEOUT + 1.0, (rank, seconds)  # one wait, not two
+
+
+def test_a_late_rank_names_itself_late():
+    """Rank BAD comes to a dispatch 1 s after its peers timed out in it (pull transport): it
+    raises at once, saying the peers had given up and it is late, instead of waiting a timeout
+    and blaming them; the peers' TimeoutError names it."""
+    results, rc, wall, out = run_job("late_rank")
+    assert sorted(results) == list(range(RANKS)), out
+    exc, seconds, msg = results[BAD]
+    assert exc == "RuntimeError" and "this rank is late" in msg, msg
+    assert seconds < TIMEOUT + 1 + 1.0, seconds  # its sleep, then at once
+    for rank, (exc, seconds, msg) in results.items():
+        if rank != BAD:
+            assert exc == "TimeoutError" and f"rank {BAD} did not" in msg, (rank, msg)
+            assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
+
+
+def test_an_aborted_communicator_keeps_a_clean_exit():
+    """Every rank aborts its communicator and ends normally, no peer stuck: the bounded exit
+    finalizes MPI as usual, at once, and the job's status stays 0 (the alarm never fires)."""
+    results, rc, wall, out = run_job("abort_then_finalize")
+    assert rc == 0, out
+    assert sorted(results) == list(range(RANKS)), out
+    assert all(exc == "none" for exc, _, _ in results.values()), results
+    assert wall < TIMEOUT + 10, wall  # well before an alarm of TIMEOUT after the start (+ start)
+
+
 @pytest.mark.parametrize("case", ["exit_before_explicit", "exit_before_layout",
                                   "kill_before_layout", "exit_mid_dispatch", "kill_mid_dispatch",
-                                  "kill_mid_combine"])
+                                  "kill_mid_combine", "sigint_mid_dispatch"])
 def test_rank_dies(case):
-    """Rank BAD exits (os._exit) or is SIGKILLed before or in the middle of an exchange: mpich's
+    """Rank BAD exits (os._exit), is SIGKILLed, or interrupted (SIGINT: an uncaught
+    KeyboardInterrupt) before or in the middle of an exchange: mpich's
     mpiexec aborts the whole job, well within the timeout (survivors never hang); a survivor that
     got there first raises TimeoutError naming the rank."""
     results, rc, wall, out = run_job(case)
@@ -134,3 +324,58 @@ def test_unpermute_more_rows_than_named():
     assert y.shape == (7, 32)
     assert (numpy.asarray(y[:4], numpy.float32) == numpy.asarray(x, numpy.float32)).all()
     assert not numpy.asarray(y[4:], numpy.float32).any()
+
+
+# ---------------------------------------------------------------------------- on GPUs (2 ranks)
+GPU_TIMEOUT = 10.0  # the driver's on GPUs
+#: comm.wait's own timeout comes after 1.25 * timeout + 1 s (docs/design.md, "Error model")
+GPU_BOUND = 1.25 * GPU_TIMEOUT + 1 + SLACK
+
+
+def run_gpu_job(case):
+    """One GPU case at 2 ranks (CUDA and NCCL start in the job: a longer limit)."""
+    return run_job(case, ranks=2, limit=120)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["nccl", "pull"])
+def test_gpu_rank_raises_before_the_first_dispatch(path):
+    """NCCL backend, 2 ranks: rank BAD raises before the first layout-based dispatch (bf16 over
+    NCCL, or MXFP8 pulled over CUDA IPC, whose peer memory that dispatch sets up): the other
+    raises TimeoutError naming it within the bound, and returns nothing."""
+    results, rc, wall, out = run_gpu_job(f"gpu_raise_first_{path}")
+    assert sorted(results) == [0, 1], out
+    assert results[BAD][0] == "KeyError", results[BAD]
+    exc, seconds, msg = results[1 - BAD]
+    assert exc == "TimeoutError" and f"rank {BAD}" in msg, (exc, msg)
+    assert seconds < GPU_BOUND, seconds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["nccl", "pull"])
+def test_gpu_rank_skips_one_of_three_calls(path):
+    """NCCL backend, 2 ranks: rank BAD skips the second of three same-shape dispatches. Its third
+    pairs with the other's second: no counter can tell them apart (docs/design.md, "Error
+    model"), so what is asserted is the bound: the other's third call raises TimeoutError
+    naming rank BAD within the bound."""
+    results, rc, wall, out = run_gpu_job(f"gpu_skip_{path}")
+    assert sorted(results) == [0, 1], out
+    exc, seconds, msg = results[1 - BAD]
+    assert exc == "TimeoutError" and f"rank {BAD}" in msg, (exc, msg)
+    assert seconds < GPU_BOUND + 5, seconds  # two calls went first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["nccl", "pull"])
+def test_gpu_rank_killed_mid_call(path):
+    """NCCL backend, 2 ranks: rank BAD is SIGKILLed between two dispatches: the job ends (mpiexec
+    takes it down) or the survivor raises TimeoutError naming it, within the bound."""
+    results, rc, wall, out = run_gpu_job(f"gpu_kill_{path}")
+    assert wall < GPU_BOUND + 20, wall  # + the job's start (CUDA, NCCL) on two GPUs
+    survivor = results.get(1 - BAD)
+    if survivor is not None and survivor[0] != "none":
+        exc, seconds, msg = survivor
+        assert exc == "TimeoutError" and f"rank {BAD}" in msg, (exc, msg)
+        assert seconds < GPU_BOUND + 5, seconds
+    else:
+        assert survivor is None, survivor  # it returned rows of a dead peer

@@ -156,8 +156,8 @@ def test_generation_wraps_around():
 def test_rank_skipping_a_call_times_out_naming_it(mode):
     """The last rank skips one dispatch: the others raise TimeoutError naming it within the
     timeout (nothing waits forever); their communicator is aborted. Staged, the sender's ready
-    flag is what is missing; small or medium (one ``alltoallv``), the arrival board names the
-    rank that had not entered the call."""
+    flag is what is missing; small or medium (one ``alltoallv``), the layout check before it
+    names the rank that did not arrive."""
     w0 = world()
     w, me = w0.Get_size(), w0.Get_rank()
     if w == 1:
@@ -173,7 +173,7 @@ def test_rank_skipping_a_call_times_out_naming_it(mode):
     a2a_dispatch(x, layout)  # everybody once: the staging is in place
     if me != late:
         start = time.monotonic()
-        named = (f"rank {late} had not entered this exchange call" if small else
+        named = (f"alltoallv of a layout.*rank {late} did not arrive" if small else
                  f"rank {late} did not send its rows within 2 s")
         with pytest.raises(TimeoutError, match=named):
             a2a_dispatch(x, layout)
@@ -315,7 +315,8 @@ def test_torch_pipeline_on_layout_makes_no_host_collective(comm):
 
     before = comm.host_collectives
     out, grad = run(True)
-    assert comm.host_collectives - before <= 2  # the staging's first growth at most
+    # the peer memory's setup at most: the barriers around the flags window, the staging
+    assert comm.host_collectives - before <= 3
     before = comm.host_collectives
     out, grad = run(True)
     assert comm.host_collectives == before

@@ -21,6 +21,9 @@ TIMEOUT = 2.0
 E_LOCAL = 2
 D = 32
 BAD = 1  # the rank that misbehaves
+#: Cases whose rank BAD raises at once while its peers wait: it stays alive as the others time
+#: out (mpiexec ends the job when a rank exits).
+STAY = {"rows_before_first_layout", "foreign_layout_first"}
 
 
 def layout_counts(comm, fill=2, dtype=numpy.int32):
@@ -41,6 +44,29 @@ def case_layout_negative(comm):
     if comm.rank == BAD:
         c[0] = -1
     exchange_layout(c, comm)
+
+
+def case_layout_none(comm):
+    exchange_layout(None if comm.rank == BAD else layout_counts(comm), comm)
+
+
+def case_layout_list(comm):
+    c = layout_counts(comm)
+    exchange_layout(c.tolist() if comm.rank == BAD else c, comm)
+
+
+def case_layout_after_timeout(comm):
+    """Rank BAD raises before a layout exchange; the others time out in it, then call
+    exchange_layout again: refused at once (RuntimeError), no second wait."""
+    if comm.rank == BAD:
+        raise KeyError("injected before the layout exchange")
+    try:
+        exchange_layout(layout_counts(comm), comm)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("the first layout exchange did not time out")
+    exchange_layout(layout_counts(comm), comm)
 
 
 def case_layout_2e33(comm):
@@ -74,6 +100,30 @@ def case_raise_before_layout(comm):
     a2a_dispatch(_rows(layout.num_rows), layout)
 
 
+def case_raise_before_first_layout(comm):
+    """Rank BAD raises before the first layout-based dispatch (the one that sets up the peer
+    memory): the others must not wait in the unbounded shared-window allocation."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    if comm.rank == BAD:
+        raise KeyError("injected before the first dispatch")
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def case_rows_before_first_layout(comm):
+    """A wrong row count on rank BAD in the first layout-based dispatch: a local ValueError
+    there, a TimeoutError naming it on the others."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    a2a_dispatch(_rows(layout.num_rows + (1 if comm.rank == BAD else 0)), layout)
+
+
+def case_foreign_layout_first(comm):
+    """Rank BAD passes a layout of another communicator to its first layout-based dispatch."""
+    other = mxc.init(group=comm.group, timeout=TIMEOUT)  # over the same ranks (MPI, or gloo)
+    layout = exchange_layout(layout_counts(comm), comm)
+    theirs = exchange_layout(layout_counts(other), other)
+    a2a_dispatch(_rows(layout.num_rows), theirs if comm.rank == BAD else layout)
+
+
 def case_exit_before_layout(comm):
     layout = _layout(comm)
     if comm.rank == BAD:
@@ -103,6 +153,9 @@ def _die_in_pulls(comm, how):
             raise KeyError("injected in the middle of the exchange")
         if how == "kill":
             os.kill(os.getpid(), 9)
+        if how == "sigint":
+            os.kill(os.getpid(), 2)
+            time.sleep(1)  # the KeyboardInterrupt comes at the next bytecode
         os._exit(3)
     HostPeerMemory.await_ready = await_ready
 
@@ -142,6 +195,10 @@ def case_kill_mid_dispatch(comm):
     _mid(comm, "kill", "dispatch")
 
 
+def case_sigint_mid_dispatch(comm):
+    _mid(comm, "sigint", "dispatch")
+
+
 def case_raise_mid_combine(comm):
     _mid(comm, "raise", "combine")
 
@@ -176,9 +233,155 @@ def case_torch_tensor(comm):
     a2a_dispatch(torch.ones(comm.size, D, dtype=torch.bfloat16), splits, splits, comm)
 
 
+def case_native_dtype_mix(comm):
+    """precision="native" on the layout path: fp32 rows on rank BAD, bf16 on the others."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    x = numpy.ones((layout.num_rows, D), numpy.float32 if comm.rank == BAD else bfloat16)
+    a2a_dispatch(x, layout, precision="native")
+
+
+def case_dim_mix_layout(comm):
+    """bf16 rows of D = 64 on rank BAD, 32 on the others, on the layout path."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    a2a_dispatch(numpy.ones((layout.num_rows, 2 * D if comm.rank == BAD else D), bfloat16),
+                 layout, precision="bf16")
+
+
+def case_precision_mix_layout(comm):
+    """precision "bf16" on rank BAD, "mxfp8" on the others, on the layout path."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    a2a_dispatch(_rows(layout.num_rows), layout,
+                 precision="bf16" if comm.rank == BAD else "mxfp8")
+
+
+def case_stale_layout(comm):
+    """Rank BAD dispatches with the step's first layout, the others with the second."""
+    first = exchange_layout(layout_counts(comm), comm)
+    second = exchange_layout(layout_counts(comm, fill=3), comm)
+    layout = first if comm.rank == BAD else second
+    a2a_dispatch(_rows(layout.num_rows), layout, precision="bf16")
+
+
+def _fail_second(comm, call):
+    """Three same-shape calls ``call(rows)``; rank BAD's second has one row too many, fails its
+    local check (raised at once on it alone), and rank BAD goes on to the third: its third must
+    not pair with the others' second unnoticed. Returns the third call's result."""
+    call(0)
+    if comm.rank == BAD:
+        try:
+            call(1)
+        except ValueError:
+            pass
+    else:
+        call(0)
+    return call(0)
+
+
+def case_fail_one_of_three_layout(comm):
+    layout = exchange_layout(layout_counts(comm), comm)
+    _fail_second(comm, lambda extra: a2a_dispatch(_rows(layout.num_rows + extra), layout,
+                                                 precision="bf16"))
+
+
+def case_late_rank(comm):
+    """Rank BAD comes to a layout-based dispatch 1 s after its peers timed out in it: it must
+    raise at once naming a peer that gave up (itself late), not time out blaming them."""
+    layout = _layout(comm)
+    if comm.rank == BAD:
+        time.sleep(TIMEOUT + 1)
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+# ---------------------------------------------------------------------- on GPUs (2 ranks)
+# ``gpu_<case>_<path>``: the NCCL backend; path "nccl" moves bf16 rows in one NCCL group, "pull"
+# MXFP8 rows over CUDA IPC (the pull transport). Every call is followed by ``comm.wait``, where a
+# device-side failure surfaces.
+GPU_TIMEOUT = 10.0  # the NCCL bootstrap is bounded by it too
+
+
+def _gpu_dispatch(comm, layout, path):
+    import cupy
+    x = cupy.asarray(_rows(layout.num_rows))
+    out = a2a_dispatch(x, layout, precision="bf16" if path == "nccl" else "mxfp8")
+    comm.wait()
+    return out
+
+
+def _gpu_layout(comm):
+    import cupy
+    return exchange_layout(cupy.asarray(layout_counts(comm)), comm)
+
+
+def _gpu_raise_first(comm, path):
+    layout = _gpu_layout(comm)
+    if comm.rank == BAD:
+        raise KeyError("injected before the first dispatch")
+    _gpu_dispatch(comm, layout, path)
+
+
+def _gpu_skip(comm, path):
+    """Three same-shape dispatches; rank BAD skips the second."""
+    layout = _gpu_layout(comm)
+    for i in range(3):
+        if comm.rank == BAD and i == 1:
+            continue
+        _gpu_dispatch(comm, layout, path)
+
+
+def _gpu_kill(comm, path):
+    """Rank BAD is SIGKILLed after the first dispatch, before the second."""
+    layout = _gpu_layout(comm)
+    _gpu_dispatch(comm, layout, path)
+    if comm.rank == BAD:
+        sys.stdout.flush()
+        os.kill(os.getpid(), 9)
+    _gpu_dispatch(comm, layout, path)
+
+
+for _path in ("nccl", "pull"):
+    for _name, _case in (("raise_first", _gpu_raise_first), ("skip", _gpu_skip),
+                         ("kill", _gpu_kill)):
+        globals()[f"case_gpu_{_name}_{_path}"] = \
+            lambda comm, _case=_case, _path=_path: _case(comm, _path)
+
+
+def case_stuck_at_exit(comm):
+    """Rank BAD is stuck (sleeps far past the timeout) before the first dispatch; the others'
+    TimeoutError goes uncaught (main lets it through): they must exit at once, not wait in
+    MPI_Finalize for the stuck rank."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    if comm.rank == BAD:
+        time.sleep(60)
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def case_stuck_caught_exit(comm):
+    """As stuck_at_exit, but the others catch their TimeoutError and end as a program does
+    (main returns): MPI finalizes, bounded by the communicator's timeout."""
+    case_stuck_at_exit(comm)
+
+
+def case_abort_then_finalize(comm):
+    """Every rank aborts its communicator, then ends as a program does (main returns): no peer
+    is stuck, so MPI finalizes at once and the job's status stays 0."""
+    comm.abort()
+
+
+#: Cases whose exceptions main prints and lets through, to test the process's exit.
+UNCAUGHT = {"stuck_at_exit"}
+#: Cases after which main returns (MPI finalizes at exit) instead of ending the process: on
+#: every rank but BAD (stuck), or on every rank.
+FINALIZE = {"stuck_caught_exit", "abort_then_finalize"}
+FINALIZE_ALL = {"abort_then_finalize"}
+
+
 def main():
     case = sys.argv[1]
-    comm = mxc.init(timeout=TIMEOUT)
+    if case.startswith("gpu_"):
+        comm = mxc.init("nccl", timeout=GPU_TIMEOUT, small_exchange_bytes=0,
+                        medium_exchange_bytes=0)
+    else:
+        comm = mxc.init(timeout=TIMEOUT)
     if case == "torch_tensor":
         import torch  # noqa: F401 (imported before the clock starts)
     t0 = time.perf_counter()
@@ -187,15 +390,31 @@ def main():
         exc, msg = "none", ""
     except Exception as e:  # reported, not swallowed: the test asserts on it
         exc, msg = type(e).__name__, " ".join(str(e).split())
+        if case in UNCAUGHT:
+            print(f"RESULT rank={comm.rank} exc={exc} t={time.perf_counter() - t0:.2f} "
+                  f"msg={msg}", flush=True)
+            raise
     print(f"RESULT rank={comm.rank} exc={exc} t={time.perf_counter() - t0:.2f} msg={msg}",
           flush=True)
-    if exc in ("KeyError", "TimeoutError"):
-        # Stay alive while the peers time out, since mpiexec ends the job when a rank exits: the
-        # injected raise, as a rank that raised would, and every survivor that timed out (one
-        # that exited at once took a peer whose clock started a moment later with it, before
-        # that peer printed: seen at 3 ranks on a loaded 2-core CI machine). Until TIMEOUT + 4 s
-        # after the start: longer than the test's bound on them, TIMEOUT + SLACK.
-        time.sleep(max(0.0, t0 + TIMEOUT + 4 - time.perf_counter()))
+    if case not in FINALIZE:
+        # Stay alive while the peers time out, since mpiexec ends the job when a rank exits:
+        # every rank, until every rank has printed its line (FAULTS_DIR: the test's folder, where
+        # each leaves a file once it printed), or until TIMEOUT + 4 s after the start (longer
+        # than the test's bound on them, TIMEOUT + SLACK). One that exited at once took a peer
+        # whose clock started a moment later with it, before that peer printed: seen at 3 ranks
+        # on a loaded 2-core CI machine.
+        folder = os.environ.get("FAULTS_DIR")
+        deadline = t0 + (1.25 * comm.timeout + 5 if case.startswith("gpu_") else TIMEOUT + 4)
+        if folder:
+            open(os.path.join(folder, str(comm.rank)), "w").close()
+            while len(os.listdir(folder)) < comm.size and time.perf_counter() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)  # the last line on its way through mpiexec
+        elif exc in ("KeyError", "TimeoutError", "RuntimeError") or \
+                (comm.rank == BAD and case in STAY):
+            time.sleep(max(0.0, deadline - time.perf_counter()))
+    if case in FINALIZE and (comm.rank != BAD or case in FINALIZE_ALL):
+        return
     os._exit(0)  # no finalize handshake with a peer that may be gone
 
 
