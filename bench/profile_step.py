@@ -132,7 +132,7 @@ def pieces():
     from mxcomm.comm import _communicator, _ipc, _nccl, _pull, _sidechannel, _staged
     from mxcomm.kernels import _launch
     return [
-        (mxt, "exchange_layout"), (mxt.Layout, "__new__"), (layout, "exchange_layout"),
+        (mxt, "exchange_layout"), (mxt.TensorLayout, "__new__"), (layout, "exchange_layout"),
         (layout, "_local_counts"), (layout.Layout, "__new__"), (_staged.Plan, "__init__"),
         (_staged.Plan, "transposed"), (_nccl.NcclCommunicator, "wait"),
         (_sidechannel.SideChannel, "allgather_bytes"),
