@@ -8,7 +8,7 @@ import torch
 
 from .. import a2a as _a2a
 from .. import layout as _layout
-from ._tensors import _exchange
+from ._ops import LayoutHandle, exchange
 
 
 class _A2ADispatch(torch.autograd.Function):
@@ -29,18 +29,21 @@ class _A2ADispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, call):
         input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
-        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align)
-        out = _exchange("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
-                        permute_align)
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align,
+                    x.shape[0])
+        if type(layout) is LayoutHandle:  # the combine's result rows, in a compiled region
+            layout.rows = x.shape[0]
+        out = exchange("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
+                       permute_align)
         if type(out) is tuple:
             ctx.mark_non_differentiable(*out[1:])
         return out
 
     @staticmethod
     def backward(ctx, grad, *index_grads):
-        input_splits, output_splits, comm, grad_precision, layout, permute_align = ctx.args
-        dx = _exchange("a2a_dispatch_backward", grad, input_splits, output_splits, comm,
-                       grad_precision, layout, permute_align)
+        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
+        dx = exchange("a2a_dispatch_backward", grad, input_splits, output_splits, comm,
+                      grad_precision, layout, permute_align, rows)
         return dx, None  # None for the call's tuple
 
 
@@ -59,15 +62,16 @@ class _A2ACombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, call):
         input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
-        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align)
-        return _exchange("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
-                         permute_align)
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align,
+                    y.shape[0])
+        return exchange("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
+                        permute_align, layout.rows if type(layout) is LayoutHandle else -1)
 
     @staticmethod
     def backward(ctx, grad):
-        input_splits, output_splits, comm, grad_precision, layout, permute_align = ctx.args
-        dy = _exchange("a2a_combine_backward", grad, input_splits, output_splits, comm,
-                       grad_precision, layout, permute_align)
+        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
+        dy = exchange("a2a_combine_backward", grad, input_splits, output_splits, comm,
+                      grad_precision, layout, permute_align, rows)
         if type(dy) is tuple:  # the permuted gradient (the index is the forward's)
             dy = dy[0]
         return dy, None  # None for the call's tuple
@@ -92,7 +96,7 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
-    if isinstance(input_splits, _layout.Layout):
+    if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
         layout, input_splits = input_splits, None
     return _A2ADispatch.apply(x, (input_splits, output_splits, comm, precision, grad_precision,
                                  layout, permute_align))
@@ -118,7 +122,7 @@ def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
-    if isinstance(input_splits, _layout.Layout):
+    if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
         layout, input_splits = input_splits, None
     return _A2ACombine.apply(y, (input_splits, output_splits, comm, precision, grad_precision,
                                 layout, permute_align))

@@ -7,7 +7,7 @@ import torch
 
 from .. import a2a as _a2a
 from .._torch_arrays import _array, _stream, _tensor
-from ._tensors import _exchange
+from ._ops import exchange
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -20,13 +20,15 @@ class _AllToAllSingle(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, comm, precision):
         ctx.args = (output_splits, input_splits, comm, precision)
-        return _exchange("all_to_all_single", x, input_splits, output_splits, comm, precision)
+        return exchange("all_to_all_single", x, input_splits, output_splits, comm, precision,
+                        out_rows=sum(output_splits))
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits, comm, precision = ctx.args
         # the same exchange with the splits swapped (the rows are named x in messages)
-        dx = _exchange("all_to_all_single", grad, output_splits, input_splits, comm, precision)
+        dx = exchange("all_to_all_single", grad, output_splits, input_splits, comm, precision,
+                      out_rows=sum(input_splits))
         # None for: output_splits, input_splits, comm, precision
         return dx, None, None, None, None
 
@@ -187,8 +189,8 @@ def all_to_all_single(input, output_split_sizes=None, input_split_sizes=None, gr
         from torch.distributed._functional_collectives import all_to_all_single_autograd
         return all_to_all_single_autograd(input, output_split_sizes, input_split_sizes, pg, tag)
     _a2a._check_precision(precision)
-    if comm is None:
-        comm = _communicators.get(pg)
+    if comm is None:  # in a compiled region the op finds the group's communicator
+        comm = pg if torch.compiler.is_compiling() else _communicators.get(pg)
     output_split_sizes = _splits(output_split_sizes, "output_split_sizes")
     input_split_sizes = _splits(input_split_sizes, "input_split_sizes")
     rows = input if input.dim() == 2 else input.reshape(input.shape[0], -1)

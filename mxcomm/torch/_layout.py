@@ -7,6 +7,7 @@ import torch
 
 from .. import layout as _layout
 from .._torch_arrays import _array, _stream, _tensor
+from . import _ops
 
 
 # ---------------------------------------------------------------------------------- public
@@ -40,7 +41,21 @@ def exchange_layout(num_tokens_per_expert, comm):
         A layout: pass it to :func:`a2a_dispatch`, :func:`permute`, :func:`unpermute` and
         :func:`a2a_combine` (no host collective per call); it unpacks as
         ``(num_tokens_per_expert_group (E,) int32 tensor, input_splits, output_splits)``.
+        While ``torch.compile`` traces: a :class:`~mxcomm.torch._ops.LayoutHandle` (the op
+        ``mxcomm::exchange_layout``; ``comm`` may then also be a ProcessGroup), which the
+        exchanges take with ``permute_align`` (docs/design.md, "torch.compile and custom ops").
     """
+    if torch.compiler.is_compiling():
+        return _ops.traced_layout(num_tokens_per_expert, comm)
+    if not hasattr(comm, "alltoallv"):  # a ProcessGroup: its communicator
+        from ._dropin import communicator_for
+        comm = communicator_for(comm)
+    _ops._registry.register(comm)  # found again by a compiled region's ops
+    return _exchange_layout(num_tokens_per_expert, comm)
+
+
+def _exchange_layout(num_tokens_per_expert, comm):
+    """:func:`exchange_layout` in eager (and the op ``mxcomm::exchange_layout``'s body)."""
     device = num_tokens_per_expert.device
     made = []
 

@@ -15,6 +15,14 @@ from ._a2a import _A2ADispatch
 from ._tensors import _Alloc, _index_array, _index_tensors, _PendingGather, _rows, _wrap
 
 
+def _not_compiled(name):
+    """NotImplementedError while ``torch.compile`` traces: the permute has no custom op."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(f"mxcomm.torch.{name} does not run under torch.compile (it "
+                                  f"has no custom op); pass permute_align to a2a_dispatch and "
+                                  f"a2a_combine instead (the same rows, one pass less)")
+
+
 def _folds_into_dispatch(x, layout):
     """True where permute's backward may hand its gradient to the dispatch that made ``x`` as a
     :class:`_PendingGather`: ``x`` is the output of :func:`a2a_dispatch` on the same layout,
@@ -148,6 +156,7 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
     Raises:
         ValueError: with a layout, ``x`` has another number of rows than it receives.
     """
+    _not_compiled("permute")
     if isinstance(num_tokens_per_expert_group, _layout.Layout):
         layout = num_tokens_per_expert_group
         if x.shape[0] != layout.num_received:  # here too: before autograd records anything
@@ -175,6 +184,7 @@ def unpermute(y, permuted_indices, num_rows, *, grad_format=None):
     Raises:
         ValueError: ``grad_format`` is not a format.
     """
+    _not_compiled("unpermute")
     if grad_format is not None:
         get_format(grad_format, "grad_format")
     return _Unpermute.apply(y, permuted_indices, num_rows, grad_format)
