@@ -238,8 +238,10 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
         w: (G, K, N) bf16 tensor, the local experts' weights.
         offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``),
             any group sizes (empty groups too; the fp8 wgrad pads its own operands).
-        fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available`, else the bf16
-            fallback; True to require them; False for the bf16 fallback.
+        fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available` and not under
+            ``torch.compile`` (their quantize kernels do not trace), else the bf16 fallback;
+            True to require them (NotImplementedError under ``torch.compile``); False for the
+            bf16 fallback.
         wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"`` (module
             docstring); the bf16 fallback ignores it.
         fast_accum: the fp8 products accumulated without fp32 promotion (module docstring):
@@ -272,7 +274,13 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
                            f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
                            f"the bf16 fallback)")
-    fp8 = available if fp8 is None else bool(fp8)
+    if fp8 and torch.compiler.is_compiling():
+        raise NotImplementedError("grouped_mm: fp8=True does not run under torch.compile "
+                                  "(mxcomm's fp8 quantize kernels have no custom op yet); pass "
+                                  "fp8=None or False for the bf16 GEMMs")
+    # under torch.compile the auto choice is the bf16 GEMMs (docs/design.md, "torch.compile and
+    # custom ops")
+    fp8 = available and not torch.compiler.is_compiling() if fp8 is None else bool(fp8)
     if fp8 and w.shape[2] % 16:
         raise ValueError(f"grouped_mm: N = {w.shape[2]} is not a multiple of 16, which the fp8 "
                          f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")

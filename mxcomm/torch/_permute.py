@@ -31,7 +31,7 @@ def _folds_into_dispatch(x, layout):
     backward = getattr(_A2ADispatch, "_backward_cls", None)
     if layout is None or backward is None or not isinstance(node, backward):
         return False
-    *_, grad_precision, dispatch_layout, permute_align = node.args
+    _, _, _, grad_precision, dispatch_layout, permute_align, _ = node.args  # _A2ADispatch ctx.args
     fmt = get_format(grad_precision)
     return dispatch_layout is layout and permute_align is None and fmt.quantized and \
         fmt.quantizes_gathered(bfloat16)
