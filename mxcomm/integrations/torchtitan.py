@@ -126,6 +126,8 @@ def _non_strict_tracing():
     """``torch.compiler._is_non_strict_tracing()`` where torch has it (2.12 on), else False
     (torch 2.11: no non-strict tracing to ask about)."""
     import torch
+    if torch.compiler.is_compiling():  # dynamo, not export's non-strict tracing
+        return False
     probe = getattr(torch.compiler, "_is_non_strict_tracing", None)
     return probe is not None and probe()
 
@@ -369,8 +371,10 @@ def _recipe(recipe):
     """``(precision fields with permute_align, gemm)`` of a recipe of ``mxcomm.recipes`` (its
     name or the Recipe). ValueError: an unknown recipe (listing them), or ``"auto"``, which
     chooses per layout and so cannot be written into a config."""
-    from mxcomm.recipes import get_recipe
-    chosen = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    if isinstance(recipe, str):
+        from mxcomm.recipes import get_recipe
+        recipe = get_recipe(recipe)
+    chosen = recipe
     if chosen.name == "auto":
         raise ValueError("recipe: 'auto' chooses per layout, which a torchtitan config cannot "
                          "hold yet; pin one of the recipes ('bf16', 'mxfp8', 'fp8_rowwise')")
