@@ -269,18 +269,19 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
     if offs.dtype != torch.int32 or tuple(offs.shape) != (w.shape[0],):
         raise TypeError(f"grouped_mm: offs: expected ({w.shape[0]},) int32, got "
                         f"{tuple(offs.shape)} {offs.dtype}")
-    available = fp8_gemm_available(w.device)
+    compiling = torch.compiler.is_compiling()
+    if fp8 and compiling:
+        raise NotImplementedError("grouped_mm: fp8=True does not run under torch.compile "
+                                  "(mxcomm's fp8 quantize kernels have no custom op yet); pass "
+                                  "fp8=None or False for the bf16 GEMMs")
+    # under torch.compile the auto choice is the bf16 GEMMs, asked nothing of the device
+    # (docs/design.md, "torch.compile and custom ops")
+    available = not compiling and fp8_gemm_available(w.device)
     if fp8 and not available:
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
                            f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
                            f"the bf16 fallback)")
-    if fp8 and torch.compiler.is_compiling():
-        raise NotImplementedError("grouped_mm: fp8=True does not run under torch.compile "
-                                  "(mxcomm's fp8 quantize kernels have no custom op yet); pass "
-                                  "fp8=None or False for the bf16 GEMMs")
-    # under torch.compile the auto choice is the bf16 GEMMs (docs/design.md, "torch.compile and
-    # custom ops")
-    fp8 = available and not torch.compiler.is_compiling() if fp8 is None else bool(fp8)
+    fp8 = available if fp8 is None else bool(fp8)
     if fp8 and w.shape[2] % 16:
         raise ValueError(f"grouped_mm: N = {w.shape[2]} is not a multiple of 16, which the fp8 "
                          f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")

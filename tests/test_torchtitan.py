@@ -395,3 +395,50 @@ def test_recipe_config_and_override():
     assert len(log) == 1
     assert type(moe.routed_experts.token_dispatcher) is tt.MxcommTokenDispatcher.Config
     assert type(moe.routed_experts.inner_experts) is tt.MxcommGroupedExperts.Config
+
+
+def default_compiled_checks(rank, size):
+    """torchtitan's MoE layer with mxcomm's default dispatcher (MXFP8 dispatch, bf16 combine,
+    torchtitan's permute) eager and compiled with ``fullgraph=True``: equality, and the
+    exchanges mxcomm made in each."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed import utils as titan_utils
+    from torchtitan.distributed.spmd_types import set_spmd_meshes
+
+    from mxcomm.integrations.torchtitan import MxcommTokenDispatcher
+    from mxcomm.torch import _ops
+    ran = []
+    real = _ops._exchange
+
+    def counted(function, *args):
+        ran.append(function)
+        return real(function, *args)
+
+    _ops._exchange = counted
+    titan_utils.set_spmd_backend("full_dtensor")
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
+    set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
+    config = MxcommTokenDispatcher.Config(num_experts=E_LOCAL * size, top_k=TOP_K)
+    moe = _moe(E_LOCAL * size, config)
+    moe.load_state_dict(_weights(rank, size), strict=False)
+    moe.to(dtype=torch.bfloat16)
+    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    eager = _layer_step(moe, rank)
+    eager_ran = sorted(ran)
+    ran.clear()
+    moe.zero_grad(set_to_none=True)
+    torch._dynamo.config.capture_scalar_outputs = True  # torchtitan's split lists (.tolist())
+    compiled = _layer_step(torch.compile(moe, fullgraph=True, backend="aot_eager"), rank)
+    return {k: torch.equal(eager[k], compiled[k]) for k in eager}, eager_ran, sorted(ran)
+
+
+def test_torchtitan_default_dispatcher_compiled():
+    """Compiled (``fullgraph=True``), mxcomm's default dispatcher makes its token exchanges
+    through mxcomm's ops with torchtitan's split lists (unbacked sizes), as many as eager, and
+    its output and gradients equal eager's bit for bit."""
+    expected = sorted(["a2a_dispatch", "a2a_combine", "a2a_combine_backward",
+                       "a2a_dispatch_backward"])
+    for rank, (equal, eager_ran, compiled_ran) in enumerate(
+            run_world(2, default_compiled_checks, timeout=600)):
+        assert all(equal.values()), f"rank {rank}: compiled differs from eager: {equal}"
+        assert eager_ran == compiled_ran == expected, (rank, eager_ran, compiled_ran)
