@@ -82,11 +82,26 @@ def _compiled_layer_world(rank, size):
             forward = list(ran)
             out.float().square().sum().backward()
             results[name] = (out.detach(), x.grad, w.grad, forward, list(ran))
+        # the drop-in for torch's all_to_all_single_autograd, given a ProcessGroup
+        import mxcomm.torch as mt
+
+        def dropin(x):
+            return mt.all_to_all_single(x, [2] * size, [2] * size, group, precision="mxfp8")
+
+        rows = torch.randn(2 * size, D, generator=torch.Generator().manual_seed(SEED + rank))
+        for name, fn in (("eager", dropin), ("compiled", torch.compile(dropin, fullgraph=True))):
+            x = rows.to(torch.bfloat16).requires_grad_(True)
+            y = fn(x)
+            y.float().square().sum().backward()
+            results[f"drop-in {name}"] = (y.detach(), x.grad)
     warned = [str(w.message) for w in caught if "mxcomm" in str(w.message)]
+    dropins = [torch.equal(a, b) for a, b in zip(results["drop-in eager"],
+                                                 results["drop-in compiled"])]
     eager, compiled = results["eager"], results["compiled"]
     # plain values back to the parent (tensors would travel through shared memory)
     equal = {name: (a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b))
              for name, a, b in zip(("output", "x.grad", "w.grad"), eager[:3], compiled[:3])}
+    equal["drop-in"] = all(dropins)
     return (equal, bool(eager[2].abs().sum() > 0), eager[3:], compiled[3:], targets, warned)
 
 
@@ -94,7 +109,8 @@ def test_compiled_ep_layer_equals_eager_and_keeps_mxcomm_exchanges():
     """``torch.compile(fullgraph=True)`` of layout -> dispatch -> grouped_mm -> combine: output,
     input and weight gradients equal eager's bit for bit on every rank; the compiled graph calls
     mxcomm's ops (no torch all-to-all), and its run makes mxcomm's exchanges, 2 forward and 2
-    backward, as eager does; the dequantized dispatch is warned about."""
+    backward, as eager does; the dequantized dispatch is warned about. The drop-in
+    ``all_to_all_single`` on a ProcessGroup compiles too, equal to eager forward and backward."""
     for rank, (equal, nonzero, eager, compiled, targets, warned) in enumerate(
             run_world(WORLD, _compiled_layer_world, timeout=600)):
         assert all(equal.values()), f"rank {rank}: differs from eager: {equal}"
