@@ -535,6 +535,7 @@ def test_converted_reference_matches_the_library_bit_for_bit():
     so an "exact" verdict of mxfp8+rowwise's permute means what it says."""
     torch = pytest.importorskip("torch")
     import mxcomm.torch as mt
+    from mxcomm._array import bfloat16
     from mxcomm.formats import get_format
     from mxcomm.fp8_formats import _host_mx_to_rowwise_permute
     rng = numpy.random.default_rng(3)
@@ -542,10 +543,10 @@ def test_converted_reference_matches_the_library_bit_for_bit():
     x[3] = 0
     x[5, :32] *= 2.0 ** 40
     x[6, 32:64] *= 2.0 ** -60
-    q = get_format("mxfp8").quantize(x.view(torch.int16).numpy().view(mt.bfloat16))
+    q = get_format("mxfp8").quantize(x.view(torch.int16).numpy().view(bfloat16))
     q.scales[7, 2] = 0xFF  # a NaN block
     q.scales[8, 1] = 0     # the smallest block scale
-    mx = mt._wrap(q)
+    mx = mt._tensors._wrap(q)
     indices = torch.tensor([4, 0, 11, -1, 3, 5, 6, 7, 8, -1, -1, 2], dtype=torch.int32)
     got = _checks.Checker._converted(mx, indices.to(torch.int64))
     data, scales = _host_mx_to_rowwise_permute(q, indices.numpy())

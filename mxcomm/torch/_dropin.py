@@ -77,9 +77,15 @@ def communicator_for(group):
         TypeError: ``group`` of another type (the message names what is accepted), or None
             while torch.distributed is not initialized.
         ValueError: a DeviceMesh of more than one dimension, or this process not in the group.
+        RuntimeError: called for a group while ``torch.compile`` traces.
         TimeoutError: the first call, collective, did not complete on every rank in time.
     """
     comm, pg = _resolve_group(group)
+    if comm is None and torch.compiler.is_compiling():
+        raise RuntimeError("communicator_for: a group's communicator cannot be built or looked "
+                           "up inside torch.compile; call it outside the compiled region, or "
+                           "pass the ProcessGroup itself (mxcomm's ops find its communicator "
+                           "when they run)")
     return comm if comm is not None else _communicators.get(pg)
 
 
