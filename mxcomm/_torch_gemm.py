@@ -238,10 +238,10 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
         w: (G, K, N) bf16 tensor, the local experts' weights.
         offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``),
             any group sizes (empty groups too; the fp8 wgrad pads its own operands).
-        fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available` and not under
-            ``torch.compile`` (their quantize kernels do not trace), else the bf16 fallback;
-            True to require them (NotImplementedError under ``torch.compile``); False for the
-            bf16 fallback.
+        fp8: None to use the SM90 fp8 GEMMs where :func:`fp8_gemm_available`, else the bf16
+            fallback; True to require them; False for the bf16 fallback. Under
+            ``torch.compile`` the call is the custom op ``mxcomm::grouped_mm``, which decides
+            (and raises) the same way when it runs.
         wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"`` (module
             docstring); the bf16 fallback ignores it.
         fast_accum: the fp8 products accumulated without fp32 promotion (module docstring):
@@ -269,14 +269,10 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True):
     if offs.dtype != torch.int32 or tuple(offs.shape) != (w.shape[0],):
         raise TypeError(f"grouped_mm: offs: expected ({w.shape[0]},) int32, got "
                         f"{tuple(offs.shape)} {offs.dtype}")
-    compiling = torch.compiler.is_compiling()
-    if fp8 and compiling:
-        raise NotImplementedError("grouped_mm: fp8=True does not run under torch.compile "
-                                  "(mxcomm's fp8 quantize kernels have no custom op yet); pass "
-                                  "fp8=None or False for the bf16 GEMMs")
-    # under torch.compile the auto choice is the bf16 GEMMs, asked nothing of the device
-    # (docs/design.md, "torch.compile and custom ops")
-    available = not compiling and fp8_gemm_available(w.device)
+    if torch.compiler.is_compiling():  # its kernels do not trace: the op (mxcomm.torch._gemm_op)
+        return torch.ops.mxcomm.grouped_mm(x, w, offs, fp8, wgrad,
+                                           [name in fast for name in GEMMS])
+    available = fp8_gemm_available(w.device)
     if fp8 and not available:
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
                            f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "

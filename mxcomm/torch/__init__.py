@@ -38,6 +38,7 @@ grouped GEMM), by the integrations (``mxcomm.integrations``, lazily) and by the 
 # the private names below are re-exported for the benchmarks' probes and the tests
 from .._torch_arrays import _array, _stream, _tensor
 from .._torch_gemm import fp8_gemm_available, grouped_mm
+from . import _gemm_op  # noqa: F401 (registers mxcomm::grouped_mm, which grouped_mm calls)
 from ._a2a import _A2ACombine, _A2ADispatch, a2a_combine, a2a_dispatch
 from ._dropin import all_to_all_single, all_to_all_single_fn, communicator_for
 from ._layout import TensorLayout, exchange_layout
