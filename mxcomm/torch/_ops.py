@@ -28,8 +28,8 @@ too), with a one-time warning naming the extra pass. Permute and unpermute have 
 compiled region pass ``permute_align`` to the exchanges (the fused path).
 
 Eager calls run the ops' implementation itself (:func:`exchange` calls ``_exchange``, which the
-op calls), not through torch's dispatcher: a custom op's Python dispatch costs tens of us of host
-time, and an eager call keeps what the op cannot carry (a QuantizedTensor, the pending gather of
+op calls), not through torch's dispatcher: a custom op's Python dispatch cost 9 us more than the
+plain call on a CPU (bench/NOTES.md), and an eager call keeps what the op cannot carry (a QuantizedTensor, the pending gather of
 permute's backward). Autograd is the autograd Functions of ``_a2a`` around the ops, which dynamo
 traces into the joint graph.
 """
