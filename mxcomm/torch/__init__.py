@@ -42,10 +42,12 @@ from . import _gemm_op  # noqa: F401 (registers mxcomm::grouped_mm, which groupe
 from ._a2a import _A2ACombine, _A2ADispatch, a2a_combine, a2a_dispatch
 from ._dropin import all_to_all_single, all_to_all_single_fn, communicator_for
 from ._layout import TensorLayout, exchange_layout
+from ._ops import LayoutHandle
 from ._permute import _Permute, permute, unpermute
 from ._quantized import MXFP8Tensor, QuantizedTensor, _quantized_tensor
 from ._tensors import _Alloc, _exchange, _exchange_direct, _index_array
 
 __all__ = ["QuantizedTensor", "MXFP8Tensor", "grouped_mm", "fp8_gemm_available",
-           "TensorLayout", "exchange_layout", "a2a_dispatch", "permute", "unpermute",
-           "a2a_combine", "all_to_all_single", "all_to_all_single_fn", "communicator_for"]
+           "TensorLayout", "LayoutHandle", "exchange_layout", "a2a_dispatch", "permute",
+           "unpermute", "a2a_combine", "all_to_all_single", "all_to_all_single_fn",
+           "communicator_for"]

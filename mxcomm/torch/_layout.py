@@ -37,17 +37,19 @@ def exchange_layout(num_tokens_per_expert, comm):
 
     Args:
         num_tokens_per_expert: (E,) integer tensor (int64 from ``bincount`` is fine).
+        comm: an mxcomm communicator, or a ProcessGroup or 1-D DeviceMesh (its
+            :func:`communicator_for`).
     Returns:
-        A layout: pass it to :func:`a2a_dispatch`, :func:`permute`, :func:`unpermute` and
-        :func:`a2a_combine` (no host collective per call); it unpacks as
+        A :class:`TensorLayout`: pass it to :func:`a2a_dispatch`, :func:`permute`,
+        :func:`unpermute` and :func:`a2a_combine` (no host collective per call); it unpacks as
         ``(num_tokens_per_expert_group (E,) int32 tensor, input_splits, output_splits)``.
-        While ``torch.compile`` traces: a :class:`~mxcomm.torch._ops.LayoutHandle` (the op
-        ``mxcomm::exchange_layout``; ``comm`` may then also be a ProcessGroup), which the
-        exchanges take with ``permute_align`` (docs/design.md, "torch.compile and custom ops").
+        While ``torch.compile`` traces: a :class:`LayoutHandle` (the op
+        ``mxcomm::exchange_layout``), which the exchanges take with ``permute_align``
+        (docs/design.md, "torch.compile and custom ops").
     """
     if torch.compiler.is_compiling():
         return _ops.traced_layout(num_tokens_per_expert, comm)
-    if not hasattr(comm, "alltoallv"):  # a ProcessGroup: its communicator
+    if not hasattr(comm, "alltoallv"):  # a ProcessGroup or a DeviceMesh: its communicator
         from ._dropin import communicator_for
         comm = communicator_for(comm)
     _ops._registry.register(comm)  # found again by a compiled region's ops

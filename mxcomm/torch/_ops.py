@@ -124,8 +124,9 @@ _registry = _Registry()
 
 
 def group_key(group):
-    """The string an op takes for ``group``: a ProcessGroup (``"pg:<group_name>"``; traceable)
-    or an mxcomm communicator (``"comm:<id>"``; registered when called outside a trace).
+    """The string an op takes for ``group``: a ProcessGroup or a 1-D DeviceMesh
+    (``"pg:<group_name>"``; traceable) or an mxcomm communicator (``"comm:<id>"``; registered
+    when called outside a trace).
 
     Raises:
         TypeError: ``group`` of another type.
@@ -133,19 +134,23 @@ def group_key(group):
     import torch.distributed as dist
     if isinstance(group, dist.ProcessGroup):
         return _PG + group.group_name
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(group, DeviceMesh):
+        return _PG + group.get_group().group_name
     from ..comm._communicator import Communicator
     if isinstance(group, Communicator):
         if torch.compiler.is_compiling():
             return f"{_COMM}{id(group)}"
         return _registry.register(group)
-    raise TypeError(f"group: expected a torch.distributed ProcessGroup or an mxcomm "
-                    f"communicator, got {type(group).__name__}")
+    raise TypeError(f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or an "
+                    f"mxcomm communicator, got {type(group).__name__}")
 
 
 def _group_size(group):
-    """W of a ProcessGroup or a communicator (traceable)."""
+    """W of a ProcessGroup, a DeviceMesh or a communicator (traceable)."""
     import torch.distributed as dist
-    return group.size() if isinstance(group, dist.ProcessGroup) else group.size
+    return group.size() if isinstance(group, dist.ProcessGroup) else \
+        group.size() if callable(group.size) else group.size
 
 
 def _warn_once(key, message):
