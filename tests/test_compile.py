@@ -50,7 +50,9 @@ def _compiled_layer_world(rank, size):
     import torch.distributed as dist
 
     from mxcomm.torch import _ops
+    import mxcomm.torch as mt
     group = dist.group.WORLD
+    comm = mt.communicator_for(group)  # the layer on an mxcomm communicator, the drop-in on group
     ran = []
     real = _ops._exchange
 
@@ -78,12 +80,11 @@ def _compiled_layer_world(rank, size):
             ran.clear()
             x = x0.clone().requires_grad_(True)
             w = w0.clone().requires_grad_(True)
-            out = layer(x, counts, w, group)
+            out = layer(x, counts, w, comm)
             forward = list(ran)
             out.float().square().sum().backward()
             results[name] = (out.detach(), x.grad, w.grad, forward, list(ran))
         # the drop-in for torch's all_to_all_single_autograd, given a ProcessGroup
-        import mxcomm.torch as mt
 
         def dropin(x):
             return mt.all_to_all_single(x, [2] * size, [2] * size, group, precision="mxfp8")
@@ -106,7 +107,8 @@ def _compiled_layer_world(rank, size):
 
 
 def test_compiled_ep_layer_equals_eager_and_keeps_mxcomm_exchanges():
-    """``torch.compile(fullgraph=True)`` of layout -> dispatch -> grouped_mm -> combine: output,
+    """``torch.compile(fullgraph=True)`` of layout -> dispatch -> grouped_mm -> combine on an
+    mxcomm communicator (the ops name it by its registered key): output,
     input and weight gradients equal eager's bit for bit on every rank; the compiled graph calls
     mxcomm's ops (no torch all-to-all), and its run makes mxcomm's exchanges, 2 forward and 2
     backward, as eager does; the dequantized dispatch is warned about. The drop-in

@@ -72,7 +72,9 @@ def communicator_for(group):
             communicator (returned as is), or None for torch.distributed's default group.
     Returns:
         A communicator over the group's ranks (``mxcomm.comm.init(group=...)``; on a CPU the
-        torch host backend, on GPUs NCCL).
+        torch host backend, on GPUs NCCL), registered for the custom ops: a communicator used
+        inside ``torch.compile`` must have passed through here (or ``exchange_layout``)
+        outside it first.
     Raises:
         TypeError: ``group`` of another type (the message names what is accepted), or None
             while torch.distributed is not initialized.
@@ -86,7 +88,11 @@ def communicator_for(group):
                            "up inside torch.compile; call it outside the compiled region, or "
                            "pass the ProcessGroup itself (mxcomm's ops find its communicator "
                            "when they run)")
-    return comm if comm is not None else _communicators.get(pg)
+    comm = comm if comm is not None else _communicators.get(pg)
+    if not torch.compiler.is_compiling():
+        from ._ops import _registry
+        _registry.register(comm)  # so a compiled region's ops find it (docs/design.md)
+    return comm
 
 
 def _resolve_group(group):
