@@ -47,7 +47,6 @@ class _A2ADispatch(torch.autograd.Function):
         return dx, None  # None for the call's tuple
 
 
-
 class _A2ACombine(torch.autograd.Function):
     """Step 5, the combine all-to-all.
 
@@ -77,7 +76,6 @@ class _A2ACombine(torch.autograd.Function):
         return dy, None  # None for the call's tuple
 
 
-
 def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8",
                  grad_precision="bf16", *, layout=None, permute_align=None):
     """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
@@ -93,6 +91,12 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
     gradient (an MXFP8 ``grad_precision`` quantizes it in place; docs/design.md, "The expert
     side of an exchange in permute's order"). No ``out_format``: for a conversion in the
     permute, call :func:`permute` separately.
+
+    Under ``torch.compile`` the exchange is the custom op ``mxcomm::exchange``: the layout is
+    the :class:`LayoutHandle` that :func:`exchange_layout` returns in the compiled region,
+    ``comm`` (with splits) may also be a ProcessGroup, and a quantized result comes back
+    dequantized to bf16 (the same values; warned once; docs/design.md, "torch.compile and
+    custom ops").
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")
@@ -100,8 +104,6 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
         layout, input_splits = input_splits, None
     return _A2ADispatch.apply(x, (input_splits, output_splits, comm, precision, grad_precision,
                                  layout, permute_align))
-
-
 
 
 def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16",
@@ -118,7 +120,7 @@ def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="
     gradient of ``y`` comes back permuted (padding rows zero with the format's padding scale),
     scattered straight from where it arrives when ``grad_precision`` is quantized (no separate
     unpermute backward pass; docs/design.md). No ``grad_format``: for a conversion, call
-    :func:`unpermute` separately.
+    :func:`unpermute` separately. Under ``torch.compile``: as :func:`a2a_dispatch`.
     """
     _a2a._check_precision(precision)
     _a2a._check_precision(grad_precision, "grad_precision")

@@ -37,7 +37,6 @@ def _folds_into_dispatch(x, layout):
         fmt.quantizes_gathered(bfloat16)
 
 
-
 class _Permute(torch.autograd.Function):
     """Step 2, received order -> expert-major groups padded to ``align`` rows.
 
@@ -129,7 +128,6 @@ class _Unpermute(torch.autograd.Function):
                                               _stream(grad), alloc, ctx.grad_format)
         # None for: permuted_indices, num_rows, grad_format
         return _wrap(dy, alloc), None, None, None
-
 
 
 def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,

@@ -35,7 +35,6 @@ def _dequantized(t):
     return out
 
 
-
 # ------------------------------------------------------------------------- QuantizedTensor
 def _scales_shape_text(fmt):
     """The scale shape of a format in words: "(M,)" or "(M, D // 32)"."""
@@ -159,7 +158,6 @@ class MXFP8Tensor(QuantizedTensor):
     def scales_e8m0(self):
         """(M, D // 32) float8_e8m0fnu: the scales (``scales``)."""
         return self.scales
-
 
 
 class _Dequantize(torch.autograd.Function):

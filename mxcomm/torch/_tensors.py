@@ -160,7 +160,6 @@ def _index_array(t, layout):
     return _array(t, "permuted_indices")
 
 
-
 class _PendingGather(torch.Tensor):
     """The gradient permute's backward hands dispatch's backward with a layout: (N, D), row i
     = ``source[inverse[i]]`` of the permuted gradient (P, D), not written yet (docs/design.md,
