@@ -21,15 +21,15 @@ ALIGN = 32
 SEED = 1234
 
 
-def _routed(rank, size):
-    """Seeded token rows of one rank: ``(num_tokens_per_expert (E,) int64, x (M, D) bf16,
-    w (E_local, D, H) bf16)``, some experts empty."""
+def _routed(rank, size, device="cpu"):
+    """Seeded token rows of one rank on ``device``: ``(num_tokens_per_expert (E,) int64,
+    x (M, D) bf16, w (E_local, D, H) bf16)``, some experts empty."""
     g = torch.Generator().manual_seed(SEED + rank)
     counts = torch.randint(0, 6, (E_LOCAL * size,), generator=g)
     counts[rank] = 0  # an empty expert
     x = torch.randn(int(counts.sum()), D, generator=g).to(torch.bfloat16)
     w = (torch.randn(E_LOCAL, D, H, generator=g) / 8).to(torch.bfloat16)
-    return counts, x, w
+    return counts.to(device), x.to(device), w.to(device)
 
 
 def _ep_layer(x, num_tokens_per_expert, w, group):
@@ -44,7 +44,7 @@ def _ep_layer(x, num_tokens_per_expert, w, group):
                           permute_align=ALIGN)
 
 
-def _compiled_layer_world(rank, size):
+def _compiled_layer_world(rank, size, device="cpu"):
     import warnings
 
     import torch.distributed as dist
@@ -71,7 +71,7 @@ def _compiled_layer_world(rank, size):
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs)
 
-    counts, x0, w0 = _routed(rank, size)
+    counts, x0, w0 = _routed(rank, size, device)
     results = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -91,7 +91,7 @@ def _compiled_layer_world(rank, size):
 
         rows = torch.randn(2 * size, D, generator=torch.Generator().manual_seed(SEED + rank))
         for name, fn in (("eager", dropin), ("compiled", torch.compile(dropin, fullgraph=True))):
-            x = rows.to(torch.bfloat16).requires_grad_(True)
+            x = rows.to(device, torch.bfloat16).requires_grad_(True)
             y = fn(x)
             y.float().square().sum().backward()
             results[f"drop-in {name}"] = (y.detach(), x.grad)
@@ -113,8 +113,21 @@ def test_compiled_ep_layer_equals_eager_and_keeps_mxcomm_exchanges():
     mxcomm's ops (no torch all-to-all), and its run makes mxcomm's exchanges, 2 forward and 2
     backward, as eager does; the dequantized dispatch is warned about. The drop-in
     ``all_to_all_single`` on a ProcessGroup compiles too, equal to eager forward and backward."""
-    for rank, (equal, nonzero, eager, compiled, targets, warned) in enumerate(
-            run_world(WORLD, _compiled_layer_world, timeout=600)):
+    _check_compiled_layer(run_world(WORLD, _compiled_layer_world, timeout=600))
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_ep_layer_equals_eager():
+    """The same on 2 GPUs over NCCL: there the compiled grouped GEMM is the fp8 op on SM90 (on
+    the dequantized rows, which it quantizes to the same bits as eager's GEMM does)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_compiled_layer(run_world(WORLD, _compiled_layer_world, "cuda", timeout=600,
+                                    gpu=True))
+
+
+def _check_compiled_layer(results):
+    for rank, (equal, nonzero, eager, compiled, targets, warned) in enumerate(results):
         assert all(equal.values()), f"rank {rank}: differs from eager: {equal}"
         assert nonzero, rank  # the weight gradient is not trivially zero
         assert eager[0] == compiled[0] == ["a2a_dispatch", "a2a_combine"], rank
