@@ -3,7 +3,8 @@
 Glossary: M rows sent by this rank (the token side), N rows received (the expert side), P
 permuted rows, D hidden, E experts, E_local experts per rank, W ranks.
 
-Two ops (docs/design.md, "torch.compile and custom ops"), in the ``mxcomm`` namespace:
+The exchange ops (docs/design.md, "torch.compile and custom ops"), in the ``mxcomm`` namespace
+(the grouped GEMM's are in ``_gemm_op``):
 
     mxcomm::exchange_layout(Tensor num_tokens_per_expert, str group) -> Tensor
     mxcomm::exchange(Tensor rows, Tensor? layout, str function, SymInt[]? input_splits,
@@ -13,7 +14,8 @@ Two ops (docs/design.md, "torch.compile and custom ops"), in the ``mxcomm`` name
 What is not a tensor travels as a value an op's schema takes:
 - a group is a string key: ``"pg:<group_name>"`` for a torch.distributed ``ProcessGroup`` (how
   torch's functional collectives name theirs), ``"comm:<id>"`` for an mxcomm communicator, which
-  :func:`group_key` registers when called outside a trace; the op finds the communicator again
+  is registered where it passes outside a trace (:func:`group_key`, ``exchange_layout``,
+  ``communicator_for``); the op finds the communicator again
   when it runs (``communicator_for`` of the group: built on first use, collectively);
 - a layout is a handle, a (1,) int64 CPU tensor naming it in :data:`_registry` (the layout itself,
   with its host ints, lives there while the handle lives: a finalizer on the handle removes it);
@@ -29,9 +31,9 @@ compiled region pass ``permute_align`` to the exchanges (the fused path).
 
 Eager calls run the ops' implementation itself (:func:`exchange` calls ``_exchange``, which the
 op calls), not through torch's dispatcher: a custom op's Python dispatch cost 9 us more than the
-plain call on a CPU (bench/NOTES.md), and an eager call keeps what the op cannot carry (a QuantizedTensor, the pending gather of
-permute's backward). Autograd is the autograd Functions of ``_a2a`` around the ops, which dynamo
-traces into the joint graph.
+plain call on a CPU (bench/NOTES.md), and an eager call keeps what the op cannot carry (a
+QuantizedTensor, the pending gather of permute's backward). Autograd is the autograd Functions
+of ``_a2a`` and ``_dropin`` around the ops, which dynamo traces into the joint graph.
 """
 
 import itertools
