@@ -111,7 +111,8 @@ def test_compiled_ep_layer_equals_eager_and_keeps_mxcomm_exchanges():
     mxcomm communicator (the ops name it by its registered key): output,
     input and weight gradients equal eager's bit for bit on every rank; the compiled graph calls
     mxcomm's ops (no torch all-to-all), and its run makes mxcomm's exchanges, 2 forward and 2
-    backward, as eager does; the dequantized dispatch is warned about. The drop-in
+    backward, as eager does; the dispatch's MXFP8 rows reach the GEMM op quantized, the combine's
+    MXFP8 gradient comes back dequantized (warned about). The drop-in
     ``all_to_all_single`` on a ProcessGroup compiles too, equal to eager forward and backward."""
     _check_compiled_layer(run_world(WORLD, _compiled_layer_world, timeout=600))
 
@@ -155,22 +156,28 @@ def _opcheck_world(rank, size):
     layout = _ops._registry.layout(handle)
     splits_in, splits_out = list(layout.input_splits), list(layout.output_splits)
     m, n = x.shape[0], layout.num_received
-    cases = [  # (args, result rows)
-        ((x, handle, "a2a_dispatch", None, None, "", "bf16", 0, -1, E_LOCAL), n),
-        ((x, handle, "a2a_dispatch", None, None, "", "mxfp8", ALIGN, -1, E_LOCAL), None),
-        ((x, None, "all_to_all_single", splits_in, splits_out, key, "mxfp8", 0, n, 0), n),
+    cases = [  # (args, result rows: None where permuted)
+        ((x, handle, "a2a_dispatch", None, None, "", "bf16", 0, -1, E_LOCAL, False), n),
+        ((x, handle, "a2a_dispatch", None, None, "", "mxfp8", ALIGN, -1, E_LOCAL, False), None),
+        ((x, handle, "a2a_dispatch", None, None, "", "fp8_rowwise", ALIGN, -1, E_LOCAL, True),
+         None),
+        ((x, None, "all_to_all_single", splits_in, splits_out, key, "mxfp8", 0, n, 0, False), n),
     ]
     for args, rows in cases:
         torch.library.opcheck(torch.ops.mxcomm.exchange, args)
-        out, indices, offsets = torch.ops.mxcomm.exchange(*args)
-        assert out.dtype == torch.bfloat16
+        out, scales, indices, offsets = torch.ops.mxcomm.exchange(*args)
+        if args[-1]:  # kept quantized: fp8 rowwise data and one fp32 scale per row
+            assert out.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+            assert scales.shape == (out.shape[0],)
+        else:
+            assert out.dtype == torch.bfloat16 and scales.numel() == 0
         if rows is not None:
             assert out.shape == (rows, D) and indices.numel() == offsets.numel() == 0
         else:  # permuted: P rows, the index and the group ends
             assert out.shape[0] == indices.shape[0] and offsets.shape == (E_LOCAL,)
             assert int(offsets[-1]) <= out.shape[0] and out.shape[0] % ALIGN == 0
     y = torch.randn(n, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-    combine = (y, handle, "a2a_combine", None, None, "", "bf16", 0, m, E_LOCAL)
+    combine = (y, handle, "a2a_combine", None, None, "", "bf16", 0, m, E_LOCAL, False)
     torch.library.opcheck(torch.ops.mxcomm.exchange, combine)
     back = torch.ops.mxcomm.exchange(*combine)[0]
     assert back.shape == (m, H)
@@ -228,8 +235,9 @@ def _grouped_mm_inputs(device, requires_grad):
 
 def test_opcheck_grouped_mm():
     """``torch.library.opcheck`` on ``mxcomm::grouped_mm`` (its autograd: the backward op) with
-    inputs that require grad, and the op's result equal to the eager ``grouped_mm``'s, forward
-    and backward (on a CPU: the bf16 fallback)."""
+    inputs that require grad, and on fp8 rowwise rows given as data and scales, and on
+    ``mxcomm::dequantize`` (with fp8 inputs without test_schema, which CPU float8 fails); the ops' results equal the eager ``grouped_mm``'s and
+    ``dequantize``'s, forward and backward (on a CPU: the bf16 fallback)."""
     import mxcomm.torch as mt
     x, w, offs = _grouped_mm_inputs("cpu", True)
     flags = [True, True, True]
@@ -242,6 +250,26 @@ def test_opcheck_grouped_mm():
     want.float().square().sum().backward()
     for a, b in zip(got, (want.detach(), x2.grad, w2.grad)):
         assert torch.equal(a, b)
+    # fp8 rowwise rows as data and scales (what a QuantizedTensor hands the op), and the
+    # dequantize op
+    from mxcomm._array import bfloat16
+    from mxcomm.formats import get_format
+    q = get_format("fp8_rowwise").quantize(x.detach().view(torch.int16).numpy().view(bfloat16))
+    rows = mt._tensors._wrap(q)
+    # test_schema's mutation check multiplies the inputs, which torch's CPU float8 cannot
+    fp8_inputs = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.mxcomm.dequantize,
+                          (rows.qdata, rows.scales, "fp8_rowwise"), test_utils=fp8_inputs)
+    assert torch.equal(torch.ops.mxcomm.dequantize(rows.qdata, rows.scales, "fp8_rowwise"),
+                       rows.dequantize())
+    w3 = w.detach().clone().requires_grad_(True)
+    torch.library.opcheck(torch.ops.mxcomm.grouped_mm,
+                          (rows.qdata, w3, offs, None, "fp8", flags),
+                          {"x_scales": rows.scales, "x_format": "fp8_rowwise"},
+                          test_utils=fp8_inputs)
+    y = torch.ops.mxcomm.grouped_mm(rows.qdata, w3, offs, None, "fp8", flags,
+                                    x_scales=rows.scales, x_format="fp8_rowwise")
+    assert torch.equal(y, mt.grouped_mm(rows, w.detach(), offs))
 
 
 @pytest.mark.gpu

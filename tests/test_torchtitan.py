@@ -355,8 +355,10 @@ def _check_recipe(results):
         assert not low, f"rank {rank}: SQNR below {SQNR_DB} dB: {low}"
         assert all(equal.values()), f"rank {rank}: compiled differs from eager: {equal}"
         assert eager_ran == compiled_ran == expected, (rank, eager_ran, compiled_ran)
-        # w1 and w3 read the delivered fp8 rows, w2 the SwiGLU's bf16 product
+        # w1 and w3 read the delivered fp8 rows, w2 the SwiGLU's bf16 product; compiled too
+        # (what the traced code saw: a QuantizedTensor made in the graph)
         assert eager_seen == ["QuantizedTensor", "QuantizedTensor", "Tensor"], eager_seen
+        assert compiled_seen == eager_seen, compiled_seen
 
 
 def test_override_registered_when_imported_before_torchtitan():

@@ -21,6 +21,7 @@ arrives dequantized (its ``__torch_dispatch__``), as torch ops see it.
 import torch
 
 from .. import _torch_gemm
+from ._quantized import _GEMM_OPS, _quantized_tensor
 
 
 class _Context:
@@ -51,45 +52,60 @@ def _resolved(fp8, w, wgrad, fast_accum):
 
 @torch.library.custom_op("mxcomm::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8: bool | None,
-                   wgrad: str, fast_accum: list[bool]) -> torch.Tensor:
-    """y (P, N) bf16 = x (P, K) @ w (G, K, N) per group (``_GroupedMM.forward``)."""
+                   wgrad: str, fast_accum: list[bool], x_scales: torch.Tensor | None = None,
+                   x_format: str = "bf16") -> torch.Tensor:
+    """y (P, N) bf16 = x (P, K) @ w (G, K, N) per group (``_GroupedMM.forward``); ``x`` with
+    ``x_scales``: quantized rows of ``x_format``."""
     fp8, fast = _resolved(fp8, w, wgrad, fast_accum)
-    return _torch_gemm._GroupedMM.forward(_Context(), x, w, offs, fp8, wgrad, fast)
+    return _torch_gemm._GroupedMM.forward(_Context(), _rows(x, x_scales, x_format), w, offs,
+                                          fp8, wgrad, fast)
+
+
+def _rows(x, x_scales, x_format):
+    """The GEMM's rows: ``x``, or the QuantizedTensor of data ``x`` and ``x_scales``."""
+    if x_scales is None:
+        return x
+    from ..formats import get_format
+    return _quantized_tensor(x, x_scales, get_format(x_format))
 
 
 @_grouped_mm_op.register_fake
-def _(x, w, offs, fp8, wgrad, fast_accum):
+def _(x, w, offs, fp8, wgrad, fast_accum, x_scales=None, x_format="bf16"):
     return x.new_empty((x.shape[0], w.shape[2]), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("mxcomm::grouped_mm_backward", mutates_args=())
 def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                             offs: torch.Tensor, fp8: bool | None, wgrad: str,
-                            fast_accum: list[bool], needs_dx: bool,
-                            needs_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                            fast_accum: list[bool], needs_dx: bool, needs_dw: bool,
+                            x_scales: torch.Tensor | None = None,
+                            x_format: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx (P, K) bf16, dw (G, K, N) of w's dtype)``, each (0,) where not needed
     (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
     fp8, fast = _resolved(fp8, w, wgrad, fast_accum)
     ctx = _Context((needs_dx, needs_dw))
     ctx.fp8, ctx.fp8_wgrad, ctx.fast = fp8, fp8 and wgrad == "fp8", fast
+    x = _rows(x, x_scales, x_format)
     rows = _torch_gemm._fp8_operand_a(x) if ctx.fp8_wgrad else (x,)
     ctx.save_for_backward(*rows, w, offs)
     # a gradient may come expanded (a sum's backward): the GEMMs take dense rows
     dx, dw = _torch_gemm._GroupedMM.backward(ctx, grad.contiguous())[:2]
-    none = x.new_empty(0)
+    none = w.new_empty(0)
     return (none if dx is None else dx,
             none.clone() if dw is None else dw.contiguous())
 
 
 @_grouped_mm_backward_op.register_fake
-def _(grad, x, w, offs, fp8, wgrad, fast_accum, needs_dx, needs_dw):
+def _(grad, x, w, offs, fp8, wgrad, fast_accum, needs_dx, needs_dw, x_scales=None,
+      x_format="bf16"):
     dx = x.new_empty(x.shape, dtype=torch.bfloat16) if needs_dx else x.new_empty(0)
     dw = w.new_empty(w.shape) if needs_dw else x.new_empty(0)
     return dx, dw
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, offs, fp8, wgrad, fast_accum = inputs
+    # autograd sees the op above a QuantizedTensor's dispatch: x is the QuantizedTensor itself
+    x, w, offs, fp8, wgrad, fast_accum = inputs[:6]
     ctx.save_for_backward(x, w, offs)
     ctx.options = (fp8, wgrad, fast_accum)
 
@@ -99,9 +115,11 @@ def _backward(ctx, grad):
     needs_dx, needs_dw = ctx.needs_input_grad[:2]
     dx, dw = torch.ops.mxcomm.grouped_mm_backward(grad, x, w, offs, *ctx.options, needs_dx,
                                                   needs_dw)
-    # None for: offs, fp8, wgrad, fast_accum
-    return dx if needs_dx else None, dw if needs_dw else None, None, None, None, None
+    # None for: offs, fp8, wgrad, fast_accum, x_scales, x_format
+    return dx if needs_dx else None, dw if needs_dw else None, None, None, None, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+_GEMM_OPS.update({torch.ops.mxcomm.grouped_mm.default: 0,
+                  torch.ops.mxcomm.grouped_mm_backward.default: 1})
 

@@ -9,7 +9,9 @@ The exchange ops (docs/design.md, "torch.compile and custom ops"), in the ``mxco
     mxcomm::exchange_layout(Tensor num_tokens_per_expert, str group) -> Tensor
     mxcomm::exchange(Tensor rows, Tensor? layout, str function, SymInt[]? input_splits,
                      SymInt[]? output_splits, str group, str precision, int permute_align,
-                     SymInt out_rows, int num_local_experts) -> (Tensor, Tensor, Tensor)
+                     SymInt out_rows, int num_local_experts, bool keep_quantized)
+        -> (Tensor rows, Tensor scales, Tensor permuted_indices, Tensor group_offsets)
+    mxcomm::dequantize(Tensor data, Tensor scales, str format) -> Tensor
 
 What is not a tensor travels as a value an op's schema takes:
 - a group is a string key: ``"pg:<group_name>"`` for a torch.distributed ``ProcessGroup`` (how
@@ -24,10 +26,12 @@ What is not a tensor travels as a value an op's schema takes:
   backward: its forward's input rows), else from the splits, else a new unbacked size
   (``torch.library.get_ctx().new_dynamic_size()``).
 
-An op returns plain tensors: a quantized result (a QuantizedTensor in eager) comes back
-dequantized, inside the op, in bf16 (the same values; torch ops on a QuantizedTensor see them
-too), with a one-time warning naming the extra pass. Permute and unpermute have no op: in a
-compiled region pass ``permute_align`` to the exchanges (the fused path).
+An op returns plain tensors. The forward dispatch of a quantized precision returns the data and
+scales (``keep_quantized``), and :func:`exchange` wraps them in a QuantizedTensor in the graph
+(whose dispatch hands the grouped GEMM's ops its data and scales, and dequantizes for other ops
+through ``mxcomm::dequantize``); any other quantized result (the combine's gradient) comes back
+dequantized in bf16, with a one-time warning naming the extra pass. Permute and unpermute have no
+op: in a compiled region pass ``permute_align`` to the exchanges (the fused path).
 
 Eager calls run the ops' implementation itself (:func:`exchange` calls ``_exchange``, which the
 op calls), not through torch's dispatcher: a custom op's Python dispatch cost 9 us more than the
@@ -46,7 +50,8 @@ import torch
 from .. import a2a as _a2a
 from .. import layout as _layout
 from .._torch_arrays import _TORCH_DTYPES
-from ._quantized import QuantizedTensor, _dequantized
+from ._quantized import (_DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _dequantized,
+                         _quantized_tensor)
 from ._tensors import _exchange
 
 NAMESPACE = "mxcomm"
@@ -178,11 +183,14 @@ def _(num_tokens_per_expert, group):
 @torch.library.custom_op(f"{NAMESPACE}::exchange", mutates_args=())
 def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
                  input_splits: list[int] | None, output_splits: list[int] | None, group: str,
-                 precision: str, permute_align: int, out_rows: int,
-                 num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One exchange of ``mxcomm.a2a._CALLS`` (``function``): ``(rows, permuted_indices,
-    group_offsets)``, the last two (0,) int32 unless the result is permuted (``permute_align``
-    > 0 in the dispatch direction). A quantized result comes back dequantized to bf16."""
+                 precision: str, permute_align: int, out_rows: int, num_local_experts: int,
+                 keep_quantized: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One exchange of ``mxcomm.a2a._CALLS`` (``function``): ``(rows, scales,
+    permuted_indices, group_offsets)``; a quantized result as its data (float8_e4m3fn) and
+    scales with ``keep_quantized``, else dequantized to bf16 (scales (0,)); the index and the
+    offsets (0,) int32 unless the result is permuted (``permute_align`` > 0 in the dispatch
+    direction)."""
     found = _registry.layout(layout) if layout is not None else None
     comm = None if found is not None else _registry.communicator(group)
     out = _exchange(function, rows, input_splits, output_splits, comm, precision, found,
@@ -193,14 +201,15 @@ def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
     else:
         indices, offsets = (torch.empty(0, dtype=torch.int32, device=rows.device)
                             for _ in range(2))
+    scales = rows.new_empty(0)
     if isinstance(out, QuantizedTensor):
-        out = _dequantized(out)
-    return out, indices, offsets
+        out, scales = (out.qdata, out.scales) if keep_quantized else (_dequantized(out), scales)
+    return out, scales, indices, offsets
 
 
 @_exchange_op.register_fake
 def _(rows, layout, function, input_splits, output_splits, group, precision, permute_align,
-      out_rows, num_local_experts):
+      out_rows, num_local_experts, keep_quantized):
     _, direction, dequantize = _a2a._CALLS[function]
     fmt = _a2a._check_precision(precision)
     expert_side = direction == "dispatch"
@@ -210,7 +219,12 @@ def _(rows, layout, function, input_splits, output_splits, group, precision, per
         n = sum(output_splits) if expert_side else sum(input_splits)
     else:
         n = torch.library.get_ctx().new_dynamic_size()
-    if fmt.quantized:
+    scales = rows.new_empty(0)
+    if fmt.quantized and keep_quantized and not dequantize:
+        dtype = _DATA_DTYPE
+        scales = rows.new_empty(fmt.scales_shape(n, rows.shape[1]),
+                                dtype=_SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)])
+    elif fmt.quantized:
         dtype = rows.dtype if dequantize else torch.bfloat16
         if not dequantize:  # here, not in the traced Python: dynamo does not trace warnings
             _warn_once(("dequantized", precision),
@@ -224,7 +238,19 @@ def _(rows, layout, function, input_splits, output_splits, group, precision, per
     permuted = expert_side and permute_align > 0
     indices = rows.new_empty((n if permuted else 0,), dtype=torch.int32)
     offsets = rows.new_empty((num_local_experts if permuted else 0,), dtype=torch.int32)
-    return out, indices, offsets
+    return out, scales, indices, offsets
+
+
+@torch.library.custom_op(f"{NAMESPACE}::dequantize", mutates_args=())
+def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, format: str) -> torch.Tensor:  # noqa: A002
+    """(M, D) bf16 values of quantized rows (data float8_e4m3fn, the format's scales)."""
+    from ..formats import get_format
+    return _dequantized(_quantized_tensor(data, scales, get_format(format)))
+
+
+@_dequantize_op.register_fake
+def _(data, scales, format):  # noqa: A002
+    return data.new_empty(data.shape, dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------------- what the steps call
@@ -241,7 +267,8 @@ def exchange(function, rows, input_splits, output_splits, comm, precision, layou
     """The exchange ``function`` on the tensor ``rows`` (the autograd Functions of ``_a2a`` and
     ``_dropin`` call it): in eager ``_exchange`` itself (a tensor, a QuantizedTensor, or with
     ``permute_align`` in the dispatch direction permute's triple); while ``torch.compile``
-    traces, the op ``mxcomm::exchange`` (a quantized result dequantized, warned once).
+    traces, the op ``mxcomm::exchange`` (the dispatch's quantized rows as a QuantizedTensor
+    made in the graph, other quantized results dequantized, warned once).
 
     ``comm``: an mxcomm communicator, a ProcessGroup (its :func:`communicator_for`), or None
     with a layout. ``out_rows``: the result's rows where the caller knows them, else -1.
@@ -256,15 +283,21 @@ def exchange(function, rows, input_splits, output_splits, comm, precision, layou
         raise RuntimeError(f"{function}: a layout made outside torch.compile cannot be used "
                            f"inside it; call mxcomm.torch.exchange_layout inside the compiled "
                            f"region")
-    if isinstance(rows, QuantizedTensor):
-        raise NotImplementedError(f"{function}: quantized rows (a QuantizedTensor) do not "
-                                  f"enter mxcomm's ops under torch.compile")
-    out, indices, offsets = torch.ops.mxcomm.exchange(
+    # rows typed QuantizedTensor (dynamo types the dispatch's gradient as its output) go into
+    # the op as they are: if one is a QuantizedTensor when the graph is made, its dispatch
+    # hands the op its dequantized values
+    fmt = _a2a._check_precision(precision)
+    # the dispatch's rows stay quantized (a QuantizedTensor made in the graph); the other
+    # quantized results (the combine's gradient) come back dequantized
+    keep = fmt.quantized and function == "a2a_dispatch"
+    out, scales, indices, offsets = torch.ops.mxcomm.exchange(
         rows, None if layout is None else layout.handle, function,
         None if input_splits is None else list(input_splits),
         None if output_splits is None else list(output_splits),
         "" if layout is not None else group_key(comm), precision, permute_align or 0,
-        out_rows, 0 if layout is None else layout.num_local_experts)
+        out_rows, 0 if layout is None else layout.num_local_experts, keep)
+    if keep:
+        out = QuantizedTensor(out, scales, fmt.name)
     if permute_align and _a2a._CALLS[function][1] == "dispatch":
         return out, indices, offsets
     return out

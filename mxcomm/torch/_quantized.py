@@ -28,6 +28,9 @@ _DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
 def _dequantized(t):
     """The bf16 values of the QuantizedTensor ``t`` as a plain tensor (no autograd), allocated by
     torch (no DLPack import per call)."""
+    if type(t.qdata) is not torch.Tensor or torch.compiler.is_compiling():
+        # traced (fake or functional inner tensors): the op mxcomm::dequantize (torch._ops)
+        return torch.ops.mxcomm.dequantize(t.qdata, t.scales, t.format_name)
     out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.qdata.device)
     if out.numel():
         rows = t.format.wrap(_array(t.qdata, "qdata"), _array(t.scales, "scales"))
@@ -112,9 +115,19 @@ class QuantizedTensor(torch.Tensor):
         if func is torch.ops.aten.detach.default:
             (t,) = args
             return QuantizedTensor(t.qdata, t.scales, t.format)
+        if func in _GEMM_OPS:  # the grouped GEMM's ops read the rows as they are (torch._gemm_op)
+            at = _GEMM_OPS[func]
+            t = args[at]
+            args = args[:at] + (t.qdata,) + args[at + 1:]
+            return func(*args, **dict(kwargs or {}, x_scales=t.scales, x_format=t.format_name))
         args, kwargs = tree_map(lambda a: _dequantized(a) if isinstance(a, QuantizedTensor)
                                 else a, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+#: The grouped GEMM's custom ops (``mxcomm.torch._gemm_op``, filled in there) -> the position of
+#: their rows argument, which a QuantizedTensor gives as its data and scales.
+_GEMM_OPS = {}
 
 
 def _quantized_tensor(qdata, scales, fmt, cls=None, requires_grad=False):
@@ -127,6 +140,7 @@ def _quantized_tensor(qdata, scales, fmt, cls=None, requires_grad=False):
     self = torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.bfloat16,
                                                device=qdata.device, requires_grad=requires_grad)
     self.qdata, self.scales, self.format = qdata, scales, fmt
+    self.format_name = fmt.name  # a string: what traced code reads (dynamo wraps no Format)
     return self
 
 
