@@ -119,8 +119,8 @@ def test_compiled_ep_layer_equals_eager_and_keeps_mxcomm_exchanges():
 
 @pytest.mark.gpu
 def test_gpu_compiled_ep_layer_equals_eager():
-    """The same on 2 GPUs over NCCL: there the compiled grouped GEMM is the fp8 op on SM90 (on
-    the dequantized rows, which it quantizes to the same bits as eager's GEMM does)."""
+    """The same on 2 GPUs over NCCL: there the compiled grouped GEMM is the fp8 op on SM90, given
+    the MXFP8 rows as data and scales (the same code as eager's GEMM on the MXFP8Tensor)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _check_compiled_layer(run_world(WORLD, _compiled_layer_world, "cuda", timeout=600,

@@ -331,16 +331,16 @@ def test_torchtitan_recipe_fp8_rows_to_experts_eager_and_compiled():
     """``use_mxcomm(recipe=fp8_rowwise)``: the dispatcher permutes in mxcomm's exchange and its
     fp8 rowwise rows (a QuantizedTensor) reach the experts' GEMMs as they arrive; output and
     gradients within SQNR >= 25 dB of torchtitan's bf16 dispatcher; ``torch.compile(
-    fullgraph=True)`` of the layer equals eager bit for bit (on a CPU the fp8 GEMM is the bf16
-    fallback, so the rows the compiled graph gets dequantized give the same values) and makes
-    mxcomm's 4 exchanges (torchtitan's own all-to-all is made to raise)."""
+    fullgraph=True)`` of the layer delivers the same QuantizedTensor rows to the experts, equals
+    eager bit for bit (on a CPU the fp8 GEMM is the bf16 fallback) and makes mxcomm's 4
+    exchanges (torchtitan's own all-to-all is made to raise)."""
     _check_recipe(run_world(2, recipe_checks, timeout=600))
 
 
 @pytest.mark.gpu
 def test_gpu_torchtitan_recipe_eager_and_compiled():
-    """The same on 2 GPUs over NCCL: the fp8 rows feed the SM90 fp8 grouped GEMM in eager; the
-    compiled layer's GEMM op quantizes the dequantized rows again (the same products)."""
+    """The same on 2 GPUs over NCCL: the fp8 rows feed the SM90 fp8 grouped GEMM as they arrive,
+    eager and compiled (the GEMM op given their data and scales)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _check_recipe(run_world(2, recipe_checks, "cuda", timeout=600, gpu=True))
