@@ -133,7 +133,7 @@ def pieces():
     from mxcomm.comm import Communicator, NcclCommunicator, Plan, _ipc, _pull, _sidechannel
     from mxcomm.kernels import _launch
     return [
-        (mxt, "exchange_layout"), (mxt.Layout, "__new__"), (layout, "exchange_layout"),
+        (mxt, "exchange_layout"), (mxt.TensorLayout, "__new__"), (layout, "exchange_layout"),
         (layout, "_local_counts"), (layout.Layout, "__new__"), (Plan, "__init__"),
         (Plan, "transposed"), (NcclCommunicator, "wait"),
         (_sidechannel.SideChannel, "allgather_bytes"),

@@ -332,7 +332,9 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         fp8: None: the SM90 fp8 GEMMs for quantized rows where :func:`fp8_gemm_available`
             (plain bf16 rows, as ``ExpertParallel``'s bf16 and mxfp8 recipes deliver them, get
             the bf16 GEMMs), else the bf16 fallback; True to require them (bf16 rows are then
-            quantized per call); False for the bf16 fallback.
+            quantized per call); False for the bf16 fallback. Under
+            ``torch.compile`` the call is the custom op ``mxcomm::grouped_mm``, which decides
+            (and raises) the same way when it runs.
         wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"`` (module
             docstring); the bf16 fallback ignores it.
         fast_accum: the fp8 products accumulated without fp32 promotion (module docstring):
@@ -363,6 +365,9 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
     if offs.dtype != torch.int32 or tuple(offs.shape) != (w.shape[0],):
         raise TypeError(f"grouped_mm: offs: expected ({w.shape[0]},) int32, got "
                         f"{tuple(offs.shape)} {offs.dtype}")
+    if torch.compiler.is_compiling():  # its kernels do not trace: the op (mxcomm.torch._gemm_op)
+        return torch.ops.mxcomm.grouped_mm(x, w, offs, fp8, wgrad,
+                                           [name in fast for name in GEMMS])
     available = fp8_gemm_available(w.device)
     if fp8 and not available:
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "

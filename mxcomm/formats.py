@@ -389,6 +389,16 @@ def sqnr(ref, out, *, chunk_rows=4096):
         ValueError: the shapes differ.
     Host syncs: one per chunk on a GPU (the sums are read).
     """
+    return sqnr_from_sums(*squared_sums(ref, out, chunk_rows=chunk_rows))
+
+
+def squared_sums(ref, out, *, chunk_rows=4096):
+    """``(||ref||^2, ||ref - out||^2)`` as float64 sums over chunks of ``chunk_rows`` rows on
+    the arrays' device (:func:`sqnr`'s sums, for an SQNR of several arrays taken together).
+
+    Raises:
+        ValueError: the shapes differ.
+    """
     if tuple(ref.shape) != tuple(out.shape):
         raise ValueError(f"out: expected shape {tuple(ref.shape)} like ref, got {tuple(out.shape)}")
     rows = ref.shape[0] if len(ref.shape) else 1
@@ -398,7 +408,7 @@ def sqnr(ref, out, *, chunk_rows=4096):
         r, o = _float64(ref[i:i + chunk_rows]), _float64(out[i:i + chunk_rows])
         signal += float((r * r).sum())
         noise += float(((r - o) ** 2).sum())
-    return sqnr_from_sums(signal, noise)
+    return signal, noise
 
 
 def sqnr_from_sums(signal, noise):

@@ -16,6 +16,7 @@ import pytest
 
 from mxcomm import recipes
 from mxcomm import sqnr
+from mxcomm._array import bfloat16
 from mxcomm.bench import _checks, _report, _timing, _workload
 from mxcomm.bench._cli import build_parser
 from mxcomm.bench.pipeline import shapes_from_args, summary_rows
@@ -666,6 +667,7 @@ def test_converted_reference_matches_the_library_bit_for_bit():
     so an "exact" verdict of mxfp8+rowwise's permute means what it says."""
     torch = pytest.importorskip("torch")
     import mxcomm.torch as mt
+    from mxcomm._array import bfloat16
     from mxcomm.formats import get_format
     from mxcomm._host import mx_to_rowwise_permute as _host_mx_to_rowwise_permute
     rng = numpy.random.default_rng(3)
@@ -673,10 +675,10 @@ def test_converted_reference_matches_the_library_bit_for_bit():
     x[3] = 0
     x[5, :32] *= 2.0 ** 40
     x[6, 32:64] *= 2.0 ** -60
-    q = get_format("mxfp8").quantize(x.view(torch.int16).numpy().view(mt.bfloat16))
+    q = get_format("mxfp8").quantize(x.view(torch.int16).numpy().view(bfloat16))
     q.scales[7, 2] = 0xFF  # a NaN block
     q.scales[8, 1] = 0     # the smallest block scale
-    mx = mt._wrap(q)
+    mx = mt._tensors._wrap(q)
     indices = torch.tensor([4, 0, 11, -1, 3, 5, 6, 7, 8, -1, -1, 2], dtype=torch.int32)
     got = _checks.Checker._converted(mx, indices.to(torch.int64))
     data, scales = _host_mx_to_rowwise_permute(q, indices.numpy())
@@ -709,9 +711,9 @@ def test_checks_take_a_rank_that_receives_no_rows(fmt):
     rng = numpy.random.default_rng(5)
     width = 256
     for rows in (0, 3):
-        x = rng.standard_normal((rows, width)).astype(mt.bfloat16)
+        x = rng.standard_normal((rows, width)).astype(bfloat16)
         q = get_format(fmt).quantize(x)
-        got = _checks.Checker._bytes(mt._wrap(q))
+        got = _checks.Checker._bytes(mt._tensors._wrap(q))
         want = numpy.zeros((rows, get_format(fmt).bytes_per_row(width)), numpy.uint8)
         for i in range(rows):
             data, scales = q.data[i].view(numpy.uint8), q.scales[i].reshape(-1).view(numpy.uint8)
@@ -720,7 +722,7 @@ def test_checks_take_a_rank_that_receives_no_rows(fmt):
         numpy.testing.assert_array_equal(got.numpy(), want)
         plain = torch.from_numpy(x.view(numpy.int16)).view(torch.bfloat16)
         assert _checks.Checker._bytes(plain).shape == (rows, 2 * width)
-    empty = mt._wrap(get_format("mxfp8").quantize(numpy.zeros((0, width), mt.bfloat16)))
+    empty = mt._tensors._wrap(get_format("mxfp8").quantize(numpy.zeros((0, width), bfloat16)))
     padding = torch.full((4,), -1, dtype=torch.int64)
     numpy.testing.assert_array_equal(_checks.Checker._converted(empty, padding).numpy(),
                                      numpy.tile(_checks.Checker._padding_row("fp8_rowwise",

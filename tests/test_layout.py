@@ -286,7 +286,7 @@ def test_layout_calls_check_locally(comm):
         import mxcomm.torch as mxt  # noqa: F401 (the torch adapter checks rows too)
         import torch
         mxt.permute(torch.zeros((layout.num_received + 1, D), dtype=torch.bfloat16),
-                    mxt.Layout.of(layout))
+                    mxt.TensorLayout.of(layout))
 
 
 def test_torch_pipeline_on_layout_makes_no_host_collective(comm):
@@ -339,7 +339,7 @@ def test_torch_layout_keeps_its_index(comm):
     w, me = comm.size, comm.rank
     counts = random_counts(numpy.random.default_rng(SEED + 9), w, 1)
     layout = mxt.exchange_layout(torch.from_numpy(counts[me].astype(numpy.int64)), comm)
-    assert isinstance(layout, mxt.Layout)
+    assert isinstance(layout, mxt.TensorLayout)
     numpy.testing.assert_array_equal(layout.group_tensor.numpy(),
                                      numpy.asarray(layout.num_tokens_per_expert_group))
     h = torch.zeros((layout.num_received, D), dtype=torch.bfloat16)
@@ -350,7 +350,7 @@ def test_torch_layout_keeps_its_index(comm):
     assert other is not kept
     numpy.testing.assert_array_equal(numpy.asarray(other), numpy.asarray(kept))
     on_arrays = exchange_layout(counts[me].astype(numpy.int32), comm)
-    again = mxt.Layout.of(on_arrays)
+    again = mxt.TensorLayout.of(on_arrays)
     assert again.input_splits == layout.input_splits == on_arrays.input_splits
     assert torch.equal(again.group_tensor, layout.group_tensor)
 
@@ -722,7 +722,7 @@ def _gpu_torch_direct_calls(torch, small, functions, exchange_direct, monkeypatc
         torch.cuda.set_device(c.device)
         w, me = c.size, c.rank
         taken = []
-        monkeypatch.setattr(mxt, "_exchange_direct",
+        monkeypatch.setattr(mxt._tensors, "_exchange_direct",
                             lambda *args: taken.append(exchange_direct(*args)) or taken[-1])
         stream = torch.cuda.current_stream().cuda_stream
         for step in range(3):
@@ -731,7 +731,7 @@ def _gpu_torch_direct_calls(torch, small, functions, exchange_direct, monkeypatc
             y = cupy.asarray(move_ref(xs, splits_of(counts, w), me))
             cupy.cuda.get_current_stream().synchronize()  # inputs complete before `stream`
             layout = exchange_layout(cupy.asarray(counts[me].astype(numpy.int32)), c)
-            on_tensors = mxt.Layout.of(layout)
+            on_tensors = mxt.TensorLayout.of(layout)
             rows = {"x": (x, mxt._tensor(x)), "y": (y, mxt._tensor(y))}
             for precision in ("bf16", "mxfp8", "fp8_rowwise"):
                 for function, call in functions.items():

@@ -15,6 +15,8 @@ Run: ``python -m pytest -q -m "not mpi" tests/test_recipes.py``;
 import numpy
 import pytest
 
+from mxcomm import sqnr
+
 torch = pytest.importorskip("torch")
 
 import mxcomm.torch as mt  # noqa: E402
@@ -263,8 +265,9 @@ def _titan_experts(seed=0):
 def _rowwise_rows(m=48):
     from mxcomm.formats import get_format
     x = torch.randn(m, D, dtype=torch.bfloat16)
-    return mt._wrap(get_format("fp8_rowwise").quantize(x.view(torch.int16).numpy().view(
-        mt.bfloat16)))
+    from mxcomm._array import bfloat16
+    from mxcomm.torch._tensors import _wrap
+    return _wrap(get_format("fp8_rowwise").quantize(x.view(torch.int16).numpy().view(bfloat16)))
 
 
 def test_torchtitan_experts_take_the_rows_as_dispatched():
@@ -390,12 +393,6 @@ def test_expert_parallel_equals_the_primitives(comm, device, name):
     assert torch.equal(wa.grad.view(torch.int16), wb.grad.view(torch.int16))
 
 
-def _sqnr(ref, out):
-    ref, out = ref.detach().double(), out.detach().double()
-    return (20 * torch.log10(torch.linalg.vector_norm(ref)
-                             / torch.linalg.vector_norm(ref - out))).item()
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["mxfp8", "fp8_rowwise"])
 def test_quantized_recipes_meet_the_sqnr_thresholds(comm, device, name):
@@ -412,9 +409,9 @@ def test_quantized_recipes_meet_the_sqnr_thresholds(comm, device, name):
         out, _, _ = _through_ep(ep, xa, counts, wa, grad, fp8=False)
         results.append((out, xa.grad, wa.grad))
     (ref, dx_ref, dw_ref), (out, dx, dw) = results
-    assert _sqnr(ref, out) >= 28
-    assert _sqnr(dx_ref, dx) >= 26
-    assert _sqnr(dw_ref, dw) >= 25
+    assert sqnr(ref, out) >= 28
+    assert sqnr(dx_ref, dx) >= 26
+    assert sqnr(dw_ref, dw) >= 25
 
 
 def _allgather(comm, value):

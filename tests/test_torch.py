@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import mxcomm.formats  # noqa: E402
 import mxcomm.torch as mt  # noqa: E402
 from mxcomm import comm as mxc, sqnr  # noqa: E402
 from mxcomm.kernels import simulated  # noqa: E402
@@ -201,11 +202,11 @@ def test_tensors_cross_to_arrays_zero_copy(rng):
     q = torch.zeros(2, 32, dtype=torch.float8_e4m3fn)
     assert mt._array(q, "q").dtype == numpy.uint8
     alloc = mt._Alloc(torch.device("cpu"))
-    fmt = mt.get_format("mxfp8")
+    fmt = mxcomm.formats.get_format("mxfp8")
     made = fmt.empty(3, 64, alloc)
     made.data[...] = 0x38  # 1.0 in e4m3
     made.scales[...] = 127  # 2^0
-    wrapped = mt._wrap(made, alloc)
+    wrapped = mt._tensors._wrap(made, alloc)
     assert isinstance(wrapped, mt.MXFP8Tensor)
     assert wrapped.qdata.data_ptr() == alloc._made[0][1].data_ptr()
     assert torch.equal(wrapped.dequantize(), torch.ones(3, 64, dtype=torch.bfloat16))
@@ -268,7 +269,7 @@ def test_token_path_autograd(request, comm, device, monkeypatch, dispatch, dispa
         out = exchange_direct(*args)
         direct_calls.append(out is not None)
         return out
-    monkeypatch.setattr(mt, "_exchange_direct", counted)
+    monkeypatch.setattr(mt._tensors, "_exchange_direct", counted)
     splits = (layout,) if given != "splits" else (input_splits, output_splits, comm)
 
     received = mt.a2a_dispatch(x, *splits, precision=dispatch, grad_precision=dispatch_grad)
@@ -314,7 +315,7 @@ def test_direct_call_leaves_other_tensors_to_the_engine(small_comm, device, monk
     direct = mt.a2a_dispatch(x, layout)
     taken = []
     exchange_direct = mt._exchange_direct
-    monkeypatch.setattr(mt, "_exchange_direct",
+    monkeypatch.setattr(mt._tensors, "_exchange_direct",
                         lambda *args: taken.append(exchange_direct(*args)) or taken[-1])
     engine = mt.a2a_dispatch(strided, layout)
     assert len(taken) == 1 and (taken[0] is None) == (x.shape[0] > 0)  # declined: the engine

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import mxcomm.torch as mt
+from mxcomm._array import bfloat16  # noqa: E402
 from mxcomm import _torch_gemm  # noqa: E402
 from mxcomm.formats import get_format, sqnr  # noqa: E402
 
@@ -17,8 +18,8 @@ QUANTIZED = ("mxfp8", "fp8_rowwise", "fp8_block128", "fp8_block128_pow2")
 
 def quantized_tensor(x, name):
     """The bf16 tensor ``x`` (CPU) as a QuantizedTensor of format ``name``."""
-    q = get_format(name).quantize(x.view(torch.int16).numpy().view(mt.bfloat16))
-    return mt._wrap(q)
+    q = get_format(name).quantize(x.view(torch.int16).numpy().view(bfloat16))
+    return mt._tensors._wrap(q)
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

@@ -212,3 +212,249 @@ def test_torchtitan_0_2_patch(monkeypatch):
     assert patched.precision == "bf16"
     assert list(__import__("inspect").signature(patched).parameters) == [
         "input", "output_split_sizes", "input_split_sizes", "group", "tag"]
+
+
+# --------------------------------------------------- recipes, mxcomm's permute, torch.compile
+#: A recipe as ``mxcomm.recipes`` gives it (``use_mxcomm`` reads these fields): today's
+#: ``fp8_rowwise`` (the benchmark's fp8_rowwise_mxgrad_fused).
+FP8_ROWWISE = types.SimpleNamespace(name="fp8_rowwise", dispatch="fp8_rowwise", combine="bf16",
+                                    dispatch_grad="mxfp8", combine_grad="fp8_rowwise",
+                                    gemm="fp8", fused=True)
+
+
+def _recipe_moe(num_experts, recipe):
+    """torchtitan's MoE config (as :func:`_moe`) with mxcomm installed by ``use_mxcomm``."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import (MoE, GroupedExperts, RoutedExperts,
+                                              TokenChoiceTopKRouter)
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from mxcomm.integrations.torchtitan import use_mxcomm
+    config = MoE.Config(
+        num_experts=num_experts, load_balance_coeff=None,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN,
+                                                num_experts=E_LOCAL),
+            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=num_experts,
+                                                            top_k=TOP_K)),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=num_experts, top_k=TOP_K,
+            gate=Linear.Config(in_features=DIM, out_features=num_experts)))
+    assert use_mxcomm(config, recipe=recipe) == 1
+    return config
+
+
+def _layer_step(moe, rank):
+    """Forward and backward of a built MoE layer (bf16); output and gradients, float32."""
+    g = torch.Generator().manual_seed(SEED + 1 + rank)
+    device = next(moe.parameters()).device
+    x = torch.randn(BATCH, SEQ, DIM, generator=g).to(device, torch.bfloat16).requires_grad_()
+    grad = torch.randn(BATCH, SEQ, DIM, generator=g).to(device, torch.bfloat16)
+    out = moe(x)
+    out.backward(grad)
+    result = {"output": out, "input grad": x.grad}
+    result.update({f"{name.removeprefix('_orig_mod.')} grad": p.grad  # compiled: the module's
+                   for name, p in moe.named_parameters()})
+    return {k: v.detach().float().clone() for k, v in result.items()}
+
+
+def _built(config, rank, size, mesh):
+    moe = config.build()
+    moe.load_state_dict(_weights(rank, size), strict=False)
+    moe.to(device=mesh.device_type, dtype=torch.bfloat16)
+    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    return moe
+
+
+def recipe_checks(rank, size, device="cpu"):
+    """torchtitan's MoE layer with mxcomm's fp8 rowwise recipe (mxcomm permutes; fp8 rows to
+    the experts): eager against torchtitan's bf16 dispatcher (SQNR), and compiled with
+    ``fullgraph=True`` against eager (bit for bit), counting mxcomm's exchanges."""
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        # torchtitan 0.3.0's reference dispatcher asks it (torch >= 2.12); the GPU image has
+        # torch 2.11, with no non-strict tracing to ask about
+        torch.compiler._is_non_strict_tracing = lambda: False
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed import utils as titan_utils
+    from torchtitan.distributed.spmd_types import set_spmd_meshes
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    import mxcomm.integrations.torchtitan as tt
+    from mxcomm.torch import _ops
+    titan_utils.set_spmd_backend("full_dtensor")
+    mesh = init_device_mesh(device, (size,), mesh_dim_names=("ep",))
+    set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
+    experts = E_LOCAL * size
+    reference = _run(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=TOP_K),
+                     "full_dtensor", torch.bfloat16, rank, size, mesh)
+    ran, seen = [], []
+    real, real_mm = _ops._exchange, tt.MxcommGroupedExperts._grouped_mm
+
+    def counted(function, *args):
+        ran.append(function)
+        return real(function, *args)
+
+    def grouped_mm(self, *, A, B_t, offs):  # what the experts' GEMMs are given
+        seen.append(type(A).__name__)
+        return real_mm(self, A=A, B_t=B_t, offs=offs)
+
+    _ops._exchange = counted
+    tt.MxcommGroupedExperts._grouped_mm = grouped_mm
+    from torchtitan.models.common import token_dispatcher as td
+
+    def torchs(*args, **kwargs):
+        raise AssertionError("torchtitan's own exchange ran in place of mxcomm's")
+
+    td.all_to_all_single = torchs  # from here on, only mxcomm's exchanges may run
+    config = _recipe_moe(experts, FP8_ROWWISE)
+    dispatcher = config.routed_experts.token_dispatcher
+    assert type(dispatcher) is tt.MxcommTokenDispatcher.Config and dispatcher.permute_align == 32
+    assert type(config.routed_experts.inner_experts) is tt.MxcommGroupedExperts.Config
+    eager = _layer_step(_built(config, rank, size, mesh), rank)
+    eager_ran, eager_seen = sorted(ran), list(seen)
+    ran.clear()
+    seen.clear()
+    torch._dynamo.config.capture_scalar_outputs = True
+    moe = _built(config, rank, size, mesh)
+    compiled = _layer_step(torch.compile(moe, fullgraph=True, backend="aot_eager"), rank)
+    sqnrs = {k: sqnr(reference[k].float(), eager[k].float()) for k in reference
+             if k == "output" or k == "input grad" or "inner" in k}
+    equal = {k: torch.equal(eager[k], compiled[k]) for k in eager}
+    return sqnrs, equal, eager_ran, sorted(ran), eager_seen, seen
+
+
+def test_torchtitan_recipe_fp8_rows_to_experts_eager_and_compiled():
+    """``use_mxcomm(recipe=fp8_rowwise)``: the dispatcher permutes in mxcomm's exchange and its
+    fp8 rowwise rows (a QuantizedTensor) reach the experts' GEMMs as they arrive; output and
+    gradients within SQNR >= 25 dB of torchtitan's bf16 dispatcher; ``torch.compile(
+    fullgraph=True)`` of the layer delivers the same QuantizedTensor rows to the experts, equals
+    eager bit for bit (on a CPU the fp8 GEMM is the bf16 fallback) and makes mxcomm's 4
+    exchanges (torchtitan's own all-to-all is made to raise)."""
+    _check_recipe(run_world(2, recipe_checks, timeout=600))
+
+
+@pytest.mark.gpu
+def test_gpu_torchtitan_recipe_eager_and_compiled():
+    """The same on 2 GPUs over NCCL: the fp8 rows feed the SM90 fp8 grouped GEMM as they arrive,
+    eager and compiled (the GEMM op given their data and scales)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_recipe(run_world(2, recipe_checks, "cuda", timeout=600, gpu=True))
+
+
+def _check_recipe(results):
+    expected = sorted(["a2a_dispatch", "a2a_combine", "a2a_combine_backward",
+                       "a2a_dispatch_backward"])
+    for rank, (sqnrs, equal, eager_ran, compiled_ran, eager_seen, compiled_seen) in enumerate(
+            results):
+        low = {k: round(v, 2) for k, v in sqnrs.items() if not v >= SQNR_DB}
+        assert not low, f"rank {rank}: SQNR below {SQNR_DB} dB: {low}"
+        assert all(equal.values()), f"rank {rank}: compiled differs from eager: {equal}"
+        assert eager_ran == compiled_ran == expected, (rank, eager_ran, compiled_ran)
+        # w1 and w3 read the delivered fp8 rows, w2 the SwiGLU's bf16 product; compiled too
+        # (what the traced code saw: a QuantizedTensor made in the graph)
+        assert eager_seen == ["QuantizedTensor", "QuantizedTensor", "Tensor"], eager_seen
+        assert compiled_seen == eager_seen, compiled_seen
+
+
+def test_override_registered_when_imported_before_torchtitan():
+    """Importing the integration before torchtitan's config still registers its overrides (a
+    fresh interpreter: the order of imports is what is tested)."""
+    import os
+    import subprocess
+    code = ("import mxcomm.integrations.torchtitan\n"
+            "import importlib\n"
+            "overrides = importlib.import_module('torchtitan.config.override')\n"
+            "names = set(overrides._REGISTRY)\n"
+            "print(sorted(n for n in names if n.startswith('mxcomm.')))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] +
+        os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "mxcomm.integrations.torchtitan.mxcomm_token_dispatcher" in out.stdout, out.stdout
+    assert "mxcomm.integrations.torchtitan.mxcomm_moe" in out.stdout, out.stdout
+
+
+def test_recipe_config_and_override():
+    """``use_mxcomm(recipe=...)`` and the ``mxcomm_moe`` override install the dispatcher (with
+    mxcomm's permute where the recipe is fused) and the experts class; ``"auto"`` is refused
+    naming why."""
+    import mxcomm.integrations.torchtitan as tt
+    config = _recipe_moe(4, FP8_ROWWISE)
+    dispatcher, experts = (config.routed_experts.token_dispatcher,
+                           config.routed_experts.inner_experts)
+    assert type(dispatcher) is tt.MxcommTokenDispatcher.Config
+    assert (dispatcher.dispatch_precision, dispatcher.combine_precision,
+            dispatcher.dispatch_grad_precision, dispatcher.combine_grad_precision,
+            dispatcher.permute_align) == ("fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", 32)
+    assert type(experts) is tt.MxcommGroupedExperts.Config and experts.gemm == "fp8"
+    assert (experts.dim, experts.hidden_dim, experts.num_experts) == (DIM, HIDDEN, E_LOCAL)
+    with pytest.raises(ValueError, match="'auto' chooses per layout"):
+        tt.use_mxcomm(config, recipe=types.SimpleNamespace(name="auto"))
+    with pytest.raises(ValueError, match="gemm"):
+        tt.MxcommGroupedExperts.Config(dim=8, hidden_dim=8, num_experts=1, gemm="fp4").build()
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    overrides = importlib.import_module("torchtitan.config.override")
+    moe = _moe_config(AllToAllTokenDispatcher.Config(num_experts=4, top_k=2))
+    recipes = types.ModuleType("mxcomm.recipes")  # until mxcomm.recipes lands: its get_recipe
+    recipes.get_recipe = {"fp8_rowwise": FP8_ROWWISE}.__getitem__
+    saved = sys.modules.get("mxcomm.recipes")
+    sys.modules.setdefault("mxcomm.recipes", recipes)
+    try:
+        log = overrides.apply_overrides(overrides.OverrideConfig(imports=[(
+            "mxcomm.integrations.torchtitan.mxcomm_moe", {"recipe": "fp8_rowwise"})]), moe)
+    finally:
+        if saved is None and sys.modules.get("mxcomm.recipes") is recipes:
+            del sys.modules["mxcomm.recipes"]
+    assert len(log) == 1
+    assert type(moe.routed_experts.token_dispatcher) is tt.MxcommTokenDispatcher.Config
+    assert type(moe.routed_experts.inner_experts) is tt.MxcommGroupedExperts.Config
+
+
+def default_compiled_checks(rank, size):
+    """torchtitan's MoE layer with mxcomm's default dispatcher (MXFP8 dispatch, bf16 combine,
+    torchtitan's permute) eager and compiled with ``fullgraph=True``: equality, and the
+    exchanges mxcomm made in each."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed import utils as titan_utils
+    from torchtitan.distributed.spmd_types import set_spmd_meshes
+
+    from mxcomm.integrations.torchtitan import MxcommTokenDispatcher
+    from mxcomm.torch import _ops
+    ran = []
+    real = _ops._exchange
+
+    def counted(function, *args):
+        ran.append(function)
+        return real(function, *args)
+
+    _ops._exchange = counted
+    titan_utils.set_spmd_backend("full_dtensor")
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
+    set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
+    config = MxcommTokenDispatcher.Config(num_experts=E_LOCAL * size, top_k=TOP_K)
+    moe = _moe(E_LOCAL * size, config)
+    moe.load_state_dict(_weights(rank, size), strict=False)
+    moe.to(dtype=torch.bfloat16)
+    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    eager = _layer_step(moe, rank)
+    eager_ran = sorted(ran)
+    ran.clear()
+    moe.zero_grad(set_to_none=True)
+    torch._dynamo.config.capture_scalar_outputs = True  # torchtitan's split lists (.tolist())
+    compiled = _layer_step(torch.compile(moe, fullgraph=True, backend="aot_eager"), rank)
+    return {k: torch.equal(eager[k], compiled[k]) for k in eager}, eager_ran, sorted(ran)
+
+
+def test_torchtitan_default_dispatcher_compiled():
+    """Compiled (``fullgraph=True``), mxcomm's default dispatcher makes its token exchanges
+    through mxcomm's ops with torchtitan's split lists (unbacked sizes), as many as eager, and
+    its output and gradients equal eager's bit for bit."""
+    expected = sorted(["a2a_dispatch", "a2a_combine", "a2a_combine_backward",
+                       "a2a_dispatch_backward"])
+    for rank, (equal, eager_ran, compiled_ran) in enumerate(
+            run_world(2, default_compiled_checks, timeout=600)):
+        assert all(equal.values()), f"rank {rank}: compiled differs from eager: {equal}"
+        assert eager_ran == compiled_ran == expected, (rank, eager_ran, compiled_ran)

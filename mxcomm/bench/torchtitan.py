@@ -363,31 +363,21 @@ def sqnr(refs, outs):
     Args:
         refs, outs: equal-length sequences of tensors, pairwise of one shape (any float dtype).
     Returns:
-        The SQNR; inf when every pair is equal, NaN when a value is not finite or the reference
-        is all zero.
+        The SQNR (``mxcomm.formats.sqnr_from_sums``): inf when every pair is equal, NaN when a
+        value is not finite or the reference is all zero and the output is not.
     Raises:
         ValueError: the sequences or a pair's shapes differ.
     Host syncs: one per chunk (the sums are read).
     """
+    from ..formats import sqnr_from_sums, squared_sums
     refs, outs = list(refs), list(outs)
     if len(refs) != len(outs):
         raise ValueError(f"outs: expected {len(refs)} tensors like refs, got {len(outs)}")
     signal = noise = 0.0
     for ref, out in zip(refs, outs):
-        if ref.shape != out.shape:
-            raise ValueError(f"outs: expected shape {tuple(ref.shape)} like refs, got "
-                             f"{tuple(out.shape)}")
-        r2, o2 = ref.detach().reshape(-1, ref.shape[-1]), out.detach().reshape(-1, ref.shape[-1])
-        for i in range(0, r2.shape[0], 4096):
-            r, o = r2[i:i + 4096].double(), o2[i:i + 4096].double()
-            s, n = float((r * r).sum()), float(((r - o) ** 2).sum())
-            if not (math.isfinite(s) and math.isfinite(n)):
-                return float("nan")
-            signal += s
-            noise += n
-    if signal == 0:
-        return float("nan")
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+        s, n = squared_sums(ref.detach(), out.detach())
+        signal, noise = signal + s, noise + n
+    return sqnr_from_sums(signal, noise)
 
 
 class _Run:

@@ -41,23 +41,40 @@ token reorder, permute, scores and scatter-add stay torchtitan's own):
 It works under both spmd backends (``spmd_types``, where the EP group comes from the current SPMD
 mesh, and the DTensor ones, where it is the EP mesh's group): the communicator is the one
 ``mxcomm.torch.communicator_for`` keeps for that group (NCCL on GPUs, torch.distributed's gloo on a
-CPU; built on the first step, collectively). Where mxcomm's exchanges cannot run, torchtitan's own
-run: while ``torch.compile`` traces, and under spmd_types type checking (a debugging mode: mxcomm's
-results carry no SPMD type).
+CPU; built on the first step, collectively). Under spmd_types type checking (a debugging mode:
+mxcomm's results carry no SPMD type) torchtitan's own exchanges run; under torch.export's
+non-strict tracing mxcomm's raise ``RuntimeError`` (they do not run there).
 
-This module imports torchtitan only when one of its names is used (``import
-mxcomm.integrations.torchtitan`` works without it); torchtitan imports it when an override names it.
+With a recipe of ``mxcomm.recipes`` (``use_mxcomm(config, recipe="fp8_rowwise")``, or the override
+``'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``) both the dispatcher and
+the experts are mxcomm's: where the recipe permutes in the exchange (``fused``), the dispatcher's
+``permute_align`` has mxcomm's dispatch deliver the rows in permuted order in the dispatch
+precision (fp8 rowwise: a QuantizedTensor), and :class:`MxcommGroupedExperts` (torchtitan's
+``GroupedExperts._grouped_mm`` seam, as its float8 and MX converters use) feeds them to
+``mxcomm.torch.grouped_mm`` with no bf16 pass between; the combine takes the permuted rows back.
+
+Under ``torch.compile`` (torchtitan compiles each block with ``fullgraph=True``) the token
+exchanges are mxcomm's custom ops (docs/design.md, "torch.compile and custom ops"): a compiled
+model makes mxcomm's exchanges, never torchtitan's in their place.
+
+Importing this module with torchtitan installed registers the overrides (so an override names it
+whichever of the two was imported first); ``import mxcomm.integrations.torchtitan`` works without
+torchtitan, and the classes import it when first used.
 """
 
 import sys
 
-__all__ = ["MxcommTokenDispatcher", "MxcommTorchAOTokenDispatcher", "use_mxcomm",
-           "mxcomm_token_dispatcher", "register", "patch_expert_parallel"]
+__all__ = ["MxcommTokenDispatcher", "MxcommTorchAOTokenDispatcher", "MxcommGroupedExperts",
+           "use_mxcomm", "mxcomm_token_dispatcher", "mxcomm_moe", "register",
+           "patch_expert_parallel"]
 
 #: The precision fields of the dispatcher configs, with their defaults.
 PRECISION_FIELDS = {"dispatch_precision": "mxfp8", "combine_precision": "bf16",
                     "dispatch_grad_precision": None, "combine_grad_precision": None}
-_LAZY_CLASSES = ("MxcommTokenDispatcher", "MxcommTorchAOTokenDispatcher")
+_LAZY_CLASSES = ("MxcommTokenDispatcher", "MxcommTorchAOTokenDispatcher", "MxcommGroupedExperts")
+#: Rows each local expert's group is padded to where a recipe has mxcomm permute (its
+#: ``fused``): the fp8 grouped GEMMs' and MX blocks' multiple.
+RECIPE_ALIGN = 32
 
 
 def __getattr__(name):
@@ -95,25 +112,56 @@ def _precisions(config):
     return values
 
 
+class _Fused:
+    """What the dispatcher hands itself between its hooks when mxcomm permutes (the dispatcher's
+    ``permute_align``): the layout (a TensorLayout, or a LayoutHandle in a compiled region) in
+    place of torchtitan's group counts and splits, and the group ends of the permuted rows."""
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.offsets = None
+
+
+def _non_strict_tracing():
+    """``torch.compiler._is_non_strict_tracing()`` where torch has it (2.12 on), else False
+    (torch 2.11: no non-strict tracing to ask about)."""
+    import torch
+    if torch.compiler.is_compiling():  # dynamo, not export's non-strict tracing
+        return False
+    probe = getattr(torch.compiler, "_is_non_strict_tracing", None)
+    return probe is not None and probe()
+
+
 class _MxcommExchanges:
     """The exchange hooks of torchtitan's ``AllToAllTokenDispatcher`` on mxcomm (mixed in first).
 
     Shapes (torchtitan's suffixes): ``x`` (N, D) routed token rows sorted by global expert,
     ``num_local_tokens_per_expert_E`` (E,) int64; the exchanges return (R, D) rows in ``x``'s
-    dtype.
+    dtype, or with ``permute_align`` A > 0 the permuted rows (P, D) as the dispatch precision
+    gives them (a QuantizedTensor for a quantized one), each local expert's group padded to a
+    multiple of A, and torchtitan's permute and unpermute are skipped.
+
+    In a compiled region (``torch.compile``) the token exchanges are mxcomm's custom ops
+    (docs/design.md, "torch.compile and custom ops"); without ``permute_align`` the token
+    counts there go through torchtitan's own count exchange (integers, exact), which its
+    permute needs as a tensor.
     """
 
     def __init__(self, config):
         super().__init__(config)
         for field, value in _precisions(config).items():
             setattr(self, field, value)
+        self.permute_align = getattr(config, "permute_align", 0)
 
     @staticmethod
     def _torchtitan_path():
-        """True where torchtitan's own exchanges must run: tracing, or SPMD type checking."""
-        import torch
-        if torch.compiler.is_compiling() or torch.compiler._is_non_strict_tracing():
-            return True
+        """True where torchtitan's own exchanges must run: SPMD type checking (a debugging
+        mode: mxcomm's results carry no SPMD type). RuntimeError under torch.export's
+        non-strict tracing, where mxcomm's exchanges cannot run."""
+        if _non_strict_tracing():
+            raise RuntimeError("mxcomm's token exchanges do not run under torch.export's "
+                               "non-strict tracing; use torch.compile, or torchtitan's own "
+                               "dispatcher for export")
         from torchtitan.distributed.utils import get_spmd_backend
         if get_spmd_backend() == "spmd_types":
             import spmd_types
@@ -121,15 +169,22 @@ class _MxcommExchanges:
         return False
 
     def _token_count_exchange(self, num_local_tokens_per_expert_E, pg, ep_size):
-        if self._torchtitan_path():
+        import torch
+        if self._torchtitan_path() or (torch.compiler.is_compiling() and
+                                       not self.permute_align):
             return super()._token_count_exchange(num_local_tokens_per_expert_E, pg, ep_size)
         from mxcomm import torch as mxt
-        return mxt.exchange_layout(num_local_tokens_per_expert_E, mxt.communicator_for(pg))
+        return mxt.exchange_layout(num_local_tokens_per_expert_E, pg)
 
     def _sync_token_count_exchange(self, num_local_tokens_per_expert_E,
                                    num_global_tokens_per_local_expert_EP_e, ep_size):
         from mxcomm.layout import Layout
+        from mxcomm.torch._ops import LayoutHandle
         layout = num_global_tokens_per_local_expert_EP_e
+        if isinstance(layout, LayoutHandle) or (self.permute_align and
+                                                isinstance(layout, Layout)):
+            fused = _Fused(layout)
+            return fused, fused, fused
         if not isinstance(layout, Layout):
             return super()._sync_token_count_exchange(
                 num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size)
@@ -137,13 +192,40 @@ class _MxcommExchanges:
         return group, _Splits(layout.input_splits, layout), _Splits(layout.output_splits, layout)
 
     def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
+        if type(input_splits) is _Fused:
+            from mxcomm import torch as mxt
+            rows, _, input_splits.offsets = mxt.a2a_dispatch(
+                routed_input_ND, input_splits.layout, precision=self.dispatch_precision,
+                grad_precision=self.dispatch_grad_precision, permute_align=self.permute_align)
+            return rows
         if self._torchtitan_path():
             return super()._dispatch_token_exchange(routed_input_ND, pg, output_splits,
                                                     input_splits)
         return _through_mxcomm("a2a_dispatch", routed_input_ND, pg, input_splits, output_splits,
                                self.dispatch_precision, self.dispatch_grad_precision)
 
+    def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
+        fused = num_global_tokens_per_local_expert_E
+        if type(fused) is not _Fused:
+            return super()._permute(routed_input_RD, num_global_tokens_per_local_expert_E)
+        import torch
+        offsets = fused.offsets  # the padded groups' ends: their sizes, as torchtitan's counts
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return routed_input_RD.shape, routed_input_RD, None, counts
+
+    def _unpermute(self, routed_output_RD, input_shape, permuted_indices):
+        if permuted_indices is None:  # permuted by mxcomm: the combine takes the rows as they are
+            return routed_output_RD
+        return super()._unpermute(routed_output_RD, input_shape, permuted_indices)
+
     def _combine_token_exchange(self, routed_output_RD, pg, input_splits, output_splits):
+        if type(input_splits) is _Fused:
+            from mxcomm import torch as mxt
+            out = mxt.a2a_combine(routed_output_RD, input_splits.layout,
+                                  precision=self.combine_precision,
+                                  grad_precision=self.combine_grad_precision,
+                                  permute_align=self.permute_align)
+            return _plain(out, routed_output_RD.dtype)
         if self._torchtitan_path():
             return super()._combine_token_exchange(routed_output_RD, pg, input_splits,
                                                    output_splits)
@@ -153,8 +235,9 @@ class _MxcommExchanges:
 
 def _through_mxcomm(function, x, pg, input_splits, output_splits, precision, grad_precision):
     """One direction of the token exchange through ``mxcomm.torch.<function>``: given the layout
-    that torchtitan's splits carry (no host collective), else the splits and ``pg``'s cached
-    communicator. Returns a plain tensor of ``x``'s dtype (:func:`_plain`)."""
+    that torchtitan's splits carry (no host collective), else the splits and ``pg`` (its
+    cached communicator; in a compiled region the op finds it). Returns a plain tensor of
+    ``x``'s dtype (:func:`_plain`)."""
     from mxcomm import torch as mxt
     call = getattr(mxt, function)
     options = dict(precision=precision, grad_precision=grad_precision)
@@ -162,8 +245,7 @@ def _through_mxcomm(function, x, pg, input_splits, output_splits, precision, gra
     if layout is not None:
         out = call(x, layout, **options)
     else:
-        out = call(x, list(input_splits), list(output_splits), mxt.communicator_for(pg),
-                   **options)
+        out = call(x, list(input_splits), list(output_splits), pg, **options)
     return _plain(out, x.dtype)
 
 
@@ -190,7 +272,9 @@ def _define_classes():
 
         Config fields: those of ``AllToAllTokenDispatcher.Config`` (``num_experts``, ``top_k``),
         and ``dispatch_precision`` (default ``"mxfp8"``), ``combine_precision`` (``"bf16"``),
-        ``dispatch_grad_precision`` / ``combine_grad_precision`` (None: by direction).
+        ``dispatch_grad_precision`` / ``combine_grad_precision`` (None: by direction),
+        ``permute_align`` (0: torchtitan's permute; A > 0: mxcomm's exchange permutes, groups
+        padded to A rows, rows kept in the dispatch precision for :class:`MxcommGroupedExperts`).
         Raises ``ValueError`` at build for an unknown precision.
         """
 
@@ -200,6 +284,7 @@ def _define_classes():
             combine_precision: str = PRECISION_FIELDS["combine_precision"]
             dispatch_grad_precision: str | None = None
             combine_grad_precision: str | None = None
+            permute_align: int = 0
 
     class MxcommTorchAOTokenDispatcher(_MxcommExchanges, td.TorchAOTokenDispatcher):
         """torchtitan's ``TorchAOTokenDispatcher`` (groups padded to ``pad_multiple`` for the
@@ -213,7 +298,38 @@ def _define_classes():
             dispatch_grad_precision: str | None = None
             combine_grad_precision: str | None = None
 
-    for cls in (MxcommTokenDispatcher, MxcommTorchAOTokenDispatcher):
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class MxcommGroupedExperts(GroupedExperts):
+        """torchtitan's ``GroupedExperts`` whose grouped GEMMs (its ``_grouped_mm`` seam, the one
+        torchtitan's float8 and MX converters replace) are ``mxcomm.torch.grouped_mm`` where
+        ``gemm`` is ``"fp8"``: the fp8 rowwise rows the dispatcher delivers (a QuantizedTensor)
+        feed the SM90 fp8 grouped GEMM as they are, no bf16 pass between; the SwiGLU's product
+        and the w2 GEMM's bf16 rows are quantized per call; where fp8 GEMMs are unavailable (a
+        CPU, pre-Hopper) its documented bf16 fallback. ``gemm="bf16"``: torchtitan's
+        ``torch._grouped_mm`` (on a QuantizedTensor's dequantized values).
+
+        Config fields: those of ``GroupedExperts.Config`` and ``gemm`` (``"bf16"`` or
+        ``"fp8"``; ValueError at build otherwise).
+        """
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            gemm: str = "bf16"
+
+        def __init__(self, config):
+            if config.gemm not in ("bf16", "fp8"):
+                raise ValueError(f"gemm: expected 'bf16' or 'fp8', got {config.gemm!r}")
+            super().__init__(config)
+            self.gemm = config.gemm
+
+        def _grouped_mm(self, *, A, B_t, offs):
+            if self.gemm == "bf16":
+                return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
+            from mxcomm import torch as mxt
+            return mxt.grouped_mm(A, B_t, offs)
+
+    for cls in (MxcommTokenDispatcher, MxcommTorchAOTokenDispatcher, MxcommGroupedExperts):
         cls.__module__ = __name__
         cls.__qualname__ = cls.__name__
         cls.Config.__module__ = __name__
@@ -222,8 +338,9 @@ def _define_classes():
 
 
 def _converted(config, precisions):
-    """The mxcomm twin of an ``AllToAllTokenDispatcher.Config`` (TorchAO's keeps its padding),
-    every other field copied; ``precisions`` as :data:`PRECISION_FIELDS`."""
+    """The mxcomm twin of an ``AllToAllTokenDispatcher.Config`` (TorchAO's keeps its padding and
+    its permute: ``permute_align`` is dropped there), every other field copied; ``precisions``
+    as :data:`PRECISION_FIELDS`, and ``permute_align``."""
     import dataclasses
 
     from torchtitan.models.common import token_dispatcher as td
@@ -234,80 +351,140 @@ def _converted(config, precisions):
     fields = {f.name for f in dataclasses.fields(target.Config) if f.init}
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.init and f.name in fields}
-    values.update(precisions)
+    values.update((k, v) for k, v in precisions.items() if k in fields)
     new = target.Config(**values)
     _precisions(new)  # an unknown precision fails here, at configuration time
     return new
 
 
-def use_mxcomm(config, *, dispatch_precision="mxfp8", combine_precision="bf16",
-               dispatch_grad_precision=None, combine_grad_precision=None):
+def _experts(config, gemm):
+    """The :class:`MxcommGroupedExperts` twin of a ``GroupedExperts.Config``."""
+    import dataclasses
+    _define_classes()
+    target = sys.modules[__name__].MxcommGroupedExperts
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    values["gemm"] = gemm
+    return target.Config(**values)
+
+
+def _recipe(recipe):
+    """``(precision fields with permute_align, gemm)`` of a recipe of ``mxcomm.recipes`` (its
+    name or the Recipe). ValueError: an unknown recipe (listing them), or ``"auto"``, which
+    chooses per layout and so cannot be written into a config."""
+    if isinstance(recipe, str):
+        from mxcomm.recipes import get_recipe
+        recipe = get_recipe(recipe)
+    chosen = recipe
+    if chosen.name == "auto":
+        raise ValueError("recipe: 'auto' chooses per layout, which a torchtitan config cannot "
+                         "hold yet; pin one of the recipes ('bf16', 'mxfp8', 'fp8_rowwise')")
+    return (dict(dispatch_precision=chosen.dispatch, combine_precision=chosen.combine,
+                 dispatch_grad_precision=chosen.dispatch_grad,
+                 combine_grad_precision=chosen.combine_grad,
+                 permute_align=RECIPE_ALIGN if chosen.fused else 0), chosen.gemm)
+
+
+def _replace(config, cls, make):
+    """Replace every ``cls`` config under the tree ``config`` by ``make(node)``; their number.
+    TypeError where the root itself is one."""
+    found = list(config.traverse(cls))
+    for _, node, parent, attr in found:
+        if parent is None:
+            raise TypeError(f"config: the root is a {cls.__qualname__}; assign mxcomm's config "
+                            f"in its place instead")
+        if isinstance(parent, list):
+            parent[attr] = make(node)
+        else:
+            setattr(parent, attr, make(node))
+    return len(found)
+
+
+def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_precision="bf16",
+               dispatch_grad_precision=None, combine_grad_precision=None, permute_align=0):
     """Replace every ``AllToAllTokenDispatcher.Config`` (and ``TorchAOTokenDispatcher.Config``)
-    in a torchtitan 0.3 config tree by mxcomm's, in place.
+    in a torchtitan 0.3 config tree by mxcomm's, in place; with a ``recipe``, every
+    ``GroupedExperts.Config`` too, by :class:`MxcommGroupedExperts`'s.
 
     Args:
         config: a config tree with ``traverse`` (a model config: ``config.model_spec.model``,
             a ``MoE.Config``, a ``RoutedExperts.Config``).
+        recipe: None, or a recipe of ``mxcomm.recipes`` (name or Recipe; not ``"auto"``): its
+            four formats, its permute (``fused``: mxcomm permutes, groups padded to
+            :data:`RECIPE_ALIGN` rows, so quantized rows reach the experts as they arrive) and
+            its GEMM (``"fp8"``: ``mxcomm.torch.grouped_mm``) replace the precisions below.
         dispatch_precision, combine_precision, dispatch_grad_precision, combine_grad_precision:
-            the wire formats (module docstring).
+            the wire formats (module docstring), without a recipe.
+        permute_align: without a recipe, 0 (torchtitan's permute) or A > 0 (mxcomm's).
     Returns:
         The number of dispatcher configs replaced (0 where EP uses another dispatcher).
     Raises:
-        ValueError: an unknown precision.
+        ValueError: an unknown precision or recipe, or ``recipe="auto"``.
         TypeError: ``config`` holds no traversable config tree; or the tree's root is itself a
-            dispatcher config (assign ``MxcommTokenDispatcher.Config(...)`` instead).
+            dispatcher (or experts) config (assign mxcomm's config instead).
     """
     from torchtitan.models.common import token_dispatcher as td
-    precisions = dict(dispatch_precision=dispatch_precision,
-                      combine_precision=combine_precision,
-                      dispatch_grad_precision=dispatch_grad_precision,
-                      combine_grad_precision=combine_grad_precision)
+    from torchtitan.models.common.moe import GroupedExperts
     if not hasattr(config, "traverse"):
         raise TypeError(f"config: expected a torchtitan config tree (with traverse), got "
                         f"{type(config).__name__}")
-    found = list(config.traverse(td.AllToAllTokenDispatcher.Config))
-    for _, node, parent, attr in found:
-        if parent is None:
-            raise TypeError("config: the root is a dispatcher config; assign "
-                            "MxcommTokenDispatcher.Config(...) in its place instead")
-        replacement = _converted(node, precisions)
-        if isinstance(parent, list):
-            parent[attr] = replacement
-        else:
-            setattr(parent, attr, replacement)
-    return len(found)
+    gemm = None
+    if recipe is not None:
+        precisions, gemm = _recipe(recipe)
+    else:
+        precisions = dict(dispatch_precision=dispatch_precision,
+                          combine_precision=combine_precision,
+                          dispatch_grad_precision=dispatch_grad_precision,
+                          combine_grad_precision=combine_grad_precision,
+                          permute_align=permute_align)
+    count = _replace(config, td.AllToAllTokenDispatcher.Config,
+                     lambda node: _converted(node, precisions))
+    if gemm is not None:
+        _replace(config, GroupedExperts.Config, lambda node: _experts(node, gemm))
+    return count
 
 
 def mxcomm_token_dispatcher(cfg, *, dispatch_precision="mxfp8", combine_precision="bf16",
-                            dispatch_grad_precision=None, combine_grad_precision=None):
+                            dispatch_grad_precision=None, combine_grad_precision=None,
+                            permute_align=0):
     """torchtitan 0.3 override (``--override.imports
     'mxcomm.integrations.torchtitan.mxcomm_token_dispatcher={...}'``): every
     ``AllToAllTokenDispatcher.Config`` (TorchAO's included) becomes mxcomm's, with these
-    precisions (the JSON object's keys). Returns the replacement config."""
+    precisions (the JSON object's keys). Returns the replacement config. For a recipe (the
+    experts too) use :func:`mxcomm_moe`."""
     return _converted(cfg, dict(dispatch_precision=dispatch_precision,
                                 combine_precision=combine_precision,
                                 dispatch_grad_precision=dispatch_grad_precision,
-                                combine_grad_precision=combine_grad_precision))
+                                combine_grad_precision=combine_grad_precision,
+                                permute_align=permute_align))
+
+
+def mxcomm_moe(cfg, *, recipe):
+    """torchtitan 0.3 override (``--override.imports
+    'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``): every
+    ``RoutedExperts.Config`` gets mxcomm's dispatcher and experts for ``recipe``
+    (:func:`use_mxcomm`). Returns the config, changed in place."""
+    use_mxcomm(cfg, recipe=recipe)
+    return cfg
 
 
 def register():
-    """Register :func:`mxcomm_token_dispatcher` with torchtitan's overrides (idempotent).
-
-    Done when this module is imported by torchtitan (its override machinery loaded); call it
-    yourself only if this module was imported before torchtitan's config and an override names
-    it.
-    """
+    """Register :func:`mxcomm_token_dispatcher` and :func:`mxcomm_moe` with torchtitan's
+    overrides (idempotent). Done when this module is imported with torchtitan installed, in
+    either order of imports."""
     import importlib
 
     from torchtitan.models.common import token_dispatcher as td
+    from torchtitan.models.common.moe import RoutedExperts
     # the module (``torchtitan.config.override`` the attribute may be its decorator)
     overrides = importlib.import_module("torchtitan.config.override")
-    key = f"{__name__}.{mxcomm_token_dispatcher.__name__}"
-    if key not in overrides._REGISTRY:
-        overrides.override(target=td.AllToAllTokenDispatcher.Config,
-                           description="mxcomm: EP dispatch and combine in low precision "
-                                       "(mxcomm.integrations.torchtitan)")(
-            mxcomm_token_dispatcher)
+    for factory, target, description in (
+            (mxcomm_token_dispatcher, td.AllToAllTokenDispatcher.Config,
+             "mxcomm: EP dispatch and combine in low precision"),
+            (mxcomm_moe, RoutedExperts.Config,
+             "mxcomm: EP dispatch, combine and grouped GEMMs by recipe")):
+        if f"{__name__}.{factory.__name__}" not in overrides._REGISTRY:
+            overrides.override(target=target, description=f"{description} "
+                               f"(mxcomm.integrations.torchtitan)")(factory)
 
 
 def patch_expert_parallel(precision="mxfp8"):
@@ -331,5 +508,16 @@ def patch_expert_parallel(precision="mxfp8"):
     return previous
 
 
-if "torchtitan.config.override" in sys.modules:  # imported by torchtitan's override machinery
+def _torchtitan_installed():
+    import importlib.util
+    try:
+        return importlib.util.find_spec("torchtitan.config.override") is not None
+    except ImportError:  # no torchtitan
+        return False
+
+
+# Registered now, whichever was imported first: torchtitan imports this module by name for an
+# override that names it, and a module imported earlier (before torchtitan's config) is not run
+# again then.
+if _torchtitan_installed():
     register()

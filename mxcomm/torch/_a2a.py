@@ -1,0 +1,132 @@
+"""The dispatch and combine all-to-alls (steps 1 and 5) as differentiable torch functions.
+
+Glossary: M rows sent by this rank, N = M_recv rows received, P permuted rows, D hidden, H GEMM
+output, E experts, E_local experts per rank, W ranks.
+"""
+
+import torch
+
+from .. import a2a as _a2a
+from .. import layout as _layout
+from ._ops import LayoutHandle, exchange
+
+
+class _A2ADispatch(torch.autograd.Function):
+    """Step 1, the dispatch all-to-all.
+
+    Forward:  x (M, D) bf16 -> (N, D) QuantizedTensor of ``precision`` (MXFP8Tensor for
+              ``"mxfp8"``) or a plain tensor (``"bf16"``, ``"native"``); sends
+              ``input_splits``, receives ``output_splits``. With ``permute_align``: ``permute``'s
+              triple, permuted (P, D) rows (indices and offsets not differentiable).
+    Backward: grad (N, D), or (P, D) permuted -> (M, D) bf16, combine direction, in
+              ``grad_precision``.
+
+    The arguments but ``x`` travel as one tuple, ``call`` = (input_splits, output_splits, comm,
+    precision, grad_precision, layout, permute_align): autograd's ``apply`` spends host time
+    on every argument.
+    """
+
+    @staticmethod
+    def forward(ctx, x, call):
+        input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align,
+                    x.shape[0])
+        if type(layout) is LayoutHandle:  # the combine's result rows, in a compiled region
+            layout.rows = x.shape[0]
+        out = exchange("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
+                       permute_align)
+        if type(out) is tuple:
+            ctx.mark_non_differentiable(*out[1:])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad, *index_grads):
+        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
+        dx = exchange("a2a_dispatch_backward", grad, input_splits, output_splits, comm,
+                      grad_precision, layout, permute_align, rows)
+        return dx, None  # None for the call's tuple
+
+
+class _A2ACombine(torch.autograd.Function):
+    """Step 5, the combine all-to-all.
+
+    Forward:  y (N, H) bf16, or (P, H) permuted with ``permute_align`` -> (M, H) bf16 in
+              ``precision``; sends ``output_splits``, receives ``input_splits``.
+    Backward: grad (M, H) bf16 -> (N, H), or (P, H) permuted, QuantizedTensor of
+              ``grad_precision`` (quantized formats) or a plain tensor, dispatch direction.
+
+    The arguments but ``y`` travel as one tuple, as :class:`_A2ADispatch`'s.
+    """
+
+    @staticmethod
+    def forward(ctx, y, call):
+        input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align,
+                    y.shape[0])
+        return exchange("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
+                        permute_align, layout.rows if type(layout) is LayoutHandle else -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
+        dy = exchange("a2a_combine_backward", grad, input_splits, output_splits, comm,
+                      grad_precision, layout, permute_align, rows)
+        if type(dy) is tuple:  # the permuted gradient (the index is the forward's)
+            dy = dy[0]
+        return dy, None  # None for the call's tuple
+
+
+def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8",
+                 grad_precision="bf16", *, layout=None, permute_align=None):
+    """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
+
+    See :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the backward's wire format. Give the
+    layout (``a2a_dispatch(x, layout)``) for calls without any host collective.
+
+    ``permute_align=A`` (with the layout): steps 1 and 2 in one, bit for bit ``permute(
+    a2a_dispatch(x, layout, ...), layout, align=A)``, forward and backward: returns
+    ``(permuted (P, D), permuted_indices (P,) int32, group_offsets (E_local,) int32)``, the
+    received rows scattered straight into their permuted rows where the precision is quantized
+    (no copy into received order, no separate permute pass), and the backward takes the permuted
+    gradient (an MXFP8 ``grad_precision`` quantizes it in place; docs/design.md, "The expert
+    side of an exchange in permute's order"). No ``out_format``: for a conversion in the
+    permute, call :func:`permute` separately.
+
+    Under ``torch.compile`` the exchange is the custom op ``mxcomm::exchange``: the layout is
+    the :class:`LayoutHandle` that :func:`exchange_layout` returns in the compiled region,
+    ``comm`` (with splits) may also be a ProcessGroup, and a quantized result comes back
+    dequantized to bf16 (the same values; warned once; docs/design.md, "torch.compile and
+    custom ops").
+    """
+    _a2a._check_precision(precision)
+    _a2a._check_precision(grad_precision, "grad_precision")
+    if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
+        layout, input_splits = input_splits, None
+    return _A2ADispatch.apply(x, (input_splits, output_splits, comm, precision, grad_precision,
+                                 layout, permute_align))
+
+
+def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16",
+                grad_precision="mxfp8", *, layout=None, permute_align=None):
+    """Step 5, differentiable: (N, H) -> (M, H); splits (or the layout) as given to
+    :func:`a2a_dispatch`.
+
+    The gradient of ``y`` is a QuantizedTensor of ``grad_precision`` when that is a quantized
+    format (an MXFP8Tensor for ``"mxfp8"``).
+
+    ``permute_align=A`` (with the layout): steps 4 and 5 in one, bit for bit ``a2a_combine(
+    unpermute(y, permuted_indices, layout), layout, ...)`` with ``permuted_indices`` the
+    layout's for ``align=A``: ``y`` is the permuted (P, H) rows (padding rows ignored), and the
+    gradient of ``y`` comes back permuted (padding rows zero with the format's padding scale),
+    scattered straight from where it arrives when ``grad_precision`` is quantized (no separate
+    unpermute backward pass; docs/design.md). No ``grad_format``: for a conversion, call
+    :func:`unpermute` separately. Under ``torch.compile``: as :func:`a2a_dispatch`.
+    """
+    _a2a._check_precision(precision)
+    _a2a._check_precision(grad_precision, "grad_precision")
+    if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
+        layout, input_splits = input_splits, None
+    return _A2ACombine.apply(y, (input_splits, output_splits, comm, precision, grad_precision,
+                                layout, permute_align))
+
+

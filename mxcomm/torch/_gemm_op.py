@@ -1,0 +1,128 @@
+"""The grouped GEMM (``mxcomm.torch.grouped_mm``) as torch custom ops, for ``torch.compile``.
+
+Glossary: P permuted rows, K the GEMM's reduction width, N its output width, G groups (local
+experts).
+
+    mxcomm::grouped_mm(Tensor x, Tensor w, Tensor offs, bool? fp8, str wgrad,
+                       bool[] fast_accum) -> Tensor
+    mxcomm::grouped_mm_backward(Tensor grad, Tensor x, Tensor w, Tensor offs, bool? fp8,
+                                str wgrad, bool[] fast_accum, bool needs_dx, bool needs_dw)
+        -> (Tensor dx, Tensor dw)
+
+Their bodies are ``mxcomm._torch_gemm._GroupedMM``'s forward and backward (one implementation),
+run with a plain record for ``ctx``: mxcomm's fp8 quantize kernels run inside the op, where
+dynamo does not look. ``fp8`` None decides when the op runs (``fp8_gemm_available``), so the
+traced graph asks nothing of the device. The backward op quantizes the forward's rows again
+where the fp8 weight gradient reads them (the forward's fp8 rows are not an output of the op):
+one quantize pass more than eager, on the compiled path only. A QuantizedTensor given to the op
+arrives dequantized (its ``__torch_dispatch__``), as torch ops see it.
+"""
+
+import torch
+
+from .. import _torch_gemm
+from ._quantized import _GEMM_OPS, _quantized_tensor
+
+
+class _Context:
+    """What ``_GroupedMM.forward``/``backward`` use of an autograd context."""
+
+    def __init__(self, needs_input_grad=(False, False)):
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _resolved(fp8, w, wgrad, fast_accum, quantized):
+    """``(fp8 decided on w's device, the set of GEMMS names fast_accum flags)``; raises as
+    ``grouped_mm``. ``fast_accum``: one flag per name of ``_torch_gemm.GEMMS``; ``quantized``:
+    the rows are quantized (``fp8=None`` runs the fp8 GEMMs for those only, as eager does)."""
+    available = _torch_gemm.fp8_gemm_available(w.device)
+    if fp8 and not available:
+        raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
+                           f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
+                           f"the bf16 fallback)")
+    fp8 = (available and quantized) if fp8 is None else fp8
+    if fp8 and w.shape[2] % 16:
+        raise ValueError(f"grouped_mm: N = {w.shape[2]} is not a multiple of 16, which the fp8 "
+                         f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
+    return fp8, frozenset(name for name, fast in zip(_torch_gemm.GEMMS, fast_accum) if fast)
+
+
+@torch.library.custom_op("mxcomm::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8: bool | None,
+                   wgrad: str, fast_accum: list[bool], x_scales: torch.Tensor | None = None,
+                   x_format: str = "bf16") -> torch.Tensor:
+    """y (P, N) bf16 = x (P, K) @ w (G, K, N) per group (``_GroupedMM.forward``); ``x`` with
+    ``x_scales``: quantized rows of ``x_format``."""
+    fp8, fast = _resolved(fp8, w, wgrad, fast_accum, x_scales is not None)
+    # no weight cache inside the op: a compiled graph's weight operand is made per call
+    return _torch_gemm._GroupedMM.forward(_Context(), _rows(x, x_scales, x_format), w, offs,
+                                          fp8, wgrad, fast, None)
+
+
+def _rows(x, x_scales, x_format):
+    """The GEMM's rows: ``x``, or the QuantizedTensor of data ``x`` and ``x_scales``."""
+    if x_scales is None:
+        return x
+    from ..formats import get_format
+    return _quantized_tensor(x, x_scales, get_format(x_format))
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offs, fp8, wgrad, fast_accum, x_scales=None, x_format="bf16"):
+    return x.new_empty((x.shape[0], w.shape[2]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("mxcomm::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                            offs: torch.Tensor, fp8: bool | None, wgrad: str,
+                            fast_accum: list[bool], needs_dx: bool, needs_dw: bool,
+                            x_scales: torch.Tensor | None = None,
+                            x_format: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx (P, K) bf16, dw (G, K, N) of w's dtype)``, each (0,) where not needed
+    (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
+    fp8, fast = _resolved(fp8, w, wgrad, fast_accum, x_scales is not None)
+    ctx = _Context((needs_dx, needs_dw))
+    ctx.fp8, ctx.fp8_wgrad, ctx.fast = fp8, fp8 and wgrad == "fp8", fast
+    ctx.cache = ctx.weight = None
+    x = _rows(x, x_scales, x_format)
+    rows = _torch_gemm._fp8_operand_a(x) if ctx.fp8_wgrad else (x,)
+    ctx.save_for_backward(*rows, w, offs)
+    # a gradient may come expanded (a sum's backward): the GEMMs take dense rows
+    dx, dw = _torch_gemm._GroupedMM.backward(ctx, grad.contiguous())[:2]
+    none = w.new_empty(0)
+    return (none if dx is None else dx,
+            none.clone() if dw is None else dw.contiguous())
+
+
+@_grouped_mm_backward_op.register_fake
+def _(grad, x, w, offs, fp8, wgrad, fast_accum, needs_dx, needs_dw, x_scales=None,
+      x_format="bf16"):
+    dx = x.new_empty(x.shape, dtype=torch.bfloat16) if needs_dx else x.new_empty(0)
+    dw = w.new_empty(w.shape) if needs_dw else x.new_empty(0)
+    return dx, dw
+
+
+def _setup_context(ctx, inputs, output):
+    # autograd sees the op above a QuantizedTensor's dispatch: x is the QuantizedTensor itself
+    x, w, offs, fp8, wgrad, fast_accum = inputs[:6]
+    ctx.save_for_backward(x, w, offs)
+    ctx.options = (fp8, wgrad, fast_accum)
+
+
+def _backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    needs_dx, needs_dw = ctx.needs_input_grad[:2]
+    dx, dw = torch.ops.mxcomm.grouped_mm_backward(grad, x, w, offs, *ctx.options, needs_dx,
+                                                  needs_dw)
+    # None for: offs, fp8, wgrad, fast_accum, x_scales, x_format
+    return dx if needs_dx else None, dw if needs_dw else None, None, None, None, None, None, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+_GEMM_OPS.update({torch.ops.mxcomm.grouped_mm.default: 0,
+                  torch.ops.mxcomm.grouped_mm_backward.default: 1})
+

@@ -1,0 +1,76 @@
+"""The layout exchange (step 0) on tensors.
+
+Glossary: E experts, E_local experts per rank, W ranks.
+"""
+
+import torch
+
+from .. import layout as _layout
+from .._torch_arrays import _array, _stream, _tensor
+from . import _ops
+
+
+# ---------------------------------------------------------------------------------- public
+class TensorLayout(_layout.Layout):
+    """:class:`mxcomm.layout.Layout` on tensors: ``group_tensor`` is its (E,) int32
+    ``num_tokens_per_expert_group`` as a tensor (the array is a view of it); unpacks as
+    ``(group tensor, input_splits, output_splits)``."""
+
+    @classmethod
+    def of(cls, layout):
+        """The layout on tensors of the array API's ``layout`` (its group array exported as a
+        tensor through DLPack)."""
+        self = cls(layout.comm, layout.num_tokens_per_expert_group, layout.counts,
+                   layout.num_local_experts)
+        self.group_tensor = _tensor(layout.num_tokens_per_expert_group)
+        return self
+
+    def __iter__(self):
+        return iter((self.group_tensor, self.input_splits, self.output_splits))
+
+    def __getitem__(self, i):
+        return (self.group_tensor, self.input_splits, self.output_splits)[i]
+
+
+def exchange_layout(num_tokens_per_expert, comm):
+    """Step 0 on tensors; see :func:`mxcomm.exchange_layout` (the one host synchronization).
+
+    Args:
+        num_tokens_per_expert: (E,) integer tensor (int64 from ``bincount`` is fine).
+        comm: an mxcomm communicator, or a ProcessGroup or 1-D DeviceMesh (its
+            :func:`communicator_for`).
+    Returns:
+        A :class:`TensorLayout`: pass it to :func:`a2a_dispatch`, :func:`permute`,
+        :func:`unpermute` and :func:`a2a_combine` (no host collective per call); it unpacks as
+        ``(num_tokens_per_expert_group (E,) int32 tensor, input_splits, output_splits)``.
+        While ``torch.compile`` traces: a :class:`LayoutHandle` (the op
+        ``mxcomm::exchange_layout``), which the exchanges take with ``permute_align``
+        (docs/design.md, "torch.compile and custom ops").
+    """
+    if torch.compiler.is_compiling():
+        return _ops.traced_layout(num_tokens_per_expert, comm)
+    if not hasattr(comm, "alltoallv"):  # a ProcessGroup or a DeviceMesh: its communicator
+        from ._dropin import communicator_for
+        comm = communicator_for(comm)
+    _ops._registry.register(comm)  # found again by a compiled region's ops
+    return _exchange_layout(num_tokens_per_expert, comm)
+
+
+def _exchange_layout(num_tokens_per_expert, comm):
+    """:func:`exchange_layout` in eager (and the op ``mxcomm::exchange_layout``'s body)."""
+    device = num_tokens_per_expert.device
+    made = []
+
+    def upload(host):  # the group counts, copied by torch on its current stream, as an array
+        t = torch.from_numpy(host)
+        if device.type != "cpu":
+            t = t.to(device, non_blocking=True)  # pageable: staged before this returns
+        made.append(t)
+        return _array(t, "num_tokens_per_expert_group")
+
+    layout = _layout._exchange(_array(num_tokens_per_expert, "num_tokens_per_expert"), comm,
+                               _stream(num_tokens_per_expert), TensorLayout, upload)
+    layout.group_tensor = made[0]
+    return layout
+
+

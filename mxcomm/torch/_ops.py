@@ -1,0 +1,303 @@
+"""mxcomm's token path as torch custom ops (``torch.library``): what ``torch.compile`` traces.
+
+Glossary: M rows sent by this rank (the token side), N rows received (the expert side), P
+permuted rows, D hidden, E experts, E_local experts per rank, W ranks.
+
+The exchange ops (docs/design.md, "torch.compile and custom ops"), in the ``mxcomm`` namespace
+(the grouped GEMM's are in ``_gemm_op``):
+
+    mxcomm::exchange_layout(Tensor num_tokens_per_expert, str group) -> Tensor
+    mxcomm::exchange(Tensor rows, Tensor? layout, str function, SymInt[]? input_splits,
+                     SymInt[]? output_splits, str group, str precision, int permute_align,
+                     SymInt out_rows, int num_local_experts, bool keep_quantized)
+        -> (Tensor rows, Tensor scales, Tensor permuted_indices, Tensor group_offsets)
+    mxcomm::dequantize(Tensor data, Tensor scales, str format) -> Tensor
+
+What is not a tensor travels as a value an op's schema takes:
+- a group is a string key: ``"pg:<group_name>"`` for a torch.distributed ``ProcessGroup`` (how
+  torch's functional collectives name theirs), ``"comm:<id>"`` for an mxcomm communicator, which
+  is registered where it passes outside a trace (:func:`group_key`, ``exchange_layout``,
+  ``communicator_for``); the op finds the communicator again
+  when it runs (``communicator_for`` of the group: built on first use, collectively);
+- a layout is a handle, a (1,) int64 CPU tensor naming it in :data:`_registry` (the layout itself,
+  with its host ints, lives there while the handle lives: a finalizer on the handle removes it);
+- the rows an exchange returns are data-dependent: the fake implementation takes them from
+  ``out_rows`` where the caller knows them (the token side: the dispatch's input rows; a
+  backward: its forward's input rows), else from the splits, else a new unbacked size
+  (``torch.library.get_ctx().new_dynamic_size()``).
+
+An op returns plain tensors. The forward dispatch of a quantized precision returns the data and
+scales (``keep_quantized``), and :func:`exchange` wraps them in a QuantizedTensor in the graph
+(whose dispatch hands the grouped GEMM's ops its data and scales, and dequantizes for other ops
+through ``mxcomm::dequantize``); any other quantized result (the combine's gradient) comes back
+dequantized in bf16, with a one-time warning naming the extra pass. Permute and unpermute have no
+op: in a compiled region pass ``permute_align`` to the exchanges (the fused path).
+
+Eager calls run the ops' implementation itself (:func:`exchange` calls ``_exchange``, which the
+op calls), not through torch's dispatcher: a custom op's Python dispatch cost 9 us more than the
+plain call on a CPU (bench/NOTES.md), and an eager call keeps what the op cannot carry (a
+QuantizedTensor, the pending gather of permute's backward). Autograd is the autograd Functions
+of ``_a2a`` and ``_dropin`` around the ops, which dynamo traces into the joint graph.
+"""
+
+import itertools
+import warnings
+import weakref
+
+import numpy
+import torch
+
+from .. import a2a as _a2a
+from .. import layout as _layout
+from .._torch_arrays import _TORCH_DTYPES
+from ._quantized import (_DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _dequantized,
+                         _quantized_tensor)
+from ._tensors import _exchange
+
+NAMESPACE = "mxcomm"
+#: The group key prefixes (module docstring).
+_PG, _COMM = "pg:", "comm:"
+
+
+class LayoutHandle:
+    """A layout inside a compiled region: what :func:`mxcomm.torch.exchange_layout` returns
+    while ``torch.compile`` traces. Pass it where a layout goes (``a2a_dispatch(x, layout,
+    permute_align=A)``, ``a2a_combine(y, layout, permute_align=A)``).
+
+    Attributes:
+        handle: (1,) int64 CPU tensor naming the layout in the registry (``mxcomm::exchange``'s
+            ``layout``).
+        num_local_experts: E_local.
+        rows: M, the token rows of the dispatch made with it (set by :func:`a2a_dispatch`; the
+            combine's result rows), or -1 before.
+    """
+
+    def __init__(self, handle, num_local_experts):
+        self.handle = handle
+        self.num_local_experts = num_local_experts
+        self.rows = -1
+
+
+class _Registry:
+    """The ops' state that is not a tensor: communicators by group key, layouts by handle."""
+
+    def __init__(self):
+        self._comms = weakref.WeakValueDictionary()
+        self._layouts = {}
+        self._ids = itertools.count(1)
+        self.warned = set()
+
+    def add_layout(self, layout):
+        """A new handle for ``layout``: (1,) int64 CPU tensor; the entry lives as long as it."""
+        key = next(self._ids)
+        handle = torch.tensor([key], dtype=torch.int64)
+        self._layouts[key] = layout
+        weakref.finalize(handle, self._layouts.pop, key, None)
+        return handle
+
+    def layout(self, handle):
+        """The layout a handle names; RuntimeError if it is unknown (freed, or not a handle)."""
+        key = int(handle.reshape(-1)[0]) if handle.numel() == 1 else None
+        layout = self._layouts.get(key)
+        if layout is None:
+            raise RuntimeError(f"layout: {handle!r} names no live mxcomm layout (a handle comes "
+                               f"from mxcomm.torch.exchange_layout inside the same compiled "
+                               f"region)")
+        return layout
+
+    def register(self, comm):
+        """The key of the mxcomm communicator ``comm``, registered."""
+        key = f"{_COMM}{id(comm)}"
+        self._comms[key] = comm
+        return key
+
+    def communicator(self, key):
+        """The communicator a group key names (module docstring)."""
+        if key.startswith(_PG):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            from ._dropin import communicator_for
+            return communicator_for(_resolve_process_group(key[len(_PG):]))
+        comm = self._comms.get(key)
+        if comm is None:
+            raise RuntimeError(f"group: {key!r} names no registered mxcomm communicator; a "
+                               f"communicator used inside torch.compile must have been used "
+                               f"once outside it (or passed to "
+                               f"mxcomm.torch.communicator_for) first")
+        return comm
+
+
+_registry = _Registry()
+
+
+def group_key(group):
+    """The string an op takes for ``group``: a ProcessGroup or a 1-D DeviceMesh
+    (``"pg:<group_name>"``; traceable) or an mxcomm communicator (``"comm:<id>"``; registered
+    when called outside a trace).
+
+    Raises:
+        TypeError: ``group`` of another type.
+    """
+    import torch.distributed as dist
+    if isinstance(group, dist.ProcessGroup):
+        return _PG + group.group_name
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(group, DeviceMesh):
+        return _PG + group.get_group().group_name
+    from ..comm import Communicator
+    if isinstance(group, Communicator):
+        if torch.compiler.is_compiling():
+            return f"{_COMM}{id(group)}"
+        return _registry.register(group)
+    raise TypeError(f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or an "
+                    f"mxcomm communicator, got {type(group).__name__}")
+
+
+def _group_size(group):
+    """W of a ProcessGroup, a DeviceMesh or a communicator (traceable)."""
+    import torch.distributed as dist
+    return group.size() if isinstance(group, dist.ProcessGroup) else \
+        group.size() if callable(group.size) else group.size
+
+
+def _warn_once(key, message):
+    if key not in _registry.warned:
+        _registry.warned.add(key)
+        warnings.warn(message, stacklevel=2)
+
+
+# ------------------------------------------------------------------------------------ the ops
+@torch.library.custom_op(f"{NAMESPACE}::exchange_layout", mutates_args=())
+def _exchange_layout_op(num_tokens_per_expert: torch.Tensor, group: str) -> torch.Tensor:
+    """Step 0 (``mxcomm.torch.exchange_layout``'s eager body) -> the layout's handle."""
+    from ._layout import _exchange_layout
+    layout = _exchange_layout(num_tokens_per_expert, _registry.communicator(group))
+    return _registry.add_layout(layout)
+
+
+@_exchange_layout_op.register_fake
+def _(num_tokens_per_expert, group):
+    return torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::exchange", mutates_args=())
+def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
+                 input_splits: list[int] | None, output_splits: list[int] | None, group: str,
+                 precision: str, permute_align: int, out_rows: int, num_local_experts: int,
+                 keep_quantized: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One exchange of ``mxcomm.a2a._CALLS`` (``function``): ``(rows, scales,
+    permuted_indices, group_offsets)``; a quantized result as its data (float8_e4m3fn) and
+    scales with ``keep_quantized``, else dequantized to bf16 (scales (0,)); the index and the
+    offsets (0,) int32 unless the result is permuted (``permute_align`` > 0 in the dispatch
+    direction)."""
+    found = _registry.layout(layout) if layout is not None else None
+    comm = None if found is not None else _registry.communicator(group)
+    out = _exchange(function, rows, input_splits, output_splits, comm, precision, found,
+                    permute_align or None)
+    if type(out) is tuple:
+        # the layout keeps its index tensors for the next call: an op's outputs are its own
+        out, indices, offsets = out[0], out[1].clone(), out[2].clone()
+    else:
+        indices, offsets = (torch.empty(0, dtype=torch.int32, device=rows.device)
+                            for _ in range(2))
+    scales = rows.new_empty(0)
+    if isinstance(out, QuantizedTensor):
+        out, scales = (out.qdata, out.scales) if keep_quantized else (_dequantized(out), scales)
+    return out, scales, indices, offsets
+
+
+@_exchange_op.register_fake
+def _(rows, layout, function, input_splits, output_splits, group, precision, permute_align,
+      out_rows, num_local_experts, keep_quantized):
+    _, direction, dequantize = _a2a._CALLS[function]
+    fmt = _a2a._check_precision(precision)
+    expert_side = direction == "dispatch"
+    if out_rows >= 0:
+        n = out_rows
+    elif input_splits is not None and output_splits is not None:
+        n = sum(output_splits) if expert_side else sum(input_splits)
+    else:
+        n = torch.library.get_ctx().new_dynamic_size()
+    scales = rows.new_empty(0)
+    if fmt.quantized and keep_quantized and not dequantize:
+        dtype = _DATA_DTYPE
+        scales = rows.new_empty(fmt.scales_shape(n, rows.shape[1]),
+                                dtype=_SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)])
+    elif fmt.quantized:
+        dtype = rows.dtype if dequantize else torch.bfloat16
+        if not dequantize:  # here, not in the traced Python: dynamo does not trace warnings
+            _warn_once(("dequantized", precision),
+                       f"mxcomm: under torch.compile the {precision!r} rows of {function} come "
+                       f"back dequantized to bf16 (one pass more than eager, the same values): "
+                       f"a QuantizedTensor does not cross a custom op")
+    else:
+        dtype = rows.dtype if fmt.element_dtype is None else \
+            _TORCH_DTYPES.get(numpy.dtype(fmt.element_dtype), rows.dtype)
+    out = rows.new_empty((n, rows.shape[1]), dtype=dtype)
+    permuted = expert_side and permute_align > 0
+    indices = rows.new_empty((n if permuted else 0,), dtype=torch.int32)
+    offsets = rows.new_empty((num_local_experts if permuted else 0,), dtype=torch.int32)
+    return out, scales, indices, offsets
+
+
+@torch.library.custom_op(f"{NAMESPACE}::dequantize", mutates_args=())
+def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, format: str) -> torch.Tensor:  # noqa: A002
+    """(M, D) bf16 values of quantized rows (data float8_e4m3fn, the format's scales)."""
+    from ..formats import get_format
+    return _dequantized(_quantized_tensor(data, scales, get_format(format)))
+
+
+@_dequantize_op.register_fake
+def _(data, scales, format):  # noqa: A002
+    return data.new_empty(data.shape, dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------- what the steps call
+def traced_layout(num_tokens_per_expert, group):
+    """:func:`mxcomm.torch.exchange_layout` while ``torch.compile`` traces: the op's handle in a
+    :class:`LayoutHandle` (``group``: a communicator or a ProcessGroup)."""
+    num_local_experts = num_tokens_per_expert.shape[0] // _group_size(group)
+    handle = torch.ops.mxcomm.exchange_layout(num_tokens_per_expert, group_key(group))
+    return LayoutHandle(handle, num_local_experts)
+
+
+def exchange(function, rows, input_splits, output_splits, comm, precision, layout=None,
+             permute_align=None, out_rows=-1):
+    """The exchange ``function`` on the tensor ``rows`` (the autograd Functions of ``_a2a`` and
+    ``_dropin`` call it): in eager ``_exchange`` itself (a tensor, a QuantizedTensor, or with
+    ``permute_align`` in the dispatch direction permute's triple); while ``torch.compile``
+    traces, the op ``mxcomm::exchange`` (the dispatch's quantized rows as a QuantizedTensor
+    made in the graph, other quantized results dequantized, warned once).
+
+    ``comm``: an mxcomm communicator, a ProcessGroup (its :func:`communicator_for`), or None
+    with a layout. ``out_rows``: the result's rows where the caller knows them, else -1.
+    """
+    if not torch.compiler.is_compiling():
+        if comm is not None and not hasattr(comm, "alltoallv"):  # a ProcessGroup
+            from ._dropin import communicator_for
+            comm = communicator_for(comm)
+        return _exchange(function, rows, input_splits, output_splits, comm, precision, layout,
+                         permute_align)
+    if isinstance(layout, _layout.Layout):
+        raise RuntimeError(f"{function}: a layout made outside torch.compile cannot be used "
+                           f"inside it; call mxcomm.torch.exchange_layout inside the compiled "
+                           f"region")
+    # rows typed QuantizedTensor (dynamo types the dispatch's gradient as its output) go into
+    # the op as they are: if one is a QuantizedTensor when the graph is made, its dispatch
+    # hands the op its dequantized values
+    fmt = _a2a._check_precision(precision)
+    # the dispatch's rows stay quantized (a QuantizedTensor made in the graph); the other
+    # quantized results (the combine's gradient) come back dequantized
+    keep = fmt.quantized and function == "a2a_dispatch"
+    out, scales, indices, offsets = torch.ops.mxcomm.exchange(
+        rows, None if layout is None else layout.handle, function,
+        None if input_splits is None else list(input_splits),
+        None if output_splits is None else list(output_splits),
+        "" if layout is not None else group_key(comm), precision, permute_align or 0,
+        out_rows, 0 if layout is None else layout.num_local_experts, keep)
+    if keep:
+        out = QuantizedTensor(out, scales, fmt.name)
+    if permute_align and _a2a._CALLS[function][1] == "dispatch":
+        return out, indices, offsets
+    return out

@@ -1,0 +1,190 @@
+"""The permute and unpermute (steps 2 and 4) as differentiable torch functions.
+
+Glossary: N = M_recv rows received, P permuted rows, D hidden, H GEMM output, E_local experts per
+rank.
+"""
+
+import torch
+
+from .. import layout as _layout
+from .. import permutation as _permutation
+from .._array import bfloat16
+from .._torch_arrays import _array, _stream
+from ..formats import get_format
+from ._a2a import _A2ADispatch
+from ._tensors import _Alloc, _index_array, _index_tensors, _PendingGather, _rows, _wrap
+
+
+def _not_compiled(name):
+    """NotImplementedError while ``torch.compile`` traces: the permute has no custom op."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(f"mxcomm.torch.{name} does not run under torch.compile (it "
+                                  f"has no custom op); pass permute_align to a2a_dispatch and "
+                                  f"a2a_combine instead (the same rows, one pass less)")
+
+
+def _folds_into_dispatch(x, layout):
+    """True where permute's backward may hand its gradient to the dispatch that made ``x`` as a
+    :class:`_PendingGather`: ``x`` is the output of :func:`a2a_dispatch` on the same layout,
+    whose gradient precision quantizes gathered rows."""
+    node = x.grad_fn
+    backward = getattr(_A2ADispatch, "_backward_cls", None)
+    if layout is None or backward is None or not isinstance(node, backward):
+        return False
+    _, _, _, grad_precision, dispatch_layout, permute_align, _ = node.args  # _A2ADispatch ctx.args
+    fmt = get_format(grad_precision)
+    return dispatch_layout is layout and permute_align is None and fmt.quantized and \
+        fmt.quantizes_gathered(bfloat16)
+
+
+class _Permute(torch.autograd.Function):
+    """Step 2, received order -> expert-major groups padded to ``align`` rows.
+
+    Forward:  x (N, D) bf16 or QuantizedTensor -> permuted (P, D) of the same kind (data and
+              scales move together; ``out_format``: converted), permuted_indices (P,) int32,
+              group_offsets (E_local,) int32.
+    Backward: grad (P, D) -> (N, D), a scatter back to received order (padding rows dropped);
+              with ``fold`` (:func:`_folds_into_dispatch`), a :class:`_PendingGather` that the
+              dispatch's MXFP8 gradient reads in place instead.
+    """
+
+    @staticmethod
+    def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align, out_format, fold):
+        counts = num_tokens_per_expert_group
+        layout = counts if isinstance(counts, _layout.Layout) else None
+        if layout is None:
+            counts = _array(counts, "num_tokens_per_expert_group")
+        alloc = _Alloc(x.device)
+        permuted, indices, offsets = _permutation._permute(_rows(x, "x"), counts,
+                                                           num_local_experts, align, out_format,
+                                                           _stream(x), alloc)
+        indices, offsets = _index_tensors(layout, align, indices, offsets, alloc)
+        ctx.save_for_backward(indices)
+        # with the layout, its permute's indices name every received row once: the backward's
+        # scatter needs no zero fill first (one pass over the gradient less)
+        ctx.layout = layout
+        ctx.num_rows = layout if layout is not None else x.shape[0]
+        ctx.inverse = _inverse_index(layout, align, indices) if fold else None
+        ctx.mark_non_differentiable(indices, offsets)
+        return _wrap(permuted, alloc), indices, offsets
+
+    @staticmethod
+    def backward(ctx, grad, grad_indices, grad_offsets):
+        (indices,) = ctx.saved_tensors
+        if ctx.inverse is not None and type(grad) is torch.Tensor and grad.is_contiguous() \
+                and grad.dtype == torch.bfloat16:
+            dx = _PendingGather(grad, ctx.inverse)
+        else:
+            alloc = _Alloc(grad.device)
+            dx = _wrap(_permutation._unpermute(_rows(grad, "grad"),
+                                               _index_array(indices, ctx.layout),
+                                               ctx.num_rows, _stream(grad), alloc), alloc)
+        # None for: num_tokens_per_expert_group, num_local_experts, align, out_format, fold
+        return dx, None, None, None, None, None
+
+
+def _inverse_index(layout, align, indices):
+    """(N,) int32 tensor: the permuted row of each received row, the inverse of the layout's
+    permute index ``indices`` (P,) (padding rows, -1, land in a dropped slot N); kept beside the
+    layout per ``align``, like the index, and built on the device (no host sync)."""
+    key = ("torch permute inverse", align)
+    cached = layout._cache.get(key)
+    if cached is not None and cached[0] is indices:
+        return cached[1]
+    n = layout.num_received
+    inverse = torch.empty(n + 1, dtype=torch.int32, device=indices.device)
+    slots = torch.where(indices >= 0, indices, n).long()
+    inverse.scatter_(0, slots, torch.arange(indices.shape[0], dtype=torch.int32,
+                                            device=indices.device))
+    inverse = inverse[:n]
+    layout._cache[key] = (indices, inverse)
+    return inverse
+
+
+class _Unpermute(torch.autograd.Function):
+    """Step 4, expert-major rows -> received order.
+
+    Forward:  y (P, H) bf16 -> (N, H) bf16; padding rows dropped.
+    Backward: grad (N, H) bf16 or QuantizedTensor -> (P, H) of the same kind, a gather (scales
+              kept; padding rows zero with the format's padding scale).
+    """
+
+    @staticmethod
+    def forward(ctx, y, permuted_indices, num_rows, grad_format):
+        ctx.save_for_backward(permuted_indices)
+        ctx.grad_format = grad_format
+        ctx.layout = num_rows if isinstance(num_rows, _layout.Layout) else None
+        alloc = _Alloc(y.device)
+        return _wrap(_permutation._unpermute(_rows(y, "y"),
+                                             _index_array(permuted_indices, ctx.layout),
+                                             num_rows, _stream(y), alloc), alloc)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (indices,) = ctx.saved_tensors
+        alloc = _Alloc(grad.device)
+        dy = _permutation._unpermute_backward(_rows(grad, "grad"),
+                                              _index_array(indices, ctx.layout),
+                                              _stream(grad), alloc, ctx.grad_format)
+        # None for: permuted_indices, num_rows, grad_format
+        return _wrap(dy, alloc), None, None, None
+
+
+def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
+            out_format=None):
+    """Step 2, differentiable: received rows -> expert-major, ``align``-padded groups.
+
+    Args:
+        x: (N, D) bf16 tensor or QuantizedTensor.
+        num_tokens_per_expert_group: (E,) int32 tensor (``exchange_layout``), or the layout
+            itself (then ``num_local_experts`` is the layout's, and N is checked against it).
+        num_local_experts: E_local (not needed with a layout).
+        align: rows each group is padded to a multiple of.
+        out_format: None, or a format to convert quantized rows to in the same pass
+            (:func:`mxcomm.permute`): ``"bf16"`` from an MXFP8Tensor gives a plain bf16 tensor,
+            dequantized in the gather (for a bf16 grouped GEMM: one pass instead of a permute
+            and a dequantize); ``"fp8_rowwise"`` a QuantizedTensor for the fp8 grouped GEMM.
+            The gradient of ``x`` is bf16 either way.
+    Returns:
+        ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``;
+        ``group_offsets`` is the ``offs`` of ``torch._grouped_mm``. With a layout, when ``x``
+        is :func:`a2a_dispatch`'s output on it with an MXFP8 ``grad_precision``, the backward
+        hands the dispatch its permuted gradient to quantize in place (no bf16 rows written in
+        received order; the same bits, docs/design.md).
+    Raises:
+        ValueError: with a layout, ``x`` has another number of rows than it receives.
+    """
+    _not_compiled("permute")
+    if isinstance(num_tokens_per_expert_group, _layout.Layout):
+        layout = num_tokens_per_expert_group
+        if x.shape[0] != layout.num_received:  # here too: before autograd records anything
+            raise ValueError(f"permute: x on rank {layout.comm.rank} has {x.shape[0]} rows, but "
+                             f"the layout receives {layout.num_received}")
+    elif num_local_experts is None:
+        raise TypeError("permute: num_local_experts is required without a layout")
+    if out_format is not None:
+        get_format(out_format, "out_format")
+    layout = num_tokens_per_expert_group if isinstance(num_tokens_per_expert_group,
+                                                      _layout.Layout) else None
+    return _Permute.apply(x, num_tokens_per_expert_group, num_local_experts, align, out_format,
+                          _folds_into_dispatch(x, layout))
+
+
+def unpermute(y, permuted_indices, num_rows, *, grad_format=None):
+    """Step 4, differentiable: (P, H) -> (num_rows, H) in received order.
+
+    ``num_rows`` is N, or the layout whose permute made ``permuted_indices`` (its
+    ``num_received``; its indices name every received row once, so the result needs no
+    zero fill: one pass less). ``grad_format``: None, or a format the backward converts a
+    quantized gradient to in its gather, as :func:`permute`'s ``out_format`` does: ``"bf16"``
+    gives the bf16 grouped GEMM's backward plain bf16 rows, with no separate dequantize pass.
+
+    Raises:
+        ValueError: ``grad_format`` is not a format.
+    """
+    _not_compiled("unpermute")
+    if grad_format is not None:
+        get_format(grad_format, "grad_format")
+    return _Unpermute.apply(y, permuted_indices, num_rows, grad_format)
+
+

@@ -1,0 +1,192 @@
+"""QuantizedTensor: quantized rows that autograd and torch ops see as bf16 (mxcomm.torch).
+
+Glossary: M rows, D hidden.
+"""
+
+import numpy
+import torch
+from torch.utils._pytree import tree_map
+
+from .._array import bfloat16
+from .._torch_arrays import _TORCH_DTYPES, _array, _stream, _view
+from ..formats import get_format
+
+# array dtype of a quantized format's data / scales -> the torch dtype its tensor has
+# (fp8 travels as uint8 bits: data is e4m3fn, uint8 scales are e8m0)
+_DATA_DTYPE = torch.float8_e4m3fn
+_SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
+                 numpy.dtype(numpy.float32): torch.float32}
+#: The scale rounding of every exchange made through this module (the array API's default).
+_SCALE_MODE = "rceil"
+# (kind, array dtype) of a direct call's result (``mxcomm.a2a._Direct``) -> its torch dtype
+_DIRECT_DTYPES = {("rows", dtype): torch_dtype for dtype, torch_dtype in _TORCH_DTYPES.items()}
+_DIRECT_DTYPES.update({("data", numpy.dtype(numpy.uint8)): _DATA_DTYPE})
+_DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
+                       in _SCALE_DTYPES.items()})
+
+
+def _dequantized(t):
+    """The bf16 values of the QuantizedTensor ``t`` as a plain tensor (no autograd), allocated by
+    torch (no DLPack import per call)."""
+    if type(t.qdata) is not torch.Tensor or torch.compiler.is_compiling():
+        # traced (fake or functional inner tensors): the op mxcomm::dequantize (torch._ops)
+        return torch.ops.mxcomm.dequantize(t.qdata, t.scales, t.format_name)
+    out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.qdata.device)
+    if out.numel():
+        rows = t.format.wrap(_array(t.qdata, "qdata"), _array(t.scales, "scales"))
+        rows.dequantize(bfloat16, out=_view(out, bfloat16), stream=_stream(t.qdata))
+    return out
+
+
+# ------------------------------------------------------------------------- QuantizedTensor
+def _scales_shape_text(fmt):
+    """The scale shape of a format in words: "(M,)" or "(M, D // 32)"."""
+    return "(M,)" if len(fmt.scales_shape(1, fmt.d_multiple)) == 1 else \
+        f"(M, D // {fmt.scale_block})"
+
+
+class QuantizedTensor(torch.Tensor):
+    """An (M, D) tensor of a quantized format (``mxcomm.formats``) that autograd and torch ops see
+    as bf16.
+
+    Holds ``qdata`` (M, D) ``torch.float8_e4m3fn``, ``scales`` of the format's scale shape
+    (``format.scales_shape(M, D)``: ``torch.float8_e8m0fnu`` (M, D // 32) for mxfp8,
+    ``torch.float32`` (M,) for fp8_rowwise, (M, D // 128) for the block128 formats) and
+    ``format`` (a :class:`~mxcomm.formats.Format`). Its dtype is bf16, so gradients flowing into it
+    are bf16 of the same shape. :meth:`dequantize` is differentiable (straight-through); any other
+    torch op dequantizes it and runs on bf16 (``detach`` keeps it quantized), so
+    ``torch._grouped_mm`` or a slice "just works" on it. Constructing one with the ``"mxfp8"``
+    format gives an :class:`MXFP8Tensor`.
+
+    Args:
+        qdata: (M, D) float8_e4m3fn (or uint8 bits) tensor.
+        scales: the format's scales (uint8 bits accepted for e8m0), same device.
+        format: a quantized Format or its name.
+        requires_grad: as for any tensor.
+    Raises:
+        TypeError: dtypes other than the format's; ``format`` not a quantized format.
+        ValueError: an unknown format; shapes other than the format's.
+    """
+
+    @staticmethod
+    def __new__(cls, qdata, scales, format, *, requires_grad=False):  # noqa: A002
+        fmt = get_format(format, "format")
+        if not fmt.quantized:
+            raise TypeError(f"format: expected a quantized format, got {fmt.name!r}")
+        if cls is QuantizedTensor and fmt.name == "mxfp8":
+            cls = MXFP8Tensor
+        scale_dtype = _SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)]
+        if qdata.dtype == torch.uint8:
+            qdata = qdata.view(_DATA_DTYPE)
+        if scales.dtype == torch.uint8 and scale_dtype.itemsize == 1:
+            scales = scales.view(scale_dtype)
+        if qdata.dtype != _DATA_DTYPE or scales.dtype != scale_dtype:
+            raise TypeError(f"{cls.__name__}: expected {_DATA_DTYPE} data and {scale_dtype} "
+                            f"scales ({fmt.name}), got {qdata.dtype} and {scales.dtype}")
+        if qdata.dim() != 2 or qdata.shape[1] % fmt.d_multiple or \
+                tuple(scales.shape) != fmt.scales_shape(*qdata.shape):
+            raise ValueError(f"{cls.__name__}: expected data (M, D) with D % {fmt.d_multiple} "
+                             f"== 0 and scales {_scales_shape_text(fmt)} ({fmt.name}), got "
+                             f"{tuple(qdata.shape)} and {tuple(scales.shape)}")
+        return _quantized_tensor(qdata, scales, fmt, cls, requires_grad)
+
+    def __init__(self, *args, **kwargs):
+        pass  # everything happens in __new__
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(format={self.format.name!r}, shape={tuple(self.shape)}, "
+                f"device={self.device})")
+
+    def dequantize(self):
+        """The values as a bf16 tensor; differentiable (the gradient passes through unchanged)."""
+        return _Dequantize.apply(self)
+
+    def __tensor_flatten__(self):
+        return ["qdata", "scales"], self.format.name
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return QuantizedTensor(inner["qdata"], inner["scales"], meta)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            (t,) = args
+            return QuantizedTensor(t.qdata, t.scales, t.format)
+        if func in _GEMM_OPS:  # the grouped GEMM's ops read the rows as they are (torch._gemm_op)
+            at = _GEMM_OPS[func]
+            t = args[at]
+            args = args[:at] + (t.qdata,) + args[at + 1:]
+            return func(*args, **dict(kwargs or {}, x_scales=t.scales, x_format=t.format_name))
+        args, kwargs = tree_map(lambda a: _dequantized(a) if isinstance(a, QuantizedTensor)
+                                else a, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+#: The grouped GEMM's custom ops (``mxcomm.torch._gemm_op``, filled in there) -> the position of
+#: their rows argument, which a QuantizedTensor gives as its data and scales.
+_GEMM_OPS = {}
+
+
+def _quantized_tensor(qdata, scales, fmt, cls=None, requires_grad=False):
+    """A QuantizedTensor of ``qdata`` (float8_e4m3fn) and ``scales`` (the format's torch dtype)
+    of the quantized Format ``fmt``, unchecked: the constructor's end after its checks, and the
+    whole of it for results this package made with the format's dtypes and shapes. ``cls``:
+    the class (None: MXFP8Tensor for mxfp8, else QuantizedTensor)."""
+    if cls is None:
+        cls = MXFP8Tensor if fmt.name == "mxfp8" else QuantizedTensor
+    self = torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.bfloat16,
+                                               device=qdata.device, requires_grad=requires_grad)
+    self.qdata, self.scales, self.format = qdata, scales, fmt
+    self.format_name = fmt.name  # a string: what traced code reads (dynamo wraps no Format)
+    return self
+
+
+class MXFP8Tensor(QuantizedTensor):
+    """The ``"mxfp8"`` :class:`QuantizedTensor`: ``data_e4m3`` (M, D) ``torch.float8_e4m3fn`` and
+    ``scales_e8m0`` (M, D // 32) ``torch.float8_e8m0fnu`` (one scale per 32 elements of a row),
+    also reachable as ``qdata`` and ``scales``.
+
+    Args:
+        data_e4m3: (M, D) float8_e4m3fn (or uint8 bits) tensor, D % 32 == 0.
+        scales_e8m0: (M, D // 32) float8_e8m0fnu (or uint8 bits) tensor, same device.
+        format: ``"mxfp8"`` only (the argument exists for ``QuantizedTensor``'s constructor).
+        requires_grad: as for any tensor.
+    """
+
+    @staticmethod
+    def __new__(cls, data_e4m3, scales_e8m0, format="mxfp8", *, requires_grad=False):  # noqa: A002
+        if get_format(format, "format").name != "mxfp8":
+            raise ValueError(f"format: MXFP8Tensor holds 'mxfp8' rows, got {format!r}")
+        return QuantizedTensor.__new__(cls, data_e4m3, scales_e8m0, "mxfp8",
+                                       requires_grad=requires_grad)
+
+    @property
+    def data_e4m3(self):
+        """(M, D) float8_e4m3fn: the elements (``qdata``)."""
+        return self.qdata
+
+    @property
+    def scales_e8m0(self):
+        """(M, D // 32) float8_e8m0fnu: the scales (``scales``)."""
+        return self.scales
+
+
+class _Dequantize(torch.autograd.Function):
+    """QuantizedTensor -> bf16.
+
+    Forward:  mx (M, D) QuantizedTensor (any format) -> (M, D) bf16.
+    Backward: grad (M, D) bf16 -> the same, unchanged (straight-through).
+    """
+
+    @staticmethod
+    def forward(ctx, mx):
+        return _dequantized(mx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+

@@ -1,0 +1,201 @@
+"""Tensors as the array API's rows and back, and the exchanges on tensors (mxcomm.torch).
+
+Glossary: M rows sent by this rank, N = M_recv rows received, P permuted rows, D hidden.
+"""
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .. import a2a as _a2a
+from .. import permutation as _permutation
+from .. import route as _route
+from .._driver import Words
+from .._platform import gpu_arrays
+from .._torch_arrays import (_ARRAY_DTYPES, _TORCH_DTYPES, _array, _current_stream, _stream,
+                             _tensor, _view)
+from ..formats import QuantizedArray
+from ..kernels import array_module
+from ._quantized import (_DATA_DTYPE, _DIRECT_DTYPES, _SCALE_DTYPES, _SCALE_MODE,
+                         QuantizedTensor, _quantized_tensor)
+
+
+class _Alloc:
+    """The engine's allocator in a torch call (``alloc(shape, dtype)``): results are torch
+    tensors from torch's caching allocator on ``device`` (on torch's current stream, where the
+    call runs), seen as arrays, so they come back as those tensors (:meth:`tensor`) without a
+    DLPack round trip, and the memory stays in torch's pool."""
+
+    __slots__ = ("_device", "_made")
+
+    def __init__(self, device):
+        self._device = device
+        self._made = []
+
+    def __call__(self, shape, dtype):
+        torch_dtype = _TORCH_DTYPES.get(dtype)
+        if torch_dtype is None:
+            return array_module().empty(shape, dtype)
+        t = torch.empty(shape, dtype=torch_dtype, device=self._device)
+        a = _view(t, dtype) if t.numel() else _array(t, "result")
+        self._made.append((a, t))
+        return a
+
+    def tensor(self, a, dtype=None):
+        """The tensor of an array this allocator made (``dtype``: a bit view of it), else
+        :func:`_tensor`'s."""
+        for made, t in self._made:
+            if made is a:
+                return t if dtype is None else t.view(dtype)
+        return _tensor(a, dtype)
+
+
+def _rows(t, name):
+    """A tensor as what the array API takes: a QuantizedArray (MXFP8Array for mxfp8) for a
+    QuantizedTensor, GatheredRows for a :class:`_PendingGather`, else an array."""
+    if isinstance(t, QuantizedTensor):
+        return t.format.wrap(_array(t.qdata, f"{name}.qdata"), _array(t.scales, f"{name}.scales"))
+    if isinstance(t, _PendingGather):
+        return _permutation.GatheredRows(_array(t.source, f"{name}.source"),
+                                         _array(t.inverse, f"{name}.inverse"))
+    return _array(t, name)
+
+
+def _wrap(result, alloc=None):
+    """An array API result as a tensor: a QuantizedTensor (MXFP8Tensor for mxfp8) for a
+    QuantizedArray, else a plain tensor; the tensors ``alloc`` (an :class:`_Alloc`) made for
+    it, where it made them."""
+    tensor = _tensor if alloc is None else alloc.tensor
+    if isinstance(result, QuantizedArray):
+        return QuantizedTensor(tensor(result.data, _DATA_DTYPE),
+                               tensor(result.scales, _SCALE_DTYPES[result.scales.dtype]),
+                               result.format)
+    return tensor(result)
+
+
+def _exchange(function, rows, input_splits, output_splits, comm, precision, layout=None,
+              permute_align=None):
+    """The array API's ``function`` (``mxcomm.a2a``) on the tensor ``rows`` (plain or a
+    QuantizedTensor), on torch's current stream, results allocated by torch: a tensor (with
+    ``permute_align`` in the dispatch direction, ``permute``'s triple of tensors). A plain
+    tensor whose exchange the engine's direct call runs goes straight to it."""
+    if layout is not None and permute_align is None and type(rows) is torch.Tensor and \
+            input_splits is None and output_splits is None and comm in (None, layout.comm):
+        out = _exchange_direct(function, rows, layout, precision)
+        if out is not None:
+            return out
+    alloc = _Alloc(rows.device)
+    result = _a2a._call(function, _rows(rows, _a2a._CALLS[function][0]), input_splits,
+                        output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc,
+                        permute_align=permute_align)
+    if type(result) is tuple:
+        permuted, indices, offsets = result
+        return (_wrap(permuted, alloc),) + _index_tensors(layout, permute_align, indices, offsets)
+    return _wrap(result, alloc)
+
+
+def _exchange_direct(function, t, layout, precision):
+    """The exchange of the plain tensor ``t`` given ``layout`` on its route (``mxcomm.route``;
+    docs/design.md, "One route"), or None where the engine must take it (another signature,
+    rows that do not fit the layout or the format, a staged exchange whose result is
+    dequantized): O(1) checks, ``t`` passed by its address, results allocated by torch in their
+    final dtypes (a quantized result's data as float8_e4m3fn, its scales as the format's)."""
+    dtype = _ARRAY_DTYPES.get(t.dtype)
+    shape = t.shape
+    if dtype is None or len(shape) != 2:
+        return None
+    r = _route.route(function, precision, _SCALE_MODE, dtype, shape[1])
+    if r is None:
+        return None
+    comm = layout.comm
+    plan = layout.dispatch_plan if r.dispatch else layout.combine_plan
+    cuda = t.is_cuda
+    if shape[0] != plan.rows_sent or cuda != gpu_arrays() or not t.is_contiguous():
+        return None
+    path = r.path(comm, plan)
+    if path is None:
+        return None
+    device = t.device
+    if cuda:
+        ptr = t.data_ptr()
+        if ptr % r.fmt.input_align:
+            return None
+        x = Words(ptr, (plan.rows_sent, r.width), dtype)
+        stream = comm.stream_ptr(_current_stream(device))
+    else:
+        x = _view(t, dtype)
+        stream = comm.stream_ptr(None)
+    specs = _route.arrays(r, path, plan)
+    tensors = [torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
+               for shape, dtype, kind in specs]
+    buffers = [Words(t.data_ptr(), shape, dtype) if cuda else _view(t, dtype)
+               for t, (shape, dtype, _) in zip(tensors, specs)]
+    _route.run(r, path, comm, plan, x, stream, buffers)
+    return _quantized_tensor(tensors[0], tensors[1], r.fmt) if r.kept else tensors[0]
+
+
+def _index_tensors(layout, align, indices, offsets, alloc=None):
+    """The permute index and group offsets (arrays) of ``layout`` for ``align`` as tensors: the
+    tensors ``alloc`` (an :class:`_Alloc`) made them in, else exported through DLPack once;
+    kept beside the layout (the arrays are too), so a later call imports and exports nothing,
+    and :func:`_index_array` finds the index's array from its tensor."""
+    key = ("torch permute index", align)
+    cached = layout._cache.get(key) if layout is not None else None
+    if cached is None or cached[0] is not indices:
+        tensor = _tensor if alloc is None else alloc.tensor
+        cached = (indices, tensor(indices), tensor(offsets))
+        if layout is not None:
+            layout._cache[key] = cached
+            layout._cache["torch index array", id(cached[1])] = (cached[1], indices)
+    return cached[1], cached[2]
+
+
+def _index_array(t, layout):
+    """The permute index tensor ``t`` as an array: the one kept beside ``layout`` (a layout or
+    None) where ``t`` is the layout's index tensor (:func:`_index_tensors`), else a view of
+    ``t``."""
+    if layout is not None:
+        kept = layout._cache.get(("torch index array", id(t)))
+        if kept is not None and kept[0] is t:
+            return kept[1]
+    return _array(t, "permuted_indices")
+
+
+class _PendingGather(torch.Tensor):
+    """The gradient permute's backward hands dispatch's backward with a layout: (N, D), row i
+    = ``source[inverse[i]]`` of the permuted gradient (P, D), not written yet (docs/design.md,
+    "The permute's backward folded into a quantized dispatch gradient").
+
+    Dispatch's backward reads it as ``permutation.GatheredRows``: a quantized dispatch gradient
+    whose format quantizes gathered rows (MXFP8) reads the permuted rows in place, so the bf16
+    rows in received order are never written and read back. Any other torch op on it (the sum
+    with another gradient of the received rows, a hook) first materializes it (the gather
+    ``GatheredRows.materialize``: the rows permute's backward scatters otherwise, the same bits).
+    """
+
+    @staticmethod
+    def __new__(cls, source, inverse):
+        shape = (inverse.shape[0],) + tuple(source.shape[1:])
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=source.dtype,
+                                                   device=source.device)
+        self.source, self.inverse = source, inverse
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass  # everything happens in __new__
+
+    def __repr__(self):
+        return f"_PendingGather(shape={tuple(self.shape)}, device={self.device})"
+
+    def materialize(self):
+        """The rows as a plain tensor, gathered from ``source`` on torch's current stream."""
+        alloc = _Alloc(self.source.device)
+        return _wrap(_rows(self, "grad").materialize(_stream(self.source), alloc), alloc)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(lambda a: a.materialize() if isinstance(a, _PendingGather) else a,
+                                (args, kwargs or {}))
+        return func(*args, **kwargs)
+
