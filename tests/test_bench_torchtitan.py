@@ -21,10 +21,15 @@ import numpy
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("torchtitan.models.deepseek_v3",
-                    reason="torchtitan 0.3 is not installed (.ci/run installs it)")
+pytest.importorskip("torchtitan", reason="torchtitan 0.3 is not installed (.ci/run installs it)")
 
 from mxcomm.bench import torchtitan as bench  # noqa: E402
+
+# torch 2.11 (the GPU machines' image) lacks names torchtitan 0.3's DeepSeek-V3 package imports:
+# the benchmark's stand-ins, as its runs install them, before that package is imported
+bench._guard_torch()
+pytest.importorskip("torchtitan.models.deepseek_v3",
+                    reason="torchtitan 0.3 is not installed (.ci/run installs it)")
 
 
 def test_benchmark_under_torchrun_mxcomm_meets_the_sqnr_targets(tmp_path):
