@@ -14,17 +14,9 @@ the fp8 rowwise rule (``fp8_rowwise``) of the rows of x transposed: bit-identica
 ``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that bf16 copy.
 A column holding NaN or Inf gets scale NaN and elements 0x7F.
 
-Two kernels, grid-stride:
-  1. :func:`transpose_amax_kernel`: each thread takes one input word (4 columns) of CHUNK_ROWS
-     consecutive rows of one matrix (coalesced across the warp), keeps the max of the 4 columns'
-     |x| bits, and merges them into ``keys`` (B * C,) by atomic max (the bits of non-negative
-     bf16 order as their values; Inf and NaN above every finite value).
-  2. :func:`transpose_encode_kernel`: tiles of TILE_ROWS rows x TILE_WORDS input words (4
-     columns each) of one matrix: lane j of a warp takes word j of the rows of row quads (4
-     consecutive rows), scales each column by its inverse scale (from its key, exact), rounds
-     two rows of a column in one conversion, so it holds whole output words (4 rows of a
-     column), and stores them row-contiguous through a swizzled word tile (as
-     ``fp8_colwise``'s encode). The CUDA blocks of a matrix's first row tile write the scales.
+Two kernels, grid-stride: :func:`transpose_amax_kernel` (per-column max of |x| bits into
+``keys`` by atomic max) and :func:`transpose_encode_kernel` (tiles scaled, rounded and stored
+transposed through a swizzled shared tile).
 """
 
 from numba import cuda, float32, int32, uint32, uint64

@@ -15,37 +15,11 @@ Directions and default precisions (torchtitan's conventions, docs/design.md "EP 
 
 Every function takes either explicit splits and a communicator (checked across ranks by a vote,
 one small host allgather) or a :class:`~mxcomm.layout.Layout` (checked locally only; no host
-collective, no host barrier: the GPUs order themselves, docs/design.md "The layout object").
-
-The MXFP8 exchange is one :meth:`~mxcomm.comm.Communicator.exchange`: each peer's rows are
-quantized straight into the memory they travel from. On one node (``comm.transport ==
-"pull"``) the receivers read the senders' memory (CUDA IPC), so quantizing the rows of later peers
-overlaps the transfers. Where the result is dequantized (the combine directions and the drop-in)
-the dequantize kernel reads each sender's rows in place over NVLink, on a side stream, with a
-quarter of the GPU, as soon as that sender has quantized them; the caller's stream goes on
-quantizing with the rest::
-
-    caller stream:  q(r+1) q(r+2) q(r+3) q+dq(r)
-    side stream:           dq(r-1 over NVLink) .... dq(r-2) .......... dq(r-3) ..........
-
-(``q+dq(r)``: the rank's own rows through the format's one-pass round trip where it has one,
-MXFP8 of bf16; else quantized into the staging and dequantized from there.)
-
-Every precision argument takes any format of ``mxcomm.formats`` (``PRECISIONS``): the engine reads
-the Format object (row arrays, quantize and dequantize launchers) and never branches on its name;
-below, "MXFP8" stands for any quantized format. Where it stays quantized (QuantizedArray results),
-copy engines pull the rows into the result, peer
-after peer, with no SMs taken from the quantize kernels. Elsewhere (``"grouped"``) the rows are
-quantized into a staging array, move in one NCCL group (or MPI call), and are then dequantized.
-Small quantized exchanges (no rank sending more than ``comm.small_exchange_bytes`` of rows to
-its peers; 64 MiB on the GPUs of one node by default) skip all that: the bf16/fp32 rows move in
-one ``comm.alltoallv`` as they are and are quantized (or round-tripped) on arrival, the same bits
-(every format is row-local; docs/design.md, "Small exchanges travel unquantized"). Exchanges of
-rows as they come take their route (``mxcomm.route``: one ``alltoallv``, the medium or the
-staged path), decided once per signature, as the torch adapter does.
-bf16 exchanges are one ``comm.alltoallv`` either way, but for the combine direction of
-``permute_align`` on the pull transport: there each peer's rows are gathered out of permute's
-order into the staging it pulls from (no pass into received order first).
+collective, no host barrier). Every precision argument takes any format of ``mxcomm.formats``
+(``PRECISIONS``); the engine reads the Format object and never branches on its name. How an
+exchange travels is ``mxcomm.route``'s decision; the staged exchange that dequantizes in place,
+on a side stream beside the caller's quantize kernels, is here. docs/design.md, "The layout
+object", "The staged exchange", "One route".
 """
 
 import operator

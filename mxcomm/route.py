@@ -22,13 +22,9 @@ None           the engine's staged exchange whose result is dequantized (consume
 =============  ==========================================================================  =======
 
 Small: no rank sends more than ``comm.small_exchange_bytes`` of plain rows to its peers; medium:
-not small and at most ``comm.medium_exchange_bytes``; kept: the result stays quantized
-(``a2a_dispatch``, ``a2a_combine_backward``). docs/design.md, "One route", has the measurements.
-
-Buffers: the caller allocates what :func:`arrays` lists for a path (the result and the path's
-temporaries, from its own allocator: torch's in ``mxcomm.torch``) and hands ``x`` and them as
-the communicator and the launches take them (``Words`` on a GPU, NumPy arrays on the host): no
-call goes back up into the caller.
+at most ``comm.medium_exchange_bytes``; kept: the result stays quantized. The caller allocates
+what :func:`arrays` lists for a path; no call goes back up into the caller. docs/design.md, "One
+route".
 """
 
 import dataclasses
@@ -50,10 +46,8 @@ _INPUT_DTYPES = (bfloat16, float32)
 #: or a quantize block, wait for a whole wave).
 PULLED_SHARE = 0.98
 #: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
-#: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
-#: the rest of the SMs stay with the quantize kernels (bench/NOTES.md). Measured best at 2 ranks
-#: (H200, H100: 1/4 against 1/8 and 1/2); at 4 ranks, where 3/4 of a rank's rows arrive over
-#: NVLink, 1/2 (H100: 2.97 against 3.18 ms at 131072 x 7168), taken from 3 ranks on (unmeasured).
+#: kernels: enough loads in flight to cover NVLink's bandwidth-delay product; 1/2 from 3 ranks on,
+#: where most rows arrive over NVLink (the choice is measured in bench/NOTES.md).
 BESIDE_SHARE = 0.25
 BESIDE_SHARE_MANY = 0.5
 
