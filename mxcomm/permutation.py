@@ -13,13 +13,9 @@ E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align
     indices        0  1  -1 -1 |  2  3  4  5  |  -1 ..  -1
     group_offsets  [4, 8]
 
-A group with no rows takes no rows (no padding). Nothing here synchronizes with the host: P is a
-static bound computed from the shapes, and the index is built where the counts are (on the device,
-or in host memory on the host backend).
-
-The work runs where ``mxcomm._platform.backend()`` says: the CUDA kernels of ``mxcomm.kernels`` on a
-GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with identical results.
-:func:`_layout` and ``_row_moves`` are the only places that choose.
+A group with no rows takes no rows (no padding). No host sync: P is a static bound, and the index
+is built where the counts are. :func:`_layout` and ``_row_moves`` choose the host backend or the
+kernels.
 """
 
 import contextlib
@@ -65,12 +61,9 @@ class GatheredRows:
     """Rows picked from another array by an index, not yet written anywhere: row i is
     ``source[index[i]]``.
 
-    The gradient permute's backward owes dispatch's backward (``mxcomm.torch``, with a layout):
-    ``source`` the permuted gradient (P, D), ``index`` the layout's inverse permute index (N,)
-    int32 (received row -> permuted row). An exchange whose format quantizes gathered rows
-    (``Format.quantizes_gathered``) reads them in place; anything else :meth:`materialize` s
-    them first, the same bytes the permute's scatter would have written (docs/design.md, "The
-    permute's backward folded into a quantized dispatch gradient").
+    The gradient permute's backward owes dispatch's backward: ``source`` the permuted gradient
+    (P, D), ``index`` the layout's inverse permute index (N,) int32. docs/design.md, "The
+    permute's backward folded into a quantized dispatch gradient".
 
     Attributes:
         source: (M, D) C-contiguous device array. index: (N,) int32, 0 <= index[i] < M.
@@ -202,12 +195,8 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         align: rows, a positive int (32 for MX grouped GEMMs, a multiple of 16 for SM90 fp8
             grouped GEMMs).
         out_format: None (or ``x``'s format) to move rows as they are; or a format to convert
-            the QuantizedArray ``x`` to in the same pass where ``mxcomm.formats.conversion``
-            has one: ``"fp8_rowwise"`` from ``"mxfp8"`` (``rowwise.mx_to_rowwise_permute``:
-            each row rescaled to one power-of-two scale; no bf16 round trip), or ``"bf16"``
-            from ``"mxfp8"`` (the permuted rows dequantized in the gather, bit for bit as
-            ``dequantize_mxfp8`` of the permuted rows, padding rows 0: what a bf16 grouped GEMM
-            takes, one pass instead of two).
+            the QuantizedArray ``x`` to in the same pass (``mxcomm.formats.conversion``:
+            ``"fp8_rowwise"`` or ``"bf16"`` from ``"mxfp8"``; docs/design.md, "Formats").
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
@@ -218,8 +207,7 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         of each permuted row or -1; group_offsets (E_local,) int32, cumulative padded group ends.
     Raises:
         TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
-        ValueError: (also) no conversion from ``x``'s format to ``out_format``.
-        ValueError: counts not 1-D or its length not a multiple of ``num_local_experts``;
+        ValueError: no conversion from ``x``'s format to ``out_format``; counts not 1-D or its length not a multiple of ``num_local_experts``;
             ``num_local_experts`` or ``align`` < 1; ``x`` not C-contiguous; on the host backend
             (counts in host memory), a negative count.
     """
