@@ -257,16 +257,14 @@ def _run_route(r, path, x, comm, plan, caller, alloc, layout=None, align=None):
 
 
 # ------------------------------------------------------------------------------------- public
-#: Each public function: the name of the rows it takes, the direction it sends, and whether it
-#: returns them dequantized (module docstring's table; ``mxcomm.route.CALLS``).
-_CALLS = CALLS
+_CALLS = CALLS  # read by mxcomm.torch
 
 
 def _call(function, x, input_splits, output_splits, comm, precision, layout=None, *,
           scale_mode="rceil", stream=None, validate=None, alloc=None, permute_align=None):
-    """The public ``function`` (a key of ``_CALLS``), with the engine's ``alloc`` (the torch
-    adapters pass torch's allocator)."""
-    name, direction, dequantize = _CALLS[function]
+    """The public ``function`` (a key of ``mxcomm.route.CALLS``), with the engine's ``alloc``
+    (the torch adapters pass torch's allocator)."""
+    name, direction, dequantize = CALLS[function]
     return _exchange(x, input_splits, output_splits, comm, precision, layout, function=function,
                      name=name, direction=direction, dequantize=dequantize,
                      scale_mode=scale_mode, stream=stream, validate=validate, alloc=alloc,
@@ -275,15 +273,10 @@ def _call(function, x, input_splits, output_splits, comm, precision, layout=None
 
 _COMMON_ARGS = """
         comm: a communicator (``mxcomm.comm.init()``); with a layout, None or the layout's.
-            A quantized exchange in which no rank sends more than its ``small_exchange_bytes``
-            of rows to its peers moves them unquantized, in one ``alltoallv``, and quantizes
-            them on arrival: the same results, bf16 bytes on the wire.
         scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, docs/design.md); the
             other formats fix their own scaling and ignore it.
-        stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host). The rows
-            must be ready on it: work that wrote them on another stream (a copy from the host
-            on the null stream, say, which a non-blocking stream does not wait for) must be
-            ordered before the call, by an event or a synchronize.
+        stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host); the
+            rows must be ready on it.
         layout: a :class:`~mxcomm.layout.Layout` instead of the splits (it may also be passed
             as the second positional argument). Then the call checks its arguments locally
             only, in O(1), and makes no host collective and no host barrier: a peer that fails
@@ -294,15 +287,10 @@ _COMMON_ARGS = """
             low-precision exchanges need it (or a layout) where ``comm.transport == "pull"``.
         permute_align: None, or (with a layout) an int A: the expert side of the exchange (the
             rows received in the dispatch direction, sent in the combine direction) is in
-            :func:`~mxcomm.permute`'s order for ``align=A`` instead of received order, bit for
-            bit as a separate permute / unpermute would leave it, without that pass (on the
-            pull transport the copy engines pull each (sender, local expert) run of rows
-            straight into its permuted rows, and the bf16 combine gathers each peer's rows into
-            the staging it pulls from; docs/design.md, "The expert side of an exchange in
-            permute's order"; measured in bench/NOTES.md). The dispatch direction then returns
-            ``(permuted (P, D),
-            permuted_indices (P,) int32, group_offsets (E_local,) int32)`` as ``permute``
-            does; the combine direction takes the permuted (P, D) rows.
+            :func:`~mxcomm.permute`'s order for ``align=A``, bit for bit as a separate
+            permute / unpermute would leave it, without that pass (docs/design.md, "The expert
+            side of an exchange in permute's order"). The dispatch direction then returns
+            ``permute``'s triple; the combine direction takes the permuted (P, D) rows.
     Raises:
         ValueError: a bad precision, shape or split list (with explicit splits: the same message
             on every rank, naming the rank; ranks disagreeing on the precision, D or the counts
