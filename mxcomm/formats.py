@@ -47,12 +47,9 @@ class Format:
         input_align: bytes the address of the rows to quantize must be a multiple of (its
             quantize kernel loads 8 or 16 bytes at a time); 1 for the unscaled formats.
 
-    The launchers (private fields) are the format module's: ``_quantize``, ``_dequantize``,
-    ``_quantize_gather`` and ``_round_trip`` behind the ``launch_*`` methods, and
-    ``_sized_quantize``: ``(dtype, width, scale_mode, share)`` and ``_sized_round_trip``:
-    ``(dtype, width, scale_mode)`` -> ``(sized launch, its units of work per row)``, or None
-    where the work does not run as a CUDA launch (the host backend), behind :meth:`quantizer`
-    and :meth:`round_tripper`.
+    The private fields are the format module's launchers behind the ``launch_*`` methods,
+    :meth:`quantizer` and :meth:`round_tripper` (``_sized_*``: ``(sized launch, units per
+    row)``, or None on the host backend).
     """
 
     name: str
@@ -161,15 +158,11 @@ class Format:
         return out
 
     def quantizer(self, dtype, width, scale_mode=None, share=1.0):
-        """The quantize of rows of ``dtype`` (bf16/fp32) and width ``width`` (checked by the
-        caller: a multiple of ``d_multiple``) prepared once for this signature (docs/design.md,
-        "A direct call's launch, prepared with its signature"): ``quantize(x, data, scales, rows,
-        stream)`` quantizes ``rows`` rows of ``x`` into ``data`` and ``scales`` of this format's
-        dtypes and shapes (C-contiguous buffers: :class:`Words` or CuPy arrays on a GPU, NumPy
-        arrays on the host backend and the simulator; ``x`` aligned to ``input_align``), as
-        :meth:`launch_quantize` does, on the raw stream handle ``stream``; nothing for 0 rows.
-        ``scale_mode`` and ``share`` (the grid's share of the device): as
-        :meth:`launch_quantize` takes them."""
+        """The quantize of rows of ``dtype`` (bf16/fp32) and width ``width`` prepared once for
+        this signature (docs/design.md, "A direct call's launch, prepared with its signature"):
+        ``quantize(x, data, scales, rows, stream)`` quantizes ``rows`` rows of ``x`` into
+        ``data`` and ``scales`` (C-contiguous: ``Words``, CuPy or NumPy arrays) as
+        :meth:`launch_quantize` does; nothing for 0 rows."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         dtype = numpy.dtype(dtype)
@@ -372,10 +365,8 @@ register(Format("native", "input", None,
 
 
 def sqnr(ref, out, *, chunk_rows=4096):
-    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - out||).
-
-    The one SQNR of the project (the thresholds of docs/design.md "Correctness references" are in
-    it): sums of squares in float64, over chunks of ``chunk_rows`` rows on the arrays' device.
+    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - out||), the measure
+    of docs/design.md "Correctness references"; sums of squares in float64, in chunks.
 
     Args:
         ref, out: arrays of one shape: NumPy, CuPy or torch (CPU or CUDA; quantized tensors
