@@ -205,8 +205,7 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         keys: (G, D) uint32, zeros on entry; max over the group's rows of the keys of |v|
             (module docstring; KEY_NAN for a non-finite element). Written (atomic max).
         chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= P makes every key written by one
-            thread only (plain stores: the simulator's atomics serialize its Python threads on
-            one lock, seconds per small launch).
+            thread only (plain stores: the simulator).
     Launch: launch_1d(ceil(P / chunk_rows) * D // 8): item i is word i % (D // 8) of the rows
         [c * chunk_rows, (c + 1) * chunk_rows), c = i // (D // 8), grid-stride; AMAX_UNROLL rows
         loaded at a time (all loads in flight first).

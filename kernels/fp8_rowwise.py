@@ -108,8 +108,7 @@ def load_units(x_words, row, start, units, first, second):
 
 def _quantize_fp8_rowwise(f32):
     """The rowwise quantize kernel of bf16 (``f32`` False) or fp32 rows: one source, two kernels,
-    the input's helpers (absmax, scale, encode, NaN word) compile-time constants (the PTX equals
-    that of the two hand-written kernels it replaced)."""
+    the input's helpers (absmax, scale, encode, NaN word) compile-time constants."""
     absmax = f32x2_absmax if f32 else bf16x4_absmax
     inf = uint32(F32_INF if f32 else BF16_INF)
     scale_exp = rowwise_scale_exp if f32 else rowwise_scale_exp_bf16
@@ -303,7 +302,7 @@ def store_words(out_words, base, nthreads, n, words, sbits, f32):
 
 def _dequantize_fp8_rowwise(f32):
     """The rowwise dequantize kernel for bf16 (``f32`` False) or fp32 output: one source, two
-    kernels, the output's dtype a compile-time constant (faster than a runtime flag)."""
+    kernels, the output's dtype a compile-time constant."""
 
     @kernel
     def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row):

@@ -59,7 +59,7 @@ def transpose_amax_kernel(x_words, rows, keys, chunk_rows):
         keys: (B * C,) uint32, zeros on entry; the max over the column of its |x| bf16 bits.
             Written (atomic max, or plain stores where one thread owns a column).
         chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= R makes every key written by one
-            thread only (the simulator's atomics serialize its Python threads).
+            thread only (the simulator).
     Launch: launch_1d(B * ceil(R / chunk_rows) * C // 4): item i is word i % (C // 4) of chunk
         (i // (C // 4)) % chunks of matrix i // (chunks * C // 4), grid-stride; AMAX_UNROLL rows
         loaded at a time (all loads in flight first).
@@ -116,16 +116,10 @@ def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
         scales: (B * C,) uint32, fp32 bits of the column scales (NaN for a non-finite column).
             Written.
     Launch: launch_1d(B * ceil(R / TILE_ROWS) * ceil(C / 4 / TILE_WORDS) * threads), blockDim.x
-        one of 32, 64, 128, 256: one tile at a time per CUDA block, grid-stride over tiles. In
-        a tile, lane j of each warp takes input word w0 + j (4 columns) of the rows of row quads:
-        it loads the 4 rows of ENCODE_QUADS quads first (ENCODE_LOADS words in flight,
-        coalesced across the warp), scales each column by its inverse scale, rounds the same
-        column of two rows with one conversion, and so holds, per quad, one output word per
-        column to store into the shared tile; the tile's words then go out row-contiguous
-        (coalesced). The tile is swizzled (word (c, q) at 16 c + (q + c / 4) mod 16): at most
-        2-way bank conflicts on either side. Both word arrays are indexed flat in int32 (a
-        load or store is one wide multiply-add, where (row, word) pairs took two 64-bit
-        products): each holds at most ENCODE_MAX_WORDS words.
+        one of 32, 64, 128, 256: one tile at a time per CUDA block, grid-stride over tiles; lane
+        j of a warp takes input word w0 + j of ENCODE_QUADS row quads, stored through the shared
+        tile, swizzled (word (c, q) at 16 c + (q + c / 4) mod 16). Both word arrays are indexed
+        flat in int32: each holds at most ENCODE_MAX_WORDS words.
     """
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     loaded = cuda.local.array(ENCODE_LOADS, uint64)
