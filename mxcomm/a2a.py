@@ -31,7 +31,7 @@ from .kernels import array_module
 from .formats import QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
-from .permutation import GatheredRows, _permute, _unpermute, expert_order
+from .permutation import GatheredRows, _check_int, _permute, _unpermute, expert_order
 from .route import CALLS, arrays, choose, gathered_plain, landed, run, staged_quantized
 from .route import kind as route_kind
 
@@ -130,7 +130,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             if layout is None:
                 raise TypeError(f"permute_align on rank {rank}: needs a layout (the permute "
                                 f"order is the layout's)")
-            permute_align = _check_align(permute_align, rank)
+            permute_align = _check_int(permute_align, f"permute_align on rank {rank}", 1)
         if layout is not None:
             plan = layout.dispatch_plan if direction == "dispatch" else layout.combine_plan
             send_counts, recv_counts = plan.send_counts, plan.recv_counts
@@ -194,18 +194,6 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     if path == "engine":
         return staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc)
     return _run_route(r, path, x, comm, plan, caller, alloc, layout, align)
-
-
-def _check_align(align, rank):
-    """``align`` as a positive int; else TypeError/ValueError naming the rank."""
-    try:
-        value = operator.index(align)
-    except TypeError:
-        raise TypeError(f"permute_align on rank {rank}: expected an int (rows), got "
-                        f"{align!r}") from None
-    if value < 1:
-        raise ValueError(f"permute_align on rank {rank}: expected a positive int, got {value}")
-    return value
 
 
 def _local_plan(comm, send_counts, recv_counts):

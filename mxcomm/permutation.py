@@ -37,10 +37,6 @@ from .formats import QuantizedArray, conversion, get_format
 _INT32 = numpy.dtype(numpy.int32)
 
 
-def _round_up(n, k):
-    return -(-n // k) * k
-
-
 def _check_int(value, name, minimum):
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, (int, numpy.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
@@ -241,7 +237,7 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
         with _on_stream(stream):
             counts = counts.copy()
     m_recv = srcs[0].shape[0]
-    p = _round_up(m_recv + e_local * align, align)
+    p = -(-(m_recv + e_local * align) // align) * align
     indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream, alloc)
     return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
