@@ -94,27 +94,11 @@ def _resolve(input_splits, output_splits, comm, layout, function):
 # ---------------------------------------------------------------------------------- the engine
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
               direction, dequantize, scale_mode, stream, validate, alloc, permute_align=None):
-    """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
-
-    Args:
-        x: (M, D) bf16/fp32 array or QuantizedArray. Read.
-        input_splits, output_splits, comm, layout: as the public functions take them.
-        precision: a format name (``mxcomm.formats``) or Format.
-        function, name: the public function and ``x``'s name, for messages.
-        direction: ``"dispatch"`` (send input_splits) or ``"combine"`` (send output_splits).
-        dequantize: False to return the wire format (a QuantizedArray, or an array of the
-            format's dtype); True to return an array of ``x``'s dtype (bf16 for a QuantizedArray).
-        validate: explicit splits only: check across ranks first (None: the communicator's).
-        alloc: ``alloc(shape, dtype)`` -> a new array for the results, or None for the array
-            module's ``empty`` (``mxcomm.torch`` hands in torch's allocator).
-        permute_align: None, or (layout only) the expert side in ``permute``'s order for this
-            align (docs/design.md, "The expert side of an exchange in permute's order"): the
-            dispatch direction returns ``permute``'s triple, the combine direction reads ``x``
-            as the permuted rows (P, D).
-    Returns:
-        (N, D) QuantizedArray or array; with ``permute_align`` in the dispatch direction,
-        ``(permuted (P, D), permuted_indices (P,), group_offsets (E_local,))``.
-    """
+    """Move rows of ``x`` to the peers in ``precision``: the engine of every public function
+    (``_COMMON_ARGS``). ``function``, ``name``: for messages; ``direction``: ``"dispatch"``
+    sends input_splits, ``"combine"`` output_splits; ``dequantize``: return ``x``'s dtype
+    instead of the wire format; ``alloc(shape, dtype)``: the results' allocator (None: the
+    array module's ``empty``; ``mxcomm.torch`` hands in torch's)."""
     layout, comm = _resolve(input_splits, output_splits, comm, layout, function)
     rank = comm.rank
     error = plan = send_counts = recv_counts = None

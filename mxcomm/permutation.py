@@ -203,9 +203,9 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         of each permuted row or -1; group_offsets (E_local,) int32, cumulative padded group ends.
     Raises:
         TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
-        ValueError: no conversion from ``x``'s format to ``out_format``; counts not 1-D or its length not a multiple of ``num_local_experts``;
-            ``num_local_experts`` or ``align`` < 1; ``x`` not C-contiguous; on the host backend
-            (counts in host memory), a negative count.
+        ValueError: no conversion from ``x``'s format to ``out_format``; counts not 1-D or
+            its length not a multiple of ``num_local_experts``; ``num_local_experts`` or
+            ``align`` < 1; ``x`` not C-contiguous; on the host backend, a negative count.
     """
     return _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_format, stream,
                     None)
