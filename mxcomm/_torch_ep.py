@@ -56,10 +56,10 @@ class ExpertParallel:
         comm: an mxcomm communicator (instead of ``group``).
         align: rows each expert group is padded to a multiple of (32: MX GEMMs; 16: SM90 fp8).
         hidden: H, the expert GEMM's output width, for ``"auto"``'s prediction (None: D times
-            the table's H / D, 2048 / 7168: the DeepSeek-V3 MoE layer's proportions).
+            the table's H / D).
         gemm_fallback: False (default): a pinned recipe with an fp8 GEMM on devices without
-            SM90 fp8 grouped GEMMs raises at construction; True: it runs, its GEMM on
-            ``grouped_mm``'s bf16 fallback (its wire formats as named; CPU runs and tests).
+            SM90 fp8 grouped GEMMs raises at construction; True: its GEMM runs on
+            ``grouped_mm``'s bf16 fallback.
         table: the ``mxcomm.recipes.CostTable`` ``"auto"`` predicts with.
 
     Collectives at construction: building the group's communicator (first use of a group), and

@@ -279,17 +279,14 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``),
             any group sizes (empty groups too; the fp8 wgrad pads its own operands).
         fp8: None: the SM90 fp8 GEMMs for quantized rows where :func:`fp8_gemm_available`
-            (plain bf16 rows, as ``ExpertParallel``'s bf16 and mxfp8 recipes deliver them, get
-            the bf16 GEMMs), else the bf16 fallback; True to require them (bf16 rows are then
-            quantized per call); False for the bf16 fallback.
-        wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"`` (module
-            docstring); the bf16 fallback ignores it.
-        fast_accum: the fp8 products accumulated without fp32 promotion (module docstring):
-            some of ``"forward"``, ``"dgrad"``, ``"wgrad"``, or True (all: the default, as
-            torchao's fp8 rowwise MoE GEMM) / False (none).
-        weight_cache: the fp8 path's quantized weights (:class:`WeightCache`): True (default)
-            for :data:`default_weight_cache`, a :class:`WeightCache`, or False to quantize on
-            every call. Values are the same either way.
+            (plain bf16 rows get the bf16 GEMMs); True to require them (bf16 rows quantized
+            per call); False for the bf16 fallback.
+        wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"``.
+        fast_accum: the fp8 products accumulated without fp32 promotion: some of
+            ``"forward"``, ``"dgrad"``, ``"wgrad"``, or True (all, as torchao's fp8 rowwise MoE
+            GEMM) / False (none).
+        weight_cache: True (default) for :data:`default_weight_cache`, a :class:`WeightCache`,
+            or False to quantize the weights on every call; values are the same either way.
     Returns:
         (P, N) bf16.
     Raises:

@@ -7,24 +7,14 @@ its peers: the same on every rank, so every rank takes the same path) and :func:
 Both front ends call these: the array API (``mxcomm.a2a``) after its checks, the torch adapter
 (``mxcomm.torch``) straight from a tensor.
 
-=============  ==========================================================================  =======
-path           what travels                                                                when
-=============  ==========================================================================  =======
-``alltoallv``  one ``comm.alltoallv_plan`` of the rows as they are; a quantized format      plain
-               quantizes (or round-trips) them on arrival, the same bits (every format is  format,
-               row-local)                                                                  small
-``medium``     every row quantized on the caller's stream, one ``alltoallv_plan`` of data   medium,
-               and scales                                                                  kept
-``staged``     ``comm.exchange`` with :class:`QuantizedRows`: each peer's rows quantized    larger,
-               where they travel from                                                      kept
-None           the engine's staged exchange whose result is dequantized (consumed in       larger,
-               place, ``mxcomm.a2a``)                                                      decoded
-=============  ==========================================================================  =======
-
-Small: no rank sends more than ``comm.small_exchange_bytes`` of plain rows to its peers; medium:
-at most ``comm.medium_exchange_bytes``; kept: the result stays quantized. The caller allocates
-what :func:`arrays` lists for a path; no call goes back up into the caller. docs/design.md, "One
-route".
+Paths (docs/design.md, "One route", has the table): ``"alltoallv"`` (the rows as they are in one
+``comm.alltoallv_plan``; a quantized format quantizes them on arrival: plain formats, small
+exchanges), ``"medium"`` (quantized on the caller's stream, one ``alltoallv_plan``; medium, kept),
+``"staged"`` (``comm.exchange`` with :class:`QuantizedRows`; larger, kept), None (the staged
+exchange consumed in place; larger, decoded). Small: no rank sends more than
+``comm.small_exchange_bytes`` of plain rows to its peers; medium: at most
+``comm.medium_exchange_bytes``; kept: the result stays quantized. The caller allocates what
+:func:`arrays` lists for a path; no call goes back up into the caller.
 """
 
 import dataclasses
