@@ -70,6 +70,10 @@ class Format:
     _sized_quantize: object = dataclasses.field(default=None, repr=False)
     _sized_round_trip: object = dataclasses.field(default=None, repr=False)
 
+    def _mode(self, scale_mode):
+        """``scale_mode``, or the format's first (None where it fixes its own)."""
+        return scale_mode or (self.scale_modes or (None,))[0]
+
     @property
     def quantized(self):
         """True if rows of this format are a QuantizedArray (data + scales)."""
@@ -140,7 +144,7 @@ class Format:
         ``out``."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
-        self._quantize(x, out, stream, share, scale_mode or (self.scale_modes or (None,))[0])
+        self._quantize(x, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizes_gathered(self, dtype):
@@ -153,8 +157,7 @@ class Format:
         (R, D), in one pass (where :meth:`quantizes_gathered`). Returns ``out``."""
         if self._quantize_gather is None:
             raise RuntimeError(f"format {self.name!r} does not quantize gathered rows")
-        self._quantize_gather(x, rows, out, stream, share,
-                              scale_mode or (self.scale_modes or (None,))[0])
+        self._quantize_gather(x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizer(self, dtype, width, scale_mode=None, share=1.0):
@@ -166,7 +169,7 @@ class Format:
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         dtype = numpy.dtype(dtype)
-        scale_mode = scale_mode or (self.scale_modes or (None,))[0]
+        scale_mode = self._mode(scale_mode)
         sized = self._sized_quantize and self._sized_quantize(dtype, width, scale_mode, share)
         if sized:
             launch, per_row = sized
@@ -188,7 +191,7 @@ class Format:
         stream)``; None where the format has no one-pass round trip (``round_trips(bf16)``)."""
         if not self.round_trips(bfloat16):
             return None
-        scale_mode = scale_mode or (self.scale_modes or (None,))[0]
+        scale_mode = self._mode(scale_mode)
         sized = self._sized_round_trip and self._sized_round_trip(bfloat16, width, scale_mode)
         if sized:
             launch, per_row = sized
@@ -217,8 +220,7 @@ class Format:
         their own rows through it. Returns ``out``."""
         if self._round_trip is None:
             raise RuntimeError(f"format {self.name!r} has no one-pass round trip")
-        self._round_trip(x, rows, out, stream, share,
-                         scale_mode or (self.scale_modes or (None,))[0])
+        self._round_trip(x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def launch_dequantize(self, q, out, stream, share=1.0):
