@@ -102,9 +102,8 @@ class Format:
 
     def check_input(self, x, name="x"):
         """Raise ValueError unless the (M, D) rows ``x`` (an array or a QuantizedArray) fit this
-        format: D a multiple of ``d_multiple``, and an array's address a multiple of
-        ``input_align`` bytes (fresh CuPy, NumPy and torch arrays are; a view that starts inside
-        a row may not be)."""
+        format: D a multiple of ``d_multiple``, an array's address a multiple of
+        ``input_align`` bytes."""
         d = x.shape[1]
         if d % self.d_multiple:
             raise ValueError(f"{name}: D = {d} is not a multiple of {self.d_multiple}, which "
@@ -123,8 +122,8 @@ class Format:
 
     def view(self, data, scales):
         """``data`` and ``scales`` as a QuantizedArray of this format, unchecked: for arrays this
-        package made with this format's dtypes and shapes (staging slots, results), a fifth of
-        :meth:`wrap`'s host time. Anything else goes through :meth:`wrap`."""
+        package made with this format's dtypes and shapes; anything else goes through
+        :meth:`wrap`."""
         q = object.__new__(self._array_class or QuantizedArray)
         q.data, q.scales, q.format = data, scales, self
         return q
@@ -138,10 +137,9 @@ class Format:
 
     def launch_quantize(self, x, out, stream, share=1.0, scale_mode=None):
         """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into the QuantizedArray
-        ``out`` of this format: on the host backend done on return; else the kernel is enqueued
-        on the raw stream handle ``stream`` with ``share`` of the device's grid. ``scale_mode``:
-        one of ``scale_modes`` (None: the first), ignored by formats that fix theirs. Returns
-        ``out``."""
+        ``out`` of this format, on the raw stream handle ``stream`` with ``share`` of the
+        device's grid (done on return on the host backend). ``scale_mode``: one of
+        ``scale_modes`` (None: the first). Returns ``out``."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         self._quantize(x, out, stream, share, self._mode(scale_mode))
@@ -215,9 +213,8 @@ class Format:
         """Quantize rows of ``x`` (M, D) bf16 and decode them back to bf16 into ``out`` (R, D),
         in one pass, bit for bit :meth:`launch_quantize` then :meth:`launch_dequantize` (where
         :meth:`round_trips`): row r of ``out`` is row r of ``x`` (``rows`` None, R = M) or row
-        ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous, 16-byte aligned (fresh
-        allocations and their row ranges are). The quantized exchanges returning bf16 send
-        their own rows through it. Returns ``out``."""
+        ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous, 16-byte aligned. Returns
+        ``out``."""
         if self._round_trip is None:
             raise RuntimeError(f"format {self.name!r} has no one-pass round trip")
         self._round_trip(x, rows, out, stream, share, self._mode(scale_mode))

@@ -336,10 +336,9 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     Args:
         y: (P, H...) C-contiguous device array (any dtype) or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
-        num_rows: M_recv, an int >= 0, or the layout (its ``num_received``). Given an int, rows
-            no index names are zero (a ``num_rows`` beyond M_recv gives zero rows, without a
-            host sync); given the layout, whose permute names every received row once, the
-            result is not pre-filled (no extra pass). Indices >= num_rows are dropped.
+        num_rows: M_recv, an int >= 0 (rows no index names are zero), or the layout (its
+            ``num_received``; its permute names every row, so no fill). Indices >= num_rows are
+            dropped.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
@@ -355,9 +354,7 @@ def _unpermute(y, permuted_indices, num_rows, stream, alloc):
     """:func:`unpermute`, its result from ``alloc(shape, dtype)`` (None: the array module's)."""
     srcs, fmt = _rows(y, "y")
     idx = _check_indices(permuted_indices, srcs[0].shape[0], "y", stream)
-    # With the layout, the indices of its permute name every received row once (its counts
-    # were checked across ranks): no row needs a fill, so the hot path pays no extra pass.
-    # Otherwise rows no index names (num_rows > M_recv) read as 0, never stale.
+    # with the layout its permute names every received row once: no fill
     covered = isinstance(num_rows, Layout)
     if covered:
         num_rows = num_rows.num_received
@@ -378,11 +375,11 @@ def permute_backward(grad, permuted_indices, num_rows, *, stream=None):
     (padding rows' gradient ignored). The same scatter as :func:`unpermute`.
 
     Args:
-        grad: (P, D...) C-contiguous device array (bf16 in the EP path) or a QuantizedArray (any format). Read.
+        grad: (P, D...) C-contiguous device array or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
         num_rows: M_recv, an int >= 0.
     Returns:
-        (num_rows, D...) array of ``grad``'s dtype (or a QuantizedArray (any format)).
+        (num_rows, D...) array of ``grad``'s dtype, or a QuantizedArray.
     """
     return unpermute(grad, permuted_indices, num_rows, stream=stream)
 
@@ -392,8 +389,8 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
     zero rows where permuted_indices is -1: out[p] = grad[permuted_indices[p]].
 
     Args:
-        grad: (M_recv, H...) C-contiguous device array or a QuantizedArray (any format) (scales travel with their
-            rows; padding rows get data 0 and the format's padding scale: they dequantize to 0). Read.
+        grad: (M_recv, H...) C-contiguous device array or a QuantizedArray (any format; padding
+            rows get data 0 and the format's padding scale). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
