@@ -140,7 +140,6 @@ def _block_dequantize_launch(dtype, share):
                        Words(0, (FP8_BLOCK * dtype.itemsize // 8,), _U64))
 
 
-
 def _block128_quantize(mode):
     def quantize(x, out, stream, share, scale_mode):
         launch_quantize_fp8_block128(x, out.data, out.scales, mode, stream, share)
