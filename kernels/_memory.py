@@ -1,18 +1,12 @@
 """Loads and stores of row words with the least address arithmetic: 16-byte loads, no index wrap.
 
-Numba indexes an array with a signed index as Python does: every access first maps a negative
-index to ``index + shape`` (a compare and a select in 64-bit integers), which also keeps the
-compiler from folding the constant steps of an unrolled loop into the loads' offsets; in kernels
-bound by instruction issue that arithmetic sets their speed (bench/NOTES.md). The helpers here
-take non-negative indices only (not checked) and load two adjacent words in one 16-byte access;
-:func:`load_flat` and :func:`store_flat` take one flat index, which a kernel that keeps its
-indices in int32 turns into a single wide multiply-add per access (where a (row, column) pair
-costs two 64-bit products).
-
-On a GPU each helper is a Numba intrinsic (an address computed from the array's data pointer and
-shape, then one vector load or store); under the simulator a device function with the same
-result, by ordinary indexing. :func:`load_pair` and :func:`store_pair` need the pair's address to
-be a multiple of 16 bytes: the array's data and each row's bytes (its caller checks them).
+Numba maps every negative index to ``index + shape`` (64-bit compare and select), which costs
+kernels bound by instruction issue. The helpers here take non-negative indices only (not checked;
+the simulator refuses negative ones), load two adjacent words in one 16-byte access
+(:func:`load_pair`, :func:`store_pair`: the pair's address a multiple of 16 bytes, checked by the
+caller), or take one flat index (:func:`load_flat`, :func:`store_flat`: one wide multiply-add in
+int32 kernels). On a GPU each is a Numba intrinsic; under the simulator a device function with
+the same result.
 """
 
 from numba import cuda

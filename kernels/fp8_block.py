@@ -13,22 +13,15 @@ block, two scale modes:
              mult  = fl32(1 / scale)                 (f32 division)
              element = RNE_e4m3(fl32(x * mult)), saturated to +-448
 
-Sources. "plain" is DeepGEMM's reference cast, deep_gemm/utils/math.py ``per_token_cast_to_fp8``
-(``sf = amax.clamp(1e-4) / 448.0``; elements ``(x * (1.0 / sf)).to(float8_e4m3fn)``, all in f32),
-bit for bit whenever amax >= 1e-4 (tested against a torch rendition of it). DeepSeek-V3's
-inference/kernel.py ``act_quant`` has the same scale (``s = amax / 448``, elements ``x / s``);
-DeepEP's kernels (csrc/kernels/utils.cuh ``calculate_fp8_scales``) the same up to one ulp (scale
-``amax * fl32(1/448)``, multiplier ``448 / amax``). "pow2" is DeepGEMM's ``ceil_to_ue8m0(sf)``, the
-same [2^-126, 2^127] clamp, bit for bit for amax >= 1e-4. DeepGEMM and DeepEP clamp amax to at least
-1e-4; we clamp it to 448 * 2^-126 instead (the smallest amax whose scale is a normal f32), so
-blocks of small values (gradients) keep their precision. Blocks holding NaN or +-Inf: scale NaN,
-elements 0x7F. Dequantization is ``e4m3 * scale`` in fp32 (one rounding), then round-to-nearest-even
-to bf16, NaN canonical.
+Sources: "plain" is DeepGEMM's ``per_token_cast_to_fp8`` (deep_gemm/utils/math.py), bit for bit
+for amax >= 1e-4 (DeepSeek-V3's ``act_quant`` has the same scale; DeepEP's
+``calculate_fp8_scales`` agrees up to one ulp); "pow2" is DeepGEMM's ``ceil_to_ue8m0``. They clamp
+amax to at least 1e-4; we clamp to 448 * 2^-126 (the smallest amax whose scale is a normal f32),
+so blocks of small values keep their precision. Blocks holding NaN or +-Inf: scale NaN, elements
+0x7F. Dequantization is ``e4m3 * scale`` in fp32, then RNE to bf16, NaN canonical.
 
-Layout and coalescing follow ``kernels.mx_quantize``: flat arrays; a unit of 8 elements (16 bytes of bf16,
-32 of fp32) per thread per step, 16 consecutive lanes per 128-element block, whose partial max-abs
-values meet through warp shuffles (``lanes_max``); UNITS_PER_THREAD units per thread per tile, all
-loads issued first, in a grid-stride loop uniform per CUDA block.
+Work split as ``kernels.mx_quantize``: units of 8 elements, 16 lanes per 128-element block meeting
+through ``lanes_max``, UNITS_PER_THREAD units per thread per tile, grid-stride.
 """
 
 from numba import cuda, float32, uint32, uint64

@@ -23,13 +23,10 @@ statically. Non-finite: a row with a NaN/Inf scale or a NaN element makes its gr
 (scale 0x7FC00000, elements 0x7F). Scales must be powers of two, 0 or NaN.
 
 The amax compares integer keys: a nonzero e4m3 times a power of two is 2^E (1 + M / 8), its key
-8 (E + KEY_BIAS) + M orders such values exactly (zero 0, NaN KEY_NAN); below 2^12, so a thread
-keeps its 8 columns' running maxima in 16-bit halves (``max.u16x2``), with a SWAR test of each
-8-byte word for the common all-normal case.
-
-Kernels, grid-stride: :func:`group_colwise_amax_kernel` (a thread: one data word of CHUNK_ROWS rows,
-an atomic max per column and group met into ``keys`` (G, D)); :func:`group_colwise_scales_kernel`
-(keys -> scale bits in place, and ``aligned_ends``); then the encode.
+8 (E + KEY_BIAS) + M orders such values exactly (zero 0, NaN KEY_NAN), below 2^12 (two keys per
+uint32). Kernels, grid-stride: :func:`group_colwise_amax_kernel` (atomic max per column and group
+into ``keys`` (G, D)), :func:`group_colwise_scales_kernel` (keys -> scale bits in place, and
+``aligned_ends``), then the encode.
 """
 
 from numba import cuda, int32, uint32, uint64
@@ -38,9 +35,8 @@ from ._fp8 import E4M3_NAN, F32_INF, F32_NAN, max_u16x2
 from ._launch import kernel
 from ._memory import load_flat, load_item
 
-#: Rows each thread of the amax kernel walks (one atomic per column and group met; bench/NOTES.md),
-#: AMAX_UNROLL rows loaded at a time (written out as scalars: a local array went to local memory),
-#: AMAX_COLUMNS columns (one uint64 data word) per thread.
+#: Rows each thread of the amax kernel walks, AMAX_UNROLL rows loaded at a time, AMAX_COLUMNS
+#: columns (one uint64 data word) per thread.
 CHUNK_ROWS = 256
 AMAX_UNROLL = 4
 AMAX_COLUMNS = 8
@@ -209,8 +205,7 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         keys: (G, D) uint32, zeros on entry; max over the group's rows of the keys of |v|
             (module docstring; KEY_NAN for a non-finite element). Written (atomic max).
         chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= P makes every key written by one
-            thread only (plain stores: the simulator's atomics serialize its Python threads on
-            one lock, seconds per small launch).
+            thread only (plain stores: the simulator).
     Launch: launch_1d(ceil(P / chunk_rows) * D // 8): item i is word i % (D // 8) of the rows
         [c * chunk_rows, (c + 1) * chunk_rows), c = i // (D // 8), grid-stride; AMAX_UNROLL rows
         loaded at a time (all loads in flight first).

@@ -29,11 +29,10 @@ from .fp8_colwise import _ABS, GROUP_ALIGN, RESCALE_EXP_MAX
 TILE_POSITIONS = 64
 TILE_WORDS = 32
 #: Tiles of one stripe of TILE_POSITIONS positions an encode work item takes (the stripe's source
-#: rows, groups and row scales looked up once for them, where each tile looked them up before:
-#: 56 times per stripe at D = 7168).
+#: rows, groups and row scales looked up once for them).
 CHUNK_TILES = 8
 #: CUDA blocks (of 256 threads) per multiprocessor the encode kernel is compiled for (launch
-#: bounds; the fastest measured, bench/NOTES.md).
+#: bounds).
 ENCODE_BLOCKS_PER_SM = 4
 #: Words (4 bytes) the encode kernel's input and output may each hold: it indexes them in int32.
 ENCODE_MAX_WORDS = 2 ** 31 - 1
@@ -156,21 +155,10 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
             word).
         Both word arrays hold at most ENCODE_MAX_WORDS words: they are indexed flat, in int32.
     Launch: launch_1d(encode_items(T, D) * THREADS_PER_BLOCK), blockDim.x one of 32, 64, 128,
-        256: one work item at a time per CUDA block, grid-stride over items. An item is up to
-        CHUNK_TILES tiles of one stripe of TILE_POSITIONS positions: the stripe's source rows,
-        groups, row scales and, per position quad, the range of its rows' scale exponents and
-        their f16 factor terms go into shared memory once, then its tiles follow. In a tile,
-        lane j of each warp takes data word w0 + j (4 columns) of the rows of position quads (4
-        consecutive positions, always of one group: groups start at multiples of 16): it loads
-        the 4 rows of two quads first (ENCODE_LOADS words in flight, coalesced across the warp),
-        transposes each quad's 4 x 4 bytes with byte permutes into one word per column (its 4
-        positions), and rescales them in f16 pairs where every factor 2^(r - s) of the quad and
-        its columns is a normal f16 (the common case), else per byte in f32 (the general case);
-        the output words go into a shared tile, then out position-contiguous (coalesced). The
-        shared tile is swizzled (word (c, k) at 16 c + (k + c / 4) mod 16): at most 2-way bank
-        conflicts on either side. Each position's row is kept in shared memory as the int32
-        index of its first word, so a load costs a shared load, an add and one wide multiply-add
-        (with 64-bit (row, word) products it took ~12 instructions: bench/NOTES.md).
+        256: one work item (up to CHUNK_TILES tiles of one stripe, module docstring) at a time
+        per CUDA block, grid-stride. The shared output tile is swizzled (word (c, k) at 16 c +
+        (k + c / 4) mod 16: at most 2-way bank conflicts); each position's row is kept as the
+        int32 index of its first word (one wide multiply-add per load).
     """
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     row_word = cuda.shared.array(TILE_POSITIONS, int32)  # first word of each position's row, -1

@@ -13,16 +13,10 @@ A row holding NaN or +-Inf gets scale NaN (0x7FC00000) and elements 0x7F, so eve
 dequantizes to NaN. Dequantization is ``e4m3 * scale`` in fp32 (one rounding; exact for power-of-two
 scales), then round-to-nearest-even to bf16; NaN results are the canonical quiet NaN.
 
-Work split of the quantize kernels: one warp per row, grid-stride over rows (a row's amax is needed
-before any of its elements is written). Two passes over the row: each lane loads PASS_UNITS units
-of 16 input bytes at a time, one 16-byte load each (``_memory.load_pair``: the rows' address a
-multiple of 16 bytes), all in flight first, for the amax, which meets through warp
-shuffles (no block barrier: the warps of a CUDA block go at their own pace), keeping the row's
-first units in the block's dynamic shared memory (:data:`STASH_BLOCK_BYTES`, shared by the
-block's warps); then it encodes the units, those from there, the rest read again, and stores
-them (the alternatives measured are in bench/NOTES.md).
-The dequantize kernels go flat over the data words like the 1x128 block ones, each word's scale
-found through its row (:func:`row_of`, once per tile).
+Work split of the quantize kernels: one warp per row, grid-stride; a first pass of 16-byte loads
+(rows 16-byte aligned) for the amax, met through warp shuffles, keeping the row's first units in
+dynamic shared memory (:data:`STASH_BLOCK_BYTES`); a second pass encodes and stores. The
+dequantize kernels go flat over the data words, each word's scale found through :func:`row_of`.
 
 The word decoders here (:func:`dequantize_e4m3x8_bf16`, :func:`dequantize_e4m3x2_f32`) take any fp32
 scale and are shared with the 1x128 block format (``fp8_block``).
@@ -114,8 +108,7 @@ def load_units(x_words, row, start, units, first, second):
 
 def _quantize_fp8_rowwise(f32):
     """The rowwise quantize kernel of bf16 (``f32`` False) or fp32 rows: one source, two kernels,
-    the input's helpers (absmax, scale, encode, NaN word) compile-time constants (the PTX equals
-    that of the two hand-written kernels it replaced)."""
+    the input's helpers (absmax, scale, encode, NaN word) compile-time constants."""
     absmax = f32x2_absmax if f32 else bf16x4_absmax
     inf = uint32(F32_INF if f32 else BF16_INF)
     scale_exp = rowwise_scale_exp if f32 else rowwise_scale_exp_bf16
@@ -309,7 +302,7 @@ def store_words(out_words, base, nthreads, n, words, sbits, f32):
 
 def _dequantize_fp8_rowwise(f32):
     """The rowwise dequantize kernel for bf16 (``f32`` False) or fp32 output: one source, two
-    kernels, the output's dtype a compile-time constant (faster than a runtime flag)."""
+    kernels, the output's dtype a compile-time constant."""
 
     @kernel
     def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row):

@@ -14,17 +14,9 @@ the fp8 rowwise rule (``fp8_rowwise``) of the rows of x transposed: bit-identica
 ``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that bf16 copy.
 A column holding NaN or Inf gets scale NaN and elements 0x7F.
 
-Two kernels, grid-stride:
-  1. :func:`transpose_amax_kernel`: each thread takes one input word (4 columns) of CHUNK_ROWS
-     consecutive rows of one matrix (coalesced across the warp), keeps the max of the 4 columns'
-     |x| bits, and merges them into ``keys`` (B * C,) by atomic max (the bits of non-negative
-     bf16 order as their values; Inf and NaN above every finite value).
-  2. :func:`transpose_encode_kernel`: tiles of TILE_ROWS rows x TILE_WORDS input words (4
-     columns each) of one matrix: lane j of a warp takes word j of the rows of row quads (4
-     consecutive rows), scales each column by its inverse scale (from its key, exact), rounds
-     two rows of a column in one conversion, so it holds whole output words (4 rows of a
-     column), and stores them row-contiguous through a swizzled word tile (as
-     ``fp8_colwise``'s encode). The CUDA blocks of a matrix's first row tile write the scales.
+Two kernels, grid-stride: :func:`transpose_amax_kernel` (per-column max of |x| bits into
+``keys`` by atomic max) and :func:`transpose_encode_kernel` (tiles scaled, rounded and stored
+transposed through a swizzled shared tile).
 """
 
 from numba import cuda, float32, int32, uint32, uint64
@@ -67,7 +59,7 @@ def transpose_amax_kernel(x_words, rows, keys, chunk_rows):
         keys: (B * C,) uint32, zeros on entry; the max over the column of its |x| bf16 bits.
             Written (atomic max, or plain stores where one thread owns a column).
         chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= R makes every key written by one
-            thread only (the simulator's atomics serialize its Python threads).
+            thread only (the simulator).
     Launch: launch_1d(B * ceil(R / chunk_rows) * C // 4): item i is word i % (C // 4) of chunk
         (i // (C // 4)) % chunks of matrix i // (chunks * C // 4), grid-stride; AMAX_UNROLL rows
         loaded at a time (all loads in flight first).
@@ -124,16 +116,10 @@ def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
         scales: (B * C,) uint32, fp32 bits of the column scales (NaN for a non-finite column).
             Written.
     Launch: launch_1d(B * ceil(R / TILE_ROWS) * ceil(C / 4 / TILE_WORDS) * threads), blockDim.x
-        one of 32, 64, 128, 256: one tile at a time per CUDA block, grid-stride over tiles. In
-        a tile, lane j of each warp takes input word w0 + j (4 columns) of the rows of row quads:
-        it loads the 4 rows of ENCODE_QUADS quads first (ENCODE_LOADS words in flight,
-        coalesced across the warp), scales each column by its inverse scale, rounds the same
-        column of two rows with one conversion, and so holds, per quad, one output word per
-        column to store into the shared tile; the tile's words then go out row-contiguous
-        (coalesced). The tile is swizzled (word (c, q) at 16 c + (q + c / 4) mod 16): at most
-        2-way bank conflicts on either side. Both word arrays are indexed flat in int32 (a
-        load or store is one wide multiply-add, where (row, word) pairs took two 64-bit
-        products): each holds at most ENCODE_MAX_WORDS words.
+        one of 32, 64, 128, 256: one tile at a time per CUDA block, grid-stride over tiles; lane
+        j of a warp takes input word w0 + j of ENCODE_QUADS row quads, stored through the shared
+        tile, swizzled (word (c, q) at 16 c + (q + c / 4) mod 16). Both word arrays are indexed
+        flat in int32: each holds at most ENCODE_MAX_WORDS words.
     """
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     loaded = cuda.local.array(ENCODE_LOADS, uint64)

@@ -5,14 +5,10 @@ Memory layout, for an (M, D) tensor of N = M * D elements, D % 32 == 0, everythi
 MX block b covers elements 32b .. 32b + 31 (one row never straddles: D % 32 == 0), and its scale is
 ``scales[b]``.
 
-Coalescing: the input is read as 8-byte words, one word per thread per load, consecutive threads on
-consecutive words. An MX block is 8 words of bf16 (16 of fp32) held by 8 (16) consecutive lanes,
-whose partial max-abs values meet through warp shuffles on a GPU and through shared memory under
-the simulator (which has no shuffles): ``lanes_max``, chosen once at import. A CUDA block works on
-tiles of ``blockDim.x * WORDS_PER_THREAD`` words (WORDS_PER_THREAD independent loads per thread,
-words ``t + k * blockDim.x``) in a grid-stride loop that is uniform per CUDA block, so every lane
-reaches every shuffle (and ``syncthreads``). Everything on the block max is integer arithmetic on
-the bits.
+Coalescing: consecutive threads load consecutive 8-byte words; an MX block's lanes meet their
+partial max-abs values through ``lanes_max`` (warp shuffles on a GPU, shared memory under the
+simulator). Tiles of ``blockDim.x * WORDS_PER_THREAD`` words in a grid-stride loop uniform per
+CUDA block, so every lane reaches every shuffle. The block max is integer arithmetic on the bits.
 """
 
 from numba import cuda, int32, uint8, uint16, uint32, uint64
@@ -134,13 +130,10 @@ def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
 def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
     """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64 formulas.
 
-    scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil, NVIDIA/
-    TransformerEngine: ceil(log2(amax / 448)); both clamped to [-127, 127], biased by 127); element =
+    scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil:
+    ceil(log2(amax / 448)); both clamped to [-127, 127], biased by 127); element =
     round-to-nearest-even(x * 2^(127 - s)) saturated to +-448. A block holding NaN or Inf gets
-    s = 0xFF and elements 0x7F.
-
-    Each thread handles pairs of input words (16 bytes, 8 elements; an MX block is 4 pairs held
-    by 4 consecutive lanes) and writes their 8 e4m3 bytes as one uint64.
+    s = 0xFF and elements 0x7F. An MX block is 4 pairs of input words on 4 consecutive lanes.
 
     Args:
         x_words: (N // 4,) uint64, bf16 bits, 4 elements per word (element 0 lowest). Read.
@@ -174,9 +167,7 @@ def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
 @kernel
 def gather_quantize_mxfp8_bf16_kernel(rows, x_words, data_words, scales, rceil):
     """:func:`quantize_mxfp8_bf16_kernel` of rows picked by an index: output row r is the MXFP8
-    quantization of input row ``rows[r]``, bit for bit (the same block arithmetic; only the
-    loads differ). The quantized dispatch gradient's producer uses it to read the permuted
-    gradient rows in received order, so the permute's backward writes nothing.
+    quantization of input row ``rows[r]``, bit for bit.
 
     Args:
         rows: (R,) int32, the input row of each output row (0 <= rows[r] < the input's rows,

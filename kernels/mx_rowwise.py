@@ -12,20 +12,12 @@ scales s_b (N, D / 32)):
 v * 2^(s_b - r) is computed in f16 pairs, exact wherever the result can be nonzero (4 significant
 bits times a power of two; every element of a block 19 or more binades below the row's maximum
 rounds to a signed zero anyway, :func:`rescale_e4m3x4`), so each element is rounded once, and
-|result| <= |v| <= 448 needs no saturation. A block at the row's
-scale (s_b == r) is copied bit for bit. Elements that are e4m3 NaN (0x7F, 0xFF; quantize_mxfp8
-writes them only in NaN blocks) stay as they are. For MXFP8 quantized with the "rceil" scale,
-the row scale is exactly the rowwise scale of the original row, and the elements differ from
-quantizing the row directly only where they land in e4m3's subnormal range (below 2^-6 of the row
-scale; the SQNR is the same, tests/test_fp8_formats.py).
+|result| <= |v| <= 448 needs no saturation. A block at the row's scale is copied bit for bit;
+e4m3 NaN elements stay as they are. For "rceil" MXFP8 the row scale is exactly the rowwise scale
+of the original row (docs/design.md, "Formats").
 
-Work split: one warp per permuted row, grid-stride over rows (as the rowwise quantize kernels).
-The warp first reads
-the row's D / 32 scale bytes, whose max meets through warp shuffles; then each lane streams pairs
-of data words l + 32 k of the row (16 bytes, half an MX block, one load and one store each) with
-their blocks' scales (PASS_PAIRS loads in flight), rescales and stores them. Per pair the
-multiplier is found once and each 4 elements take a decode, an f16 multiply and an encode of two
-pairs.
+Work split: one warp per permuted row, grid-stride; the row's scale max meets through warp
+shuffles, then each lane streams 16-byte pairs of data words with their blocks' scales.
 """
 
 from numba import cuda, int32, uint16, uint32, uint64
@@ -38,9 +30,8 @@ from .mx_quantize import lanes_max
 
 #: Pairs of data words (16 e4m3, one 16-byte load) each thread loads per step, all in flight.
 PASS_PAIRS = 4
-#: CUDA blocks (of 256 threads) per multiprocessor the gather is compiled for (launch bounds): three
-#: keep 24 warps per SM where its 118 registers unbounded kept 16, latency-bound (Nsight Compute:
-#: 40 % of issue slots busy, 0.58 eligible warps per scheduler; bench/NOTES.md).
+#: CUDA blocks (of 256 threads) per multiprocessor the gather is compiled for (launch bounds;
+#: bench/NOTES.md has the profile behind it).
 GATHER_BLOCKS_PER_SM = 3
 #: Registers per thread of the gather kernel (ptxas -v, sm_90, numba-cuda 0.30.4, CUDA 13.0; 76
 #: under those bounds, no spills): the wrapper caps its grid at the blocks that stay resident.

@@ -12,7 +12,6 @@ from numba import cuda, int32
 from ._launch import kernel
 
 
-
 @kernel
 def permute_layout_kernel(counts, num_local, align, src_start, dst_start, group_offsets):
     """Source and destination starts of every (rank, local expert) segment, and padded group ends.

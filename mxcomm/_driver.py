@@ -1,18 +1,11 @@
 """Kernel launches through the CUDA driver with one packed parameter buffer (GPU only).
 
-CuPy's ``Function`` call converts every argument to a C pointer object on each launch: for a
-numba kernel taking a few arrays (numba's ABI spends ``5 + 2 * ndim`` parameters per array) that
-is 40-60 numpy scalars packed one by one, tens of microseconds per launch, measured on an H200
-host. A :class:`PackedLaunch` knows the parameter layout of its function (a ``struct`` format with
-native alignment, the layout ``cuLaunchKernel`` expects of a parameter buffer), packs the values
-with one ``struct.pack_into`` into a buffer it owns and launches through ``cuLaunchKernel``'s
-``extra`` argument (``CU_LAUNCH_PARAM_BUFFER_POINTER``; CUDA driver API, "Execution Control").
-The driver copies the parameters at launch, so the buffer is reused at once.
-
-Arrays reach a launch by address: :class:`Words` names a C-contiguous device array by its
-address, shape and word dtype, what a launch (and a copy) needs of it, without the host time of a
-CuPy view; the kernels (``mxcomm.kernels``) and the peer memory of the pull transport
-(``mxcomm.comm``) both use it.
+A :class:`PackedLaunch` packs a numba kernel's parameters (numba's ABI spends ``5 + 2 * ndim``
+per array) with one ``struct.pack_into`` into a buffer it owns and launches through
+``cuLaunchKernel``'s ``extra`` argument (``CU_LAUNCH_PARAM_BUFFER_POINTER``; CUDA driver API,
+"Execution Control"), where CuPy's ``Function`` call converts every argument on each launch. The
+driver copies the parameters at launch, so the buffer is reused at once. :class:`Words` names a
+C-contiguous device array by address, shape and word dtype, without the host time of a CuPy view.
 
 Leaf module: imports CuPy lazily, and NumPy; nothing of this package.
 """
@@ -89,9 +82,8 @@ class Words:
     """A C-contiguous device array named by its address: all a launch or a copy needs of it.
 
     The GPU side of ``mxcomm.kernels.words``: a kernel takes it as a C-contiguous array of
-    ``dtype`` and ``shape`` (the same compiled function as for such a CuPy array), without the
-    ~3 us of host time a CuPy reshape or view costs (measured on an H100 host, bench/NOTES.md).
-    The engine also names rows by it (:func:`row_range`): then a "word" is an element.
+    ``dtype`` and ``shape``. The engine also names rows by it (:func:`row_range`): then a "word"
+    is an element.
 
     Attributes:
         ptr: device address of the first word.

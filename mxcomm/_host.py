@@ -1,10 +1,7 @@
 """The host backend: vectorized NumPy versions of the kernels, for arrays in host memory.
 
-Where there is no GPU (``mxcomm._platform.backend() == "host"``, the default on a CPU) the wrappers
-of every format (``mxcomm.mxfp8``, ``rowwise``, ``block128``, ``colwise``) and of the permutation
-call these functions instead of launching the CUDA
-kernels of ``mxcomm.kernels``. Every result is bit-identical to the kernels' (tests/test_backends.py
-runs both on the same inputs), so a CPU run shows exactly what a GPU run computes.
+On the host backend (``mxcomm._platform``) the wrappers of every format and of the permutation call
+these instead of the CUDA kernels; every result is bit-identical to the kernels'.
 
 Glossary: M rows, D hidden (a multiple of 32), E experts, E_local experts per rank, P permuted rows.
 
@@ -16,10 +13,8 @@ MXFP8 (OCP Microscaling v1.0), the kernels' arithmetic step by step, on the bits
   nearest even and saturated to +-448: normal results round the f32 bits (add 0x7FFFF plus the lowest kept
   bit, drop 20 bits), results below 2^-6 round on a grid of 2^-9 by an f32 addition of 2^14;
 - dequantize: e4m3 * 2^(s - 127) in f32 (exact, Inf past the f32 range), then round to nearest even
-  to bf16; NaN scale or NaN element gives the canonical NaN. Both are 256 x 256 lookup tables
-  (scale, element byte) built once from these formulas.
-
-Work goes in chunks of :data:`CHUNK_BLOCKS` MX blocks so the temporaries stay in the CPU's caches.
+  to bf16; NaN scale or NaN element gives the canonical NaN: 256 x 256 lookup tables (scale,
+  element byte). Work goes in chunks of :data:`CHUNK_BLOCKS` MX blocks (cache-sized temporaries).
 """
 
 import functools

@@ -14,12 +14,8 @@ value and the accepted ones), from the environment variable ``MXCOMM_BACKEND``:
     simulator         "simulator"  NumPy   the CUDA kernels in Numba's CUDA simulator (a Python
                                            call per CUDA thread: tiny shapes only)
 
-Users on a CPU get the host backend by default. Numba's CUDA simulator is there to test the CUDA
-kernels themselves without a GPU: whenever the backend is not ``"cuda"``, ``mxcomm.kernels`` turns
-the simulator on before numba loads (``NUMBA_ENABLE_CUDASIM=1``, which numba reads once, at its own
-import), so a test can launch the kernels directly next to the host backend and compare the bits
-(tests/test_backends.py); ``MXCOMM_BACKEND=simulator`` sends every call of the public API through
-them instead.
+Whenever the backend is not ``"cuda"``, ``mxcomm.kernels`` turns Numba's CUDA simulator on before
+numba loads, so tests can launch the kernels beside the host backend and compare the bits.
 """
 
 import ctypes
@@ -34,10 +30,7 @@ CHOICES = ("auto", "cuda", "host", "simulator")
 
 @functools.cache
 def gpu_present():
-    """True when the CUDA driver loads and reports at least one device (no numba, no CuPy).
-
-    Asks the driver library through ctypes (``cuInit`` and ``cuDeviceGetCount``); cached.
-    """
+    """True when the CUDA driver loads (ctypes) and reports at least one device; cached."""
     for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
         try:
             driver = ctypes.CDLL(name)

@@ -32,6 +32,18 @@ def _word(row_bytes, arrays):
     raise AssertionError("unreachable: a uint8 word divides every row")
 
 
+def _flat_rows(a):
+    """The rows of ``a`` (any shape) as a 2-D array: rows of any shape move as rows of words."""
+    return a if a.ndim == 2 else a.reshape(a.shape[0], int(numpy.prod(a.shape[1:])))
+
+
+def _row_words(arrays):
+    """``(words per row, word)`` of 2-D ``arrays`` whose rows have the same bytes."""
+    row_bytes = arrays[-1].shape[1] * arrays[-1].dtype.itemsize
+    word = _word(row_bytes, arrays)
+    return row_bytes // word.itemsize, word
+
+
 def _row_threads(words):
     """Threads per block moving a row of ``words`` words: about WORDS_PER_ROW_THREAD each, a power
     of two in [32, THREADS_PER_BLOCK]. Short rows (MXFP8 data: 896 words at D = 7168) get smaller
@@ -79,12 +91,8 @@ def move_rows(kernel, indices, srcs, dsts, stream, share=1.0, fill=None):
     p = indices.shape[0]
     shapes, arrays = [], [indices]
     for src, dst in zip(srcs, dsts):
-        if src.ndim != 2:  # rows of any shape move as rows of bytes
-            width = int(numpy.prod(src.shape[1:]))
-            src, dst = src.reshape(src.shape[0], width), dst.reshape(dst.shape[0], width)
-        row_bytes = dst.shape[1] * dst.dtype.itemsize
-        word = _word(row_bytes, (src, dst))
-        shapes.append((row_bytes // word.itemsize, word))
+        src, dst = _flat_rows(src), _flat_rows(dst)
+        shapes.append(_row_words((src, dst)))
         arrays += (src, dst)
     other = dsts[0].shape[0] if not gather else srcs[0].shape[0]
     if len(shapes) == 1:  # a missing second pair is an empty one (never an alias of the first:
@@ -136,10 +144,8 @@ def pad_rows(dsts, fmt, indices, stream):
         return
     shapes, arrays = [], [indices]
     for dst in dsts:
-        if dst.ndim != 2:
-            dst = dst.reshape(dst.shape[0], int(numpy.prod(dst.shape[1:])))
-        word = _word(dst.shape[1] * dst.dtype.itemsize, (dst,))
-        shapes.append((dst.shape[1] * dst.dtype.itemsize // word.itemsize, word))
+        dst = _flat_rows(dst)
+        shapes.append(_row_words((dst,)))
         arrays.append(dst)
     if len(shapes) == 1:
         shapes.append(None)

@@ -27,8 +27,7 @@ from ._torch_gemm import fp8_gemm_available
 
 
 class EPHandle(typing.NamedTuple):
-    """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine` (a named
-    tuple: read-only, and a third of a frozen dataclass's host time to build).
+    """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine`.
 
     Attributes:
         layout: the layout of this dispatch (``mxcomm.torch.exchange_layout``), agreed by all.
@@ -57,10 +56,10 @@ class ExpertParallel:
         comm: an mxcomm communicator (instead of ``group``).
         align: rows each expert group is padded to a multiple of (32: MX GEMMs; 16: SM90 fp8).
         hidden: H, the expert GEMM's output width, for ``"auto"``'s prediction (None: D times
-            the table's H / D, 2048 / 7168: the DeepSeek-V3 MoE layer's proportions).
+            the table's H / D).
         gemm_fallback: False (default): a pinned recipe with an fp8 GEMM on devices without
-            SM90 fp8 grouped GEMMs raises at construction; True: it runs, its GEMM on
-            ``grouped_mm``'s bf16 fallback (its wire formats as named; CPU runs and tests).
+            SM90 fp8 grouped GEMMs raises at construction; True: its GEMM runs on
+            ``grouped_mm``'s bf16 fallback.
         table: the ``mxcomm.recipes.CostTable`` ``"auto"`` predicts with.
 
     Collectives at construction: building the group's communicator (first use of a group), and
@@ -133,9 +132,8 @@ class ExpertParallel:
 
     def recipe_for(self, layout, dim):
         """The :class:`~mxcomm.recipes.Recipe` this object runs for ``layout`` and rows of width
-        ``dim``: the pinned one, or ``"auto"``'s choice (a :class:`mxcomm.recipes.Chooser` kept
-        per D: a bisection in the layout's rows per rank). No host sync, no communication:
-        every rank chooses alike from the agreed layout, dims and device class."""
+        ``dim``: the pinned one, or ``"auto"``'s choice (a :class:`mxcomm.recipes.Chooser` per
+        D). No host sync, no communication."""
         if self._pinned is not None:
             return self._pinned
         chooser = self._choosers.get(dim)
@@ -212,21 +210,13 @@ class ExpertParallel:
 def grouped_experts_class(parent_cls):
     """A subclass of torchtitan's ``GroupedExperts`` (``parent_cls``, torchtitan 0.3's
     ``torchtitan.models.common.moe.GroupedExperts`` or a subclass) whose grouped GEMMs are
-    ``mxcomm.torch.grouped_mm``: the rows :meth:`ExpertParallel.dispatch` returns feed the GEMMs
-    as they are, with no bf16 pass in between.
+    ``mxcomm.torch.grouped_mm``, fed the rows :meth:`ExpertParallel.dispatch` returns as they are.
 
-    It overrides the two seams torchtitan's float8 / MX converters use: ``forward`` notes
-    whether the rows came quantized (the recipe's GEMM is fp8), then runs the parent's SwiGLU;
-    ``_grouped_mm(*, A, B_t, offs)`` runs ``grouped_mm(A, B_t, offs)``, fp8 for all three GEMMs
-    (w1, w3 on the rows as received; w2 on the SwiGLU's bf16 output, quantized per call; the
-    w2 dgrad reads an fp8 rowwise combine gradient as delivered) when the rows came quantized and
-    the device has SM90 fp8 GEMMs, else bf16 GEMMs (``grouped_mm``'s fallback for quantized
-    rows). Weights are the parent's, cast by the parent (``.bfloat16()``: bf16 parameters are
-    used as they are, so ``grouped_mm``'s weight cache reuses their quantized operands).
-
-    The caller (a token dispatcher) passes the padded group sizes: the rows are padded per
-    expert to ``align``, and torchtitan computes the offsets as the cumulative sum of what it is
-    given (``group_offsets`` differenced). For the torchtitan integration's installer.
+    It overrides the seams torchtitan's float8 / MX converters use: ``forward`` notes whether the
+    rows came quantized, ``_grouped_mm(*, A, B_t, offs)`` runs ``grouped_mm`` (fp8 for all three
+    GEMMs where the rows came quantized and the device has SM90 fp8 GEMMs, else bf16). The caller
+    passes the padded group sizes (``group_offsets`` differenced). For the torchtitan
+    integration's installer.
 
     Returns:
         The subclass (one per ``parent_cls``: the same class on every call).

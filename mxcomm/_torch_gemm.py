@@ -1,56 +1,24 @@
 """A differentiable grouped GEMM of pre-quantized fp8 rowwise rows (re-exported by mxcomm.torch).
 
-Glossary: P permuted rows (groups of rows, one group per local expert), K the GEMM's reduction
-width (D), N its output width (H), G = E_local groups. ``offs`` (G,) int32 are the cumulative group
-ends (``permute``'s ``group_offsets``).
+Glossary: P permuted rows, K the reduction width (D), N the output width (H), G = E_local groups,
+``offs`` (G,) int32 cumulative group ends (``permute``'s ``group_offsets``).
 
-On SM90 (Hopper) CUDA GPUs it is thin over ``torch._scaled_grouped_mm``, whose rowwise recipe
-(aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.11-2.13) takes: A (M, K) e4m3fn row-major with
-``scale_a`` (M,) float32; B (G, K, N) e4m3fn column-major (K contiguous) with ``scale_b`` (G, N)
-float32; K % 16 == 0; ``offs`` int32; bf16 output. Its 2d-2d case (the dynamic dimension grouped,
-for weight gradients) takes A (M, T) row-major and B (T, N) column-major with one scale per group
-and row of A / column of B (``scale_a`` (G * M,), ``scale_b`` (G * N,)), and asserts on the
-device that every group of T is a multiple of 16. Each direction::
+On SM90 it is thin over ``torch._scaled_grouped_mm``'s rowwise recipe
+(aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.11-2.13): A (M, K) e4m3fn row-major with
+``scale_a`` (M,) float32, B (G, K, N) e4m3fn column-major with ``scale_b`` (G, N) float32,
+K % 16 == 0, bf16 output; its 2d-2d case (wgrad) takes A (M, T), B (T, N) with ``scale_a``
+(G * M,), ``scale_b`` (G * N,) and needs every group of T a multiple of 16::
 
-    forward  y  (P, N)    = A x (P, K) fp8 rowwise (as permuted: no quantize pass)
-                            x B  w (G, K, N), quantized per call per (group, column n) along K
-    dgrad    dx (P, K)    = A grad (P, N) fp8 rowwise (as delivered when combine's gradient is
-                              fp8 rowwise; else quantized here)
-                            x B  w^T (G, N, K), quantized per (group, column k) along N
-    wgrad    dw (G, K, N) = A x^T (K, T) x B grad (T, N), both scaled per (group, column) along
-                            the tokens (``wgrad="fp8"``, the default), or x^T grad in bf16
-                            (``wgrad="bf16"``: ``torch._grouped_mm`` on x and the gradient as
-                            given, dequantized)
+    forward  y  (P, N)    = x (P, K) fp8 rowwise (as permuted) x w (G, K, N), quantized along K
+    dgrad    dx (P, K)    = grad (P, N) fp8 rowwise (as delivered, else quantized here)
+                            x w^T (G, N, K), quantized along N
+    wgrad    dw (G, K, N) = x^T (K, T) x grad (T, N), both scaled per (group, column) along the
+                            tokens (``wgrad="fp8"``), or in bf16 (``wgrad="bf16"``)
 
-The fp8 wgrad operands come from the fp8 rowwise rows the forward and dgrad already read (x as
-permuted, saved for backward instead of x; the gradient as delivered or quantized for dgrad):
-``mxcomm.colwise.fp8_rowwise_to_group_colwise`` rescales them to one power-of-two scale per
-(group, column) and transposes them in two reads, padding every group to a multiple of 16 tokens,
-at least 16, with zeros, so the GEMM's rule holds for any routing, empty experts included, with
-no host sync. Rescaling between power-of-two scales keeps every element's bits unless it falls
-into e4m3's subnormal range, so the wgrad's SQNR equals the bf16 wgrad's on the same fp8 rows
-(tests/test_fp8_formats.py; bench/NOTES.md). Its two operand conversions (byte-granular
-transposes: 2.8 ms at 131072 x 7168 / 2048 on an H200 when they decoded every byte to fp32, 2.3 ms
-with integer amax keys and f16 rescaling, 1.7 ms with int32 addresses in the encode) cost more than its GEMM saved while the products were
-promoted; with fast accumulation the fp8 wgrad's GEMM saves more than they cost at both of the
-pipeline's shapes (bench/NOTES.md has the numbers), so fp8 is the default.
-
-Accumulation: ``fast_accum`` names the products whose tensor-core sums are not promoted to fp32
-along the way (``use_fast_accum`` of ``torch._scaled_grouped_mm``: faster, a little less exact).
-The default, all three, is torchao's fp8 rowwise MoE GEMM (``torchao.prototype.moe_training``);
-torchao's dense float8 recipe (``Float8LinearConfig``) makes only the forward fast
-(``fast_accum=("forward",)``). Measured on an H200 at 131072 rows (bench/NOTES.md,
-``bench/probe_gemm.py``): each product 12-17 % faster, its SQNR against the bf16 product within
-0.05 dB of the promoted one (28.43-28.48 dB). The bf16 fallback ignores it.
-
-Quantized weights are kept while the weight is unchanged (:class:`WeightCache`): the forward's
-operand (quantized along K) and the dgrad's (along N) are made once per version of the weight and
-reused by every micro-batch's forward and backward until an in-place update, an optimizer's
-step or a new tensor. The bf16 activations, and weights the first time, are quantized by
-mxcomm's fp8 rowwise kernel on CUDA (:func:`quantize_rows_pow2`: power-of-two scales, scale =
-2^clamp(ceil(log2(amax / 448)), -126, 127)); torchao is not required. Where SM90 fp8 GEMMs are unavailable (CPU, pre-Hopper GPUs, or a
-torch without ``_scaled_grouped_mm``) the documented fallback is bf16: ``torch._grouped_mm`` on the
-dequantized rows, in all three products, with the same autograd wiring (so CPU tests exercise it).
+Elsewhere (CPU, pre-Hopper GPUs, a torch without ``_scaled_grouped_mm``) the fallback is
+``torch._grouped_mm`` on the dequantized rows for all three products, with the same autograd
+wiring. docs/design.md, "EP semantics" (the fp8 wgrad, fast accumulation) and "Recipes and the
+expert-parallel object" (the weight cache).
 """
 
 import weakref
@@ -85,13 +53,9 @@ def quantize_rows_pow2(t):
         scale = 2^clamp(ceil(log2(amax / 448)), -126, 127) (amax 0: 2^-126). Non-finite rows give
         NaN scales.
 
-    On a CUDA device, for bf16/fp32 with K % 16 == 0, this is mxcomm's own fp8 rowwise quantize
-    kernel (``mxcomm.rowwise.quantize_fp8_rowwise``: one pass, bit-exact, zero-copy through
-    DLPack) on the (rows, K) view; elsewhere torch ops (float32 arithmetic: at a power-of-two
-    boundary of amax / 448 the scale may differ from the kernel's exact rule by one binade).
-    Per call the weights of a grouped GEMM are quantized twice (forward along K, dgrad along N):
-    with torch ops that took several elementwise passes over them in fp32, which made the fp8
-    GEMM path slower than bf16 at 16384 rows on an H200 (bench/NOTES.md).
+    On CUDA, for bf16/fp32 with K % 16 == 0: ``mxcomm.rowwise.quantize_fp8_rowwise`` (exact);
+    elsewhere torch ops in float32 (at a power-of-two boundary of amax / 448 the scale may differ
+    from the exact rule by one binade).
     """
     k = t.shape[-1]
     if t.is_cuda and t.dtype in (torch.bfloat16, torch.float32) and k % 16 == 0 and t.numel():
@@ -127,13 +91,9 @@ def _fp8_weight(w):
 
 
 def _fp8_weight_t(w):
-    """``w^T`` (G, N, K) as B of dgrad: (G, N, K) e4m3fn column-major, scales (G, K).
-
-    Where ``w`` is the transposed view of a (G, N, K) bf16 tensor (as MoE layers hold their
-    weights) on a CUDA device, its storage is quantized along N and transposed in one kernel
-    pair (``mxcomm.colwise.quantize_fp8_rowwise_transposed``; the same bits as quantizing a
-    contiguous copy, which took most of the 2.4 ms this operand cost at 8 x 5120 x 8192 on an
-    H200); elsewhere the rows of a contiguous ``w`` are quantized along N."""
+    """``w^T`` (G, N, K) as B of dgrad: (G, N, K) e4m3fn column-major, scales (G, K); a CUDA
+    transposed view of (G, N, K) bf16 storage goes through
+    ``colwise.quantize_fp8_rowwise_transposed`` (no contiguous copy)."""
     stored = w.detach().transpose(-2, -1)  # (G, N, K)
     if (w.is_cuda and w.dtype == torch.bfloat16 and stored.is_contiguous() and stored.numel()
             and stored.shape[-1] % 16 == 0 and stored.shape[-2] % 16 == 0):
@@ -172,20 +132,10 @@ def _fp8_wgrad(x_rows, grad_rows, offs, fast):
 class WeightCache:
     """Quantized expert weights, reused while the weight is unchanged.
 
-    Keyed by the tensor that owns the weight's storage (weakly: an entry dies with it), the
-    view's geometry, which operand (``"forward"``, ``"dgrad"``), and the tensor's version counter
-    (``w._version``, shared by a tensor and its views, bumped by every in-place update: an
-    optimizer's step, ``w.copy_``, ``w.add_`` under ``no_grad``). Every ``torch.optim``
-    optimizer's step also empties the cache (a global step hook): FSDP2 writes each step's
-    all-gathered weights into the same unsharded parameters with their version counters
-    preserved (``torch.autograd._unsafe_preserve_version_counter``), which the version alone
-    would not see. So forward and backward of several micro-batches on one weight (gradient
-    accumulation) quantize it once per operand, and a step, an in-place update or a new tensor
-    makes the next call quantize again. Writes that neither bump the version counter nor follow
-    an optimizer's step (through ``w.data``; FSDP2's all-gather after a ``load_state_dict``; an
-    optimizer outside ``torch.optim``) are not seen: call :meth:`clear` after them. One entry
-    per (tensor, view, operand); the cache holds about one byte per weight element per operand
-    (the fp8 data).
+    Keyed weakly by the tensor owning the storage, the view's geometry, the operand and
+    ``w._version``; every ``torch.optim`` step empties it. Writes that neither bump the version
+    nor follow such a step (``w.data``, FSDP2's all-gather after ``load_state_dict``) are not
+    seen: call :meth:`clear`. docs/design.md, "The weight cache".
 
     Attributes:
         hits, misses: counts of :meth:`get` calls that reused / made an operand.
@@ -252,9 +202,8 @@ def _weight_operand(cache, w, operand, make):
 class _GroupedMM(torch.autograd.Function):
     """y = x @ w per group, x given as fp8 rowwise rows (module docstring).
 
-    Forward:  x (P, K) QuantizedTensor (fp8_rowwise; other formats and bf16 are quantized per
-              call), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16. Saved for backward: x
-              as given (bf16 wgrad), or its fp8 rowwise rows (fp8 wgrad: what it reads).
+    Forward:  x (P, K), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16. Saved: x as given
+              (bf16 wgrad) or its fp8 rowwise rows (fp8 wgrad).
     Backward: grad (P, N) bf16 or fp8_rowwise QuantizedTensor -> dx (P, K) bf16 (fp8 dgrad),
               dw (G, K, N) bf16 (``wgrad``).
     """
@@ -330,19 +279,15 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``),
             any group sizes (empty groups too; the fp8 wgrad pads its own operands).
         fp8: None: the SM90 fp8 GEMMs for quantized rows where :func:`fp8_gemm_available`
-            (plain bf16 rows, as ``ExpertParallel``'s bf16 and mxfp8 recipes deliver them, get
-            the bf16 GEMMs), else the bf16 fallback; True to require them (bf16 rows are then
-            quantized per call); False for the bf16 fallback. Under
-            ``torch.compile`` the call is the custom op ``mxcomm::grouped_mm``, which decides
-            (and raises) the same way when it runs.
-        wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"`` (module
-            docstring); the bf16 fallback ignores it.
-        fast_accum: the fp8 products accumulated without fp32 promotion (module docstring):
-            some of ``"forward"``, ``"dgrad"``, ``"wgrad"``, or True (all: the default, as
-            torchao's fp8 rowwise MoE GEMM) / False (none).
-        weight_cache: the fp8 path's quantized weights (:class:`WeightCache`): True (default)
-            for :data:`default_weight_cache`, a :class:`WeightCache`, or False to quantize on
-            every call. Values are the same either way.
+            (plain bf16 rows get the bf16 GEMMs); True to require them (bf16 rows quantized
+            per call); False for the bf16 fallback. Under ``torch.compile`` the call is the
+            custom op ``mxcomm::grouped_mm``, which decides (and raises) the same way.
+        wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"``.
+        fast_accum: the fp8 products accumulated without fp32 promotion: some of
+            ``"forward"``, ``"dgrad"``, ``"wgrad"``, or True (all, as torchao's fp8 rowwise MoE
+            GEMM) / False (none).
+        weight_cache: True (default) for :data:`default_weight_cache`, a :class:`WeightCache`,
+            or False to quantize the weights on every call; values are the same either way.
     Returns:
         (P, N) bf16.
     Raises:

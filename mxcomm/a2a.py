@@ -15,37 +15,11 @@ Directions and default precisions (torchtitan's conventions, docs/design.md "EP 
 
 Every function takes either explicit splits and a communicator (checked across ranks by a vote,
 one small host allgather) or a :class:`~mxcomm.layout.Layout` (checked locally only; no host
-collective, no host barrier: the GPUs order themselves, docs/design.md "The layout object").
-
-The MXFP8 exchange is one :meth:`~mxcomm.comm.Communicator.exchange`: each peer's rows are
-quantized straight into the memory they travel from. On one node (``comm.transport ==
-"pull"``) the receivers read the senders' memory (CUDA IPC), so quantizing the rows of later peers
-overlaps the transfers. Where the result is dequantized (the combine directions and the drop-in)
-the dequantize kernel reads each sender's rows in place over NVLink, on a side stream, with a
-quarter of the GPU, as soon as that sender has quantized them; the caller's stream goes on
-quantizing with the rest::
-
-    caller stream:  q(r+1) q(r+2) q(r+3) q+dq(r)
-    side stream:           dq(r-1 over NVLink) .... dq(r-2) .......... dq(r-3) ..........
-
-(``q+dq(r)``: the rank's own rows through the format's one-pass round trip where it has one,
-MXFP8 of bf16; else quantized into the staging and dequantized from there.)
-
-Every precision argument takes any format of ``mxcomm.formats`` (``PRECISIONS``): the engine reads
-the Format object (row arrays, quantize and dequantize launchers) and never branches on its name;
-below, "MXFP8" stands for any quantized format. Where it stays quantized (QuantizedArray results),
-copy engines pull the rows into the result, peer
-after peer, with no SMs taken from the quantize kernels. Elsewhere (``"grouped"``) the rows are
-quantized into a staging array, move in one NCCL group (or MPI call), and are then dequantized.
-Small quantized exchanges (no rank sending more than ``comm.small_exchange_bytes`` of rows to
-its peers; 64 MiB on the GPUs of one node by default) skip all that: the bf16/fp32 rows move in
-one ``comm.alltoallv`` as they are and are quantized (or round-tripped) on arrival, the same bits
-(every format is row-local; docs/design.md, "Small exchanges travel unquantized"). Exchanges of
-rows as they come take their route (``mxcomm.route``: one ``alltoallv``, the medium or the
-staged path), decided once per signature, as the torch adapter does.
-bf16 exchanges are one ``comm.alltoallv`` either way, but for the combine direction of
-``permute_align`` on the pull transport: there each peer's rows are gathered out of permute's
-order into the staging it pulls from (no pass into received order first).
+collective, no host barrier). Every precision argument takes any format of ``mxcomm.formats``
+(``PRECISIONS``); the engine reads the Format object and never branches on its name. How an
+exchange travels is ``mxcomm.route``'s decision; the staged exchange that dequantizes in place,
+on a side stream beside the caller's quantize kernels, is here. docs/design.md, "The layout
+object", "The staged exchange", "One route".
 """
 
 import operator
@@ -57,7 +31,7 @@ from .kernels import array_module
 from .formats import QuantizedArray, format_names, get_format
 from .layout import Layout
 from .mxfp8 import SCALE_MODES
-from .permutation import GatheredRows, _permute, _unpermute, expert_order
+from .permutation import GatheredRows, _check_int, _permute, _unpermute, expert_order
 from .route import CALLS, arrays, choose, gathered_plain, landed, run, staged_quantized
 from .route import kind as route_kind
 
@@ -120,27 +94,11 @@ def _resolve(input_splits, output_splits, comm, layout, function):
 # ---------------------------------------------------------------------------------- the engine
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
               direction, dequantize, scale_mode, stream, validate, alloc, permute_align=None):
-    """Move rows of ``x`` to the peers in ``precision``; the engine of every public function.
-
-    Args:
-        x: (M, D) bf16/fp32 array or QuantizedArray. Read.
-        input_splits, output_splits, comm, layout: as the public functions take them.
-        precision: a format name (``mxcomm.formats``) or Format.
-        function, name: the public function and ``x``'s name, for messages.
-        direction: ``"dispatch"`` (send input_splits) or ``"combine"`` (send output_splits).
-        dequantize: False to return the wire format (a QuantizedArray, or an array of the
-            format's dtype); True to return an array of ``x``'s dtype (bf16 for a QuantizedArray).
-        validate: explicit splits only: check across ranks first (None: the communicator's).
-        alloc: ``alloc(shape, dtype)`` -> a new array for the results, or None for the array
-            module's ``empty`` (``mxcomm.torch`` hands in torch's allocator).
-        permute_align: None, or (layout only) the expert side in ``permute``'s order for this
-            align (docs/design.md, "The expert side of an exchange in permute's order"): the
-            dispatch direction returns ``permute``'s triple, the combine direction reads ``x``
-            as the permuted rows (P, D).
-    Returns:
-        (N, D) QuantizedArray or array; with ``permute_align`` in the dispatch direction,
-        ``(permuted (P, D), permuted_indices (P,), group_offsets (E_local,))``.
-    """
+    """Move rows of ``x`` to the peers in ``precision``: the engine of every public function
+    (``_COMMON_ARGS``). ``function``, ``name``: for messages; ``direction``: ``"dispatch"``
+    sends input_splits, ``"combine"`` output_splits; ``dequantize``: return ``x``'s dtype
+    instead of the wire format; ``alloc(shape, dtype)``: the results' allocator (None: the
+    array module's ``empty``; ``mxcomm.torch`` hands in torch's)."""
     layout, comm = _resolve(input_splits, output_splits, comm, layout, function)
     rank = comm.rank
     error = plan = send_counts = recv_counts = None
@@ -156,7 +114,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             if layout is None:
                 raise TypeError(f"permute_align on rank {rank}: needs a layout (the permute "
                                 f"order is the layout's)")
-            permute_align = _check_align(permute_align, rank)
+            permute_align = _check_int(permute_align, f"permute_align on rank {rank}", 1)
         if layout is not None:
             plan = layout.dispatch_plan if direction == "dispatch" else layout.combine_plan
             send_counts, recv_counts = plan.send_counts, plan.recv_counts
@@ -224,18 +182,6 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     return _run_route(r, path, x, comm, plan, caller, alloc, layout, align)
 
 
-def _check_align(align, rank):
-    """``align`` as a positive int; else TypeError/ValueError naming the rank."""
-    try:
-        value = operator.index(align)
-    except TypeError:
-        raise TypeError(f"permute_align on rank {rank}: expected an int (rows), got "
-                        f"{align!r}") from None
-    if value < 1:
-        raise ValueError(f"permute_align on rank {rank}: expected a positive int, got {value}")
-    return value
-
-
 def _local_plan(comm, send_counts, recv_counts):
     """A plan of this rank's counts only (``validate=False``: the peers' are not known): enough
     for a plain exchange and the grouped transport, not for the pull transport."""
@@ -285,16 +231,13 @@ def _run_route(r, path, x, comm, plan, caller, alloc, layout=None, align=None):
 
 
 # ------------------------------------------------------------------------------------- public
-#: Each public function: the name of the rows it takes, the direction it sends, and whether it
-#: returns them dequantized (module docstring's table; ``mxcomm.route.CALLS``).
-_CALLS = CALLS
 
 
 def _call(function, x, input_splits, output_splits, comm, precision, layout=None, *,
           scale_mode="rceil", stream=None, validate=None, alloc=None, permute_align=None):
-    """The public ``function`` (a key of ``_CALLS``), with the engine's ``alloc`` (the torch
-    adapters pass torch's allocator)."""
-    name, direction, dequantize = _CALLS[function]
+    """The public ``function`` (a key of ``mxcomm.route.CALLS``), with the engine's ``alloc``
+    (the torch adapters pass torch's allocator)."""
+    name, direction, dequantize = CALLS[function]
     return _exchange(x, input_splits, output_splits, comm, precision, layout, function=function,
                      name=name, direction=direction, dequantize=dequantize,
                      scale_mode=scale_mode, stream=stream, validate=validate, alloc=alloc,
@@ -303,15 +246,10 @@ def _call(function, x, input_splits, output_splits, comm, precision, layout=None
 
 _COMMON_ARGS = """
         comm: a communicator (``mxcomm.comm.init()``); with a layout, None or the layout's.
-            A quantized exchange in which no rank sends more than its ``small_exchange_bytes``
-            of rows to its peers moves them unquantized, in one ``alltoallv``, and quantizes
-            them on arrival: the same results, bf16 bytes on the wire.
         scale_mode: ``"rceil"`` or ``"floor"`` (MXFP8 scale rounding, docs/design.md); the
             other formats fix their own scaling and ignore it.
-        stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host). The rows
-            must be ready on it: work that wrote them on another stream (a copy from the host
-            on the null stream, say, which a non-blocking stream does not wait for) must be
-            ordered before the call, by an event or a synchronize.
+        stream: CUDA stream to enqueue on (None: CuPy's current; ignored on the host); the
+            rows must be ready on it.
         layout: a :class:`~mxcomm.layout.Layout` instead of the splits (it may also be passed
             as the second positional argument). Then the call checks its arguments locally
             only, in O(1), and makes no host collective and no host barrier: a peer that fails
@@ -322,15 +260,10 @@ _COMMON_ARGS = """
             low-precision exchanges need it (or a layout) where ``comm.transport == "pull"``.
         permute_align: None, or (with a layout) an int A: the expert side of the exchange (the
             rows received in the dispatch direction, sent in the combine direction) is in
-            :func:`~mxcomm.permute`'s order for ``align=A`` instead of received order, bit for
-            bit as a separate permute / unpermute would leave it, without that pass (on the
-            pull transport the copy engines pull each (sender, local expert) run of rows
-            straight into its permuted rows, and the bf16 combine gathers each peer's rows into
-            the staging it pulls from; docs/design.md, "The expert side of an exchange in
-            permute's order"; measured in bench/NOTES.md). The dispatch direction then returns
-            ``(permuted (P, D),
-            permuted_indices (P,) int32, group_offsets (E_local,) int32)`` as ``permute``
-            does; the combine direction takes the permuted (P, D) rows.
+            :func:`~mxcomm.permute`'s order for ``align=A``, bit for bit as a separate
+            permute / unpermute would leave it, without that pass (docs/design.md, "The expert
+            side of an exchange in permute's order"). The dispatch direction then returns
+            ``permute``'s triple; the combine direction takes the permuted (P, D) rows.
     Raises:
         ValueError: a bad precision, shape or split list (with explicit splits: the same message
             on every rank, naming the rank; ranks disagreeing on the precision, D or the counts

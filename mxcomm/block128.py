@@ -1,13 +1,10 @@
 """The fp8 1x128 block format: e4m3fn elements, one fp32 scale per 128 elements of a row.
 
 Glossary: M rows, D hidden. e4m3fn data are (M, D) uint8 bit arrays, scales (M, D // 128) float32,
-row-major, ``x ~= e4m3 * scale``, D % 128 == 0. DeepSeek-V3's activation format (DeepEP's fp8
-dispatch, DeepGEMM's SM90 GEMMs; DeepGEMM wants the scales transposed, M-major and TMA-aligned: a
-copy for its adapter to make). The exact rules are in ``kernels.fp8_block``.
-
-The ``launch_*`` functions choose: the host twin in ``mxcomm._host`` (bit-identical, tested) where
-``mxcomm._platform.host_backend()``, else the kernel. :data:`FP8_BLOCK128` and
-:data:`FP8_BLOCK128_POW2` are registered with ``mxcomm.formats`` when this module is imported.
+row-major, ``x ~= e4m3 * scale``, D % 128 == 0: DeepSeek-V3's activation format (DeepEP's fp8
+dispatch; DeepGEMM wants the scales transposed, M-major and TMA-aligned: a copy for its adapter to
+make). The exact rules and sources are in ``kernels.fp8_block``. The ``launch_*`` functions run the
+host twin (``mxcomm._host``) on the host backend, else the kernel.
 """
 
 import numpy
@@ -38,15 +35,10 @@ _U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uin
 def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
     """Quantize the rows of ``x`` in blocks of 128: e4m3fn elements, one fp32 scale per block.
 
-    DeepSeek-V3's fine-grained activation quantization (DeepEP's fp8 dispatch format). With
-    amax = max |x| over a block:
-      "plain" (DeepSeek-V3, DeepEP's default; DeepGEMM's ``per_token_cast_to_fp8``):
-          a = max(amax, 448 * 2^-126); scale = fl32(a / 448);
-          element = RNE_e4m3(fl32(x * fl32(1 / scale)))
-          (fl32: one IEEE fp32 operation, round to nearest even). Bit-identical to DeepGEMM's cast
-          for amax >= 1e-4, where DeepGEMM and DeepEP clamp amax to 1e-4 instead.
-      "pow2" (DeepGEMM's UE8M0 scales, DeepEP's round_scale):
-          scale = 2^clamp(ceil(log2(amax / 448)), -126, 127); element = RNE_e4m3(x / scale)
+    With amax = max |x| over a block (``kernels.fp8_block`` has the sources):
+      "plain" (DeepSeek-V3, DeepGEMM's ``per_token_cast_to_fp8``): scale = fl32(max(amax, 448 *
+          2^-126) / 448), element = RNE_e4m3(fl32(x * fl32(1 / scale)));
+      "pow2" (DeepGEMM's UE8M0): scale = 2^clamp(ceil(log2(amax / 448)), -126, 127).
     Elements saturate to +-448. A block holding NaN or +-Inf gets scale NaN and elements 0x7F.
 
     Args:
@@ -101,8 +93,7 @@ def _block_quantize_launch(dtype, pow2, share):
 def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=None):
     """Decode fp8 block128 rows: x = e4m3 * scale of its 128-element block.
 
-    The product is rounded once to fp32; bf16 output is its round-to-nearest-even. A NaN scale or
-    NaN element gives NaN (canonical quiet NaN: bf16 0x7FC0, fp32 0x7FC00000).
+    The product in fp32, then round-to-nearest-even to bf16; NaN canonical.
 
     Args:
         data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 128 == 0. Read.
@@ -147,7 +138,6 @@ def _block_dequantize_launch(dtype, share):
                               share)
     return SizedLaunch(kernel, config, (data.size, WORDS_PER_THREAD), data, Words(0, (1,), _U32),
                        Words(0, (FP8_BLOCK * dtype.itemsize // 8,), _U64))
-
 
 
 def _block128_quantize(mode):

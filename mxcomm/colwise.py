@@ -1,12 +1,9 @@
 """fp8 operands of the grouped GEMM's gradients: fp8 rowwise rows rescaled per (group, column) and
-transposed (the wgrad's token-axis operands), and bf16 matrices quantized along their columns,
-transposed (the dgrad's B operand).
+transposed (the wgrad's), and bf16 matrices quantized along their columns, transposed (the dgrad's
+B operand). The fp8 rowwise rule (``mxcomm.rowwise``) along the other axis; the exact rules are in
+``kernels.fp8_colwise`` and ``kernels.fp8_transpose``; the host twins in ``mxcomm._host``.
 
-Glossary: P rows, D hidden, G groups, T token positions, B matrices of R x C. e4m3fn data are uint8
-bit arrays, scales float32 powers of two: the fp8 rowwise rule (``mxcomm.rowwise``) along the
-other axis. The exact rules are in ``kernels.fp8_colwise`` and ``kernels.fp8_transpose``. The
-``launch_*`` functions choose: the host twin in ``mxcomm._host`` where
-``mxcomm._platform.host_backend()``, else the kernels.
+Glossary: P rows, D hidden, G groups, T token positions, B matrices of R x C.
 """
 
 import numpy
@@ -30,21 +27,15 @@ group_colwise_positions = _host.group_colwise_positions
 def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     """Rescale fp8 rowwise rows to one scale per (group, column) and transpose them, in two reads.
 
-    The operands of a grouped weight gradient dw[g] = x[g]^T @ grad[g] in fp8 are scaled along
-    the token axis per group and laid out token-contiguous: ``torch._scaled_grouped_mm``'s 2d-2d
-    case (A = ``data_t`` (D, T) row-major, B = another ``data_t``'s transpose, scales flattened,
-    ``offs=aligned_ends``). With v = e4m3 * row scale (exact) and amax = max |v| over a group's
-    rows in a column:
+    The operands of dw[g] = x[g]^T @ grad[g] for ``torch._scaled_grouped_mm``'s 2d-2d case
+    (A = ``data_t`` (D, T), ``offs=aligned_ends``). With v = e4m3 * row scale and amax = max |v|
+    over a group's rows in a column (``kernels.fp8_colwise``; bit-identical to float64):
 
         scales_t[g, d] = 2^clamp(ceil(log2(amax / 448)), -126, 127)   (amax = 0: 2^-126)
-        data_t[d, t]   = RNE_e4m3(v[p, d] / scales_t[g, d])            (one rounding)
+        data_t[d, t]   = RNE_e4m3(v[p, d] / scales_t[g, d])
 
-    the fp8 rowwise rule along the token axis (``kernels.fp8_colwise``). Group g's rows take the
-    token positions from ``aligned_ends[g - 1]`` on, followed by zero padding up to a multiple of
-    16 positions, at least 16 (so the GEMM sees no empty and no misaligned group: its 2d-2d kernel
-    asserts on the device that each group is a multiple of 16). A row with a NaN/Inf scale or a
-    NaN element makes its group's column NaN (scale NaN, elements 0x7F). Bit-identical to a
-    float64 evaluation of these formulas.
+    Each group's rows are followed by zeros up to a multiple of 16 positions, at least 16 (the
+    GEMM's rule). A NaN/Inf row scale or a NaN element makes its group's column NaN.
 
     Args:
         data: (P, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0: fp8 rowwise rows sorted by
@@ -79,17 +70,11 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
                          f"{group_colwise_positions(p, ends.shape[0])} x {d} bytes, above the "
                          f"{4 * ENCODE_MAX_WORDS} the encode kernel indexes (int32 "
                          f"words); split the rows")
-    return launch_fp8_rowwise_to_group_colwise(data, scales, ends, stream_ptr(stream))
-
-
-def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
-    """Enqueue the three kernels of :func:`fp8_rowwise_to_group_colwise` (arguments checked by
-    the caller) on the raw stream handle ``stream``; returns (data_t, scales_t, aligned_ends)."""
     if host_backend():
-        return _host.fp8_rowwise_to_group_colwise(data, scales, group_ends)
+        return _host.fp8_rowwise_to_group_colwise(data, scales, ends)
+    stream = stream_ptr(stream)
     xp = array_module()
-    p, d = data.shape
-    g = group_ends.shape[0]
+    g = ends.shape[0]
     t = group_colwise_positions(p, g)
     data_t = xp.empty((d, t), dtype=_U8)
     scales_t = xp.empty((g, d), dtype=float32)
@@ -101,34 +86,26 @@ def launch_fp8_rowwise_to_group_colwise(data, scales, group_ends, stream):
         import cupy
         cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
     row_scales = scales.view(_U32)
-    # The simulator runs CUDA threads as Python threads whose device-function calls contend for a
-    # lock (and its atomics for another): a launch of 32 of them took minutes where one took a
-    # fraction of a second. There, one thread per block takes whole columns (no atomics).
+    # the simulator: one thread per block takes whole columns (atomics serialize its threads)
     sim = simulated()
     chunk = max(p, 1) if sim else fp8_colwise.CHUNK_ROWS
     group_colwise_amax_kernel[launch_1d(-(-p // chunk) * (d // fp8_colwise.AMAX_COLUMNS), stream,
                                         threads=1 if sim else None)](
-        words(data, _U64, "data", rows=True), row_scales, group_ends, keys, chunk)
-    group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), group_ends, aligned)
+        words(data, _U64, "data", rows=True), row_scales, ends, keys, chunk)
+    group_colwise_scales_kernel[launch_1d(g * d, stream)](keys.reshape(g * d), ends, aligned)
     items = encode_items(t, d)
     group_colwise_encode_kernel[launch_1d(items * THREADS_PER_BLOCK, stream)](
-        words(data, _U32, "data", rows=True), row_scales, group_ends, keys,
+        words(data, _U32, "data", rows=True), row_scales, ends, keys,
         words(data_t, _U32, "data_t", rows=True))
     return data_t, scales_t, aligned
-
 
 
 def quantize_fp8_rowwise_transposed(x, *, stream=None):
     """fp8-rowwise-quantize the columns of each matrix of ``x`` and write them as rows.
 
-    For x (B, R, C) and every (b, c), the column x[b, :, c] is quantized as
-    :func:`quantize_fp8_rowwise` quantizes a row (scale 2^clamp(ceil(log2(amax / 448)), -126,
-    127), elements round-to-nearest-even e4m3fn saturated to +-448; a column holding NaN or Inf:
-    scale NaN, elements 0x7F), and becomes row c of matrix b of the result: bit-identical to
-    ``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that copy
-    (``kernels.fp8_transpose``). It is the B operand of a grouped dgrad in fp8 (``torch.
-    _scaled_grouped_mm``: B (G, N, K) column-major, scales (G, K)) from weights kept as (G, N, K)
-    with K contiguous, as MoE layers keep them.
+    Bit-identical to ``rowwise.quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made
+    contiguous, without that copy (``kernels.fp8_transpose``): the fp8 dgrad's B operand from
+    weights kept as (G, N, K).
 
     Args:
         x: (B, R, C) bf16 device array, C-contiguous, R % 16 == 0 and C % 16 == 0. Read.
@@ -155,16 +132,10 @@ def quantize_fp8_rowwise_transposed(x, *, stream=None):
         raise ValueError(f"x: {x.size} elements (shape {tuple(x.shape)}), above the "
                          f"{4 * fp8_transpose.ENCODE_MAX_WORDS} the encode kernel indexes "
                          f"(int32 words); quantize fewer matrices per call")
-    return launch_quantize_fp8_rowwise_transposed(x, stream_ptr(stream))
-
-
-def launch_quantize_fp8_rowwise_transposed(x, stream):
-    """Enqueue the two kernels of :func:`quantize_fp8_rowwise_transposed` (``x`` checked by the
-    caller) on the raw stream handle ``stream``; returns (data, scales)."""
     if host_backend():
         return _host.quantize_fp8_rowwise_transposed(x)
+    stream = stream_ptr(stream)
     xp = array_module()
-    b, r, c = x.shape
     data = xp.empty((b, c, r), dtype=_U8)
     scales = xp.empty((b, c), dtype=float32)
     if data.size == 0:

@@ -47,12 +47,9 @@ class Format:
         input_align: bytes the address of the rows to quantize must be a multiple of (its
             quantize kernel loads 8 or 16 bytes at a time); 1 for the unscaled formats.
 
-    The launchers (private fields) are the format module's: ``_quantize``, ``_dequantize``,
-    ``_quantize_gather`` and ``_round_trip`` behind the ``launch_*`` methods, and
-    ``_sized_quantize``: ``(dtype, width, scale_mode, share)`` and ``_sized_round_trip``:
-    ``(dtype, width, scale_mode)`` -> ``(sized launch, its units of work per row)``, or None
-    where the work does not run as a CUDA launch (the host backend), behind :meth:`quantizer`
-    and :meth:`round_tripper`.
+    The private fields are the format module's launchers behind the ``launch_*`` methods,
+    :meth:`quantizer` and :meth:`round_tripper` (``_sized_*``: ``(sized launch, units per
+    row)``, or None on the host backend).
     """
 
     name: str
@@ -72,6 +69,10 @@ class Format:
     _round_trip: object = dataclasses.field(default=None, repr=False)
     _sized_quantize: object = dataclasses.field(default=None, repr=False)
     _sized_round_trip: object = dataclasses.field(default=None, repr=False)
+
+    def _mode(self, scale_mode):
+        """``scale_mode``, or the format's first (None where it fixes its own)."""
+        return scale_mode or (self.scale_modes or (None,))[0]
 
     @property
     def quantized(self):
@@ -101,9 +102,8 @@ class Format:
 
     def check_input(self, x, name="x"):
         """Raise ValueError unless the (M, D) rows ``x`` (an array or a QuantizedArray) fit this
-        format: D a multiple of ``d_multiple``, and an array's address a multiple of
-        ``input_align`` bytes (fresh CuPy, NumPy and torch arrays are; a view that starts inside
-        a row may not be)."""
+        format: D a multiple of ``d_multiple``, an array's address a multiple of
+        ``input_align`` bytes."""
         d = x.shape[1]
         if d % self.d_multiple:
             raise ValueError(f"{name}: D = {d} is not a multiple of {self.d_multiple}, which "
@@ -122,8 +122,8 @@ class Format:
 
     def view(self, data, scales):
         """``data`` and ``scales`` as a QuantizedArray of this format, unchecked: for arrays this
-        package made with this format's dtypes and shapes (staging slots, results), a fifth of
-        :meth:`wrap`'s host time. Anything else goes through :meth:`wrap`."""
+        package made with this format's dtypes and shapes; anything else goes through
+        :meth:`wrap`."""
         q = object.__new__(self._array_class or QuantizedArray)
         q.data, q.scales, q.format = data, scales, self
         return q
@@ -137,13 +137,12 @@ class Format:
 
     def launch_quantize(self, x, out, stream, share=1.0, scale_mode=None):
         """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into the QuantizedArray
-        ``out`` of this format: on the host backend done on return; else the kernel is enqueued
-        on the raw stream handle ``stream`` with ``share`` of the device's grid. ``scale_mode``:
-        one of ``scale_modes`` (None: the first), ignored by formats that fix theirs. Returns
-        ``out``."""
+        ``out`` of this format, on the raw stream handle ``stream`` with ``share`` of the
+        device's grid (done on return on the host backend). ``scale_mode``: one of
+        ``scale_modes`` (None: the first). Returns ``out``."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
-        self._quantize(x, out, stream, share, scale_mode or (self.scale_modes or (None,))[0])
+        self._quantize(x, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizes_gathered(self, dtype):
@@ -156,24 +155,19 @@ class Format:
         (R, D), in one pass (where :meth:`quantizes_gathered`). Returns ``out``."""
         if self._quantize_gather is None:
             raise RuntimeError(f"format {self.name!r} does not quantize gathered rows")
-        self._quantize_gather(x, rows, out, stream, share,
-                              scale_mode or (self.scale_modes or (None,))[0])
+        self._quantize_gather(x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizer(self, dtype, width, scale_mode=None, share=1.0):
-        """The quantize of rows of ``dtype`` (bf16/fp32) and width ``width`` (checked by the
-        caller: a multiple of ``d_multiple``) prepared once for this signature (docs/design.md,
-        "A direct call's launch, prepared with its signature"): ``quantize(x, data, scales, rows,
-        stream)`` quantizes ``rows`` rows of ``x`` into ``data`` and ``scales`` of this format's
-        dtypes and shapes (C-contiguous buffers: :class:`Words` or CuPy arrays on a GPU, NumPy
-        arrays on the host backend and the simulator; ``x`` aligned to ``input_align``), as
-        :meth:`launch_quantize` does, on the raw stream handle ``stream``; nothing for 0 rows.
-        ``scale_mode`` and ``share`` (the grid's share of the device): as
-        :meth:`launch_quantize` takes them."""
+        """The quantize of rows of ``dtype`` (bf16/fp32) and width ``width`` prepared once for
+        this signature (docs/design.md, "A direct call's launch, prepared with its signature"):
+        ``quantize(x, data, scales, rows, stream)`` quantizes ``rows`` rows of ``x`` into
+        ``data`` and ``scales`` (C-contiguous: ``Words``, CuPy or NumPy arrays) as
+        :meth:`launch_quantize` does; nothing for 0 rows."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         dtype = numpy.dtype(dtype)
-        scale_mode = scale_mode or (self.scale_modes or (None,))[0]
+        scale_mode = self._mode(scale_mode)
         sized = self._sized_quantize and self._sized_quantize(dtype, width, scale_mode, share)
         if sized:
             launch, per_row = sized
@@ -195,7 +189,7 @@ class Format:
         stream)``; None where the format has no one-pass round trip (``round_trips(bf16)``)."""
         if not self.round_trips(bfloat16):
             return None
-        scale_mode = scale_mode or (self.scale_modes or (None,))[0]
+        scale_mode = self._mode(scale_mode)
         sized = self._sized_round_trip and self._sized_round_trip(bfloat16, width, scale_mode)
         if sized:
             launch, per_row = sized
@@ -219,13 +213,11 @@ class Format:
         """Quantize rows of ``x`` (M, D) bf16 and decode them back to bf16 into ``out`` (R, D),
         in one pass, bit for bit :meth:`launch_quantize` then :meth:`launch_dequantize` (where
         :meth:`round_trips`): row r of ``out`` is row r of ``x`` (``rows`` None, R = M) or row
-        ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous, 16-byte aligned (fresh
-        allocations and their row ranges are). The quantized exchanges returning bf16 send
-        their own rows through it. Returns ``out``."""
+        ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous, 16-byte aligned. Returns
+        ``out``."""
         if self._round_trip is None:
             raise RuntimeError(f"format {self.name!r} has no one-pass round trip")
-        self._round_trip(x, rows, out, stream, share,
-                         scale_mode or (self.scale_modes or (None,))[0])
+        self._round_trip(x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def launch_dequantize(self, q, out, stream, share=1.0):
@@ -372,10 +364,8 @@ register(Format("native", "input", None,
 
 
 def sqnr(ref, out, *, chunk_rows=4096):
-    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - out||).
-
-    The one SQNR of the project (the thresholds of docs/design.md "Correctness references" are in
-    it): sums of squares in float64, over chunks of ``chunk_rows`` rows on the arrays' device.
+    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - out||), the measure
+    of docs/design.md "Correctness references"; sums of squares in float64, in chunks.
 
     Args:
         ref, out: arrays of one shape: NumPy, CuPy or torch (CPU or CUDA; quantized tensors

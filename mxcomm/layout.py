@@ -17,7 +17,7 @@ _INT32_MAX = 2**31 - 1
 
 class Layout(tuple):
     """Everything derived from one layout exchange; unpacks as ``(group, input_splits,
-    output_splits)`` like the tuple :func:`exchange_layout` used to return.
+    output_splits)``.
 
     Attributes:
         comm: the communicator the layout was agreed on.

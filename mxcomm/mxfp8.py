@@ -4,9 +4,8 @@ Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive el
 ``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 holds e8m0 bits (2^(s - 127),
 0xFF = NaN). fp8 has no CuPy dtype, hence the uint8 bit arrays.
 
-The work runs where ``mxcomm._platform.backend()`` says: the CUDA kernels of ``mxcomm.kernels`` on a
-GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with identical bits.
-:func:`launch_quantize` and :func:`launch_dequantize` are the only places that choose.
+The ``launch_*`` functions run the host twin (``mxcomm._host``) on the host backend, else the
+kernels.
 """
 
 import numpy
@@ -117,11 +116,7 @@ def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
     checked by the caller: ``x`` (M, D) bf16 C-contiguous, 16-byte aligned rows; ``rows`` (R,)
     int32 with 0 <= rows[r] < M; ``out`` (R, D)). Done on return on the host backend; else
     enqueued on the raw stream handle ``stream`` with ``share`` of the device's grid. Returns
-    ``out``.
-
-    The quantized dispatch gradient's producer: it reads the permuted gradient rows in received
-    order (``mxcomm.permutation.GatheredRows``), so the permute's backward writes no bf16 rows
-    that would only be read again here."""
+    ``out``. The quantized dispatch gradient's producer (``permutation.GatheredRows``)."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
@@ -172,10 +167,7 @@ def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
 
     Raises:
         ValueError: on a GPU, an address the kernel cannot load or store 16 bytes at.
-
-    The quantized exchanges that return bf16 (the dispatch gradient, the drop-in) send a rank's
-    own rows through it: the same rounding as the rows of its peers, without writing the MXFP8
-    rows to memory and reading them again."""
+    """
     count, d = out.shape
     if count == 0 or d == 0:
         return out
@@ -217,8 +209,8 @@ def _gather_round_trip_launch(d, rceil, share):
 def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
     """Decode an MXFP8Array: x = e4m3 * 2^(s - 127) (OCP Microscaling v1.0).
 
-    Exact in f32; bf16 output is the round-to-nearest-even of it. Scale 0xFF or a NaN element
-    gives NaN (canonical quiet NaN: bf16 0x7FC0, fp32 0x7FC00000).
+    Exact in f32, then round-to-nearest-even to bf16. Scale 0xFF or a NaN element gives the
+    canonical quiet NaN.
 
     Args:
         mx: MXFP8Array of shape (M, D). Read.
@@ -271,11 +263,8 @@ def launch_gather_dequantize(mx, indices, out, stream):
 
     Raises:
         ValueError: on a GPU, ``mx.data`` or ``out`` at an address that is not a multiple of 16
-            bytes (the kernel moves 16 bytes at a time; torch's and CuPy's allocations are).
-
-    The permute's MXFP8 -> bf16 conversion (``permute(..., out_format="bf16")``): the rows a
-    bf16 grouped GEMM takes (Hopper has no MXFP8 one), without writing the permuted MXFP8 rows
-    and reading them again to dequantize."""
+            bytes.
+    """
     p, d = out.shape
     if p == 0 or d == 0:
         return out

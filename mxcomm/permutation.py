@@ -13,13 +13,9 @@ E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align
     indices        0  1  -1 -1 |  2  3  4  5  |  -1 ..  -1
     group_offsets  [4, 8]
 
-A group with no rows takes no rows (no padding). Nothing here synchronizes with the host: P is a
-static bound computed from the shapes, and the index is built where the counts are (on the device,
-or in host memory on the host backend).
-
-The work runs where ``mxcomm._platform.backend()`` says: the CUDA kernels of ``mxcomm.kernels`` on a
-GPU (or in Numba's simulator), the host backend ``mxcomm._host`` on a CPU, with identical results.
-:func:`_layout` and ``_row_moves`` are the only places that choose.
+A group with no rows takes no rows (no padding). No host sync: P is a static bound, and the index
+is built where the counts are. :func:`_layout` and ``_row_moves`` choose the host backend or the
+kernels.
 """
 
 import contextlib
@@ -39,10 +35,6 @@ from .layout import Layout
 from .formats import QuantizedArray, conversion, get_format
 
 _INT32 = numpy.dtype(numpy.int32)
-
-
-def _round_up(n, k):
-    return -(-n // k) * k
 
 
 def _check_int(value, name, minimum):
@@ -65,12 +57,9 @@ class GatheredRows:
     """Rows picked from another array by an index, not yet written anywhere: row i is
     ``source[index[i]]``.
 
-    The gradient permute's backward owes dispatch's backward (``mxcomm.torch``, with a layout):
-    ``source`` the permuted gradient (P, D), ``index`` the layout's inverse permute index (N,)
-    int32 (received row -> permuted row). An exchange whose format quantizes gathered rows
-    (``Format.quantizes_gathered``) reads them in place; anything else :meth:`materialize` s
-    them first, the same bytes the permute's scatter would have written (docs/design.md, "The
-    permute's backward folded into a quantized dispatch gradient").
+    The gradient permute's backward owes dispatch's backward: ``source`` the permuted gradient
+    (P, D), ``index`` the layout's inverse permute index (N,) int32. docs/design.md, "The
+    permute's backward folded into a quantized dispatch gradient".
 
     Attributes:
         source: (M, D) C-contiguous device array. index: (N,) int32, 0 <= index[i] < M.
@@ -202,12 +191,8 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         align: rows, a positive int (32 for MX grouped GEMMs, a multiple of 16 for SM90 fp8
             grouped GEMMs).
         out_format: None (or ``x``'s format) to move rows as they are; or a format to convert
-            the QuantizedArray ``x`` to in the same pass where ``mxcomm.formats.conversion``
-            has one: ``"fp8_rowwise"`` from ``"mxfp8"`` (``rowwise.mx_to_rowwise_permute``:
-            each row rescaled to one power-of-two scale; no bf16 round trip), or ``"bf16"``
-            from ``"mxfp8"`` (the permuted rows dequantized in the gather, bit for bit as
-            ``dequantize_mxfp8`` of the permuted rows, padding rows 0: what a bf16 grouped GEMM
-            takes, one pass instead of two).
+            the QuantizedArray ``x`` to in the same pass (``mxcomm.formats.conversion``:
+            ``"fp8_rowwise"`` or ``"bf16"`` from ``"mxfp8"``; docs/design.md, "Formats").
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
@@ -218,10 +203,9 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         of each permuted row or -1; group_offsets (E_local,) int32, cumulative padded group ends.
     Raises:
         TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
-        ValueError: (also) no conversion from ``x``'s format to ``out_format``.
-        ValueError: counts not 1-D or its length not a multiple of ``num_local_experts``;
-            ``num_local_experts`` or ``align`` < 1; ``x`` not C-contiguous; on the host backend
-            (counts in host memory), a negative count.
+        ValueError: no conversion from ``x``'s format to ``out_format``; counts not 1-D or
+            its length not a multiple of ``num_local_experts``; ``num_local_experts`` or
+            ``align`` < 1; ``x`` not C-contiguous; on the host backend, a negative count.
     """
     return _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_format, stream,
                     None)
@@ -253,7 +237,7 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
         with _on_stream(stream):
             counts = counts.copy()
     m_recv = srcs[0].shape[0]
-    p = _round_up(m_recv + e_local * align, align)
+    p = -(-(m_recv + e_local * align) // align) * align
     indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream, alloc)
     return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
@@ -352,10 +336,9 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     Args:
         y: (P, H...) C-contiguous device array (any dtype) or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
-        num_rows: M_recv, an int >= 0, or the layout (its ``num_received``). Given an int, rows
-            no index names are zero (a ``num_rows`` beyond M_recv gives zero rows, without a
-            host sync); given the layout, whose permute names every received row once, the
-            result is not pre-filled (no extra pass). Indices >= num_rows are dropped.
+        num_rows: M_recv, an int >= 0 (rows no index names are zero), or the layout (its
+            ``num_received``; its permute names every row, so no fill). Indices >= num_rows are
+            dropped.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.
     Returns:
@@ -371,9 +354,7 @@ def _unpermute(y, permuted_indices, num_rows, stream, alloc):
     """:func:`unpermute`, its result from ``alloc(shape, dtype)`` (None: the array module's)."""
     srcs, fmt = _rows(y, "y")
     idx = _check_indices(permuted_indices, srcs[0].shape[0], "y", stream)
-    # With the layout, the indices of its permute name every received row once (its counts
-    # were checked across ranks): no row needs a fill, so the hot path pays no extra pass.
-    # Otherwise rows no index names (num_rows > M_recv) read as 0, never stale.
+    # with the layout its permute names every received row once: no fill
     covered = isinstance(num_rows, Layout)
     if covered:
         num_rows = num_rows.num_received
@@ -394,11 +375,11 @@ def permute_backward(grad, permuted_indices, num_rows, *, stream=None):
     (padding rows' gradient ignored). The same scatter as :func:`unpermute`.
 
     Args:
-        grad: (P, D...) C-contiguous device array (bf16 in the EP path) or a QuantizedArray (any format). Read.
+        grad: (P, D...) C-contiguous device array or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
         num_rows: M_recv, an int >= 0.
     Returns:
-        (num_rows, D...) array of ``grad``'s dtype (or a QuantizedArray (any format)).
+        (num_rows, D...) array of ``grad``'s dtype, or a QuantizedArray.
     """
     return unpermute(grad, permuted_indices, num_rows, stream=stream)
 
@@ -408,8 +389,8 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
     zero rows where permuted_indices is -1: out[p] = grad[permuted_indices[p]].
 
     Args:
-        grad: (M_recv, H...) C-contiguous device array or a QuantizedArray (any format) (scales travel with their
-            rows; padding rows get data 0 and the format's padding scale: they dequantize to 0). Read.
+        grad: (M_recv, H...) C-contiguous device array or a QuantizedArray (any format; padding
+            rows get data 0 and the format's padding scale). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
         stream: the stream to launch on (None: CuPy's current stream); not synchronized.
             Unused on a CPU, where the work is done when the call returns.

@@ -17,11 +17,8 @@ the expert-parallel object")::
                 a2a_combine(unpermuted, layout, precision=combine, grad_precision=combine_grad)
 
 ``"auto"`` is no recipe of its own: per layout, :func:`choose_recipe` returns the recipe a small
-cost model predicts fastest (:class:`CostTable`: fwd + bwd times of the whole EP layer measured
-on 2 x H100, interpolated in the rows per rank), among those the devices run. Every input it
-reads is agreed across ranks (the layout's counts table, the dims, the agreed device class), so
-every rank chooses alike with no communication. No torch import here: the module is
-framework-agnostic.
+cost model (:class:`CostTable`) predicts fastest among those the devices run, from inputs agreed
+across ranks. No torch import here.
 """
 
 import bisect
@@ -155,10 +152,8 @@ H100_TABLE = CostTable(
 
 
 def rows_per_rank(layout):
-    """The most rows any rank sends in ``layout`` (its ``sent`` table, W x W host ints, agreed
-    on every rank): the rows per rank of the table's measurements (uniform routing, where every
-    rank also receives as many). Rows received are not read: at W = 8 reading them too took the
-    choice past its 5 us budget (bench/NOTES.md)."""
+    """The most rows any rank sends in ``layout`` (its agreed ``sent`` table): the rows per rank
+    of the table's measurements (uniform routing, where every rank also receives as many)."""
     return max(map(sum, layout.sent))
 
 
@@ -167,7 +162,7 @@ class Chooser:
 
     The predictions are linear between the table's points, so the fastest recipe changes only
     at a point or where two lines cross; the chooser finds those bounds once, and a choice is
-    then a bisection (well under a microsecond; bench/NOTES.md).
+    then a bisection.
 
     Args:
         dim, hidden, device, table, margin: as :func:`choose_recipe`.
@@ -230,11 +225,9 @@ def choose_recipe(layout, dim, hidden, *, device="cpu", table=H100_TABLE, margin
 
     Among the recipes the devices run (:func:`runnable`), every one meeting the SQNR thresholds
     (all do), the prediction of ``table`` decides; a recipe other than ``"bf16"`` replaces it
-    only when predicted at least ``margin`` (a fraction) faster, and ties keep the earlier
-    recipe (bf16, mxfp8, fp8_rowwise). On ``"cpu"`` (the host backend, which the table does not
-    describe) the answer is ``"bf16"``. Deterministic in its arguments: with the agreed layout,
-    dims and device class, every rank chooses alike, with no communication. No host sync.
-    Callers that choose often keep a :class:`Chooser` (what this builds) per shape.
+    only when predicted at least ``margin`` (a fraction) faster; ties keep the earlier recipe.
+    On ``"cpu"`` the answer is ``"bf16"``. Deterministic in its arguments (every rank chooses
+    alike); no host sync, no communication.
 
     Args:
         layout: a layout (``mxcomm.exchange_layout``); its ``sent`` table is read.

@@ -7,28 +7,14 @@ its peers: the same on every rank, so every rank takes the same path) and :func:
 Both front ends call these: the array API (``mxcomm.a2a``) after its checks, the torch adapter
 (``mxcomm.torch``) straight from a tensor.
 
-=============  ==========================================================================  =======
-path           what travels                                                                when
-=============  ==========================================================================  =======
-``alltoallv``  one ``comm.alltoallv_plan`` of the rows as they are; a quantized format      plain
-               quantizes (or round-trips) them on arrival, the same bits (every format is  format,
-               row-local)                                                                  small
-``medium``     every row quantized on the caller's stream, one ``alltoallv_plan`` of data   medium,
-               and scales                                                                  kept
-``staged``     ``comm.exchange`` with :class:`QuantizedRows`: each peer's rows quantized    larger,
-               where they travel from                                                      kept
-None           the engine's staged exchange whose result is dequantized (consumed in       larger,
-               place, ``mxcomm.a2a``)                                                      decoded
-=============  ==========================================================================  =======
-
-Small: no rank sends more than ``comm.small_exchange_bytes`` of plain rows to its peers; medium:
-not small and at most ``comm.medium_exchange_bytes``; kept: the result stays quantized
-(``a2a_dispatch``, ``a2a_combine_backward``). docs/design.md, "One route", has the measurements.
-
-Buffers: the caller allocates what :func:`arrays` lists for a path (the result and the path's
-temporaries, from its own allocator: torch's in ``mxcomm.torch``) and hands ``x`` and them as
-the communicator and the launches take them (``Words`` on a GPU, NumPy arrays on the host): no
-call goes back up into the caller.
+Paths (docs/design.md, "One route", has the table): ``"alltoallv"`` (the rows as they are in one
+``comm.alltoallv_plan``; a quantized format quantizes them on arrival: plain formats, small
+exchanges), ``"medium"`` (quantized on the caller's stream, one ``alltoallv_plan``; medium, kept),
+``"staged"`` (``comm.exchange`` with :class:`QuantizedRows`; larger, kept), None (the staged
+exchange consumed in place; larger, decoded). Small: no rank sends more than
+``comm.small_exchange_bytes`` of plain rows to its peers; medium: at most
+``comm.medium_exchange_bytes``; kept: the result stays quantized. The caller allocates what
+:func:`arrays` lists for a path; no call goes back up into the caller.
 """
 
 import dataclasses
@@ -50,10 +36,8 @@ _INPUT_DTYPES = (bfloat16, float32)
 #: or a quantize block, wait for a whole wave).
 PULLED_SHARE = 0.98
 #: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
-#: kernels: on an H200 about 2 MB of loads in flight, more than NVLink's bandwidth-delay product;
-#: the rest of the SMs stay with the quantize kernels (bench/NOTES.md). Measured best at 2 ranks
-#: (H200, H100: 1/4 against 1/8 and 1/2); at 4 ranks, where 3/4 of a rank's rows arrive over
-#: NVLink, 1/2 (H100: 2.97 against 3.18 ms at 131072 x 7168), taken from 3 ranks on (unmeasured).
+#: kernels: enough loads in flight to cover NVLink's bandwidth-delay product; 1/2 from 3 ranks on,
+#: where most rows arrive over NVLink (the choice is measured in bench/NOTES.md).
 BESIDE_SHARE = 0.25
 BESIDE_SHARE_MANY = 0.5
 

@@ -2,10 +2,8 @@
 Hopper's ``torch._scaled_grouped_mm``), and the permute's MXFP8 -> fp8 rowwise gather.
 
 Glossary: M rows, D hidden (D % 16 == 0), N source rows, P permuted rows. e4m3fn data are uint8
-bit arrays, scales (M,) float32, ``x ~= e4m3 * scale``; the formulas are in the functions'
-docstrings. The ``launch_*`` functions choose: the host twin in ``mxcomm._host`` (bit-identical,
-tested) where ``mxcomm._platform.host_backend()``, else the kernel. :data:`FP8_ROWWISE` and the
-MXFP8 -> rowwise conversion are registered with ``mxcomm.formats`` when this module is imported.
+bit arrays, scales (M,) float32, ``x ~= e4m3 * scale``. The ``launch_*`` functions run the host
+twin (``mxcomm._host``) on the host backend, else the kernel.
 """
 
 import numpy
@@ -39,14 +37,12 @@ _WARP = 32
 def quantize_fp8_rowwise(x, *, out=None, stream=None):
     """fp8-rowwise-quantize the rows of ``x``: e4m3fn elements, one power-of-two fp32 scale per row.
 
-    With amax = max |x| over a row (exact arithmetic), the layout SM90 ``torch._scaled_grouped_mm``
-    takes for its A operand (scales (M,) float32, 1-D, contiguous; D % 16 == 0: aten/src/ATen/
-    native/cuda/GroupedBlas.cpp ``_check_scales_fp8_rowwise``):
-      scale   = 2^e, e = clamp(ceil(log2(amax / 448)), -126, 127)   (MXFP8's "rceil", per row;
-                amax = 0 gives 2^-126: scale and 1 / scale are normal fp32)
+    The A operand of SM90 ``torch._scaled_grouped_mm`` (aten/src/ATen/native/cuda/GroupedBlas.cpp
+    ``_check_scales_fp8_rowwise``). With amax = max |x| over a row (``kernels.fp8_rowwise``;
+    bit-identical to float64):
+      scale   = 2^clamp(ceil(log2(amax / 448)), -126, 127)   (amax = 0: 2^-126)
       element = round-to-nearest-even(x / scale) as e4m3fn, saturated to +-448.
-    A row holding NaN or +-Inf gets scale NaN and elements 0x7F: it dequantizes (and multiplies in
-    the GEMM) to NaN. Bit-identical to a float64 evaluation of these formulas.
+    A row holding NaN or +-Inf gets scale NaN and elements 0x7F.
 
     Args:
         x: (M, D) bf16 or fp32 device array, C-contiguous, D % 16 == 0, its address a multiple
@@ -107,9 +103,8 @@ def _rowwise_quantize_launch(d, dtype, share):
 def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=None):
     """Decode fp8 rowwise rows: x = e4m3 * scale.
 
-    The product is rounded once to fp32 (exact for power-of-two scales); bf16 output is its
-    round-to-nearest-even. A NaN scale or NaN element gives NaN (canonical quiet NaN: bf16 0x7FC0,
-    fp32 0x7FC00000). Any fp32 scales are accepted (e.g. from another quantizer).
+    The product in fp32, then round-to-nearest-even to bf16; NaN canonical. Any fp32 scales
+    are accepted.
 
     Args:
         data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0. Read.
@@ -158,23 +153,13 @@ def _rowwise_dequantize_launch(d, dtype, share):
                        Words(0, (words * dtype.itemsize,), _U64), words)
 
 
-
 def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
     """Gather MXFP8 rows by ``permuted_indices`` and write them as fp8 rowwise rows, in one pass.
 
-    Row p is source row i = permuted_indices[p] with its blocks rescaled to one scale per row:
-    scale = 2^(r - 127) with r = max(max of the row's e8m0 block scales, 1), and each element of
-    block b (scale s_b) becomes RNE_e4m3(e4m3 * 2^(s_b - r)) (exact product, one rounding; blocks
-    at the row's scale are copied bit for bit). For MXFP8 quantized with "rceil" the row scale is
-    exactly what :func:`quantize_fp8_rowwise` gives for the original row. Padding rows (i < 0, or
-    i >= N) get zeros and scale 1.0 (finite, so the GEMM's epilogue gives 0 for them, also for
-    consumers that invert scales); a row with a NaN block (scale 0xFF) gets scale NaN and elements
-    0x7F; NaN elements stay NaN.
-
-        permuted row   0    1    2    3      (P = 4)
-        indices        5    0   -1   -1
-        data           q(mx[5]) q(mx[0]) 0  0
-        scales         s5   s0   1.0  1.0
+    Row p is source row permuted_indices[p] with its blocks rescaled to the row's largest block
+    scale (at least 2^-126), one rounding per element (the rule: ``kernels.mx_rowwise``).
+    Padding rows (index < 0 or >= N) get zeros and scale 1.0; a row with a NaN block gets scale
+    NaN and elements 0x7F.
 
     Args:
         mx: MXFP8Array (N, D), the received rows; its data's address a multiple of 16 bytes (the
@@ -226,7 +211,6 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
         indices, words(mx.data, _U64, "mx.data", rows=True, align=PAIR_BYTES), mx.scales, out_words,
         words(scales, _U32, "scales"))
     return data, scales
-
 
 
 def _rowwise_quantize(x, out, stream, share, scale_mode):

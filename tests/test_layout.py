@@ -550,7 +550,7 @@ def test_permute_align_errors(comm):
     with pytest.raises(TypeError, match=f"permute_align on rank {me}: needs a layout"):
         a2a_dispatch(x, layout.input_splits, layout.output_splits, comm, permute_align=8,
                      validate=False)
-    with pytest.raises(ValueError, match=f"permute_align on rank {me}: expected a positive"):
+    with pytest.raises(ValueError, match=f"permute_align on rank {me}: expected an int >= 1"):
         a2a_dispatch(x, layout, permute_align=0)
     with pytest.raises(ValueError, match=f"y on rank {me}: has 3 rows, but the layout permutes "
                                          f"to {layout.permuted_rows(8)} rows"):

@@ -48,6 +48,7 @@ import numpy
 import torch
 
 from .. import a2a as _a2a
+from .. import route as _route
 from .. import layout as _layout
 from .._torch_arrays import _TORCH_DTYPES
 from ._quantized import (_DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _dequantized,
@@ -186,7 +187,7 @@ def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
                  precision: str, permute_align: int, out_rows: int, num_local_experts: int,
                  keep_quantized: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One exchange of ``mxcomm.a2a._CALLS`` (``function``): ``(rows, scales,
+    """One exchange of ``mxcomm.route.CALLS`` (``function``): ``(rows, scales,
     permuted_indices, group_offsets)``; a quantized result as its data (float8_e4m3fn) and
     scales with ``keep_quantized``, else dequantized to bf16 (scales (0,)); the index and the
     offsets (0,) int32 unless the result is permuted (``permute_align`` > 0 in the dispatch
@@ -210,7 +211,7 @@ def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
 @_exchange_op.register_fake
 def _(rows, layout, function, input_splits, output_splits, group, precision, permute_align,
       out_rows, num_local_experts, keep_quantized):
-    _, direction, dequantize = _a2a._CALLS[function]
+    _, direction, dequantize = _route.CALLS[function]
     fmt = _a2a._check_precision(precision)
     expert_side = direction == "dispatch"
     if out_rows >= 0:
@@ -298,6 +299,6 @@ def exchange(function, rows, input_splits, output_splits, comm, precision, layou
         out_rows, 0 if layout is None else layout.num_local_experts, keep)
     if keep:
         out = QuantizedTensor(out, scales, fmt.name)
-    if permute_align and _a2a._CALLS[function][1] == "dispatch":
+    if permute_align and _route.CALLS[function][1] == "dispatch":
         return out, indices, offsets
     return out

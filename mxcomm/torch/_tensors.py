@@ -84,7 +84,7 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
         if out is not None:
             return out
     alloc = _Alloc(rows.device)
-    result = _a2a._call(function, _rows(rows, _a2a._CALLS[function][0]), input_splits,
+    result = _a2a._call(function, _rows(rows, _route.CALLS[function][0]), input_splits,
                         output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc,
                         permute_align=permute_align)
     if type(result) is tuple:
