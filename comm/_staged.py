@@ -267,6 +267,12 @@ class StagedExchange:
     :meth:`exchange` over the transport :func:`choose_transport` picked."""
 
     @property
+    def nodes(self):
+        """The node of each rank (a tuple of W ints, numbered by their first rank), as ``init``
+        agreed on it: peer memory is used only among the ranks of one node."""
+        return self._side.nodes.of_rank
+
+    @property
     def transport(self):
         """``"pull"``, ``"hier"`` or ``"grouped"``: how :meth:`exchange` moves rows."""
         return self._transport.name

@@ -154,3 +154,30 @@ def test_nccl_hostid_must_split_the_ranks_alike(monkeypatch):
     with mxc.init("mpi", timeout=30.0) as c:
         assert c._side.nodes.of_rank == tuple(range(w))
         assert c.transport == "hier"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("node_size", [1, 2])
+def test_gpu_hier_equals_flat_in_every_format_and_direction(node_size, monkeypatch):
+    """On GPUs, emulated nodes of ``node_size`` (NCCL told by ``NCCL_HOSTID``, so it takes its
+    network transport between them): the hier exchange (CUDA IPC pulls inside a node, one NCCL
+    group between nodes) equals the flat pull bit for bit in every format and direction, over
+    layouts large enough to be staged in pieces. Run at 2 and 4 GPUs."""
+    import os
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)  # restored after: the next test's NCCL
+    monkeypatch.delenv("MXCOMM_NODE_SIZE", raising=False)
+    limits = dict(timeout=60.0, small_exchange_bytes=0, medium_exchange_bytes=0)
+    with mxc.init("nccl", **limits) as flat, \
+            mxc.init("nccl", node_size=node_size, **limits) as hier:
+        w, me = hier.size, hier.rank
+        if node_size >= w:
+            pytest.skip("one node")
+        assert flat.transport == "pull" and hier.transport == "hier"
+        assert os.environ["NCCL_HOSTID"] == f"node{me // node_size}"
+        rng = numpy.random.default_rng(SEED + 7)
+        for step in range(4):
+            counts = random_counts(rng, w, step) * 37
+            for precision in PRECISIONS:
+                for got, want in zip(_every_direction(hier, counts, precision, step),
+                                     _every_direction(flat, counts, precision, step)):
+                    _same(got, want)
