@@ -156,6 +156,38 @@ def test_nccl_hostid_must_split_the_ranks_alike(monkeypatch):
         assert c.transport == "hier"
 
 
+@pytest.mark.parametrize("node_size", [1, 2])
+def test_rank_skipping_a_hier_call_times_out(node_size):
+    """The last rank skips one MXFP8 dispatch: every other rank, on its node (a pull waiting for
+    its rows) or on another (the alltoallv), raises TimeoutError within the timeout and its
+    communicator is aborted; nothing waits forever."""
+    import time
+
+    from mpi4py import MPI
+    w0 = MPI.COMM_WORLD
+    w, me = w0.Get_size(), w0.Get_rank()
+    if node_size >= w:
+        pytest.skip("one node")
+    timeout = 2.0
+    c = mxc.init("mpi", timeout=timeout, node_size=node_size)
+    assert c.transport == "hier"
+    late = w - 1
+    counts = numpy.full((w, w * 2), 2)
+    layout = exchange_layout(counts[me].astype(numpy.int32), c)
+    x = rows_for(counts[me], SEED + me, WIDTH)
+    a2a_dispatch(x, layout, precision="mxfp8")  # everybody once: the staging is in place
+    if me != late:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"did not (finish|send)"):
+            a2a_dispatch(x, layout, precision="mxfp8")
+        assert timeout <= time.monotonic() - start < timeout + 5.0
+        assert c.aborted
+    w0.Barrier()
+    if me == late:
+        c.abort()  # its peers are gone
+    c.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("node_size", [1, 2])
 def test_gpu_hier_equals_flat_in_every_format_and_direction(node_size, monkeypatch):
