@@ -46,13 +46,17 @@ class HierTransport:
 
     def __init__(self, comm, nodes):
         self._comm = comm
-        self._nodes = nodes
         self.ranks = nodes.ranks(nodes.of_rank[comm.rank])
         node_comm = _NodeComm(comm, self.ranks)
         self._node_side = node_comm._side
         self.memory = type(comm)._new_peer_memory(node_comm)
         self._pull = node_comm._transport = PullTransport(node_comm, self.memory)
         self._splits = weakref.WeakKeyDictionary()  # plan -> _Split
+        # per rank, its node's ranks [first, end): nodes are runs of consecutive ranks
+        spans = {n: (comm.size, 0) for n in nodes.of_rank}
+        for r, n in enumerate(nodes.of_rank):
+            spans[n] = (min(spans[n][0], r), max(spans[n][1], r + 1))
+        self._spans = [spans[n] for n in nodes.of_rank]
 
     @property
     def kinds(self):
@@ -85,7 +89,7 @@ class HierTransport:
     def _split(self, plan):
         split = self._splits.get(plan)
         if split is None:
-            split = self._splits[plan] = _Split(plan, self._nodes, self.ranks)
+            split = self._splits[plan] = _Split(plan, self._spans)
         return split
 
     def close(self):
@@ -103,7 +107,8 @@ def _land(received, outs, landing, lo, hi, stream):
 
 
 class _Split:
-    """One plan cut into this node's part and the rest (:class:`HierTransport`).
+    """One plan cut into this node's part and the rest (:class:`HierTransport`); ``spans``:
+    per rank, its node's ranks ``[first, end)``.
 
     Attributes:
         node: the node plan (:class:`~mxcomm.comm.Plan` of the node's ranks), whose staging is
@@ -119,12 +124,11 @@ class _Split:
 
     __slots__ = ("node", "s0", "r0", "remote_sends", "remote_receives", "moves", "_landings")
 
-    def __init__(self, plan, nodes, ranks):
-        a, b = ranks[0], ranks[-1] + 1
+    def __init__(self, plan, spans):
+        a, b = spans[plan.rank]
         sent = plan.sent
         self.node = Plan(plan.rank - a, [row[a:b] for row in sent[a:b]])
-        self.node._staging_rows = max(
-            sum(row[i] for i in nodes.ranks(nodes.of_rank[j])) for j, row in enumerate(sent))
+        self.node._staging_rows = max(sum(row[lo:hi]) for row, (lo, hi) in zip(sent, spans))
         self.s0, s1 = plan.send_offsets[a], plan.send_offsets[b - 1] + plan.send_counts[b - 1]
         self.r0, r1 = plan.recv_offsets[a], plan.recv_offsets[b - 1] + plan.recv_counts[b - 1]
         self.remote_sends = [(lo, hi) for lo, hi in ((0, self.s0), (s1, plan.rows_sent))
