@@ -23,6 +23,7 @@ staging of any rank.
 """
 
 import collections
+import re
 import weakref
 
 from ._pull import PullTransport
@@ -49,8 +50,9 @@ class HierTransport:
         self.ranks = nodes.ranks(nodes.of_rank[comm.rank])
         node_comm = _NodeComm(comm, self.ranks)
         self._node_side = node_comm._side
-        self.memory = type(comm)._new_peer_memory(node_comm)
-        self._pull = node_comm._transport = PullTransport(node_comm, self.memory)
+        memory = type(comm)._new_peer_memory(node_comm)
+        self._pull = node_comm._transport = PullTransport(node_comm, memory)
+        self.memory = _NamedMemory(memory, node_comm.world_names)
         self._splits = weakref.WeakKeyDictionary()  # plan -> _Split
         # per rank, its node's ranks [first, end): nodes are runs of consecutive ranks
         spans = {n: (comm.size, 0) for n in nodes.of_rank}
@@ -176,16 +178,47 @@ class _Shifted:
 class _NodeComm:
     """The communicator as the peer memory of one node sees it: ``rank`` and ``size`` within
     the node, a side channel whose collectives return the node's entries; the rest (timeout,
-    ``_fail``, ``wait``, allocation) is the communicator's."""
+    ``wait``, allocation) is the communicator's. Its errors (``_fail``) name the ranks as the
+    communicator numbers them."""
 
     def __init__(self, comm, ranks):
         self._comm = comm
+        self._ranks = ranks
         self.rank, self.size = ranks.index(comm.rank), len(ranks)
         self._side = _NodeSide(comm._side, ranks)
         self._transport = None  # the node's PullTransport, set by HierTransport
 
     def __getattr__(self, name):
         return getattr(self._comm, name)
+
+    def world_names(self, error):
+        """``error`` (a peer memory's, naming ranks within the node: "rank 1", "ranks 0, 1")
+        with each rank named as the communicator numbers it; returned."""
+        def named(match):
+            return match.group(1) + ", ".join(str(self._ranks[int(r)])
+                                              for r in match.group(2).split(", "))
+        error.args = (re.sub(r"\b(ranks? )(\d+(?:, \d+)*)", named, str(error)),)
+        return error
+
+    def _fail(self, error, raised=False):
+        return self._comm._fail(self.world_names(error), raised=raised)
+
+
+class _NamedMemory:
+    """A node's peer memory whose device-wait failures (``failure``, read by the watchdog) name
+    the ranks as the communicator numbers them; everything else is the memory's."""
+
+    def __init__(self, memory, world_names):
+        self._memory = memory
+        failure = getattr(memory, "failure", None)  # the host's waits raise instead
+        if failure is not None:
+            def named_failure(kinds):
+                error = failure(kinds)
+                return None if error is None else world_names(error)
+            self.failure = named_failure
+
+    def __getattr__(self, name):
+        return getattr(self._memory, name)
 
 
 class _NodeSide:
