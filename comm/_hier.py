@@ -26,6 +26,8 @@ import collections
 import re
 import weakref
 
+from mxcomm._driver import copy_bytes, row_range
+
 from ._pull import PullTransport
 from ._staged import Plan, landed
 
@@ -101,8 +103,8 @@ class HierTransport:
 
 
 def _land(received, outs, landing, lo, hi, stream):
-    """Copy received rows ``[lo, hi)`` of ``received`` to where ``landing`` puts them in ``outs``."""
-    from mxcomm._driver import copy_bytes, row_range
+    """Copy received rows ``[lo, hi)`` of ``received`` to where ``landing`` puts them in
+    ``outs``."""
     for r, at, n in landed(landing, lo, hi):
         for src, dst in zip(received, outs):
             copy_bytes(row_range(dst, at, at + n), row_range(src, r, r + n), stream)
