@@ -81,7 +81,7 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             across nodes the exchange takes the ``hier`` transport (docs/design.md, "EP across
             nodes"). With NCCL, an emulation sets ``NCCL_HOSTID=node<k>`` in this process
             before NCCL is built, so NCCL takes its network transport between the emulated
-            nodes.
+            nodes; it stays set, so a later ``init`` in the process sees the same split.
     Returns:
         A communicator: ``rank``, ``size``, ``timeout``, ``transport``, ``group``,
         ``alltoallv``, ``exchange``, ``check``, ``alltoall_counts``, ``wait``, ``barrier``,
