@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with)
@@ -389,6 +389,32 @@ for phase in "$@"; do
     torchrun2) step "pipeline under torchrun, 2 ranks" 400 torchrun --nproc-per-node 2 -m mxcomm.bench pipeline \
         --tokens 16384 --dim 7168 --hidden 2048 --experts 8 --no-stages \
         --json "$res/pipeline_torchrun_w2.json" --markdown "$res/pipeline_torchrun_w2.md" ;;
+    nodes4)  # 4 GPUs as 2 emulated nodes x 2: MXCOMM_NODE_SIZE=2 for mxcomm, NCCL_HOSTID=node<k>
+        # per pair for torch's NCCL and mxcomm's alike (NCCL's host hash), so both take NVLink
+        # inside a pair and NCCL's socket transport between pairs (IB off). The drop-in against
+        # torch's bf16 all_to_all_single with socket defaults, then with the socket threads
+        # raised (SOCKET_NTHREADS x NSOCKS_PERTHREAD); the pipeline by recipe with them raised.
+        if [ "$ngpu" -lt 4 ]; then echo "=== $phase: needs 4 GPUs, $ngpu here" | tee -a "$log"; continue; fi
+        emulated=(env MXCOMM_NODE_SIZE=2 NCCL_NET=Socket NCCL_IB_DISABLE=1 NCCL_DEBUG=${NODES_NCCL_DEBUG:-WARN}
+            "${mpirun_env[@]}" -x MXCOMM_NODE_SIZE -x NCCL_NET -x NCCL_IB_DISABLE -x NCCL_DEBUG)
+        per_node='NCCL_HOSTID=node$((OMPI_COMM_WORLD_RANK / 2)) exec "$@"'
+        step "gpu tests of the emulated nodes, 4 ranks" 300 "${mpirun_env[@]}" --output-filename "$OUT/ranks-nodes4" \
+            -n 4 python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=200 \
+            -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" tests/test_nodes.py
+        step "bench a2a, 2 emulated nodes x 2, NCCL socket defaults" 400 "${emulated[@]}" -n 4 \
+            bash -c "$per_node" _ python3 -m mxcomm.bench a2a --rows 4096 16384 --dim 7168 \
+            --json "$res/a2a_nodes2x2_default.json" --markdown "$res/a2a_nodes2x2_default.md"
+        step "bench a2a, 2 emulated nodes x 2, socket threads raised" 400 env NCCL_SOCKET_NTHREADS=${SOCKET_NTHREADS:-8} \
+            NCCL_NSOCKS_PERTHREAD=${NSOCKS_PERTHREAD:-4} "${emulated[@]}" -x NCCL_SOCKET_NTHREADS -x NCCL_NSOCKS_PERTHREAD \
+            -n 4 bash -c "$per_node" _ python3 -m mxcomm.bench a2a --rows 4096 16384 --dim 7168 \
+            --json "$res/a2a_nodes2x2_threads.json" --markdown "$res/a2a_nodes2x2_threads.md"
+        step "bench pipeline by recipe, 2 emulated nodes x 2, socket threads raised" 500 \
+            env NCCL_SOCKET_NTHREADS=${SOCKET_NTHREADS:-8} NCCL_NSOCKS_PERTHREAD=${NSOCKS_PERTHREAD:-4} \
+            "${emulated[@]}" -x NCCL_SOCKET_NTHREADS -x NCCL_NSOCKS_PERTHREAD -n 4 bash -c "$per_node" _ \
+            python3 -m mxcomm.bench pipeline --tokens 16384 131072 --dim 7168 --hidden 2048 --experts 8 \
+            --no-stages --interleave --iters ${PIPE_ITERS:-12} --warmup 3 \
+            --variants ${NODES_VARIANTS:-mxfp8,fp8_rowwise_mxgrad,fp8_rowwise_mxgrad_fused} \
+            --json "$res/pipeline_nodes2x2.json" --markdown "$res/pipeline_nodes2x2.md" ;;
     *) echo "unknown phase $phase" | tee -a "$log" ;;
     esac
 done

@@ -39,8 +39,10 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         timeout: seconds a collective (or a device wait) may take before the communicator is
             aborted.
         validate: default of the per-call ``validate`` flag of explicit-splits calls.
-        transport: how :meth:`exchange` moves rows: ``"pull"`` (from peer memory) or
+        transport: how :meth:`exchange` moves rows: ``"pull"`` (from peer memory),
+            ``"hier"`` (from peer memory inside a node, one :meth:`alltoallv` between nodes) or
             ``"grouped"`` (one :meth:`alltoallv`).
+        nodes: the node of each rank (W ints), agreed by ``init``.
         host_collectives: host collectives made so far (bootstrap, layouts, votes, growth of the
             staging); a layout-path exchange adds none.
         group: the torch.distributed process group the communicator was built over, or None

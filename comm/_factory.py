@@ -4,6 +4,8 @@ an mpi4py communicator or of a torch.distributed group."""
 import os
 import sys
 
+from ._nodes import discover
+
 _BACKENDS = ("auto", "nccl", "mpi", "torch")
 #: Set by torchrun (torch.distributed.elastic) in every process it launches.
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
@@ -14,7 +16,7 @@ _NCCL_INIT_ENV = "MXCOMM_NCCL_INIT"
 
 def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=True,
          peer_memory=None, device=None, nccl_init=None, small_exchange_bytes=None,
-         medium_exchange_bytes=None):
+         medium_exchange_bytes=None, node_size=None):
     """A communicator over the ranks of ``mpi_comm`` or of the torch.distributed ``group``.
 
     Collective: every rank of ``mpi_comm`` (or ``group``) must call it, with the same ``backend``.
@@ -72,14 +74,23 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             never does. Every rank must give the same value. None: the backend's default
             where every rank is on one node (128 MiB for NCCL, bench/NOTES.md; 0 on the host
             backends), and 0 across nodes.
+        node_size: None, or a positive int: emulate nodes of ``node_size`` consecutive ranks
+            (the last may be smaller) inside the real ones, every rank giving the same. None:
+            ``$MXCOMM_NODE_SIZE`` where set, else the nodes NCCL sees (``$NCCL_HOSTID`` where
+            every rank sets it), else the real hosts. Peer memory is used only inside a node;
+            across nodes the exchange takes the ``hier`` transport (docs/design.md, "EP across
+            nodes"). With NCCL, an emulation sets ``NCCL_HOSTID=node<k>`` in this process
+            before NCCL is built, so NCCL takes its network transport between the emulated
+            nodes; it stays set, so a later ``init`` in the process sees the same split.
     Returns:
         A communicator: ``rank``, ``size``, ``timeout``, ``transport``, ``group``,
         ``alltoallv``, ``exchange``, ``check``, ``alltoall_counts``, ``wait``, ``barrier``,
         ``abort``, ``close``; usable as a context manager.
     Raises:
         ValueError: an unknown ``backend``, a non-positive ``timeout``, a bad ``peer_memory``,
-            ``nccl_init``, ``small_exchange_bytes`` or ``medium_exchange_bytes`` (or ranks
-            giving different ones),
+            ``nccl_init``, ``small_exchange_bytes``, ``medium_exchange_bytes`` or
+            ``node_size`` (or ranks giving different ones; an emulated node spanning two hosts;
+            ``NCCL_HOSTID`` on some ranks only, or splitting the ranks unlike ``node_size``),
             ``mpi_comm`` and ``group`` both given, a backend that does not fit the ranks'
             source (``"mpi"`` with a group, ``"torch"`` with ``mpi_comm``), a DeviceMesh of more
             than one dimension, or this process not in ``group``.
@@ -105,6 +116,10 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
                          f"else 'eager'), got {nccl_init!r}")
     _check_exchange_bytes(small_exchange_bytes, "small_exchange_bytes")
     _check_exchange_bytes(medium_exchange_bytes, "medium_exchange_bytes")
+    if node_size is not None and (type(node_size) is bool or not isinstance(node_size, int) or
+                                  node_size < 1):
+        raise ValueError(f"node_size: expected None or a positive int (ranks per emulated "
+                         f"node), got {node_size!r}")
     if mpi_comm is not None and group is not None:
         raise ValueError("init: give mpi_comm or group, not both")
     if group is None and mpi_comm is None and (backend == "torch" or
@@ -124,11 +139,13 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
         from ._sidechannel import MpiSideChannel
         side = MpiSideChannel(mpi_comm, timeout)
     side.open_board()
+    side.nodes = discover(side, node_size)
     if backend == "auto":
         # Every rank must pick the same backend: NCCL only if it works everywhere.
         votes = side.allgather_bytes(bytes([_nccl_available()]), "backend choice (vote)")
         backend = "nccl" if all(votes) else side.kind
     if backend == "nccl":
+        side.nodes.export_hostid(side.rank)  # before NCCL is built
         from ._nccl import NcclCommunicator
         if device is None and side.kind == "torch":
             device = _torch_device()

@@ -56,7 +56,11 @@ class PullTransport:
             self.kinds.setdefault(base, text)
         return base
 
-    def run(self, rows, plan, outs, in_place, stream, landing=None):
+    def run(self, rows, plan, outs, in_place, stream, landing=None, beside=None):
+        """The exchange of ``plan`` (``StagedExchange.exchange``'s arguments, ``outs`` a tuple
+        or None); ``beside``: None, or ``beside(stream)``, work enqueued on ``stream`` after the
+        own rows and before the join, so it runs while the copy engines pull (the ``hier``
+        transport's exchange between nodes)."""
         memory = self.memory
         arrays = rows.arrays
         row_bytes = row_bytes_of(arrays)
@@ -97,6 +101,8 @@ class PullTransport:
                 for first, last, out_row in lands:
                     produce(first, last, tuple(row_range(o, out_row, out_row + last - first)
                                                for o in outs), stream)
+        if beside is not None:
+            beside(stream)
         memory.end(stream)
         return outs
 

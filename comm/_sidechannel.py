@@ -60,9 +60,12 @@ class SideChannel(abc.ABC):
         group: the ``torch.distributed`` process group the channel was built over, or None.
         board: the communicator's arrival board (``_board.ArrivalBoard``) once
             :meth:`open_board` made it, else None.
+        nodes: the ranks' nodes (``_nodes.Nodes``) once ``mxcomm.comm.init`` agreed on them,
+            else None.
     """
 
     kind = None
+    nodes = None
     shared_windows = False
     group = None
     board = None

@@ -157,9 +157,9 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
         x = x.dequantize(bfloat16, stream=caller)
     agreed = plan is not None  # every rank's counts: ranks choose the small path alike
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
-        if fmt.quantized and comm.transport == "pull":
-            raise ValueError(f"validate=False on rank {rank}: the pull transport needs every "
-                             f"rank's counts; pass a layout (no vote) or validate")
+        if fmt.quantized and comm.transport != "grouped":
+            raise ValueError(f"validate=False on rank {rank}: the {comm.transport} transport "
+                             f"needs every rank's counts; pass a layout (no vote) or validate")
         plan = _local_plan(comm, send_counts, recv_counts)
     align = permute_align if direction == "dispatch" else None
     path, r = choose(function, fmt, scale_mode, comm, plan, x, agreed=agreed, align=align)

@@ -8,8 +8,9 @@ import subprocess
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STAGES = ["serial suite", "MPI suite, 2 ranks", "MPI suite, 3 ranks", "fault injection, 2 ranks",
-          "fault injection, 3 ranks", "soak, 2 ranks", "soak, 3 ranks", "main job on the CPU"]
+STAGES = ["serial suite", "MPI suite, 2 ranks", "MPI suite, 3 ranks", "emulated nodes, 4 ranks",
+          "fault injection, 2 ranks", "fault injection, 3 ranks", "soak, 2 ranks", "soak, 3 ranks",
+          "main job on the CPU"]
 
 
 def run_script(tmp_path, exit_codes):

@@ -1,0 +1,257 @@
+"""The ``hier`` transport of the staged exchange: the pull inside each node, one ``alltoallv``
+between nodes, in one exchange.
+
+A rank's peers on its own node pull their rows from its staging (``_pull``, over the node's peer
+memory); its peers on other nodes get theirs through one ``alltoallv`` of the communicator's
+backend (NCCL; MPI or gloo on the host) in which the node's own peers send and receive nothing.
+Nodes are runs of consecutive ranks (``_nodes.Nodes.consecutive``), so a rank's rows for its node
+are one run ``[s0, s1)`` of its send order and the rows from its node one run ``[r0, r1)`` of its
+receive order::
+
+    send order:     [ rows for earlier nodes | rows for this node | rows for later nodes ]
+                      remote: alltoallv        pull (node plan)     remote: alltoallv
+    caller stream:  produce(remote) begin produce(node peers) signal ... own rows  group  join
+    side stream:                          wait(peer) pull(peer) ...                 done
+
+The node's part is the pull transport run on a *node plan* (the plan's counts among the node's
+ranks, numbered from 0 in the node) over a rows object shifted by ``s0`` / ``r0``; its received
+rows land at ``r0`` of the result (a landing). The remote part is enqueued on the caller's stream
+after the own rows (``PullTransport.run``'s ``beside``), so the NCCL group runs while the copy
+engines pull the node's rows. The peer memory of a node is set up over the whole side channel
+(each rank keeps its node's entries), so every rank reserves the same staging: the largest node
+staging of any rank.
+"""
+
+import collections
+import re
+import weakref
+
+from mxcomm._driver import copy_bytes, row_range
+
+from ._pull import PullTransport
+from ._staged import Plan, landed
+
+_Moves = collections.namedtuple("_Moves", "send_counts send_offsets recv_counts recv_offsets")
+
+
+class HierTransport:
+    """Pull inside this rank's node, one ``alltoallv`` to the other nodes (module docstring).
+
+    Args:
+        comm: the communicator.
+        nodes: the agreed ``_nodes.Nodes`` (consecutive).
+
+    The node's peer memory is the backend's (``_new_peer_memory``: ``_ipc.CudaPeerMemory`` or
+    ``_shm.HostPeerMemory``) made over the node's view of the communicator (collective).
+    """
+
+    name = "hier"
+
+    def __init__(self, comm, nodes):
+        self._comm = comm
+        self.ranks = nodes.ranks(nodes.of_rank[comm.rank])
+        node_comm = _NodeComm(comm, self.ranks)
+        self._node_side = node_comm._side
+        memory = type(comm)._new_peer_memory(node_comm)
+        self._pull = node_comm._transport = PullTransport(node_comm, memory)
+        self.memory = _NamedMemory(memory, node_comm.world_names)
+        self._splits = weakref.WeakKeyDictionary()  # plan -> _Split
+        # per rank, its node's ranks [first, end): nodes are runs of consecutive ranks
+        spans = {n: (comm.size, 0) for n in nodes.of_rank}
+        for r, n in enumerate(nodes.of_rank):
+            spans[n] = (min(spans[n][0], r), max(spans[n][1], r + 1))
+        self._spans = [spans[n] for n in nodes.of_rank]
+
+    @property
+    def kinds(self):
+        """16-bit kind hash -> kind text, for mismatch messages (the node's pull transport's)."""
+        return self._pull.kinds
+
+    def run(self, rows, plan, outs, in_place, stream, landing=None):
+        comm, split = self._comm, self._split(plan)
+        if outs is None and not in_place:
+            outs = comm._new_arrays(rows.arrays, plan.rows_received)
+        staging = comm._new_arrays(rows.arrays, plan.rows_sent)  # the node's run stays unused
+        for lo, hi in split.remote_sends:
+            rows.produce(lo, hi, tuple(s[lo:hi] for s in staging), stream)
+
+        def remote(stream):
+            into = outs if landing is None and not in_place else \
+                comm._new_arrays(rows.arrays, plan.rows_received)
+            comm.alltoallv_plan(staging, into, split.moves, stream)
+            for lo, hi in split.remote_receives:
+                if in_place:
+                    rows.consume(lo, hi, tuple(o[lo:hi] for o in into), stream)
+                elif into is not outs:
+                    _land(into, outs, landing, lo, hi, stream)
+
+        node_landing = None if in_place else split.landing(landing)
+        self._pull.run(_Shifted(rows, split.s0, split.r0), split.node, outs, in_place, stream,
+                       node_landing, beside=remote)
+        return outs
+
+    def _split(self, plan):
+        split = self._splits.get(plan)
+        if split is None:
+            split = self._splits[plan] = _Split(plan, self._spans)
+        return split
+
+    def close(self):
+        self._splits.clear()
+        self._pull.close()
+        self._node_side.free()
+
+
+def _land(received, outs, landing, lo, hi, stream):
+    """Copy received rows ``[lo, hi)`` of ``received`` to where ``landing`` puts them in
+    ``outs``."""
+    for r, at, n in landed(landing, lo, hi):
+        for src, dst in zip(received, outs):
+            copy_bytes(row_range(dst, at, at + n), row_range(src, r, r + n), stream)
+
+
+class _Split:
+    """One plan cut into this node's part and the rest (:class:`HierTransport`); ``spans``:
+    per rank, its node's ranks ``[first, end)``.
+
+    Attributes:
+        node: the node plan (:class:`~mxcomm.comm.Plan` of the node's ranks), whose staging is
+            sized for the largest node staging of any rank (so the staging grows on every rank
+            at once: its growth is collective over the side channel).
+        s0, r0: the first row of this rank's rows for its node in its send order, and of its
+            rows from its node in its receive order.
+        remote_sends, remote_receives: the runs ``(lo, hi)`` of the send and the receive order
+            that travel between nodes.
+        moves: the ``alltoallv`` of the remote rows (the plan's counts, the node's zeroed; rows
+            at their place in the send and the receive order).
+    """
+
+    __slots__ = ("node", "s0", "r0", "remote_sends", "remote_receives", "moves", "_landings")
+
+    def __init__(self, plan, spans):
+        a, b = spans[plan.rank]
+        sent = plan.sent
+        self.node = Plan(plan.rank - a, [row[a:b] for row in sent[a:b]])
+        self.node._staging_rows = max(sum(row[lo:hi]) for row, (lo, hi) in zip(sent, spans))
+        self.s0, s1 = plan.send_offsets[a], plan.send_offsets[b - 1] + plan.send_counts[b - 1]
+        self.r0, r1 = plan.recv_offsets[a], plan.recv_offsets[b - 1] + plan.recv_counts[b - 1]
+        self.remote_sends = [(lo, hi) for lo, hi in ((0, self.s0), (s1, plan.rows_sent))
+                             if hi > lo]
+        self.remote_receives = [(plan.recv_offsets[p], plan.recv_offsets[p] + plan.recv_counts[p])
+                                for p in range(plan.size)
+                                if not a <= p < b and plan.recv_counts[p]]
+        away = [not a <= p < b for p in range(plan.size)]
+        self.moves = _Moves([c if x else 0 for c, x in zip(plan.send_counts, away)],
+                            plan.send_offsets,
+                            [c if x else 0 for c, x in zip(plan.recv_counts, away)],
+                            plan.recv_offsets)
+        self._landings = {}
+
+    def landing(self, landing):
+        """The node part's landing: where its received rows (numbered from ``r0``) land in the
+        result, from the exchange's ``landing`` (None: each at its own row)."""
+        node = self._landings.get(landing)
+        if node is None:
+            rows = self.node.rows_received
+            node = self._landings[landing] = tuple(
+                (r - self.r0, at, n) for r, at, n in landed(landing, self.r0, self.r0 + rows))
+        return node
+
+
+class _Shifted:
+    """A rows object seen from a node plan: send rows from ``s0``, received rows from ``r0``."""
+
+    __slots__ = ("arrays", "kind", "_rows", "_s0", "_r0")
+
+    def __init__(self, rows, s0, r0):
+        self.arrays, self.kind = rows.arrays, rows.kind
+        self._rows, self._s0, self._r0 = rows, s0, r0
+
+    def produce(self, begin, end, slots, stream):
+        self._rows.produce(begin + self._s0, end + self._s0, slots, stream)
+
+    def consume(self, begin, end, rows, stream):
+        self._rows.consume(begin + self._r0, end + self._r0, rows, stream)
+
+    def keep(self, begin, end, at, slots, stream):
+        self._rows.keep(begin + self._s0, end + self._s0, at + self._r0, slots, stream)
+
+
+class _NodeComm:
+    """The communicator as the peer memory of one node sees it: ``rank`` and ``size`` within
+    the node, a side channel whose collectives return the node's entries; the rest (timeout,
+    ``wait``, allocation) is the communicator's. Its errors (``_fail``) name the ranks as the
+    communicator numbers them."""
+
+    def __init__(self, comm, ranks):
+        self._comm = comm
+        self._ranks = ranks
+        self.rank, self.size = ranks.index(comm.rank), len(ranks)
+        self._side = _NodeSide(comm._side, ranks)
+        self._transport = None  # the node's PullTransport, set by HierTransport
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def world_names(self, error):
+        """``error`` (a peer memory's, naming ranks within the node: "rank 1", "ranks 0, 1")
+        with each rank named as the communicator numbers it; returned."""
+        def named(match):
+            return match.group(1) + ", ".join(str(self._ranks[int(r)])
+                                              for r in match.group(2).split(", "))
+        error.args = (re.sub(r"\b(ranks? )(\d+(?:, \d+)*)", named, str(error)),)
+        return error
+
+    def _fail(self, error, raised=False):
+        return self._comm._fail(self.world_names(error), raised=raised)
+
+
+class _NamedMemory:
+    """A node's peer memory whose device-wait failures (``failure``, read by the watchdog) name
+    the ranks as the communicator numbers them; everything else is the memory's."""
+
+    def __init__(self, memory, world_names):
+        self._memory = memory
+        failure = getattr(memory, "failure", None)  # the host's waits raise instead
+        if failure is not None:
+            def named_failure(kinds):
+                error = failure(kinds)
+                return None if error is None else world_names(error)
+            self.failure = named_failure
+
+    def __getattr__(self, name):
+        return getattr(self._memory, name)
+
+
+class _NodeSide:
+    """A side channel's collectives, each over every rank (all ranks set up their node's peer
+    memory together), keeping the entries of ``ranks``; MPI shared windows over the node's
+    ranks (``mpi``: a split of the channel's communicator)."""
+
+    def __init__(self, side, ranks):
+        self._side = side
+        self._ranks = ranks
+        self.MPI = getattr(side, "MPI", None)
+        self.mpi = side.mpi.Split(ranks[0], side.rank) if side.kind == "mpi" else None
+
+    @property
+    def collectives(self):
+        return self._side.collectives
+
+    @collectives.setter
+    def collectives(self, value):
+        self._side.collectives = value
+
+    def allgather_bytes(self, payload, what):
+        table = self._side.allgather_bytes(payload, what)
+        n = len(payload)
+        return b"".join(table[r * n:(r + 1) * n] for r in self._ranks)
+
+    def barrier(self, what="barrier"):
+        self._side.barrier(what)
+
+    def free(self):
+        """Free the node's MPI communicator (after the windows over it)."""
+        if self.mpi is not None:
+            self.mpi.Free()
+            self.mpi = None
