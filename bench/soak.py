@@ -19,7 +19,9 @@ import numpy
 
 import mxcomm
 from mxcomm import comm as mxc
-from mxcomm._array import array_module, bfloat16, gpu_arrays
+from mxcomm._array import bfloat16
+from mxcomm._platform import gpu_arrays
+from mxcomm.kernels import array_module
 from mxcomm.a2a import (PRECISIONS, a2a_combine, a2a_combine_backward, a2a_dispatch,
                         a2a_dispatch_backward)
 from mxcomm.layout import exchange_layout

@@ -833,8 +833,10 @@ def test_pipeline_exact_where_a_rank_receives_no_rows(pipeline_world):
     meta, tables = pipeline.measure(args, rt)
     assert meta["variants"] == [v.name for v in pipeline.parse_variants(None)]
     assert not pipeline.failed(tables)
-    assert all(r["result"] == "exact" for r in tables["exactness"]), \
-        [r for r in tables["exactness"] if r["result"] != "exact"]
+    # a fused variant's permute steps run inside its exchanges, which are checked
+    assert all(r["result"] in ("exact", "in the exchange") for r in tables["exactness"]), \
+        [r for r in tables["exactness"] if r["result"] not in ("exact", "in the exchange")]
+    assert sum(r["result"] == "exact" for r in tables["exactness"]) > len(tables["exactness"]) // 2
 
 
 @pytest.mark.mpi
