@@ -35,6 +35,15 @@ _MEMCPY_DEFAULT = 4           # cudaMemcpyDefault (unified addressing picks the 
 _HOST_ALLOC_MAPPED = 0x2      # cudaHostAllocMapped
 _HANDLE_BYTES = 64            # cudaIpcMemHandle_t
 _GROWTH = 1.25                # a grown buffer holds this much more than asked, to grow rarely
+#: Every buffer exported through CUDA IPC is a whole multiple of this: small cudaMallocs can share
+#: one driver allocation, whose IPC handle a peer can open only once (cudaErrorAlreadyMapped seen
+#: on 2xH100 when a small staging buffer was mapped beside the flags; bench/NOTES.md, 2026-11-27)
+_IPC_GRANULE = 2 << 20
+
+
+def _exported_bytes(nbytes):
+    """``nbytes`` rounded up to whole :data:`_IPC_GRANULE` s (at least one)."""
+    return max(1, -(-nbytes // _IPC_GRANULE)) * _IPC_GRANULE
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
 
 
@@ -63,7 +72,7 @@ class CudaPeerMemory:
         self._rank, self._size = rank, size = comm.rank, comm.size
         self._ready_words = size * MAX_PIECES
         words = self._ready_words + size + 1
-        self._flags = cupy.cuda.memory.Memory(8 * words)
+        self._flags = cupy.cuda.memory.Memory(_exported_bytes(8 * words))
         init = numpy.full(words, numpy.uint64((generation & 0xFFFFFFFF) << 32))
         init[-1] = generation & 0xFFFFFFFF
         rt.memcpy(self._flags.ptr, init.ctypes.data, init.nbytes, 1)  # host to device
@@ -129,7 +138,7 @@ class CudaPeerMemory:
             comm.wait(stream)
             comm._side.barrier("peer memory growth")
             self._unmap()
-        capacity = int(nbytes * _GROWTH)
+        capacity = _exported_bytes(int(nbytes * _GROWTH))
         self.epoch += 1
         self._memory = self._cupy.cuda.memory.Memory(capacity)
         handle = self._rt.ipcGetMemHandle(self._memory.ptr)
