@@ -31,7 +31,10 @@ from mxcomm._driver import copy_bytes, row_range
 from ._pull import PullTransport
 from ._staged import Plan, landed
 
-_Moves = collections.namedtuple("_Moves", "send_counts send_offsets recv_counts recv_offsets")
+#: The between-nodes part of a plan, as ``alltoallv_plan`` reads it; ``generation`` None: no
+#: layout check of the host backends (the exchange's plan was agreed with its layout)
+_Moves = collections.namedtuple("_Moves", "send_counts send_offsets recv_counts recv_offsets "
+                                "generation", defaults=(None,))
 
 
 class HierTransport:
