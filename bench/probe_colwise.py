@@ -2,7 +2,7 @@
 scales pass and the encode pass, on permuted fp8 rowwise rows of 8 groups at 131072 x 7168 and
 131072 x 2048 (the fp8 wgrad's two operands in the pipeline benchmark's shapes). Median ms of 20
 after 5 warm-up (CUDA events, back to back) and GB/s of the bytes each pass must touch. Two kinds
-of rows: ``bytes``, uniform random e4m3 bytes under one scale (the earlier sessions' data: 6 % of
+of rows: ``bytes``, uniform random e4m3 bytes under one scale (the data measured before 2026-11-24: 6 % of
 the bytes subnormal or zero), and ``gaussian``, Gaussian rows whose magnitudes vary by 2^N(0, 2)
 quantized by mxcomm's fp8 rowwise kernel (what a permute delivers), and ``relu``, those rows with
 their negative half zeroed.

@@ -94,7 +94,7 @@ class NcclCommunicator(Watchdog, Communicator):
     initialization).
     """
 
-    #: Measured on H100s (bench/NOTES.md, seventeenth session): at 4096 bf16 rows x 7168 per
+    #: Measured on H100s (bench/NOTES.md, 2026-11-26): at 4096 bf16 rows x 7168 per
     #: rank (42 MiB to the peers at 4 ranks, 28 at 2) the MXFP8 exchange took 0.202 ms on the
     #: device against the bf16 one's 0.172 at 4 ranks (0.167 / 0.133 at 2), and 3.6x its host
     #: time; at 8192 rows (84 / 56 MiB) it was the faster on the device, but in the synced
@@ -102,7 +102,7 @@ class NcclCommunicator(Watchdog, Communicator):
     #: 0.97x / 0.96x over bf16 against 0.92x / 0.91x with 48 MiB (two alternations, one job).
     SMALL_EXCHANGE_BYTES = 64 << 20
     #: Measured on H100s (docs/design.md, "Medium exchanges travel quantized in one
-    #: alltoallv"; bench/NOTES.md, twenty-first session): up to 16384 bf16 rows x 7168 per rank
+    #: alltoallv"; bench/NOTES.md, 2026-11-27): up to 16384 bf16 rows x 7168 per rank
     #: at 2 ranks (117 MB to the peer), where the staged exchange's host time holds up the step:
     #: the synced pipeline +0.00 to +0.05 over staging; at 32768 rows it lost 0.02.
     MEDIUM_EXCHANGE_BYTES = 128 << 20

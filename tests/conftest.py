@@ -20,7 +20,7 @@ SEED = 1234
 # launching thread without ever blocking: every time a simulated thread wants the GIL it waits
 # for that poller's switch interval (5 ms by default), so a kernel with block barriers took
 # seconds to minutes per launch, at random (10 s to 8 min for the serial suite's slowest test).
-# 0.1 ms: that launch (bench/NOTES.md, thirteenth session) 2.4 s -> 0.3 s.
+# 0.1 ms: that launch (bench/NOTES.md, 2026-11-25) 2.4 s -> 0.3 s.
 sys.setswitchinterval(1e-4)
 
 
@@ -29,7 +29,7 @@ def _lock_simulated_shared_arrays():
     calling line with a dict lookup, then a store if absent, and no lock: two threads of one
     block that interleave there get two arrays, and each then reads only its own writes (a
     ``lanes_max`` over garbage: rows quantized to NaN, seen in a few runs of
-    tests/test_fp8_formats.py at the switch interval above; bench/NOTES.md, fourteenth session).
+    tests/test_fp8_formats.py at the switch interval above; bench/NOTES.md, 2026-11-26).
     The same lookup (the caller's file and line), under a lock; dynamic arrays (shape 0) and
     the rest are the simulator's own."""
     import threading
