@@ -12,10 +12,6 @@ Run: ``timeout 300 python -m pytest -q tests/test_bench_torchtitan.py`` (about 3
 import inspect
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 
 import numpy
 import pytest
@@ -24,6 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="torchtitan 0.3 is not installed (.ci/run installs it)")
 
 from mxcomm.bench import torchtitan as bench  # noqa: E402
+from torch_world import run_torchrun  # noqa: E402
 
 # torch 2.11 (the GPU machines' image) lacks names torchtitan 0.3's DeepSeek-V3 package imports:
 # the benchmark's stand-ins, as its runs install them, before that package is imported
@@ -38,20 +35,9 @@ def test_benchmark_under_torchrun_mxcomm_meets_the_sqnr_targets(tmp_path):
     26 / 25 dB and finite. (The recipe is pinned: "auto" chooses bf16 on a CPU, whose SQNR is
     infinite wherever the integration takes recipes: a check that quantization could fail.)"""
     path = tmp_path / "titan.json"
-    env = dict(os.environ, MXCOMM_BACKEND="host", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", "-m", "mxcomm.bench", "torchtitan", "--mxcomm-recipe", "mxfp8", "--json",
-               str(path)]
-    # Its own session, so a hung run is killed whole (torchrun's workers with it).
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("torchrun -m mxcomm.bench torchtitan did not finish within 180 s")
-    assert proc.returncode == 0, stderr[-3000:]
+    returncode, stdout, stderr = run_torchrun(
+        ["mxcomm.bench", "torchtitan", "--mxcomm-recipe", "mxfp8", "--json", str(path)])
+    assert returncode == 0, stderr[-3000:]
     assert stdout.startswith("torchtitan's MoE layer (DeepSeek-V3 671B config), 2 ranks on a CPU")
     result = json.loads(path.read_text())
     meta, tables = result["meta"], result["tables"]

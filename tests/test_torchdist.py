@@ -13,9 +13,6 @@ peers' seeds, never moved by the code under test. No process imports mpi4py.
 Run: ``python -m pytest -q tests/test_torchdist.py`` (part of the serial suite).
 """
 
-import os
-import signal
-import subprocess
 import sys
 
 import ml_dtypes
@@ -27,7 +24,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from torch_world import run_world  # noqa: E402
+from torch_world import run_torchrun, run_world  # noqa: E402
 
 SEED = 4321
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
@@ -368,19 +365,9 @@ def test_init_arguments_without_a_world(monkeypatch):
 def test_bench_pipeline_under_torchrun():
     """``torchrun --nproc-per-node 2 -m mxcomm.bench pipeline``: the torch host communicator,
     every data movement exact (the benchmark exits 1 otherwise), no MPI."""
-    env = dict(os.environ, MXCOMM_BACKEND="host", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", "-m", "mxcomm.bench", "pipeline", "--tokens", "96", "--dim", "64",
-               "--hidden", "32", "--experts", "2"]
-    # Its own session, so a hung run is killed whole (torchrun's workers with it).
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("torchrun -m mxcomm.bench pipeline did not finish within 180 s")
-    assert proc.returncode == 0, stderr[-3000:]
+    returncode, stdout, stderr = run_torchrun(
+        ["mxcomm.bench", "pipeline", "--tokens", "96", "--dim", "64", "--hidden", "32",
+         "--experts", "2"])
+    assert returncode == 0, stderr[-3000:]
     assert stdout.splitlines()[0].startswith("mxcomm EP pipeline, 2 ranks on a CPU")
     assert "TorchHostCommunicator" in stdout  # the notes name the communicator

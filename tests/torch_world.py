@@ -7,10 +7,16 @@ result, in rank order. The processes run mxcomm's host backend (``MXCOMM_BACKEND
 ``gpu=True``: then rank r uses GPU r and the group is NCCL. A rank that raises fails the test
 with its traceback; a world that does not finish within ``timeout`` seconds is killed and fails
 the test, so a hung collective never stalls the suite. ``fn`` must be a module-level function (spawned processes import it by name).
+
+``run_torchrun(args, timeout)`` runs ``torchrun --standalone --nproc-per-node 2 -m ARGS`` on the
+host backend, killed whole (torchrun's workers with it) if it outlasts ``timeout``.
 """
 
 import datetime
 import os
+import signal
+import subprocess
+import sys
 import queue as queue_module
 import tempfile
 import time
@@ -98,3 +104,21 @@ def run_world(size, fn, *args, timeout=120.0, gpu=False):
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
     return [got[r][1] for r in range(size)]
+
+
+def run_torchrun(args, timeout=180):
+    """``torchrun --standalone --nproc-per-node 2 -m <args>`` with mxcomm's host backend, in its
+    own session so a hung run is killed whole; returns ``(returncode, stdout, stderr)``, and
+    fails the test when it does not finish within ``timeout`` seconds."""
+    env = dict(os.environ, MXCOMM_BACKEND="host", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "-m", *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"torchrun -m {' '.join(args[:3])} did not finish within {timeout} s")
+    return proc.returncode, stdout, stderr
