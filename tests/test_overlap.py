@@ -201,6 +201,33 @@ def test_bad_overlap_raises_on_every_rank(comm, where):
                           overlap="yes" if bad else False)
 
 
+@pytest.mark.mpi
+def test_pipeline_overlap_variant_equals_its_recipe(comm, device, gemm):
+    """The pipeline benchmark's ``fp8_rowwise_overlap`` (``--variants``) equals ``fp8_rowwise``
+    bit for bit, forward and backward, and its dispatch's backward waited for the dgrad's mark
+    only."""
+    from mxcomm.bench import _moe
+    from mxcomm._torch_overlap import slot_of
+    variants = {v.name: v for v in _moe.VARIANTS}
+    results = []
+    for name in ("fp8_rowwise_overlap", "fp8_rowwise"):
+        stage_list = _moe.stages(variants[name], comm, E_LOCAL, loop_gemm=False)
+        x, counts, grad = _routed(comm.rank, comm.size, device, 0)
+        x.requires_grad_()
+        w = _weights(device).detach().transpose(-2, -1).contiguous().requires_grad_()  # (E, H, D)
+        state = {"x": x, "w": w, "counts": counts}
+        out = _moe.forward(stage_list, state)
+        out.backward(grad)
+        results.append((out.detach(), x.grad, w.grad))
+        slot = slot_of(state["p"])
+        if name == "fp8_rowwise_overlap":
+            assert (slot.owner.beside, slot.owner.behind) == (1, 0)
+        else:
+            assert slot is None
+    for a, b in zip(*results):
+        assert torch.equal(_bits(a), _bits(b))
+
+
 # ------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.mpi
