@@ -40,7 +40,6 @@ from . import a2a as _a2a
 from ._torch_gemm import OVERLAP_ATTRIBUTE as ATTRIBUTE
 from .formats import get_format
 from .torch._a2a import _A2ADispatch
-from .torch._ops import exchange
 from .torch._permute import _Permute
 
 
@@ -194,11 +193,8 @@ class _OverlappedDispatch(_A2ADispatch):
 
     @staticmethod
     def backward(ctx, grad, *index_grads):
-        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
-        dx = ctx.slot.run_beside(grad, lambda: exchange(
-            "a2a_dispatch_backward", grad, input_splits, output_splits, comm, grad_precision,
-            layout, permute_align, rows))
-        return dx, None, None  # None for the call's tuple, the slot
+        out = ctx.slot.run_beside(grad, lambda: _A2ADispatch.backward(ctx, grad, *index_grads))
+        return (*out, None)  # None for the slot
 
 
 class _OverlappedPermute(_Permute):
