@@ -1,6 +1,7 @@
 """The EP layer's backward overlap (``ExpertParallel(overlap=True)``, ``mxcomm._torch_overlap``).
 
-MPI tests (2 and 3 ranks, the host backend on a CPU, GPUs where present): with overlap, the
+Serial: ``grouped_mm``'s backward marks its dgrad between the dgrad and the wgrad. MPI tests (2
+and 3 ranks, the host backend on a CPU, GPUs where present): with overlap, the
 output, the input gradient and the weight gradient equal the run without it bit for bit, for
 every recipe, over two micro-batches of gradient accumulation (the GEMM's fp8 path too, its
 ``torch._scaled_grouped_mm`` emulated in float64 on the CPU). On a CPU there are no streams, so
@@ -10,7 +11,8 @@ or made by another GEMM, must wait for everything. Bad ``overlap`` raises on eve
 GPU tests (2 GPUs): the same equalities with real side streams, and a CUDA graph of the layer's
 step with overlap replaying the eager results.
 
-Run: ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_overlap.py`` (and ``-n 3``).
+Run: ``python -m pytest -q -m "not mpi" tests/test_overlap.py``;
+``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_overlap.py`` (and ``-n 3``).
 """
 
 import numpy
@@ -140,6 +142,50 @@ def _assert_same(got, want):
 def _ep(comm, name, overlap):
     return mt.ExpertParallel(comm=comm, num_local_experts=E_LOCAL, recipe=name, align=ALIGN,
                              gemm_fallback=True, overlap=overlap)
+
+
+class _Recorder:
+    """A slot stand-in: notes when ``grouped_mm``'s backward marks its dgrad."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def mark(self, t):
+        self.log.append(("mark", tuple(t.shape)))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16 GEMM", "fp8 GEMM"])
+def test_grouped_mm_marks_between_dgrad_and_wgrad(monkeypatch, fp8):
+    """``grouped_mm``'s backward runs dgrad, marks its (P, K) result on the rows' slot, then
+    runs wgrad: the order the side stream's wait relies on (a mark after the wgrad would
+    serialize the exchange behind it again, with the same bits)."""
+    log = []
+    if fp8:
+        monkeypatch.setattr(_torch_gemm, "fp8_gemm_available", lambda device: True)
+
+        def gemm(a, b, *args, **kwargs):
+            log.append(("wgrad" if b.dim() == 2 else "forward/dgrad", tuple(a.shape)))
+            return _emulated_scaled_grouped_mm(a, b, *args, **kwargs)
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", gemm, raising=False)
+    else:
+        plain = torch._grouped_mm
+
+        def gemm(a, b, *args, **kwargs):
+            log.append(("wgrad" if b.dim() == 2 else "forward/dgrad", tuple(a.shape)))
+            return plain(a, b, *args, **kwargs)
+        monkeypatch.setattr(torch, "_grouped_mm", gemm)
+    torch.manual_seed(3)
+    p, k, n = 48, 64, 32
+    x = torch.randn(p, k, dtype=torch.bfloat16).requires_grad_()
+    rows = x * 1  # a non-leaf, as a dispatch's rows are
+    setattr(rows, _torch_gemm.OVERLAP_ATTRIBUTE, _Recorder(log))
+    w = (torch.randn(2, k, n) / 8).to(torch.bfloat16).requires_grad_()
+    offs = torch.tensor([16, 48], dtype=torch.int32)
+    y = mt.grouped_mm(rows, w, offs, fp8=fp8, weight_cache=False)
+    log.clear()
+    y.backward(torch.randn(p, n, dtype=torch.bfloat16))
+    assert [entry[0] for entry in log] == ["forward/dgrad", "mark", "wgrad"]
+    assert log[0][1] == (p, n) and log[1][1] == (p, k)
 
 
 @pytest.mark.mpi
