@@ -59,6 +59,7 @@ class BackwardOverlap:
 
     def __init__(self):
         self._streams = {}  # CUDA device index -> the side stream
+        self._cupy_streams = {}  # the side stream's raw handle -> CuPy's object over it
         self.beside = 0
         self.behind = 0
 
@@ -72,6 +73,18 @@ class BackwardOverlap:
         if stream is None:
             _, high = torch.cuda.Stream.priority_range()
             stream = self._streams[index] = torch.cuda.Stream(index, priority=high)
+        return stream
+
+    def cupy_stream(self, side):
+        """CuPy's stream object over the side stream (made once): while the side stream's work
+        runs, CuPy's current stream, so what the engine allocates from CuPy's pool comes from
+        the side stream's own free list (CuPy keeps one per stream), never from blocks that
+        the main stream's work (the wgrad's operand conversion) may still be reading."""
+        ptr = side.cuda_stream
+        stream = self._cupy_streams.get(ptr)
+        if stream is None:
+            from ._driver import external_stream
+            stream = self._cupy_streams[ptr] = external_stream(ptr)
         return stream
 
     def dispatch(self, x, layout, *, precision, grad_precision, align, fused, out_format=None):
@@ -156,7 +169,7 @@ class _Slot:
                 self.side.wait_event(self._event)
             else:
                 self.side.wait_stream(current)
-            with torch.cuda.stream(self.side):
+            with torch.cuda.stream(self.side), self.owner.cupy_stream(self.side):
                 out = work()
             done = torch.cuda.Event()
             done.record(self.side)

@@ -1,6 +1,7 @@
 """The EP layer's backward overlap (``ExpertParallel(overlap=True)``, ``mxcomm._torch_overlap``).
 
-Serial: ``grouped_mm``'s backward marks its dgrad between the dgrad and the wgrad. MPI tests (2
+Serial: ``grouped_mm``'s backward marks its dgrad between the dgrad and the wgrad; the side
+stream's waits, switch and join, with logging stand-ins for CUDA streams and events. MPI tests (2
 and 3 ranks, the host backend on a CPU, GPUs where present): with overlap, the
 output, the input gradient and the weight gradient equal the run without it bit for bit, for
 every recipe, over two micro-batches of gradient accumulation (the GEMM's fp8 path too, its
@@ -186,6 +187,85 @@ def test_grouped_mm_marks_between_dgrad_and_wgrad(monkeypatch, fp8):
     y.backward(torch.randn(p, n, dtype=torch.bfloat16))
     assert [entry[0] for entry in log] == ["forward/dgrad", "mark", "wgrad"]
     assert log[0][1] == (p, n) and log[1][1] == (p, k)
+
+
+class _FakeStream:
+    """A CUDA stream stand-in that logs what is enqueued on it."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+        self.device = torch.device("cuda", 0)
+        self.cuda_stream = id(self)
+
+    def wait_event(self, event):
+        self.log.append((self.name, "wait", event.name))
+
+    def wait_stream(self, stream):
+        self.log.append((self.name, "wait all of", stream.name))
+
+
+def test_side_stream_waits_and_joins(monkeypatch):
+    """The GPU branch of the side stream's scheduling, with logging stand-ins for torch's
+    streams and events (this machine has none): a backward handed the marked tensor waits for
+    the mark's event only, runs with the side stream current, records its end there, and the
+    main stream waits for that end; its result is marked with it, so the next backward (the
+    dispatch's after a separate permute's) waits for it; a tensor that is not the mark (or was
+    written since) waits for the whole main stream."""
+    from mxcomm import _torch_overlap
+    log, current = [], []
+    main = _FakeStream("main", log)
+    side = _FakeStream("side", log)
+    names = iter(f"e{i}" for i in range(1, 10))
+
+    class Event:
+        def __init__(self, **kwargs):
+            self.name = next(names)
+
+        def record(self, stream):
+            log.append((stream.name, "record", self.name))
+
+    class Switch:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: current[-1] if current else main)
+    monkeypatch.setattr(torch.cuda, "stream", Switch)
+    overlap = _torch_overlap.BackwardOverlap()
+    monkeypatch.setattr(overlap, "cupy_stream", lambda stream: Switch(stream))
+    slot = _torch_overlap._Slot(overlap, side)
+
+    def work(name):
+        def run():
+            log.append((torch.cuda.current_stream().name, "runs", name))
+            return torch.zeros(2), None
+        return run
+
+    dgrad = torch.zeros(3)
+    slot.mark(dgrad)                                   # grouped_mm, after its dgrad
+    permuted, _ = slot.run_beside(dgrad, work("permute bwd"))
+    slot.run_beside(permuted, work("dispatch bwd"))    # chained: waits for the permute's end
+    assert log == [("main", "record", "e1"),
+                   ("side", "wait", "e1"), ("side", "runs", "permute bwd"),
+                   ("side", "record", "e2"), ("main", "wait", "e2"),
+                   ("side", "wait", "e2"), ("side", "runs", "dispatch bwd"),
+                   ("side", "record", "e3"), ("main", "wait", "e3")]
+    del log[:]
+    other = torch.zeros(3)
+    slot.mark(other)
+    other.add_(1)                                      # written since it was marked
+    slot.run_beside(other, work("dispatch bwd"))
+    assert log == [("main", "record", "e4"), ("side", "wait all of", "main"),
+                   ("side", "runs", "dispatch bwd"), ("side", "record", "e5"),
+                   ("main", "wait", "e5")]
+    assert (overlap.beside, overlap.behind) == (2, 1)
 
 
 @pytest.mark.mpi
