@@ -71,8 +71,8 @@ class BackwardOverlap:
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = self._streams.get(index)
         if stream is None:
-            _, high = torch.cuda.Stream.priority_range()
-            stream = self._streams[index] = torch.cuda.Stream(index, priority=high)
+            # -1: high, in every torch (newer ones map it into their wider range)
+            stream = self._streams[index] = torch.cuda.Stream(index, priority=-1)
         return stream
 
     def cupy_stream(self, side):
