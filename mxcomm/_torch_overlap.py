@@ -71,7 +71,7 @@ class BackwardOverlap:
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = self._streams.get(index)
         if stream is None:
-            # -1: high, in every torch (newer ones map it into their wider range)
+            # -1: above the default (0) in every torch version
             stream = self._streams[index] = torch.cuda.Stream(index, priority=-1)
         return stream
 
