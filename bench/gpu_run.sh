@@ -4,7 +4,7 @@
 # phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
-#         compare with)
+#         compare with) overlap2 overlap4 (OVERLAP_TOKENS) overlapprobe2 (PROBE_ROWS)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -114,6 +114,22 @@ for phase in "$@"; do
         --json "$res/a2a_w4.json" --markdown "$res/a2a_w4.md" ;;
     pipe2) step "bench pipeline, 2 ranks" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w2.json" --markdown "$res/pipeline_w2.md" --plot "$res/pipeline_w2.png" ;;
+    overlap2|overlap4)  # issue 43's A/B: the fp8 recipe with and without the backward overlap,
+        # interleaved, side by side (and bf16, the reference); then the overlap's gpu tests
+        n=${phase#overlap}
+        [ "$ngpu" -ge "$n" ] && step "bench pipeline, $n ranks, fp8_rowwise with and without overlap" 500 \
+            "${mpirun_env[@]}" -n "$n" python3 -m mxcomm.bench pipeline \
+            --tokens ${OVERLAP_TOKENS:-4096 16384 32768 65536 131072} --dim 7168 --hidden 2048 --experts 8 \
+            --no-stages --interleave --iters ${PIPE_ITERS:-20} --variants fp8_rowwise,fp8_rowwise_overlap \
+            --json "$res/pipeline_overlap_w$n.json" --markdown "$res/pipeline_overlap_w$n.md" \
+        && [ "$n" = 2 ] && step "overlap gpu tests, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q \
+            -rfE -p no:cacheprovider -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi \
+            -m "gpu and mpi" tests/test_overlap.py ;;
+    overlapprobe2)  # the backward's timeline on its two streams, fp8_rowwise with and without
+        # overlap (bench/probe_overlap.py): where the time goes if the A/B misses its target
+        step "probe: the backward's timeline with and without overlap, 2 ranks" 300 \
+            env PROBE_MARKDOWN="$res/probe_overlap_w2.md" "${mpirun_env[@]}" -x PROBE_MARKDOWN -n 2 \
+            python3 bench/probe_overlap.py ${PROBE_ROWS:-131072} 7168 2048 8 20 ;;
     pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w4.json" --markdown "$res/pipeline_w4.md" --plot "$res/pipeline_w4.png" ;;
     pipe2small) step "bench pipeline, 2 ranks, small batches" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \

@@ -61,6 +61,11 @@ class ExpertParallel:
             SM90 fp8 grouped GEMMs raises at construction; True: its GEMM runs on
             ``grouped_mm``'s bf16 fallback.
         table: the ``mxcomm.recipes.CostTable`` ``"auto"`` predicts with.
+        overlap: True to run the backward's dispatch-gradient exchange (and a separate
+            permute's backward) on a side stream beside the expert weight-gradient GEMM
+            (``mxcomm.torch.grouped_mm`` on the rows ``dispatch`` returns; docs/design.md,
+            "Overlap"); the same bits as False (default). Eager only: under
+            ``torch.compile`` the calls run as without it. :attr:`overlap` counts what it did.
 
     Collectives at construction: building the group's communicator (first use of a group), and
     one small host allgather in which the ranks agree on the recipe, E_local, ``align``,
@@ -70,14 +75,15 @@ class ExpertParallel:
     Raises:
         ValueError: an unknown recipe (the message lists them), or arguments that differ across
             ranks (naming the ranks), on every rank alike; ``num_local_experts`` or ``align``
-            not positive.
+            not positive; ``overlap`` not a bool (on every rank alike).
         RuntimeError: a pinned recipe the devices cannot run (an fp8 GEMM off SM90) without
             ``gemm_fallback``, on every rank alike.
         TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).
     """
 
     def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
-                 align=32, hidden=None, gemm_fallback=False, table=_recipes.H100_TABLE):
+                 align=32, hidden=None, gemm_fallback=False, table=_recipes.H100_TABLE,
+                 overlap=False):
         from . import torch as primitives
         self._p = primitives
         self.comm = comm if comm is not None else primitives.communicator_for(group)
@@ -93,7 +99,8 @@ class ExpertParallel:
         device = self._local_device_class()
         mine = numpy.array([names.index(recipe) if recipe in names else -1,
                             _recipes.DEVICE_CLASSES.index(device), self.num_local_experts,
-                            self.align, -1 if hidden is None else int(hidden)],
+                            self.align, -1 if hidden is None else int(hidden),
+                            int(overlap) if isinstance(overlap, bool) else -1],
                            dtype=numpy.int64)
         table_ = self.comm.allgather(mine, "ExpertParallel (arguments)")
         unknown = numpy.flatnonzero(table_[:, 0] < 0).tolist()
@@ -103,6 +110,11 @@ class ExpertParallel:
                              f"{', '.join(map(str, unknown))}"
                              f"{f' ({recipe!r} here)' if recipe not in names else ''}; "
                              f"expected one of {', '.join(names)}")
+        bad = numpy.flatnonzero(table_[:, 5] < 0).tolist()
+        if bad:
+            raise ValueError(f"ExpertParallel: overlap on rank {bad[0]}"
+                             f"{f' ({overlap!r})' if bad[0] == rank else ''}: expected True or "
+                             f"False")
         for column, what in ((0, "recipe"), (2, "num_local_experts"), (3, "align"),
                              (4, "hidden")):
             differs = numpy.flatnonzero(table_[:, column] != table_[0, column]).tolist()
@@ -112,6 +124,13 @@ class ExpertParallel:
         #: The agreed device class (``mxcomm.recipes.DEVICE_CLASSES``): the least capable rank's.
         self.device_class = _recipes.DEVICE_CLASSES[int(table_[:, 1].min())]
         self.recipe_name = recipe
+        #: None, or the ``mxcomm._torch_overlap.BackwardOverlap`` of ``overlap=True`` (its side
+        #: streams; ``beside`` / ``behind`` count the backwards that overlapped / waited).
+        if overlap:
+            from ._torch_overlap import BackwardOverlap
+            self.overlap = BackwardOverlap()
+        else:
+            self.overlap = None
         self._choosers = {}  # D -> mxcomm.recipes.Chooser ("auto")
         self._pinned = None if recipe == _recipes.AUTO else _recipes.get_recipe(recipe)
         if self._pinned is not None and not gemm_fallback and \
@@ -170,7 +189,11 @@ class ExpertParallel:
         layout = p.exchange_layout(num_tokens_per_expert, self.comm)
         recipe = self.recipe_for(layout, x.shape[-1])
         align = self.align
-        if recipe.fused:
+        if self.overlap is not None and not torch.compiler.is_compiling():
+            rows, indices, offsets = self.overlap.dispatch(
+                x, layout, precision=recipe.dispatch, grad_precision=recipe.dispatch_grad,
+                align=align, fused=recipe.fused, out_format=recipe.permute_format)
+        elif recipe.fused:
             rows, indices, offsets = p.a2a_dispatch(
                 x, layout, precision=recipe.dispatch, grad_precision=recipe.dispatch_grad,
                 permute_align=align)

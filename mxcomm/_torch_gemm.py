@@ -33,6 +33,9 @@ E4M3_MAX = 448.0
 _SCALE_EXP_MIN, _SCALE_EXP_MAX = -126, 127
 #: The products of :func:`grouped_mm`, the names ``fast_accum`` takes.
 GEMMS = ("forward", "dgrad", "wgrad")
+#: The attribute of rows from an overlapped dispatch that holds its backward's meeting point
+#: (``mxcomm._torch_overlap``): the backward marks its dgrad there before the wgrad.
+OVERLAP_ATTRIBUTE = "_mxcomm_overlap"
 
 
 def fp8_gemm_available(device):
@@ -205,7 +208,9 @@ class _GroupedMM(torch.autograd.Function):
     Forward:  x (P, K), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16. Saved: x as given
               (bf16 wgrad) or its fp8 rowwise rows (fp8 wgrad).
     Backward: grad (P, N) bf16 or fp8_rowwise QuantizedTensor -> dx (P, K) bf16 (fp8 dgrad),
-              dw (G, K, N) bf16 (``wgrad``).
+              dw (G, K, N) bf16 (``wgrad``). dgrad runs first; where x came from an overlapped
+              dispatch, dx is marked on its slot (``mxcomm._torch_overlap``) between the two
+              GEMMs, so the dispatch's gradient exchange waits for dgrad only.
     """
 
     @staticmethod
@@ -217,6 +222,7 @@ class _GroupedMM(torch.autograd.Function):
         ctx.weight = w if cache is not None else None
         ctx.fp8_wgrad = fp8 and wgrad == "fp8"
         ctx.fast = fast
+        ctx.overlap = getattr(x, OVERLAP_ATTRIBUTE, None)
         kept = x.detach() if hasattr(x, "qdata") else x
         if not fp8:
             ctx.save_for_backward(kept, w, offs)
@@ -243,6 +249,9 @@ class _GroupedMM(torch.autograd.Function):
                                               use_fast_accum="dgrad" in ctx.fast)
             else:
                 dx = torch._grouped_mm(_plain(grad), w.detach().transpose(-2, -1), offs=offs)
+            overlap = getattr(ctx, "overlap", None)
+            if overlap is not None:  # dx is complete here: the dispatch's backward may start
+                overlap.mark(dx)
         if ctx.needs_input_grad[1]:
             if ctx.fp8_wgrad:
                 dw = _fp8_wgrad(rows, (g, scale_g), offs, "wgrad" in ctx.fast)
@@ -289,7 +298,10 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         weight_cache: True (default) for :data:`default_weight_cache`, a :class:`WeightCache`,
             or False to quantize the weights on every call; values are the same either way.
     Returns:
-        (P, N) bf16.
+        (P, N) bf16. The backward runs dgrad, then wgrad; rows from an
+        ``ExpertParallel(overlap=True)`` dispatch carry a mark that the backward sets between
+        the two, so the dispatch's gradient exchange runs beside the wgrad (docs/design.md,
+        "Overlap").
     Raises:
         RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
         ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0,

@@ -571,7 +571,8 @@ def test_latency_on_a_cpu_runs_its_cpu_shapes_and_says_so(tmp_path):
                                              "auto, bf16_mxcomm, mxfp8, fp8_rowwise, mxfp8_all, "
                                              "bf16+fp8gemm, fp8_rowwise_bf16grad, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
-                                             "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32"),
+                                             "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32, "
+                                             "fp8_rowwise_overlap"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
 def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):

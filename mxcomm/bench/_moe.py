@@ -43,6 +43,9 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     fp8_rowwise_mxgrad  mxcomm  as the recipe fp8_rowwise, permuted separately (not fused)
     fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise_bf16grad          bf16 wgrad
     fp8_rowwise_acc32   mxcomm  as fp8_rowwise_bf16grad               sums promoted to fp32
+    fp8_rowwise_overlap  mxcomm  the recipe fp8_rowwise with the backward overlap
+                              (``ExpertParallel(overlap=True)``'s: the dispatch-gradient exchange
+                              on a side stream beside the GEMM's wgrad)
 
 The fp8 GEMM variants' weight gradient is fp8 (``grouped_mm``'s default: both operands rescaled
 per (group, column) along the tokens from the fp8 rows the forward and dgrad read), except
@@ -101,6 +104,9 @@ class Variant:
         recipe: the ``mxcomm.recipes`` name the variant runs (``"auto"``: chosen per shape,
             :func:`resolve`), or None for a comparison.
         chose: for ``auto`` once resolved, the recipe it chose (else None).
+        overlap: the dispatch's backward on a side stream beside the GEMM's wgrad
+            (``mxcomm._torch_overlap``, as ``ExpertParallel(overlap=True)``); fused variants
+            only.
     """
 
     name: str
@@ -119,6 +125,7 @@ class Variant:
     default: bool = True
     recipe: object = None
     chose: object = None
+    overlap: bool = False
 
     def describe(self):
         """One line for the report's notes: the exchanges, the permute, the GEMM."""
@@ -139,7 +146,9 @@ class Variant:
         gemm = (f"fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm, {self.wgrad} wgrad, fast "
                 f"accumulation: {fast})") if self.gemm == "fp8" else "bf16 grouped GEMM"
         chose = f" (chose {self.chose})" if self.chose else ""
-        return f"{self.name}{chose} = {wire}{permute}, {gemm}"
+        overlap = (", the dispatch's backward on a side stream beside the wgrad"
+                   if self.overlap else "")
+        return f"{self.name}{chose} = {wire}{permute}, {gemm}{overlap}"
 
 
 def from_recipe(recipe, name=None, **fields):
@@ -170,6 +179,12 @@ def _recipe_variants():
             from_recipe(recipes.get_recipe("fp8_rowwise")))
 
 
+def _overlap_variants():
+    from mxcomm import recipes
+    return (from_recipe(recipes.get_recipe("fp8_rowwise"), "fp8_rowwise_overlap", overlap=True,
+                        default=False),)
+
+
 VARIANTS = (
     Variant("bf16", baseline=True, torch_a2a=True),
     *_recipe_variants(),
@@ -187,6 +202,7 @@ VARIANTS = (
             gemm="fp8", wgrad="bf16", default=False),
     Variant("fp8_rowwise_acc32", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
             gemm="fp8", fast_accum=(), default=False),
+    *_overlap_variants(),
 )
 #: The reference of every SQNR and the first speedup column.
 REFERENCE = "bf16"
@@ -314,11 +330,15 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
         loop_gemm: the bf16 GEMM as a per-expert loop of matmuls (:func:`grouped_mm`); the fp8
             GEMM has no loop (its CPU fallback is ``torch._grouped_mm``).
     Raises:
-        ValueError: ``auto`` not yet resolved (:func:`resolve`).
+        ValueError: ``auto`` not yet resolved (:func:`resolve`); ``overlap`` on a variant that
+            is not fused.
     """
     if variant.recipe == "auto" and variant.chose is None:
         raise ValueError("stages: the variant auto has no stages until resolved for a shape "
                          "(_moe.resolve)")
+    if variant.overlap and not variant.fused:
+        raise ValueError(f"stages: variant {variant.name}: overlap needs a fused variant (its "
+                         f"dispatch and permute are one stage)")
     from mxcomm import torch as mxt
 
     def layout(s):
@@ -356,10 +376,20 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
                                    grad_format=variant.unpermute_grad_format)}
 
     if variant.fused:
+        overlap = None
+        if variant.overlap:  # the variant's side stream, as an ExpertParallel(overlap=True)'s
+            from mxcomm._torch_overlap import BackwardOverlap
+            overlap = BackwardOverlap()
+
         def dispatch_permute(s, x):
-            p, indices, offs = mxt.a2a_dispatch(x, s["layout"], precision=variant.dispatch,
-                                                grad_precision=variant.dispatch_grad,
-                                                permute_align=ALIGN)
+            if overlap is not None:
+                p, indices, offs = overlap.dispatch(x, s["layout"], precision=variant.dispatch,
+                                                    grad_precision=variant.dispatch_grad,
+                                                    align=ALIGN, fused=True)
+            else:
+                p, indices, offs = mxt.a2a_dispatch(x, s["layout"], precision=variant.dispatch,
+                                                    grad_precision=variant.dispatch_grad,
+                                                    permute_align=ALIGN)
             return {"p": p, "indices": indices, "offs": offs,
                     "rows_recv": s["layout"].num_received}
 

@@ -1,0 +1,232 @@
+"""The expert-parallel layer's backward overlap: the dispatch's gradient exchange (and the
+permute's backward before it) on a side stream, beside the expert weight-gradient GEMM
+(``ExpertParallel(overlap=True)``; docs/design.md, "Overlap").
+
+Glossary: M rows this rank routes, N rows it receives, P permuted rows, D dim, E_local experts
+per rank.
+
+One step's backward, on one rank (``|`` orders work on a stream; ``wait`` is an event wait)::
+
+    main:  combine bwd | dgrad | MARK | wgrad | AccumulateGrad(w) | wait DONE | router bwd ...
+    side:                        wait MARK | permute bwd | dispatch-grad exchange | DONE
+
+The dgrad's output is all the exchange reads, so it waits for MARK (an event recorded right
+after the dgrad) instead of for everything enqueued on the main stream so far, and the weight
+gradient's GEMM runs beside it. The weight gradient stays on the stream autograd runs the GEMM's
+backward on (AccumulateGrad reads it there at once); the exchange's result is joined back
+(``wait DONE``) before the backward returns it, so every gradient autograd sees is ready on the
+stream autograd believes it was made on.
+
+How the pieces meet: the rows an overlapped dispatch returns carry a :class:`_Slot`
+(attribute :data:`ATTRIBUTE`); ``mxcomm.torch.grouped_mm`` keeps it and, in its backward, marks
+the input gradient it made (:meth:`_Slot.mark`) before it runs the weight gradient. The
+overlapped permute and dispatch backwards (:class:`_OverlappedPermute`,
+:class:`_OverlappedDispatch`: the primitives' autograd Functions with their backward moved onto
+the side stream) wait for the mark only when autograd hands them exactly the marked tensor
+(the same object at the same version); anything else (a sum of two GEMMs' gradients, a cast,
+another GEMM) makes them wait for the whole main stream, as without overlap. Results are the
+same bits either way: only the order of independent work changes.
+
+Without a GPU there are no streams: the same marks are matched and counted
+(:attr:`BackwardOverlap.beside`, :attr:`BackwardOverlap.behind`), so the CPU tests see which
+wait a GPU would have made.
+"""
+
+import weakref
+
+import torch
+
+from . import a2a as _a2a
+from ._torch_gemm import OVERLAP_ATTRIBUTE as ATTRIBUTE
+from .formats import get_format
+from .torch._a2a import _A2ADispatch
+from .torch._permute import _Permute
+
+
+def slot_of(rows):
+    """The :class:`_Slot` that ``rows`` (an overlapped dispatch's output) carries, or None."""
+    return getattr(rows, ATTRIBUTE, None)
+
+
+class BackwardOverlap:
+    """The side streams of one ``ExpertParallel`` object and what its overlapped backwards did.
+
+    Attributes:
+        beside: backwards (permute or dispatch) that waited for a mark only: they ran beside
+            the work enqueued after it (on a GPU, the weight-gradient GEMM).
+        behind: backwards that waited for the whole current stream (no matching mark).
+    """
+
+    def __init__(self):
+        self._streams = {}  # CUDA device index -> the side stream
+        self._cupy_streams = {}  # the side stream's raw handle -> CuPy's object over it
+        self.beside = 0
+        self.behind = 0
+
+    def side_stream(self, device):
+        """The side stream on ``device`` (made on first use, high priority: the exchange is on
+        the critical path, the weight gradient is not), or None for a CPU device."""
+        if device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            # -1: above the default (0) in every torch version
+            stream = self._streams[index] = torch.cuda.Stream(index, priority=-1)
+        return stream
+
+    def cupy_stream(self, side):
+        """CuPy's stream object over the side stream (made once): while the side stream's work
+        runs, CuPy's current stream, so what the engine allocates from CuPy's pool comes from
+        the side stream's own free list (CuPy keeps one per stream), never from blocks that
+        the main stream's work (the wgrad's operand conversion) may still be reading."""
+        ptr = side.cuda_stream
+        stream = self._cupy_streams.get(ptr)
+        if stream is None:
+            from ._driver import external_stream
+            stream = self._cupy_streams[ptr] = external_stream(ptr)
+        return stream
+
+    def dispatch(self, x, layout, *, precision, grad_precision, align, fused, out_format=None):
+        """Steps 1 and 2 with the backward overlapped: ``mxcomm.torch.a2a_dispatch`` then
+        ``permute`` (or the fused ``a2a_dispatch(..., permute_align=align)``), the same calls,
+        forward and backward bit for bit, whose backward runs on the side stream.
+
+        Args:
+            x: (M, D) bf16 tensor, rows sorted by global expert. Read; differentiable.
+            layout: the step's layout (``mxcomm.torch.exchange_layout``, eager: not a
+                ``LayoutHandle``).
+            precision, grad_precision: the dispatch's wire formats (forward, backward).
+            align: rows each expert group is padded to a multiple of.
+            fused: the exchange's expert side in permute's order (``permute_align=align``);
+                else a separate permute.
+            out_format: the separate permute's ``out_format`` (None: none).
+        Returns:
+            ``(rows (P, D), permuted_indices (P,) int32, group_offsets (E_local,) int32)`` as
+            the primitives return them; ``rows`` carries its :class:`_Slot` (:data:`ATTRIBUTE`).
+        Raises:
+            As ``mxcomm.torch.a2a_dispatch`` and ``permute``.
+        Host syncs and collectives: none (the layout's exchange is the caller's).
+        """
+        _a2a._check_precision(precision)
+        _a2a._check_precision(grad_precision, "grad_precision")
+        slot = _Slot(self, self.side_stream(x.device))
+        call = (None, None, None, precision, grad_precision, layout, align if fused else None)
+        if fused:
+            rows, indices, offsets = _OverlappedDispatch.apply(x, call, slot)
+        else:
+            if out_format is not None:
+                get_format(out_format, "out_format")
+            received = _OverlappedDispatch.apply(x, call, slot)
+            # the received rows are this layout's (permute's own check holds by construction)
+            rows, indices, offsets = _OverlappedPermute.apply(received, layout, None, align,
+                                                              out_format, False, slot)
+        setattr(rows, ATTRIBUTE, slot)
+        return rows, indices, offsets
+
+
+class _Slot:
+    """One overlapped dispatch's meeting point: the last mark (a tensor, its version, and the
+    event after which it is ready on a GPU) and the side stream its backwards run on."""
+
+    __slots__ = ("owner", "side", "_marked", "_version", "_event")
+
+    def __init__(self, owner, side):
+        self.owner = owner
+        self.side = side
+        self._marked = None
+        self._version = None
+        self._event = None
+
+    def mark(self, t, event=None):
+        """Note that ``t`` is complete once the work enqueued so far on the current stream is
+        (``grouped_mm``'s backward calls it after the dgrad, before the weight gradient).
+        ``event``: where it is ready, if not the current stream's position now."""
+        self._marked = weakref.ref(t)
+        self._version = t._version
+        if event is None and self.side is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.side.device))
+        self._event = event
+
+    def run_beside(self, grad, work):
+        """``work()`` (a backward reading ``grad``) on the side stream: after the mark where
+        ``grad`` is the marked tensor at its marked version, else after everything on the
+        current stream; the current stream then waits for it, and its first result is marked
+        (the next overlapped backward reads it). Returns ``work()``'s value."""
+        marked = self._marked is not None and self._marked() is grad and \
+            grad._version == self._version
+        if marked:
+            self.owner.beside += 1
+        else:
+            self.owner.behind += 1
+        if self.side is None:
+            out = work()
+            done = None
+        else:
+            current = torch.cuda.current_stream(self.side.device)
+            if marked:
+                self.side.wait_event(self._event)
+            else:
+                self.side.wait_stream(current)
+            with torch.cuda.stream(self.side), self.owner.cupy_stream(self.side):
+                out = work()
+            done = torch.cuda.Event()
+            done.record(self.side)
+            current.wait_event(done)
+            for t in out if isinstance(out, tuple) else (out,):
+                _record_stream(t, current)
+        first = out[0] if isinstance(out, tuple) else out
+        if first is not None:
+            self.mark(first, done)
+        return out
+
+
+def _record_stream(t, stream):
+    """Tell the caching allocator that ``stream`` uses ``t`` (made on the side stream): its
+    memory is not reused before ``stream``'s work at its release is done."""
+    if t is None:
+        return
+    for part in (t.qdata, t.scales) if hasattr(t, "qdata") else (t,):
+        if part.is_cuda:
+            part.record_stream(stream)
+
+
+class _OverlappedDispatch(_A2ADispatch):
+    """``_A2ADispatch`` with its backward on the overlap's side stream.
+
+    Forward:  as ``_A2ADispatch`` (``slot``: the dispatch's :class:`_Slot`).
+    Backward: as ``_A2ADispatch``, run by :meth:`_Slot.run_beside`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, call, slot):
+        ctx.slot = slot
+        return _A2ADispatch.forward(ctx, x, call)
+
+    @staticmethod
+    def backward(ctx, grad, *index_grads):
+        out = ctx.slot.run_beside(grad, lambda: _A2ADispatch.backward(ctx, grad, *index_grads))
+        return (*out, None)  # None for the slot
+
+
+class _OverlappedPermute(_Permute):
+    """``_Permute`` with its backward on the overlap's side stream.
+
+    Forward:  as ``_Permute`` (``slot``: the dispatch's :class:`_Slot`).
+    Backward: as ``_Permute``, run by :meth:`_Slot.run_beside` (never the pending gather:
+              ``_Permute`` folds only into ``_A2ADispatch`` itself; the same bits).
+    """
+
+    @staticmethod
+    def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align, out_format, fold,
+                slot):
+        ctx.slot = slot
+        return _Permute.forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align,
+                                out_format, fold)
+
+    @staticmethod
+    def backward(ctx, grad, grad_indices, grad_offsets):
+        out = ctx.slot.run_beside(
+            grad, lambda: _Permute.backward(ctx, grad, grad_indices, grad_offsets))
+        return (*out, None)  # None for the slot
