@@ -24,6 +24,8 @@ _PARAM_END = 0
 _MEMCPY_DEVICE_TO_DEVICE = 3
 # CUfunction_attribute (cuda.h).
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+# CUresult (cuda.h): no context current on the calling thread.
+_ERROR_INVALID_CONTEXT = 201
 
 
 class PackedLaunch:
@@ -75,7 +77,25 @@ class PackedLaunch:
     def __call__(self, grid, block, stream, values, shared=0):
         with self._lock:
             self._pack_into(self._buffer, 0, *values)
-            self._launch(self._ptr, grid, 1, 1, block, 1, 1, shared, stream, 0, self._extra_ptr)
+            try:
+                self._launch(self._ptr, grid, 1, 1, block, 1, 1, shared, stream, 0,
+                             self._extra_ptr)
+            except Exception as exc:
+                # a thread with no current context (autograd's device thread whose first work
+                # is this launch: torch skips cudaSetDevice when the device is already the
+                # thread's, so nothing bound the primary context there)
+                if getattr(exc, "status", None) != _ERROR_INVALID_CONTEXT:
+                    raise
+                _bind_primary_context()
+                self._launch(self._ptr, grid, 1, 1, block, 1, 1, shared, stream, 0,
+                             self._extra_ptr)
+
+
+def _bind_primary_context():
+    """Make the current device's primary context current on this thread (the runtime binds it
+    on its first call that needs one: ``cudaFree(NULL)``, CUDA runtime API)."""
+    import cupy
+    cupy.cuda.runtime.free(0)
 
 
 class Words:

@@ -153,14 +153,19 @@ class _Slot:
         """``work()`` (a backward reading ``grad``) on the side stream: after the mark where
         ``grad`` is the marked tensor at its marked version, else after everything on the
         current stream; the current stream then waits for it, and its first result is marked
-        (the next overlapped backward reads it). Returns ``work()``'s value."""
-        marked = self._marked is not None and self._marked() is grad and \
+        (the next overlapped backward reads it). Inside a CUDA graph's capture, ``work()`` on
+        the current stream (no overlap; counted ``behind``). Returns ``work()``'s value."""
+        # inside a CUDA graph's capture the side stream stays out (a capture with it failed on
+        # GPUs, cudaErrorStreamCaptureInvalidated): the backward runs on the capturing stream
+        capturing = (self.side is not None and torch.cuda.is_available()
+                     and torch.cuda.is_current_stream_capturing())
+        marked = not capturing and self._marked is not None and self._marked() is grad and \
             grad._version == self._version
         if marked:
             self.owner.beside += 1
         else:
             self.owner.behind += 1
-        if self.side is None:
+        if self.side is None or capturing:
             out = work()
             done = None
         else:

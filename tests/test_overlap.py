@@ -379,10 +379,10 @@ def test_gpu_cuda_graph_of_an_overlapped_step(comm, device):
     """The fp8_rowwise token path's forward and backward with the backward overlap, on one
     fixed batch and layout (the layout exchange, the path's one host sync, stays outside),
     captured in one CUDA graph (``torch.cuda.graph``, relaxed: the communicator's watchdog
-    queries events meanwhile; the side stream forks from and joins the capturing stream
-    through events) and replayed 3 times: outputs and gradients equal the eager step's, bit for
-    bit, and the dispatch's backward waited for the dgrad's mark. The ranks agree on a
-    capture's failure before any replay waits for a peer."""
+    queries events meanwhile) and replayed 3 times: outputs and gradients equal the eager
+    step's, bit for bit; inside the capture the overlap steps aside (its backward runs on the
+    capturing stream, counted ``behind``). The ranks agree on a capture's failure before any
+    replay waits for a peer."""
     from mpi4py import MPI
 
     from mxcomm._torch_overlap import BackwardOverlap
@@ -409,7 +409,7 @@ def test_gpu_cuda_graph_of_an_overlapped_step(comm, device):
         step()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    beside = overlap.beside
+    beside, behind = overlap.beside, overlap.behind
     graph, error = torch.cuda.CUDAGraph(), None
     try:
         with torch.cuda.graph(graph, capture_error_mode="relaxed"):
@@ -420,7 +420,7 @@ def test_gpu_cuda_graph_of_an_overlapped_step(comm, device):
     if errors:
         comm.abort()
         pytest.fail("capture failed: " + "; ".join(errors))
-    assert (overlap.beside - beside, overlap.behind) == (1, 0)
+    assert (overlap.beside - beside, overlap.behind - behind) == (0, 1)
     for replay in range(3):
         for t in outs:
             t.detach().zero_()

@@ -488,6 +488,39 @@ def test_expert_parallel_gpu_equals_the_validated_calls(comm, device, name):
     assert torch.equal(wa.grad, wb.grad)
 
 
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_gpu_backward_that_starts_in_mxcomm(comm, device):
+    """``out.backward(grad)`` straight from ``combine``'s output: the first work of autograd's
+    device thread can be mxcomm's own kernel launch, with no CUDA context bound to that thread
+    (torch skips ``cudaSetDevice`` for the device a thread already names; seen with
+    bench/probe_overlap.py on 2xH100: CUDA_ERROR_INVALID_CONTEXT on rank 0). The forward runs
+    in a fresh thread too. The gradients equal those of a backward that starts in a torch op."""
+    import threading
+    results = []
+    for direct in (True, False):
+        ep = mt.ExpertParallel(comm=comm, num_local_experts=E_LOCAL, recipe="mxfp8", align=ALIGN)
+        x, counts, grad, w = _routed(comm.rank, comm.size, device, tokens_max=256)
+        xa, wa = _leaves(x, w)
+        box = {}
+
+        def run():  # a fresh thread, no context bound until something binds it
+            torch.cuda.set_device(device)
+            rows, offs, handle = ep.dispatch(xa, counts)
+            out = ep.combine(mt.grouped_mm(rows, wa, offs), handle)
+            if direct:
+                out.backward(grad.to(out.dtype))
+            else:
+                (out.float() * grad.float()).sum().backward()
+            box["grads"] = (xa.grad.clone(), wa.grad.clone())
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(120)
+        assert "grads" in box, f"rank {comm.rank}: the backward raised or hung"
+        results.append(box["grads"])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 # ------------------------------------------------------------- torch.distributed groups
 def ep_group_checks(rank, size):
     """Rank ``rank`` of a gloo world: ExpertParallel from the default group (None), the
