@@ -43,6 +43,8 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     fp8_rowwise_mxgrad  mxcomm  as the recipe fp8_rowwise, permuted separately (not fused)
     fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise_bf16grad          bf16 wgrad
     fp8_rowwise_acc32   mxcomm  as fp8_rowwise_bf16grad               sums promoted to fp32
+    fp8_rowwise_nocache  mxcomm  the recipe fp8_rowwise with the weight cache off: both fp8
+                              weight operands quantized on every call
 
 The fp8 GEMM variants' weight gradient is fp8 (``grouped_mm``'s default: both operands rescaled
 per (group, column) along the tokens from the fp8 rows the forward and dgrad read), except
@@ -101,6 +103,8 @@ class Variant:
         recipe: the ``mxcomm.recipes`` name the variant runs (``"auto"``: chosen per shape,
             :func:`resolve`), or None for a comparison.
         chose: for ``auto`` once resolved, the recipe it chose (else None).
+        weight_cache: the fp8 GEMM keeps its quantized weights while they are unchanged
+            (``grouped_mm``'s ``weight_cache``); False: quantized on every call.
     """
 
     name: str
@@ -119,6 +123,7 @@ class Variant:
     default: bool = True
     recipe: object = None
     chose: object = None
+    weight_cache: bool = True
 
     def describe(self):
         """One line for the report's notes: the exchanges, the permute, the GEMM."""
@@ -138,6 +143,8 @@ class Variant:
         fast = "/".join(self.fast_accum) or "none"
         gemm = (f"fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm, {self.wgrad} wgrad, fast "
                 f"accumulation: {fast})") if self.gemm == "fp8" else "bf16 grouped GEMM"
+        if self.gemm == "fp8" and not self.weight_cache:
+            gemm += ", weights quantized on every call (no weight cache)"
         chose = f" (chose {self.chose})" if self.chose else ""
         return f"{self.name}{chose} = {wire}{permute}, {gemm}"
 
@@ -152,13 +159,14 @@ def from_recipe(recipe, name=None, **fields):
                    recipe=recipe.name, **fields)
 
 
-def resolve(variant, layout, dim, hidden, device):
+def resolve(variant, layout, dim, hidden, device, table):
     """``variant``, or for ``auto`` the variant of the recipe it chooses for ``layout``
-    (``mxcomm.recipes.Chooser`` on the agreed ``device`` class), still named ``auto``."""
+    (``mxcomm.recipes.Chooser`` of ``table`` on the agreed ``device`` class), still named
+    ``auto``."""
     if variant.recipe != "auto":
         return variant
     from mxcomm import recipes
-    chosen = recipes.Chooser(dim, hidden, device=device)(layout)
+    chosen = recipes.Chooser(dim, hidden, device=device, table=table)(layout)
     return from_recipe(chosen, "auto", chose=chosen.name)
 
 
@@ -187,6 +195,8 @@ VARIANTS = (
             gemm="fp8", wgrad="bf16", default=False),
     Variant("fp8_rowwise_acc32", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
             gemm="fp8", fast_accum=(), default=False),
+    dataclasses.replace(_recipe_variants()[-1], name="fp8_rowwise_nocache", recipe=None,
+                        weight_cache=False, default=False),
 )
 #: The reference of every SQNR and the first speedup column.
 REFERENCE = "bf16"
@@ -376,7 +386,8 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
             # (bf16+fp8gemm: grouped_mm's default gives plain rows the bf16 GEMM).
             return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"],
                                          fp8=mxt.fp8_gemm_available(w.device),
-                                         wgrad=variant.wgrad, fast_accum=variant.fast_accum)}
+                                         wgrad=variant.wgrad, fast_accum=variant.fast_accum,
+                                         weight_cache=variant.weight_cache)}
 
         if variant.fused:  # the stages "dispatch" and "combine" hold the permute and unpermute
             return [Stage("layout", (), None, layout),
