@@ -466,8 +466,8 @@ def choose_recipe(layout, dim, hidden, *, device="cpu", table=H100_TABLE, margin
     meeting the SQNR thresholds (all do), the prediction of ``table`` decides; a recipe other
     than ``"bf16"`` replaces it only when predicted at least ``margin`` (a fraction) faster;
     ties keep the earlier recipe. On ``"cpu"`` the answer is ``"bf16"`` unless the table was
-    measured there (``table.device == "cpu"``: ``calibrate`` on the host backend). Deterministic in its arguments (every rank chooses
-    alike); no host sync, no communication.
+    measured there (``table.device == "cpu"``: ``calibrate`` on the host backend).
+    Deterministic in its arguments (every rank chooses alike); no host sync, no communication.
 
     Args:
         layout: a layout (``mxcomm.exchange_layout``); its ``sent`` table is read.
