@@ -878,6 +878,31 @@ def test_pipeline_fp8_variants_feed_the_gemm_quantized_rows(pipeline_world):
         assert all(s.iters == 1 for s in times.values())
 
 
+@pytest.mark.mpi
+def test_pipeline_stage_breakdown_of_every_recipe(pipeline_world):
+    """The per-stage table (the GPU's, here timed on the host clock) covers every stage of each
+    recipe and of fp8_rowwise_nocache, forward and backward: the layout, the exchanges (the
+    fused recipe's with its permutes inside), the permutes, the GEMM; dequantize only where
+    the rows arrive MXFP8 (the mxfp8 recipe's permute already gives bf16 rows: none)."""
+    from mxcomm.bench import _moe, pipeline
+    rt, args = pipeline_world
+    shape = tuple(int(v) for v in MPI_SHAPE[1::2])
+    case = pipeline._Case(args, rt, shape)
+    variants = {v.name: v for v in _moe.VARIANTS}
+    expected = {
+        "bf16_mxcomm": {"layout", "dispatch", "permute", "gemm", "unpermute", "combine"},
+        "mxfp8": {"layout", "dispatch", "permute", "gemm", "unpermute", "combine"},
+        "fp8_rowwise": {"layout", "dispatch", "gemm", "combine"},
+        "fp8_rowwise_nocache": {"layout", "dispatch", "gemm", "combine"}}
+    for name, stages in expected.items():
+        stage_list = _moe.stages(variants[name], rt.comm, case.e_local, loop_gemm=case.loop_gemm)
+        state, grads, _ = case.trace(stage_list)
+        times = case.stage_times(stage_list, state, grads)
+        assert {s for s, d in times if d == "fwd"} == stages, (name, sorted(times))
+        assert {s for s, d in times if d == "bwd"} == stages - {"layout"}, (name, sorted(times))
+        assert all(t.median > 0 for t in times.values())
+
+
 # ------------------------------------------------------------------------------ calibrate
 def _independent_choice(table, rows):
     """auto's answer at a measured point, recomputed from the table's numbers: the fastest

@@ -491,7 +491,7 @@ def test_torchtitan_default_dispatcher_compiled():
         assert votes == [1, 1], (rank, votes)
 
 
-def auto_checks(rank, size):
+def auto_checks(rank, size, device="cpu"):
     """torchtitan's MoE layer with ``use_mxcomm(recipe="auto")`` and a host-backend cost table
     (``$MXCOMM_COST_TABLE``) whose crossover lies below, then above, the rows each rank routes:
     the recipe each call ran (eager from the layout, compiled as traced), and the results
@@ -507,9 +507,12 @@ def auto_checks(rank, size):
     from mxcomm import recipes
     from mxcomm.integrations import _titan_hooks
     titan_utils.set_spmd_backend("full_dtensor")
-    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch 2.11: as recipe_checks
+        torch.compiler._is_non_strict_tracing = lambda: False
+    mesh = init_device_mesh(device, (size,), mesh_dim_names=("ep",))
     set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
     experts = E_LOCAL * size
+    name_here = "cpu" if device == "cpu" else torch.cuda.get_device_name()
     chosen = []
     real = _titan_hooks.MxcommExchanges._path_for
 
@@ -526,8 +529,8 @@ def auto_checks(rank, size):
     for cut, name in ((2 * rows, "bf16"), (rows // 2, "mxfp8")):
         table = recipes.CostTable(rows=(1, cut, 2 * cut), ms={"bf16": (1.0, 2.0, 4.0),
                                                               "mxfp8": (1.5, 2.0, 2.5)},
-                                  ref_dim=DIM, ref_hidden=HIDDEN, device="cpu", world_size=size,
-                                  experts_per_rank=E_LOCAL)
+                                  ref_dim=DIM, ref_hidden=HIDDEN, device=name_here,
+                                  world_size=size, experts_per_rank=E_LOCAL)
         os.environ[recipes.TABLE_ENV] = str(recipes.save_table(table, f"{folder}/{cut}.json"))
         chosen.clear()
         auto = _built(_recipe_moe(experts, "auto"), rank, size, mesh)
@@ -548,7 +551,18 @@ def test_torchtitan_auto_recipe_follows_the_table_eager_and_compiled():
     the cost table above the rows each rank routes it runs bf16, below it mxfp8 (no fp8 GEMM on
     a CPU), on both ranks, eager and compiled (``fullgraph=True``); its output and gradients
     equal the layer with that recipe pinned, bit for bit."""
-    results = run_world(2, auto_checks, timeout=600)
+    _check_auto(run_world(2, auto_checks, timeout=600))
+
+
+@pytest.mark.gpu
+def test_gpu_torchtitan_auto_recipe_eager_and_compiled():
+    """The same on 2 GPUs over NCCL, with a table of these GPUs (bf16 and mxfp8 measured)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_auto(run_world(2, auto_checks, "cuda", timeout=600, gpu=True))
+
+
+def _check_auto(results):
     for rank, result in enumerate(results):
         for name, (chosen, eager_equal, compiled_equal) in result.items():
             assert chosen == [name, name], (rank, name, chosen)  # eager's call, the trace's

@@ -324,7 +324,8 @@ def _gemm_note(rt, fp8_gemm):
     if fp8_gemm:
         return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise): "
                 "mxcomm.torch.grouped_mm, torch._scaled_grouped_mm rowwise on SM90 (weights "
-                "quantized per call, e4m3 with power-of-two scales; forward, dgrad and wgrad "
+                "quantized once while unchanged, grouped_mm's weight cache, per call in "
+                "fp8_rowwise_nocache; e4m3 with power-of-two scales; forward, dgrad and wgrad "
                 "fp8, the wgrad's operands rescaled per (group, column) along the tokens; "
                 "fp8_rowwise_bf16wgrad: wgrad bf16; fast accumulation (use_fast_accum) in every product, except "
                 "fp8_rowwise_acc32: sums promoted to fp32)")
