@@ -124,6 +124,7 @@ class MxcommExchanges:
         self.hidden = getattr(config, "hidden", 0) or None
         self.dim = getattr(config, "dim", 0)
         self._ep = None
+        self._paths = {}  # recipe name -> its _Path ("auto": made once per recipe)
         align = self.permute_align or getattr(self, "pad_multiple", None) or 1
         self._path = _Path(self.dispatch_precision, self.combine_precision,
                            self.dispatch_grad_precision, self.combine_grad_precision, align,
@@ -153,7 +154,10 @@ class MxcommExchanges:
         from mxcomm.layout import Layout
         chooser = self._ep.chooser(x.shape[-1])
         recipe = chooser(layout) if isinstance(layout, Layout) else chooser.for_rows(x.shape[0])
-        return recipe_path(recipe)
+        path = self._paths.get(recipe.name)
+        if path is None:
+            path = self._paths[recipe.name] = recipe_path(recipe)
+        return path
 
     @staticmethod
     def _torchtitan_path():
