@@ -1,12 +1,15 @@
 """Recipes, ``"auto"``, the expert-parallel object and the fp8 GEMM's weight cache.
 
 Serial tests: the recipe table, ``choose_recipe`` against an injected cost table on both sides of
-its crossovers, the weight cache (hits, misses after an optimizer step and a new tensor) and
+its crossovers, the built-in table against the committed measurement, cost table files and
+their lookup order (explicit, ``$MXCOMM_COST_TABLE``, the per-user cache, built-in), the weight
+cache (hits, misses after an optimizer step and a new tensor) and
 ``grouped_mm``'s fp8 path on the CPU (``torch._scaled_grouped_mm`` emulated in float64: the
 cache's values against the uncached path's, bit for bit). MPI tests (2 and 3 ranks):
 ``ExpertParallel`` forward and backward equal the validated primitives called by hand with each
 recipe's keywords, bit for bit; the quantized recipes' SQNR against bf16; ``"auto"`` chooses
-alike on every rank; bad recipes raise on every rank before any data moves.
+alike on every rank, from a table file found each way; bad recipes and bad or differing tables
+raise on every rank before any data moves.
 
 Run: ``python -m pytest -q -m "not mpi" tests/test_recipes.py``;
 ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_recipes.py`` (and ``-n 3``).
