@@ -60,7 +60,10 @@ class ExpertParallel:
         gemm_fallback: False (default): a pinned recipe with an fp8 GEMM on devices without
             SM90 fp8 grouped GEMMs raises at construction; True: its GEMM runs on
             ``grouped_mm``'s bf16 fallback.
-        table: the ``mxcomm.recipes.CostTable`` ``"auto"`` predicts with.
+        table: for ``"auto"``: None (default: ``$MXCOMM_COST_TABLE``, else the per-user cache
+            of ``python -m mxcomm.bench calibrate``, else the built-in table), or a
+            ``mxcomm.recipes.CostTable`` or the path of a table file
+            (``mxcomm.recipes.find_tables``: the lookup order).
         overlap: True to run the backward's dispatch-gradient exchange (and a separate
             permute's backward) on a side stream beside the expert weight-gradient GEMM
             (``mxcomm.torch.grouped_mm`` on the rows ``dispatch`` returns; docs/design.md,
@@ -69,21 +72,24 @@ class ExpertParallel:
 
     Collectives at construction: building the group's communicator (first use of a group), and
     one small host allgather in which the ranks agree on the recipe, E_local, ``align``,
-    ``hidden`` and the device class (the least capable rank's). So bad arguments on any rank
-    raise the same error on every rank, before any data moves.
+    ``hidden``, the device class (the least capable rank's) and, for ``"auto"``, the cost
+    tables (each rank's loaded, compared by fingerprint). So bad arguments on any rank raise
+    the same error on every rank, before any data moves.
 
     Raises:
         ValueError: an unknown recipe (the message lists them), or arguments that differ across
             ranks (naming the ranks), on every rank alike; ``num_local_experts`` or ``align``
-            not positive; ``overlap`` not a bool (on every rank alike).
+            not positive; for ``"auto"``, a table that fails to load or describes other
+            devices or another world size on some rank, or tables that differ across ranks,
+            on every rank alike (the failing rank's message on that rank); ``overlap`` not a bool
+            (on every rank alike).
         RuntimeError: a pinned recipe the devices cannot run (an fp8 GEMM off SM90) without
             ``gemm_fallback``, on every rank alike.
         TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).
     """
 
     def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
-                 align=32, hidden=None, gemm_fallback=False, table=_recipes.H100_TABLE,
-                 overlap=False):
+                 align=32, hidden=None, gemm_fallback=False, table=None, overlap=False):
         from . import torch as primitives
         self._p = primitives
         self.comm = comm if comm is not None else primitives.communicator_for(group)
@@ -95,11 +101,20 @@ class ExpertParallel:
         self.num_local_experts = int(num_local_experts)
         self.align = int(align)
         self.hidden = hidden
-        self.table = table
         device = self._local_device_class()
+        #: ``"auto"``'s cost tables (``mxcomm.recipes.TableSet``), agreed across ranks.
+        self.tables, failure = None, None
+        if recipe == _recipes.AUTO:
+            try:
+                self.tables = _recipes.find_tables(self._local_device_name(), self.comm.size,
+                                                   table)
+            except ValueError as e:
+                failure = e
         mine = numpy.array([names.index(recipe) if recipe in names else -1,
                             _recipes.DEVICE_CLASSES.index(device), self.num_local_experts,
                             self.align, -1 if hidden is None else int(hidden),
+                            failure is not None,
+                            0 if self.tables is None else self.tables.fingerprint(),
                             int(overlap) if isinstance(overlap, bool) else -1],
                            dtype=numpy.int64)
         table_ = self.comm.allgather(mine, "ExpertParallel (arguments)")
@@ -110,7 +125,7 @@ class ExpertParallel:
                              f"{', '.join(map(str, unknown))}"
                              f"{f' ({recipe!r} here)' if recipe not in names else ''}; "
                              f"expected one of {', '.join(names)}")
-        bad = numpy.flatnonzero(table_[:, 5] < 0).tolist()
+        bad = numpy.flatnonzero(table_[:, 7] < 0).tolist()
         if bad:
             raise ValueError(f"ExpertParallel: overlap on rank {bad[0]}"
                              f"{f' ({overlap!r})' if bad[0] == rank else ''}: expected True or "
@@ -121,6 +136,17 @@ class ExpertParallel:
             if differs:
                 raise ValueError(f"ExpertParallel: {what} differs across ranks (rank 0 and rank "
                                  f"{differs[0]}); every rank of the group passes the same")
+        failed = numpy.flatnonzero(table_[:, 5]).tolist()
+        if failed:
+            raise ValueError(f"ExpertParallel: auto's cost table failed to load on rank"
+                             f"{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+                             f"{f' (here: {failure})' if failure is not None else ''}")
+        differs = numpy.flatnonzero(table_[:, 6] != table_[0, 6]).tolist()
+        if differs:
+            raise ValueError(f"ExpertParallel: auto's cost tables differ across ranks (rank 0 "
+                             f"and rank {differs[0]}; here from {self.tables.origin}), so the "
+                             f"ranks could choose different recipes; give every rank the same "
+                             f"table= or $MXCOMM_COST_TABLE, or the same cached tables")
         #: The agreed device class (``mxcomm.recipes.DEVICE_CLASSES``): the least capable rank's.
         self.device_class = _recipes.DEVICE_CLASSES[int(table_[:, 1].min())]
         self.recipe_name = recipe
@@ -149,21 +175,33 @@ class ExpertParallel:
         device = torch.device("cuda", int(device))
         return "sm90" if fp8_gemm_available(device) else "cuda"
 
-    def recipe_for(self, layout, dim):
-        """The :class:`~mxcomm.recipes.Recipe` this object runs for ``layout`` and rows of width
-        ``dim``: the pinned one, or ``"auto"``'s choice (a :class:`mxcomm.recipes.Chooser` per
-        D). No host sync, no communication."""
-        if self._pinned is not None:
-            return self._pinned
+    def _local_device_name(self):
+        """This rank's device name, as cost tables record it: the GPU's, else ``"cpu"``."""
+        device = getattr(self.comm, "device", None)
+        return "cpu" if device is None else torch.cuda.get_device_name(int(device))
+
+    def chooser(self, dim):
+        """``"auto"``'s :class:`mxcomm.recipes.Chooser` for rows of width ``dim`` (built once
+        per D from the agreed tables and device class). RuntimeError for a pinned recipe."""
+        if self.tables is None:
+            raise RuntimeError(f"ExpertParallel: recipe {self.recipe_name!r} is pinned; only "
+                               f"'auto' chooses")
+        table = self.tables.table_for(dim, self.hidden)
         chooser = self._choosers.get(dim)
-        if chooser is None or chooser.device != self.device_class or \
-                chooser.table is not self.table:
+        if chooser is None or chooser.device != self.device_class or chooser.table is not table:
             chooser = self._choosers[dim] = _recipes.Chooser(
                 dim, self.hidden if self.hidden is not None
-                else dim * self.table.ref_hidden / self.table.ref_dim, device=self.device_class,
-                table=self.table)
-            chooser.device, chooser.table = self.device_class, self.table
-        return chooser(layout)
+                else dim * table.ref_hidden / table.ref_dim, device=self.device_class,
+                table=table)
+        return chooser
+
+    def recipe_for(self, layout, dim):
+        """The :class:`~mxcomm.recipes.Recipe` this object runs for ``layout`` and rows of width
+        ``dim``: the pinned one, or ``"auto"``'s choice (:meth:`chooser`). No host sync, no
+        communication."""
+        if self._pinned is not None:
+            return self._pinned
+        return self.chooser(dim)(layout)
 
     def dispatch(self, x, num_tokens_per_expert):
         """Send routed rows to their experts, in the recipe's formats, in permuted order.

@@ -18,11 +18,20 @@ the expert-parallel object")::
 
 ``"auto"`` is no recipe of its own: per layout, :func:`choose_recipe` returns the recipe a small
 cost model (:class:`CostTable`) predicts fastest among those the devices run, from inputs agreed
-across ranks. No torch import here.
+across ranks. The tables come from an explicit argument, ``$MXCOMM_COST_TABLE``, the per-user
+cache that ``python -m mxcomm.bench calibrate`` fills, or the built-in :data:`H100_TABLE`, in
+that order (:func:`find_tables`). No torch import here.
 """
 
 import bisect
 import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import re
+import warnings
 
 #: The fp8 GEMM products (``mxcomm.torch.grouped_mm``'s ``fast_accum`` names).
 GEMMS = ("forward", "dgrad", "wgrad")
@@ -116,10 +125,14 @@ class CostTable:
     GEMM's work, ``rows * dim * hidden / (ref_dim * ref_hidden)``.
 
     Attributes:
-        rows: ascending rows per rank of the measured points.
-        ms: recipe name -> times (ms), one per point of ``rows``.
-        ref_dim, ref_hidden: the shape measured.
+        rows: ascending rows per rank of the measured points (two or more).
+        ms: recipe name -> times (ms), one per point of ``rows``; ``"bf16"`` among them.
+        ref_dim, ref_hidden: the shape measured (D, H).
         source: where the numbers come from.
+        device: the device measured (``torch.cuda.get_device_name``, or ``"cpu"`` for the host
+            backend); ``""`` for a table made by hand (never checked against the devices).
+        world_size: the ranks measured (0: not recorded).
+        experts_per_rank: E_local measured (0: not recorded).
     """
 
     rows: tuple
@@ -127,6 +140,9 @@ class CostTable:
     ref_dim: int
     ref_hidden: int
     source: str = ""
+    device: str = ""
+    world_size: int = 0
+    experts_per_rank: int = 0
 
     def predict(self, name, rows, dim, hidden):
         """Predicted ms of recipe ``name`` at ``rows`` rows per rank of ``dim`` x ``hidden``."""
@@ -139,16 +155,228 @@ class CostTable:
         x0, x1 = points[i - 1], points[i]
         return ms[i - 1] + (ms[i] - ms[i - 1]) * (x - x0) / (x1 - x0)
 
+    def to_dict(self):
+        """The table as the JSON object :func:`save_table` writes (:func:`table_from_dict`)."""
+        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "device": self.device,
+                "world_size": self.world_size, "dim": self.ref_dim, "hidden": self.ref_hidden,
+                "experts_per_rank": self.experts_per_rank, "rows": list(self.rows),
+                "ms": {k: list(v) for k, v in self.ms.items()}, "source": self.source}
 
-#: The measurements the model reads (2 x H100, 2026-11-27, ``python -m mxcomm.bench pipeline``,
-#: 8 experts per rank, uniform routing; bf16 with torch's exchange, fp8_rowwise fused).
+    def fingerprint(self):
+        """A 63-bit integer of the table's content (ranks compare them to agree)."""
+        return _digest([self.to_dict()])
+
+
+#: The ``format`` and ``version`` fields of a cost table file.
+TABLE_FORMAT, TABLE_VERSION = "mxcomm-cost-table", 1
+#: The environment variable naming a cost table file for ``"auto"`` (the lookup order:
+#: :func:`find_tables`).
+TABLE_ENV = "MXCOMM_COST_TABLE"
+#: The environment variable naming the per-user cache folder (default ``$XDG_CACHE_HOME/mxcomm``,
+#: or ``~/.cache/mxcomm``); tables live in its ``cost_tables/``.
+CACHE_ENV = "MXCOMM_CACHE_DIR"
+
+
+def _digest(objects):
+    text = json.dumps(objects, sort_keys=True, separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def table_from_dict(obj, where="cost table"):
+    """The :class:`CostTable` of a JSON object :meth:`CostTable.to_dict` wrote.
+
+    Raises:
+        ValueError: not such an object: a wrong format or version, a field missing or of the
+            wrong type, rows not ascending or fewer than two, a time not positive and finite,
+            a list of times not one per row, an unknown recipe, no ``"bf16"`` (the message
+            names ``where`` and the field).
+    """
+    def bad(field, expected, got):
+        return ValueError(f"{where}: {field}: expected {expected}, got {got!r}")
+    if not isinstance(obj, dict):
+        raise bad("the file", "a JSON object", type(obj).__name__)
+    if obj.get("format") != TABLE_FORMAT or obj.get("version") != TABLE_VERSION:
+        raise bad("format/version", f"{TABLE_FORMAT!r}/{TABLE_VERSION}",
+                  f"{obj.get('format')}/{obj.get('version')}")
+    for field in ("world_size", "dim", "hidden", "experts_per_rank"):
+        value = obj.get(field)
+        if type(value) is not int or value < 1:
+            raise bad(field, "a positive integer", value)
+    if not isinstance(obj.get("device"), str) or not obj["device"]:
+        raise bad("device", "a device name", obj.get("device"))
+    rows = obj.get("rows")
+    if not isinstance(rows, list) or len(rows) < 2 or \
+            any(type(r) is not int or r < 1 for r in rows) or sorted(set(rows)) != rows:
+        raise bad("rows", "two or more ascending positive integers", rows)
+    ms = obj.get("ms")
+    if not isinstance(ms, dict) or "bf16" not in ms:
+        raise bad("ms", "an object of times per recipe, bf16 among them", ms)
+    for name, times in ms.items():
+        if name not in _BY_NAME:
+            raise bad(f"ms: {name!r}", f"a recipe ({', '.join(_BY_NAME)})", name)
+        if not isinstance(times, list) or len(times) != len(rows) or any(
+                type(t) not in (int, float) or not math.isfinite(t) or t <= 0 for t in times):
+            raise bad(f"ms: {name}", f"{len(rows)} positive times (ms), one per row", times)
+    return CostTable(rows=tuple(rows), ms={k: tuple(float(t) for t in v) for k, v in ms.items()},
+                     ref_dim=obj["dim"], ref_hidden=obj["hidden"],
+                     source=str(obj.get("source", "")), device=obj["device"],
+                     world_size=obj["world_size"], experts_per_rank=obj["experts_per_rank"])
+
+
+def load_table(path):
+    """The :class:`CostTable` in the JSON file ``path`` (``python -m mxcomm.bench calibrate``).
+
+    Raises:
+        ValueError: the file cannot be read, is not JSON, or not a cost table
+            (:func:`table_from_dict`); the message names the path.
+    """
+    where = f"cost table {os.fspath(path)}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: cannot read it as JSON: {e}") from None
+    return table_from_dict(obj, where)
+
+
+def save_table(table, path):
+    """Write ``table`` as JSON to ``path`` (its folders made; replaced atomically). Returns
+    ``path``."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table.to_dict(), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def cache_dir(environ=None):
+    """The per-user folder of calibrated tables: ``$MXCOMM_CACHE_DIR/cost_tables``, else
+    ``$XDG_CACHE_HOME/mxcomm/cost_tables``, else ``~/.cache/mxcomm/cost_tables``."""
+    environ = os.environ if environ is None else environ
+    root = environ.get(CACHE_ENV) or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "mxcomm")
+    return pathlib.Path(root) / "cost_tables"
+
+
+def _slug(device):
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+
+
+def cache_path(device, world_size, dim, hidden, environ=None):
+    """Where ``calibrate`` saves, and ``"auto"`` finds, the table of ``device`` (a device name),
+    ``world_size`` ranks and ``dim`` x ``hidden``: ``cache_dir() / <device>_w<W>_d<D>_h<H>.json``
+    (the name lower-cased, runs of other characters as ``-``)."""
+    return cache_dir(environ) / f"{_slug(device)}_w{world_size}_d{dim}_h{hidden}.json"
+
+
+class TableSet:
+    """The cost tables ``"auto"`` reads for one group (:func:`find_tables`).
+
+    Attributes:
+        pinned: a :class:`CostTable` used for every shape (an explicit table, or
+            ``$MXCOMM_COST_TABLE``'s), or None.
+        cached: ``{(dim, hidden): CostTable}`` from the per-user cache.
+        origin: where ``pinned`` came from, or the cache folder read.
+    """
+
+    def __init__(self, pinned=None, cached=None, origin="built-in"):
+        self.pinned, self.cached, self.origin = pinned, dict(cached or {}), origin
+
+    def table_for(self, dim, hidden):
+        """The table for rows of width ``dim`` and GEMM width ``hidden`` (None: unknown): the
+        pinned one; else the cache's of these dims (with ``hidden`` None, the only cached one
+        of width ``dim``); else the built-in :data:`H100_TABLE`."""
+        if self.pinned is not None:
+            return self.pinned
+        if hidden is not None:
+            return self.cached.get((dim, int(hidden)), H100_TABLE)
+        widths = [t for (d, _), t in self.cached.items() if d == dim]
+        return widths[0] if len(widths) == 1 else H100_TABLE
+
+    def fingerprint(self):
+        """A 63-bit integer of every table held (ranks compare them to agree)."""
+        return _digest([None if self.pinned is None else self.pinned.to_dict()] +
+                       [self.cached[k].to_dict() for k in sorted(self.cached)])
+
+
+def _check_describes(table, device, world_size, where):
+    if table.device and table.device != device:
+        raise ValueError(f"{where}: measured on {table.device!r}, this rank runs {device!r}; "
+                         f"calibrate on these devices (python -m mxcomm.bench calibrate)")
+    if table.world_size and table.world_size != world_size:
+        raise ValueError(f"{where}: measured at {table.world_size} ranks, the group has "
+                         f"{world_size}; calibrate at this world size")
+
+
+def find_tables(device, world_size, table=None, environ=None):
+    """The tables ``"auto"`` reads on this rank, in lookup order (docs/design.md):
+
+    1. ``table``: a :class:`CostTable` or the path of a table file, for every shape;
+    2. else the file named by ``$MXCOMM_COST_TABLE``, for every shape;
+    3. else the per-user cache (:func:`cache_path`): the tables of ``device`` and
+       ``world_size``, each for its own dims;
+    4. for shapes none of these covers, the built-in :data:`H100_TABLE`.
+
+    Args:
+        device: this rank's device name (``torch.cuda.get_device_name``, or ``"cpu"``).
+        world_size: the group's ranks.
+        table: None, a :class:`CostTable`, or a path.
+        environ: the environment to read (default ``os.environ``).
+    Returns:
+        A :class:`TableSet`.
+    Raises:
+        ValueError: an explicit or ``$MXCOMM_COST_TABLE`` table that cannot be read, is
+            malformed, or was measured on another device or world size (named by the user: a
+            silent fallback would hide the mistake).
+    Warns:
+        RuntimeWarning: a cached file that is malformed or describes another device or world
+            size is skipped, naming it (a stale cache should not stop training).
+    """
+    environ = os.environ if environ is None else environ
+    named = ""
+    if table is None and environ.get(TABLE_ENV):
+        table, named = environ[TABLE_ENV], f" (named by ${TABLE_ENV})"
+    if table is not None:
+        where = "table"
+        if not isinstance(table, CostTable):
+            if not isinstance(table, (str, os.PathLike)):
+                raise ValueError(f"table: expected a CostTable or a path, got "
+                                 f"{type(table).__name__}")
+            where = f"cost table {os.fspath(table)}{named}"
+            try:
+                table = load_table(table)
+            except ValueError as e:
+                raise ValueError(f"{e}{named}") from None
+        _check_describes(table, device, world_size, where)
+        return TableSet(pinned=table, origin=where)
+    folder = cache_dir(environ)
+    cached = {}
+    for path in sorted(folder.glob(f"{_slug(device)}_w{world_size}_d*_h*.json")):
+        try:
+            found = load_table(path)
+            _check_describes(found, device, world_size, f"cost table {path}")
+        except ValueError as e:
+            warnings.warn(f"mxcomm auto: skipping a cached table: {e}", RuntimeWarning,
+                          stacklevel=2)
+            continue
+        cached[(found.ref_dim, found.ref_hidden)] = found
+    return TableSet(cached=cached, origin=str(folder))
+
+
+#: The measurements the model reads when nothing else is found (2 x H100, commit 194096a,
+#: 2026-11-27, bench/results/2026-11-27/pipeline_recipes_194096a_uniform_w2_h100.json:
+#: ``python -m mxcomm.bench pipeline --interleave``, 8 experts per rank, uniform routing; bf16
+#: is the recipe, mxcomm's exchanges: the variant bf16_mxcomm).
 H100_TABLE = CostTable(
-    rows=(4096, 16384, 65536, 131072),
-    ms={"bf16": (2.61, 4.06, 14.31, 29.11),
-        "mxfp8": (2.63, 3.92, 13.49, 27.42),
-        "fp8_rowwise": (5.48, 5.42, 11.52, 20.37)},
+    rows=(4096, 16384, 32768, 65536, 131072),
+    ms={"bf16": (3.483, 4.494, 8.019, 14.779, 29.390),
+        "mxfp8": (3.626, 4.693, 7.773, 14.114, 27.495),
+        "fp8_rowwise": (6.959, 6.632, 8.583, 12.108, 20.523)},
     ref_dim=7168, ref_hidden=2048,
-    source="2 x H100, dim 7168, hidden 2048, 8 experts per rank, uniform routing")
+    source="2 x H100 at 194096a (2026-11-27), dim 7168, hidden 2048, 8 experts per rank, "
+           "uniform routing", device="NVIDIA H100 80GB HBM3", world_size=2, experts_per_rank=8)
 
 
 def rows_per_rank(layout):
@@ -177,7 +405,8 @@ class Chooser:
             raise ValueError(f"choose_recipe: device: expected one of {DEVICE_CLASSES}, got "
                              f"{device!r}")
         self._scale = dim * hidden / (table.ref_dim * table.ref_hidden)
-        if device == "cpu":  # the host backend: the table does not describe it
+        self.table, self.device = table, device
+        if device == "cpu" and table.device != "cpu":  # the host backend, not described
             self.bounds, self.answers = [], [_BY_NAME["bf16"]]
             return
         names = [r.name for r in _RECIPES if runnable(r, device) and r.name in table.ms]
@@ -219,15 +448,26 @@ class Chooser:
         return self.answers[bisect.bisect_right(self.bounds,
                                                 rows_per_rank(layout) * self._scale)]
 
+    def for_rows(self, rows):
+        """The recipe for ``rows`` rows per rank (an int, or a size while tracing: plain
+        comparisons, which ``torch.compile`` folds for a static size)."""
+        x = rows * self._scale
+        answer = self.answers[0]
+        for bound, after in zip(self.bounds, self.answers[1:]):
+            if x >= bound:
+                answer = after
+        return answer
+
 
 def choose_recipe(layout, dim, hidden, *, device="cpu", table=H100_TABLE, margin=0.02):
     """The recipe ``"auto"`` runs for ``layout``: the one predicted fastest.
 
-    Among the recipes the devices run (:func:`runnable`), every one meeting the SQNR thresholds
-    (all do), the prediction of ``table`` decides; a recipe other than ``"bf16"`` replaces it
-    only when predicted at least ``margin`` (a fraction) faster; ties keep the earlier recipe.
-    On ``"cpu"`` the answer is ``"bf16"``. Deterministic in its arguments (every rank chooses
-    alike); no host sync, no communication.
+    Among the recipes the devices run (:func:`runnable`) and ``table`` measured, every one
+    meeting the SQNR thresholds (all do), the prediction of ``table`` decides; a recipe other
+    than ``"bf16"`` replaces it only when predicted at least ``margin`` (a fraction) faster;
+    ties keep the earlier recipe. On ``"cpu"`` the answer is ``"bf16"`` unless the table was
+    measured there (``table.device == "cpu"``: ``calibrate`` on the host backend).
+    Deterministic in its arguments (every rank chooses alike); no host sync, no communication.
 
     Args:
         layout: a layout (``mxcomm.exchange_layout``); its ``sent`` table is read.

@@ -5,8 +5,12 @@ in the host backend, and the CUDA kernels run in Numba's CUDA simulator where a 
 (:func:`use_backend`, tests/test_backends.py).
 """
 
+import atexit
 import contextlib
+import os
+import shutil
 import sys
+import tempfile
 
 import numpy
 import pytest
@@ -22,6 +26,13 @@ SEED = 1234
 # seconds to minutes per launch, at random (10 s to 8 min for the serial suite's slowest test).
 # 0.1 ms: that launch (bench/NOTES.md, 2026-11-25) 2.4 s -> 0.3 s.
 sys.setswitchinterval(1e-4)
+
+# "auto" chooses from the tables a test gives it, never from this user's calibrated cache
+# (python -m mxcomm.bench calibrate) or $MXCOMM_COST_TABLE: an empty cache folder per process,
+# inherited by the processes a test starts.
+os.environ.pop("MXCOMM_COST_TABLE", None)
+os.environ["MXCOMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="mxcomm-test-cache-")
+atexit.register(shutil.rmtree, os.environ["MXCOMM_CACHE_DIR"], True)
 
 
 def _lock_simulated_shared_arrays():

@@ -572,7 +572,8 @@ def test_latency_on_a_cpu_runs_its_cpu_shapes_and_says_so(tmp_path):
                                              "bf16+fp8gemm, fp8_rowwise_bf16grad, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
                                              "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32, "
-                                             "fp8_rowwise_overlap"),
+                                             "fp8_rowwise_overlap, "
+                                             "fp8_rowwise_nocache"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
 def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
@@ -630,11 +631,17 @@ def test_variants_precisions_and_stages():
         v["fp8_rowwise_bf16grad"], name="fp8_rowwise_acc32", fast_accum=())
     assert {x.fast_accum for x in _moe.VARIANTS if x.name != "fp8_rowwise_acc32"} == {
         ("forward", "dgrad", "wgrad")}
+    # the weight cache off: the recipe fp8_rowwise otherwise, a comparison run by name only
+    assert v["fp8_rowwise_nocache"] == dataclasses.replace(
+        v["fp8_rowwise"], name="fp8_rowwise_nocache", recipe=None, weight_cache=False,
+        default=False)
+    assert [x.name for x in _moe.VARIANTS if not x.weight_cache] == ["fp8_rowwise_nocache"]
+    assert "no weight cache" in v["fp8_rowwise_nocache"].describe()
     with pytest.raises(ValueError, match="auto has no stages until resolved"):
         _moe.stages(v["auto"], None, 2, loop_gemm=True)
     layout = types.SimpleNamespace(sent=[[131072, 0], [0, 131072]])
     for device, chose in (("sm90", "fp8_rowwise"), ("cuda", "mxfp8"), ("cpu", "bf16")):
-        resolved = _moe.resolve(v["auto"], layout, 7168, 2048, device)
+        resolved = _moe.resolve(v["auto"], layout, 7168, 2048, device, recipes.H100_TABLE)
         assert (resolved.name, resolved.chose) == ("auto", chose)
         assert resolved.fused == (chose == "fp8_rowwise")
     for x in _moe.VARIANTS:
@@ -870,3 +877,78 @@ def test_pipeline_fp8_variants_feed_the_gemm_quantized_rows(pipeline_world):
         assert {k for k in times} >= {("gemm", "fwd"), ("gemm", "bwd"), ("permute", "bwd")}
         assert not any(stage.endswith("dequantize") for stage, _ in times)
         assert all(s.iters == 1 for s in times.values())
+
+
+@pytest.mark.mpi
+def test_pipeline_stage_breakdown_of_every_recipe(pipeline_world):
+    """The per-stage table (the GPU's, here timed on the host clock) covers every stage of each
+    recipe and of fp8_rowwise_nocache, forward and backward: the layout, the exchanges (the
+    fused recipe's with its permutes inside), the permutes, the GEMM; dequantize only where
+    the rows arrive MXFP8 (the mxfp8 recipe's permute already gives bf16 rows: none)."""
+    from mxcomm.bench import _moe, pipeline
+    rt, args = pipeline_world
+    shape = tuple(int(v) for v in MPI_SHAPE[1::2])
+    case = pipeline._Case(args, rt, shape)
+    variants = {v.name: v for v in _moe.VARIANTS}
+    expected = {
+        "bf16_mxcomm": {"layout", "dispatch", "permute", "gemm", "unpermute", "combine"},
+        "mxfp8": {"layout", "dispatch", "permute", "gemm", "unpermute", "combine"},
+        "fp8_rowwise": {"layout", "dispatch", "gemm", "combine"},
+        "fp8_rowwise_nocache": {"layout", "dispatch", "gemm", "combine"}}
+    for name, stages in expected.items():
+        stage_list = _moe.stages(variants[name], rt.comm, case.e_local, loop_gemm=case.loop_gemm)
+        state, grads, _ = case.trace(stage_list)
+        times = case.stage_times(stage_list, state, grads)
+        assert {s for s, d in times if d == "fwd"} == stages, (name, sorted(times))
+        assert {s for s, d in times if d == "bwd"} == stages - {"layout"}, (name, sorted(times))
+        assert all(t.median > 0 for t in times.values())
+
+
+# ------------------------------------------------------------------------------ calibrate
+def _independent_choice(table, rows):
+    """auto's answer at a measured point, recomputed from the table's numbers: the fastest
+    recipe, bf16 unless another is at least 2 % faster (the CPU runs no fp8 GEMM)."""
+    ms = {k: v[table["rows"].index(rows)] for k, v in table["ms"].items() if k != "fp8_rowwise"}
+    best = min(ms, key=lambda k: (ms[k] * (0.98 if k == "bf16" else 1.0), k != "bf16"))
+    return best
+
+
+def test_calibrate_writes_the_table_auto_reads(tmp_path):
+    """``calibrate`` at 2 ranks (host backend, tiny shapes, few iterations) writes a table of
+    the recipes the CPU runs, by default into the per-user cache under the name auto looks up;
+    the report's auto column is the choice recomputed independently from the table's times."""
+    pytest.importorskip("torch")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, MXCOMM_BACKEND="host", MXCOMM_CACHE_DIR=str(cache))
+    out = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mxcomm.bench", "calibrate",
+                          "--tokens", "128", "64", "--dim", "64", "--hidden", "32", "--experts",
+                          "2", "--iters", "2", "--warmup", "1", "--json",
+                          str(tmp_path / "c.json")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    path = recipes.cache_path("cpu", 2, 64, 32, environ=env)
+    assert path.parent == cache / "cost_tables" and path.name == "cpu_w2_d64_h32.json"
+    table = recipes.load_table(path)
+    assert (table.device, table.world_size, table.ref_dim, table.ref_hidden,
+            table.experts_per_rank) == ("cpu", 2, 64, 32, 2)
+    assert table.rows == (64, 128) and set(table.ms) == {"bf16", "mxfp8"}
+    assert all(t > 0 for times in table.ms.values() for t in times)
+    raw = json.loads(path.read_text())
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["meta"]["table"] == raw and report["meta"]["table_path"] == str(path)
+    for row in report["tables"]["calibration"]:
+        assert row["auto"] == _independent_choice(raw, row["rows"])
+        assert row["bf16_ms"] == raw["ms"]["bf16"][raw["rows"].index(row["rows"])]
+    assert f"table written to {path}" in out.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["calibrate", "--tokens", "64"], "--tokens: expected two or more different row counts"),
+    (["calibrate", "--tokens", "64", "64"], "--tokens: expected two or more"),
+    (["calibrate", "--dim", "48"], "--dim: expected positive multiples of 32"),
+])
+def test_calibrate_rejects_bad_options_in_one_line(capsys, argv, message):
+    from mxcomm.bench._cli import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err

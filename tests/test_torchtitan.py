@@ -388,8 +388,8 @@ def test_override_registered_when_imported_before_torchtitan():
 
 def test_recipe_config_and_override():
     """``use_mxcomm(recipe=...)`` and the ``mxcomm_moe`` override install the dispatcher (with
-    mxcomm's permute where the recipe is fused) and the experts class; ``"auto"`` is refused
-    naming why."""
+    mxcomm's permute where the recipe is fused) and the experts class; ``"auto"`` installs the
+    per-call choice with the experts' width (not on TorchAO's dispatcher, which says why)."""
     import mxcomm.integrations.torchtitan as tt
     config = _recipe_moe(4, FP8_ROWWISE)
     dispatcher, experts = (config.routed_experts.token_dispatcher,
@@ -400,8 +400,19 @@ def test_recipe_config_and_override():
             dispatcher.permute_align) == ("fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", 32)
     assert type(experts) is tt.MxcommGroupedExperts.Config and experts.gemm == "fp8"
     assert (experts.dim, experts.hidden_dim, experts.num_experts) == (DIM, HIDDEN, E_LOCAL)
-    with pytest.raises(ValueError, match="'auto' chooses per layout"):
-        tt.use_mxcomm(config, recipe=types.SimpleNamespace(name="auto"))
+    auto = _recipe_moe(4, "auto")
+    dispatcher, experts = (auto.routed_experts.token_dispatcher,
+                           auto.routed_experts.inner_experts)
+    assert type(dispatcher) is tt.MxcommTokenDispatcher.Config
+    assert (dispatcher.recipe, dispatcher.dim, dispatcher.hidden, dispatcher.permute_align) == \
+        ("auto", DIM, HIDDEN, 0)
+    assert type(experts) is tt.MxcommGroupedExperts.Config and experts.gemm == "auto"
+    from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
+    torchao = _moe_config(TorchAOTokenDispatcher.Config(num_experts=4, top_k=2, pad_multiple=16))
+    with pytest.raises(ValueError, match="recipe 'auto': needs torchtitan's AllToAll"):
+        tt.use_mxcomm(torchao, recipe="auto")
+    with pytest.raises(ValueError, match="recipe: expected None or 'auto'"):
+        tt.MxcommTokenDispatcher.Config(num_experts=4, top_k=2, recipe="mxfp8").build()
     with pytest.raises(ValueError, match="gemm"):
         tt.MxcommGroupedExperts.Config(dim=8, hidden_dim=8, num_experts=1, gemm="fp4").build()
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -424,8 +435,8 @@ def test_recipe_config_and_override():
 
 def default_compiled_checks(rank, size):
     """torchtitan's MoE layer with mxcomm's default dispatcher (MXFP8 dispatch, bf16 combine,
-    torchtitan's permute) eager and compiled with ``fullgraph=True``: equality, and the
-    exchanges mxcomm made in each."""
+    plain rows) eager and compiled with ``fullgraph=True``: equality, the exchanges mxcomm made
+    in each, and the host collectives of a second step of each."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed import utils as titan_utils
     from torchtitan.distributed.spmd_types import set_spmd_meshes
@@ -448,22 +459,112 @@ def default_compiled_checks(rank, size):
     moe.load_state_dict(_weights(rank, size), strict=False)
     moe.to(dtype=torch.bfloat16)
     moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    from mxcomm.torch import communicator_for
+    comm = communicator_for(mesh.get_group())
     eager = _layer_step(moe, rank)
     eager_ran = sorted(ran)
+    before = comm.host_collectives
+    _layer_step(moe, rank)  # a second step: what a step costs once the layout's E is known
+    votes = [comm.host_collectives - before]
     ran.clear()
     moe.zero_grad(set_to_none=True)
-    torch._dynamo.config.capture_scalar_outputs = True  # torchtitan's split lists (.tolist())
-    compiled = _layer_step(torch.compile(moe, fullgraph=True, backend="aot_eager"), rank)
-    return {k: torch.equal(eager[k], compiled[k]) for k in eager}, eager_ran, sorted(ran)
+    compiled_moe = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    compiled = _layer_step(compiled_moe, rank)
+    compiled_ran = sorted(ran)
+    before = comm.host_collectives
+    _layer_step(compiled_moe, rank)
+    votes.append(comm.host_collectives - before)
+    return {k: torch.equal(eager[k], compiled[k]) for k in eager}, eager_ran, compiled_ran, votes
 
 
 def test_torchtitan_default_dispatcher_compiled():
     """Compiled (``fullgraph=True``), mxcomm's default dispatcher makes its token exchanges
-    through mxcomm's ops with torchtitan's split lists (unbacked sizes), as many as eager, and
-    its output and gradients equal eager's bit for bit."""
+    through mxcomm's ops on the layout, as many as eager, with one host collective per step
+    (the layout's agreement) in both: no vote per exchange; its output and gradients equal
+    eager's bit for bit."""
     expected = sorted(["a2a_dispatch", "a2a_combine", "a2a_combine_backward",
                        "a2a_dispatch_backward"])
-    for rank, (equal, eager_ran, compiled_ran) in enumerate(
+    for rank, (equal, eager_ran, compiled_ran, votes) in enumerate(
             run_world(2, default_compiled_checks, timeout=600)):
         assert all(equal.values()), f"rank {rank}: compiled differs from eager: {equal}"
         assert eager_ran == compiled_ran == expected, (rank, eager_ran, compiled_ran)
+        assert votes == [1, 1], (rank, votes)
+
+
+def auto_checks(rank, size, device="cpu"):
+    """torchtitan's MoE layer with ``use_mxcomm(recipe="auto")`` and a host-backend cost table
+    (``$MXCOMM_COST_TABLE``) whose crossover lies below, then above, the rows each rank routes:
+    the recipe each call ran (eager from the layout, compiled as traced), and the results
+    against the same layer with that recipe pinned, eager and compiled."""
+    import os
+    import tempfile
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed import utils as titan_utils
+    from torchtitan.distributed.spmd_types import set_spmd_meshes
+
+    import mxcomm.integrations.torchtitan as tt
+    from mxcomm import recipes
+    from mxcomm.integrations import _titan_hooks
+    titan_utils.set_spmd_backend("full_dtensor")
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch 2.11: as recipe_checks
+        torch.compiler._is_non_strict_tracing = lambda: False
+    mesh = init_device_mesh(device, (size,), mesh_dim_names=("ep",))
+    set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
+    experts = E_LOCAL * size
+    name_here = "cpu" if device == "cpu" else torch.cuda.get_device_name()
+    chosen = []
+    real = _titan_hooks.MxcommExchanges._path_for
+
+    def recording(self, layout, x):
+        path = real(self, layout, x)
+        chosen.append(path.recipe)
+        return path
+
+    _titan_hooks.MxcommExchanges._path_for = recording
+    torch._dynamo.config.capture_scalar_outputs = True
+    rows = BATCH * SEQ * TOP_K  # every rank routes as many
+    folder = tempfile.mkdtemp()
+    result = {}
+    for cut, name in ((2 * rows, "bf16"), (rows // 2, "mxfp8")):
+        table = recipes.CostTable(rows=(1, cut, 2 * cut), ms={"bf16": (1.0, 2.0, 4.0),
+                                                              "mxfp8": (1.5, 2.0, 2.5)},
+                                  ref_dim=DIM, ref_hidden=HIDDEN, device=name_here,
+                                  world_size=size, experts_per_rank=E_LOCAL)
+        os.environ[recipes.TABLE_ENV] = str(recipes.save_table(table, f"{folder}/{cut}.json"))
+        chosen.clear()
+        auto = _built(_recipe_moe(experts, "auto"), rank, size, mesh)
+        eager = _layer_step(auto, rank)
+        compiled = _layer_step(torch.compile(_built(_recipe_moe(experts, "auto"), rank, size,
+                                                    mesh), fullgraph=True, backend="aot_eager"),
+                               rank)
+        ran = list(chosen)
+        pinned = _layer_step(_built(_recipe_moe(experts, name), rank, size, mesh), rank)
+        result[name] = (ran, all(torch.equal(eager[k], pinned[k]) for k in eager),
+                        all(torch.equal(compiled[k], pinned[k]) for k in eager))
+    del os.environ[recipes.TABLE_ENV]
+    return result
+
+
+def test_torchtitan_auto_recipe_follows_the_table_eager_and_compiled():
+    """``use_mxcomm(config, recipe="auto")`` on torchtitan's MoE layer: with the crossover of
+    the cost table above the rows each rank routes it runs bf16, below it mxfp8 (no fp8 GEMM on
+    a CPU), on both ranks, eager and compiled (``fullgraph=True``); its output and gradients
+    equal the layer with that recipe pinned, bit for bit."""
+    _check_auto(run_world(2, auto_checks, timeout=600))
+
+
+@pytest.mark.gpu
+def test_gpu_torchtitan_auto_recipe_eager_and_compiled():
+    """The same on 2 GPUs over NCCL, with a table of these GPUs (bf16 and mxfp8 measured)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_auto(run_world(2, auto_checks, "cuda", timeout=600, gpu=True))
+
+
+def _check_auto(results):
+    for rank, result in enumerate(results):
+        for name, (chosen, eager_equal, compiled_equal) in result.items():
+            assert chosen == [name, name], (rank, name, chosen)  # eager's call, the trace's
+            assert eager_equal and compiled_equal, (rank, name, eager_equal, compiled_equal)
+    assert results[0] == results[1]

@@ -1,4 +1,4 @@
-"""Benchmarks of mxcomm: ``python -m mxcomm.bench {kernels,a2a,pipeline,latency,torchtitan}``.
+"""Benchmarks of mxcomm: ``python -m mxcomm.bench {kernels,a2a,pipeline,latency,torchtitan,calibrate}``.
 
 - ``kernels``: MXFP8 quantize/dequantize and permute/unpermute bandwidth against a device copy.
 - ``a2a``: all-to-all-v throughput, mxcomm's communicator vs ``torch.distributed`` (nccl-tests
@@ -10,6 +10,8 @@
 - ``torchtitan``: torchtitan 0.3's own MoE layer (DeepSeek-V3 671B config), forward and backward,
   its bf16 and float8 experts against mxcomm's integration, eager and compiled: tokens/s, peak
   memory, SQNR.
+- ``calibrate``: each recipe's forward + backward at a grid of rows per rank on this machine,
+  saved as the cost table ``"auto"`` reads (``mxcomm.recipes``).
 
 Run the multi-rank ones under ``mpirun -n W`` or ``torchrun --nproc-per-node W`` (one process per
 GPU; ``python -m`` becomes ``torchrun ... -m``). Without a GPU they run on the CPU in the host

@@ -24,6 +24,8 @@ COMMANDS = {
     "latency": "host and device time per dispatch/combine call through mxcomm.torch, vs torch",
     "torchtitan": "torchtitan's MoE layer (DeepSeek-V3 config) fwd + bwd: its bf16 and float8 "
                   "experts vs mxcomm's, eager and compiled",
+    "calibrate": "measure each recipe's fwd + bwd per rows per rank and save the cost table "
+                 "that the recipe auto reads",
 }
 
 #: Defaults of --iters/--warmup: on a GPU, and on a CPU (where only ``kernels`` times anything,

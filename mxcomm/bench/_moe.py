@@ -46,6 +46,8 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     fp8_rowwise_overlap  mxcomm  the recipe fp8_rowwise with the backward overlap
                               (``ExpertParallel(overlap=True)``'s: the dispatch-gradient exchange
                               on a side stream beside the GEMM's wgrad)
+    fp8_rowwise_nocache  mxcomm  the recipe fp8_rowwise with the weight cache off: both fp8
+                              weight operands quantized on every call
 
 The fp8 GEMM variants' weight gradient is fp8 (``grouped_mm``'s default: both operands rescaled
 per (group, column) along the tokens from the fp8 rows the forward and dgrad read), except
@@ -107,6 +109,8 @@ class Variant:
         overlap: the dispatch's backward on a side stream beside the GEMM's wgrad
             (``mxcomm._torch_overlap``, as ``ExpertParallel(overlap=True)``); fused variants
             only.
+        weight_cache: the fp8 GEMM keeps its quantized weights while they are unchanged
+            (``grouped_mm``'s ``weight_cache``); False: quantized on every call.
     """
 
     name: str
@@ -126,6 +130,7 @@ class Variant:
     recipe: object = None
     chose: object = None
     overlap: bool = False
+    weight_cache: bool = True
 
     def describe(self):
         """One line for the report's notes: the exchanges, the permute, the GEMM."""
@@ -145,6 +150,8 @@ class Variant:
         fast = "/".join(self.fast_accum) or "none"
         gemm = (f"fp8 rowwise grouped GEMM (mxcomm.torch.grouped_mm, {self.wgrad} wgrad, fast "
                 f"accumulation: {fast})") if self.gemm == "fp8" else "bf16 grouped GEMM"
+        if self.gemm == "fp8" and not self.weight_cache:
+            gemm += ", weights quantized on every call (no weight cache)"
         chose = f" (chose {self.chose})" if self.chose else ""
         overlap = (", the dispatch's backward on a side stream beside the wgrad"
                    if self.overlap else "")
@@ -161,13 +168,14 @@ def from_recipe(recipe, name=None, **fields):
                    recipe=recipe.name, **fields)
 
 
-def resolve(variant, layout, dim, hidden, device):
+def resolve(variant, layout, dim, hidden, device, table):
     """``variant``, or for ``auto`` the variant of the recipe it chooses for ``layout``
-    (``mxcomm.recipes.Chooser`` on the agreed ``device`` class), still named ``auto``."""
+    (``mxcomm.recipes.Chooser`` of ``table`` on the agreed ``device`` class), still named
+    ``auto``."""
     if variant.recipe != "auto":
         return variant
     from mxcomm import recipes
-    chosen = recipes.Chooser(dim, hidden, device=device)(layout)
+    chosen = recipes.Chooser(dim, hidden, device=device, table=table)(layout)
     return from_recipe(chosen, "auto", chose=chosen.name)
 
 
@@ -203,6 +211,8 @@ VARIANTS = (
     Variant("fp8_rowwise_acc32", dispatch="fp8_rowwise", combine_grad="fp8_rowwise",
             gemm="fp8", fast_accum=(), default=False),
     *_overlap_variants(),
+    dataclasses.replace(_recipe_variants()[-1], name="fp8_rowwise_nocache", recipe=None,
+                        weight_cache=False, default=False),
 )
 #: The reference of every SQNR and the first speedup column.
 REFERENCE = "bf16"
@@ -406,7 +416,8 @@ def stages(variant, comm, num_local_experts, *, loop_gemm):
             # (bf16+fp8gemm: grouped_mm's default gives plain rows the bf16 GEMM).
             return {"y_": mxt.grouped_mm(p, w.transpose(-2, -1), s["offs"],
                                          fp8=mxt.fp8_gemm_available(w.device),
-                                         wgrad=variant.wgrad, fast_accum=variant.fast_accum)}
+                                         wgrad=variant.wgrad, fast_accum=variant.fast_accum,
+                                         weight_cache=variant.weight_cache)}
 
         if variant.fused:  # the stages "dispatch" and "combine" hold the permute and unpermute
             return [Stage("layout", (), None, layout),

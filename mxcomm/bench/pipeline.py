@@ -29,6 +29,9 @@ dispatch / combine / dispatch_grad / combine_grad):
                  gradient in bf16 (the others': fp8, grouped_mm's default)
   fp8_rowwise_acc32      (only by --variants) fp8_rowwise_bf16grad with every fp8 product's sums
                  promoted to fp32 (the others: every product fast, grouped_mm's default)
+  fp8_rowwise_nocache    (only by --variants) the recipe fp8_rowwise with grouped_mm's weight
+                 cache off (both weight operands quantized on every call): the crossover with
+                 and without the cache side by side
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
@@ -321,7 +324,8 @@ def _gemm_note(rt, fp8_gemm):
     if fp8_gemm:
         return ("fp8 GEMM (bf16+fp8gemm, fp8_rowwise*, mxfp8+rowwise): "
                 "mxcomm.torch.grouped_mm, torch._scaled_grouped_mm rowwise on SM90 (weights "
-                "quantized per call, e4m3 with power-of-two scales; forward, dgrad and wgrad "
+                "quantized once while unchanged, grouped_mm's weight cache, per call in "
+                "fp8_rowwise_nocache; e4m3 with power-of-two scales; forward, dgrad and wgrad "
                 "fp8, the wgrad's operands rescaled per (group, column) along the tokens; "
                 "fp8_rowwise_bf16wgrad: wgrad bf16; fast accumulation (use_fast_accum) in every product, except "
                 "fp8_rowwise_acc32: sums promoted to fp32)")
@@ -404,7 +408,8 @@ def measure(args, rt):
              f"rows padded to {_moe.ALIGN} per expert group"]
     if chose:
         notes.append("auto chose: " + "; ".join(f"{k}: {v}" for k, v in chose.items()) +
-                     " (mxcomm.recipes.Chooser on the agreed layout of each shape)")
+                     " (mxcomm.recipes.Chooser on the agreed layout of each shape, from the "
+                     "table auto finds: mxcomm.recipes.find_tables)")
     if any(v.gemm == "fp8" or v.recipe == "auto" for v in variants):
         notes.append(_gemm_note(rt, fp8_gemm))
     notes.append("data movement: each step against an independent reference of the same bytes "
@@ -444,10 +449,17 @@ def _resolved(variants, case, rt, fp8_gemm):
     layout exchange, collective; every rank decides alike from it), the others as they are."""
     if not any(v.recipe == "auto" for v in variants):
         return variants
+    from mxcomm import recipes
     from mxcomm.torch import exchange_layout
     layout = exchange_layout(case.counts, rt.comm)
     device = "sm90" if fp8_gemm else ("cuda" if rt.gpu else "cpu")
-    return tuple(_moe.resolve(v, layout, case.dim, case.hidden, device) for v in variants)
+    name = "cpu"
+    if rt.gpu:
+        import torch
+        name = torch.cuda.get_device_name(rt.torch_device())
+    table = recipes.find_tables(name, rt.size).table_for(case.dim, case.hidden)
+    return tuple(_moe.resolve(v, layout, case.dim, case.hidden, device, table)
+                 for v in variants)
 
 
 def failed(tables):

@@ -404,6 +404,13 @@ class _Run:
         return out
 
 
+def _auto_ran(moe):
+    """The recipes mxcomm's dispatcher in ``moe`` ran for ``"auto"`` (the paths it made), by
+    name; empty for any other dispatcher."""
+    dispatcher = moe.routed_experts.token_dispatcher
+    return set(getattr(dispatcher, "_paths", None) or ())
+
+
 def _trace(run, x, grad):
     """One step of ``run``; its output, input gradient and expert weight gradients, detached."""
     run.reset(x)
@@ -558,6 +565,9 @@ def measure(args, rt):
             del got
         del reference
         runs = _drop_failed(rt, runs, errors, shape, tables)
+        if shown == _recipes.AUTO:  # chosen inside the integration, per call: what it ran
+            ran = set().union(*(_auto_ran(run.moe) for run in runs if run.variant == "mxcomm"))
+            shown = f"auto ({', '.join(sorted(ran))})" if ran else shown
         for run in runs[1:]:
             # the minimum over ranks
             worst = [-v for v in rt.allreduce_max([-v for v in local_sqnr[run.name]])]

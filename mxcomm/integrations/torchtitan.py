@@ -30,14 +30,16 @@ coming back). ``dispatch_grad_precision`` / ``combine_grad_precision`` override 
 exchange alone. The defaults, ``"mxfp8"`` / ``"bf16"``, are torchao's.
 
 What the dispatcher changes in torchtitan's ``AllToAllTokenDispatcher.dispatch``/``combine`` (its
-token reorder, permute, scores and scatter-add stay torchtitan's own):
+token reorder, scores and scatter-add stay torchtitan's own), eager and compiled alike:
 - the count exchange: ``mxcomm.torch.exchange_layout`` (one device-to-host copy of the counts, as
   torchtitan's own makes, and one host allgather over the communicator's side channel) replaces
-  torch's all-to-all of the counts; dispatch and combine, given that layout, then make no host
+  torch's all-to-all of the counts; dispatch and combine, given that layout, make no host
   collective;
-- the token exchanges: ``mxcomm.torch.a2a_dispatch`` / ``a2a_combine`` in the chosen precisions;
-  their results come back dequantized, in the activations' dtype, so torchtitan sees what its own
-  exchange returns.
+- the token exchanges and the permute: ``mxcomm.torch.a2a_dispatch(x, layout, permute_align=A)``
+  delivers the rows in expert-major order (torchtitan's permute and unpermute are skipped; its
+  counts become the groups' sizes), and ``a2a_combine(y, layout, permute_align=A)`` takes them
+  back. Without a recipe that keeps them quantized the rows come dequantized, in the
+  activations' dtype, groups unpadded (A = 1; TorchAO's dispatcher: its ``pad_multiple``).
 It works under both spmd backends (``spmd_types``, where the EP group comes from the current SPMD
 mesh, and the DTensor ones, where it is the EP mesh's group): the communicator is the one
 ``mxcomm.torch.communicator_for`` keeps for that group (NCCL on GPUs, torch.distributed's gloo on a
@@ -47,15 +49,19 @@ non-strict tracing mxcomm's raise ``RuntimeError`` (they do not run there).
 
 With a recipe of ``mxcomm.recipes`` (``use_mxcomm(config, recipe="fp8_rowwise")``, or the override
 ``'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``) both the dispatcher and
-the experts are mxcomm's: where the recipe permutes in the exchange (``fused``), the dispatcher's
-``permute_align`` has mxcomm's dispatch deliver the rows in permuted order in the dispatch
-precision (fp8 rowwise: a QuantizedTensor), and :class:`MxcommGroupedExperts` (torchtitan's
-``GroupedExperts._grouped_mm`` seam, as its float8 and MX converters use) feeds them to
-``mxcomm.torch.grouped_mm`` with no bf16 pass between; the combine takes the permuted rows back.
+the experts are mxcomm's: where the recipe's GEMM is fp8 (``fused``), the dispatcher's
+``permute_align`` keeps the rows in the dispatch precision (fp8 rowwise: a QuantizedTensor) and
+:class:`MxcommGroupedExperts` (torchtitan's ``GroupedExperts._grouped_mm`` seam, as its float8
+and MX converters use) feeds them to ``mxcomm.torch.grouped_mm`` with no bf16 pass between.
+``recipe="auto"`` (the default of ``mxcomm.torch.ExpertParallel``) chooses per call among the
+recipes, as ``ExpertParallel`` does (its cost tables and agreement, built when torchtitan wires
+the dispatcher to its EP mesh): from the agreed layout in eager, from the rows this rank routes
+under ``torch.compile`` (a size the trace knows; torchtitan pads every rank's tokens alike).
 
 Under ``torch.compile`` (torchtitan compiles each block with ``fullgraph=True``) the token
-exchanges are mxcomm's custom ops (docs/design.md, "torch.compile and custom ops"): a compiled
-model makes mxcomm's exchanges, never torchtitan's in their place.
+exchanges and the layout are mxcomm's custom ops (docs/design.md, "torch.compile and custom
+ops"): a compiled model makes mxcomm's exchanges, never torchtitan's in their place, and no host
+vote per exchange.
 
 Importing this module with torchtitan installed registers the overrides (so an override names it
 whichever of the two was imported first); ``import mxcomm.integrations.torchtitan`` works without
@@ -63,6 +69,8 @@ torchtitan, and the classes import it when first used.
 """
 
 import sys
+
+from ._titan_hooks import RECIPE_ALIGN, MxcommExchanges, precisions
 
 __all__ = ["MxcommTokenDispatcher", "MxcommTorchAOTokenDispatcher", "MxcommGroupedExperts",
            "use_mxcomm", "mxcomm_token_dispatcher", "mxcomm_moe", "register",
@@ -72,9 +80,6 @@ __all__ = ["MxcommTokenDispatcher", "MxcommTorchAOTokenDispatcher", "MxcommGroup
 PRECISION_FIELDS = {"dispatch_precision": "mxfp8", "combine_precision": "bf16",
                     "dispatch_grad_precision": None, "combine_grad_precision": None}
 _LAZY_CLASSES = ("MxcommTokenDispatcher", "MxcommTorchAOTokenDispatcher", "MxcommGroupedExperts")
-#: Rows each local expert's group is padded to where a recipe has mxcomm permute (its
-#: ``fused``): the fp8 grouped GEMMs' and MX blocks' multiple.
-RECIPE_ALIGN = 32
 
 
 def __getattr__(name):
@@ -82,180 +87,6 @@ def __getattr__(name):
         _define_classes()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _Splits(list):
-    """A split list (torchtitan keeps it in its dispatch metadata) that also carries the layout
-    it came from, so the combine finds the layout again without a host collective."""
-
-    __slots__ = ("layout",)
-
-    def __init__(self, values, layout):
-        super().__init__(values)
-        self.layout = layout
-
-
-def _precisions(config):
-    """The four wire formats of a dispatcher config, the backward ones resolved by direction.
-
-    Raises:
-        ValueError: an unknown precision (naming the field).
-    """
-    from mxcomm import a2a
-    dispatch = config.dispatch_precision
-    combine = config.combine_precision
-    values = {"dispatch_precision": dispatch, "combine_precision": combine,
-              "dispatch_grad_precision": config.dispatch_grad_precision or combine,
-              "combine_grad_precision": config.combine_grad_precision or dispatch}
-    for field, value in values.items():
-        a2a._check_precision(value, field)
-    return values
-
-
-class _Fused:
-    """What the dispatcher hands itself between its hooks when mxcomm permutes (the dispatcher's
-    ``permute_align``): the layout (a TensorLayout, or a LayoutHandle in a compiled region) in
-    place of torchtitan's group counts and splits, and the group ends of the permuted rows."""
-
-    def __init__(self, layout):
-        self.layout = layout
-        self.offsets = None
-
-
-def _non_strict_tracing():
-    """``torch.compiler._is_non_strict_tracing()`` where torch has it (2.12 on), else False
-    (torch 2.11: no non-strict tracing to ask about)."""
-    import torch
-    if torch.compiler.is_compiling():  # dynamo, not export's non-strict tracing
-        return False
-    probe = getattr(torch.compiler, "_is_non_strict_tracing", None)
-    return probe is not None and probe()
-
-
-class _MxcommExchanges:
-    """The exchange hooks of torchtitan's ``AllToAllTokenDispatcher`` on mxcomm (mixed in first).
-
-    Shapes (torchtitan's suffixes): ``x`` (N, D) routed token rows sorted by global expert,
-    ``num_local_tokens_per_expert_E`` (E,) int64; the exchanges return (R, D) rows in ``x``'s
-    dtype, or with ``permute_align`` A > 0 the permuted rows (P, D) as the dispatch precision
-    gives them (a QuantizedTensor for a quantized one), each local expert's group padded to a
-    multiple of A, and torchtitan's permute and unpermute are skipped.
-
-    In a compiled region (``torch.compile``) the token exchanges are mxcomm's custom ops
-    (docs/design.md, "torch.compile and custom ops"); without ``permute_align`` the token
-    counts there go through torchtitan's own count exchange (integers, exact), which its
-    permute needs as a tensor.
-    """
-
-    def __init__(self, config):
-        super().__init__(config)
-        for field, value in _precisions(config).items():
-            setattr(self, field, value)
-        self.permute_align = getattr(config, "permute_align", 0)
-
-    @staticmethod
-    def _torchtitan_path():
-        """True where torchtitan's own exchanges must run: SPMD type checking (a debugging
-        mode: mxcomm's results carry no SPMD type). RuntimeError under torch.export's
-        non-strict tracing, where mxcomm's exchanges cannot run."""
-        if _non_strict_tracing():
-            raise RuntimeError("mxcomm's token exchanges do not run under torch.export's "
-                               "non-strict tracing; use torch.compile, or torchtitan's own "
-                               "dispatcher for export")
-        from torchtitan.distributed.utils import get_spmd_backend
-        if get_spmd_backend() == "spmd_types":
-            import spmd_types
-            return spmd_types.is_type_checking()
-        return False
-
-    def _token_count_exchange(self, num_local_tokens_per_expert_E, pg, ep_size):
-        import torch
-        if self._torchtitan_path() or (torch.compiler.is_compiling() and
-                                       not self.permute_align):
-            return super()._token_count_exchange(num_local_tokens_per_expert_E, pg, ep_size)
-        from mxcomm import torch as mxt
-        return mxt.exchange_layout(num_local_tokens_per_expert_E, pg)
-
-    def _sync_token_count_exchange(self, num_local_tokens_per_expert_E,
-                                   num_global_tokens_per_local_expert_EP_e, ep_size):
-        from mxcomm.layout import Layout
-        from mxcomm.torch._ops import LayoutHandle
-        layout = num_global_tokens_per_local_expert_EP_e
-        if isinstance(layout, LayoutHandle) or (self.permute_align and
-                                                isinstance(layout, Layout)):
-            fused = _Fused(layout)
-            return fused, fused, fused
-        if not isinstance(layout, Layout):
-            return super()._sync_token_count_exchange(
-                num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size)
-        group = layout.group_tensor.to(num_local_tokens_per_expert_E.dtype)
-        return group, _Splits(layout.input_splits, layout), _Splits(layout.output_splits, layout)
-
-    def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
-        if type(input_splits) is _Fused:
-            from mxcomm import torch as mxt
-            rows, _, input_splits.offsets = mxt.a2a_dispatch(
-                routed_input_ND, input_splits.layout, precision=self.dispatch_precision,
-                grad_precision=self.dispatch_grad_precision, permute_align=self.permute_align)
-            return rows
-        if self._torchtitan_path():
-            return super()._dispatch_token_exchange(routed_input_ND, pg, output_splits,
-                                                    input_splits)
-        return _through_mxcomm("a2a_dispatch", routed_input_ND, pg, input_splits, output_splits,
-                               self.dispatch_precision, self.dispatch_grad_precision)
-
-    def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
-        fused = num_global_tokens_per_local_expert_E
-        if type(fused) is not _Fused:
-            return super()._permute(routed_input_RD, num_global_tokens_per_local_expert_E)
-        import torch
-        offsets = fused.offsets  # the padded groups' ends: their sizes, as torchtitan's counts
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        return routed_input_RD.shape, routed_input_RD, None, counts
-
-    def _unpermute(self, routed_output_RD, input_shape, permuted_indices):
-        if permuted_indices is None:  # permuted by mxcomm: the combine takes the rows as they are
-            return routed_output_RD
-        return super()._unpermute(routed_output_RD, input_shape, permuted_indices)
-
-    def _combine_token_exchange(self, routed_output_RD, pg, input_splits, output_splits):
-        if type(input_splits) is _Fused:
-            from mxcomm import torch as mxt
-            out = mxt.a2a_combine(routed_output_RD, input_splits.layout,
-                                  precision=self.combine_precision,
-                                  grad_precision=self.combine_grad_precision,
-                                  permute_align=self.permute_align)
-            return _plain(out, routed_output_RD.dtype)
-        if self._torchtitan_path():
-            return super()._combine_token_exchange(routed_output_RD, pg, input_splits,
-                                                   output_splits)
-        return _through_mxcomm("a2a_combine", routed_output_RD, pg, input_splits, output_splits,
-                               self.combine_precision, self.combine_grad_precision)
-
-
-def _through_mxcomm(function, x, pg, input_splits, output_splits, precision, grad_precision):
-    """One direction of the token exchange through ``mxcomm.torch.<function>``: given the layout
-    that torchtitan's splits carry (no host collective), else the splits and ``pg`` (its
-    cached communicator; in a compiled region the op finds it). Returns a plain tensor of
-    ``x``'s dtype (:func:`_plain`)."""
-    from mxcomm import torch as mxt
-    call = getattr(mxt, function)
-    options = dict(precision=precision, grad_precision=grad_precision)
-    layout = getattr(input_splits, "layout", None)
-    if layout is not None:
-        out = call(x, layout, **options)
-    else:
-        out = call(x, list(input_splits), list(output_splits), pg, **options)
-    return _plain(out, x.dtype)
-
-
-def _plain(t, dtype):
-    """``t`` as a plain tensor of ``dtype``: a quantized result dequantized (differentiable,
-    straight-through), then cast if needed."""
-    from mxcomm import torch as mxt
-    if isinstance(t, mxt.QuantizedTensor):
-        t = t.dequantize()
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _define_classes():
@@ -267,15 +98,19 @@ def _define_classes():
 
     from torchtitan.models.common import token_dispatcher as td
 
-    class MxcommTokenDispatcher(_MxcommExchanges, td.AllToAllTokenDispatcher):
+    class MxcommTokenDispatcher(MxcommExchanges, td.AllToAllTokenDispatcher):
         """torchtitan's ``AllToAllTokenDispatcher`` with mxcomm's exchanges (module docstring).
 
         Config fields: those of ``AllToAllTokenDispatcher.Config`` (``num_experts``, ``top_k``),
         and ``dispatch_precision`` (default ``"mxfp8"``), ``combine_precision`` (``"bf16"``),
         ``dispatch_grad_precision`` / ``combine_grad_precision`` (None: by direction),
-        ``permute_align`` (0: torchtitan's permute; A > 0: mxcomm's exchange permutes, groups
-        padded to A rows, rows kept in the dispatch precision for :class:`MxcommGroupedExperts`).
-        Raises ``ValueError`` at build for an unknown precision.
+        ``permute_align`` (0: plain rows in the activations' dtype, groups unpadded; A > 0:
+        groups padded to A rows, rows kept in the dispatch precision for
+        :class:`MxcommGroupedExperts`); ``recipe`` (None, or ``"auto"``: the precisions above
+        unused, each call's recipe chosen by ``mxcomm.recipes``), ``dim`` and ``hidden`` (the
+        experts' widths, for ``"auto"``: its chooser is built outside any compiled region, and
+        its prediction reads H; 0: unknown, then eager only). Raises ``ValueError`` at build
+        for an unknown precision or recipe.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -285,8 +120,17 @@ def _define_classes():
             dispatch_grad_precision: str | None = None
             combine_grad_precision: str | None = None
             permute_align: int = 0
+            recipe: str | None = None
+            dim: int = 0
+            hidden: int = 0
 
-    class MxcommTorchAOTokenDispatcher(_MxcommExchanges, td.TorchAOTokenDispatcher):
+        def __init__(self, config):
+            if config.recipe not in (None, "auto"):
+                raise ValueError(f"recipe: expected None or 'auto' (a pinned recipe is written "
+                                 f"as its precisions: use_mxcomm), got {config.recipe!r}")
+            super().__init__(config)
+
+    class MxcommTorchAOTokenDispatcher(MxcommExchanges, td.TorchAOTokenDispatcher):
         """torchtitan's ``TorchAOTokenDispatcher`` (groups padded to ``pad_multiple`` for the
         quantized grouped GEMMs) with mxcomm's exchanges; fields as
         :class:`MxcommTokenDispatcher`'s plus ``pad_multiple``."""
@@ -304,13 +148,15 @@ def _define_classes():
         """torchtitan's ``GroupedExperts`` whose grouped GEMMs (its ``_grouped_mm`` seam, the one
         torchtitan's float8 and MX converters replace) are ``mxcomm.torch.grouped_mm`` where
         ``gemm`` is ``"fp8"``: the fp8 rowwise rows the dispatcher delivers (a QuantizedTensor)
-        feed the SM90 fp8 grouped GEMM as they are, no bf16 pass between; the SwiGLU's product
-        and the w2 GEMM's bf16 rows are quantized per call; where fp8 GEMMs are unavailable (a
-        CPU, pre-Hopper) its documented bf16 fallback. ``gemm="bf16"``: torchtitan's
-        ``torch._grouped_mm`` (on a QuantizedTensor's dequantized values).
+        feed the SM90 fp8 grouped GEMM as they are, no bf16 pass between; the w2 GEMM reads the
+        SwiGLU's bf16 product (``grouped_mm``'s bf16 GEMM for plain rows); where fp8 GEMMs are
+        unavailable (a CPU, pre-Hopper) its documented bf16 fallback. ``gemm="bf16"``:
+        torchtitan's ``torch._grouped_mm`` (on a QuantizedTensor's dequantized values).
+        ``gemm="auto"`` (the recipe ``"auto"``, chosen per call): ``grouped_mm`` for rows that
+        arrive quantized (the fp8 recipe), torchtitan's GEMM for plain ones.
 
-        Config fields: those of ``GroupedExperts.Config`` and ``gemm`` (``"bf16"`` or
-        ``"fp8"``; ValueError at build otherwise).
+        Config fields: those of ``GroupedExperts.Config`` and ``gemm`` (``"bf16"``, ``"fp8"``
+        or ``"auto"``; ValueError at build otherwise).
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -318,16 +164,17 @@ def _define_classes():
             gemm: str = "bf16"
 
         def __init__(self, config):
-            if config.gemm not in ("bf16", "fp8"):
-                raise ValueError(f"gemm: expected 'bf16' or 'fp8', got {config.gemm!r}")
+            if config.gemm not in ("bf16", "fp8", "auto"):
+                raise ValueError(f"gemm: expected 'bf16', 'fp8' or 'auto', got {config.gemm!r}")
             super().__init__(config)
             self.gemm = config.gemm
 
         def _grouped_mm(self, *, A, B_t, offs):
-            if self.gemm == "bf16":
-                return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
             from mxcomm import torch as mxt
-            return mxt.grouped_mm(A, B_t, offs)
+            if self.gemm == "fp8" or (self.gemm == "auto" and
+                                      isinstance(A, mxt.QuantizedTensor)):
+                return mxt.grouped_mm(A, B_t, offs)
+            return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
 
     for cls in (MxcommTokenDispatcher, MxcommTorchAOTokenDispatcher, MxcommGroupedExperts):
         cls.__module__ = __name__
@@ -337,10 +184,11 @@ def _define_classes():
         setattr(module, cls.__name__, cls)
 
 
-def _converted(config, precisions):
-    """The mxcomm twin of an ``AllToAllTokenDispatcher.Config`` (TorchAO's keeps its padding and
-    its permute: ``permute_align`` is dropped there), every other field copied; ``precisions``
-    as :data:`PRECISION_FIELDS`, and ``permute_align``."""
+def _converted(config, fields_):
+    """The mxcomm twin of an ``AllToAllTokenDispatcher.Config`` (TorchAO's keeps its padding:
+    ``permute_align`` is dropped there), every other field copied; ``fields_`` as
+    :data:`PRECISION_FIELDS`, ``permute_align``, ``recipe``. ValueError: an unknown precision;
+    ``recipe="auto"`` on TorchAO's dispatcher (it pads for torchao's own experts)."""
     import dataclasses
 
     from torchtitan.models.common import token_dispatcher as td
@@ -348,12 +196,16 @@ def _converted(config, precisions):
     module = sys.modules[__name__]
     target = module.MxcommTorchAOTokenDispatcher if isinstance(
         config, td.TorchAOTokenDispatcher.Config) else module.MxcommTokenDispatcher
+    if fields_.get("recipe") and target is module.MxcommTorchAOTokenDispatcher:
+        raise ValueError("recipe 'auto': needs torchtitan's AllToAllTokenDispatcher (the TorchAO "
+                         "dispatcher pads its groups for torchao's quantized experts); pin a "
+                         "recipe, or use the AllToAll dispatcher")
     fields = {f.name for f in dataclasses.fields(target.Config) if f.init}
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.init and f.name in fields}
-    values.update((k, v) for k, v in precisions.items() if k in fields)
+    values.update((k, v) for k, v in fields_.items() if k in fields)
     new = target.Config(**values)
-    _precisions(new)  # an unknown precision fails here, at configuration time
+    precisions(new)  # an unknown precision fails here, at configuration time
     return new
 
 
@@ -368,16 +220,15 @@ def _experts(config, gemm):
 
 
 def _recipe(recipe):
-    """``(precision fields with permute_align, gemm)`` of a recipe of ``mxcomm.recipes`` (its
-    name or the Recipe). ValueError: an unknown recipe (listing them), or ``"auto"``, which
-    chooses per layout and so cannot be written into a config."""
+    """``(dispatcher fields, gemm)`` of a recipe of ``mxcomm.recipes`` (its name or the Recipe):
+    its precisions with ``permute_align``, or for ``"auto"`` the field ``recipe``.
+    ValueError: an unknown recipe (listing them)."""
+    if recipe == "auto" or getattr(recipe, "name", None) == "auto":
+        return dict(recipe="auto"), "auto"
     if isinstance(recipe, str):
         from mxcomm.recipes import get_recipe
         recipe = get_recipe(recipe)
     chosen = recipe
-    if chosen.name == "auto":
-        raise ValueError("recipe: 'auto' chooses per layout, which a torchtitan config cannot "
-                         "hold yet; pin one of the recipes ('bf16', 'mxfp8', 'fp8_rowwise')")
     return (dict(dispatch_precision=chosen.dispatch, combine_precision=chosen.combine,
                  dispatch_grad_precision=chosen.dispatch_grad,
                  combine_grad_precision=chosen.combine_grad,
@@ -408,17 +259,20 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
     Args:
         config: a config tree with ``traverse`` (a model config: ``config.model_spec.model``,
             a ``MoE.Config``, a ``RoutedExperts.Config``).
-        recipe: None, or a recipe of ``mxcomm.recipes`` (name or Recipe; not ``"auto"``): its
-            four formats, its permute (``fused``: mxcomm permutes, groups padded to
-            :data:`RECIPE_ALIGN` rows, so quantized rows reach the experts as they arrive) and
-            its GEMM (``"fp8"``: ``mxcomm.torch.grouped_mm``) replace the precisions below.
+        recipe: None, or a recipe of ``mxcomm.recipes`` (name or Recipe): its four formats,
+            its layout (``fused``: groups padded to :data:`RECIPE_ALIGN` rows, quantized rows
+            reaching the experts as they arrive) and its GEMM (``"fp8"``:
+            ``mxcomm.torch.grouped_mm``) replace the precisions below; ``"auto"``: the recipe
+            chosen per call (the dispatcher's ``recipe`` field, the experts' ``gemm="auto"``;
+            the experts' widths copied into the dispatcher's ``dim`` and ``hidden``).
         dispatch_precision, combine_precision, dispatch_grad_precision, combine_grad_precision:
             the wire formats (module docstring), without a recipe.
-        permute_align: without a recipe, 0 (torchtitan's permute) or A > 0 (mxcomm's).
+        permute_align: without a recipe, 0 (plain rows, groups unpadded) or A > 0 (groups
+            padded to A rows, rows kept in the dispatch precision).
     Returns:
         The number of dispatcher configs replaced (0 where EP uses another dispatcher).
     Raises:
-        ValueError: an unknown precision or recipe, or ``recipe="auto"``.
+        ValueError: an unknown precision or recipe; ``"auto"`` on TorchAO's dispatcher.
         TypeError: ``config`` holds no traversable config tree; or the tree's root is itself a
             dispatcher (or experts) config (assign mxcomm's config instead).
     """
@@ -429,17 +283,24 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
                         f"{type(config).__name__}")
     gemm = None
     if recipe is not None:
-        precisions, gemm = _recipe(recipe)
+        fields, gemm = _recipe(recipe)
     else:
-        precisions = dict(dispatch_precision=dispatch_precision,
+        fields = dict(dispatch_precision=dispatch_precision,
                           combine_precision=combine_precision,
                           dispatch_grad_precision=dispatch_grad_precision,
                           combine_grad_precision=combine_grad_precision,
                           permute_align=permute_align)
     count = _replace(config, td.AllToAllTokenDispatcher.Config,
-                     lambda node: _converted(node, precisions))
+                     lambda node: _converted(node, fields))
     if gemm is not None:
         _replace(config, GroupedExperts.Config, lambda node: _experts(node, gemm))
+    if gemm == "auto":  # each dispatcher predicts with its experts' width
+        from torchtitan.models.common.moe import RoutedExperts
+        ours = sys.modules[__name__].MxcommTokenDispatcher.Config
+        for _, node, _, _ in config.traverse(RoutedExperts.Config):
+            if isinstance(node.token_dispatcher, ours):
+                node.token_dispatcher.dim = node.inner_experts.dim
+                node.token_dispatcher.hidden = node.inner_experts.hidden_dim
     return count
 
 

@@ -1,0 +1,228 @@
+"""The exchange hooks of torchtitan's token dispatcher on mxcomm (mxcomm.integrations.torchtitan).
+
+Every mxcomm path through torchtitan's ``AllToAllTokenDispatcher`` is one: mxcomm's layout in
+place of torchtitan's count exchange (the one host synchronization; in a compiled region a
+``LayoutHandle``), then the dispatch with the expert side in permute's order
+(``a2a_dispatch(x, layout, permute_align=A)``: torchtitan's permute skipped, the groups' sizes
+handed on as its counts), the experts, and the combine from that order (``a2a_combine(y, layout,
+permute_align=A)``: torchtitan's unpermute skipped). No exchange makes a host collective, eager
+or compiled. What varies per call is a :class:`_Path`: the four wire formats, A, and whether the
+experts get the rows as delivered (quantized, for mxcomm's fp8 GEMM) or plain.
+
+Glossary (torchtitan's suffixes): N routed rows this rank sends, R rows it receives, P the
+permuted bound (``layout.permuted_rows(A)``), D dim, E experts, e local experts.
+"""
+
+import dataclasses
+
+#: Rows each local expert's group is padded to where a recipe has mxcomm's fp8 GEMM read the
+#: rows as delivered (its ``fused``): the fp8 grouped GEMMs' and MX blocks' multiple.
+RECIPE_ALIGN = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Path:
+    """One call's way through the dispatcher.
+
+    Attributes:
+        dispatch, combine, dispatch_grad, combine_grad: the wire formats.
+        align: A, each local expert's group padded to a multiple of it (1: no padding).
+        keep: the experts get the dispatched rows as delivered (a QuantizedTensor of a
+            quantized dispatch format); False: plain rows in the activations' dtype.
+        recipe: the ``mxcomm.recipes`` name where a recipe decided (``"auto"``'s choice), else
+            None.
+    """
+
+    dispatch: str
+    combine: str
+    dispatch_grad: str
+    combine_grad: str
+    align: int = 1
+    keep: bool = False
+    recipe: object = None
+
+
+def recipe_path(recipe):
+    """The :class:`_Path` of an ``mxcomm.recipes.Recipe``: its formats; where its GEMM is fp8
+    (``fused``), groups of :data:`RECIPE_ALIGN` rows delivered as they arrive, else plain,
+    unpadded rows for the bf16 GEMM."""
+    return _Path(recipe.dispatch, recipe.combine, recipe.dispatch_grad, recipe.combine_grad,
+                 RECIPE_ALIGN if recipe.fused else 1, recipe.gemm == "fp8", recipe.name)
+
+
+def precisions(config):
+    """The four wire formats of a dispatcher config, the backward ones resolved by direction.
+
+    Raises:
+        ValueError: an unknown precision (naming the field).
+    """
+    from mxcomm import a2a
+    dispatch = config.dispatch_precision
+    combine = config.combine_precision
+    values = {"dispatch_precision": dispatch, "combine_precision": combine,
+              "dispatch_grad_precision": config.dispatch_grad_precision or combine,
+              "combine_grad_precision": config.combine_grad_precision or dispatch}
+    for field, value in values.items():
+        a2a._check_precision(value, field)
+    return values
+
+
+class _Fused:
+    """What the dispatcher hands itself between its hooks, in place of torchtitan's group
+    counts and splits: the layout (a Layout, or a LayoutHandle in a compiled region), the
+    call's :class:`_Path`, and the group ends of the permuted rows."""
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.path = None
+        self.offsets = None
+
+
+def _non_strict_tracing():
+    """``torch.compiler._is_non_strict_tracing()`` where torch has it (2.12 on), else False
+    (torch 2.11: no non-strict tracing to ask about)."""
+    import torch
+    if torch.compiler.is_compiling():  # dynamo, not export's non-strict tracing
+        return False
+    probe = getattr(torch.compiler, "_is_non_strict_tracing", None)
+    return probe is not None and probe()
+
+
+def plain(t, dtype):
+    """``t`` as a plain tensor of ``dtype``: a quantized result dequantized (differentiable,
+    straight-through), then cast if needed."""
+    from mxcomm import torch as mxt
+    if isinstance(t, mxt.QuantizedTensor):
+        t = t.dequantize()
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class MxcommExchanges:
+    """The exchange hooks of torchtitan's ``AllToAllTokenDispatcher`` on mxcomm (mixed in first;
+    module docstring).
+
+    Shapes: ``x`` (N, D) routed token rows sorted by global expert,
+    ``num_local_tokens_per_expert_E`` (E,) int64; the dispatch returns the permuted rows (P, D),
+    each local expert's group padded to a multiple of the path's A, as the dispatch format gives
+    them where the path keeps them (a QuantizedTensor), else in ``x``'s dtype; torchtitan's
+    counts become the padded groups' sizes.
+
+    The path: the config's precisions with A = ``permute_align`` (keeping the rows) or, at 0,
+    the TorchAO dispatcher's ``pad_multiple`` or 1 (plain rows); with ``recipe="auto"`` the
+    recipe :meth:`wire_meshes`'s ``ExpertParallel`` chooses per call (:func:`recipe_path`):
+    eager from the agreed layout, compiled from the rows this rank routes, a size ``torch.
+    compile`` knows when tracing (torchtitan pads every rank's tokens alike, so every rank
+    routes as many rows and chooses alike; the same answer as the layout's where they do).
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        for field, value in precisions(config).items():
+            setattr(self, field, value)
+        self.permute_align = getattr(config, "permute_align", 0)
+        self.recipe = getattr(config, "recipe", None)
+        self.hidden = getattr(config, "hidden", 0) or None
+        self.dim = getattr(config, "dim", 0)
+        self._ep = None
+        self._paths = {}  # recipe name -> its _Path ("auto": made once per recipe)
+        align = self.permute_align or getattr(self, "pad_multiple", None) or 1
+        self._path = _Path(self.dispatch_precision, self.combine_precision,
+                           self.dispatch_grad_precision, self.combine_grad_precision, align,
+                           self.permute_align > 0)
+
+    def wire_meshes(self, *, ep_mesh):
+        """torchtitan's hook, run on every rank when the model is parallelized (outside any
+        trace). With ``recipe="auto"`` and EP > 1 it also builds the ``mxcomm.torch.
+        ExpertParallel`` whose agreement (one host allgather: device class, cost tables) and
+        choosers decide the recipes, the chooser of the config's ``dim`` at once (a compiled
+        region then only reads it); ValueError there (a bad cost table) on every rank."""
+        super().wire_meshes(ep_mesh=ep_mesh)
+        if self.recipe == "auto" and ep_mesh is not None:
+            from mxcomm.torch import ExpertParallel
+            self._ep = ExpertParallel(ep_mesh, hidden=self.hidden,
+                                      num_local_experts=self.num_experts // ep_mesh.size())
+            if self.dim:
+                self._ep.chooser(self.dim)
+
+    def _path_for(self, layout, x):
+        """The call's :class:`_Path`: the config's, or ``"auto"``'s choice."""
+        if self.recipe != "auto":
+            return self._path
+        if self._ep is None:
+            raise RuntimeError("recipe 'auto': the dispatcher was not wired to its EP mesh "
+                               "(torchtitan calls wire_meshes when it parallelizes the model)")
+        from mxcomm.layout import Layout
+        chooser = self._ep.chooser(x.shape[-1])
+        recipe = chooser(layout) if isinstance(layout, Layout) else chooser.for_rows(x.shape[0])
+        path = self._paths.get(recipe.name)
+        if path is None:
+            path = self._paths[recipe.name] = recipe_path(recipe)
+        return path
+
+    @staticmethod
+    def _torchtitan_path():
+        """True where torchtitan's own exchanges must run: SPMD type checking (a debugging
+        mode: mxcomm's results carry no SPMD type). RuntimeError under torch.export's
+        non-strict tracing, where mxcomm's exchanges cannot run."""
+        if _non_strict_tracing():
+            raise RuntimeError("mxcomm's token exchanges do not run under torch.export's "
+                               "non-strict tracing; use torch.compile, or torchtitan's own "
+                               "dispatcher for export")
+        from torchtitan.distributed.utils import get_spmd_backend
+        if get_spmd_backend() == "spmd_types":
+            import spmd_types
+            return spmd_types.is_type_checking()
+        return False
+
+    def _token_count_exchange(self, num_local_tokens_per_expert_E, pg, ep_size):
+        if self._torchtitan_path():
+            return super()._token_count_exchange(num_local_tokens_per_expert_E, pg, ep_size)
+        from mxcomm import torch as mxt
+        return mxt.exchange_layout(num_local_tokens_per_expert_E, pg)
+
+    def _sync_token_count_exchange(self, num_local_tokens_per_expert_E,
+                                   num_global_tokens_per_local_expert_EP_e, ep_size):
+        from mxcomm.layout import Layout
+        from mxcomm.torch._ops import LayoutHandle
+        layout = num_global_tokens_per_local_expert_EP_e
+        if isinstance(layout, (Layout, LayoutHandle)):
+            fused = _Fused(layout)
+            return fused, fused, fused
+        return super()._sync_token_count_exchange(
+            num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size)
+
+    def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
+        if type(input_splits) is not _Fused:
+            return super()._dispatch_token_exchange(routed_input_ND, pg, output_splits,
+                                                    input_splits)
+        from mxcomm import torch as mxt
+        fused = input_splits
+        path = fused.path = self._path_for(fused.layout, routed_input_ND)
+        rows, _, fused.offsets = mxt.a2a_dispatch(
+            routed_input_ND, fused.layout, precision=path.dispatch,
+            grad_precision=path.dispatch_grad, permute_align=path.align)
+        return rows if path.keep else plain(rows, routed_input_ND.dtype)
+
+    def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
+        fused = num_global_tokens_per_local_expert_E
+        if type(fused) is not _Fused:
+            return super()._permute(routed_input_RD, num_global_tokens_per_local_expert_E)
+        import torch
+        offsets = fused.offsets  # the padded groups' ends: their sizes, as torchtitan's counts
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return routed_input_RD.shape, routed_input_RD, None, counts
+
+    def _unpermute(self, routed_output_RD, input_shape, permuted_indices):
+        if permuted_indices is None:  # permuted by mxcomm: the combine takes the rows as they are
+            return routed_output_RD
+        return super()._unpermute(routed_output_RD, input_shape, permuted_indices)
+
+    def _combine_token_exchange(self, routed_output_RD, pg, input_splits, output_splits):
+        if type(input_splits) is not _Fused:
+            return super()._combine_token_exchange(routed_output_RD, pg, input_splits,
+                                                   output_splits)
+        from mxcomm import torch as mxt
+        path = input_splits.path
+        out = mxt.a2a_combine(routed_output_RD, input_splits.layout, precision=path.combine,
+                              grad_precision=path.combine_grad, permute_align=path.align)
+        return plain(out, routed_output_RD.dtype)
