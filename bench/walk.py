@@ -1,0 +1,87 @@
+"""Count the library's Python function entries of one MXFP8 staged dispatch through mxcomm.torch.
+
+Run: ``mpiexec -n 2 python bench/walk.py [rows] [dim]`` (CPU, host backend, MPI communicator).
+
+One ``mxcomm.torch.a2a_dispatch(x, layout)`` (precision ``"mxfp8"``; the host backend's staged
+route) is made twice to warm up, then once under ``sys.setprofile``: every ``call`` event whose
+code lives in the library (``mxcomm/`` but ``mxcomm/bench/``, ``comm/``, ``kernels/``) counts as
+an entry. Rank 0 prints the files and the entries per function, the totals, and the callbacks up:
+entries of an ``mxcomm/`` function made from a ``comm/`` or ``kernels/`` frame.
+"""
+
+import collections
+import os
+import sys
+
+import numpy
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+LIBRARY = [os.path.join(ROOT, name) + os.sep for name in ("mxcomm", "comm", "kernels")]
+EXCLUDED = os.path.join(ROOT, "mxcomm", "bench") + os.sep
+
+
+def library_file(code):
+    """The file of ``code`` relative to the repository, or None outside the library."""
+    path = os.path.realpath(code.co_filename)
+    if path.startswith(EXCLUDED) or not any(path.startswith(p) for p in LIBRARY):
+        return None
+    return os.path.relpath(path, ROOT)
+
+
+def walk(call):
+    """``(entries, callbacks)`` of one ``call()``: ``[(file, function), ...]`` in call order,
+    and the entries into ``mxcomm/`` made from a ``comm/`` or ``kernels/`` frame."""
+    entries, callbacks = [], []
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        where = library_file(frame.f_code)
+        if where is None:
+            return
+        entries.append((where, frame.f_code.co_qualname))
+        caller = frame.f_back
+        up = library_file(caller.f_code) if caller is not None else None
+        if where.startswith("mxcomm") and up is not None and not up.startswith("mxcomm"):
+            callbacks.append(f"{up}:{caller.f_code.co_qualname} -> "
+                             f"{where}:{frame.f_code.co_qualname}")
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entries, callbacks
+
+
+def main():
+    import mxcomm.comm
+    import mxcomm.torch as mxt
+
+    rows = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+    dim = int(sys.argv[2]) if len(sys.argv) > 2 else 256
+    comm = mxcomm.comm.init("mpi")
+    experts = 2 * comm.size
+    torch.manual_seed(comm.rank)
+    counts = torch.full((experts,), rows // experts, dtype=torch.int32)
+    x = torch.randn(int(counts.sum()), dim, dtype=torch.bfloat16)
+    layout = mxt.exchange_layout(counts, comm)
+    for _ in range(2):
+        mxt.a2a_dispatch(x, layout)
+    entries, callbacks = walk(lambda: mxt.a2a_dispatch(x, layout))
+    if comm.rank == 0:
+        files = collections.Counter(f for f, _ in entries)
+        functions = collections.Counter(entries)
+        print(f"transport {comm.transport}, {comm.size} ranks, {rows} rows of D = {dim}")
+        for (f, name), n in functions.items():
+            print(f"{n:4d}  {f}:{name}")
+        print(f"files {len(files)}, entries {len(entries)}, callbacks up {len(callbacks)}")
+        for line in sorted(set(callbacks)):
+            print(f"  up: {line}")
+    comm.close()
+    numpy.asarray(0)
+
+
+if __name__ == "__main__":
+    main()
