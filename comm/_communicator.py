@@ -16,6 +16,7 @@ import contextlib
 from . import _validate
 from ._agreement import OP_CODES, Ballot
 from ._lifecycle import Lifecycle
+from . import _transport
 from ._staged import Plan, StagedExchange
 
 
@@ -27,10 +28,10 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             mpi4py communicator or a torch.distributed group; the communicator owns it (frees
             it on :meth:`close`) and binds its abort to the channel's timeouts.
         validate: default of the per-call ``validate`` flag of explicit-splits calls.
-        peer_memory: None (auto), True or False: see ``_staged.choose_transport``.
+        peer_memory: None (auto), True or False: see ``_transport.choose``.
         small_exchange_bytes: None (the backend's ``SMALL_EXCHANGE_BYTES`` where every rank is
             on one node, else 0) or a non-negative int, the same on every rank (checked in
-            ``_staged.choose_transport``).
+            ``_transport.choose``).
         medium_exchange_bytes: the same for ``medium_exchange_bytes`` (``MEDIUM_EXCHANGE_BYTES``).
 
     Attributes:
@@ -88,6 +89,11 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
     @property
     def host_collectives(self):
         return self._side.collectives
+
+    def _choose_transport(self):
+        """Pick the transport of :meth:`exchange` (``_transport.choose``); collective, from the
+        backends' constructors."""
+        self._transport = _transport.choose(self, self._peer_memory)
 
     # ------------------------------------------------------------------------- backend hooks
     @abc.abstractmethod
