@@ -40,9 +40,9 @@ from .._torch_arrays import _array, _stream, _tensor
 from .._torch_gemm import WeightCache, fp8_gemm_available, grouped_mm
 from . import _gemm_op  # noqa: F401 (registers mxcomm::grouped_mm, which grouped_mm calls)
 from ._a2a import _A2ACombine, _A2ADispatch, a2a_combine, a2a_dispatch
-from ._dropin import all_to_all_single, all_to_all_single_fn, communicator_for
+from ._dropin import all_to_all_single, all_to_all_single_fn
 from ._layout import TensorLayout, exchange_layout
-from ._ops import LayoutHandle
+from ._ops import LayoutHandle, communicator_for
 from ._permute import _Permute, permute, unpermute
 from ._quantized import MXFP8Tensor, QuantizedTensor, _quantized_tensor
 from ._tensors import _Alloc, _exchange, _exchange_direct, _index_array
