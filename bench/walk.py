@@ -3,7 +3,9 @@
 Run: ``mpiexec -n 2 python bench/walk.py [rows] [dim]`` (CPU, host backend, MPI communicator).
 
 One ``mxcomm.torch.a2a_dispatch(x, layout)`` (precision ``"mxfp8"``; the host backend's staged
-route) is made twice to warm up, then once under ``sys.setprofile``: every ``call`` event whose
+route) is made twice to warm up, then, after a barrier and with rank 0 half a second late (so
+that its waits for the peers succeed at once and the count does not depend on timing), once
+under ``sys.setprofile``: every ``call`` event whose
 code lives in the library (``mxcomm/`` but ``mxcomm/bench/``, ``comm/``, ``kernels/``) counts as
 an entry. Rank 0 prints the files and the entries per function, the totals, and the callbacks up:
 entries of an ``mxcomm/`` function made from a ``comm/`` or ``kernels/`` frame.
@@ -12,6 +14,7 @@ entries of an ``mxcomm/`` function made from a ``comm/`` or ``kernels/`` frame.
 import collections
 import os
 import sys
+import time
 
 import numpy
 import torch
@@ -69,6 +72,9 @@ def main():
     layout = mxt.exchange_layout(counts, comm)
     for _ in range(2):
         mxt.a2a_dispatch(x, layout)
+    comm.barrier()
+    if comm.rank == 0:  # the measured rank comes last, so it never waits in a spin loop
+        time.sleep(0.5)
     entries, callbacks = walk(lambda: mxt.a2a_dispatch(x, layout))
     if comm.rank == 0:
         files = collections.Counter(f for f, _ in entries)

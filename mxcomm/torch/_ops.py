@@ -54,7 +54,7 @@ from .. import layout as _layout
 from .._torch_arrays import _TORCH_DTYPES
 from ._quantized import (_DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _dequantized,
                          _quantized_tensor)
-from ._tensors import _exchange
+from ._tensors import _exchange, _exchange_direct
 
 NAMESPACE = "mxcomm"
 #: The group key prefixes (module docstring).
@@ -262,8 +262,8 @@ def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
     direction)."""
     found = _registry.layout(layout) if layout is not None else None
     comm = None if found is not None else _registry.communicator(group)
-    out = _exchange(function, rows, input_splits, output_splits, comm, precision, found,
-                    permute_align or None)
+    out = exchange(function, rows, input_splits, output_splits, comm, precision, found,
+                   permute_align or None)
     if type(out) is tuple:
         # the layout keeps its index tensors for the next call: an op's outputs are its own
         out, indices, offsets = out[0], out[1].clone(), out[2].clone()
@@ -326,8 +326,9 @@ def _(data, scales, format):  # noqa: A002
 def exchange(function, rows, input_splits, output_splits, comm, precision, layout=None,
              permute_align=None, out_rows=-1):
     """The exchange ``function`` on the tensor ``rows`` (the autograd Functions of ``_a2a`` and
-    ``_dropin`` call it): in eager ``_exchange`` itself (a tensor, a QuantizedTensor, or with
-    ``permute_align`` in the dispatch direction permute's triple); while ``torch.compile``
+    ``_dropin`` call it, and the op's body): in eager its route (``_exchange_direct``: a plain
+    tensor given a layout) or the array API (``_exchange``): a tensor, a QuantizedTensor, or
+    with ``permute_align`` in the dispatch direction permute's triple; while ``torch.compile``
     traces, the op ``mxcomm::exchange`` (the dispatch's quantized rows as a QuantizedTensor
     made in the graph, other quantized results dequantized, warned once).
 
@@ -335,6 +336,11 @@ def exchange(function, rows, input_splits, output_splits, comm, precision, layou
     with a layout. ``out_rows``: the result's rows where the caller knows them, else -1.
     """
     if not torch.compiler.is_compiling():
+        if layout is not None and permute_align is None and type(rows) is torch.Tensor and \
+                input_splits is None and output_splits is None and comm in (None, layout.comm):
+            out = _exchange_direct(function, rows, layout, precision)
+            if out is not None:
+                return out
         if comm is not None and not hasattr(comm, "alltoallv"):  # a ProcessGroup
             comm = communicator_for(comm)
         return _exchange(function, rows, input_splits, output_splits, comm, precision, layout,
