@@ -322,13 +322,8 @@ def _format_round_trip(x, rows, out, stream, share, scale_mode):
 
 def _sized_quantize(dtype, width, scale_mode, share):
     if host_backend():
-        return functools.partial(_host_quantize, scale_mode == "rceil"), width // MX_BLOCK
+        return functools.partial(_host.quantize_mxfp8_launch, scale_mode == "rceil"), 1
     return _quantize_launch(dtype, scale_mode == "rceil", share), width // MX_BLOCK
-
-
-def _host_quantize(rceil, stream, blocks, x, data, scales):
-    """The host backend's quantize with a prepared launch's arguments (``blocks`` unused)."""
-    _host.quantize_mxfp8(x, data, scales, rceil)
 
 
 def _sized_round_trip(dtype, width, scale_mode):

@@ -12,8 +12,8 @@ from .. import permutation as _permutation
 from .. import route as _route
 from .._driver import Words
 from .._platform import backend
-from .._torch_arrays import (_ARRAY_DTYPES, _TORCH_DTYPES, _array, _current_stream, _stream,
-                             _tensor, _view)
+from .._torch_arrays import (_ARRAY_DTYPES, _INT_OF_SIZE, _TORCH_DTYPES, _array, _current_stream,
+                             _stream, _tensor, _view)
 from ..formats import QuantizedArray
 from ..kernels import array_module
 from ._quantized import (_DATA_DTYPE, _DIRECT_DTYPES, _SCALE_DTYPES, _SCALE_MODE,
@@ -119,8 +119,8 @@ def _exchange_direct(function, t, layout, precision):
             return None
         x = Words(ptr, (plan.rows_sent, r.width), dtype)
         stream = comm.stream_ptr(_current_stream(device))
-    else:
-        x = _view(t, dtype)
+    else:  # as _view does
+        x = t.view(_INT_OF_SIZE[t.element_size()]).numpy().view(dtype)
         stream = comm.stream_ptr(None)
     specs = layout._cache.get((r, path))
     if specs is None:
