@@ -96,7 +96,6 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         self._transport = _transport.choose(self, self._peer_memory)
 
     # ------------------------------------------------------------------------- backend hooks
-    @abc.abstractmethod
     def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
                   recv_offsets=None, stream=None, validate=None):
         """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
@@ -133,6 +132,11 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             RuntimeError: the communicator is aborted or closed.
         NCCL enqueues and never syncs the host; the host backends block until it is done.
         """
+        self.check_usable()
+        sends, outs, single, sc, rc, so, ro = self._plan(
+            send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
+        self._move_rows(sends, outs, sc, so, rc, ro, None)
+        return outs[0] if single else outs
 
     @abc.abstractmethod
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
