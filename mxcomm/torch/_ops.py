@@ -1,44 +1,17 @@
-"""mxcomm's token path as torch custom ops (``torch.library``): what ``torch.compile`` traces; the
-communicator of a torch group (:func:`communicator_for`).
+"""mxcomm's token path as torch custom ops (``torch.library``), what ``torch.compile`` traces, and
+the communicator of a torch group (:func:`communicator_for`). docs/design.md, "torch.compile and
+custom ops", has the design; the ops (the layout's is in ``_layout``, the GEMM's in ``_gemm_op``):
 
-Glossary: M rows sent by this rank (the token side), N rows received (the expert side), P
-permuted rows, D hidden, E experts, E_local experts per rank, W ranks.
-
-The exchange ops (docs/design.md, "torch.compile and custom ops"), in the ``mxcomm`` namespace
-(the layout's is in ``_layout``, the grouped GEMM's in ``_gemm_op``):
-
-    mxcomm::exchange_layout(Tensor num_tokens_per_expert, str group) -> Tensor
     mxcomm::exchange(Tensor rows, Tensor? layout, str function, SymInt[]? input_splits,
                      SymInt[]? output_splits, str group, str precision, int permute_align,
                      SymInt out_rows, int num_local_experts, bool keep_quantized)
         -> (Tensor rows, Tensor scales, Tensor permuted_indices, Tensor group_offsets)
     mxcomm::dequantize(Tensor data, Tensor scales, str format) -> Tensor
 
-What is not a tensor travels as a value an op's schema takes:
-- a group is a string key: ``"pg:<group_name>"`` for a torch.distributed ``ProcessGroup`` (how
-  torch's functional collectives name theirs), ``"comm:<id>"`` for an mxcomm communicator, which
-  is registered where it passes outside a trace (:func:`group_key`, ``exchange_layout``,
-  ``communicator_for``); the op finds the communicator again
-  when it runs (``communicator_for`` of the group: built on first use, collectively);
-- a layout is a handle, a (1,) int64 CPU tensor naming it in :data:`_registry` (the layout itself,
-  with its host ints, lives there while the handle lives: a finalizer on the handle removes it);
-- the rows an exchange returns are data-dependent: the fake implementation takes them from
-  ``out_rows`` where the caller knows them (the token side: the dispatch's input rows; a
-  backward: its forward's input rows), else from the splits, else a new unbacked size
-  (``torch.library.get_ctx().new_dynamic_size()``).
-
-An op returns plain tensors. The forward dispatch of a quantized precision returns the data and
-scales (``keep_quantized``), and :func:`exchange` wraps them in a QuantizedTensor in the graph
-(whose dispatch hands the grouped GEMM's ops its data and scales, and dequantizes for other ops
-through ``mxcomm::dequantize``); any other quantized result (the combine's gradient) comes back
-dequantized in bf16, with a one-time warning naming the extra pass. Permute and unpermute have no
-op: in a compiled region pass ``permute_align`` to the exchanges (the fused path).
-
-Eager calls run the ops' implementation itself (:func:`exchange` calls ``_exchange``, which the
-op calls), not through torch's dispatcher: a custom op's Python dispatch cost 9 us more than the
-plain call on a CPU (bench/NOTES.md), and an eager call keeps what the op cannot carry (a
-QuantizedTensor, the pending gather of permute's backward). Autograd is the autograd Functions
-of ``_a2a`` and ``_dropin`` around the ops, which dynamo traces into the joint graph.
+A group travels as a string key (``"pg:<group_name>"`` for a ProcessGroup, ``"comm:<id>"`` for a
+communicator registered outside the trace), a layout as a (1,) int64 CPU handle naming it in
+:data:`_registry` while the handle lives. Eager calls run the ops' body directly (:func:`exchange`),
+not through torch's dispatcher.
 """
 
 import itertools
