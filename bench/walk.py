@@ -34,6 +34,11 @@ def library_file(code):
     return os.path.relpath(path, ROOT)
 
 
+def _name(code):
+    """The function's qualified name (Python 3.11+), else its name."""
+    return getattr(code, "co_qualname", code.co_name)
+
+
 def walk(call):
     """``(entries, callbacks, leaves)`` of one ``call()``: ``[(file, function), ...]`` in call
     order, and the entries into ``mxcomm/`` made from a ``comm/`` or ``kernels/`` frame (into
@@ -46,12 +51,12 @@ def walk(call):
         where = library_file(frame.f_code)
         if where is None:
             return
-        entries.append((where, frame.f_code.co_qualname))
+        entries.append((where, _name(frame.f_code)))
         caller = frame.f_back
         up = library_file(caller.f_code) if caller is not None else None
         if where.startswith("mxcomm") and up is not None and not up.startswith("mxcomm"):
             (leaves if where in LEAVES else callbacks).append(
-                f"{up}:{caller.f_code.co_qualname} -> {where}:{frame.f_code.co_qualname}")
+                f"{up}:{_name(caller.f_code)} -> {where}:{_name(frame.f_code)}")
 
     sys.setprofile(profile)
     try:
