@@ -13,10 +13,9 @@ given a plan agreed earlier (a layout's) make no host collective at all. docs/de
 import abc
 import contextlib
 
-from . import _validate
+from . import _transport, _validate
 from ._agreement import OP_CODES, Ballot
 from ._lifecycle import Lifecycle
-from . import _transport
 from ._staged import Plan, StagedExchange
 
 
