@@ -1,56 +1,30 @@
-"""Timers around the pieces of a host path, for the bench scripts (``probe_host.py``,
-``profile_step.py``): each named function wrapped where it is looked up, its inclusive time and
-calls added up, then unwrapped. A wrapper adds ~0.3 us per entry."""
+"""Where a host path's time goes, for the bench scripts (``probe_host.py``, ``profile_step.py``):
+cProfile's inclusive time and calls of every function of the library (``mxcomm/`` but its
+benchmarks, ``comm/``, ``kernels/``) that some calls enter, found by file, so no private name is
+named here. cProfile adds about 0.5 us per entry."""
 
-import collections
-import time
+import cProfile
+import os
+import pstats
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+_LIBRARY = tuple(os.path.join(_ROOT, name) + os.sep for name in ("mxcomm", "comm", "kernels"))
+_BENCH = os.path.join(_ROOT, "mxcomm", "bench") + os.sep
 
 
-class Pieces:
-    """Inclusive nanoseconds (``totals``) and calls (``entries``) per piece, by label."""
-
-    def __init__(self):
-        self.totals = collections.defaultdict(int)
-        self.entries = collections.Counter()
-        self._undo = []
-
-    def wrap(self, targets):
-        """Wrap each ``(owner, attribute name)`` of ``targets`` (a module or a class; a
-        staticmethod stays one) with a timer; return the labels of those absent (``owner`` None,
-        or an older tree without the attribute), which are skipped."""
-        missing = []
-        for owner, name in targets:
-            fn = owner.__dict__.get(name) if owner is not None else None
-            label = f"{owner.__name__}.{name}" if not isinstance(owner, type) else \
-                f"{owner.__module__.rsplit('.', 1)[-1]}.{owner.__name__}.{name}"
-            if fn is None:
-                missing.append(label)
-                continue
-            wrapped = staticmethod(self._timed(label, fn.__func__)) \
-                if isinstance(fn, staticmethod) else self._timed(label, fn)
-            setattr(owner, name, wrapped)
-            self._undo.append((owner, name, fn))
-        return missing
-
-    def unwrap(self):
-        """Put every wrapped function back."""
-        for owner, name, fn in reversed(self._undo):
-            setattr(owner, name, fn)
-        self._undo.clear()
-
-    def clear(self):
-        self.totals.clear()
-        self.entries.clear()
-
-    def _timed(self, label, fn):
-        totals, entries = self.totals, self.entries
-
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[label] += time.perf_counter_ns() - t0
-                entries[label] += 1
-        wrapper.__wrapped__ = fn
-        return wrapper
+def pieces(fn, n):
+    """Run ``fn()`` ``n`` times under cProfile; return ``[(label, us per call, entries per
+    call), ...]`` of the library's functions (and ``time.sleep``), most inclusive time first."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(n):
+        fn()
+    profiler.disable()
+    rows = []
+    for (path, line, name), (_, calls, _, cumtime, _) in pstats.Stats(profiler).stats.items():
+        real = os.path.realpath(path)
+        if name == "<built-in method time.sleep>" or \
+                (real.startswith(_LIBRARY) and not real.startswith(_BENCH)):
+            label = f"{os.path.relpath(real, _ROOT)}:{name}" if path != "~" else name
+            rows.append((label, cumtime / n * 1e6, calls / n))
+    return sorted(rows, key=lambda row: -row[1])

@@ -3,18 +3,18 @@
     mpirun -n W python bench/probe_host.py [rows] [dim] [calls]
     PROBE_CASES=mxfp8 ...: only the calls whose label contains it (with ranks sharing a GPU and
     nccl_init='lazy', the bf16 calls would need NCCL, which refuses that)
-    PROBE_ABLATIONS=0: without the ablations (below; they need NCCL)
+    PROBE_ABLATIONS=0: without the ablations (below)
 
 For each call (array API and ``mxcomm.torch``, MXFP8 and bf16, dispatch and combine, given the
 layout): the host time per call of ``calls`` calls enqueued back to back (wall clock, no profiler,
-after warm-up), the Python function calls per call (``sys.setprofile``, a separate pass), and an
-instrumented pass that times the engine's pieces inclusively (a wrapper per piece adds ~0.3 us per
-entry, so the pieces add up to a little more than the plain time). Then the host cost of the CuPy,
-runtime and driver primitives the path is made of. Then ablations: the torch calls' plain host time
-with one piece at a time replaced by a no-op (the NCCL group, the watchdog's event, its queue and
-its polls, the driver's launch, the QuantizedTensor, autograd's ``apply``,
-Python's garbage collector), then all of them, at the given rows and at 1/16 of them, interleaved
-over PROBE_ROUNDS rounds (default 7): what each piece costs inside the whole call, without timers. Rank 0 prints; bench/NOTES.md says what it found.
+after warm-up), the Python function calls per call (``sys.setprofile``, a separate pass), and a
+profiled pass (``_pieces.pieces``: cProfile's inclusive time of every library function entered,
+about 0.5 us added per entry, so the pieces add up to a little more than the plain time). Then the
+host cost of the CuPy, runtime and driver primitives the path is made of. Then ablations: the torch
+calls' plain host time with one piece at a time replaced by a no-op (the driver's launch, the
+QuantizedTensor, autograd's ``apply``, Python's garbage collector), then all of them, at the given
+rows and at 1/16 of them, interleaved over PROBE_ROUNDS rounds (default 7): what each piece costs
+inside the whole call, without timers. Rank 0 prints; bench/NOTES.md says what it found.
 """
 
 import collections
@@ -31,7 +31,7 @@ import mxcomm
 import mxcomm.comm
 import mxcomm.formats
 import mxcomm.torch as mxt
-from _pieces import Pieces  # bench/, beside this script
+from _pieces import pieces  # bench/, beside this script
 from mxcomm._driver import PackedLaunch
 
 rows = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
@@ -119,73 +119,19 @@ def python_calls(fn, n=20):
     return tally["call"] / n, tally["c_call"] / n
 
 
-# ------------------------------------------------------------------------- instrumented pieces
-timers = Pieces()
-
-
-def instrument():
-    """Wrap the pieces of the path (where they are looked up) with :data:`timers`."""
-    import mxcomm._driver as driver
-    import mxcomm.a2a as a2a
-    import mxcomm.formats as formats
-    import mxcomm.mxfp8 as mxfp8
-    import mxcomm.route as route
-    import mxcomm.kernels._launch as launch
-    from mxcomm.comm import NcclCommunicator, _ipc, _pull
-    targets = [
-        (a2a, "_exchange"), (a2a, "_check_rows"), (a2a, "_resolve"), (a2a, "_check_precision"),
-        (route, "staged_quantized"), (a2a, "_run_route"), (route, "run"),
-        (route, "_alltoallv"), (route, "_medium"), (route, "_staged"),
-        (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"),
-        (NcclCommunicator, "_move_rows"), (NcclCommunicator, "_group"),
-        (route.QuantizedRows, "produce"), (route.QuantizedRows, "consume"),
-        (route.QuantizedRows, "__init__"),
-        (NcclCommunicator.__mro__[1], "exchange"), (NcclCommunicator, "alltoallv"),
-        (NcclCommunicator, "_record"), (NcclCommunicator.__mro__[1], "check_usable"),
-        (NcclCommunicator, "on_stream"), (NcclCommunicator, "stream_ptr"),
-        (_pull.PullTransport, "run"), (_pull.PullTransport, "_pull"),
-        (_pull.PullTransport, "_slots"), (_pull.PullTransport, "_consume_in_place"),
-        (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
-        (_ipc.CudaPeerMemory, "end"), (_ipc.CudaPeerMemory, "signal_ready"),
-        (_ipc.CudaPeerMemory, "await_ready"), (_ipc.CudaPeerMemory, "copy_all"),
-        (_ipc.CudaPeerMemory, "local"), (_ipc.CudaPeerMemory, "peer_view"),
-        (formats.Format, "empty"), (formats.Format, "wrap"), (formats.Format, "launch_quantize"),
-        (formats.Format, "launch_dequantize"),
-        (mxfp8, "launch_quantize"), (mxfp8, "launch_dequantize"), (mxfp8, "words"),
-        (mxfp8, "launch_1d"), (launch.Kernel, "_launch"), (launch.Kernel, "_function"),
-        (launch, "_abi_values"), (driver.PackedLaunch, "__call__"),
-        (getattr(launch, "Launch", None), "__call__"), (_pull.PullTransport, "_schedule"),
-        (mxt, "_array"), (mxt, "_tensor"), (mxt, "_wrap"), (mxt, "_stream"), (mxt, "_view"),
-        (sys.modules.get("mxcomm._torch_arrays"), "_view"),
-        (mxt, "_exchange"), (getattr(mxt, "_Alloc", None), "__call__"),
-        (getattr(mxt, "_Alloc", None), "tensor"),
-        (formats.Format, "view"),
-    ]
-    for label in timers.wrap(targets):  # older trees lack some
-        out(f"  (no {label} to time)")
-
-
 for label, fn in cases.items():
     for _ in range(20):
         fn()
     plain = host_us(fn, calls)
     single = single_us(fn)
     py, c = python_calls(fn)
-    instrument()
-    timers.clear()
     sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    instrumented = (time.perf_counter() - t0) / calls * 1e6
+    timed = pieces(fn, calls)
     sync()
-    timers.unwrap()
-    out(f"\n=== {label}: {plain:.1f} us per call (plain), {instrumented:.1f} instrumented; "
-        f"{py:.0f} Python calls + {c:.0f} C calls per call; {single:.1f} us alone on an idle "
-        f"device")
-    for piece, ns in sorted(timers.totals.items(), key=lambda kv: -kv[1]):
-        out(f"  {piece:45s} {ns / calls / 1e3:8.2f} us/call  "
-            f"{timers.entries[piece] / calls:5.1f} x")
+    out(f"\n=== {label}: {plain:.1f} us per call (plain); {py:.0f} Python calls + {c:.0f} C "
+        f"calls per call; {single:.1f} us alone on an idle device")
+    for piece, us, entries in timed:
+        out(f"  {piece:60s} {us:8.2f} us/call  {entries:5.1f} x")
 
 # ---------------------------------------------------------------------------- primitives
 rt = cupy.cuda.runtime
@@ -284,32 +230,13 @@ for label, fn in prims.items():
 # call of the same round. Also at a row count whose device work is far below the host's.
 def ablations():
     import gc
-    from mxcomm.comm import NcclCommunicator, _watchdog
 
     class _Ctx:  # what the exchange Functions' forward uses of autograd's context
         def mark_non_differentiable(self, *tensors):
             pass
 
-    nccl_cls = NcclCommunicator
-
-    def nothing(*args, **kwargs):
-        return None
-
     def launch_without_driver(self, grid, block, stream, values, shared=0):
         self._pack_into(self._buffer, 0, *values)
-
-    def record_unwatched(self, stream_ptr, call):  # the event recorded, not queued
-        runtime = self._runtime
-        if runtime.streamIsCapturing(stream_ptr):
-            return
-        with self._lock:
-            event = self._free_events.pop() if self._free_events else \
-                runtime.eventCreateWithFlags(2)
-            runtime.eventRecord(event, stream_ptr)
-            self._free_events.append(event)
-
-    def group_without_nccl(self, blocks, sc, so, rc, ro, stream_ptr, call):
-        self._record(stream_ptr, call)
 
     def apply_without_autograd(cls, x, call):
         return cls.forward(_Ctx(), x, call)
@@ -317,12 +244,7 @@ def ablations():
     class _NoGC:  # a patch target whose setattr switches Python's cyclic garbage collector
         pass
 
-    pieces = {
-        "NCCL group (its watchdog event kept)": [(nccl_cls, "_group", group_without_nccl)],
-        "watchdog event": [(nccl_cls, "_record", nothing)],
-        "watchdog's queue (events recorded, not queued)": [(nccl_cls, "_record",
-                                                             record_unwatched)],
-        "watchdog's polls (1 s apart, not 50 ms)": [(_watchdog, "_WATCH_POLL_S", 1.0)],
+    ablated = {
         "driver's kernel launch": [(PackedLaunch, "__call__", launch_without_driver)],
         "QuantizedTensor": [(mxt, "_quantized_tensor",
                              lambda data, scales, fmt, cls=None, requires_grad=False: data)],
@@ -332,7 +254,7 @@ def ablations():
                                      classmethod(apply_without_autograd))],
         "Python's garbage collector": [(_NoGC, "off", True)],
     }
-    pieces["all of the above"] = [p for patch in list(pieces.values()) for p in patch]
+    ablated["all of the above"] = [p for patch in list(ablated.values()) for p in patch]
     missing = object()
 
     def patched(patch, fn, n):
@@ -365,7 +287,7 @@ def ablations():
     x_s = torch.randn(layout_s.dispatch_plan.rows_sent, dim, device="cuda").to(torch.bfloat16)
     y_s = torch.randn(layout_s.num_received, dim, device="cuda").to(torch.bfloat16)
     variants = {"(none)": []}
-    variants.update(pieces)
+    variants.update(ablated)
     for size, (x, y, lay) in ((rows, (x_t, y_t, layout_t)),
                               (layout_s.dispatch_plan.rows_sent, (x_s, y_s, layout_s))):
         calls_ = {

@@ -13,9 +13,8 @@ forward's stages in its three slowest and three fastest iterations: a slow mode 
 stage or in all, and where a stage's device time tracks its host time the device waited for the
 host.
 
-``--pieces``: then, per variant, the same steps again with a timer around each piece of the
-layout, permute and exchange stages (where it is looked up; a wrapper adds ~0.3 us per entry):
-us per step of each piece, inclusive, per rank, and how often ``NcclCommunicator.wait`` slept.
+``--pieces``: then, per variant, the same steps again under cProfile: us per step of each library
+function entered (and ``time.sleep``), inclusive, and its calls per step, per rank.
 """
 import argparse
 import cProfile
@@ -121,73 +120,14 @@ for variant in _pipeline.parse_variants(args.variants):
     report(variant.name, host, device)
 
 
-def pieces():
-    """The pieces of the host path a step goes through (module docstring, ``--pieces``), each
-    as ``(owner, attribute name)``; ones an older tree lacks are skipped."""
-    import mxcomm.a2a as a2a
-    import mxcomm.layout as layout
-    import mxcomm.permutation as permutation
-    import mxcomm.route as route
-    import mxcomm.torch as mxt
-    from mxcomm._driver import PackedLaunch
-    from mxcomm.comm import Communicator, NcclCommunicator, Plan, _ipc, _pull, _sidechannel
-    from mxcomm.kernels import _launch
-    return [
-        (mxt, "exchange_layout"), (mxt.TensorLayout, "__new__"), (layout, "exchange_layout"),
-        (layout, "_local_counts"), (layout.Layout, "__new__"), (Plan, "__init__"),
-        (Plan, "transposed"), (NcclCommunicator, "wait"),
-        (_sidechannel.SideChannel, "allgather_bytes"),
-        (_sidechannel.SideChannel, "allgather_array"), (_sidechannel.MpiSideChannel, "wait"),
-        (mxt, "permute"), (mxt._Permute, "forward"), (permutation, "_permute"),
-        (permutation, "_layout_index"), (permutation, "_layout"), (permutation, "_gather"),
-        (mxt, "_index_tensors"), (mxt, "_inverse_index"), (mxt, "_folds_into_dispatch"),
-        (mxt, "unpermute"), (permutation, "_unpermute"),
-        (mxt, "_rows"), (mxt, "_wrap"), (mxt, "_tensor"), (mxt, "_array"),
-        (mxt._Alloc, "__call__"), (_launch.Kernel, "_launch"), (_launch.SizedLaunch, "__call__"),
-        (PackedLaunch, "__call__"),
-        (mxt, "a2a_dispatch"), (mxt, "a2a_combine"), (mxt, "_exchange"),
-        (mxt, "_exchange_direct"), (mxt, "_quantized_tensor"), (a2a, "_exchange"),
-        (route, "run"), (route, "staged_kept"), (route, "staged_quantized"),
-        (Communicator, "exchange"), (NcclCommunicator, "_move_rows"),
-        (NcclCommunicator, "_record"), (_pull.PullTransport, "run"),
-        (_pull.PullTransport, "_schedule"), (_pull._Schedule, "__init__"),
-        (_ipc.CudaPeerMemory, "reserve"), (_ipc.CudaPeerMemory, "begin"),
-        (_ipc.CudaPeerMemory, "signal_ready"), (_ipc.CudaPeerMemory, "await_ready"),
-        (_ipc.CudaPeerMemory, "copy_all"), (_ipc.CudaPeerMemory, "end"),
-    ]
-
-
 def instrumented(stage_list):
-    """``args.iters`` steps with a timer around each piece of :func:`pieces`; prints us per step
-    of each, per rank."""
-    import collections
-    from _pieces import Pieces
-    from mxcomm.comm import _watchdog
-    timers = Pieces()
-    timers.wrap(pieces())
-    sleeps = collections.Counter()
-    real_time = _watchdog.time
-
-    class _Time:  # NcclCommunicator.wait's sleeps, counted
-        monotonic = staticmethod(real_time.monotonic)
-
-        @staticmethod
-        def sleep(s):
-            sleeps[s] += 1
-            real_time.sleep(s)
-    _watchdog.time = _Time
-    try:
-        for _ in range(args.iters):
-            step(stage_list, {}, {})
-    finally:
-        _watchdog.time = real_time
-        timers.unwrap()
+    """``args.iters`` steps under cProfile (``_pieces.pieces``); the us per step of each library
+    function entered, inclusive, and its calls per step, per rank."""
+    from _pieces import pieces
+    timed = pieces(lambda: step(stage_list, {}, {}), args.iters)
     lines = [f"  rank {rt.rank}: us per step (inclusive), calls per step"]
-    for label, ns in sorted(timers.totals.items(), key=lambda kv: -kv[1]):
-        lines.append(f"    {label:42s} {ns / args.iters / 1e3:9.1f} "
-                     f"{timers.entries[label] / args.iters:6.1f}")
-    lines.append(f"    NcclCommunicator.wait slept (s: times per step): "
-                 f"{ {s: n / args.iters for s, n in sorted(sleeps.items())} }")
+    for label, us, entries in timed:
+        lines.append(f"    {label:60s} {us:9.1f} {entries:6.1f}")
     return lines
 
 

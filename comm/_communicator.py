@@ -13,7 +13,7 @@ given a plan agreed earlier (a layout's) make no host collective at all. docs/de
 import abc
 import contextlib
 
-from . import _validate
+from . import _transport, _validate
 from ._agreement import OP_CODES, Ballot
 from ._lifecycle import Lifecycle
 from ._staged import Plan, StagedExchange
@@ -27,10 +27,10 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             mpi4py communicator or a torch.distributed group; the communicator owns it (frees
             it on :meth:`close`) and binds its abort to the channel's timeouts.
         validate: default of the per-call ``validate`` flag of explicit-splits calls.
-        peer_memory: None (auto), True or False: see ``_staged.choose_transport``.
+        peer_memory: None (auto), True or False: see ``_transport.choose``.
         small_exchange_bytes: None (the backend's ``SMALL_EXCHANGE_BYTES`` where every rank is
             on one node, else 0) or a non-negative int, the same on every rank (checked in
-            ``_staged.choose_transport``).
+            ``_transport.choose``).
         medium_exchange_bytes: the same for ``medium_exchange_bytes`` (``MEDIUM_EXCHANGE_BYTES``).
 
     Attributes:
@@ -89,8 +89,12 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
     def host_collectives(self):
         return self._side.collectives
 
+    def _choose_transport(self):
+        """Pick the transport of :meth:`exchange` (``_transport.choose``); collective, from the
+        backends' constructors."""
+        self._transport = _transport.choose(self, self._peer_memory)
+
     # ------------------------------------------------------------------------- backend hooks
-    @abc.abstractmethod
     def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
                   recv_offsets=None, stream=None, validate=None):
         """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
@@ -127,6 +131,11 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             RuntimeError: the communicator is aborted or closed.
         NCCL enqueues and never syncs the host; the host backends block until it is done.
         """
+        self.check_usable()
+        sends, outs, single, sc, rc, so, ro = self._plan(
+            send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
+        self._move_rows(sends, outs, sc, so, rc, ro, None)
+        return outs[0] if single else outs
 
     @abc.abstractmethod
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):

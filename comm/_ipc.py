@@ -2,24 +2,16 @@
 
 Every rank allocates a staging buffer and a small flags buffer with ``cudaMalloc`` (outside CuPy's
 pool, so an IPC handle names exactly that allocation) and maps every peer's with
-``cudaIpcOpenMemHandle`` (over NVLink where the GPUs have it). The ranks order themselves on the
-devices, never on the hosts: senders write "ready" words into their receivers' flags after
-producing their rows, receivers wait for them on a side stream before reading, and write "done"
-words into the senders' flags after reading; a sender's next exchange begins by waiting for every
-peer's "done". Signals and waits are the tiny kernels of ``_signal.cu`` (CuPy ``RawModule``: this
-package does not import the Numba kernels), stream-ordered, reading the generation from a counter
-on the device, so a captured CUDA graph replays correctly (docs/design.md, "Signals on the device").
-
-A wait that does not complete within the timeout writes what it missed into pinned host memory and
-lets its stream go on; :meth:`CudaPeerMemory.failure` reads it (the communicator's watchdog polls it,
-and every call checks it), and the communicator is aborted with a ``TimeoutError`` naming the rank.
-
-The pulls go one peer after another on ONE side stream, in step order: one copy from one peer
-already moves as much as NVLink takes (measured on 2 and 4 H200s: 362 GB/s from one peer, 361 GB/s
-in all from three at once), and in sequence the first peer's rows are complete after a third of the
-transfer, so the caller's consumer overlaps the rest.
-
-This is the only module that calls CUDA's IPC functions.
+``cudaIpcOpenMemHandle``. The ranks order themselves on the devices, never on the hosts: senders
+write "ready" words into their receivers' flags after producing, receivers wait for them on a side
+stream before reading and write "done" words after; an exchange begins by waiting for every
+peer's "done". Signals and waits are the tiny kernels of ``_signal.cu``, stream-ordered, reading
+the generation from a device counter, so a captured CUDA graph replays correctly
+(docs/design.md, "Signals on the device"). A wait past the timeout writes what it missed into
+pinned host memory and lets its stream go on; :meth:`CudaPeerMemory.failure` reads it (the
+watchdog polls it, every call checks it). The pulls go one peer after another on one side stream
+(one peer's copy already fills NVLink: bench/NOTES.md). The only module that calls CUDA's IPC
+functions.
 """
 
 import pathlib

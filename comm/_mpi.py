@@ -76,45 +76,6 @@ class MpiCommunicator(HostCommunicator):
         return datatype
 
     # ----------------------------------------------------------------------------- collectives
-    def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
-                  recv_offsets=None, stream=None, validate=None):
-        """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
-
-        Rows are first-axis slices. Rows for rank ``r`` start at row ``send_offsets[r]`` of
-        ``send``; rows from rank ``r`` land at row ``recv_offsets[r]`` of ``out``. Collective;
-        blocks the host until the exchange is done.
-
-        Args:
-            send: (M, ...) C-contiguous NumPy array of any dtype (bf16 as ``ml_dtypes.bfloat16``,
-                uint8 fp8 bits, int32, ...), or a tuple of such arrays with equal M moved
-                together (e.g. fp8 data (M, D) and scales (M, D/32)). Read.
-            send_counts: W non-negative host ints, rows sent to each rank.
-            recv_counts: W non-negative host ints, rows received from each rank.
-            out: (N, ...) arrays like ``send`` (same dtypes and row shapes, same tuple
-                structure), or None to allocate N = sum(recv_counts) rows (max(recv_offsets +
-                recv_counts) with explicit offsets). Written.
-            send_offsets: W host ints, first row sent to each rank; default the exclusive
-                cumulative sum of ``send_counts`` (then sum(send_counts) must equal M).
-            recv_offsets: W host ints, first row of ``out`` received from each rank; default the
-                exclusive cumulative sum of ``recv_counts`` (then sum(recv_counts) must equal N).
-            stream: ignored (host arrays); accepted for a backend-independent call.
-            validate: check counts across ranks first (one small MPI allgather); None for the
-                communicator's default.
-        Returns:
-            ``out`` (an array, or a tuple if ``send`` was a tuple).
-        Raises:
-            ValueError: counts of the wrong length, negative, beyond the arrays or not adding up
-                to the rows; counts inconsistent across ranks (same message on every rank).
-            TypeError: a non-host array, non-integer counts, or ``out`` of another dtype.
-            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
-            RuntimeError: the communicator is aborted or closed.
-        """
-        self.check_usable()
-        sends, outs, single, sc, rc, so, ro = self._plan(
-            send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
-        self._move_rows(sends, outs, sc, so, rc, ro, None)
-        return outs[0] if single else outs
-
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
         call = self._enter_exchange()
         requests = []
@@ -135,22 +96,7 @@ class MpiCommunicator(HostCommunicator):
             self._wait_moved(requests, (sends, outs), call)
 
     def alltoall_counts(self, counts, *, stream=None):
-        """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.
-
-        Collective; blocks the host until done.
-
-        Args:
-            counts: (W·k,) integer NumPy array; entries ``[r·k, (r+1)·k)`` go to rank ``r``.
-                Read.
-            stream: ignored (host arrays).
-        Returns:
-            (W·k,) array of the same dtype: entries ``[r·k, (r+1)·k)`` came from rank ``r``.
-        Raises:
-            ValueError: a length not a multiple of W, or different k across ranks (same message
-                on every rank).
-            TypeError: not a 1-D integer host array.
-            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
-        """
+        """:meth:`Communicator.alltoall_counts` in one MPI ``Ialltoall``; blocks until done."""
         def move(counts, out, nbytes):
             byte = self._side.MPI.BYTE
             return [self._side.mpi.Ialltoall([_bytes(counts), nbytes, byte],

@@ -114,10 +114,10 @@ class HostPeerMemory:
         """For each ``(peer, offset, array index, out_offset, nbytes)`` of ``copies``: copy
         ``nbytes`` bytes of ``peer``'s segment from byte ``offset`` into the C-contiguous array
         ``outs[array index]`` from its byte ``out_offset``."""
-        flat = [o.reshape(-1).view(numpy.uint8) for o in outs]
         segments = self._segments
         for peer, offset, index, out_offset, nbytes in copies:
-            flat[index][out_offset:out_offset + nbytes] = segments[peer][offset:offset + nbytes]
+            out = outs[index].reshape(-1).view(numpy.uint8)
+            out[out_offset:out_offset + nbytes] = segments[peer][offset:offset + nbytes]
 
     # --------------------------------------------------------------------------------- flags
     def begin(self, stream):
@@ -126,9 +126,12 @@ class HostPeerMemory:
         want = self.generation
         self._current = (want + 1) & _MASK
         done = self._flags[self._rank][self._ready_words:]
-        self._spin(lambda: [p for p in range(self._size)
-                            if p != self._rank and not reached(int(done[p]) >> 32, want)],
-                   "finish reading this rank's rows of the previous exchange")
+        for p in range(self._size):  # no spin where no peer is still reading (not reached)
+            if p != self._rank and ((int(done[p]) >> 32) - want) & _MASK >= 0x80000000:
+                self._spin(lambda: [p for p in range(self._size)
+                                    if p != self._rank and not reached(int(done[p]) >> 32, want)],
+                           "finish reading this rank's rows of the previous exchange")
+                break
         self.generation = (want + 1) & _MASK
 
     def signal_ready(self, signals, stream):
@@ -173,7 +176,10 @@ class HostPeerMemory:
                 raise error
             return late
 
-        self._spin(missing, "send its rows")
+        for peer, piece, kind in awaits:  # no spin where every peer has signalled
+            if int(flags[peer * MAX_PIECES + piece]) != (gen << 32) | kind:
+                self._spin(missing, "send its rows")
+                break
         self._flags_window.Sync()
         return 0
 

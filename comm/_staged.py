@@ -198,80 +198,9 @@ def describe_mismatch(peer, expected, got, kinds):
             f"{expected & 0xFFFF} (ranks use different layouts)")
 
 
-def transport_of(nodes, votes):
-    """The transport's name, from the agreed ``_nodes.Nodes`` and every rank's vote that it can
-    map its node's peer memory (the same on every rank):
-
-    | nodes | peer memory on every rank | transport |
-    | --- | --- | --- |
-    | one | yes | ``"pull"`` |
-    | several, each a run of consecutive ranks | yes | ``"hier"`` |
-    | otherwise | | ``"grouped"`` |
-    """
-    if not all(votes):
-        return "grouped"
-    if nodes.count == 1:
-        return "pull"
-    if nodes.consecutive:
-        return "hier"
-    return "grouped"
-
-
-def choose_transport(comm, peer_memory):
-    """The transport of ``comm.exchange``; collective (one host allgather, from the backends'
-    constructors).
-
-    ``"pull"`` needs every rank on one node (``comm._side.nodes``, agreed by ``init``) and the
-    backend's peer memory (CUDA IPC on GPUs; on the host, MPI shared windows, so a torch side
-    channel takes ``"grouped"``); across nodes ``"hier"`` pulls inside each node and moves the
-    rest in one ``alltoallv`` (:func:`transport_of`). ``peer_memory`` None takes peer memory
-    where every rank can, True requires it (RuntimeError on every rank otherwise), False never
-    uses it. The same round resolves ``comm.small_exchange_bytes`` and
-    ``comm.medium_exchange_bytes`` (None: the backend's default on one node, else 0) and checks
-    that every rank has the same (ValueError on every rank otherwise).
-    """
-    import numpy
-
-    from ._grouped import GroupedTransport
-    from ._pull import PullTransport
-    nodes = comm._side.nodes
-    if nodes is None:  # a communicator built without init: the launcher's nodes
-        from ._nodes import discover
-        nodes = comm._side.nodes = discover(comm._side)
-    one_node = nodes.count == 1
-    if comm.small_exchange_bytes is None:
-        comm.small_exchange_bytes = comm.SMALL_EXCHANGE_BYTES if one_node else 0
-    if comm.medium_exchange_bytes is None:
-        comm.medium_exchange_bytes = comm.MEDIUM_EXCHANGE_BYTES if one_node else 0
-    here = peer_memory is not False and comm._peer_memory_here()
-    table = comm.allgather(numpy.array([here, comm.small_exchange_bytes,
-                                        comm.medium_exchange_bytes], numpy.int64),
-                           "peer memory setup (vote)")
-    votes = table[:, 0].tolist()
-    for column, name in ((1, "small_exchange_bytes"), (2, "medium_exchange_bytes")):
-        limits = table[:, column].tolist()
-        if len(set(limits)) > 1:
-            raise ValueError(f"{name} on rank {comm.rank}: the ranks must agree, but they gave "
-                             f"{dict(enumerate(limits))} (rank: bytes)")
-    name = transport_of(nodes, votes)
-    if peer_memory and name == "grouped":
-        ranks = [r for r, v in enumerate(votes) if not v]
-        raise RuntimeError(f"peer_memory=True on rank {comm.rank}: ranks {ranks} cannot map "
-                           f"their peers' memory, or the nodes "
-                           f"{list(nodes.of_rank)} (node of each rank) are not runs of "
-                           f"consecutive ranks (peer access between GPUs, on the host an MPI "
-                           f"communicator)")
-    if name == "pull":
-        return PullTransport(comm, comm._new_peer_memory())
-    if name == "hier":
-        from ._hier import HierTransport
-        return HierTransport(comm, nodes)
-    return GroupedTransport(comm)
-
-
 class StagedExchange:
     """The staged exchange's entry on a :class:`~mxcomm.comm.Communicator` (a base of it):
-    :meth:`exchange` over the transport :func:`choose_transport` picked."""
+    :meth:`exchange` over the transport ``_transport.choose`` picked."""
 
     @property
     def nodes(self):
@@ -283,11 +212,6 @@ class StagedExchange:
     def transport(self):
         """``"pull"``, ``"hier"`` or ``"grouped"``: how :meth:`exchange` moves rows."""
         return self._transport.name
-
-    def _choose_transport(self):
-        """Pick the transport of :meth:`exchange` (:func:`choose_transport`); collective, from
-        the backends' constructors."""
-        self._transport = choose_transport(self, self._peer_memory)
 
     def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
         """Move rows a producer writes where they travel from, to a consumer (``_staged``).

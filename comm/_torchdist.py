@@ -51,38 +51,6 @@ class TorchHostCommunicator(HostCommunicator):
             return self._torch.from_numpy(flat)
 
     # ----------------------------------------------------------------------------- collectives
-    def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
-                  recv_offsets=None, stream=None, validate=None):
-        """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
-
-        The contract of :meth:`Communicator.alltoallv` on host NumPy arrays. Collective; blocks
-        the host until done: one gloo ``alltoall_base`` per array (rows whose offsets do not
-        follow each other in rank order are first packed into a contiguous copy).
-
-        Args:
-            send: (M, ...) C-contiguous NumPy array of any dtype, or a tuple of such arrays with
-                equal M moved together. Read.
-            send_counts, recv_counts: W non-negative host ints (rows).
-            out: (N, ...) arrays like ``send``, or None to allocate. Written.
-            send_offsets, recv_offsets: W host ints, the first row sent to / received from each
-                rank (default: the exclusive cumulative sums of the counts).
-            stream: ignored (host arrays).
-            validate: check counts across ranks first (one small host allgather); None for the
-                communicator's default.
-        Returns:
-            ``out`` (an array, or a tuple if ``send`` was a tuple).
-        Raises:
-            ValueError, TypeError: as :meth:`Communicator.alltoallv` (same message on every rank
-                when validating).
-            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
-            RuntimeError: gloo failed (a peer crashed); the communicator is aborted or closed.
-        """
-        self.check_usable()
-        sends, outs, single, sc, rc, so, ro = self._plan(
-            send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
-        self._move_rows(sends, outs, sc, so, rc, ro, None)
-        return outs[0] if single else outs
-
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
         call = self._enter_exchange()
         works, keep, unpack = [], [], []
@@ -107,22 +75,7 @@ class TorchHostCommunicator(HostCommunicator):
             _scatter(packed, o_flat, rc, ro)
 
     def alltoall_counts(self, counts, *, stream=None):
-        """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.
-
-        Collective; blocks the host until done (one gloo ``alltoall_base``).
-
-        Args:
-            counts: (W·k,) integer NumPy array; entries ``[r·k, (r+1)·k)`` go to rank ``r``.
-                Read.
-            stream: ignored (host arrays).
-        Returns:
-            (W·k,) array of the same dtype: entries ``[r·k, (r+1)·k)`` came from rank ``r``.
-        Raises:
-            ValueError: a length not a multiple of W, or different k across ranks (same message
-                on every rank).
-            TypeError: not a 1-D integer host array.
-            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
-        """
+        """:meth:`Communicator.alltoall_counts` in one gloo ``alltoall_base``; blocks until done."""
         def move(counts, out, nbytes):
             splits = [nbytes] * self.size
             return [self._side.pg.alltoall_base(self._bytes(out), self._bytes(counts), splits,

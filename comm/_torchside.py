@@ -1,22 +1,13 @@
 """The host side channel over ``torch.distributed``: a private gloo group over a group's ranks.
 
-``mxcomm.comm.init(group=...)`` builds it from a ``torch.distributed`` process group (or a 1-D
-``DeviceMesh``), so a job launched by ``torchrun`` needs no MPI. Ranks are the group's ranks, so an
-EP sub-group inside a larger world works as is.
-
-The channel does not use the caller's group for its own traffic: it builds a private
-``ProcessGroupGloo`` over the same ranks, rendezvousing through the group's store
-(``ProcessGroup.get_group_store``) under a prefix of its own. That works for any group (gloo, or
-NCCL on GPUs, whose collectives cannot carry host bytes), needs only the group's members to take
-part (``dist.new_group`` would need every rank of the world), and keeps a timed-out operation away
-from the caller's group. The prefix numbers the channels built over one group: each rank counts
-its own in the store (``mxcomm/side/<rank>/count``), so ranks that build their communicators over a
-group in the same order agree on it without talking.
-
-Every operation is a gloo work waited on with the remaining time of ``timeout``
-(``Work.wait(timeout)``); gloo gives up on its side at the same time (the group's own timeout).
-Unlike the MPI channel, a timeout cannot name the late rank: gloo does not say which peer it waits
-for.
+``mxcomm.comm.init(group=...)`` builds it from a ProcessGroup or a 1-D DeviceMesh, so ``torchrun``
+needs no MPI, and an EP sub-group of a larger world works. Its own traffic goes over a private
+``ProcessGroupGloo`` over the same ranks, rendezvoused through the group's store
+(``get_group_store``) under a prefix each rank numbers alike (its count of channels built over the
+group, ``mxcomm/side/<rank>/count``): any group works (NCCL's cannot carry host bytes), only its
+members take part, and a timed-out operation stays away from the caller's group. Each operation
+waits with the rest of ``timeout`` (``Work.wait``); unlike MPI's, a timeout cannot name the late
+rank (gloo does not say which peer it waits for).
 """
 
 import datetime

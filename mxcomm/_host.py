@@ -82,6 +82,12 @@ def quantize_mxfp8(x, data, scales, rceil):
     return data, scales
 
 
+def quantize_mxfp8_launch(rceil, stream, rows, x, data, scales):
+    """:func:`quantize_mxfp8` with a prepared launch's arguments (``mxcomm.mxfp8``; ``stream``
+    and ``rows`` unused)."""
+    quantize_mxfp8(x, data, scales, rceil)
+
+
 def _quantize_blocks(bits, fmt, rceil, codes, scales):
     """Quantize (n, 32) blocks of input bits into (n, 32) e4m3 codes and (n,) scales."""
     amax = (bits & fmt.abs_mask).max(axis=1)

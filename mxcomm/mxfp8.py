@@ -8,6 +8,8 @@ The ``launch_*`` functions run the host twin (``mxcomm._host``) on the host back
 kernels.
 """
 
+import functools
+
 import numpy
 
 from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared  # first: sets up the simulator before numba loads
@@ -320,7 +322,7 @@ def _format_round_trip(x, rows, out, stream, share, scale_mode):
 
 def _sized_quantize(dtype, width, scale_mode, share):
     if host_backend():
-        return None
+        return functools.partial(_host.quantize_mxfp8_launch, scale_mode == "rceil"), 1
     return _quantize_launch(dtype, scale_mode == "rceil", share), width // MX_BLOCK
 
 

@@ -68,7 +68,8 @@ class Route:
         row_bytes: bytes of one plain row; kind: the exchange in words (the staged exchange's
         kind, compared by the peers); quantize, round_trip: the format's launches prepared for
         the signature (None for a plain format; ``round_trip`` None without a one-pass round
-        trip); scales_shape: a quantized row's scales, ``(D // block,)`` or ``()``.
+        trip); scales_shape: a quantized row's scales, ``(D // block,)`` or ``()``; kept: a
+        quantized format whose result stays quantized (data and scales).
     """
 
     fmt: object
@@ -83,11 +84,7 @@ class Route:
     quantize: object
     round_trip: object
     scales_shape: tuple
-
-    @property
-    def kept(self):
-        """A quantized format whose result stays quantized (data and scales)."""
-        return self.quantize is not None and not self.dequantize
+    kept: bool
 
     def path(self, comm, plan, staged=True):
         """The path of an exchange of ``plan`` (module docstring): ``"alltoallv"``,
@@ -140,7 +137,7 @@ def route(function, precision, scale_mode, dtype, width):
         scales_shape = fmt.scales_shape(1, width)[1:]
     return Route(fmt, function, direction == "dispatch", dequantize, dtype, width, scale_mode,
                  width * dtype.itemsize, kind(function, fmt, width), quantize, round_trip,
-                 scales_shape)
+                 scales_shape, fmt.quantized and not dequantize)
 
 
 def choose(function, fmt, scale_mode, comm, plan, x, *, agreed, align):
@@ -189,23 +186,18 @@ def arrays(r, path, plan):
     scales where ``r.kept``), then the path's temporaries. The caller holds every one of them
     until :func:`run` has returned (its launches are enqueued then)."""
     n, w = plan.rows_received, r.width
-
-    def rows(k):
-        return ((k, w), r.dtype, "rows")
-
-    def quantized(k):
-        return (((k, w), r.fmt.element_dtype, "data"),
-                ((k,) + r.scales_shape, r.fmt.scale_dtype, "scales"))
-
-    if path == "medium":
-        return quantized(n) + quantized(plan.rows_sent)
-    if path == "staged":
-        return quantized(n)
     if r.quantize is None:
-        return (rows(n),)
+        return (((n, w), r.dtype, "rows"),)
+    data, scales = r.fmt.element_dtype, r.fmt.scale_dtype
+    result = (((n, w), data, "data"), ((n,) + r.scales_shape, scales, "scales"))
+    if path == "medium":
+        k = plan.rows_sent
+        return result + (((k, w), data, "data"), ((k,) + r.scales_shape, scales, "scales"))
+    if path == "staged":
+        return result
     if r.kept:
-        return quantized(n) + (rows(n),)
-    return (rows(n), rows(n)) + (quantized(n) if r.round_trip is None else ())
+        return result + (((n, w), r.dtype, "rows"),)
+    return (((n, w), r.dtype, "rows"),) * 2 + (result if r.round_trip is None else ())
 
 
 def run(r, path, comm, plan, x, stream, buffers):
@@ -213,7 +205,10 @@ def run(r, path, comm, plan, x, stream, buffers):
     ``buffers``, the arrays :func:`arrays` lists (as the communicator and the launches take them:
     ``Words`` on a GPU, NumPy arrays on the host), enqueued on the raw stream ``stream``; no host
     synchronization. The result is the first of ``buffers`` (two where ``r.kept``)."""
-    _PATHS[path](r, comm, plan, x, stream, buffers)
+    if path == "staged":
+        staged_kept(x, r.fmt, plan, comm, stream, r.scale_mode, r.kind, *buffers)
+    else:
+        _PATHS[path](r, comm, plan, x, stream, buffers)
 
 
 def _alltoallv(r, comm, plan, x, stream, buffers):
@@ -240,11 +235,7 @@ def _medium(r, comm, plan, x, stream, buffers):
     comm.alltoallv_plan((sent, sent_scales), (data, scales), plan, stream)
 
 
-def _staged(r, comm, plan, x, stream, buffers):
-    staged_kept(x, r.fmt, plan, comm, stream, r.scale_mode, r.kind, *buffers)
-
-
-_PATHS = {"alltoallv": _alltoallv, "medium": _medium, "staged": _staged}
+_PATHS = {"alltoallv": _alltoallv, "medium": _medium}
 
 
 def staged_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):

@@ -722,7 +722,7 @@ def _gpu_torch_direct_calls(torch, small, functions, exchange_direct, monkeypatc
         torch.cuda.set_device(c.device)
         w, me = c.size, c.rank
         taken = []
-        monkeypatch.setattr(mxt._tensors, "_exchange_direct",
+        monkeypatch.setattr(mxt._ops, "_exchange_direct",
                             lambda *args: taken.append(exchange_direct(*args)) or taken[-1])
         stream = torch.cuda.current_stream().cuda_stream
         for step in range(3):
@@ -738,8 +738,8 @@ def _gpu_torch_direct_calls(torch, small, functions, exchange_direct, monkeypatc
                     array, tensor = rows["x" if call in (a2a_dispatch, a2a_combine_backward)
                                          else "y"]
                     want = call(array, layout, precision=precision, stream=stream)
-                    got = mxt._exchange(function, tensor, None, None, None, precision,
-                                        on_tensors)
+                    got = mxt._ops.exchange(function, tensor, None, None, None, precision,
+                                            on_tensors)
                     torch.cuda.synchronize()
                     for g, v in zip(_tensor_words(got), _words(want)):
                         numpy.testing.assert_array_equal(g, v)

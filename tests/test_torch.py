@@ -269,7 +269,7 @@ def test_token_path_autograd(request, comm, device, monkeypatch, dispatch, dispa
         out = exchange_direct(*args)
         direct_calls.append(out is not None)
         return out
-    monkeypatch.setattr(mt._tensors, "_exchange_direct", counted)
+    monkeypatch.setattr(mt._ops, "_exchange_direct", counted)
     splits = (layout,) if given != "splits" else (input_splits, output_splits, comm)
 
     received = mt.a2a_dispatch(x, *splits, precision=dispatch, grad_precision=dispatch_grad)
@@ -315,7 +315,7 @@ def test_direct_call_leaves_other_tensors_to_the_engine(small_comm, device, monk
     direct = mt.a2a_dispatch(x, layout)
     taken = []
     exchange_direct = mt._exchange_direct
-    monkeypatch.setattr(mt._tensors, "_exchange_direct",
+    monkeypatch.setattr(mt._ops, "_exchange_direct",
                         lambda *args: taken.append(exchange_direct(*args)) or taken[-1])
     engine = mt.a2a_dispatch(strided, layout)
     assert len(taken) == 1 and (taken[0] is None) == (x.shape[0] > 0)  # declined: the engine

@@ -98,8 +98,9 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
     dequantized to bf16 (the same values; warned once; docs/design.md, "torch.compile and
     custom ops").
     """
-    _a2a._check_precision(precision)
-    _a2a._check_precision(grad_precision, "grad_precision")
+    if precision not in _a2a.PRECISIONS or grad_precision not in _a2a.PRECISIONS:
+        _a2a._check_precision(precision)  # a Format, or an unknown name: ValueError
+        _a2a._check_precision(grad_precision, "grad_precision")
     if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
         layout, input_splits = input_splits, None
     return _A2ADispatch.apply(x, (input_splits, output_splits, comm, precision, grad_precision,
@@ -122,8 +123,9 @@ def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="
     unpermute backward pass; docs/design.md). No ``grad_format``: for a conversion, call
     :func:`unpermute` separately. Under ``torch.compile``: as :func:`a2a_dispatch`.
     """
-    _a2a._check_precision(precision)
-    _a2a._check_precision(grad_precision, "grad_precision")
+    if precision not in _a2a.PRECISIONS or grad_precision not in _a2a.PRECISIONS:
+        _a2a._check_precision(precision)  # a Format, or an unknown name: ValueError
+        _a2a._check_precision(grad_precision, "grad_precision")
     if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
         layout, input_splits = input_splits, None
     return _A2ACombine.apply(y, (input_splits, output_splits, comm, precision, grad_precision,

@@ -1,4 +1,4 @@
-"""The drop-in for torch's ``all_to_all_single_autograd`` and the communicator of a torch group.
+"""The drop-in for torch's ``all_to_all_single_autograd``.
 
 Glossary: M rows sent by this rank, D hidden, W ranks.
 """
@@ -7,7 +7,7 @@ import torch
 
 from .. import a2a as _a2a
 from .._torch_arrays import _array, _stream, _tensor
-from ._ops import exchange
+from ._ops import _communicators, _resolve_group, exchange
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -35,89 +35,6 @@ class _AllToAllSingle(torch.autograd.Function):
 
 #: The precision that keeps the input's dtype (sent as is, exactly).
 _NATIVE = "native"
-
-
-class _Communicators:
-    """The mxcomm communicator of each torch.distributed process group the drop-in is given.
-
-    Built on first use over the group's ranks (``mxcomm.comm.init(group=...)``: collective, so
-    every rank of the group makes that first call together, as any collective), then reused;
-    after a timeout it stays aborted (its calls raise ``RuntimeError``: start a fresh job). Keys
-    are weak: a communicator lives as long as its group. A DeviceMesh maps to its group, so a
-    mesh and its group share one communicator.
-    """
-
-    def __init__(self):
-        import weakref
-        self._by_group = weakref.WeakKeyDictionary()
-
-    def get(self, pg):
-        """The open communicator of ``pg`` (a ``ProcessGroup``), built if needed."""
-        comm = self._by_group.get(pg)
-        # Closed (by the caller, on every rank): a new one. Aborted stays: its calls raise.
-        if comm is None or comm.closed:
-            from ..comm import init
-            comm = self._by_group[pg] = init(group=pg)
-        return comm
-
-
-_communicators = _Communicators()
-
-
-def communicator_for(group):
-    """The mxcomm communicator the drop-in uses for ``group`` (built on first use, cached).
-
-    Args:
-        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh`` (its group), an mxcomm
-            communicator (returned as is), or None for torch.distributed's default group.
-    Returns:
-        A communicator over the group's ranks (``mxcomm.comm.init(group=...)``; on a CPU the
-        torch host backend, on GPUs NCCL), registered for the custom ops: a communicator used
-        inside ``torch.compile`` must have passed through here (or ``exchange_layout``)
-        outside it first.
-    Raises:
-        TypeError: ``group`` of another type (the message names what is accepted), or None
-            while torch.distributed is not initialized.
-        ValueError: a DeviceMesh of more than one dimension, or this process not in the group.
-        RuntimeError: called for a group while ``torch.compile`` traces.
-        TimeoutError: the first call, collective, did not complete on every rank in time.
-    """
-    comm, pg = _resolve_group(group)
-    if comm is None and torch.compiler.is_compiling():
-        raise RuntimeError("communicator_for: a group's communicator cannot be built or looked "
-                           "up inside torch.compile; call it outside the compiled region, or "
-                           "pass the ProcessGroup itself (mxcomm's ops find its communicator "
-                           "when they run)")
-    comm = comm if comm is not None else _communicators.get(pg)
-    if not torch.compiler.is_compiling():
-        from ._ops import _registry
-        _registry.register(comm)  # so a compiled region's ops find it (docs/design.md)
-    return comm
-
-
-def _resolve_group(group):
-    """``(communicator or None, ProcessGroup or None)`` of a drop-in's ``group``; TypeError
-    naming what is accepted."""
-    from ..comm import Communicator
-    if isinstance(group, Communicator):
-        return group, group.group
-    import torch.distributed as dist
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise TypeError("group: None needs an initialized torch.distributed (its default "
-                            "group); pass a ProcessGroup, a 1-D DeviceMesh or an mxcomm "
-                            "communicator")
-        return None, dist.group.WORLD
-    if isinstance(group, dist.ProcessGroup):
-        return None, group
-    from torch.distributed.device_mesh import DeviceMesh
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"group: expected a 1-D DeviceMesh, got one of shape "
-                             f"{tuple(group.shape)} (take one dimension: mesh['ep'])")
-        return None, group.get_group()
-    raise TypeError(f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or an "
-                    f"mxcomm communicator (mxcomm.comm.init), got {type(group).__name__}")
 
 
 def _splits(splits, name):

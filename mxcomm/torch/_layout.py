@@ -48,10 +48,9 @@ def exchange_layout(num_tokens_per_expert, comm):
         (docs/design.md, "torch.compile and custom ops").
     """
     if torch.compiler.is_compiling():
-        return _ops.traced_layout(num_tokens_per_expert, comm)
+        return traced_layout(num_tokens_per_expert, comm)
     if not hasattr(comm, "alltoallv"):  # a ProcessGroup or a DeviceMesh: its communicator
-        from ._dropin import communicator_for
-        comm = communicator_for(comm)
+        comm = _ops.communicator_for(comm)
     _ops._registry.register(comm)  # found again by a compiled region's ops
     return _exchange_layout(num_tokens_per_expert, comm)
 
@@ -74,3 +73,21 @@ def _exchange_layout(num_tokens_per_expert, comm):
     return layout
 
 
+@torch.library.custom_op(f"{_ops.NAMESPACE}::exchange_layout", mutates_args=())
+def _exchange_layout_op(num_tokens_per_expert: torch.Tensor, group: str) -> torch.Tensor:
+    """Step 0 (``mxcomm.torch.exchange_layout``'s eager body) -> the layout's handle."""
+    layout = _exchange_layout(num_tokens_per_expert, _ops._registry.communicator(group))
+    return _ops._registry.add_layout(layout)
+
+
+@_exchange_layout_op.register_fake
+def _(num_tokens_per_expert, group):
+    return torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+def traced_layout(num_tokens_per_expert, group):
+    """:func:`mxcomm.torch.exchange_layout` while ``torch.compile`` traces: the op's handle in a
+    :class:`LayoutHandle` (``group``: a communicator or a ProcessGroup)."""
+    num_local_experts = num_tokens_per_expert.shape[0] // _ops._group_size(group)
+    handle = torch.ops.mxcomm.exchange_layout(num_tokens_per_expert, _ops.group_key(group))
+    return _ops.LayoutHandle(handle, num_local_experts)

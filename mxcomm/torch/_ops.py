@@ -1,43 +1,17 @@
-"""mxcomm's token path as torch custom ops (``torch.library``): what ``torch.compile`` traces.
+"""mxcomm's token path as torch custom ops (``torch.library``), what ``torch.compile`` traces, and
+the communicator of a torch group (:func:`communicator_for`). docs/design.md, "torch.compile and
+custom ops", has the design; the ops (the layout's is in ``_layout``, the GEMM's in ``_gemm_op``):
 
-Glossary: M rows sent by this rank (the token side), N rows received (the expert side), P
-permuted rows, D hidden, E experts, E_local experts per rank, W ranks.
-
-The exchange ops (docs/design.md, "torch.compile and custom ops"), in the ``mxcomm`` namespace
-(the grouped GEMM's are in ``_gemm_op``):
-
-    mxcomm::exchange_layout(Tensor num_tokens_per_expert, str group) -> Tensor
     mxcomm::exchange(Tensor rows, Tensor? layout, str function, SymInt[]? input_splits,
                      SymInt[]? output_splits, str group, str precision, int permute_align,
                      SymInt out_rows, int num_local_experts, bool keep_quantized)
         -> (Tensor rows, Tensor scales, Tensor permuted_indices, Tensor group_offsets)
     mxcomm::dequantize(Tensor data, Tensor scales, str format) -> Tensor
 
-What is not a tensor travels as a value an op's schema takes:
-- a group is a string key: ``"pg:<group_name>"`` for a torch.distributed ``ProcessGroup`` (how
-  torch's functional collectives name theirs), ``"comm:<id>"`` for an mxcomm communicator, which
-  is registered where it passes outside a trace (:func:`group_key`, ``exchange_layout``,
-  ``communicator_for``); the op finds the communicator again
-  when it runs (``communicator_for`` of the group: built on first use, collectively);
-- a layout is a handle, a (1,) int64 CPU tensor naming it in :data:`_registry` (the layout itself,
-  with its host ints, lives there while the handle lives: a finalizer on the handle removes it);
-- the rows an exchange returns are data-dependent: the fake implementation takes them from
-  ``out_rows`` where the caller knows them (the token side: the dispatch's input rows; a
-  backward: its forward's input rows), else from the splits, else a new unbacked size
-  (``torch.library.get_ctx().new_dynamic_size()``).
-
-An op returns plain tensors. The forward dispatch of a quantized precision returns the data and
-scales (``keep_quantized``), and :func:`exchange` wraps them in a QuantizedTensor in the graph
-(whose dispatch hands the grouped GEMM's ops its data and scales, and dequantizes for other ops
-through ``mxcomm::dequantize``); any other quantized result (the combine's gradient) comes back
-dequantized in bf16, with a one-time warning naming the extra pass. Permute and unpermute have no
-op: in a compiled region pass ``permute_align`` to the exchanges (the fused path).
-
-Eager calls run the ops' implementation itself (:func:`exchange` calls ``_exchange``, which the
-op calls), not through torch's dispatcher: a custom op's Python dispatch cost 9 us more than the
-plain call on a CPU (bench/NOTES.md), and an eager call keeps what the op cannot carry (a
-QuantizedTensor, the pending gather of permute's backward). Autograd is the autograd Functions
-of ``_a2a`` and ``_dropin`` around the ops, which dynamo traces into the joint graph.
+A group travels as a string key (``"pg:<group_name>"`` for a ProcessGroup, ``"comm:<id>"`` for a
+communicator registered outside the trace), a layout as a (1,) int64 CPU handle naming it in
+:data:`_registry` while the handle lives. Eager calls run the ops' body directly (:func:`exchange`),
+not through torch's dispatcher.
 """
 
 import itertools
@@ -53,7 +27,7 @@ from .. import layout as _layout
 from .._torch_arrays import _TORCH_DTYPES
 from ._quantized import (_DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _dequantized,
                          _quantized_tensor)
-from ._tensors import _exchange
+from ._tensors import _exchange, _exchange_direct
 
 NAMESPACE = "mxcomm"
 #: The group key prefixes (module docstring).
@@ -116,8 +90,6 @@ class _Registry:
         """The communicator a group key names (module docstring)."""
         if key.startswith(_PG):
             from torch.distributed.distributed_c10d import _resolve_process_group
-
-            from ._dropin import communicator_for
             return communicator_for(_resolve_process_group(key[len(_PG):]))
         comm = self._comms.get(key)
         if comm is None:
@@ -167,20 +139,89 @@ def _warn_once(key, message):
         warnings.warn(message, stacklevel=2)
 
 
+class _Communicators:
+    """The mxcomm communicator of each torch.distributed process group the drop-in is given.
+
+    Built on first use over the group's ranks (``mxcomm.comm.init(group=...)``: collective, so
+    every rank of the group makes that first call together, as any collective), then reused;
+    after a timeout it stays aborted (its calls raise ``RuntimeError``: start a fresh job). Keys
+    are weak: a communicator lives as long as its group. A DeviceMesh maps to its group, so a
+    mesh and its group share one communicator.
+    """
+
+    def __init__(self):
+        import weakref
+        self._by_group = weakref.WeakKeyDictionary()
+
+    def get(self, pg):
+        """The open communicator of ``pg`` (a ``ProcessGroup``), built if needed."""
+        comm = self._by_group.get(pg)
+        # Closed (by the caller, on every rank): a new one. Aborted stays: its calls raise.
+        if comm is None or comm.closed:
+            from ..comm import init
+            comm = self._by_group[pg] = init(group=pg)
+        return comm
+
+
+_communicators = _Communicators()
+
+
+def communicator_for(group):
+    """The mxcomm communicator the drop-in uses for ``group`` (built on first use, cached).
+
+    Args:
+        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh`` (its group), an mxcomm
+            communicator (returned as is), or None for torch.distributed's default group.
+    Returns:
+        A communicator over the group's ranks (``mxcomm.comm.init(group=...)``; on a CPU the
+        torch host backend, on GPUs NCCL), registered for the custom ops: a communicator used
+        inside ``torch.compile`` must have passed through here (or ``exchange_layout``)
+        outside it first.
+    Raises:
+        TypeError: ``group`` of another type (the message names what is accepted), or None
+            while torch.distributed is not initialized.
+        ValueError: a DeviceMesh of more than one dimension, or this process not in the group.
+        RuntimeError: called for a group while ``torch.compile`` traces.
+        TimeoutError: the first call, collective, did not complete on every rank in time.
+    """
+    comm, pg = _resolve_group(group)
+    if comm is None and torch.compiler.is_compiling():
+        raise RuntimeError("communicator_for: a group's communicator cannot be built or looked "
+                           "up inside torch.compile; call it outside the compiled region, or "
+                           "pass the ProcessGroup itself (mxcomm's ops find its communicator "
+                           "when they run)")
+    comm = comm if comm is not None else _communicators.get(pg)
+    if not torch.compiler.is_compiling():
+        _registry.register(comm)  # so a compiled region's ops find it (docs/design.md)
+    return comm
+
+
+def _resolve_group(group):
+    """``(communicator or None, ProcessGroup or None)`` of a drop-in's ``group``; TypeError
+    naming what is accepted."""
+    from ..comm import Communicator
+    if isinstance(group, Communicator):
+        return group, group.group
+    import torch.distributed as dist
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise TypeError("group: None needs an initialized torch.distributed (its default "
+                            "group); pass a ProcessGroup, a 1-D DeviceMesh or an mxcomm "
+                            "communicator")
+        return None, dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return None, group
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group: expected a 1-D DeviceMesh, got one of shape "
+                             f"{tuple(group.shape)} (take one dimension: mesh['ep'])")
+        return None, group.get_group()
+    raise TypeError(f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or an "
+                    f"mxcomm communicator (mxcomm.comm.init), got {type(group).__name__}")
+
+
 # ------------------------------------------------------------------------------------ the ops
-@torch.library.custom_op(f"{NAMESPACE}::exchange_layout", mutates_args=())
-def _exchange_layout_op(num_tokens_per_expert: torch.Tensor, group: str) -> torch.Tensor:
-    """Step 0 (``mxcomm.torch.exchange_layout``'s eager body) -> the layout's handle."""
-    from ._layout import _exchange_layout
-    layout = _exchange_layout(num_tokens_per_expert, _registry.communicator(group))
-    return _registry.add_layout(layout)
-
-
-@_exchange_layout_op.register_fake
-def _(num_tokens_per_expert, group):
-    return torch.empty(1, dtype=torch.int64, device="cpu")
-
-
 @torch.library.custom_op(f"{NAMESPACE}::exchange", mutates_args=())
 def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
                  input_splits: list[int] | None, output_splits: list[int] | None, group: str,
@@ -194,8 +235,8 @@ def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
     direction)."""
     found = _registry.layout(layout) if layout is not None else None
     comm = None if found is not None else _registry.communicator(group)
-    out = _exchange(function, rows, input_splits, output_splits, comm, precision, found,
-                    permute_align or None)
+    out = exchange(function, rows, input_splits, output_splits, comm, precision, found,
+                   permute_align or None)
     if type(out) is tuple:
         # the layout keeps its index tensors for the next call: an op's outputs are its own
         out, indices, offsets = out[0], out[1].clone(), out[2].clone()
@@ -255,19 +296,12 @@ def _(data, scales, format):  # noqa: A002
 
 
 # ---------------------------------------------------------------------- what the steps call
-def traced_layout(num_tokens_per_expert, group):
-    """:func:`mxcomm.torch.exchange_layout` while ``torch.compile`` traces: the op's handle in a
-    :class:`LayoutHandle` (``group``: a communicator or a ProcessGroup)."""
-    num_local_experts = num_tokens_per_expert.shape[0] // _group_size(group)
-    handle = torch.ops.mxcomm.exchange_layout(num_tokens_per_expert, group_key(group))
-    return LayoutHandle(handle, num_local_experts)
-
-
 def exchange(function, rows, input_splits, output_splits, comm, precision, layout=None,
              permute_align=None, out_rows=-1):
     """The exchange ``function`` on the tensor ``rows`` (the autograd Functions of ``_a2a`` and
-    ``_dropin`` call it): in eager ``_exchange`` itself (a tensor, a QuantizedTensor, or with
-    ``permute_align`` in the dispatch direction permute's triple); while ``torch.compile``
+    ``_dropin`` call it, and the op's body): in eager its route (``_exchange_direct``: a plain
+    tensor given a layout) or the array API (``_exchange``): a tensor, a QuantizedTensor, or
+    with ``permute_align`` in the dispatch direction permute's triple; while ``torch.compile``
     traces, the op ``mxcomm::exchange`` (the dispatch's quantized rows as a QuantizedTensor
     made in the graph, other quantized results dequantized, warned once).
 
@@ -275,8 +309,12 @@ def exchange(function, rows, input_splits, output_splits, comm, precision, layou
     with a layout. ``out_rows``: the result's rows where the caller knows them, else -1.
     """
     if not torch.compiler.is_compiling():
+        if layout is not None and permute_align is None and type(rows) is torch.Tensor and \
+                input_splits is None and output_splits is None and comm in (None, layout.comm):
+            out = _exchange_direct(function, rows, layout, precision)
+            if out is not None:
+                return out
         if comm is not None and not hasattr(comm, "alltoallv"):  # a ProcessGroup
-            from ._dropin import communicator_for
             comm = communicator_for(comm)
         return _exchange(function, rows, input_splits, output_splits, comm, precision, layout,
                          permute_align)

@@ -3,6 +3,7 @@
 Glossary: M rows sent by this rank, N = M_recv rows received, P permuted rows, D hidden.
 """
 
+import numpy
 import torch
 from torch.utils._pytree import tree_map
 
@@ -10,13 +11,16 @@ from .. import a2a as _a2a
 from .. import permutation as _permutation
 from .. import route as _route
 from .._driver import Words
-from .._platform import gpu_arrays
-from .._torch_arrays import (_ARRAY_DTYPES, _TORCH_DTYPES, _array, _current_stream, _stream,
-                             _tensor, _view)
+from .._platform import backend
+from .._torch_arrays import (_ARRAY_DTYPES, _INT_OF_SIZE, _TORCH_DTYPES, _array, _current_stream,
+                             _stream, _tensor, _view)
 from ..formats import QuantizedArray
 from ..kernels import array_module
 from ._quantized import (_DATA_DTYPE, _DIRECT_DTYPES, _SCALE_DTYPES, _SCALE_MODE,
                          QuantizedTensor, _quantized_tensor)
+
+# element size -> the NumPy integer dtype torch sees a NumPy array of that element size through
+_NUMPY_INTS = {1: numpy.uint8, 2: numpy.int16, 4: numpy.int32, 8: numpy.int64}
 
 
 class _Alloc:
@@ -76,13 +80,7 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
               permute_align=None):
     """The array API's ``function`` (``mxcomm.a2a``) on the tensor ``rows`` (plain or a
     QuantizedTensor), on torch's current stream, results allocated by torch: a tensor (with
-    ``permute_align`` in the dispatch direction, ``permute``'s triple of tensors). A plain
-    tensor whose exchange the engine's direct call runs goes straight to it."""
-    if layout is not None and permute_align is None and type(rows) is torch.Tensor and \
-            input_splits is None and output_splits is None and comm in (None, layout.comm):
-        out = _exchange_direct(function, rows, layout, precision)
-        if out is not None:
-            return out
+    ``permute_align`` in the dispatch direction, ``permute``'s triple of tensors)."""
     alloc = _Alloc(rows.device)
     result = _a2a._call(function, _rows(rows, _route.CALLS[function][0]), input_splits,
                         output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc,
@@ -109,7 +107,7 @@ def _exchange_direct(function, t, layout, precision):
     comm = layout.comm
     plan = layout.dispatch_plan if r.dispatch else layout.combine_plan
     cuda = t.is_cuda
-    if shape[0] != plan.rows_sent or cuda != gpu_arrays() or not t.is_contiguous():
+    if shape[0] != plan.rows_sent or cuda != (backend() == "cuda") or not t.is_contiguous():
         return None
     path = r.path(comm, plan)
     if path is None:
@@ -121,14 +119,22 @@ def _exchange_direct(function, t, layout, precision):
             return None
         x = Words(ptr, (plan.rows_sent, r.width), dtype)
         stream = comm.stream_ptr(_current_stream(device))
-    else:
-        x = _view(t, dtype)
+    else:  # as _view does
+        x = t.view(_INT_OF_SIZE[t.element_size()]).numpy().view(dtype)
         stream = comm.stream_ptr(None)
-    specs = _route.arrays(r, path, plan)
-    tensors = [torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
-               for shape, dtype, kind in specs]
-    buffers = [Words(t.data_ptr(), shape, dtype) if cuda else _view(t, dtype)
-               for t, (shape, dtype, _) in zip(tensors, specs)]
+    specs = layout._cache.get((r, path))
+    if specs is None:
+        specs = layout._cache[r, path] = _route.arrays(r, path, plan)
+    tensors, buffers = [], []
+    for shape, dtype, kind in specs:
+        if cuda:
+            made = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
+            buffers.append(Words(made.data_ptr(), shape, dtype))
+        else:  # a NumPy array, seen by torch through its integer twin
+            buffers.append(numpy.empty(shape, dtype))
+            made = torch.from_numpy(buffers[-1].view(_NUMPY_INTS[dtype.itemsize])).view(
+                _DIRECT_DTYPES[kind, dtype])
+        tensors.append(made)
     _route.run(r, path, comm, plan, x, stream, buffers)
     return _quantized_tensor(tensors[0], tensors[1], r.fmt) if r.kept else tensors[0]
 
