@@ -17,7 +17,6 @@ a user's layer runs it. Printed by rank 0, after warm-up:
 """
 
 import cProfile
-import io
 import pstats
 import statistics
 import sys
@@ -105,11 +104,7 @@ def main():
     profiles = (cProfile.Profile(), cProfile.Profile())
     step(profiles)
     torch.cuda.synchronize()
-    texts = []
-    for profile in profiles:
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-        texts.append(text.getvalue())
+    texts = [_table(pstats.Stats(profile)) for profile in profiles]
 
     if comm.rank == 0:
         print(f"# {recipe}, {rows} rows per rank, {comm.size} ranks: host {host_ms:.3f} ms, "
@@ -118,9 +113,23 @@ def main():
         for s in syncs:
             print("-", s)
         for name, text in zip(("forward", "backward"), texts):
-            print(f"## one step's {name}: functions by own host time (cProfile)")
-            print("\n".join(text.splitlines()[:45]))
+            print(f"## one step's {name} under cProfile (us; its overhead included)")
+            print(text)
     comm.close()
+
+
+def _table(stats, top=25):
+    """The ``top`` functions by own time and by inclusive time, in us, with their calls."""
+    rows = [(f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({name})",
+             calls, own * 1e6, inclusive * 1e6)
+            for (file, line, name), (_, calls, own, inclusive, _) in stats.stats.items()]
+    total = sum(r[2] for r in rows)
+    out = [f"total own time {total:.0f} us in {sum(r[1] for r in rows)} calls"]
+    for key, title in ((2, "own"), (3, "inclusive")):
+        out.append(f"by {title} time: calls, own us, inclusive us, function")
+        for r in sorted(rows, key=lambda r: -r[key])[:top]:
+            out.append(f"  {r[1]:5d} {r[2]:8.0f} {r[3]:8.0f}  {r[0]}")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
