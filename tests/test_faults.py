@@ -33,7 +33,7 @@ LINE = re.compile(r"RESULT rank=(\d+) exc=(\S+) t=([\d.]+) msg=(.*?)(?=RESULT ra
 #: The cases run in one gloo world (one spawn for all: a world takes seconds to start).
 GLOO_CASES = ("native_dtype_mix", "dim_mix_layout", "stale_layout", "fail_one_of_three_layout",
               "precision_mix_layout", "raise_before_first_layout", "rows_before_first_layout",
-              "foreign_layout_first")
+              "foreign_layout_first", "fail_one_of_three_pull", "stale_layout_pull")
 
 
 def _gloo_rank(rank, size, cases):
@@ -237,6 +237,40 @@ def test_layout_path_mismatch(world, case, words, request):
             assert w in msg, (rank, w, msg)
         messages.add(msg)
     assert len(messages) == 1, messages
+
+
+def names(msg, rank):
+    """Whether ``msg`` names ``rank`` ("rank 1", or "ranks 2, 1")."""
+    return re.search(rf"\branks? (\d+, )*{rank}\b", msg) is not None
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+@pytest.mark.parametrize("case, words", [
+    ("fail_one_of_three_pull", ["rank 0 has layout 1, call 2", f"rank {BAD} has layout 1, call 3"]),
+    ("stale_layout_pull", ["rank 0 has layout 2", f"rank {BAD} has layout 1"]),
+])
+def test_mispaired_call_of_a_quantized_exchange(world, case, words, request):
+    """MXFP8 rows on the layout path, one rank at another call than its peers, with rows of the
+    same shape and counts: rank BAD's second of three calls failed its local check alone and it
+    went on to the third, or it uses the step's first layout where the others use the second.
+    MPI pulls the rows from peer memory, whose ready words carry the call's tag (the layout's
+    number and the call's): every rank raises RuntimeError at once, naming a rank at the other
+    call, before it reads a row. gloo moves them in one alltoallv, checked first on the host:
+    the same ValueError everywhere, naming both calls. No rank returns rows."""
+    results, out = run_case(world, case, request.getfixturevalue("gloo_world")
+                            if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    for rank, (exc, seconds, msg) in results.items():
+        assert seconds < 1.0, (rank, seconds, msg)
+        if world == "gloo":
+            assert exc == "ValueError", (rank, exc, msg)
+            assert all(w in msg for w in words), (rank, msg)
+            continue
+        assert exc == "RuntimeError" and "mis-paired" in msg, (rank, exc, msg)
+        if rank == BAD:  # the others are all at the other call
+            assert any(names(msg, r) for r in range(RANKS) if r != BAD), msg
+        else:  # BAD's word, or BAD's (or a peer's) word that it gave up on finding it
+            assert names(msg, BAD) or "found this exchange" in msg, msg
 
 
 def test_layout_exchange_after_a_timeout_refuses_at_once():

@@ -124,6 +124,7 @@ def _exchange_direct(function, t, layout, precision):
     else:
         x = _view(t, dtype)
         stream = comm.stream_ptr(None)
+    plan.calls += 1  # this call's number, as the engine counts it (``_staged.call_tag``)
     specs = _route.arrays(r, path, plan)
     tensors = [torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
                for shape, dtype, kind in specs]

@@ -283,6 +283,22 @@ def case_fail_one_of_three_layout(comm):
                                                  precision="bf16"))
 
 
+def case_fail_one_of_three_pull(comm):
+    """As fail_one_of_three_layout, MXFP8 rows: MPI pulls them from peer memory (the call tag
+    in the ready words), gloo moves them in one alltoallv (the host layout check)."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    _fail_second(comm, lambda extra: a2a_dispatch(_rows(layout.num_rows + extra), layout))
+
+
+def case_stale_layout_pull(comm):
+    """Rank BAD dispatches MXFP8 rows with the step's first layout, the others with the second,
+    of the same counts: only the layouts' numbers tell the calls apart."""
+    first = exchange_layout(layout_counts(comm), comm)
+    second = exchange_layout(layout_counts(comm), comm)
+    layout = first if comm.rank == BAD else second
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
 def case_late_rank(comm):
     """Rank BAD comes to a layout-based dispatch 1 s after its peers timed out in it: it must
     raise at once naming a peer that gave up (itself late), not time out blaming them."""
