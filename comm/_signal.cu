@@ -107,3 +107,68 @@ extern "C" __global__ void mx_wait(const u32* gen, PeerWords w, int count, u64 t
     __syncthreads();
     __threadfence_system();
 }
+
+// ---- The NCCL backend's call header (_header.py): MX_HEADER_WORDS 32-bit words a rank sends each
+// peer it moves rows with, in the same NCCL group as the rows: what identifies the call and its
+// rows (words 0 .. MX_HEADER_WORDS - 2), then MX_HEADER_MAGIC (a header received this call).
+#define MX_HEADER_WORDS 8
+#define MX_HEADER_MAGIC 0x4D584844u
+
+// This rank's header, by value.
+struct Header {
+    u32 word[MX_HEADER_WORDS - 1];
+};
+
+// Write this rank's header into `header` and clear the `size` headers of `received` (a peer
+// that sends none this call leaves zeros, not checked). Launch: one block (any width).
+extern "C" __global__ void mx_header_put(u32* header, u32* received, int size, Header mine) {
+    int t = threadIdx.x;
+    if (t < MX_HEADER_WORDS - 1) header[t] = mine.word[t];
+    if (t == 0) header[MX_HEADER_WORDS - 1] = MX_HEADER_MAGIC;
+    for (int i = t; i < MX_HEADER_WORDS * size; i += blockDim.x) received[i] = 0;
+}
+
+// The result arrays of an exchange (up to 4), poisoned where its headers differ.
+struct Results {
+    u64 ptr[4];
+    u64 bytes[4];
+};
+
+// Compare each header received this call (MX_HEADER_WORDS words per rank in `received`) with
+// this rank's. Where one differs: report the first such peer in `status` (code 3; [1] peer,
+// then its words, then this rank's: 2 + 2 * (MX_HEADER_WORDS - 1) words) and fill the `count`
+// result arrays with 0xFF bytes (NaN in bf16, fp32, e4m3 and e8m0), so no row of another call is
+// used. Every block reads the headers itself (no grid-wide sync). Launch: any grid and width.
+extern "C" __global__ void mx_header_check(const u32* received, int size, Header mine,
+                                           u32* status, Results out, int count) {
+    __shared__ int bad;
+    if (threadIdx.x == 0) {
+        bad = -1;
+        for (int p = 0; p < size && bad < 0; ++p) {
+            const u32* h = received + MX_HEADER_WORDS * p;
+            if (h[MX_HEADER_WORDS - 1] != MX_HEADER_MAGIC) continue;
+            for (int k = 0; k < MX_HEADER_WORDS - 1; ++k)
+                if (h[k] != mine.word[k]) bad = p;
+        }
+        if (bad >= 0 && blockIdx.x == 0 && atomicCAS(status, 0u, 0xFFFFFFFFu) == 0u) {
+            const u32* h = received + MX_HEADER_WORDS * bad;
+            volatile u32* s = status;
+            s[1] = bad;
+            for (int k = 0; k < MX_HEADER_WORDS - 1; ++k) {
+                s[2 + k] = h[k];
+                s[1 + MX_HEADER_WORDS + k] = mine.word[k];
+            }
+            __threadfence_system();
+            s[0] = 3;
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    if (bad < 0) return;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (int i = 0; i < count; ++i) {
+        unsigned char* p = (unsigned char*)out.ptr[i];
+        for (u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; j < out.bytes[i]; j += stride)
+            p[j] = 0xFF;
+    }
+}

@@ -274,7 +274,8 @@ _COMMON_ARGS = """
         TimeoutError: a peer did not arrive within ``comm.timeout`` s; the communicator is
             aborted.
         RuntimeError: the communicator is aborted or closed; a peer called a different
-            exchange (found on the device, raised by a later call)."""
+            exchange, or (with a layout) is at another call of it: it failed one alone and
+            went on, or uses another layout (found on the device, raised by a later call)."""
 
 
 def _doc(text):

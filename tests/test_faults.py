@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 import numpy
 import pytest
@@ -397,6 +398,74 @@ def test_gpu_rank_skips_one_of_three_calls(path):
     exc, seconds, msg = results[1 - BAD]
     assert exc == "TimeoutError" and f"rank {BAD}" in msg, (exc, msg)
     assert seconds < GPU_BOUND + 5, seconds  # two calls went first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["nccl", "pull"])
+def test_gpu_mispaired_call(path):
+    """NCCL backend, 2 ranks: rank BAD's second of three same-shape dispatches fails its local
+    check and it goes on to the third, which pairs with the other's second. Every rank's
+    ``wait`` raises RuntimeError naming the other rank and both calls, within the bound: the
+    NCCL group's call headers (bf16), or the pull transport's ready words (MXFP8). NCCL's check
+    also fills the mis-paired call's results with 0xFF bytes on the device."""
+    results, rc, wall, out = run_gpu_job(f"gpu_fail_one_of_three_{path}")
+    assert sorted(results) == [0, 1], out
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc == "RuntimeError" and "mis-paired" in msg, (rank, exc, msg)
+        assert names(msg, 1 - rank), (rank, msg)
+        assert "call 2 of layout 1" in msg and "call 3 of layout 1" in msg, (rank, msg)
+        assert seconds < GPU_BOUND, (rank, seconds)
+        if path == "nccl":
+            assert "results all 0xFF: True" in msg, (rank, msg)
+
+
+@pytest.mark.gpu
+def test_gpu_native_dtype_mix_over_nccl():
+    """NCCL backend, 2 ranks, the layout path, ``precision="native"``: fp32 rows on rank BAD,
+    bf16 on the other. The bf16 rank's header check fails after its group; rank BAD's group
+    stalls (it expects more bytes than come) and its timeout reads the headers that arrived.
+    Both raise RuntimeError naming the other rank and both dtypes, within the bound."""
+    results, rc, wall, out = run_gpu_job("gpu_native_mix_nccl")
+    assert sorted(results) == [0, 1], out
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc == "RuntimeError" and "mis-paired" in msg, (rank, exc, msg)
+        assert names(msg, 1 - rank) and "float32" in msg and "bfloat16" in msg, (rank, msg)
+        assert seconds < GPU_BOUND, (rank, seconds)
+
+
+def test_call_header_words_and_message():
+    """The NCCL call header (``comm/_header.py``, checked on GPUs by the tests above): the CUDA
+    source's header has the module's words; the message of a mismatch names the peer, both
+    calls and both rows, a dtype this rank never moved included (from its hash)."""
+    import pathlib
+    from mxcomm.comm import _header
+    source = pathlib.Path(_header.__file__).with_name("_signal.cu").read_text()
+    assert int(re.search(r"#define MX_HEADER_WORDS (\d+)", source).group(1)) == \
+        _header.HEADER_WORDS
+    assert int(re.search(r"#define MX_HEADER_MAGIC (0x[0-9A-F]+)u", source).group(1), 16) == \
+        _header.MAGIC
+
+    class Rows:  # an array's dtype and shape, as the header reads them
+        def __init__(self, dtype, shape):
+            self.dtype, self.shape = numpy.dtype(dtype), shape
+
+    mine, text = _header.describe_rows((Rows(bfloat16, (9, 32)),))
+    assert text == "bfloat16 rows of shape (32,)" and mine[2:] == (32, 1, 0)
+    theirs, _ = _header.describe_rows((Rows(numpy.float32, (9, 32)),))
+    assert theirs[0] != mine[0] and theirs[1] != mine[1]
+    headers = object.__new__(_header.CallHeaders)
+    headers._rank = 0
+    headers.texts = {mine[0]: text}
+    headers._dtypes = {zlib.crc32(n.encode()): n for n in _header._DTYPES}
+    error = headers._error(1, (1, 3) + theirs, (1, 2) + mine, "poisoned")
+    msg = str(error)
+    assert isinstance(error, RuntimeError), error
+    for words in ("rank 1 is at call 3 of layout 1 with float32 rows of 32 elements",
+                  "this rank is at call 2 of layout 1 with bfloat16 rows of shape (32,)",
+                  "mis-paired", "poisoned"):
+        assert words in msg, (words, msg)
+    vote = str(headers._error(1, (0, 7) + mine, (0, 9) + mine, "poisoned"))
+    assert "host collective 7" in vote and "host collective 9" in vote, vote
 
 
 @pytest.mark.gpu

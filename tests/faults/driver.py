@@ -354,9 +354,49 @@ def _gpu_kill(comm, path):
     _gpu_dispatch(comm, layout, path)
 
 
+def _gpu_fail_one_of_three(comm, path):
+    """Three same-shape dispatches; rank BAD's second has one row too many (a local ValueError,
+    at once) and it goes on to the third, which pairs with the other's second: every rank's
+    ``wait`` must raise the mis-pairing (the call tag: NCCL's header, the pull's ready words).
+    NCCL also fills the results of the mis-paired call with 0xFF bytes: the message says
+    whether it did ("results all 0xFF: True")."""
+    import cupy
+    layout = _gpu_layout(comm)
+    for i in range(3):
+        extra = 1 if comm.rank == BAD and i == 1 else 0
+        x = cupy.asarray(_rows(layout.num_rows + extra))
+        try:
+            out = a2a_dispatch(x, layout, precision="bf16" if path == "nccl" else "mxfp8")
+        except ValueError:
+            if extra:
+                continue
+            raise
+        try:
+            comm.wait()
+        except RuntimeError as exc:
+            if path == "nccl":
+                poisoned = bool((out.view(cupy.uint8) == 0xFF).all())
+                raise RuntimeError(f"{exc} [results all 0xFF: {poisoned}]") from None
+            raise
+
+
+def _gpu_native_mix(comm, path):
+    """precision="native" over NCCL on the layout path: fp32 rows on rank BAD, bf16 on the
+    other. The bf16 rank's group completes (it receives fewer bytes than BAD sends): its header
+    check fails at once. BAD expects more bytes than come: its group stalls, and its timeout
+    reads the headers that arrived: both raise RuntimeError naming the other and both dtypes."""
+    import cupy
+    layout = _gpu_layout(comm)
+    x = cupy.asarray(numpy.ones((layout.num_rows, D),
+                                numpy.float32 if comm.rank == BAD else bfloat16))
+    a2a_dispatch(x, layout, precision="native")
+    comm.wait()
+
+
 for _path in ("nccl", "pull"):
     for _name, _case in (("raise_first", _gpu_raise_first), ("skip", _gpu_skip),
-                         ("kill", _gpu_kill)):
+                         ("kill", _gpu_kill), ("fail_one_of_three", _gpu_fail_one_of_three),
+                         ("native_mix", _gpu_native_mix)):
         globals()[f"case_gpu_{_name}_{_path}"] = \
             lambda comm, _case=_case, _path=_path: _case(comm, _path)
 
