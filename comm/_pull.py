@@ -112,7 +112,7 @@ class PullTransport:
                                                for o in outs), stream)
         if beside is not None:
             beside(stream)
-        memory.end(stream)
+        memory.end(stream, () if in_place else outs)
         return outs
 
     def _schedule(self, plan, arrays, row_bytes, base, in_place, landing=None):

@@ -195,8 +195,9 @@ class HostPeerMemory:
         self._flags_window.Sync()
         return 0
 
-    def end(self, stream):
-        """Tell every peer that this rank is done reading its staging of this generation."""
+    def end(self, stream, outs=()):
+        """Tell every peer that this rank is done reading its staging of this generation
+        (``outs``: unused; a failed wait here raised before any copy)."""
         value = numpy.uint64(self.generation << 32)
         slot = self._ready_words + self._rank
         for p in range(self._size):

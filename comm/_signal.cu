@@ -51,14 +51,36 @@ extern "C" __global__ void mx_begin(u32* gen, const u64* done, int size, int ran
     if (p == 0) gen[0] = current + 1;
 }
 
-// Write (generation << 32) into the word at each of `count` addresses (one per peer).
-// Launch: one block of at least `count` threads.
-extern "C" __global__ void mx_signal_all(const u32* gen, const u64* addresses, int count) {
+// The result arrays of an exchange (up to 4), poisoned where it failed.
+struct Results {
+    u64 ptr[4];
+    u64 bytes[4];
+};
+
+// Fill the `count` arrays of `out` with 0xFF bytes (NaN in bf16, fp32, e4m3 and e8m0), grid-
+// stride over the launch: a failed exchange's results, so no row of another call is used.
+__device__ void poison(Results out, int count) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (int i = 0; i < count; ++i) {
+        unsigned char* p = (unsigned char*)out.ptr[i];
+        for (u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; j < out.bytes[i]; j += stride)
+            p[j] = 0xFF;
+    }
+}
+
+// End an exchange: block 0 writes (generation << 32) into the word at each of `count` addresses
+// (this rank's "done" in each peer's flags); where a wait of this rank failed (`status` set: a
+// peer late, or at another call or kind of exchange), every block poisons the `nout` results,
+// which the copies after that wait filled from the wrong rows.
+// Launch: blocks of at least `count` threads (one block where `nout` is 0).
+extern "C" __global__ void mx_end(const u32* gen, const u64* addresses, int count,
+                                  const u32* status, Results out, int nout) {
     int i = threadIdx.x;
-    if (i < count) {
+    if (blockIdx.x == 0 && i < count) {
         __threadfence_system();
         atomicExch((u64*)addresses[i], (u64)gen[0] << 32);
     }
+    if (*(const volatile u32*)status) poison(out, nout);
 }
 
 // The words of one or several peers (up to MX_BATCH): one launch for all of them.
@@ -128,12 +150,6 @@ extern "C" __global__ void mx_header_put(u32* header, u32* received, int size, H
     for (int i = t; i < MX_HEADER_WORDS * size; i += blockDim.x) received[i] = 0;
 }
 
-// The result arrays of an exchange (up to 4), poisoned where its headers differ.
-struct Results {
-    u64 ptr[4];
-    u64 bytes[4];
-};
-
 // Compare each header received this call (MX_HEADER_WORDS words per rank in `received`) with
 // this rank's. Where one differs: report the first such peer in `status` (code 3; [1] peer,
 // then its words, then this rank's: 2 + 2 * (MX_HEADER_WORDS - 1) words) and fill the `count`
@@ -164,11 +180,5 @@ extern "C" __global__ void mx_header_check(const u32* received, int size, Header
         }
     }
     __syncthreads();
-    if (bad < 0) return;
-    u64 stride = (u64)gridDim.x * blockDim.x;
-    for (int i = 0; i < count; ++i) {
-        unsigned char* p = (unsigned char*)out.ptr[i];
-        for (u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; j < out.bytes[i]; j += stride)
-            p[j] = 0xFF;
-    }
+    if (bad >= 0) poison(out, count);
 }

@@ -357,9 +357,9 @@ def _gpu_kill(comm, path):
 def _gpu_fail_one_of_three(comm, path):
     """Three same-shape dispatches; rank BAD's second has one row too many (a local ValueError,
     at once) and it goes on to the third, which pairs with the other's second: every rank's
-    ``wait`` must raise the mis-pairing (the call tag: NCCL's header, the pull's ready words).
-    NCCL also fills the results of the mis-paired call with 0xFF bytes: the message says
-    whether it did ("results all 0xFF: True")."""
+    ``wait`` must raise the mis-pairing (the call tag: NCCL's header, the pull's ready words),
+    and the results of the mis-paired call hold 0xFF bytes, filled on the device: the message
+    says whether they do ("results all 0xFF: True")."""
     import cupy
     layout = _gpu_layout(comm)
     for i in range(3):
@@ -374,10 +374,9 @@ def _gpu_fail_one_of_three(comm, path):
         try:
             comm.wait()
         except RuntimeError as exc:
-            if path == "nccl":
-                poisoned = bool((out.view(cupy.uint8) == 0xFF).all())
-                raise RuntimeError(f"{exc} [results all 0xFF: {poisoned}]") from None
-            raise
+            arrays = (out.data, out.scales) if hasattr(out, "scales") else (out,)
+            poisoned = all(bool((a.view(cupy.uint8) == 0xFF).all()) for a in arrays)
+            raise RuntimeError(f"{exc} [results all 0xFF: {poisoned}]") from None
 
 
 def _gpu_native_mix(comm, path):
