@@ -34,7 +34,8 @@ LINE = re.compile(r"RESULT rank=(\d+) exc=(\S+) t=([\d.]+) msg=(.*?)(?=RESULT ra
 #: The cases run in one gloo world (one spawn for all: a world takes seconds to start).
 GLOO_CASES = ("native_dtype_mix", "dim_mix_layout", "stale_layout", "fail_one_of_three_layout",
               "precision_mix_layout", "raise_before_first_layout", "rows_before_first_layout",
-              "foreign_layout_first", "fail_one_of_three_pull", "stale_layout_pull")
+              "foreign_layout_first", "fail_one_of_three_pull", "stale_layout_pull",
+              "fail_one_of_three_torch")
 
 
 def _gloo_rank(rank, size, cases):
@@ -221,12 +222,15 @@ def test_survivors_exit_past_a_stuck_peer(case, seconds):
     ("stale_layout", ["rank 0 has layout 2", f"rank {BAD} has layout 1"]),
     ("fail_one_of_three_layout", ["rank 0 has layout 1, call 2",
                                   f"rank {BAD} has layout 1, call 3"]),
+    ("fail_one_of_three_torch", ["rank 0 has layout 1, call 2",
+                                 f"rank {BAD} has layout 1, call 3"]),
 ])
 def test_layout_path_mismatch(world, case, words, request):
     """Ranks disagreeing on a layout-path exchange (rows of another dtype or width, a stale
-    layout, a rank whose call failed alone going on to the next): the same ValueError on every
-    rank, naming the rank and what each has, before any data moves (MPI moved garbage here,
-    gloo aborted the processes); nothing returned anywhere."""
+    layout, a rank whose call failed alone going on to the next; through ``mxcomm.torch`` too,
+    whose direct path counts its calls as the engine does): the same ValueError on every rank,
+    naming the rank and what each has, before any data moves (MPI moved garbage here, gloo
+    aborted the processes); nothing returned anywhere."""
     results, out = run_case(world, case, request.getfixturevalue("gloo_world")
                             if world == "gloo" else None)
     assert sorted(results) == list(range(RANKS)), out

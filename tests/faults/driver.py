@@ -299,6 +299,16 @@ def case_stale_layout_pull(comm):
     a2a_dispatch(_rows(layout.num_rows), layout)
 
 
+def case_fail_one_of_three_torch(comm):
+    """As fail_one_of_three_layout through ``mxcomm.torch`` (bf16 tensors): the calls that fit
+    take the adapters' direct path, rank BAD's bad one the engine; both count the call."""
+    import torch
+    import mxcomm.torch as mt
+    layout = mt.exchange_layout(torch.from_numpy(layout_counts(comm)), comm)
+    _fail_second(comm, lambda extra: mt.a2a_dispatch(
+        torch.ones(layout.num_rows + extra, D, dtype=torch.bfloat16), layout, precision="bf16"))
+
+
 def case_late_rank(comm):
     """Rank BAD comes to a layout-based dispatch 1 s after its peers timed out in it: it must
     raise at once naming a peer that gave up (itself late), not time out blaming them."""
@@ -437,8 +447,9 @@ def main():
                         medium_exchange_bytes=0)
     else:
         comm = mxc.init(timeout=TIMEOUT)
-    if case == "torch_tensor":
+    if case in ("torch_tensor", "fail_one_of_three_torch"):
         import torch  # noqa: F401 (imported before the clock starts)
+        import mxcomm.torch  # noqa: F401
     t0 = time.perf_counter()
     try:
         globals()["case_" + case](comm)
