@@ -80,7 +80,10 @@ extern "C" __global__ void mx_end(const u32* gen, const u64* addresses, int coun
         __threadfence_system();
         atomicExch((u64*)addresses[i], (u64)gen[0] << 32);
     }
-    if (*(const volatile u32*)status) poison(out, nout);
+    __shared__ u32 failed;  // one read of the pinned status per block
+    if (i == 0) failed = *(const volatile u32*)status;
+    __syncthreads();
+    if (failed) poison(out, nout);
 }
 
 // The words of one or several peers (up to MX_BATCH): one launch for all of them.
