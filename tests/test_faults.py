@@ -472,6 +472,123 @@ def test_call_header_words_and_message():
     assert "host collective 7" in vote and "host collective 9" in vote, vote
 
 
+class _Packed:
+    """A stand-in for ``mxcomm._driver.PackedLaunch`` that packs each launch's values by its
+    format (``struct``, native alignment, as the real one does) and keeps them."""
+
+    def __init__(self, fmt):
+        import struct
+        self.layout, self.launches = struct.Struct("@" + fmt), []
+
+    def __call__(self, grid, block, stream, values):
+        self.layout.pack(*values)  # raises on a wrong count or a value out of range
+        self.launches.append((grid, block, stream, tuple(values)))
+
+
+def test_nccl_group_sends_the_call_header_first():
+    """The NCCL group of an exchange of a plan (no GPU: NCCL, the kernels and their launches
+    stand in): the header kernel before the group, then per peer this rank moves rows with (and
+    only those) the header's send and receive before its rows, then the check after the group
+    with this call's words and the results; the launches' values pack by the kernels' formats
+    (``_signal.cu``'s parameters). A plan without a call number (the hier transport's moves)
+    gets no header."""
+    from mxcomm._driver import Words
+    from mxcomm.comm import _header
+    from mxcomm.comm._nccl import NcclCommunicator
+    from mxcomm.comm._staged import Plan
+    ops = []
+
+    class Nccl:  # NCCL's communicator and module, recording the calls
+        def send(self, ptr, n, dtype, peer, stream):
+            ops.append(("send", ptr, n, peer))
+
+        def recv(self, ptr, n, dtype, peer, stream):
+            ops.append(("recv", ptr, n, peer))
+
+        def groupStart(self):
+            ops.append(("start",))
+
+        def groupEnd(self):
+            ops.append(("end",))
+
+    headers = object.__new__(_header.CallHeaders)
+    headers._rank, headers._size, headers._base = 1, 3, 1 << 20
+    headers._slot_bytes = _header.HEADER_BYTES * 4
+    headers._sent, headers._next, headers._rows, headers.texts = [None] * 16, 0, {}, {}
+    headers._dtypes, headers._status_ptr = {}, 1 << 30
+    words = f"{_header.HEADER_WORDS - 1}I"
+    headers._put, headers._check = _Packed(f"QQi{words}"), _Packed(f"Qi{words}Q4Q4Qi")
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size, comm._uint8 = 1, 3, 0
+    comm._nccl = comm._nccl_mod = Nccl()
+    comm._headers = headers
+    comm._board = type("Board", (), {"enter": lambda self, kind: 5})()
+    comm._connected = lambda stream: None
+    comm.check_usable = lambda: None
+    comm._record = lambda stream, call: ops.append(("record", call))
+    # rank 1 of 3 sends 2 rows to rank 0 and none to rank 2, receives 3 from rank 2 only
+    plan = Plan(1, [[0, 0, 3], [2, 1, 0], [0, 3, 0]])
+    plan.generation, plan.calls = 4, 9
+    row = numpy.dtype(bfloat16)
+    sends = (Words(0x1000, (3, 32), row),)
+    outs = (Words(0x9000, (4, 32), row),)
+    comm.alltoallv_plan(sends, outs, plan, 77)
+    (grid, block, stream, put), = headers._put.launches
+    sent, received = put[0], put[1]
+    assert stream == 77 and put[2] == 3 and put[3:5] == (4, 9)
+    rows = _header.describe_rows(sends)[0]
+    assert put[5:] == rows
+    size = _header.HEADER_BYTES
+    assert ops[0] == ("start",) and ops[-2:] == [("end",), ("record", 5)]
+    peers = [op for op in ops[1:-2]]
+    header_ops = [op for op in peers if op[2] == size]
+    assert header_ops == [("send", sent, size, 0), ("recv", received, size, 0),
+                          ("send", sent, size, 2), ("recv", received + 2 * size, size, 2)]
+    for peer in (0, 2):  # the header before the rows, for each peer
+        mine = [i for i, op in enumerate(peers) if op[3] == peer]
+        assert [peers[i][2] for i in mine][:2] == [size, size], peers
+    (grid, block, stream, check), = headers._check.launches
+    assert check[0] == received and check[1] == 3 and check[2:9] == (4, 9) + rows
+    assert check[9] == headers._status_ptr and check[10] == 0x9000 and check[14] == 4 * 32 * 2
+    assert check[-1] == 1 and stream == 77
+    # the hier transport's moves between nodes: no call number, no header
+    ops.clear()
+    moves = type("Moves", (), {"send_counts": plan.send_counts, "recv_counts": plan.recv_counts,
+                               "send_offsets": plan.send_offsets,
+                               "recv_offsets": plan.recv_offsets, "generation": None})()
+    comm.alltoallv_plan(sends, outs, moves, 77)
+    assert all(op[2] != size for op in ops if op[0] in ("send", "recv")), ops
+    assert len(headers._put.launches) == 1 and len(headers._check.launches) == 1
+
+
+def test_pull_end_poisons_by_the_kernels_format():
+    """The pull transport's end on GPUs (no GPU: the launch stands in): one launch, whose values
+    pack by ``mx_end``'s parameters, naming the copies' results (up to 4) and their bytes;
+    none for an in-place exchange, then one block."""
+    from mxcomm._driver import Words
+    from mxcomm.comm._ipc import CudaPeerMemory
+    memory = object.__new__(CudaPeerMemory)
+    memory._size, memory._threads, memory._side_ptr = 3, 32, 5
+    memory._gen_ptr, memory._status_ptr = 1 << 20, 1 << 30
+    memory._done_addresses = type("A", (), {"data": type("D", (), {"ptr": 1 << 21})()})()
+    memory._end_k = _Packed("QQiQ4Q4Qi")
+    events = []
+    memory._rt = type("Rt", (), {"eventRecord": lambda self, e, s: events.append(("rec", s)),
+                                 "streamWaitEvent": lambda self, s, e, f: events.append(
+                                     ("wait", s))})()
+    memory._joined = 0
+    outs = (Words(0x4000, (8, 32), numpy.dtype(numpy.uint8)),
+            Words(0x8000, (8, 1), numpy.dtype(numpy.uint8)))
+    memory.end(9, outs)
+    memory.end(9)
+    (grid, block, stream, values), (grid1, _, _, values1) = memory._end_k.launches
+    assert stream == 5 and grid == 16 and block >= 32 and grid1 == 1
+    assert values[:4] == (1 << 20, 1 << 21, 2, 1 << 30)
+    assert values[4:8] == (0x4000, 0x8000, 0, 0) and values[8:12] == (256, 8, 0, 0)
+    assert values[-1] == 2 and values1[-1] == 0
+    assert events == [("rec", 5), ("wait", 9)] * 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["nccl", "pull"])
 def test_gpu_rank_killed_mid_call(path):
