@@ -88,7 +88,6 @@ class CallHeaders:
         self._slot_bytes = HEADER_BYTES * (self._size + 1)
         self._memory = cupy.cuda.memory.alloc(self._slot_bytes * _SLOTS)
         self._base = self._memory.ptr
-        self._sent = [None] * _SLOTS  # this rank's words per slot, for ``stalled``
         self._next = 0
         nbytes = 4 * (2 + 2 * (HEADER_WORDS - 1))
         status = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(nbytes, _HOST_ALLOC_MAPPED),
@@ -125,7 +124,6 @@ class CallHeaders:
         words = ((plan.generation or 0) & 0xFFFFFFFF, plan.calls & 0xFFFFFFFF) + rows
         slot = self._next
         self._next = (slot + 1) % _SLOTS
-        self._sent[slot] = words
         sent = self._base + slot * self._slot_bytes
         self._put(1, 64, stream, (sent, sent + HEADER_BYTES, self._size, *words))
         return sent, sent + HEADER_BYTES, words
@@ -157,17 +155,20 @@ class CallHeaders:
         """The error the headers received so far show, or None: for the watchdog's timeout of
         an NCCL group (rows of another size stall NCCL on the rank that expects more, before its
         check runs). Copies the headers to the host on a stream of its own, beside the stalled
-        group; bounded by the copy."""
+        group; bounded by the copy. Each slot is compared as the device holds it (this rank's
+        header and the peers' that one put kernel cleared for it), not by the host's record:
+        the host may have enqueued later calls of the slot behind the stalled one."""
         total = self._slot_bytes * _SLOTS
         self._runtime.memcpyAsync(self._host.ptr, self._base, total, _MEMCPY_DEVICE_TO_HOST,
                                   self._copies.ptr)
         self._copies.synchronize()
         table = numpy.frombuffer(self._host, numpy.uint32, total // 4).reshape(
             _SLOTS, -1, HEADER_WORDS)
-        for slot, words in enumerate(self._sent):
-            if words is None:
+        for slot in table:  # this rank's header as the slot's last put left it, then the peers'
+            if int(slot[0, -1]) != MAGIC:
                 continue
-            for peer, header in enumerate(table[slot, 1:]):
+            words = tuple(int(v) for v in slot[0, :-1])
+            for peer, header in enumerate(slot[1:]):
                 theirs = tuple(int(v) for v in header[:-1])
                 if int(header[-1]) == MAGIC and theirs != words:
                     return self._error(peer, theirs, words, "its NCCL group stalled on rows "

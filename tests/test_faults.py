@@ -514,7 +514,7 @@ def test_nccl_group_sends_the_call_header_first():
     headers = object.__new__(_header.CallHeaders)
     headers._rank, headers._size, headers._base = 1, 3, 1 << 20
     headers._slot_bytes = _header.HEADER_BYTES * 4
-    headers._sent, headers._next, headers._rows, headers.texts = [None] * 16, 0, {}, {}
+    headers._next, headers._rows, headers.texts = 0, {}, {}
     headers._dtypes, headers._status_ptr = {}, 1 << 30
     words = f"{_header.HEADER_WORDS - 1}I"
     headers._put, headers._check = _Packed(f"QQi{words}"), _Packed(f"Qi{words}Q4Q4Qi")
@@ -559,6 +559,48 @@ def test_nccl_group_sends_the_call_header_first():
     comm.alltoallv_plan(sends, outs, moves, 77)
     assert all(op[2] != size for op in ops if op[0] in ("send", "recv")), ops
     assert len(headers._put.launches) == 1 and len(headers._check.launches) == 1
+
+
+def test_stalled_group_names_the_mismatch_from_the_device_headers():
+    """A stalled NCCL group's timeout reads the call headers as the device holds them (no GPU:
+    the copy stands in): a slot whose peer header (received this call: the magic word) differs
+    from this rank's header in the same slot names the peer and both calls; slots never put,
+    headers equal, or received areas cleared are not a mismatch."""
+    from mxcomm.comm import _header
+    W, n = 3, _header.HEADER_WORDS
+    device = numpy.zeros((_header._SLOTS, W + 1, n), numpy.uint32)
+    rows, _ = _header.describe_rows((type("R", (), {"dtype": numpy.dtype(bfloat16),
+                                                     "shape": (4, 32)})(),))
+
+    def header(calls):
+        return (2, calls) + rows + (_header.MAGIC,)
+    device[5, 0] = device[5, 2] = device[5, 3] = header(7)  # a call whose headers agreed
+    device[6, 0] = header(8)                                 # put, nothing received yet
+    device[7, 0], device[7, 1] = header(9), header(9)
+
+    class Host(numpy.ndarray):
+        pass
+
+    headers = object.__new__(_header.CallHeaders)
+    headers._rank, headers._size = 1, W
+    headers._slot_bytes = _header.HEADER_BYTES * (W + 1)
+    headers._base = 1 << 20
+    headers._host = numpy.zeros(device.nbytes, numpy.uint8).view(Host)
+    headers._host.ptr = 1 << 30
+    headers._copies = type("S", (), {"ptr": 3, "synchronize": lambda self: None})()
+
+    def copy(dst, src, nbytes, kind, stream):  # the device-to-host copy
+        assert (dst, src, nbytes, stream) == (1 << 30, 1 << 20, device.nbytes, 3)
+        headers._host[:] = device.reshape(-1).view(numpy.uint8)
+    headers._runtime = type("Rt", (), {"memcpyAsync": staticmethod(copy)})()
+    headers.texts = {rows[0]: "bfloat16 rows of shape (32,)"}
+    headers._dtypes = {}
+    assert headers.stalled() is None
+    device[7, 3] = (2, 8) + rows + (_header.MAGIC,)  # rank 2 sent call 8 where this is at 9
+    error = headers.stalled()
+    assert isinstance(error, RuntimeError), error
+    assert "rank 2 is at call 8 of layout 2" in str(error), error
+    assert "this rank is at call 9 of layout 2" in str(error) and "stalled" in str(error), error
 
 
 def test_pull_end_poisons_by_the_kernels_format():
