@@ -35,7 +35,7 @@ LINE = re.compile(r"RESULT rank=(\d+) exc=(\S+) t=([\d.]+) msg=(.*?)(?=RESULT ra
 GLOO_CASES = ("native_dtype_mix", "dim_mix_layout", "stale_layout", "fail_one_of_three_layout",
               "precision_mix_layout", "raise_before_first_layout", "rows_before_first_layout",
               "foreign_layout_first", "fail_one_of_three_pull", "stale_layout_pull",
-              "fail_one_of_three_torch")
+              "fail_one_of_three_torch", "fail_after_vote_explicit")
 
 
 def _gloo_rank(rank, size, cases):
@@ -276,6 +276,23 @@ def test_mispaired_call_of_a_quantized_exchange(world, case, words, request):
             assert any(names(msg, r) for r in range(RANKS) if r != BAD), msg
         else:  # BAD's word, or BAD's (or a peer's) word that it gave up on finding it
             assert names(msg, BAD) or "found this exchange" in msg, msg
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+def test_explicit_splits_are_paired_by_their_vote(world, request):
+    """Explicit splits: rank BAD's second of three calls fails after its vote, before its rows
+    move, and BAD goes on to the third. Its third call's vote is a host round of its own, which
+    the peers, waiting for BAD's rows of the second, never join: no call is mis-paired. Every
+    rank raises TimeoutError within the timeout (the peers naming BAD by the arrival board; BAD
+    naming the peers, which did not come to its vote); no rank returns rows."""
+    results, out = run_case(world, "fail_after_vote_explicit",
+                            request.getfixturevalue("gloo_world") if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc == "TimeoutError", (rank, exc, msg)
+        assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
+        if rank != BAD:
+            assert names_late(msg, BAD), msg
 
 
 def test_layout_exchange_after_a_timeout_refuses_at_once():

@@ -309,6 +309,25 @@ def case_fail_one_of_three_torch(comm):
         torch.ones(layout.num_rows + extra, D, dtype=torch.bfloat16), layout, precision="bf16"))
 
 
+def case_fail_after_vote_explicit(comm):
+    """Explicit splits, bf16: rank BAD's second of three calls passes its vote, then fails
+    before its rows move (a ValueError injected there, alone), and BAD goes on to the third.
+    Its third call's vote cannot pair with the peers' second call's rows (the vote is a host
+    round of its own), so no call is mis-paired: every rank times out, none returns rows."""
+    splits = [1] * comm.size
+    if comm.rank == BAD:
+        move, calls = comm._move_rows, []
+
+        def fail_second(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("injected after the vote, before the rows move")
+            return move(*args)
+        comm._move_rows = fail_second
+    _fail_second(comm, lambda extra: a2a_dispatch(_rows(comm.size), splits, splits, comm,
+                                                 precision="bf16"))
+
+
 def case_late_rank(comm):
     """Rank BAD comes to a layout-based dispatch 1 s after its peers timed out in it: it must
     raise at once naming a peer that gave up (itself late), not time out blaming them."""
