@@ -206,7 +206,8 @@ class CudaPeerMemory:
         """On the side stream, tell every peer this rank is done reading; order ``stream`` after
         the side stream (so the next exchange begins after these signals). Where a wait failed
         (a peer late, or at another call or kind), the same launch fills ``outs`` (the
-        copies' results, up to 4 arrays) with 0xFF bytes: they hold rows of another call."""
+        copies' or the consumer's results, up to 4 arrays) with 0xFF bytes: they hold rows of
+        another call (the own rows a consumer keeps on ``stream`` meanwhile may stay)."""
         if self._size > 1:
             outs = outs[:4]
             pad = [0] * (4 - len(outs))

@@ -112,7 +112,8 @@ class PullTransport:
                                                for o in outs), stream)
         if beside is not None:
             beside(stream)
-        memory.end(stream, () if in_place else outs)
+        # where a device wait failed, the end poisons what the copies or the consumer wrote
+        memory.end(stream, getattr(rows, "results", ()) if in_place else outs)
         return outs
 
     def _schedule(self, plan, arrays, row_bytes, base, in_place, landing=None):

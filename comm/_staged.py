@@ -12,6 +12,8 @@ counts). The rows object implements:
 - ``consume(begin, end, rows, stream)`` (in-place exchanges only): read a sender's rows, rows
   ``[begin, end)`` of the receive order, where they are, enqueued on ``stream``; keep no
   reference to ``rows`` past the call.
+- ``results`` (in-place exchanges, optional): the arrays the consumer writes, which the pull
+  transport fills with 0xFF bytes on GPUs where a device wait of the exchange failed;
 - ``keep(begin, end, at, slots, stream)`` (in-place exchanges only; a transport may call it for
   the rows a rank sends itself instead of ``produce`` and ``consume``): leave what ``produce``
   into ``slots`` then ``consume`` of them as received rows ``[at, at + end - begin)`` would

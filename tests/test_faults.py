@@ -422,14 +422,15 @@ def test_gpu_rank_skips_one_of_three_calls(path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["nccl", "pull"])
+@pytest.mark.parametrize("path", ["nccl", "pull", "dequant"])
 def test_gpu_mispaired_call(path):
     """NCCL backend, 2 ranks: rank BAD's second of three same-shape dispatches fails its local
     check and it goes on to the third, which pairs with the other's second. Every rank's
     ``wait`` raises RuntimeError naming the other rank and both calls, within the bound: the
-    NCCL group's call headers (bf16), or the pull transport's ready words (MXFP8). The
-    mis-paired call's results hold 0xFF bytes, filled on the device (the header's check; the
-    pull's end, after the copies of a failed wait)."""
+    NCCL group's call headers (bf16), or the pull transport's ready words (MXFP8, kept, or
+    dequantized where it lands: ``dequant``, the dispatch's backward). The mis-paired call's
+    results hold 0xFF bytes, filled on the device (the header's check; the pull's end, after
+    the copies or the consumer of a failed wait: there the peer's rows)."""
     results, rc, wall, out = run_gpu_job(f"gpu_fail_one_of_three_{path}")
     assert sorted(results) == [0, 1], out
     for rank, (exc, seconds, msg) in results.items():

@@ -390,12 +390,18 @@ def _gpu_fail_one_of_three(comm, path):
     and the results of the mis-paired call hold 0xFF bytes, filled on the device: the message
     says whether they do ("results all 0xFF: True")."""
     import cupy
+    from mxcomm.a2a import a2a_dispatch_backward
     layout = _gpu_layout(comm)
+    plan = layout.combine_plan
     for i in range(3):
         extra = 1 if comm.rank == BAD and i == 1 else 0
-        x = cupy.asarray(_rows(layout.num_rows + extra))
         try:
-            out = a2a_dispatch(x, layout, precision="bf16" if path == "nccl" else "mxfp8")
+            if path == "dequant":  # MXFP8 pulled, dequantized where it lands (in place)
+                x = cupy.asarray(_rows(plan.rows_sent + extra))
+                out = a2a_dispatch_backward(x, layout, precision="mxfp8")
+            else:
+                x = cupy.asarray(_rows(layout.num_rows + extra))
+                out = a2a_dispatch(x, layout, precision="bf16" if path == "nccl" else "mxfp8")
         except ValueError:
             if extra:
                 continue
@@ -403,7 +409,12 @@ def _gpu_fail_one_of_three(comm, path):
         try:
             comm.wait()
         except RuntimeError as exc:
-            arrays = (out.data, out.scales) if hasattr(out, "scales") else (out,)
+            if path == "dequant":  # the peer's rows (this rank's own may stay: kept beside)
+                peer = 1 - comm.rank
+                at = plan.recv_offsets[peer]
+                arrays = (out[at:at + plan.recv_counts[peer]],)
+            else:
+                arrays = (out.data, out.scales) if hasattr(out, "scales") else (out,)
             poisoned = all(bool((a.view(cupy.uint8) == 0xFF).all()) for a in arrays)
             raise RuntimeError(f"{exc} [results all 0xFF: {poisoned}]") from None
 
@@ -427,6 +438,10 @@ for _path in ("nccl", "pull"):
                          ("native_mix", _gpu_native_mix)):
         globals()[f"case_gpu_{_name}_{_path}"] = \
             lambda comm, _case=_case, _path=_path: _case(comm, _path)
+
+
+def case_gpu_fail_one_of_three_dequant(comm):
+    _gpu_fail_one_of_three(comm, "dequant")
 
 
 def case_stuck_at_exit(comm):
