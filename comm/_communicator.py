@@ -318,8 +318,10 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
             if error is not None:
                 raise error
             return None
-        return Plan(self.rank, _validate.vote_counts(self, "alltoallv", error, send_counts,
+        plan = Plan(self.rank, _validate.vote_counts(self, "alltoallv", error, send_counts,
                                                      recv_counts, description, what))
+        plan.calls = self._side.collectives  # the vote's number: what the transports carry
+        return plan
 
     def _plan(self, send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate):
         """``_validate.check_alltoallv`` of an ``alltoallv`` call (locally, then the vote)."""

@@ -29,7 +29,7 @@ import weakref
 from mxcomm._driver import copy_bytes, row_range
 
 from ._pull import PullTransport
-from ._staged import Plan, landed
+from ._staged import Plan, call_tag, landed
 
 #: The between-nodes part of a plan, as ``alltoallv_plan`` reads it; ``generation`` None: no
 #: layout check of the host backends (the exchange's plan was agreed with its layout)
@@ -90,7 +90,7 @@ class HierTransport:
 
         node_landing = None if in_place else split.landing(landing)
         self._pull.run(_Shifted(rows, split.s0, split.r0), split.node, outs, in_place, stream,
-                       node_landing, beside=remote)
+                       node_landing, beside=remote, tag=call_tag(plan))
         return outs
 
     def _split(self, plan):

@@ -55,7 +55,6 @@ class HostCommunicator(Communicator):
         """
         self.check_usable()
         if plan.generation is not None:
-            plan.calls += 1
             text = f"layout {plan.generation}, call {plan.calls} of it, " + " + ".join(
                 f"{a.dtype.name} rows of shape {a.shape[1:]}" for a in sends)
             size = self.size

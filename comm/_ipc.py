@@ -90,7 +90,7 @@ class CudaPeerMemory:
         # handle with their parameters packed in one buffer (_signal.cu's signatures): no
         # per-call stream object, no change of CuPy's current stream.
         self._begin_k = PackedLaunch(module.get_function("mx_begin").kernel, "QQiiQQ")
-        self._signal_all_k = PackedLaunch(module.get_function("mx_signal_all").kernel, "QQi")
+        self._end_k = PackedLaunch(module.get_function("mx_end").kernel, "QQiQ4Q4Qi")
         # PeerWords by value: MAX_BATCH addresses, kinds and peers
         words = f"{MAX_BATCH}Q{MAX_BATCH}I{MAX_BATCH}I"
         self._signal_k = PackedLaunch(module.get_function("mx_signal").kernel, f"Q{words}i")
@@ -194,12 +194,19 @@ class CudaPeerMemory:
             len(awaits), self._timeout_ns, self._status_ptr))
         return self._side_ptr
 
-    def end(self, stream):
+    def end(self, stream, outs=()):
         """On the side stream, tell every peer this rank is done reading; order ``stream`` after
-        the side stream (so the next exchange begins after these signals)."""
+        the side stream (so the next exchange begins after these signals). Where a wait failed
+        (a peer late, or at another call or kind), the same launch fills ``outs`` (the
+        copies' or the consumer's results, up to 4 arrays) with 0xFF bytes: they hold rows of
+        another call (the own rows a consumer keeps on ``stream`` meanwhile may stay)."""
         if self._size > 1:
-            self._signal_all_k(1, self._threads, self._side_ptr,
-                               (self._gen_ptr, self._done_addresses.data.ptr, self._size - 1))
+            outs = outs[:4]
+            pad = [0] * (4 - len(outs))
+            self._end_k(16 if outs else 1, max(128, self._threads), self._side_ptr, (
+                self._gen_ptr, self._done_addresses.data.ptr, self._size - 1, self._status_ptr,
+                *[address(o) for o in outs], *pad,
+                *[o.size * o.dtype.itemsize for o in outs], *pad, len(outs)))
         self._rt.eventRecord(self._joined, self._side_ptr)
         self._rt.streamWaitEvent(stream, self._joined, 0)
 

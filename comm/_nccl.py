@@ -30,6 +30,7 @@ from mxcomm._driver import address, external_stream
 
 from ._board import EXCHANGE
 from ._communicator import Communicator
+from ._header import HEADER_BYTES, CallHeaders
 from ._validate import check_counts_array
 from ._watchdog import _WATCH_POLL_S, Watchdog
 
@@ -106,6 +107,7 @@ class NcclCommunicator(Watchdog, Communicator):
     #: at 2 ranks (117 MB to the peer), where the staged exchange's host time holds up the step:
     #: the synced pipeline +0.00 to +0.05 over staging; at 32768 rows it lost 0.02.
     MEDIUM_EXCHANGE_BYTES = 128 << 20
+    _headers = None  # the call headers (``_header``)
 
     def __init__(self, side, *, validate=True, device=None, peer_memory=None,
                  nccl_init="eager", small_exchange_bytes=None, medium_exchange_bytes=None):
@@ -130,6 +132,8 @@ class NcclCommunicator(Watchdog, Communicator):
         self._captured = False   # an NCCL exchange was captured into a CUDA graph (close says so)
         self._host_since = None  # when the host entered an NCCL group call still running
         self._host_call = 0      # ... and the number of its exchange call (the board's)
+        # before any capture of an exchange into a CUDA graph can need it (device memory)
+        self._headers = CallHeaders(self)
         self._start_watchdog()
         devices = self._side.allgather_bytes(self.device.to_bytes(4, "little"), "device ids")
         self._peer_devices = [int.from_bytes(devices[4 * r:4 * r + 4], "little")
@@ -373,7 +377,40 @@ class NcclCommunicator(Watchdog, Communicator):
         self._move_rows(sends, outs, sc, so, rc, ro, stream_ptr)
         return outs[0] if single else outs
 
-    def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
+    def alltoallv_plan(self, sends, outs, plan, stream_ptr):
+        """:meth:`Communicator.alltoallv_plan` with the call header (``_header``): each peer
+        receives, in the same NCCL group and before the rows, this call's layout and call
+        numbers and its rows' dtypes and row shapes, compared on the device after the group. A
+        difference (a rank at another call, with a stale layout, or rows of another dtype or
+        width, e.g. ``precision="native"`` of fp32 and bf16) fills the results with 0xFF
+        bytes (NaN) on the stream and aborts the communicator (found by the watchdog within its
+        poll, raised by the next call or :meth:`wait`); no host sync. A plan without a call
+        number (the hier transport's moves between nodes) moves without a header.
+
+        Raises:
+            TimeoutError, RuntimeError: as :meth:`alltoallv`; RuntimeError naming the peer and
+                both calls where an earlier exchange was mis-paired.
+        """
+        self.check_usable()
+        self._move_rows(sends, outs, plan.send_counts, plan.send_offsets, plan.recv_counts,
+                        plan.recv_offsets, stream_ptr,
+                        plan if getattr(plan, "calls", None) is not None else None)
+
+    def _device_failure(self):
+        failure = super()._device_failure()
+        if failure is None and self._headers is not None:
+            failure = self._headers.failure()
+        return failure
+
+    def _stalled(self):
+        """The mismatch the call headers received so far show, for a timeout's message (rows
+        of another size stall NCCL before the check), or None; never raises."""
+        try:
+            return self._headers.stalled()
+        except Exception:  # noqa: BLE001 (read on the way to raising the timeout)
+            return None
+
+    def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr, plan=None):
         self._connected(stream_ptr)
         call = self._board.enter(EXCHANGE)  # checked: this rank has arrived
         blocks = []  # (send ptr, recv ptr, row bytes) per array
@@ -383,7 +420,8 @@ class NcclCommunicator(Watchdog, Communicator):
                 blocks.append((address(s), address(o), row_bytes))
         # Nothing to move (zero-byte rows, or no rows at all): no NCCL group and no event.
         if blocks and (any(sc) or any(rc)):
-            self._group(blocks, sc, so, rc, ro, stream_ptr, call)
+            header = None if plan is None else (self._headers, sends, outs, plan)
+            self._group(blocks, sc, so, rc, ro, stream_ptr, call, header)
 
     def alltoall_counts(self, counts, *, stream=None):
         """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.
@@ -418,7 +456,7 @@ class NcclCommunicator(Watchdog, Communicator):
                         self._stream(stream), call)
         return out
 
-    def _group(self, blocks, sc, so, rc, ro, stream_ptr, call):
+    def _group(self, blocks, sc, so, rc, ro, stream_ptr, call, header=None):
         """Enqueue one NCCL group: for each peer and block, send and receive rows as bytes.
 
         Args:
@@ -426,10 +464,16 @@ class NcclCommunicator(Watchdog, Communicator):
             sc, so, rc, ro: W host ints each: rows and first rows to send / receive per peer.
             stream_ptr: raw CUDA stream handle.
             call: the number of the exchange call it belongs to (the arrival board's).
+            header: None, or ``(CallHeaders, sends, outs, plan)``: each peer this rank moves
+                rows with (either way) gets the call's header first, checked after the group.
         """
         send, recv = self._nccl.send, self._nccl.recv
         uint8 = self._uint8
         nccl = self._nccl_mod
+        if header is not None:
+            headers, sends, outs, plan = header
+            sent, received, words = headers.begin(sends, plan, stream_ptr)
+            nbytes = HEADER_BYTES
         # ncclGroupEnd may block the host (first connection to a peer): the watchdog watches it.
         self._host_call = call
         self._host_since = time.monotonic()
@@ -438,6 +482,9 @@ class NcclCommunicator(Watchdog, Communicator):
             try:
                 for peer in range(self.size):
                     n_send, n_recv = sc[peer], rc[peer]
+                    if header is not None and peer != self.rank and (n_send or n_recv):
+                        send(sent, nbytes, uint8, peer, stream_ptr)
+                        recv(received + peer * nbytes, nbytes, uint8, peer, stream_ptr)
                     for send_ptr, recv_ptr, row in blocks:
                         if n_send:
                             send(send_ptr + so[peer] * row, n_send * row, uint8, peer,
@@ -452,4 +499,6 @@ class NcclCommunicator(Watchdog, Communicator):
             raise
         finally:
             self._host_since = None
+        if header is not None:
+            headers.check(received, words, outs, stream_ptr)
         self._record(stream_ptr, call)

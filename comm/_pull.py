@@ -22,8 +22,8 @@ import weakref
 
 from mxcomm._driver import row_range
 
-from ._staged import (MAX_BATCH, batched, kind_base, kind_word, landed, pieces, regions,
-                      row_bytes_of, send_order)
+from ._staged import (MAX_BATCH, batched, call_tag, kind_base, kind_word, landed, pieces,
+                      regions, row_bytes_of, send_order)
 
 
 class PullTransport:
@@ -56,12 +56,21 @@ class PullTransport:
             self.kinds.setdefault(base, text)
         return base
 
-    def run(self, rows, plan, outs, in_place, stream, landing=None, beside=None):
+    def run(self, rows, plan, outs, in_place, stream, landing=None, beside=None, tag=None):
         """The exchange of ``plan`` (``StagedExchange.exchange``'s arguments, ``outs`` a tuple
         or None); ``beside``: None, or ``beside(stream)``, work enqueued on ``stream`` after the
         own rows and before the join, so it runs while the copy engines pull (the ``hier``
-        transport's exchange between nodes)."""
+        transport's exchange between nodes); ``tag``: the call's tag (``_staged.call_tag``),
+        None for ``plan``'s.
+
+        Every ready word carries the kind's hash and the call's tag: a receiver whose peer is
+        at another call (a rank failed one alone and went on, or uses a stale layout) finds
+        it in its wait, on every rank, before it reads a row (the host: RuntimeError at once;
+        a GPU: the wait reports it, the watchdog aborts, the next call or ``wait`` raises).
+        """
         memory = self.memory
+        if tag is None:
+            tag = call_tag(plan)
         arrays = rows.arrays
         row_bytes = row_bytes_of(arrays)
         base = self._kind(rows.kind + ", read in place" if in_place else rows.kind)
@@ -76,7 +85,7 @@ class PullTransport:
             if end > begin:
                 produce(begin, end, slots, stream)
             if signals:
-                signal(signals, stream)
+                signal(_tagged(signals, tag), stream)
         # The side stream's waits and pulls are enqueued before the own rows' launches (which
         # a landing splits into one per run): the copy engines can start as soon as a peer's
         # rows are ready, not once the host has enqueued this rank's own rows too.
@@ -84,14 +93,14 @@ class PullTransport:
         if in_place:
             consume = rows.consume
             for awaits, views in schedule.receives:
-                side = await_ready(awaits)
+                side = await_ready(_tagged(awaits, tag))
                 for begin, end, held in views:
                     if end > begin:
                         consume(begin, end, held, side)
         else:
             copy_all = memory.copy_all
             for awaits, copies in schedule.receives:
-                copy_all(copies, outs, await_ready(awaits))
+                copy_all(copies, outs, await_ready(_tagged(awaits, tag)))
         own = schedule.own
         if own is not None:  # own rows, last: straight to the result, or kept by the consumer
             begin, end, at, slots, lands = own
@@ -103,7 +112,8 @@ class PullTransport:
                                                for o in outs), stream)
         if beside is not None:
             beside(stream)
-        memory.end(stream)
+        # where a device wait failed, the end poisons what the copies or the consumer wrote
+        memory.end(stream, getattr(rows, "results", ()) if in_place else outs)
         return outs
 
     def _schedule(self, plan, arrays, row_bytes, base, in_place, landing=None):
@@ -124,6 +134,12 @@ class PullTransport:
     def close(self):
         self._schedules.clear()
         self.memory.close()
+
+
+def _tagged(words, tag):
+    """``(peer, piece, kind)`` words of a schedule with the call's ``tag`` OR-ed into each
+    kind (a schedule serves every call of its plan; the tag is the call's)."""
+    return tuple([(peer, piece, kind | tag) for peer, piece, kind in words])
 
 
 class _Schedule:
@@ -161,6 +177,7 @@ class _Schedule:
                          for b, rb, (shape, dtype) in zip(bases, row_bytes, arrays))
 
         self.sends, self.own, self.receives = [], None, []
+        kind = kind_word(base)  # each call ORs its tag in (``_tagged``)
         peers = size - 1
         begin, count = plan.send_offsets[rank], plan.send_counts[rank]
         if count:
@@ -171,8 +188,7 @@ class _Schedule:
                         lands)
         if 0 < peers <= MAX_BATCH and batched(plan.rows_sent - count, row_bytes):
             # the peers after this rank, then those before: each one range of the send order
-            signals = tuple((peer, 0, kind_word(base, plan.send_counts[peer]))
-                            for peer in send_order(rank, size) if peer != rank)
+            signals = tuple((peer, 0, kind) for peer in send_order(rank, size) if peer != rank)
             ranges = [(lo, hi) for lo, hi in ((begin + count, plan.rows_sent), (0, begin))
                       if hi > lo] or [(0, 0)]
             for lo, hi in ranges:
@@ -183,7 +199,6 @@ class _Schedule:
                 if peer == rank:
                     continue
                 begin, count = plan.send_offsets[peer], plan.send_counts[peer]
-                kind = kind_word(base, count)
                 for piece, (lo, hi) in enumerate([(0, count)] if in_place
                                                  else pieces(count, row_bytes)):
                     self.sends.append((begin + lo, begin + hi, slots(begin + lo, hi - lo),
@@ -195,7 +210,6 @@ class _Schedule:
             first = sum(plan.sent[peer][:rank])  # my rows' first row in the peer's staging
             peer_bases, _ = regions(row_bytes, sum(plan.sent[peer]))
             count, at = plan.recv_counts[peer], plan.recv_offsets[peer]
-            kind = kind_word(base, count)
             if in_place:
                 views = tuple(memory.peer_view(peer, b + first * rb, (count,) + shape, dtype)
                               for b, rb, (shape, dtype) in zip(peer_bases, row_bytes, arrays)) \

@@ -23,6 +23,9 @@ _MASK = 0xFFFFFFFF
 #: the exchange it gave up: a peer that comes later raises at once, naming it, instead of
 #: waiting a timeout and blaming the ranks that were there.
 _GAVE_UP = 0xFFFFFFFF
+#: What it writes instead where it gave up on finding the exchange mis-paired (a peer at another
+#: call or kind): a peer that reads it before the mis-paired word raises the same kind of error.
+_MISPAIRED = 0xFFFFFFFE
 _SPIN_S = 1e-3
 _MAX_SLEEP_S = 1e-3
 
@@ -48,6 +51,7 @@ class HostPeerMemory:
         self._ready_words = self._size * MAX_PIECES
         self.generation = generation & _MASK
         self._current = self.generation  # the generation of the exchange begun last
+        self._mispaired = False  # this rank gave up on finding its exchange mis-paired
         self._flags_window = None  # allocated with the first staging (collective)
         self._flags = []
         self._window = None
@@ -149,7 +153,7 @@ class HostPeerMemory:
         gen = self.generation
 
         def missing():
-            late, gave_up = [], []
+            late, gave_up, mispaired = [], [], []
             for peer, piece, kind in awaits:
                 value = int(flags[peer * MAX_PIECES + piece])
                 if value >> 32 != gen:
@@ -157,14 +161,28 @@ class HostPeerMemory:
                 elif value & _MASK == _GAVE_UP:
                     if peer not in gave_up:
                         gave_up.append(peer)
+                elif value & _MASK == _MISPAIRED:
+                    if peer not in mispaired:
+                        mispaired.append(peer)
                 elif value & _MASK != kind:
                     error = RuntimeError(
                         f"exchange on rank {self._rank}: "
                         + describe_mismatch(peer, kind, value & _MASK,
                                             self._comm._transport.kinds)
                         + "; the communicator is aborted")
+                    self._mispaired = True
                     self._comm._fail(error, raised=True)
                     raise error
+            if mispaired and not late:  # every peer came; some found the exchange mis-paired
+                ranks = ", ".join(map(str, mispaired))
+                error = RuntimeError(
+                    f"exchange on rank {self._rank}: rank{'s' if len(mispaired) > 1 else ''} "
+                    f"{ranks} found this exchange (generation {gen}) mis-paired, a rank at "
+                    f"another call or kind of exchange, and gave up on it; the communicator "
+                    f"is aborted")
+                self._mispaired = True
+                self._comm._fail(error, raised=True)
+                raise error
             if gave_up and not late:  # the others gave up, and no other rank is missing
                 ranks = ", ".join(map(str, gave_up))
                 error = RuntimeError(
@@ -183,8 +201,9 @@ class HostPeerMemory:
         self._flags_window.Sync()
         return 0
 
-    def end(self, stream):
-        """Tell every peer that this rank is done reading its staging of this generation."""
+    def end(self, stream, outs=()):
+        """Tell every peer that this rank is done reading its staging of this generation
+        (``outs``: unused; a failed wait here raised before any copy)."""
         value = numpy.uint64(self.generation << 32)
         slot = self._ready_words + self._rank
         for p in range(self._size):
@@ -193,11 +212,13 @@ class HostPeerMemory:
 
     def give_up(self):
         """Tell every peer that this rank gave up on the exchange it began last (its
-        communicator was aborted): its ready words to them say so (:data:`_GAVE_UP`). Local
+        communicator was aborted): its ready words to them say so (:data:`_GAVE_UP`, or
+        :data:`_MISPAIRED` where it found the exchange mis-paired). Local
         stores, never blocks; nothing after the flags window's setup."""
         if self._flags_window is None:
             return
-        value = numpy.uint64((self._current << 32) | _GAVE_UP)
+        value = numpy.uint64((self._current << 32) | (_MISPAIRED if self._mispaired else
+                                                       _GAVE_UP))
         for peer in range(self._size):
             if peer != self._rank:
                 self._flags[peer][self._rank * MAX_PIECES:(self._rank + 1) * MAX_PIECES] = value

@@ -51,14 +51,39 @@ extern "C" __global__ void mx_begin(u32* gen, const u64* done, int size, int ran
     if (p == 0) gen[0] = current + 1;
 }
 
-// Write (generation << 32) into the word at each of `count` addresses (one per peer).
-// Launch: one block of at least `count` threads.
-extern "C" __global__ void mx_signal_all(const u32* gen, const u64* addresses, int count) {
+// The result arrays of an exchange (up to 4), poisoned where it failed.
+struct Results {
+    u64 ptr[4];
+    u64 bytes[4];
+};
+
+// Fill the `count` arrays of `out` with 0xFF bytes (NaN in bf16, fp32, e4m3 and e8m0), grid-
+// stride over the launch: a failed exchange's results, so no row of another call is used.
+__device__ void poison(Results out, int count) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (int i = 0; i < count; ++i) {
+        unsigned char* p = (unsigned char*)out.ptr[i];
+        for (u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; j < out.bytes[i]; j += stride)
+            p[j] = 0xFF;
+    }
+}
+
+// End an exchange: block 0 writes (generation << 32) into the word at each of `count` addresses
+// (this rank's "done" in each peer's flags); where a wait of this rank failed (`status` set: a
+// peer late, or at another call or kind of exchange), every block poisons the `nout` results,
+// which the copies after that wait filled from the wrong rows.
+// Launch: blocks of at least `count` threads (one block where `nout` is 0).
+extern "C" __global__ void mx_end(const u32* gen, const u64* addresses, int count,
+                                  const u32* status, Results out, int nout) {
     int i = threadIdx.x;
-    if (i < count) {
+    if (blockIdx.x == 0 && i < count) {
         __threadfence_system();
         atomicExch((u64*)addresses[i], (u64)gen[0] << 32);
     }
+    __shared__ u32 failed;  // one read of the pinned status per block
+    if (i == 0) failed = *(const volatile u32*)status;
+    __syncthreads();
+    if (failed) poison(out, nout);
 }
 
 // The words of one or several peers (up to MX_BATCH): one launch for all of them.
@@ -106,4 +131,57 @@ extern "C" __global__ void mx_wait(const u32* gen, PeerWords w, int count, u64 t
     }
     __syncthreads();
     __threadfence_system();
+}
+
+// ---- The NCCL backend's call header (_header.py): MX_HEADER_WORDS 32-bit words a rank sends each
+// peer it moves rows with, in the same NCCL group as the rows: what identifies the call and its
+// rows (words 0 .. MX_HEADER_WORDS - 2), then MX_HEADER_MAGIC (a header received this call).
+#define MX_HEADER_WORDS 8
+#define MX_HEADER_MAGIC 0x4D584844u
+
+// This rank's header, by value.
+struct Header {
+    u32 word[MX_HEADER_WORDS - 1];
+};
+
+// Write this rank's header into `header` and clear the `size` headers of `received` (a peer
+// that sends none this call leaves zeros, not checked). Launch: one block (any width).
+extern "C" __global__ void mx_header_put(u32* header, u32* received, int size, Header mine) {
+    int t = threadIdx.x;
+    if (t < MX_HEADER_WORDS - 1) header[t] = mine.word[t];
+    if (t == 0) header[MX_HEADER_WORDS - 1] = MX_HEADER_MAGIC;
+    for (int i = t; i < MX_HEADER_WORDS * size; i += blockDim.x) received[i] = 0;
+}
+
+// Compare each header received this call (MX_HEADER_WORDS words per rank in `received`) with
+// this rank's. Where one differs: report the first such peer in `status` (code 3; [1] peer,
+// then its words, then this rank's: 2 + 2 * (MX_HEADER_WORDS - 1) words) and fill the `count`
+// result arrays with 0xFF bytes (NaN in bf16, fp32, e4m3 and e8m0), so no row of another call is
+// used. Every block reads the headers itself (no grid-wide sync). Launch: any grid and width.
+extern "C" __global__ void mx_header_check(const u32* received, int size, Header mine,
+                                           u32* status, Results out, int count) {
+    __shared__ int bad;
+    if (threadIdx.x == 0) {
+        bad = -1;
+        for (int p = 0; p < size && bad < 0; ++p) {
+            const u32* h = received + MX_HEADER_WORDS * p;
+            if (h[MX_HEADER_WORDS - 1] != MX_HEADER_MAGIC) continue;
+            for (int k = 0; k < MX_HEADER_WORDS - 1; ++k)
+                if (h[k] != mine.word[k]) bad = p;
+        }
+        if (bad >= 0 && blockIdx.x == 0 && atomicCAS(status, 0u, 0xFFFFFFFFu) == 0u) {
+            const u32* h = received + MX_HEADER_WORDS * bad;
+            volatile u32* s = status;
+            s[1] = bad;
+            for (int k = 0; k < MX_HEADER_WORDS - 1; ++k) {
+                s[2 + k] = h[k];
+                s[1 + MX_HEADER_WORDS + k] = mine.word[k];
+            }
+            __threadfence_system();
+            s[0] = 3;
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    if (bad >= 0) poison(out, count);
 }

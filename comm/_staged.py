@@ -12,6 +12,8 @@ counts). The rows object implements:
 - ``consume(begin, end, rows, stream)`` (in-place exchanges only): read a sender's rows, rows
   ``[begin, end)`` of the receive order, where they are, enqueued on ``stream``; keep no
   reference to ``rows`` past the call.
+- ``results`` (in-place exchanges, optional): the arrays the consumer writes, which the pull
+  transport fills with 0xFF bytes on GPUs where a device wait of the exchange failed;
 - ``keep(begin, end, at, slots, stream)`` (in-place exchanges only; a transport may call it for
   the rows a rank sends itself instead of ``produce`` and ``consume``): leave what ``produce``
   into ``slots`` then ``consume`` of them as received rows ``[at, at + end - begin)`` would
@@ -68,9 +70,12 @@ class Plan:
             counted); the same on every rank, so ranks choose alike by it.
         generation: which layout of its communicator the plan is a direction of (1, 2, ...:
             ``exchange_layout`` numbers them alike on every rank), or None (a vote's plan).
-        calls: calls of the layout path made with this plan on this rank, those that failed
-            their local checks included; the host backends compare it across ranks
-            (``HostCommunicator.alltoallv_plan``).
+        calls: a layout's plan: the engine's calls given it on this rank, counted as each
+            call enters (``mxcomm.a2a``, the torch adapters' direct path), those that then
+            failed included; a vote's plan: the number of its vote among the communicator's
+            host collectives. With ``generation``, what every rank's exchange carries with its
+            rows (:func:`call_tag`), so that a call paired with another call of a peer (a rank
+            failed one alone and went on, or uses a stale layout) is found on every rank.
     """
 
     __slots__ = ("rank", "size", "sent", "send_counts", "recv_counts", "send_offsets",
@@ -170,14 +175,33 @@ def row_bytes_of(arrays):
 
 
 def kind_base(text):
-    """The 16-bit hash of an exchange's kind text (operation, format, D)."""
-    return zlib.crc32(text.encode()) & 0xFFFF
+    """The 16-bit hash of an exchange's kind text (operation, format, D); never 0xFFFF, so no
+    ready word is one of the peer memories' markers (``0xFFFFxxxx``)."""
+    return min(zlib.crc32(text.encode()) & 0xFFFF, 0xFFFE)
 
 
-def kind_word(base, rows):
-    """The 32-bit kind a sender signals with its rows: the kind's hash and the rows (mod 2^16),
-    so a receiver expecting another exchange or another row count notices."""
-    return (base << 16) | (rows & 0xFFFF)
+def kind_word(base):
+    """The high half of the 32-bit kind a sender signals with its rows: the kind's hash (the
+    low half is the call's :func:`call_tag`, OR-ed in per call)."""
+    return base << 16
+
+
+def call_tag(plan):
+    """The 16-bit number of this rank's current call of ``plan`` that the transports carry with
+    its rows: the layout's number (``plan.generation``, mod 256; 0 for a vote's plan) in the
+    high byte, ``plan.calls`` (mod 256) in the low one. The pull transport ORs it into its
+    ready words; the NCCL backend sends it (with the layout's whole numbers) in a header. A
+    rank paired with another call of a peer (one failed a call alone and went on, or uses a
+    stale layout) reads another tag, on every rank."""
+    return ((plan.generation or 0) & 0xFF) << 8 | (plan.calls & 0xFF)
+
+
+def describe_tag(tag):
+    """A :func:`call_tag` in words: "call 3 of layout 2" (each mod 256)."""
+    layout, calls = tag >> 8 & 0xFF, tag & 0xFF
+    if layout:
+        return f"call {calls} of layout {layout} (mod 256)"
+    return f"the exchange of host collective {calls} (mod 256; explicit splits)"
 
 
 def describe_mismatch(peer, expected, got, kinds):
@@ -185,7 +209,8 @@ def describe_mismatch(peer, expected, got, kinds):
 
     Args:
         peer: the sender.
-        expected, got: the 32-bit kinds expected here and signalled by the peer.
+        expected, got: the 32-bit words (kind hash, call tag) expected here and signalled by
+            the peer.
         kinds: ``{16-bit hash: kind text}`` of the exchanges this rank has made.
     """
     if expected >> 16 != got >> 16:
@@ -193,9 +218,10 @@ def describe_mismatch(peer, expected, got, kinds):
         theirs = f"'{theirs}'" if theirs else "an exchange of another kind"
         return (f"rank {peer} called {theirs} where this rank called "
                 f"'{kinds.get(expected >> 16, '?')}' (ranks disagree on the operation, precision "
-                f"or D)")
-    return (f"rank {peer} sends {got & 0xFFFF} rows (mod 65536) where this rank's layout expects "
-            f"{expected & 0xFFFF} (ranks use different layouts)")
+                f"or D): the exchange is mis-paired")
+    return (f"rank {peer} is at {describe_tag(got & 0xFFFF)} where this rank is at "
+            f"{describe_tag(expected & 0xFFFF)}: the exchange is mis-paired (a rank failed or "
+            f"skipped a call alone and went on, or uses another layout)")
 
 
 class StagedExchange:

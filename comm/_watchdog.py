@@ -30,8 +30,9 @@ _WAIT_SPIN_S = 2e-3
 class Watchdog:
     """The watchdog's part of :class:`~mxcomm.comm.NcclCommunicator` (a base of it): the event
     pool and queue, the thread, and :meth:`wait`. The communicator supplies ``_runtime``,
-    ``_board``, ``_stream``, ``_nccl``, ``timeout``, ``device``, ``rank``, ``size`` and the
-    lifecycle (``_fail``, ``check_usable``, ``_device_failure``)."""
+    ``_board``, ``_stream``, ``_nccl``, ``timeout``, ``device``, ``rank``, ``size``, the
+    lifecycle (``_fail``, ``check_usable``, ``_device_failure``) and ``_stalled`` (what a
+    stalled exchange's call headers show, raised instead of a bare timeout)."""
 
     def _start_watchdog(self):
         """The watchdog's state, shared with its thread under ``self._lock``, and the thread."""
@@ -145,7 +146,7 @@ class Watchdog:
             # it missed (above): leave it the time to, before the generic message.
             if now - oldest_since > self.timeout * 1.25 + 1.0:
                 late = self._board.describe(EXCHANGE, call)
-                self._fail(TimeoutError(
+                self._fail(self._stalled() or TimeoutError(
                     f"alltoallv: an NCCL exchange did not finish within {self.timeout:g} s on "
                     f"rank {self.rank} of {self.size} ({late}); the communicator is aborted"))
                 return
@@ -178,7 +179,8 @@ class Watchdog:
                 ``1.25 * timeout + 1`` s (naming, by the arrival board, this node's ranks that
                 had not entered the last exchange call); the communicator is aborted.
             RuntimeError: the communicator is aborted or closed; a peer called a different
-                exchange.
+                exchange, or is at another call of it (its ready words, or the NCCL call
+                header: then the mis-paired call's results hold 0xFF bytes).
         """
         self.check_usable()
         runtime = self._runtime
@@ -211,9 +213,9 @@ class Watchdog:
                 # message.
                 if time.monotonic() - start > self.timeout * 1.25 + 1.0:
                     late = self._board.describe(EXCHANGE, self._board.entered[EXCHANGE])
-                    self._fail(TimeoutError(f"wait: the stream's work did not finish within "
-                                            f"{self.timeout:g} s on rank {self.rank} ({late}); "
-                                            f"the communicator is aborted"))
+                    self._fail(self._stalled() or TimeoutError(
+                        f"wait: the stream's work did not finish within {self.timeout:g} s on "
+                        f"rank {self.rank} ({late}); the communicator is aborted"))
                     self.check_usable()
                 if time.monotonic() - start > _WAIT_SPIN_S:
                     time.sleep(sleep)

@@ -100,6 +100,9 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     instead of the wire format; ``alloc(shape, dtype)``: the results' allocator (None: the
     array module's ``empty``; ``mxcomm.torch`` hands in torch's)."""
     layout, comm = _resolve(input_splits, output_splits, comm, layout, function)
+    if layout is not None:  # this call's number, counted as the peers count theirs, failed or
+        # not: a later call of this rank does not pair with theirs unnoticed (``_staged.call_tag``)
+        (layout.dispatch_plan if direction == "dispatch" else layout.combine_plan).calls += 1
     rank = comm.rank
     error = plan = send_counts = recv_counts = None
     try:
@@ -135,9 +138,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
                 raise ValueError(f"{sends[1]} on rank {rank}: adds up to {sum(send_counts)} "
                                  f"rows, but {name} has {x.shape[0]} rows")
     except (TypeError, ValueError) as exc:
-        if layout is not None:  # counted, as the peers count this call: a later one of this
-            # rank does not pair with it unnoticed (``HostCommunicator.alltoallv_plan``)
-            (layout.dispatch_plan if direction == "dispatch" else layout.combine_plan).calls += 1
+        if layout is not None:
             raise type(exc)(f"{function}: {exc}") from None
         error = exc
     if layout is None:
@@ -273,7 +274,8 @@ _COMMON_ARGS = """
         TimeoutError: a peer did not arrive within ``comm.timeout`` s; the communicator is
             aborted.
         RuntimeError: the communicator is aborted or closed; a peer called a different
-            exchange (found on the device, raised by a later call)."""
+            exchange, or (with a layout) is at another call of it: it failed one alone and
+            went on, or uses another layout (found on the device, raised by a later call)."""
 
 
 def _doc(text):

@@ -275,6 +275,12 @@ class QuantizedRows:
         self._quantize = None if isinstance(x, (QuantizedArray, GatheredRows)) else \
             quantizer(fmt, x.dtype, x.shape[1], scale_mode, share)
 
+    @property
+    def results(self):
+        """The arrays the consumer writes (in-place exchanges), which a transport poisons where
+        the exchange failed on the device (``_staged``'s rows protocol)."""
+        return () if self._out is None else (self._out,)
+
     def _rows(self, data, scales):
         """The travelling (data, scales) slots as a QuantizedArray (per-row scales 1-D)."""
         fmt = self._format

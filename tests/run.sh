@@ -33,7 +33,7 @@ stage "MPI suite, 2 ranks" timeout 900 mpiexec -n 2 python -m pytest -q --with-m
 stage "MPI suite, 3 ranks" timeout 900 mpiexec -n 3 python -m pytest -q --with-mpi -m mpi tests
 stage "emulated nodes, 4 ranks" timeout 300 mpiexec -n 4 python -m pytest -q --with-mpi -m mpi tests/test_nodes.py
 stage "fault injection, 2 ranks" env FAULTS_RANKS=2 timeout 180 python -m pytest -q -m faults tests/test_faults.py
-stage "fault injection, 3 ranks" env FAULTS_RANKS=3 timeout 180 python -m pytest -q -m faults tests/test_faults.py -k "test_rank_raises or test_rank_dies or test_first_layout or test_survivors or test_layout_path or test_precision_mix or test_layout_exchange_after or test_a_late_rank or test_an_aborted"
+stage "fault injection, 3 ranks" env FAULTS_RANKS=3 timeout 180 python -m pytest -q -m faults tests/test_faults.py -k "test_rank_raises or test_rank_dies or test_first_layout or test_survivors or test_layout_path or test_mispaired or test_explicit_splits or test_precision_mix or test_layout_exchange_after or test_a_late_rank or test_an_aborted"
 stage "soak, 2 ranks" timeout 120 mpiexec -n 2 python bench/soak.py --calls 200
 stage "soak, 3 ranks" timeout 120 mpiexec -n 3 python bench/soak.py --calls 40
 stage "main job on the CPU" timeout 600 mpiexec -n 2 python -m mxcomm.bench pipeline

@@ -978,7 +978,7 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     assert max(awaits[0][1] for awaits, _ in first.receives) > 0  # several pieces
     for awaits, copies in first.receives:
         ((peer, piece, kind),) = awaits
-        assert kind == _staged.kind_word(0x1234, sent[peer][1])
+        assert kind == _staged.kind_word(0x1234)  # the call's tag is OR-ed in per call
         for sender, offset, index, out_offset, nbytes in copies:
             assert sender == peer
             covered[index].append((out_offset // row_bytes[index], nbytes // row_bytes[index]))
@@ -1037,7 +1037,7 @@ def test_pull_schedule_batches_small_exchanges(monkeypatch, in_place):
     sent = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
     plan = Plan(1, sent)
     batch = _Schedule(plan, _FakePeerMemory(), arrays, row_bytes, 0x1234, in_place, None)
-    kind = lambda n: _staged.kind_word(0x1234, n)  # noqa: E731
+    kind = lambda n: _staged.kind_word(0x1234)  # noqa: E731 (the same for every peer)
     # rows 0-4 go to rank 0, 5-10 own, 11-17 to rank 2, 18-25 to rank 3
     assert [(b, e) for b, e, _, _ in batch.sends] == [(11, 26), (0, 5)]
     assert batch.sends[0][3] == ()

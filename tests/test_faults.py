@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 import numpy
 import pytest
@@ -33,7 +34,8 @@ LINE = re.compile(r"RESULT rank=(\d+) exc=(\S+) t=([\d.]+) msg=(.*?)(?=RESULT ra
 #: The cases run in one gloo world (one spawn for all: a world takes seconds to start).
 GLOO_CASES = ("native_dtype_mix", "dim_mix_layout", "stale_layout", "fail_one_of_three_layout",
               "precision_mix_layout", "raise_before_first_layout", "rows_before_first_layout",
-              "foreign_layout_first")
+              "foreign_layout_first", "fail_one_of_three_pull", "stale_layout_pull",
+              "fail_one_of_three_torch", "fail_after_vote_explicit")
 
 
 def _gloo_rank(rank, size, cases):
@@ -220,12 +222,15 @@ def test_survivors_exit_past_a_stuck_peer(case, seconds):
     ("stale_layout", ["rank 0 has layout 2", f"rank {BAD} has layout 1"]),
     ("fail_one_of_three_layout", ["rank 0 has layout 1, call 2",
                                   f"rank {BAD} has layout 1, call 3"]),
+    ("fail_one_of_three_torch", ["rank 0 has layout 1, call 2",
+                                 f"rank {BAD} has layout 1, call 3"]),
 ])
 def test_layout_path_mismatch(world, case, words, request):
     """Ranks disagreeing on a layout-path exchange (rows of another dtype or width, a stale
-    layout, a rank whose call failed alone going on to the next): the same ValueError on every
-    rank, naming the rank and what each has, before any data moves (MPI moved garbage here,
-    gloo aborted the processes); nothing returned anywhere."""
+    layout, a rank whose call failed alone going on to the next; through ``mxcomm.torch`` too,
+    whose direct path counts its calls as the engine does): the same ValueError on every rank,
+    naming the rank and what each has, before any data moves (MPI moved garbage here, gloo
+    aborted the processes); nothing returned anywhere."""
     results, out = run_case(world, case, request.getfixturevalue("gloo_world")
                             if world == "gloo" else None)
     assert sorted(results) == list(range(RANKS)), out
@@ -237,6 +242,57 @@ def test_layout_path_mismatch(world, case, words, request):
             assert w in msg, (rank, w, msg)
         messages.add(msg)
     assert len(messages) == 1, messages
+
+
+def names(msg, rank):
+    """Whether ``msg`` names ``rank`` ("rank 1", or "ranks 2, 1")."""
+    return re.search(rf"\branks? (\d+, )*{rank}\b", msg) is not None
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+@pytest.mark.parametrize("case, words", [
+    ("fail_one_of_three_pull", ["rank 0 has layout 1, call 2", f"rank {BAD} has layout 1, call 3"]),
+    ("stale_layout_pull", ["rank 0 has layout 2", f"rank {BAD} has layout 1"]),
+])
+def test_mispaired_call_of_a_quantized_exchange(world, case, words, request):
+    """MXFP8 rows on the layout path, one rank at another call than its peers, with rows of the
+    same shape and counts: rank BAD's second of three calls failed its local check alone and it
+    went on to the third, or it uses the step's first layout where the others use the second.
+    MPI pulls the rows from peer memory, whose ready words carry the call's tag (the layout's
+    number and the call's): every rank raises RuntimeError at once, naming a rank at the other
+    call, before it reads a row. gloo moves them in one alltoallv, checked first on the host:
+    the same ValueError everywhere, naming both calls. No rank returns rows."""
+    results, out = run_case(world, case, request.getfixturevalue("gloo_world")
+                            if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    for rank, (exc, seconds, msg) in results.items():
+        assert seconds < 1.0, (rank, seconds, msg)
+        if world == "gloo":
+            assert exc == "ValueError", (rank, exc, msg)
+            assert all(w in msg for w in words), (rank, msg)
+            continue
+        assert exc == "RuntimeError" and "mis-paired" in msg, (rank, exc, msg)
+        if rank == BAD:  # the others are all at the other call
+            assert any(names(msg, r) for r in range(RANKS) if r != BAD), msg
+        else:  # BAD's word, or BAD's (or a peer's) word that it gave up on finding it
+            assert names(msg, BAD) or "found this exchange" in msg, msg
+
+
+@pytest.mark.parametrize("world", ["mpiexec", "gloo"])
+def test_explicit_splits_are_paired_by_their_vote(world, request):
+    """Explicit splits: rank BAD's second of three calls fails after its vote, before its rows
+    move, and BAD goes on to the third. Its third call's vote is a host round of its own, which
+    the peers, waiting for BAD's rows of the second, never join: no call is mis-paired. Every
+    rank raises TimeoutError within the timeout (the peers naming BAD by the arrival board; BAD
+    naming the peers, which did not come to its vote); no rank returns rows."""
+    results, out = run_case(world, "fail_after_vote_explicit",
+                            request.getfixturevalue("gloo_world") if world == "gloo" else None)
+    assert sorted(results) == list(range(RANKS)), out
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc == "TimeoutError", (rank, exc, msg)
+        assert TIMEOUT - 0.5 < seconds < TIMEOUT + SLACK, (rank, seconds)
+        if rank != BAD:
+            assert names_late(msg, BAD), msg
 
 
 def test_layout_exchange_after_a_timeout_refuses_at_once():
@@ -363,6 +419,234 @@ def test_gpu_rank_skips_one_of_three_calls(path):
     exc, seconds, msg = results[1 - BAD]
     assert exc == "TimeoutError" and f"rank {BAD}" in msg, (exc, msg)
     assert seconds < GPU_BOUND + 5, seconds  # two calls went first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["nccl", "pull", "dequant"])
+def test_gpu_mispaired_call(path):
+    """NCCL backend, 2 ranks: rank BAD's second of three same-shape dispatches fails its local
+    check and it goes on to the third, which pairs with the other's second. Every rank's
+    ``wait`` raises RuntimeError naming the other rank and both calls, within the bound: the
+    NCCL group's call headers (bf16), or the pull transport's ready words (MXFP8, kept, or
+    dequantized where it lands: ``dequant``, the dispatch's backward). The mis-paired call's
+    results hold 0xFF bytes, filled on the device (the header's check; the pull's end, after
+    the copies or the consumer of a failed wait: there the peer's rows)."""
+    results, rc, wall, out = run_gpu_job(f"gpu_fail_one_of_three_{path}")
+    assert sorted(results) == [0, 1], out
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc == "RuntimeError" and "mis-paired" in msg, (rank, exc, msg)
+        assert names(msg, 1 - rank), (rank, msg)
+        assert "call 2 of layout 1" in msg and "call 3 of layout 1" in msg, (rank, msg)
+        assert seconds < GPU_BOUND, (rank, seconds)
+        assert "results all 0xFF: True" in msg, (rank, msg)
+
+
+@pytest.mark.gpu
+def test_gpu_native_dtype_mix_over_nccl():
+    """NCCL backend, 2 ranks, the layout path, ``precision="native"``: fp32 rows on rank BAD,
+    bf16 on the other. The bf16 rank's header check fails after its group; rank BAD's group
+    stalls (it expects more bytes than come) and its timeout reads the headers that arrived.
+    Both raise RuntimeError naming the other rank and both dtypes, within the bound."""
+    results, rc, wall, out = run_gpu_job("gpu_native_mix_nccl")
+    assert sorted(results) == [0, 1], out
+    for rank, (exc, seconds, msg) in results.items():
+        assert exc == "RuntimeError" and "mis-paired" in msg, (rank, exc, msg)
+        assert names(msg, 1 - rank) and "float32" in msg and "bfloat16" in msg, (rank, msg)
+        assert seconds < GPU_BOUND, (rank, seconds)
+
+
+def test_call_header_words_and_message():
+    """The NCCL call header (``comm/_header.py``, checked on GPUs by the tests above): the CUDA
+    source's header has the module's words; the message of a mismatch names the peer, both
+    calls and both rows, a dtype this rank never moved included (from its hash)."""
+    import pathlib
+    from mxcomm.comm import _header
+    source = pathlib.Path(_header.__file__).with_name("_signal.cu").read_text()
+    assert int(re.search(r"#define MX_HEADER_WORDS (\d+)", source).group(1)) == \
+        _header.HEADER_WORDS
+    assert int(re.search(r"#define MX_HEADER_MAGIC (0x[0-9A-F]+)u", source).group(1), 16) == \
+        _header.MAGIC
+
+    class Rows:  # an array's dtype and shape, as the header reads them
+        def __init__(self, dtype, shape):
+            self.dtype, self.shape = numpy.dtype(dtype), shape
+
+    mine, text = _header.describe_rows((Rows(bfloat16, (9, 32)),))
+    assert text == "bfloat16 rows of shape (32,)" and mine[2:] == (32, 1, 0)
+    theirs, _ = _header.describe_rows((Rows(numpy.float32, (9, 32)),))
+    assert theirs[0] != mine[0] and theirs[1] != mine[1]
+    headers = object.__new__(_header.CallHeaders)
+    headers._rank = 0
+    headers.texts = {mine[0]: text}
+    headers._dtypes = {zlib.crc32(n.encode()): n for n in _header._DTYPES}
+    error = headers._error(1, (1, 3) + theirs, (1, 2) + mine, "poisoned")
+    msg = str(error)
+    assert isinstance(error, RuntimeError), error
+    for words in ("rank 1 is at call 3 of layout 1 with float32 rows of 32 elements",
+                  "this rank is at call 2 of layout 1 with bfloat16 rows of shape (32,)",
+                  "mis-paired", "poisoned"):
+        assert words in msg, (words, msg)
+    vote = str(headers._error(1, (0, 7) + mine, (0, 9) + mine, "poisoned"))
+    assert "host collective 7" in vote and "host collective 9" in vote, vote
+
+
+class _Packed:
+    """A stand-in for ``mxcomm._driver.PackedLaunch`` that packs each launch's values by its
+    format (``struct``, native alignment, as the real one does) and keeps them."""
+
+    def __init__(self, fmt):
+        import struct
+        self.layout, self.launches = struct.Struct("@" + fmt), []
+
+    def __call__(self, grid, block, stream, values):
+        self.layout.pack(*values)  # raises on a wrong count or a value out of range
+        self.launches.append((grid, block, stream, tuple(values)))
+
+
+def test_nccl_group_sends_the_call_header_first():
+    """The NCCL group of an exchange of a plan (no GPU: NCCL, the kernels and their launches
+    stand in): the header kernel before the group, then per peer this rank moves rows with (and
+    only those) the header's send and receive before its rows, then the check after the group
+    with this call's words and the results; the launches' values pack by the kernels' formats
+    (``_signal.cu``'s parameters). A plan without a call number (the hier transport's moves)
+    gets no header."""
+    from mxcomm._driver import Words
+    from mxcomm.comm import _header
+    from mxcomm.comm._nccl import NcclCommunicator
+    from mxcomm.comm._staged import Plan
+    ops = []
+
+    class Nccl:  # NCCL's communicator and module, recording the calls
+        def send(self, ptr, n, dtype, peer, stream):
+            ops.append(("send", ptr, n, peer))
+
+        def recv(self, ptr, n, dtype, peer, stream):
+            ops.append(("recv", ptr, n, peer))
+
+        def groupStart(self):
+            ops.append(("start",))
+
+        def groupEnd(self):
+            ops.append(("end",))
+
+    headers = object.__new__(_header.CallHeaders)
+    headers._rank, headers._size, headers._base = 1, 3, 1 << 20
+    headers._slot_bytes = _header.HEADER_BYTES * 4
+    headers._next, headers._rows, headers.texts = 0, {}, {}
+    headers._dtypes, headers._status_ptr = {}, 1 << 30
+    words = f"{_header.HEADER_WORDS - 1}I"
+    headers._put, headers._check = _Packed(f"QQi{words}"), _Packed(f"Qi{words}Q4Q4Qi")
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size, comm._uint8 = 1, 3, 0
+    comm._nccl = comm._nccl_mod = Nccl()
+    comm._headers = headers
+    comm._board = type("Board", (), {"enter": lambda self, kind: 5})()
+    comm._connected = lambda stream: None
+    comm.check_usable = lambda: None
+    comm._record = lambda stream, call: ops.append(("record", call))
+    # rank 1 of 3 sends 2 rows to rank 0 and none to rank 2, receives 3 from rank 2 only
+    plan = Plan(1, [[0, 0, 3], [2, 1, 0], [0, 3, 0]])
+    plan.generation, plan.calls = 4, 9
+    row = numpy.dtype(bfloat16)
+    sends = (Words(0x1000, (3, 32), row),)
+    outs = (Words(0x9000, (4, 32), row),)
+    comm.alltoallv_plan(sends, outs, plan, 77)
+    (grid, block, stream, put), = headers._put.launches
+    sent, received = put[0], put[1]
+    assert stream == 77 and put[2] == 3 and put[3:5] == (4, 9)
+    rows = _header.describe_rows(sends)[0]
+    assert put[5:] == rows
+    size = _header.HEADER_BYTES
+    assert ops[0] == ("start",) and ops[-2:] == [("end",), ("record", 5)]
+    peers = [op for op in ops[1:-2]]
+    header_ops = [op for op in peers if op[2] == size]
+    assert header_ops == [("send", sent, size, 0), ("recv", received, size, 0),
+                          ("send", sent, size, 2), ("recv", received + 2 * size, size, 2)]
+    for peer in (0, 2):  # the header before the rows, for each peer
+        mine = [i for i, op in enumerate(peers) if op[3] == peer]
+        assert [peers[i][2] for i in mine][:2] == [size, size], peers
+    (grid, block, stream, check), = headers._check.launches
+    assert check[0] == received and check[1] == 3 and check[2:9] == (4, 9) + rows
+    assert check[9] == headers._status_ptr and check[10] == 0x9000 and check[14] == 4 * 32 * 2
+    assert check[-1] == 1 and stream == 77
+    # the hier transport's moves between nodes: no call number, no header
+    ops.clear()
+    moves = type("Moves", (), {"send_counts": plan.send_counts, "recv_counts": plan.recv_counts,
+                               "send_offsets": plan.send_offsets,
+                               "recv_offsets": plan.recv_offsets, "generation": None})()
+    comm.alltoallv_plan(sends, outs, moves, 77)
+    assert all(op[2] != size for op in ops if op[0] in ("send", "recv")), ops
+    assert len(headers._put.launches) == 1 and len(headers._check.launches) == 1
+
+
+def test_stalled_group_names_the_mismatch_from_the_device_headers():
+    """A stalled NCCL group's timeout reads the call headers as the device holds them (no GPU:
+    the copy stands in): a slot whose peer header (received this call: the magic word) differs
+    from this rank's header in the same slot names the peer and both calls; slots never put,
+    headers equal, or received areas cleared are not a mismatch."""
+    from mxcomm.comm import _header
+    W, n = 3, _header.HEADER_WORDS
+    device = numpy.zeros((_header._SLOTS, W + 1, n), numpy.uint32)
+    rows, _ = _header.describe_rows((type("R", (), {"dtype": numpy.dtype(bfloat16),
+                                                     "shape": (4, 32)})(),))
+
+    def header(calls):
+        return (2, calls) + rows + (_header.MAGIC,)
+    device[5, 0] = device[5, 2] = device[5, 3] = header(7)  # a call whose headers agreed
+    device[6, 0] = header(8)                                 # put, nothing received yet
+    device[7, 0], device[7, 1] = header(9), header(9)
+
+    class Host(numpy.ndarray):
+        pass
+
+    headers = object.__new__(_header.CallHeaders)
+    headers._rank, headers._size = 1, W
+    headers._slot_bytes = _header.HEADER_BYTES * (W + 1)
+    headers._base = 1 << 20
+    headers._host = numpy.zeros(device.nbytes, numpy.uint8).view(Host)
+    headers._host.ptr = 1 << 30
+    headers._copies = type("S", (), {"ptr": 3, "synchronize": lambda self: None})()
+
+    def copy(dst, src, nbytes, kind, stream):  # the device-to-host copy
+        assert (dst, src, nbytes, stream) == (1 << 30, 1 << 20, device.nbytes, 3)
+        headers._host[:] = device.reshape(-1).view(numpy.uint8)
+    headers._runtime = type("Rt", (), {"memcpyAsync": staticmethod(copy)})()
+    headers.texts = {rows[0]: "bfloat16 rows of shape (32,)"}
+    headers._dtypes = {}
+    assert headers.stalled() is None
+    device[7, 3] = (2, 8) + rows + (_header.MAGIC,)  # rank 2 sent call 8 where this is at 9
+    error = headers.stalled()
+    assert isinstance(error, RuntimeError), error
+    assert "rank 2 is at call 8 of layout 2" in str(error), error
+    assert "this rank is at call 9 of layout 2" in str(error) and "stalled" in str(error), error
+
+
+def test_pull_end_poisons_by_the_kernels_format():
+    """The pull transport's end on GPUs (no GPU: the launch stands in): one launch, whose values
+    pack by ``mx_end``'s parameters, naming the copies' results (up to 4) and their bytes;
+    none for an in-place exchange, then one block."""
+    from mxcomm._driver import Words
+    from mxcomm.comm._ipc import CudaPeerMemory
+    memory = object.__new__(CudaPeerMemory)
+    memory._size, memory._threads, memory._side_ptr = 3, 32, 5
+    memory._gen_ptr, memory._status_ptr = 1 << 20, 1 << 30
+    memory._done_addresses = type("A", (), {"data": type("D", (), {"ptr": 1 << 21})()})()
+    memory._end_k = _Packed("QQiQ4Q4Qi")
+    events = []
+    memory._rt = type("Rt", (), {"eventRecord": lambda self, e, s: events.append(("rec", s)),
+                                 "streamWaitEvent": lambda self, s, e, f: events.append(
+                                     ("wait", s))})()
+    memory._joined = 0
+    outs = (Words(0x4000, (8, 32), numpy.dtype(numpy.uint8)),
+            Words(0x8000, (8, 1), numpy.dtype(numpy.uint8)))
+    memory.end(9, outs)
+    memory.end(9)
+    (grid, block, stream, values), (grid1, _, _, values1) = memory._end_k.launches
+    assert stream == 5 and grid == 16 and block >= 32 and grid1 == 1
+    assert values[:4] == (1 << 20, 1 << 21, 2, 1 << 30)
+    assert values[4:8] == (0x4000, 0x8000, 0, 0) and values[8:12] == (256, 8, 0, 0)
+    assert values[-1] == 2 and values1[-1] == 0
+    assert events == [("rec", 5), ("wait", 9)] * 2
 
 
 @pytest.mark.gpu

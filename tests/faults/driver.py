@@ -283,6 +283,51 @@ def case_fail_one_of_three_layout(comm):
                                                  precision="bf16"))
 
 
+def case_fail_one_of_three_pull(comm):
+    """As fail_one_of_three_layout, MXFP8 rows: MPI pulls them from peer memory (the call tag
+    in the ready words), gloo moves them in one alltoallv (the host layout check)."""
+    layout = exchange_layout(layout_counts(comm), comm)
+    _fail_second(comm, lambda extra: a2a_dispatch(_rows(layout.num_rows + extra), layout))
+
+
+def case_stale_layout_pull(comm):
+    """Rank BAD dispatches MXFP8 rows with the step's first layout, the others with the second,
+    of the same counts: only the layouts' numbers tell the calls apart."""
+    first = exchange_layout(layout_counts(comm), comm)
+    second = exchange_layout(layout_counts(comm), comm)
+    layout = first if comm.rank == BAD else second
+    a2a_dispatch(_rows(layout.num_rows), layout)
+
+
+def case_fail_one_of_three_torch(comm):
+    """As fail_one_of_three_layout through ``mxcomm.torch`` (bf16 tensors): the calls that fit
+    take the adapters' direct path, rank BAD's bad one the engine; both count the call."""
+    import torch
+    import mxcomm.torch as mt
+    layout = mt.exchange_layout(torch.from_numpy(layout_counts(comm)), comm)
+    _fail_second(comm, lambda extra: mt.a2a_dispatch(
+        torch.ones(layout.num_rows + extra, D, dtype=torch.bfloat16), layout, precision="bf16"))
+
+
+def case_fail_after_vote_explicit(comm):
+    """Explicit splits, bf16: rank BAD's second of three calls passes its vote, then fails
+    before its rows move (a ValueError injected there, alone), and BAD goes on to the third.
+    Its third call's vote cannot pair with the peers' second call's rows (the vote is a host
+    round of its own), so no call is mis-paired: every rank times out, none returns rows."""
+    splits = [1] * comm.size
+    if comm.rank == BAD:
+        move, calls = comm._move_rows, []
+
+        def fail_second(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("injected after the vote, before the rows move")
+            return move(*args)
+        comm._move_rows = fail_second
+    _fail_second(comm, lambda extra: a2a_dispatch(_rows(comm.size), splits, splits, comm,
+                                                 precision="bf16"))
+
+
 def case_late_rank(comm):
     """Rank BAD comes to a layout-based dispatch 1 s after its peers timed out in it: it must
     raise at once naming a peer that gave up (itself late), not time out blaming them."""
@@ -338,11 +383,65 @@ def _gpu_kill(comm, path):
     _gpu_dispatch(comm, layout, path)
 
 
+def _gpu_fail_one_of_three(comm, path):
+    """Three same-shape dispatches; rank BAD's second has one row too many (a local ValueError,
+    at once) and it goes on to the third, which pairs with the other's second: every rank's
+    ``wait`` must raise the mis-pairing (the call tag: NCCL's header, the pull's ready words),
+    and the results of the mis-paired call hold 0xFF bytes, filled on the device: the message
+    says whether they do ("results all 0xFF: True")."""
+    import cupy
+    from mxcomm.a2a import a2a_dispatch_backward
+    layout = _gpu_layout(comm)
+    plan = layout.combine_plan
+    for i in range(3):
+        extra = 1 if comm.rank == BAD and i == 1 else 0
+        try:
+            if path == "dequant":  # MXFP8 pulled, dequantized where it lands (in place)
+                x = cupy.asarray(_rows(plan.rows_sent + extra))
+                out = a2a_dispatch_backward(x, layout, precision="mxfp8")
+            else:
+                x = cupy.asarray(_rows(layout.num_rows + extra))
+                out = a2a_dispatch(x, layout, precision="bf16" if path == "nccl" else "mxfp8")
+        except ValueError:
+            if extra:
+                continue
+            raise
+        try:
+            comm.wait()
+        except RuntimeError as exc:
+            if path == "dequant":  # the peer's rows (this rank's own may stay: kept beside)
+                peer = 1 - comm.rank
+                at = plan.recv_offsets[peer]
+                arrays = (out[at:at + plan.recv_counts[peer]],)
+            else:
+                arrays = (out.data, out.scales) if hasattr(out, "scales") else (out,)
+            poisoned = all(bool((a.view(cupy.uint8) == 0xFF).all()) for a in arrays)
+            raise RuntimeError(f"{exc} [results all 0xFF: {poisoned}]") from None
+
+
+def _gpu_native_mix(comm, path):
+    """precision="native" over NCCL on the layout path: fp32 rows on rank BAD, bf16 on the
+    other. The bf16 rank's group completes (it receives fewer bytes than BAD sends): its header
+    check fails at once. BAD expects more bytes than come: its group stalls, and its timeout
+    reads the headers that arrived: both raise RuntimeError naming the other and both dtypes."""
+    import cupy
+    layout = _gpu_layout(comm)
+    x = cupy.asarray(numpy.ones((layout.num_rows, D),
+                                numpy.float32 if comm.rank == BAD else bfloat16))
+    a2a_dispatch(x, layout, precision="native")
+    comm.wait()
+
+
 for _path in ("nccl", "pull"):
     for _name, _case in (("raise_first", _gpu_raise_first), ("skip", _gpu_skip),
-                         ("kill", _gpu_kill)):
+                         ("kill", _gpu_kill), ("fail_one_of_three", _gpu_fail_one_of_three),
+                         ("native_mix", _gpu_native_mix)):
         globals()[f"case_gpu_{_name}_{_path}"] = \
             lambda comm, _case=_case, _path=_path: _case(comm, _path)
+
+
+def case_gpu_fail_one_of_three_dequant(comm):
+    _gpu_fail_one_of_three(comm, "dequant")
 
 
 def case_stuck_at_exit(comm):
@@ -382,8 +481,9 @@ def main():
                         medium_exchange_bytes=0)
     else:
         comm = mxc.init(timeout=TIMEOUT)
-    if case == "torch_tensor":
+    if case in ("torch_tensor", "fail_one_of_three_torch"):
         import torch  # noqa: F401 (imported before the clock starts)
+        import mxcomm.torch  # noqa: F401
     t0 = time.perf_counter()
     try:
         globals()["case_" + case](comm)
