@@ -235,11 +235,22 @@ def grouped_experts_class(parent_cls):
     ``torchtitan.models.common.moe.GroupedExperts`` or a subclass) whose grouped GEMMs are
     ``mxcomm.torch.grouped_mm``, fed the rows :meth:`ExpertParallel.dispatch` returns as they are.
 
-    It overrides the seams torchtitan's float8 / MX converters use: ``forward`` notes whether the
-    rows came quantized, ``_grouped_mm(*, A, B_t, offs)`` runs ``grouped_mm`` (fp8 for all three
-    GEMMs where the rows came quantized and the device has SM90 fp8 GEMMs, else bf16). The caller
-    passes the padded group sizes (``group_offsets`` differenced). For the torchtitan
-    integration's installer.
+    Its ``forward(x_RD, num_tokens_per_expert_E)`` computes torchtitan's SwiGLU experts,
+    ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert, in two GEMMs instead of three:
+
+    - w1 and w3 read the same rows, so they are one ``grouped_mm`` over [w1 | w3] (the
+      weights stay two parameters; docs/design.md, "The experts' GEMMs"): one forward GEMM
+      (the same bits as two), one dgrad of the rows (so the backward overlap's mark is the
+      rows' whole gradient: ``ExpertParallel(overlap=True)`` engages), one wgrad split into
+      w1's and w3's gradients; fp8 where the rows came quantized and the device has SM90 fp8
+      GEMMs, else bf16 (``grouped_mm``'s ``fp8=None``);
+    - w2 reads the SwiGLU's bf16 product: ``grouped_mm``'s bf16 GEMM (``fp8=None`` on plain
+      rows; fp8 there costs the weight gradients 0.7 dB, bench/NOTES.md).
+
+    ``num_tokens_per_expert_E`` holds the padded group sizes (``group_offsets`` differenced).
+    Subclasses decide per call with :meth:`_uses_mxcomm_gemm` (False: torchtitan's own
+    forward, three GEMMs through its ``_grouped_mm`` seam); under spmd_types type checking
+    torchtitan's forward runs. For the torchtitan integration's installer.
 
     Returns:
         The subclass (one per ``parent_cls``: the same class on every call).
@@ -249,18 +260,44 @@ def grouped_experts_class(parent_cls):
         return cached
 
     class MxcommGroupedExperts(parent_cls):
-        def forward(self, x_RD, num_tokens_per_expert_E):
-            self._mxcomm_fp8 = hasattr(x_RD, "qdata") and fp8_gemm_available(x_RD.device)
-            return super().forward(x_RD, num_tokens_per_expert_E)
+        #: ``grouped_mm``'s ``wgrad`` for the w1|w3 GEMM (``"fp8"`` or ``"bf16"``)
+        mxcomm_wgrad = "fp8"
 
-        def _grouped_mm(self, *, A, B_t, offs):
+        def _uses_mxcomm_gemm(self, x_RD):
+            """True where this forward runs mxcomm's GEMMs (subclasses: by their config)."""
+            return True
+
+        def forward(self, x_RD, num_tokens_per_expert_E):
+            if not self._uses_mxcomm_gemm(x_RD) or _spmd_type_checking():
+                return super().forward(x_RD, num_tokens_per_expert_E)
+            import torch.nn.functional as F
+
             from .torch import grouped_mm
-            return grouped_mm(A, B_t, offs, fp8=getattr(self, "_mxcomm_fp8", False) or None)
+            w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
+                          for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+            offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            rows = x_RD if hasattr(x_RD, "qdata") else x_RD.bfloat16()
+            h13 = grouped_mm(rows, (w1.bfloat16().transpose(-2, -1),
+                                    w3.bfloat16().transpose(-2, -1)), offs,
+                             wgrad=self.mxcomm_wgrad)
+            h1, h3 = h13.split(w1.shape[-2], dim=-1)
+            h = F.silu(h1) * h3
+            return grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs).type_as(x_RD)
 
     MxcommGroupedExperts.__name__ = MxcommGroupedExperts.__qualname__ = \
         f"Mxcomm{parent_cls.__name__}"
     _EXPERTS_CLASSES[parent_cls] = MxcommGroupedExperts
     return MxcommGroupedExperts
+
+
+def _spmd_type_checking():
+    """True under torchtitan's spmd_types type checking (a debugging mode whose SPMD types
+    mxcomm's GEMMs do not carry): torchtitan's own forward runs there."""
+    from torchtitan.distributed.utils import get_spmd_backend
+    if get_spmd_backend() != "spmd_types":
+        return False
+    import spmd_types
+    return spmd_types.is_type_checking()
 
 
 #: parent class -> its :func:`grouped_experts_class` (classes, not state: one per parent, so

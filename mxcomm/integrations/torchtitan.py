@@ -152,6 +152,18 @@ class _MxcommExchanges:
         for field, value in _precisions(config).items():
             setattr(self, field, value)
         self.permute_align = getattr(config, "permute_align", 0)
+        overlap = getattr(config, "overlap", False)
+        if not isinstance(overlap, bool) or (overlap and not self.permute_align):
+            raise ValueError(f"overlap: expected False, or True with permute_align > 0 (a "
+                             f"recipe whose exchange permutes: the rows must reach mxcomm's "
+                             f"experts as dispatched), got {overlap!r} with permute_align "
+                             f"{self.permute_align}")
+        #: None, or the ``mxcomm._torch_overlap.BackwardOverlap`` of ``overlap=True`` (its
+        #: ``beside`` / ``behind`` count the dispatch backwards that overlapped / waited)
+        self.backward_overlap = None
+        if overlap:
+            from mxcomm._torch_overlap import BackwardOverlap
+            self.backward_overlap = BackwardOverlap()
 
     @staticmethod
     def _torchtitan_path():
@@ -193,7 +205,16 @@ class _MxcommExchanges:
 
     def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
         if type(input_splits) is _Fused:
+            import torch
+
             from mxcomm import torch as mxt
+            if self.backward_overlap is not None and not torch.compiler.is_compiling():
+                # the same call, its backward beside the experts' wgrad (eager only)
+                rows, _, input_splits.offsets = self.backward_overlap.dispatch(
+                    routed_input_ND, input_splits.layout, precision=self.dispatch_precision,
+                    grad_precision=self.dispatch_grad_precision, align=self.permute_align,
+                    fused=True)
+                return rows
             rows, _, input_splits.offsets = mxt.a2a_dispatch(
                 routed_input_ND, input_splits.layout, precision=self.dispatch_precision,
                 grad_precision=self.dispatch_grad_precision, permute_align=self.permute_align)
@@ -274,8 +295,11 @@ def _define_classes():
         and ``dispatch_precision`` (default ``"mxfp8"``), ``combine_precision`` (``"bf16"``),
         ``dispatch_grad_precision`` / ``combine_grad_precision`` (None: by direction),
         ``permute_align`` (0: torchtitan's permute; A > 0: mxcomm's exchange permutes, groups
-        padded to A rows, rows kept in the dispatch precision for :class:`MxcommGroupedExperts`).
-        Raises ``ValueError`` at build for an unknown precision.
+        padded to A rows, rows kept in the dispatch precision for :class:`MxcommGroupedExperts`),
+        ``overlap`` (False; True with ``permute_align`` > 0: the dispatch's backward beside the
+        experts' weight-gradient GEMM, eager only; docs/design.md, "Overlap"). Raises
+        ``ValueError`` at build for an unknown precision, or ``overlap`` without
+        ``permute_align``.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -285,6 +309,7 @@ def _define_classes():
             dispatch_grad_precision: str | None = None
             combine_grad_precision: str | None = None
             permute_align: int = 0
+            overlap: bool = False
 
     class MxcommTorchAOTokenDispatcher(_MxcommExchanges, td.TorchAOTokenDispatcher):
         """torchtitan's ``TorchAOTokenDispatcher`` (groups padded to ``pad_multiple`` for the
@@ -300,34 +325,38 @@ def _define_classes():
 
     from torchtitan.models.common.moe import GroupedExperts
 
-    class MxcommGroupedExperts(GroupedExperts):
-        """torchtitan's ``GroupedExperts`` whose grouped GEMMs (its ``_grouped_mm`` seam, the one
-        torchtitan's float8 and MX converters replace) are ``mxcomm.torch.grouped_mm`` where
-        ``gemm`` is ``"fp8"``: the fp8 rowwise rows the dispatcher delivers (a QuantizedTensor)
-        feed the SM90 fp8 grouped GEMM as they are, no bf16 pass between; the SwiGLU's product
-        and the w2 GEMM's bf16 rows are quantized per call; where fp8 GEMMs are unavailable (a
-        CPU, pre-Hopper) its documented bf16 fallback. ``gemm="bf16"``: torchtitan's
-        ``torch._grouped_mm`` (on a QuantizedTensor's dequantized values).
+    from mxcomm._torch_ep import grouped_experts_class
 
-        Config fields: those of ``GroupedExperts.Config`` and ``gemm`` (``"bf16"`` or
-        ``"fp8"``; ValueError at build otherwise).
+    class MxcommGroupedExperts(grouped_experts_class(GroupedExperts)):
+        """torchtitan's ``GroupedExperts`` whose grouped GEMMs are ``mxcomm.torch.grouped_mm``
+        where ``gemm`` is ``"fp8"`` (``mxcomm._torch_ep.grouped_experts_class``): the fp8
+        rowwise rows the dispatcher delivers (a QuantizedTensor) feed one SM90 fp8 grouped GEMM
+        over [w1 | w3] as they are, no bf16 pass between; the w2 GEMM reads the SwiGLU's bf16
+        product (``grouped_mm``'s bf16 GEMM for plain rows); where fp8 GEMMs are unavailable (a
+        CPU, pre-Hopper) its documented bf16 fallback. ``gemm="bf16"``: torchtitan's own
+        forward (``torch._grouped_mm``, on a QuantizedTensor's dequantized values).
+
+        Config fields: those of ``GroupedExperts.Config``, ``gemm`` (``"bf16"`` or ``"fp8"``)
+        and ``wgrad`` (the w1|w3 GEMM's weight gradient, ``"fp8"`` or ``"bf16"``: the recipe's);
+        ValueError at build otherwise.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(GroupedExperts.Config):
             gemm: str = "bf16"
+            wgrad: str = "fp8"
 
         def __init__(self, config):
             if config.gemm not in ("bf16", "fp8"):
                 raise ValueError(f"gemm: expected 'bf16' or 'fp8', got {config.gemm!r}")
+            if config.wgrad not in ("fp8", "bf16"):
+                raise ValueError(f"wgrad: expected 'fp8' or 'bf16', got {config.wgrad!r}")
             super().__init__(config)
             self.gemm = config.gemm
+            self.mxcomm_wgrad = config.wgrad
 
-        def _grouped_mm(self, *, A, B_t, offs):
-            if self.gemm == "bf16":
-                return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
-            from mxcomm import torch as mxt
-            return mxt.grouped_mm(A, B_t, offs)
+        def _uses_mxcomm_gemm(self, x_RD):
+            return self.gemm == "fp8"
 
     for cls in (MxcommTokenDispatcher, MxcommTorchAOTokenDispatcher, MxcommGroupedExperts):
         cls.__module__ = __name__
@@ -357,13 +386,13 @@ def _converted(config, precisions):
     return new
 
 
-def _experts(config, gemm):
+def _experts(config, gemm, wgrad="fp8"):
     """The :class:`MxcommGroupedExperts` twin of a ``GroupedExperts.Config``."""
     import dataclasses
     _define_classes()
     target = sys.modules[__name__].MxcommGroupedExperts
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values["gemm"] = gemm
+    values.update(gemm=gemm, wgrad=wgrad)
     return target.Config(**values)
 
 
@@ -400,7 +429,8 @@ def _replace(config, cls, make):
 
 
 def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_precision="bf16",
-               dispatch_grad_precision=None, combine_grad_precision=None, permute_align=0):
+               dispatch_grad_precision=None, combine_grad_precision=None, permute_align=0,
+               overlap=False):
     """Replace every ``AllToAllTokenDispatcher.Config`` (and ``TorchAOTokenDispatcher.Config``)
     in a torchtitan 0.3 config tree by mxcomm's, in place; with a ``recipe``, every
     ``GroupedExperts.Config`` too, by :class:`MxcommGroupedExperts`'s.
@@ -415,10 +445,15 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
         dispatch_precision, combine_precision, dispatch_grad_precision, combine_grad_precision:
             the wire formats (module docstring), without a recipe.
         permute_align: without a recipe, 0 (torchtitan's permute) or A > 0 (mxcomm's).
+        overlap: True to run the dispatch's backward beside the experts' weight-gradient GEMM
+            (``mxcomm.torch.ExpertParallel(overlap=True)``'s overlap; eager only), where mxcomm
+            permutes (a ``fused`` recipe, or ``permute_align`` > 0); the same bits as False
+            (default). TorchAO's dispatcher has no such field: it is dropped there.
     Returns:
         The number of dispatcher configs replaced (0 where EP uses another dispatcher).
     Raises:
-        ValueError: an unknown precision or recipe, or ``recipe="auto"``.
+        ValueError: an unknown precision or recipe, or ``recipe="auto"``; ``overlap`` not a
+            bool, or True where mxcomm does not permute.
         TypeError: ``config`` holds no traversable config tree; or the tree's root is itself a
             dispatcher (or experts) config (assign mxcomm's config instead).
     """
@@ -430,16 +465,25 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
     gemm = None
     if recipe is not None:
         precisions, gemm = _recipe(recipe)
+        if isinstance(recipe, str):
+            from mxcomm.recipes import get_recipe
+            recipe = get_recipe(recipe)
+        wgrad = getattr(recipe, "wgrad", "fp8")
     else:
         precisions = dict(dispatch_precision=dispatch_precision,
                           combine_precision=combine_precision,
                           dispatch_grad_precision=dispatch_grad_precision,
                           combine_grad_precision=combine_grad_precision,
                           permute_align=permute_align)
+    if not isinstance(overlap, bool) or (overlap and not precisions["permute_align"]):
+        raise ValueError(f"overlap: expected False, or True with a recipe whose exchange "
+                         f"permutes (fused, such as 'fp8_rowwise') or permute_align > 0, got "
+                         f"{overlap!r} with permute_align {precisions['permute_align']}")
+    precisions["overlap"] = overlap
     count = _replace(config, td.AllToAllTokenDispatcher.Config,
                      lambda node: _converted(node, precisions))
     if gemm is not None:
-        _replace(config, GroupedExperts.Config, lambda node: _experts(node, gemm))
+        _replace(config, GroupedExperts.Config, lambda node: _experts(node, gemm, wgrad))
     return count
 
 
@@ -458,12 +502,13 @@ def mxcomm_token_dispatcher(cfg, *, dispatch_precision="mxfp8", combine_precisio
                                 permute_align=permute_align))
 
 
-def mxcomm_moe(cfg, *, recipe):
+def mxcomm_moe(cfg, *, recipe, overlap=False):
     """torchtitan 0.3 override (``--override.imports
-    'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``): every
-    ``RoutedExperts.Config`` gets mxcomm's dispatcher and experts for ``recipe``
-    (:func:`use_mxcomm`). Returns the config, changed in place."""
-    use_mxcomm(cfg, recipe=recipe)
+    'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``, with
+    ``"overlap": true`` for the backward overlap): every ``RoutedExperts.Config`` gets mxcomm's
+    dispatcher and experts for ``recipe`` (:func:`use_mxcomm`). Returns the config, changed in
+    place."""
+    use_mxcomm(cfg, recipe=recipe, overlap=overlap)
     return cfg
 
 

@@ -27,8 +27,9 @@ from ._quantized import _GEMM_OPS, _quantized_tensor
 class _Context:
     """What ``_GroupedMM.forward``/``backward`` use of an autograd context."""
 
-    def __init__(self, needs_input_grad=(False, False)):
-        self.needs_input_grad = needs_input_grad
+    def __init__(self, needs_dx=False, needs_dw=False):
+        # _GroupedMM's inputs: x, offs, fp8, wgrad, fast, cache, w
+        self.needs_input_grad = (needs_dx, False, False, False, False, False, needs_dw)
         self.saved_tensors = ()
 
     def save_for_backward(self, *tensors):
@@ -59,8 +60,8 @@ def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8: bo
     ``x_scales``: quantized rows of ``x_format``."""
     fp8, fast = _resolved(fp8, w, wgrad, fast_accum, x_scales is not None)
     # no weight cache inside the op: a compiled graph's weight operand is made per call
-    return _torch_gemm._GroupedMM.forward(_Context(), _rows(x, x_scales, x_format), w, offs,
-                                          fp8, wgrad, fast, None)
+    return _torch_gemm._GroupedMM.forward(_Context(), _rows(x, x_scales, x_format), offs,
+                                          fp8, wgrad, fast, None, w)
 
 
 def _rows(x, x_scales, x_format):
@@ -85,14 +86,15 @@ def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     """``(dx (P, K) bf16, dw (G, K, N) of w's dtype)``, each (0,) where not needed
     (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
     fp8, fast = _resolved(fp8, w, wgrad, fast_accum, x_scales is not None)
-    ctx = _Context((needs_dx, needs_dw))
+    ctx = _Context(needs_dx, needs_dw)
     ctx.fp8, ctx.fp8_wgrad, ctx.fast = fp8, fp8 and wgrad == "fp8", fast
-    ctx.cache = ctx.weight = None
+    ctx.cache = ctx.weights = None
     x = _rows(x, x_scales, x_format)
     rows = _torch_gemm._fp8_operand_a(x) if ctx.fp8_wgrad else (x,)
-    ctx.save_for_backward(*rows, w, offs)
+    ctx.rows = len(rows)
+    ctx.save_for_backward(*rows, offs, w)
     # a gradient may come expanded (a sum's backward): the GEMMs take dense rows
-    dx, dw = _torch_gemm._GroupedMM.backward(ctx, grad.contiguous())[:2]
+    dx, _, _, _, _, _, dw = _torch_gemm._GroupedMM.backward(ctx, grad.contiguous())
     none = w.new_empty(0)
     return (none if dx is None else dx,
             none.clone() if dw is None else dw.contiguous())
