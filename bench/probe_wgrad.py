@@ -237,7 +237,11 @@ def main():
     cases["w1|w3 wgrad bf16"] = base - {"dh13_wgrad", "x_col"}
     cases["combine_grad bf16"] = base - {"dy_wire"}
     cases["w1|w3 wgrad bf16 + combine_grad bf16"] = base - {"dh13_wgrad", "x_col", "dy_wire"}
+    cases["combine_grad bf16, w2 GEMM fp8"] = set(SWITCHES) - {"dy_wire"}
     cases["w1|w3 fused (one GEMM)"] = ("fused", base)
+    cases["w1|w3 fused, combine_grad bf16"] = ("fused", base - {"dy_wire"})
+    cases["w1|w3 fused, wgrad bf16 + combine_grad bf16"] = (
+        "fused", base - {"dh13_wgrad", "x_col", "dy_wire"})
     names = ("dw1", "dw2", "dw3")
     print(f"rows/expert ~{args.rows_per_expert}, D {args.dim}, F {args.hidden}, "
           f"G {args.experts}; SQNR dB vs float64, mean of {args.seeds} seeds")

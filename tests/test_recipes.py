@@ -35,7 +35,8 @@ ALIGN = 16
 # ------------------------------------------------------------------------------ recipes
 def test_recipes_by_name():
     """The recipes the design names, with the formats of each direction."""
-    assert recipes.recipe_names() == ("auto", "bf16", "mxfp8", "fp8_rowwise")
+    assert recipes.recipe_names() == ("auto", "bf16", "mxfp8", "fp8_rowwise",
+                                      "fp8_rowwise_gradbf16")
     r = recipes.get_recipe("mxfp8")
     assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
         ("mxfp8", "bf16", "bf16", "mxfp8", "bf16", False)

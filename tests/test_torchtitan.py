@@ -420,6 +420,54 @@ def test_torchtitan_recipe_overlap_engages():
     assert type(config.routed_experts.inner_experts) is tt.MxcommGroupedExperts.Config
 
 
+def weight_grad_checks(rank, size):
+    """torchtitan's layer, eager, with the fp8 GEMMs of SM90 emulated in float64
+    (``test_overlap._emulated_scaled_grouped_mm``): the SQNR of each expert weight gradient
+    (w1, w2, w3) and of all three together against torchtitan's bf16 layer, for the recipes
+    ``fp8_rowwise`` and ``fp8_rowwise_gradbf16`` (its output gradient in bf16 on the wire)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed import utils as titan_utils
+    from torchtitan.distributed.spmd_types import set_spmd_meshes
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from mxcomm import _torch_gemm, recipes
+    from test_overlap import _emulated_scaled_grouped_mm
+    titan_utils.set_spmd_backend("full_dtensor")
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
+    set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
+    experts = E_LOCAL * size
+    reference = _run(AllToAllTokenDispatcher.Config(num_experts=experts, top_k=TOP_K),
+                     "full_dtensor", torch.bfloat16, rank, size, mesh)
+    _torch_gemm.fp8_gemm_available = lambda device: True
+    torch._scaled_grouped_mm = _emulated_scaled_grouped_mm
+    names = [f"routed_experts.inner_experts.{w} grad" for w in ("w1_EFD", "w2_EDF", "w3_EFD")]
+    found = {}
+    for name in ("fp8_rowwise", "fp8_rowwise_gradbf16"):
+        got = _layer_step(_built(_recipe_moe(experts, recipes.get_recipe(name)), rank, size,
+                                 mesh), rank)
+        found[name] = [sqnr(reference[k], got[k]) for k in names] + [
+            sqnr(torch.cat([reference[k].flatten() for k in names]),
+                 torch.cat([got[k].flatten() for k in names]))]
+    return found
+
+
+def test_torchtitan_weight_gradients_of_the_fp8_recipes():
+    """The fp8_rowwise recipe's expert weight gradients with the GEMMs fp8 as on SM90
+    (emulated) against torchtitan's bf16 layer, 2 gloo ranks: below the 25 dB target together
+    (as 2xH100 measured at f5abc18: 24.1 dB); ``fp8_rowwise_gradbf16`` (the output gradient
+    in bf16 on the wire, the w1|w3 weight gradient's GEMM in bf16, the forward and dgrads
+    fp8 as before) gains on every weight and meets it together on every rank.
+    bench/probe_wgrad.py measures the same at the 671B layer's proportions (24.1 -> 26.0 dB
+    together)."""
+    for rank, found in enumerate(run_world(2, weight_grad_checks, timeout=600)):
+        base, option = found["fp8_rowwise"], found["fp8_rowwise_gradbf16"]
+        print(f"rank {rank}: w1 w2 w3 together, dB: fp8_rowwise "
+              f"{[round(v, 2) for v in base]}, fp8_rowwise_gradbf16 "
+              f"{[round(v, 2) for v in option]}")
+        assert base[3] < SQNR_DB <= option[3], (rank, base, option)
+        assert all(o > b + 0.3 for o, b in zip(option, base)), (rank, base, option)
+
+
 def test_override_registered_when_imported_before_torchtitan():
     """Importing the integration before torchtitan's config still registers its overrides (a
     fresh interpreter: the order of imports is what is tested)."""
