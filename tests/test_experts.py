@@ -60,8 +60,8 @@ class _Unfused(moe.GroupedExperts):
         return mt.grouped_mm(A, B_t, offs, weight_cache=False)
 
 
-def _experts(seed=SEED):
-    """(mxcomm's experts, the unfused ones), the same seeded bf16 weights."""
+def _experts(seed=SEED, device="cpu"):
+    """(mxcomm's experts, the unfused ones), the same seeded bf16 weights, on ``device``."""
     cfg = moe.GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=G)
     cls = grouped_experts_class(moe.GroupedExperts)
     assert grouped_experts_class(moe.GroupedExperts) is cls
@@ -70,23 +70,23 @@ def _experts(seed=SEED):
     with torch.no_grad():
         for p in ours.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    ours, unfused = ours.to(torch.bfloat16), unfused.to(torch.bfloat16)
+    ours, unfused = ours.to(device, torch.bfloat16), unfused.to(device, torch.bfloat16)
     unfused.load_state_dict(ours.state_dict())
     return ours, unfused
 
 
-def _rows(seed=SEED):
+def _rows(seed=SEED, device="cpu"):
     """fp8 rowwise rows (a QuantizedTensor, as the fp8_rowwise dispatch delivers them), their
-    counts, and a seeded output gradient (bf16)."""
+    counts, and a seeded output gradient (bf16), on ``device``."""
     gen = torch.Generator().manual_seed(seed + 1)
     m = sum(COUNTS)
-    x = torch.randn(m, D, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, D, generator=gen).to(device, torch.bfloat16)
     q, scale = _torch_gemm.quantize_rows_pow2(x)
     from mxcomm.formats import get_format
     from mxcomm.torch._quantized import _quantized_tensor
     rows = _quantized_tensor(q, scale, get_format("fp8_rowwise"))
-    grad = torch.randn(m, D, generator=gen).to(torch.bfloat16)
-    return rows, torch.tensor(COUNTS), grad
+    grad = torch.randn(m, D, generator=gen).to(device, torch.bfloat16)
+    return rows, torch.tensor(COUNTS, device=device), grad
 
 
 def _step(experts, rows, counts, grad):
@@ -116,8 +116,8 @@ def _step(experts, rows, counts, grad):
 def _dgrad_reference(handed, ws, counts):
     """The rows' gradient in float64: the GEMM output gradient(s) of w1 and w3 times the
     weights, per expert (independent of mxcomm: torch matmul in float64)."""
-    g = torch.cat([h.double() for h in handed], dim=1)       # (P, 2F): [dh1 | dh3]
-    w = torch.cat([w.double() for w in ws], dim=1)           # (G, 2F, D)
+    g = torch.cat([h.double().cpu() for h in handed], dim=1)  # (P, 2F): [dh1 | dh3]
+    w = torch.cat([w.double().cpu() for w in ws], dim=1)      # (G, 2F, D)
     out, start = torch.zeros(g.shape[0], D, dtype=torch.float64), 0
     for e, n in enumerate(counts.tolist()):
         out[start:start + n] = g[start:start + n] @ w[e]
@@ -220,3 +220,31 @@ def test_bad_weights_raise():
         mt.grouped_mm(x, (w.float(), w), offs)
     with pytest.raises(ValueError, match="empty tuple"):
         mt.grouped_mm(x, (), offs)
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_one_gemm_over_w1_w3_on_sm90():
+    """On an SM90 GPU (the real ``torch._scaled_grouped_mm``, fast accumulation): the w1|w3 GEMM
+    against the unfused experts: the output and the weight gradients equal, or within 45 dB
+    where the GEMM's kernel tiles N = 2F otherwise than N = F (it is the same per-element
+    product); [dh1 | dh3] handed alike (bit for bit where the outputs are); the rows' gradient
+    within 40 dB of the unfused sum and as close to float64 (0.1 dB)."""
+    if not torch.cuda.is_available() or not _torch_gemm.fp8_gemm_available(
+            torch.device("cuda")):
+        pytest.skip("needs an SM90 GPU with torch._scaled_grouped_mm")
+    ours, unfused = _experts(device="cuda")
+    rows, counts, grad = _rows(device="cuda")
+    y, dx, dw, handed = _step(ours, rows, counts, grad)
+    y0, dx0, dw0, handed0 = _step(unfused, rows, counts, grad)
+    torch.cuda.synchronize()
+    exact = torch.equal(y, y0)
+    assert exact or sqnr(y0.float(), y.float()) >= 45
+    for name in dw:
+        assert torch.equal(dw[name], dw0[name]) or \
+            sqnr(dw0[name].float(), dw[name].float()) >= 45, name
+    if exact:
+        assert torch.equal(handed[0], torch.cat(handed0, dim=1))
+    ref = _dgrad_reference(handed0, (ours.w1_EFD.detach(), ours.w3_EFD.detach()), counts)
+    assert sqnr(ref, dx.double().cpu()) >= sqnr(ref, dx0.double().cpu()) - 0.1
+    assert sqnr(dx0.float(), dx.float()) >= 40

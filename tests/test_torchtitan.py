@@ -367,7 +367,7 @@ def _check_recipe(results, sqnr_known_low=False):
         pytest.xfail(f"SQNR below {SQNR_DB} dB (the recipe's open target): {'; '.join(lows)}")
 
 
-def overlap_checks(rank, size):
+def overlap_checks(rank, size, device="cpu"):
     """torchtitan's layer with the fp8_rowwise recipe and ``use_mxcomm(..., overlap=True)``,
     eager: output and gradients against ``overlap=False`` bit for bit, and the dispatcher's
     overlap counters; then the same with the experts' three GEMMs of before (w1 and w3 each a
@@ -379,7 +379,7 @@ def overlap_checks(rank, size):
     import mxcomm.integrations.torchtitan as tt
     import mxcomm.torch as mt
     titan_utils.set_spmd_backend("full_dtensor")
-    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
+    mesh = init_device_mesh(device, (size,), mesh_dim_names=("ep",))
     set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
     experts = E_LOCAL * size
     results, counters = {}, {}
@@ -466,6 +466,20 @@ def test_torchtitan_weight_gradients_of_the_fp8_recipes():
               f"{[round(v, 2) for v in option]}")
         assert base[3] < SQNR_DB <= option[3], (rank, base, option)
         assert all(o > b + 0.3 for o, b in zip(option, base)), (rank, base, option)
+
+
+@pytest.mark.gpu
+def test_gpu_torchtitan_recipe_overlap_engages():
+    """The same on 2 GPUs over NCCL, with real side streams: bit for bit against no overlap
+    (a race between the side stream's exchange and the wgrad would show as other bits), and
+    the counters as on the CPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for rank, (equal, counters) in enumerate(run_world(2, overlap_checks, "cuda", timeout=600,
+                                                       gpu=True)):
+        assert all(equal.values()), (rank, equal)
+        assert counters == {"overlap": (1, 0), "no overlap": None, "three GEMMs": (0, 1)}, \
+            (rank, counters)
 
 
 def test_override_registered_when_imported_before_torchtitan():

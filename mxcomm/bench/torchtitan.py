@@ -82,6 +82,10 @@ def add_arguments(parser):
                         choices=_recipes.recipe_names(),
                         help=f"the mxcomm variant's recipe, of "
                              f"{', '.join(_recipes.recipe_names())} (default auto)")
+    parser.add_argument("--mxcomm-overlap", action="store_true",
+                        help="the mxcomm variant with use_mxcomm(..., overlap=True): the "
+                             "dispatch's backward beside the experts' weight-gradient GEMM "
+                             "(eager; a recipe whose exchange permutes)")
     parser.add_argument("--spmd-backend", choices=("spmd_types", "full_dtensor"),
                         help="torchtitan's spmd backend (default: its own, spmd_types, on a GPU; "
                              "full_dtensor on a CPU, where spmd_types' exchange of uneven splits "
@@ -520,6 +524,8 @@ def measure(args, rt):
         keywords, shown, call = mxcomm_integration(args.mxcomm_recipe, base,
                                                    shape.tokens * layer.router.top_k, shape.dim,
                                                    shape.hidden, classed)
+        if args.mxcomm_overlap:
+            keywords, call = dict(keywords, overlap=True), f"{call}, overlap=True"
         calls += [call] if call not in calls else []
         gen = torch.Generator(device=device).manual_seed(SEED + 1000 + rt.rank)
         x = torch.randn(1, shape.tokens, shape.dim, generator=gen, device=device,
@@ -610,6 +616,7 @@ def measure(args, rt):
                             notes, run=describe(args, rt), iters=args.iters, warmup=args.warmup,
                             variants=variants, modes=list(modes), flavor=FLAVOR,
                             top_k=layer.router.top_k, mxcomm_recipe=args.mxcomm_recipe,
+                            mxcomm_overlap=args.mxcomm_overlap,
                             mxcomm_integration=calls, device_class=classed,
                             spmd_backend=spmd_backend, sqnr_targets_db=SQNR_TARGETS)
     return meta, tables
