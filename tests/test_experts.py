@@ -4,11 +4,15 @@ grouped GEMM over several weights (``grouped_mm(x, (w1, w3), offs)``).
 Serial tests, on the CPU: the bf16 fallback, and the fp8 path with ``torch._scaled_grouped_mm``
 emulated in float64 as SM90 runs it (``test_overlap._emulated_scaled_grouped_mm``). The one
 GEMM over [w1 | w3] against the unfused experts (three ``grouped_mm`` calls through torchtitan's
-``_grouped_mm`` seam, what the integration ran before): the output and the w1, w2, w3 gradients
-equal bit for bit, the w1|w3 GEMM's output gradient is [dh1 | dh3] of the unfused run bit for
-bit, and the rows' gradient (the dgrad, whose reduction width becomes 2F: one accumulation and
-one rounding for the two products, one fp8 scale per row over both) is at least as close to a
-float64 product of that gradient and the weights as the unfused sum, and within 40 dB of it;
+``_grouped_mm`` seam, what the integration ran before): the output and the w2 gradient equal bit
+for bit, the w1|w3 GEMM's output gradient is [dh1 | dh3] of the unfused run bit for bit, the w1
+and w3 gradients equal bit for bit on the bf16 path (the same products) and on the fp8 path
+equal or >= 80 dB apart (their rows are quantized with one scale over [dh1 | dh3]: the same
+e4m3 bits after the rescale per column unless an element falls into e4m3's subnormal range;
+86-89 dB apart and the same SQNR against float64 at 896 / 256, bench/NOTES.md), and the rows'
+gradient (the dgrad, whose reduction width becomes 2F: one accumulation and one rounding for
+the two products, one fp8 scale per row over both) is at least as close to a float64 product
+of that gradient and the weights as the unfused sum, and within 40 dB of it;
 compiled (``torch.compile(fullgraph=True)``) equals eager bit for bit; the weight cache keys a
 pair of weights by both; GEMM launches counted. Bad weights raise naming the argument.
 
@@ -126,10 +130,11 @@ def _dgrad_reference(handed, ws, counts):
 
 
 def test_one_gemm_over_w1_w3_against_the_unfused_experts(fp8):
-    """The w1|w3 GEMM: output and every weight gradient bit for bit the unfused experts', the
-    w1|w3 GEMM handed [dh1 | dh3] bit for bit, the rows' gradient as close to float64 as the
-    unfused sum (or closer) and >= 40 dB from it; 2 GEMMs forward, 4 backward (the unfused: 3
-    and 6); the fp8 path runs w1|w3 in fp8 on the delivered rows and w2 in bf16."""
+    """The w1|w3 GEMM: output and w2's gradient bit for bit the unfused experts', w1's and w3's
+    too on the bf16 path (on the fp8 one: bit for bit or >= 80 dB apart), the w1|w3 GEMM
+    handed [dh1 | dh3] bit for bit, the rows' gradient as close to float64 as the unfused sum
+    (or closer) and >= 40 dB from it; 2 GEMMs forward, 4 backward (the unfused: 3 and 6); the
+    fp8 path runs w1|w3 in fp8 on the delivered rows and w2 in bf16."""
     on_fp8, launches = fp8
     ours, unfused = _experts()
     rows, counts, grad = _rows()
@@ -140,7 +145,8 @@ def test_one_gemm_over_w1_w3_against_the_unfused_experts(fp8):
     y0, dx0, dw0, handed0 = _step(unfused, rows, counts, grad)
     assert torch.equal(y, y0)
     for name in dw:
-        assert torch.equal(dw[name], dw0[name]), name
+        assert torch.equal(dw[name], dw0[name]) or (
+            on_fp8 and name != "w2_EDF" and sqnr(dw0[name].float(), dw[name].float()) >= 80), name
     assert len(handed) == 1 and len(handed0) == 2
     assert torch.equal(handed[0], torch.cat(handed0, dim=1))
     ref = _dgrad_reference(handed0, (ours.w1_EFD.detach(), ours.w3_EFD.detach()), counts)
