@@ -280,14 +280,46 @@ def grouped_experts_class(parent_cls):
             h13 = grouped_mm(rows, (w1.bfloat16().transpose(-2, -1),
                                     w3.bfloat16().transpose(-2, -1)), offs,
                              wgrad=self.mxcomm_wgrad)
-            h1, h3 = h13.split(w1.shape[-2], dim=-1)
-            h = F.silu(h1) * h3
+            if torch.compiler.is_compiling():  # the compiler fuses torch's ops itself
+                h1, h3 = h13.split(w1.shape[-2], dim=-1)
+                h = F.silu(h1) * h3
+            else:
+                h = _SwiGLU.apply(h13)
             return grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs).type_as(x_RD)
 
     MxcommGroupedExperts.__name__ = MxcommGroupedExperts.__qualname__ = \
         f"Mxcomm{parent_cls.__name__}"
     _EXPERTS_CLASSES[parent_cls] = MxcommGroupedExperts
     return MxcommGroupedExperts
+
+
+class _SwiGLU(torch.autograd.Function):
+    """h = silu(h1) * h3 of the halves of h13 = [h1 | h3], with torch's ops: the same bits as
+    ``F.silu(h1) * h3`` and its autograd, forward and backward.
+
+    Forward:  h13 (P, 2F) -> h (P, F), h13's dtype. Saved: h13 (silu(h1) is made again in
+              the backward, where autograd would keep it: (P, F) less held between the passes).
+    Backward: dh (P, F) -> dh13 (P, 2F), its halves written in place (dh1 by
+              ``aten.silu_backward``, dh3 = dh * silu(h1)): the one GEMM over [w1 | w3] reads
+              it as it is, with no copy that joins two gradients (what autograd's split would
+              make).
+    """
+
+    @staticmethod
+    def forward(ctx, h13):
+        ctx.save_for_backward(h13)
+        h1, h3 = h13.chunk(2, dim=-1)
+        return torch.nn.functional.silu(h1) * h3
+
+    @staticmethod
+    def backward(ctx, dh):
+        (h13,) = ctx.saved_tensors
+        h1, h3 = h13.chunk(2, dim=-1)
+        dh13 = torch.empty_like(h13)
+        d1, d3 = dh13.chunk(2, dim=-1)
+        torch.mul(dh, torch.nn.functional.silu(h1), out=d3)
+        torch.ops.aten.silu_backward.grad_input(dh * h3, h1, grad_input=d1)
+        return dh13
 
 
 def _spmd_type_checking():

@@ -254,3 +254,21 @@ def test_gpu_one_gemm_over_w1_w3_on_sm90():
     ref = _dgrad_reference(handed0, (ours.w1_EFD.detach(), ours.w3_EFD.detach()), counts)
     assert sqnr(ref, dx.double().cpu()) >= sqnr(ref, dx0.double().cpu()) - 0.1
     assert sqnr(dx0.float(), dx.float()) >= 40
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_of_the_joined_halves_equals_torchs(dtype):
+    """``_SwiGLU`` (silu(h1) * h3 of [h1 | h3], its backward writing dh1 and dh3 into one
+    tensor) equals ``F.silu(h1) * h3`` and its autograd bit for bit, forward and backward."""
+    from mxcomm._torch_ep import _SwiGLU
+    gen = torch.Generator().manual_seed(SEED)
+    h13 = (torch.randn(37, 2 * 24, generator=gen) * 3).to(dtype)
+    dh = torch.randn(37, 24, generator=gen).to(dtype)
+    a = h13.clone().requires_grad_()
+    h = _SwiGLU.apply(a)
+    h.backward(dh)
+    b = h13.clone().requires_grad_()
+    h1, h3 = b.split(24, dim=-1)
+    h0 = torch.nn.functional.silu(h1) * h3
+    h0.backward(dh)
+    assert torch.equal(h, h0) and torch.equal(a.grad, b.grad)
