@@ -63,8 +63,9 @@ class ExpertParallel:
         table: the ``mxcomm.recipes.CostTable`` ``"auto"`` predicts with.
         overlap: True to run the backward's dispatch-gradient exchange (and a separate
             permute's backward) on a side stream beside the expert weight-gradient GEMM
-            (``mxcomm.torch.grouped_mm`` on the rows ``dispatch`` returns; docs/design.md,
-            "Overlap"); the same bits as False (default). Eager only: under
+            (``mxcomm.torch.grouped_mm`` on the rows ``dispatch`` returns, one call: weights
+            that read the same rows go in as a tuple, ``grouped_mm(rows, (w1, w3), offs)``;
+            docs/design.md, "Overlap"); the same bits as False (default). Eager only: under
             ``torch.compile`` the calls run as without it. :attr:`overlap` counts what it did.
 
     Collectives at construction: building the group's communicator (first use of a group), and
