@@ -560,16 +560,20 @@ def measure(args, rt):
             if reference is None:
                 reference = got
             else:
-                local_sqnr[run.name] = [sqnr(reference[k], got[k]) for k in SQNR_TARGETS]
+                local_sqnr[run.name] = [sqnr(reference[k], got[k]) for k in SQNR_TARGETS] + [
+                    sqnr([r], [g]) for r, g in zip(reference["weight_grad"], got["weight_grad"])]
             del got
         del reference
         runs = _drop_failed(rt, runs, errors, shape, tables)
         for run in runs[1:]:
             # the minimum over ranks
             worst = [-v for v in rt.allreduce_max([-v for v in local_sqnr[run.name]])]
+            worst, each = worst[:len(SQNR_TARGETS)], worst[len(SQNR_TARGETS):]
             row = {"shape": shape.label, "tokens": shape.tokens, "variant": run.variant,
                    "mode": run.mode, "recipe": shown if run.variant == "mxcomm" else "",
-                   **{f"{k}_db": v for k, v in zip(SQNR_TARGETS, worst)}}
+                   **{f"{k}_db": v for k, v in zip(SQNR_TARGETS, worst)},
+                   # each routed expert weight's gradient alone (w1, w2, w3), in the JSON
+                   "weight_grad_each_db": each}
             row["ok"] = "yes" if all(v >= t for v, t in zip(worst, SQNR_TARGETS.values())) \
                 else "no"
             tables["sqnr"].append(row)
@@ -611,7 +615,8 @@ def measure(args, rt):
                  f"run's; peak: torch.cuda.max_memory_allocated in an iteration (all variants' "
                  f"modules resident), and above the iteration's start (GB = 1e9 bytes)")
     notes.append(f"SQNR: against torchtitan_bf16 {modes[0]}, the minimum over ranks; weight_grad: "
-                 f"the routed experts' w1, w2, w3 gradients together")
+                 f"the routed experts' w1, w2, w3 gradients together (each alone: the JSON's "
+                 f"weight_grad_each_db)")
     meta = _report.metadata("torchtitan", rt.size, [dataclasses.asdict(s) for s in shapes],
                             notes, run=describe(args, rt), iters=args.iters, warmup=args.warmup,
                             variants=variants, modes=list(modes), flavor=FLAVOR,
