@@ -117,9 +117,7 @@ def experts(x, w1, w2, w3, dy, offs, on, fused=False):
     s1 = act(h1 * sig)
     h = act(s1 * h3)
     w2_fp8 = "w2_fp8" in on
-    b2 = w2.transpose(-2, -1)  # (G, F, D)
-    hq = q_rows(h)[0] if w2_fp8 else h
-    # y = act(grouped(hq, q_cols(b2) if w2_fp8 else b2, offs)) is not needed for the gradients
+    hq = q_rows(h)[0] if w2_fp8 else h  # w2's forward GEMM reads it (its output is not needed)
     g = q_rows(dy)[0] if "dy_wire" in on else dy
     # w2's dgrad: dh = dy @ w2 (B = w2^T^T: w2 (G, D, F) along D per column of F)
     dh = act(grouped(g, q_cols(w2) if w2_fp8 else w2, offs))

@@ -24,8 +24,10 @@ concatenation along N, ``w = [w_1 | w_2 | ...]`` (G, K, sum N_i): one forward, o
 reduction width the sum), one wgrad, whose (G, K, sum N_i) result is split into each weight's
 gradient. The fp8 weight operands of the concatenation are cached like one weight's (keyed by
 all of them); the forward's, quantized along K per output column, equals the per-weight
-operands side by side bit for bit; the dgrad's is quantized along the whole sum N. docs/design.md, "EP semantics" (the fp8 wgrad, fast accumulation) and "Recipes and the
-expert-parallel object" (the weight cache).
+operands side by side bit for bit; the dgrad's is quantized along the whole sum N.
+
+docs/design.md, "EP semantics" (the fp8 wgrad, fast accumulation), "Recipes and the
+expert-parallel object" (the weight cache) and "The experts' GEMMs" (several weights).
 """
 
 import weakref
