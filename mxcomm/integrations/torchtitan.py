@@ -49,9 +49,11 @@ With a recipe of ``mxcomm.recipes`` (``use_mxcomm(config, recipe="fp8_rowwise")`
 ``'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``) both the dispatcher and
 the experts are mxcomm's: where the recipe permutes in the exchange (``fused``), the dispatcher's
 ``permute_align`` has mxcomm's dispatch deliver the rows in permuted order in the dispatch
-precision (fp8 rowwise: a QuantizedTensor), and :class:`MxcommGroupedExperts` (torchtitan's
-``GroupedExperts._grouped_mm`` seam, as its float8 and MX converters use) feeds them to
-``mxcomm.torch.grouped_mm`` with no bf16 pass between; the combine takes the permuted rows back.
+precision (fp8 rowwise: a QuantizedTensor), and :class:`MxcommGroupedExperts` (in place of
+torchtitan's ``GroupedExperts``) feeds them to one ``mxcomm.torch.grouped_mm`` over [w1 | w3]
+with no bf16 pass between; the combine takes the permuted rows back. ``overlap=True``
+(``use_mxcomm``; ``"overlap": true`` in the override) runs the dispatch's backward beside the
+experts' weight-gradient GEMM (eager).
 
 Under ``torch.compile`` (torchtitan compiles each block with ``fullgraph=True``) the token
 exchanges are mxcomm's custom ops (docs/design.md, "torch.compile and custom ops"): a compiled
