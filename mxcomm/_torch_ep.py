@@ -237,7 +237,8 @@ def grouped_experts_class(parent_cls):
     ``mxcomm.torch.grouped_mm``, fed the rows :meth:`ExpertParallel.dispatch` returns as they are.
 
     Its ``forward(x_RD, num_tokens_per_expert_E)`` computes torchtitan's SwiGLU experts,
-    ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert, in two GEMMs instead of three:
+    ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert, for rows that came quantized (a
+    ``QuantizedTensor``: mxcomm's dispatch) in two GEMMs instead of three:
 
     - w1 and w3 read the same rows, so they are one ``grouped_mm`` over [w1 | w3] (the
       weights stay two parameters; docs/design.md, "The experts' GEMMs"): one forward GEMM
@@ -248,10 +249,12 @@ def grouped_experts_class(parent_cls):
     - w2 reads the SwiGLU's bf16 product: ``grouped_mm``'s bf16 GEMM (``fp8=None`` on plain
       rows; fp8 there costs the weight gradients 0.7 dB, bench/NOTES.md).
 
-    ``num_tokens_per_expert_E`` holds the padded group sizes (``group_offsets`` differenced).
-    Subclasses decide per call with :meth:`_uses_mxcomm_gemm` (False: torchtitan's own
-    forward, three GEMMs through its ``_grouped_mm`` seam); under spmd_types type checking
-    torchtitan's forward runs. For the torchtitan integration's installer.
+    Plain rows take torchtitan's forward with ``grouped_mm`` in its ``_grouped_mm`` seam (three
+    GEMMs, bf16 for plain rows: a bf16 GEMM over [w1 | w3] would join the weights in a copy
+    per call). ``num_tokens_per_expert_E`` holds the padded group sizes (``group_offsets``
+    differenced). Subclasses decide per call with :meth:`_uses_mxcomm_gemm` (False:
+    torchtitan's own forward and GEMMs); under spmd_types type checking torchtitan's forward
+    runs. For the torchtitan integration's installer.
 
     Returns:
         The subclass (one per ``parent_cls``: the same class on every call).
@@ -268,8 +271,15 @@ def grouped_experts_class(parent_cls):
             """True where this forward runs mxcomm's GEMMs (subclasses: by their config)."""
             return True
 
+        def _grouped_mm(self, *, A, B_t, offs):
+            if not self._uses_mxcomm_gemm(A):
+                return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
+            from .torch import grouped_mm
+            return grouped_mm(A, B_t, offs)
+
         def forward(self, x_RD, num_tokens_per_expert_E):
-            if not self._uses_mxcomm_gemm(x_RD) or _spmd_type_checking():
+            if not (self._uses_mxcomm_gemm(x_RD) and hasattr(x_RD, "qdata")) or \
+                    _spmd_type_checking():
                 return super().forward(x_RD, num_tokens_per_expert_E)
             import torch.nn.functional as F
 
@@ -277,8 +287,7 @@ def grouped_experts_class(parent_cls):
             w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
                           for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
             offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-            rows = x_RD if hasattr(x_RD, "qdata") else x_RD.bfloat16()
-            h13 = grouped_mm(rows, (w1.bfloat16().transpose(-2, -1),
+            h13 = grouped_mm(x_RD, (w1.bfloat16().transpose(-2, -1),
                                     w3.bfloat16().transpose(-2, -1)), offs,
                              wgrad=self.mxcomm_wgrad)
             if torch.compiler.is_compiling():  # the compiler fuses torch's ops itself

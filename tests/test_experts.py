@@ -272,3 +272,19 @@ def test_swiglu_of_the_joined_halves_equals_torchs(dtype):
     h0 = torch.nn.functional.silu(h1) * h3
     h0.backward(dh)
     assert torch.equal(h, h0) and torch.equal(a.grad, b.grad)
+
+
+def test_plain_rows_take_torchtitans_three_gemms(fp8):
+    """Plain bf16 rows (no mxcomm dispatch before them) take torchtitan's forward with
+    ``grouped_mm`` in its seam: three bf16 GEMMs (no per-call join of w1 and w3), the same
+    bits as the unfused experts, forward and backward."""
+    _, launches = fp8
+    ours, unfused = _experts()
+    rows, counts, grad = _rows()
+    plain = rows.dequantize().detach()
+    launches.clear()
+    y, dx, dw, _ = _step(ours, plain, counts, grad)
+    assert [kind for kind, _ in launches] == ["bf16"] * 9
+    y0, dx0, dw0, _ = _step(unfused, plain, counts, grad)
+    assert torch.equal(y, y0) and torch.equal(dx, dx0)
+    assert all(torch.equal(dw[k], dw0[k]) for k in dw)
