@@ -373,10 +373,12 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         raise TypeError(f"grouped_mm: offs: expected ({w.shape[0]},) int32, got "
                         f"{tuple(offs.shape)} {offs.dtype}")
     if torch.compiler.is_compiling():  # its kernels do not trace: the op (mxcomm.torch._gemm_op)
-        # the weights joined in the graph (autograd splits their gradient): the same bits as
-        # eager's joined operands, with no weight cache (as for one weight)
-        return torch.ops.mxcomm.grouped_mm(x, joined(ws), offs, fp8, wgrad,
-                                           [name in fast for name in GEMMS])
+        # a pair goes in as it is (the op joins it as eager does: the same bits, no joined
+        # copy in the graph or saved for the backward); more weights joined in the graph
+        flags = [name in fast for name in GEMMS]
+        if len(ws) == 2:
+            return torch.ops.mxcomm.grouped_mm(x, ws[0], offs, fp8, wgrad, flags, w_b=ws[1])
+        return torch.ops.mxcomm.grouped_mm(x, joined(ws), offs, fp8, wgrad, flags)
     available = fp8_gemm_available(w.device)
     if fp8 and not available:
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
