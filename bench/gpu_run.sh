@@ -4,7 +4,7 @@
 # phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
-#         compare with) overlap2 overlap4 (OVERLAP_TOKENS) overlapprobe2 (PROBE_ROWS)
+#         compare with) overlap2 overlap4 (OVERLAP_TOKENS) overlapprobe2 (PROBE_ROWS) titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -401,6 +401,22 @@ for phase in "$@"; do
                 env PYTHONPATH="${TITAN_SITE:-/tmp/site}:${PYTHONPATH:-}" torchrun --nproc-per-node "$n" \
                 -m mxcomm.bench torchtitan --tokens "$tokens" --iters ${TITAN_ITERS:-20} \
                 --json "$res/torchtitan_${tokens}_w$n.json" --markdown "$res/torchtitan_${tokens}_w$n.md"
+        done ;;
+    titanab2)  # torchtitan's layer (671B dims), 2 GPUs, TITAN_TOKENS (default 16384) per rank:
+        # mxcomm's fp8_rowwise; the same with the backward overlap (eager: it is eager only);
+        # fp8_rowwise_gradbf16 (the expert weight gradients' recipe); each run times its own
+        # torchtitan_bf16 reference beside it
+        [ "$ngpu" -ge 2 ] && for tokens in ${TITAN_TOKENS:-16384}; do
+            for spec in "fp8_rowwise:" "fp8_rowwise:--mxcomm-overlap --modes eager" \
+                        "fp8_rowwise_gradbf16:"; do
+                recipe=${spec%%:*}; extra=${spec#*:}; tag=$recipe${extra:+_overlap}
+                step "bench torchtitan A/B, 2 ranks, $tokens tokens per rank, $recipe $extra" 560 \
+                    env PYTHONPATH="${TITAN_SITE:-/tmp/site}:${PYTHONPATH:-}" torchrun --nproc-per-node 2 \
+                    -m mxcomm.bench torchtitan --tokens "$tokens" --iters ${TITAN_ITERS:-20} \
+                    --variants torchtitan_bf16 mxcomm --mxcomm-recipe "$recipe" $extra \
+                    --json "$res/torchtitan_${tag}_${tokens}_w2.json" \
+                    --markdown "$res/torchtitan_${tag}_${tokens}_w2.md"
+            done
         done ;;
     torchrun2) step "pipeline under torchrun, 2 ranks" 400 torchrun --nproc-per-node 2 -m mxcomm.bench pipeline \
         --tokens 16384 --dim 7168 --hidden 2048 --experts 8 --no-stages \

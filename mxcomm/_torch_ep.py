@@ -66,8 +66,9 @@ class ExpertParallel:
             (``mxcomm.recipes.find_tables``: the lookup order).
         overlap: True to run the backward's dispatch-gradient exchange (and a separate
             permute's backward) on a side stream beside the expert weight-gradient GEMM
-            (``mxcomm.torch.grouped_mm`` on the rows ``dispatch`` returns; docs/design.md,
-            "Overlap"); the same bits as False (default). Eager only: under
+            (``mxcomm.torch.grouped_mm`` on the rows ``dispatch`` returns, one call: weights
+            that read the same rows go in as a tuple, ``grouped_mm(rows, (w1, w3), offs)``;
+            docs/design.md, "Overlap"); the same bits as False (default). Eager only: under
             ``torch.compile`` the calls run as without it. :attr:`overlap` counts what it did.
 
     Collectives at construction: building the group's communicator (first use of a group), and
@@ -273,11 +274,25 @@ def grouped_experts_class(parent_cls):
     ``torchtitan.models.common.moe.GroupedExperts`` or a subclass) whose grouped GEMMs are
     ``mxcomm.torch.grouped_mm``, fed the rows :meth:`ExpertParallel.dispatch` returns as they are.
 
-    It overrides the seams torchtitan's float8 / MX converters use: ``forward`` notes whether the
-    rows came quantized, ``_grouped_mm(*, A, B_t, offs)`` runs ``grouped_mm`` (fp8 for all three
-    GEMMs where the rows came quantized and the device has SM90 fp8 GEMMs, else bf16). The caller
-    passes the padded group sizes (``group_offsets`` differenced). For the torchtitan
-    integration's installer.
+    Its ``forward(x_RD, num_tokens_per_expert_E)`` computes torchtitan's SwiGLU experts,
+    ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert, for rows that came quantized (a
+    ``QuantizedTensor``: mxcomm's dispatch) in two GEMMs instead of three:
+
+    - w1 and w3 read the same rows, so they are one ``grouped_mm`` over [w1 | w3] (the
+      weights stay two parameters; docs/design.md, "The experts' GEMMs"): one forward GEMM
+      (the same bits as two), one dgrad of the rows (so the backward overlap's mark is the
+      rows' whole gradient: ``ExpertParallel(overlap=True)`` engages), one wgrad split into
+      w1's and w3's gradients; fp8 where the rows came quantized and the device has SM90 fp8
+      GEMMs, else bf16 (``grouped_mm``'s ``fp8=None``);
+    - w2 reads the SwiGLU's bf16 product: ``grouped_mm``'s bf16 GEMM (``fp8=None`` on plain
+      rows; fp8 there costs the weight gradients 0.7 dB, bench/NOTES.md).
+
+    Plain rows take torchtitan's forward with ``grouped_mm`` in its ``_grouped_mm`` seam (three
+    GEMMs, bf16 for plain rows: a bf16 GEMM over [w1 | w3] would join the weights in a copy
+    per call). ``num_tokens_per_expert_E`` holds the padded group sizes (``group_offsets``
+    differenced). Subclasses decide per call with :meth:`_uses_mxcomm_gemm` (False:
+    torchtitan's own forward and GEMMs); under spmd_types type checking torchtitan's forward
+    runs. For the torchtitan integration's installer.
 
     Returns:
         The subclass (one per ``parent_cls``: the same class on every call).
@@ -287,18 +302,82 @@ def grouped_experts_class(parent_cls):
         return cached
 
     class MxcommGroupedExperts(parent_cls):
-        def forward(self, x_RD, num_tokens_per_expert_E):
-            self._mxcomm_fp8 = hasattr(x_RD, "qdata") and fp8_gemm_available(x_RD.device)
-            return super().forward(x_RD, num_tokens_per_expert_E)
+        #: ``grouped_mm``'s ``wgrad`` for the w1|w3 GEMM (``"fp8"`` or ``"bf16"``)
+        mxcomm_wgrad = "fp8"
+
+        def _uses_mxcomm_gemm(self, x_RD):
+            """True where this forward runs mxcomm's GEMMs (subclasses: by their config)."""
+            return True
 
         def _grouped_mm(self, *, A, B_t, offs):
+            if not self._uses_mxcomm_gemm(A):
+                return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
             from .torch import grouped_mm
-            return grouped_mm(A, B_t, offs, fp8=getattr(self, "_mxcomm_fp8", False) or None)
+            return grouped_mm(A, B_t, offs)
+
+        def forward(self, x_RD, num_tokens_per_expert_E):
+            if not (self._uses_mxcomm_gemm(x_RD) and hasattr(x_RD, "qdata")) or \
+                    _spmd_type_checking():
+                return super().forward(x_RD, num_tokens_per_expert_E)
+            import torch.nn.functional as F
+
+            from .torch import grouped_mm
+            w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
+                          for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+            offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            h13 = grouped_mm(x_RD, (w1.bfloat16().transpose(-2, -1),
+                                    w3.bfloat16().transpose(-2, -1)), offs,
+                             wgrad=self.mxcomm_wgrad)
+            if torch.compiler.is_compiling():  # the compiler fuses torch's ops itself
+                h1, h3 = h13.split(w1.shape[-2], dim=-1)
+                h = F.silu(h1) * h3
+            else:
+                h = _SwiGLU.apply(h13)
+            return grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs).type_as(x_RD)
 
     MxcommGroupedExperts.__name__ = MxcommGroupedExperts.__qualname__ = \
         f"Mxcomm{parent_cls.__name__}"
     _EXPERTS_CLASSES[parent_cls] = MxcommGroupedExperts
     return MxcommGroupedExperts
+
+
+class _SwiGLU(torch.autograd.Function):
+    """h = silu(h1) * h3 of the halves of h13 = [h1 | h3], with torch's ops: the same bits as
+    ``F.silu(h1) * h3`` and its autograd, forward and backward.
+
+    Forward:  h13 (P, 2F) -> h (P, F), h13's dtype. Saved: h13 (silu(h1) is made again in
+              the backward, where autograd would keep it: (P, F) less held between the passes).
+    Backward: dh (P, F) -> dh13 (P, 2F), its halves written in place (dh1 by
+              ``aten.silu_backward``, dh3 = dh * silu(h1)): the one GEMM over [w1 | w3] reads
+              it as it is, with no copy that joins two gradients (what autograd's split would
+              make).
+    """
+
+    @staticmethod
+    def forward(ctx, h13):
+        ctx.save_for_backward(h13)
+        h1, h3 = h13.chunk(2, dim=-1)
+        return torch.nn.functional.silu(h1) * h3
+
+    @staticmethod
+    def backward(ctx, dh):
+        (h13,) = ctx.saved_tensors
+        h1, h3 = h13.chunk(2, dim=-1)
+        dh13 = torch.empty_like(h13)
+        d1, d3 = dh13.chunk(2, dim=-1)
+        torch.mul(dh, torch.nn.functional.silu(h1), out=d3)
+        torch.ops.aten.silu_backward.grad_input(dh * h3, h1, grad_input=d1)
+        return dh13
+
+
+def _spmd_type_checking():
+    """True under torchtitan's spmd_types type checking (a debugging mode whose SPMD types
+    mxcomm's GEMMs do not carry): torchtitan's own forward runs there."""
+    from torchtitan.distributed.utils import get_spmd_backend
+    if get_spmd_backend() != "spmd_types":
+        return False
+    import spmd_types
+    return spmd_types.is_type_checking()
 
 
 #: parent class -> its :func:`grouped_experts_class` (classes, not state: one per parent, so

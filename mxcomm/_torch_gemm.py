@@ -17,8 +17,17 @@ K % 16 == 0, bf16 output; its 2d-2d case (wgrad) takes A (M, T), B (T, N) with `
 
 Elsewhere (CPU, pre-Hopper GPUs, a torch without ``_scaled_grouped_mm``) the fallback is
 ``torch._grouped_mm`` on the dequantized rows for all three products, with the same autograd
-wiring. docs/design.md, "EP semantics" (the fp8 wgrad, fast accumulation) and "Recipes and the
-expert-parallel object" (the weight cache).
+wiring.
+
+Several weights that read the same rows (torchtitan's w1 and w3) are one GEMM over their
+concatenation along N, ``w = [w_1 | w_2 | ...]`` (G, K, sum N_i): one forward, one dgrad (its
+reduction width the sum), one wgrad, whose (G, K, sum N_i) result is split into each weight's
+gradient. The fp8 weight operands of the concatenation are cached like one weight's (keyed by
+all of them); the forward's, quantized along K per output column, equals the per-weight
+operands side by side bit for bit; the dgrad's is quantized along the whole sum N.
+
+docs/design.md, "EP semantics" (the fp8 wgrad, fast accumulation), "Recipes and the
+expert-parallel object" (the weight cache) and "The experts' GEMMs" (several weights).
 """
 
 import weakref
@@ -167,25 +176,31 @@ class WeightCache:
         """``make(w)`` for ``w`` of this version and geometry, made once and then reused.
 
         Args:
-            w: a tensor (or a view of one). Read.
+            w: a tensor (or a view of one), or a tuple of them (an operand made from several
+                weights: every one of them is part of the key). Read.
             operand: the name of what ``make`` makes (part of the key).
             make: ``w -> value`` (here, a quantizer: tests inject a counting one).
         Returns:
-            ``make(w)``'s value, from the cache when ``w`` is unchanged since it was made.
+            ``make(w)``'s value, from the cache when every tensor of ``w`` is unchanged since
+            it was made.
         """
-        owner = w._base if w._base is not None else w
-        key = (operand, tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, w.device)
-        entries = self._entries.get(owner)
+        ws = w if isinstance(w, tuple) else (w,)
+        owners = [t._base if t._base is not None else t for t in ws]
+        key = (operand,) + tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+                                  t.device) for t in ws)
+        entries = self._entries.get(owners[0])
         if entries is None:
-            entries = self._entries[owner] = {}
-        version = w._version
+            entries = self._entries[owners[0]] = {}
+        version = tuple(t._version for t in ws)
         found = entries.get(key)
-        if found is not None and found[0] == version:
+        # the other weights are held weakly: the entry lives as long as the first one does
+        if found is not None and found[0] == version and \
+                all(ref() is o for ref, o in zip(found[2], owners[1:])):
             self.hits += 1
             return found[1]
         self.misses += 1
         value = make(w)
-        entries[key] = (version, value)
+        entries[key] = (version, value, tuple(weakref.ref(o) for o in owners[1:]))
         return value
 
     def clear(self):
@@ -197,39 +212,55 @@ class WeightCache:
 default_weight_cache = WeightCache()
 
 
-def _weight_operand(cache, w, operand, make):
-    """``make(w)``, through ``cache`` (a :class:`WeightCache`) or made afresh (None)."""
-    return make(w) if cache is None else cache.get(w, operand, make)
+def _weight_operand(cache, ws, operand, make):
+    """``make(joined(ws))``, through ``cache`` (a :class:`WeightCache`, keyed by every weight of
+    ``ws``) or made afresh (None)."""
+    def joined_make(ws):
+        return make(joined(ws))
+    return joined_make(ws) if cache is None else cache.get(ws, operand, joined_make)
+
+
+def joined(ws):
+    """The weights ``ws`` ((G, K, N_i) tensors) concatenated along N: ``ws[0]`` itself where
+    there is one, else a new (G, K, sum N_i) tensor laid out as torchtitan's weights, the
+    transpose of a contiguous (G, sum N_i, K) (so the dgrad's CUDA quantizer reads it in
+    place). Differentiable (``torch.cat``)."""
+    if len(ws) == 1:
+        return ws[0]
+    return torch.cat([w.transpose(-2, -1) for w in ws], dim=-2).transpose(-2, -1)
 
 
 class _GroupedMM(torch.autograd.Function):
-    """y = x @ w per group, x given as fp8 rowwise rows (module docstring).
+    """y = x @ [w_1 | w_2 | ...] per group, x given as fp8 rowwise rows (module docstring).
 
-    Forward:  x (P, K), w (G, K, N) bf16, offs (G,) int32 -> y (P, N) bf16. Saved: x as given
-              (bf16 wgrad) or its fp8 rowwise rows (fp8 wgrad).
-    Backward: grad (P, N) bf16 or fp8_rowwise QuantizedTensor -> dx (P, K) bf16 (fp8 dgrad),
-              dw (G, K, N) bf16 (``wgrad``). dgrad runs first; where x came from an overlapped
-              dispatch, dx is marked on its slot (``mxcomm._torch_overlap``) between the two
-              GEMMs, so the dispatch's gradient exchange waits for dgrad only.
+    Forward:  x (P, K), ws (G, K, N_i) bf16 (one or more), offs (G,) int32 -> y (P, sum N_i)
+              bf16, one GEMM. Saved: x as given (bf16 wgrad) or its fp8 rowwise rows (fp8
+              wgrad).
+    Backward: grad (P, sum N_i) bf16 or fp8_rowwise QuantizedTensor -> dx (P, K) bf16 (one
+              dgrad), dw_i (G, K, N_i) bf16 (one wgrad, split; ``wgrad``). dgrad runs first;
+              where x came from an overlapped dispatch, dx is marked on its slot
+              (``mxcomm._torch_overlap``) between the two GEMMs, so the dispatch's gradient
+              exchange waits for dgrad only.
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, fp8, wgrad, fast, cache):
+    def forward(ctx, x, offs, fp8, wgrad, fast, cache, *ws):
         ctx.fp8 = fp8
         ctx.cache = cache
-        # the weight as given (a view keeps its base's identity and version), for the cache:
+        # the weights as given (a view keeps its base's identity and version), for the cache:
         # a saved tensor unpacks as a new tensor object
-        ctx.weight = w if cache is not None else None
+        ctx.weights = ws if cache is not None else None
         ctx.fp8_wgrad = fp8 and wgrad == "fp8"
         ctx.fast = fast
         ctx.overlap = getattr(x, OVERLAP_ATTRIBUTE, None)
         kept = x.detach() if hasattr(x, "qdata") else x
         if not fp8:
-            ctx.save_for_backward(kept, w, offs)
-            return torch._grouped_mm(_plain(x), w.detach(), offs=offs)
+            ctx.save_for_backward(kept, offs, *ws)
+            return torch._grouped_mm(_plain(x), joined([w.detach() for w in ws]), offs=offs)
         a, scale_a = _fp8_operand_a(x)
-        ctx.save_for_backward(*((a, scale_a) if ctx.fp8_wgrad else (kept,)), w, offs)
-        b, scale_b = _weight_operand(cache, w, "forward", _fp8_weight)
+        ctx.save_for_backward(*((a, scale_a) if ctx.fp8_wgrad else (kept,)), offs, *ws)
+        ctx.rows = 2 if ctx.fp8_wgrad else 1
+        b, scale_b = _weight_operand(cache, ws, "forward", _fp8_weight)
         return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
                                         out_dtype=torch.bfloat16,
                                         use_fast_accum="forward" in fast)
@@ -237,29 +268,34 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dx = dw = None
-        *rows, w, offs = ctx.saved_tensors  # (a, scale_a) for the fp8 wgrad, else (x,)
+        saved = ctx.saved_tensors  # (a, scale_a) for the fp8 wgrad, else (x,); offs; ws
+        kept = getattr(ctx, "rows", 1)
+        rows, offs, ws = saved[:kept], saved[kept], saved[kept + 1:]
         if ctx.fp8 and (ctx.needs_input_grad[0] or ctx.fp8_wgrad):
             g, scale_g = _fp8_operand_a(grad)
         if ctx.needs_input_grad[0]:
             if ctx.fp8:
-                b, scale_b = _weight_operand(ctx.cache, ctx.weight if ctx.cache is not None
-                                             else w, "dgrad", _fp8_weight_t)
+                b, scale_b = _weight_operand(ctx.cache, ctx.weights if ctx.cache is not None
+                                             else ws, "dgrad", _fp8_weight_t)
                 dx = torch._scaled_grouped_mm(g, b, scale_g, scale_b, offs=offs,
                                               out_dtype=torch.bfloat16,
                                               use_fast_accum="dgrad" in ctx.fast)
             else:
-                dx = torch._grouped_mm(_plain(grad), w.detach().transpose(-2, -1), offs=offs)
+                dx = torch._grouped_mm(_plain(grad), joined([w.detach() for w in ws])
+                                       .transpose(-2, -1), offs=offs)
             overlap = getattr(ctx, "overlap", None)
             if overlap is not None:  # dx is complete here: the dispatch's backward may start
                 overlap.mark(dx)
-        if ctx.needs_input_grad[1]:
+        dws = (None,) * len(ws)
+        if any(ctx.needs_input_grad[6:]):
             if ctx.fp8_wgrad:
                 dw = _fp8_wgrad(rows, (g, scale_g), offs, "wgrad" in ctx.fast)
             else:
                 dw = torch._grouped_mm(_plain(rows[0]).t(), _plain(grad), offs=offs)
-            dw = dw.to(w.dtype)
+            dws = tuple(d.to(w.dtype) for d, w in
+                        zip(dw.split([w.shape[-1] for w in ws], dim=-1), ws))
         # None for: offs, fp8, wgrad, fast, cache
-        return dx, dw, None, None, None, None, None
+        return (dx, None, None, None, None, None) + dws
 
 
 def _fast_set(fast_accum):
@@ -284,7 +320,10 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         x: (P, K) fp8_rowwise QuantizedTensor (``permute(..., out_format="fp8_rowwise")`` or a
             rowwise dispatch), or any QuantizedTensor / bf16 tensor (quantized per call on the
             fp8 path); K % 16 == 0. Its gradient is (P, K) bf16.
-        w: (G, K, N) bf16 tensor, the local experts' weights.
+        w: (G, K, N) bf16 tensor, the local experts' weights; or a tuple or list of (G, K,
+            N_i) bf16 tensors that read the same rows (torchtitan's w1 and w3), one GEMM over
+            their concatenation along N (N = sum N_i; module docstring), each getting its own
+            gradient.
         offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``),
             any group sizes (empty groups too; the fp8 wgrad pads its own operands).
         fp8: None: the SM90 fp8 GEMMs for quantized rows where :func:`fp8_gemm_available`
@@ -298,41 +337,56 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         weight_cache: True (default) for :data:`default_weight_cache`, a :class:`WeightCache`,
             or False to quantize the weights on every call; values are the same either way.
     Returns:
-        (P, N) bf16. The backward runs dgrad, then wgrad; rows from an
+        (P, N) bf16 (for several weights, their outputs side by side in their order). The
+        backward runs dgrad, then wgrad; rows from an
         ``ExpertParallel(overlap=True)`` dispatch carry a mark that the backward sets between
         the two, so the dispatch's gradient exchange runs beside the wgrad (docs/design.md,
         "Overlap").
     Raises:
         RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
         ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0,
-            or N % 16 != 0 on the fp8 path); ``wgrad`` not "fp8" or "bf16"; ``fast_accum``
-            naming something else.
+            or N % 16 != 0 on the fp8 path, weights of different G or K); ``wgrad`` not "fp8"
+            or "bf16"; ``fast_accum`` naming something else; an empty tuple of weights.
         TypeError: ``w`` not bf16, ``offs`` not int32.
     """
-    if w.dim() != 3 or x.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"grouped_mm: expected x (P, K) and w (G, K, N), got x "
-                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    if not ws:
+        raise ValueError("grouped_mm: w: expected a (G, K, N) tensor or a tuple of them, got "
+                         "an empty tuple")
+    for i, wi in enumerate(ws):
+        name = "w" if len(ws) == 1 else f"w[{i}]"
+        if wi.dim() != 3 or x.dim() != 2 or wi.shape[1] != x.shape[1] or \
+                wi.shape[0] != ws[0].shape[0]:
+            raise ValueError(f"grouped_mm: expected x (P, K) and {name} (G, K, N) (G alike for "
+                             f"every weight), got x {tuple(x.shape)} and {name} "
+                             f"{tuple(wi.shape)}")
+        if wi.dtype != torch.bfloat16:
+            raise TypeError(f"grouped_mm: {name}: expected dtype bfloat16, got {wi.dtype}")
+    w = ws[0]
+    n = sum(wi.shape[2] for wi in ws)
     if x.shape[1] % 16:
         raise ValueError(f"grouped_mm: K = {x.shape[1]} is not a multiple of 16")
     if wgrad not in ("fp8", "bf16"):
         raise ValueError(f"grouped_mm: wgrad: expected 'fp8' or 'bf16', got {wgrad!r}")
     fast = _fast_set(fast_accum)
-    if w.dtype != torch.bfloat16:
-        raise TypeError(f"grouped_mm: w: expected dtype bfloat16, got {w.dtype}")
     if offs.dtype != torch.int32 or tuple(offs.shape) != (w.shape[0],):
         raise TypeError(f"grouped_mm: offs: expected ({w.shape[0]},) int32, got "
                         f"{tuple(offs.shape)} {offs.dtype}")
     if torch.compiler.is_compiling():  # its kernels do not trace: the op (mxcomm.torch._gemm_op)
-        return torch.ops.mxcomm.grouped_mm(x, w, offs, fp8, wgrad,
-                                           [name in fast for name in GEMMS])
+        # a pair goes in as it is (the op joins it as eager does: the same bits, no joined
+        # copy in the graph or saved for the backward); more weights joined in the graph
+        flags = [name in fast for name in GEMMS]
+        if len(ws) == 2:
+            return torch.ops.mxcomm.grouped_mm(x, ws[0], offs, fp8, wgrad, flags, w_b=ws[1])
+        return torch.ops.mxcomm.grouped_mm(x, joined(ws), offs, fp8, wgrad, flags)
     available = fp8_gemm_available(w.device)
     if fp8 and not available:
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
                            f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
                            f"the bf16 fallback)")
     fp8 = available and hasattr(x, "qdata") if fp8 is None else bool(fp8)
-    if fp8 and w.shape[2] % 16:
-        raise ValueError(f"grouped_mm: N = {w.shape[2]} is not a multiple of 16, which the fp8 "
+    if fp8 and n % 16:
+        raise ValueError(f"grouped_mm: N = {n} is not a multiple of 16, which the fp8 "
                          f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
     if weight_cache is True:
         cache = default_weight_cache
@@ -343,4 +397,4 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
     else:
         raise TypeError(f"grouped_mm: weight_cache: expected True, False or a WeightCache, got "
                         f"{type(weight_cache).__name__}")
-    return _GroupedMM.apply(x, w, offs, fp8, wgrad, fast, cache)
+    return _GroupedMM.apply(x, offs, fp8, wgrad, fast, cache, *ws)

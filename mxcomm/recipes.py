@@ -88,6 +88,12 @@ _RECIPES = (
            unpermute_grad_format="bf16"),
     Recipe("fp8_rowwise", "fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", gemm="fp8",
            fused=True),
+    # fp8_rowwise with the gradients that reach the expert weights in bf16: the output gradient
+    # on the wire (combine_grad) and the weight gradient's GEMM (wgrad); the weight gradients
+    # 26.0 dB from float64 against 24.1 (bench/probe_wgrad.py). Not in the cost table yet, so
+    # "auto" never picks it (bench/NOTES.md, 2026-11-27, "The expert weight gradients")
+    Recipe("fp8_rowwise_gradbf16", "fp8_rowwise", "bf16", "mxfp8", "bf16", gemm="fp8",
+           fused=True, wgrad="bf16"),
 )
 _BY_NAME = {r.name: r for r in _RECIPES}
 

@@ -235,7 +235,8 @@ def _grouped_mm_inputs(device, requires_grad):
 
 def test_opcheck_grouped_mm():
     """``torch.library.opcheck`` on ``mxcomm::grouped_mm`` (its autograd: the backward op) with
-    inputs that require grad, and on fp8 rowwise rows given as data and scales, and on
+    inputs that require grad, with a second weight (``w_b``: one GEMM over both, each weight
+    its gradient), and on fp8 rowwise rows given as data and scales, and on
     ``mxcomm::dequantize`` (with fp8 inputs without test_schema, which CPU float8 fails); the ops' results equal the eager ``grouped_mm``'s and
     ``dequantize``'s, forward and backward (on a CPU: the bf16 fallback)."""
     import mxcomm.torch as mt
@@ -249,6 +250,20 @@ def test_opcheck_grouped_mm():
     want = mt.grouped_mm(x2, w2, offs)
     want.float().square().sum().backward()
     for a, b in zip(got, (want.detach(), x2.grad, w2.grad)):
+        assert torch.equal(a, b)
+    # two weights read by one GEMM (w1 and w3: ``w_b``), each its gradient, as eager's tuple
+    x.grad = w.grad = None
+    wb = (w.detach() * 2).requires_grad_(True)
+    torch.library.opcheck(torch.ops.mxcomm.grouped_mm, (x, w, offs, None, "fp8", flags),
+                          {"w_b": wb})
+    y = torch.ops.mxcomm.grouped_mm(x, w, offs, None, "fp8", flags, w_b=wb)
+    y.float().square().sum().backward()
+    got = (y.detach(), x.grad, w.grad, wb.grad)
+    x2, w2, _ = _grouped_mm_inputs("cpu", True)
+    wb2 = (w2.detach() * 2).requires_grad_(True)
+    want = mt.grouped_mm(x2, (w2, wb2), offs)
+    want.float().square().sum().backward()
+    for a, b in zip(got, (want.detach(), x2.grad, w2.grad, wb2.grad)):
         assert torch.equal(a, b)
     # fp8 rowwise rows as data and scales (what a QuantizedTensor hands the op), and the
     # dequantize op
@@ -270,6 +285,9 @@ def test_opcheck_grouped_mm():
     y = torch.ops.mxcomm.grouped_mm(rows.qdata, w3, offs, None, "fp8", flags,
                                     x_scales=rows.scales, x_format="fp8_rowwise")
     assert torch.equal(y, mt.grouped_mm(rows, w.detach(), offs))
+    # a QuantizedTensor handed to the op with the second weight (its dispatch binds by name)
+    y = torch.ops.mxcomm.grouped_mm(rows, w3, offs, None, "fp8", flags, w_b=w3 * 2)
+    assert torch.equal(y, mt.grouped_mm(rows, (w.detach(), w.detach() * 2), offs))
 
 
 @pytest.mark.gpu

@@ -40,7 +40,8 @@ ALIGN = 16
 # ------------------------------------------------------------------------------ recipes
 def test_recipes_by_name():
     """The recipes the design names, with the formats of each direction."""
-    assert recipes.recipe_names() == ("auto", "bf16", "mxfp8", "fp8_rowwise")
+    assert recipes.recipe_names() == ("auto", "bf16", "mxfp8", "fp8_rowwise",
+                                      "fp8_rowwise_gradbf16")
     r = recipes.get_recipe("mxfp8")
     assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
         ("mxfp8", "bf16", "bf16", "mxfp8", "bf16", False)
@@ -355,70 +356,6 @@ def test_grouped_mm_bf16_rows_take_the_bf16_gemm(monkeypatch):
     assert calls == [torch.float8_e4m3fn]
     with pytest.raises(TypeError, match="weight_cache"):
         mt.grouped_mm(x, w, offs, weight_cache={})
-
-
-# ------------------------------------------------------------------- torchtitan's experts
-def _titan_experts(seed=0):
-    moe = pytest.importorskip("torchtitan.models.common.moe")
-    from mxcomm._torch_ep import grouped_experts_class
-    cfg = moe.GroupedExperts.Config(dim=D, hidden_dim=H, num_experts=2)
-    base = moe.GroupedExperts(cfg)
-    torch.manual_seed(seed)
-    for p in base.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    base = base.to(torch.bfloat16)
-    cls = grouped_experts_class(moe.GroupedExperts)
-    assert grouped_experts_class(moe.GroupedExperts) is cls
-    ours = cls(cfg).to(torch.bfloat16)
-    ours.load_state_dict(base.state_dict())
-    return base, ours
-
-
-def _rowwise_rows(m=48):
-    from mxcomm.formats import get_format
-    x = torch.randn(m, D, dtype=torch.bfloat16)
-    from mxcomm._array import bfloat16
-    from mxcomm.torch._tensors import _wrap
-    return _wrap(get_format("fp8_rowwise").quantize(x.view(torch.int16).numpy().view(bfloat16)))
-
-
-def test_torchtitan_experts_take_the_rows_as_dispatched():
-    """torchtitan's GroupedExperts with mxcomm's GEMM seam, fed fp8 rowwise rows, on the CPU
-    (the bf16 fallback): output and every gradient equal torchtitan's own experts on the
-    dequantized rows, bit for bit."""
-    base, ours = _titan_experts()
-    q, counts = _rowwise_rows(), torch.tensor([16, 32])
-    xa = q.detach().requires_grad_()
-    y = ours(xa, counts)
-    g = torch.randn_like(y)
-    y.backward(g)
-    xb = q.dequantize().detach().requires_grad_()
-    y0 = base(xb, counts)
-    y0.backward(g)
-    assert torch.equal(y, y0) and torch.equal(xa.grad, xb.grad)
-    for a, b in zip(ours.parameters(), base.parameters()):
-        assert torch.equal(a.grad, b.grad)
-
-
-def test_torchtitan_experts_run_every_gemm_fp8_on_quantized_rows(monkeypatch):
-    """Where fp8 GEMMs run (emulated): quantized rows take all three GEMMs fp8 (w1, w3 on the
-    rows as received, w2 on the SwiGLU's output); bf16 rows none."""
-    from mxcomm import _torch_ep
-    calls = []
-
-    def recorder(a, b, *args, **kwargs):
-        calls.append(a.dtype)
-        return _emulated_scaled_grouped_mm(a, b, *args, **kwargs)
-    monkeypatch.setattr(_torch_gemm, "fp8_gemm_available", lambda device: True)
-    monkeypatch.setattr(_torch_ep, "fp8_gemm_available", lambda device: True)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", recorder, raising=False)
-    _, ours = _titan_experts()
-    counts = torch.tensor([16, 32])
-    with torch.no_grad():
-        ours(_rowwise_rows(), counts)
-        assert calls == [torch.float8_e4m3fn] * 3
-        ours(_rowwise_rows().dequantize(), counts)
-        assert len(calls) == 3
 
 
 # ----------------------------------------------------------------------- MPI: the object

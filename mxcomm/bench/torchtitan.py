@@ -82,6 +82,10 @@ def add_arguments(parser):
                         choices=_recipes.recipe_names(),
                         help=f"the mxcomm variant's recipe, of "
                              f"{', '.join(_recipes.recipe_names())} (default auto)")
+    parser.add_argument("--mxcomm-overlap", action="store_true",
+                        help="the mxcomm variant with use_mxcomm(..., overlap=True): the "
+                             "dispatch's backward beside the experts' weight-gradient GEMM "
+                             "(eager; a recipe whose exchange permutes)")
     parser.add_argument("--spmd-backend", choices=("spmd_types", "full_dtensor"),
                         help="torchtitan's spmd backend (default: its own, spmd_types, on a GPU; "
                              "full_dtensor on a CPU, where spmd_types' exchange of uneven splits "
@@ -527,6 +531,8 @@ def measure(args, rt):
         keywords, shown, call = mxcomm_integration(args.mxcomm_recipe, base,
                                                    shape.tokens * layer.router.top_k, shape.dim,
                                                    shape.hidden, classed)
+        if args.mxcomm_overlap:
+            keywords, call = dict(keywords, overlap=True), f"{call}, overlap=True"
         calls += [call] if call not in calls else []
         gen = torch.Generator(device=device).manual_seed(SEED + 1000 + rt.rank)
         x = torch.randn(1, shape.tokens, shape.dim, generator=gen, device=device,
@@ -561,7 +567,8 @@ def measure(args, rt):
             if reference is None:
                 reference = got
             else:
-                local_sqnr[run.name] = [sqnr(reference[k], got[k]) for k in SQNR_TARGETS]
+                local_sqnr[run.name] = [sqnr(reference[k], got[k]) for k in SQNR_TARGETS] + [
+                    sqnr([r], [g]) for r, g in zip(reference["weight_grad"], got["weight_grad"])]
             del got
         del reference
         runs = _drop_failed(rt, runs, errors, shape, tables)
@@ -571,9 +578,12 @@ def measure(args, rt):
         for run in runs[1:]:
             # the minimum over ranks
             worst = [-v for v in rt.allreduce_max([-v for v in local_sqnr[run.name]])]
+            worst, each = worst[:len(SQNR_TARGETS)], worst[len(SQNR_TARGETS):]
             row = {"shape": shape.label, "tokens": shape.tokens, "variant": run.variant,
                    "mode": run.mode, "recipe": shown if run.variant == "mxcomm" else "",
-                   **{f"{k}_db": v for k, v in zip(SQNR_TARGETS, worst)}}
+                   **{f"{k}_db": v for k, v in zip(SQNR_TARGETS, worst)},
+                   # each routed expert weight's gradient alone (w1, w2, w3), in the JSON
+                   "weight_grad_each_db": each}
             row["ok"] = "yes" if all(v >= t for v, t in zip(worst, SQNR_TARGETS.values())) \
                 else "no"
             tables["sqnr"].append(row)
@@ -615,11 +625,13 @@ def measure(args, rt):
                  f"run's; peak: torch.cuda.max_memory_allocated in an iteration (all variants' "
                  f"modules resident), and above the iteration's start (GB = 1e9 bytes)")
     notes.append(f"SQNR: against torchtitan_bf16 {modes[0]}, the minimum over ranks; weight_grad: "
-                 f"the routed experts' w1, w2, w3 gradients together")
+                 f"the routed experts' w1, w2, w3 gradients together (each alone: the JSON's "
+                 f"weight_grad_each_db)")
     meta = _report.metadata("torchtitan", rt.size, [dataclasses.asdict(s) for s in shapes],
                             notes, run=describe(args, rt), iters=args.iters, warmup=args.warmup,
                             variants=variants, modes=list(modes), flavor=FLAVOR,
                             top_k=layer.router.top_k, mxcomm_recipe=args.mxcomm_recipe,
+                            mxcomm_overlap=args.mxcomm_overlap,
                             mxcomm_integration=calls, device_class=classed,
                             spmd_backend=spmd_backend, sqnr_targets_db=SQNR_TARGETS)
     return meta, tables

@@ -129,6 +129,19 @@ class MxcommExchanges:
         self._path = _Path(self.dispatch_precision, self.combine_precision,
                            self.dispatch_grad_precision, self.combine_grad_precision, align,
                            self.permute_align > 0)
+        overlap = getattr(config, "overlap", False)
+        if not isinstance(overlap, bool) or (overlap and not self.permute_align
+                                             and self.recipe != "auto"):
+            raise ValueError(f"overlap: expected False, or True where mxcomm permutes "
+                             f"(permute_align > 0 or recipe 'auto': the rows must reach "
+                             f"mxcomm's experts as dispatched), got {overlap!r} with "
+                             f"permute_align {self.permute_align}")
+        #: None, or the ``mxcomm._torch_overlap.BackwardOverlap`` of ``overlap=True`` (its
+        #: ``beside`` / ``behind`` count the dispatch backwards that overlapped / waited)
+        self.backward_overlap = None
+        if overlap:
+            from mxcomm._torch_overlap import BackwardOverlap
+            self.backward_overlap = BackwardOverlap()
 
     def wire_meshes(self, *, ep_mesh):
         """torchtitan's hook, run on every rank when the model is parallelized (outside any
@@ -195,9 +208,18 @@ class MxcommExchanges:
         if type(input_splits) is not _Fused:
             return super()._dispatch_token_exchange(routed_input_ND, pg, output_splits,
                                                     input_splits)
+        import torch
+
         from mxcomm import torch as mxt
         fused = input_splits
         path = fused.path = self._path_for(fused.layout, routed_input_ND)
+        if self.backward_overlap is not None and path.keep and \
+                not torch.compiler.is_compiling():
+            # the same call, its backward beside the experts' wgrad (eager only)
+            rows, _, fused.offsets = self.backward_overlap.dispatch(
+                routed_input_ND, fused.layout, precision=path.dispatch,
+                grad_precision=path.dispatch_grad, align=path.align, fused=True)
+            return rows
         rows, _, fused.offsets = mxt.a2a_dispatch(
             routed_input_ND, fused.layout, precision=path.dispatch,
             grad_precision=path.dispatch_grad, permute_align=path.align)

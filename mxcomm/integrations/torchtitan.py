@@ -51,8 +51,10 @@ With a recipe of ``mxcomm.recipes`` (``use_mxcomm(config, recipe="fp8_rowwise")`
 ``'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``) both the dispatcher and
 the experts are mxcomm's: where the recipe's GEMM is fp8 (``fused``), the dispatcher's
 ``permute_align`` keeps the rows in the dispatch precision (fp8 rowwise: a QuantizedTensor) and
-:class:`MxcommGroupedExperts` (torchtitan's ``GroupedExperts._grouped_mm`` seam, as its float8
-and MX converters use) feeds them to ``mxcomm.torch.grouped_mm`` with no bf16 pass between.
+:class:`MxcommGroupedExperts` (in place of torchtitan's ``GroupedExperts``) feeds them to one
+``mxcomm.torch.grouped_mm`` over [w1 | w3] with no bf16 pass between. ``overlap=True``
+(``use_mxcomm``; ``"overlap": true`` in the override) runs the dispatch's backward beside the
+experts' weight-gradient GEMM (eager).
 ``recipe="auto"`` (the default of ``mxcomm.torch.ExpertParallel``) chooses per call among the
 recipes, as ``ExpertParallel`` does (its cost tables and agreement, built when torchtitan wires
 the dispatcher to its EP mesh): from the agreed layout in eager, from the rows this rank routes
@@ -109,8 +111,11 @@ def _define_classes():
         :class:`MxcommGroupedExperts`); ``recipe`` (None, or ``"auto"``: the precisions above
         unused, each call's recipe chosen by ``mxcomm.recipes``), ``dim`` and ``hidden`` (the
         experts' widths, for ``"auto"``: its chooser is built outside any compiled region, and
-        its prediction reads H; 0: unknown, then eager only). Raises ``ValueError`` at build
-        for an unknown precision or recipe.
+        its prediction reads H; 0: unknown, then eager only); ``overlap`` (False; True where
+        mxcomm permutes, ``permute_align`` > 0 or ``recipe="auto"``: the dispatch's backward
+        beside the experts' weight-gradient GEMM for the calls whose rows reach mxcomm's experts
+        as dispatched, eager only; docs/design.md, "Overlap"). Raises ``ValueError`` at build
+        for an unknown precision or recipe, or ``overlap`` where mxcomm does not permute.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -123,6 +128,7 @@ def _define_classes():
             recipe: str | None = None
             dim: int = 0
             hidden: int = 0
+            overlap: bool = False
 
         def __init__(self, config):
             if config.recipe not in (None, "auto"):
@@ -144,37 +150,42 @@ def _define_classes():
 
     from torchtitan.models.common.moe import GroupedExperts
 
-    class MxcommGroupedExperts(GroupedExperts):
-        """torchtitan's ``GroupedExperts`` whose grouped GEMMs (its ``_grouped_mm`` seam, the one
-        torchtitan's float8 and MX converters replace) are ``mxcomm.torch.grouped_mm`` where
-        ``gemm`` is ``"fp8"``: the fp8 rowwise rows the dispatcher delivers (a QuantizedTensor)
-        feed the SM90 fp8 grouped GEMM as they are, no bf16 pass between; the w2 GEMM reads the
-        SwiGLU's bf16 product (``grouped_mm``'s bf16 GEMM for plain rows); where fp8 GEMMs are
-        unavailable (a CPU, pre-Hopper) its documented bf16 fallback. ``gemm="bf16"``:
-        torchtitan's ``torch._grouped_mm`` (on a QuantizedTensor's dequantized values).
-        ``gemm="auto"`` (the recipe ``"auto"``, chosen per call): ``grouped_mm`` for rows that
-        arrive quantized (the fp8 recipe), torchtitan's GEMM for plain ones.
+    from mxcomm._torch_ep import grouped_experts_class
 
-        Config fields: those of ``GroupedExperts.Config`` and ``gemm`` (``"bf16"``, ``"fp8"``
-        or ``"auto"``; ValueError at build otherwise).
+    class MxcommGroupedExperts(grouped_experts_class(GroupedExperts)):
+        """torchtitan's ``GroupedExperts`` whose grouped GEMMs are ``mxcomm.torch.grouped_mm``
+        where ``gemm`` is ``"fp8"`` (``mxcomm._torch_ep.grouped_experts_class``): the fp8
+        rowwise rows the dispatcher delivers (a QuantizedTensor) feed one SM90 fp8 grouped GEMM
+        over [w1 | w3] as they are, no bf16 pass between; the w2 GEMM reads the SwiGLU's bf16
+        product (``grouped_mm``'s bf16 GEMM for plain rows); where fp8 GEMMs are unavailable (a
+        CPU, pre-Hopper) its documented bf16 fallback. ``gemm="bf16"``: torchtitan's own
+        forward (``torch._grouped_mm``, on a QuantizedTensor's dequantized values).
+        ``gemm="auto"`` (the recipe ``"auto"``, chosen per call): mxcomm's GEMMs for rows that
+        arrive quantized (the fp8 recipe), torchtitan's for plain ones.
+
+        Config fields: those of ``GroupedExperts.Config``, ``gemm`` (``"bf16"``, ``"fp8"`` or
+        ``"auto"``) and ``wgrad`` (the w1|w3 GEMM's weight gradient, ``"fp8"`` or ``"bf16"``:
+        the recipe's); ValueError at build otherwise.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
         class Config(GroupedExperts.Config):
             gemm: str = "bf16"
+            wgrad: str = "fp8"
 
         def __init__(self, config):
             if config.gemm not in ("bf16", "fp8", "auto"):
                 raise ValueError(f"gemm: expected 'bf16', 'fp8' or 'auto', got {config.gemm!r}")
+            if config.wgrad not in ("fp8", "bf16"):
+                raise ValueError(f"wgrad: expected 'fp8' or 'bf16', got {config.wgrad!r}")
             super().__init__(config)
             self.gemm = config.gemm
+            self.mxcomm_wgrad = config.wgrad
 
-        def _grouped_mm(self, *, A, B_t, offs):
+        def _uses_mxcomm_gemm(self, x_RD):
             from mxcomm import torch as mxt
-            if self.gemm == "fp8" or (self.gemm == "auto" and
-                                      isinstance(A, mxt.QuantizedTensor)):
-                return mxt.grouped_mm(A, B_t, offs)
-            return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
+            return self.gemm == "fp8" or (self.gemm == "auto" and
+                                          isinstance(x_RD, mxt.QuantizedTensor))
 
     for cls in (MxcommTokenDispatcher, MxcommTorchAOTokenDispatcher, MxcommGroupedExperts):
         cls.__module__ = __name__
@@ -209,22 +220,22 @@ def _converted(config, fields_):
     return new
 
 
-def _experts(config, gemm):
+def _experts(config, gemm, wgrad="fp8"):
     """The :class:`MxcommGroupedExperts` twin of a ``GroupedExperts.Config``."""
     import dataclasses
     _define_classes()
     target = sys.modules[__name__].MxcommGroupedExperts
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values["gemm"] = gemm
+    values.update(gemm=gemm, wgrad=wgrad)
     return target.Config(**values)
 
 
 def _recipe(recipe):
-    """``(dispatcher fields, gemm)`` of a recipe of ``mxcomm.recipes`` (its name or the Recipe):
-    its precisions with ``permute_align``, or for ``"auto"`` the field ``recipe``.
+    """``(dispatcher fields, gemm, wgrad)`` of a recipe of ``mxcomm.recipes`` (its name or the
+    Recipe): its precisions with ``permute_align``, or for ``"auto"`` the field ``recipe``.
     ValueError: an unknown recipe (listing them)."""
     if recipe == "auto" or getattr(recipe, "name", None) == "auto":
-        return dict(recipe="auto"), "auto"
+        return dict(recipe="auto"), "auto", "fp8"
     if isinstance(recipe, str):
         from mxcomm.recipes import get_recipe
         recipe = get_recipe(recipe)
@@ -232,7 +243,8 @@ def _recipe(recipe):
     return (dict(dispatch_precision=chosen.dispatch, combine_precision=chosen.combine,
                  dispatch_grad_precision=chosen.dispatch_grad,
                  combine_grad_precision=chosen.combine_grad,
-                 permute_align=RECIPE_ALIGN if chosen.fused else 0), chosen.gemm)
+                 permute_align=RECIPE_ALIGN if chosen.fused else 0), chosen.gemm,
+            getattr(chosen, "wgrad", "fp8"))
 
 
 def _replace(config, cls, make):
@@ -251,7 +263,8 @@ def _replace(config, cls, make):
 
 
 def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_precision="bf16",
-               dispatch_grad_precision=None, combine_grad_precision=None, permute_align=0):
+               dispatch_grad_precision=None, combine_grad_precision=None, permute_align=0,
+               overlap=False):
     """Replace every ``AllToAllTokenDispatcher.Config`` (and ``TorchAOTokenDispatcher.Config``)
     in a torchtitan 0.3 config tree by mxcomm's, in place; with a ``recipe``, every
     ``GroupedExperts.Config`` too, by :class:`MxcommGroupedExperts`'s.
@@ -269,10 +282,15 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
             the wire formats (module docstring), without a recipe.
         permute_align: without a recipe, 0 (plain rows, groups unpadded) or A > 0 (groups
             padded to A rows, rows kept in the dispatch precision).
+        overlap: True to run the dispatch's backward beside the experts' weight-gradient GEMM
+            (``mxcomm.torch.ExpertParallel(overlap=True)``'s overlap; eager only) where mxcomm
+            permutes (a ``fused`` recipe, ``"auto"``, or ``permute_align`` > 0); the same bits
+            as False (default). TorchAO's dispatcher has no such field: it is dropped there.
     Returns:
         The number of dispatcher configs replaced (0 where EP uses another dispatcher).
     Raises:
-        ValueError: an unknown precision or recipe; ``"auto"`` on TorchAO's dispatcher.
+        ValueError: an unknown precision or recipe; ``"auto"`` on TorchAO's dispatcher;
+            ``overlap`` not a bool, or True where mxcomm does not permute.
         TypeError: ``config`` holds no traversable config tree; or the tree's root is itself a
             dispatcher (or experts) config (assign mxcomm's config instead).
     """
@@ -281,19 +299,26 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
     if not hasattr(config, "traverse"):
         raise TypeError(f"config: expected a torchtitan config tree (with traverse), got "
                         f"{type(config).__name__}")
-    gemm = None
+    gemm, wgrad = None, "fp8"
     if recipe is not None:
-        fields, gemm = _recipe(recipe)
+        fields, gemm, wgrad = _recipe(recipe)
     else:
         fields = dict(dispatch_precision=dispatch_precision,
                           combine_precision=combine_precision,
                           dispatch_grad_precision=dispatch_grad_precision,
                           combine_grad_precision=combine_grad_precision,
                           permute_align=permute_align)
+    if not isinstance(overlap, bool) or (overlap and not fields.get("permute_align")
+                                         and fields.get("recipe") != "auto"):
+        raise ValueError(f"overlap: expected False, or True with a recipe whose exchange "
+                         f"permutes (fused, such as 'fp8_rowwise'; or 'auto') or permute_align "
+                         f"> 0, got {overlap!r} with permute_align "
+                         f"{fields.get('permute_align', 0)}")
+    fields["overlap"] = overlap
     count = _replace(config, td.AllToAllTokenDispatcher.Config,
                      lambda node: _converted(node, fields))
     if gemm is not None:
-        _replace(config, GroupedExperts.Config, lambda node: _experts(node, gemm))
+        _replace(config, GroupedExperts.Config, lambda node: _experts(node, gemm, wgrad))
     if gemm == "auto":  # each dispatcher predicts with its experts' width
         from torchtitan.models.common.moe import RoutedExperts
         ours = sys.modules[__name__].MxcommTokenDispatcher.Config
@@ -319,12 +344,13 @@ def mxcomm_token_dispatcher(cfg, *, dispatch_precision="mxfp8", combine_precisio
                                 permute_align=permute_align))
 
 
-def mxcomm_moe(cfg, *, recipe):
+def mxcomm_moe(cfg, *, recipe, overlap=False):
     """torchtitan 0.3 override (``--override.imports
-    'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``): every
-    ``RoutedExperts.Config`` gets mxcomm's dispatcher and experts for ``recipe``
-    (:func:`use_mxcomm`). Returns the config, changed in place."""
-    use_mxcomm(cfg, recipe=recipe)
+    'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``, with
+    ``"overlap": true`` for the backward overlap): every ``RoutedExperts.Config`` gets mxcomm's
+    dispatcher and experts for ``recipe`` (:func:`use_mxcomm`). Returns the config, changed in
+    place."""
+    use_mxcomm(cfg, recipe=recipe, overlap=overlap)
     return cfg
 
 

@@ -4,10 +4,14 @@ Glossary: P permuted rows, K the GEMM's reduction width, N its output width, G g
 experts).
 
     mxcomm::grouped_mm(Tensor x, Tensor w, Tensor offs, bool? fp8, str wgrad,
-                       bool[] fast_accum) -> Tensor
+                       bool[] fast_accum, ..., Tensor? w_b=None) -> Tensor
     mxcomm::grouped_mm_backward(Tensor grad, Tensor x, Tensor w, Tensor offs, bool? fp8,
-                                str wgrad, bool[] fast_accum, bool needs_dx, bool needs_dw)
-        -> (Tensor dx, Tensor dw)
+                                str wgrad, bool[] fast_accum, bool needs_dx, bool needs_dw,
+                                ..., Tensor? w_b=None) -> (Tensor dx, Tensor dw, Tensor dw_b)
+
+``w_b``: a second weight read by the same GEMM (``grouped_mm(x, (w1, w3), offs)``: one GEMM
+over [w | w_b]); the op joins them where eager does (no join in the graph, no joined copy saved
+for the backward); ``dw_b`` is (0,) without it.
 
 Their bodies are ``mxcomm._torch_gemm._GroupedMM``'s forward and backward (one implementation),
 run with a plain record for ``ctx``: mxcomm's fp8 quantize kernels run inside the op, where
@@ -27,26 +31,31 @@ from ._quantized import _GEMM_OPS, _quantized_tensor
 class _Context:
     """What ``_GroupedMM.forward``/``backward`` use of an autograd context."""
 
-    def __init__(self, needs_input_grad=(False, False)):
-        self.needs_input_grad = needs_input_grad
+    def __init__(self, needs_dx=False, needs_dw=False, weights=1):
+        # _GroupedMM's inputs: x, offs, fp8, wgrad, fast, cache, *ws
+        self.needs_input_grad = (needs_dx, False, False, False, False, False) + \
+            (needs_dw,) * weights
         self.saved_tensors = ()
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
 
 
-def _resolved(fp8, w, wgrad, fast_accum, quantized):
-    """``(fp8 decided on w's device, the set of GEMMS names fast_accum flags)``; raises as
-    ``grouped_mm``. ``fast_accum``: one flag per name of ``_torch_gemm.GEMMS``; ``quantized``:
-    the rows are quantized (``fp8=None`` runs the fp8 GEMMs for those only, as eager does)."""
+def _resolved(fp8, ws, wgrad, fast_accum, quantized):
+    """``(fp8 decided on the weights' device, the set of GEMMS names fast_accum flags)``; raises
+    as ``grouped_mm``. ``ws``: the weights; ``fast_accum``: one flag per name of
+    ``_torch_gemm.GEMMS``; ``quantized``: the rows are quantized (``fp8=None`` runs the fp8
+    GEMMs for those only, as eager does)."""
+    w = ws[0]
     available = _torch_gemm.fp8_gemm_available(w.device)
     if fp8 and not available:
         raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
                            f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
                            f"the bf16 fallback)")
     fp8 = (available and quantized) if fp8 is None else fp8
-    if fp8 and w.shape[2] % 16:
-        raise ValueError(f"grouped_mm: N = {w.shape[2]} is not a multiple of 16, which the fp8 "
+    n = sum(wi.shape[2] for wi in ws)
+    if fp8 and n % 16:
+        raise ValueError(f"grouped_mm: N = {n} is not a multiple of 16, which the fp8 "
                          f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
     return fp8, frozenset(name for name, fast in zip(_torch_gemm.GEMMS, fast_accum) if fast)
 
@@ -54,13 +63,14 @@ def _resolved(fp8, w, wgrad, fast_accum, quantized):
 @torch.library.custom_op("mxcomm::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8: bool | None,
                    wgrad: str, fast_accum: list[bool], x_scales: torch.Tensor | None = None,
-                   x_format: str = "bf16") -> torch.Tensor:
-    """y (P, N) bf16 = x (P, K) @ w (G, K, N) per group (``_GroupedMM.forward``); ``x`` with
-    ``x_scales``: quantized rows of ``x_format``."""
-    fp8, fast = _resolved(fp8, w, wgrad, fast_accum, x_scales is not None)
+                   x_format: str = "bf16", w_b: torch.Tensor | None = None) -> torch.Tensor:
+    """y (P, N) bf16 = x (P, K) @ w (G, K, N) per group (``_GroupedMM.forward``), or
+    @ [w | w_b]; ``x`` with ``x_scales``: quantized rows of ``x_format``."""
+    ws = (w,) if w_b is None else (w, w_b)
+    fp8, fast = _resolved(fp8, ws, wgrad, fast_accum, x_scales is not None)
     # no weight cache inside the op: a compiled graph's weight operand is made per call
-    return _torch_gemm._GroupedMM.forward(_Context(), _rows(x, x_scales, x_format), w, offs,
-                                          fp8, wgrad, fast, None)
+    return _torch_gemm._GroupedMM.forward(_Context(), _rows(x, x_scales, x_format), offs,
+                                          fp8, wgrad, fast, None, *ws)
 
 
 def _rows(x, x_scales, x_format):
@@ -72,54 +82,62 @@ def _rows(x, x_scales, x_format):
 
 
 @_grouped_mm_op.register_fake
-def _(x, w, offs, fp8, wgrad, fast_accum, x_scales=None, x_format="bf16"):
-    return x.new_empty((x.shape[0], w.shape[2]), dtype=torch.bfloat16)
+def _(x, w, offs, fp8, wgrad, fast_accum, x_scales=None, x_format="bf16", w_b=None):
+    n = w.shape[2] + (0 if w_b is None else w_b.shape[2])
+    return x.new_empty((x.shape[0], n), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("mxcomm::grouped_mm_backward", mutates_args=())
 def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                             offs: torch.Tensor, fp8: bool | None, wgrad: str,
                             fast_accum: list[bool], needs_dx: bool, needs_dw: bool,
-                            x_scales: torch.Tensor | None = None,
-                            x_format: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx (P, K) bf16, dw (G, K, N) of w's dtype)``, each (0,) where not needed
-    (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
-    fp8, fast = _resolved(fp8, w, wgrad, fast_accum, x_scales is not None)
-    ctx = _Context((needs_dx, needs_dw))
+                            x_scales: torch.Tensor | None = None, x_format: str = "bf16",
+                            w_b: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx (P, K) bf16, dw (G, K, N) of w's dtype, dw_b of w_b's)``, each (0,) where not
+    needed or absent (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
+    ws = (w,) if w_b is None else (w, w_b)
+    fp8, fast = _resolved(fp8, ws, wgrad, fast_accum, x_scales is not None)
+    ctx = _Context(needs_dx, needs_dw, len(ws))
     ctx.fp8, ctx.fp8_wgrad, ctx.fast = fp8, fp8 and wgrad == "fp8", fast
-    ctx.cache = ctx.weight = None
+    ctx.cache = ctx.weights = None
     x = _rows(x, x_scales, x_format)
     rows = _torch_gemm._fp8_operand_a(x) if ctx.fp8_wgrad else (x,)
-    ctx.save_for_backward(*rows, w, offs)
+    ctx.rows = len(rows)
+    ctx.save_for_backward(*rows, offs, *ws)
     # a gradient may come expanded (a sum's backward): the GEMMs take dense rows
-    dx, dw = _torch_gemm._GroupedMM.backward(ctx, grad.contiguous())[:2]
-    none = w.new_empty(0)
-    return (none if dx is None else dx,
-            none.clone() if dw is None else dw.contiguous())
+    dx, _, _, _, _, _, *dws = _torch_gemm._GroupedMM.backward(ctx, grad.contiguous())
+    dws += [None] * (2 - len(dws))
+    return (w.new_empty(0) if dx is None else dx,
+            *(w.new_empty(0) if d is None else d.contiguous() for d in dws))
 
 
 @_grouped_mm_backward_op.register_fake
 def _(grad, x, w, offs, fp8, wgrad, fast_accum, needs_dx, needs_dw, x_scales=None,
-      x_format="bf16"):
-    dx = x.new_empty(x.shape, dtype=torch.bfloat16) if needs_dx else x.new_empty(0)
-    dw = w.new_empty(w.shape) if needs_dw else x.new_empty(0)
-    return dx, dw
+      x_format="bf16", w_b=None):
+    dx = x.new_empty(x.shape, dtype=torch.bfloat16) if needs_dx else w.new_empty(0)
+    dw = w.new_empty(w.shape) if needs_dw else w.new_empty(0)
+    dw_b = w_b.new_empty(w_b.shape) if needs_dw and w_b is not None else w.new_empty(0)
+    return dx, dw, dw_b
 
 
 def _setup_context(ctx, inputs, output):
     # autograd sees the op above a QuantizedTensor's dispatch: x is the QuantizedTensor itself
     x, w, offs, fp8, wgrad, fast_accum = inputs[:6]
-    ctx.save_for_backward(x, w, offs)
+    w_b = inputs[8] if len(inputs) > 8 else None
+    ctx.save_for_backward(x, w, offs, w_b)
     ctx.options = (fp8, wgrad, fast_accum)
 
 
 def _backward(ctx, grad):
-    x, w, offs = ctx.saved_tensors
-    needs_dx, needs_dw = ctx.needs_input_grad[:2]
-    dx, dw = torch.ops.mxcomm.grouped_mm_backward(grad, x, w, offs, *ctx.options, needs_dx,
-                                                  needs_dw)
+    x, w, offs, w_b = ctx.saved_tensors
+    needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    needs_dw_b = w_b is not None and ctx.needs_input_grad[8]
+    dx, dw, dw_b = torch.ops.mxcomm.grouped_mm_backward(
+        grad, x, w, offs, *ctx.options, needs_dx, needs_dw or needs_dw_b, w_b=w_b)
     # None for: offs, fp8, wgrad, fast_accum, x_scales, x_format
-    return dx if needs_dx else None, dw if needs_dw else None, None, None, None, None, None, None
+    return (dx if needs_dx else None, dw if needs_dw else None, None, None, None, None, None,
+            None, dw_b if needs_dw_b else None)
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)

@@ -116,10 +116,12 @@ class QuantizedTensor(torch.Tensor):
             (t,) = args
             return QuantizedTensor(t.qdata, t.scales, t.format)
         if func in _GEMM_OPS:  # the grouped GEMM's ops read the rows as they are (torch._gemm_op)
-            at = _GEMM_OPS[func]
-            t = args[at]
-            args = args[:at] + (t.qdata,) + args[at + 1:]
-            return func(*args, **dict(kwargs or {}, x_scales=t.scales, x_format=t.format_name))
+            names = [a.name for a in func._schema.arguments]
+            bound = dict(zip(names, args), **(kwargs or {}))  # by name: any given positionally
+            t = bound[names[_GEMM_OPS[func]]]
+            bound.update({names[_GEMM_OPS[func]]: t.qdata, "x_scales": t.scales,
+                          "x_format": t.format_name})
+            return func(**bound)
         args, kwargs = tree_map(lambda a: _dequantized(a) if isinstance(a, QuantizedTensor)
                                 else a, (args, kwargs or {}))
         return func(*args, **kwargs)
