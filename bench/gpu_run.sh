@@ -317,8 +317,11 @@ for phase in "$@"; do
         for round in $rounds; do
             order="old new"; [ "$round" = 2 ] && order="new old"
             for tree in $order; do
+                # python -m puts the working directory first on sys.path: the old tree's -m runs
+                # start in it (before 2026-11-27 they ran this tree's package twice)
                 if [ "$tree" = old ]; then treepath=(env PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}")
-                else treepath=(env); fi
+                    treemod=(env -C "$AB_OLD" PYTHONPATH="$AB_OLD:${PYTHONPATH:-}" MXCOMM_COMMIT="${AB_OLD_COMMIT:-old}")
+                else treepath=(env); treemod=(env); fi
                 if [ "$phase" = layoutab2 ]; then
                     step "what a new layout costs, 2 ranks, $tree tree (round $round)" 120 "${treepath[@]}" "${mpirun_env[@]}" -n 2 \
                         python3 bench/probe_layout.py ${LAYOUT_ROWS:-16384} 7168 50
@@ -326,11 +329,11 @@ for phase in "$@"; do
                     step "host time per pipeline stage, 2 ranks, $tree tree (round $round)" 200 "${treepath[@]}" "${mpirun_env[@]}" -n 2 \
                         python3 bench/profile_step.py ${STEP_ROWS:-16384} bf16,mxfp8 none --routing uniform
                 elif [ "$phase" = latencyab2 ]; then
-                    step "bench latency, 2 ranks, $tree tree (round $round)" 300 "${treepath[@]}" "${mpirun_env[@]}" -n 2 \
+                    step "bench latency, 2 ranks, $tree tree (round $round)" 300 "${treemod[@]}" "${mpirun_env[@]}" -n 2 \
                         python3 -m mxcomm.bench latency ${LATENCY_ARGS:-} \
                         --json "$res/latency_ab_${tree}_w2.json" --markdown "$res/latency_ab_${tree}_w2.md"
                 else
-                    step "bench pipeline, 2 ranks, small batches, $tree tree" 300 "${treepath[@]}" "${mpirun_env[@]}" -n 2 \
+                    step "bench pipeline, 2 ranks, small batches, $tree tree" 300 "${treemod[@]}" "${mpirun_env[@]}" -n 2 \
                         python3 -m mxcomm.bench pipeline --routing ${SMALL_ROUTING:-uniform} \
                         --tokens ${SMALL_TOKENS:-4096 16384 32768 65536} --dim 7168 --hidden 2048 --experts 8 \
                         --no-stages --interleave --variants ${SMALL_VARIANTS:-mxfp8,fp8_rowwise} \
