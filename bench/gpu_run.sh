@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 ktests1 tests2 formats2 tests4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 faults2 ktests1 tests2 formats2 tests4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with) overlap2 overlap4 (OVERLAP_TOKENS) overlapprobe2 (PROBE_ROWS) titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
@@ -40,7 +40,10 @@ print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba-cuda', numba_
 
 for phase in "$@"; do
     case $phase in
-    tests1) step "gpu tests, 1 process" 300 python3 -m pytest -q -m "gpu and not mpi" tests ;;
+    tests1) step "gpu tests, 1 process" 400 python3 -m pytest -q -m "gpu and not mpi and not faults" tests ;;
+    faults2) step "gpu fault cases, 2 ranks each (issue 44)" 300 env FAULTS_RANKS=2 \
+        FAULTS_MPIEXEC="mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED" \
+        python3 -m pytest -q -rfE -p no:cacheprovider -m "gpu and faults" tests/test_faults.py ;;
     ktests1)  # the kernel tests CI runs in Numba's simulator (every e4m3 byte under every shift,
         # NaN/Inf and subnormal rows, ...), here on the GPU's kernels (their fixture picks them)
         step "kernel tests on the GPU's kernels, 1 process" 300 python3 -m pytest -q -p no:cacheprovider \
