@@ -13,6 +13,7 @@ Built from the validated ``mxcomm.torch`` primitives, keyword for keyword as the
     out = ep.combine(y, handle)                                # (M, H) bf16
 """
 
+import types
 import typing
 import weakref
 
@@ -22,8 +23,8 @@ import torch
 from . import recipes as _recipes
 from ._torch_gemm import fp8_gemm_available
 
-# mxcomm.torch re-exports this module's names, so its primitives are looked up when an object is
-# built (``self._p``), not when this module is imported: either module may be imported first.
+# mxcomm.torch re-exports this module's names, so the primitives (its submodules, never the package
+# itself) are imported when an object is built (``self._p``): either may be imported first.
 
 
 class EPHandle(typing.NamedTuple):
@@ -91,9 +92,14 @@ class ExpertParallel:
 
     def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
                  align=32, hidden=None, gemm_fallback=False, table=None, overlap=False):
-        from . import torch as primitives
-        self._p = primitives
-        self.comm = comm if comm is not None else primitives.communicator_for(group)
+        from .torch._a2a import a2a_combine, a2a_dispatch
+        from .torch._layout import exchange_layout
+        from .torch._ops import communicator_for
+        from .torch._permute import permute, unpermute
+        self._p = types.SimpleNamespace(a2a_dispatch=a2a_dispatch, a2a_combine=a2a_combine,
+                                        exchange_layout=exchange_layout, permute=permute,
+                                        unpermute=unpermute)
+        self.comm = comm if comm is not None else communicator_for(group)
         rank = self.comm.rank
         names = _recipes.recipe_names()
         if int(num_local_experts) <= 0 or int(align) <= 0:
@@ -312,7 +318,7 @@ def grouped_experts_class(parent_cls):
         def _grouped_mm(self, *, A, B_t, offs):
             if not self._uses_mxcomm_gemm(A):
                 return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
-            from .torch import grouped_mm
+            from ._torch_gemm import grouped_mm
             return grouped_mm(A, B_t, offs)
 
         def forward(self, x_RD, num_tokens_per_expert_E):
@@ -321,7 +327,7 @@ def grouped_experts_class(parent_cls):
                 return super().forward(x_RD, num_tokens_per_expert_E)
             import torch.nn.functional as F
 
-            from .torch import grouped_mm
+            from ._torch_gemm import grouped_mm
             w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
                           for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
             offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)

@@ -101,7 +101,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
     array module's ``empty``; ``mxcomm.torch`` hands in torch's)."""
     layout, comm = _resolve(input_splits, output_splits, comm, layout, function)
     if layout is not None:  # this call's number, counted as the peers count theirs, failed or
-        # not: a later call of this rank does not pair with theirs unnoticed (``_staged.call_tag``)
+        # not: a later call of this rank does not pair with theirs unnoticed (comm's call tag)
         (layout.dispatch_plan if direction == "dispatch" else layout.combine_plan).calls += 1
     rank = comm.rank
     error = plan = send_counts = recv_counts = None

@@ -300,7 +300,8 @@ def recipe_checks(rank, size, device="cpu"):
         return real_mm(x, w, offs, **options)
 
     _ops._exchange = counted
-    mt.grouped_mm = grouped_mm
+    import mxcomm._torch_gemm as gemm_module  # where mxcomm's experts look it up, per call
+    mt.grouped_mm = gemm_module.grouped_mm = grouped_mm
     from torchtitan.models.common import token_dispatcher as td
 
     def torchs(*args, **kwargs):

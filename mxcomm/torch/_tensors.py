@@ -122,7 +122,7 @@ def _exchange_direct(function, t, layout, precision):
     else:  # as _view does
         x = t.view(_INT_OF_SIZE[t.element_size()]).numpy().view(dtype)
         stream = comm.stream_ptr(None)
-    plan.calls += 1  # this call's number, as the engine counts it (``_staged.call_tag``)
+    plan.calls += 1  # this call's number, as the engine counts it (comm's call tag)
     specs = layout._cache.get((r, path))
     if specs is None:
         specs = layout._cache[r, path] = _route.arrays(r, path, plan)
