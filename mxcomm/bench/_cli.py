@@ -18,9 +18,11 @@ import traceback
 from . import _report
 
 COMMANDS = {
-    "kernels": "MXFP8 quantize/dequantize and permute/unpermute: time and bandwidth (one process)",
+    "kernels": "every format's quantize/dequantize, permute/unpermute: time and bandwidth (one "
+               "process)",
     "a2a": "all-to-all-v: mxcomm vs torch.distributed, drop-in all_to_all_single, leak check",
-    "pipeline": "MoE EP pipeline forward + backward: bf16 vs MXFP8 (the main benchmark)",
+    "pipeline": "MoE EP layer forward + backward: torch's bf16 vs mxcomm's recipes (the main "
+                "benchmark)",
     "latency": "host and device time per dispatch/combine call through mxcomm.torch, vs torch",
     "torchtitan": "torchtitan's MoE layer (DeepSeek-V3 config) fwd + bwd: its bf16 and float8 "
                   "experts vs mxcomm's, eager and compiled",

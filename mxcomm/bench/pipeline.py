@@ -32,6 +32,8 @@ dispatch / combine / dispatch_grad / combine_grad):
   fp8_rowwise_nocache    (only by --variants) the recipe fp8_rowwise with grouped_mm's weight
                  cache off (both weight operands quantized on every call): the crossover with
                  and without the cache side by side
+  fp8_rowwise_overlap    (only by --variants) the recipe fp8_rowwise with the backward overlap
+                 (ExpertParallel(overlap=True): the dispatch gradient's exchange beside the wgrad)
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
