@@ -1,15 +1,18 @@
 """The agreement round (``Communicator.agree``): every rank checks its arguments locally, then all
 exchange one fixed-size ``int64`` *ballot* in one side-channel allgather:
 
-====================== =========================================================================
-words content ======================
-========================================================================= ``[0]`` verdict: 0 valid,
-1 ``ValueError``, 2 ``TypeError`` (local checks) ``[1]`` the operation (an ``OP_*`` code), to catch
-ranks calling different collectives ``[2 : 2+n]`` the caller's n words (an ``alltoallv``: the W
-counts this rank sends, then the W it expects; a layout: E, then the counts per expert) ``[2+n : ]``
-``TEXT_BYTES`` of UTF-8: the local error message if the verdict is not 0, else a description of the
-rows (dtypes and row shapes), compared across ranks ======================
-=========================================================================
+======================  =========================================================================
+words                   content
+======================  =========================================================================
+``[0]``                 verdict: 0 valid, 1 ``ValueError``, 2 ``TypeError`` (local checks)
+``[1]``                 the operation (an ``OP_*`` code), to catch ranks calling different
+                        collectives
+``[2 : 2+n]``           the caller's n words (an ``alltoallv``: the W counts this rank sends,
+                        then the W it expects; a layout: E, then the counts per expert)
+``[2+n : ]``            ``TEXT_BYTES`` of UTF-8: the local error message if the verdict is not 0,
+                        else a description of the rows (dtypes and row shapes), compared across
+                        ranks
+======================  =========================================================================
 
 Every rank composes the same message from the same table, so a problem anywhere raises the same
 exception on every rank and no rank moves data while another gave up. Cross-rank conditions on the

@@ -3,9 +3,9 @@ collective, so a timeout names the ranks that did not arrive (NCCL and gloo cann
 
 Each rank owns one slot ``(side-channel collectives entered, exchange calls entered, pid)`` of a
 small int64 file mapped by its node's ranks (``/dev/shm`` or the temporary directory). Entering is
-one store into the own slot (one writer, no lock); the others' slots are read only
-to explain a timeout. Ranks on other nodes are reported as unknown. Leaf module: NumPy and the
-standard library only."""
+one store into the own slot (one writer, no lock); the others' slots are read only to explain a
+timeout. Ranks on other nodes are reported as unknown. Leaf module: NumPy and the standard library
+only."""
 
 import hashlib
 import os

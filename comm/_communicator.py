@@ -75,8 +75,7 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
     # ------------------------------------------------------------------------- backend hooks
     def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
                   recv_offsets=None, stream=None, validate=None):
-        """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
-        Collective.
+        """Send ``send_counts[r]`` rows of ``send`` to each rank ``r``. Collective.
 
         Rows for rank ``r`` start at row ``send_offsets[r]`` of ``send``; rows from rank ``r`` land
         at row ``recv_offsets[r]`` of ``out`` (so one exchange can be pipelined in row ranges).

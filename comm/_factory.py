@@ -18,10 +18,10 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
          medium_exchange_bytes=None, node_size=None):
     """A communicator over the ranks of ``mpi_comm`` or of the torch.distributed ``group``.
 
-    Collective: every rank of ``mpi_comm`` (or ``group``) calls it, with the same ``backend``.
-    The ranks (the host side channel) come from ``group`` (a private gloo group over its ranks, so
-    an EP group inside a larger world works, no MPI needed), from ``mpi_comm`` (duplicated), or by
-    default from ``MPI.COMM_WORLD``, or torch.distributed's default group under ``torchrun``.
+    Collective: every rank of ``mpi_comm`` (or ``group``) calls it, with the same ``backend``. The
+    ranks (the host side channel) come from ``group`` (a private gloo group over its ranks, so an EP
+    group inside a larger world works, no MPI needed), from ``mpi_comm`` (duplicated), or by default
+    from ``MPI.COMM_WORLD``, or torch.distributed's default group under ``torchrun``.
 
     Args:
         backend: ``"nccl"`` (:class:`NcclCommunicator`, device arrays), ``"mpi"``

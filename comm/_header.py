@@ -2,19 +2,20 @@
 sends every peer it moves rows with, in the same NCCL group before the rows, so ranks at other calls
 or with other rows find out on the device without a host sync:
 
-====== ======================================================================================== word
-content ======
-======================================================================================== 0 the
-layout's number (``Plan.generation``; 0 for a vote's plan) 1 the call's number (``Plan.calls``: of
-the layout, or the vote's host collective) 2 a hash of every array's dtype and row shape (data and
-scales of a quantized exchange) 3, 4 the first array's dtype (a hash of its name) and row elements,
-for the message 5, 6 the number of arrays moved together; 0 7 ``MAGIC``: a header received this call
-(the receive area is cleared before) ======
-========================================================================================
+======  ========================================================================================
+word    content
+======  ========================================================================================
+0       the layout's number (``Plan.generation``; 0 for a vote's plan)
+1       the call's number (``Plan.calls``: of the layout, or the vote's host collective)
+2       a hash of every array's dtype and row shape (data and scales of a quantized exchange)
+3, 4    the first array's dtype (a hash of its name) and row elements, for the message
+5, 6    the number of arrays moved together; 0
+7       ``MAGIC``: a header received this call (the receive area is cleared before)
+======  ========================================================================================
 
 A mismatch is reported in pinned host memory (:meth:`CallHeaders.failure`) and the results are
-filled with 0xFF (NaN in bf16, fp32, e4m3, e8m0). Rows of another size stall NCCL before the
-check runs: the watchdog's timeout then reads the headers that arrived (:meth:`stalled`)."""
+filled with 0xFF (NaN in bf16, fp32, e4m3, e8m0). Rows of another size stall NCCL before the check
+runs: the watchdog's timeout then reads the headers that arrived (:meth:`stalled`)."""
 
 import pathlib
 import zlib

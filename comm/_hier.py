@@ -2,10 +2,10 @@
 ``alltoallv`` between nodes, in one exchange. Nodes are runs of consecutive ranks, so a rank's rows
 for its node are one run ``[s0, s1)`` of its send order, those from it one ``[r0, r1)``::
 
-    send order: [ rows for earlier nodes | rows for this node | rows for later nodes ] remote:
-        alltoallv pull (node plan) remote: alltoallv
-    caller stream: produce(remote) begin produce(node peers) signal ... own rows group join
-    side stream: wait(peer) pull(peer) ... done
+    send order:     [ rows for earlier nodes | rows for this node | rows for later nodes ]
+                      remote: alltoallv        pull (node plan)     remote: alltoallv
+    caller stream:  produce(remote) begin produce(node peers) signal ... own rows  group  join
+    side stream:                          wait(peer) pull(peer) ...                 done
 
 The node's part is the pull transport on a *node plan* (the counts among the node's ranks) over rows
 shifted by ``s0`` / ``r0``; the remote ``alltoallv`` is its ``beside``, so it runs while the copy

@@ -39,9 +39,9 @@ def _batch(values):
 class CudaPeerMemory:
     """Staging buffers and flags of all ranks of one node, each mapped into every process.
 
-    ``comm``: the NCCL communicator (device current, side channel for the handles, timeout for
-    every wait); ``generation``: the first exchange's minus one (tests start near 2^32). A rank's
-    flags, 64-bit words: ``ready[W * MAX_PIECES]`` (sender j, piece k at ``j * MAX_PIECES + k``),
+    ``comm``: the NCCL communicator (device current, side channel for the handles, timeout for every
+    wait); ``generation``: the first exchange's minus one (tests start near 2^32). A rank's flags,
+    64-bit words: ``ready[W * MAX_PIECES]`` (sender j, piece k at ``j * MAX_PIECES + k``),
     ``done[W]``, then the local 32-bit generation counter."""
 
     def __init__(self, comm, generation=0):

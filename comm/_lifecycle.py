@@ -85,8 +85,8 @@ class Lifecycle:
         """Abort the communicator: later calls raise RuntimeError. Local, never blocks.
 
         NCCL: ``ncclCommAbort`` ends the operations in flight. MPI cannot cancel a collective: a
-            pending
-        one is abandoned (its buffers stay referenced); ``MPI.COMM_WORLD.Abort()`` ends the job."""
+        pending one is abandoned (its buffers stay referenced); ``MPI.COMM_WORLD.Abort()`` ends the
+        job."""
         if self._state == "open":
             self._mark_aborted("abort() called")
         self._abort_backend()
@@ -95,11 +95,9 @@ class Lifecycle:
         """Release the communicator's resources; idempotent; later calls raise RuntimeError.
 
         Does not block, except on NCCL: it waits (bounded by ``timeout``) for the operations in
-            flight
-        and for NCCL's release, which waits until every CUDA graph that captured an exchange is
-        destroyed (past the timeout, a RuntimeWarning). With the ``"pull"`` transport on MPI,
-        freeing
-        the shared windows is collective: close on every rank."""
+        flight and for NCCL's release, which waits until every CUDA graph that captured an exchange
+        is destroyed (past the timeout, a RuntimeWarning). With the ``"pull"`` transport on MPI,
+        freeing the shared windows is collective: close on every rank."""
         if self._state == "closed":
             return
         clean = self._state == "open" and not self._side.abandoned

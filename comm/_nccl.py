@@ -3,8 +3,9 @@ that imports ``cupy.cuda.nccl``.
 
 ``alltoallv`` is one NCCL group of send/recv pairs per peer and array (zero-size ones skipped), rows
 as bytes (``NCCL_UINT8``), so every dtype travels. Only :meth:`NcclCommunicator.wait` blocks the
-host. The watchdog (``_watchdog``) aborts NCCL when a recorded event or a device wait is not done
-``timeout`` s after it became the oldest outstanding; the next call raises."""
+host. The watchdog (``_watchdog``) aborts NCCL when an event recorded after a group is not done
+``timeout`` s after it became the oldest outstanding, or a device wait of the pull transport failed;
+the next call raises."""
 
 import contextlib
 import math
@@ -282,9 +283,8 @@ class NcclCommunicator(Watchdog, Communicator):
         ``stream`` as ONE NCCL group (every array of a tuple included); never syncs the host.
 
         ``send``: CuPy arrays, DLPack or ``__cuda_array_interface__`` exporters, ready on
-            ``stream``;
-        ``out`` is ready on it after. TimeoutError also reports an earlier exchange the watchdog
-        found unfinished; TypeError a non-device array."""
+        ``stream``; ``out`` is ready on it after. TimeoutError also reports an earlier exchange the
+        watchdog found unfinished; TypeError a non-device array."""
         self.check_usable()
         stream_ptr = self._stream(stream)
         self._connected(stream_ptr)
@@ -360,7 +360,7 @@ class NcclCommunicator(Watchdog, Communicator):
         """Enqueue one NCCL group sending and receiving each block's rows as bytes per peer.
         ``blocks``: (send ptr, recv ptr, row bytes) per array; ``call``: the arrival board's number;
         ``header``: None or ``(CallHeaders, sends, outs, plan)``, sent first to each peer moved
-            with."""
+        with."""
         send, recv = self._nccl.send, self._nccl.recv
         uint8 = self._uint8
         nccl = self._nccl_mod

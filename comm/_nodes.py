@@ -1,7 +1,7 @@
 """Node membership: which ranks may map each other's memory (and share NCCL's intra-node
 transports), agreed in one side-channel round from, in order: ``node_size`` (``init``'s, else
-``$MXCOMM_NODE_SIZE``: consecutive groups, *emulated* nodes inside real ones); ``NCCL_HOSTID``
-where every rank sets it; else host name and boot id. NCCL's host hash (``getHostHash``,
+``$MXCOMM_NODE_SIZE``: consecutive groups, *emulated* nodes inside real ones); ``NCCL_HOSTID`` where
+every rank sets it; else host name and boot id. NCCL's host hash (``getHostHash``,
 ``src/misc/utils.cc``) reads ``NCCL_HOSTID``, so the NCCL backend sets it for an emulation."""
 
 import dataclasses
@@ -74,8 +74,8 @@ def discover(side, node_size=None):
 
     Raises:
         ValueError (on every rank): different or non-positive node sizes; an emulated node spanning
-        two hosts; ``NCCL_HOSTID`` on some ranks only, or splitting unlike ``node_size``, or a
-        ``NCCL_HOSTID`` node spanning two hosts.
+            two hosts; ``NCCL_HOSTID`` on some ranks only, or splitting unlike ``node_size``, or a
+            ``NCCL_HOSTID`` node spanning two hosts.
         TimeoutError: a rank did not join within the side channel's timeout."""
     hostid = os.environ.get(NCCL_HOSTID_ENV)
     mine = numpy.zeros(2 + 2 * _KEY // 8, numpy.int64)

@@ -3,8 +3,8 @@ device"): each rank produces its peers' rows into its own staging, which the pee
 (``_ipc``, ``_shm``), and signals each; receivers wait on a side stream, then copy the rows (copy
 engines) or consume them where they are::
 
-    caller stream: begin produce(r+1) signal produce(r+2) signal ... produce(r) .. join
-    side stream: wait(r-1) pull(r-1) wait(r-2) pull(r-2) ... done(all)
+    caller stream:  begin  produce(r+1) signal  produce(r+2) signal ...  produce(r)  .. join
+    side stream:           wait(r-1) pull(r-1)  wait(r-2) pull(r-2) ...  done(all)
 
 ``begin`` waits for every peer's "done" of the previous generation; ``join`` orders the caller's
 stream after the side stream. No host meets another's: the ordering is on the devices."""
@@ -41,9 +41,8 @@ class PullTransport:
 
     def run(self, rows, plan, outs, in_place, stream, landing=None, beside=None, tag=None):
         """The exchange of ``plan`` (``StagedExchange.exchange``'s arguments, ``outs`` a tuple or
-        None).
-        ``beside(stream)``: work enqueued after the own rows, before the join, overlapping the pulls
-        (hier's exchange between nodes); ``tag``: the call tag, None for ``plan``'s.
+        None). ``beside(stream)``: work enqueued after the own rows, before the join, overlapping
+        the pulls (hier's exchange between nodes); ``tag``: the call tag, None for ``plan``'s.
 
         Every ready word carries the kind's hash and the call tag, so a peer at another call is
         found before a row is read (host: RuntimeError at once; GPU: the watchdog aborts, the next

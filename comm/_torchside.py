@@ -1,8 +1,8 @@
 """The host side channel over ``torch.distributed`` (``init(group=...)``): a private
 ``ProcessGroupGloo`` over a group's ranks, rendezvoused through the group's store under a prefix
 each rank numbers alike (``mxcomm/side/<rank>/count``), so any group works (NCCL's cannot carry host
-bytes), only its members take part, and a timed-out operation stays off the caller's
-group. gloo does not say which peer it waits for: timeouts name late ranks by the arrival board."""
+bytes), only its members take part, and a timed-out operation stays off the caller's group. gloo
+does not say which peer it waits for: timeouts name late ranks by the arrival board."""
 
 import datetime
 import pickle

@@ -93,8 +93,7 @@ def vote_counts(comm, op, error, send_counts, recv_counts, description, what, un
     """The vote of a call with explicit counts (``op`` as ``comm.agree`` takes it): one agreement
     round, then the check that every rank expects what its peers send. Returns ``sent[j][i]``, the
     units rank j sends to rank i. Raises on every rank alike: the first invalid rank's error,
-        another
-    collective or rows description, or counts not matching the peers' (ValueError)."""
+    another collective or rows description, or counts not matching the peers' (ValueError)."""
     w = comm.size
     words = comm.agree(op, error, (0,) * 2 * w if error is not None else
                        (*send_counts, *recv_counts), text=description, what=what).tolist()
@@ -163,9 +162,9 @@ def _local_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, re
 def check_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                     validate, descriptions):
     """Check an ``alltoallv`` call locally and, if ``validate``, across ranks; allocate ``out`` if
-    None. ``descriptions``: the caller's cache of row texts by (dtype, row shape). Returns
-    ``(sends, outs, single, sc, rc, so, ro)``: backend arrays, whether ``send`` was one array,
-    counts and offsets in rows (W ints each)."""
+    None. ``descriptions``: the caller's cache of row texts by (dtype, row shape). Returns ``(sends,
+    outs, single, sc, rc, so, ro)``: backend arrays, whether ``send`` was one array, counts and
+    offsets in rows (W ints each)."""
     error = None
     sends = outs = ()
     single, sc, rc, so, ro = True, None, None, None, None

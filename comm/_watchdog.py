@@ -42,8 +42,7 @@ class Watchdog:
 
     def _record(self, stream_ptr, call):
         """Record a pooled event on ``stream_ptr`` after exchange call ``call`` and queue it (not
-        during
-        a CUDA graph capture: the graph's launches are the caller's)."""
+        during a CUDA graph capture: the graph's launches are the caller's)."""
         if self._runtime.streamIsCapturing(stream_ptr):
             self._captured = True  # a CUDA graph now holds NCCL work of this communicator
             return
