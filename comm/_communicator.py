@@ -35,9 +35,8 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         small_exchange_bytes, medium_exchange_bytes: limits of the small and medium routes
             (``mxcomm.route``), in bytes of plain rows the largest sender sends; 0 never."""
 
-    #: The defaults of ``small_exchange_bytes`` and ``medium_exchange_bytes`` where every rank is
-    #: on one node (across nodes 0: no limit was measured there): 0 on the host backends, which
-    #: exist to test the transports; the NCCL backend sets what its GPUs measured over NVLink.
+    #: The limits' defaults on one node (0 across nodes): 0 on the host backends, which exist to
+    #: test the transports; the NCCL backend sets its own.
     SMALL_EXCHANGE_BYTES = MEDIUM_EXCHANGE_BYTES = 0
 
     def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
