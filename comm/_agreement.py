@@ -1,9 +1,5 @@
-"""The agreement round: every rank shows its local verdict and a few words, in one allgather.
-
-A collective whose arguments are checked across ranks (an explicit-splits ``alltoallv``,
-``alltoall_counts``, the layout exchange ``mxcomm.exchange_layout``) first checks them locally,
-then all ranks exchange one fixed-size ``int64`` *ballot* in a single allgather of the host side
-channel:
+"""The agreement round (``Communicator.agree``): every rank checks its arguments locally, then all
+exchange one fixed-size ``int64`` *ballot* in one side-channel allgather:
 
 ======================  =========================================================================
 words                   content
@@ -18,11 +14,9 @@ words                   content
                         ranks
 ======================  =========================================================================
 
-Every rank composes the same message from the same table, so a problem on any rank raises the
-same exception with the same text on every rank, and no rank goes on to move data while another
-has given up. What the words must satisfy across ranks (counts that match the peers', one E) the
-caller checks on the table it gets back, alike on every rank.
-"""
+Every rank composes the same message from the same table, so a problem anywhere raises the same
+exception on every rank and no rank moves data while another gave up. Cross-rank conditions on the
+words (matching counts, one E) the caller checks on the returned table."""
 
 import struct
 
@@ -60,16 +54,9 @@ def _decode_text(words):
 
 
 class Ballot:
-    """One rank's ballot of ``n`` words and the gathered table, in buffers reused from call to
-    call.
-
-    The valid path packs and reads the buffers with one ``struct`` call each (no per-call NumPy
-    on arrays of a few words); the messages of an invalid call are composed with NumPy.
-
-    Args:
-        rank, size: this process's rank and the number of ranks.
-        n: the caller's words per rank, the same on every rank.
-    """
+    """One rank's ballot of ``n`` words (equal on every rank) and the gathered table, in buffers
+    reused from call to call. The valid path packs and reads them with one ``struct`` call each;
+    only an invalid call's messages use NumPy."""
 
     def __init__(self, rank, size, n):
         self.rank = rank
@@ -85,9 +72,8 @@ class Ballot:
         self._stride = _HEADER + n + 1  # items per rank in the unpacked table
 
     def fill(self, op, error, words, text):
-        """Write this rank's ballot: ``op`` (an ``OP_*`` code); the local ``error`` (a
-        ``ValueError``/``TypeError``) or None; ``n`` ints (ignored with an error); ``text``
-        naming the rows, compared across ranks."""
+        """Write this rank's ballot: ``op`` (an ``OP_*`` code), the local ``error`` or None, ``n``
+        ints (ignored with an error), and ``text`` naming the rows."""
         mine = self.mine
         if error is not None:
             mine[0] = BAD_TYPE if isinstance(error, TypeError) else BAD_VALUE
@@ -103,8 +89,8 @@ class Ballot:
         self._pack(mine, 0, VALID, op, *words, raw)
 
     def all_valid(self):
-        """True when the gathered table shows no local error, one operation and one text: the
-        plain-Python test of the common case; :meth:`verdict` says what is wrong."""
+        """True when the table shows no local error, one operation and one text (the fast test);
+        :meth:`verdict` says what is wrong."""
         stride = self._stride
         flat = self._unpack(self.table)
         if any(flat[0::stride]):
@@ -114,8 +100,8 @@ class Ballot:
         return ops.count(ops[0]) == self.size and texts.count(texts[0]) == self.size
 
     def verdict(self, name):
-        """The exception every rank raises for the gathered table (``name``: the call, prefixed
-        to the message), or None when :meth:`all_valid`. Its message is identical on every rank."""
+        """The exception every rank raises for the table (``name`` prefixed; identical message on
+        every rank), or None when :meth:`all_valid`."""
         table, n = self.table, self.n
         status = table[:, 0]
         ops = table[:, 1]
@@ -145,9 +131,9 @@ class Ballot:
 
 
 def counts_verdict(sent, expected, name, unit):
-    """The ``ValueError`` every rank raises when some rank expects other counts than its peers
-    send, or None. ``sent[j][i]``: units rank j sends to rank i; ``expected[i][j]``: units rank i
-    expects from rank j (W lists of W ints each, every rank's)."""
+    """The ValueError every rank raises when some rank expects other counts than its peers send, or
+    None. ``sent[j][i]``: units rank j sends to rank i; ``expected[i][j]``: units rank i expects
+    from rank j (every rank's, W lists of W ints)."""
     if all(list(column) == row for row, column in zip(expected, zip(*sent))):
         return None
     pairs = [(i, j) for i, row in enumerate(expected) for j, e in enumerate(row)

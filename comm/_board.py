@@ -1,18 +1,11 @@
-"""The arrival board of a communicator: how far each rank of a node has got, readable by its peers
-without a collective, so a timeout can name the ranks that did not arrive.
+"""The arrival board: how far each rank of a node has got, readable by its peers without a
+collective, so a timeout names the ranks that did not arrive (NCCL and gloo cannot say).
 
-NCCL cannot say which peer an exchange waits for, nor gloo which peer a side-channel collective
-waits for. So every rank of a node owns one slot of a small file of int64 words, ``(side-channel
-collectives entered, exchange calls entered, pid)`` per rank of the communicator, mapped by every
-rank of that node (``/dev/shm``, or the temporary directory where there is none). Entering a call
-is one store into the rank's own slot (about a microsecond from Python, no lock: each slot has one
-writer); the slots of the others are read only to explain a timeout: which ranks of this node had
-not entered the stalled call, which are no longer running. Ranks on other nodes have no slot here
-and are reported as unknown. The side channel owns the board (``SideChannel.open_board``);
-every rank makes the same calls in the same order, so the counts agree where nothing failed.
-
-Leaf module: NumPy and the standard library only.
-"""
+Each rank owns one slot ``(side-channel collectives entered, exchange calls entered, pid)`` of a
+small int64 file mapped by its node's ranks (``/dev/shm`` or the temporary directory). Entering is
+one store into the own slot (one writer, no lock); the others' slots are read only to explain a
+timeout. Ranks on other nodes are reported as unknown. Leaf module: NumPy and the standard library
+only."""
 
 import hashlib
 import os
@@ -54,19 +47,16 @@ def _ranks(ranks):
 
 
 class ArrivalBoard:
-    """Every rank's counts of entered calls (:data:`SIDE`, :data:`EXCHANGE`) and pid, for the
-    ranks of this node.
+    """Every rank's counts of entered calls (:data:`SIDE`, :data:`EXCHANGE`) and pid, for this
+    node's ranks.
 
-    Args:
-        side: the communicator's side channel (``_sidechannel.SideChannel``).
-    Collective: one allgather and two barriers of ``side``, each bounded by its timeout. The
-    file is unlinked once every rank of the node has mapped it; the mapping lives as long as
-    the board (a watchdog may still read it after its communicator closed).
+    Collective: one allgather and two barriers of ``side``, each bounded. The file is unlinked once
+    the node's ranks have mapped it; the mapping lives with the board (a watchdog may read it after
+    its communicator closed).
 
     Attributes:
-        entered: calls of each kind this rank has entered (:meth:`enter`), a list.
-        local: the communicator's ranks on this node, in rank order.
-    """
+        entered: calls of each kind this rank has entered (:meth:`enter`).
+        local: the communicator's ranks on this node, in rank order."""
 
     def __init__(self, side):
         self._rank, self._size = side.rank, side.size
@@ -92,16 +82,14 @@ class ArrivalBoard:
         self.entered = [0, 0]
 
     def enter(self, kind):
-        """Count one more call of ``kind`` (:data:`SIDE` or :data:`EXCHANGE`) entered by this
-        rank; returns its number (1, 2, ...)."""
+        """Count one more call of ``kind`` entered by this rank; returns its number (1, 2, ...)."""
         n = self.entered[kind] = self.entered[kind] + 1
         self._slots[self._rank, kind] = n
         return n
 
     def late(self, kind, call):
-        """``(behind, gone, unknown)`` for call number ``call`` of ``kind``: ``behind`` the
-        (rank, calls entered) of this node's ranks that had not entered it, ``gone`` those of
-        this node whose process no longer runs, ``unknown`` the ranks on other nodes."""
+        """``(behind, gone, unknown)`` for call ``call`` of ``kind``: (rank, calls entered) of this
+        node's ranks not in it yet, this node's ranks whose process is gone, the ranks elsewhere."""
         slots = numpy.array(self._slots)  # one consistent copy
         behind = [(r, int(slots[r, kind])) for r in self.local if slots[r, kind] < call]
         gone = [r for r in self.local
@@ -110,10 +98,8 @@ class ArrivalBoard:
         return behind, gone, unknown
 
     def describe(self, kind, call):
-        """A clause for the message of a timeout of call number ``call`` of ``kind``
-        (:meth:`late`), e.g. "by this node's arrival board, rank 1 had not entered this exchange
-        call (number 7; entered: rank 1: 6); rank 1: process gone". Never raises: it is read on
-        the way to raising the timeout."""
+        """A clause for a timeout's message from :meth:`late`, e.g. "by this node's arrival board,
+        rank 1 had not entered this exchange call (number 7; entered: rank 1: 6)". Never raises."""
         try:
             behind, gone, unknown = self.late(kind, call)
         except Exception as exc:  # noqa: BLE001

@@ -1,14 +1,6 @@
-"""The communicator interface shared by the backends (NCCL, MPI, torch.distributed): lifecycle,
-the calls the engine makes, and the backends' hooks.
-
-Counts and offsets are host ints counting rows (first-axis slices) of the arrays moved, never
-bytes or elements. A communicator talks to its peers two ways: its backend moves data (NCCL on
-the devices, MPI or torch.distributed on host arrays), and its host side channel
-(``_sidechannel``, ``_torchside``) carries the bootstrap and the *agreement* rounds
-(:meth:`Communicator.agree`: the vote of explicit-splits calls, the layout exchange). Exchanges
-given a plan agreed earlier (a layout's) make no host collective at all. docs/design.md,
-"Communicators", has the glossary.
-"""
+"""The communicator interface shared by the backends (NCCL, MPI, torch.distributed): lifecycle, the
+calls the engine makes, and the backends' hooks. Counts and offsets are host ints counting rows
+(first-axis slices), never bytes. Terms: docs/design.md, "Glossary of `comm/`"."""
 
 import abc
 import contextlib
@@ -23,42 +15,28 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
     """Base of the communicators: the side channel, the vote, the staged exchange and the state.
 
     Args:
-        side: the host side channel (``_sidechannel``), built by ``mxcomm.comm.init`` from an
-            mpi4py communicator or a torch.distributed group; the communicator owns it (frees
-            it on :meth:`close`) and binds its abort to the channel's timeouts.
+        side: the host side channel, built by ``mxcomm.comm.init``; owned (freed on :meth:`close`),
+            its timeouts abort the communicator.
         validate: default of the per-call ``validate`` flag of explicit-splits calls.
         peer_memory: None (auto), True or False: see ``_transport.choose``.
-        small_exchange_bytes: None (the backend's ``SMALL_EXCHANGE_BYTES`` where every rank is
-            on one node, else 0) or a non-negative int, the same on every rank (checked in
-            ``_transport.choose``).
-        medium_exchange_bytes: the same for ``medium_exchange_bytes`` (``MEDIUM_EXCHANGE_BYTES``).
+        small_exchange_bytes, medium_exchange_bytes: None (the backend's ``SMALL_EXCHANGE_BYTES`` /
+            ``MEDIUM_EXCHANGE_BYTES`` on one node, else 0) or an int >= 0, equal on every rank.
 
     Attributes:
-        rank: this process's rank in ``[0, size)``.
-        size: W, the number of ranks.
-        timeout: seconds a collective (or a device wait) may take before the communicator is
-            aborted.
-        validate: default of the per-call ``validate`` flag of explicit-splits calls.
-        transport: how :meth:`exchange` moves rows: ``"pull"`` (from peer memory),
-            ``"hier"`` (from peer memory inside a node, one :meth:`alltoallv` between nodes) or
-            ``"grouped"`` (one :meth:`alltoallv`).
+        rank, size: this rank in ``[0, W)``, and W.
+        timeout: seconds a collective or device wait may take before the communicator is aborted.
+        validate: as the argument.
+        transport: ``"pull"``, ``"hier"`` or ``"grouped"`` (how :meth:`exchange` moves rows).
         nodes: the node of each rank (W ints), agreed by ``init``.
-        host_collectives: host collectives made so far (bootstrap, layouts, votes, growth of the
-            staging); a layout-path exchange adds none.
-        group: the torch.distributed process group the communicator was built over, or None
-            (built from MPI).
-        layout_experts: E of the last layout agreed on this communicator (the same on every
-            rank), or None: ``mxcomm.exchange_layout`` agrees on the next layout of that E in
-            one round, and sets it.
+        host_collectives: host collectives made so far; a layout-path exchange adds none.
+        group: the torch.distributed group built over, or None (MPI).
+        layout_experts: E of the last layout agreed (set by ``mxcomm.exchange_layout``), or None.
         closed: True once :meth:`close` ran.
-        small_exchange_bytes, medium_exchange_bytes: the limits of the small and the medium
-            route of a quantized exchange (``mxcomm.route``), in bytes of plain rows the largest
-            sender sends its peers; 0 never.
-    """
+        small_exchange_bytes, medium_exchange_bytes: limits of the small and medium routes
+            (``mxcomm.route``), in bytes of plain rows the largest sender sends; 0 never."""
 
-    #: The defaults of ``small_exchange_bytes`` and ``medium_exchange_bytes`` where every rank is
-    #: on one node (across nodes 0: no limit was measured there): 0 on the host backends, which
-    #: exist to test the transports; the NCCL backend sets what its GPUs measured over NVLink.
+    #: The limits' defaults on one node (0 across nodes): 0 on the host backends, which exist to
+    #: test the transports; the NCCL backend sets its own.
     SMALL_EXCHANGE_BYTES = MEDIUM_EXCHANGE_BYTES = 0
 
     def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
@@ -90,47 +68,38 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         return self._side.collectives
 
     def _choose_transport(self):
-        """Pick the transport of :meth:`exchange` (``_transport.choose``); collective, from the
-        backends' constructors."""
+        """Pick the transport of :meth:`exchange` (``_transport.choose``); collective."""
         self._transport = _transport.choose(self, self._peer_memory)
 
     # ------------------------------------------------------------------------- backend hooks
     def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
                   recv_offsets=None, stream=None, validate=None):
-        """Send rows to every rank: ``send_counts[r]`` rows of ``send`` go to rank ``r``.
+        """Send ``send_counts[r]`` rows of ``send`` to each rank ``r``. Collective.
 
-        Rows are first-axis slices. Rows for rank ``r`` start at row ``send_offsets[r]`` of
-        ``send``; rows from rank ``r`` land at row ``recv_offsets[r]`` of ``out``. Collective.
-        Offsets let a caller pipeline one exchange in chunks by calling it on row ranges of the
-        same full arrays.
+        Rows for rank ``r`` start at row ``send_offsets[r]`` of ``send``; rows from rank ``r`` land
+        at row ``recv_offsets[r]`` of ``out`` (so one exchange can be pipelined in row ranges).
 
         Args:
-            send: (M, ...) C-contiguous array of any dtype (bf16 as ``ml_dtypes.bfloat16``, uint8
-                fp8 bits, int32, ...), or a tuple of such arrays with equal M moved together
-                (e.g. MXFP8 data (M, D) and scales (M, D/32)). Device arrays for NCCL, NumPy for
-                MPI. Read.
-            send_counts, recv_counts: W non-negative host ints, rows sent to / received from
-                each rank.
-            out: (N, ...) arrays like ``send`` (same dtypes, row shapes and tuple structure), or
-                None to allocate N = sum(recv_counts) rows (max(recv_offsets + recv_counts)
-                with explicit offsets). Written.
-            send_offsets, recv_offsets: W host ints, the first row sent to / received from each
-                rank; default the exclusive cumulative sums of the counts (then the counts must
-                add up to the rows).
-            stream: the stream to enqueue on (NCCL: None for CuPy's current stream, a stream
-                object or a raw handle; MPI: ignored).
-            validate: check counts across ranks first (the vote: one small host allgather);
-                None for the communicator's default.
+            send: (M, ...) C-contiguous array of any dtype, or a tuple of such arrays with equal M
+                moved together (e.g. MXFP8 data (M, D) uint8 and scales (M, D/32) uint8). Device
+                arrays for NCCL, NumPy for the host backends. Read.
+            send_counts, recv_counts: W non-negative host ints (rows) to / from each rank.
+            out: (N, ...) arrays like ``send``, or None to allocate N = sum(recv_counts) rows
+                (max(recv_offsets + recv_counts) with explicit offsets). Written.
+            send_offsets, recv_offsets: W host ints; default the exclusive cumsums of the counts
+                (then the counts must add up to the rows).
+            stream: NCCL: None (CuPy's current stream), a stream object or a raw handle; else
+                ignored.
+            validate: check counts across ranks first (one small host allgather); None: the default.
         Returns:
-            ``out`` (an array, or a tuple if ``send`` was a tuple).
+            ``out`` (a tuple if ``send`` was a tuple).
         Raises:
-            ValueError: counts of the wrong length, negative, beyond the arrays or not adding up
-                to the rows; counts inconsistent across ranks (same message on every rank).
+            ValueError: counts of the wrong length, negative, beyond the arrays or not adding up to
+                the rows; counts inconsistent across ranks (same message on every rank).
             TypeError: an array of the wrong kind, non-integer counts, ``out`` of another dtype.
             TimeoutError: not done within ``timeout`` s; the communicator is aborted.
             RuntimeError: the communicator is aborted or closed.
-        NCCL enqueues and never syncs the host; the host backends block until it is done.
-        """
+        NCCL enqueues and never syncs the host; the host backends block until done."""
         self.check_usable()
         sends, outs, single, sc, rc, so, ro = self._plan(
             send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate)
@@ -139,26 +108,23 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
 
     @abc.abstractmethod
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
-        """Move checked rows: ``sc[r]`` rows of each of ``sends`` from row ``so[r]`` to rank r,
-        ``rc[r]`` rows from rank r into each of ``outs`` at row ``ro[r]`` (W host ints each);
-        the data movement of :meth:`alltoallv` after its checks (NCCL: enqueued on
-        ``stream_ptr``; the host backends: done on return)."""
+        """Move checked rows: ``sc[r]`` rows from row ``so[r]`` of each of ``sends`` to rank r,
+        ``rc[r]`` from rank r into each of ``outs`` at row ``ro[r]`` (NCCL: enqueued; host backends:
+        done)."""
 
     @abc.abstractmethod
     def alltoall_counts(self, counts, *, stream=None):
-        """Exchange equal-size chunks of a counts vector: chunk ``r`` goes to rank ``r``.
+        """Exchange equal chunks of a counts vector: chunk ``r`` goes to rank ``r``. Collective.
 
         Args:
             counts: (W·k,) integer array; entries ``[r·k, (r+1)·k)`` go to rank ``r``. Read.
             stream: as in :meth:`alltoallv`.
         Returns:
-            (W·k,) array of the same dtype: entries ``[r·k, (r+1)·k)`` came from rank ``r``.
+            (W·k,) array of the same dtype; entries ``[r·k, (r+1)·k)`` came from rank ``r``.
         Raises:
-            ValueError: a length not a multiple of W, or a different k across ranks (same
-                message on every rank).
+            ValueError: length not a multiple of W, or k differing across ranks (on every rank).
             TypeError: not a 1-D integer array.
-            TimeoutError: not done within ``timeout`` s; the communicator is aborted.
-        """
+            TimeoutError: not done within ``timeout`` s; the communicator is aborted."""
 
     @abc.abstractmethod
     def _as_array(self, x, name):
@@ -169,18 +135,17 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         """A new uninitialised array of this backend (ordered on the current stream)."""
 
     def stream_ptr(self, stream):
-        """The raw stream handle of ``stream``: NCCL takes None (CuPy's current stream), a CuPy
-        stream (``.ptr``), a torch stream (``.cuda_stream``) or an int; 0 on the host backends.
-        Local, no sync."""
+        """The raw handle of ``stream`` (NCCL: None for CuPy's current stream, a CuPy or torch
+        stream, or an int); 0 on the host backends. Local, no sync."""
         return 0
 
     def on_stream(self, stream_ptr):
-        """A context in which the array module's allocations and fills are ordered on the raw
-        stream ``stream_ptr`` (the caller's); a no-op on the host backends. Local, no sync."""
+        """A context ordering the array module's allocations and fills on the raw stream
+        ``stream_ptr``; a no-op on the host backends. Local, no sync."""
         return contextlib.nullcontext()
 
     def _peer_memory_here(self):
-        """Backend hook: can this rank map its peers' memory? (all ranks are on this node)."""
+        """Backend hook: can this rank map its peers' memory (all ranks on this node)?"""
         return False
 
     def _new_peer_memory(self):
@@ -188,78 +153,64 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         raise NotImplementedError
 
     def barrier(self):
-        """Block until every rank has called ``barrier`` (host-side, over the side channel).
-
-        It does not wait for device work: call :meth:`wait` first for that.
+        """Block until every rank has called ``barrier`` (host side channel; device work not waited
+        for: call :meth:`wait` first).
 
         Raises:
             TimeoutError: not every rank arrived within ``timeout`` s; the communicator is aborted.
-            RuntimeError: the communicator is aborted or closed.
-        """
+            RuntimeError: the communicator is aborted or closed."""
         self.check_usable()
         self._side.barrier()
 
     def wait(self, stream=None):
-        """Wait for this communicator's work enqueued on ``stream`` (no-op on MPI: it is done).
+        """Wait for this communicator's work enqueued on ``stream`` (no-op on the host backends).
 
         Raises:
             TimeoutError: a peer did not arrive in an exchange (found since the last call).
-            RuntimeError: the communicator is aborted or closed.
-        """
+            RuntimeError: the communicator is aborted or closed."""
         self.check_usable()
 
     def to_host(self, a, stream):
-        """The values of the 1-D device array ``a`` as a new NumPy array, read once the work
-        enqueued on ``stream`` so far is done: the layout exchange's one host sync.
-
-        Raises:
-            TimeoutError: the work did not finish within ``timeout`` s (as :meth:`wait`).
-        """
+        """The 1-D device array ``a`` as a new NumPy array once ``stream``'s work is done: the
+        layout exchange's one host sync. Raises TimeoutError as :meth:`wait`."""
         self.wait(stream)
         return a.get()
 
     def allgather(self, mine, what):
-        """Every rank's ``mine`` ((n,) NumPy array, the same n and dtype on every rank) as a
-        (W, n) array, row r from rank r. One host collective over the side channel (counted
-        in ``host_collectives``); ``what`` names it in a timeout's message.
+        """Every rank's ``mine`` ((n,) NumPy, same n and dtype everywhere) as a (W, n) array, row r
+        from rank r. One host collective (counted); ``what`` names it in a timeout's message.
 
         Raises:
-            TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted.
-        """
+            TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted."""
         return self._side.allgather_array(mine, what)
 
     def next_layout_number(self):
-        """Number the next layout agreed on this communicator (1, 2, ...): every rank agrees on
-        every layout, so the numbers match across ranks (``Plan.generation``)."""
+        """Number the next layout agreed here (1, 2, ...); equal across ranks
+        (``Plan.generation``)."""
         self._layouts += 1
         return self._layouts
 
     def agree(self, op, error, words, *, text="", what=None, counted=True):
-        """One agreement round: every rank shows its local verdict, ``words`` and ``text`` in
-        one host allgather (``_agreement``: the vote of explicit-splits calls, the layout
-        exchange's round), so that bad arguments anywhere raise the same exception on every
-        rank before any data moves.
+        """One agreement round (one host allgather): every rank shows its local verdict, ``words``
+        and ``text``, so bad arguments anywhere raise the same exception on every rank before data
+        moves.
 
         Args:
-            op: the collective agreed on: ``"alltoallv"``, ``"alltoall_counts"`` or
-                ``"exchange_layout"``; ranks calling different ones raise ValueError.
+            op: ``"alltoallv"``, ``"alltoall_counts"`` or ``"exchange_layout"``; ranks calling
+                different ones raise ValueError.
             error: this rank's local ``TypeError``/``ValueError``, or None.
-            words: n ints (n the same on every rank for this call); their values are not read
-                with an error.
-            text: names this rank's rows (dtypes, row shapes); must be the same on every rank.
+            words: n ints (n equal on every rank); not read with an error.
+            text: names this rank's rows (dtypes, row shapes); must match on every rank.
             what: the call, prefixed to messages (default ``op``).
-            counted: False leaves the round out of ``host_collectives`` (the host backends'
-                check of a layout-path exchange, which travels with its rows).
+            counted: False leaves the round out of ``host_collectives``.
         Returns:
-            (W, n) int64 NumPy array of every rank's words, row r from rank r: a view valid
-            until the next round of n words.
+            (W, n) int64 NumPy array, row r from rank r: a view valid until the next round of n
+            words.
         Raises:
-            TypeError, ValueError: the first invalid rank's error (naming it, and the other
-                invalid ranks), a rank calling another collective, or another ``text``: the
-                same message on every rank.
+            TypeError, ValueError: the first invalid rank's error (naming the invalid ranks),
+                another collective or another ``text`` on some rank: the same message on every rank.
             TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted.
-            RuntimeError: the communicator is aborted or closed.
-        """
+            RuntimeError: the communicator is aborted or closed."""
         self.check_usable()
         what = what or op
         ballot = self._ballots.get(len(words))
@@ -272,20 +223,17 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         return ballot.words()
 
     def alltoallv_plan(self, sends, outs, plan, stream_ptr):
-        """:meth:`alltoallv` of rows whose counts every rank agreed: a
-        :class:`~mxcomm.comm.Plan` (a layout's, or a vote's), no argument check and no
-        vote. The EP engine's bf16 exchanges and the grouped transport take it; the caller has
-        checked the arrays (C-contiguous, ``plan.rows_sent`` and ``plan.rows_received`` rows,
-        equal dtypes and row shapes).
+        """:meth:`alltoallv` of rows whose counts every rank agreed (a :class:`~mxcomm.comm.Plan`):
+        no argument check, no vote. The caller has checked the arrays (C-contiguous,
+        ``plan.rows_sent`` and ``plan.rows_received`` rows, equal dtypes and row shapes).
 
         Args:
-            sends, outs: tuples of arrays moved together (``alltoallv``'s ``send`` and ``out``).
-            plan: every rank's counts; this rank sends ``plan.send_counts`` rows from
-                ``plan.send_offsets`` and receives ``plan.recv_counts`` at ``plan.recv_offsets``.
+            sends, outs: tuples of arrays moved together.
+            plan: this rank sends ``plan.send_counts`` rows from ``plan.send_offsets`` and receives
+                ``plan.recv_counts`` at ``plan.recv_offsets``.
             stream_ptr: the raw stream handle (NCCL; ignored by the host backends).
         Raises:
-            TimeoutError, RuntimeError: as :meth:`alltoallv`.
-        """
+            TimeoutError, RuntimeError: as :meth:`alltoallv`."""
         self.check_usable()
         self._move_rows(sends, outs, plan.send_counts, plan.send_offsets, plan.recv_counts,
                         plan.recv_offsets, stream_ptr)
@@ -293,26 +241,21 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
     # ------------------------------------------------------------------------- argument checks
     def check(self, send_counts, recv_counts, description, *, error=None, validate=None,
               what="alltoallv"):
-        """The vote of an explicit-splits call: agree that it is valid, and on every rank's counts.
-
-        One agreement round (:meth:`agree`), unless validation is off. Every rank raises the
-        same exception if any rank's call is invalid: a local ``error``, counts not matching the
-        peers', or a ``description`` of the rows differing.
+        """The vote of an explicit-splits call: one agreement round (:meth:`agree`) unless
+        validation is off; every rank raises the same exception if a local ``error``, counts not
+        matching the peers', or a differing ``description`` is found anywhere.
 
         Args:
             send_counts, recv_counts: W ints each (rows), or None with ``error``.
-            description: text naming this rank's rows in the user's terms (precision, dtype, D);
-                compared across ranks.
+            description: this rank's rows in the user's terms (precision, dtype, D); compared.
             error: this rank's local ``TypeError``/``ValueError``, or None.
-            validate: False to skip the vote (then ``error`` is raised locally and no plan is
-                returned). None: the communicator's default.
+            validate: False skips the vote (``error`` raised locally, no plan); None: the default.
             what: the call, prefixed to messages.
         Returns:
             The :class:`~mxcomm.comm.Plan` of every rank's counts (None without a vote).
         Raises:
             ValueError, TypeError: invalid here or on another rank (same message everywhere).
-            TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted.
-        """
+            TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted."""
         self.check_usable()
         if not (self.validate if validate is None else validate):
             if error is not None:

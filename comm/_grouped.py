@@ -1,6 +1,5 @@
-"""The ``grouped`` transport of the staged exchange: produce into one staging array, move it with
-one ``alltoallv`` (one NCCL group, or MPI), then consume. Works on any communicator (several
-nodes, GPUs without peer access); nothing overlaps the transfer."""
+"""The ``grouped`` transport: produce into one staging array, one ``alltoallv``, then consume. Works
+on any communicator; nothing overlaps the transfer."""
 
 from mxcomm._driver import copy_bytes, row_range
 

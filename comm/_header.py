@@ -1,10 +1,6 @@
-"""The NCCL backend's call header: what an exchange of an agreed plan carries with its rows, so that
-ranks at different calls, or with rows of another dtype or row shape, find out on the device.
-
-The host backends check such an exchange in one host round before it moves (``_hostcomm``); the
-NCCL backend may not sync the host per call. So each rank sends every peer it moves rows with
-eight 32-bit words in the same NCCL group as the rows, before them (docs/design.md, "Error
-model"):
+"""The NCCL backend's call header (docs/design.md, "Error model"): eight 32-bit words each rank
+sends every peer it moves rows with, in the same NCCL group before the rows, so ranks at other calls
+or with other rows find out on the device without a host sync:
 
 ======  ========================================================================================
 word    content
@@ -17,16 +13,9 @@ word    content
 7       ``MAGIC``: a header received this call (the receive area is cleared before)
 ======  ========================================================================================
 
-Per call, on the caller's stream: a one-block kernel writes this rank's header and clears the
-peers' (``mx_header_put``), the NCCL group moves the headers then the rows, and a kernel compares
-the headers received with this rank's (``mx_header_check``, ``_signal.cu``). A difference is
-reported in pinned host memory, read by the watchdog and by every call (:meth:`failure`: the
-communicator is aborted, the next call or ``wait`` raises, naming the peer and what each has),
-and the kernel fills the exchange's results with 0xFF bytes (NaN in bf16, fp32, e4m3 and e8m0)
-before later work on the stream reads them. Rows of another size make NCCL stall on the rank
-that expects more bytes (its check never runs): there the watchdog's timeout reads the headers
-that arrived (:meth:`stalled`) and raises the mismatch instead of a bare timeout.
-"""
+A mismatch is reported in pinned host memory (:meth:`CallHeaders.failure`) and the results are
+filled with 0xFF (NaN in bf16, fp32, e4m3, e8m0). Rows of another size stall NCCL before the check
+runs: the watchdog's timeout then reads the headers that arrived (:meth:`stalled`)."""
 
 import pathlib
 import zlib
@@ -40,8 +29,7 @@ HEADER_WORDS = 8
 HEADER_BYTES = 4 * HEADER_WORDS
 #: The last word of a header sent this call.
 MAGIC = 0x4D584844
-#: Calls whose headers have their own device memory, in turn: calls in flight on different
-#: streams at once do not overwrite each other's (up to this many).
+#: Header slots used in turn, so up to this many calls in flight on other streams keep theirs.
 _SLOTS = 16
 _HOST_ALLOC_MAPPED = 0x2      # cudaHostAllocMapped
 _MEMCPY_DEVICE_TO_HOST = 2    # cudaMemcpyDeviceToHost
@@ -57,8 +45,8 @@ def _crc(text):
 
 
 def describe_rows(sends):
-    """Words 2 to 6 of a header for the arrays ``sends`` (CuPy arrays or ``Words``), and the
-    text of word 2, e.g. "bfloat16 rows of shape (7168,)"."""
+    """Words 2 to 6 of a header for the arrays ``sends`` (CuPy arrays or ``Words``), and the text of
+    word 2, e.g. "bfloat16 rows of shape (7168,)"."""
     text = " + ".join(f"{numpy.dtype(a.dtype).name} rows of shape {tuple(a.shape[1:])}"
                       for a in sends)
     first = sends[0]
@@ -70,14 +58,8 @@ def describe_rows(sends):
 
 
 class CallHeaders:
-    """The call headers of one NCCL communicator: their device memory, kernels and the pinned
-    status a failed check writes.
-
-    Args:
-        comm: the NCCL communicator (its device current; ``rank``, ``size``).
-    Not collective; made by the communicator's constructor (device memory: not inside a CUDA
-    graph capture).
-    """
+    """One NCCL communicator's call headers: device memory, kernels, and the pinned status a failed
+    check writes. Not collective; device memory, so made before any CUDA graph capture."""
 
     def __init__(self, comm):
         import cupy
@@ -109,9 +91,9 @@ class CallHeaders:
         self._dtypes = {_crc(name): name for name in _DTYPES}
 
     def begin(self, sends, plan, stream):
-        """This call's header, enqueued on ``stream`` before its NCCL group: returns ``(sent,
-        received, words)``, the addresses of this rank's header and of the received ones (rank
-        r's at ``received + HEADER_BYTES * r``), and this rank's words (all but the last)."""
+        """Enqueue this call's header on ``stream`` before its NCCL group; returns ``(sent,
+        received, words)``: the addresses of this rank's header and of the received ones (rank r's
+        at ``received + HEADER_BYTES * r``), and this rank's words but the last."""
         key = tuple([(a.dtype, a.shape[1:]) for a in sends])
         rows = self._rows.get(key)
         if rows is None:
@@ -130,7 +112,7 @@ class CallHeaders:
 
     def check(self, received, words, outs, stream):
         """After the group, on ``stream``: compare the received headers with ``words``; on a
-        difference report it and fill ``outs`` (the exchange's results) with 0xFF bytes."""
+        difference report it and fill ``outs`` with 0xFF bytes."""
         sizes = [o.size * numpy.dtype(o.dtype).itemsize for o in outs]
         grid = min(64, max(1, -(-sum(sizes) // (256 * 256))))
         for i in range(0, max(1, len(outs)), 4):
@@ -142,8 +124,8 @@ class CallHeaders:
                                             *ptrs, *pad, *nbytes, *pad, count))
 
     def failure(self):
-        """The error a failed check left (``RuntimeError`` naming the peer and what each has),
-        or None. Reads pinned host memory: no sync."""
+        """The error a failed check left (RuntimeError naming the peer and what each has), or None.
+        Reads pinned host memory: no sync."""
         if int(self._status[0]) != _MISMATCH:
             return None
         values = [int(v) for v in self._status]
@@ -152,12 +134,10 @@ class CallHeaders:
                            "its results were filled with 0xFF bytes (NaN) on the device")
 
     def stalled(self):
-        """The error the headers received so far show, or None: for the watchdog's timeout of
-        an NCCL group (rows of another size stall NCCL on the rank that expects more, before its
-        check runs). Copies the headers to the host on a stream of its own, beside the stalled
-        group; bounded by the copy. Each slot is compared as the device holds it (this rank's
-        header and the peers' that one put kernel cleared for it), not by the host's record:
-        the host may have enqueued later calls of the slot behind the stalled one."""
+        """The mismatch the headers received so far show, or None, for the watchdog's timeout of a
+        stalled NCCL group. Copies the headers on a stream of its own (bounded by the copy) and
+        compares each slot as the device holds it, since the host may have enqueued later calls of a
+        slot behind the stalled one."""
         total = self._slot_bytes * _SLOTS
         self._runtime.memcpyAsync(self._host.ptr, self._base, total, _MEMCPY_DEVICE_TO_HOST,
                                   self._copies.ptr)

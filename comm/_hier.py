@@ -1,26 +1,16 @@
-"""The ``hier`` transport of the staged exchange: the pull inside each node, one ``alltoallv``
-between nodes, in one exchange.
-
-A rank's peers on its own node pull their rows from its staging (``_pull``, over the node's peer
-memory); its peers on other nodes get theirs through one ``alltoallv`` of the communicator's
-backend (NCCL; MPI or gloo on the host) in which the node's own peers send and receive nothing.
-Nodes are runs of consecutive ranks (``_nodes.Nodes.consecutive``), so a rank's rows for its node
-are one run ``[s0, s1)`` of its send order and the rows from its node one run ``[r0, r1)`` of its
-receive order::
+"""The ``hier`` transport (docs/design.md, "EP across nodes"): the pull inside each node, one
+``alltoallv`` between nodes, in one exchange. Nodes are runs of consecutive ranks, so a rank's rows
+for its node are one run ``[s0, s1)`` of its send order, those from it one ``[r0, r1)``::
 
     send order:     [ rows for earlier nodes | rows for this node | rows for later nodes ]
                       remote: alltoallv        pull (node plan)     remote: alltoallv
     caller stream:  produce(remote) begin produce(node peers) signal ... own rows  group  join
     side stream:                          wait(peer) pull(peer) ...                 done
 
-The node's part is the pull transport run on a *node plan* (the plan's counts among the node's
-ranks, numbered from 0 in the node) over a rows object shifted by ``s0`` / ``r0``; its received
-rows land at ``r0`` of the result (a landing). The remote part is enqueued on the caller's stream
-after the own rows (``PullTransport.run``'s ``beside``), so the NCCL group runs while the copy
-engines pull the node's rows. The peer memory of a node is set up over the whole side channel
-(each rank keeps its node's entries), so every rank reserves the same staging: the largest node
-staging of any rank.
-"""
+The node's part is the pull transport on a *node plan* (the counts among the node's ranks) over rows
+shifted by ``s0`` / ``r0``; the remote ``alltoallv`` is its ``beside``, so it runs while the copy
+engines pull. Every rank reserves the same staging (the largest node staging of any rank), since the
+staging grows collectively over the whole side channel."""
 
 import collections
 import re
@@ -31,22 +21,14 @@ from mxcomm._driver import copy_bytes, row_range
 from ._pull import PullTransport
 from ._staged import Plan, call_tag, landed
 
-#: The between-nodes part of a plan, as ``alltoallv_plan`` reads it; ``generation`` None: no
-#: layout check of the host backends (the exchange's plan was agreed with its layout)
+#: The between-nodes part of a plan for ``alltoallv_plan``; ``generation`` None: no layout check
 _Moves = collections.namedtuple("_Moves", "send_counts send_offsets recv_counts recv_offsets "
                                 "generation", defaults=(None,))
 
 
 class HierTransport:
-    """Pull inside this rank's node, one ``alltoallv`` to the other nodes (module docstring).
-
-    Args:
-        comm: the communicator.
-        nodes: the agreed ``_nodes.Nodes`` (consecutive).
-
-    The node's peer memory is the backend's (``_new_peer_memory``: ``_ipc.CudaPeerMemory`` or
-    ``_shm.HostPeerMemory``) made over the node's view of the communicator (collective).
-    """
+    """Pull inside this rank's node, one ``alltoallv`` to the other nodes; the node's peer memory is
+    the backend's, made over the node's view of the communicator (collective)."""
 
     name = "hier"
 
@@ -114,20 +96,15 @@ def _land(received, outs, landing, lo, hi, stream):
 
 
 class _Split:
-    """One plan cut into this node's part and the rest (:class:`HierTransport`); ``spans``:
-    per rank, its node's ranks ``[first, end)``.
+    """One plan cut into this node's part and the rest; ``spans``: per rank, its node's ranks
+    ``[first, end)``.
 
     Attributes:
-        node: the node plan (:class:`~mxcomm.comm.Plan` of the node's ranks), whose staging is
-            sized for the largest node staging of any rank (so the staging grows on every rank
-            at once: its growth is collective over the side channel).
-        s0, r0: the first row of this rank's rows for its node in its send order, and of its
-            rows from its node in its receive order.
-        remote_sends, remote_receives: the runs ``(lo, hi)`` of the send and the receive order
-            that travel between nodes.
-        moves: the ``alltoallv`` of the remote rows (the plan's counts, the node's zeroed; rows
-            at their place in the send and the receive order).
-    """
+        node: the node plan, its staging sized for the largest node staging of any rank (so the
+            staging grows on every rank at once).
+        s0, r0: the first row of this rank's rows for / from its node in its send / receive order.
+        remote_sends, remote_receives: the runs ``(lo, hi)`` that travel between nodes.
+        moves: the ``alltoallv`` of the remote rows (the node's counts zeroed)."""
 
     __slots__ = ("node", "s0", "r0", "remote_sends", "remote_receives", "moves", "_landings")
 
@@ -151,8 +128,8 @@ class _Split:
         self._landings = {}
 
     def landing(self, landing):
-        """The node part's landing: where its received rows (numbered from ``r0``) land in the
-        result, from the exchange's ``landing`` (None: each at its own row)."""
+        """The node part's landing (received rows numbered from ``r0``), from the exchange's
+        ``landing``."""
         node = self._landings.get(landing)
         if node is None:
             rows = self.node.rows_received
@@ -181,10 +158,9 @@ class _Shifted:
 
 
 class _NodeComm:
-    """The communicator as the peer memory of one node sees it: ``rank`` and ``size`` within
-    the node, a side channel whose collectives return the node's entries; the rest (timeout,
-    ``wait``, allocation) is the communicator's. Its errors (``_fail``) name the ranks as the
-    communicator numbers them."""
+    """The communicator as one node's peer memory sees it: ``rank``, ``size`` and side channel
+    within the node, the rest the communicator's; errors name ranks as the communicator numbers
+    them."""
 
     def __init__(self, comm, ranks):
         self._comm = comm
@@ -197,8 +173,8 @@ class _NodeComm:
         return getattr(self._comm, name)
 
     def world_names(self, error):
-        """``error`` (a peer memory's, naming ranks within the node: "rank 1", "ranks 0, 1")
-        with each rank named as the communicator numbers it; returned."""
+        """``error`` (naming ranks within the node) with each rank renamed as the communicator
+        numbers it."""
         def named(match):
             return match.group(1) + ", ".join(str(self._ranks[int(r)])
                                               for r in match.group(2).split(", "))
@@ -210,8 +186,8 @@ class _NodeComm:
 
 
 class _NamedMemory:
-    """A node's peer memory whose device-wait failures (``failure``, read by the watchdog) name
-    the ranks as the communicator numbers them; everything else is the memory's."""
+    """A node's peer memory whose device-wait failures name ranks as the communicator numbers
+    them."""
 
     def __init__(self, memory, world_names):
         self._memory = memory
@@ -227,9 +203,9 @@ class _NamedMemory:
 
 
 class _NodeSide:
-    """A side channel's collectives, each over every rank (all ranks set up their node's peer
-    memory together), keeping the entries of ``ranks``; MPI shared windows over the node's
-    ranks (``mpi``: a split of the channel's communicator)."""
+    """A side channel whose collectives run over every rank (all set up their node's memory
+    together) and keep the entries of ``ranks``; ``mpi``: a split over the node's ranks (shared
+    windows)."""
 
     def __init__(self, side, ranks):
         self._side = side

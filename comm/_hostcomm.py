@@ -9,8 +9,7 @@ from ._validate import check_counts_array
 
 
 class HostCommunicator(Communicator):
-    """A communicator whose rows are host arrays (NumPy): the MPI and torch.distributed (gloo)
-    backends. Holds the array hooks they share."""
+    """A communicator of host (NumPy) arrays: the array hooks the MPI and gloo backends share."""
 
     def _as_array(self, x, name):
         if isinstance(x, numpy.ndarray):
@@ -26,8 +25,7 @@ class HostCommunicator(Communicator):
 
     def _host_alltoall_counts(self, counts, move, what="alltoall_counts"):
         """:meth:`alltoall_counts` of the host backends: check ``counts`` (locally and across
-        ranks), then ``move(counts, out, nbytes)`` returns the pending requests that exchange
-        ``nbytes`` per rank; waited for with the timeout."""
+        ranks), then wait (bounded) for the requests ``move(counts, out, nbytes)`` returns."""
         self.check_usable()
         counts, k = check_counts_array(self, counts)
         counts = numpy.ascontiguousarray(counts)
@@ -38,21 +36,16 @@ class HostCommunicator(Communicator):
         return out
 
     def alltoallv_plan(self, sends, outs, plan, stream_ptr):
-        """:meth:`Communicator.alltoallv_plan`; a layout's plan (``plan.generation`` set) is
-        first checked across ranks, since nothing else would stop an MPI or gloo alltoallv whose
-        ranks disagree (MPI moves garbage, gloo aborts the process): one agreement round,
-        travelling with the rows (not counted in ``host_collectives``), in which every rank
-        shows the layout it uses, its call number with it (``plan.calls``), its rows' dtypes
-        and row shapes, and its counts. Every rank raises the same error before any data moves
-        where they differ.
+        """:meth:`Communicator.alltoallv_plan`; a layout's plan (``plan.generation`` set) is first
+        checked across ranks in one agreement round not counted in ``host_collectives``, since MPI
+        would move garbage and gloo abort the process: every rank shows its layout, call number
+        (``plan.calls``), rows' dtypes and row shapes, and counts.
 
         Raises:
-            ValueError: the ranks use different layouts (a stale one), rows of other dtypes or
-                row shapes (e.g. ``precision="native"`` of fp32 and bf16), or a rank is at
-                another call of the layout (one failed a call alone, or skipped one after
-                a failure); the message names the ranks and what each has.
-            TimeoutError, RuntimeError: as :meth:`alltoallv`.
-        """
+            ValueError (on every rank, before any data moves): the ranks use different layouts, rows
+                of other dtypes or row shapes, or are at different calls of the layout; the message
+                names the ranks and what each has.
+            TimeoutError, RuntimeError: as :meth:`alltoallv`."""
         self.check_usable()
         if plan.generation is not None:
             text = f"layout {plan.generation}, call {plan.calls} of it, " + " + ".join(
@@ -68,15 +61,14 @@ class HostCommunicator(Communicator):
                         plan.recv_offsets, stream_ptr)
 
     def _enter_exchange(self):
-        """Count this rank into the next exchange call on the arrival board; its number (0
-        without a board)."""
+        """Count this rank into the next exchange call on the arrival board; its number (0 without
+        one)."""
         board = self._side.board
         return board.enter(EXCHANGE) if board is not None else 0
 
     def _wait_moved(self, requests, keep, call):
-        """Wait (bounded) for the data movement of exchange call number ``call``; a timeout
-        names, by the arrival board, this node's ranks that had not entered the call (a
-        collective ``alltoallv`` cannot say which peer it waits for)."""
+        """Wait (bounded) for exchange call ``call``'s data movement; a timeout names, by the
+        arrival board, this node's ranks that had not entered it."""
         try:
             self._side.wait(requests, "alltoallv", keep=keep)
         except TimeoutError as exc:

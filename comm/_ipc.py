@@ -1,18 +1,11 @@
-"""Peer memory of the pull transport on GPUs: CUDA IPC between the processes of one node.
+"""Peer memory of the pull transport on GPUs: CUDA IPC among one node's processes; the only module
+calling CUDA's IPC functions (docs/design.md, "Signals on the device").
 
-Every rank allocates a staging buffer and a small flags buffer with ``cudaMalloc`` (outside CuPy's
-pool, so an IPC handle names exactly that allocation) and maps every peer's with
-``cudaIpcOpenMemHandle``. The ranks order themselves on the devices, never on the hosts: senders
-write "ready" words into their receivers' flags after producing, receivers wait for them on a side
-stream before reading and write "done" words after; an exchange begins by waiting for every
-peer's "done". Signals and waits are the tiny kernels of ``_signal.cu``, stream-ordered, reading
-the generation from a device counter, so a captured CUDA graph replays correctly
-(docs/design.md, "Signals on the device"). A wait past the timeout writes what it missed into
-pinned host memory and lets its stream go on; :meth:`CudaPeerMemory.failure` reads it (the
-watchdog polls it, every call checks it). The pulls go one peer after another on one side stream
-(one peer's copy already fills NVLink: bench/NOTES.md). The only module that calls CUDA's IPC
-functions.
-"""
+Each rank ``cudaMalloc``s a staging and a flags buffer (outside CuPy's pool, so a handle names
+exactly that allocation) and maps its peers'. Ranks order themselves on the devices only: the
+kernels of ``_signal.cu`` write and await "ready" and "done" words, reading the generation from a
+device counter so a captured CUDA graph replays correctly. A wait past the timeout records what it
+missed in pinned host memory and lets its stream go on (:meth:`CudaPeerMemory.failure`)."""
 
 import pathlib
 
@@ -27,9 +20,8 @@ _MEMCPY_DEFAULT = 4           # cudaMemcpyDefault (unified addressing picks the 
 _HOST_ALLOC_MAPPED = 0x2      # cudaHostAllocMapped
 _HANDLE_BYTES = 64            # cudaIpcMemHandle_t
 _GROWTH = 1.25                # a grown buffer holds this much more than asked, to grow rarely
-#: Every buffer exported through CUDA IPC is a whole multiple of this: small cudaMallocs can share
-#: one driver allocation, whose IPC handle a peer can open only once (cudaErrorAlreadyMapped seen
-#: on 2xH100 when a small staging buffer was mapped beside the flags; bench/NOTES.md, 2026-11-27)
+#: Exported buffers are whole multiples of this: small cudaMallocs can share one allocation, whose
+#: handle a peer opens only once (else cudaErrorAlreadyMapped)
 _IPC_GRANULE = 2 << 20
 
 
@@ -47,14 +39,10 @@ def _batch(values):
 class CudaPeerMemory:
     """Staging buffers and flags of all ranks of one node, each mapped into every process.
 
-    Args:
-        comm: the NCCL communicator (its device is current; its side channel exchanges the
-            handles; its timeout bounds every wait).
-        generation: the generation of the first exchange minus one (tests start near 2^32).
-
-    Flags of one rank, 64-bit words: ``ready[W * MAX_PIECES]`` (sender j, piece k at
-    ``j * MAX_PIECES + k``), ``done[W]``, then the 32-bit generation counter (local).
-    """
+    ``comm``: the NCCL communicator (device current, side channel for the handles, timeout for every
+    wait); ``generation``: the first exchange's minus one (tests start near 2^32). A rank's flags,
+    64-bit words: ``ready[W * MAX_PIECES]`` (sender j, piece k at ``j * MAX_PIECES + k``),
+    ``done[W]``, then the local 32-bit generation counter."""
 
     def __init__(self, comm, generation=0):
         import cupy
@@ -86,9 +74,7 @@ class CudaPeerMemory:
         self._status[:] = 0
         self._status_ptr = status.ptr
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++14",))
-        # The compiled functions (``.kernel``), launched through the driver on a raw stream
-        # handle with their parameters packed in one buffer (_signal.cu's signatures): no
-        # per-call stream object, no change of CuPy's current stream.
+        # launched through the driver on a raw stream, parameters packed (_signal.cu's signatures)
         self._begin_k = PackedLaunch(module.get_function("mx_begin").kernel, "QQiiQQ")
         self._end_k = PackedLaunch(module.get_function("mx_end").kernel, "QQiQ4Q4Qi")
         # PeerWords by value: MAX_BATCH addresses, kinds and peers
@@ -115,13 +101,9 @@ class CudaPeerMemory:
 
     # ------------------------------------------------------------------------------- staging
     def reserve(self, nbytes, stream):
-        """Make every rank's buffer hold ``nbytes`` (the same value on every rank: collective,
-        only when it grows).
-
-        Growing waits (bounded) for this rank's streams, then meets the peers (so no exchange
-        reading an old buffer is in flight anywhere), then every rank allocates anew and maps
-        the peers'.
-        """
+        """Make every rank's buffer hold ``nbytes`` (equal on every rank). Growing is collective: it
+        waits (bounded) for this rank's streams, meets the peers (no exchange reads an old buffer),
+        then every rank allocates anew and maps the peers'."""
         if nbytes <= self._capacity:
             return
         comm = self._comm
@@ -143,19 +125,17 @@ class CudaPeerMemory:
 
     def local(self, offset, shape, dtype):
         """This rank's buffer as ``shape`` (1-D or 2-D) of ``dtype`` from byte ``offset``: a
-        :class:`~mxcomm._driver.Words` (the address; no CuPy view), valid until it grows."""
+        :class:`~mxcomm._driver.Words`, valid until the buffer grows."""
         return Words(self._memory.ptr + offset, shape, numpy.dtype(dtype))
 
     def peer_view(self, peer, offset, shape, dtype):
-        """``peer``'s buffer (mapped here) as ``shape`` (1-D or 2-D) of ``dtype`` from byte
-        ``offset``: a :class:`~mxcomm._driver.Words`, valid until the buffer grows."""
+        """``peer``'s mapped buffer as :meth:`local` views this rank's."""
         return Words(self._peer_ptr[peer] + offset, shape, numpy.dtype(dtype))
 
     def copy_all(self, copies, outs, side):
-        """Copy engines, on ``side``: for each ``(peer, offset, array index, out_offset, nbytes)``
-        of ``copies``, ``nbytes`` bytes of ``peer``'s buffer from byte ``offset`` into the
-        C-contiguous array ``outs[array index]`` (CuPy or Words) from its byte ``out_offset``:
-        one ``cudaMemcpyAsync`` each, one Python call for a sender's (or every sender's)."""
+        """On ``side``, one ``cudaMemcpyAsync`` per ``(peer, offset, array index, out_offset,
+        nbytes)`` of ``copies``: from ``peer``'s buffer into the C-contiguous ``outs[array
+        index]``."""
         memcpy, peer_ptr = self._rt.memcpyAsync, self._peer_ptr
         bases = [address(o) for o in outs]
         for peer, offset, index, out_offset, nbytes in copies:
@@ -164,8 +144,8 @@ class CudaPeerMemory:
 
     # --------------------------------------------------------------------------------- flags
     def begin(self, stream):
-        """Open the next generation on ``stream``: wait (on the device) until every peer is done
-        reading this rank's staging of the previous one; order the side stream after it."""
+        """Open the next generation on ``stream``: wait on the device until every peer is done
+        reading this rank's staging; order the side stream after it."""
         self._begin_k(1, self._threads, stream,
                       (self._gen_ptr, self._done_base, self._size, self._rank, self._timeout_ns,
                        self._status_ptr))
@@ -173,9 +153,8 @@ class CudaPeerMemory:
         self._rt.streamWaitEvent(self._side_ptr, self._forked, 0)
 
     def signal_ready(self, signals, stream):
-        """Tell each ``peer`` of ``signals`` (``(peer, piece, kind)``, at most ``MAX_BATCH``),
-        on ``stream`` after the rows produced so far, that its rows of ``piece`` are in this
-        rank's staging: one launch."""
+        """In one launch on ``stream``, signal each ``(peer, piece, kind)`` of ``signals`` (at most
+        ``MAX_BATCH``) that its rows of ``piece`` are in this rank's staging."""
         me = self._rank * MAX_PIECES
         self._signal_k(1, 32, stream, (
             self._gen_ptr, *_batch([self._peer_flags[p] + 8 * (me + k) for p, k, _ in signals]),
@@ -183,10 +162,8 @@ class CudaPeerMemory:
             len(signals)))
 
     def await_ready(self, awaits):
-        """Order the side stream after each ``peer``'s signal of this generation's ``piece``
-        (``(peer, piece, kind)`` of ``awaits``, at most ``MAX_BATCH``; each kind checked), in
-        one launch; return the side stream's handle (work enqueued there next may read the
-        rows)."""
+        """In one launch, order the side stream after each ``(peer, piece, kind)`` of ``awaits`` (at
+        most ``MAX_BATCH``, each kind checked); returns the side stream's handle."""
         base = self._flags.ptr
         self._wait_k(1, 32, self._side_ptr, (
             self._gen_ptr, *_batch([base + 8 * (p * MAX_PIECES + k) for p, k, _ in awaits]),
@@ -195,11 +172,9 @@ class CudaPeerMemory:
         return self._side_ptr
 
     def end(self, stream, outs=()):
-        """On the side stream, tell every peer this rank is done reading; order ``stream`` after
-        the side stream (so the next exchange begins after these signals). Where a wait failed
-        (a peer late, or at another call or kind), the same launch fills ``outs`` (the
-        copies' or the consumer's results, up to 4 arrays) with 0xFF bytes: they hold rows of
-        another call (the own rows a consumer keeps on ``stream`` meanwhile may stay)."""
+        """On the side stream, signal every peer "done"; order ``stream`` after it. Where a wait
+        failed (a peer late, or at another call or kind), the same launch fills ``outs`` (up to 4
+        arrays) with 0xFF bytes, as they hold another call's rows."""
         if self._size > 1:
             outs = outs[:4]
             pad = [0] * (4 - len(outs))
@@ -211,8 +186,8 @@ class CudaPeerMemory:
         self._rt.streamWaitEvent(stream, self._joined, 0)
 
     def failure(self, kinds):
-        """The error a failed device wait left (``TimeoutError`` naming the rank, or
-        ``RuntimeError`` for a mismatch), or None. Reads pinned host memory: no sync."""
+        """The error a failed device wait left (TimeoutError naming the rank, RuntimeError for a
+        mismatch), or None. Reads pinned host memory: no sync."""
         code = int(self._status[0])
         if code in (0, 0xFFFFFFFF):
             return None

@@ -1,17 +1,13 @@
-"""The lifecycle of a communicator: open, aborted (by a call, a timeout or a fault found on any
-thread), closed; the error the next call raises.
-"""
+"""A communicator's lifecycle: open, aborted (by a call, a timeout or a fault on any thread),
+closed; and the error the next call raises."""
 
 import contextlib
 
 
 class Lifecycle:
-    """The state of a communicator and its transitions; base of :class:`Communicator`.
-
-    The subclass sets ``rank``, ``_side`` (the side channel), ``_transport`` (or None) and calls
-    :meth:`_open` in its constructor; it supplies the backend hooks ``_abort_backend`` and
-    ``_close_backend``.
-    """
+    """The state of a communicator; base of :class:`Communicator`. The subclass sets ``rank``,
+    ``_side``, ``_transport``, calls :meth:`_open`, and supplies ``_abort_backend`` and
+    ``_close_backend``."""
 
     def _open(self):
         self._state = "open"          # "open" | "aborted" | "closed"
@@ -31,7 +27,7 @@ class Lifecycle:
 
     @property
     def aborted(self):
-        """True once the communicator was aborted (by :meth:`abort`, a timeout or a fault)."""
+        """True once aborted (by :meth:`abort`, a timeout or a fault)."""
         return self._state == "aborted"
 
     @property
@@ -56,7 +52,7 @@ class Lifecycle:
                            f"({self._reason})")
 
     def _device_failure(self):
-        """A failure a device-side wait left (pull transport on GPUs), or None; no sync."""
+        """A failure a device wait of the pull transport left, or None; no sync."""
         memory = getattr(self._transport, "memory", None)
         failure = getattr(memory, "failure", None)
         return failure(self._transport.kinds) if failure is not None else None
@@ -71,8 +67,8 @@ class Lifecycle:
         self._abort_backend()
 
     def _fail(self, error, raised=False):
-        """Abort from any point (any thread); keep ``error`` for the next call to raise, unless
-        the caller raises it itself (``raised``)."""
+        """Abort from any thread; keep ``error`` for the next call unless the caller raises it
+        (``raised``)."""
         with self._state_lock():
             if self._state != "open":
                 return
@@ -86,26 +82,22 @@ class Lifecycle:
         return contextlib.nullcontext()
 
     def abort(self):
-        """Abort the communicator: later calls raise ``RuntimeError``. Local, never blocks.
+        """Abort the communicator: later calls raise RuntimeError. Local, never blocks.
 
-        NCCL: ``ncclCommAbort`` ends the operations in flight. MPI: collectives cannot be
-        cancelled; a pending one is abandoned (its buffers stay referenced by this object). To end
-        the whole job, use ``MPI.COMM_WORLD.Abort()``.
-        """
+        NCCL: ``ncclCommAbort`` ends the operations in flight. MPI cannot cancel a collective: a
+        pending one is abandoned (its buffers stay referenced); ``MPI.COMM_WORLD.Abort()`` ends the
+        job."""
         if self._state == "open":
             self._mark_aborted("abort() called")
         self._abort_backend()
 
     def close(self):
-        """Release the communicator's resources. Idempotent; after it, calls raise RuntimeError.
+        """Release the communicator's resources; idempotent; later calls raise RuntimeError.
 
-        Not blocking, except that the NCCL backend first waits (with the timeout) for its
-        operations in flight, then for NCCL's release of the communicator (with the timeout
-        too: NCCL holds it while a CUDA graph that captured one of its exchanges is alive, so
-        destroy such graphs first; past the timeout a ``RuntimeWarning`` says so). With the
-        ``"pull"`` transport it frees memory the peers map; on the MPI backend those are MPI
-        windows, whose release MPI makes collective: close every rank.
-        """
+        Does not block, except on NCCL: it waits (bounded by ``timeout``) for the operations in
+        flight and for NCCL's release, which waits until every CUDA graph that captured an exchange
+        is destroyed (past the timeout, a RuntimeWarning). With the ``"pull"`` transport on MPI,
+        freeing the shared windows is collective: close on every rank."""
         if self._state == "closed":
             return
         clean = self._state == "open" and not self._side.abandoned

@@ -1,10 +1,6 @@
-"""MPI communicator: all-to-all of rows of host (NumPy) arrays with mpi4py.
-
-The CPU path and CI use it, and it is the fallback where NCCL is unavailable. Data moves with
-nonblocking ``Ialltoallv`` whose MPI datatype is one whole row (a contiguous run of the row's
-bytes), so counts and displacements are in rows and stay far below the int32 limit of MPI counts
-even for arrays of many GiB. Every request is polled until ``timeout`` (``_sidechannel``).
-"""
+"""MPI communicator: all-to-all of rows of host (NumPy) arrays with mpi4py (the CPU path and CI).
+Data moves by nonblocking ``Ialltoallv`` with one row as the MPI datatype, so counts stay in rows,
+far below MPI's int32 limit; every request is polled until ``timeout``."""
 
 import atexit
 import math
@@ -24,17 +20,14 @@ class MpiCommunicator(HostCommunicator):
     """All-to-all of rows of host NumPy arrays over MPI.
 
     Args:
-        side: an ``MpiSideChannel`` (``mxcomm.comm.init`` builds it over an mpi4py communicator,
-            ``MPI.COMM_WORLD`` by default); data moves on its private duplicate.
-        validate: default of the per-call ``validate`` flag (cross-rank count checks).
-        peer_memory: transport of :meth:`exchange`: None (auto) pulls from MPI shared-memory
-            windows where every rank is on this node; True requires that; False uses one
-            ``alltoallv``.
+        side: an ``MpiSideChannel`` (built by ``mxcomm.comm.init``); data moves on its duplicate.
+        validate: as :class:`~mxcomm.comm.Communicator`.
+        peer_memory: None (auto) pulls from MPI shared windows where every rank is on this node;
+            True requires that; False uses one ``alltoallv``.
         small_exchange_bytes, medium_exchange_bytes: see ``mxcomm.comm.init``; None: 0.
 
-    Collective: every rank of the MPI communicator constructs it. Every method that moves data
-    is collective and blocks the host until done (or ``timeout``).
-    """
+    Collective to construct. Every method that moves data is collective and blocks the host until
+    done (or ``timeout``)."""
 
     def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
                  medium_exchange_bytes=None):
@@ -53,10 +46,8 @@ class MpiCommunicator(HostCommunicator):
         return HostPeerMemory(self)
 
     def _abort_backend(self):
-        """An aborted MPI communicator may leave a peer stuck (in a collective, or anywhere),
-        and ``MPI_Finalize`` at the process's exit would wait for it: bound that exit
-        (:class:`_BoundedExit`). With the pull transport, tell the peers this rank gave up on
-        its exchange (``HostPeerMemory.give_up``)."""
+        """Bound the process's exit (:class:`_BoundedExit`: ``MPI_Finalize`` would wait for a stuck
+        peer), and with the pull transport tell the peers this rank gave up its exchange."""
         _BOUNDED_EXIT.arm(self.timeout)
         memory = getattr(self._transport, "memory", None)
         if memory is not None:  # the pull transport: a late peer learns it at once
@@ -105,16 +96,10 @@ class MpiCommunicator(HostCommunicator):
 
 
 class _BoundedExit:
-    """The exit of a process one of whose MPI communicators was aborted (process-wide, as the
-    exit is). mpi4py finalizes MPI at exit, after the ``atexit`` functions, and
-    ``MPI_Finalize`` waits for every peer, a stuck one too. So, once armed:
-
-    - an exception that reaches the top (``sys.excepthook``) ends the process with status 1
-      right after its traceback, without finalizing: mpiexec then ends the job;
-    - any other exit finalizes as usual (keeping its status: pytest's, ``sys.exit``'s) under
-      an alarm of ``timeout`` s, whose default action ends the process if the finalization
-      waits on a stuck peer.
-    """
+    """The exit of a process one of whose MPI communicators was aborted (process-wide). mpi4py's
+    ``MPI_Finalize`` at exit waits for every peer, a stuck one too; so once armed, an uncaught
+    exception ends the process with status 1 after its traceback (mpiexec then ends the job), and
+    any other exit finalizes under an alarm of ``timeout`` s, keeping its status."""
 
     def __init__(self):
         self.seconds = 0
@@ -122,7 +107,7 @@ class _BoundedExit:
         self._hook = None
 
     def arm(self, timeout):
-        """Arm it with the communicator's ``timeout`` s (the longest of those armed)."""
+        """Arm it with ``timeout`` s (the longest of those armed)."""
         self.seconds = max(self.seconds, max(1, math.ceil(timeout)))
         if self._hook is None:
             self._hook = sys.excepthook

@@ -1,21 +1,8 @@
-"""Node membership: which ranks share a node, agreed on every rank, with an emulation override.
-
-A *node* is a set of ranks that may map each other's memory (CUDA IPC, an MPI shared window) and
-between which NCCL takes its intra-node transports. ``discover`` finds them in one side-channel
-round, in this order:
-
-1. the override ``node_size`` (``init(node_size=...)``, else ``$MXCOMM_NODE_SIZE``): ranks split
-   into consecutive groups of ``node_size`` (the last may be smaller), *emulated* nodes inside
-   real ones. For NCCL to see the same split, the NCCL backend sets ``NCCL_HOSTID=node<k>``
-   (NCCL's host hash, ``getHostHash`` in NCCL's ``src/misc/utils.cc``, reads it instead of the
-   host name and boot id) before NCCL is built; a ``NCCL_HOSTID`` already set must split the
-   ranks alike.
-2. ``NCCL_HOSTID``, where every rank has it: the ranks NCCL puts on one host.
-3. the launcher: host name and boot id (``_board.node_key``).
-
-Every verdict comes from the gathered table, so a disagreement is the same ``ValueError`` on
-every rank.
-"""
+"""Node membership: which ranks may map each other's memory (and share NCCL's intra-node
+transports), agreed in one side-channel round from, in order: ``node_size`` (``init``'s, else
+``$MXCOMM_NODE_SIZE``: consecutive groups, *emulated* nodes inside real ones); ``NCCL_HOSTID`` where
+every rank sets it; else host name and boot id. NCCL's host hash (``getHostHash``,
+``src/misc/utils.cc``) reads ``NCCL_HOSTID``, so the NCCL backend sets it for an emulation."""
 
 import dataclasses
 import hashlib
@@ -34,12 +21,8 @@ _KEY = 20  # bytes of a host key (sha1)
 
 @dataclasses.dataclass(frozen=True)
 class Nodes:
-    """Which node each rank is on (the same record on every rank).
-
-    Attributes:
-        of_rank: W ints, the node of each rank, numbered by their first rank.
-        emulated: True when the split came from ``node_size`` (nodes inside a real one).
-    """
+    """Which node each rank is on (the same record on every rank): ``of_rank``, W ints numbered by
+    their first rank; ``emulated``: the split came from ``node_size``."""
 
     of_rank: tuple
     emulated: bool = False
@@ -50,8 +33,8 @@ class Nodes:
         return max(self.of_rank) + 1
 
     def export_hostid(self, rank):
-        """Set ``NCCL_HOSTID=node<k>`` for ``rank`` of emulated nodes (NCCL built later in this
-        process sees the split); nothing for real ones."""
+        """Set ``NCCL_HOSTID=node<k>`` for ``rank`` of emulated nodes, so NCCL built later here sees
+        it."""
         if self.emulated:
             os.environ[NCCL_HOSTID_ENV] = f"node{self.of_rank[rank]}"
 
@@ -61,14 +44,13 @@ class Nodes:
 
     @property
     def consecutive(self):
-        """Whether every node's ranks are consecutive (launchers place ranks by node), so each
-        rank's rows for one node, and from it, are one run of its send and receive order."""
+        """Whether every node's ranks are consecutive, so a rank's rows for / from one node are one
+        run."""
         return all(b - a in (0, 1) for a, b in zip(self.of_rank, self.of_rank[1:]))
 
 
 def _node_size_here(node_size):
-    """This rank's override: ``node_size``, else ``$MXCOMM_NODE_SIZE``, as an int (0: none; -1:
-    the variable is not an int, reported by ``discover`` on every rank)."""
+    """This rank's override as an int (0: none; -1: ``$MXCOMM_NODE_SIZE`` not an int)."""
     if node_size is not None:
         return node_size
     text = os.environ.get(NODE_SIZE_ENV, "").strip()
@@ -87,21 +69,14 @@ def _numbered(keys):
 
 
 def discover(side, node_size=None):
-    """The :class:`Nodes` of the side channel's ranks (collective: one allgather).
+    """The :class:`Nodes` of the side channel's ranks (collective: one allgather); ``node_size``:
+    None or an int > 0 (see the module).
 
-    Args:
-        side: the host side channel.
-        node_size: None (``$MXCOMM_NODE_SIZE``, else no override) or a positive int: emulated
-            nodes of that many consecutive ranks (:meth:`Nodes.export_hostid` then tells NCCL).
-    Returns:
-        :class:`Nodes`.
     Raises:
-        ValueError (on every rank): the ranks gave different node sizes, or one that is not a
-            positive int; an emulated node spans two real hosts; ``NCCL_HOSTID`` set on some
-            ranks only, or splitting the ranks unlike ``node_size``; a ``NCCL_HOSTID`` node
-            spanning two real hosts.
-        TimeoutError: a rank did not join within the side channel's timeout.
-    """
+        ValueError (on every rank): different or non-positive node sizes; an emulated node spanning
+            two hosts; ``NCCL_HOSTID`` on some ranks only, or splitting unlike ``node_size``, or a
+            ``NCCL_HOSTID`` node spanning two hosts.
+        TimeoutError: a rank did not join within the side channel's timeout."""
     hostid = os.environ.get(NCCL_HOSTID_ENV)
     mine = numpy.zeros(2 + 2 * _KEY // 8, numpy.int64)
     mine[0] = _node_size_here(node_size)

@@ -1,22 +1,13 @@
-"""The ``pull`` transport of the staged exchange: receivers read the senders' memory (one node).
-
-Every rank produces its peers' rows into its own staging memory, which every peer has mapped
-(CUDA IPC on GPUs, ``_ipc``; an MPI shared window on the host, ``_shm``), and signals each peer
-once its rows are there. Receivers wait for each sender's signal on a side stream, then copy the
-rows with copy engines into the result, or hand them to the consumer where they are::
+"""The ``pull`` transport (one node; docs/design.md, "The staged exchange" and "Signals on the
+device"): each rank produces its peers' rows into its own staging, which the peers have mapped
+(``_ipc``, ``_shm``), and signals each; receivers wait on a side stream, then copy the rows (copy
+engines) or consume them where they are::
 
     caller stream:  begin  produce(r+1) signal  produce(r+2) signal ...  produce(r)  .. join
     side stream:           wait(r-1) pull(r-1)  wait(r-2) pull(r-2) ...  done(all)
 
-``begin`` opens a new generation and waits until every peer has signalled "done" for the previous
-one (its reads of this rank's staging are over); ``join`` orders the caller's stream after the side
-stream, so the next exchange's ``begin`` follows this one's signals. Nothing here meets the other
-ranks' hosts: the ordering is on the devices, through the flags of the peer memory (see
-docs/design.md, "Signals on the device"). Step ``s`` pairs sender ``r`` with receiver ``r + s``:
-every rank produces first the rows its step-1 receiver pulls first. A small exchange
-(``_staged.batched``) produces every peer's rows in one launch (two around the own rows), signals
-every peer in one, and waits for every sender in one: as many launches at 4 ranks as at 2.
-"""
+``begin`` waits for every peer's "done" of the previous generation; ``join`` orders the caller's
+stream after the side stream. No host meets another's: the ordering is on the devices."""
 
 import weakref
 
@@ -27,17 +18,9 @@ from ._staged import (MAX_BATCH, batched, call_tag, kind_base, kind_word, landed
 
 
 class PullTransport:
-    """Receivers pull their rows from the senders' staging (module docstring).
-
-    Args:
-        comm: the communicator.
-        memory: the peer memory (``_ipc.CudaPeerMemory`` or ``_shm.HostPeerMemory``).
-
-    What an exchange of a plan does (which rows go where, the staging slots, the kinds, the
-    pieces, the copies) is worked out once per (plan, row layout, kind, consumption) into a
-    :class:`_Schedule`, kept while the plan lives and the staging buffers stay where they are; a
-    call then only produces, signals, waits and copies (docs/design.md, "The staged exchange").
-    """
+    """Receivers pull their rows from the senders' staging; ``memory``: ``_ipc.CudaPeerMemory`` or
+    ``_shm.HostPeerMemory``. Each (plan, row layout, kind, consumption) is worked out once into a
+    :class:`_Schedule`, kept while the plan lives and the staging stays where it is."""
 
     name = "pull"
 
@@ -57,17 +40,13 @@ class PullTransport:
         return base
 
     def run(self, rows, plan, outs, in_place, stream, landing=None, beside=None, tag=None):
-        """The exchange of ``plan`` (``StagedExchange.exchange``'s arguments, ``outs`` a tuple
-        or None); ``beside``: None, or ``beside(stream)``, work enqueued on ``stream`` after the
-        own rows and before the join, so it runs while the copy engines pull (the ``hier``
-        transport's exchange between nodes); ``tag``: the call's tag (``_staged.call_tag``),
-        None for ``plan``'s.
+        """The exchange of ``plan`` (``StagedExchange.exchange``'s arguments, ``outs`` a tuple or
+        None). ``beside(stream)``: work enqueued after the own rows, before the join, overlapping
+        the pulls (hier's exchange between nodes); ``tag``: the call tag, None for ``plan``'s.
 
-        Every ready word carries the kind's hash and the call's tag: a receiver whose peer is
-        at another call (a rank failed one alone and went on, or uses a stale layout) finds
-        it in its wait, on every rank, before it reads a row (the host: RuntimeError at once;
-        a GPU: the wait reports it, the watchdog aborts, the next call or ``wait`` raises).
-        """
+        Every ready word carries the kind's hash and the call tag, so a peer at another call is
+        found before a row is read (host: RuntimeError at once; GPU: the watchdog aborts, the next
+        call raises)."""
         memory = self.memory
         if tag is None:
             tag = call_tag(plan)
@@ -86,9 +65,7 @@ class PullTransport:
                 produce(begin, end, slots, stream)
             if signals:
                 signal(_tagged(signals, tag), stream)
-        # The side stream's waits and pulls are enqueued before the own rows' launches (which
-        # a landing splits into one per run): the copy engines can start as soon as a peer's
-        # rows are ready, not once the host has enqueued this rank's own rows too.
+        # pulls are enqueued before the own rows' launches, so copies need not wait for the host
         await_ready = memory.await_ready
         if in_place:
             consume = rows.consume
@@ -117,7 +94,7 @@ class PullTransport:
         return outs
 
     def _schedule(self, plan, arrays, row_bytes, base, in_place, landing=None):
-        """The :class:`_Schedule` of ``plan`` for these rows, from the cache or made now."""
+        """The :class:`_Schedule` of ``plan`` for these rows, cached until the staging moves."""
         if self.memory.epoch != self._epoch:  # the staging moved: forget every view of it
             self._schedules.clear()
             self._epoch = self.memory.epoch
@@ -137,34 +114,25 @@ class PullTransport:
 
 
 def _tagged(words, tag):
-    """``(peer, piece, kind)`` words of a schedule with the call's ``tag`` OR-ed into each
-    kind (a schedule serves every call of its plan; the tag is the call's)."""
+    """The schedule's ``(peer, piece, kind)`` words with the call's ``tag`` OR-ed into each kind."""
     return tuple([(peer, piece, kind | tag) for peer, piece, kind in words])
 
 
 class _Schedule:
-    """One plan's exchange for one row layout, worked out (:class:`PullTransport`).
+    """One plan's exchange for one row layout, worked out.
 
     Attributes:
-        sends: ``(begin, end, slots, signals)`` per launch of the producer, in send order: rows
-            ``[begin, end)`` of the send order go into ``slots`` (views of this rank's
-            staging), then each ``(peer, piece, kind)`` of ``signals`` is signalled (one launch
-            for one or all). A piece of one peer's rows per entry; where the peers' rows are few
-            (``_staged.batched``), every peer's rows in one or two ranges (those of the peers
-            after this rank, then before), every peer signalled after the last.
-        own: ``(begin, end, at, slots, lands)`` of this rank's own rows (produced last),
-            received at row ``at``; ``slots`` (in place) the staging they are kept through;
-            ``lands``: ``[(first, last, result row), ...]``, the rows of the send order
-            produced straight into the result at that row (several where a ``landing`` splits
-            them). None without own rows.
-        receives: ``(awaits, work)`` in pull order (step 1 first): wait for each ``(peer,
-            piece, kind)`` of ``awaits`` (one launch for one or all), then ``work``: with
-            copies, ``[(peer, offset in its staging, array index, byte offset in the result,
-            bytes), ...]`` (one copy per array, or per array and landed segment); in place,
-            ``[(begin, end, views), ...]``, views of a sender's staging (mapped here) holding
-            received rows ``[begin, end)``. One entry per sender and piece; where the received
-            rows are few (``_staged.batched``), one entry awaiting every sender.
-    """
+        sends: ``(begin, end, slots, signals)`` per producer launch, in send order: rows ``[begin,
+            end)`` into ``slots`` (this rank's staging), then ``signals`` (``(peer, piece, kind)``
+            words) signalled. One piece of one peer per entry, or, when batched
+            (``_staged.batched``), one or two ranges with every peer signalled after the last.
+        own: ``(begin, end, at, slots, lands)`` of the own rows (produced last, received at row
+            ``at``; ``slots`` in place only; ``lands``: ``[(first, last, result row), ...]``
+            produced straight into the result), or None.
+        receives: ``(awaits, work)`` in pull order: wait for ``awaits``, then ``work``: copies
+            ``[(peer, staging offset, array index, result byte offset, bytes), ...]``, or in place
+            ``[(begin, end, views of the sender's staging), ...]``. One entry per sender and piece,
+            or one awaiting every sender when batched."""
 
     __slots__ = ("sends", "own", "receives")
 

@@ -1,14 +1,8 @@
-"""Peer memory of the pull transport on the host: MPI shared-memory windows, with flags.
-
-Every rank of the communicator (all on one node) owns a segment of a staging window and a segment
-of a flags window and reads the peers' segments directly (``MPI_Win_shared_query``). Work on the
-host is synchronous, so signals are plain stores into a peer's flags (after a memory barrier) and
-waits are host spins bounded by the communicator's timeout; the protocol is the device one of
-``_ipc`` (docs/design.md, "Signals on the device"), with the generation kept on the host.
-
-Flags of one rank, 64-bit words: ``ready[W * MAX_PIECES]`` (written by the senders: generation
-<< 32 | kind) then ``done[W]`` (written by the receivers: generation << 32).
-"""
+"""Peer memory of the pull transport on the host: MPI shared windows (all ranks on one node). The
+protocol of ``_ipc`` (docs/design.md, "Signals on the device") with the generation on the host:
+signals are stores into a peer's flags after a memory barrier, waits are host spins bounded by the
+timeout. A rank's flags, 64-bit words: ``ready[W * MAX_PIECES]`` (generation << 32 | kind) then
+``done[W]`` (generation << 32)."""
 
 import math
 import time
@@ -19,12 +13,10 @@ from ._staged import MAX_PIECES, describe_mismatch
 
 _GROWTH = 1.25
 _MASK = 0xFFFFFFFF
-#: The kind a rank whose communicator was aborted writes into its ready words to the peers, for
-#: the exchange it gave up: a peer that comes later raises at once, naming it, instead of
-#: waiting a timeout and blaming the ranks that were there.
+#: The kind an aborted rank writes in its ready words for the exchange it gave up: a later peer
+#: raises at once naming it, instead of timing out and blaming the ranks that were there.
 _GAVE_UP = 0xFFFFFFFF
-#: What it writes instead where it gave up on finding the exchange mis-paired (a peer at another
-#: call or kind): a peer that reads it before the mis-paired word raises the same kind of error.
+#: The same where it gave up on finding the exchange mis-paired: peers raise that error too.
 _MISPAIRED = 0xFFFFFFFE
 _SPIN_S = 1e-3
 _MAX_SLEEP_S = 1e-3
@@ -36,13 +28,9 @@ def reached(have, want):
 
 
 class HostPeerMemory:
-    """Staging and flags of all ranks of one node in MPI shared windows.
-
-    Args:
-        comm: the MPI communicator (its side channel allocates the windows; its timeout bounds
-            the waits; its transport's ``kinds`` name mismatches).
-        generation: the generation of the first exchange minus one (tests start near 2^32).
-    """
+    """Staging and flags of all ranks of one node in MPI shared windows; ``comm``: the MPI
+    communicator (windows, timeout, its transport's ``kinds``); ``generation``: the first exchange's
+    minus one (tests start near 2^32)."""
 
     def __init__(self, comm, generation=0):
         self._comm = comm
@@ -61,17 +49,9 @@ class HostPeerMemory:
         self.epoch = 0
 
     def _allocate_flags(self):
-        """The flags window, every rank's words set to the starting generation (collective).
-
-        ``MPI_Win_allocate_shared`` cannot be bounded, so every rank first meets the others in a
-        barrier of the side channel, which the timeout bounds: a rank that failed before its
-        first exchange (or called another one) makes its peers time out there, naming it,
-        instead of leaving them in the allocation. The staging's allocations follow a barrier
-        too (this one's closing barrier, or that of its growth).
-
-        Raises:
-            TimeoutError: a rank did not come within the timeout (the communicator is aborted).
-        """
+        """The flags window at the starting generation (collective). ``MPI_Win_allocate_shared``
+        cannot be bounded, so a bounded side-channel barrier comes first: a rank that never arrives
+        is named by a TimeoutError (the communicator aborted) instead of hanging its peers."""
         side = self._comm._side
         words = self._ready_words + self._size
         side.barrier("peer memory setup (every rank in its first exchange)")
@@ -84,9 +64,9 @@ class HostPeerMemory:
 
     # ------------------------------------------------------------------------------- staging
     def reserve(self, nbytes, stream):
-        """Make every rank's segment hold ``nbytes`` (the same value on every rank: collective,
-        only when it grows). Before freeing the old window every rank's reads of it are over:
-        the barrier follows this rank's last "done" signals, which follow its reads."""
+        """Make every rank's segment hold ``nbytes`` (equal on every rank; collective when it
+        grows). The barrier before freeing the old window follows every rank's "done", so no read is
+        in flight."""
         if nbytes <= self.capacity:
             return
         side = self._comm._side
@@ -115,9 +95,8 @@ class HostPeerMemory:
         return raw.view(dtype).reshape(shape)
 
     def copy_all(self, copies, outs, side):
-        """For each ``(peer, offset, array index, out_offset, nbytes)`` of ``copies``: copy
-        ``nbytes`` bytes of ``peer``'s segment from byte ``offset`` into the C-contiguous array
-        ``outs[array index]`` from its byte ``out_offset``."""
+        """Copy each ``(peer, offset, array index, out_offset, nbytes)`` of ``copies`` from
+        ``peer``'s segment into the C-contiguous ``outs[array index]``."""
         segments = self._segments
         for peer, offset, index, out_offset, nbytes in copies:
             out = outs[index].reshape(-1).view(numpy.uint8)
@@ -125,8 +104,7 @@ class HostPeerMemory:
 
     # --------------------------------------------------------------------------------- flags
     def begin(self, stream):
-        """Open the next generation: wait until every peer is done reading this rank's staging
-        of the previous one."""
+        """Open the next generation: wait until every peer is done reading this rank's staging."""
         want = self.generation
         self._current = (want + 1) & _MASK
         done = self._flags[self._rank][self._ready_words:]
@@ -139,16 +117,17 @@ class HostPeerMemory:
         self.generation = (want + 1) & _MASK
 
     def signal_ready(self, signals, stream):
-        """Tell each ``peer`` of ``signals`` (``(peer, piece, kind)``) that its rows of
-        ``piece`` are in this rank's staging."""
+        """Signal each ``(peer, piece, kind)`` of ``signals``: its rows of ``piece`` are staged
+        here."""
         self._flags_window.Sync()  # the rows are stored before the flags
         for peer, piece, kind in signals:
             self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
                 (self.generation << 32) | kind)
 
     def await_ready(self, awaits):
-        """Wait until each ``(peer, piece, kind)`` of ``awaits`` is signalled (a timeout names
-        every rank still missing); return the stream to read the rows on (0: the host)."""
+        """Wait until each ``(peer, piece, kind)`` of ``awaits`` is signalled; returns 0 (the host's
+        stream). RuntimeError at once for another kind or a peer that gave up or found the exchange
+        mis-paired; TimeoutError naming the ranks still missing."""
         flags = self._flags[self._rank]
         gen = self.generation
 
@@ -202,8 +181,8 @@ class HostPeerMemory:
         return 0
 
     def end(self, stream, outs=()):
-        """Tell every peer that this rank is done reading its staging of this generation
-        (``outs``: unused; a failed wait here raised before any copy)."""
+        """Tell every peer this rank is done reading its staging (``outs`` unused: a failed wait
+        raised)."""
         value = numpy.uint64(self.generation << 32)
         slot = self._ready_words + self._rank
         for p in range(self._size):
@@ -211,10 +190,8 @@ class HostPeerMemory:
                 self._flags[p][slot] = value
 
     def give_up(self):
-        """Tell every peer that this rank gave up on the exchange it began last (its
-        communicator was aborted): its ready words to them say so (:data:`_GAVE_UP`, or
-        :data:`_MISPAIRED` where it found the exchange mis-paired). Local
-        stores, never blocks; nothing after the flags window's setup."""
+        """Mark this rank's ready words to every peer :data:`_GAVE_UP` (or :data:`_MISPAIRED`) for
+        the exchange begun last, as its communicator was aborted. Local stores, never blocks."""
         if self._flags_window is None:
             return
         value = numpy.uint64((self._current << 32) | (_MISPAIRED if self._mispaired else
@@ -224,8 +201,8 @@ class HostPeerMemory:
                 self._flags[peer][self._rank * MAX_PIECES:(self._rank + 1) * MAX_PIECES] = value
 
     def _spin(self, missing, what):
-        """Spin (then sleep) until ``missing()`` is empty; TimeoutError naming the ranks after
-        the communicator's timeout (the communicator is aborted)."""
+        """Spin (then sleep) until ``missing()`` is empty; after the timeout abort the communicator
+        and raise TimeoutError naming the ranks."""
         late = missing()
         if not late:
             return

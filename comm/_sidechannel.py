@@ -1,22 +1,7 @@
-"""The host side channel of a communicator: small collectives, each bounded by a timeout.
-
-The communicators bootstrap over it (NCCL's unique id, IPC handles, the transport choice), the
-layout exchange gathers every rank's counts over it, and explicit-splits calls vote over it. The
-data of a layout-path exchange never touches it: :attr:`SideChannel.collectives` counts what it did,
-so tests can check that a run of exchanges made no host collective.
-
-:class:`SideChannel` is the interface; two implementations carry it:
-
-- :class:`MpiSideChannel` (here): a private duplicate of an mpi4py communicator (``mpirun``). It
-  also gives the MPI backend its data path and the host pull transport its shared windows.
-- ``TorchSideChannel`` (``_torchside``): a private gloo group over the ranks of a
-  ``torch.distributed`` process group (``torchrun``); no MPI needed.
-
-Every operation waits at most ``timeout`` seconds; then the channel calls ``on_timeout`` (the
-communicator aborts itself) and raises ``TimeoutError``. An operation abandoned that way is kept
-alive, with its buffers, in :attr:`SideChannel.abandoned`, since neither MPI nor gloo can cancel a
-collective: the peer that was late may still complete it and write into them.
-"""
+"""The host side channel: small host collectives (bootstrap, layout exchange, votes), each bounded
+by ``timeout``, then ``on_timeout`` (the communicator aborts) and TimeoutError. MPI and gloo cannot
+cancel a collective, so a timed-out one is kept alive with its buffers in ``abandoned`` (a late peer
+may still write into them). ``_torchside`` has the torch implementation."""
 
 import abc
 import pickle
@@ -26,15 +11,12 @@ import numpy
 
 from ._board import ArrivalBoard
 
-# Polling of MPI requests: spin for this long (low latency for small, frequent collectives), then
-# sleep between tests, doubling up to the longest sleep.
+# MPI requests are polled: spin this long, then sleep between tests, doubling to the longest.
 _SPIN_S = 2e-3
 _MIN_SLEEP_S = 5e-5
 _MAX_SLEEP_S = 5e-3
-#: Tags of the side channel's point-to-point messages (on its private duplicate communicator):
-#: ``_TAG`` plus the message's bytes modulo ``_TAGS``, so that ranks in two different gathers
-#: (a rank in another call) do not match each other's messages of another size (MPI would fail
-#: on the truncation, or abort the process on a partial element) but time out, naming the rank.
+#: Message tag: ``_TAG`` + bytes mod ``_TAGS``, so ranks in gathers of another size (another
+#: call) time out naming the rank instead of MPI failing on a truncated message.
 _TAG = 17
 _TAGS = 16384
 
@@ -47,22 +29,15 @@ class SideChannel(abc.ABC):
     """Bounded host collectives among the ranks of one communicator (the interface).
 
     Attributes:
-        rank, size: this process's rank and the number of ranks.
-        timeout: seconds an operation may take.
-        collectives: how many host collectives this channel has started.
+        rank, size, timeout: this rank, W, and the seconds an operation may take.
+        collectives: host collectives started (tests check that exchanges made none).
         abandoned: ``(operations, buffers)`` of timed-out operations, kept alive.
-        on_timeout: ``on_timeout(reason)``, called before ``TimeoutError`` is raised; the
-            communicator binds its abort here.
+        on_timeout: ``on_timeout(reason)``, called before TimeoutError; the communicator's abort.
         kind: ``"mpi"`` or ``"torch"``.
-        shared_windows: True where MPI shared-memory windows can be allocated over the ranks
-            (the host pull transport); False elsewhere, where the host takes the grouped
-            transport.
-        group: the ``torch.distributed`` process group the channel was built over, or None.
-        board: the communicator's arrival board (``_board.ArrivalBoard``) once
-            :meth:`open_board` made it, else None.
-        nodes: the ranks' nodes (``_nodes.Nodes``) once ``mxcomm.comm.init`` agreed on them,
-            else None.
-    """
+        shared_windows: whether MPI shared windows can be made (the host pull transport).
+        group: the torch.distributed group built over, or None.
+        board: the arrival board once :meth:`open_board` made it, else None.
+        nodes: the agreed ``_nodes.Nodes`` once ``init`` set them, else None."""
 
     kind = None
     nodes = None
@@ -79,14 +54,14 @@ class SideChannel(abc.ABC):
         self.on_timeout = _not_bound
 
     def open_board(self):
-        """Make the arrival board of the ranks of each node (collective; ``mxcomm.comm.init``
-        does, right after making the channel), so timeouts can name the ranks behind."""
+        """Make the arrival board of each node's ranks (collective), so timeouts name the ranks
+        behind."""
         self.board = ArrivalBoard(self)
 
     @abc.abstractmethod
     def _gather(self, mine, table, what):
-        """Every rank's 1-D C-contiguous ``mine`` (one shape and dtype on all ranks) into
-        ``table[rank]`` ((W, n) C-contiguous, same dtype); one collective, counted."""
+        """Every rank's 1-D C-contiguous ``mine`` (same shape, dtype everywhere) into
+        ``table[rank]`` ((W, n)); one collective, counted."""
 
     def allgather_bytes(self, payload, what):
         """Every rank's ``payload`` (bytes, one length on all ranks), concatenated in rank order."""
@@ -103,9 +78,8 @@ class SideChannel(abc.ABC):
         return table
 
     def allgather_into(self, mine, table, what, counted=True):
-        """Allgather the buffer ``mine`` into ``table`` ((W, n), rank order); the vote reuses
-        both buffers from call to call. ``counted=False``: not counted in :attr:`collectives`
-        (the host backends' check of a layout-path exchange, which travels with its rows)."""
+        """Allgather ``mine`` into ``table`` ((W, n), rank order), buffers reused by the vote;
+        ``counted=False`` leaves it out of :attr:`collectives`."""
         collectives = self.collectives
         self._gather(mine, table, what)
         if not counted:
@@ -121,8 +95,8 @@ class SideChannel(abc.ABC):
 
     @abc.abstractmethod
     def node_info(self):
-        """``(local_rank, one_node)``: this rank among the ranks on its node, and whether every
-        rank shares that node (collective)."""
+        """``(local_rank, one_node)``: this rank among its node's ranks, and whether every rank
+        shares that node (collective)."""
 
     @abc.abstractmethod
     def free(self):
@@ -139,19 +113,9 @@ class SideChannel(abc.ABC):
 
 
 class MpiSideChannel(SideChannel):
-    """Bounded host collectives over a private duplicate of an mpi4py communicator.
-
-    Every MPI request is polled (``MPI.Request.Test``) until it completes or ``timeout`` s pass.
-    Collective: every rank of ``mpi_comm`` constructs it (``MPI_Comm_dup``, unbounded).
-
-    Args:
-        mpi_comm: an mpi4py communicator, or None for ``MPI.COMM_WORLD`` (duplicated, not consumed).
-        timeout: seconds a collective may take.
-
-    Attributes:
-        mpi: the private duplicate (the MPI backend moves its data on it); ``MPI``: the module.
-        (and those of :class:`SideChannel`)
-    """
+    """Bounded host collectives over a private duplicate of ``mpi_comm`` (None: ``COMM_WORLD``),
+    polling each request (``Test``); its duplicate ``mpi`` also carries the MPI backend's data.
+    Collective to construct (``MPI_Comm_dup``, unbounded)."""
 
     kind = "mpi"
     shared_windows = True
@@ -164,17 +128,9 @@ class MpiSideChannel(SideChannel):
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
 
     def wait(self, requests, what, keep=(), peers=None):
-        """Poll MPI ``requests`` until all complete or ``timeout`` s pass.
-
-        Args:
-            requests: a list of ``MPI.Request``.
-            what: the operation, for the message.
-            keep: buffers the requests use; kept alive with them if they are abandoned.
-            peers: the rank each request receives from (or None): a timeout names the ranks
-                whose requests did not complete.
-        Raises:
-            TimeoutError: not complete in time (``on_timeout`` was called first).
-        """
+        """Poll MPI ``requests`` until all complete or ``timeout`` s pass, then TimeoutError (after
+        ``on_timeout``), abandoning them with the buffers ``keep``; ``peers`` (the source of each
+        request, or None) lets the message name the ranks that did not arrive."""
         if len(requests) == 1:
             test = requests[0].Test
         else:
@@ -230,8 +186,7 @@ class MpiSideChannel(SideChannel):
         return pickle.loads(buf.tobytes())
 
     def node_info(self):
-        """``(local_rank, one_node)``: this rank among the processes of its node, and whether
-        every rank shares that node (an MPI shared-memory split; collective)."""
+        """:meth:`SideChannel.node_info` by an MPI shared-memory split."""
         node = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
         info = node.Get_rank(), node.Get_size() == self.size
         node.Free()

@@ -1,11 +1,6 @@
-"""torch.distributed host communicator: all-to-all of rows of host (NumPy) arrays over gloo.
-
-The CPU path of a job launched by ``torchrun`` (``mxcomm.comm.init(group=gloo_group)``): the same
-arrays and contract as the MPI backend, with the bytes moved by ``torch.distributed``. Every array
-travels as a zero-copy uint8 tensor over the side channel's private gloo group (``_torchside``), in
-one ``alltoall_base`` (gloo's alltoallv) per array, with counts and offsets in bytes. Exchanges use
-the grouped transport: the host pull transport reads MPI shared windows, which a torch group lacks.
-"""
+"""torch.distributed host communicator (CPU under ``torchrun``): the MPI backend's contract, with
+each array moved as a zero-copy uint8 tensor in one gloo ``alltoall_base`` over the side channel's
+private group. Exchanges take the grouped transport (no MPI shared windows)."""
 
 import math
 import warnings
@@ -20,15 +15,13 @@ class TorchHostCommunicator(HostCommunicator):
     """All-to-all of rows of host NumPy arrays over a ``torch.distributed`` (gloo) group.
 
     Args:
-        side: a ``TorchSideChannel`` over the group (``mxcomm.comm.init(group=...)`` builds it).
-        validate: default of the per-call ``validate`` flag (cross-rank count checks).
-        peer_memory: None or False (the grouped transport); True raises RuntimeError on every
-            rank (no peer memory without MPI shared windows).
+        side: a ``TorchSideChannel`` (built by ``mxcomm.comm.init(group=...)``).
+        validate: as :class:`~mxcomm.comm.Communicator`.
+        peer_memory: None or False; True raises RuntimeError on every rank (no peer memory).
         small_exchange_bytes, medium_exchange_bytes: see ``mxcomm.comm.init``; None: 0.
 
-    Collective: every rank of the group constructs it. Every method that moves data is
-    collective and blocks the host until done (or ``timeout``).
-    """
+    Collective to construct. Every method that moves data is collective and blocks the host until
+    done (or ``timeout``)."""
 
     def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
                  medium_exchange_bytes=None):
@@ -84,11 +77,9 @@ class TorchHostCommunicator(HostCommunicator):
 
 
 def _packed(rows, counts, offsets, gather):
-    """``(rows of each rank's region, one after another in rank order, packed?)``.
-
-    A view of ``rows`` where the regions already follow each other (the default offsets, or
-    offsets of one contiguous range); else a new array, filled from ``rows`` if ``gather``.
-    """
+    """``(regions, packed)``: each rank's region of ``rows`` one after another in rank order; a view
+    where they already follow each other (``packed`` False), else a new array (filled from ``rows``
+    if ``gather``)."""
     begin = offsets[0] if offsets else 0
     if list(offsets) == [begin + o for o in exclusive_cumsum(counts)]:
         return rows[begin:begin + sum(counts)], False

@@ -1,14 +1,8 @@
-"""The host side channel over ``torch.distributed``: a private gloo group over a group's ranks.
-
-``mxcomm.comm.init(group=...)`` builds it from a ProcessGroup or a 1-D DeviceMesh, so ``torchrun``
-needs no MPI, and an EP sub-group of a larger world works. Its own traffic goes over a private
-``ProcessGroupGloo`` over the same ranks, rendezvoused through the group's store
-(``get_group_store``) under a prefix each rank numbers alike (its count of channels built over the
-group, ``mxcomm/side/<rank>/count``): any group works (NCCL's cannot carry host bytes), only its
-members take part, and a timed-out operation stays away from the caller's group. Each operation
-waits with the rest of ``timeout`` (``Work.wait``); unlike MPI's, a timeout cannot name the late
-rank (gloo does not say which peer it waits for).
-"""
+"""The host side channel over ``torch.distributed`` (``init(group=...)``): a private
+``ProcessGroupGloo`` over a group's ranks, rendezvoused through the group's store under a prefix
+each rank numbers alike (``mxcomm/side/<rank>/count``), so any group works (NCCL's cannot carry host
+bytes), only its members take part, and a timed-out operation stays off the caller's group. gloo
+does not say which peer it waits for: timeouts name late ranks by the arrival board."""
 
 import datetime
 import pickle
@@ -24,14 +18,11 @@ _PREFIX = "mxcomm/side"
 
 
 def resolve_group(group):
-    """The ``ProcessGroup`` of ``group``: a ``ProcessGroup`` as is, a 1-D ``DeviceMesh``'s group.
+    """The ``ProcessGroup`` of ``group`` (a ``ProcessGroup`` as is, a 1-D ``DeviceMesh``'s group).
 
-    Args:
-        group: a ``torch.distributed.ProcessGroup`` or a 1-D ``DeviceMesh``.
     Raises:
-        TypeError: anything else (the message names what is accepted).
-        ValueError: a DeviceMesh of more than one dimension; this process not in the group.
-    """
+        TypeError: neither a ProcessGroup nor a DeviceMesh.
+        ValueError: a DeviceMesh of more than one dimension; this process not in the group."""
     import torch.distributed as dist
     pg = group
     if not isinstance(group, dist.ProcessGroup):
@@ -53,25 +44,16 @@ def resolve_group(group):
 
 
 class TorchSideChannel(SideChannel):
-    """Bounded host collectives over a private gloo group spanning a torch process group's ranks.
+    """Bounded host collectives over a private gloo group spanning ``group``'s ranks (a ProcessGroup
+    of any backend or a 1-D DeviceMesh; torch.distributed initialized).
 
-    Collective: every rank of ``group`` constructs it (one store counter update, then gloo
-    connects the ranks, bounded by ``timeout``).
+    Collective to construct (one store counter update, then gloo connects, bounded by ``timeout``).
+    Attributes beside :class:`SideChannel`'s: ``group`` (the caller's ProcessGroup), ``pg`` (the
+    private gloo group, which the torch host backend moves data on), ``global_ranks``.
 
-    Args:
-        group: a ``torch.distributed.ProcessGroup`` (any backend) or a 1-D ``DeviceMesh``;
-            ``torch.distributed`` must be initialized. Not consumed.
-        timeout: seconds an operation may take.
-
-    Attributes:
-        group: the caller's ``ProcessGroup`` (a mesh's group).
-        pg: the private ``ProcessGroupGloo`` (the torch host backend moves its data on it).
-        global_ranks: the global rank of each rank of the group.
-        (and those of :class:`SideChannel`)
     Raises:
         TypeError, ValueError: as :func:`resolve_group`.
-        TimeoutError: the ranks did not connect within ``timeout`` s.
-    """
+        TimeoutError: the ranks did not connect within ``timeout`` s."""
 
     kind = "torch"
     shared_windows = False  # MPI shared windows only: the host takes the grouped transport
@@ -99,18 +81,14 @@ class TorchSideChannel(SideChannel):
 
     # ----------------------------------------------------------------------------- waiting
     def wait(self, works, what, keep=()):
-        """Wait for gloo ``works`` until all complete or ``timeout`` s pass.
+        """Wait for gloo ``works`` (of :attr:`pg`) until all complete or ``timeout`` s pass,
+        abandoning them with the buffers ``keep`` otherwise.
 
-        Args:
-            works: a list of ``torch.distributed.Work`` of :attr:`pg`.
-            what: the operation, for the message.
-            keep: buffers the works use; kept alive with them if they are abandoned.
         Raises:
-            TimeoutError: not complete in time (``on_timeout`` was called first), naming by the
-                arrival board the ranks of this node that had not entered the collective.
-            RuntimeError: gloo failed (a peer closed its connection: it crashed or gave up);
-                ``on_timeout`` was called first.
-        """
+            TimeoutError: not complete in time, naming this node's ranks that had not entered the
+                collective (arrival board).
+            RuntimeError: gloo failed (a peer crashed or gave up). Either way ``on_timeout``
+                first."""
         call = self.board.enter(SIDE) if self.board is not None else None
         deadline = time.monotonic() + self.timeout
         for i, work in enumerate(works):
@@ -139,8 +117,7 @@ class TorchSideChannel(SideChannel):
         return self._torch.from_numpy(a.reshape(-1).view(numpy.uint8))
 
     def _cached(self, a):
-        """:meth:`_tensor` of ``a``, reused while ``a`` lives in this cache (the vote's
-        buffers: the same two arrays on every call)."""
+        """:meth:`_tensor` of ``a``, reused while ``a`` lives (the vote's buffers)."""
         entry = self._tensors.get(id(a))
         if entry is None or entry[0] is not a:
             if len(self._tensors) > 8:
@@ -159,8 +136,7 @@ class TorchSideChannel(SideChannel):
         self.wait([self.pg._allgather_base(out, inp)], what, keep=(mine, table))
 
     def bcast_object(self, obj, what, root=0):
-        """Broadcast a picklable ``obj`` from ``root`` (two bounded gloo broadcasts: size,
-        bytes)."""
+        """Broadcast a picklable ``obj`` from ``root`` (two bounded broadcasts: size, bytes)."""
         self.collectives += 1
         if self.size == 1:
             return pickle.loads(pickle.dumps(obj))

@@ -1,5 +1,4 @@
-"""Which transport moves the staged exchange's rows (``_staged``): chosen once per communicator
-by the nodes and every rank's vote that it can map its node's peer memory."""
+"""Which transport moves the staged exchange's rows, chosen once per communicator."""
 
 import numpy
 
@@ -10,8 +9,8 @@ from ._pull import PullTransport
 
 
 def transport_of(nodes, votes):
-    """The transport's name, from the agreed ``_nodes.Nodes`` and every rank's vote that it can
-    map its node's peer memory (the same on every rank):
+    """The transport's name from the agreed ``_nodes.Nodes`` and every rank's vote that it can map
+    its node's peer memory:
 
     | nodes | peer memory on every rank | transport |
     | --- | --- | --- |
@@ -29,18 +28,15 @@ def transport_of(nodes, votes):
 
 
 def choose(comm, peer_memory):
-    """The transport of ``comm.exchange``; collective (one host allgather, from the backends'
-    constructors).
+    """The transport of ``comm.exchange`` (:func:`transport_of`); collective: one host allgather,
+    from the backends' constructors. ``peer_memory``: None uses peer memory where every rank can,
+    True requires it, False never. The same round resolves ``small_exchange_bytes`` and
+    ``medium_exchange_bytes`` (None: the backend's default on one node, else 0).
 
-    ``"pull"`` needs every rank on one node (``comm._side.nodes``, agreed by ``init``) and the
-    backend's peer memory (CUDA IPC on GPUs; on the host, MPI shared windows, so a torch side
-    channel takes ``"grouped"``); across nodes ``"hier"`` pulls inside each node and moves the
-    rest in one ``alltoallv`` (:func:`transport_of`). ``peer_memory`` None takes peer memory
-    where every rank can, True requires it (RuntimeError on every rank otherwise), False never
-    uses it. The same round resolves ``comm.small_exchange_bytes`` and
-    ``comm.medium_exchange_bytes`` (None: the backend's default on one node, else 0) and checks
-    that every rank has the same (ValueError on every rank otherwise).
-    """
+    Raises:
+        RuntimeError (on every rank): ``peer_memory=True`` and some rank cannot map its peers'
+            memory, or the nodes are not runs of consecutive ranks.
+        ValueError (on every rank): the ranks gave different exchange limits."""
     nodes = comm._side.nodes
     if nodes is None:  # a communicator built without init: the launcher's nodes
         nodes = comm._side.nodes = discover(comm._side)

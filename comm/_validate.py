@@ -1,9 +1,5 @@
-"""Argument checks of the communicators' calls, local and across ranks.
-
-Every call with explicit counts first checks its arguments locally (types, lengths, signs,
-bounds), then, unless validation is off, agrees on them with its peers in one agreement round
-(``Communicator.agree``): an error on any rank raises the same exception on every rank.
-"""
+"""Argument checks of the communicators' calls: local checks first, then (unless validation is off)
+one agreement round, so an error on any rank raises the same exception on every rank."""
 
 import operator
 
@@ -15,19 +11,13 @@ _INT64_MAX = 2**63 - 1
 
 
 def as_counts(values, name, rank, size):
-    """``values`` as a list of ``size`` non-negative Python ints (each fits in int64).
+    """``values`` (a sequence or 1-D array of ``size`` integers) as a list of non-negative Python
+    ints fitting int64; ``name`` and ``rank`` go into messages.
 
-    Args:
-        values: a sequence (list, tuple, 1-D NumPy array) of ``size`` integers.
-        name: the argument's name, for messages.
-        rank: this process's rank, for messages.
-        size: the number of ranks.
     Raises:
-        TypeError: ``values`` is not a sequence of integers.
-        ValueError: wrong length or a negative entry.
-    """
-    # Fast paths (every call takes one): plain ints in a list/tuple, or a 1-D integer array.
-    # Anything else, or anything wrong, goes through NumPy below, which words the messages.
+        TypeError: not a sequence of integers.
+        ValueError: wrong length or a negative entry."""
+    # fast paths: ints in a list/tuple, or a 1-D integer array; else NumPy words the errors
     kind = type(values)
     if kind is list or kind is tuple:
         if size and len(values) == size and all(type(v) is int for v in values) and \
@@ -42,7 +32,7 @@ def as_counts(values, name, rank, size):
 
 
 def _as_counts_numpy(values, name, rank, size):
-    """:func:`as_counts` for any input, as a (W,) int64 array; raises the argument errors."""
+    """:func:`as_counts` for any input, as a (W,) int64 array; words the argument errors."""
     try:
         arr = numpy.asarray(values)
     except Exception:  # ragged or exotic input: report it, do not crash the vote
@@ -76,19 +66,9 @@ def exclusive_cumsum(counts):
 
 
 def check_region(counts, offsets, rows, what, rank, explicit):
-    """Check that blocks ``[offsets[r], offsets[r] + counts[r])`` fit in ``rows`` rows.
-
-    Args:
-        counts, offsets: W non-negative Python ints each.
-        rows: rows of the array the blocks index.
-        what: ``"send"`` or ``"recv"``, for messages.
-        rank: this rank, for messages.
-        explicit: offsets given by the caller (bounds and overlap checked); else the blocks are
-            consecutive from row 0 and must cover exactly ``rows`` rows.
-    Raises:
-        ValueError: a block runs past the end, blocks overlap (receive side), or the counts do not
-            add up to the rows.
-    """
+    """Check that blocks ``[offsets[r], offsets[r] + counts[r])`` fit in ``rows`` rows (``what``:
+    ``"send"`` or ``"recv"``). With ``explicit`` offsets, bounds and (receive side) overlaps are
+    checked; else the consecutive blocks must cover exactly ``rows``. Raises ValueError."""
     noun = "out" if what == "recv" else "send"
     if not explicit:
         total = sum(counts)
@@ -110,13 +90,10 @@ def check_region(counts, offsets, rows, what, rank, explicit):
 
 
 def vote_counts(comm, op, error, send_counts, recv_counts, description, what, unit="rows"):
-    """The vote of a call with explicit counts (``op``: its name, as ``comm.agree`` takes it):
-    one agreement round of this rank's verdict, counts and ``description``, then the check that
-    every rank expects what its peers send. Returns ``sent[j][i]``, the units rank j sends to rank i (W lists of W ints).
-
-    Raises (the same exception on every rank): the first invalid rank's error, a rank calling
-    another collective or describing other rows, or counts not matching the peers' (ValueError).
-    """
+    """The vote of a call with explicit counts (``op`` as ``comm.agree`` takes it): one agreement
+    round, then the check that every rank expects what its peers send. Returns ``sent[j][i]``, the
+    units rank j sends to rank i. Raises on every rank alike: the first invalid rank's error,
+    another collective or rows description, or counts not matching the peers' (ValueError)."""
     w = comm.size
     words = comm.agree(op, error, (0,) * 2 * w if error is not None else
                        (*send_counts, *recv_counts), text=description, what=what).tolist()
@@ -146,8 +123,7 @@ def check_arrays(arrays, name, rank):
 
 def _local_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, recv_offsets):
     """The local checks of an ``alltoallv`` call: ``(sends, outs, single, sc, rc, so, ro)``
-    (tuples of backend arrays, ``outs`` empty for None, whether ``send`` was one array, counts
-    and offsets as W ints each); raises the argument errors."""
+    (``outs`` empty for None); raises the argument errors."""
     rank, size = comm.rank, comm.size
     single = not isinstance(send, (tuple, list))
     sends = (comm._as_array(send, "send"),) if single else \
@@ -185,14 +161,10 @@ def _local_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, re
 
 def check_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                     validate, descriptions):
-    """Check an ``alltoallv`` call locally and, unless ``validate`` is off, across ranks (one
-    agreement round); allocate ``out`` if None. ``descriptions``: the caller's cache of the
-    rows' texts, keyed by (dtype, row shape) per array.
-
-    Returns:
-        ``(sends, outs, single, sc, rc, so, ro)``: tuples of backend arrays, whether ``send``
-        was a single array, and counts and offsets in rows (W Python ints each).
-    """
+    """Check an ``alltoallv`` call locally and, if ``validate``, across ranks; allocate ``out`` if
+    None. ``descriptions``: the caller's cache of row texts by (dtype, row shape). Returns ``(sends,
+    outs, single, sc, rc, so, ro)``: backend arrays, whether ``send`` was one array, counts and
+    offsets in rows (W ints each)."""
     error = None
     sends = outs = ()
     single, sc, rc, so, ro = True, None, None, None, None
@@ -222,11 +194,8 @@ def check_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, rec
 
 
 def check_counts_array(comm, counts):
-    """Check an ``alltoall_counts`` input locally and, if ``comm.validate``, across ranks.
-
-    Returns:
-        ``(counts, k)``: the backend array and its entries per rank.
-    """
+    """Check an ``alltoall_counts`` input locally and, if ``comm.validate``, across ranks; returns
+    ``(counts, k)``, the backend array and its entries per rank."""
     error = None
     k = 0
     description = ""

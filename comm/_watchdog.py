@@ -1,8 +1,7 @@
-"""The NCCL communicator's watchdog: every NCCL group (and ``wait``) is followed by a pooled CUDA
-event in a queue kept in record order; a thread polls the oldest, retires the finished ones and,
-past the timeout, an async NCCL error or a failed device wait of the pull transport, aborts the
-communicator and keeps the error for the next call (docs/design.md, "Error model").
-"""
+"""The NCCL communicator's watchdog (docs/design.md, "Error model"): a pooled CUDA event follows
+every NCCL group in a queue in record order; a thread polls the oldest, retires finished ones and,
+on a timeout, an async NCCL error or a failed device wait, aborts the communicator and keeps the
+error for the next call."""
 
 import collections
 import threading
@@ -13,26 +12,20 @@ from ._board import EXCHANGE
 _CUDA_SUCCESS = 0
 _CUDA_NOT_READY = 600          # cudaErrorNotReady
 _EVENT_DISABLE_TIMING = 0x2    # cudaEventDisableTiming
-#: Watchdog polling period while operations are in flight. It only bounds how late a timeout is
-#: noticed: the calls recycle finished events themselves. Polling every millisecond made the
-#: calling thread wait for the interpreter lock: the host time of an MXFP8 dispatch went from
-#: about 0.5 to 0.9 ms (H200 host, bench/NOTES.md).
+#: Polling period while work is in flight: only how late a timeout is noticed (the calls recycle
+#: events themselves); faster polls cost the caller the GIL (bench/NOTES.md).
 _WATCH_POLL_S = 0.05
 _ASYNC_CHECK_S = 1.0           # period of ncclCommGetAsyncError checks while in flight
 _IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in flight
-#: ``wait`` polls its event without sleeping for this long, then sleeps between polls (doubling
-#: up to 1 ms): the host read of the layout exchange waits here for the work before it, and a
-#: sleep overshoots its end by up to its own length (at least ~50 us on Linux) while the device
-#: idles until the layout is agreed.
+#: ``wait`` spins this long before sleeping (doubling to 1 ms): the layout exchange's host read
+#: waits here, and a sleep's overshoot would idle the device.
 _WAIT_SPIN_S = 2e-3
 
 
 class Watchdog:
-    """The watchdog's part of :class:`~mxcomm.comm.NcclCommunicator` (a base of it): the event
-    pool and queue, the thread, and :meth:`wait`. The communicator supplies ``_runtime``,
-    ``_board``, ``_stream``, ``_nccl``, ``timeout``, ``device``, ``rank``, ``size``, the
-    lifecycle (``_fail``, ``check_usable``, ``_device_failure``) and ``_stalled`` (what a
-    stalled exchange's call headers show, raised instead of a bare timeout)."""
+    """The watchdog's part of :class:`~mxcomm.comm.NcclCommunicator` (a base of it): event pool and
+    queue, the thread, :meth:`wait`. The communicator supplies the runtime, board, streams, NCCL,
+    the lifecycle and ``_stalled``."""
 
     def _start_watchdog(self):
         """The watchdog's state, shared with its thread under ``self._lock``, and the thread."""
@@ -48,9 +41,8 @@ class Watchdog:
         self._watchdog.start()
 
     def _record(self, stream_ptr, call):
-        """Record a pooled event on ``stream_ptr`` after exchange call number ``call`` and hand
-        it to the watchdog (not while the stream is being captured into a CUDA graph: the
-        graph's launches are the caller's)."""
+        """Record a pooled event on ``stream_ptr`` after exchange call ``call`` and queue it (not
+        during a CUDA graph capture: the graph's launches are the caller's)."""
         if self._runtime.streamIsCapturing(stream_ptr):
             self._captured = True  # a CUDA graph now holds NCCL work of this communicator
             return
@@ -69,12 +61,10 @@ class Watchdog:
                 self._wake.notify()
 
     def _retire_finished(self):
-        """Move the finished events at the head of the in-flight queue back to the pool (under
-        the lock); returns how many. The queue is in record order (``_record``); while every
-        in-flight event is on one stream they finish in that order, so a binary search finds
-        the finished ones in O(log n) queries, and the watchdog's work per poll does not grow
-        with the calls made since (its Python competes with the calling thread for the GIL).
-        Events on several streams are retired from the head, one query each."""
+        """Return the finished events at the queue's head to the pool (under the lock); how many. On
+        one stream they finish in order, so a binary search finds them in O(log n) queries and the
+        thread competes less with the caller for the GIL; on several streams, one query each from
+        the head."""
         flight, query = self._in_flight, self._runtime.eventQuery
         if not flight or query(flight[0][0]) != _CUDA_SUCCESS:
             return 0
@@ -142,8 +132,7 @@ class Watchdog:
                                         f"{status} while waiting for an NCCL group; the "
                                         f"communicator is aborted"))
                 return
-            # A device wait of the pull transport gives up after `timeout` and names the peer
-            # it missed (above): leave it the time to, before the generic message.
+            # leave the pull's device waits time to name the peer first (above)
             if now - oldest_since > self.timeout * 1.25 + 1.0:
                 late = self._board.describe(EXCHANGE, call)
                 self._fail(self._stalled() or TimeoutError(
@@ -164,24 +153,19 @@ class Watchdog:
             time.sleep(_WATCH_POLL_S)
 
     def wait(self, stream=None):
-        """Block the host until the work enqueued on ``stream`` so far is done, or ``timeout``.
-
-        Use it instead of a device synchronize before the host reads a result, e.g. the output
-        of :meth:`alltoall_counts`: it polls a CUDA event, so a peer that never joins produces a
-        ``TimeoutError`` rather than a hang. This is the only method that syncs the host.
+        """Block the host until the work enqueued on ``stream`` so far is done, or ``timeout``: the
+        only method that syncs the host. Use it before the host reads a result (e.g. of
+        :meth:`alltoall_counts`) instead of a device synchronize, so a peer that never joins raises
+        instead of hanging.
 
         Args:
-            stream: None for CuPy's current stream, a stream object (``.ptr``/``.cuda_stream``),
-                or a raw handle.
+            stream: None for CuPy's current stream, a stream object, or a raw handle.
         Raises:
             TimeoutError: a device wait of an exchange on the stream gave up after ``timeout`` s
-                (naming the rank that did not arrive), or the stream's work is not done within
-                ``1.25 * timeout + 1`` s (naming, by the arrival board, this node's ranks that
-                had not entered the last exchange call); the communicator is aborted.
-            RuntimeError: the communicator is aborted or closed; a peer called a different
-                exchange, or is at another call of it (its ready words, or the NCCL call
-                header: then the mis-paired call's results hold 0xFF bytes).
-        """
+                (naming the rank), or the work is not done within ``1.25 * timeout + 1`` s (naming
+                by the arrival board this node's ranks behind); the communicator is aborted.
+            RuntimeError: the communicator is aborted or closed; a peer called another exchange or
+                is at another call of it (then the mis-paired call's results hold 0xFF bytes)."""
         self.check_usable()
         runtime = self._runtime
         with self._lock:
@@ -195,9 +179,7 @@ class Watchdog:
             while True:
                 status = runtime.eventQuery(event)
                 if status == _CUDA_SUCCESS:
-                    # A device wait that gave up lets its stream go on, so the work completes
-                    # either way: what it missed is in the status it wrote, read here (the
-                    # watchdog may not have polled it yet).
+                    # a device wait that gave up lets the stream finish: read its status now
                     self.check_usable()
                     return
                 if status != _CUDA_NOT_READY:
@@ -206,11 +188,8 @@ class Watchdog:
                     self.check_usable()
                 if self._pending_error is not None or self._state != "open":
                     self.check_usable()
-                # The pull transport's device waits give up after `timeout` from when they
-                # start, which is after this call starts: leave them the time to name the rank
-                # (the watchdog finds their status within its poll, aborts NCCL on its own
-                # thread, and the check above raises the error it kept) before the generic
-                # message.
+                # the pull's device waits start later and time out on their own, naming the
+                # rank: leave them the time before the generic message
                 if time.monotonic() - start > self.timeout * 1.25 + 1.0:
                     late = self._board.describe(EXCHANGE, self._board.entered[EXCHANGE])
                     self._fail(self._stalled() or TimeoutError(
