@@ -10,7 +10,8 @@ import functools
 
 import numpy
 
-from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared  # first: simulator before numba
+# .kernels first: it sets up the simulator before numba loads
+from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared
 from . import _host
 from ._array import bfloat16, check_rows, float32, out_array, out_dtype, stream_ptr
 from ._platform import host_backend
