@@ -5,8 +5,8 @@ dw[g] = x[g]^T @ grad[g] reduces over each group's tokens, so its fp8 operands a
 token axis, one scale per (group, column), tokens contiguous (``torch._scaled_grouped_mm``'s 2d-2d
 case: A (K, T) row-major, B (T, N) column-major, offsets multiples of 16). Input: fp8 rowwise rows
 (P, D), e4m3 bytes and power-of-two row scales 2^(r_p - 127), sorted into G groups by ``group_ends``
-(G,) int32 (rows from ``group_ends[G - 1]`` on belong to no group). With v[p, d] = e4m3[p, d] *
-2^(r_p - 127) (exact) and amax = max |v| over group g's rows in column d:
+(G,) int32 (rows from ``group_ends[G - 1]`` on belong to no group). With
+v[p, d] = e4m3[p, d] * 2^(r_p - 127) (exact) and amax = max |v| over group g's rows in column d:
 
     s[g, d]      = clamp(ceil(log2(amax / 448)), -126, 127) + 127   (biased; amax = 0: 1)
     scales[g, d] = 2^(s - 127)                                       (float32, (G, D))
@@ -21,9 +21,9 @@ positions (``aligned_ends``): its rows, then zeros; T = 16 ceil(P / 16) + 16 G b
 with a NaN/Inf scale or a NaN element makes its group's column NaN (scale 0x7FC00000, elements
 0x7F). Scales must be powers of two, 0 or NaN.
 
-The amax compares integer keys: a nonzero e4m3 times a power of two is 2^E (1 + M / 8), its key 8 (E
-+ KEY_BIAS) + M orders such values exactly (zero 0, NaN KEY_NAN), below 2^12 (two keys per uint32).
-Kernels: :func:`group_colwise_amax_kernel` (atomic max per (group, column) into ``keys``),
+The amax compares integer keys: a nonzero e4m3 times a power of two is 2^E (1 + M / 8), its key 8
+(E + KEY_BIAS) + M orders such values exactly (zero 0, NaN KEY_NAN), below 2^12 (two keys per
+uint32). Kernels: :func:`group_colwise_amax_kernel` (atomic max per (group, column) into ``keys``),
 :func:`group_colwise_scales_kernel` (keys -> scale bits, ``aligned_ends``), the encode.
 """
 
@@ -66,9 +66,9 @@ def first_group(group_ends, p):
 
 @cuda.jit(device=True)
 def row_key_base(scale_bits):
-    """(base, kind) of a row whose scale has f32 bits ``scale_bits``: ROW_NORMAL with base = 8 (e -
-    7 + KEY_BIAS) for a scale 2^e (normal or subnormal; a normal e4m3 magnitude m then has key m +
-    base), ROW_ZERO for a zero scale, ROW_NAN for a non-finite one (base 0)."""
+    """(base, kind) of a row whose scale has f32 bits ``scale_bits``: ROW_NORMAL with base = 8
+    (e - 7 + KEY_BIAS) for a scale 2^e (normal or subnormal; a normal e4m3 magnitude m then has key
+    m + base), ROW_ZERO for a zero scale, ROW_NAN for a non-finite one (base 0)."""
     bits = scale_bits & uint32(_ABS)
     if bits >= uint32(F32_INF):
         return int32(0), ROW_NAN
@@ -103,8 +103,8 @@ WORD_NORMAL, WORD_ZEROS, WORD_SPECIAL = 0, 1, 2
 
 @cuda.jit(device=True)
 def word_kind(x):
-    """What the 4 e4m3 bytes of ``x`` hold (SWAR tests): WORD_NORMAL (normals only: key = magnitude
-    + base), WORD_ZEROS (normals and zeros), WORD_SPECIAL (a subnormal or NaN:
+    """What the 4 e4m3 bytes of ``x`` hold (SWAR tests): WORD_NORMAL (normals only:
+    key = magnitude + base), WORD_ZEROS (normals and zeros), WORD_SPECIAL (a subnormal or NaN:
     :func:`exact_key`)."""
     m = (x & uint32(0x7F7F7F7F)) | uint32(0x80808080)          # magnitudes, top bits set
     below_8 = ~(m - uint32(0x08080808)) & uint32(0x80808080)   # no borrow across bytes
@@ -250,9 +250,9 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
 
 @cuda.jit(device=True)
 def scale_exp_of_key(key):
-    """Biased exponent s (1..254) of the scale of a finite nonzero key: with amax = 2^E (1 + M/8), E
-    = key / 8 - KEY_BIAS, M = key % 8, the rowwise rule gives E - 8 + 127, plus one for M = 7 (1.875
-    > 1.75: 448 = 1.75 * 2^8), clamped."""
+    """Biased exponent s (1..254) of the scale of a finite nonzero key: with amax = 2^E (1 + M/8),
+    E = key / 8 - KEY_BIAS, M = key % 8, the rowwise rule gives E - 8 + 127, plus one for M = 7
+    (1.875 > 1.75: 448 = 1.75 * 2^8), clamped."""
     e = int32(key >> uint32(3)) - int32(KEY_BIAS) - int32(8)
     if (key & uint32(7)) == uint32(7):
         e += int32(1)

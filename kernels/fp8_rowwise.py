@@ -267,8 +267,9 @@ def store_word_f32(out_words, i, d, sbits):
 
 @cuda.jit(device=True)
 def store_words(out_words, base, nthreads, n, words, sbits, f32):
-    """The store half of a dequantize tile (rowwise and 1x128): words ``words[k]`` at base + k *
-    nthreads below ``n`` under scale bits ``sbits[k]`` into bf16 or (``f32``) fp32 ``out_words``."""
+    """The store half of a dequantize tile (rowwise and 1x128): words ``words[k]`` at
+    base + k * nthreads below ``n`` under scale bits ``sbits[k]`` into bf16 or (``f32``) fp32
+    ``out_words``."""
     for k in range(WORDS_PER_THREAD):
         i = base + k * nthreads
         if i < n:

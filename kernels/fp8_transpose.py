@@ -2,8 +2,8 @@
 
 dx[g] = grad[g] @ w[g]^T reduces over N, so its fp8 B operand is w[g] (K, N) scaled along N, N
 contiguous; MoE layers keep expert weights as (G, N, K), K contiguous (torchtitan's ``w1`` is (E, H,
-D)), so the operand is a transpose. For x (B, R, C) bf16, C-contiguous, and every (b, c), with amax
-= max |x[b, :, c]|:
+D)), so the operand is a transpose. For x (B, R, C) bf16, C-contiguous, and every (b, c), with
+amax = max |x[b, :, c]|:
 
     s[b, c]        = clamp(ceil(log2(amax / 448)), -126, 127) + 127   (biased; amax = 0: 1)
     scales[b, c]   = 2^(s - 127)                                       (float32, (B, C))

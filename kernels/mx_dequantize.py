@@ -58,8 +58,9 @@ def bf16_word_of_e4m3x4(d, s):
 
 @cuda.jit(device=True)
 def bf16x2_from_e4m3x2(pair, mult):
-    """Two bf16 (uint32, element 0 lowest) of the two e4m3 in ``pair`` times ``mult``: e4m3 -> f16
-    -> f32 and the product are exact (down to 2^-136), one RNE to bf16 matches float64."""
+    """Two bf16 (uint32, element 0 lowest) of the two e4m3 in ``pair`` times ``mult``:
+    e4m3 -> f16 -> f32 and the product are exact (down to 2^-136), one RNE to bf16 matches
+    float64."""
     h = cvt_f16x2_e4m3x2(pair)
     return cvt_bf16x2_f32(f32_from_f16_bits(uint16(h >> uint32(16))) * mult,
                           f32_from_f16_bits(uint16(h & uint32(0xFFFF))) * mult)

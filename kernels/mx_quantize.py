@@ -124,10 +124,10 @@ def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
     """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64
     formulas.
 
-    Scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil: ceil(log2(amax /
-    448)); clamped to [-127, 127], biased by 127); element = RNE(x * 2^(127 - s)) saturated to
-    +-448. A NaN/Inf block gets s = 0xFF and elements 0x7F. A block is 4 pairs of input words on 4
-    consecutive lanes.
+    Scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil:
+    ceil(log2(amax / 448)); clamped to [-127, 127], biased by 127); element = RNE(x * 2^(127 - s))
+    saturated to +-448. A NaN/Inf block gets s = 0xFF and elements 0x7F. A block is 4 pairs of input
+    words on 4 consecutive lanes.
 
     Args:
         x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Read.

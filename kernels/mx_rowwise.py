@@ -47,8 +47,9 @@ _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
 @cuda.jit(device=True)
 def rescale_e4m3x4(d, mult):
     """The 4 e4m3 in ``d`` times ``mult`` (the f16 pair of 2^k, -19 <= k <= 0): exact decode to f16,
-    f16 products, one RNE to e4m3. The products are exact wherever the result can be nonzero (v *
-    2^k is a multiple of 2^-24 unless below 2^-21, and below 2^-10 everything rounds to zero)."""
+    f16 products, one RNE to e4m3. The products are exact wherever the result can be nonzero
+    (v * 2^k is a multiple of 2^-24 unless below 2^-21, and below 2^-10 everything rounds to
+    zero)."""
     p01 = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d & uint32(0xFFFF))), mult))
     p23 = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d >> uint32(16))), mult))
     return uint32(p01) | (uint32(p23) << uint32(16))
@@ -75,8 +76,8 @@ def rescale_e4m3x8(d, mult):
 
 @cuda.jit(device=True)
 def rescale_pair(first, second, s, r):
-    """The 16 e4m3 of ``first``, ``second`` (one block, scale 2^(s - 127)) at the row scale 2^(r -
-    127), r >= s: RNE_e4m3(v * 2^(s - r)), NaN bytes kept; as they are when s == r."""
+    """The 16 e4m3 of ``first``, ``second`` (one block, scale 2^(s - 127)) at the row scale
+    2^(r - 127), r >= s: RNE_e4m3(v * 2^(s - r)), NaN bytes kept; as they are when s == r."""
     if s >= r:
         return first, second
     mult = f16x2_pow2(max(int32(int32(s) - int32(r)), int32(RESCALE_EXP_MIN)))

@@ -70,8 +70,8 @@ ROW_UNROLL = 4
 
 @cuda.jit(device=True)
 def copy_row(src, i, dst, p, ncols, tid, nthreads):
-    """dst[p, :ncols] = src[i, :ncols]; thread ``tid`` of ``nthreads`` takes words tid + k *
-    nthreads, ROW_UNROLL loads in flight."""
+    """dst[p, :ncols] = src[i, :ncols]; thread ``tid`` of ``nthreads`` takes words
+    tid + k * nthreads, ROW_UNROLL loads in flight."""
     step = nthreads * ROW_UNROLL
     w = tid
     while w + step - nthreads < ncols:  # ROW_UNROLL full words

@@ -406,6 +406,6 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None):
 
 
 def group_colwise_positions(rows, groups):
-    """T, the token positions of ``fp8_rowwise_to_group_colwise``'s output: 16 * ceil(rows / 16) +
-    16 * groups (each group padded to a multiple of 16, at least 16)."""
+    """T, the token positions of ``fp8_rowwise_to_group_colwise``'s output:
+    16 * ceil(rows / 16) + 16 * groups (each group padded to a multiple of 16, at least 16)."""
     return -(-rows // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * groups

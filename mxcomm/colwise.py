@@ -27,9 +27,9 @@ group_colwise_positions = _host.group_colwise_positions
 def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     """Rescale fp8 rowwise rows to one scale per (group, column) and transpose them, in two reads.
 
-    The operands of dw[g] = x[g]^T @ grad[g] for ``torch._scaled_grouped_mm``'s 2d-2d case (A =
-    ``data_t`` (D, T), ``offs=aligned_ends``). With v = e4m3 * row scale and amax = max |v| over a
-    group's rows in a column (``kernels.fp8_colwise``; bit-identical to float64):
+    The operands of dw[g] = x[g]^T @ grad[g] for ``torch._scaled_grouped_mm``'s 2d-2d case
+    (A = ``data_t`` (D, T), ``offs=aligned_ends``). With v = e4m3 * row scale and amax = max |v|
+    over a group's rows in a column (``kernels.fp8_colwise``; bit-identical to float64):
 
         scales_t[g, d] = 2^clamp(ceil(log2(amax / 448)), -126, 127)   (amax = 0: 2^-126)
         data_t[d, t]   = RNE_e4m3(v[p, d] / scales_t[g, d])

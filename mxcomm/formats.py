@@ -92,8 +92,8 @@ class Format:
                    for shape, dtype in self.row_arrays(d, input_dtype))
 
     def check_input(self, x, name="x"):
-        """Raise ValueError unless the (M, D) rows ``x`` (array or QuantizedArray) have D a
-        multiple of ``d_multiple`` and an array's address a multiple of ``input_align``."""
+        """Raise ValueError unless the (M, D) rows ``x`` (array or QuantizedArray) have D a multiple
+        of ``d_multiple`` and an array's address a multiple of ``input_align``."""
         d = x.shape[1]
         if d % self.d_multiple:
             raise ValueError(f"{name}: D = {d} is not a multiple of {self.d_multiple}, which "
@@ -125,8 +125,8 @@ class Format:
                          alloc(self.scales_shape(m, d), self.scale_dtype))
 
     def launch_quantize(self, x, out, stream, share=1.0, scale_mode=None):
-        """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into ``out`` of this format
-        on raw stream ``stream`` with ``share`` of the grid (done on return on the host backend).
+        """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into ``out`` of this format on
+        raw stream ``stream`` with ``share`` of the grid (done on return on the host backend).
         ``scale_mode``: one of ``scale_modes`` (None: the first). Returns ``out``."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
@@ -138,8 +138,8 @@ class Format:
         return self._quantize_gather is not None and dtype == bfloat16
 
     def launch_quantize_gather(self, x, rows, out, stream, share=1.0, scale_mode=None):
-        """:meth:`launch_quantize` of rows ``rows`` (R,) int32 of ``x`` (M, D) into ``out``
-        (R, D) in one pass. Returns ``out``."""
+        """:meth:`launch_quantize` of rows ``rows`` (R,) int32 of ``x`` (M, D) into ``out`` (R, D)
+        in one pass. Returns ``out``."""
         if self._quantize_gather is None:
             raise RuntimeError(f"format {self.name!r} does not quantize gathered rows")
         self._quantize_gather(x, rows, out, stream, share, self._mode(scale_mode))
@@ -147,10 +147,9 @@ class Format:
 
     def quantizer(self, dtype, width, scale_mode=None, share=1.0):
         """The quantize of rows of ``dtype`` (bf16/fp32), width ``width``, prepared once per
-        signature
-        (docs/design.md, "A direct call's launch, prepared with its signature"): ``quantize(x, data,
-        scales, rows, stream)`` as :meth:`launch_quantize` into C-contiguous ``data``, ``scales``
-        (``Words``, CuPy or NumPy); nothing for 0 rows."""
+        signature (docs/design.md, "A direct call's launch, prepared with its signature"):
+        ``quantize(x, data, scales, rows, stream)`` as :meth:`launch_quantize` into C-contiguous
+        ``data``, ``scales`` (``Words``, CuPy or NumPy); nothing for 0 rows."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         dtype = numpy.dtype(dtype)
@@ -199,8 +198,7 @@ class Format:
     def launch_round_trip(self, x, rows, out, stream, share=1.0, scale_mode=None):
         """Quantize rows of ``x`` (M, D) bf16 and decode them into ``out`` (R, D) bf16 in one pass,
         bit for bit :meth:`launch_quantize` then :meth:`launch_dequantize`: row r of ``out`` is row
-        r
-        of ``x`` (``rows`` None) or row ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous,
+        r of ``x`` (``rows`` None) or row ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous,
         16-byte aligned. Returns ``out``."""
         if self._round_trip is None:
             raise RuntimeError(f"format {self.name!r} has no one-pass round trip")
@@ -217,8 +215,8 @@ class Format:
 
     def quantize(self, x, *, scale_mode=None, out=None, stream=None):
         """Quantize ``x`` (M, D) bf16/fp32 device array, C-contiguous, D % ``d_multiple`` == 0, into
-        a new (or the given) QuantizedArray. Raises TypeError (dtype, ``out`` of another format) /
-        ValueError (shape, ``scale_mode``)."""
+        a new (or the given) QuantizedArray. Raises TypeError (dtype, ``out`` of another
+        format) / ValueError (shape, ``scale_mode``)."""
         x = check_rows(x, "x", 1, _OUT_DTYPES)
         self.check_input(x)
         if out is None:

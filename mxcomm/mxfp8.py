@@ -1,8 +1,8 @@
 """MXFP8 (OCP Microscaling v1.0) arrays: bf16/fp32 rows to e4m3 data + e8m0 scales, and back.
 
 Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive elements of a row;
-``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 e8m0 bits (2^(s - 127), 0xFF
-= NaN); uint8 because fp8 has no CuPy dtype. The ``launch_*`` functions run the host twin
+``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 e8m0 bits (2^(s - 127),
+0xFF = NaN); uint8 because fp8 has no CuPy dtype. The ``launch_*`` functions run the host twin
 (``mxcomm._host``) on the host backend, else the kernels.
 """
 

@@ -1,8 +1,8 @@
 """EP steps 2 and 4: permute received rows into expert-major, ``align``-padded groups, and back.
 
 Glossary: W ranks, E_local experts per rank, E = W * E_local, M_recv received rows, P permuted rows.
-Received rows are ordered by source rank, then local expert; ``num_tokens_per_expert_group`` (E,)
-is rank-major: entry r * E_local + e = rows rank r sent to my local expert e. Example, W = 2,
+Received rows are ordered by source rank, then local expert; ``num_tokens_per_expert_group`` (E,) is
+rank-major: entry r * E_local + e = rows rank r sent to my local expert e. Example, W = 2,
 E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align = 4:
 
     received row   0    1    2    3    4    5
@@ -13,8 +13,8 @@ E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align
     indices        0  1  -1 -1 |  2  3  4  5  |  -1 ..  -1
     group_offsets  [4, 8]
 
-A group with no rows takes no padding. No host sync: P is a static bound, and the index is built
-on the device where the counts are.
+A group with no rows takes no padding. No host sync: P is a static bound, and the index is built on
+the device where the counts are.
 """
 
 import contextlib
@@ -45,8 +45,8 @@ def _check_int(value, name, minimum):
 
 
 def _rows(x, name):
-    """The row arrays of ``x`` (data, and scales of a QuantizedArray), validated, and its
-    Format (None for a plain array)."""
+    """The row arrays of ``x`` (data, and scales of a QuantizedArray), validated, and its Format
+    (None for a plain array)."""
     if isinstance(x, QuantizedArray):
         return [x.data, x.scales], x.format
     return [check_rows(x, name, two_d=False)], None
@@ -83,8 +83,7 @@ class GatheredRows:
 
     def write(self, begin, end, out, stream, share=1.0):
         """Rows ``[begin, end)`` gathered into ``out`` (an array or ``Words``) on raw stream
-        ``stream``
-        with ``share`` of the grid: a producer of the staged exchange."""
+        ``stream`` with ``share`` of the grid: a producer of the staged exchange."""
         if end > begin:
             move_rows(gather_rows_kernel, row_range(self.index, begin, end), (self.source,),
                        (out,), stream, share)
@@ -236,8 +235,8 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
 
 
 def _conversion(fmt, out_format, srcs):
-    """The gather converting rows of ``fmt`` (None: plain) into ``out_format``, or None where
-    they move as they are. Raises ValueError where no conversion exists."""
+    """The gather converting rows of ``fmt`` (None: plain) into ``out_format``, or None where they
+    move as they are. Raises ValueError where no conversion exists."""
     if out_format is None:
         return None
     target = get_format(out_format, "out_format")
@@ -248,8 +247,8 @@ def _conversion(fmt, out_format, srcs):
 
 
 def _gather(x, srcs, fmt, convert, indices, stream, alloc):
-    """Rows ``indices`` of ``x`` (padding: zeros and the padding scale), converted by ``convert``
-    if given, in one pass."""
+    """Rows ``indices`` of ``x`` (padding: zeros and the padding scale), converted by ``convert`` if
+    given, in one pass."""
     if convert is not None:
         return convert(x, indices, stream_ptr(stream), alloc)
     alloc = alloc or array_module().empty
@@ -306,8 +305,8 @@ def _layout(counts, e_local, align, m_recv, p, stream, alloc=None):
 
 @prepared
 def _index_launches(align):
-    """The sized launches of ``permute_layout_kernel`` (one thread; count ``(1, E, E_local)``)
-    and ``permute_indices_kernel`` (a thread per permuted row; ``(P, E, E_local, M_recv)``)."""
+    """The sized launches of ``permute_layout_kernel`` (one thread; count ``(1, E, E_local)``) and
+    ``permute_indices_kernel`` (a thread per permuted row; ``(P, E, E_local, M_recv)``)."""
     def words(count):
         return Words(0, (1,), _INT32), count
     layout = SizedLaunch(permute_layout_kernel, launch_1d(1, threads=32), (0, 1), words(1),
