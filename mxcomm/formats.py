@@ -216,7 +216,7 @@ class Format:
     def quantize(self, x, *, scale_mode=None, out=None, stream=None):
         """Quantize ``x`` (M, D) bf16/fp32 device array, C-contiguous, D % ``d_multiple`` == 0, into
         a new (or the given) QuantizedArray. Raises TypeError (dtype, ``out`` of another
-        format) / ValueError (shape, ``scale_mode``)."""
+        format) / ValueError (shape, address alignment, ``scale_mode``)."""
         x = check_rows(x, "x", 1, _OUT_DTYPES)
         self.check_input(x)
         if out is None:
