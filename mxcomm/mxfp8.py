@@ -2,8 +2,10 @@
 
 Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive elements of a row;
 ``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 e8m0 bits (2^(s - 127),
-0xFF = NaN); uint8 because fp8 has no CuPy dtype. The ``launch_*`` functions run the host twin
-(``mxcomm._host``) on the host backend, else the kernels.
+0xFF = NaN); uint8 because fp8 has no CuPy dtype. The ``launch_*`` functions take arguments checked
+by the caller, a raw stream handle and, where they have it, ``share`` of the grid
+(``kernels.launch_1d``), and return ``out``; on the host backend they run the host twin
+(``mxcomm._host``), done on return.
 """
 
 import functools
@@ -95,9 +97,7 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
 
 
 def launch_quantize(x, out, scale_mode, stream, share=1.0):
-    """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, into the MXFP8Array ``out``. Done on return on
-    the host backend; else enqueued on raw stream ``stream`` with ``share`` of the grid
-    (``kernels.launch_1d``). Arguments checked by the caller. Returns ``out``."""
+    """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, into the MXFP8Array ``out``."""
     if x.size == 0:
         return out
     if host_backend():
@@ -111,9 +111,7 @@ def launch_quantize(x, out, scale_mode, stream, share=1.0):
 def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
     """Quantize rows ``rows`` (R,) int32 of ``x`` (M, D) bf16, C-contiguous, 16-byte aligned rows,
     into ``out`` (R, D), each row exactly as :func:`launch_quantize` does: the quantized dispatch
-    gradient's producer (``permutation.GatheredRows``). Done on return on the host backend; else
-    enqueued on raw stream ``stream`` with ``share`` of the grid (``kernels.launch_1d``). Arguments
-    checked by the caller. Returns ``out``."""
+    gradient's producer (``permutation.GatheredRows``)."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
@@ -157,9 +155,7 @@ def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
     """bf16 rows through MXFP8 and back in one pass: ``out`` (R, D) bf16 is bit for bit
     :func:`launch_quantize` then :func:`launch_dequantize` of row r of ``x`` (``rows`` None) or row
     ``rows[r]`` (``rows`` (R,) int32). ``x`` (M, D) bf16 C-contiguous (16-byte aligned rows with
-    ``rows``); ``out`` C-contiguous, 16-byte aligned. Done on return on the host backend; else
-    enqueued on raw stream ``stream`` with ``share`` of the grid (``kernels.launch_1d``). Arguments
-    checked by the caller. Returns ``out``.
+    ``rows``); ``out`` C-contiguous, 16-byte aligned.
 
     Raises:
         ValueError: on a GPU, an address the kernel cannot load or store 16 bytes at.
@@ -225,9 +221,7 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
 
 
 def launch_dequantize(mx, out, stream, share=1.0):
-    """Decode ``mx`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous. Done on return on the host
-    backend; else enqueued on raw stream ``stream`` with ``share`` of the grid
-    (``kernels.launch_1d``). Arguments checked by the caller. Returns ``out``."""
+    """Decode ``mx`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous."""
     if out.size == 0:
         return out
     if host_backend():
@@ -250,8 +244,7 @@ def _dequantize_launch(dtype, share):
 def launch_gather_dequantize(mx, indices, out, stream):
     """Row p of ``out`` (P, D) bf16 = row ``indices[p]`` of ``mx`` (N, D) dequantized as
     :func:`dequantize_mxfp8` does, zeros where the index is < 0 or >= N; one pass. ``indices`` (P,)
-    int32 and ``out`` C-contiguous, checked by the caller. Done on return on the host backend; else
-    enqueued on raw stream ``stream``. Returns ``out``.
+    int32 and ``out`` C-contiguous.
 
     Raises:
         ValueError: on a GPU, ``mx.data`` or ``out`` at an address not a multiple of 16 bytes.
