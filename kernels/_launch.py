@@ -1,10 +1,9 @@
 """Kernel launches: grid sizing (one helper, no block sizes scattered around) and the launcher.
 
-On a GPU a :class:`Kernel` compiles each argument-type combination once with numba
-(``cuda.compile_ptx`` for the device's compute capability), loads the PTX through CuPy and launches
-it through the driver with the arguments in numba's ABI packed into one buffer
-(``mxcomm._driver.PackedLaunch``), sparing numba's dispatcher its host time (docs/design.md
-"Arrays"). Under the simulator it is numba's dispatcher.
+On a GPU a :class:`Kernel` compiles each argument-type combination once (``cuda.compile_ptx`` for
+the device's compute capability), loads the PTX through CuPy and launches it through
+``mxcomm._driver.PackedLaunch``, bypassing numba's dispatcher (docs/design.md "Arrays"). Under the
+simulator it is numba's dispatcher.
 """
 
 import functools

@@ -1,10 +1,9 @@
-"""Loads and stores of row words with the least address arithmetic: 16-byte loads, no index wrap.
+"""Loads and stores of row words with the least address arithmetic (docs/design.md "Arrays").
 
-Numba maps every negative index to ``index + shape`` (64-bit compare and select), costly in kernels
-bound by instruction issue. These helpers take non-negative indices only (unchecked on a GPU; the
-simulator refuses negative ones), load two words in one 16-byte access (``*_pair``: the address a
-multiple of 16 bytes, checked by the caller), or take one flat index (``*_flat``). On a GPU each is
-a Numba intrinsic; under the simulator a device function with the same result.
+Non-negative indices only, unlike numba's indexing, which wraps them (unchecked on a GPU; the
+simulator refuses negative ones); ``*_pair``: two words in one 16-byte access, the address a
+multiple of 16 bytes (checked by the caller); ``*_flat``: one flat index. On a GPU each is a Numba
+intrinsic; under the simulator a device function with the same result.
 """
 
 from numba import cuda

@@ -1,10 +1,6 @@
-"""Kernel launches through the CUDA driver with one packed parameter buffer (GPU only).
-
-A :class:`PackedLaunch` packs a numba kernel's parameters (numba's ABI spends ``5 + 2 * ndim`` per
-array) with one ``struct.pack_into`` and launches through ``cuLaunchKernel``'s ``extra`` argument
-(``CU_LAUNCH_PARAM_BUFFER_POINTER``; CUDA driver API, "Execution Control"), sparing CuPy's
-per-argument conversion; the driver copies the parameters at launch, so the buffer is reused at
-once. :class:`Words` names a device array by address without a CuPy view. Leaf module: imports CuPy
+"""Kernel launches through the CUDA driver with one packed parameter buffer (GPU only), and
+:class:`Words`, a device array named by address without a CuPy view (docs/design.md "Arrays"). The
+driver copies the parameters at launch, so the buffer is reused at once. Leaf module: imports CuPy
 lazily, and NumPy; nothing of this package.
 """
 
