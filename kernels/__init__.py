@@ -1,7 +1,5 @@
-"""Numba CUDA kernels of mxcomm (installed as ``mxcomm.kernels``): MXFP8 quantize/dequantize,
-token permute/unpermute, fp8 bit conversions. Imports numba, and of ``mxcomm`` only the leaves
-``mxcomm._platform`` (which decides where array work runs) and ``mxcomm._driver`` (launches, arrays
-by address)."""
+"""Numba CUDA kernels of mxcomm (installed as ``mxcomm.kernels``). Imports numba, and of ``mxcomm``
+only the leaves ``_platform`` and ``_driver``."""
 
 from ._device import array_module, simulated  # first: sets up the simulator before numba loads
 from ._launch import (UNBOUNDED, Kernel, Launch, SizedLaunch, Words, address, clear_prepared,

@@ -1,10 +1,8 @@
 """Where the CUDA kernels run: the GPU, or Numba's CUDA simulator on the CPU.
 
-``mxcomm._platform`` decides (``MXCOMM_BACKEND``, read once); this module applies the decision to
-numba, which reads ``NUMBA_ENABLE_CUDASIM`` once, at its own import. Imported before numba, it turns
-the simulator on whenever the backend is not ``"cuda"`` (the host backend and the ``"simulator"``
-backend: arrays in host memory), so the kernels can still be launched, e.g. by the tests comparing
-them with the host backend. Everything else asks :func:`simulated` or :func:`array_module`.
+Applies ``mxcomm._platform``'s decision to numba, which reads ``NUMBA_ENABLE_CUDASIM`` once, at its
+import: imported before numba, it turns the simulator on whenever the backend is not ``"cuda"``, so
+the tests can still launch the kernels on host arrays.
 """
 
 import os
@@ -20,8 +18,8 @@ from numba import config as _numba_config  # noqa: E402  (after the simulator de
 _SIMULATED = bool(_numba_config.ENABLE_CUDASIM)
 
 if _SIMULATED != kernels_simulated() and backend() != "host":
-    # numba was imported first, or NUMBA_ENABLE_CUDASIM was set, against the decision; the host
-    # backend does not launch kernels, the other two cannot work this way.
+    # numba imported first, or NUMBA_ENABLE_CUDASIM set, against the decision (only the host
+    # backend, launching no kernels, works so)
     raise RuntimeError(
         f"mxcomm backend {backend()!r} needs Numba's CUDA simulator "
         f"{'on' if kernels_simulated() else 'off'}, but numba has it "
@@ -31,9 +29,7 @@ if _SIMULATED != kernels_simulated() and backend() != "host":
 
 
 def simulated():
-    """True when the CUDA kernels run in Numba's CUDA simulator (on NumPy arrays, on the host):
-    on every backend but ``"cuda"``, so always without a GPU. Where the public API's work runs is
-    ``mxcomm._platform.backend()``."""
+    """True when the CUDA kernels run in Numba's CUDA simulator (every backend but ``"cuda"``)."""
     return _SIMULATED
 
 

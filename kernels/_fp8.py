@@ -1,11 +1,8 @@
 """Scalar bit helpers for MXFP8 (OCP Microscaling v1.0): e4m3fn elements, e8m0 scales, bf16.
 
-Every helper is a ``@cuda.jit(device=True)`` function on integers or float32 scalars. Two of them
-need the hardware (a bit cast and the f32 -> e4m3 conversion); for those, this module picks at import
-either inline PTX (on a GPU) or a pure-Python form with the same bits (under Numba's CUDA simulator).
-That choice, on :func:`simulated`, is the only branch on the device in the kernels.
-
-Bit layouts:
+Every helper is a ``@cuda.jit(device=True)`` function on integers or float32 scalars. Those that
+need the hardware are inline PTX on a GPU and pure Python with the same bits under Numba's CUDA
+simulator, chosen at import: the kernels' only branch on the device.
 
     e4m3fn  s eeee mmm   bias 7, max 448 (0x7E), no inf, NaN = 0x7F / 0xFF
     e8m0    eeeeeeee     2^(e - 127), 0xFF = NaN
@@ -61,10 +58,8 @@ def _e4m3_value_py(b):
 
 
 def _e4m3_bits_py(x):
-    """e4m3fn bits of the float ``x``: round to nearest even, saturate to +-448, NaN -> 0x7F|sign.
-
-    The exact semantics of PTX ``cvt.rn.satfinite.e4m3x2.f32`` for one lane (Inf saturates too).
-    """
+    """e4m3fn bits of the float ``x`` exactly as PTX ``cvt.rn.satfinite.e4m3x2.f32`` gives one lane:
+    round to nearest even, saturate to +-448 (Inf too), NaN -> 0x7F|sign."""
     x = float(x)
     sign = 0x80 if math.copysign(1.0, x) < 0 else 0
     if math.isnan(x):
@@ -79,7 +74,7 @@ def _e4m3_bits_py(x):
     exp = e - 1 + 7
     if q == 16:
         q, exp = 8, exp + 1
-    if exp > 15 or (exp == 15 and q - 8 == 7):  # rounding reached 480 (never: v < 448 rounds <= 448)
+    if exp > 15 or (exp == 15 and q - 8 == 7):  # 480: never (v < 448 rounds to <= 448)
         return 0x7E | sign
     return (exp << 3) | (q - 8) | sign
 
@@ -87,11 +82,7 @@ def _e4m3_bits_py(x):
 if simulated():
     @cuda.jit(device=True)
     def cvt_e4m3x2(a, b):
-        """e4m3fn bits of two f32 values in one uint16: ``a`` in the upper byte, ``b`` in the lower.
-
-        Round to nearest even, saturate to +-448 (Inf too), NaN -> 0x7F with its sign
-        (PTX ``cvt.rn.satfinite.e4m3x2.f32``).
-        """
+        """PTX ``cvt.rn.satfinite.e4m3x2.f32`` in Python, bit for bit (see the GPU form)."""
         return uint16((_e4m3_bits_py(a) << 8) | _e4m3_bits_py(b))
 
     @cuda.jit(device=True)
@@ -106,15 +97,14 @@ if simulated():
 
     @cuda.jit(device=True)
     def cvt_f16x2_e4m3x2(a):
-        """Two f16 (in a uint32) of the two e4m3fn in the uint16 ``a``: the upper byte to the upper
-        half (PTX ``cvt.rn.f16x2.e4m3x2``, exact; NaN bytes are the caller's to avoid)."""
+        """PTX ``cvt.rn.f16x2.e4m3x2`` in Python, bit for bit (see the GPU form)."""
         hi = numpy.float16(_e4m3_value_py(int(a) >> 8)).view(numpy.uint16)
         lo = numpy.float16(_e4m3_value_py(int(a) & 0xFF)).view(numpy.uint16)
         return uint32((int(hi) << 16) | int(lo))
 
     @cuda.jit(device=True)
     def f32_from_f16_bits(h):
-        """The float32 value of the f16 with bits ``h`` (exact; PTX ``cvt.f32.f16``)."""
+        """PTX ``cvt.f32.f16`` in Python, bit for bit (see the GPU form)."""
         return float32(numpy.uint16(h).view(numpy.float16))
 
     def _f16_py(h):
@@ -125,8 +115,7 @@ if simulated():
 
     @cuda.jit(device=True)
     def mul_f16x2(a, b):
-        """The two f16 products of the f16 pairs (uint32 bits) ``a`` and ``b``, each rounded to
-        nearest even, subnormals kept (PTX ``mul.rn.f16x2``)."""
+        """PTX ``mul.rn.f16x2`` in Python, bit for bit (see the GPU form)."""
         with numpy.errstate(all="ignore"):
             hi = _f16_bits_py(_f16_py(int(a) >> 16) * _f16_py(int(b) >> 16))
             lo = _f16_bits_py(_f16_py(int(a) & 0xFFFF) * _f16_py(int(b) & 0xFFFF))
@@ -134,31 +123,25 @@ if simulated():
 
     @cuda.jit(device=True)
     def cvt_e4m3x2_f16x2(h):
-        """e4m3fn bits (uint16) of the two f16 in the uint32 ``h``, the upper half to the upper
-        byte: round to nearest even, saturate to +-448, NaN -> 0x7F with its sign (PTX
-        ``cvt.rn.satfinite.e4m3x2.f16x2``)."""
+        """PTX ``cvt.rn.satfinite.e4m3x2.f16x2`` in Python, bit for bit (see the GPU form)."""
         return uint16((_e4m3_bits_py(_f16_py(int(h) >> 16)) << 8)
                       | _e4m3_bits_py(_f16_py(int(h) & 0xFFFF)))
 
     @cuda.jit(device=True)
     def cvt_bf16x2_f32(a, b):
-        """Two bf16 (in a uint32) of the f32 values ``a`` (upper half) and ``b`` (lower), round to
-        nearest even (PTX ``cvt.rn.bf16x2.f32``; finite inputs)."""
+        """PTX ``cvt.rn.bf16x2.f32`` in Python, bit for bit (see the GPU form)."""
         return uint32((int(bf16_bits_from_f32_bits(bits_from_f32(a))) << 16)
                       | int(bf16_bits_from_f32_bits(bits_from_f32(b))))
 
     @cuda.jit(device=True)
     def max_u16x2(a, b):
-        """The unsigned 16-bit maxima of the halves of the uint32s ``a`` and ``b`` (PTX
-        ``max.u16x2``)."""
+        """PTX ``max.u16x2`` in Python, bit for bit (see the GPU form)."""
         a, b = int(a), int(b)
         return uint32(max(a & 0xFFFF, b & 0xFFFF) | (max(a >> 16, b >> 16) << 16))
 
     @cuda.jit(device=True)
     def byte_perm(a, b, selector):
-        """The uint32 whose byte k is byte ``selector``'s nibble k (0-7) of the 8 bytes of ``b``
-        (bytes 4-7) and ``a`` (bytes 0-3), each a uint32 (PTX ``prmt.b32``, default mode; the
-        nibbles' top bit, sign replication, is not used here)."""
+        """PTX ``prmt.b32`` in Python, bit for bit (see the GPU form)."""
         both = (int(b) << 32) | int(a)
         sel = int(selector)
         return uint32(sum(((both >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k)
@@ -170,9 +153,9 @@ else:
     from numba.cuda.extending import intrinsic
 
     def _instruction(text, constraints, signature):
-        """An intrinsic's (signature, codegen) of one inline PTX instruction: ``text`` with its
-        operands ``$0`` (the result), ``$1``... and their LLVM ``constraints`` (``"=r,f,f"``:
-        ``h`` 16-bit, ``r`` 32-bit, ``f`` f32 registers)."""
+        """An intrinsic's (signature, codegen) of one inline PTX instruction ``text`` with operands
+        ``$0`` (the result), ``$1``... and LLVM ``constraints`` (``h`` 16-bit, ``r`` 32-bit, ``f``
+        f32)."""
 
         def codegen(context, builder, sig, args):
             fnty = ir.FunctionType(context.get_value_type(sig.return_type),
@@ -183,11 +166,9 @@ else:
 
     @intrinsic
     def cvt_e4m3x2(typingctx, a, b):
-        """e4m3fn bits of two f32 values in one uint16: ``a`` in the upper byte, ``b`` in the lower.
-
-        One PTX instruction, ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+): round to nearest even,
-        saturate to +-448 (Inf too), NaN -> 0x7F with its sign.
-        """
+        """e4m3fn bits of f32 ``a`` (upper byte) and ``b`` (lower) in one uint16: PTX
+        ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+): round to nearest even, saturate to +-448 (Inf
+        too), NaN -> 0x7F with its sign."""
         return _instruction("cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f",
                             types.uint16(types.float32, types.float32))
 
@@ -203,49 +184,49 @@ else:
 
     @intrinsic
     def cvt_f16x2_e4m3x2(typingctx, a):
-        """Two f16 (in a uint32) of the two e4m3fn in the uint16 ``a``: the upper byte to the upper
-        half. One PTX instruction, ``cvt.rn.f16x2.e4m3x2`` (sm_89+), exact."""
+        """Two f16 (a uint32) of the two e4m3fn in the uint16 ``a``, upper byte to upper half: PTX
+        ``cvt.rn.f16x2.e4m3x2`` (sm_89+), exact; NaN bytes are the caller's to avoid."""
         return _instruction("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
                             types.uint32(types.uint16))
 
     @intrinsic
     def f32_from_f16_bits(typingctx, h):
-        """The float32 value of the f16 with bits ``h`` (uint16): ``cvt.f32.f16``, exact."""
+        """The float32 value of the f16 with bits ``h`` (uint16): PTX ``cvt.f32.f16``, exact."""
         return _instruction("cvt.f32.f16 $0, $1;", "=f,h",
                             types.float32(types.uint16))
 
     @intrinsic
     def mul_f16x2(typingctx, a, b):
-        """The two f16 products of the f16 pairs (uint32 bits) ``a`` and ``b``: one PTX
-        instruction, ``mul.rn.f16x2`` (round to nearest even, subnormals kept, never fused)."""
+        """The two f16 products of the f16 pairs (uint32 bits) ``a`` and ``b``: PTX ``mul.rn.f16x2``
+        (round to nearest even, subnormals kept, never fused)."""
         return _instruction("mul.rn.f16x2 $0, $1, $2;", "=r,r,r",
                             types.uint32(types.uint32, types.uint32))
 
     @intrinsic
     def cvt_e4m3x2_f16x2(typingctx, h):
-        """e4m3fn bits (uint16) of the two f16 in the uint32 ``h``, the upper half to the upper
-        byte: one PTX instruction, ``cvt.rn.satfinite.e4m3x2.f16x2`` (sm_89+)."""
+        """e4m3fn bits (uint16) of the two f16 in the uint32 ``h``, upper half to upper byte: PTX
+        ``cvt.rn.satfinite.e4m3x2.f16x2`` (sm_89+; NaN -> 0x7F with its sign)."""
         return _instruction("cvt.rn.satfinite.e4m3x2.f16x2 $0, $1;", "=h,r",
                             types.uint16(types.uint32))
 
     @intrinsic
     def cvt_bf16x2_f32(typingctx, a, b):
-        """Two bf16 (in a uint32) of the f32 values ``a`` (upper half) and ``b`` (lower): one PTX
-        instruction, ``cvt.rn.bf16x2.f32`` (sm_80+), round to nearest even."""
+        """Two bf16 (a uint32) of f32 ``a`` (upper half) and ``b`` (lower): PTX
+        ``cvt.rn.bf16x2.f32`` (sm_80+), round to nearest even (finite inputs)."""
         return _instruction("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
                             types.uint32(types.float32, types.float32))
 
     @intrinsic
     def max_u16x2(typingctx, a, b):
-        """The unsigned 16-bit maxima of the halves of the uint32s ``a`` and ``b``: one PTX
-        instruction, ``max.u16x2`` (sm_90+)."""
+        """The unsigned 16-bit maxima of the halves of the uint32s ``a`` and ``b``: PTX
+        ``max.u16x2`` (sm_90+)."""
         return _instruction("max.u16x2 $0, $1, $2;", "=r,r,r",
                             types.uint32(types.uint32, types.uint32))
 
     @intrinsic
     def byte_perm(typingctx, a, b, selector):
         """The uint32 whose byte k is byte ``selector``'s nibble k (0-7) of the 8 bytes of ``b``
-        (bytes 4-7) and ``a`` (bytes 0-3): one PTX instruction, ``prmt.b32`` (default mode)."""
+        (bytes 4-7) and ``a`` (0-3): PTX ``prmt.b32``, default mode (sign replication unused)."""
         return _instruction("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
                             types.uint32(types.uint32, types.uint32, types.uint32))
 
@@ -282,8 +263,7 @@ def e8m0_from_bf16_amax(amax_bits, rceil):
 
 @cuda.jit(device=True)
 def e8m0_from_f32_amax(amax_bits, rceil):
-    """Biased e8m0 scale of a block from its max-abs f32 bits (finite); as
-    :func:`e8m0_from_bf16_amax` with exp = bits >> 23 and the 1.75 threshold 0x600000."""
+    """:func:`e8m0_from_bf16_amax` of f32 bits: exp = bits >> 23, the 1.75 threshold 0x600000."""
     e = int32(amax_bits >> uint32(23))
     if rceil and (amax_bits & uint32(0x7FFFFF)) > uint32(F32_MANT_1_75):
         e = int32(e + int32(1))
@@ -306,7 +286,7 @@ def scale_f32_bits(s):
 
 @cuda.jit(device=True)
 def bf16_bits_from_f32_bits(bits):
-    """bf16 bits (in a uint32) of the f32 with bits ``bits``: round to nearest even; NaN -> 0x7FC0."""
+    """bf16 bits (a uint32) of the f32 bits ``bits``: round to nearest even; NaN -> 0x7FC0."""
     if (bits & uint32(0x7FFFFFFF)) > uint32(F32_INF):
         return uint32(BF16_NAN)
     return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
@@ -314,12 +294,9 @@ def bf16_bits_from_f32_bits(bits):
 
 @cuda.jit(device=True)
 def f32_from_e4m3(b):
-    """The float32 value of the non-NaN e4m3fn bits ``b`` (a uint32, 0..255), exact and branch-free.
-
-    The f32 with bits (sign << 31) | (magnitude << 20) has the e4m3 exponent field as its own and
-    the 3 mantissa bits on top of its mantissa: it is the e4m3 value times 2^-120, for normals and
-    subnormals alike (an f32 subnormal then), so one exact multiply by 2^120 decodes. NaN bits
-    (0x7F, 0xFF) decode as +-480: callers test for them.
-    """
+    """The float32 value of the non-NaN e4m3fn bits ``b`` (a uint32, 0..255), exact and branch-free:
+    the f32 with bits (sign << 31) | (magnitude << 20) is the e4m3 value times 2^-120 (normal or
+    subnormal), so one exact multiply by 2^120 decodes. NaN bits (0x7F, 0xFF) decode as +-480:
+    callers test for them."""
     bits = ((b & uint32(0x80)) << uint32(24)) | ((b & uint32(0x7F)) << uint32(20))
     return f32_from_bits(bits) * E4M3_F32_SHIFT

@@ -1,9 +1,8 @@
 """Kernel launches: grid sizing (one helper, no block sizes scattered around) and the launcher.
 
-Numba's dispatcher costs more host time per launch than some of our kernels take on the device
-(docs/design.md "Arrays"). So on a GPU a :class:`Kernel` compiles each argument-type combination once with numba (``cuda.compile_ptx`` for the
-device's compute capability), loads the PTX through CuPy and launches it through the driver with the
-arguments in numba's kernel ABI packed into one buffer (``mxcomm._driver.PackedLaunch``). Under the
+On a GPU a :class:`Kernel` compiles each argument-type combination once (``cuda.compile_ptx`` for
+the device's compute capability), loads the PTX through CuPy and launches it through
+``mxcomm._driver.PackedLaunch``, bypassing numba's dispatcher (docs/design.md "Arrays"). Under the
 simulator it is numba's dispatcher.
 """
 
@@ -38,17 +37,15 @@ def _device_properties():
 def launch_1d(n, stream=0, *, threads=None, share=1.0):
     """Launch configuration ``(blocks, threads, stream)`` for ``n`` work items, grid-stride.
 
-    Kernels launched with it must loop ``for i in range(start, n, stride)``: the grid is capped at
-    ``share`` of ``RESIDENT_THREADS_PER_SM`` threads per multiprocessor (a persistent grid), and
-    never empty.
+    Kernels launched with it loop ``for i in range(start, n, stride)``: the grid is never empty and
+    is capped at ``share`` of ``RESIDENT_THREADS_PER_SM`` threads per multiprocessor (persistent).
 
     Args:
-        n: number of work items (threads' worth of work), >= 0.
-        stream: the raw CUDA stream handle (int) to launch on; ignored under the simulator.
+        n: work items, >= 0.
+        stream: the raw CUDA stream handle (int); ignored under the simulator.
         threads: threads per block, a multiple of 32; default ``THREADS_PER_BLOCK``.
         share: the fraction of the device's resident threads the grid may take, in (0, 1]: below
-            1 for a kernel meant to run beside another one's persistent grid (which then keeps
-            the rest of the device, instead of waiting for it or leaving it).
+            1 for a kernel running beside another's persistent grid.
     Returns:
         A tuple to index a :class:`Kernel` with: ``kernel[launch_1d(n, stream)](...)``.
     """
@@ -63,9 +60,8 @@ def launch_1d(n, stream=0, *, threads=None, share=1.0):
     return blocks, threads, int(stream)
 
 
-#: Hopper's (sm_90) register file and warp slots per multiprocessor (registers are allocated per
-#: warp in units of 256, 8 per thread), its shared memory per multiprocessor and what the driver
-#: reserves of it per block.
+#: Hopper's (sm_90) registers and warp slots per multiprocessor (registers go per warp in units
+#: of 256), shared memory per multiprocessor and the driver's reserve per block.
 REGISTERS_PER_SM = 65536
 WARPS_PER_SM = 64
 SHARED_PER_SM = 228 * 1024
@@ -73,12 +69,9 @@ SHARED_RESERVED = 1024
 
 
 def resident_launch(n, threads, registers, stream, share, shared=0):
-    """:func:`launch_1d` for a kernel of ``registers`` per thread and ``shared`` bytes of shared
-    memory per block, its persistent grid capped at the blocks that stay resident together.
-
-    Above 32 registers a thread only part of RESIDENT_THREADS_PER_SM fit, and the blocks beyond
-    would run in a second, partial wave (every block of a grid-stride loop gets the same work).
-    """
+    """:func:`launch_1d` for a kernel of ``registers`` per thread and ``shared`` bytes per block,
+    its persistent grid capped at the blocks that stay resident together (beyond them, a grid-stride
+    loop would run a second, partial wave)."""
     warps = threads // 32
     warp_registers = -(-registers // 8) * 8 * 32
     by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED) if shared else RESIDENT_BLOCKS_PER_SM
@@ -98,8 +91,8 @@ def _loads(itemsize, align):
 
 def words(a, dtype, name, *, rows=False, align=None):
     """The C-contiguous array ``a`` as a kernel argument of ``dtype`` words, zero-copy: flat, or
-    with ``rows`` the 2-D ``a``'s rows viewed as words. A :class:`Words` on a GPU, a NumPy view
-    under the simulator.
+    with ``rows`` the 2-D ``a``'s rows as words. A :class:`Words` on a GPU, a NumPy view under the
+    simulator.
 
     Args:
         a: a C-contiguous CuPy (GPU) or NumPy (simulator) array; 2-D with ``rows``.
@@ -108,7 +101,7 @@ def words(a, dtype, name, *, rows=False, align=None):
         align: bytes the address and the row size must be multiples of (default: the word's
             size; 16 for kernels that load word pairs).
     Raises:
-        ValueError: ``a``'s address or its rows (its bytes) are not aligned to ``align``.
+        ValueError: ``a``'s address or row bytes not aligned to ``align``.
     """
     align = align or dtype.itemsize
     ptr = address(a)
@@ -125,8 +118,7 @@ def words(a, dtype, name, *, rows=False, align=None):
 
 
 def _argument_type(a):
-    """The numba type of a kernel argument: a device array (or :class:`Words`), a bool or an
-    int."""
+    """The numba type of a kernel argument: a device array (or :class:`Words`), a bool or an int."""
     if isinstance(a, Words):
         return types.Array(from_dtype(a.dtype), a.ndim, "C")
     if isinstance(a, (bool, numpy.bool_)):
@@ -138,7 +130,7 @@ def _argument_type(a):
 
 
 def _argument_key(a):
-    """A hashable key equal for arguments of the same numba type (see :func:`_argument_type`)."""
+    """A hashable key equal for arguments of the same numba type."""
     if isinstance(a, Words):
         return a.dtype, a.ndim, True
     if isinstance(a, (bool, numpy.bool_)):
@@ -149,8 +141,8 @@ def _argument_key(a):
 
 
 def _abi_format(a):
-    """The ``struct`` codes of argument ``a`` in numba's kernel ABI: an array is (meminfo, parent,
-    nitems, itemsize, data, *shape, *strides), 8 bytes each; a bool one byte, an int 8."""
+    """The ``struct`` codes of ``a`` in numba's kernel ABI: an array is (meminfo, parent, nitems,
+    itemsize, data, *shape, *strides), 8 bytes each; a bool one byte, an int 8."""
     if isinstance(a, Words):
         return "QQqqQ" + "q" * (2 * a.ndim)
     if isinstance(a, (bool, numpy.bool_)):
@@ -161,7 +153,7 @@ def _abi_format(a):
 
 
 def _abi_values(args):
-    """The values of ``args`` in the order :func:`_abi_format` lays them out (Python ints)."""
+    """The values of ``args`` in :func:`_abi_format`'s layout (Python ints)."""
     values = []
     for a in args:
         if isinstance(a, Words):
@@ -181,7 +173,7 @@ class Kernel:
     Args:
         pyfunc: the kernel's Python function, written for ``numba.cuda.jit``.
         launch_bounds: ``(max threads per block, min blocks per multiprocessor)`` for the
-            compiler (it then keeps the registers per thread low enough), or None.
+            compiler (to cap registers per thread), or None.
     """
 
     def __init__(self, pyfunc, launch_bounds=None):
@@ -209,9 +201,8 @@ class Kernel:
         return ptx
 
     def _function(self, args):
-        """The launcher of the compiled function for ``args``, looked up by a cheap key of their
-        kinds (dtype, dimensions, contiguity); numba types are built only on the first launch of
-        a kind."""
+        """The launcher of the compiled function for ``args``, found by a cheap key of their kinds;
+        numba types are built only on a kind's first launch."""
         key = tuple(map(_argument_key, args))
         function = self._functions.get(key)
         if function is None:
@@ -230,26 +221,20 @@ class Kernel:
 
 
 class Launch:
-    """One launch of a :class:`Kernel` prepared for arrays of fixed shapes: the compiled
-    function, the grid and every parameter but the arrays' addresses and the stream are found
-    once; a call fills in the addresses and launches. Launchers called per exchange use its
-    :class:`SizedLaunch` form, one per kernel, dtype, width and grid share (:func:`prepared`):
-    row counts change with every layout.
+    """One launch of a :class:`Kernel` prepared for arrays of fixed shapes: the compiled function,
+    grid and every parameter but the arrays' addresses and the stream are found once.
 
     Args:
         kernel: the :class:`Kernel`.
-        config: ``(blocks, threads, stream[, shared])`` as :func:`launch_1d` returns it (its
-            stream ignored), ``shared`` the bytes of dynamic shared memory (default 0).
-        args: the kernel's arguments in order: for each array a :class:`Words` placeholder
-            (address ignored; its shape and word dtype are the argument's), given at call time;
-            ints and bools, fixed here.
+        config: ``(blocks, threads, stream[, shared])`` from :func:`launch_1d` (stream ignored),
+            ``shared`` the bytes of dynamic shared memory (default 0).
+        args: the kernel's arguments in order: a :class:`Words` placeholder per array (its shape
+            and word dtype; the array comes at call time); ints and bools, fixed here.
 
-    Calling it, ``launch(stream, *arrays)``: one C-contiguous array per placeholder, in order,
-    whose bytes are the placeholder's shape of words (not checked: the caller's cache key
-    guarantees it): a CuPy array, a :class:`Words`, or an int address on a GPU; under the
-    simulator a NumPy array (viewed as the placeholder's words for numba's dispatcher).
-    ``stream``: a raw stream handle (int). Enqueues the kernel; no synchronization.
-    Raises ValueError naming the argument when an address is not aligned to its ``align``.
+    ``launch(stream, *arrays)``: one C-contiguous array per placeholder, holding the placeholder's
+    words (not checked: the caller's cache key guarantees it): a CuPy array, :class:`Words` or int
+    address on a GPU; a NumPy array under the simulator. ``stream``: a raw handle. Enqueues the
+    kernel; no synchronization. Raises ValueError naming the argument for a misaligned address.
     """
 
     __slots__ = ("_kernel", "_blocks", "_threads", "_shared", "_args", "_names", "_function",
@@ -315,28 +300,24 @@ class Launch:
 
 
 class SizedLaunch(Launch):
-    """A :class:`Launch` whose arrays' sizes and grid scale with a count given at each call.
+    """A :class:`Launch` whose arrays' sizes and grid scale with counts given at each call.
 
-    A prepared launch of fixed sizes fits one layout's row counts, which change every training
-    step (docs/design.md "What a call builds, and what it reuses"). A sized launch is
-    prepared once per what stays fixed (kernel, dtypes, row width, grid share) and told the
-    *units* of work at each call: MX blocks, 128-element blocks or rows, as its format counts them.
+    Prepared once per what stays fixed (kernel, dtypes, row width, grid share), it is told the
+    *units* of work at each call (MX blocks, 128-element blocks or rows), since row counts change
+    with every layout (docs/design.md "What a call builds, and what it reuses").
 
     Args:
         kernel: the :class:`Kernel`.
-        config: ``(blocks, threads, stream[, shared])`` of the grid at its cap (``launch_1d``
-            of :data:`UNBOUNDED` work items): a call takes ``min(cap, needed)`` blocks.
-        threads_per_unit: ``(num, den)``: ``units`` units of work take ``ceil(units * num /
-            den)`` threads (the grid-stride loop's work items).
-        args: as :class:`Launch`, each :class:`Words` placeholder giving ONE unit's words:
-            ``(k,)`` for k words per unit, ``(1, c)`` for one row of c words per unit; a pair
-            ``(placeholder, i)`` scales with count ``i`` of a call's counts (default 0). An
-            integer argument is fixed, or with ``(None, i)`` count ``i`` of each call.
+        config: the grid at its cap (``launch_1d`` of :data:`UNBOUNDED` items): a call takes
+            ``min(cap, needed)`` blocks.
+        threads_per_unit: ``(num, den)``: ``units`` units take ``ceil(units * num / den)`` threads.
+        args: as :class:`Launch`, each placeholder giving ONE unit's words: ``(k,)``, or ``(1, c)``
+            for one row of c words; a pair ``(placeholder, i)`` scales with count ``i`` (default
+            0). An int is fixed, or ``(None, i)``: count ``i`` of each call.
 
-    Calling it, ``launch(stream, units, *arrays)``: ``units`` an int > 0, or a tuple of counts
-    whose first drives the grid (a gather's rows and its source's); then the arrays as
-    :class:`Launch` takes them, each holding its placeholder's words times its count (not
-    checked).
+    ``launch(stream, units, *arrays)``: ``units`` an int > 0, or a tuple of counts whose first
+    drives the grid; the arrays as :class:`Launch` takes them, each its placeholder's words times
+    its count (not checked).
     """
 
     __slots__ = ("_num", "_den", "_sizes", "_counted_ints")
@@ -360,8 +341,6 @@ class SizedLaunch(Launch):
             at += len(a.abi()) if isinstance(a, Words) else 1
 
     def __call__(self, stream, units, *arrays):
-        # the grid: the blocks the first count needs, at most the cap, at least 1; then the ABI
-        # values: sizes scaled to the counts, the arrays' addresses filled in
         counts = units if type(units) is tuple else (units,)
         need = -(-counts[0] * self._num // self._den)
         blocks = max(1, min(self._blocks, -(-need // self._threads)))
@@ -386,21 +365,21 @@ _PREPARED = []
 
 
 def prepared(factory):
-    """Decorator: ``factory(*key)`` -> :class:`Launch`, cached per key (the shapes, dtypes and
-    grid share that fix a launch). :func:`clear_prepared` empties every such cache."""
+    """Decorator: ``factory(*key)`` -> :class:`Launch`, cached per key (the shapes, dtypes and grid
+    share that fix a launch); :func:`clear_prepared` empties every such cache."""
     cached = functools.lru_cache(maxsize=1024)(factory)
     _PREPARED.append(cached)
     return cached
 
 
 def clear_prepared():
-    """Forget every prepared launch (tests that record what gets compiled)."""
+    """Forget every prepared launch (for tests that record what gets compiled)."""
     for cached in _PREPARED:
         cached.cache_clear()
 
 
 def kernel(pyfunc=None, *, launch_bounds=None):
-    """Decorator: a :class:`Kernel` from a Python function written for ``numba.cuda.jit``;
+    """Decorator: a :class:`Kernel` from a function written for ``numba.cuda.jit``;
     ``@kernel(launch_bounds=(threads, blocks))`` passes launch bounds to the compiler."""
     if pyfunc is None:
         return functools.partial(Kernel, launch_bounds=launch_bounds)

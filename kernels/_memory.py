@@ -1,12 +1,9 @@
-"""Loads and stores of row words with the least address arithmetic: 16-byte loads, no index wrap.
+"""Loads and stores of row words with the least address arithmetic (docs/design.md "Arrays").
 
-Numba maps every negative index to ``index + shape`` (64-bit compare and select), which costs
-kernels bound by instruction issue. The helpers here take non-negative indices only (not checked;
-the simulator refuses negative ones), load two adjacent words in one 16-byte access
-(:func:`load_pair`, :func:`store_pair`: the pair's address a multiple of 16 bytes, checked by the
-caller), or take one flat index (:func:`load_flat`, :func:`store_flat`: one wide multiply-add in
-int32 kernels). On a GPU each is a Numba intrinsic; under the simulator a device function with
-the same result.
+Non-negative indices only, unlike numba's indexing, which wraps them (unchecked on a GPU; the
+simulator refuses negative ones); ``*_pair``: two words in one 16-byte access, the address a
+multiple of 16 bytes (checked by the caller); ``*_flat``: one flat index. On a GPU each is a Numba
+intrinsic; under the simulator a device function with the same result.
 """
 
 from numba import cuda
@@ -20,8 +17,8 @@ SHARED_PAIR_ALIGN = None if simulated() else PAIR_BYTES
 
 if simulated():
     def _nonnegative(*indices):
-        """Refuse what the GPU forms would read out of bounds (they do not wrap a negative index
-        around): so a kernel's misuse fails in the simulator's tests, not silently on a GPU."""
+        """Refuse a negative index, which the GPU forms read out of bounds, so misuse fails in the
+        simulator's tests."""
         for i in indices:
             if i < 0:
                 raise IndexError(f"kernels._memory: negative index {i} (the GPU form reads "
@@ -35,8 +32,8 @@ if simulated():
 
     @cuda.jit(device=True)
     def store_pair(words, row, col, first, second):
-        """Store ``first``, ``second`` into words ``2 col``, ``2 col + 1`` of row ``row`` of the
-        2-D uint64 ``words``."""
+        """Store ``first``, ``second`` into words ``2 col``, ``2 col + 1`` of row ``row`` (2-D
+        uint64)."""
         _nonnegative(row, col)
         words[row, 2 * col] = first
         words[row, 2 * col + 1] = second
@@ -128,8 +125,8 @@ else:
 
     @intrinsic
     def load_pair(typingctx, words, row, col):
-        """Words ``2 col`` and ``2 col + 1`` of row ``row`` of the 2-D uint64 ``words``: one
-        16-byte load (``ld.global.v2.u64``); ``row``, ``col`` >= 0."""
+        """Words ``2 col``, ``2 col + 1`` of row ``row`` of the 2-D uint64 ``words``: one 16-byte
+        load."""
         _check_array("load_pair", words, 2, types.uint64)
         return_type = types.UniTuple(types.uint64, 2)
 
@@ -154,8 +151,8 @@ else:
 
     @intrinsic
     def store_pair(typingctx, words, row, col, first, second):
-        """Store ``first``, ``second`` into words ``2 col``, ``2 col + 1`` of row ``row`` of the
-        2-D uint64 ``words``: one 16-byte store (``st.global.v2.u64``); ``row``, ``col`` >= 0."""
+        """Store ``first``, ``second`` into words ``2 col``, ``2 col + 1`` of row ``row`` (2-D
+        uint64): one 16-byte store."""
         _check_array("store_pair", words, 2, types.uint64)
 
         def codegen(context, builder, signature, args):
@@ -170,8 +167,8 @@ else:
 
     @intrinsic
     def load_pair_flat(typingctx, words, i):
-        """Words ``2 i`` and ``2 i + 1`` of the 1-D uint64 ``words`` (global or shared): one
-        16-byte load; ``i`` >= 0."""
+        """Words ``2 i``, ``2 i + 1`` of the 1-D uint64 ``words`` (global or shared): one 16-byte
+        load."""
         _check_array("load_pair_flat", words, 1, types.uint64)
         return_type = types.UniTuple(types.uint64, 2)
 
@@ -186,7 +183,7 @@ else:
     @intrinsic
     def store_pair_flat(typingctx, words, i, first, second):
         """Store ``first``, ``second`` into words ``2 i``, ``2 i + 1`` of the 1-D uint64 ``words``:
-        one 16-byte store; ``i`` >= 0."""
+        one 16-byte store."""
         _check_array("store_pair_flat", words, 1, types.uint64)
 
         def codegen(context, builder, signature, args):
@@ -199,7 +196,7 @@ else:
 
     @intrinsic
     def load_word(typingctx, words, row, col):
-        """``words[row, col]`` of a 2-D C-contiguous array, ``row``, ``col`` >= 0."""
+        """``words[row, col]`` of a 2-D C-contiguous array."""
         _check_array("load_word", words, 2)
 
         def codegen(context, builder, signature, args):
@@ -214,7 +211,7 @@ else:
 
     @intrinsic
     def load_item(typingctx, items, i):
-        """``items[i]`` of a 1-D C-contiguous array (global, shared or local), ``i`` >= 0."""
+        """``items[i]`` of a 1-D C-contiguous array (global, shared or local)."""
         _check_array("load_item", items, 1)
 
         def codegen(context, builder, signature, args):
@@ -227,8 +224,7 @@ else:
 
     @intrinsic
     def store_item(typingctx, items, i, value):
-        """``items[i] = value`` of a 1-D C-contiguous array (global, shared or local),
-        ``i`` >= 0."""
+        """``items[i] = value`` of a 1-D C-contiguous array (global, shared or local)."""
         _check_array("store_item", items, 1)
 
         def codegen(context, builder, signature, args):
@@ -244,7 +240,7 @@ else:
 
     @intrinsic
     def store_word(typingctx, words, row, col, value):
-        """``words[row, col] = value`` of a 2-D C-contiguous array, ``row``, ``col`` >= 0."""
+        """``words[row, col] = value`` of a 2-D C-contiguous array."""
         _check_array("store_word", words, 2)
 
         def codegen(context, builder, signature, args):
@@ -260,16 +256,15 @@ else:
         return types.none(words, row, col, value), codegen
 
     def _flat_pointer(context, builder, array_type, array, index, index_type):
-        """The pointer of element ``index`` (non-negative) of a C-contiguous array, counted
-        flat: the data pointer plus ``index`` elements (a 32-bit index stays one wide
-        multiply-add on the GPU)."""
+        """The pointer of element ``index`` of a C-contiguous array counted flat (a 32-bit index
+        stays one wide multiply-add)."""
         ary = context.make_array(array_type)(context, builder, value=array)
         return builder.gep(ary.data, [_intp(context, builder, index, index_type)])
 
     @intrinsic
     def load_flat(typingctx, words, i):
-        """Element ``i`` of the C-contiguous ``words`` (any dimensions) counted flat, ``i`` >=
-        0: one load, no row and column products (index with an int32 where it fits)."""
+        """Element ``i`` of the C-contiguous ``words`` (any dimensions) counted flat: one load, no
+        row and column products (index with an int32 where it fits)."""
         if not (isinstance(words, types.Array) and words.layout == "C"):
             raise TypeError(f"load_flat: expected a C-contiguous array, got {words}")
 
@@ -282,8 +277,7 @@ else:
 
     @intrinsic
     def store_flat(typingctx, words, i, value):
-        """Store ``value`` as element ``i`` of the C-contiguous ``words`` counted flat, ``i`` >=
-        0."""
+        """Store ``value`` as element ``i`` of the C-contiguous ``words`` counted flat."""
         if not (isinstance(words, types.Array) and words.layout == "C"):
             raise TypeError(f"store_flat: expected a C-contiguous array, got {words}")
 

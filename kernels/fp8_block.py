@@ -1,9 +1,8 @@
 """fp8 1x128 block quantize / dequantize kernels: e4m3fn elements, one fp32 scale per 128 elements.
 
-DeepSeek-V3's fine-grained activation quantization, the format of DeepEP's fp8 dispatch and of
-DeepGEMM's SM90 fp8 GEMMs: data (M, D) e4m3fn, scales (M, D // 128) float32, D % 128 == 0, block b
-of a row covering elements 128b .. 128b + 127, ``x ~= e4m3 * scale``. With amax = max |x| over the
-block, two scale modes:
+DeepSeek-V3's fine-grained activation quantization (DeepEP's fp8 dispatch, DeepGEMM's SM90 fp8
+GEMMs): data (M, D) e4m3fn, scales (M, D // 128) float32, D % 128 == 0, block b of a row covering
+elements 128b .. 128b + 127, ``x ~= e4m3 * scale``. With amax = max |x| over the block:
 
     "pow2":  scale = 2^e, e = clamp(ceil(log2(amax / 448)), -126, 127)    (DeepGEMM use_ue8m0,
              DeepEP round_scale; the rowwise format's rule per block)
@@ -13,15 +12,15 @@ block, two scale modes:
              mult  = fl32(1 / scale)                 (f32 division)
              element = RNE_e4m3(fl32(x * mult)), saturated to +-448
 
-Sources: "plain" is DeepGEMM's ``per_token_cast_to_fp8`` (deep_gemm/utils/math.py), bit for bit
-for amax >= 1e-4 (DeepSeek-V3's ``act_quant`` has the same scale; DeepEP's
-``calculate_fp8_scales`` agrees up to one ulp); "pow2" is DeepGEMM's ``ceil_to_ue8m0``. They clamp
-amax to at least 1e-4; we clamp to 448 * 2^-126 (the smallest amax whose scale is a normal f32),
-so blocks of small values keep their precision. Blocks holding NaN or +-Inf: scale NaN, elements
-0x7F. Dequantization is ``e4m3 * scale`` in fp32, then RNE to bf16, NaN canonical.
+Sources: "plain" is DeepGEMM's ``per_token_cast_to_fp8`` (deep_gemm/utils/math.py), bit for bit for
+amax >= 1e-4 (DeepSeek-V3's ``act_quant`` has the same scale; DeepEP's ``calculate_fp8_scales``
+agrees up to one ulp); "pow2" is DeepGEMM's ``ceil_to_ue8m0``. They clamp amax to at least 1e-4; we
+clamp to 448 * 2^-126 (the smallest amax whose scale is a normal f32), so blocks of small values
+keep their precision. NaN/Inf blocks: scale NaN, elements 0x7F. Dequantization: ``e4m3 * scale`` in
+fp32, then RNE to bf16, NaN canonical.
 
-Work split as ``kernels.mx_quantize``: units of 8 elements, 16 lanes per 128-element block meeting
-through ``lanes_max``, UNITS_PER_THREAD units per thread per tile, grid-stride.
+Work split as ``kernels.mx_quantize``: units of 8 elements, 16 lanes per block meeting through
+``lanes_max``, UNITS_PER_THREAD units per thread per tile, grid-stride.
 """
 
 from numba import cuda, float32, uint32, uint64
@@ -60,9 +59,8 @@ WORDS_PER_THREAD = 4
 
 @cuda.jit(device=True)
 def block_scale(amax_bits, pow2):
-    """(f32 bits of the scale, f32 quantization multiplier) of a block from its finite amax (f32
-    bits): "pow2" 2^clamp(ceil(log2(amax / 448)), -126, 127) and its exact inverse, or "plain"
-    fl32(a / 448) and fl32(1 / scale) with a = max(amax, 448 * 2^-126)."""
+    """(f32 bits of the scale, f32 multiplier) of a block from its finite amax (f32 bits), "pow2" or
+    "plain" (module docstring)."""
     if pow2:
         s = rowwise_scale_exp(amax_bits)
         return s << uint32(23), f32_from_bits(inv_scale_f32_bits(s))
@@ -114,15 +112,8 @@ def quantize_fp8_block128_bf16_kernel(x_words, data_words, scales, pow2):
 
 @kernel
 def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
-    """1x128-block fp8 quantize of fp32 input; as :func:`quantize_fp8_block128_bf16_kernel`.
-
-    Args:
-        x_words: (N // 2,) uint64, f32 bits, 2 per word (element 0 lowest), N % 128 == 0. Read.
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
-        scales: (N // 128,) uint32, fp32 bits of the block scales. Written.
-        pow2: bool; True for "pow2" scales, False for "plain".
-    Launch: as :func:`quantize_fp8_block128_bf16_kernel` (a unit is 4 input words).
-    """
+    """As :func:`quantize_fp8_block128_bf16_kernel`, of fp32 input: ``x_words`` (N // 2,) uint64, 2
+    f32 per word; a unit is 4 input words."""
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     words = cuda.local.array(F32_TILE_WORDS, uint64)
     tid = cuda.threadIdx.x
@@ -158,21 +149,20 @@ def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
 
 
 def _dequantize_fp8_block128(f32):
-    """The 1x128-block dequantize kernel for bf16 (``f32`` False) or fp32 output, the output's
-    dtype a compile-time constant (as ``fp8_rowwise._dequantize_fp8_rowwise``)."""
+    """The 1x128-block dequantize kernel into bf16 or (``f32``) fp32, a compile-time constant."""
 
     @kernel
     def dequantize_fp8_block128_kernel(data_words, scales, out_words):
-        """1x128-block fp8 -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then for bf16
-        round-to-nearest-even. A NaN scale or NaN element gives NaN (bf16 0x7FC0, fp32 0x7FC00000).
+        """1x128-block fp8 -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then RNE for
+        bf16; a NaN scale or element gives the canonical NaN.
 
         Args:
             data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
             scales: (N // 128,) uint32, fp32 bits of the block scales. Read.
-            out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
-                word) with ``f32`` (the factory's). Written.
-        Launch: launch_1d(ceil(N / 8 / 4)): words t + k * blockDim.x, k < 4, of each tile per thread
-            (all loads issued first), grid-stride.
+            out_words: (N // 4,) uint64 of bf16 bits, or (N // 2,) of f32 bits with ``f32``.
+            Written.
+        Launch: launch_1d(ceil(N / 8 / 4)): words t + k * blockDim.x, k < 4, of each tile per
+            thread (loads first), grid-stride.
         """
         words = cuda.local.array(WORDS_PER_THREAD, uint64)
         sbits = cuda.local.array(WORDS_PER_THREAD, uint32)

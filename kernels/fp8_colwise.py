@@ -1,32 +1,30 @@
-"""fp8 rowwise rows -> fp8 scaled per (group, column), transposed: the wgrad operands of a grouped GEMM
-(the amax and scale kernels; the encode is ``kernels.fp8_colwise_encode``).
+"""fp8 rowwise rows -> fp8 scaled per (group, column), transposed: the wgrad operands of a grouped
+GEMM (the amax and scale kernels; the encode is ``kernels.fp8_colwise_encode``).
 
-dw[g] = x[g]^T @ grad[g] reduces over the tokens of each group g, so its fp8 operands are scaled
-along the token axis, one scale per (group, column), tokens contiguous (``torch._scaled_grouped_mm``'s
-2d-2d case: A (K, T) row-major, B (T, N) column-major, offsets multiples of 16). The input: fp8
-rowwise rows (P, D), e4m3 bytes and power-of-two row scales 2^(r_p - 127), sorted into G groups by
-``group_ends`` (G,) int32 (``permute``'s ``group_offsets``; rows from ``group_ends[G - 1]`` on
-belong to no group). With v[p, d] = e4m3[p, d] * 2^(r_p - 127) (exact) and amax = max |v| over
-group g's rows in column d:
+dw[g] = x[g]^T @ grad[g] reduces over each group's tokens, so its fp8 operands are scaled along the
+token axis, one scale per (group, column), tokens contiguous (``torch._scaled_grouped_mm``'s 2d-2d
+case: A (K, T) row-major, B (T, N) column-major, offsets multiples of 16). Input: fp8 rowwise rows
+(P, D), e4m3 bytes and power-of-two row scales 2^(r_p - 127), sorted into G groups by ``group_ends``
+(G,) int32 (rows from ``group_ends[G - 1]`` on belong to no group). With
+v[p, d] = e4m3[p, d] * 2^(r_p - 127) (exact) and amax = max |v| over group g's rows in column d:
 
     s[g, d]      = clamp(ceil(log2(amax / 448)), -126, 127) + 127   (biased; amax = 0: 1)
     scales[g, d] = 2^(s - 127)                                       (float32, (G, D))
     out[d, t]    = RNE_e4m3(v[p, d] / scales[g, d])                  ((D, T) uint8)
 
 the fp8 rowwise rule along the other axis; v / scale = e4m3 * 2^(r_p - s) is exact, rounded once
-(the exponent difference clamped to [RESCALE_EXP_MIN, RESCALE_EXP_MAX]: 33 or more binades below
-the column's maximum an element rounds to a signed zero anyway).
+(the exponent difference clamped to [RESCALE_EXP_MIN, RESCALE_EXP_MAX]: 33 or more binades below the
+column's maximum an element rounds to a signed zero anyway).
 
-Token positions: each group starts at a multiple of GROUP_ALIGN and takes max(16, 16 ceil(n_g /
-16)) positions (``aligned_ends``): its rows, then zeros; T = 16 ceil(P / 16) + 16 G bounds them
-statically. Non-finite: a row with a NaN/Inf scale or a NaN element makes its group's column NaN
-(scale 0x7FC00000, elements 0x7F). Scales must be powers of two, 0 or NaN.
+Token positions: each group starts at a multiple of GROUP_ALIGN and takes max(16, 16 ceil(n_g / 16))
+positions (``aligned_ends``): its rows, then zeros; T = 16 ceil(P / 16) + 16 G bounds them. A row
+with a NaN/Inf scale or a NaN element makes its group's column NaN (scale 0x7FC00000, elements
+0x7F). Scales must be powers of two, 0 or NaN.
 
-The amax compares integer keys: a nonzero e4m3 times a power of two is 2^E (1 + M / 8), its key
-8 (E + KEY_BIAS) + M orders such values exactly (zero 0, NaN KEY_NAN), below 2^12 (two keys per
-uint32). Kernels, grid-stride: :func:`group_colwise_amax_kernel` (atomic max per column and group
-into ``keys`` (G, D)), :func:`group_colwise_scales_kernel` (keys -> scale bits in place, and
-``aligned_ends``), then the encode.
+The amax compares integer keys: a nonzero e4m3 times a power of two is 2^E (1 + M / 8), its key 8
+(E + KEY_BIAS) + M orders such values exactly (zero 0, NaN KEY_NAN), below 2^12 (two keys per
+uint32). Kernels: :func:`group_colwise_amax_kernel` (atomic max per (group, column) into ``keys``),
+:func:`group_colwise_scales_kernel` (keys -> scale bits, ``aligned_ends``), the encode.
 """
 
 from numba import cuda, int32, uint32, uint64
@@ -68,10 +66,9 @@ def first_group(group_ends, p):
 
 @cuda.jit(device=True)
 def row_key_base(scale_bits):
-    """The amax key base of a row whose scale has f32 bits ``scale_bits`` (uint32): (base, kind),
-    kind ROW_NORMAL with base = 8 (e - 7 + KEY_BIAS) for a scale 2^e (f32 normal or subnormal;
-    the key of a normal e4m3 magnitude m is then m + base), ROW_ZERO for a zero scale, ROW_NAN
-    for a non-finite one (base 0)."""
+    """(base, kind) of a row whose scale has f32 bits ``scale_bits``: ROW_NORMAL with base = 8
+    (e - 7 + KEY_BIAS) for a scale 2^e (normal or subnormal; a normal e4m3 magnitude m then has key
+    m + base), ROW_ZERO for a zero scale, ROW_NAN for a non-finite one (base 0)."""
     bits = scale_bits & uint32(_ABS)
     if bits >= uint32(F32_INF):
         return int32(0), ROW_NAN
@@ -85,8 +82,8 @@ def row_key_base(scale_bits):
 
 @cuda.jit(device=True)
 def exact_key(b, base, kind):
-    """The amax key of the e4m3 byte ``b`` (uint32) in a row of key base and kind ``base``,
-    ``kind`` (:func:`row_key_base`): the general case, subnormals, zeros and NaN included."""
+    """The amax key of the e4m3 byte ``b`` in a row of (``base``, ``kind``): the general case,
+    subnormals, zeros and NaN included."""
     m = b & uint32(0x7F)
     if m == uint32(E4M3_NAN) or kind == ROW_NAN:
         return KEY_NAN
@@ -106,9 +103,9 @@ WORD_NORMAL, WORD_ZEROS, WORD_SPECIAL = 0, 1, 2
 
 @cuda.jit(device=True)
 def word_kind(x):
-    """What the 4 e4m3 bytes of the uint32 ``x`` hold, by SWAR tests of their magnitudes:
-    WORD_NORMAL (normals only: the key is the magnitude plus the row's base), WORD_ZEROS (normals
-    and zeros: key 0 for a zero), WORD_SPECIAL (a subnormal or a NaN: :func:`exact_key`)."""
+    """What the 4 e4m3 bytes of ``x`` hold (SWAR tests): WORD_NORMAL (normals only:
+    key = magnitude + base), WORD_ZEROS (normals and zeros), WORD_SPECIAL (a subnormal or NaN:
+    :func:`exact_key`)."""
     m = (x & uint32(0x7F7F7F7F)) | uint32(0x80808080)          # magnitudes, top bits set
     below_8 = ~(m - uint32(0x08080808)) & uint32(0x80808080)   # no borrow across bytes
     nonzero = (m - uint32(0x01010101)) & uint32(0x80808080)
@@ -127,16 +124,14 @@ def pair_slot(c):
 
 @cuda.jit(device=True)
 def nonzero_lanes(v):
-    """0xFFFF in each 16-bit half of the uint32 ``v`` (two magnitudes, 0..127) that is nonzero,
-    0 in each that is zero."""
+    """0xFFFF in each nonzero 16-bit half of ``v`` (two magnitudes, 0..127), 0 in each zero one."""
     return (((v + uint32(0x007F007F)) >> uint32(7)) & uint32(0x00010001)) * uint32(0xFFFF)
 
 
 @cuda.jit(device=True)
 def flush_keys(keys, g, col, k, exclusive):
-    """Merge the packed running keys ``k`` (4, local; :func:`pair_slot`) of columns col..col+7 of
-    group ``g`` into ``keys``: atomic max, or a plain store where this thread is the only one to
-    write them (``exclusive``); then reset them."""
+    """Merge the packed running keys ``k`` of columns col..col+7 of group ``g`` into ``keys``
+    (atomic max, or a plain max where ``exclusive``: this thread alone writes them); reset them."""
     for c in range(AMAX_COLUMNS):
         at, shift = pair_slot(c)
         key = (k[at] >> shift) & uint32(0xFFFF)
@@ -152,12 +147,10 @@ def flush_keys(keys, g, col, k, exclusive):
 
 @cuda.jit(device=True)
 def take_row(keys, group_ends, k, g, g_end, q, d, scale_bits, col, exclusive):
-    """Merge row ``q``'s data word ``d`` (uint64: columns col..col+7) of row scale bits
-    ``scale_bits`` into the packed running keys ``k`` of group ``g`` (ending at ``g_end``), first
-    flushing them into ``keys`` where row ``q`` starts a later group; returns (g, g_end).
-
-    Keys (< 2^12) run in 16-bit halves, two columns per uint32, so one add and one
-    ``max.u16x2`` serve two bytes; NaN runs as 0xFFFF."""
+    """Merge row ``q``'s data word ``d`` (columns col..col+7, scale bits ``scale_bits``) into the
+    running keys ``k`` of group ``g``, first flushing them where ``q`` starts a later group; returns
+    (g, g_end). Keys run in 16-bit halves, so one add and one ``max.u16x2`` serve two bytes; NaN
+    runs as 0xFFFF."""
     if q >= g_end:
         flush_keys(keys, g, col, k, exclusive)
         while g < group_ends.shape[0] - 1 and group_ends[g] <= q:  # bounded: bad ends
@@ -195,20 +188,19 @@ def take_row(keys, group_ends, k, g, g_end, q, d, scale_bits, col, exclusive):
 
 @kernel
 def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_rows):
-    """Per (group, column) amax keys of fp8 rowwise rows (module docstring, kernel 1).
+    """Per (group, column) amax keys of fp8 rowwise rows (module docstring).
 
     Args:
-        data_words: (P, D // 8) uint64, e4m3 bits of the rows, 8 per word (element 0 lowest).
-            Read.
+        data_words: (P, D // 8) uint64, e4m3 bits, 8 per word (element 0 lowest). Read.
         row_scales: (P,) uint32, fp32 bits of the row scales. Read.
         group_ends: (G,) int32, cumulative group ends (non-decreasing, <= P). Read.
-        keys: (G, D) uint32, zeros on entry; max over the group's rows of the keys of |v|
-            (module docstring; KEY_NAN for a non-finite element). Written (atomic max).
-        chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= P makes every key written by one
-            thread only (plain stores: the simulator).
-    Launch: launch_1d(ceil(P / chunk_rows) * D // 8): item i is word i % (D // 8) of the rows
+        keys: (G, D) uint32, zeros on entry; the max key of |v| over the group's rows (KEY_NAN
+            for a non-finite element). Written (atomic max).
+        chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= P makes each key one thread's
+            (plain stores: the simulator).
+    Launch: launch_1d(ceil(P / chunk_rows) * D // 8): item i is word i % (D // 8) of rows
         [c * chunk_rows, (c + 1) * chunk_rows), c = i // (D // 8), grid-stride; AMAX_UNROLL rows
-        loaded at a time (all loads in flight first).
+        loaded at a time.
     """
     k = cuda.local.array(_KEY_PAIRS, uint32)   # packed: pair_slot
     words = int32(data_words.shape[1])
@@ -228,9 +220,8 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
         g_end = group_ends[g]
         for j in range(_KEY_PAIRS):
             k[j] = uint32(0)
-        # AMAX_UNROLL = 4 rows at a time, loaded first into scalars (a local array indexed in a
-        # loop the compiler does not unroll would live in local memory); rows and word indices
-        # in int32 (64-bit (row, word) products cost ~7 instructions per 4 rows more)
+        # AMAX_UNROLL = 4 rows at a time, loaded first into scalars (a local array in a loop not
+        # unrolled would live in local memory); rows and word indices in int32 (cheaper)
         p = first
         at = int32(first * words + w)   # the flat index of row p's word
         while p < end:
@@ -260,8 +251,8 @@ def group_colwise_amax_kernel(data_words, row_scales, group_ends, keys, chunk_ro
 @cuda.jit(device=True)
 def scale_exp_of_key(key):
     """Biased exponent s (1..254) of the scale of a finite nonzero key: with amax = 2^E (1 + M/8),
-    E = key / 8 - KEY_BIAS, M = key % 8, the rowwise rule clamp(ceil(log2(amax / 448)), -126,
-    127) + 127 is E - 8 + 127, plus one for M = 7 (1.875 > 1.75: 448 = 1.75 * 2^8)."""
+    E = key / 8 - KEY_BIAS, M = key % 8, the rowwise rule gives E - 8 + 127, plus one for M = 7
+    (1.875 > 1.75: 448 = 1.75 * 2^8), clamped."""
     e = int32(key >> uint32(3)) - int32(KEY_BIAS) - int32(8)
     if (key & uint32(7)) == uint32(7):
         e += int32(1)

@@ -1,20 +1,19 @@
-"""The encode kernel of ``kernels.fp8_colwise`` (its docstring has the formulas): fp8 rowwise rows
-rescaled to their (group, column) scales and written transposed, (D, T) e4m3.
+"""The encode kernel of ``kernels.fp8_colwise`` (formulas there): fp8 rowwise rows rescaled to their
+(group, column) scales and written transposed, (D, T) e4m3.
 
-Tiles of TILE_POSITIONS token positions x TILE_WORDS data words (4 columns each): lane j of a warp
-takes data word j of the rows of 4-position quads (coalesced loads, ENCODE_LOADS words in flight;
-a quad never spans two groups, which start at multiples of 16), transposes the quad's 4 x 4 bytes
-into one word per column with byte permutes, rescales them, and stores whole output words (4
-positions of a column) position-contiguous through a swizzled shared tile. A CUDA block takes
-CHUNK_TILES tiles of one stripe of positions, looking up the stripe's source rows, row exponents
-and each quad's exponent range once.
+Tiles of TILE_POSITIONS positions x TILE_WORDS data words (4 columns each): lane j of a warp takes
+data word j of the rows of 4-position quads (coalesced; a quad never spans two groups, which start
+at multiples of 16), transposes the quad's 4 x 4 bytes into one word per column with byte permutes,
+rescales, and stores whole output words position-contiguous through a swizzled shared tile. A CUDA
+block takes CHUNK_TILES tiles of one stripe, looking up its rows, row exponents and quad exponent
+ranges once.
 
-The rescale runs in f16 pairs where it can: 2^k, k = r_p - s in FAST_K_MIN..FAST_K_MAX, is a
-normal f16, and e4m3 (4 significant bits) times it is exact in f16 wherever the result can be
-nonzero, so a decode to f16 pairs, one f16 multiply and one encode round each element once.
-Where a factor of a quad and a lane's 4 columns falls outside that range (rows 2^15 apart, a NaN
-column, a zero or subnormal row scale) the quad takes the fp32 path: the byte decoded to fp32,
-times the row scale and the column's inverse scale (capped at 2^RESCALE_EXP_MAX).
+The rescale runs in f16 pairs where it can: 2^k, k = r_p - s in FAST_K_MIN..FAST_K_MAX, is a normal
+f16, and e4m3 (4 significant bits) times it is exact in f16 wherever the result can be nonzero, so
+decode to f16, one f16 multiply and one encode round each element once. Where a factor of a quad
+falls outside that range (rows 2^15 apart, a NaN column, a zero or subnormal row scale) the quad
+takes the fp32 path: the byte in fp32 times the row scale and the column's inverse scale (capped at
+2^RESCALE_EXP_MAX).
 """
 
 from numba import cuda, float32, int32, uint16, uint32
@@ -55,9 +54,8 @@ R_PAD, R_SLOW, R_BIG = -1, -2, 1 << 16
 
 @cuda.jit(device=True)
 def inverse_scale(bits):
-    """1 / scale (f32) of a column scale with f32 bits ``bits`` (uint32): 2^(127 - s) for
-    2^(s - 127), 1 <= s <= 254 (s = 254: the subnormal 2^-127), built from the exponent (exact,
-    no division); NaN for NaN."""
+    """1 / scale (f32) of a column scale 2^(s - 127) with f32 bits ``bits``: 2^(127 - s) built from
+    the exponent (exact; s = 254 gives the subnormal 2^-127); NaN for NaN."""
     if (bits & uint32(_ABS)) >= uint32(F32_INF):
         return f32_from_bits(uint32(F32_NAN))
     s = bits >> uint32(23)
@@ -68,27 +66,24 @@ def inverse_scale(bits):
 
 @cuda.jit(device=True)
 def load_inverse_scales(scale_bits, g, w, inverse):
-    """``inverse[0..3]``: 1 / scale of group ``g``'s columns 4w..4w+3 (exact: powers of two; NaN
-    for a NaN column)."""
+    """``inverse[0..3]``: 1 / scale of group ``g``'s columns 4w..4w+3 (exact; NaN for a NaN
+    column)."""
     for c in range(4):
         inverse[c] = inverse_scale(load_word(scale_bits, g, 4 * w + c))
 
 
 @cuda.jit(device=True)
 def rescale_factor(row_scale, inverse):
-    """2^(r_p - s) as f32: the row scale times the column's inverse scale, capped at
-    2^RESCALE_EXP_MAX; NaN stays NaN. Exact where the module docstring's clamp leaves the
-    exponent alone; below 2^RESCALE_EXP_MIN it may differ from the clamped factor (down to 0),
-    but every e4m3 value times either rounds to the same signed zero."""
+    """2^(r_p - s) as f32: row scale times the column's inverse scale, capped at 2^RESCALE_EXP_MAX;
+    NaN stays NaN. Below 2^RESCALE_EXP_MIN it may differ from the clamped factor, but every e4m3
+    value times either rounds to the same signed zero."""
     f = row_scale * inverse
     return f if not f > _RESCALE_CAP else _RESCALE_CAP
 
 
 @cuda.jit(device=True)
 def rescale_word(v, row_scale, inverse):
-    """The 4 e4m3 bytes of the data word ``v`` (uint32; columns 4w..4w+3, element 0 lowest) of
-    a row of scale ``row_scale`` (f32), each times its rescale factor (``inverse``: the columns'
-    inverse scales): 4 f32 products, exact (the caller rounds them to e4m3)."""
+    """4 exact f32 products: each e4m3 byte of ``v`` (columns 4w..4w+3) times its rescale factor."""
     return (f32_from_e4m3(v & uint32(0xFF)) * rescale_factor(row_scale, inverse[0]),
             f32_from_e4m3((v >> uint32(8)) & uint32(0xFF)) * rescale_factor(row_scale, inverse[1]),
             f32_from_e4m3((v >> uint32(16)) & uint32(0xFF)) * rescale_factor(row_scale,
@@ -104,9 +99,8 @@ def encode_items(positions, d):
 
 @cuda.jit(device=True)
 def row_exponent(scale_bits):
-    """The biased exponent r (1..254) of a row scale 2^(r - 127) with f32 bits ``scale_bits``
-    (uint32) for the f16 path; R_SLOW where that path does not apply (zero, f32-subnormal,
-    negative, non-finite or not a power of two)."""
+    """Biased exponent r (1..254) of a power-of-two row scale (f32 bits) for the f16 path; R_SLOW
+    where that path does not apply (zero, subnormal, negative, non-finite, not a power of two)."""
     e = int32(scale_bits >> uint32(23))
     if (scale_bits & uint32(0x807FFFFF)) or e == 0 or e == 255:
         return int32(R_SLOW)
@@ -115,13 +109,11 @@ def row_exponent(scale_bits):
 
 @cuda.jit(device=True)
 def rescale_column(col, drop_ab, drop_cd, col_term):
-    """The output word of one column: ``col`` (uint32) holds its e4m3 bytes at 4 positions (a, b,
-    c, d from the lowest byte). With hi the quad's top row exponent: ``col_term`` is
-    (hi + 15 - s) * 0x04000400 for the column's scale exponent s, ``drop_ab`` / ``drop_cd``
-    the pairs (hi - r) << 10 of positions a, b / c, d (high half: b, d), so col_term - drop is
-    the f16 pair 2^(r - s) of each position (every field in 1..30: no borrow). Each byte times
-    its factor in f16 (exact where the result can be nonzero; module docstring), rounded once
-    to e4m3."""
+    """The output word of one column from its e4m3 bytes ``col`` at positions a, b, c, d (lowest
+    first). With hi the quad's top row exponent, ``col_term`` = (hi + 15 - s) * 0x04000400 and
+    ``drop_ab`` / ``drop_cd`` = (hi - r) << 10 per position (high half: b, d), col_term - drop is
+    the f16 pair 2^(r - s) (fields in 1..30: no borrow); bytes times it in f16, rounded once to
+    e4m3."""
     lo = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(col & uint32(0xFFFF))),
                                     col_term - drop_ab))
     hi = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(col >> uint32(16))),
@@ -131,8 +123,8 @@ def rescale_column(col, drop_ab, drop_cd, col_term):
 
 @cuda.jit(device=True)
 def slow_pair(loaded, at, src_a, src_b, scale_a, scale_b, inverse):
-    """The f32 path of two positions (the general case): 4 e4m3 pairs (uint16 each, position b's
-    byte high) of the columns of data words ``loaded[at]``, ``loaded[at + 1]``."""
+    """The f32 path of two positions: 4 e4m3 pairs (uint16, position b's byte high) of the columns
+    of data words ``loaded[at]``, ``loaded[at + 1]``."""
     fa0 = fa1 = fa2 = fa3 = fb0 = fb1 = fb2 = fb3 = float32(0)
     if src_a >= 0:
         fa0, fa1, fa2, fa3 = rescale_word(loaded[at], scale_a, inverse)
@@ -144,21 +136,19 @@ def slow_pair(loaded, at, src_a, src_b, scale_a, scale_b, inverse):
 
 @kernel(launch_bounds=(THREADS_PER_BLOCK, ENCODE_BLOCKS_PER_SM))
 def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, out_words):
-    """fp8 rowwise rows -> (D, T) e4m3 scaled per (group, column) (module docstring, kernel 3).
+    """fp8 rowwise rows -> (D, T) e4m3 scaled per (group, column) (module docstring).
 
     Args:
         data_words: (P, D // 4) uint32, e4m3 bits of the rows, 4 per word. Read.
         row_scales: (P,) uint32, fp32 bits of the power-of-two row scales. Read.
         group_ends: (G,) int32, cumulative group ends. Read.
-        scale_bits: (G, D) uint32, fp32 bits of the column scales (kernel 2). Read.
-        out_words: (D, T // 4) uint32, e4m3 bits, 4 token positions per word. Written (every
-            word).
-        Both word arrays hold at most ENCODE_MAX_WORDS words: they are indexed flat, in int32.
-    Launch: launch_1d(encode_items(T, D) * THREADS_PER_BLOCK), blockDim.x one of 32, 64, 128,
-        256: one work item (up to CHUNK_TILES tiles of one stripe, module docstring) at a time
-        per CUDA block, grid-stride. The shared output tile is swizzled (word (c, k) at 16 c +
-        (k + c / 4) mod 16: at most 2-way bank conflicts); each position's row is kept as the
-        int32 index of its first word (one wide multiply-add per load).
+        scale_bits: (G, D) uint32, fp32 bits of the column scales. Read.
+        out_words: (D, T // 4) uint32, e4m3 bits, 4 positions per word. Written (every word).
+        Both word arrays hold at most ENCODE_MAX_WORDS words (indexed flat in int32).
+    Launch: launch_1d(encode_items(T, D) * THREADS_PER_BLOCK), blockDim.x 32, 64, 128 or 256:
+        one work item (up to CHUNK_TILES tiles of one stripe) per CUDA block at a time,
+        grid-stride. The shared tile is swizzled (word (c, k) at 16 c + (k + c / 4) mod 16: at
+        most 2-way bank conflicts).
     """
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     row_word = cuda.shared.array(TILE_POSITIONS, int32)  # first word of each position's row, -1
@@ -304,9 +294,8 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                     store_item(tile, at + 32, out2)
                     store_item(tile, at + 48, out3)
             cuda.syncthreads()
-            # store, position-contiguous: thread tid takes word k = tid % 16 of columns c =
-            # tid / 16, tid / 16 + nthreads / 16, ... (int32 throughout: with the 64-bit
-            # loop counter of a range, each store took ~40 instructions)
+            # store, position-contiguous: thread tid takes word k = tid % 16 of columns
+            # tid / 16 + j * nthreads / 16 (int32 throughout: a range's int64 counter costs more)
             if store_quad < positions:
                 c = int32(tid >> 4)
                 c_end = int32(min(4 * TILE_WORDS, d - 4 * w0))  # the tile's columns

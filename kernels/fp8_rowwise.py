@@ -1,25 +1,19 @@
 """fp8 rowwise quantize / dequantize kernels: e4m3fn elements, one fp32 power-of-two scale per row.
 
-This is the A-operand layout of Hopper's ``torch._scaled_grouped_mm`` (fp8 rowwise recipe): data
-(M, D) e4m3fn, row-major, D % 16 == 0, and scales (M,) float32, 1-D, contiguous, one per row, with
-``x ~= e4m3 * scale``. With amax = max |x| over the row (exact arithmetic):
+The A-operand layout of Hopper's ``torch._scaled_grouped_mm`` (fp8 rowwise recipe): data (M, D)
+e4m3fn, D % 16 == 0, scales (M,) float32, ``x ~= e4m3 * scale``. With amax = max |x| over the row:
 
     scale   = 2^e,  e = clamp(ceil(log2(amax / 448)), -126, 127)   (amax = 0: e = -126)
     element = round-to-nearest-even(x / scale) as e4m3fn, saturated to +-448
 
-the rounding of MXFP8's "rceil" scale over the whole row. The clamp keeps both the scale and its
-reciprocal normal fp32 numbers (DeepGEMM's ``ceil_to_ue8m0`` clamps to the same [2^-126, 2^127]).
-A row holding NaN or +-Inf gets scale NaN (0x7FC00000) and elements 0x7F, so every element of it
-dequantizes to NaN. Dequantization is ``e4m3 * scale`` in fp32 (one rounding; exact for power-of-two
-scales), then round-to-nearest-even to bf16; NaN results are the canonical quiet NaN.
+MXFP8's "rceil" rounding over the whole row; the clamp keeps the scale and its reciprocal normal
+(DeepGEMM's ``ceil_to_ue8m0`` clamps alike). NaN/Inf rows: scale NaN, elements 0x7F. Dequantization:
+``e4m3 * scale`` in fp32 (one rounding), RNE to bf16, NaN canonical.
 
-Work split of the quantize kernels: one warp per row, grid-stride; a first pass of 16-byte loads
-(rows 16-byte aligned) for the amax, met through warp shuffles, keeping the row's first units in
-dynamic shared memory (:data:`STASH_BLOCK_BYTES`); a second pass encodes and stores. The
-dequantize kernels go flat over the data words, each word's scale found through :func:`row_of`.
-
-The word decoders here (:func:`dequantize_e4m3x8_bf16`, :func:`dequantize_e4m3x2_f32`) take any fp32
-scale and are shared with the 1x128 block format (``fp8_block``).
+Quantize: one warp per row, grid-stride; a 16-byte-load pass for the amax (met by warp shuffles)
+keeps the row's first units in dynamic shared memory (:data:`STASH_BLOCK_BYTES`), a second encodes.
+Dequantize: flat over the data words (:func:`row_of`). The word decoders take any fp32 scale and
+serve ``fp8_block`` too.
 """
 
 from numba import cuda, float64, int64, uint16, uint32, uint64
@@ -46,9 +40,8 @@ F32_ONE = 0x3F800000
 #: CUDA 13.0): the wrappers cap the one-row-per-block grids at the blocks that stay resident.
 QUANTIZE_REGISTERS = 72
 DEQUANTIZE_REGISTERS = 40
-#: Dynamic shared memory a quantize block keeps its ROWS_PER_BLOCK rows in: three blocks per
-#: multiprocessor, each row's first 9600 bytes (two thirds of a row at D = 7168 in bf16; the rest
-#: is re-read); the best of a sweep (bench/sweep_rowwise.py --stash-kib).
+#: Dynamic shared memory of a quantize block's ROWS_PER_BLOCK rows (three blocks per
+#: multiprocessor; the sweep that chose it: bench/NOTES.md, --stash-kib).
 STASH_BLOCK_BYTES = 75 * 1024
 #: Bytes of shared memory one unit takes in the stash (two uint64 words).
 STASH_UNIT_BYTES = 16
@@ -62,8 +55,8 @@ _HIGH_X8 = uint64(0x8080808080808080)
 
 @cuda.jit(device=True)
 def rowwise_scale_exp(amax_f32_bits):
-    """Biased fp32 exponent s of the rowwise scale 2^(s - 127) of a finite amax (f32 bits):
-    clamp(ceil(log2(amax / 448)), -126, 127) + 127, i.e. MXFP8's rceil e8m0 scale, at least 1."""
+    """Biased fp32 exponent s (>= 1) of the rowwise scale 2^(s - 127) of a finite f32 amax (bits):
+    MXFP8's rceil e8m0 scale."""
     return max(e8m0_from_f32_amax(amax_f32_bits, True), uint32(SCALE_EXP_MIN))
 
 
@@ -94,9 +87,8 @@ def encode_units_f32(first, second, mult):
 
 @cuda.jit(device=True)
 def load_units(x_words, row, start, units, first, second):
-    """Load the PASS_UNITS units (two input words each, one 16-byte load) start + k * WARP of
-    ``row`` into ``first`` and ``second`` (zeros past ``units``), all loads issued before any is
-    used."""
+    """Load PASS_UNITS units start + k * WARP of ``row`` (one 16-byte load each) into ``first``,
+    ``second`` (zeros past ``units``), all loads issued first."""
     for k in range(PASS_UNITS):
         u = start + k * WARP
         if u < units:
@@ -107,8 +99,8 @@ def load_units(x_words, row, start, units, first, second):
 
 
 def _quantize_fp8_rowwise(f32):
-    """The rowwise quantize kernel of bf16 (``f32`` False) or fp32 rows: one source, two kernels,
-    the input's helpers (absmax, scale, encode, NaN word) compile-time constants."""
+    """The rowwise quantize kernel of bf16 or (``f32``) fp32 rows, the input's helpers compile-time
+    constants."""
     absmax = f32x2_absmax if f32 else bf16x4_absmax
     inf = uint32(F32_INF if f32 else BF16_INF)
     scale_exp = rowwise_scale_exp if f32 else rowwise_scale_exp_bf16
@@ -117,24 +109,18 @@ def _quantize_fp8_rowwise(f32):
 
     @kernel
     def quantize_fp8_rowwise_kernel(x_words, data_words, scales, stash_units):
-        """fp8-rowwise-quantize bf16 or fp32 rows: scale 2^clamp(ceil(log2(amax / 448)), -126,
-        127) per row, element = RNE(x / scale) as e4m3fn saturated to +-448; NaN/Inf rows: scale
-        NaN, elements 0x7F.
+        """fp8-rowwise-quantize bf16 or fp32 rows (module docstring).
 
         Args:
-            x_words: (M, D // 4) uint64 of bf16 bits (4 per word, element 0 lowest, D % 8 == 0),
-                or (M, D // 2) of f32 bits (2 per word, D % 4 == 0); its address a multiple of
-                16 bytes (read two words at a time). Read.
-            data_words: (M, D // 8) uint64 of e4m3fn bits (8 per word), or (M, D // 4) uint32 (4
-                per word) for f32. Written.
+            x_words: (M, D // 4) uint64 of bf16 bits (4 per word, element 0 lowest, D % 8 == 0), or
+                (M, D // 2) of f32 bits (D % 4 == 0); address a multiple of 16 bytes. Read.
+            data_words: (M, D // 8) uint64 of e4m3fn bits, or (M, D // 4) uint32 for f32. Written.
             scales: (M,) uint32, fp32 bits of the row scales. Written.
-            stash_units: units of a row each warp keeps in the block's dynamic shared memory
-                between the passes (at most the row's; the launch gives 16 * stash_units bytes
-                per warp): those are read from memory once, the rest again for the encode.
+            stash_units: units of a row each warp keeps in shared memory between the passes (the
+                rest is read again for the encode).
         Launch: launch_1d(ceil(M / R) * 32 * R, threads=32 * R), dynamic shared memory 16 * R *
-            stash_units bytes: one warp per row (R rows per CUDA block), grid-stride over rows in
-            steps uniform per CUDA block; lane l takes units (16 input bytes, one data word) l +
-            32 k, PASS_UNITS of them per step, in two passes (amax, then encode).
+            stash_units bytes: a warp per row (R rows per block), grid-stride over rows in steps
+            uniform per block; lane l takes units (16 input bytes) l + 32 k, PASS_UNITS per step.
         """
         scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
         # per warp: stash_units pairs of words
@@ -201,8 +187,8 @@ quantize_fp8_rowwise_f32_kernel = _quantize_fp8_rowwise(True)
 
 @cuda.jit(device=True)
 def scaled_e4m3_f32_bits(b, scale):
-    """f32 bits of the e4m3 byte ``b`` (uint32) times the f32 ``scale``: the product rounded once
-    to f32; F32_NAN for a NaN byte or a NaN product (NaN scale, 0 * Inf)."""
+    """f32 bits of the e4m3 byte ``b`` times ``scale``, rounded once; F32_NAN for a NaN byte or
+    product."""
     bits = bits_from_f32(f32_from_e4m3(b) * scale)
     if (b & uint32(0x7F)) == uint32(E4M3_NAN) or (bits & uint32(0x7FFFFFFF)) > uint32(F32_INF):
         return uint32(F32_NAN)
@@ -211,8 +197,8 @@ def scaled_e4m3_f32_bits(b, scale):
 
 @cuda.jit(device=True)
 def scaled_e4m3x4_bf16(d, scale):
-    """4 bf16 (uint64, element 0 lowest) of the 4 e4m3 in the uint32 ``d`` times ``scale``, each
-    the product rounded to f32, then to bf16 (nearest even), NaN canonical: the integer path."""
+    """4 bf16 (uint64, element 0 lowest) of the 4 e4m3 in ``d`` times ``scale``, rounded to f32 then
+    bf16, NaN canonical: the integer path."""
     b0 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits(d & uint32(0xFF), scale))
     b1 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits((d >> uint32(8)) & uint32(0xFF), scale))
     b2 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits((d >> uint32(16)) & uint32(0xFF), scale))
@@ -222,12 +208,9 @@ def scaled_e4m3x4_bf16(d, scale):
 
 @cuda.jit(device=True)
 def dequantize_e4m3x8_bf16(d, scale, finite):
-    """Two uint64 of 4 bf16 each (element 0 lowest) of the 8 e4m3 in the uint64 ``d`` times the
-    f32 ``scale``: each product rounded to f32, then to bf16 (nearest even); NaN -> 0x7FC0.
-
-    ``finite``: the scale is finite. Words without a NaN byte under a finite scale (no product can
-    be NaN) take the hardware conversions; the rest the integer path, for canonical NaN bits.
-    """
+    """Two uint64 of 4 bf16 each of the 8 e4m3 in ``d`` times the f32 ``scale`` (rounded to f32,
+    then bf16; NaN -> 0x7FC0). With a ``finite`` scale and no NaN byte the hardware conversions run,
+    else the integer path (canonical NaN bits)."""
     lo = uint32(d & uint64(0xFFFFFFFF))
     hi = uint32(d >> uint64(32))
     if finite and nan_byte_mask(d) == uint64(0):
@@ -241,16 +224,15 @@ def dequantize_e4m3x8_bf16(d, scale, finite):
 
 @cuda.jit(device=True)
 def dequantize_e4m3x2_f32(d, scale):
-    """One uint64 of 2 f32 (element 0 lowest) of the e4m3 bytes 0 and 1 of the uint32 ``d`` times
-    ``scale``: each product rounded once to f32; NaN -> 0x7FC00000."""
+    """One uint64 of 2 f32 of e4m3 bytes 0 and 1 of ``d`` times ``scale``; NaN -> 0x7FC00000."""
     return uint64(scaled_e4m3_f32_bits(d & uint32(0xFF), scale)) | (
         uint64(scaled_e4m3_f32_bits((d >> uint32(8)) & uint32(0xFF), scale)) << uint64(32))
 
 
 @cuda.jit(device=True)
 def row_of(i, words_per_row):
-    """(row, column) of flat word ``i`` in rows of ``words_per_row`` words, without an integer
-    division (an fp64 product corrected by one step; exact for i < 2^52)."""
+    """(row, column) of flat word ``i`` in rows of ``words_per_row``, without an integer division
+    (an fp64 product corrected by one step; exact for i < 2^52)."""
     row = int64(float64(i) * (1.0 / float64(words_per_row)))
     col = i - row * words_per_row
     if col < 0:
@@ -264,8 +246,7 @@ def row_of(i, words_per_row):
 
 @cuda.jit(device=True)
 def store_word_bf16(out_words, i, d, sbits):
-    """Decode data word ``i`` (8 e4m3, ``d``) under the scale with f32 bits ``sbits`` into bf16
-    words ``out_words[2i:2i + 2]`` (:func:`dequantize_e4m3x8_bf16`)."""
+    """Decode data word ``i`` (``d``) under scale bits ``sbits`` into ``out_words[2i:2i + 2]``."""
     finite = (sbits & uint32(0x7FFFFFFF)) < uint32(F32_INF)
     w0, w1 = dequantize_e4m3x8_bf16(d, f32_from_bits(sbits), finite)
     out_words[2 * i] = w0
@@ -274,8 +255,7 @@ def store_word_bf16(out_words, i, d, sbits):
 
 @cuda.jit(device=True)
 def store_word_f32(out_words, i, d, sbits):
-    """Decode data word ``i`` (8 e4m3, ``d``) under the scale with f32 bits ``sbits`` into f32
-    words ``out_words[4i:4i + 4]`` (:func:`dequantize_e4m3x2_f32`)."""
+    """Decode data word ``i`` (``d``) under scale bits ``sbits`` into ``out_words[4i:4i + 4]``."""
     scale = f32_from_bits(sbits)
     lo = uint32(d & uint64(0xFFFFFFFF))
     hi = uint32(d >> uint64(32))
@@ -287,10 +267,9 @@ def store_word_f32(out_words, i, d, sbits):
 
 @cuda.jit(device=True)
 def store_words(out_words, base, nthreads, n, words, sbits, f32):
-    """The store half of a dequantize tile, shared by the rowwise and 1x128 kernels: data words
-    ``words[k]`` (index base + k * nthreads, k < WORDS_PER_THREAD, those below ``n``) under the
-    scales with f32 bits ``sbits[k]`` into bf16 or (``f32``, a compile-time constant of the
-    caller) fp32 ``out_words``."""
+    """The store half of a dequantize tile (rowwise and 1x128): words ``words[k]`` at
+    base + k * nthreads below ``n`` under scale bits ``sbits[k]`` into bf16 or (``f32``) fp32
+    ``out_words``."""
     for k in range(WORDS_PER_THREAD):
         i = base + k * nthreads
         if i < n:
@@ -301,24 +280,21 @@ def store_words(out_words, base, nthreads, n, words, sbits, f32):
 
 
 def _dequantize_fp8_rowwise(f32):
-    """The rowwise dequantize kernel for bf16 (``f32`` False) or fp32 output: one source, two
-    kernels, the output's dtype a compile-time constant."""
+    """The rowwise dequantize kernel into bf16 or (``f32``) fp32, a compile-time constant."""
 
     @kernel
     def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row):
-        """fp8 rowwise -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then for bf16
-        round-to-nearest-even. A NaN scale or NaN element gives NaN (bf16 0x7FC0, fp32 0x7FC00000).
+        """fp8 rowwise -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then RNE for bf16; a
+        NaN scale or element gives the canonical NaN.
 
         Args:
-            data_words: (N // 8,) uint64, e4m3fn bits of the (M, D) rows, 8 per word (element 0
-                lowest). Read.
+            data_words: (N // 8,) uint64, e4m3fn bits of the (M, D) rows, 8 per word. Read.
             scales: (M,) uint32, fp32 bits of the row scales. Read.
-            out_words: (N // 4,) uint64 of bf16 bits (4 per word), or (N // 2,) of f32 bits (2 per
-                word) with ``f32`` (the factory's). Written.
+            out_words: (N // 4,) uint64 of bf16 bits, or (N // 2,) of f32 bits with ``f32``.
+            Written.
             words_per_row: D // 8.
-        Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): flat over the words like the 1x128
-            block kernels, words t + k * blockDim.x, k < WORDS_PER_THREAD, of each tile per thread
-            (all loads first), grid-stride; each word's row found once per tile, then stepped.
+        Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): words t + k * blockDim.x of each tile per
+            thread (loads first), grid-stride; a word's row found once per tile, then stepped.
         """
         words = cuda.local.array(WORDS_PER_THREAD, uint64)
         sbits = cuda.local.array(WORDS_PER_THREAD, uint32)

@@ -1,22 +1,18 @@
 """bf16 matrices -> fp8 rowwise along their columns, transposed: the weights of a dgrad.
 
-A grouped GEMM's input gradient dx[g] = grad[g] @ w[g]^T reduces over N, so its fp8 B operand is
-w[g] (K, N) scaled along N: one power-of-two scale per (group, column k of w^T), laid out with N
-contiguous. An MoE layer keeps its expert weights as (G, N, K) with K contiguous (torchtitan's
-``w1`` is (E, H, D) and the forward reads it transposed), so the operand is a transpose: for x
-(B, R, C) bf16, C-contiguous, and every (b, c), with amax = max |x[b, :, c]|:
+dx[g] = grad[g] @ w[g]^T reduces over N, so its fp8 B operand is w[g] (K, N) scaled along N, N
+contiguous; MoE layers keep expert weights as (G, N, K), K contiguous (torchtitan's ``w1`` is (E, H,
+D)), so the operand is a transpose. For x (B, R, C) bf16, C-contiguous, and every (b, c), with
+amax = max |x[b, :, c]|:
 
     s[b, c]        = clamp(ceil(log2(amax / 448)), -126, 127) + 127   (biased; amax = 0: 1)
     scales[b, c]   = 2^(s - 127)                                       (float32, (B, C))
     out[b, c, r]   = RNE_e4m3(x[b, r, c] / scales[b, c]), saturated    ((B, C, R) uint8)
 
-the fp8 rowwise rule (``fp8_rowwise``) of the rows of x transposed: bit-identical to
-``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that bf16 copy.
-A column holding NaN or Inf gets scale NaN and elements 0x7F.
-
-Two kernels, grid-stride: :func:`transpose_amax_kernel` (per-column max of |x| bits into
-``keys`` by atomic max) and :func:`transpose_encode_kernel` (tiles scaled, rounded and stored
-transposed through a swizzled shared tile).
+bit-identical to ``quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that
+copy. A column holding NaN or Inf gets scale NaN and elements 0x7F. Kernels, grid-stride:
+:func:`transpose_amax_kernel` (atomic max of |x| bits per column), then
+:func:`transpose_encode_kernel` (tiles stored transposed through a swizzled shared tile).
 """
 
 from numba import cuda, float32, int32, uint32, uint64
@@ -50,19 +46,18 @@ _BF16_HIGH = 16  # a bf16's bits shifted this far left are its fp32 bits
 
 @kernel
 def transpose_amax_kernel(x_words, rows, keys, chunk_rows):
-    """Per (matrix, column) max |x| bits (module docstring, kernel 1).
+    """Per (matrix, column) max |x| bits (module docstring).
 
     Args:
-        x_words: (B * R, C // 4) uint64, the bf16 bits of B matrices of R rows, 4 per word
-            (element 0 lowest). Read.
+        x_words: (B * R, C // 4) uint64, bf16 bits of B matrices of R rows, 4 per word (element 0
+            lowest). Read.
         rows: R.
-        keys: (B * C,) uint32, zeros on entry; the max over the column of its |x| bf16 bits.
-            Written (atomic max, or plain stores where one thread owns a column).
-        chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= R makes every key written by one
-            thread only (the simulator).
+        keys: (B * C,) uint32, zeros on entry; the column's max |x| bf16 bits. Written (atomic
+            max, or plain stores where one thread owns a column).
+        chunk_rows: rows per work item: CHUNK_ROWS on a GPU; >= R: one thread per key (simulator).
     Launch: launch_1d(B * ceil(R / chunk_rows) * C // 4): item i is word i % (C // 4) of chunk
         (i // (C // 4)) % chunks of matrix i // (chunks * C // 4), grid-stride; AMAX_UNROLL rows
-        loaded at a time (all loads in flight first).
+        loaded at a time.
     """
     loaded = cuda.local.array(AMAX_UNROLL, uint64)
     k = cuda.local.array(4, uint32)
@@ -105,21 +100,19 @@ def column_bf16(word, j, mult):
 
 @kernel
 def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
-    """bf16 matrices -> (B * C, R) e4m3 scaled per column, transposed (module docstring,
-    kernel 2).
+    """bf16 matrices -> (B * C, R) e4m3 scaled per column, transposed (module docstring).
 
     Args:
-        x_words: (B * R, C // 4) uint64, the bf16 bits (as kernel 1). Read.
+        x_words: (B * R, C // 4) uint64, the bf16 bits. Read.
         rows: R (a multiple of 4).
-        keys: (B * C,) uint32, the columns' max |x| bits (kernel 1). Read.
+        keys: (B * C,) uint32, the columns' max |x| bits. Read.
         out_words: (B * C, R // 4) uint32, e4m3 bits, 4 rows per word. Written (every word).
         scales: (B * C,) uint32, fp32 bits of the column scales (NaN for a non-finite column).
             Written.
     Launch: launch_1d(B * ceil(R / TILE_ROWS) * ceil(C / 4 / TILE_WORDS) * threads), blockDim.x
-        one of 32, 64, 128, 256: one tile at a time per CUDA block, grid-stride over tiles; lane
-        j of a warp takes input word w0 + j of ENCODE_QUADS row quads, stored through the shared
-        tile, swizzled (word (c, q) at 16 c + (q + c / 4) mod 16). Both word arrays are indexed
-        flat in int32: each holds at most ENCODE_MAX_WORDS words.
+        32, 64, 128 or 256: a tile per CUDA block at a time, grid-stride; lane j takes input word
+        w0 + j of ENCODE_QUADS row quads; shared tile swizzled (word (c, q) at 16 c + (q + c / 4)
+        mod 16). Word arrays indexed flat in int32: at most ENCODE_MAX_WORDS words each.
     """
     tile = cuda.shared.array(_TILE_OUT_WORDS, uint32)
     loaded = cuda.local.array(ENCODE_LOADS, uint64)

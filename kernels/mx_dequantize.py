@@ -37,12 +37,9 @@ def dequantize_e4m3(b, mult):
 
 @cuda.jit(device=True)
 def bf16_word_of_e4m3x4(d, s):
-    """The 4 bf16 (one uint64, element 0 lowest) of the 4 e4m3 in the uint32 ``d`` with block
-    scale ``s``, by integer arithmetic (NaN elements and NaN scales included).
-
-    For BF16_EXACT_SCALES[0] <= s <= BF16_EXACT_SCALES[1] every product is a normal, finite bf16
-    (4 significant bits), so the upper half of its f32 bits is already the bf16: no rounding.
-    """
+    """The 4 bf16 (one uint64, element 0 lowest) of the 4 e4m3 in ``d`` with block scale ``s``, by
+    integer arithmetic (NaN elements and scales included). For s in BF16_EXACT_SCALES every product
+    is a normal finite bf16, so the upper half of its f32 bits is the bf16: no rounding."""
     if s == uint32(E8M0_NAN):
         return uint64(BF16_NAN * 0x0001000100010001)
     mult = f32_from_bits(scale_f32_bits(s))
@@ -61,9 +58,9 @@ def bf16_word_of_e4m3x4(d, s):
 
 @cuda.jit(device=True)
 def bf16x2_from_e4m3x2(pair, mult):
-    """Two bf16 (uint32, element 0 lowest) of the two e4m3 in the uint16 ``pair`` times ``mult``:
-    e4m3 -> f16 -> f32 are exact, the product is exact (4 significant bits times a power of two,
-    down to 2^-136), and one round-to-nearest-even to bf16 matches the float64 reference."""
+    """Two bf16 (uint32, element 0 lowest) of the two e4m3 in ``pair`` times ``mult``:
+    e4m3 -> f16 -> f32 and the product are exact (down to 2^-136), one RNE to bf16 matches
+    float64."""
     h = cvt_f16x2_e4m3x2(pair)
     return cvt_bf16x2_f32(f32_from_f16_bits(uint16(h >> uint32(16))) * mult,
                           f32_from_f16_bits(uint16(h & uint32(0xFFFF))) * mult)
@@ -71,12 +68,8 @@ def bf16x2_from_e4m3x2(pair, mult):
 
 @cuda.jit(device=True)
 def bf16_words_of_e4m3x8(d, s):
-    """The 8 bf16 (two uint64, element 0 lowest) of the 8 e4m3 in the uint64 ``d`` with block
-    scale ``s``.
-
-    Words without NaN (no 0x7F/0xFF byte, finite scale) take the hardware conversions; the rest
-    (never produced by quantize_mxfp8 outside NaN blocks) the integer path, for identical NaN bits.
-    """
+    """The 8 bf16 (two uint64) of the 8 e4m3 in ``d`` with block scale ``s``: words without NaN take
+    the hardware conversions, the rest the integer path (identical NaN bits)."""
     low7 = d & uint64(0x7F7F7F7F7F7F7F7F)
     nan_byte = ((low7 + uint64(0x0101010101010101)) & uint64(0x8080808080808080)) != uint64(0)
     lo = uint32(d & uint64(0xFFFFFFFF))
@@ -124,16 +117,14 @@ def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
 
 @kernel
 def round_trip_mxfp8_bf16_kernel(x_words, out_words, rceil):
-    """bf16 -> MXFP8 -> bf16 in one pass: ``out`` holds what :func:`quantize_mxfp8_bf16_kernel`
-    then :func:`dequantize_mxfp8_bf16_kernel` would leave, bit for bit (the same block
-    arithmetic, the e4m3 bytes and scales kept in registers instead of memory). The quantized
-    exchanges that return bf16 use it for the rows a rank sends itself: they need the same
-    rounding as every other row, not the trip through memory.
+    """bf16 -> MXFP8 -> bf16 in one pass, bit for bit :func:`quantize_mxfp8_bf16_kernel` then
+    :func:`dequantize_mxfp8_bf16_kernel`, the bytes and scales kept in registers: the rows a rank
+    sends itself in a quantized exchange returning bf16 (they need every other row's rounding).
 
     Args:
-        x_words: (N // 4,) uint64, bf16 bits, 4 elements per word (element 0 lowest). Read.
-        out_words: (N // 4,) uint64, bf16 bits, 16-byte aligned (stored two words at a time).
-            Written (may not overlap ``x_words``).
+        x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Read.
+        out_words: (N // 4,) uint64, bf16 bits, 16-byte aligned, not overlapping ``x_words``.
+            Written.
         rceil: bool; True for the rceil scale, False for floor.
     Launch: as :func:`quantize_mxfp8_bf16_kernel` (over pairs of input words).
     """
@@ -161,17 +152,13 @@ def round_trip_mxfp8_bf16_kernel(x_words, out_words, rceil):
 
 @kernel
 def gather_round_trip_mxfp8_bf16_kernel(rows, x_words, out_words, rceil):
-    """:func:`round_trip_mxfp8_bf16_kernel` of rows picked by an index: output row r is input
-    row ``rows[r]`` through MXFP8 and back, bit for bit (the own rows of a quantized dispatch
-    gradient whose producer reads the permuted gradient, as
-    :func:`gather_quantize_mxfp8_bf16_kernel` does).
+    """:func:`round_trip_mxfp8_bf16_kernel` of rows picked by an index: output row r is input row
+    ``rows[r]`` through MXFP8 and back, bit for bit (a quantized dispatch gradient's own rows).
 
     Args:
-        rows: (R,) int32, the input row of each output row (0 <= rows[r] < the input's rows,
-            not checked). Read.
+        rows: (R,) int32, 0 <= rows[r] < M, not checked. Read.
         x_words: (M, D // 4) uint64, bf16 bits; rows 16-byte aligned. Read.
-        out_words: (R * D // 4,) uint64, bf16 bits, output row-major, 16-byte aligned.
-            Written.
+        out_words: (R * D // 4,) uint64, bf16 bits, row-major, 16-byte aligned. Written.
         rceil: bool; True for the rceil scale, False for floor.
     Launch: as :func:`gather_quantize_mxfp8_bf16_kernel`.
     """
@@ -205,8 +192,8 @@ def gather_round_trip_mxfp8_bf16_kernel(rows, x_words, out_words, rceil):
 @kernel(launch_bounds=(THREADS_PER_BLOCK, GATHER_BLOCKS_PER_SM))
 def gather_dequantize_mxfp8_bf16_kernel(indices, data_words, scales_rows, out_words):
     """Permute and dequantize in one pass: bf16 row p = MXFP8 row ``indices[p]`` decoded as
-    :func:`dequantize_mxfp8_bf16_kernel` decodes it (bit for bit), zeros where ``indices[p]``
-    is negative or past the rows (padding).
+    :func:`dequantize_mxfp8_bf16_kernel` does (bit for bit), zeros where ``indices[p]`` is negative
+    or past the rows.
 
     Args:
         indices: (P,) int32 source rows or -1. Read.
@@ -214,11 +201,10 @@ def gather_dequantize_mxfp8_bf16_kernel(indices, data_words, scales_rows, out_wo
         scales_rows: (N, D // 32) uint8, e8m0 bits. Read.
         out_words: (P, D // 4) uint64, bf16 bits, 4 per word. Written.
     Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R, share=GATHER_BLOCKS_PER_SM /
-        (RESIDENT_THREADS_PER_SM / (32 * R))): one warp per permuted row (R rows per CUDA block,
-        as ``mx_rowwise.mx_to_rowwise_gather_kernel``), grid-stride over rows; lane l takes the
-        row's pairs of data words l + 32 k (16 e4m3: one 16-byte load, two 16-byte stores of
-        bf16), GATHER_PAIRS loads in flight, through ``kernels._memory`` (no index wrap-around).
-        The data and out addresses must be multiples of 16 bytes.
+        (RESIDENT_THREADS_PER_SM / (32 * R))): a warp per permuted row (as
+        ``mx_rowwise.mx_to_rowwise_gather_kernel``), grid-stride; lane l takes pairs of data words
+        l + 32 k (one 16-byte load, two 16-byte stores), GATHER_PAIRS loads in flight. Data and
+        out addresses multiples of 16 bytes.
     """
     first = cuda.local.array(GATHER_PAIRS, uint64)
     second = cuda.local.array(GATHER_PAIRS, uint64)
@@ -256,8 +242,7 @@ def gather_dequantize_mxfp8_bf16_kernel(indices, data_words, scales_rows, out_wo
 
 @cuda.jit(device=True)
 def dequantize_word_f32(d, s, out_words, i):
-    """Decode the 4 e4m3 in ``d`` (block scale ``s``) into 4 f32 (two uint64) at
-    ``out_words[2i:2i + 2]``."""
+    """Decode the 4 e4m3 in ``d`` (block scale ``s``) into ``out_words[2i:2i + 2]`` (4 f32)."""
     if s == uint32(E8M0_NAN):
         out_words[2 * i] = uint64(F32_NAN * 0x0000000100000001)
         out_words[2 * i + 1] = uint64(F32_NAN * 0x0000000100000001)

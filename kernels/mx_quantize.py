@@ -1,14 +1,11 @@
 """MXFP8 quantize kernels (OCP Microscaling v1.0, e4m3fn elements, e8m0 scales) and the block max,
 encode and lane helpers the other fp8 kernels share.
 
-Memory layout, for an (M, D) tensor of N = M * D elements, D % 32 == 0, everything flat, C order:
-MX block b covers elements 32b .. 32b + 31 (one row never straddles: D % 32 == 0), and its scale is
-``scales[b]``.
-
-Coalescing: consecutive threads load consecutive 8-byte words; an MX block's lanes meet their
-partial max-abs values through ``lanes_max`` (warp shuffles on a GPU, shared memory under the
-simulator). Tiles of ``blockDim.x * WORDS_PER_THREAD`` words in a grid-stride loop uniform per
-CUDA block, so every lane reaches every shuffle. The block max is integer arithmetic on the bits.
+Layout of an (M, D) tensor of N = M * D elements, D % 32 == 0, flat, C order: MX block b covers
+elements 32b .. 32b + 31 (never straddling rows), its scale ``scales[b]``. Consecutive threads load
+consecutive 8-byte words; a block's lanes meet their partial max-abs through ``lanes_max`` (warp
+shuffles on a GPU, shared memory under the simulator), in a grid-stride loop uniform per CUDA block
+so every lane reaches every shuffle. The block max is integer arithmetic on the bits.
 """
 
 from numba import cuda, int32, uint8, uint16, uint32, uint64
@@ -59,11 +56,9 @@ def f32x2_absmax(w):
 if simulated():
     @cuda.jit(device=True)
     def lanes_max(v, scratch, width):
-        """Max of ``v`` (uint32) over each aligned group of ``width`` consecutive threads.
-
-        The simulator has no warp shuffles: the values meet in the shared array ``scratch``
-        (one uint32 per thread). Every thread of the CUDA block must call it.
-        """
+        """Max of ``v`` over each aligned group of ``width`` threads, met in the shared ``scratch``
+        (one uint32 per thread; the simulator has no shuffles). Every thread of the block must call
+        it."""
         tid = cuda.threadIdx.x
         scratch[tid] = v
         cuda.syncthreads()
@@ -77,7 +72,7 @@ else:
     @cuda.jit(device=True)
     def lanes_max(v, scratch, width):
         """Max of ``v`` (uint32 < 2^31) over each aligned group of ``width`` (a power of two <= 32)
-        consecutive lanes: a butterfly of warp shuffles. Every lane of the warp must call it."""
+        lanes: a butterfly of warp shuffles. Every lane of the warp must call it."""
         m = int32(v)
         lane = 1
         while lane < width:
@@ -106,9 +101,8 @@ def encode_f32x2(w, mult):
 
 @cuda.jit(device=True)
 def encode_bf16_pair(w0, w1, amax, rceil):
-    """The 8 e4m3 bytes (one uint64, element 0 lowest) of a pair of input words (``w0``, ``w1``:
-    8 bf16) and their block's e8m0 scale (uint32), from the block amax: NaN bytes and the NaN
-    scale for a block holding NaN or Inf."""
+    """The 8 e4m3 bytes (one uint64) of input words ``w0``, ``w1`` (8 bf16) and their block's e8m0
+    scale, from the block amax (NaN bytes and scale for a NaN/Inf block)."""
     if amax >= uint32(BF16_INF):
         return _E4M3_NAN_X8, uint32(E8M0_NAN)
     s = e8m0_from_bf16_amax(amax, rceil)
@@ -118,8 +112,7 @@ def encode_bf16_pair(w0, w1, amax, rceil):
 
 @cuda.jit(device=True)
 def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
-    """Write pair ``p``'s 8 e4m3 bytes (words ``w0``, ``w1``: 8 bf16) as one uint64, and its
-    block's scale when ``lead``, from the block amax."""
+    """Write pair ``p``'s 8 e4m3 bytes as one uint64, and its block's scale when ``lead``."""
     d, s = encode_bf16_pair(w0, w1, amax, rceil)
     data_words[p] = d
     if lead:
@@ -128,15 +121,16 @@ def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
 
 @kernel
 def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
-    """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64 formulas.
+    """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64
+    formulas.
 
-    scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil:
-    ceil(log2(amax / 448)); both clamped to [-127, 127], biased by 127); element =
-    round-to-nearest-even(x * 2^(127 - s)) saturated to +-448. A block holding NaN or Inf gets
-    s = 0xFF and elements 0x7F. An MX block is 4 pairs of input words on 4 consecutive lanes.
+    Scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil:
+    ceil(log2(amax / 448)); clamped to [-127, 127], biased by 127); element = RNE(x * 2^(127 - s))
+    saturated to +-448. A NaN/Inf block gets s = 0xFF and elements 0x7F. A block is 4 pairs of input
+    words on 4 consecutive lanes.
 
     Args:
-        x_words: (N // 4,) uint64, bf16 bits, 4 elements per word (element 0 lowest). Read.
+        x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Read.
         data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
         scales: (N // 32,) uint8, e8m0 bits, one per MX block. Written.
         rceil: bool; True for the rceil scale, False for floor.
@@ -166,18 +160,17 @@ def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
 
 @kernel
 def gather_quantize_mxfp8_bf16_kernel(rows, x_words, data_words, scales, rceil):
-    """:func:`quantize_mxfp8_bf16_kernel` of rows picked by an index: output row r is the MXFP8
-    quantization of input row ``rows[r]``, bit for bit.
+    """:func:`quantize_mxfp8_bf16_kernel` of rows picked by an index: output row r is input row
+    ``rows[r]`` quantized, bit for bit.
 
     Args:
-        rows: (R,) int32, the input row of each output row (0 <= rows[r] < the input's rows,
-            not checked). Read.
-        x_words: (M, D // 4) uint64, bf16 bits, 4 elements per word; rows 16-byte aligned. Read.
-        data_words: (R * D // 8,) uint64, e4m3fn bits, 8 per word, output row-major. Written.
+        rows: (R,) int32, 0 <= rows[r] < M, not checked. Read.
+        x_words: (M, D // 4) uint64, bf16 bits; rows 16-byte aligned. Read.
+        data_words: (R * D // 8,) uint64, e4m3fn bits, output row-major. Written.
         scales: (R * D // 32,) uint8, e8m0 bits. Written.
         rceil: bool; True for the rceil scale, False for floor.
-    Launch: as :func:`quantize_mxfp8_bf16_kernel`, over the output's pairs (a row's D // 8 pairs
-        hold whole MX blocks, so a block's 4 lanes read one input row).
+    Launch: as :func:`quantize_mxfp8_bf16_kernel`, over the output's pairs (a block's 4 lanes read
+        one input row).
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     first = cuda.local.array(PAIRS_PER_THREAD, uint64)
@@ -220,15 +213,15 @@ def quantize_f32_word(data_half, scales, i, w, amax, lead, rceil):
 
 @kernel
 def quantize_mxfp8_f32_kernel(x_words, data_half, scales, rceil):
-    """MXFP8-quantize fp32 input; the same formulas as :func:`quantize_mxfp8_bf16_kernel`.
+    """MXFP8-quantize fp32 input (formulas of :func:`quantize_mxfp8_bf16_kernel`).
 
     Args:
-        x_words: (N // 2,) uint64, f32 bits, 2 elements per word (element 0 lowest). Read.
+        x_words: (N // 2,) uint64, f32 bits, 2 per word (element 0 lowest). Read.
         data_half: (N // 2,) uint16, e4m3fn bits, 2 per word. Written.
-        scales: (N // 32,) uint8, e8m0 bits, one per MX block. Written.
+        scales: (N // 32,) uint8, e8m0 bits. Written.
         rceil: bool; True for the rceil scale, False for floor.
     Launch: launch_1d(ceil(N / 2 / WORDS_PER_THREAD)), blockDim.x <= THREADS_PER_BLOCK, a multiple
-        of 16: WORDS_PER_THREAD words per thread per tile, grid-stride over tiles.
+        of 16: WORDS_PER_THREAD words per thread per tile, grid-stride.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     words = cuda.local.array(WORDS_PER_THREAD, uint64)

@@ -46,13 +46,10 @@ _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
 
 @cuda.jit(device=True)
 def rescale_e4m3x4(d, mult):
-    """4 e4m3 (uint32, element 0 lowest) of the 4 e4m3 in the uint32 ``d`` times ``mult``, the f16
-    pair (uint32 bits) of a power of two 2^k, -19 <= k <= 0, in both halves: exact decode to f16
-    (``cvt.rn.f16x2.e4m3x2``), the products in f16, one RNE to e4m3.
-
-    The f16 products are exact wherever the result can be nonzero: e4m3 has 4 significant bits, so
-    v * 2^k is a multiple of 2^-24 (f16's subnormal step) unless it is below 2^-21, and anything
-    below 2^-10 (half of e4m3's smallest subnormal) rounds to a signed zero either way."""
+    """The 4 e4m3 in ``d`` times ``mult`` (the f16 pair of 2^k, -19 <= k <= 0): exact decode to f16,
+    f16 products, one RNE to e4m3. The products are exact wherever the result can be nonzero
+    (v * 2^k is a multiple of 2^-24 unless below 2^-21, and below 2^-10 everything rounds to
+    zero)."""
     p01 = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d & uint32(0xFFFF))), mult))
     p23 = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d >> uint32(16))), mult))
     return uint32(p01) | (uint32(p23) << uint32(16))
@@ -60,8 +57,7 @@ def rescale_e4m3x4(d, mult):
 
 @cuda.jit(device=True)
 def f16x2_pow2(k):
-    """The f16 pair (uint32 bits) holding 2^k in both halves, -24 <= k <= 15 (below -14 an f16
-    subnormal)."""
+    """The f16 pair (uint32 bits) of 2^k in both halves, -24 <= k <= 15 (below -14 subnormal)."""
     if k >= int32(-14):
         bits = uint32(int32(int32(15) + k)) << uint32(10)
     else:
@@ -80,9 +76,8 @@ def rescale_e4m3x8(d, mult):
 
 @cuda.jit(device=True)
 def rescale_pair(first, second, s, r):
-    """The 16 e4m3 of the uint64 words ``first`` and ``second`` (one block, scale 2^(s - 127))
-    re-expressed at the row scale 2^(r - 127), r >= s: RNE_e4m3(v * 2^(s - r)), NaN bytes kept;
-    the words themselves when s == r."""
+    """The 16 e4m3 of ``first``, ``second`` (one block, scale 2^(s - 127)) at the row scale
+    2^(r - 127), r >= s: RNE_e4m3(v * 2^(s - r)), NaN bytes kept; as they are when s == r."""
     if s >= r:
         return first, second
     mult = f16x2_pow2(max(int32(int32(s) - int32(r)), int32(RESCALE_EXP_MIN)))
@@ -91,18 +86,17 @@ def rescale_pair(first, second, s, r):
 
 @kernel(launch_bounds=(THREADS_PER_BLOCK, GATHER_BLOCKS_PER_SM))
 def mx_to_rowwise_gather_kernel(indices, data_words, mx_scales, out_words, out_scales):
-    """out[p] = fp8 rowwise form of MXFP8 row indices[p] (rules in the module docstring).
+    """out[p] = the fp8 rowwise form of MXFP8 row indices[p] (module docstring).
 
     Args:
-        indices: (P,) int32 source rows, or -1 for padding (a row >= N is padding too). Read.
+        indices: (P,) int32 source rows, or -1 for padding (a row >= N too). Read.
         data_words: (N, D // 8) uint64, MXFP8 e4m3fn bits, 8 per word (element 0 lowest). Read.
         mx_scales: (N, D // 32) uint8, e8m0 bits. Read.
         out_words: (P, D // 8) uint64, e4m3fn bits. Written.
         out_scales: (P,) uint32, fp32 bits of the row scales. Written.
-    Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R): one warp per permuted row (R rows
-        per CUDA block), grid-stride over rows in steps uniform per CUDA block; lane l takes
-        word pairs l + 32 k, PASS_PAIRS loads in flight. The data and out data addresses must
-        be multiples of 16 bytes.
+    Launch: launch_1d(ceil(P / R) * 32 * R, threads=32 * R): a warp per permuted row, grid-stride
+        in steps uniform per CUDA block; lane l takes word pairs l + 32 k, PASS_PAIRS loads in
+        flight. Data and out data addresses multiples of 16 bytes.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     first = cuda.local.array(PASS_PAIRS, uint64)

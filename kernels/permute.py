@@ -1,11 +1,6 @@
-"""Token permutation kernels of the EP path: received order <-> expert-major order, padded groups.
-
-Rows arrive ordered by source rank, then local expert (``counts`` is rank-major: entry
-r * E_local + e = rows from rank r for my local expert e). ``permute`` puts them expert-major
-(local expert, then source rank), each expert's group padded with zero rows to a multiple of
-``align``. The index is built on the device (no host sync); rows then move as machine words,
-one CUDA block per row, threads striding over the row's words.
-"""
+"""Token permutation kernels of the EP path: received order <-> expert-major order, padded groups
+(layout: ``mxcomm.permutation``). The index is built on the device (no host sync); rows move as
+machine words, one CUDA block per row, threads striding over the row's words."""
 
 from numba import cuda, int32
 
@@ -19,7 +14,7 @@ def permute_layout_kernel(counts, num_local, align, src_start, dst_start, group_
     Args:
         counts: (E,) int32, rank-major row counts (E = W * E_local). Read.
         num_local: E_local.
-        align: rows; each non-empty group is padded to a multiple of it (> 0).
+        align: rows (> 0); each non-empty group is padded to a multiple of it.
         src_start: (E,) int32, first received row of segment (r, e), at r * E_local + e. Written.
         dst_start: (E,) int32, first permuted row of segment (r, e). Written.
         group_offsets: (E_local,) int32, cumulative padded group ends. Written.
@@ -43,12 +38,12 @@ def permute_layout_kernel(counts, num_local, align, src_start, dst_start, group_
 
 @kernel
 def permute_indices_kernel(counts, src_start, dst_start, group_offsets, num_rows, indices):
-    """``indices[p]``: the received row that lands on permuted row p, or -1 (padding, or past the end).
+    """``indices[p]``: the received row landing on permuted row p, or -1 (padding, or past the end).
 
     Args:
         counts, src_start, dst_start: (E,) int32, from :func:`permute_layout_kernel`. Read.
         group_offsets: (E_local,) int32. Read.
-        num_rows: M_recv; a source row at or beyond it (counts summing to more) gives -1.
+        num_rows: M_recv; a source row at or beyond it gives -1.
         indices: (P,) int32. Written.
     Launch: launch_1d(P): one thread per permuted row, grid-stride.
     """
@@ -75,8 +70,8 @@ ROW_UNROLL = 4
 
 @cuda.jit(device=True)
 def copy_row(src, i, dst, p, ncols, tid, nthreads):
-    """dst[p, :ncols] = src[i, :ncols], thread ``tid`` of ``nthreads`` taking words tid + k * nthreads,
-    ROW_UNROLL loads in flight per thread."""
+    """dst[p, :ncols] = src[i, :ncols]; thread ``tid`` of ``nthreads`` takes words
+    tid + k * nthreads, ROW_UNROLL loads in flight."""
     step = nthreads * ROW_UNROLL
     w = tid
     while w + step - nthreads < ncols:  # ROW_UNROLL full words
@@ -96,19 +91,16 @@ def copy_row(src, i, dst, p, ncols, tid, nthreads):
 
 @kernel
 def gather_rows_kernel(indices, src0, dst0, src1, dst1, fill1):
-    """dst[p, :] = src[indices[p], :], for two (src, dst) pairs at once; where indices[p] < 0
-    (padding) dst0's row gets zeros and dst1's every word ``fill1`` (the padding scale).
+    """dst[p, :] = src[indices[p], :] for two (src, dst) pairs at once; where indices[p] < 0 dst0's
+    row gets zeros and dst1's every word ``fill1``.
 
     Args:
-        indices: (P,) int32 source rows or -1; a row >= src.shape[0] is treated as -1. Read.
-        src0, dst0: (M, W0) and (P, W0) words (uint64/32/16/8) of the rows, C-contiguous.
-            src0 read, dst0 written.
-        src1, dst1: a second pair (the scales) with the same rows, or an empty (0, 0) pair.
-            Same roles.
-        fill1: int, a word of dst1's padding rows (the format's padding scale, repeated to
-            the word's width; 0 for e8m0 scales).
+        indices: (P,) int32 source rows or -1; a row >= src.shape[0] counts as -1. Read.
+        src0, dst0: (M, W0) and (P, W0) words (uint64/32/16/8), C-contiguous. Read / written.
+        src1, dst1: a second pair (the scales) of the same rows, or an empty (0, 0) pair.
+        fill1: int, a word of dst1's padding rows (the padding scale repeated; 0 for e8m0).
     Launch: launch_1d(P * blockDim): one CUDA block per row, grid-stride over rows, threads
-        striding over the words of the row.
+        striding over the row's words.
     """
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
@@ -134,9 +126,9 @@ def scatter_rows_kernel(indices, src0, dst0, src1, dst1):
 
     Args:
         indices: (P,) int32 destination rows or -1 (dropped). Read.
-        src0, dst0: (P, W0) and (M, W0) words of the rows, C-contiguous. src0 read, dst0 written.
-        src1, dst1: a second pair (MXFP8 scales), or an empty (0, 0) pair. Same roles.
-    Launch: launch_1d(P * blockDim): one CUDA block per row, as :func:`gather_rows_kernel`.
+        src0, dst0: (P, W0) and (M, W0) words, C-contiguous. Read / written.
+        src1, dst1: a second pair (the scales), or an empty (0, 0) pair.
+    Launch: as :func:`gather_rows_kernel`.
     """
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
@@ -153,16 +145,14 @@ def scatter_rows_kernel(indices, src0, dst0, src1, dst1):
 
 @kernel
 def zero_rows_kernel(indices, dst0, dst1, fill1):
-    """The padding rows of a permute (indices[p] < 0): dst0's row zeros, dst1's every word
-    ``fill1``, as :func:`gather_rows_kernel` writes them; other rows are left as they are.
+    """The padding rows (indices[p] < 0) as :func:`gather_rows_kernel` writes them: dst0's zeros,
+    dst1's every word ``fill1``; other rows untouched.
 
     Args:
         indices: (P,) int32 source rows or -1. Read.
-        dst0, dst1: (P, W0) and (P, W1) words, C-contiguous, or an empty (0, 0) second array.
-            Written (the padding rows only).
+        dst0, dst1: (P, W0) and (P, W1) words, C-contiguous, or an empty second. Written.
         fill1: int, a word of dst1's padding rows.
-    Launch: launch_1d(P * blockDim): one CUDA block per row, as :func:`gather_rows_kernel`
-        (a row that is not padding costs its block one index load).
+    Launch: as :func:`gather_rows_kernel`.
     """
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x

@@ -8,8 +8,7 @@ __version__ = "0.1.0"
 
 from . import _platform
 
-# The one decision of where array work runs (MXCOMM_BACKEND), made first: a bad value fails here,
-# naming the variable, its value and the accepted ones, not inside whichever module asked first.
+# Where array work runs (MXCOMM_BACKEND), decided first: a bad value fails here, clearly.
 _platform.backend()
 
 # Importing a format's module registers its formats (mxcomm.formats), in this order.

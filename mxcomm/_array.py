@@ -1,11 +1,9 @@
 """Arrays in, arrays out: the one acceptance of caller arrays and streams, and the checks of rows,
-arrays and outputs, for the engine's public functions (formats, permute, the exchange).
+arrays and outputs, for the engine's public functions (docs/design.md "Arrays").
 
 Device arrays are CuPy arrays on a GPU and NumPy arrays on a CPU (the host backend, or Numba's CUDA
-simulator); which one is decided once, in ``mxcomm._platform`` (``gpu_arrays``). On a GPU anything
-exporting ``__cuda_array_interface__`` or DLPack is accepted zero-copy; on a CPU anything NumPy can
-view. A leaf like ``_platform``: at import it needs only NumPy, ml_dtypes and ``_platform``, so
-``comm/`` may accept arrays through it too (``as_device_array(x, name, device=...)``).
+simulator), as ``mxcomm._platform.gpu_arrays`` decides. A leaf: it imports only NumPy, ml_dtypes and
+``_platform``.
 """
 
 import ml_dtypes
@@ -19,15 +17,14 @@ float32 = numpy.dtype(numpy.float32)
 
 
 def as_device_array(x, name, *, device=None):
-    """``x`` as a CuPy (device) or NumPy (host) array, zero-copy: the one acceptance of a
-    caller's array.
+    """``x`` as a CuPy (device) or NumPy (host) array, zero-copy: the one acceptance of a caller's
+    array.
 
     Args:
         x: a CuPy/NumPy array, or any object exporting ``__cuda_array_interface__`` or DLPack
             (device), or anything NumPy can view (host).
         name: the argument's name (and rank, where it matters), for the error message.
-        device: True for a CuPy array, False for a NumPy array, None for the platform's
-            (``mxcomm._platform.gpu_arrays``).
+        device: True for a CuPy array, False for NumPy, None for the platform's (``gpu_arrays``).
     Raises:
         TypeError: ``x`` is not an array of that kind.
     """
@@ -60,15 +57,9 @@ def as_device_array(x, name, *, device=None):
 
 
 def check_rows(x, name, multiple=1, dtypes=None, *, two_d=True):
-    """``x`` as a device array of rows (:func:`as_device_array`), validated: 2-D (M, D) (or, with
-    ``two_d`` False, rows of any shape: at least 1-D), dtype in ``dtypes`` (None: any), D %
-    ``multiple`` == 0, C-contiguous: the one check of rows.
-
-    Raises:
-        TypeError: not an array, or another dtype.
-        ValueError: not 2-D (not at least 1-D), D not a multiple of ``multiple``, or not
-            C-contiguous.
-    """
+    """``x`` as a device array of rows, validated: 2-D (M, D) (``two_d`` False: at least 1-D), dtype
+    in ``dtypes`` (None: any), D % ``multiple`` == 0, C-contiguous: the one check of rows. Raises
+    TypeError (not an array, dtype) / ValueError (dimensions, D, not C-contiguous)."""
     x = as_device_array(x, name)
     if two_d and x.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D (M, D) array, "
@@ -87,13 +78,8 @@ def check_rows(x, name, multiple=1, dtypes=None, *, two_d=True):
 
 
 def check_array(a, name, dtype, shape, convert=as_device_array):
-    """``a`` as an array (``convert``: a device array by default) of exactly ``dtype`` and
-    ``shape``, C-contiguous.
-
-    Raises:
-        TypeError: not an array (``convert``), or another dtype.
-        ValueError: another shape, or not C-contiguous.
-    """
+    """``a`` through ``convert`` (default: a device array), of exactly ``dtype`` and ``shape``,
+    C-contiguous. Raises TypeError (not an array, dtype) / ValueError (shape, not C-contiguous)."""
     a = convert(a, name)
     if a.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype}")
@@ -116,8 +102,7 @@ def out_dtype(dtype):
 
 
 def out_array(out, shape, dtype):
-    """The ``out`` argument: a new array of ``shape`` and ``dtype`` when None, else checked
-    (:func:`check_array`)."""
+    """The ``out`` argument: a new array of ``shape`` and ``dtype`` when None, else checked."""
     if out is None:
         from .kernels import array_module
         return array_module().empty(shape, dtype=dtype)
@@ -125,8 +110,8 @@ def out_array(out, shape, dtype):
 
 
 def out_pair(out, data_shape, scales_shape, scales_dtype=float32):
-    """The ``out`` argument of a quantize: a (data uint8, scales) pair, new when None, else
-    checked (:func:`check_array`); TypeError when not a pair."""
+    """The ``out`` of a quantize: a (data uint8, scales) pair, new when None, else checked;
+    TypeError when not a pair."""
     if out is None:
         from .kernels import array_module
         xp = array_module()
@@ -138,12 +123,8 @@ def out_pair(out, data_shape, scales_shape, scales_dtype=float32):
 
 
 def stream_ptr(stream=None):
-    """The raw CUDA stream handle of ``stream`` (0 without a GPU).
-
-    Args:
-        stream: None for CuPy's current stream, a CuPy stream (``.ptr``), a torch stream
-            (``.cuda_stream``), or an int handle.
-    """
+    """The raw CUDA stream handle (int) of ``stream``: None for CuPy's current stream, a CuPy stream
+    (``.ptr``), a torch stream (``.cuda_stream``) or an int; 0 without a GPU."""
     if not gpu_arrays():
         return 0
     if stream is None:

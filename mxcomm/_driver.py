@@ -1,13 +1,7 @@
-"""Kernel launches through the CUDA driver with one packed parameter buffer (GPU only).
-
-A :class:`PackedLaunch` packs a numba kernel's parameters (numba's ABI spends ``5 + 2 * ndim``
-per array) with one ``struct.pack_into`` into a buffer it owns and launches through
-``cuLaunchKernel``'s ``extra`` argument (``CU_LAUNCH_PARAM_BUFFER_POINTER``; CUDA driver API,
-"Execution Control"), where CuPy's ``Function`` call converts every argument on each launch. The
-driver copies the parameters at launch, so the buffer is reused at once. :class:`Words` names a
-C-contiguous device array by address, shape and word dtype, without the host time of a CuPy view.
-
-Leaf module: imports CuPy lazily, and NumPy; nothing of this package.
+"""Kernel launches through the CUDA driver with one packed parameter buffer (GPU only), and
+:class:`Words`, a device array named by address without a CuPy view (docs/design.md "Arrays"). The
+driver copies the parameters at launch, so the buffer is reused at once. Leaf module: imports CuPy
+lazily, and NumPy; nothing of this package.
 """
 
 import ctypes
@@ -32,15 +26,14 @@ class PackedLaunch:
     """Launch one compiled function with parameters packed by a ``struct`` format.
 
     Args:
-        function: a CuPy ``cupy.cuda.function.Function`` (its ``ptr`` is the ``CUfunction``;
-            kept alive, with its module, as long as this object).
-        fmt: the parameters as ``struct`` codes, e.g. ``"QQIi"`` (``Q``: pointer or uint64,
-            ``q``: int64, ``I``/``i``: 32-bit, ``B``: uint8/bool); packed with native alignment.
+        function: a CuPy ``Function`` (its ``ptr`` is the ``CUfunction``; kept alive, with its
+            module, as long as this object).
+        fmt: the parameters as ``struct`` codes, e.g. ``"QQIi"`` (``Q`` pointer or uint64, ``q``
+            int64, ``I``/``i`` 32-bit, ``B`` uint8/bool), native alignment.
 
-    Calling it, ``launch(grid, block, stream, values, shared=0)``: ``grid`` and ``block`` are
-    ints (1-D), ``stream`` a raw stream handle (int), ``values`` a sequence of ints matching
-    ``fmt``, ``shared`` the bytes of dynamic shared memory (above 48 KiB only after
-    :meth:`allow_shared`). Enqueues the kernel on ``stream``; no synchronization. Thread-safe.
+    ``launch(grid, block, stream, values, shared=0)``: 1-D ``grid`` and ``block``, a raw stream
+    handle, ints matching ``fmt``, dynamic shared bytes (above 48 KiB only after
+    :meth:`allow_shared`). Enqueues on ``stream``; no synchronization. Thread-safe.
     """
 
     __slots__ = ("_function", "_ptr", "_pack_into", "_buffer", "_size", "_extra", "_extra_ptr",
@@ -64,9 +57,8 @@ class PackedLaunch:
         self._shared_cap = 48 * 1024
 
     def allow_shared(self, nbytes):
-        """Let launches take up to ``nbytes`` of dynamic shared memory (the driver's default cap
-        is 48 KiB; CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). The cap only grows: the
-        function is shared by every launch of its argument kinds."""
+        """Let launches take up to ``nbytes`` of dynamic shared memory (default cap 48 KiB). The cap
+        only grows: the function is shared by every launch of its argument kinds."""
         import cupy
         with self._lock:
             if nbytes > self._shared_cap:
@@ -81,9 +73,8 @@ class PackedLaunch:
                 self._launch(self._ptr, grid, 1, 1, block, 1, 1, shared, stream, 0,
                              self._extra_ptr)
             except Exception as exc:
-                # a thread with no current context (autograd's device thread whose first work
-                # is this launch: torch skips cudaSetDevice when the device is already the
-                # thread's, so nothing bound the primary context there)
+                # no current context: autograd's device thread whose first work is this launch
+                # (torch skips cudaSetDevice there, so nothing bound the primary context)
                 if getattr(exc, "status", None) != _ERROR_INVALID_CONTEXT:
                     raise
                 _bind_primary_context()
@@ -92,8 +83,7 @@ class PackedLaunch:
 
 
 def _bind_primary_context():
-    """Make the current device's primary context current on this thread (the runtime binds it
-    on its first call that needs one: ``cudaFree(NULL)``, CUDA runtime API)."""
+    """Make the current device's primary context current on this thread (``cudaFree(NULL)``)."""
     import cupy
     cupy.cuda.runtime.free(0)
 
@@ -101,16 +91,15 @@ def _bind_primary_context():
 class Words:
     """A C-contiguous device array named by its address: all a launch or a copy needs of it.
 
-    The GPU side of ``mxcomm.kernels.words``: a kernel takes it as a C-contiguous array of
-    ``dtype`` and ``shape``. The engine also names rows by it (:func:`row_range`): then a "word"
-    is an element.
+    The GPU side of ``mxcomm.kernels.words``; the engine also names rows by it (:func:`row_range`),
+    where a "word" is an element.
 
     Attributes:
         ptr: device address of the first word.
         shape: ``(size,)`` or ``(rows, words per row)``.
         dtype: NumPy dtype of a word.
-        align: the bytes the address must be a multiple of: the word's size by default; 16 for
-            a kernel that loads two 8-byte words at once (``_memory.load_pair``).
+        align: bytes the address must be a multiple of: the word's size by default; 16 for a kernel
+            that loads two 8-byte words at once (``_memory.load_pair``).
     """
 
     __slots__ = ("ptr", "shape", "dtype", "align", "size", "ndim")
@@ -123,7 +112,7 @@ class Words:
 
     def abi(self):
         """Its fields in numba's kernel ABI: meminfo, parent, nitems, itemsize, data, shape,
-        strides (C order)."""
+        strides."""
         itemsize = self.dtype.itemsize
         if self.ndim == 1:
             return (0, 0, self.size, itemsize, self.ptr, self.size, itemsize)
@@ -132,8 +121,8 @@ class Words:
 
 
 def address(a):
-    """The address of the first element of the CuPy or NumPy array or :class:`Words` ``a``
-    (NumPy arrays come on the simulator and the host backend, also on a machine with a GPU)."""
+    """The address of the first element of a CuPy or NumPy array or :class:`Words` (NumPy arrays
+    occur on the simulator and host backend, even on a GPU machine)."""
     if isinstance(a, numpy.ndarray):
         return a.__array_interface__["data"][0]
     if type(a) is Words:
@@ -142,14 +131,8 @@ def address(a):
 
 
 def row_range(a, begin, end):
-    """Rows ``[begin, end)`` of the C-contiguous 1-D or 2-D array ``a``, zero-copy: a
-    :class:`Words` of ``a``'s dtype on a GPU (a CuPy slice costs about three times the host
-    time), a NumPy slice elsewhere.
-
-    Args:
-        a: a CuPy array or :class:`Words` (GPU), or a NumPy array.
-        begin, end: ``0 <= begin <= end <= len(a)`` (not checked).
-    """
+    """Rows ``[begin, end)`` (unchecked) of the C-contiguous 1-D or 2-D ``a``, zero-copy: a
+    :class:`Words` on a GPU (cheaper on the host than a CuPy slice), a NumPy slice elsewhere."""
     if isinstance(a, numpy.ndarray):
         return a[begin:end]
     shape = a.shape
@@ -161,17 +144,15 @@ def row_range(a, begin, end):
 
 
 def flat(a):
-    """The C-contiguous array ``a`` as 1-D, zero-copy: a :class:`Words` on a GPU, a reshape of a
-    NumPy array."""
+    """The C-contiguous ``a`` as 1-D, zero-copy: a :class:`Words` on a GPU, a NumPy reshape."""
     if isinstance(a, numpy.ndarray):
         return a.reshape(-1)
     return Words(a.ptr if type(a) is Words else a.data.ptr, (a.size,), a.dtype)
 
 
 def copy_bytes(dst, src, stream):
-    """Copy the bytes of the C-contiguous array ``src`` into the C-contiguous ``dst`` (as many
-    bytes; shapes may differ): on a GPU ``cudaMemcpyAsync`` on the raw stream handle ``stream``;
-    NumPy arrays are assigned (done on return)."""
+    """Copy the bytes of C-contiguous ``src`` into C-contiguous ``dst`` (shapes may differ):
+    ``cudaMemcpyAsync`` on raw stream ``stream``, or a NumPy assignment (done on return)."""
     if isinstance(dst, numpy.ndarray):
         dst.reshape(-1).view(numpy.uint8)[...] = src.reshape(-1).view(numpy.uint8)
         return
@@ -193,8 +174,8 @@ class _StreamHandle:
 
 
 def external_stream(ptr):
-    """A CuPy stream object over the raw handle ``ptr`` (not owned): ``Stream.from_external``
-    where CuPy has it (CuPy 14 deprecates ``ExternalStream``)."""
+    """A CuPy stream over the raw handle ``ptr`` (not owned): ``Stream.from_external`` where CuPy
+    has it (CuPy 14 deprecates ``ExternalStream``)."""
     import cupy
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:

@@ -1,20 +1,16 @@
-"""The host backend: vectorized NumPy versions of the kernels, for arrays in host memory.
-
-On the host backend (``mxcomm._platform``) the wrappers of every format and of the permutation call
-these instead of the CUDA kernels; every result is bit-identical to the kernels'.
+"""The host backend: vectorized NumPy twins of the kernels, bit-identical to them.
 
 Glossary: M rows, D hidden (a multiple of 32), E experts, E_local experts per rank, P permuted rows.
 
-MXFP8 (OCP Microscaling v1.0), the kernels' arithmetic step by step, on the bits:
-- block amax from the magnitude bits (sign cleared); a block whose amax bits are Inf/NaN gets
-  scale 0xFF and elements 0x7F;
+MXFP8 (OCP Microscaling v1.0) as the kernels compute it, on the bits:
+- block amax from the magnitude bits; an Inf/NaN amax gives scale 0xFF and elements 0x7F;
 - scale s = clamp(exp(amax) - 8 (+1 in "rceil" mode where the mantissa exceeds 1.75), 0, 254);
-- element = e4m3 of the f32 product x * 2^(127 - s) (the kernels' f32 multiply), rounded to
-  nearest even and saturated to +-448: normal results round the f32 bits (add 0x7FFFF plus the lowest kept
-  bit, drop 20 bits), results below 2^-6 round on a grid of 2^-9 by an f32 addition of 2^14;
-- dequantize: e4m3 * 2^(s - 127) in f32 (exact, Inf past the f32 range), then round to nearest even
-  to bf16; NaN scale or NaN element gives the canonical NaN: 256 x 256 lookup tables (scale,
-  element byte). Work goes in chunks of :data:`CHUNK_BLOCKS` MX blocks (cache-sized temporaries).
+- element = e4m3 of the f32 product x * 2^(127 - s), round to nearest even, saturated to +-448:
+  normal results round the f32 bits (add 0x7FFFF plus the lowest kept bit, drop 20 bits),
+  results below 2^-6 round on a 2^-9 grid by an f32 addition of 2^14;
+- dequantize: e4m3 * 2^(s - 127) in f32 (exact, Inf past the f32 range), round to nearest even
+  to bf16, canonical NaN: 256 x 256 lookup tables (scale, element byte).
+Work goes in chunks of :data:`CHUNK_BLOCKS` MX blocks (cache-sized temporaries).
 """
 
 import functools
@@ -44,8 +40,8 @@ _E4M3_REBIAS = _U32((127 - 7) << 3)  # f32 exponent bias - e4m3 bias, in the e4m
 
 
 class _Format:
-    """Bit fields of an input format: magnitude mask, mantissa bits, the mantissa of 1.75
-    (rceil: above it, amax / 448 needs one more exponent), and the Inf magnitude."""
+    """Bit fields of an input format: magnitude mask, mantissa bits, the mantissa of 1.75 (rceil:
+    above it, amax / 448 needs one more exponent), the Inf magnitude."""
 
     def __init__(self, uint, mant_bits):
         self.uint = numpy.dtype(uint)
@@ -61,17 +57,9 @@ _FORMATS = {BF16: _Format(numpy.uint16, 7), F32: _Format(numpy.uint32, 23)}
 
 
 def quantize_mxfp8(x, data, scales, rceil):
-    """MXFP8-quantize ``x`` into ``data`` and ``scales``, bit-identical to the CUDA kernels.
-
-    Args:
-        x: (M, D) bf16 or fp32 NumPy array, C-contiguous, D % 32 == 0. Read.
-        data: (M, D) uint8 C-contiguous array: e4m3fn bits. Written.
-        scales: (M, D // 32) uint8 C-contiguous array: e8m0 bits. Written.
-        rceil: True for the "rceil" scale (ceil(log2(amax / 448))), False for "floor"
-            (floor(log2(amax)) - 8).
-    Returns:
-        ``(data, scales)``. The arguments are the caller's to check (``mxcomm.mxfp8``).
-    """
+    """MXFP8-quantize ``x`` (M, D) bf16/fp32 into ``data`` (M, D) uint8 e4m3fn bits and ``scales``
+    (M, D // 32) uint8 e8m0 bits, all C-contiguous and checked by the caller; ``rceil``: the "rceil"
+    scale, else "floor". Returns ``(data, scales)``."""
     fmt = _FORMATS[x.dtype]
     bits = x.reshape(-1).view(fmt.uint).reshape(-1, MX_BLOCK)
     codes = data.reshape(-1, MX_BLOCK)
@@ -83,8 +71,7 @@ def quantize_mxfp8(x, data, scales, rceil):
 
 
 def quantize_mxfp8_launch(rceil, stream, rows, x, data, scales):
-    """:func:`quantize_mxfp8` with a prepared launch's arguments (``mxcomm.mxfp8``; ``stream``
-    and ``rows`` unused)."""
+    """:func:`quantize_mxfp8` with a prepared launch's arguments (``stream``, ``rows`` unused)."""
     quantize_mxfp8(x, data, scales, rceil)
 
 
@@ -125,7 +112,7 @@ def _quantize_blocks(bits, fmt, rceil, codes, scales):
 
 @functools.cache
 def _dequantize_table(dtype):
-    """(256, 256) table of output bits (uint16 for bf16, uint32 for fp32) by (scale, e4m3 byte)."""
+    """(256, 256) table of output bits (uint16 bf16, uint32 fp32) by (scale, e4m3 byte)."""
     e4m3 = numpy.arange(256, dtype=numpy.uint8).view(ml_dtypes.float8_e4m3fn).astype(numpy.float32)
     with numpy.errstate(over="ignore", invalid="ignore"):  # 2^128 (scale 0xFF) and past f32: Inf
         mult = numpy.ldexp(numpy.float32(1), numpy.arange(-127, 129)).astype(numpy.float32)
@@ -141,17 +128,9 @@ def _dequantize_table(dtype):
 
 
 def dequantize_mxfp8(data, scales, out):
-    """Decode MXFP8 into ``out``: x = e4m3 * 2^(s - 127), bit-identical to the CUDA kernels.
-
-    Args:
-        data: (M, D) uint8 C-contiguous array: e4m3fn bits. Read.
-        scales: (M, D // 32) uint8 C-contiguous array: e8m0 bits. Read.
-        out: (M, D) bf16 or fp32 C-contiguous NumPy array. Written: exact in fp32, round to
-            nearest even in bf16; NaN (bf16 0x7FC0, fp32 0x7FC00000) where the scale is 0xFF
-            or the element is NaN.
-    Returns:
-        ``out``.
-    """
+    """Decode ``data`` (M, D) uint8 and ``scales`` (M, D // 32) uint8 into ``out`` (M, D) bf16/fp32,
+    C-contiguous: x = e4m3 * 2^(s - 127), exact in fp32, round to nearest even in bf16, canonical
+    NaN for scale 0xFF or a NaN element. Returns ``out``."""
     table = _dequantize_table(out.dtype).reshape(-1)
     codes = data.reshape(-1, MX_BLOCK)
     block_scales = scales.reshape(-1)
@@ -165,24 +144,10 @@ def dequantize_mxfp8(data, scales, out):
 
 
 def permute_layout(counts, num_local_experts, align, num_rows, num_permuted):
-    """The permutation of received rows into expert-major, ``align``-padded groups.
-
-    The same index as ``kernels.permute``'s layout and index kernels: rows of segment
-    (rank r, local expert e) go, in order, after the rows of segments (r' < r, e) of the same
-    expert; each non-empty group ends on a multiple of ``align``.
-
-    Args:
-        counts: (E,) int32 array, rank-major: entry r * E_local + e. Read.
-        num_local_experts: E_local, dividing E.
-        align: rows, >= 1.
-        num_rows: M_recv; a source row at or beyond it gives -1.
-        num_permuted: P; destinations at or beyond it are dropped.
-    Returns:
-        ``(indices, group_offsets)``: (P,) int32, the received row of each permuted row or -1;
-        (E_local,) int32 cumulative padded group ends.
-    Raises:
-        ValueError: a negative count.
-    """
+    """``(indices (P,) int32, group_offsets (E_local,) int32)`` of ``mxcomm.permutation.permute``,
+    the same as ``kernels.permute``'s layout and index kernels. ``counts`` (E,) rank-major; source
+    rows >= ``num_rows`` give -1; destinations >= ``num_permuted`` are dropped. Raises ValueError
+    for a negative count."""
     counts = numpy.asarray(counts, dtype=numpy.int64)
     if (counts < 0).any():
         raise ValueError(f"num_tokens_per_expert_group: expected non-negative counts, got "
@@ -213,17 +178,9 @@ def _byte_rows(a):
 
 
 def gather_rows(indices, srcs, dsts, fill=None):
-    """``dst[p] = src[indices[p]]`` for each (src, dst) pair; where the index is negative or past
-    the source's rows, zeros, and ``fill`` (a value of its dtype, None: 0) in the second dst
-    (``kernels.permute.gather_rows_kernel``: the padding scale).
-
-    Args:
-        indices: (P,) int32 array. Read.
-        srcs: arrays (M, ...) with C-contiguous rows. Read.
-        dsts: arrays (P, ...), each of its src's dtype and row shape, C-contiguous. Written.
-    Returns:
-        ``dsts``.
-    """
+    """``dst[p] = src[indices[p]]`` for each (src, dst) pair; an index < 0 or past the source gives
+    zeros, and ``fill`` (None: 0) in the second dst (the padding scale). ``gather_rows_kernel``'s
+    twin. Returns ``dsts``."""
     indices = numpy.asarray(indices)
     for k, (src, dst) in enumerate(zip(srcs, dsts)):
         src_b, dst_b = _byte_rows(src), _byte_rows(dst)
@@ -239,16 +196,8 @@ def gather_rows(indices, srcs, dsts, fill=None):
 
 
 def scatter_rows(indices, srcs, dsts):
-    """``dst[indices[p]] = src[p]`` for each (src, dst) pair where 0 <= indices[p] < dst rows;
-    other rows of ``dst`` are left as they are (``kernels.permute.scatter_rows_kernel``).
-
-    Args:
-        indices: (P,) int32 array. Read.
-        srcs: arrays (P, ...) with C-contiguous rows. Read.
-        dsts: arrays (M, ...), each of its src's dtype and row shape, C-contiguous. Written.
-    Returns:
-        ``dsts``.
-    """
+    """``dst[indices[p]] = src[p]`` for each pair where 0 <= indices[p] < dst rows; other rows
+    untouched. ``scatter_rows_kernel``'s twin. Returns ``dsts``."""
     indices = numpy.asarray(indices)
     for src, dst in zip(srcs, dsts):
         src_b, dst_b = _byte_rows(src), _byte_rows(dst)
@@ -260,9 +209,8 @@ def scatter_rows(indices, srcs, dsts):
 
 
 def zero_rows(indices, dsts, fill=None):
-    """Where ``indices[p] < 0``: zeros in each array of ``dsts`` (P, ...), and ``fill`` (None:
-    0) in the second; other rows are left as they are (``kernels.permute.zero_rows_kernel``).
-    Returns ``dsts``."""
+    """Where ``indices[p] < 0``: zeros in each of ``dsts``, and ``fill`` (None: 0) in the second.
+    ``zero_rows_kernel``'s twin. Returns ``dsts``."""
     pad = numpy.asarray(indices) < 0
     for k, dst in enumerate(dsts):
         _byte_rows(dst)[pad] = 0
@@ -271,13 +219,8 @@ def zero_rows(indices, dsts, fill=None):
     return dsts
 
 
-# ---------------------------------------------------------------------------------------------
-# fp8 rowwise, 1x128 block, MXFP8 -> rowwise and the group colwise rescale (``mxcomm.rowwise``,
-# ``mxcomm.block128``, ``mxcomm.colwise``): the same operations as their kernels (integer scale
-# exponents, fp32 products rounded by NumPy's float32 arithmetic, ml_dtypes' round-to-nearest-even
-# conversions to e4m3fn and bf16).
-# ---------------------------------------------------------------------------------------------
-
+# ---- fp8 rowwise, 1x128 block, MXFP8 -> rowwise, group colwise: the kernels' operations (integer
+# scale exponents, float32 products, ml_dtypes' round-to-nearest-even to e4m3fn and bf16).
 #: Elements per fp8 block (``kernels.fp8_block.FP8_BLOCK``); token positions a colwise group is
 #: padded to (``kernels.fp8_colwise.GROUP_ALIGN``); fp8 block scale modes; a padding row's scale.
 FP8_BLOCK = 128
@@ -303,8 +246,8 @@ def _e4m3(y):
 
 
 def _quantize_scaled(x, block, pow2):
-    """(data (M, D) uint8, scales (M, D // block) float32) of ``x`` (M, D) bf16/fp32 in blocks of
-    ``block`` consecutive elements of a row, with pow2 or plain scales."""
+    """(data (M, D) uint8, scales (M, D // block) float32) of ``x`` (M, D) bf16/fp32, pow2 or plain
+    scales per ``block`` elements of a row."""
     m, d = x.shape
     nb = d // block if block else 0
     xb = x.reshape(m, nb, block)
@@ -339,8 +282,7 @@ def _write(out, data, scales):
 
 
 def quantize_fp8_rowwise(x, *, out=None):
-    """``mxcomm.rowwise.quantize_fp8_rowwise`` on NumPy arrays: ``x`` (M, D) bf16/fp32 -> (data (M, D) uint8,
-    scales (M,) float32), written into the pair ``out`` when given."""
+    """``rowwise.quantize_fp8_rowwise``'s twin: (data (M, D) uint8, scales (M,) float32)."""
     x = numpy.asarray(x)
     m, d = x.shape
     if d == 0:
@@ -351,8 +293,8 @@ def quantize_fp8_rowwise(x, *, out=None):
 
 
 def quantize_fp8_rowwise_transposed(x):
-    """``mxcomm.colwise.quantize_fp8_rowwise_transposed`` on NumPy arrays: ``x`` (B, R, C) bf16 -> (data
-    (B, C, R) uint8, scales (B, C) float32)."""
+    """``colwise.quantize_fp8_rowwise_transposed``'s twin: ``x`` (B, R, C) bf16 -> (data (B, C, R)
+    uint8, scales (B, C) float32)."""
     x = numpy.asarray(x)
     b, r, c = x.shape
     data, scales = quantize_fp8_rowwise(
@@ -361,8 +303,8 @@ def quantize_fp8_rowwise_transposed(x):
 
 
 def quantize_fp8_block128(x, scale_mode="plain", *, out=None):
-    """``mxcomm.block128.quantize_fp8_block128`` on NumPy arrays: ``x`` (M, D) bf16/fp32 -> (data (M, D)
-    uint8, scales (M, D // 128) float32), written into the pair ``out`` when given."""
+    """``block128.quantize_fp8_block128``'s twin: (data (M, D) uint8, scales (M, D // 128)
+    float32)."""
     return _write(out, *_quantize_scaled(numpy.asarray(x), FP8_BLOCK, scale_mode == "pow2"))
 
 
@@ -388,21 +330,21 @@ def _dequantize_scaled(data, scales, block, dtype, out):
 
 
 def dequantize_fp8_rowwise(data, scales, dtype=BF16, *, out=None):
-    """``mxcomm.rowwise.dequantize_fp8_rowwise`` on NumPy arrays: (M, D) ``dtype``."""
+    """``rowwise.dequantize_fp8_rowwise``'s twin: (M, D) ``dtype``."""
     data = numpy.asarray(data)
     return _dequantize_scaled(data, scales, data.shape[1], dtype, out)
 
 
 def dequantize_fp8_block128(data, scales, dtype=BF16, *, out=None):
-    """``mxcomm.block128.dequantize_fp8_block128`` on NumPy arrays: (M, D) ``dtype``."""
+    """``block128.dequantize_fp8_block128``'s twin: (M, D) ``dtype``."""
     data = numpy.asarray(data)
     return _dequantize_scaled(data, scales, FP8_BLOCK, dtype, out)
 
 
 def fp8_rowwise_to_group_colwise(data, scales, group_ends):
-    """``mxcomm.colwise.fp8_rowwise_to_group_colwise`` on NumPy arrays: (P, D) uint8 and (P,) float32 rows,
-    (G,) int group ends -> (data_t (D, T) uint8, scales_t (G, D) float32, aligned_ends (G,)
-    int32). v = e4m3 * scale is exact in float64; the column scales come from its amax."""
+    """``colwise.fp8_rowwise_to_group_colwise``'s twin: (data_t (D, T) uint8, scales_t (G, D)
+    float32, aligned_ends (G,) int32). v = e4m3 * scale is exact in float64; column scales come from
+    its amax."""
     data, scales = numpy.asarray(data), numpy.asarray(scales, dtype=F32)
     ends = numpy.asarray(group_ends).astype(numpy.int64)
     p, d = data.shape
@@ -434,9 +376,7 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends):
 
 
 def mx_to_rowwise_permute(mx, permuted_indices, *, out=None):
-    """``mxcomm.rowwise.mx_to_rowwise_permute`` on NumPy arrays: ``mx`` with NumPy ``.data`` (N, D) uint8 and
-    ``.scales`` (N, D // 32) uint8, ``permuted_indices`` (P,) int -> (data (P, D) uint8, scales
-    (P,) float32), written into the pair ``out`` when given."""
+    """``rowwise.mx_to_rowwise_permute``'s twin: (data (P, D) uint8, scales (P,) float32)."""
     src_data, src_scales = numpy.asarray(mx.data), numpy.asarray(mx.scales)
     n, d = src_data.shape
     idx = numpy.asarray(permuted_indices).astype(numpy.int64)
@@ -466,7 +406,6 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None):
 
 
 def group_colwise_positions(rows, groups):
-    """T, the token positions of ``fp8_rowwise_to_group_colwise``'s output for ``rows`` rows in
-    ``groups`` groups: 16 * ceil(rows / 16) + 16 * groups (each group padded to a multiple of 16
-    positions, at least 16)."""
+    """T, the token positions of ``fp8_rowwise_to_group_colwise``'s output:
+    16 * ceil(rows / 16) + 16 * groups (each group padded to a multiple of 16, at least 16)."""
     return -(-rows // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * groups

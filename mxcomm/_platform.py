@@ -1,9 +1,8 @@
 """Where array work runs: the one place that decides (a leaf: stdlib and ctypes only, no numba).
 
-``kernels`` (the CUDA kernels), ``comm`` (the communicators) and the ``mxcomm`` wrappers all ask
-this module and never branch on the environment themselves. The decision is made once per process,
-on first use (``import mxcomm`` makes it first: a bad value fails there, naming the variable, its
-value and the accepted ones), from the environment variable ``MXCOMM_BACKEND``:
+``kernels``, ``comm`` and the ``mxcomm`` wrappers ask this module and never read the environment
+themselves. Decided once per process, on first use (``import mxcomm`` asks first, so a bad value
+fails there), from ``MXCOMM_BACKEND``:
 
     MXCOMM_BACKEND    backend()    arrays  MXFP8 and permute work runs in
     auto (unset)      "cuda"       CuPy    the CUDA kernels, on the GPU (a CUDA device present)
@@ -15,7 +14,7 @@ value and the accepted ones), from the environment variable ``MXCOMM_BACKEND``:
                                            call per CUDA thread: tiny shapes only)
 
 Whenever the backend is not ``"cuda"``, ``mxcomm.kernels`` turns Numba's CUDA simulator on before
-numba loads, so tests can launch the kernels beside the host backend and compare the bits.
+numba loads, so tests can compare the kernels' bits with the host backend's.
 """
 
 import ctypes
@@ -44,10 +43,8 @@ def gpu_present():
 
 @functools.cache
 def backend():
-    """Where array work runs in this process: ``"cuda"``, ``"host"`` or ``"simulator"``.
-
-    Read once from ``MXCOMM_BACKEND`` (module docstring); later changes of the variable are
-    ignored.
+    """Where array work runs in this process: ``"cuda"``, ``"host"`` or ``"simulator"``, read once
+    from ``MXCOMM_BACKEND``.
 
     Raises:
         ValueError: ``MXCOMM_BACKEND`` holds none of :data:`CHOICES`.
@@ -76,8 +73,7 @@ def host_backend():
 
 
 def kernels_simulated():
-    """True when the CUDA kernels, if launched, must run in Numba's CUDA simulator: every
-    backend but ``"cuda"`` (arrays are in host memory)."""
+    """True when launched kernels must run in Numba's CUDA simulator: every backend but "cuda"."""
     return backend() != "cuda"
 
 

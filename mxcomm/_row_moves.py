@@ -1,10 +1,10 @@
 """Rows moved by an index on the device: the gather, scatter and padding launches of the permutation
-(``mxcomm.permutation``) and of the exchanges that land rows in its order.
+and of the exchanges that land rows in its order.
 
-Rows of any shape move as rows of words, the widest of 8/4/2/1 bytes dividing the row and every
-address; one or two (source, destination) pairs per launch (data, and scales of a quantized
-format), one CUDA block per row (``kernels.permute``). On the host backend the NumPy twins of
-``mxcomm._host`` run instead.
+Rows of any shape move as rows of the widest word (8/4/2/1 bytes) dividing the row and every
+address; one or two (source, destination) pairs per launch (data, and a quantized format's scales),
+one CUDA block per row (``kernels.permute``). The host backend runs ``mxcomm._host``'s twins
+instead.
 """
 
 import numpy
@@ -17,14 +17,12 @@ from ._array import stream_ptr
 from ._platform import host_backend
 
 _WORDS = tuple(numpy.dtype(t) for t in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8))
-#: Words of a row each thread of a row-moving block aims to copy (32: the fastest of 4..32 on an
-#: H200, bench/NOTES.md): smaller blocks put more rows, and their index loads, in flight.
+#: Words of a row each thread of a row-moving block aims to copy (measured: bench/NOTES.md).
 WORDS_PER_ROW_THREAD = 32
 
 
 def _word(row_bytes, arrays):
-    """The widest word of 8/4/2/1 bytes dividing ``row_bytes`` and every address of ``arrays``
-    (so source and destination rows match word for word)."""
+    """The widest word of 8/4/2/1 bytes dividing ``row_bytes`` and every address of ``arrays``."""
     for word in _WORDS:
         if row_bytes % word.itemsize == 0 and all(address(a) % word.itemsize == 0
                                                  for a in arrays if a.size):
@@ -33,7 +31,7 @@ def _word(row_bytes, arrays):
 
 
 def _flat_rows(a):
-    """The rows of ``a`` (any shape) as a 2-D array: rows of any shape move as rows of words."""
+    """The rows of ``a`` (any shape) as a 2-D array."""
     return a if a.ndim == 2 else a.reshape(a.shape[0], int(numpy.prod(a.shape[1:])))
 
 
@@ -47,7 +45,7 @@ def _row_words(arrays):
 def _row_threads(words):
     """Threads per block moving a row of ``words`` words: about WORDS_PER_ROW_THREAD each, a power
     of two in [32, THREADS_PER_BLOCK]. Short rows (MXFP8 data: 896 words at D = 7168) get smaller
-    blocks, so more rows, and their index loads, are in flight per multiprocessor."""
+    blocks, so more rows and their index loads are in flight per multiprocessor."""
     threads = 32
     while threads < THREADS_PER_BLOCK and threads * WORDS_PER_ROW_THREAD < words:
         threads *= 2
@@ -55,16 +53,15 @@ def _row_threads(words):
 
 
 def padding_scale(fmt):
-    """The padding scale of ``fmt``'s rows as ``(value, scale dtype)`` (what a gather writes in
-    the scales of a padding row); None for plain rows."""
+    """``(value, scale dtype)`` a gather writes in the scales of ``fmt``'s padding rows; None for
+    plain rows."""
     return None if fmt is None or not fmt.quantized else \
         (fmt.padding_scale, numpy.dtype(fmt.scale_dtype))
 
 
 def _fill_word(fill, word):
-    """The ``word`` (a uint dtype) whose bytes are the padding scale ``fill`` (``(value,
-    dtype)``, or None: zeros) repeated, as an int: what the kernels write into every word of a
-    padding row's scales."""
+    """The int whose ``word`` bytes repeat the padding scale ``fill`` (None: 0): what the kernels
+    write into every word of a padding row's scales."""
     if fill is None:
         return 0
     value = numpy.array(fill[0], fill[1]).tobytes()
@@ -76,11 +73,9 @@ def _fill_word(fill, word):
 
 
 def move_rows(kernel, indices, srcs, dsts, stream, share=1.0, fill=None):
-    """Move one or two (src, dst) row-array pairs by ``indices``: ``kernel`` is the gather or
-    scatter kernel; on the host backend its NumPy twin (``_host.gather_rows`` /
-    ``_host.scatter_rows``) runs instead. Arrays are CuPy/NumPy arrays or, 2-D, ``Words``;
-    ``share``: the grid's share of the device (``launch_1d``); ``fill``: a gather's padding
-    scale for the second pair (``padding_scale``; None: zeros)."""
+    """Move one or two (src, dst) row-array pairs by ``indices`` with the gather or scatter
+    ``kernel`` (the host backend: its ``_host`` twin). Arrays: CuPy/NumPy or 2-D ``Words``;
+    ``share`` of the grid; ``fill``: a gather's padding scale for the second pair (None: zeros)."""
     gather = kernel is gather_rows_kernel
     if host_backend():
         if gather:
@@ -95,8 +90,8 @@ def move_rows(kernel, indices, srcs, dsts, stream, share=1.0, fill=None):
         shapes.append(_row_words((src, dst)))
         arrays += (src, dst)
     other = dsts[0].shape[0] if not gather else srcs[0].shape[0]
-    if len(shapes) == 1:  # a missing second pair is an empty one (never an alias of the first:
-        shapes.append(None)  # the simulator copies every argument in and out)
+    if len(shapes) == 1:  # a missing second pair is an empty one, never an alias of the first
+        shapes.append(None)  # (the simulator copies every argument in and out)
         arrays += (0, 0) if not simulated() else \
             tuple(numpy.empty((0, 0), _WORDS[0]) for _ in range(2))
     if p == 0 or not any(shape and shape[0] for shape in shapes):
@@ -108,11 +103,9 @@ def move_rows(kernel, indices, srcs, dsts, stream, share=1.0, fill=None):
 
 @prepared
 def _move_launch(kernel, shapes, share=1.0, fill_word=0):
-    """The prepared launch (``kernels.SizedLaunch``) of the gather or scatter ``kernel`` for two
-    ``(words per row, word)`` pairs, the second None when missing (an empty (0, 0) pair), and a
-    gather's ``fill_word`` (``_fill_word``). Its counts: the indices (P, one CUDA block per
-    row), the rows on the other side (a gather's source, a scatter's destination), and 0 (the
-    rows of the empty pair)."""
+    """The prepared launch of the gather or scatter ``kernel`` for two ``(words per row, word)``
+    pairs (the second None: an empty pair) and a gather's ``fill_word``. Counts: P (a block per
+    row), the rows on the other side, 0 (the empty pair's rows)."""
     args = [Words(0, (1,), numpy.dtype(numpy.int32))]
     gather = kernel is not scatter_rows_kernel
     for shape in shapes:
@@ -131,10 +124,9 @@ def _move_launch(kernel, shapes, share=1.0, fill_word=0):
 
 
 def pad_rows(dsts, fmt, indices, stream):
-    """Give the padding rows (``indices[p] < 0``) of the permuted row arrays ``dsts`` (data and
-    scales of ``fmt``, or one plain array, ``fmt`` None) zeros and the format's padding scale,
-    leaving the other rows alone: what a permute's gather writes there. One launch, on the
-    device (no host sync)."""
+    """Zeros and ``fmt``'s padding scale in the padding rows (``indices[p] < 0``) of the permuted
+    ``dsts`` (data and scales, or one plain array), other rows untouched: one launch, no host
+    sync."""
     p = indices.shape[0]
     if p == 0:
         return
@@ -156,9 +148,8 @@ def pad_rows(dsts, fmt, indices, stream):
 
 @prepared
 def _zero_launch(shapes, fill_word):
-    """The sized launch of ``zero_rows_kernel`` for two ``(words per row, word)`` arrays (the
-    second None: an empty (0, 0) array) and the second's padding ``fill_word``, scaled with the
-    rows P."""
+    """The sized launch of ``zero_rows_kernel`` for two ``(words per row, word)`` arrays (the second
+    None: empty) and the second's ``fill_word``; count: P."""
     args = [Words(0, (1,), numpy.dtype(numpy.int32))]
     for shape in shapes:
         if shape is None:

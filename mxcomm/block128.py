@@ -1,9 +1,9 @@
 """The fp8 1x128 block format: e4m3fn elements, one fp32 scale per 128 elements of a row.
 
-Glossary: M rows, D hidden. e4m3fn data are (M, D) uint8 bit arrays, scales (M, D // 128) float32,
-row-major, ``x ~= e4m3 * scale``, D % 128 == 0: DeepSeek-V3's activation format (DeepEP's fp8
-dispatch; DeepGEMM wants the scales transposed, M-major and TMA-aligned: a copy for its adapter to
-make). The exact rules and sources are in ``kernels.fp8_block``. The ``launch_*`` functions run the
+Glossary: M rows, D hidden (D % 128 == 0); data (M, D) uint8 bits, scales (M, D // 128) float32,
+row-major, ``x ~= e4m3 * scale``: DeepSeek-V3's activation format (DeepEP's fp8 dispatch; DeepGEMM
+wants the scales transposed, M-major and TMA-aligned: a copy for its adapter to make). Rules and
+sources: ``kernels.fp8_block``. The ``launch_*`` functions (arguments checked by the caller) run the
 host twin (``mxcomm._host``) on the host backend, else the kernel.
 """
 
@@ -35,7 +35,7 @@ _U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uin
 def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
     """Quantize the rows of ``x`` in blocks of 128: e4m3fn elements, one fp32 scale per block.
 
-    With amax = max |x| over a block (``kernels.fp8_block`` has the sources):
+    With amax = max |x| over a block (sources in ``kernels.fp8_block``):
       "plain" (DeepSeek-V3, DeepGEMM's ``per_token_cast_to_fp8``): scale = fl32(max(amax, 448 *
           2^-126) / 448), element = RNE_e4m3(fl32(x * fl32(1 / scale)));
       "pow2" (DeepGEMM's UE8M0): scale = 2^clamp(ceil(log2(amax / 448)), -126, 127).
@@ -44,14 +44,14 @@ def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
     Args:
         x: (M, D) bf16 or fp32 device array, C-contiguous, D % 128 == 0. Read.
         scale_mode: "plain" or "pow2".
-        out: a (data, scales) pair to write, (M, D) uint8 and (M, D // 128) float32, C-contiguous,
-            or None to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+        out: a (data, scales) pair, (M, D) uint8 and (M, D // 128) float32, C-contiguous, or
+            None. Written.
+        stream: the stream to launch on (None: CuPy's current); not synchronized.
     Returns:
         (data, scales): (M, D) uint8 e4m3fn bits and (M, D // 128) float32 scales.
     Raises:
-        TypeError: ``x`` is not a device array or not bf16/fp32; ``out`` not a pair, or of other
-            dtypes.
+        TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not a pair, or of other
+        dtypes.
         ValueError: ``x`` not 2-D, D % 128 != 0 or not C-contiguous; unknown ``scale_mode``;
             ``out`` of other shapes.
     """
@@ -64,8 +64,8 @@ def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
 
 
 def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0):
-    """Enqueue the block128 quantize kernel (arguments checked by the caller): ``x`` (M, D) bf16/
-    fp32 into ``data`` (M, D) uint8 and ``scales`` (M, D // 128) float32. Returns (data, scales)."""
+    """Quantize ``x`` (M, D) bf16/fp32 into ``data`` (M, D) uint8 and ``scales`` (M, D // 128)
+    float32. Returns (data, scales)."""
     if x.size == 0:
         return data, scales
     if host_backend():
@@ -77,8 +77,7 @@ def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0)
 
 @prepared
 def _block_quantize_launch(dtype, pow2, share):
-    """The prepared block128 quantize launch (``kernels.SizedLaunch``) of ``dtype`` rows, per
-    128-element block."""
+    """The prepared block128 quantize launch of ``dtype`` rows, per 128-element block."""
     if dtype == bfloat16:
         kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
     else:
@@ -91,16 +90,15 @@ def _block_quantize_launch(dtype, pow2, share):
 
 
 def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=None):
-    """Decode fp8 block128 rows: x = e4m3 * scale of its 128-element block.
-
-    The product in fp32, then round-to-nearest-even to bf16; NaN canonical.
+    """Decode fp8 block128 rows: x = e4m3 * its block's scale in fp32, round-to-nearest-even to
+    bf16; NaN canonical.
 
     Args:
         data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 128 == 0. Read.
         scales: (M, D // 128) float32, C-contiguous. Read.
         dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
         out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+        stream: the stream to launch on (None: CuPy's current); not synchronized.
     Returns:
         ``out``: (M, D) ``dtype``.
     Raises:
@@ -117,8 +115,8 @@ def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=No
 
 
 def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
-    """Enqueue the block128 dequantize kernel (arguments checked by the caller): ``data`` (M, D)
-    uint8 and ``scales`` (M, D // 128) float32 into ``out`` (M, D) bf16/fp32. Returns ``out``."""
+    """Decode ``data`` (M, D) uint8 and ``scales`` (M, D // 128) float32 into ``out`` (M, D)
+    bf16/fp32. Returns ``out``."""
     if out.size == 0:
         return out
     if host_backend():
@@ -129,8 +127,7 @@ def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
 
 @prepared
 def _block_dequantize_launch(dtype, share):
-    """The prepared block128 dequantize launch (``kernels.SizedLaunch``) into ``dtype``, per
-    128-element block."""
+    """The prepared block128 dequantize launch into ``dtype``, per 128-element block."""
     data = Words(0, (FP8_BLOCK // 8,), _U64)
     kernel = dequantize_fp8_block128_bf16_kernel if dtype == bfloat16 else \
         dequantize_fp8_block128_f32_kernel

@@ -1,9 +1,9 @@
-"""fp8 operands of the grouped GEMM's gradients: fp8 rowwise rows rescaled per (group, column) and
-transposed (the wgrad's), and bf16 matrices quantized along their columns, transposed (the dgrad's
-B operand). The fp8 rowwise rule (``mxcomm.rowwise``) along the other axis; the exact rules are in
-``kernels.fp8_colwise`` and ``kernels.fp8_transpose``; the host twins in ``mxcomm._host``.
+"""fp8 operands of the grouped GEMM's gradients: the fp8 rowwise rule along the other axis.
 
-Glossary: P rows, D hidden, G groups, T token positions, B matrices of R x C.
+fp8 rowwise rows rescaled per (group, column) and transposed (the wgrad's A operand), and bf16
+matrices quantized along their columns, transposed (the dgrad's B operand). Rules:
+``kernels.fp8_colwise``, ``kernels.fp8_transpose``; host twins in ``mxcomm._host``. Glossary: P
+rows, D hidden, G groups, T token positions, B matrices of R x C.
 """
 
 import numpy
@@ -40,22 +40,22 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     Args:
         data: (P, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0: fp8 rowwise rows sorted by
             group (a permute's output). Read.
-        scales: (P,) float32 row scales: powers of two (as the fp8 rowwise quantizers and
-            ``mx_to_rowwise_permute`` write them), 0 or NaN. Read.
-        group_ends: (G,) int32 device array, G >= 1: the cumulative group ends (``permute``'s
-            ``group_offsets``), non-decreasing, the last <= P; rows from the last on are
-            ignored. Read on the device (no host sync).
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+        scales: (P,) float32 row scales: powers of two (as the fp8 rowwise quantizers write
+            them), 0 or NaN. Read.
+        group_ends: (G,) int32 device array, G >= 1: cumulative group ends (``permute``'s
+            ``group_offsets``), non-decreasing, the last <= P; rows past the last are ignored.
+            Read on the device (no host sync). Unsorted ends or ends past P are not detected
+            (that needs a host sync): rows land in the wrong groups or are ignored, never
+            written out of bounds.
+        stream: the stream to launch on (None: CuPy's current); not synchronized.
     Returns:
         (data_t, scales_t, aligned_ends): (D, T) uint8 e4m3fn bits, (G, D) float32 and (G,)
         int32, T = :func:`group_colwise_positions` (P, G).
     Raises:
         TypeError: arrays of other dtypes, or not device arrays.
         ValueError: ``data`` not 2-D, D % 16 != 0 or not C-contiguous; ``scales`` of another
-            shape; ``group_ends`` not 1-D or empty; an output of 2^33 bytes or more (8 GiB: the
-            encode kernel indexes words in int32).
-    Group ends that are not sorted or exceed P are not detected (that needs a host sync): rows
-    then land in the wrong groups or are ignored, but nothing is written out of bounds.
+            shape; ``group_ends`` not 1-D or empty; an output of 2^33 bytes or more (the encode
+            kernel indexes words in int32).
     """
     data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
     p, d = data.shape
@@ -103,19 +103,19 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
 def quantize_fp8_rowwise_transposed(x, *, stream=None):
     """fp8-rowwise-quantize the columns of each matrix of ``x`` and write them as rows.
 
-    Bit-identical to ``rowwise.quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made
-    contiguous, without that copy (``kernels.fp8_transpose``): the fp8 dgrad's B operand from
-    weights kept as (G, N, K).
+    Bit-identical to ``rowwise.quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous,
+    without that copy (``kernels.fp8_transpose``): the fp8 dgrad's B operand from weights kept as
+    (G, N, K).
 
     Args:
         x: (B, R, C) bf16 device array, C-contiguous, R % 16 == 0 and C % 16 == 0. Read.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+        stream: the stream to launch on (None: CuPy's current); not synchronized.
     Returns:
         (data, scales): (B, C, R) uint8 e4m3fn bits and (B, C) float32 scales.
     Raises:
         TypeError: ``x`` is not a device array or not bf16.
         ValueError: ``x`` not 3-D, R or C not a multiple of 16, or not C-contiguous; 2^33 or
-            more elements (16 GiB: the encode kernel indexes words in int32).
+            more elements (the encode kernel indexes words in int32).
     """
     x = as_device_array(x, "x")
     if x.ndim != 3:

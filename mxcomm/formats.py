@@ -1,14 +1,8 @@
-"""Formats: how rows travel and are permuted, one object per format; quantized rows of any format;
-the SQNR that measures them.
+"""Row formats (one :class:`Format` object each), quantized rows, and the SQNR that measures them.
 
-Glossary: M rows, D hidden (row width). A :class:`Format` says how an (M, D) row array is stored
-(element dtype, scale dtype and granularity, the D multiple, the bytes of a row, a padding row's
-scale) and how to quantize into it and out of it; the formats and their sources are tabled in
-docs/design.md "Formats". The exchange, the permutation, the torch wrapper tensor and the
-benchmarks read only this object. This module is a leaf holding the registry and the unscaled
-formats; each quantized format's module (``mxcomm.mxfp8``, ``rowwise``, ``block128``) builds its
-Format around its launchers and registers it (:func:`register`) when imported. Quantized rows are
-a :class:`QuantizedArray`; ``mxcomm.MXFP8Array`` is its ``"mxfp8"`` case.
+Glossary: M rows, D hidden (row width). The formats and their sources are tabled in docs/design.md
+"Formats". This leaf module holds the registry and the unscaled formats; each quantized format's
+module (``mxcomm.mxfp8``, ``rowwise``, ``block128``) registers its Format when imported.
 """
 
 import dataclasses
@@ -28,27 +22,24 @@ _OUT_DTYPES = (bfloat16, float32)
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Format:
-    """One row format (module docstring). Compare formats by identity or ``name``.
+    """One row format: how (M, D) rows are stored and quantized. Compare by identity or ``name``.
 
     Attributes:
         name: the precision string that selects it (``get_format``).
         element: the element type in words: ``"bf16"``, ``"input"`` (native) or ``"e4m3fn"``.
-        element_dtype: dtype of the stored elements (uint8 bit patterns for fp8), or None for
-            "native" (the input's dtype).
+        element_dtype: dtype of the stored elements (uint8 bits for fp8); None: the input's dtype.
         scale_dtype: dtype of the scales (uint8 e8m0 bits, or float32), None if unscaled.
         scale_block: elements per scale (32, 128), :data:`PER_ROW`, or None if unscaled.
         d_multiple: D must be a multiple of it.
-        padding_scale: the scale of the padding rows ``permute`` writes (their data is 0), as a
-            value of ``scale_dtype`` (e8m0 code 0 for MXFP8; 1.0 for the fp32-scaled formats,
-            finite so consumers that invert scales get 0 too).
-        scale_modes: the scale roundings a caller may pick per call (MXFP8's ``"rceil"`` and
-            ``"floor"``); empty where the format fixes its own (the caller's is ignored).
+        padding_scale: the scale of the zero padding rows ``permute`` writes (e8m0 code 0 for
+            MXFP8; 1.0 for the fp32-scaled formats, finite so consumers that invert scales get 0).
+        scale_modes: the scale roundings a caller may pick (MXFP8's ``"rceil"``, ``"floor"``);
+            empty where the format fixes its own (the caller's is ignored).
         source: where its definition comes from.
-        input_align: bytes the address of the rows to quantize must be a multiple of (its
-            quantize kernel loads 8 or 16 bytes at a time); 1 for the unscaled formats.
+        input_align: bytes the address of rows to quantize must be a multiple of (the kernel
+            loads 8 or 16 bytes at a time); 1 for the unscaled formats.
 
-    The private fields are the format module's launchers behind the ``launch_*`` methods,
-    :meth:`quantizer` and :meth:`round_tripper` (``_sized_*``: ``(sized launch, units per
+    The private fields are the format module's launchers (``_sized_*``: ``(sized launch, units per
     row)``, or None on the host backend).
     """
 
@@ -85,10 +76,10 @@ class Format:
             return (m,)
         return (m, d // self.scale_block)
 
-    @functools.lru_cache(maxsize=256)  # asked on every exchange; formats live as long as the process
+    @functools.lru_cache(maxsize=256)  # asked per exchange; formats live as long as the process
     def row_arrays(self, d, input_dtype=bfloat16):
-        """``((row shape, dtype), ...)`` of the arrays one row of width ``d`` travels as (the
-        ``mxcomm.comm`` exchange protocol); a per-row scale travels as a (1,) row."""
+        """``((row shape, dtype), ...)`` one row of width ``d`` travels as (the ``mxcomm.comm``
+        exchange protocol); a per-row scale travels as a (1,) row."""
         if not self.quantized:
             dtype = numpy.dtype(self.element_dtype or input_dtype)
             return (((d,), dtype),)
@@ -101,9 +92,8 @@ class Format:
                    for shape, dtype in self.row_arrays(d, input_dtype))
 
     def check_input(self, x, name="x"):
-        """Raise ValueError unless the (M, D) rows ``x`` (an array or a QuantizedArray) fit this
-        format: D a multiple of ``d_multiple``, an array's address a multiple of
-        ``input_align`` bytes."""
+        """Raise ValueError unless the (M, D) rows ``x`` (array or QuantizedArray) have D a multiple
+        of ``d_multiple`` and an array's address a multiple of ``input_align``."""
         d = x.shape[1]
         if d % self.d_multiple:
             raise ValueError(f"{name}: D = {d} is not a multiple of {self.d_multiple}, which "
@@ -121,49 +111,45 @@ class Format:
             QuantizedArray(data, scales, self)
 
     def view(self, data, scales):
-        """``data`` and ``scales`` as a QuantizedArray of this format, unchecked: for arrays this
-        package made with this format's dtypes and shapes; anything else goes through
-        :meth:`wrap`."""
+        """:meth:`wrap` unchecked, for arrays this package made with this format's dtypes and
+        shapes."""
         q = object.__new__(self._array_class or QuantizedArray)
         q.data, q.scales, q.format = data, scales, self
         return q
 
     def empty(self, m, d, alloc=None):
-        """An uninitialized (m, d) QuantizedArray of this format: its arrays from
-        ``alloc(shape, dtype)``, or the current backend's ``empty``."""
+        """An uninitialized (m, d) QuantizedArray, arrays from ``alloc(shape, dtype)`` or the
+        backend's."""
         alloc = alloc or array_module().empty
         return self.view(alloc((m, d), self.element_dtype),
                          alloc(self.scales_shape(m, d), self.scale_dtype))
 
     def launch_quantize(self, x, out, stream, share=1.0, scale_mode=None):
-        """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into the QuantizedArray
-        ``out`` of this format, on the raw stream handle ``stream`` with ``share`` of the
-        device's grid (done on return on the host backend). ``scale_mode``: one of
-        ``scale_modes`` (None: the first). Returns ``out``."""
+        """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into ``out`` of this format on
+        raw stream ``stream`` with ``share`` of the grid (done on return on the host backend).
+        ``scale_mode``: one of ``scale_modes`` (None: the first). Returns ``out``."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         self._quantize(x, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizes_gathered(self, dtype):
-        """True if :meth:`launch_quantize_gather` takes rows of ``dtype`` (MXFP8 of bf16 so
-        far); elsewhere gathered rows are gathered first, then quantized."""
+        """True if :meth:`launch_quantize_gather` takes rows of ``dtype`` (MXFP8 of bf16 so far)."""
         return self._quantize_gather is not None and dtype == bfloat16
 
     def launch_quantize_gather(self, x, rows, out, stream, share=1.0, scale_mode=None):
-        """:meth:`launch_quantize` of rows ``rows`` (R,) int32 of ``x`` (M, D) into ``out``
-        (R, D), in one pass (where :meth:`quantizes_gathered`). Returns ``out``."""
+        """:meth:`launch_quantize` of rows ``rows`` (R,) int32 of ``x`` (M, D) into ``out`` (R, D)
+        in one pass. Returns ``out``."""
         if self._quantize_gather is None:
             raise RuntimeError(f"format {self.name!r} does not quantize gathered rows")
         self._quantize_gather(x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizer(self, dtype, width, scale_mode=None, share=1.0):
-        """The quantize of rows of ``dtype`` (bf16/fp32) and width ``width`` prepared once for
-        this signature (docs/design.md, "A direct call's launch, prepared with its signature"):
-        ``quantize(x, data, scales, rows, stream)`` quantizes ``rows`` rows of ``x`` into
-        ``data`` and ``scales`` (C-contiguous: ``Words``, CuPy or NumPy arrays) as
-        :meth:`launch_quantize` does; nothing for 0 rows."""
+        """The quantize of rows of ``dtype`` (bf16/fp32), width ``width``, prepared once per
+        signature (docs/design.md, "A direct call's launch, prepared with its signature"):
+        ``quantize(x, data, scales, rows, stream)`` as :meth:`launch_quantize` into C-contiguous
+        ``data``, ``scales`` (``Words``, CuPy or NumPy); nothing for 0 rows."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not quantize")
         dtype = numpy.dtype(dtype)
@@ -184,9 +170,9 @@ class Format:
         return quantize
 
     def round_tripper(self, width, scale_mode=None):
-        """:meth:`launch_round_trip` of bf16 rows of width ``width`` (all rows, in order)
-        prepared once for this signature, as :meth:`quantizer` is: ``round_trip(x, out, rows,
-        stream)``; None where the format has no one-pass round trip (``round_trips(bf16)``)."""
+        """:meth:`launch_round_trip` of bf16 rows of width ``width`` prepared once, as
+        :meth:`quantizer`: ``round_trip(x, out, rows, stream)``; None without
+        ``round_trips(bf16)``."""
         if not self.round_trips(bfloat16):
             return None
         scale_mode = self._mode(scale_mode)
@@ -210,28 +196,27 @@ class Format:
         return self._round_trip is not None and dtype == bfloat16
 
     def launch_round_trip(self, x, rows, out, stream, share=1.0, scale_mode=None):
-        """Quantize rows of ``x`` (M, D) bf16 and decode them back to bf16 into ``out`` (R, D),
-        in one pass, bit for bit :meth:`launch_quantize` then :meth:`launch_dequantize` (where
-        :meth:`round_trips`): row r of ``out`` is row r of ``x`` (``rows`` None, R = M) or row
-        ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous, 16-byte aligned. Returns
-        ``out``."""
+        """Quantize rows of ``x`` (M, D) bf16 and decode them into ``out`` (R, D) bf16 in one pass,
+        bit for bit :meth:`launch_quantize` then :meth:`launch_dequantize`: row r of ``out`` is row
+        r of ``x`` (``rows`` None) or row ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous,
+        16-byte aligned. Returns ``out``."""
         if self._round_trip is None:
             raise RuntimeError(f"format {self.name!r} has no one-pass round trip")
         self._round_trip(x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def launch_dequantize(self, q, out, stream, share=1.0):
-        """Decode the QuantizedArray ``q`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous,
-        where ``launch_quantize`` runs. Returns ``out``."""
+        """Decode the QuantizedArray ``q`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous.
+        Returns ``out``."""
         if not self.quantized:
             raise RuntimeError(f"format {self.name!r} does not dequantize")
         self._dequantize(q, out, stream, share)
         return out
 
     def quantize(self, x, *, scale_mode=None, out=None, stream=None):
-        """Quantize ``x`` (M, D) bf16/fp32 device array, C-contiguous, D % ``d_multiple`` == 0,
-        into a new (or the given) QuantizedArray of this format. Raises TypeError (dtype, or
-        ``out`` of another format) / ValueError (shape)."""
+        """Quantize ``x`` (M, D) bf16/fp32 device array, C-contiguous, D % ``d_multiple`` == 0, into
+        a new (or the given) QuantizedArray. Raises TypeError (dtype, ``out`` of another
+        format) / ValueError (shape, address alignment, ``scale_mode``)."""
         x = check_rows(x, "x", 1, _OUT_DTYPES)
         self.check_input(x)
         if out is None:
@@ -297,17 +282,13 @@ class QuantizedArray:
 
 
 # ------------------------------------------------------------------------------------ registry
-_FORMATS = {}  # name -> Format, in the order registered (the module docstring's)
+_FORMATS = {}  # name -> Format, in the order registered
 _CONVERSIONS = {}  # (source name, target name) -> the gather that permutes and converts
 
 
 def register(fmt):
-    """Add the Format ``fmt`` to the names :func:`get_format` accepts and return it. Each
-    quantized format's module calls it once, when imported (``mxcomm`` imports them all).
-
-    Raises:
-        ValueError: a format of that name is registered already.
-    """
+    """Add ``fmt`` to the names :func:`get_format` accepts; return it. Each quantized format's
+    module calls it when imported. Raises ValueError if the name is registered already."""
     if fmt.name in _FORMATS:
         raise ValueError(f"format {fmt.name!r} is registered already")
     _FORMATS[fmt.name] = fmt
@@ -315,22 +296,19 @@ def register(fmt):
 
 
 def register_conversion(source, target, launcher):
-    """Let a permute convert rows of the format named ``source`` into ``target`` in its gather:
-    ``launcher(x, indices, stream, alloc)`` (see :func:`conversion`)."""
+    """Let a permute convert rows of format ``source`` to ``target`` in its gather
+    (:func:`conversion`)."""
     _CONVERSIONS[source, target] = launcher
 
 
 def format_names():
-    """The names ``get_format`` accepts, in the order of the module docstring's table."""
+    """The names ``get_format`` accepts, in registration order."""
     return tuple(_FORMATS)
 
 
 def get_format(name, what="precision"):
-    """The Format named ``name`` (a Format is returned as is).
-
-    Raises:
-        ValueError: an unknown name; the message names ``what`` and lists every format.
-    """
+    """The Format named ``name`` (a Format as is). Raises ValueError for an unknown name, naming
+    ``what`` and listing every format."""
     if isinstance(name, Format):
         return name
     fmt = _FORMATS.get(name) if isinstance(name, str) else None
@@ -342,14 +320,10 @@ def get_format(name, what="precision"):
 
 def conversion(source, target):
     """The gather that permutes rows of Format ``source`` into Format ``target`` in one pass:
-    ``convert(x, indices, stream, alloc) -> QuantizedArray`` (or a plain array for an unscaled
-    target such as ``"bf16"``): rows ``indices`` (P,) int32 of the QuantizedArray ``x``; -1 gives
-    a padding row (zeros, the target's padding scale); results from ``alloc(shape, dtype)`` (None:
-    the array module's ``empty``).
-
-    Raises:
-        ValueError: no such conversion (the message lists those there are).
-    """
+    ``convert(x, indices, stream, alloc)`` -> QuantizedArray (a plain array for an unscaled target):
+    rows ``indices`` (P,) int32 of ``x``, -1 a padding row; results from ``alloc(shape, dtype)``
+    (None: the array module's ``empty``). Raises ValueError for no such conversion (lists those
+    there are)."""
     launcher = _CONVERSIONS.get((getattr(source, "name", None), target.name))
     if launcher is None:
         have = ", ".join(f"{a} -> {b}" for a, b in _CONVERSIONS)
@@ -364,31 +338,26 @@ register(Format("native", "input", None,
 
 
 def sqnr(ref, out, *, chunk_rows=4096):
-    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - out||), the measure
-    of docs/design.md "Correctness references"; sums of squares in float64, in chunks.
+    """Signal-to-quantization-noise ratio in dB, 20 log10(||ref|| / ||ref - out||) (docs/design.md
+    "Correctness references"); sums of squares in float64, in chunks.
 
     Args:
-        ref, out: arrays of one shape: NumPy, CuPy or torch (CPU or CUDA; quantized tensors
-            dequantized first by the caller). Read.
-        chunk_rows: rows (first dimension) per chunk converted to float64 at a time.
+        ref, out: arrays of one shape: NumPy, CuPy or torch (CPU or CUDA; dequantized by the
+            caller). Read.
+        chunk_rows: rows (first dimension) converted to float64 at a time.
     Returns:
-        float: inf when ``out`` equals ``ref`` (both all zero included: the weight gradient of
-        experts that received no rows); NaN when either holds a non-finite value, or ``ref`` is
-        all zero and ``out`` is not.
+        float: inf when ``out`` equals ``ref`` (both all zero included); NaN when either holds a
+        non-finite value, or ``ref`` is all zero and ``out`` is not.
     Raises:
         ValueError: the shapes differ.
-    Host syncs: one per chunk on a GPU (the sums are read).
+    Host syncs: one per chunk on a GPU.
     """
     return sqnr_from_sums(*squared_sums(ref, out, chunk_rows=chunk_rows))
 
 
 def squared_sums(ref, out, *, chunk_rows=4096):
-    """``(||ref||^2, ||ref - out||^2)`` as float64 sums over chunks of ``chunk_rows`` rows on
-    the arrays' device (:func:`sqnr`'s sums, for an SQNR of several arrays taken together).
-
-    Raises:
-        ValueError: the shapes differ.
-    """
+    """``(||ref||^2, ||ref - out||^2)`` in float64 on the arrays' device (:func:`sqnr`'s sums, to
+    combine several arrays). Raises ValueError if the shapes differ."""
     if tuple(ref.shape) != tuple(out.shape):
         raise ValueError(f"out: expected shape {tuple(ref.shape)} like ref, got {tuple(out.shape)}")
     rows = ref.shape[0] if len(ref.shape) else 1
@@ -402,8 +371,8 @@ def squared_sums(ref, out, *, chunk_rows=4096):
 
 
 def sqnr_from_sums(signal, noise):
-    """:func:`sqnr` of sums of squares already made, ``10 log10(signal / noise)``: inf for no
-    noise (no signal either included), NaN for a non-finite sum or noise without signal."""
+    """:func:`sqnr` of sums already made: inf for no noise, NaN for a non-finite sum or noise
+    without signal."""
     if not (math.isfinite(signal) and math.isfinite(noise)):
         return math.nan
     if noise == 0:

@@ -1,9 +1,8 @@
 """Step 0 of the EP token path: the layout exchange, where the ranks agree once per step.
 
 Glossary: E experts, E_local experts per rank, W ranks (``comm.size``); expert ``e`` lives on rank
-``e // E_local``. After :func:`exchange_layout` every rank holds every rank's counts, so dispatch,
-permute, unpermute, combine and their backwards, given the :class:`Layout`, need no host collective
-(docs/design.md, "The layout object").
+``e // E_local``. Given the :class:`Layout`, dispatch, permute, unpermute, combine and their
+backwards make no host collective (docs/design.md, "The layout object").
 """
 
 import numpy
@@ -17,7 +16,7 @@ _INT32_MAX = 2**31 - 1
 
 class Layout(tuple):
     """Everything derived from one layout exchange; unpacks as ``(group, input_splits,
-    output_splits)``.
+    output_splits)``. Read-only: the ranks agreed on these values.
 
     Attributes:
         comm: the communicator the layout was agreed on.
@@ -30,7 +29,6 @@ class Layout(tuple):
         num_rows: M = sum(input_splits), the rows this rank dispatches.
         num_received: N = sum(output_splits), the rows it receives.
         dispatch_plan, combine_plan: the exchange plans of both directions (``mxcomm.comm``).
-    Treat it as read-only: the ranks agreed on these values.
     """
 
     def __new__(cls, comm, group, counts, num_local_experts):
@@ -70,13 +68,11 @@ class Layout(tuple):
 def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
     """Agree on the step's layout: every rank learns every rank's per-expert counts.
 
-    Collective. The counts are read to the host (ONE device-to-host copy, after a wait bounded by
-    ``comm.timeout``: the only host synchronization of the token path), then every rank's verdict
-    and counts are gathered over the communicator's host side channel: one small allgather where
-    the communicator's last layout had the same E on every rank, else two (verdicts with E and a
-    message, then the counts; also when the one round finds a bad rank or a new E). Every rank
-    checks the same table, so bad counts on any rank raise the same exception on every rank,
-    naming the rank. Later calls given the layout make no host collective.
+    Collective. Host sync: the counts are read to the host (one device-to-host copy, the only host
+    synchronization of the token path, its wait bounded by ``comm.timeout``); then one agreement
+    round over the host side channel, plus an allgather of the counts for the communicator's first
+    layout or a new E (docs/design.md, "The layout object"). Every rank checks the same table, so
+    bad counts on any rank raise the same exception on every rank, naming the rank.
 
     Args:
         num_tokens_per_expert: (E,) integer array (any integer dtype holding the values; device
@@ -85,9 +81,8 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
         comm: a communicator (``mxcomm.comm.init()``).
         stream: the stream the counts are ready on (None: CuPy's current; ignored on the host).
     Returns:
-        A :class:`Layout`; it unpacks as ``(num_tokens_per_expert_group, input_splits,
-        output_splits)``: (E,) int32 device array (rank-major: entry ``r * E_local + j`` = rows
-        rank r sends to my local expert j), and W host ints each.
+        A :class:`Layout`, unpacking as ``(num_tokens_per_expert_group, input_splits,
+        output_splits)``: (E,) int32 device array (rank-major) and W host ints each.
     Raises:
         TypeError: the counts are not an integer array (on some rank: every rank raises).
         ValueError: the counts are not 1-D, their length is not a positive multiple of W or
@@ -100,19 +95,16 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
 
 
 def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
-    """:func:`exchange_layout`, making the layout as ``cls`` (a :class:`Layout` subclass, e.g.
-    ``mxcomm.torch``'s) and this rank's (E,) int32 group counts on the device with
-    ``upload(host array)`` -> device array (None: the array module's, on ``stream``)."""
+    """:func:`exchange_layout`, the layout made as ``cls`` (e.g. ``mxcomm.torch``'s subclass), this
+    rank's group counts put on the device by ``upload(host array)`` (None: the array module's)."""
     comm.check_usable()  # an aborted communicator refuses at once, as the exchanges do
     error, host = None, None
     try:
         host = _local_counts(num_tokens_per_expert, comm, stream, comm.rank, comm.size)
     except (TypeError, ValueError) as exc:
         error = exc
-    # One agreement round (``comm.agree``: an error anywhere raises on every rank) of E and, at
-    # the E of the last layout agreed on this communicator (the same on every rank), the counts:
-    # where every rank counts that E the layout is made from it. Anything else (the first
-    # layout, a new E) gathers the counts in a second round.
+    # One agreement round of E and, at the last agreed layout's E, the counts; a new E gathers
+    # the counts in a second round (docs/design.md, "The layout object").
     known = comm.layout_experts or 0
     words = numpy.zeros(1 + known, dtype=numpy.int64)
     if error is None:
@@ -135,8 +127,8 @@ def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
 
 
 def _made(cls, comm, counts, num_experts, stream, upload):
-    """The layout (``cls``) of every rank's ``counts`` ((W, E) int64, agreed and checked): this
-    rank's group counts put on the device (``upload``, or the array module's on ``stream``)."""
+    """The layout (``cls``) of the agreed, checked ``counts`` (W, E) int64, this rank's group counts
+    on the device."""
     rank, world = comm.rank, comm.size
     local_experts = num_experts // world
     mine = counts[:, rank * local_experts:(rank + 1) * local_experts].reshape(-1)

@@ -1,18 +1,19 @@
-"""MXFP8 (OCP Microscaling v1.0) arrays: quantize bf16/fp32 rows into e4m3 data + e8m0 scales, and back.
+"""MXFP8 (OCP Microscaling v1.0) arrays: bf16/fp32 rows to e4m3 data + e8m0 scales, and back.
 
 Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive elements of a row;
-``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 holds e8m0 bits (2^(s - 127),
-0xFF = NaN). fp8 has no CuPy dtype, hence the uint8 bit arrays.
-
-The ``launch_*`` functions run the host twin (``mxcomm._host``) on the host backend, else the
-kernels.
+``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 e8m0 bits (2^(s - 127),
+0xFF = NaN); uint8 because fp8 has no CuPy dtype. The ``launch_*`` functions take arguments checked
+by the caller, a raw stream handle and, where they have it, ``share`` of the grid
+(``kernels.launch_1d``), and return ``out``; on the host backend they run the host twin
+(``mxcomm._host``), done on return.
 """
 
 import functools
 
 import numpy
 
-from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared  # first: sets up the simulator before numba loads
+# .kernels first: it sets up the simulator before numba loads
+from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared
 from . import _host
 from ._array import bfloat16, check_rows, float32, out_array, out_dtype, stream_ptr
 from ._platform import host_backend
@@ -34,12 +35,11 @@ _DTYPES = (bfloat16, float32)
 
 
 class MXFP8Array(QuantizedArray):
-    """An (M, D) MXFP8 tensor: e4m3fn elements and one e8m0 scale per 32 elements of a row; the
-    ``"mxfp8"`` case of :class:`~mxcomm.formats.QuantizedArray` (``.format`` is that Format).
+    """An (M, D) MXFP8 tensor: the ``"mxfp8"`` case of :class:`~mxcomm.formats.QuantizedArray`.
 
     Attributes:
         data: (M, D) uint8, e4m3fn bit patterns, C-contiguous.
-        scales: (M, D // 32) uint8, e8m0 bit patterns (value 2^(s - 127); 0xFF = NaN), C-contiguous.
+        scales: (M, D // 32) uint8, e8m0 bit patterns (2^(s - 127); 0xFF = NaN), C-contiguous.
     Raises:
         TypeError: ``data`` or ``scales`` is not a device uint8 array.
         ValueError: not 2-D, D % 32 != 0, scales shape not (M, D // 32), or not C-contiguous.
@@ -66,20 +66,19 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
       "rceil" (NVIDIA cuBLAS/TransformerEngine, torchao's EP default):
                                              s = clamp(ceil(log2(amax / 448)), -127, 127) + 127
     and each element is round-to-nearest-even(x / 2^(s - 127)) as e4m3fn, saturated to +-448.
-    All-zero blocks give zeros (s = 0). A block holding NaN or +-Inf gets scale 0xFF and elements
-    0x7F, so it dequantizes to NaN. Bit-identical to a float64 evaluation of these formulas.
+    All-zero blocks give zeros (s = 0); a block holding NaN or +-Inf gets scale 0xFF and elements
+    0x7F (dequantizes to NaN). Bit-identical to a float64 evaluation of these formulas.
 
     Args:
         x: (M, D) bf16 or fp32 device array, C-contiguous, D % 32 == 0. Read.
         scale_mode: "rceil" or "floor".
-        out: an MXFP8Array of shape (M, D) to write, or None to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
-            Unused on a CPU, where the work is done when the call returns.
+        out: an (M, D) MXFP8Array to write, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
+            is done when the call returns.
     Returns:
         The MXFP8Array written.
     Raises:
-        TypeError: ``x`` is not a device array, or its dtype is not bf16/fp32; ``out`` is not an
-            MXFP8Array.
+        TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not an MXFP8Array.
         ValueError: ``x`` not 2-D, D % 32 != 0 or not C-contiguous; unknown ``scale_mode``;
             ``out`` of another shape.
     """
@@ -98,10 +97,7 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
 
 
 def launch_quantize(x, out, scale_mode, stream, share=1.0):
-    """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, into the MXFP8Array ``out`` (arguments
-    checked by the caller): done before returning on the host backend; else the kernel is
-    enqueued on the raw stream handle ``stream``, with a grid of ``share`` of the device
-    (``kernels.launch_1d``). Returns ``out``."""
+    """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, into the MXFP8Array ``out``."""
     if x.size == 0:
         return out
     if host_backend():
@@ -113,12 +109,9 @@ def launch_quantize(x, out, scale_mode, stream, share=1.0):
 
 
 def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
-    """Quantize rows ``rows`` of ``x`` into the MXFP8Array ``out``: output row r is row
-    ``rows[r]`` of ``x`` quantized exactly as :func:`launch_quantize` quantizes it (arguments
-    checked by the caller: ``x`` (M, D) bf16 C-contiguous, 16-byte aligned rows; ``rows`` (R,)
-    int32 with 0 <= rows[r] < M; ``out`` (R, D)). Done on return on the host backend; else
-    enqueued on the raw stream handle ``stream`` with ``share`` of the device's grid. Returns
-    ``out``. The quantized dispatch gradient's producer (``permutation.GatheredRows``)."""
+    """Quantize rows ``rows`` (R,) int32 of ``x`` (M, D) bf16, C-contiguous, 16-byte aligned rows,
+    into ``out`` (R, D), each row exactly as :func:`launch_quantize` does: the quantized dispatch
+    gradient's producer (``permutation.GatheredRows``)."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
@@ -133,8 +126,8 @@ def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
 
 @prepared
 def _quantize_gather_launch(d, rceil, share):
-    """The prepared gather-quantize launch (``kernels.SizedLaunch``) of bf16 rows of width
-    ``d``; counts: the output rows, then the input's."""
+    """The prepared gather-quantize launch of bf16 rows of width ``d``; counts: output rows, then
+    input rows."""
     pairs = d // 8
     return SizedLaunch(gather_quantize_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (pairs, PAIRS_PER_THREAD), Words(0, (1,), numpy.dtype(numpy.int32)),
@@ -144,7 +137,7 @@ def _quantize_gather_launch(d, rceil, share):
 
 @prepared
 def _quantize_launch(dtype, rceil, share):
-    """The prepared quantize launch (``kernels.SizedLaunch``) of ``dtype`` rows, per MX block."""
+    """The prepared quantize launch of ``dtype`` rows, per MX block."""
     x = Words(0, (MX_BLOCK * dtype.itemsize // 8,), _U64)
     scales = Words(0, (1,), _U8)
     # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
@@ -159,13 +152,10 @@ def _quantize_launch(dtype, rceil, share):
 
 
 def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
-    """bf16 rows through MXFP8 and back in one pass: ``out`` (R, D) bf16 is bit for bit what
-    :func:`launch_quantize` then :func:`launch_dequantize` leave, for row r of ``x`` (``rows``
-    None, R = M) or row ``rows[r]`` (``rows`` (R,) int32, 0 <= rows[r] < M). Arguments checked
-    by the caller: ``x`` (M, D) bf16 C-contiguous (16-byte aligned rows where ``rows`` is
-    given), ``out`` C-contiguous and 16-byte aligned. Done on return on the host backend; else
-    enqueued on the raw stream handle ``stream`` with ``share`` of the device's grid. Returns
-    ``out``.
+    """bf16 rows through MXFP8 and back in one pass: ``out`` (R, D) bf16 is bit for bit
+    :func:`launch_quantize` then :func:`launch_dequantize` of row r of ``x`` (``rows`` None) or row
+    ``rows[r]`` (``rows`` (R,) int32). ``x`` (M, D) bf16 C-contiguous (16-byte aligned rows with
+    ``rows``); ``out`` C-contiguous, 16-byte aligned.
 
     Raises:
         ValueError: on a GPU, an address the kernel cannot load or store 16 bytes at.
@@ -191,7 +181,7 @@ def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
 
 @prepared
 def _round_trip_launch(rceil, share):
-    """The prepared bf16 -> MXFP8 -> bf16 launch (``kernels.SizedLaunch``), per MX block."""
+    """The prepared bf16 -> MXFP8 -> bf16 launch, per MX block."""
     words = MX_BLOCK * 2 // 8
     return SizedLaunch(round_trip_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (MX_BLOCK // 8, PAIRS_PER_THREAD), Words(0, (words,), _U64),
@@ -200,8 +190,8 @@ def _round_trip_launch(rceil, share):
 
 @prepared
 def _gather_round_trip_launch(d, rceil, share):
-    """The prepared gathered bf16 -> MXFP8 -> bf16 launch (``kernels.SizedLaunch``) of rows of
-    width ``d``; counts: the output rows, then the input's."""
+    """The prepared gathered round trip of rows of width ``d``; counts: output rows, then input
+    rows."""
     return SizedLaunch(gather_round_trip_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (d // 8, PAIRS_PER_THREAD), Words(0, (1,), numpy.dtype(numpy.int32)),
                        (Words(0, (1, d // 4), _U64, PAIR_BYTES), 1),  # loaded in pairs
@@ -209,17 +199,15 @@ def _gather_round_trip_launch(d, rceil, share):
 
 
 def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
-    """Decode an MXFP8Array: x = e4m3 * 2^(s - 127) (OCP Microscaling v1.0).
-
-    Exact in f32, then round-to-nearest-even to bf16. Scale 0xFF or a NaN element gives the
-    canonical quiet NaN.
+    """Decode an MXFP8Array: x = e4m3 * 2^(s - 127) (OCP Microscaling v1.0), exact in f32, then
+    round-to-nearest-even to bf16. Scale 0xFF or a NaN element gives the canonical quiet NaN.
 
     Args:
-        mx: MXFP8Array of shape (M, D). Read.
+        mx: (M, D) MXFP8Array. Read.
         dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
         out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
-            Unused on a CPU, where the work is done when the call returns.
+        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
+            is done when the call returns.
     Returns:
         ``out``: (M, D) ``dtype``.
     Raises:
@@ -233,10 +221,7 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
 
 
 def launch_dequantize(mx, out, stream, share=1.0):
-    """Decode ``mx`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous (arguments checked by the
-    caller): done before returning on the host backend; else the kernel is enqueued on the raw
-    stream handle ``stream``, with a grid of ``share`` of the device (``kernels.launch_1d``).
-    Returns ``out``."""
+    """Decode ``mx`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous."""
     if out.size == 0:
         return out
     if host_backend():
@@ -248,7 +233,7 @@ def launch_dequantize(mx, out, stream, share=1.0):
 
 @prepared
 def _dequantize_launch(dtype, share):
-    """The prepared dequantize launch (``kernels.SizedLaunch``) into ``dtype``, per MX block."""
+    """The prepared dequantize launch into ``dtype``, per MX block."""
     kernel = dequantize_mxfp8_bf16_kernel if dtype == bfloat16 else dequantize_mxfp8_f32_kernel
     data = Words(0, (MX_BLOCK // 8,), _U64)
     return SizedLaunch(kernel, launch_1d(UNBOUNDED, share=share), (data.size, WORDS_PER_THREAD),
@@ -257,15 +242,12 @@ def _dequantize_launch(dtype, share):
 
 
 def launch_gather_dequantize(mx, indices, out, stream):
-    """Rows ``indices`` of the MXFP8Array ``mx`` (N, D), dequantized into ``out`` (P, D) bf16 in
-    one pass: row p = the bf16 of row ``indices[p]`` exactly as :func:`dequantize_mxfp8` gives
-    it, zeros where the index is negative or >= N (arguments checked by the caller: ``indices``
-    (P,) int32 C-contiguous, ``out`` C-contiguous). Done on return on the host backend; else
-    enqueued on the raw stream handle ``stream``. Returns ``out``.
+    """Row p of ``out`` (P, D) bf16 = row ``indices[p]`` of ``mx`` (N, D) dequantized as
+    :func:`dequantize_mxfp8` does, zeros where the index is < 0 or >= N; one pass. ``indices`` (P,)
+    int32 and ``out`` C-contiguous.
 
     Raises:
-        ValueError: on a GPU, ``mx.data`` or ``out`` at an address that is not a multiple of 16
-            bytes.
+        ValueError: on a GPU, ``mx.data`` or ``out`` at an address not a multiple of 16 bytes.
     """
     p, d = out.shape
     if p == 0 or d == 0:
@@ -286,8 +268,8 @@ def launch_gather_dequantize(mx, indices, out, stream):
 
 @prepared
 def _gather_dequantize_launch(d):
-    """The prepared MXFP8 -> bf16 gather (``kernels.SizedLaunch``) of rows of width ``d``;
-    counts: P (one warp per row), then N (the source rows)."""
+    """The prepared MXFP8 -> bf16 gather of rows of width ``d``; counts: P (one warp per row), then
+    N."""
     # one warp per row (the simulator's blocks are one warp), GATHER_BLOCKS_PER_SM blocks per SM
     share = GATHER_BLOCKS_PER_SM * THREADS_PER_BLOCK / RESIDENT_THREADS_PER_SM + 1e-9
     return SizedLaunch(gather_dequantize_mxfp8_bf16_kernel,

@@ -1,8 +1,8 @@
 """EP steps 2 and 4: permute received rows into expert-major, ``align``-padded groups, and back.
 
 Glossary: W ranks, E_local experts per rank, E = W * E_local, M_recv received rows, P permuted rows.
-Received rows are ordered by source rank, then local expert; ``num_tokens_per_expert_group`` (E,)
-is rank-major: entry r * E_local + e = rows rank r sent to my local expert e. Example, W = 2,
+Received rows are ordered by source rank, then local expert; ``num_tokens_per_expert_group`` (E,) is
+rank-major: entry r * E_local + e = rows rank r sent to my local expert e. Example, W = 2,
 E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align = 4:
 
     received row   0    1    2    3    4    5
@@ -13,9 +13,8 @@ E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align
     indices        0  1  -1 -1 |  2  3  4  5  |  -1 ..  -1
     group_offsets  [4, 8]
 
-A group with no rows takes no rows (no padding). No host sync: P is a static bound, and the index
-is built where the counts are. :func:`_layout` and ``_row_moves`` choose the host backend or the
-kernels.
+A group with no rows takes no padding. No host sync: P is a static bound, and the index is built on
+the device where the counts are.
 """
 
 import contextlib
@@ -46,20 +45,17 @@ def _check_int(value, name, minimum):
 
 
 def _rows(x, name):
-    """The row arrays of ``x`` (data, and scales for a QuantizedArray of any format), validated,
-    and its Format (None for a plain array)."""
+    """The row arrays of ``x`` (data, and scales of a QuantizedArray), validated, and its Format
+    (None for a plain array)."""
     if isinstance(x, QuantizedArray):
         return [x.data, x.scales], x.format
     return [check_rows(x, name, two_d=False)], None
 
 
 class GatheredRows:
-    """Rows picked from another array by an index, not yet written anywhere: row i is
-    ``source[index[i]]``.
-
-    The gradient permute's backward owes dispatch's backward: ``source`` the permuted gradient
-    (P, D), ``index`` the layout's inverse permute index (N,) int32. docs/design.md, "The
-    permute's backward folded into a quantized dispatch gradient".
+    """Rows ``source[index[i]]`` not yet written anywhere: the gradient permute's backward owes
+    dispatch's backward (docs/design.md, "The permute's backward folded into a quantized dispatch
+    gradient").
 
     Attributes:
         source: (M, D) C-contiguous device array. index: (N,) int32, 0 <= index[i] < M.
@@ -78,25 +74,24 @@ class GatheredRows:
         return int(numpy.prod(self.shape))
 
     def materialize(self, stream, alloc=None):
-        """The rows as a new (N, D) array (``alloc(shape, dtype)``, None: the array module's
-        ``empty``), gathered on the raw stream handle ``stream``."""
+        """The rows as a new (N, D) array from ``alloc`` (None: the array module's ``empty``),
+        gathered on raw stream ``stream``."""
         out = (alloc or array_module().empty)(self.shape, self.dtype)
         if self.shape[0]:
             move_rows(gather_rows_kernel, self.index, (self.source,), (out,), stream)
         return out
 
     def write(self, begin, end, out, stream, share=1.0):
-        """Rows ``[begin, end)`` gathered into ``out`` ((end - begin, D) of their dtype: an
-        array or ``Words``), on the raw stream handle ``stream`` with ``share`` of the device's
-        grid: a producer of the staged exchange (``a2a``)."""
+        """Rows ``[begin, end)`` gathered into ``out`` (an array or ``Words``) on raw stream
+        ``stream`` with ``share`` of the grid: a producer of the staged exchange."""
         if end > begin:
             move_rows(gather_rows_kernel, row_range(self.index, begin, end), (self.source,),
                        (out,), stream, share)
 
 
 def _on_stream(stream):
-    """A context where CuPy allocates and fills on ``stream`` (the caller's), so a fill is
-    ordered before the kernels launched there; nothing on the host backend."""
+    """A context where CuPy allocates and fills on ``stream``, so a fill is ordered before the
+    kernels launched there; nothing on the host backend."""
     if stream is None or host_backend() or simulated():
         return contextlib.nullcontext()
     from ._driver import external_stream
@@ -124,9 +119,8 @@ def _wrap(arrays, fmt):
 
 def expert_order(layout, align, stream):
     """``(permuted_indices (P,), group_offsets (E_local,), inverse (N,))`` int32 device arrays of
-    ``layout``'s permute for ``align``: :func:`permute`'s index and offsets, and its inverse,
-    received row -> permuted row. Built on the device once per layout and ``align`` (no host
-    sync) and kept beside the layout; later calls launch nothing."""
+    ``layout``'s permute for ``align``; ``inverse`` maps received row -> permuted row. Built on the
+    device once per layout and ``align`` (no host sync) and cached on the layout."""
     align = _check_int(align, "align", 1)
     key = ("expert order", align)
     cached = layout._cache.get(key)
@@ -144,11 +138,10 @@ def expert_order(layout, align, stream):
 
 
 def permuted_landing(layout, align):
-    """Where each received row lands in :func:`permute`'s order for ``align``: ``((received
-    row, permuted row, rows), ...)``, one run per (source rank, local expert) with rows, in
-    received order (``Communicator.exchange``'s ``landing``). Worked out on the host from the
-    layout's counts, as ``permute_layout_kernel`` works out the index on the device (the same
-    rows), once per layout and ``align``."""
+    """Where each received row lands in :func:`permute`'s order for ``align``: ``((received row,
+    permuted row, rows), ...)``, one run per (source rank, local expert) with rows, in received
+    order (``Communicator.exchange``'s ``landing``). Computed on the host from the layout's counts
+    (the same rows ``permute_layout_kernel`` gives), cached per layout and ``align``."""
     align = _check_int(align, "align", 1)
     key = ("landing", align)
     cached = layout._cache.get(key)
@@ -175,37 +168,36 @@ def permuted_landing(layout, align):
 
 def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *, out_format=None,
             stream=None):
-    """Received rows -> expert-major order, each expert's group zero-padded to a multiple of ``align``.
+    """Received rows -> expert-major order, each expert's group zero-padded to a multiple of
+    ``align``.
 
-    Layout: see the module docstring. Rows of a group keep their received order (by source rank).
+    Layout: the module docstring. Rows of a group keep their received order (by source rank).
 
     Args:
         x: (M_recv, ...) C-contiguous device array of any dtype, or a QuantizedArray (any format;
             data and scales permuted together in one launch). Read.
-        num_tokens_per_expert_group: (E,) int32 device array, rank-major counts; must sum to M_recv
-            (not checked: that would need a host sync; extra counts give -1 indices). Read.
-            Or the :class:`~mxcomm.layout.Layout`: then its counts (checked across ranks when it
-            was made), M_recv checked against it, and the index built once per layout and
-            ``align`` and reused by later calls (no launch).
+        num_tokens_per_expert_group: (E,) int32 device array, rank-major counts summing to M_recv
+            (not checked: that needs a host sync; extra counts give -1 indices). Read. Or the
+            :class:`~mxcomm.layout.Layout`: M_recv checked against it, the index built once per
+            layout and ``align`` and reused (no launch).
         num_local_experts: E_local, a positive int dividing E (not needed with a layout).
-        align: rows, a positive int (32 for MX grouped GEMMs, a multiple of 16 for SM90 fp8
-            grouped GEMMs).
-        out_format: None (or ``x``'s format) to move rows as they are; or a format to convert
-            the QuantizedArray ``x`` to in the same pass (``mxcomm.formats.conversion``:
-            ``"fp8_rowwise"`` or ``"bf16"`` from ``"mxfp8"``; docs/design.md, "Formats").
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
-            Unused on a CPU, where the work is done when the call returns.
+        align: rows, a positive int (32 for MX grouped GEMMs, a multiple of 16 for SM90 fp8).
+        out_format: None (or ``x``'s format) to move rows as they are; or a format to convert the
+            QuantizedArray ``x`` to in the same pass (``"fp8_rowwise"`` or ``"bf16"`` from
+            ``"mxfp8"``; ``mxcomm.formats.conversion``).
+        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
+            is done when the call returns.
     Returns:
-        ``(permuted, permuted_indices, group_offsets)``: permuted (P, ...) same dtype as ``x`` (or a
-        QuantizedArray of its format, or of ``out_format``; padding rows have data 0 and the
-        format's ``padding_scale``, so they dequantize to 0), P =
-        round_up(M_recv + E_local * align, align); permuted_indices (P,) int32, the received row
-        of each permuted row or -1; group_offsets (E_local,) int32, cumulative padded group ends.
+        ``(permuted, permuted_indices, group_offsets)``: permuted (P, ...) of ``x``'s dtype or
+        format (or ``out_format``; padding rows have data 0 and the format's ``padding_scale``, so
+        dequantize to 0), P = round_up(M_recv + E_local * align, align); permuted_indices (P,)
+        int32, the received row of each permuted row or -1; group_offsets (E_local,) int32,
+        cumulative padded group ends.
     Raises:
         TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
-        ValueError: no conversion from ``x``'s format to ``out_format``; counts not 1-D or
-            its length not a multiple of ``num_local_experts``; ``num_local_experts`` or
-            ``align`` < 1; ``x`` not C-contiguous; on the host backend, a negative count.
+        ValueError: no conversion to ``out_format``; counts not 1-D or their length not a multiple
+            of ``num_local_experts``; ``num_local_experts`` or ``align`` < 1; ``x`` not
+            C-contiguous; on the host backend, a negative count.
     """
     return _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_format, stream,
                     None)
@@ -243,9 +235,8 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
 
 
 def _conversion(fmt, out_format, srcs):
-    """The gather converting rows of ``fmt`` (None: plain ``srcs``) into ``out_format``, or None
-    where they move as they are (no ``out_format``, the same format, bf16 rows to ``"bf16"``,
-    plain rows to ``"native"``). Raises ValueError where no conversion exists."""
+    """The gather converting rows of ``fmt`` (None: plain) into ``out_format``, or None where they
+    move as they are. Raises ValueError where no conversion exists."""
     if out_format is None:
         return None
     target = get_format(out_format, "out_format")
@@ -256,8 +247,8 @@ def _conversion(fmt, out_format, srcs):
 
 
 def _gather(x, srcs, fmt, convert, indices, stream, alloc):
-    """Rows ``indices`` of ``x`` (padding: zeros and the padding scale), or of ``x`` converted
-    by ``convert`` (a ``mxcomm.formats.conversion``) in the same pass."""
+    """Rows ``indices`` of ``x`` (padding: zeros and the padding scale), converted by ``convert`` if
+    given, in one pass."""
     if convert is not None:
         return convert(x, indices, stream_ptr(stream), alloc)
     alloc = alloc or array_module().empty
@@ -268,8 +259,7 @@ def _gather(x, srcs, fmt, convert, indices, stream, alloc):
 
 
 def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, stream, alloc):
-    """:func:`permute` given the layout: rows checked against it (O(1)); the index and group
-    offsets built once per layout and ``align``, and reused (no launch) by later calls."""
+    """:func:`permute` given the layout: rows checked against it; the index cached per ``align``."""
     e_local = layout.num_local_experts
     if num_local_experts not in (None, e_local):
         raise ValueError(f"permute: num_local_experts = {num_local_experts}, but the layout has "
@@ -284,8 +274,7 @@ def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, 
 
 
 def _layout_index(layout, align, stream, alloc=None):
-    """``(indices, group_offsets)`` of ``layout``'s permute for ``align``, built once per layout
-    and align (:func:`_layout`, into arrays from ``alloc``) and kept beside it."""
+    """``(indices, group_offsets)`` of ``layout``'s permute for ``align``, cached on the layout."""
     key = ("permute", align)
     cached = layout._cache.get(key)
     if cached is None:
@@ -296,10 +285,8 @@ def _layout_index(layout, align, stream, alloc=None):
 
 
 def _layout(counts, e_local, align, m_recv, p, stream, alloc=None):
-    """``(indices (P,) int32, group_offsets (E_local,) int32)`` of :func:`permute`: from
-    ``_host.permute_layout`` on the host backend, else from the layout and index kernels'
-    prepared launches (:func:`_index_launches`), into arrays from ``alloc(shape, dtype)``
-    (None: the array module's ``empty``)."""
+    """``(indices (P,) int32, group_offsets (E_local,) int32)`` of :func:`permute`, from the host
+    backend or the kernels' prepared launches, into arrays from ``alloc`` (None: ``empty``)."""
     if host_backend():
         return _host.permute_layout(counts, e_local, align, m_recv, p)
     alloc = alloc or array_module().empty
@@ -318,9 +305,8 @@ def _layout(counts, e_local, align, m_recv, p, stream, alloc=None):
 
 @prepared
 def _index_launches(align):
-    """The sized launches of ``permute_layout_kernel`` (one thread) and
-    ``permute_indices_kernel`` (a thread per permuted row) for ``align``; their counts: ``(1,
-    E, E_local)`` and ``(P, E, E_local, M_recv)``."""
+    """The sized launches of ``permute_layout_kernel`` (one thread; count ``(1, E, E_local)``) and
+    ``permute_indices_kernel`` (a thread per permuted row; ``(P, E, E_local, M_recv)``)."""
     def words(count):
         return Words(0, (1,), _INT32), count
     layout = SizedLaunch(permute_layout_kernel, launch_1d(1, threads=32), (0, 1), words(1),
@@ -336,11 +322,10 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
     Args:
         y: (P, H...) C-contiguous device array (any dtype) or a QuantizedArray (any format). Read.
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
-        num_rows: M_recv, an int >= 0 (rows no index names are zero), or the layout (its
-            ``num_received``; its permute names every row, so no fill). Indices >= num_rows are
-            dropped.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
-            Unused on a CPU, where the work is done when the call returns.
+        num_rows: M_recv, an int >= 0 (rows no index names are zero; indices >= num_rows are
+            dropped), or the layout (its ``num_received``; no fill needed).
+        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
+            is done when the call returns.
     Returns:
         (num_rows, H...) array of ``y``'s dtype, or a QuantizedArray (any format).
     Raises:
@@ -371,29 +356,21 @@ def _unpermute(y, permuted_indices, num_rows, stream, alloc):
 
 
 def permute_backward(grad, permuted_indices, num_rows, *, stream=None):
-    """Backward of :func:`permute`: the gradient of the permuted rows back to received order
-    (padding rows' gradient ignored). The same scatter as :func:`unpermute`.
-
-    Args:
-        grad: (P, D...) C-contiguous device array or a QuantizedArray (any format). Read.
-        permuted_indices: (P,) int32, from :func:`permute`. Read.
-        num_rows: M_recv, an int >= 0.
-    Returns:
-        (num_rows, D...) array of ``grad``'s dtype, or a QuantizedArray.
-    """
+    """Backward of :func:`permute`: the :func:`unpermute` scatter of ``grad`` (P, D...) to
+    (num_rows, D...) received order, padding rows' gradient ignored; arguments and errors as
+    there."""
     return unpermute(grad, permuted_indices, num_rows, stream=stream)
 
 
 def unpermute_backward(grad, permuted_indices, *, stream=None):
-    """Backward of :func:`unpermute`: gather the received-order gradient into permuted order,
-    zero rows where permuted_indices is -1: out[p] = grad[permuted_indices[p]].
+    """Backward of :func:`unpermute`: out[p] = grad[permuted_indices[p]], zero rows where it is -1.
 
     Args:
         grad: (M_recv, H...) C-contiguous device array or a QuantizedArray (any format; padding
             rows get data 0 and the format's padding scale). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
-            Unused on a CPU, where the work is done when the call returns.
+        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
+            is done when the call returns.
     Returns:
         (P, H...) array of ``grad``'s dtype, or a QuantizedArray (any format).
     Raises:
@@ -404,8 +381,8 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
 
 
 def _unpermute_backward(grad, permuted_indices, stream, alloc, out_format=None):
-    """:func:`unpermute_backward`, its result from ``alloc(shape, dtype)`` (None: the array
-    module's), converted to ``out_format`` in the gather as :func:`permute` converts."""
+    """:func:`unpermute_backward`, from ``alloc`` (None: the array module's), converted to
+    ``out_format`` in the gather as :func:`permute` converts."""
     srcs, fmt = _rows(grad, "grad")
     idx = _check_indices(permuted_indices, None, "grad", stream)
     return _gather(grad, srcs, fmt, _conversion(fmt, out_format, srcs), idx, stream, alloc)

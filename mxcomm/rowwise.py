@@ -1,9 +1,10 @@
 """The fp8 rowwise format (e4m3fn elements, one power-of-two fp32 scale per row: the A operand of
 Hopper's ``torch._scaled_grouped_mm``), and the permute's MXFP8 -> fp8 rowwise gather.
 
-Glossary: M rows, D hidden (D % 16 == 0), N source rows, P permuted rows. e4m3fn data are uint8
-bit arrays, scales (M,) float32, ``x ~= e4m3 * scale``. The ``launch_*`` functions run the host
-twin (``mxcomm._host``) on the host backend, else the kernel.
+Glossary: M rows, D hidden (D % 16 == 0), N source rows, P permuted rows; ``x ~= e4m3 * scale``,
+data as uint8 bits, scales (M,) float32. The ``launch_*`` functions (arguments checked by the
+caller, raw stream handle, ``share`` of the grid) run the host twin (``mxcomm._host``) on the host
+backend, else the kernel.
 """
 
 import numpy
@@ -38,25 +39,23 @@ def quantize_fp8_rowwise(x, *, out=None, stream=None):
     """fp8-rowwise-quantize the rows of ``x``: e4m3fn elements, one power-of-two fp32 scale per row.
 
     The A operand of SM90 ``torch._scaled_grouped_mm`` (aten/src/ATen/native/cuda/GroupedBlas.cpp
-    ``_check_scales_fp8_rowwise``). With amax = max |x| over a row (``kernels.fp8_rowwise``;
-    bit-identical to float64):
+    ``_check_scales_fp8_rowwise``). With amax = max |x| over a row (bit-identical to float64):
       scale   = 2^clamp(ceil(log2(amax / 448)), -126, 127)   (amax = 0: 2^-126)
       element = round-to-nearest-even(x / scale) as e4m3fn, saturated to +-448.
     A row holding NaN or +-Inf gets scale NaN and elements 0x7F.
 
     Args:
-        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 16 == 0, its address a multiple
-            of 16 bytes (the kernel loads 16 bytes at a time). Read.
-        out: a (data, scales) pair to write, (M, D) uint8 and (M,) float32, C-contiguous, or None
-            to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 16 == 0, address a multiple of 16
+            bytes. Read.
+        out: a (data, scales) pair, (M, D) uint8 and (M,) float32, C-contiguous, or None. Written.
+        stream: the stream to launch on (None: CuPy's current); not synchronized.
     Returns:
         (data, scales): (M, D) uint8 e4m3fn bits and (M,) float32 scales.
     Raises:
-        TypeError: ``x`` is not a device array or not bf16/fp32; ``out`` not a pair, or of other
-            dtypes.
-        ValueError: ``x`` not 2-D, D % 16 != 0, not C-contiguous or its address not a multiple of
-            16 bytes; ``out`` of other shapes.
+        TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not a pair, or of other
+        dtypes.
+        ValueError: ``x`` not 2-D, D % 16 != 0, not C-contiguous or misaligned; ``out`` of other
+            shapes.
     """
     x = check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES)
     FP8_ROWWISE.check_input(x)
@@ -66,9 +65,8 @@ def quantize_fp8_rowwise(x, *, out=None, stream=None):
 
 
 def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
-    """Enqueue the rowwise quantize kernel (arguments checked by the caller): ``x`` (M, D) bf16/
-    fp32 into ``data`` (M, D) uint8 and ``scales`` (M,) float32, on the raw stream handle
-    ``stream``, with a grid of ``share`` of the device. Returns (data, scales)."""
+    """Quantize ``x`` (M, D) bf16/fp32 into ``data`` (M, D) uint8 and ``scales`` (M,) float32.
+    Returns (data, scales)."""
     m, d = x.shape
     if m == 0:
         return data, scales
@@ -80,14 +78,13 @@ def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
 
 @prepared
 def _rowwise_quantize_launch(d, dtype, share):
-    """The prepared rowwise quantize launch (``kernels.SizedLaunch``) of ``dtype`` rows of width
-    ``d``, per row."""
+    """The prepared rowwise quantize launch of ``dtype`` rows of width ``d``, per row."""
     if dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
         kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (1, d // 8), _U64)
     else:  # units of 4 elements -> one uint32
         kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (1, d // 4), _U32)
-    # one warp per row, ROWS_PER_BLOCK rows per CUDA block, each kept in the block's shared
-    # memory between the passes as far as STASH_BLOCK_BYTES go (the rest of a row is re-read)
+    # a warp per row, ROWS_PER_BLOCK rows per block; up to STASH_BLOCK_BYTES of each row stay in
+    # shared memory between the passes (the rest is re-read)
     units = data.shape[1]
     rows = 1 if simulated() else ROWS_PER_BLOCK  # the simulator's blocks are one warp
     stash_units = min(units, fp8_rowwise.STASH_BLOCK_BYTES // (rows * fp8_rowwise.STASH_UNIT_BYTES))
@@ -101,17 +98,15 @@ def _rowwise_quantize_launch(d, dtype, share):
 
 
 def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=None):
-    """Decode fp8 rowwise rows: x = e4m3 * scale.
-
-    The product in fp32, then round-to-nearest-even to bf16; NaN canonical. Any fp32 scales
-    are accepted.
+    """Decode fp8 rowwise rows: x = e4m3 * scale in fp32, round-to-nearest-even to bf16; NaN
+    canonical. Any fp32 scales are accepted.
 
     Args:
         data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0. Read.
         scales: (M,) float32, C-contiguous. Read.
         dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
         out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+        stream: the stream to launch on (None: CuPy's current); not synchronized.
     Returns:
         ``out``: (M, D) ``dtype``.
     Raises:
@@ -128,8 +123,8 @@ def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=Non
 
 
 def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
-    """Enqueue the rowwise dequantize kernel (arguments checked by the caller): ``data`` (M, D)
-    uint8 and ``scales`` (M,) float32 into ``out`` (M, D) bf16/fp32. Returns ``out``."""
+    """Decode ``data`` (M, D) uint8 and ``scales`` (M,) float32 into ``out`` (M, D) bf16/fp32.
+    Returns ``out``."""
     if out.size == 0:
         return out
     if host_backend():
@@ -141,8 +136,7 @@ def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
 
 @prepared
 def _rowwise_dequantize_launch(d, dtype, share):
-    """The prepared rowwise dequantize launch (``kernels.SizedLaunch``) of rows of width ``d``
-    into ``dtype``, per row."""
+    """The prepared rowwise dequantize launch of rows of width ``d`` into ``dtype``, per row."""
     words = d // 8
     kernel = dequantize_fp8_rowwise_bf16_kernel if dtype == bfloat16 else \
         dequantize_fp8_rowwise_f32_kernel
@@ -154,21 +148,20 @@ def _rowwise_dequantize_launch(d, dtype, share):
 
 
 def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
-    """Gather MXFP8 rows by ``permuted_indices`` and write them as fp8 rowwise rows, in one pass.
+    """Gather MXFP8 rows by ``permuted_indices`` into fp8 rowwise rows, in one pass.
 
-    Row p is source row permuted_indices[p] with its blocks rescaled to the row's largest block
-    scale (at least 2^-126), one rounding per element (the rule: ``kernels.mx_rowwise``).
-    Padding rows (index < 0 or >= N) get zeros and scale 1.0; a row with a NaN block gets scale
-    NaN and elements 0x7F.
+    Row p is source row permuted_indices[p], its blocks rescaled to the row's largest block scale
+    (at least 2^-126), one rounding per element (the rule: ``kernels.mx_rowwise``). Padding rows
+    (index < 0 or >= N) get zeros and scale 1.0; a row with a NaN block gets scale NaN, elements
+    0x7F.
 
     Args:
-        mx: MXFP8Array (N, D), the received rows; its data's address a multiple of 16 bytes (the
-            kernel moves 16 bytes at a time). Read.
-        permuted_indices: (P,) int32 device array, C-contiguous: source row or -1 (as returned
-            by ``mxcomm.permute``). Read.
-        out: a (data, scales) pair to write, (P, D) uint8 and (P,) float32, C-contiguous, data's
-            address a multiple of 16 bytes, or None to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current stream); not synchronized.
+        mx: (N, D) MXFP8Array, the received rows; data address a multiple of 16 bytes. Read.
+        permuted_indices: (P,) int32 device array, C-contiguous: source row or -1 (from
+            ``mxcomm.permute``). Read.
+        out: a (data, scales) pair, (P, D) uint8 and (P,) float32, C-contiguous, data address a
+            multiple of 16 bytes, or None to allocate. Written.
+        stream: the stream to launch on (None: CuPy's current); not synchronized.
     Returns:
         (data, scales): (P, D) uint8 e4m3fn bits and (P,) float32 power-of-two row scales, ready
         for ``torch._scaled_grouped_mm`` with the permute's ``group_offsets``.
@@ -176,7 +169,7 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
         TypeError: ``mx`` not an MXFP8Array; ``permuted_indices`` not an int32 device array;
             ``out`` not a pair, or of other dtypes.
         ValueError: ``permuted_indices`` not 1-D or not C-contiguous; ``out`` of other shapes;
-            ``mx.data`` or the out data at an address not a multiple of 16 bytes.
+            ``mx.data`` or the out data misaligned.
     """
     if not isinstance(mx, MXFP8Array):
         raise TypeError(f"mx: expected an MXFP8Array, got {type(mx).__name__}")
@@ -196,8 +189,7 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
 
 
 def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
-    """Enqueue the MXFP8 -> rowwise gather (arguments checked by the caller): rows
-    ``indices`` (P,) int32 of ``mx`` (N, D) into ``data`` (P, D) uint8 and ``scales`` (P,)
+    """Rows ``indices`` (P,) int32 of ``mx`` (N, D) into ``data`` (P, D) uint8 and ``scales`` (P,)
     float32. Returns (data, scales)."""
     p = indices.shape[0]
     if p == 0:
