@@ -1,10 +1,7 @@
 """Recipes: the formats of a whole EP token path by name, and the ``"auto"`` choice among them.
 
-A :class:`Recipe` names the wire format of each of the four exchange directions (dispatch,
-combine, dispatch_grad, combine_grad), what the expert GEMM reads (``gemm``), and how the
-expert side is laid out (``fused``: the exchanges' expert side in permute's order). It maps onto
-the array and torch primitives' per-direction keywords one to one (docs/design.md, "Recipes and
-the expert-parallel object")::
+A :class:`Recipe` maps onto the primitives' per-direction keywords one to one (docs/design.md,
+"Recipes and the expert-parallel object")::
 
     exchange_layout(counts, comm)                                   -> layout
     fused:      a2a_dispatch(x, layout, precision=dispatch, grad_precision=dispatch_grad,
