@@ -68,10 +68,10 @@ class ExpertParallel:
     any rank raise on every rank, before any data moves.
 
     Raises:
-        ValueError, on every rank alike: an unknown recipe; arguments that differ across ranks;
-            ``num_local_experts`` or ``align`` not positive; ``overlap`` not a bool; for
-            ``"auto"``, a table that fails to load (:func:`mxcomm.recipes.find_tables`) on
-            some rank, or tables that differ across ranks.
+        ValueError: ``num_local_experts`` or ``align`` not positive (this rank); on every rank
+            alike: an unknown recipe, arguments that differ across ranks, ``overlap`` not a
+            bool, for ``"auto"`` a table that fails to load (:func:`mxcomm.recipes.find_tables`)
+            on some rank or tables that differ across ranks.
         RuntimeError: a pinned recipe the devices cannot run without ``gemm_fallback``, on
             every rank alike.
         TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).

@@ -294,12 +294,12 @@ def find_tables(device, world_size, table=None, environ=None):
        ``world_size``, each for its own dims;
     4. for shapes none of these covers, the built-in :data:`H100_TABLE`.
 
-    ``device``: ``torch.cuda.get_device_name`` or ``"cpu"``; ``table``: None, a CostTable or a
-    path; ``environ``: default ``os.environ``. Returns a :class:`TableSet`.
+    ``device``: ``torch.cuda.get_device_name`` or ``"cpu"``; ``environ``: default
+    ``os.environ``. Returns a :class:`TableSet`.
 
     Raises:
-        ValueError: a table of 1. or 2. unreadable, malformed, or of another device or world
-            size (the user named it: no silent fallback).
+        ValueError: ``table`` not a CostTable or path; a table of 1. or 2. unreadable,
+            malformed, or of another device or world size (the user named it: no fallback).
     Warns:
         RuntimeWarning: a cached table so, skipped (a stale cache should not stop training).
     """
