@@ -264,8 +264,8 @@ def grouped_experts_class(parent_cls):
     Its ``forward(x_RD, num_tokens_per_expert_E)`` (the padded group sizes) computes
     torchtitan's SwiGLU, ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert; on quantized rows in two
     GEMMs: one over [w1 | w3] (the weights stay two parameters; one dgrad, so the backward
-    overlap engages), and w2's in bf16 (fp8 there costs the weight gradients 0.7 dB,
-    bench/NOTES.md, "The expert weight gradients"). docs/design.md, "The experts' GEMMs".
+    overlap engages), and w2's in bf16 (fp8 there costs the weight gradients SQNR: bench/NOTES.md,
+    "The expert weight gradients"). docs/design.md, "The experts' GEMMs".
     Plain rows, a False :meth:`_uses_mxcomm_gemm`, or spmd_types type checking: torchtitan's
     forward (with ``grouped_mm`` in its ``_grouped_mm`` seam where mxcomm's GEMMs are used).
 
