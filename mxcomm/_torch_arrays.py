@@ -1,10 +1,9 @@
-"""Torch tensors as arrays and back, zero-copy: the conversions ``mxcomm.torch`` and its fp8 GEMM
-module share (a leaf: it imports torch, NumPy and CuPy, and of this package only ``_array`` and
-``_platform``).
+"""Torch tensors as arrays and back, zero-copy (a leaf module: of this package only ``_array``
+and ``_platform``).
 
-A CUDA tensor is seen as a CuPy array built over its ``data_ptr`` (a tenth of the host time of
-CuPy's DLPack import), a CPU tensor as a NumPy array; bf16 as ml_dtypes' bf16, fp8 as
-uint8 bits. Arrays become tensors through DLPack.
+A CUDA tensor is seen as a CuPy array built over its ``data_ptr`` (cheaper on the host than
+DLPack: bench/NOTES.md), a CPU tensor as a NumPy array; bf16 as ml_dtypes', fp8 as uint8 bits.
+Arrays become tensors through DLPack.
 """
 
 import numpy
@@ -13,8 +12,7 @@ import torch
 from ._array import as_device_array, bfloat16
 from ._platform import gpu_arrays
 
-# torch dtype -> NumPy dtype of the array that views the tensor's bytes (fp8 as uint8 bits: NumPy
-# and CuPy have no fp8; bf16 is ml_dtypes')
+# torch dtype -> NumPy dtype of the array viewing the tensor's bytes (NumPy and CuPy have no fp8)
 _ARRAY_DTYPES = {
     torch.bfloat16: bfloat16, torch.float32: numpy.dtype(numpy.float32),
     torch.float16: numpy.dtype(numpy.float16), torch.float64: numpy.dtype(numpy.float64),
@@ -29,8 +27,8 @@ _TORCH_DTYPES = {bfloat16: torch.bfloat16, numpy.dtype(numpy.float32): torch.flo
 # element size -> the integer torch dtype a CPU tensor is seen through by NumPy
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-#: torch's raw current-stream query (what ``torch.cuda.current_stream`` wraps in a Stream object;
-#: a few microseconds less per call), where this torch has it.
+#: torch's raw current-stream query (``torch.cuda.current_stream`` without the Stream object),
+#: where this torch has it.
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -49,9 +47,8 @@ def _current_stream(device):
 
 
 def _view(t, dtype):
-    """The bytes of the contiguous tensor ``t`` as an array of ``dtype`` and ``t``'s shape,
-    zero-copy, keeping ``t`` alive: a CuPy array over its device memory (built directly), or a
-    NumPy array over its host memory. No stream synchronization: the work is enqueued on torch's current stream."""
+    """The contiguous tensor ``t``'s bytes as a CuPy or NumPy array of ``dtype``, zero-copy,
+    keeping ``t`` alive. No stream synchronization."""
     if t.is_cuda:
         import cupy
         memory = cupy.cuda.memory.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t,

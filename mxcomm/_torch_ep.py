@@ -1,11 +1,8 @@
-"""The expert-parallel object: one per EP group, a recipe, ``dispatch`` and ``combine`` (re-exported
-by mxcomm.torch as :class:`ExpertParallel`).
+"""The expert-parallel object (``mxcomm.torch.ExpertParallel``): the ``mxcomm.torch`` primitives
+called as a recipe says (docs/design.md, "Recipes and the expert-parallel object").
 
 Glossary: M rows this rank routes, D dim, H the expert GEMM's output width, E experts, E_local
-experts per rank, W ranks, P permuted rows (``layout.permuted_rows(align)``).
-
-Built from the validated ``mxcomm.torch`` primitives, keyword for keyword as the recipe says
-(``mxcomm.recipes``; docs/design.md, "Recipes and the expert-parallel object")::
+experts per rank, W ranks, P permuted rows (``layout.permuted_rows(align)``)::
 
     ep = ExpertParallel(group, num_local_experts=8)            # recipe="auto"
     rows, offsets, handle = ep.dispatch(x, num_tokens_per_expert)
@@ -23,16 +20,15 @@ import torch
 from . import recipes as _recipes
 from ._torch_gemm import fp8_gemm_available
 
-# mxcomm.torch re-exports this module's names, so the primitives (its submodules, never the package
-# itself) are imported when an object is built (``self._p``): either may be imported first.
+# mxcomm.torch re-exports this module: its submodules are imported when an object is built
+# (``self._p``), so either may be imported first.
 
 
 class EPHandle(typing.NamedTuple):
     """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine`.
 
     Attributes:
-        layout: the layout of this dispatch (``mxcomm.torch.exchange_layout``), agreed by all.
-        recipe: the :class:`mxcomm.recipes.Recipe` that ran (``"auto"``'s choice, or the pinned).
+        layout: this dispatch's layout. recipe: the :class:`mxcomm.recipes.Recipe` that ran.
         permuted_indices: (P,) int32 tensor, the received row of each permuted row (-1: padding).
         group_offsets: (E_local,) int32 tensor, cumulative group ends.
         align: rows each expert group is padded to a multiple of.
@@ -52,41 +48,32 @@ class ExpertParallel:
         group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh``, an mxcomm
             communicator, or None (torch.distributed's default group; or ``comm``).
         num_local_experts: E_local, the experts on each rank (the same on every rank).
-        recipe: ``"auto"`` (default: per layout, the recipe ``mxcomm.recipes.choose_recipe``
-            predicts fastest), or a recipe name to pin the numerics (``mxcomm.recipes``).
+        recipe: ``"auto"`` (default: per layout, ``mxcomm.recipes.choose_recipe``'s), or a
+            recipe name to pin the numerics.
         comm: an mxcomm communicator (instead of ``group``).
         align: rows each expert group is padded to a multiple of (32: MX GEMMs; 16: SM90 fp8).
-        hidden: H, the expert GEMM's output width, for ``"auto"``'s prediction (None: D times
-            the table's H / D).
-        gemm_fallback: False (default): a pinned recipe with an fp8 GEMM on devices without
-            SM90 fp8 grouped GEMMs raises at construction; True: its GEMM runs on
-            ``grouped_mm``'s bf16 fallback.
-        table: for ``"auto"``: None (default: ``$MXCOMM_COST_TABLE``, else the per-user cache
-            of ``python -m mxcomm.bench calibrate``, else the built-in table), or a
-            ``mxcomm.recipes.CostTable`` or the path of a table file
-            (``mxcomm.recipes.find_tables``: the lookup order).
-        overlap: True to run the backward's dispatch-gradient exchange (and a separate
-            permute's backward) on a side stream beside the expert weight-gradient GEMM
-            (``mxcomm.torch.grouped_mm`` on the rows ``dispatch`` returns, one call: weights
-            that read the same rows go in as a tuple, ``grouped_mm(rows, (w1, w3), offs)``;
-            docs/design.md, "Overlap"); the same bits as False (default). Eager only: under
-            ``torch.compile`` the calls run as without it. :attr:`overlap` counts what it did.
+        hidden: H, for ``"auto"``'s prediction (None: D times the table's H / D).
+        gemm_fallback: True: a pinned fp8-GEMM recipe off SM90 runs ``grouped_mm``'s bf16
+            fallback; False (default): it raises.
+        table: for ``"auto"``: None (``mxcomm.recipes.find_tables``' lookup), a ``CostTable``,
+            or a table file's path.
+        overlap: run the backward's dispatch-gradient exchange (and a separate permute's
+            backward) on a side stream beside the expert weight-gradient GEMM (one
+            ``grouped_mm`` on the rows ``dispatch`` returns; weights reading the same rows as a
+            tuple). Same bits; eager only. docs/design.md, "Overlap".
 
-    Collectives at construction: building the group's communicator (first use of a group), and
-    one small host allgather in which the ranks agree on the recipe, E_local, ``align``,
-    ``hidden``, the device class (the least capable rank's) and, for ``"auto"``, the cost
-    tables (each rank's loaded, compared by fingerprint). So bad arguments on any rank raise
-    the same error on every rank, before any data moves.
+    Collectives at construction: the group's communicator (first use of a group), and one
+    small host allgather agreeing on the recipe, E_local, ``align``, ``hidden``, the device
+    class (the least capable rank's) and ``"auto"``'s table fingerprints; so bad arguments on
+    any rank raise on every rank, before any data moves.
 
     Raises:
-        ValueError: an unknown recipe (the message lists them), or arguments that differ across
-            ranks (naming the ranks), on every rank alike; ``num_local_experts`` or ``align``
-            not positive; for ``"auto"``, a table that fails to load or describes other
-            devices or another world size on some rank, or tables that differ across ranks,
-            on every rank alike (the failing rank's message on that rank); ``overlap`` not a bool
-            (on every rank alike).
-        RuntimeError: a pinned recipe the devices cannot run (an fp8 GEMM off SM90) without
-            ``gemm_fallback``, on every rank alike.
+        ValueError: ``num_local_experts`` or ``align`` not positive (this rank); on every rank
+            alike: an unknown recipe, arguments that differ across ranks, ``overlap`` not a
+            bool, for ``"auto"`` a table that fails to load (:func:`mxcomm.recipes.find_tables`)
+            on some rank or tables that differ across ranks.
+        RuntimeError: a pinned recipe the devices cannot run without ``gemm_fallback``, on
+            every rank alike.
         TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).
     """
 
@@ -175,7 +162,7 @@ class ExpertParallel:
                                f"recipe")
 
     def _local_device_class(self):
-        """This rank's device class: its communicator's GPU (an NCCL one), else the CPU."""
+        """This rank's device class: its communicator's GPU, else ``"cpu"``."""
         device = getattr(self.comm, "device", None)
         if device is None:
             return "cpu"
@@ -188,8 +175,8 @@ class ExpertParallel:
         return "cpu" if device is None else torch.cuda.get_device_name(int(device))
 
     def chooser(self, dim):
-        """``"auto"``'s :class:`mxcomm.recipes.Chooser` for rows of width ``dim`` (built once
-        per D from the agreed tables and device class). RuntimeError for a pinned recipe."""
+        """``"auto"``'s :class:`mxcomm.recipes.Chooser` for rows of width ``dim`` (cached per
+        D). RuntimeError for a pinned recipe."""
         if self.tables is None:
             raise RuntimeError(f"ExpertParallel: recipe {self.recipe_name!r} is pinned; only "
                                f"'auto' chooses")
@@ -203,9 +190,8 @@ class ExpertParallel:
         return chooser
 
     def recipe_for(self, layout, dim):
-        """The :class:`~mxcomm.recipes.Recipe` this object runs for ``layout`` and rows of width
-        ``dim``: the pinned one, or ``"auto"``'s choice (:meth:`chooser`). No host sync, no
-        communication."""
+        """The :class:`~mxcomm.recipes.Recipe` run for ``layout`` and rows of width ``dim``. No
+        host sync, no communication."""
         if self._pinned is not None:
             return self._pinned
         return self.chooser(dim)(layout)
@@ -219,16 +205,13 @@ class ExpertParallel:
             num_tokens_per_expert: (E,) integer tensor, rows of ``x`` per global expert
                 (E = W * E_local).
         Returns:
-            ``(rows, group_offsets, handle)``: rows (P, D), expert-major, each expert's group
-            padded with zero rows to a multiple of ``align``: a bf16 tensor (``"bf16"``,
-            ``"mxfp8"``: dequantized in the permute's gather) or an fp8 rowwise
-            ``QuantizedTensor`` (``"fp8_rowwise"``), as ``mxcomm.torch.grouped_mm`` takes it;
-            group_offsets (E_local,) int32; handle an :class:`EPHandle` (``handle.recipe``).
+            ``(rows, group_offsets, handle)``: rows (P, D), expert-major, groups zero-padded to
+            a multiple of ``align``, bf16 or (a fused fp8 recipe) an fp8 rowwise
+            ``QuantizedTensor``, as ``grouped_mm`` takes them; group_offsets (E_local,) int32;
+            an :class:`EPHandle`.
         Raises:
-            ValueError, TypeError: bad counts (``exchange_layout``: the same error on every
-                rank) or rows that do not match them.
-        Host syncs and collectives: the layout exchange (one host round, the only one); the
-        exchanges themselves (none on the host, given the layout).
+            ValueError, TypeError: bad counts (on every rank) or rows not matching them.
+        Host syncs and collectives: ``exchange_layout``'s one host round; none else.
         """
         p = self._p
         layout = p.exchange_layout(num_tokens_per_expert, self.comm)
@@ -253,9 +236,8 @@ class ExpertParallel:
         """Return the experts' output rows to the ranks that routed them.
 
         Args:
-            y: (P, H) bf16 tensor, the expert GEMM's output in the permuted order ``dispatch``
-                returned (padding rows ignored). Read; differentiable (its gradient: bf16, or a
-                ``QuantizedTensor`` of the recipe's combine_grad where the GEMM reads one).
+            y: (P, H) bf16 tensor in ``dispatch``'s permuted order (padding ignored). Read;
+                differentiable (its gradient bf16, or a QuantizedTensor where the GEMM reads one).
             handle: the :class:`EPHandle` of the matching ``dispatch``.
         Returns:
             (M, H) bf16 tensor, in the order of ``dispatch``'s ``x``.
@@ -276,32 +258,19 @@ class ExpertParallel:
 
 
 def grouped_experts_class(parent_cls):
-    """A subclass of torchtitan's ``GroupedExperts`` (``parent_cls``, torchtitan 0.3's
-    ``torchtitan.models.common.moe.GroupedExperts`` or a subclass) whose grouped GEMMs are
+    """A subclass of torchtitan 0.3's ``GroupedExperts`` (``parent_cls``) whose grouped GEMMs are
     ``mxcomm.torch.grouped_mm``, fed the rows :meth:`ExpertParallel.dispatch` returns as they are.
 
-    Its ``forward(x_RD, num_tokens_per_expert_E)`` computes torchtitan's SwiGLU experts,
-    ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert, for rows that came quantized (a
-    ``QuantizedTensor``: mxcomm's dispatch) in two GEMMs instead of three:
-
-    - w1 and w3 read the same rows, so they are one ``grouped_mm`` over [w1 | w3] (the
-      weights stay two parameters; docs/design.md, "The experts' GEMMs"): one forward GEMM
-      (the same bits as two), one dgrad of the rows (so the backward overlap's mark is the
-      rows' whole gradient: ``ExpertParallel(overlap=True)`` engages), one wgrad split into
-      w1's and w3's gradients; fp8 where the rows came quantized and the device has SM90 fp8
-      GEMMs, else bf16 (``grouped_mm``'s ``fp8=None``);
-    - w2 reads the SwiGLU's bf16 product: ``grouped_mm``'s bf16 GEMM (``fp8=None`` on plain
-      rows; fp8 there costs the weight gradients 0.7 dB, bench/NOTES.md).
-
-    Plain rows take torchtitan's forward with ``grouped_mm`` in its ``_grouped_mm`` seam (three
-    GEMMs, bf16 for plain rows: a bf16 GEMM over [w1 | w3] would join the weights in a copy
-    per call). ``num_tokens_per_expert_E`` holds the padded group sizes (``group_offsets``
-    differenced). Subclasses decide per call with :meth:`_uses_mxcomm_gemm` (False:
-    torchtitan's own forward and GEMMs); under spmd_types type checking torchtitan's forward
-    runs. For the torchtitan integration's installer.
+    Its ``forward(x_RD, num_tokens_per_expert_E)`` (the padded group sizes) computes
+    torchtitan's SwiGLU, ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert; on quantized rows in two
+    GEMMs: one over [w1 | w3] (the weights stay two parameters; one dgrad, so the backward
+    overlap engages), and w2's in bf16 (fp8 there costs the weight gradients SQNR: bench/NOTES.md,
+    "The expert weight gradients"). docs/design.md, "The experts' GEMMs".
+    Plain rows, a False :meth:`_uses_mxcomm_gemm`, or spmd_types type checking: torchtitan's
+    forward (with ``grouped_mm`` in its ``_grouped_mm`` seam where mxcomm's GEMMs are used).
 
     Returns:
-        The subclass (one per ``parent_cls``: the same class on every call).
+        The subclass, one per ``parent_cls`` (cached).
     """
     cached = _EXPERTS_CLASSES.get(parent_cls)
     if cached is not None:
@@ -348,15 +317,11 @@ def grouped_experts_class(parent_cls):
 
 
 class _SwiGLU(torch.autograd.Function):
-    """h = silu(h1) * h3 of the halves of h13 = [h1 | h3], with torch's ops: the same bits as
-    ``F.silu(h1) * h3`` and its autograd, forward and backward.
+    """h = silu(h1) * h3 of h13 = [h1 | h3]: the same bits as ``F.silu(h1) * h3`` and its autograd.
 
-    Forward:  h13 (P, 2F) -> h (P, F), h13's dtype. Saved: h13 (silu(h1) is made again in
-              the backward, where autograd would keep it: (P, F) less held between the passes).
-    Backward: dh (P, F) -> dh13 (P, 2F), its halves written in place (dh1 by
-              ``aten.silu_backward``, dh3 = dh * silu(h1)): the one GEMM over [w1 | w3] reads
-              it as it is, with no copy that joins two gradients (what autograd's split would
-              make).
+    Forward:  h13 (P, 2F) -> h (P, F). Saved: h13 only (silu(h1) made again in the backward).
+    Backward: dh (P, F) -> dh13 (P, 2F), both halves written into one tensor, so the GEMM over
+              [w1 | w3] reads it with no joining copy.
     """
 
     @staticmethod
@@ -377,8 +342,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def _spmd_type_checking():
-    """True under torchtitan's spmd_types type checking (a debugging mode whose SPMD types
-    mxcomm's GEMMs do not carry): torchtitan's own forward runs there."""
+    """True under torchtitan's spmd_types type checking (mxcomm's GEMMs carry no SPMD types)."""
     from torchtitan.distributed.utils import get_spmd_backend
     if get_spmd_backend() != "spmd_types":
         return False
@@ -386,6 +350,5 @@ def _spmd_type_checking():
     return spmd_types.is_type_checking()
 
 
-#: parent class -> its :func:`grouped_experts_class` (classes, not state: one per parent, so
-#: ``isinstance`` and torch.compile see one class)
+#: parent class -> its :func:`grouped_experts_class` (one per parent for isinstance, compile)
 _EXPERTS_CLASSES = weakref.WeakKeyDictionary()

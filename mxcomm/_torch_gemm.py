@@ -15,19 +15,9 @@ K % 16 == 0, bf16 output; its 2d-2d case (wgrad) takes A (M, T), B (T, N) with `
     wgrad    dw (G, K, N) = x^T (K, T) x grad (T, N), both scaled per (group, column) along the
                             tokens (``wgrad="fp8"``), or in bf16 (``wgrad="bf16"``)
 
-Elsewhere (CPU, pre-Hopper GPUs, a torch without ``_scaled_grouped_mm``) the fallback is
-``torch._grouped_mm`` on the dequantized rows for all three products, with the same autograd
-wiring.
-
-Several weights that read the same rows (torchtitan's w1 and w3) are one GEMM over their
-concatenation along N, ``w = [w_1 | w_2 | ...]`` (G, K, sum N_i): one forward, one dgrad (its
-reduction width the sum), one wgrad, whose (G, K, sum N_i) result is split into each weight's
-gradient. The fp8 weight operands of the concatenation are cached like one weight's (keyed by
-all of them); the forward's, quantized along K per output column, equals the per-weight
-operands side by side bit for bit; the dgrad's is quantized along the whole sum N.
-
-docs/design.md, "EP semantics" (the fp8 wgrad, fast accumulation), "Recipes and the
-expert-parallel object" (the weight cache) and "The experts' GEMMs" (several weights).
+Elsewhere the fallback is ``torch._grouped_mm`` on the dequantized rows for all three. Several
+weights reading the same rows are one GEMM over ``[w_1 | w_2 | ...]`` along N, the wgrad split.
+docs/design.md, "EP semantics", "Recipes and the expert-parallel object", "The experts' GEMMs".
 """
 
 import weakref
@@ -42,14 +32,14 @@ E4M3_MAX = 448.0
 _SCALE_EXP_MIN, _SCALE_EXP_MAX = -126, 127
 #: The products of :func:`grouped_mm`, the names ``fast_accum`` takes.
 GEMMS = ("forward", "dgrad", "wgrad")
-#: The attribute of rows from an overlapped dispatch that holds its backward's meeting point
-#: (``mxcomm._torch_overlap``): the backward marks its dgrad there before the wgrad.
+#: The attribute of overlapped-dispatch rows holding where the backward marks its dgrad
+#: (``mxcomm._torch_overlap``).
 OVERLAP_ATTRIBUTE = "_mxcomm_overlap"
 
 
 def fp8_gemm_available(device):
-    """True where ``torch._scaled_grouped_mm`` runs the fp8 rowwise recipe: a CUDA device of
-    compute capability 9.x (SM90) and a torch that has it."""
+    """True where ``torch._scaled_grouped_mm`` runs the fp8 rowwise recipe: SM90 and a torch
+    that has it."""
     device = torch.device(device)
     return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
             and torch.cuda.get_device_capability(device)[0] == 9)
@@ -87,8 +77,8 @@ def quantize_rows_pow2(t):
 
 
 def _fp8_operand_a(t):
-    """(data (M, K) e4m3fn row-major, scales (M,) float32) of a QuantizedTensor of the
-    fp8_rowwise format (its own bits), or of a bf16 tensor (quantized here)."""
+    """(data (M, K) e4m3fn, scales (M,) float32): an fp8_rowwise QuantizedTensor's own bits,
+    else quantized here."""
     fmt = getattr(t, "format", None)
     if fmt is not None and getattr(fmt, "name", None) == "fp8_rowwise":
         return t.qdata.contiguous(), t.scales.contiguous()
@@ -103,9 +93,8 @@ def _fp8_weight(w):
 
 
 def _fp8_weight_t(w):
-    """``w^T`` (G, N, K) as B of dgrad: (G, N, K) e4m3fn column-major, scales (G, K); a CUDA
-    transposed view of (G, N, K) bf16 storage goes through
-    ``colwise.quantize_fp8_rowwise_transposed`` (no contiguous copy)."""
+    """``w^T`` (G, N, K) as B of dgrad: e4m3fn column-major, scales (G, K); no contiguous copy
+    of a CUDA transposed view."""
     stored = w.detach().transpose(-2, -1)  # (G, N, K)
     if (w.is_cuda and w.dtype == torch.bfloat16 and stored.is_contiguous() and stored.numel()
             and stored.shape[-1] % 16 == 0 and stored.shape[-2] % 16 == 0):
@@ -122,9 +111,8 @@ def _plain(t):
 
 
 def _group_colwise(data, scales, offs):
-    """fp8 rowwise rows (data (P, C) float8_e4m3fn, scales (P,) float32) as a wgrad operand:
-    ((C, T) float8_e4m3fn token-contiguous, (G * C,) float32 scales per (group, column), (G,)
-    int32 aligned group ends); ``mxcomm.colwise.fp8_rowwise_to_group_colwise``."""
+    """fp8 rowwise rows (P, C) as a wgrad operand: ((C, T) e4m3fn, (G * C,) float32 scales per
+    (group, column), (G,) int32 aligned group ends)."""
     data_t, scales_t, aligned = colwise.fp8_rowwise_to_group_colwise(
         _array(data, "data"), _array(scales, "scales"), _array(offs, "offs"),
         stream=_stream(data))
@@ -133,8 +121,7 @@ def _group_colwise(data, scales, offs):
 
 
 def _fp8_wgrad(x_rows, grad_rows, offs, fast):
-    """dw (G, K, N) bf16 = x^T grad per group, fp8 (module docstring): x_rows and grad_rows are
-    (data, scales) fp8 rowwise pairs of (P, K) and (P, N); ``fast``: ``use_fast_accum``."""
+    """dw (G, K, N) bf16 = x^T grad per group from (data, scales) fp8 rowwise pairs."""
     a, scale_a, aligned = _group_colwise(*x_rows, offs)       # x^T (K, T), scales (G * K,)
     b, scale_b, _ = _group_colwise(*grad_rows, offs)          # grad^T (N, T), scales (G * N,)
     return torch._scaled_grouped_mm(a, b.t(), scale_a, scale_b, offs=aligned,
@@ -176,13 +163,9 @@ class WeightCache:
         """``make(w)`` for ``w`` of this version and geometry, made once and then reused.
 
         Args:
-            w: a tensor (or a view of one), or a tuple of them (an operand made from several
-                weights: every one of them is part of the key). Read.
+            w: a tensor (or view), or a tuple of them (every one part of the key). Read.
             operand: the name of what ``make`` makes (part of the key).
-            make: ``w -> value`` (here, a quantizer: tests inject a counting one).
-        Returns:
-            ``make(w)``'s value, from the cache when every tensor of ``w`` is unchanged since
-            it was made.
+            make: ``w -> value``.
         """
         ws = w if isinstance(w, tuple) else (w,)
         owners = [t._base if t._base is not None else t for t in ws]
@@ -213,18 +196,15 @@ default_weight_cache = WeightCache()
 
 
 def _weight_operand(cache, ws, operand, make):
-    """``make(joined(ws))``, through ``cache`` (a :class:`WeightCache`, keyed by every weight of
-    ``ws``) or made afresh (None)."""
+    """``make(joined(ws))``, through ``cache`` (None: made afresh)."""
     def joined_make(ws):
         return make(joined(ws))
     return joined_make(ws) if cache is None else cache.get(ws, operand, joined_make)
 
 
 def joined(ws):
-    """The weights ``ws`` ((G, K, N_i) tensors) concatenated along N: ``ws[0]`` itself where
-    there is one, else a new (G, K, sum N_i) tensor laid out as torchtitan's weights, the
-    transpose of a contiguous (G, sum N_i, K) (so the dgrad's CUDA quantizer reads it in
-    place). Differentiable (``torch.cat``)."""
+    """(G, K, N_i) weights joined along N (one: itself), as the transpose of a contiguous
+    (G, sum N_i, K), as torchtitan lays weights out (the dgrad's quantizer reads it in place)."""
     if len(ws) == 1:
         return ws[0]
     return torch.cat([w.transpose(-2, -1) for w in ws], dim=-2).transpose(-2, -1)
@@ -233,22 +213,17 @@ def joined(ws):
 class _GroupedMM(torch.autograd.Function):
     """y = x @ [w_1 | w_2 | ...] per group, x given as fp8 rowwise rows (module docstring).
 
-    Forward:  x (P, K), ws (G, K, N_i) bf16 (one or more), offs (G,) int32 -> y (P, sum N_i)
-              bf16, one GEMM. Saved: x as given (bf16 wgrad) or its fp8 rowwise rows (fp8
-              wgrad).
-    Backward: grad (P, sum N_i) bf16 or fp8_rowwise QuantizedTensor -> dx (P, K) bf16 (one
-              dgrad), dw_i (G, K, N_i) bf16 (one wgrad, split; ``wgrad``). dgrad runs first;
-              where x came from an overlapped dispatch, dx is marked on its slot
-              (``mxcomm._torch_overlap``) between the two GEMMs, so the dispatch's gradient
-              exchange waits for dgrad only.
+    Forward:  x (P, K), ws (G, K, N_i) bf16, offs (G,) int32 -> y (P, sum N_i) bf16. Saved:
+              x (bf16 wgrad) or its fp8 rowwise rows (fp8 wgrad).
+    Backward: grad (P, sum N_i) -> dx (P, K), dw_i (G, K, N_i) bf16. dgrad first, then dx is
+              marked for an overlapped dispatch (its gradient exchange waits for dgrad only).
     """
 
     @staticmethod
     def forward(ctx, x, offs, fp8, wgrad, fast, cache, *ws):
         ctx.fp8 = fp8
         ctx.cache = cache
-        # the weights as given (a view keeps its base's identity and version), for the cache:
-        # a saved tensor unpacks as a new tensor object
+        # the weights as given, for the cache: a saved tensor unpacks as a new object
         ctx.weights = ws if cache is not None else None
         ctx.fp8_wgrad = fp8 and wgrad == "fp8"
         ctx.fast = fast
@@ -317,31 +292,22 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
     """Differentiable grouped GEMM of pre-quantized permuted rows and bf16 expert weights.
 
     Args:
-        x: (P, K) fp8_rowwise QuantizedTensor (``permute(..., out_format="fp8_rowwise")`` or a
-            rowwise dispatch), or any QuantizedTensor / bf16 tensor (quantized per call on the
-            fp8 path); K % 16 == 0. Its gradient is (P, K) bf16.
-        w: (G, K, N) bf16 tensor, the local experts' weights; or a tuple or list of (G, K,
-            N_i) bf16 tensors that read the same rows (torchtitan's w1 and w3), one GEMM over
-            their concatenation along N (N = sum N_i; module docstring), each getting its own
-            gradient.
-        offs: (G,) int32 tensor on ``x``'s device, cumulative group ends (``group_offsets``),
-            any group sizes (empty groups too; the fp8 wgrad pads its own operands).
-        fp8: None: the SM90 fp8 GEMMs for quantized rows where :func:`fp8_gemm_available`
-            (plain bf16 rows get the bf16 GEMMs); True to require them (bf16 rows quantized
-            per call); False for the bf16 fallback. Under ``torch.compile`` the call is the
-            custom op ``mxcomm::grouped_mm``, which decides (and raises) the same way.
+        x: (P, K) fp8_rowwise QuantizedTensor, or any QuantizedTensor / bf16 tensor (quantized
+            per call on the fp8 path); K % 16 == 0. Its gradient is (P, K) bf16.
+        w: (G, K, N) bf16 tensor; or a tuple or list of (G, K, N_i) ones reading the same rows
+            (one GEMM, N = sum N_i, each its own gradient).
+        offs: (G,) int32 tensor on ``x``'s device, cumulative group ends; any group sizes.
+        fp8: None: SM90 fp8 GEMMs for quantized rows where :func:`fp8_gemm_available`, bf16
+            GEMMs otherwise; True: require them; False: the bf16 fallback. Compiled, the custom
+            op ``mxcomm::grouped_mm`` decides and raises alike.
         wgrad: the weight gradient's GEMM, ``"fp8"`` (default) or ``"bf16"``.
         fast_accum: the fp8 products accumulated without fp32 promotion: some of
-            ``"forward"``, ``"dgrad"``, ``"wgrad"``, or True (all, as torchao's fp8 rowwise MoE
-            GEMM) / False (none).
-        weight_cache: True (default) for :data:`default_weight_cache`, a :class:`WeightCache`,
-            or False to quantize the weights on every call; values are the same either way.
+            :data:`GEMMS`, or True (all, as torchao's fp8 rowwise MoE GEMM) / False.
+        weight_cache: True: :data:`default_weight_cache`; a :class:`WeightCache`; False:
+            quantize per call. Same values either way.
     Returns:
-        (P, N) bf16 (for several weights, their outputs side by side in their order). The
-        backward runs dgrad, then wgrad; rows from an
-        ``ExpertParallel(overlap=True)`` dispatch carry a mark that the backward sets between
-        the two, so the dispatch's gradient exchange runs beside the wgrad (docs/design.md,
-        "Overlap").
+        (P, N) bf16, several weights' outputs side by side. The backward runs dgrad, then
+        wgrad (docs/design.md, "Overlap").
     Raises:
         RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
         ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0,

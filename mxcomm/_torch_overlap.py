@@ -10,26 +10,11 @@ One step's backward, on one rank (``|`` orders work on a stream; ``wait`` is an 
     main:  combine bwd | dgrad | MARK | wgrad | AccumulateGrad(w) | wait DONE | router bwd ...
     side:                        wait MARK | permute bwd | dispatch-grad exchange | DONE
 
-The dgrad's output is all the exchange reads, so it waits for MARK (an event recorded right
-after the dgrad) instead of for everything enqueued on the main stream so far, and the weight
-gradient's GEMM runs beside it. The weight gradient stays on the stream autograd runs the GEMM's
-backward on (AccumulateGrad reads it there at once); the exchange's result is joined back
-(``wait DONE``) before the backward returns it, so every gradient autograd sees is ready on the
-stream autograd believes it was made on.
-
-How the pieces meet: the rows an overlapped dispatch returns carry a :class:`_Slot`
-(attribute :data:`ATTRIBUTE`); ``mxcomm.torch.grouped_mm`` keeps it and, in its backward, marks
-the input gradient it made (:meth:`_Slot.mark`) before it runs the weight gradient. The
-overlapped permute and dispatch backwards (:class:`_OverlappedPermute`,
-:class:`_OverlappedDispatch`: the primitives' autograd Functions with their backward moved onto
-the side stream) wait for the mark only when autograd hands them exactly the marked tensor
-(the same object at the same version); anything else (a sum of two GEMMs' gradients, a cast,
-another GEMM) makes them wait for the whole main stream, as without overlap. Results are the
-same bits either way: only the order of independent work changes.
-
-Without a GPU there are no streams: the same marks are matched and counted
-(:attr:`BackwardOverlap.beside`, :attr:`BackwardOverlap.behind`), so the CPU tests see which
-wait a GPU would have made.
+The rows an overlapped dispatch returns carry a :class:`_Slot` (:data:`ATTRIBUTE`);
+``grouped_mm``'s backward marks its dgrad there. The side stream waits for the mark only when
+autograd hands it exactly the marked tensor at its version, else for the whole main stream; the
+same bits either way. Without a GPU the marks are still matched and counted (``beside``,
+``behind``) for the CPU tests.
 """
 
 import weakref
@@ -52,9 +37,8 @@ class BackwardOverlap:
     """The side streams of one ``ExpertParallel`` object and what its overlapped backwards did.
 
     Attributes:
-        beside: backwards (permute or dispatch) that waited for a mark only: they ran beside
-            the work enqueued after it (on a GPU, the weight-gradient GEMM).
-        behind: backwards that waited for the whole current stream (no matching mark).
+        beside: backwards that waited for a mark only (beside the weight-gradient GEMM).
+        behind: backwards that waited for the whole current stream.
     """
 
     def __init__(self):
@@ -64,8 +48,8 @@ class BackwardOverlap:
         self.behind = 0
 
     def side_stream(self, device):
-        """The side stream on ``device`` (made on first use, high priority: the exchange is on
-        the critical path, the weight gradient is not), or None for a CPU device."""
+        """The side stream on ``device`` (high priority: the exchange is on the critical path),
+        or None for a CPU device."""
         if device.type != "cuda":
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -76,10 +60,8 @@ class BackwardOverlap:
         return stream
 
     def cupy_stream(self, side):
-        """CuPy's stream object over the side stream (made once): while the side stream's work
-        runs, CuPy's current stream, so what the engine allocates from CuPy's pool comes from
-        the side stream's own free list (CuPy keeps one per stream), never from blocks that
-        the main stream's work (the wgrad's operand conversion) may still be reading."""
+        """CuPy's stream over ``side``, made current while the side work runs: CuPy's pool then
+        allocates from the side stream's free list, never blocks the main stream may still read."""
         ptr = side.cuda_stream
         stream = self._cupy_streams.get(ptr)
         if stream is None:
@@ -88,22 +70,16 @@ class BackwardOverlap:
         return stream
 
     def dispatch(self, x, layout, *, precision, grad_precision, align, fused, out_format=None):
-        """Steps 1 and 2 with the backward overlapped: ``mxcomm.torch.a2a_dispatch`` then
-        ``permute`` (or the fused ``a2a_dispatch(..., permute_align=align)``), the same calls,
-        forward and backward bit for bit, whose backward runs on the side stream.
+        """``a2a_dispatch`` then ``permute`` (``fused``: ``a2a_dispatch(..., permute_align=
+        align)``), bit for bit, their backward on the side stream.
 
         Args:
             x: (M, D) bf16 tensor, rows sorted by global expert. Read; differentiable.
-            layout: the step's layout (``mxcomm.torch.exchange_layout``, eager: not a
-                ``LayoutHandle``).
-            precision, grad_precision: the dispatch's wire formats (forward, backward).
-            align: rows each expert group is padded to a multiple of.
-            fused: the exchange's expert side in permute's order (``permute_align=align``);
-                else a separate permute.
-            out_format: the separate permute's ``out_format`` (None: none).
+            layout: the step's Layout (eager: not a ``LayoutHandle``).
+            precision, grad_precision, align, out_format: as the primitives'.
         Returns:
-            ``(rows (P, D), permuted_indices (P,) int32, group_offsets (E_local,) int32)`` as
-            the primitives return them; ``rows`` carries its :class:`_Slot` (:data:`ATTRIBUTE`).
+            ``(rows (P, D), permuted_indices (P,) int32, group_offsets (E_local,) int32)``;
+            ``rows`` carries its :class:`_Slot`.
         Raises:
             As ``mxcomm.torch.a2a_dispatch`` and ``permute``.
         Host syncs and collectives: none (the layout's exchange is the caller's).
@@ -126,8 +102,8 @@ class BackwardOverlap:
 
 
 class _Slot:
-    """One overlapped dispatch's meeting point: the last mark (a tensor, its version, and the
-    event after which it is ready on a GPU) and the side stream its backwards run on."""
+    """One overlapped dispatch's meeting point: the last mark (tensor, version, event) and the
+    side stream."""
 
     __slots__ = ("owner", "side", "_marked", "_version", "_event")
 
@@ -139,9 +115,7 @@ class _Slot:
         self._event = None
 
     def mark(self, t, event=None):
-        """Note that ``t`` is complete once the work enqueued so far on the current stream is
-        (``grouped_mm``'s backward calls it after the dgrad, before the weight gradient).
-        ``event``: where it is ready, if not the current stream's position now."""
+        """Note that ``t`` is complete at ``event`` (None: the current stream's position now)."""
         self._marked = weakref.ref(t)
         self._version = t._version
         if event is None and self.side is not None:
@@ -150,13 +124,11 @@ class _Slot:
         self._event = event
 
     def run_beside(self, grad, work):
-        """``work()`` (a backward reading ``grad``) on the side stream: after the mark where
-        ``grad`` is the marked tensor at its marked version, else after everything on the
-        current stream; the current stream then waits for it, and its first result is marked
-        (the next overlapped backward reads it). Inside a CUDA graph's capture, ``work()`` on
-        the current stream (no overlap; counted ``behind``). Returns ``work()``'s value."""
-        # inside a CUDA graph's capture the side stream stays out (a capture with it failed on
-        # GPUs, cudaErrorStreamCaptureInvalidated): the backward runs on the capturing stream
+        """``work()`` (a backward reading ``grad``) on the side stream, after the mark if
+        ``grad`` is the marked tensor, else after the current stream; the current stream waits
+        for it and its first result is marked for the next. Returns ``work()``'s value."""
+        # no side stream while a CUDA graph captures (that failed with
+        # cudaErrorStreamCaptureInvalidated): the backward runs here, counted behind
         capturing = (self.side is not None and torch.cuda.is_available()
                      and torch.cuda.is_current_stream_capturing())
         marked = not capturing and self._marked is not None and self._marked() is grad and \
@@ -188,8 +160,7 @@ class _Slot:
 
 
 def _record_stream(t, stream):
-    """Tell the caching allocator that ``stream`` uses ``t`` (made on the side stream): its
-    memory is not reused before ``stream``'s work at its release is done."""
+    """``record_stream`` ``t``'s parts on ``stream`` (they were made on the side stream)."""
     if t is None:
         return
     for part in (t.qdata, t.scales) if hasattr(t, "qdata") else (t,):
@@ -200,8 +171,7 @@ def _record_stream(t, stream):
 class _OverlappedDispatch(_A2ADispatch):
     """``_A2ADispatch`` with its backward on the overlap's side stream.
 
-    Forward:  as ``_A2ADispatch`` (``slot``: the dispatch's :class:`_Slot`).
-    Backward: as ``_A2ADispatch``, run by :meth:`_Slot.run_beside`.
+    Forward: as ``_A2ADispatch`` (plus ``slot``). Backward: by :meth:`_Slot.run_beside`.
     """
 
     @staticmethod
@@ -218,9 +188,8 @@ class _OverlappedDispatch(_A2ADispatch):
 class _OverlappedPermute(_Permute):
     """``_Permute`` with its backward on the overlap's side stream.
 
-    Forward:  as ``_Permute`` (``slot``: the dispatch's :class:`_Slot`).
-    Backward: as ``_Permute``, run by :meth:`_Slot.run_beside` (never the pending gather:
-              ``_Permute`` folds only into ``_A2ADispatch`` itself; the same bits).
+    Forward: as ``_Permute`` (plus ``slot``). Backward: by :meth:`_Slot.run_beside` (never
+    folded into the dispatch's pending gather).
     """
 
     @staticmethod

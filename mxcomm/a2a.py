@@ -13,13 +13,10 @@ Directions and default precisions (torchtitan's conventions, docs/design.md "EP 
     a2a_combine_backward     input_splits     output_splits    "mxfp8"    QuantizedArray | array
     all_to_all_single        input_splits     output_splits    "mxfp8"    x's dtype
 
-Every function takes either explicit splits and a communicator (checked across ranks by a vote,
-one small host allgather) or a :class:`~mxcomm.layout.Layout` (checked locally only; no host
-collective, no host barrier). Every precision argument takes any format of ``mxcomm.formats``
-(``PRECISIONS``); the engine reads the Format object and never branches on its name. How an
-exchange travels is ``mxcomm.route``'s decision; the staged exchange that dequantizes in place,
-on a side stream beside the caller's quantize kernels, is here. docs/design.md, "The layout
-object", "The staged exchange", "One route".
+Every function takes explicit splits and a communicator (checked across ranks by a vote, one
+small host allgather) or a :class:`~mxcomm.layout.Layout` (checked locally; no host collective).
+The engine reads the Format object, never its name; ``mxcomm.route`` decides how an exchange
+travels. docs/design.md, "The layout object", "One route".
 """
 
 import operator
@@ -40,14 +37,13 @@ PRECISIONS = format_names()
 _INPUT_DTYPES = (bfloat16, float32)
 # ---------------------------------------------------------------------------------- arguments
 def _check_precision(precision, name="precision", rank=None):
-    """The :class:`~mxcomm.formats.Format` named ``precision``; else ValueError naming
-    ``name`` (and the rank) and listing every format."""
+    """The :class:`~mxcomm.formats.Format` named ``precision``; else ValueError naming ``name``."""
     return get_format(precision, name if rank is None else f"{name} on rank {rank}")
 
 
 def _check_rows(x, name, rank):
-    """``x`` as a 2-D array of rows (bf16 or fp32, C-contiguous), or a QuantizedArray or
-    GatheredRows (made by this package from checked arrays) as is."""
+    """``x`` checked as (M, D) bf16/fp32 C-contiguous rows; a QuantizedArray or GatheredRows
+    (made here from checked arrays) as is."""
     if isinstance(x, (QuantizedArray, GatheredRows)):
         return x
     return check_rows(x, f"{name} on rank {rank}", 1, _INPUT_DTYPES)
@@ -70,8 +66,7 @@ def _check_splits(splits, name, comm):
 
 
 def _resolve(input_splits, output_splits, comm, layout, function):
-    """The layout of a call, from ``layout=`` or a Layout passed as ``input_splits``, or None
-    for explicit splits (then ``comm`` is required)."""
+    """``(layout or None, comm)`` of a call: a Layout from ``layout=`` or ``input_splits``."""
     if isinstance(input_splits, Layout):
         if layout is not None:
             raise TypeError(f"{function}: a layout given twice (as input_splits and layout=)")
@@ -94,11 +89,9 @@ def _resolve(input_splits, output_splits, comm, layout, function):
 # ---------------------------------------------------------------------------------- the engine
 def _exchange(x, input_splits, output_splits, comm, precision, layout, *, function, name,
               direction, dequantize, scale_mode, stream, validate, alloc, permute_align=None):
-    """Move rows of ``x`` to the peers in ``precision``: the engine of every public function
-    (``_COMMON_ARGS``). ``function``, ``name``: for messages; ``direction``: ``"dispatch"``
-    sends input_splits, ``"combine"`` output_splits; ``dequantize``: return ``x``'s dtype
-    instead of the wire format; ``alloc(shape, dtype)``: the results' allocator (None: the
-    array module's ``empty``; ``mxcomm.torch`` hands in torch's)."""
+    """The engine of every public function (``_COMMON_ARGS``): check, vote (explicit splits),
+    choose the path (``mxcomm.route.choose``), take it. ``alloc(shape, dtype)``: the results'
+    allocator (None: the array module's; ``mxcomm.torch`` hands in torch's)."""
     layout, comm = _resolve(input_splits, output_splits, comm, layout, function)
     if layout is not None:  # this call's number, counted as the peers count theirs, failed or
         # not: a later call of this rank does not pair with theirs unnoticed (comm's call tag)
@@ -142,8 +135,7 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             raise type(exc)(f"{function}: {exc}") from None
         error = exc
     if layout is None:
-        # The vote: every rank raises the same error if any rank's call is bad; else every
-        # rank learns every rank's counts (the pull transport reads them).
+        # the vote: the same error on every rank if any call is bad; else every rank's counts
         description = "" if error is not None else \
             f"precision {fmt.name!r}, D = {width}, {_dtype_name(x)} rows"
         plan = comm.check(send_counts, recv_counts, description, error=error, validate=validate,
@@ -184,8 +176,8 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
 
 
 def _local_plan(comm, send_counts, recv_counts):
-    """A plan of this rank's counts only (``validate=False``: the peers' are not known): enough
-    for a plain exchange and the grouped transport, not for the pull transport."""
+    """A plan of this rank's counts only (``validate=False``): enough for a plain exchange and
+    the grouped transport, not the pull transport."""
     from .comm import Plan
     sent = [[0] * comm.size for _ in range(comm.size)]
     sent[comm.rank] = list(send_counts)
@@ -214,10 +206,8 @@ def _bf16_to_f32(x):
 
 
 def _run_route(r, path, x, comm, plan, caller, alloc, layout=None, align=None):
-    """``path`` of the route ``r`` (``mxcomm.route.run``) for the array ``x`` (rows of a
-    pending gather gathered first) on the caller's stream, results from ``alloc`` (or the array
-    module's ``empty``); quantized results as a QuantizedArray; with ``align`` (the dispatch
-    direction's ``permute_align``), then the permute's gather: ``permute``'s triple."""
+    """``mxcomm.route.run`` of ``path`` on the caller's stream, buffers from ``alloc``; a kept
+    result as a QuantizedArray; with ``align``, then permuted: ``permute``'s triple."""
     make = alloc or array_module().empty
     with comm.on_stream(caller):
         if isinstance(x, GatheredRows):
@@ -236,8 +226,7 @@ def _run_route(r, path, x, comm, plan, caller, alloc, layout=None, align=None):
 
 def _call(function, x, input_splits, output_splits, comm, precision, layout=None, *,
           scale_mode="rceil", stream=None, validate=None, alloc=None, permute_align=None):
-    """The public ``function`` (a key of ``mxcomm.route.CALLS``), with the engine's ``alloc``
-    (the torch adapters pass torch's allocator)."""
+    """The public ``function`` (a key of ``mxcomm.route.CALLS``), with the engine's ``alloc``."""
     name, direction, dequantize = CALLS[function]
     return _exchange(x, input_splits, output_splits, comm, precision, layout, function=function,
                      name=name, direction=direction, dequantize=dequantize,
@@ -384,10 +373,9 @@ def all_to_all_single(x, output_splits, input_splits, comm, precision="mxfp8", *
                       scale_mode="rceil", stream=None, validate=None):
     """The drop-in for torch's ``all_to_all_single_autograd``: quantize, exchange, dequantize.
 
-    Argument order as torch's (output splits first). In MXFP8 data and scales travel together,
-    overlapped with the quantize and dequantize kernels (module docstring). Its backward is the
-    same call with the splits swapped. Collective; with explicit splits it checks the call
-    across ranks (``validate``), as torch's does not.
+    Argument order as torch's (output splits first); its backward is the same call with the
+    splits swapped. Collective; it checks the call across ranks (``validate``), as torch's does
+    not.
 
     Args:
         x: (M, D) bf16/fp32, C-contiguous; D % 32 == 0 for MXFP8. Read.

@@ -1,10 +1,7 @@
 """Recipes: the formats of a whole EP token path by name, and the ``"auto"`` choice among them.
 
-A :class:`Recipe` names the wire format of each of the four exchange directions (dispatch,
-combine, dispatch_grad, combine_grad), what the expert GEMM reads (``gemm``), and how the
-expert side is laid out (``fused``: the exchanges' expert side in permute's order). It maps onto
-the array and torch primitives' per-direction keywords one to one (docs/design.md, "Recipes and
-the expert-parallel object")::
+A :class:`Recipe` maps onto the primitives' per-direction keywords one to one (docs/design.md,
+"Recipes and the expert-parallel object")::
 
     exchange_layout(counts, comm)                                   -> layout
     fused:      a2a_dispatch(x, layout, precision=dispatch, grad_precision=dispatch_grad,
@@ -16,11 +13,8 @@ the expert-parallel object")::
                 unpermute(y, indices, layout, grad_format=unpermute_grad_format)
                 a2a_combine(unpermuted, layout, precision=combine, grad_precision=combine_grad)
 
-``"auto"`` is no recipe of its own: per layout, :func:`choose_recipe` returns the recipe a small
-cost model (:class:`CostTable`) predicts fastest among those the devices run, from inputs agreed
-across ranks. The tables come from an explicit argument, ``$MXCOMM_COST_TABLE``, the per-user
-cache that ``python -m mxcomm.bench calibrate`` fills, or the built-in :data:`H100_TABLE`, in
-that order (:func:`find_tables`). No torch import here.
+``"auto"``: per layout, :func:`choose_recipe` picks the recipe a cost model (:class:`CostTable`,
+found by :func:`find_tables`) predicts fastest. No torch import here.
 """
 
 import bisect
@@ -46,19 +40,12 @@ class Recipe:
     """The formats of one EP token path (module docstring's mapping onto the primitives).
 
     Attributes:
-        name: the name :func:`get_recipe` takes.
-        dispatch, combine, dispatch_grad, combine_grad: wire formats of the four exchange
-            directions (``mxcomm.formats`` names, or ``"bf16"``).
-        gemm: ``"bf16"`` (the expert GEMM reads bf16 rows) or ``"fp8"`` (it reads fp8 rowwise
-            rows: ``mxcomm.torch.grouped_mm``'s SM90 path).
-        fused: the exchanges' expert side in permute's order (``permute_align``): no separate
-            permute or unpermute pass, forward or backward.
-        permute_format: None, or the format the (separate) permute converts received quantized
-            rows to (``"bf16"``: dequantized in the gather, for the bf16 GEMM).
-        unpermute_grad_format: None, or the format unpermute's backward converts a quantized
-            combine gradient to (``"bf16"`` for the bf16 GEMM's backward).
-        wgrad: the fp8 GEMM's weight gradient, ``"fp8"`` or ``"bf16"`` (``grouped_mm``'s).
-        fast_accum: the fp8 products summed without fp32 promotion (``grouped_mm``'s).
+        dispatch, combine, dispatch_grad, combine_grad: ``mxcomm.formats`` names per direction.
+        gemm: ``"bf16"`` or ``"fp8"`` (fp8 rowwise rows: ``grouped_mm``'s SM90 path).
+        fused: the exchanges' expert side in permute's order: no separate (un)permute pass.
+        permute_format: None, or what the separate permute converts received rows to.
+        unpermute_grad_format: None, or what unpermute's backward converts its gradient to.
+        wgrad, fast_accum: ``grouped_mm``'s arguments of the same names.
     """
 
     name: str
@@ -88,10 +75,8 @@ _RECIPES = (
            unpermute_grad_format="bf16"),
     Recipe("fp8_rowwise", "fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", gemm="fp8",
            fused=True),
-    # fp8_rowwise with the gradients that reach the expert weights in bf16: the output gradient
-    # on the wire (combine_grad) and the weight gradient's GEMM (wgrad); the weight gradients
-    # 26.0 dB from float64 against 24.1 (bench/probe_wgrad.py). Not in the cost table yet, so
-    # "auto" never picks it (bench/NOTES.md, 2026-11-27, "The expert weight gradients")
+    # combine_grad and wgrad in bf16 for torchtitan's weight gradients (bench/NOTES.md, "The
+    # expert weight gradients"); not in the cost table, so "auto" never picks it
     Recipe("fp8_rowwise_gradbf16", "fp8_rowwise", "bf16", "mxfp8", "bf16", gemm="fp8",
            fused=True, wgrad="bf16"),
 )
@@ -117,28 +102,23 @@ def get_recipe(name):
 
 
 def runnable(recipe, device):
-    """True when the devices of class ``device`` run ``recipe`` as named: an fp8 GEMM needs
-    ``"sm90"`` (elsewhere ``grouped_mm`` falls back to bf16 GEMMs: other numerics)."""
+    """Whether devices of class ``device`` run ``recipe`` as named (an fp8 GEMM needs
+    ``"sm90"``; elsewhere ``grouped_mm`` falls back to bf16)."""
     return recipe.gemm != "fp8" or device == "sm90"
 
 
 @dataclasses.dataclass(frozen=True)
 class CostTable:
-    """Measured fwd + bwd times of the whole EP layer, per recipe, at one shape.
+    """Measured fwd + bwd times (ms) of the whole EP layer, per recipe, at one shape.
 
-    ``predict`` interpolates linearly in the rows per rank between the measured points (flat
-    below the first, along the last segment above the last) after scaling the rows by the
-    GEMM's work, ``rows * dim * hidden / (ref_dim * ref_hidden)``.
+    ``predict`` scales rows by ``dim * hidden / (ref_dim * ref_hidden)`` and interpolates
+    linearly between the points (flat below the first, the last segment extended above).
 
     Attributes:
-        rows: ascending rows per rank of the measured points (two or more).
-        ms: recipe name -> times (ms), one per point of ``rows``; ``"bf16"`` among them.
-        ref_dim, ref_hidden: the shape measured (D, H).
-        source: where the numbers come from.
-        device: the device measured (``torch.cuda.get_device_name``, or ``"cpu"`` for the host
-            backend); ``""`` for a table made by hand (never checked against the devices).
-        world_size: the ranks measured (0: not recorded).
-        experts_per_rank: E_local measured (0: not recorded).
+        rows: two or more ascending rows per rank. ms: recipe -> times, one per row, bf16 among
+            them. ref_dim, ref_hidden: the (D, H) measured. device: ``torch.cuda.
+            get_device_name`` or ``"cpu"``; ``""`` for a hand-made table (never checked).
+            world_size, experts_per_rank: 0 when not recorded.
     """
 
     rows: tuple
@@ -151,7 +131,7 @@ class CostTable:
     experts_per_rank: int = 0
 
     def predict(self, name, rows, dim, hidden):
-        """Predicted ms of recipe ``name`` at ``rows`` rows per rank of ``dim`` x ``hidden``."""
+        """Predicted ms of recipe ``name`` at ``rows`` rows per rank, D ``dim``, H ``hidden``."""
         x = rows * dim * hidden / (self.ref_dim * self.ref_hidden)
         points, ms = self.rows, self.ms[name]
         i = bisect.bisect_right(points, x)
@@ -175,11 +155,9 @@ class CostTable:
 
 #: The ``format`` and ``version`` fields of a cost table file.
 TABLE_FORMAT, TABLE_VERSION = "mxcomm-cost-table", 1
-#: The environment variable naming a cost table file for ``"auto"`` (the lookup order:
-#: :func:`find_tables`).
+#: Names a cost table file for ``"auto"`` (:func:`find_tables`).
 TABLE_ENV = "MXCOMM_COST_TABLE"
-#: The environment variable naming the per-user cache folder (default ``$XDG_CACHE_HOME/mxcomm``,
-#: or ``~/.cache/mxcomm``); tables live in its ``cost_tables/``.
+#: Names the per-user cache folder (:func:`cache_dir`).
 CACHE_ENV = "MXCOMM_CACHE_DIR"
 
 
@@ -192,10 +170,7 @@ def table_from_dict(obj, where="cost table"):
     """The :class:`CostTable` of a JSON object :meth:`CostTable.to_dict` wrote.
 
     Raises:
-        ValueError: not such an object: a wrong format or version, a field missing or of the
-            wrong type, rows not ascending or fewer than two, a time not positive and finite,
-            a list of times not one per row, an unknown recipe, no ``"bf16"`` (the message
-            names ``where`` and the field).
+        ValueError: a field missing, of the wrong type or value (naming ``where`` and it).
     """
     def bad(field, expected, got):
         return ValueError(f"{where}: {field}: expected {expected}, got {got!r}")
@@ -230,11 +205,10 @@ def table_from_dict(obj, where="cost table"):
 
 
 def load_table(path):
-    """The :class:`CostTable` in the JSON file ``path`` (``python -m mxcomm.bench calibrate``).
+    """The :class:`CostTable` in the JSON file ``path``.
 
     Raises:
-        ValueError: the file cannot be read, is not JSON, or not a cost table
-            (:func:`table_from_dict`); the message names the path.
+        ValueError: unreadable, not JSON, or not a cost table; naming the path.
     """
     where = f"cost table {os.fspath(path)}"
     try:
@@ -246,8 +220,7 @@ def load_table(path):
 
 
 def save_table(table, path):
-    """Write ``table`` as JSON to ``path`` (its folders made; replaced atomically). Returns
-    ``path``."""
+    """Write ``table`` as JSON to ``path`` (folders made, replaced atomically); return it."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -271,9 +244,8 @@ def _slug(device):
 
 
 def cache_path(device, world_size, dim, hidden, environ=None):
-    """Where ``calibrate`` saves, and ``"auto"`` finds, the table of ``device`` (a device name),
-    ``world_size`` ranks and ``dim`` x ``hidden``: ``cache_dir() / <device>_w<W>_d<D>_h<H>.json``
-    (the name lower-cased, runs of other characters as ``-``)."""
+    """``cache_dir() / <device>_w<W>_d<D>_h<H>.json``: where ``calibrate`` saves and ``"auto"``
+    finds a table (the device name lower-cased, other characters as ``-``)."""
     return cache_dir(environ) / f"{_slug(device)}_w{world_size}_d{dim}_h{hidden}.json"
 
 
@@ -281,19 +253,16 @@ class TableSet:
     """The cost tables ``"auto"`` reads for one group (:func:`find_tables`).
 
     Attributes:
-        pinned: a :class:`CostTable` used for every shape (an explicit table, or
-            ``$MXCOMM_COST_TABLE``'s), or None.
-        cached: ``{(dim, hidden): CostTable}`` from the per-user cache.
-        origin: where ``pinned`` came from, or the cache folder read.
+        pinned: a :class:`CostTable` for every shape, or None. cached: ``{(dim, hidden):
+            CostTable}`` from the cache. origin: where ``pinned`` came from, or the folder.
     """
 
     def __init__(self, pinned=None, cached=None, origin="built-in"):
         self.pinned, self.cached, self.origin = pinned, dict(cached or {}), origin
 
     def table_for(self, dim, hidden):
-        """The table for rows of width ``dim`` and GEMM width ``hidden`` (None: unknown): the
-        pinned one; else the cache's of these dims (with ``hidden`` None, the only cached one
-        of width ``dim``); else the built-in :data:`H100_TABLE`."""
+        """The pinned table; else the cached one of (``dim``, ``hidden``) (``hidden`` None: the
+        only one of width ``dim``); else :data:`H100_TABLE`."""
         if self.pinned is not None:
             return self.pinned
         if hidden is not None:
@@ -325,20 +294,14 @@ def find_tables(device, world_size, table=None, environ=None):
        ``world_size``, each for its own dims;
     4. for shapes none of these covers, the built-in :data:`H100_TABLE`.
 
-    Args:
-        device: this rank's device name (``torch.cuda.get_device_name``, or ``"cpu"``).
-        world_size: the group's ranks.
-        table: None, a :class:`CostTable`, or a path.
-        environ: the environment to read (default ``os.environ``).
-    Returns:
-        A :class:`TableSet`.
+    ``device``: ``torch.cuda.get_device_name`` or ``"cpu"``; ``environ``: default
+    ``os.environ``. Returns a :class:`TableSet`.
+
     Raises:
-        ValueError: an explicit or ``$MXCOMM_COST_TABLE`` table that cannot be read, is
-            malformed, or was measured on another device or world size (named by the user: a
-            silent fallback would hide the mistake).
+        ValueError: ``table`` not a CostTable or path; a table of 1. or 2. unreadable,
+            malformed, or of another device or world size (the user named it: no fallback).
     Warns:
-        RuntimeWarning: a cached file that is malformed or describes another device or world
-            size is skipped, naming it (a stale cache should not stop training).
+        RuntimeWarning: a cached table so, skipped (a stale cache should not stop training).
     """
     environ = os.environ if environ is None else environ
     named = ""
@@ -371,10 +334,8 @@ def find_tables(device, world_size, table=None, environ=None):
     return TableSet(cached=cached, origin=str(folder))
 
 
-#: The measurements the model reads when nothing else is found (2 x H100, commit 194096a,
-#: 2026-11-27, bench/results/2026-11-27/pipeline_recipes_194096a_uniform_w2_h100.json:
-#: ``python -m mxcomm.bench pipeline --interleave``, 8 experts per rank, uniform routing; bf16
-#: is the recipe, mxcomm's exchanges: the variant bf16_mxcomm).
+#: The fallback table: bench/results/2026-11-27/pipeline_recipes_194096a_uniform_w2_h100.json
+#: (``python -m mxcomm.bench pipeline --interleave``; bf16 is the variant bf16_mxcomm).
 H100_TABLE = CostTable(
     rows=(4096, 16384, 32768, 65536, 131072),
     ms={"bf16": (3.483, 4.494, 8.019, 14.779, 29.390),
@@ -386,23 +347,18 @@ H100_TABLE = CostTable(
 
 
 def rows_per_rank(layout):
-    """The most rows any rank sends in ``layout`` (its agreed ``sent`` table): the rows per rank
-    of the table's measurements (uniform routing, where every rank also receives as many)."""
+    """The most rows any rank sends in ``layout``: a cost table's rows per rank."""
     return max(map(sum, layout.sent))
 
 
 class Chooser:
-    """``"auto"``'s answer for one shape and device class as intervals of rows per rank.
+    """``"auto"``'s answer for one shape and device class (arguments as :func:`choose_recipe`).
 
-    The predictions are linear between the table's points, so the fastest recipe changes only
-    at a point or where two lines cross; the chooser finds those bounds once, and a choice is
-    then a bisection.
+    Predictions are piecewise linear, so the answer changes only at a point or a crossing:
+    found once, then each choice is a bisection.
 
-    Args:
-        dim, hidden, device, table, margin: as :func:`choose_recipe`.
     Attributes:
-        bounds: ascending points where the answer changes, in the table's rows (rows per rank
-            scaled by ``dim * hidden / (ref_dim * ref_hidden)``: rows per rank at its shape).
+        bounds: ascending points where the answer changes, in the table's (scaled) rows.
         answers: the :class:`Recipe` of each interval (``len(bounds) + 1``).
     """
 
@@ -423,8 +379,7 @@ class Chooser:
 
         points = list(table.rows)
         cuts = set(points)
-        # below the first point the predictions are flat (no crossing); above the last they are
-        # lines: a far edge finds where any two cross
+        # flat below the first point; above the last, a far edge finds crossings of the lines
         edges = points + [1e6 * points[-1] + 1.0]
         for lo, hi in zip(edges, edges[1:]):
             for i, a in enumerate(names):
@@ -455,8 +410,8 @@ class Chooser:
                                                 rows_per_rank(layout) * self._scale)]
 
     def for_rows(self, rows):
-        """The recipe for ``rows`` rows per rank (an int, or a size while tracing: plain
-        comparisons, which ``torch.compile`` folds for a static size)."""
+        """The recipe for ``rows`` rows per rank (an int, or a traced size: plain comparisons
+        ``torch.compile`` folds)."""
         x = rows * self._scale
         answer = self.answers[0]
         for bound, after in zip(self.bounds, self.answers[1:]):
@@ -468,19 +423,15 @@ class Chooser:
 def choose_recipe(layout, dim, hidden, *, device="cpu", table=H100_TABLE, margin=0.02):
     """The recipe ``"auto"`` runs for ``layout``: the one predicted fastest.
 
-    Among the recipes the devices run (:func:`runnable`) and ``table`` measured, every one
-    meeting the SQNR thresholds (all do), the prediction of ``table`` decides; a recipe other
-    than ``"bf16"`` replaces it only when predicted at least ``margin`` (a fraction) faster;
-    ties keep the earlier recipe. On ``"cpu"`` the answer is ``"bf16"`` unless the table was
-    measured there (``table.device == "cpu"``: ``calibrate`` on the host backend).
-    Deterministic in its arguments (every rank chooses alike); no host sync, no communication.
+    Among the recipes the devices run (:func:`runnable`) and ``table`` (a :class:`CostTable`)
+    measured, one other than ``"bf16"`` wins only when predicted ``margin`` (a fraction)
+    faster; ties keep the earlier. On ``"cpu"``: ``"bf16"`` unless ``table.device == "cpu"``.
+    Deterministic, so every rank chooses alike; no host sync, no communication.
 
     Args:
-        layout: a layout (``mxcomm.exchange_layout``); its ``sent`` table is read.
-        dim, hidden: D (the token rows' width) and H (the expert GEMM's output width).
+        layout: from ``mxcomm.exchange_layout``; its ``sent`` table is read.
+        dim, hidden: D (token rows' width) and H (the expert GEMM's output width).
         device: the agreed device class (:data:`DEVICE_CLASSES`).
-        table: a :class:`CostTable` (injectable: tests, re-measured tables).
-        margin: the fraction by which another recipe must beat bf16.
     Returns:
         A :class:`Recipe`.
     Raises:

@@ -1,20 +1,9 @@
 """How an exchange of rows travels: its route, decided once per signature, and its paths.
 
-A :class:`Route` is a frozen record made once per signature (the public function, the format,
-the scale mode, the rows' dtype and width; :func:`route`), with the format's launches prepared
-for it. Per call, :meth:`Route.path` names the path from the plan (the largest sender's rows to
-its peers: the same on every rank, so every rank takes the same path) and :func:`run` takes it.
-Both front ends call these: the array API (``mxcomm.a2a``) after its checks, the torch adapter
-(``mxcomm.torch``) straight from a tensor.
-
-Paths (docs/design.md, "One route", has the table): ``"alltoallv"`` (the rows as they are in one
-``comm.alltoallv_plan``; a quantized format quantizes them on arrival: plain formats, small
-exchanges), ``"medium"`` (quantized on the caller's stream, one ``alltoallv_plan``; medium, kept),
-``"staged"`` (``comm.exchange`` with :class:`QuantizedRows`; larger, kept), None (the staged
-exchange consumed in place; larger, decoded). Small: no rank sends more than
-``comm.small_exchange_bytes`` of plain rows to its peers; medium: at most
-``comm.medium_exchange_bytes``; kept: the result stays quantized. The caller allocates what
-:func:`arrays` lists for a path; no call goes back up into the caller.
+A :class:`Route` is made once per signature (:func:`route`); per call :meth:`Route.path` names
+the path from the plan (the same on every rank) and :func:`run` takes it. The paths, when each is
+taken and what each buys: docs/design.md, "One route". The caller allocates what :func:`arrays`
+lists; no call goes back up into the caller.
 """
 
 import dataclasses
@@ -31,13 +20,11 @@ from ._row_moves import pad_rows
 from .permutation import GatheredRows, expert_order, permuted_landing
 
 _INPUT_DTYPES = (bfloat16, float32)
-#: Grid share of a quantize producing rows that copy engines pull: a little room is left for the
-#: one-thread wait kernel the side stream parks beside it (a full persistent grid would make it,
-#: or a quantize block, wait for a whole wave).
+#: Grid share of a quantize whose rows copy engines pull: room for the one-thread wait kernel
+#: beside it (a full grid would make it, or a quantize block, wait for a whole wave).
 PULLED_SHARE = 0.98
-#: Grid share of a dequantize reading a peer's rows over NVLink beside the caller's quantize
-#: kernels: enough loads in flight to cover NVLink's bandwidth-delay product; 1/2 from 3 ranks on,
-#: where most rows arrive over NVLink (the choice is measured in bench/NOTES.md).
+#: Grid share of a dequantize reading peers' rows over NVLink beside the caller's quantize: enough
+#: loads in flight for NVLink's bandwidth-delay product; 1/2 from 3 ranks on (bench/NOTES.md).
 BESIDE_SHARE = 0.25
 BESIDE_SHARE_MANY = 0.5
 
@@ -59,17 +46,14 @@ CALLS = {
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Route:
-    """The route of one signature (module docstring).
+    """The route of one signature.
 
     Attributes:
-        fmt: the Format; function: the public function; dispatch: True in the dispatch
-        direction (the layout's dispatch plan); dequantize: a quantized result is decoded back;
-        dtype: the rows' dtype (bf16 or fp32); width: D; scale_mode: ``"rceil"`` or ``"floor"``;
-        row_bytes: bytes of one plain row; kind: the exchange in words (the staged exchange's
-        kind, compared by the peers); quantize, round_trip: the format's launches prepared for
-        the signature (None for a plain format; ``round_trip`` None without a one-pass round
-        trip); scales_shape: a quantized row's scales, ``(D // block,)`` or ``()``; kept: a
-        quantized format whose result stays quantized (data and scales).
+        dispatch: True in the dispatch direction; dequantize: a quantized result is decoded;
+        width: D; row_bytes: bytes of a plain row; kind: :func:`kind`'s text; quantize,
+        round_trip: the format's launches for the signature (None: a plain format, or no
+        one-pass round trip); scales_shape: a quantized row's scales, ``(D // block,)`` or
+        ``()``; kept: a quantized format whose result stays quantized.
     """
 
     fmt: object
@@ -87,9 +71,8 @@ class Route:
     kept: bool
 
     def path(self, comm, plan, staged=True):
-        """The path of an exchange of ``plan`` (module docstring): ``"alltoallv"``,
-        ``"medium"``, ``"staged"`` (only with ``staged``: not where the result lands in
-        permute's order), or None. The same answer on every rank; no collective."""
+        """``"alltoallv"``, ``"medium"``, ``"staged"`` (only with ``staged``) or None, for
+        ``plan``. The same answer on every rank; no collective."""
         if self.quantize is None:
             return "alltoallv"
         nbytes = plan.largest_peer_rows * self.row_bytes
@@ -104,8 +87,7 @@ class Route:
 
 def small(comm, rows, row_bytes):
     """Whether a quantized exchange whose largest sender sends ``rows`` plain rows of
-    ``row_bytes`` bytes each to its peers (``Plan.largest_peer_rows``: the same on every rank)
-    is small, so moves them unquantized (``comm.small_exchange_bytes``; :meth:`Route.path`)."""
+    ``row_bytes`` each (``Plan.largest_peer_rows``) is small, so travels unquantized."""
     return rows * row_bytes <= comm.small_exchange_bytes
 
 
@@ -116,10 +98,9 @@ def kind(function, fmt, width):
 
 @functools.lru_cache(maxsize=256)
 def route(function, precision, scale_mode, dtype, width):
-    """The :class:`Route` of a signature, or None where no path of this module takes it: an
-    unknown precision or scale mode, rows of another dtype than bf16/fp32, a width the format
-    cannot take, or a plain format that converts the rows on the wire (fp32 in ``"bf16"``).
-    Nothing here raises: the engine's checks raise the errors. Cached (an LRU of 256)."""
+    """The :class:`Route` of a signature (LRU-cached), or None where no route takes it (a bad
+    argument, or a plain format converting the rows: fp32 in ``"bf16"``). Never raises: the
+    engine's checks raise the errors."""
     try:
         fmt = get_format(precision)
     except (TypeError, ValueError):
@@ -141,23 +122,12 @@ def route(function, precision, scale_mode, dtype, width):
 
 
 def choose(function, fmt, scale_mode, comm, plan, x, *, agreed, align):
-    """The path of an exchange of ``x`` (the array API's, after its checks and conversions) and
-    its route (or None): the one place the path is chosen. The same answer on every rank.
-
-    Args:
-        function, fmt, scale_mode: the signature (a public function's name, a Format).
-        comm, plan: the communicator and the plan of this exchange.
-        x: plain rows (array), rows of ``fmt`` (QuantizedArray) or a pending gather
-            (GatheredRows).
-        agreed: the plan holds every rank's counts (a layout's or a vote's), so that the
-            ranks choose a quantized format's path alike.
-        align: ``permute_align`` in the dispatch direction, else None.
-    Returns:
-        ``(path, route)``: ``"gathered"`` (plain rows of a pending gather on the pull transport,
-        gathered into the staging: :func:`gathered_plain`), a route's path (``"alltoallv"``,
-        ``"medium"``, ``"staged"``: :func:`run`), ``"widened"`` (fp32 rows in ``"bf16"``: the
-        bf16 route's ``"alltoallv"``), ``"landed"`` (:func:`landed`) or ``"engine"`` (the staged
-        exchange of :func:`staged_quantized`).
+    """``(path, route or None)`` of the array API's exchange of ``x`` (plain rows, a
+    QuantizedArray of ``fmt`` or GatheredRows): the one place a path is chosen, alike on every
+    rank. ``agreed``: the plan holds every rank's counts; ``align``: the dispatch direction's
+    ``permute_align``. Paths: ``"gathered"`` (:func:`gathered_plain`), a route's (:func:`run`),
+    ``"widened"`` (fp32 rows in ``"bf16"``), ``"landed"`` (:func:`landed`), ``"engine"``
+    (:func:`staged_quantized`).
     """
     if isinstance(x, GatheredRows) and not fmt.quantized and comm.transport == "pull" and \
             numpy.dtype(fmt.element_dtype or x.dtype) == x.dtype:
@@ -180,11 +150,9 @@ def quantizer(fmt, dtype, width, scale_mode, share):
 
 
 def arrays(r, path, plan):
-    """The arrays :func:`run` of ``path`` writes, as ``((shape, dtype, kind), ...)`` for the
-    caller to allocate (``kind``: ``"rows"``, ``"data"`` or ``"scales"``, the latter two a
-    quantized row's arrays in the format's dtypes): the result first (its rows, or its data and
-    scales where ``r.kept``), then the path's temporaries. The caller holds every one of them
-    until :func:`run` has returned (its launches are enqueued then)."""
+    """``((shape, dtype, kind), ...)`` the caller allocates for :func:`run` of ``path``
+    (``kind``: ``"rows"``, ``"data"``, ``"scales"``): the result first (data and scales where
+    ``r.kept``), then temporaries, all held until :func:`run` returns."""
     n, w = plan.rows_received, r.width
     if r.quantize is None:
         return (((n, w), r.dtype, "rows"),)
@@ -201,10 +169,9 @@ def arrays(r, path, plan):
 
 
 def run(r, path, comm, plan, x, stream, buffers):
-    """Take ``path`` (from ``r.path``) for the (``plan.rows_sent``, D) rows ``x`` into
-    ``buffers``, the arrays :func:`arrays` lists (as the communicator and the launches take them:
-    ``Words`` on a GPU, NumPy arrays on the host), enqueued on the raw stream ``stream``; no host
-    synchronization. The result is the first of ``buffers`` (two where ``r.kept``)."""
+    """Take ``path`` for the (``plan.rows_sent``, D) rows ``x`` into ``buffers`` (:func:`arrays`'
+    list: ``Words`` on a GPU, NumPy arrays on the host), enqueued on the raw ``stream``; no host
+    sync. The result is the first of ``buffers`` (two where ``r.kept``)."""
     if path == "staged":
         staged_kept(x, r.fmt, plan, comm, stream, r.scale_mode, r.kind, *buffers)
     else:
@@ -239,10 +206,8 @@ _PATHS = {"alltoallv": _alltoallv, "medium": _medium}
 
 
 def staged_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):
-    """The staged quantized exchange of ``x`` (plain rows, rows of ``fmt`` or a pending
-    gather) whose result stays quantized: the received rows land in ``data`` and ``scales``
-    (``plan.rows_received`` rows, the format's shapes; CuPy or NumPy arrays, or ``Words``), the
-    copy engines pulling them where the transport is ``"pull"``. Enqueued on ``stream``."""
+    """The staged quantized exchange of ``x`` into ``data`` and ``scales`` (kept quantized),
+    enqueued on ``stream``."""
     if fmt.scale_block == PER_ROW:  # per-row scales travel as (rows, 1)
         n = plan.rows_received
         scales = Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
@@ -253,11 +218,9 @@ def staged_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):
 
 
 class QuantizedRows:
-    """The quantized exchange's producer and consumer (the rows protocol of
-    ``Communicator.exchange``), for any quantized format: quantize each peer's rows straight
-    into the memory they travel from (or copy their bits if ``x`` is already of the format);
-    dequantize each sender's rows where they are (in-place exchanges); this rank's own rows
-    through the format's one-pass round trip where it has one (in-place exchanges: ``keep``)."""
+    """The quantized exchange's rows protocol (``Communicator.exchange``): quantize (or copy)
+    each peer's rows into the memory they travel from; in place, dequantize each sender's rows
+    where they are, and this rank's own through the format's round trip where it has one."""
 
     __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share",
                  "_quantize")
@@ -277,8 +240,7 @@ class QuantizedRows:
 
     @property
     def results(self):
-        """The arrays the consumer writes (in-place exchanges), which a transport poisons where
-        the exchange failed on the device (``_staged``'s rows protocol)."""
+        """The arrays the consumer writes, which a transport poisons where the exchange failed."""
         return () if self._out is None else (self._out,)
 
     def _rows(self, data, scales):
@@ -309,8 +271,7 @@ class QuantizedRows:
                                        stream, 1.0 if stream == self._caller else 1.0 - self._share)
 
     def keep(self, begin, end, at, slots, stream):
-        # bf16 rows (read where they are, or through the permuted gradient's index) take the
-        # format's round trip where it has one: one pass, nothing written to the slots.
+        # the format's one-pass round trip where it has one: nothing written to the slots
         x, fmt = self._x, self._format
         source, rows = (x.source, row_range(x.index, begin, end)) \
             if isinstance(x, GatheredRows) else (x, None)
@@ -324,11 +285,8 @@ class QuantizedRows:
 
 
 class GatheredPlainRows:
-    """The plain exchange of rows still to be gathered (the rows protocol of
-    ``Communicator.exchange``; the
-    combine direction with ``permute_align`` on the pull transport): each peer's rows gathered
-    through the inverse permute index straight into the staging the peer pulls from, the own
-    rows straight into the result."""
+    """The rows protocol of a pending gather's plain exchange (a ``permute_align`` combine on
+    the pull transport): rows gathered straight into the staging peers pull from."""
 
     __slots__ = ("arrays", "kind", "_x")
 
@@ -342,10 +300,8 @@ class GatheredPlainRows:
 
 
 def gathered_plain(x, plan, comm, caller, kind, alloc):
-    """The plain exchange of the pending gather ``x`` (``GatheredRows``) on the pull transport
-    (docs/design.md, "The expert side of an exchange in permute's order"): each peer's rows
-    gathered into the staging it pulls from, copy engines pulling them in pieces, the own rows
-    gathered straight into the result; no pass into received order first."""
+    """The plain exchange of the pending gather ``x`` on the pull transport, no pass into
+    received order first (docs/design.md, "The expert side of an exchange in permute's order")."""
     with comm.on_stream(caller):
         out = (alloc or array_module().empty)((plan.rows_received, x.shape[1]), x.dtype)
         comm.exchange(GatheredPlainRows(x, kind), plan, out=(out,), stream=caller)
@@ -353,9 +309,7 @@ def gathered_plain(x, plan, comm, caller, kind, alloc):
 
 
 def staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, alloc):
-    """The quantized exchange (module docstring), for the quantized format ``fmt``: quantize into
-    the travelling memory peer by peer; dequantize each sender's rows where they are, or collect
-    them still quantized."""
+    """The staged exchange in the quantized ``fmt``: decoded in place (``dequantize``) or kept."""
     xp = array_module()
     width = x.shape[1]
     pull = comm.transport == "pull"
@@ -373,12 +327,9 @@ def staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, a
 
 
 def landed(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):
-    """The quantized exchange in the dispatch direction whose received rows land in permuted
-    order (docs/design.md, "The expert side of an exchange in permute's order"): each
-    (sender, local expert) run of rows copied straight into its permuted rows (the exchange's
-    ``landing``: on the pull transport by the copy engines, from the sender's staging; the own
-    rows quantized straight into place); the padding rows get zeros and the padding scale
-    first. Returns ``permute``'s triple."""
+    """The quantized dispatch whose received rows land in permuted order, padding rows zeroed
+    first (docs/design.md, "The expert side of an exchange in permute's order"). Returns
+    ``permute``'s triple."""
     indices, offsets, _ = expert_order(layout, align, caller)
     p = indices.shape[0]
     with comm.on_stream(caller):

@@ -1,13 +1,8 @@
 """The exchange hooks of torchtitan's token dispatcher on mxcomm (mxcomm.integrations.torchtitan).
 
-Every mxcomm path through torchtitan's ``AllToAllTokenDispatcher`` is one: mxcomm's layout in
-place of torchtitan's count exchange (the one host synchronization; in a compiled region a
-``LayoutHandle``), then the dispatch with the expert side in permute's order
-(``a2a_dispatch(x, layout, permute_align=A)``: torchtitan's permute skipped, the groups' sizes
-handed on as its counts), the experts, and the combine from that order (``a2a_combine(y, layout,
-permute_align=A)``: torchtitan's unpermute skipped). No exchange makes a host collective, eager
-or compiled. What varies per call is a :class:`_Path`: the four wire formats, A, and whether the
-experts get the rows as delivered (quantized, for mxcomm's fp8 GEMM) or plain.
+One path, eager and compiled: the layout replaces torchtitan's count exchange, the dispatch and
+combine with ``permute_align=A`` its permute and unpermute; what varies per call is a
+:class:`_Path`. docs/design.md, "torchtitan 0.3".
 
 Glossary (torchtitan's suffixes): N routed rows this rank sends, R rows it receives, P the
 permuted bound (``layout.permuted_rows(A)``), D dim, E experts, e local experts.
@@ -15,8 +10,7 @@ permuted bound (``layout.permuted_rows(A)``), D dim, E experts, e local experts.
 
 import dataclasses
 
-#: Rows each local expert's group is padded to where a recipe has mxcomm's fp8 GEMM read the
-#: rows as delivered (its ``fused``): the fp8 grouped GEMMs' and MX blocks' multiple.
+#: A of a ``fused`` recipe: the fp8 grouped GEMMs' and MX blocks' multiple of rows.
 RECIPE_ALIGN = 32
 
 
@@ -27,10 +21,9 @@ class _Path:
     Attributes:
         dispatch, combine, dispatch_grad, combine_grad: the wire formats.
         align: A, each local expert's group padded to a multiple of it (1: no padding).
-        keep: the experts get the dispatched rows as delivered (a QuantizedTensor of a
-            quantized dispatch format); False: plain rows in the activations' dtype.
-        recipe: the ``mxcomm.recipes`` name where a recipe decided (``"auto"``'s choice), else
-            None.
+        keep: the experts get the rows as delivered (a QuantizedTensor); False: plain rows in
+            the activations' dtype.
+        recipe: the recipe's name where ``"auto"`` chose, else None.
     """
 
     dispatch: str
@@ -43,9 +36,7 @@ class _Path:
 
 
 def recipe_path(recipe):
-    """The :class:`_Path` of an ``mxcomm.recipes.Recipe``: its formats; where its GEMM is fp8
-    (``fused``), groups of :data:`RECIPE_ALIGN` rows delivered as they arrive, else plain,
-    unpadded rows for the bf16 GEMM."""
+    """The :class:`_Path` of an ``mxcomm.recipes.Recipe``."""
     return _Path(recipe.dispatch, recipe.combine, recipe.dispatch_grad, recipe.combine_grad,
                  RECIPE_ALIGN if recipe.fused else 1, recipe.gemm == "fp8", recipe.name)
 
@@ -68,9 +59,8 @@ def precisions(config):
 
 
 class _Fused:
-    """What the dispatcher hands itself between its hooks, in place of torchtitan's group
-    counts and splits: the layout (a Layout, or a LayoutHandle in a compiled region), the
-    call's :class:`_Path`, and the group ends of the permuted rows."""
+    """Passed between the hooks in place of torchtitan's counts and splits: the layout (or a
+    LayoutHandle), the call's :class:`_Path`, the permuted groups' ends."""
 
     def __init__(self, layout):
         self.layout = layout
@@ -79,8 +69,7 @@ class _Fused:
 
 
 def _non_strict_tracing():
-    """``torch.compiler._is_non_strict_tracing()`` where torch has it (2.12 on), else False
-    (torch 2.11: no non-strict tracing to ask about)."""
+    """``torch.compiler._is_non_strict_tracing()`` where torch has it (2.12 on), else False."""
     import torch
     if torch.compiler.is_compiling():  # dynamo, not export's non-strict tracing
         return False
@@ -89,8 +78,7 @@ def _non_strict_tracing():
 
 
 def plain(t, dtype):
-    """``t`` as a plain tensor of ``dtype``: a quantized result dequantized (differentiable,
-    straight-through), then cast if needed."""
+    """``t`` as a plain tensor of ``dtype`` (a QuantizedTensor dequantized, straight-through)."""
     from mxcomm import torch as mxt
     if isinstance(t, mxt.QuantizedTensor):
         t = t.dequantize()
@@ -98,21 +86,16 @@ def plain(t, dtype):
 
 
 class MxcommExchanges:
-    """The exchange hooks of torchtitan's ``AllToAllTokenDispatcher`` on mxcomm (mixed in first;
-    module docstring).
+    """The exchange hooks of torchtitan's ``AllToAllTokenDispatcher`` on mxcomm (mixed in first).
 
-    Shapes: ``x`` (N, D) routed token rows sorted by global expert,
-    ``num_local_tokens_per_expert_E`` (E,) int64; the dispatch returns the permuted rows (P, D),
-    each local expert's group padded to a multiple of the path's A, as the dispatch format gives
-    them where the path keeps them (a QuantizedTensor), else in ``x``'s dtype; torchtitan's
-    counts become the padded groups' sizes.
+    Shapes: ``x`` (N, D) routed rows sorted by global expert, ``num_local_tokens_per_expert_E``
+    (E,) int64; the dispatch returns (P, D) permuted rows, groups padded to the path's A, a
+    QuantizedTensor where the path keeps them, else ``x``'s dtype; torchtitan's counts become
+    the padded groups' sizes.
 
-    The path: the config's precisions with A = ``permute_align`` (keeping the rows) or, at 0,
-    the TorchAO dispatcher's ``pad_multiple`` or 1 (plain rows); with ``recipe="auto"`` the
-    recipe :meth:`wire_meshes`'s ``ExpertParallel`` chooses per call (:func:`recipe_path`):
-    eager from the agreed layout, compiled from the rows this rank routes, a size ``torch.
-    compile`` knows when tracing (torchtitan pads every rank's tokens alike, so every rank
-    routes as many rows and chooses alike; the same answer as the layout's where they do).
+    The path: A = ``permute_align`` (keeping the rows), else TorchAO's ``pad_multiple`` or 1;
+    with ``"auto"``, the recipe chosen per call from the layout in eager, from the rows routed
+    when compiled (torchtitan pads every rank's tokens alike, so ranks choose alike).
     """
 
     def __init__(self, config):
@@ -144,11 +127,10 @@ class MxcommExchanges:
             self.backward_overlap = BackwardOverlap()
 
     def wire_meshes(self, *, ep_mesh):
-        """torchtitan's hook, run on every rank when the model is parallelized (outside any
-        trace). With ``recipe="auto"`` and EP > 1 it also builds the ``mxcomm.torch.
-        ExpertParallel`` whose agreement (one host allgather: device class, cost tables) and
-        choosers decide the recipes, the chooser of the config's ``dim`` at once (a compiled
-        region then only reads it); ValueError there (a bad cost table) on every rank."""
+        """torchtitan's hook, on every rank outside any trace. With ``"auto"`` and EP > 1 it
+        builds the ``ExpertParallel`` that chooses (one host allgather) and the chooser of
+        ``dim`` now, so a compiled region only reads it; ValueError (a bad cost table) on
+        every rank."""
         super().wire_meshes(ep_mesh=ep_mesh)
         if self.recipe == "auto" and ep_mesh is not None:
             from mxcomm.torch import ExpertParallel
@@ -174,9 +156,8 @@ class MxcommExchanges:
 
     @staticmethod
     def _torchtitan_path():
-        """True where torchtitan's own exchanges must run: SPMD type checking (a debugging
-        mode: mxcomm's results carry no SPMD type). RuntimeError under torch.export's
-        non-strict tracing, where mxcomm's exchanges cannot run."""
+        """True under SPMD type checking (mxcomm's results carry no SPMD type): torchtitan's
+        exchanges run. RuntimeError under torch.export's non-strict tracing."""
         if _non_strict_tracing():
             raise RuntimeError("mxcomm's token exchanges do not run under torch.export's "
                                "non-strict tracing; use torch.compile, or torchtitan's own "

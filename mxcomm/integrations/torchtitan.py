@@ -22,51 +22,27 @@ parallelized, one precision for dispatch and combine::
 
 (:func:`patch_expert_parallel` does the same and returns the function it replaced.)
 
-Precisions (any format of ``mxcomm.formats``: ``"mxfp8"``, ``"bf16"``, ``"native"`` — the
-activations' dtype, exactly as torchtitan sends them — and the others as they land) name what
-travels in each *direction*: ``dispatch_precision`` covers the dispatch and the combine's backward
-(rows going to the experts), ``combine_precision`` the combine and the dispatch's backward (rows
-coming back). ``dispatch_grad_precision`` / ``combine_grad_precision`` override the backward of each
-exchange alone. The defaults, ``"mxfp8"`` / ``"bf16"``, are torchao's.
+Precisions (any format of ``mxcomm.formats``; ``"native"``: the activations' dtype as torchtitan
+sends them) name a *direction*: ``dispatch_precision`` the dispatch and the combine's backward,
+``combine_precision`` the combine and the dispatch's backward; ``dispatch_grad_precision`` /
+``combine_grad_precision`` override one backward alone. Defaults ``"mxfp8"`` / ``"bf16"``
+(torchao's).
 
-What the dispatcher changes in torchtitan's ``AllToAllTokenDispatcher.dispatch``/``combine`` (its
-token reorder, scores and scatter-add stay torchtitan's own), eager and compiled alike:
-- the count exchange: ``mxcomm.torch.exchange_layout`` (one device-to-host copy of the counts, as
-  torchtitan's own makes, and one host allgather over the communicator's side channel) replaces
-  torch's all-to-all of the counts; dispatch and combine, given that layout, make no host
-  collective;
-- the token exchanges and the permute: ``mxcomm.torch.a2a_dispatch(x, layout, permute_align=A)``
-  delivers the rows in expert-major order (torchtitan's permute and unpermute are skipped; its
-  counts become the groups' sizes), and ``a2a_combine(y, layout, permute_align=A)`` takes them
-  back. Without a recipe that keeps them quantized the rows come dequantized, in the
-  activations' dtype, groups unpadded (A = 1; TorchAO's dispatcher: its ``pad_multiple``).
-It works under both spmd backends (``spmd_types``, where the EP group comes from the current SPMD
-mesh, and the DTensor ones, where it is the EP mesh's group): the communicator is the one
-``mxcomm.torch.communicator_for`` keeps for that group (NCCL on GPUs, torch.distributed's gloo on a
-CPU; built on the first step, collectively). Under spmd_types type checking (a debugging mode:
-mxcomm's results carry no SPMD type) torchtitan's own exchanges run; under torch.export's
-non-strict tracing mxcomm's raise ``RuntimeError`` (they do not run there).
+The dispatcher replaces torchtitan's count exchange by ``exchange_layout`` (one device-to-host
+copy, one host allgather) and its token exchanges and permute by ``a2a_dispatch`` / ``a2a_combine``
+with ``permute_align``, eager and compiled alike (custom ops; no host vote per exchange); its
+token reorder, scores and scatter-add stay torchtitan's. The communicator is
+``mxcomm.torch.communicator_for``'s for the EP group (either spmd backend; built collectively on
+the first step). Under spmd_types type checking torchtitan's own exchanges run; under
+torch.export's non-strict tracing mxcomm's raise ``RuntimeError``.
 
-With a recipe of ``mxcomm.recipes`` (``use_mxcomm(config, recipe="fp8_rowwise")``, or the override
-``'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``) both the dispatcher and
-the experts are mxcomm's: where the recipe's GEMM is fp8 (``fused``), the dispatcher's
-``permute_align`` keeps the rows in the dispatch precision (fp8 rowwise: a QuantizedTensor) and
-:class:`MxcommGroupedExperts` (in place of torchtitan's ``GroupedExperts``) feeds them to one
-``mxcomm.torch.grouped_mm`` over [w1 | w3] with no bf16 pass between. ``overlap=True``
-(``use_mxcomm``; ``"overlap": true`` in the override) runs the dispatch's backward beside the
-experts' weight-gradient GEMM (eager).
-``recipe="auto"`` (the default of ``mxcomm.torch.ExpertParallel``) chooses per call among the
-recipes, as ``ExpertParallel`` does (its cost tables and agreement, built when torchtitan wires
-the dispatcher to its EP mesh): from the agreed layout in eager, from the rows this rank routes
-under ``torch.compile`` (a size the trace knows; torchtitan pads every rank's tokens alike).
+With a recipe (``use_mxcomm(config, recipe="fp8_rowwise")``, or the override
+``'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``) the experts are
+mxcomm's too (:class:`MxcommGroupedExperts`); ``"auto"`` chooses per call as
+``mxcomm.torch.ExpertParallel`` does; ``overlap=True`` runs the dispatch's backward beside the
+experts' weight-gradient GEMM (eager). docs/design.md, "torchtitan 0.3".
 
-Under ``torch.compile`` (torchtitan compiles each block with ``fullgraph=True``) the token
-exchanges and the layout are mxcomm's custom ops (docs/design.md, "torch.compile and custom
-ops"): a compiled model makes mxcomm's exchanges, never torchtitan's in their place, and no host
-vote per exchange.
-
-Importing this module with torchtitan installed registers the overrides (so an override names it
-whichever of the two was imported first); ``import mxcomm.integrations.torchtitan`` works without
+Importing this module with torchtitan installed registers the overrides; it imports without
 torchtitan, and the classes import it when first used.
 """
 
@@ -103,19 +79,13 @@ def _define_classes():
     class MxcommTokenDispatcher(MxcommExchanges, td.AllToAllTokenDispatcher):
         """torchtitan's ``AllToAllTokenDispatcher`` with mxcomm's exchanges (module docstring).
 
-        Config fields: those of ``AllToAllTokenDispatcher.Config`` (``num_experts``, ``top_k``),
-        and ``dispatch_precision`` (default ``"mxfp8"``), ``combine_precision`` (``"bf16"``),
-        ``dispatch_grad_precision`` / ``combine_grad_precision`` (None: by direction),
-        ``permute_align`` (0: plain rows in the activations' dtype, groups unpadded; A > 0:
-        groups padded to A rows, rows kept in the dispatch precision for
-        :class:`MxcommGroupedExperts`); ``recipe`` (None, or ``"auto"``: the precisions above
-        unused, each call's recipe chosen by ``mxcomm.recipes``), ``dim`` and ``hidden`` (the
-        experts' widths, for ``"auto"``: its chooser is built outside any compiled region, and
-        its prediction reads H; 0: unknown, then eager only); ``overlap`` (False; True where
-        mxcomm permutes, ``permute_align`` > 0 or ``recipe="auto"``: the dispatch's backward
-        beside the experts' weight-gradient GEMM for the calls whose rows reach mxcomm's experts
-        as dispatched, eager only; docs/design.md, "Overlap"). Raises ``ValueError`` at build
-        for an unknown precision or recipe, or ``overlap`` where mxcomm does not permute.
+        Config fields beyond torchtitan's: the four precisions (:data:`PRECISION_FIELDS`);
+        ``permute_align`` (0: plain rows, groups unpadded; A > 0: groups padded to A rows, rows
+        kept in the dispatch precision for :class:`MxcommGroupedExperts`); ``recipe`` (None or
+        ``"auto"``: the precisions unused, chosen per call); ``dim``, ``hidden`` (the experts'
+        widths, for ``"auto"``'s chooser; 0: unknown, eager only); ``overlap`` (needs mxcomm to
+        permute: ``permute_align`` > 0 or ``"auto"``; eager only). ``ValueError`` at build for
+        an unknown precision or recipe, or ``overlap`` where mxcomm does not permute.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -153,19 +123,13 @@ def _define_classes():
     from mxcomm._torch_ep import grouped_experts_class
 
     class MxcommGroupedExperts(grouped_experts_class(GroupedExperts)):
-        """torchtitan's ``GroupedExperts`` whose grouped GEMMs are ``mxcomm.torch.grouped_mm``
-        where ``gemm`` is ``"fp8"`` (``mxcomm._torch_ep.grouped_experts_class``): the fp8
-        rowwise rows the dispatcher delivers (a QuantizedTensor) feed one SM90 fp8 grouped GEMM
-        over [w1 | w3] as they are, no bf16 pass between; the w2 GEMM reads the SwiGLU's bf16
-        product (``grouped_mm``'s bf16 GEMM for plain rows); where fp8 GEMMs are unavailable (a
-        CPU, pre-Hopper) its documented bf16 fallback. ``gemm="bf16"``: torchtitan's own
-        forward (``torch._grouped_mm``, on a QuantizedTensor's dequantized values).
-        ``gemm="auto"`` (the recipe ``"auto"``, chosen per call): mxcomm's GEMMs for rows that
-        arrive quantized (the fp8 recipe), torchtitan's for plain ones.
+        """torchtitan's ``GroupedExperts`` with ``mxcomm.torch.grouped_mm`` as its GEMMs.
 
-        Config fields: those of ``GroupedExperts.Config``, ``gemm`` (``"bf16"``, ``"fp8"`` or
-        ``"auto"``) and ``wgrad`` (the w1|w3 GEMM's weight gradient, ``"fp8"`` or ``"bf16"``:
-        the recipe's); ValueError at build otherwise.
+        Config fields beyond torchtitan's: ``gemm``: ``"fp8"`` (the delivered fp8 rowwise rows
+        feed one grouped GEMM over [w1 | w3], no bf16 pass; w2 reads the SwiGLU's bf16
+        product; ``grouped_mm``'s bf16 fallback off SM90), ``"bf16"`` (torchtitan's forward)
+        or ``"auto"`` (mxcomm's for quantized rows, torchtitan's for plain); ``wgrad``: the
+        w1|w3 weight gradient, ``"fp8"`` or ``"bf16"``. ValueError at build otherwise.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -196,10 +160,8 @@ def _define_classes():
 
 
 def _converted(config, fields_):
-    """The mxcomm twin of an ``AllToAllTokenDispatcher.Config`` (TorchAO's keeps its padding:
-    ``permute_align`` is dropped there), every other field copied; ``fields_`` as
-    :data:`PRECISION_FIELDS`, ``permute_align``, ``recipe``. ValueError: an unknown precision;
-    ``recipe="auto"`` on TorchAO's dispatcher (it pads for torchao's own experts)."""
+    """The mxcomm twin of a dispatcher config, ``fields_`` set (those TorchAO's lacks, such as
+    ``permute_align``, dropped). ValueError: an unknown precision; ``"auto"`` on TorchAO's."""
     import dataclasses
 
     from torchtitan.models.common import token_dispatcher as td
@@ -231,9 +193,7 @@ def _experts(config, gemm, wgrad="fp8"):
 
 
 def _recipe(recipe):
-    """``(dispatcher fields, gemm, wgrad)`` of a recipe of ``mxcomm.recipes`` (its name or the
-    Recipe): its precisions with ``permute_align``, or for ``"auto"`` the field ``recipe``.
-    ValueError: an unknown recipe (listing them)."""
+    """``(dispatcher fields, gemm, wgrad)`` of a recipe (name or Recipe). ValueError: unknown."""
     if recipe == "auto" or getattr(recipe, "name", None) == "auto":
         return dict(recipe="auto"), "auto", "fp8"
     if isinstance(recipe, str):
@@ -265,27 +225,18 @@ def _replace(config, cls, make):
 def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_precision="bf16",
                dispatch_grad_precision=None, combine_grad_precision=None, permute_align=0,
                overlap=False):
-    """Replace every ``AllToAllTokenDispatcher.Config`` (and ``TorchAOTokenDispatcher.Config``)
-    in a torchtitan 0.3 config tree by mxcomm's, in place; with a ``recipe``, every
-    ``GroupedExperts.Config`` too, by :class:`MxcommGroupedExperts`'s.
+    """Replace every ``AllToAllTokenDispatcher.Config`` (TorchAO's too) in a torchtitan 0.3
+    config tree by mxcomm's, in place; with a ``recipe``, every ``GroupedExperts.Config`` too.
 
     Args:
-        config: a config tree with ``traverse`` (a model config: ``config.model_spec.model``,
-            a ``MoE.Config``, a ``RoutedExperts.Config``).
-        recipe: None, or a recipe of ``mxcomm.recipes`` (name or Recipe): its four formats,
-            its layout (``fused``: groups padded to :data:`RECIPE_ALIGN` rows, quantized rows
-            reaching the experts as they arrive) and its GEMM (``"fp8"``:
-            ``mxcomm.torch.grouped_mm``) replace the precisions below; ``"auto"``: the recipe
-            chosen per call (the dispatcher's ``recipe`` field, the experts' ``gemm="auto"``;
-            the experts' widths copied into the dispatcher's ``dim`` and ``hidden``).
-        dispatch_precision, combine_precision, dispatch_grad_precision, combine_grad_precision:
-            the wire formats (module docstring), without a recipe.
-        permute_align: without a recipe, 0 (plain rows, groups unpadded) or A > 0 (groups
-            padded to A rows, rows kept in the dispatch precision).
-        overlap: True to run the dispatch's backward beside the experts' weight-gradient GEMM
-            (``mxcomm.torch.ExpertParallel(overlap=True)``'s overlap; eager only) where mxcomm
-            permutes (a ``fused`` recipe, ``"auto"``, or ``permute_align`` > 0); the same bits
-            as False (default). TorchAO's dispatcher has no such field: it is dropped there.
+        config: a config tree with ``traverse`` (``config.model_spec.model``, a ``MoE.Config``,
+            a ``RoutedExperts.Config``).
+        recipe: None, or a recipe of ``mxcomm.recipes`` (name or Recipe): its formats, layout
+            (``fused``: groups padded to :data:`RECIPE_ALIGN`) and GEMM replace the arguments
+            below; ``"auto"``: chosen per call (the experts' widths copied to the dispatcher).
+        dispatch_precision, ..., permute_align: without a recipe, the dispatcher's fields.
+        overlap: the dispatch's backward beside the experts' weight-gradient GEMM (eager only;
+            same bits) where mxcomm permutes; dropped on TorchAO's dispatcher.
     Returns:
         The number of dispatcher configs replaced (0 where EP uses another dispatcher).
     Raises:
@@ -332,11 +283,9 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
 def mxcomm_token_dispatcher(cfg, *, dispatch_precision="mxfp8", combine_precision="bf16",
                             dispatch_grad_precision=None, combine_grad_precision=None,
                             permute_align=0):
-    """torchtitan 0.3 override (``--override.imports
-    'mxcomm.integrations.torchtitan.mxcomm_token_dispatcher={...}'``): every
-    ``AllToAllTokenDispatcher.Config`` (TorchAO's included) becomes mxcomm's, with these
-    precisions (the JSON object's keys). Returns the replacement config. For a recipe (the
-    experts too) use :func:`mxcomm_moe`."""
+    """torchtitan 0.3 override: ``cfg`` (a dispatcher config, TorchAO's included) as mxcomm's
+    with these fields (the JSON object's keys); returns the new config. Recipes:
+    :func:`mxcomm_moe`."""
     return _converted(cfg, dict(dispatch_precision=dispatch_precision,
                                 combine_precision=combine_precision,
                                 dispatch_grad_precision=dispatch_grad_precision,
@@ -345,19 +294,15 @@ def mxcomm_token_dispatcher(cfg, *, dispatch_precision="mxfp8", combine_precisio
 
 
 def mxcomm_moe(cfg, *, recipe, overlap=False):
-    """torchtitan 0.3 override (``--override.imports
-    'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``, with
-    ``"overlap": true`` for the backward overlap): every ``RoutedExperts.Config`` gets mxcomm's
-    dispatcher and experts for ``recipe`` (:func:`use_mxcomm`). Returns the config, changed in
-    place."""
+    """torchtitan 0.3 override on ``RoutedExperts.Config``: :func:`use_mxcomm` with ``recipe``
+    and ``overlap``; returns ``cfg``, changed in place."""
     use_mxcomm(cfg, recipe=recipe, overlap=overlap)
     return cfg
 
 
 def register():
     """Register :func:`mxcomm_token_dispatcher` and :func:`mxcomm_moe` with torchtitan's
-    overrides (idempotent). Done when this module is imported with torchtitan installed, in
-    either order of imports."""
+    overrides (idempotent; done at import when torchtitan is installed)."""
     import importlib
 
     from torchtitan.models.common import token_dispatcher as td
@@ -378,8 +323,8 @@ def patch_expert_parallel(precision="mxfp8"):
     """torchtitan 0.2.x: route ``ExpertParallel``'s token exchanges through mxcomm.
 
     Sets ``torchtitan.distributed.expert_parallel.all_to_all_single_autograd`` to
-    ``mxcomm.torch.all_to_all_single_fn(precision)`` (the token counts keep torch's own
-    ``all_to_all_single``). Call it before the model's forward.
+    ``mxcomm.torch.all_to_all_single_fn(precision)`` (counts stay torch's); call it before the
+    model's forward.
 
     Returns:
         The function it replaced (assign it back to undo).
@@ -403,8 +348,7 @@ def _torchtitan_installed():
         return False
 
 
-# Registered now, whichever was imported first: torchtitan imports this module by name for an
-# override that names it, and a module imported earlier (before torchtitan's config) is not run
-# again then.
+# Registered now: a module imported before torchtitan's config is not run again when torchtitan
+# imports it by name for an override.
 if _torchtitan_installed():
     register()

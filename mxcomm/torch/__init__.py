@@ -3,12 +3,10 @@
 Glossary: M rows sent by this rank, N = M_recv rows received, P permuted rows, D hidden, H GEMM
 output, E experts, E_local experts per rank, W ranks.
 
-Tensors cross to arrays zero-copy (CUDA tensors as CuPy arrays over their memory, CPU tensors as
-NumPy arrays; bf16 as ml_dtypes' bf16, fp8 as uint8 bits); results are allocated by torch, and work
-is enqueued on torch's current stream. Given a layout, a plain tensor on its route
-(``mxcomm.route``) is passed by its address (docs/design.md, "One route"). Quantized values
-travel as a bf16-typed :class:`QuantizedTensor` (``"mxfp8"``: :class:`MXFP8Tensor`), so that
-autograd hands them bf16 gradients; any other torch op sees its dequantized values::
+Tensors cross to arrays zero-copy (``mxcomm._torch_arrays``); torch allocates the results, work
+is enqueued on torch's current stream. Quantized values travel as a bf16-typed
+:class:`QuantizedTensor` (``"mxfp8"``: :class:`MXFP8Tensor`), so autograd hands them bf16
+gradients; any other torch op sees its dequantized values::
 
     forward:   x --a2a_dispatch--> MXFP8Tensor --permute--> MXFP8Tensor --GEMM--> bf16
                  --unpermute--> bf16 --a2a_combine--> out

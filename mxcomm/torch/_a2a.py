@@ -18,12 +18,11 @@ class _A2ADispatch(torch.autograd.Function):
               ``"mxfp8"``) or a plain tensor (``"bf16"``, ``"native"``); sends
               ``input_splits``, receives ``output_splits``. With ``permute_align``: ``permute``'s
               triple, permuted (P, D) rows (indices and offsets not differentiable).
-    Backward: grad (N, D), or (P, D) permuted -> (M, D) bf16, combine direction, in
-              ``grad_precision``.
+    Backward: grad (N, D), or (P, D) permuted -> (M, D) bf16 in ``grad_precision``.
 
-    The arguments but ``x`` travel as one tuple, ``call`` = (input_splits, output_splits, comm,
-    precision, grad_precision, layout, permute_align): autograd's ``apply`` spends host time
-    on every argument.
+    The arguments but ``x`` travel as one tuple ``call`` (autograd's ``apply`` spends host time
+    per argument): (input_splits, output_splits, comm, precision, grad_precision, layout,
+    permute_align).
     """
 
     @staticmethod
@@ -51,11 +50,9 @@ class _A2ACombine(torch.autograd.Function):
     """Step 5, the combine all-to-all.
 
     Forward:  y (N, H) bf16, or (P, H) permuted with ``permute_align`` -> (M, H) bf16 in
-              ``precision``; sends ``output_splits``, receives ``input_splits``.
-    Backward: grad (M, H) bf16 -> (N, H), or (P, H) permuted, QuantizedTensor of
-              ``grad_precision`` (quantized formats) or a plain tensor, dispatch direction.
-
-    The arguments but ``y`` travel as one tuple, as :class:`_A2ADispatch`'s.
+              ``precision``. ``call`` as :class:`_A2ADispatch`'s.
+    Backward: grad (M, H) bf16 -> (N, H), or (P, H) permuted, a QuantizedTensor of a quantized
+              ``grad_precision``, else a plain tensor.
     """
 
     @staticmethod
@@ -80,23 +77,17 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
                  grad_precision="bf16", *, layout=None, permute_align=None):
     """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
 
-    See :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the backward's wire format. Give the
-    layout (``a2a_dispatch(x, layout)``) for calls without any host collective.
+    Arguments, shapes and errors as :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the
+    backward's wire format. With a layout, no host collective.
 
-    ``permute_align=A`` (with the layout): steps 1 and 2 in one, bit for bit ``permute(
-    a2a_dispatch(x, layout, ...), layout, align=A)``, forward and backward: returns
-    ``(permuted (P, D), permuted_indices (P,) int32, group_offsets (E_local,) int32)``, the
-    received rows scattered straight into their permuted rows where the precision is quantized
-    (no copy into received order, no separate permute pass), and the backward takes the permuted
-    gradient (an MXFP8 ``grad_precision`` quantizes it in place; docs/design.md, "The expert
-    side of an exchange in permute's order"). No ``out_format``: for a conversion in the
-    permute, call :func:`permute` separately.
+    ``permute_align=A`` (with the layout): bit for bit ``permute(a2a_dispatch(x, layout, ...),
+    layout, align=A)``, forward and backward, in one pass: returns ``(permuted (P, D),
+    permuted_indices (P,) int32, group_offsets (E_local,) int32)``; the backward takes the
+    permuted gradient. For an ``out_format``, call :func:`permute` separately.
 
-    Under ``torch.compile`` the exchange is the custom op ``mxcomm::exchange``: the layout is
-    the :class:`LayoutHandle` that :func:`exchange_layout` returns in the compiled region,
-    ``comm`` (with splits) may also be a ProcessGroup, and a quantized result comes back
-    dequantized to bf16 (the same values; warned once; docs/design.md, "torch.compile and
-    custom ops").
+    Under ``torch.compile``: the custom op ``mxcomm::exchange``, with the :class:`LayoutHandle`
+    :func:`exchange_layout` returns there (or splits and a ``comm`` that may be a ProcessGroup);
+    docs/design.md, "torch.compile and custom ops".
     """
     if precision not in _a2a.PRECISIONS or grad_precision not in _a2a.PRECISIONS:
         _a2a._check_precision(precision)  # a Format, or an unknown name: ValueError
@@ -112,16 +103,14 @@ def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="
     """Step 5, differentiable: (N, H) -> (M, H); splits (or the layout) as given to
     :func:`a2a_dispatch`.
 
-    The gradient of ``y`` is a QuantizedTensor of ``grad_precision`` when that is a quantized
-    format (an MXFP8Tensor for ``"mxfp8"``).
+    The gradient of ``y`` is a QuantizedTensor of a quantized ``grad_precision``.
 
-    ``permute_align=A`` (with the layout): steps 4 and 5 in one, bit for bit ``a2a_combine(
-    unpermute(y, permuted_indices, layout), layout, ...)`` with ``permuted_indices`` the
-    layout's for ``align=A``: ``y`` is the permuted (P, H) rows (padding rows ignored), and the
-    gradient of ``y`` comes back permuted (padding rows zero with the format's padding scale),
-    scattered straight from where it arrives when ``grad_precision`` is quantized (no separate
-    unpermute backward pass; docs/design.md). No ``grad_format``: for a conversion, call
-    :func:`unpermute` separately. Under ``torch.compile``: as :func:`a2a_dispatch`.
+    ``permute_align=A`` (with the layout): bit for bit ``a2a_combine(unpermute(y,
+    permuted_indices, layout), layout, ...)`` in one pass: ``y`` is the permuted (P, H) rows
+    (padding ignored) and its gradient comes back permuted (padding rows zero, the format's
+    padding scale). For a ``grad_format``, call :func:`unpermute` separately. Under
+    ``torch.compile``: as :func:`a2a_dispatch`, the quantized gradient dequantized to bf16
+    (warned once).
     """
     if precision not in _a2a.PRECISIONS or grad_precision not in _a2a.PRECISIONS:
         _a2a._check_precision(precision)  # a Format, or an unknown name: ValueError

@@ -11,9 +11,7 @@ from ._ops import _communicators, _resolve_group, exchange
 
 
 class _AllToAllSingle(torch.autograd.Function):
-    """The drop-in for ``all_to_all_single_autograd``.
-
-    Forward:  x (M, D) -> (sum(output_splits), D) of x's dtype: quantize, exchange, dequantize.
+    """Forward:  x (M, D) -> (sum(output_splits), D) of x's dtype: quantize, exchange, dequantize.
     Backward: grad -> (M, D): the same with the splits swapped.
     """
 
@@ -47,8 +45,7 @@ def _splits(splits, name):
 
 
 def _exact_over(comm, input, output_split_sizes, input_split_sizes):
-    """torch's semantics on an mxcomm communicator without a torch group (built from MPI): the
-    rows' bytes moved exactly, even splits for None; no autograd (integer tensors)."""
+    """torch's exact semantics over a communicator with no torch group (MPI); no autograd."""
     world = comm.size
     rows = input.shape[0]
     if output_split_sizes is None or input_split_sizes is None:
@@ -65,46 +62,34 @@ def _exact_over(comm, input, output_split_sizes, input_split_sizes):
 
 def all_to_all_single(input, output_split_sizes=None, input_split_sizes=None, group=None,
                       tag="", *, precision="mxfp8"):
-    """Drop-in for torch's ``all_to_all_single_autograd(input, output_split_sizes,
-    input_split_sizes, group, tag)`` (``torch.distributed._functional_collectives``), with the
-    rows in ``precision`` on the wire. Differentiable: the backward is the same exchange with
-    the splits swapped, in the same precision.
+    """torch's ``all_to_all_single_autograd`` (same signature and result), the rows in
+    ``precision`` on the wire. Differentiable: the backward is the same exchange with the
+    splits swapped, in the same precision.
 
-    Same signature and result as torch's: rows (first-axis slices) of ``input``,
-    ``input_split_sizes[r]`` of them to rank r; the result holds ``output_split_sizes[r]`` rows
-    from each rank r, in rank order, in ``input``'s dtype and trailing shape. Collective over
-    ``group``; with explicit splits the call is checked across ranks first (the vote: one small
-    host allgather), so bad splits on any rank raise the same error on every rank.
-
-    Passed through to torch's own collective, unchanged (same result, an
-    ``AsyncCollectiveTensor`` as torch returns): integer and bool tensors (e.g. token counts),
-    ``None`` splits (even splits), and ``"native"`` where mxcomm's exchange does not take the
-    dtype (other than bf16/fp32). With an mxcomm communicator built from MPI (no torch group)
-    those move exactly through it instead (no autograd: integer rows).
+    Passed to torch's own collective unchanged: integer and bool tensors, ``None`` splits (even
+    splits), ``"native"`` on dtypes other than bf16/fp32; over a communicator with no torch
+    group (MPI) these move exactly through it, without autograd.
 
     Host syncs and collectives: the first call on a group builds its communicator (collective);
-    an explicit-splits call votes (one host allgather over the side channel); the exchange itself
-    is the communicator's (NCCL on the device, or blocking on the host).
+    an explicit-splits call votes (one host allgather), so bad splits raise on every rank; the
+    exchange is the communicator's.
 
     Args:
-        input: (M, ...) tensor, floating point (bf16 or fp32 for a low precision; with D, the
-            elements of a row, a multiple of the format's block, 32 for MXFP8) or integer. Read.
-        output_split_sizes: W ints, rows received from each rank; or None (with
-            ``input_split_sizes`` None) for even splits.
-        input_split_sizes: W ints, rows sent to each rank (sum = M); or None.
-        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh`` (mapped to a cached
-            communicator over its ranks, :func:`communicator_for`), an mxcomm communicator, or
-            None for torch.distributed's default group.
-        tag: passed to torch's collective where it runs; otherwise unused.
-        precision: wire format: ``"mxfp8"`` (default), ``"bf16"`` (fp32 rows rounded to bf16),
-            ``"native"`` (the input's dtype, exact), or any format of ``mxcomm.formats``.
+        input: (M, ...) tensor: bf16/fp32 for a low precision (a row's elements a multiple of
+            the format's block, 32 for MXFP8), or any dtype torch's takes. Read.
+        output_split_sizes, input_split_sizes: W ints each (rows from / to each rank; the
+            latter sums to M), or both None.
+        group: a ``ProcessGroup``, a 1-D ``DeviceMesh``, an mxcomm communicator, or None
+            (torch.distributed's default group); :func:`communicator_for`.
+        tag: passed to torch's collective where it runs.
+        precision: ``"mxfp8"`` (default), ``"bf16"``, ``"native"`` (exact), or any format of
+            ``mxcomm.formats``.
     Returns:
         (sum(output_split_sizes), ...) tensor of ``input``'s dtype on its device.
     Raises:
-        TypeError: ``group`` of another type (the message names ProcessGroup, DeviceMesh and
-            mxcomm communicator); a dtype the precision does not take.
-        ValueError: an unknown precision; splits of the wrong length, negative or not adding up
-            to the rows (same message on every rank); D not a multiple of the format's block.
+        TypeError: ``group`` of another type; a dtype the precision does not take.
+        ValueError: an unknown precision; bad splits (on every rank); a row not a multiple of
+            the format's block.
         TimeoutError: a peer did not arrive within the communicator's timeout.
     """
     comm, pg = _resolve_group(group)
@@ -128,17 +113,9 @@ def all_to_all_single(input, output_split_sizes=None, input_split_sizes=None, gr
 
 
 def all_to_all_single_fn(precision="mxfp8", group=None):
-    """A function with the signature of torch's ``all_to_all_single_autograd`` that runs
-    :func:`all_to_all_single` in ``precision``: what a caller that takes torch's function (or
-    a module that imports it, patched) is given.
+    """A function of torch's ``all_to_all_single_autograd`` signature running
+    :func:`all_to_all_single` in ``precision``; a call's ``group`` wins over the bound ``group``.
 
-    ``fn(input, output_split_sizes=None, input_split_sizes=None, group=None, tag="")``; a call's
-    ``group`` wins, else the bound ``group`` (None: torch.distributed's default group).
-
-    Args:
-        precision: the wire format of every call (as :func:`all_to_all_single`).
-        group: the group used when a call passes none: a ``ProcessGroup``, a 1-D
-            ``DeviceMesh``, an mxcomm communicator, or None.
     Raises:
         ValueError: an unknown precision (now, not at the first call).
     Example (torchtitan 0.2.x, in the training script before the model is parallelized)::

@@ -9,17 +9,13 @@ experts).
                                 str wgrad, bool[] fast_accum, bool needs_dx, bool needs_dw,
                                 ..., Tensor? w_b=None) -> (Tensor dx, Tensor dw, Tensor dw_b)
 
-``w_b``: a second weight read by the same GEMM (``grouped_mm(x, (w1, w3), offs)``: one GEMM
-over [w | w_b]); the op joins them where eager does (no join in the graph, no joined copy saved
-for the backward); ``dw_b`` is (0,) without it.
+``w_b``: a second weight of the same GEMM, joined inside the op as eager does (no joined copy
+in the graph or saved); ``dw_b`` is (0,) without it. A QuantizedTensor ``x`` arrives as its data
+with ``x_scales`` and ``x_format`` (its ``__torch_dispatch__``).
 
-Their bodies are ``mxcomm._torch_gemm._GroupedMM``'s forward and backward (one implementation),
-run with a plain record for ``ctx``: mxcomm's fp8 quantize kernels run inside the op, where
-dynamo does not look. ``fp8`` None decides when the op runs (``fp8_gemm_available``), so the
-traced graph asks nothing of the device. The backward op quantizes the forward's rows again
-where the fp8 weight gradient reads them (the forward's fp8 rows are not an output of the op):
-one quantize pass more than eager, on the compiled path only. A QuantizedTensor given to the op
-arrives dequantized (its ``__torch_dispatch__``), as torch ops see it.
+The bodies are ``_torch_gemm._GroupedMM``'s forward and backward with a plain ``ctx``; ``fp8``
+None is decided when the op runs, so the graph asks nothing of the device. The backward op
+quantizes the forward's rows again for the fp8 wgrad: one pass more than eager.
 """
 
 import torch
@@ -42,10 +38,8 @@ class _Context:
 
 
 def _resolved(fp8, ws, wgrad, fast_accum, quantized):
-    """``(fp8 decided on the weights' device, the set of GEMMS names fast_accum flags)``; raises
-    as ``grouped_mm``. ``ws``: the weights; ``fast_accum``: one flag per name of
-    ``_torch_gemm.GEMMS``; ``quantized``: the rows are quantized (``fp8=None`` runs the fp8
-    GEMMs for those only, as eager does)."""
+    """``(fp8 decided on the weights' device, the fast_accum flags as a set of GEMMS names)``;
+    raises as ``grouped_mm`` does."""
     w = ws[0]
     available = _torch_gemm.fp8_gemm_available(w.device)
     if fp8 and not available:

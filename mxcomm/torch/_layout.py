@@ -12,14 +12,12 @@ from . import _ops
 
 # ---------------------------------------------------------------------------------- public
 class TensorLayout(_layout.Layout):
-    """:class:`mxcomm.layout.Layout` on tensors: ``group_tensor`` is its (E,) int32
-    ``num_tokens_per_expert_group`` as a tensor (the array is a view of it); unpacks as
-    ``(group tensor, input_splits, output_splits)``."""
+    """:class:`mxcomm.layout.Layout` whose ``group_tensor`` is its (E,) int32
+    ``num_tokens_per_expert_group``; unpacks as ``(group tensor, input_splits, output_splits)``."""
 
     @classmethod
     def of(cls, layout):
-        """The layout on tensors of the array API's ``layout`` (its group array exported as a
-        tensor through DLPack)."""
+        """The array API's ``layout`` on tensors."""
         self = cls(layout.comm, layout.num_tokens_per_expert_group, layout.counts,
                    layout.num_local_experts)
         self.group_tensor = _tensor(layout.num_tokens_per_expert_group)
@@ -40,12 +38,9 @@ def exchange_layout(num_tokens_per_expert, comm):
         comm: an mxcomm communicator, or a ProcessGroup or 1-D DeviceMesh (its
             :func:`communicator_for`).
     Returns:
-        A :class:`TensorLayout`: pass it to :func:`a2a_dispatch`, :func:`permute`,
-        :func:`unpermute` and :func:`a2a_combine` (no host collective per call); it unpacks as
-        ``(num_tokens_per_expert_group (E,) int32 tensor, input_splits, output_splits)``.
-        While ``torch.compile`` traces: a :class:`LayoutHandle` (the op
-        ``mxcomm::exchange_layout``), which the exchanges take with ``permute_align``
-        (docs/design.md, "torch.compile and custom ops").
+        A :class:`TensorLayout` for the steps' calls (no host collective per call). While
+        ``torch.compile`` traces: a :class:`LayoutHandle` (the op ``mxcomm::exchange_layout``),
+        which the exchanges take with ``permute_align``.
     """
     if torch.compiler.is_compiling():
         return traced_layout(num_tokens_per_expert, comm)
@@ -86,8 +81,7 @@ def _(num_tokens_per_expert, group):
 
 
 def traced_layout(num_tokens_per_expert, group):
-    """:func:`mxcomm.torch.exchange_layout` while ``torch.compile`` traces: the op's handle in a
-    :class:`LayoutHandle` (``group``: a communicator or a ProcessGroup)."""
+    """:func:`exchange_layout` while ``torch.compile`` traces: the op's :class:`LayoutHandle`."""
     num_local_experts = num_tokens_per_expert.shape[0] // _ops._group_size(group)
     handle = torch.ops.mxcomm.exchange_layout(num_tokens_per_expert, _ops.group_key(group))
     return _ops.LayoutHandle(handle, num_local_experts)

@@ -35,16 +35,13 @@ _PG, _COMM = "pg:", "comm:"
 
 
 class LayoutHandle:
-    """A layout inside a compiled region: what :func:`mxcomm.torch.exchange_layout` returns
-    while ``torch.compile`` traces. Pass it where a layout goes (``a2a_dispatch(x, layout,
-    permute_align=A)``, ``a2a_combine(y, layout, permute_align=A)``).
+    """What :func:`mxcomm.torch.exchange_layout` returns while ``torch.compile`` traces; pass it
+    where a layout goes.
 
     Attributes:
-        handle: (1,) int64 CPU tensor naming the layout in the registry (``mxcomm::exchange``'s
-            ``layout``).
+        handle: (1,) int64 CPU tensor naming the layout in the registry.
         num_local_experts: E_local.
-        rows: M, the token rows of the dispatch made with it (set by :func:`a2a_dispatch`; the
-            combine's result rows), or -1 before.
+        rows: M, set by the dispatch made with it (the combine's result rows), or -1 before.
     """
 
     def __init__(self, handle, num_local_experts):
@@ -104,8 +101,7 @@ _registry = _Registry()
 
 
 def group_key(group):
-    """The string an op takes for ``group``: a ProcessGroup or a 1-D DeviceMesh
-    (``"pg:<group_name>"``; traceable) or an mxcomm communicator (``"comm:<id>"``; registered
+    """The string key an op takes for ``group`` (module docstring; a communicator registered
     when called outside a trace).
 
     Raises:
@@ -140,13 +136,9 @@ def _warn_once(key, message):
 
 
 class _Communicators:
-    """The mxcomm communicator of each torch.distributed process group the drop-in is given.
-
-    Built on first use over the group's ranks (``mxcomm.comm.init(group=...)``: collective, so
-    every rank of the group makes that first call together, as any collective), then reused;
-    after a timeout it stays aborted (its calls raise ``RuntimeError``: start a fresh job). Keys
-    are weak: a communicator lives as long as its group. A DeviceMesh maps to its group, so a
-    mesh and its group share one communicator.
+    """The mxcomm communicator of each process group, built collectively on first use and kept
+    as long as the group (weak keys). An aborted one stays (its calls raise); a closed one is
+    rebuilt.
     """
 
     def __init__(self):
@@ -156,7 +148,6 @@ class _Communicators:
     def get(self, pg):
         """The open communicator of ``pg`` (a ``ProcessGroup``), built if needed."""
         comm = self._by_group.get(pg)
-        # Closed (by the caller, on every rank): a new one. Aborted stays: its calls raise.
         if comm is None or comm.closed:
             from ..comm import init
             comm = self._by_group[pg] = init(group=pg)
@@ -167,16 +158,15 @@ _communicators = _Communicators()
 
 
 def communicator_for(group):
-    """The mxcomm communicator the drop-in uses for ``group`` (built on first use, cached).
+    """The mxcomm communicator for ``group`` (built on first use, collectively; cached).
 
     Args:
-        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh`` (its group), an mxcomm
+        group: a torch.distributed ``ProcessGroup``, a 1-D ``DeviceMesh``, an mxcomm
             communicator (returned as is), or None for torch.distributed's default group.
     Returns:
-        A communicator over the group's ranks (``mxcomm.comm.init(group=...)``; on a CPU the
-        torch host backend, on GPUs NCCL), registered for the custom ops: a communicator used
-        inside ``torch.compile`` must have passed through here (or ``exchange_layout``)
-        outside it first.
+        A communicator over the group's ranks (NCCL on GPUs, the torch host backend on a CPU),
+        registered for the custom ops: one used inside ``torch.compile`` must have passed
+        through here (or ``exchange_layout``) outside it first.
     Raises:
         TypeError: ``group`` of another type (the message names what is accepted), or None
             while torch.distributed is not initialized.
@@ -197,8 +187,7 @@ def communicator_for(group):
 
 
 def _resolve_group(group):
-    """``(communicator or None, ProcessGroup or None)`` of a drop-in's ``group``; TypeError
-    naming what is accepted."""
+    """``(communicator or None, ProcessGroup or None)`` of ``group``; TypeError otherwise."""
     from ..comm import Communicator
     if isinstance(group, Communicator):
         return group, group.group
@@ -228,11 +217,9 @@ def _exchange_op(rows: torch.Tensor, layout: torch.Tensor | None, function: str,
                  precision: str, permute_align: int, out_rows: int, num_local_experts: int,
                  keep_quantized: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One exchange of ``mxcomm.route.CALLS`` (``function``): ``(rows, scales,
-    permuted_indices, group_offsets)``; a quantized result as its data (float8_e4m3fn) and
-    scales with ``keep_quantized``, else dequantized to bf16 (scales (0,)); the index and the
-    offsets (0,) int32 unless the result is permuted (``permute_align`` > 0 in the dispatch
-    direction)."""
+    """One exchange ``function``: ``(rows, scales, permuted_indices, group_offsets)``; with
+    ``keep_quantized``, a quantized result's float8_e4m3fn data and scales, else bf16 and (0,)
+    scales; index and offsets (0,) int32 unless a permuted dispatch."""
     found = _registry.layout(layout) if layout is not None else None
     comm = None if found is not None else _registry.communicator(group)
     out = exchange(function, rows, input_splits, output_splits, comm, precision, found,
@@ -298,15 +285,10 @@ def _(data, scales, format):  # noqa: A002
 # ---------------------------------------------------------------------- what the steps call
 def exchange(function, rows, input_splits, output_splits, comm, precision, layout=None,
              permute_align=None, out_rows=-1):
-    """The exchange ``function`` on the tensor ``rows`` (the autograd Functions of ``_a2a`` and
-    ``_dropin`` call it, and the op's body): in eager its route (``_exchange_direct``: a plain
-    tensor given a layout) or the array API (``_exchange``): a tensor, a QuantizedTensor, or
-    with ``permute_align`` in the dispatch direction permute's triple; while ``torch.compile``
-    traces, the op ``mxcomm::exchange`` (the dispatch's quantized rows as a QuantizedTensor
-    made in the graph, other quantized results dequantized, warned once).
-
-    ``comm``: an mxcomm communicator, a ProcessGroup (its :func:`communicator_for`), or None
-    with a layout. ``out_rows``: the result's rows where the caller knows them, else -1.
+    """The exchange ``function`` on the tensor ``rows``, for the autograd Functions and the op:
+    eager, the direct route or the array API; traced, the op ``mxcomm::exchange`` (only the
+    dispatch's rows stay quantized). Returns a tensor, a QuantizedTensor, or permute's triple.
+    ``comm``: a communicator, a ProcessGroup, or None with a layout; ``out_rows``: -1 unknown.
     """
     if not torch.compiler.is_compiling():
         if layout is not None and permute_align is None and type(rows) is torch.Tensor and \
@@ -322,12 +304,8 @@ def exchange(function, rows, input_splits, output_splits, comm, precision, layou
         raise RuntimeError(f"{function}: a layout made outside torch.compile cannot be used "
                            f"inside it; call mxcomm.torch.exchange_layout inside the compiled "
                            f"region")
-    # rows typed QuantizedTensor (dynamo types the dispatch's gradient as its output) go into
-    # the op as they are: if one is a QuantizedTensor when the graph is made, its dispatch
-    # hands the op its dequantized values
+    # a QuantizedTensor input goes in as is: its dispatch hands the op its dequantized values
     fmt = _a2a._check_precision(precision)
-    # the dispatch's rows stay quantized (a QuantizedTensor made in the graph); the other
-    # quantized results (the combine's gradient) come back dequantized
     keep = fmt.quantized and function == "a2a_dispatch"
     out, scales, indices, offsets = torch.ops.mxcomm.exchange(
         rows, None if layout is None else layout.handle, function,

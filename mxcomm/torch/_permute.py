@@ -24,9 +24,8 @@ def _not_compiled(name):
 
 
 def _folds_into_dispatch(x, layout):
-    """True where permute's backward may hand its gradient to the dispatch that made ``x`` as a
-    :class:`_PendingGather`: ``x`` is the output of :func:`a2a_dispatch` on the same layout,
-    whose gradient precision quantizes gathered rows."""
+    """True where ``x`` is :func:`a2a_dispatch`'s output on ``layout`` with a gradient format that
+    quantizes gathered rows: permute's backward then hands it a :class:`_PendingGather`."""
     node = x.grad_fn
     backward = getattr(_A2ADispatch, "_backward_cls", None)
     if layout is None or backward is None or not isinstance(node, backward):
@@ -40,12 +39,10 @@ def _folds_into_dispatch(x, layout):
 class _Permute(torch.autograd.Function):
     """Step 2, received order -> expert-major groups padded to ``align`` rows.
 
-    Forward:  x (N, D) bf16 or QuantizedTensor -> permuted (P, D) of the same kind (data and
-              scales move together; ``out_format``: converted), permuted_indices (P,) int32,
-              group_offsets (E_local,) int32.
-    Backward: grad (P, D) -> (N, D), a scatter back to received order (padding rows dropped);
-              with ``fold`` (:func:`_folds_into_dispatch`), a :class:`_PendingGather` that the
-              dispatch's MXFP8 gradient reads in place instead.
+    Forward:  x (N, D) bf16 or QuantizedTensor -> permuted (P, D) of the same kind (or
+              ``out_format``), permuted_indices (P,) int32, group_offsets (E_local,) int32.
+    Backward: grad (P, D) -> (N, D) scattered back (padding dropped); with ``fold``, a
+              :class:`_PendingGather` the dispatch's gradient reads in place.
     """
 
     @staticmethod
@@ -60,8 +57,8 @@ class _Permute(torch.autograd.Function):
                                                            _stream(x), alloc)
         indices, offsets = _index_tensors(layout, align, indices, offsets, alloc)
         ctx.save_for_backward(indices)
-        # with the layout, its permute's indices name every received row once: the backward's
-        # scatter needs no zero fill first (one pass over the gradient less)
+        # a layout's indices name every received row once: the backward's scatter needs no
+        # zero fill
         ctx.layout = layout
         ctx.num_rows = layout if layout is not None else x.shape[0]
         ctx.inverse = _inverse_index(layout, align, indices) if fold else None
@@ -84,9 +81,8 @@ class _Permute(torch.autograd.Function):
 
 
 def _inverse_index(layout, align, indices):
-    """(N,) int32 tensor: the permuted row of each received row, the inverse of the layout's
-    permute index ``indices`` (P,) (padding rows, -1, land in a dropped slot N); kept beside the
-    layout per ``align``, like the index, and built on the device (no host sync)."""
+    """(N,) int32: the permuted row of each received row, the inverse of ``indices`` (P,);
+    cached on the layout per ``align``, built on the device (no host sync)."""
     key = ("torch permute inverse", align)
     cached = layout._cache.get(key)
     if cached is not None and cached[0] is indices:
@@ -105,8 +101,8 @@ class _Unpermute(torch.autograd.Function):
     """Step 4, expert-major rows -> received order.
 
     Forward:  y (P, H) bf16 -> (N, H) bf16; padding rows dropped.
-    Backward: grad (N, H) bf16 or QuantizedTensor -> (P, H) of the same kind, a gather (scales
-              kept; padding rows zero with the format's padding scale).
+    Backward: grad (N, H) bf16 or QuantizedTensor -> (P, H) of the same kind (or
+              ``grad_format``), a gather; padding rows zero with the format's padding scale.
     """
 
     @staticmethod
@@ -141,18 +137,17 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         num_local_experts: E_local (not needed with a layout).
         align: rows each group is padded to a multiple of.
         out_format: None, or a format to convert quantized rows to in the same pass
-            (:func:`mxcomm.permute`): ``"bf16"`` from an MXFP8Tensor gives a plain bf16 tensor,
-            dequantized in the gather (for a bf16 grouped GEMM: one pass instead of a permute
-            and a dequantize); ``"fp8_rowwise"`` a QuantizedTensor for the fp8 grouped GEMM.
-            The gradient of ``x`` is bf16 either way.
+            (:func:`mxcomm.permute`; ``"bf16"``: dequantized in the gather). The gradient of
+            ``x`` is bf16 either way.
     Returns:
-        ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``;
-        ``group_offsets`` is the ``offs`` of ``torch._grouped_mm``. With a layout, when ``x``
-        is :func:`a2a_dispatch`'s output on it with an MXFP8 ``grad_precision``, the backward
-        hands the dispatch its permuted gradient to quantize in place (no bf16 rows written in
-        received order; the same bits, docs/design.md).
+        ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``
+        (``group_offsets``: ``torch._grouped_mm``'s ``offs``). Where ``x`` is
+        :func:`a2a_dispatch`'s output on the layout, the backward hands the dispatch its
+        permuted gradient to quantize in place (same bits).
     Raises:
-        ValueError: with a layout, ``x`` has another number of rows than it receives.
+        ValueError: with a layout, ``x`` has another number of rows than it receives; an
+            unknown ``out_format``.
+        TypeError: no layout and no ``num_local_experts``.
     """
     _not_compiled("permute")
     if isinstance(num_tokens_per_expert_group, _layout.Layout):
@@ -173,11 +168,9 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
 def unpermute(y, permuted_indices, num_rows, *, grad_format=None):
     """Step 4, differentiable: (P, H) -> (num_rows, H) in received order.
 
-    ``num_rows`` is N, or the layout whose permute made ``permuted_indices`` (its
-    ``num_received``; its indices name every received row once, so the result needs no
-    zero fill: one pass less). ``grad_format``: None, or a format the backward converts a
-    quantized gradient to in its gather, as :func:`permute`'s ``out_format`` does: ``"bf16"``
-    gives the bf16 grouped GEMM's backward plain bf16 rows, with no separate dequantize pass.
+    ``num_rows``: N, or the layout whose permute made ``permuted_indices`` (no zero fill then).
+    ``grad_format``: None, or a format the backward converts a quantized gradient to in its
+    gather, as :func:`permute`'s ``out_format``.
 
     Raises:
         ValueError: ``grad_format`` is not a format.

@@ -11,14 +11,13 @@ from .._array import bfloat16
 from .._torch_arrays import _TORCH_DTYPES, _array, _stream, _view
 from ..formats import get_format
 
-# array dtype of a quantized format's data / scales -> the torch dtype its tensor has
-# (fp8 travels as uint8 bits: data is e4m3fn, uint8 scales are e8m0)
+# array dtype of a quantized format's scales -> torch dtype (uint8 bits are e8m0; data e4m3fn)
 _DATA_DTYPE = torch.float8_e4m3fn
 _SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
                  numpy.dtype(numpy.float32): torch.float32}
 #: The scale rounding of every exchange made through this module (the array API's default).
 _SCALE_MODE = "rceil"
-# (kind, array dtype) of a direct call's result (``mxcomm.a2a._Direct``) -> its torch dtype
+# (kind, array dtype) of an array ``mxcomm.route.arrays`` lists -> its torch dtype
 _DIRECT_DTYPES = {("rows", dtype): torch_dtype for dtype, torch_dtype in _TORCH_DTYPES.items()}
 _DIRECT_DTYPES.update({("data", numpy.dtype(numpy.uint8)): _DATA_DTYPE})
 _DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
@@ -26,8 +25,8 @@ _DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
 
 
 def _dequantized(t):
-    """The bf16 values of the QuantizedTensor ``t`` as a plain tensor (no autograd), allocated by
-    torch (no DLPack import per call)."""
+    """The bf16 values of the QuantizedTensor ``t`` as a plain tensor allocated by torch (no
+    autograd)."""
     if type(t.qdata) is not torch.Tensor or torch.compiler.is_compiling():
         # traced (fake or functional inner tensors): the op mxcomm::dequantize (torch._ops)
         return torch.ops.mxcomm.dequantize(t.qdata, t.scales, t.format_name)
@@ -49,14 +48,11 @@ class QuantizedTensor(torch.Tensor):
     """An (M, D) tensor of a quantized format (``mxcomm.formats``) that autograd and torch ops see
     as bf16.
 
-    Holds ``qdata`` (M, D) ``torch.float8_e4m3fn``, ``scales`` of the format's scale shape
-    (``format.scales_shape(M, D)``: ``torch.float8_e8m0fnu`` (M, D // 32) for mxfp8,
-    ``torch.float32`` (M,) for fp8_rowwise, (M, D // 128) for the block128 formats) and
-    ``format`` (a :class:`~mxcomm.formats.Format`). Its dtype is bf16, so gradients flowing into it
-    are bf16 of the same shape. :meth:`dequantize` is differentiable (straight-through); any other
-    torch op dequantizes it and runs on bf16 (``detach`` keeps it quantized), so
-    ``torch._grouped_mm`` or a slice "just works" on it. Constructing one with the ``"mxfp8"``
-    format gives an :class:`MXFP8Tensor`.
+    Holds ``qdata`` (M, D) ``torch.float8_e4m3fn``, ``scales`` (``format.scales_shape(M, D)``:
+    float8_e8m0fnu (M, D // 32) for mxfp8, float32 (M,) for fp8_rowwise, (M, D // 128) for the
+    block128 formats) and ``format``. Its dtype is bf16, so its gradients are bf16;
+    :meth:`dequantize` is straight-through; any other torch op but ``detach`` runs on its
+    dequantized values. The ``"mxfp8"`` format gives an :class:`MXFP8Tensor`.
 
     Args:
         qdata: (M, D) float8_e4m3fn (or uint8 bits) tensor.
@@ -115,7 +111,7 @@ class QuantizedTensor(torch.Tensor):
         if func is torch.ops.aten.detach.default:
             (t,) = args
             return QuantizedTensor(t.qdata, t.scales, t.format)
-        if func in _GEMM_OPS:  # the grouped GEMM's ops read the rows as they are (torch._gemm_op)
+        if func in _GEMM_OPS:  # the grouped GEMM's ops read the rows as they are (_gemm_op)
             names = [a.name for a in func._schema.arguments]
             bound = dict(zip(names, args), **(kwargs or {}))  # by name: any given positionally
             t = bound[names[_GEMM_OPS[func]]]
@@ -133,10 +129,8 @@ _GEMM_OPS = {}
 
 
 def _quantized_tensor(qdata, scales, fmt, cls=None, requires_grad=False):
-    """A QuantizedTensor of ``qdata`` (float8_e4m3fn) and ``scales`` (the format's torch dtype)
-    of the quantized Format ``fmt``, unchecked: the constructor's end after its checks, and the
-    whole of it for results this package made with the format's dtypes and shapes. ``cls``:
-    the class (None: MXFP8Tensor for mxfp8, else QuantizedTensor)."""
+    """A QuantizedTensor of ``fmt``, unchecked (for results this package made; the constructor
+    after its checks). ``cls`` None: MXFP8Tensor for mxfp8, else QuantizedTensor."""
     if cls is None:
         cls = MXFP8Tensor if fmt.name == "mxfp8" else QuantizedTensor
     self = torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.bfloat16,
@@ -147,15 +141,14 @@ def _quantized_tensor(qdata, scales, fmt, cls=None, requires_grad=False):
 
 
 class MXFP8Tensor(QuantizedTensor):
-    """The ``"mxfp8"`` :class:`QuantizedTensor`: ``data_e4m3`` (M, D) ``torch.float8_e4m3fn`` and
-    ``scales_e8m0`` (M, D // 32) ``torch.float8_e8m0fnu`` (one scale per 32 elements of a row),
-    also reachable as ``qdata`` and ``scales``.
+    """The ``"mxfp8"`` :class:`QuantizedTensor` (``qdata``, ``scales`` also named as below).
 
     Args:
         data_e4m3: (M, D) float8_e4m3fn (or uint8 bits) tensor, D % 32 == 0.
         scales_e8m0: (M, D // 32) float8_e8m0fnu (or uint8 bits) tensor, same device.
-        format: ``"mxfp8"`` only (the argument exists for ``QuantizedTensor``'s constructor).
-        requires_grad: as for any tensor.
+        format: ``"mxfp8"`` only (for ``QuantizedTensor``'s constructor).
+    Raises:
+        As :class:`QuantizedTensor`; ValueError for another format.
     """
 
     @staticmethod
@@ -177,11 +170,7 @@ class MXFP8Tensor(QuantizedTensor):
 
 
 class _Dequantize(torch.autograd.Function):
-    """QuantizedTensor -> bf16.
-
-    Forward:  mx (M, D) QuantizedTensor (any format) -> (M, D) bf16.
-    Backward: grad (M, D) bf16 -> the same, unchanged (straight-through).
-    """
+    """Forward: mx (M, D) QuantizedTensor -> (M, D) bf16. Backward: straight-through."""
 
     @staticmethod
     def forward(ctx, mx):

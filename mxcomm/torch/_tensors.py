@@ -24,10 +24,8 @@ _NUMPY_INTS = {1: numpy.uint8, 2: numpy.int16, 4: numpy.int32, 8: numpy.int64}
 
 
 class _Alloc:
-    """The engine's allocator in a torch call (``alloc(shape, dtype)``): results are torch
-    tensors from torch's caching allocator on ``device`` (on torch's current stream, where the
-    call runs), seen as arrays, so they come back as those tensors (:meth:`tensor`) without a
-    DLPack round trip, and the memory stays in torch's pool."""
+    """The engine's ``alloc(shape, dtype)`` in a torch call: torch tensors on ``device`` seen as
+    arrays, handed back as those tensors by :meth:`tensor` (no DLPack, memory in torch's pool)."""
 
     __slots__ = ("_device", "_made")
 
@@ -45,8 +43,7 @@ class _Alloc:
         return a
 
     def tensor(self, a, dtype=None):
-        """The tensor of an array this allocator made (``dtype``: a bit view of it), else
-        :func:`_tensor`'s."""
+        """The tensor of an array made here (``dtype``: a bit view), else :func:`_tensor`'s."""
         for made, t in self._made:
             if made is a:
                 return t if dtype is None else t.view(dtype)
@@ -54,8 +51,7 @@ class _Alloc:
 
 
 def _rows(t, name):
-    """A tensor as what the array API takes: a QuantizedArray (MXFP8Array for mxfp8) for a
-    QuantizedTensor, GatheredRows for a :class:`_PendingGather`, else an array."""
+    """A tensor as the array API's rows: QuantizedArray, GatheredRows or an array."""
     if isinstance(t, QuantizedTensor):
         return t.format.wrap(_array(t.qdata, f"{name}.qdata"), _array(t.scales, f"{name}.scales"))
     if isinstance(t, _PendingGather):
@@ -65,9 +61,8 @@ def _rows(t, name):
 
 
 def _wrap(result, alloc=None):
-    """An array API result as a tensor: a QuantizedTensor (MXFP8Tensor for mxfp8) for a
-    QuantizedArray, else a plain tensor; the tensors ``alloc`` (an :class:`_Alloc`) made for
-    it, where it made them."""
+    """An array API result as a tensor (a QuantizedTensor for a QuantizedArray), reusing the
+    tensors ``alloc`` made."""
     tensor = _tensor if alloc is None else alloc.tensor
     if isinstance(result, QuantizedArray):
         return QuantizedTensor(tensor(result.data, _DATA_DTYPE),
@@ -78,9 +73,8 @@ def _wrap(result, alloc=None):
 
 def _exchange(function, rows, input_splits, output_splits, comm, precision, layout=None,
               permute_align=None):
-    """The array API's ``function`` (``mxcomm.a2a``) on the tensor ``rows`` (plain or a
-    QuantizedTensor), on torch's current stream, results allocated by torch: a tensor (with
-    ``permute_align`` in the dispatch direction, ``permute``'s triple of tensors)."""
+    """The array API's ``function`` on the tensor ``rows``, on torch's current stream, results
+    allocated by torch: a tensor, or ``permute``'s triple of tensors."""
     alloc = _Alloc(rows.device)
     result = _a2a._call(function, _rows(rows, _route.CALLS[function][0]), input_splits,
                         output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc,
@@ -92,11 +86,9 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
 
 
 def _exchange_direct(function, t, layout, precision):
-    """The exchange of the plain tensor ``t`` given ``layout`` on its route (``mxcomm.route``;
-    docs/design.md, "One route"), or None where the engine must take it (another signature,
-    rows that do not fit the layout or the format, a staged exchange whose result is
-    dequantized): O(1) checks, ``t`` passed by its address, results allocated by torch in their
-    final dtypes (a quantized result's data as float8_e4m3fn, its scales as the format's)."""
+    """The exchange of the plain tensor ``t`` given ``layout`` on its route, ``t`` passed by its
+    address after O(1) checks; None where the array API must take it (docs/design.md, "One
+    route")."""
     dtype = _ARRAY_DTYPES.get(t.dtype)
     shape = t.shape
     if dtype is None or len(shape) != 2:
@@ -141,10 +133,8 @@ def _exchange_direct(function, t, layout, precision):
 
 
 def _index_tensors(layout, align, indices, offsets, alloc=None):
-    """The permute index and group offsets (arrays) of ``layout`` for ``align`` as tensors: the
-    tensors ``alloc`` (an :class:`_Alloc`) made them in, else exported through DLPack once;
-    kept beside the layout (the arrays are too), so a later call imports and exports nothing,
-    and :func:`_index_array` finds the index's array from its tensor."""
+    """The permute index and group offsets of ``layout`` for ``align`` as tensors, cached on the
+    layout with the arrays (so :func:`_index_array` finds the array again)."""
     key = ("torch permute index", align)
     cached = layout._cache.get(key) if layout is not None else None
     if cached is None or cached[0] is not indices:
@@ -157,9 +147,7 @@ def _index_tensors(layout, align, indices, offsets, alloc=None):
 
 
 def _index_array(t, layout):
-    """The permute index tensor ``t`` as an array: the one kept beside ``layout`` (a layout or
-    None) where ``t`` is the layout's index tensor (:func:`_index_tensors`), else a view of
-    ``t``."""
+    """The permute index tensor ``t`` as an array: the one cached on ``layout``, else a view."""
     if layout is not None:
         kept = layout._cache.get(("torch index array", id(t)))
         if kept is not None and kept[0] is t:
@@ -168,15 +156,10 @@ def _index_array(t, layout):
 
 
 class _PendingGather(torch.Tensor):
-    """The gradient permute's backward hands dispatch's backward with a layout: (N, D), row i
-    = ``source[inverse[i]]`` of the permuted gradient (P, D), not written yet (docs/design.md,
-    "The permute's backward folded into a quantized dispatch gradient").
-
-    Dispatch's backward reads it as ``permutation.GatheredRows``: a quantized dispatch gradient
-    whose format quantizes gathered rows (MXFP8) reads the permuted rows in place, so the bf16
-    rows in received order are never written and read back. Any other torch op on it (the sum
-    with another gradient of the received rows, a hook) first materializes it (the gather
-    ``GatheredRows.materialize``: the rows permute's backward scatters otherwise, the same bits).
+    """Permute's gradient to the dispatch's backward, not written yet: (N, D), row i =
+    ``source[inverse[i]]`` of the permuted (P, D) gradient, which a quantized dispatch gradient
+    reads in place (docs/design.md, "The permute's backward folded into a quantized dispatch
+    gradient"). Any other torch op materializes it first (the same bits).
     """
 
     @staticmethod
