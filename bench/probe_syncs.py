@@ -17,6 +17,7 @@ a user's layer runs it. Printed by rank 0, after warm-up:
 """
 
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -32,6 +33,7 @@ import mxcomm.torch as mt
 
 ROWS, RECIPE, ITERS = 16384, "fp8_rowwise", 20
 DIM, HIDDEN, E_LOCAL = 7168, 2048, 8
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the repository's
 
 
 def main():
@@ -85,9 +87,8 @@ def main():
     syncs = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f"{f.filename.split('mxcomm/')[-1]}:{f.lineno} {f.name}"
-                  for f in traceback.extract_stack()[:-1] if "mxcomm" in f.filename
-                  or "probe_syncs" in f.filename]
+        frames = [f"{_short(f.filename)}:{f.lineno} {f.name}"
+                  for f in traceback.extract_stack()[:-1] if f.filename.startswith(ROOT)]
         syncs.append(f"{str(message).splitlines()[0][:80]} <- " + " <- ".join(frames[::-1][:6]))
     shown = warnings.showwarning
     warnings.showwarning = record
@@ -118,9 +119,14 @@ def main():
     comm.close()
 
 
+def _short(path):
+    """``path`` from the repository's root or from site-packages, where it is under one."""
+    return path.split("site-packages" + os.sep)[-1].replace(ROOT, "")
+
+
 def _table(stats, top=25):
     """The ``top`` functions by own time and by inclusive time, in us, with their calls."""
-    rows = [(f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({name})",
+    rows = [(f"{_short(file)}:{line}({name})",
              calls, own * 1e6, inclusive * 1e6)
             for (file, line, name), (_, calls, own, inclusive, _) in stats.stats.items()]
     total = sum(r[2] for r in rows)
