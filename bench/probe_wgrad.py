@@ -30,6 +30,8 @@ Run: ``python bench/probe_wgrad.py [--rows-per-expert N] [--dim D] [--hidden F] 
 
 import argparse
 import math
+import os
+import sys
 
 import torch
 
@@ -181,24 +183,9 @@ def check_against_mxcomm(x, w1, w2, w3, dy, offs):
     from mxcomm import _torch_gemm
     import mxcomm.torch as mt
 
-    def emulated(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
-        if b.dim() == 3:
-            xa = a.double() * scale_a.double()[:, None]
-            out = torch.zeros(a.shape[0], b.shape[-1], dtype=torch.float64)
-            start = 0
-            for g, end in enumerate(offs.tolist()):
-                out[start:end] = xa[start:end] @ (b[g].double() * scale_b[g].double()[None, :])
-                start = end
-            return out.to(out_dtype)
-        k, n, gs = a.shape[0], b.shape[1], offs.shape[0]
-        sa, sb = scale_a.double().view(gs, k), scale_b.double().view(gs, n)
-        out = torch.zeros(gs, k, n, dtype=torch.float64)
-        start = 0
-        for g, end in enumerate(offs.tolist()):
-            out[g] = (a[:, start:end].double() * sa[g][:, None]) @ \
-                (b[start:end].double() * sb[g][None, :])
-            start = end
-        return out.to(out_dtype)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "tests"))
+    from reference_gemm import scaled_grouped_mm_float64 as emulated
     _torch_gemm.fp8_gemm_available = lambda device: True
     torch._scaled_grouped_mm = emulated
     o = torch.tensor(offs, dtype=torch.int32)

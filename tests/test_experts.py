@@ -2,7 +2,7 @@
 grouped GEMM over several weights (``grouped_mm(x, (w1, w3), offs)``).
 
 Serial tests, on the CPU: the bf16 fallback, and the fp8 path with ``torch._scaled_grouped_mm``
-emulated in float64 as SM90 runs it (``test_overlap._emulated_scaled_grouped_mm``). The one
+emulated in float64 as SM90 runs it (``reference_gemm.scaled_grouped_mm_float64``). The one
 GEMM over [w1 | w3] against the unfused experts (three ``grouped_mm`` calls through torchtitan's
 ``_grouped_mm`` seam, what the integration ran before): the output and the w2 gradient equal bit
 for bit, the w1|w3 GEMM's output gradient is [dh1 | dh3] of the unfused run bit for bit, the w1
@@ -28,7 +28,7 @@ moe = pytest.importorskip("torchtitan.models.common.moe",
 import mxcomm.torch as mt  # noqa: E402
 from mxcomm import _torch_gemm, sqnr  # noqa: E402
 from mxcomm._torch_ep import grouped_experts_class  # noqa: E402
-from test_overlap import _emulated_scaled_grouped_mm  # noqa: E402
+from reference_gemm import scaled_grouped_mm_float64 as _emulated_scaled_grouped_mm  # noqa: E402
 
 SEED = 2718
 D, F, G = 64, 32, 3

@@ -25,6 +25,7 @@ import mxcomm.torch as mt  # noqa: E402
 from mxcomm import _torch_gemm  # noqa: E402
 from mxcomm import comm as mxc  # noqa: E402
 from mxcomm.kernels import simulated  # noqa: E402
+from reference_gemm import scaled_grouped_mm_float64 as _emulated_scaled_grouped_mm  # noqa: E402
 
 SEED = 8642
 TIMEOUT_S = 60.0
@@ -48,31 +49,6 @@ def comm():
 @pytest.fixture(scope="module")
 def device(comm):
     return torch.device("cpu") if simulated() else torch.device("cuda", torch.cuda.current_device())
-
-
-def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None,
-                                use_fast_accum=False):
-    """torch._scaled_grouped_mm's rowwise cases in float64 (the CPU has none): 2d-3d (forward,
-    dgrad: a (M, K), b (G, K, N), per-row and per-(group, column) scales) and 2d-2d (wgrad: a
-    (K, T), b (T, N), token groups ending at ``offs``, scales (G * K,) and (G * N,))."""
-    if b.dim() == 3:
-        x = a.double() * scale_a.double()[:, None]
-        out = torch.zeros(a.shape[0], b.shape[-1], dtype=torch.float64)
-        start = 0
-        for g, end in enumerate(offs.tolist()):
-            out[start:end] = x[start:end] @ (b[g].double() * scale_b[g].double()[None, :])
-            start = end
-        return out.to(out_dtype)
-    groups = offs.shape[0]
-    k, n = a.shape[0], b.shape[1]
-    sa, sb = scale_a.double().view(groups, k), scale_b.double().view(groups, n)
-    out = torch.zeros(groups, k, n, dtype=torch.float64)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        out[g] = (a[:, start:end].double() * sa[g][:, None]) @ \
-            (b[start:end].double() * sb[g][None, :])
-        start = end
-    return out.to(out_dtype)
 
 
 @pytest.fixture(params=["bf16 GEMM", "fp8 GEMM"])

@@ -29,6 +29,7 @@ from mxcomm import _torch_gemm  # noqa: E402
 from mxcomm import comm as mxc  # noqa: E402
 from mxcomm import recipes  # noqa: E402
 from mxcomm.kernels import simulated  # noqa: E402
+from reference_gemm import scaled_grouped_mm_float64 as _emulated_scaled_grouped_mm  # noqa: E402
 
 SEED = 4321
 TIMEOUT_S = 60.0
@@ -280,18 +281,6 @@ def test_weight_cache_hits_until_the_weight_changes():
     assert cache.steps == 2
     value = cache.get(w2.transpose(-2, -1), "forward", make)
     assert cache.misses == 7 and torch.equal(value, w2.detach().transpose(-2, -1))
-
-
-def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None,
-                                use_fast_accum=False):
-    """torch._scaled_grouped_mm's 2d-3d rowwise case in float64 (the CPU has none)."""
-    x = a.double() * scale_a.double()[:, None]
-    out = torch.zeros(a.shape[0], b.shape[-1], dtype=torch.float64)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end] @ (b[g].double() * scale_b[g].double()[None, :])
-        start = end
-    return out.to(out_dtype)
 
 
 def _fp8_run(x, w, offs, grad, **kw):

@@ -423,7 +423,7 @@ def test_torchtitan_recipe_overlap_engages():
 
 def weight_grad_checks(rank, size):
     """torchtitan's layer, eager, with the fp8 GEMMs of SM90 emulated in float64
-    (``test_overlap._emulated_scaled_grouped_mm``): the SQNR of each expert weight gradient
+    (``reference_gemm.scaled_grouped_mm_float64``): the SQNR of each expert weight gradient
     (w1, w2, w3) and of all three together against torchtitan's bf16 layer, for the recipes
     ``fp8_rowwise`` and ``fp8_rowwise_gradbf16`` (its output gradient in bf16 on the wire)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -432,7 +432,7 @@ def weight_grad_checks(rank, size):
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     from mxcomm import _torch_gemm, recipes
-    from test_overlap import _emulated_scaled_grouped_mm
+    from reference_gemm import scaled_grouped_mm_float64 as _emulated_scaled_grouped_mm
     titan_utils.set_spmd_backend("full_dtensor")
     mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
     set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
