@@ -56,23 +56,20 @@ class _Format:
 _FORMATS = {BF16: _Format(numpy.uint16, 7), F32: _Format(numpy.uint32, 23)}
 
 
-def quantize_mxfp8(x, data, scales, rceil):
-    """MXFP8-quantize ``x`` (M, D) bf16/fp32 into ``data`` (M, D) uint8 e4m3fn bits and ``scales``
-    (M, D // 32) uint8 e8m0 bits, all C-contiguous and checked by the caller; ``rceil``: the "rceil"
-    scale, else "floor". Returns ``(data, scales)``."""
+def quantize_mxfp8(x, data, scales, rows=None, stream=None, *, rceil):
+    """MXFP8-quantize rows [0, ``rows``) (None: all) of ``x`` (M, D) bf16/fp32 into ``data`` (M, D)
+    uint8 e4m3fn bits and ``scales`` (M, D // 32) uint8 e8m0 bits, all C-contiguous and checked by
+    the caller; ``rceil``: the "rceil" scale, else "floor". ``stream`` is unused: the arguments
+    are those of ``Format.quantizer``'s call, which this function is. Returns ``(data, scales)``."""
     fmt = _FORMATS[x.dtype]
+    blocks = (x.shape[0] if rows is None else rows) * x.shape[1] // MX_BLOCK
     bits = x.reshape(-1).view(fmt.uint).reshape(-1, MX_BLOCK)
     codes = data.reshape(-1, MX_BLOCK)
     block_scales = scales.reshape(-1)
-    for b in range(0, bits.shape[0], CHUNK_BLOCKS):
-        end = b + CHUNK_BLOCKS
+    for b in range(0, blocks, CHUNK_BLOCKS):
+        end = min(b + CHUNK_BLOCKS, blocks)
         _quantize_blocks(bits[b:end], fmt, rceil, codes[b:end], block_scales[b:end])
     return data, scales
-
-
-def quantize_mxfp8_launch(rceil, stream, rows, x, data, scales):
-    """:func:`quantize_mxfp8` with a prepared launch's arguments (``stream``, ``rows`` unused)."""
-    quantize_mxfp8(x, data, scales, rceil)
 
 
 def _quantize_blocks(bits, fmt, rceil, codes, scales):

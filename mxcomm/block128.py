@@ -3,8 +3,8 @@
 Glossary: M rows, D hidden (D % 128 == 0); data (M, D) uint8 bits, scales (M, D // 128) float32,
 row-major, ``x ~= e4m3 * scale``: DeepSeek-V3's activation format (DeepEP's fp8 dispatch; DeepGEMM
 wants the scales transposed, M-major and TMA-aligned: a copy for its adapter to make). Rules and
-sources: ``kernels.fp8_block``. The ``launch_*`` functions (arguments checked by the caller) run the
-host twin (``mxcomm._host``) on the host backend, else the kernel.
+sources: ``kernels.fp8_block``. The ``launch_*`` functions take checked arguments and run the host
+twin (``mxcomm._host``) on the host backend.
 """
 
 import numpy
@@ -15,7 +15,7 @@ from . import _host
 from ._array import bfloat16, check_array, check_rows, float32, out_array, out_dtype, out_pair, \
     stream_ptr
 from ._platform import host_backend
-from .formats import Format, register
+from .formats import Format, RowLaunch, register
 from .kernels import fp8_block
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
@@ -59,25 +59,27 @@ def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
     if scale_mode not in BLOCK_SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
     m, d = x.shape
-    data, scales = out_pair(out, (m, d), (m, d // FP8_BLOCK))
-    return launch_quantize_fp8_block128(x, data, scales, scale_mode, stream_ptr(stream))
+    out = _FORMATS[scale_mode].view(*out_pair(out, (m, d), (m, d // FP8_BLOCK)))
+    _FORMATS[scale_mode].launch_quantize(x, out, stream_ptr(stream))
+    return out.data, out.scales
 
 
-def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0):
-    """Quantize ``x`` (M, D) bf16/fp32 into ``data`` (M, D) uint8 and ``scales`` (M, D // 128)
-    float32. Returns (data, scales)."""
-    if x.size == 0:
-        return data, scales
-    if host_backend():
-        return _host.quantize_fp8_block128(x, scale_mode, out=(data, scales))
-    _block_quantize_launch(x.dtype, scale_mode == "pow2", share)(stream, x.size // FP8_BLOCK, x,
-                                                                 data, scales)
-    return data, scales
+def _launch_quantize(scale_mode):
+    """The block128 quantize launcher (``Format._quantize``) of ``scale_mode``."""
+    def launch(x, out, stream, share, _):
+        if not x.size:
+            return
+        if host_backend():
+            _host.quantize_fp8_block128(x, scale_mode, out=(out.data, out.scales))
+            return
+        _block_quantize_launch(x.dtype, scale_mode == "pow2", share)(
+            stream, x.size // FP8_BLOCK, x, out.data, out.scales)
+    return launch
 
 
 @prepared
 def _block_quantize_launch(dtype, pow2, share):
-    """The prepared block128 quantize launch of ``dtype`` rows, per 128-element block."""
+    """Block128 quantize of ``dtype`` rows, per 128-element block."""
     if dtype == bfloat16:
         kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
     else:
@@ -111,23 +113,22 @@ def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=No
     m, d = data.shape
     scales = check_array(scales, "scales", float32, (m, d // FP8_BLOCK))
     out = out_array(out, (m, d), out_dtype(dtype))
-    return launch_dequantize_fp8_block128(data, scales, out, stream_ptr(stream))
+    return FP8_BLOCK128.launch_dequantize(FP8_BLOCK128.view(data, scales), out, stream_ptr(stream))
 
 
-def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
-    """Decode ``data`` (M, D) uint8 and ``scales`` (M, D // 128) float32 into ``out`` (M, D)
-    bf16/fp32. Returns ``out``."""
-    if out.size == 0:
-        return out
+def _launch_dequantize(q, out, stream, share):
+    """The block128 dequantize launcher (``Format._dequantize``)."""
+    if not out.size:
+        return
     if host_backend():
-        return _host.dequantize_fp8_block128(data, scales, out.dtype, out=out)
-    _block_dequantize_launch(out.dtype, share)(stream, out.size // FP8_BLOCK, data, scales, out)
-    return out
+        _host.dequantize_fp8_block128(q.data, q.scales, out.dtype, out=out)
+        return
+    _block_dequantize_launch(out.dtype, share)(stream, out.size // FP8_BLOCK, q.data, q.scales, out)
 
 
 @prepared
 def _block_dequantize_launch(dtype, share):
-    """The prepared block128 dequantize launch into ``dtype``, per 128-element block."""
+    """Block128 dequantize into ``dtype``, per 128-element block."""
     data = Words(0, (FP8_BLOCK // 8,), _U64)
     kernel = dequantize_fp8_block128_bf16_kernel if dtype == bfloat16 else \
         dequantize_fp8_block128_f32_kernel
@@ -137,34 +138,23 @@ def _block_dequantize_launch(dtype, share):
                        Words(0, (FP8_BLOCK * dtype.itemsize // 8,), _U64))
 
 
-def _block128_quantize(mode):
-    def quantize(x, out, stream, share, scale_mode):
-        launch_quantize_fp8_block128(x, out.data, out.scales, mode, stream, share)
-    return quantize
-
-
-def _block128_dequantize(q, out, stream, share):
-    launch_dequantize_fp8_block128(q.data, q.scales, out, stream, share)
-
-
-def _block128_sized_quantize(mode):
-    def sized(dtype, width, scale_mode, share):
+def _register(name, scale_mode, source):
+    """Register the block128 Format of ``scale_mode``, whose launches fix it."""
+    def quantizer(dtype, width, _, share):  # Format.quantizer's call (the general on the host)
         if host_backend():
             return None
-        return _block_quantize_launch(dtype, mode == "pow2", share), width // FP8_BLOCK
-    return sized
+        return RowLaunch(_block_quantize_launch(dtype, scale_mode == "pow2", share),
+                         width // FP8_BLOCK)
+
+    return register(Format(name, "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
+                           source, _launch_quantize(scale_mode), _launch_dequantize,
+                           input_align=8, _quantizer=quantizer))
 
 
 #: ``"fp8_block128"`` and ``"fp8_block128_pow2"`` (``mxcomm.formats``).
-FP8_BLOCK128 = register(Format(
-    "fp8_block128", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
-    "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448",
-    _block128_quantize("plain"), _block128_dequantize, input_align=8,
-    _sized_quantize=_block128_sized_quantize("plain")))
-FP8_BLOCK128_POW2 = register(Format(
-    "fp8_block128_pow2", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
-    "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))",
-    _block128_quantize("pow2"), _block128_dequantize, input_align=8,
-    _sized_quantize=_block128_sized_quantize("pow2")))
-
-
+FP8_BLOCK128 = _register("fp8_block128", "plain",
+                         "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448")
+FP8_BLOCK128_POW2 = _register(
+    "fp8_block128_pow2", "pow2",
+    "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))")
+_FORMATS = {"plain": FP8_BLOCK128, "pow2": FP8_BLOCK128_POW2}

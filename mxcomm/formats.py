@@ -39,8 +39,9 @@ class Format:
         input_align: bytes the address of rows to quantize must be a multiple of (the kernel
             loads 8 or 16 bytes at a time); 1 for the unscaled formats.
 
-    The private fields are the format module's launchers (``_sized_*``: ``(sized launch, units per
-    row)``, or None on the host backend).
+    The private fields are the format module's launchers, called with the arguments of the
+    ``launch_*`` methods; ``_quantizer`` and ``_round_tripper`` return a call prepared for a
+    signature, or None where the general launcher serves.
     """
 
     name: str
@@ -58,8 +59,8 @@ class Format:
     input_align: int = 1
     _quantize_gather: object = dataclasses.field(default=None, repr=False)
     _round_trip: object = dataclasses.field(default=None, repr=False)
-    _sized_quantize: object = dataclasses.field(default=None, repr=False)
-    _sized_round_trip: object = dataclasses.field(default=None, repr=False)
+    _quantizer: object = dataclasses.field(default=None, repr=False)
+    _round_tripper: object = dataclasses.field(default=None, repr=False)
 
     def _mode(self, scale_mode):
         """``scale_mode``, or the format's first (None where it fixes its own)."""
@@ -111,8 +112,7 @@ class Format:
             QuantizedArray(data, scales, self)
 
     def view(self, data, scales):
-        """:meth:`wrap` unchecked, for arrays this package made with this format's dtypes and
-        shapes."""
+        """:meth:`wrap` unchecked, for arrays made with this format's dtypes and shapes."""
         q = object.__new__(self._array_class or QuantizedArray)
         q.data, q.scales, q.format = data, scales, self
         return q
@@ -124,13 +124,17 @@ class Format:
         return self.view(alloc((m, d), self.element_dtype),
                          alloc(self.scales_shape(m, d), self.scale_dtype))
 
+    def _needs(self, launcher, what):
+        if launcher is None:
+            raise RuntimeError(f"format {self.name!r} does not {what}")
+        return launcher
+
     def launch_quantize(self, x, out, stream, share=1.0, scale_mode=None):
         """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into ``out`` of this format on
         raw stream ``stream`` with ``share`` of the grid (done on return on the host backend).
-        ``scale_mode``: one of ``scale_modes`` (None: the first). Returns ``out``."""
-        if not self.quantized:
-            raise RuntimeError(f"format {self.name!r} does not quantize")
-        self._quantize(x, out, stream, share, self._mode(scale_mode))
+        ``scale_mode``: one of ``scale_modes`` (None: the first). Returns ``out``. Raises
+        RuntimeError for an unquantized format."""
+        self._needs(self._quantize, "quantize")(x, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizes_gathered(self, dtype):
@@ -140,34 +144,20 @@ class Format:
     def launch_quantize_gather(self, x, rows, out, stream, share=1.0, scale_mode=None):
         """:meth:`launch_quantize` of rows ``rows`` (R,) int32 of ``x`` (M, D) into ``out`` (R, D)
         in one pass. Returns ``out``."""
-        if self._quantize_gather is None:
-            raise RuntimeError(f"format {self.name!r} does not quantize gathered rows")
-        self._quantize_gather(x, rows, out, stream, share, self._mode(scale_mode))
+        self._needs(self._quantize_gather, "quantize gathered rows")(
+            x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizer(self, dtype, width, scale_mode=None, share=1.0):
-        """The quantize of rows of ``dtype`` (bf16/fp32), width ``width``, prepared once per
+        """The quantize of rows of ``dtype`` (bf16/fp32) and width ``width``, prepared once per
         signature (docs/design.md, "A direct call's launch, prepared with its signature"):
-        ``quantize(x, data, scales, rows, stream)`` as :meth:`launch_quantize` into C-contiguous
-        ``data``, ``scales`` (``Words``, CuPy or NumPy); nothing for 0 rows."""
-        if not self.quantized:
-            raise RuntimeError(f"format {self.name!r} does not quantize")
-        dtype = numpy.dtype(dtype)
+        ``quantize(x, data, scales, rows, stream)`` quantizes ``rows`` rows of ``x`` into
+        C-contiguous ``data`` and ``scales`` (``Words``, CuPy or NumPy) as :meth:`launch_quantize`
+        does; nothing for 0 rows. Raises RuntimeError for an unquantized format."""
         scale_mode = self._mode(scale_mode)
-        sized = self._sized_quantize and self._sized_quantize(dtype, width, scale_mode, share)
-        if sized:
-            launch, per_row = sized
-
-            def quantize(x, data, scales, rows, stream):
-                if rows:
-                    launch(stream, rows * per_row, x, data, scales)
-            return quantize
-        general, view = self._quantize, self.view
-
-        def quantize(x, data, scales, rows, stream):
-            if rows:
-                general(x, view(data, scales), stream, share, scale_mode)
-        return quantize
+        prepared = self._needs(self._quantizer, "quantize")(numpy.dtype(dtype), width,
+                                                              scale_mode, share)
+        return prepared or functools.partial(_quantize_rows, self, scale_mode, share)
 
     def round_tripper(self, width, scale_mode=None):
         """:meth:`launch_round_trip` of bf16 rows of width ``width`` prepared once, as
@@ -176,20 +166,8 @@ class Format:
         if not self.round_trips(bfloat16):
             return None
         scale_mode = self._mode(scale_mode)
-        sized = self._sized_round_trip and self._sized_round_trip(bfloat16, width, scale_mode)
-        if sized:
-            launch, per_row = sized
-
-            def round_trip(x, out, rows, stream):
-                if rows:
-                    launch(stream, rows * per_row, x, out)
-            return round_trip
-        general = self._round_trip
-
-        def round_trip(x, out, rows, stream):
-            if rows:
-                general(x, None, out, stream, 1.0, scale_mode)
-        return round_trip
+        return self._round_tripper(width, scale_mode) or \
+            functools.partial(_round_trip_rows, self, scale_mode)
 
     def round_trips(self, dtype):
         """True if :meth:`launch_round_trip` takes rows of ``dtype`` (MXFP8 of bf16 so far)."""
@@ -200,17 +178,14 @@ class Format:
         bit for bit :meth:`launch_quantize` then :meth:`launch_dequantize`: row r of ``out`` is row
         r of ``x`` (``rows`` None) or row ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous,
         16-byte aligned. Returns ``out``."""
-        if self._round_trip is None:
-            raise RuntimeError(f"format {self.name!r} has no one-pass round trip")
-        self._round_trip(x, rows, out, stream, share, self._mode(scale_mode))
+        self._needs(self._round_trip, "round trip in one pass")(
+            x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def launch_dequantize(self, q, out, stream, share=1.0):
         """Decode the QuantizedArray ``q`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous.
         Returns ``out``."""
-        if not self.quantized:
-            raise RuntimeError(f"format {self.name!r} does not dequantize")
-        self._dequantize(q, out, stream, share)
+        self._needs(self._dequantize, "dequantize")(q, out, stream, share)
         return out
 
     def quantize(self, x, *, scale_mode=None, out=None, stream=None):
@@ -232,6 +207,32 @@ class Format:
 
     def __repr__(self):
         return f"Format({self.name!r})"
+
+
+def _quantize_rows(fmt, scale_mode, share, x, data, scales, rows, stream):
+    """``Format.quantizer``'s call where the format prepares none: its general launcher."""
+    if rows:
+        fmt._quantize(x, fmt.view(data, scales), stream, share, scale_mode)
+
+
+def _round_trip_rows(fmt, scale_mode, x, out, rows, stream):
+    """``Format.round_tripper``'s call where the format prepares none: its general launcher."""
+    if rows:
+        fmt._round_trip(x, None, out, stream, 1.0, scale_mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLaunch:
+    """A kernel's sized launch called per row, as ``Format.quantizer`` and ``round_tripper`` hand
+    it out: ``(*arrays, rows, stream)`` launches ``rows * per_row`` units, nothing for 0 rows."""
+
+    launch: object
+    per_row: int
+
+    def __call__(self, *args):
+        *arrays, rows, stream = args
+        if rows:
+            self.launch(stream, rows * self.per_row, *arrays)
 
 
 class QuantizedArray:

@@ -2,10 +2,8 @@
 
 Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive elements of a row;
 ``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 e8m0 bits (2^(s - 127),
-0xFF = NaN); uint8 because fp8 has no CuPy dtype. The ``launch_*`` functions take arguments checked
-by the caller, a raw stream handle and, where they have it, ``share`` of the grid
-(``kernels.launch_1d``), and return ``out``; on the host backend they run the host twin
-(``mxcomm._host``), done on return.
+0xFF = NaN). The ``launch_*`` functions take checked arguments, a raw stream handle and ``share``
+of the grid, return ``out``, and run the host twin (``mxcomm._host``) on the host backend.
 """
 
 import functools
@@ -15,9 +13,9 @@ import numpy
 # .kernels first: it sets up the simulator before numba loads
 from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared
 from . import _host
-from ._array import bfloat16, check_rows, float32, out_array, out_dtype, stream_ptr
+from ._array import bfloat16, check_rows, float32, stream_ptr
 from ._platform import host_backend
-from .formats import Format, QuantizedArray, register, register_conversion
+from .formats import Format, QuantizedArray, RowLaunch, register, register_conversion
 from .kernels._fp8 import MX_BLOCK
 from .kernels._launch import RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels._memory import PAIR_BYTES
@@ -49,13 +47,6 @@ class MXFP8Array(QuantizedArray):
 
     def __init__(self, data, scales):
         super().__init__(data, scales, MXFP8)
-
-    def dequantize(self, dtype=bfloat16, *, out=None, stream=None):
-        """This tensor as (M, D) ``dtype`` (bf16 or fp32); see :func:`dequantize_mxfp8`."""
-        return dequantize_mxfp8(self, dtype, out=out, stream=stream)
-
-    def __repr__(self):
-        return f"MXFP8Array(shape={self.shape}, data={type(self.data).__module__}.ndarray)"
 
 
 def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
@@ -93,31 +84,30 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
         raise TypeError(f"out: expected an MXFP8Array or None, got {type(out).__name__}")
     elif out.shape != (m, d):
         raise ValueError(f"out: expected shape {(m, d)}, got {out.shape}")
-    return launch_quantize(x, out, scale_mode, stream_ptr(stream))
+    return launch_quantize(x, out, stream_ptr(stream), scale_mode=scale_mode)
 
 
-def launch_quantize(x, out, scale_mode, stream, share=1.0):
+def launch_quantize(x, out, stream, share=1.0, scale_mode="rceil"):
     """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, into the MXFP8Array ``out``."""
     if x.size == 0:
         return out
     if host_backend():
-        _host.quantize_mxfp8(x, out.data, out.scales, scale_mode == "rceil")
+        _host.quantize_mxfp8(x, out.data, out.scales, rceil=scale_mode == "rceil")
         return out
     _quantize_launch(x.dtype, scale_mode == "rceil", share)(stream, x.size // MX_BLOCK, x,
                                                             out.data, out.scales)
     return out
 
 
-def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
+def launch_quantize_gather(x, rows, out, stream, share=1.0, scale_mode="rceil"):
     """Quantize rows ``rows`` (R,) int32 of ``x`` (M, D) bf16, C-contiguous, 16-byte aligned rows,
-    into ``out`` (R, D), each row exactly as :func:`launch_quantize` does: the quantized dispatch
-    gradient's producer (``permutation.GatheredRows``)."""
+    into ``out`` (R, D), each row exactly as :func:`launch_quantize` does."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
     if host_backend():
         picked = numpy.ascontiguousarray(numpy.asarray(x)[numpy.asarray(rows)])
-        _host.quantize_mxfp8(picked, out.data, out.scales, scale_mode == "rceil")
+        _host.quantize_mxfp8(picked, out.data, out.scales, rceil=scale_mode == "rceil")
         return out
     _quantize_gather_launch(d, scale_mode == "rceil", share)(stream, (count, x.shape[0]), rows, x,
                                                               out.data, out.scales)
@@ -126,8 +116,7 @@ def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
 
 @prepared
 def _quantize_gather_launch(d, rceil, share):
-    """The prepared gather-quantize launch of bf16 rows of width ``d``; counts: output rows, then
-    input rows."""
+    """Gather-quantize of bf16 rows of width ``d``; counts: output rows, then input rows."""
     pairs = d // 8
     return SizedLaunch(gather_quantize_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (pairs, PAIRS_PER_THREAD), Words(0, (1,), numpy.dtype(numpy.int32)),
@@ -137,7 +126,7 @@ def _quantize_gather_launch(d, rceil, share):
 
 @prepared
 def _quantize_launch(dtype, rceil, share):
-    """The prepared quantize launch of ``dtype`` rows, per MX block."""
+    """Quantize of ``dtype`` rows, per MX block."""
     x = Words(0, (MX_BLOCK * dtype.itemsize // 8,), _U64)
     scales = Words(0, (1,), _U8)
     # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
@@ -151,7 +140,7 @@ def _quantize_launch(dtype, rceil, share):
                        rceil)
 
 
-def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
+def launch_round_trip(x, rows, out, stream, share=1.0, scale_mode="rceil"):
     """bf16 rows through MXFP8 and back in one pass: ``out`` (R, D) bf16 is bit for bit
     :func:`launch_quantize` then :func:`launch_dequantize` of row r of ``x`` (``rows`` None) or row
     ``rows[r]`` (``rows`` (R,) int32). ``x`` (M, D) bf16 C-contiguous (16-byte aligned rows with
@@ -169,7 +158,7 @@ def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
             numpy.ascontiguousarray(numpy.asarray(x)[numpy.asarray(rows)])
         data = numpy.empty((count, d), _U8)
         scales = numpy.empty((count, d // MX_BLOCK), _U8)
-        _host.quantize_mxfp8(picked, data, scales, rceil)
+        _host.quantize_mxfp8(picked, data, scales, rceil=rceil)
         _host.dequantize_mxfp8(data, scales, out)
         return out
     if rows is None:
@@ -181,7 +170,7 @@ def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
 
 @prepared
 def _round_trip_launch(rceil, share):
-    """The prepared bf16 -> MXFP8 -> bf16 launch, per MX block."""
+    """bf16 -> MXFP8 -> bf16, per MX block."""
     words = MX_BLOCK * 2 // 8
     return SizedLaunch(round_trip_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (MX_BLOCK // 8, PAIRS_PER_THREAD), Words(0, (words,), _U64),
@@ -190,8 +179,7 @@ def _round_trip_launch(rceil, share):
 
 @prepared
 def _gather_round_trip_launch(d, rceil, share):
-    """The prepared gathered round trip of rows of width ``d``; counts: output rows, then input
-    rows."""
+    """Gathered round trip of rows of width ``d``; counts: output rows, then input rows."""
     return SizedLaunch(gather_round_trip_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (d // 8, PAIRS_PER_THREAD), Words(0, (1,), numpy.dtype(numpy.int32)),
                        (Words(0, (1, d // 4), _U64, PAIR_BYTES), 1),  # loaded in pairs
@@ -216,8 +204,7 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
     """
     if not isinstance(mx, MXFP8Array):
         raise TypeError(f"mx: expected an MXFP8Array, got {type(mx).__name__}")
-    out = out_array(out, mx.shape, out_dtype(dtype))
-    return launch_dequantize(mx, out, stream_ptr(stream))
+    return mx.dequantize(dtype, out=out, stream=stream)
 
 
 def launch_dequantize(mx, out, stream, share=1.0):
@@ -233,7 +220,7 @@ def launch_dequantize(mx, out, stream, share=1.0):
 
 @prepared
 def _dequantize_launch(dtype, share):
-    """The prepared dequantize launch into ``dtype``, per MX block."""
+    """Dequantize into ``dtype``, per MX block."""
     kernel = dequantize_mxfp8_bf16_kernel if dtype == bfloat16 else dequantize_mxfp8_f32_kernel
     data = Words(0, (MX_BLOCK // 8,), _U64)
     return SizedLaunch(kernel, launch_1d(UNBOUNDED, share=share), (data.size, WORDS_PER_THREAD),
@@ -268,8 +255,7 @@ def launch_gather_dequantize(mx, indices, out, stream):
 
 @prepared
 def _gather_dequantize_launch(d):
-    """The prepared MXFP8 -> bf16 gather of rows of width ``d``; counts: P (one warp per row), then
-    N."""
+    """MXFP8 -> bf16 gather of rows of width ``d``; counts: P (a warp per row), then N."""
     # one warp per row (the simulator's blocks are one warp), GATHER_BLOCKS_PER_SM blocks per SM
     share = GATHER_BLOCKS_PER_SM * THREADS_PER_BLOCK / RESIDENT_THREADS_PER_SM + 1e-9
     return SizedLaunch(gather_dequantize_mxfp8_bf16_kernel,
@@ -286,38 +272,24 @@ def _mx_to_bf16(x, indices, stream, alloc):
     return launch_gather_dequantize(x, indices, out, stream)
 
 
-def _format_quantize(x, out, stream, share, scale_mode):
-    launch_quantize(x, out, scale_mode, stream, share)
-
-
-def _format_dequantize(q, out, stream, share):
-    launch_dequantize(q, out, stream, share)
-
-
-def _format_quantize_gather(x, rows, out, stream, share, scale_mode):
-    launch_quantize_gather(x, rows, out, scale_mode, stream, share)
-
-
-def _format_round_trip(x, rows, out, stream, share, scale_mode):
-    launch_round_trip(x, rows, out, scale_mode, stream, share)
-
-
-def _sized_quantize(dtype, width, scale_mode, share):
+def _quantizer(dtype, width, scale_mode, share):
+    """``Format.quantizer``'s call: the host twin itself, or the kernel's sized launch."""
     if host_backend():
-        return functools.partial(_host.quantize_mxfp8_launch, scale_mode == "rceil"), 1
-    return _quantize_launch(dtype, scale_mode == "rceil", share), width // MX_BLOCK
+        return functools.partial(_host.quantize_mxfp8, rceil=scale_mode == "rceil")
+    return RowLaunch(_quantize_launch(dtype, scale_mode == "rceil", share), width // MX_BLOCK)
 
 
-def _sized_round_trip(dtype, width, scale_mode):
+def _round_tripper(width, scale_mode):
+    """``Format.round_tripper``'s call on the kernels (None on the host backend: the general)."""
     if host_backend():
         return None
-    return _round_trip_launch(scale_mode == "rceil", 1.0), width // MX_BLOCK
+    return RowLaunch(_round_trip_launch(scale_mode == "rceil", 1.0), width // MX_BLOCK)
 
 
 #: The ``"mxfp8"`` Format (registered with ``mxcomm.formats`` when this module is imported).
 MXFP8 = register(Format("mxfp8", "e4m3fn", _U8, _U8, MX_BLOCK, MX_BLOCK, 0, SCALE_MODES,
-                        "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array,
-                        input_align=8, _quantize_gather=_format_quantize_gather,
-                        _round_trip=_format_round_trip, _sized_quantize=_sized_quantize,
-                        _sized_round_trip=_sized_round_trip))
+                        "OCP MX v1.0", launch_quantize, launch_dequantize, MXFP8Array,
+                        input_align=8, _quantize_gather=launch_quantize_gather,
+                        _round_trip=launch_round_trip, _quantizer=_quantizer,
+                        _round_tripper=_round_tripper))
 register_conversion("mxfp8", "bf16", _mx_to_bf16)
