@@ -12,10 +12,9 @@ import numpy
 from .kernels import (UNBOUNDED, SizedLaunch, Words,  # first: decides simulator vs GPU
                       prepared, resident_launch)
 from . import _host
-from ._array import bfloat16, check_array, check_rows, float32, out_array, out_dtype, out_pair, \
-    stream_ptr
+from ._array import bfloat16, float32
 from ._platform import host_backend
-from .formats import Format, RowLaunch, register
+from .formats import Format, QuantizedArray, RowLaunch, quantize_pair, register
 from .kernels import fp8_block
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
@@ -28,7 +27,6 @@ BLOCK_SCALE_MODES = _host.BLOCK_SCALE_MODES
 #: The scale of a padding row (its elements are zeros).
 PADDING_SCALE = _host.PADDING_SCALE
 
-_DTYPES = (bfloat16, float32)
 _U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uint64))
 
 
@@ -55,17 +53,14 @@ def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
         ValueError: ``x`` not 2-D, D % 128 != 0 or not C-contiguous; unknown ``scale_mode``;
             ``out`` of other shapes.
     """
-    x = check_rows(x, "x", FP8_BLOCK, _DTYPES)
     if scale_mode not in BLOCK_SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
-    m, d = x.shape
-    out = _FORMATS[scale_mode].view(*out_pair(out, (m, d), (m, d // FP8_BLOCK)))
-    _FORMATS[scale_mode].launch_quantize(x, out, stream_ptr(stream))
-    return out.data, out.scales
+    return quantize_pair(FP8_BLOCK128_POW2 if scale_mode == "pow2" else FP8_BLOCK128, x, out,
+                         stream)
 
 
 def _launch_quantize(scale_mode):
-    """The block128 quantize launcher (``Format._quantize``) of ``scale_mode``."""
+    """``Format._quantize`` of the block128 format of ``scale_mode``."""
     def launch(x, out, stream, share, _):
         if not x.size:
             return
@@ -109,15 +104,11 @@ def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=No
         ValueError: ``data`` not 2-D, D % 128 != 0, or not C-contiguous; ``scales`` or ``out`` of
             another shape or not C-contiguous.
     """
-    data = check_rows(data, "data", FP8_BLOCK, (_U8,))
-    m, d = data.shape
-    scales = check_array(scales, "scales", float32, (m, d // FP8_BLOCK))
-    out = out_array(out, (m, d), out_dtype(dtype))
-    return FP8_BLOCK128.launch_dequantize(FP8_BLOCK128.view(data, scales), out, stream_ptr(stream))
+    return QuantizedArray(data, scales, FP8_BLOCK128).dequantize(dtype, out=out, stream=stream)
 
 
 def _launch_dequantize(q, out, stream, share):
-    """The block128 dequantize launcher (``Format._dequantize``)."""
+    """``Format._dequantize`` of the block128 formats."""
     if not out.size:
         return
     if host_backend():
@@ -140,7 +131,7 @@ def _block_dequantize_launch(dtype, share):
 
 def _register(name, scale_mode, source):
     """Register the block128 Format of ``scale_mode``, whose launches fix it."""
-    def quantizer(dtype, width, _, share):  # Format.quantizer's call (the general on the host)
+    def quantizer(dtype, width, _, share):  # the sized launch (None on the host: the general)
         if host_backend():
             return None
         return RowLaunch(_block_quantize_launch(dtype, scale_mode == "pow2", share),
@@ -157,4 +148,3 @@ FP8_BLOCK128 = _register("fp8_block128", "plain",
 FP8_BLOCK128_POW2 = _register(
     "fp8_block128_pow2", "pow2",
     "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))")
-_FORMATS = {"plain": FP8_BLOCK128, "pow2": FP8_BLOCK128_POW2}

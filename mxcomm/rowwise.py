@@ -2,8 +2,8 @@
 Hopper's ``torch._scaled_grouped_mm``), and the permute's MXFP8 -> fp8 rowwise gather.
 
 Glossary: M rows, D hidden (D % 16 == 0), N source rows, P permuted rows; ``x ~= e4m3 * scale``.
-The ``launch_*`` functions take checked arguments, a raw stream handle and ``share`` of the grid,
-and run the host twin (``mxcomm._host``) on the host backend.
+The launchers take checked arguments, a raw stream handle and ``share`` of the grid, and run the
+host twin (``mxcomm._host``) on the host backend.
 """
 
 import numpy
@@ -11,10 +11,10 @@ import numpy
 from .kernels import (UNBOUNDED, SizedLaunch, Words, address,  # first: decides simulator vs GPU
                       prepared, resident_launch, simulated, words)
 from . import _host
-from ._array import (as_device_array, bfloat16, check_array, check_rows, float32, out_array,
-                     out_dtype, out_pair, stream_ptr)
+from ._array import as_device_array, bfloat16, check_array, float32, out_pair, stream_ptr
 from ._platform import host_backend
-from .formats import PER_ROW, Format, RowLaunch, register, register_conversion
+from .formats import (PER_ROW, Format, QuantizedArray, RowLaunch, quantize_pair, register,
+                      register_conversion)
 from .kernels import fp8_rowwise
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels._memory import PAIR_BYTES
@@ -29,7 +29,6 @@ ROWWISE_MULTIPLE = 16
 #: The scale of a padding row written by mx_to_rowwise_permute (its elements are zeros).
 PADDING_SCALE = _host.PADDING_SCALE
 
-_DTYPES = (bfloat16, float32)
 _U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uint64))
 _WARP = 32
 
@@ -52,16 +51,11 @@ def quantize_fp8_rowwise(x, *, out=None, stream=None):
         (data, scales): (M, D) uint8 e4m3fn bits and (M,) float32 scales.
     Raises:
         TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not a pair, or of other
-        dtypes.
+            dtypes.
         ValueError: ``x`` not 2-D, D % 16 != 0, not C-contiguous or misaligned; ``out`` of other
             shapes.
     """
-    x = check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES)
-    FP8_ROWWISE.check_input(x)
-    m, d = x.shape
-    out = FP8_ROWWISE.view(*out_pair(out, (m, d), (m,)))
-    launch_quantize_fp8_rowwise(x, out, stream_ptr(stream))
-    return out.data, out.scales
+    return quantize_pair(FP8_ROWWISE, x, out, stream)
 
 
 def launch_quantize_fp8_rowwise(x, out, stream, share=1.0, scale_mode=None):
@@ -73,19 +67,19 @@ def launch_quantize_fp8_rowwise(x, out, stream, share=1.0, scale_mode=None):
     if host_backend():
         _host.quantize_fp8_rowwise(x, out=(out.data, out.scales))
         return out
-    _rowwise_quantize_launch(d, x.dtype, share)(stream, m, x, out.data, out.scales)
+    _quantize_launch(d, x.dtype, share)(stream, m, x, out.data, out.scales)
     return out
 
 
 @prepared
-def _rowwise_quantize_launch(d, dtype, share):
-    """Rowwise quantize of ``dtype`` rows of width ``d``, per row."""
+def _quantize_launch(d, dtype, share):
+    """Rowwise quantize of ``dtype`` rows of width ``d``, a warp per row."""
     if dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
         kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (1, d // 8), _U64)
     else:  # units of 4 elements -> one uint32
         kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (1, d // 4), _U32)
-    # a warp per row, ROWS_PER_BLOCK rows per block; up to STASH_BLOCK_BYTES of each row stay in
-    # shared memory between the passes (the rest is re-read)
+    # ROWS_PER_BLOCK rows per block; up to STASH_BLOCK_BYTES of each row stay in shared memory
+    # between the passes (the rest is re-read)
     units = data.shape[1]
     rows = 1 if simulated() else ROWS_PER_BLOCK  # the simulator's blocks are one warp
     stash_units = min(units, fp8_rowwise.STASH_BLOCK_BYTES // (rows * fp8_rowwise.STASH_UNIT_BYTES))
@@ -116,26 +110,22 @@ def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=Non
         ValueError: ``data`` not 2-D, D % 16 != 0, or not C-contiguous; ``scales`` or ``out`` of
             another shape or not C-contiguous.
     """
-    data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
-    m, d = data.shape
-    scales = check_array(scales, "scales", float32, (m,))
-    out = out_array(out, (m, d), out_dtype(dtype))
-    return launch_dequantize_fp8_rowwise(FP8_ROWWISE.view(data, scales), out, stream_ptr(stream))
+    return QuantizedArray(data, scales, FP8_ROWWISE).dequantize(dtype, out=out, stream=stream)
 
 
-def launch_dequantize_fp8_rowwise(q, out, stream, share=1.0):
-    """Decode the QuantizedArray ``q`` (M, D) into ``out`` (M, D) bf16/fp32. Returns ``out``."""
+def _launch_dequantize(q, out, stream, share):
+    """``Format._dequantize`` of fp8 rowwise."""
     if out.size == 0:
-        return out
+        return
     if host_backend():
-        return _host.dequantize_fp8_rowwise(q.data, q.scales, out.dtype, out=out)
+        _host.dequantize_fp8_rowwise(q.data, q.scales, out.dtype, out=out)
+        return
     m, d = q.shape
-    _rowwise_dequantize_launch(d, out.dtype, share)(stream, m, q.data, q.scales, out)
-    return out
+    _dequantize_launch(d, out.dtype, share)(stream, m, q.data, q.scales, out)
 
 
 @prepared
-def _rowwise_dequantize_launch(d, dtype, share):
+def _dequantize_launch(d, dtype, share):
     """Rowwise dequantize of rows of width ``d`` into ``dtype``, per row."""
     words = d // 8
     kernel = dequantize_fp8_rowwise_bf16_kernel if dtype == bfloat16 else \
@@ -179,8 +169,7 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
                          f"got shape {tuple(indices.shape)}")
     indices = check_array(indices, "permuted_indices", numpy.dtype(numpy.int32), indices.shape)
     p = indices.shape[0]
-    d = mx.shape[1]
-    data, scales = out_pair(out, (p, d), (p,))
+    data, scales = out_pair(out, (p, mx.shape[1]), (p,))
     for a, name in ((mx.data, "mx.data"), (data, "out[0] (data)")):
         if a.size and address(a) % PAIR_BYTES:
             raise ValueError(f"{name}: expected an address that is a multiple of {PAIR_BYTES} "
@@ -206,15 +195,15 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
 
 
 def _quantizer(dtype, width, scale_mode, share):
-    """``Format.quantizer``'s call on the kernels (None on the host backend: the general)."""
-    return None if host_backend() else RowLaunch(_rowwise_quantize_launch(width, dtype, share), 1)
+    """``Format._quantizer`` of fp8 rowwise: the sized launch, per row (None on the host)."""
+    return None if host_backend() else RowLaunch(_quantize_launch(width, dtype, share), 1)
 
 
 #: ``"fp8_rowwise"`` (``mxcomm.formats``).
 FP8_ROWWISE = register(Format(
     "fp8_rowwise", "e4m3fn", _U8, float32, PER_ROW, ROWWISE_MULTIPLE, PADDING_SCALE, (),
     "SM90 torch._scaled_grouped_mm's A operand (fp32 row scales, K % 16)",
-    launch_quantize_fp8_rowwise, launch_dequantize_fp8_rowwise, input_align=PAIR_BYTES,
+    launch_quantize_fp8_rowwise, _launch_dequantize, input_align=PAIR_BYTES,
     _quantizer=_quantizer))
 
 
