@@ -78,8 +78,7 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
         raise ValueError(f"scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
     m, d = x.shape
     if out is None:
-        xp = array_module()
-        out = MXFP8Array(xp.empty((m, d), dtype="uint8"), xp.empty((m, d // MX_BLOCK), dtype="uint8"))
+        out = MXFP8.empty(m, d)
     elif not isinstance(out, MXFP8Array):
         raise TypeError(f"out: expected an MXFP8Array or None, got {type(out).__name__}")
     elif out.shape != (m, d):
