@@ -104,10 +104,9 @@ def launch_quantize_gather(x, rows, out, stream, share=1.0, scale_mode="rceil"):
     count, d = out.shape
     if count == 0 or d == 0:
         return out
-    if host_backend():
+    if host_backend():  # the rows gathered first
         picked = numpy.ascontiguousarray(numpy.asarray(x)[numpy.asarray(rows)])
-        _host.quantize_mxfp8(picked, out.data, out.scales, rceil=scale_mode == "rceil")
-        return out
+        return launch_quantize(picked, out, stream, share, scale_mode)
     _quantize_gather_launch(d, scale_mode == "rceil", share)(stream, (count, x.shape[0]), rows, x,
                                                               out.data, out.scales)
     return out
@@ -152,14 +151,11 @@ def launch_round_trip(x, rows, out, stream, share=1.0, scale_mode="rceil"):
     if count == 0 or d == 0:
         return out
     rceil = scale_mode == "rceil"
-    if host_backend():
+    if host_backend():  # the rows gathered first, quantized, then decoded
         picked = numpy.asarray(x) if rows is None else \
             numpy.ascontiguousarray(numpy.asarray(x)[numpy.asarray(rows)])
-        data = numpy.empty((count, d), _U8)
-        scales = numpy.empty((count, d // MX_BLOCK), _U8)
-        _host.quantize_mxfp8(picked, data, scales, rceil=rceil)
-        _host.dequantize_mxfp8(data, scales, out)
-        return out
+        return launch_dequantize(launch_quantize(picked, MXFP8.empty(count, d), stream, share,
+                                                 scale_mode), out, stream)
     if rows is None:
         _round_trip_launch(rceil, share)(stream, out.size // MX_BLOCK, x, out)
     else:
@@ -238,16 +234,10 @@ def launch_gather_dequantize(mx, indices, out, stream):
     p, d = out.shape
     if p == 0 or d == 0:
         return out
-    if host_backend():
-        n = mx.shape[0]
-        idx = numpy.asarray(indices)
-        keep = (idx >= 0) & (idx < n)
-        rows = idx[keep]
-        decoded = numpy.empty((rows.shape[0], d), bfloat16)
-        _host.dequantize_mxfp8(mx.data[rows], mx.scales[rows], decoded)
-        out.view(_U16)[...] = 0
-        out[keep] = decoded
-        return out
+    if host_backend():  # gathered first: padding rows of zero bits decode to +0
+        picked = MXFP8.empty(p, d)
+        _host.gather_rows(indices, (mx.data, mx.scales), (picked.data, picked.scales))
+        return launch_dequantize(picked, out, stream)
     _gather_dequantize_launch(d)(stream, (p, mx.shape[0]), indices, mx.data, mx.scales, out)
     return out
 
