@@ -39,19 +39,9 @@ def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
       "pow2" (DeepGEMM's UE8M0): scale = 2^clamp(ceil(log2(amax / 448)), -126, 127).
     Elements saturate to +-448. A block holding NaN or +-Inf gets scale NaN and elements 0x7F.
 
-    Args:
-        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 128 == 0. Read.
-        scale_mode: "plain" or "pow2".
-        out: a (data, scales) pair, (M, D) uint8 and (M, D // 128) float32, C-contiguous, or
-            None. Written.
-        stream: the stream to launch on (None: CuPy's current); not synchronized.
-    Returns:
-        (data, scales): (M, D) uint8 e4m3fn bits and (M, D // 128) float32 scales.
-    Raises:
-        TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not a pair, or of other
-        dtypes.
-        ValueError: ``x`` not 2-D, D % 128 != 0 or not C-contiguous; unknown ``scale_mode``;
-            ``out`` of other shapes.
+    Arguments, result and errors as :func:`mxcomm.rowwise.quantize_fp8_rowwise`, but for
+    ``scales`` (M, D // 128) float32, D % 128 == 0, ``x`` 8-byte aligned, and ``scale_mode``
+    ("plain" or "pow2"; ValueError otherwise).
     """
     if scale_mode not in BLOCK_SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
@@ -88,21 +78,8 @@ def _block_quantize_launch(dtype, pow2, share):
 
 def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=None):
     """Decode fp8 block128 rows: x = e4m3 * its block's scale in fp32, round-to-nearest-even to
-    bf16; NaN canonical.
-
-    Args:
-        data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 128 == 0. Read.
-        scales: (M, D // 128) float32, C-contiguous. Read.
-        dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
-        out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current); not synchronized.
-    Returns:
-        ``out``: (M, D) ``dtype``.
-    Raises:
-        TypeError: ``data``/``scales`` not device arrays or of other dtypes; ``dtype`` not
-            bf16/fp32; ``out`` of another dtype.
-        ValueError: ``data`` not 2-D, D % 128 != 0, or not C-contiguous; ``scales`` or ``out`` of
-            another shape or not C-contiguous.
+    bf16; NaN canonical. As :func:`mxcomm.rowwise.dequantize_fp8_rowwise` (arguments, result,
+    errors) but for ``scales`` (M, D // 128) float32 and D % 128 == 0.
     """
     return QuantizedArray(data, scales, FP8_BLOCK128).dequantize(dtype, out=out, stream=stream)
 

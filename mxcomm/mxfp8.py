@@ -142,11 +142,7 @@ def launch_round_trip(x, rows, out, stream, share=1.0, scale_mode="rceil"):
     """bf16 rows through MXFP8 and back in one pass: ``out`` (R, D) bf16 is bit for bit
     :func:`launch_quantize` then :func:`launch_dequantize` of row r of ``x`` (``rows`` None) or row
     ``rows[r]`` (``rows`` (R,) int32). ``x`` (M, D) bf16 C-contiguous (16-byte aligned rows with
-    ``rows``); ``out`` C-contiguous, 16-byte aligned.
-
-    Raises:
-        ValueError: on a GPU, an address the kernel cannot load or store 16 bytes at.
-    """
+    ``rows``); ``out`` C-contiguous, 16-byte aligned (else ValueError on a GPU)."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
@@ -224,13 +220,9 @@ def _dequantize_launch(dtype, share):
 
 
 def launch_gather_dequantize(mx, indices, out, stream):
-    """Row p of ``out`` (P, D) bf16 = row ``indices[p]`` of ``mx`` (N, D) dequantized as
-    :func:`dequantize_mxfp8` does, zeros where the index is < 0 or >= N; one pass. ``indices`` (P,)
-    int32 and ``out`` C-contiguous.
-
-    Raises:
-        ValueError: on a GPU, ``mx.data`` or ``out`` at an address not a multiple of 16 bytes.
-    """
+    """Row p of ``out`` (P, D) bf16 = row ``indices[p]`` of ``mx`` (N, D) dequantized, zeros where
+    the index is < 0 or >= N; one pass. ``indices`` (P,) int32 and ``out`` C-contiguous;
+    ``mx.data`` and ``out`` 16-byte aligned (else ValueError on a GPU)."""
     p, d = out.shape
     if p == 0 or d == 0:
         return out
@@ -262,14 +254,14 @@ def _mx_to_bf16(x, indices, stream, alloc):
 
 
 def _quantizer(dtype, width, scale_mode, share):
-    """``Format.quantizer``'s call: the host twin itself, or the kernel's sized launch."""
+    """``Format._quantizer`` of MXFP8: the host twin itself, or the kernel's sized launch."""
     if host_backend():
         return functools.partial(_host.quantize_mxfp8, rceil=scale_mode == "rceil")
     return RowLaunch(_quantize_launch(dtype, scale_mode == "rceil", share), width // MX_BLOCK)
 
 
 def _round_tripper(width, scale_mode):
-    """``Format.round_tripper``'s call on the kernels (None on the host backend: the general)."""
+    """``Format._round_tripper`` of MXFP8: the sized launch (None on the host: the general)."""
     if host_backend():
         return None
     return RowLaunch(_round_trip_launch(scale_mode == "rceil", 1.0), width // MX_BLOCK)
