@@ -13,7 +13,7 @@ import numpy
 # .kernels first: it sets up the simulator before numba loads
 from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared
 from . import _host
-from ._array import bfloat16, check_rows, float32, stream_ptr
+from ._array import bfloat16, check_rows, float32
 from ._platform import host_backend
 from .formats import Format, QuantizedArray, RowLaunch, register, register_conversion
 from .kernels._fp8 import MX_BLOCK
@@ -33,15 +33,9 @@ _DTYPES = (bfloat16, float32)
 
 
 class MXFP8Array(QuantizedArray):
-    """An (M, D) MXFP8 tensor: the ``"mxfp8"`` case of :class:`~mxcomm.formats.QuantizedArray`.
-
-    Attributes:
-        data: (M, D) uint8, e4m3fn bit patterns, C-contiguous.
-        scales: (M, D // 32) uint8, e8m0 bit patterns (2^(s - 127); 0xFF = NaN), C-contiguous.
-    Raises:
-        TypeError: ``data`` or ``scales`` is not a device uint8 array.
-        ValueError: not 2-D, D % 32 != 0, scales shape not (M, D // 32), or not C-contiguous.
-    """
+    """An (M, D) MXFP8 tensor, the ``"mxfp8"`` case of :class:`~mxcomm.formats.QuantizedArray`
+    (which says what it raises): ``data`` (M, D) uint8 e4m3fn bits, ``scales`` (M, D // 32) uint8
+    e8m0 bits (2^(s - 127); 0xFF = NaN), both C-contiguous device arrays."""
 
     __slots__ = ()
 
@@ -61,7 +55,8 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
     0x7F (dequantizes to NaN). Bit-identical to a float64 evaluation of these formulas.
 
     Args:
-        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 32 == 0. Read.
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 32 == 0, address a multiple of 8
+            bytes. Read.
         scale_mode: "rceil" or "floor".
         out: an (M, D) MXFP8Array to write, or None to allocate. Written.
         stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
@@ -70,20 +65,15 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
         The MXFP8Array written.
     Raises:
         TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not an MXFP8Array.
-        ValueError: ``x`` not 2-D, D % 32 != 0 or not C-contiguous; unknown ``scale_mode``;
-            ``out`` of another shape.
+        ValueError: ``x`` not 2-D, D % 32 != 0, not C-contiguous or misaligned; unknown
+            ``scale_mode``; ``out`` of another shape.
     """
     x = check_rows(x, "x", MX_BLOCK, _DTYPES)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
-    m, d = x.shape
-    if out is None:
-        out = MXFP8.empty(m, d)
-    elif not isinstance(out, MXFP8Array):
+    if out is not None and not isinstance(out, MXFP8Array):
         raise TypeError(f"out: expected an MXFP8Array or None, got {type(out).__name__}")
-    elif out.shape != (m, d):
-        raise ValueError(f"out: expected shape {(m, d)}, got {out.shape}")
-    return launch_quantize(x, out, stream_ptr(stream), scale_mode=scale_mode)
+    return MXFP8.quantize(x, scale_mode=scale_mode, out=out, stream=stream)
 
 
 def launch_quantize(x, out, stream, share=1.0, scale_mode="rceil"):
