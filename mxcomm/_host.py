@@ -204,13 +204,6 @@ _F32_INF_BITS = 0x7F800000
 _PLAIN_AMAX_MIN = numpy.float32(448.0 * 2.0 ** -126)
 
 
-def _abs_f32_bits(x):
-    """uint32 fp32 bits of |x| for bf16 / fp32 ``x`` (bf16 widened exactly)."""
-    if x.dtype == BF16:
-        return (x.view(numpy.uint16).astype(_U32) & numpy.uint32(0x7FFF)) << numpy.uint32(16)
-    return x.view(_U32) & numpy.uint32(0x7FFFFFFF)
-
-
 def _e4m3(y):
     """e4m3fn bits (uint8) of the float32 ``y``: round to nearest even, saturated to +-448."""
     return numpy.clip(y, -448.0, 448.0).astype(_E4M3).view(numpy.uint8)
@@ -222,7 +215,8 @@ def _quantize_scaled(x, block, pow2):
     m, d = x.shape
     nb = d // block if block else 0
     xb = x.reshape(m, nb, block)
-    amax = _abs_f32_bits(xb).max(axis=-1, initial=0)
+    bits = xb.view(numpy.uint16).astype(_U32) << 16 if x.dtype == BF16 else xb.view(_U32)
+    amax = (bits & _U32(0x7FFFFFFF)).max(axis=-1, initial=0)  # as fp32 bits, bf16 widened exactly
     nonfinite = amax >= _F32_INF_BITS
     with numpy.errstate(invalid="ignore", over="ignore"):  # non-finite blocks, overwritten below
         if pow2:  # the e8m0 "rceil" exponent: exp - 8, plus 1 above a mantissa of 1.75

@@ -275,10 +275,6 @@ class QuantizedArray:
         out = out_array(out, self.shape, out_dtype(dtype))
         return self.format.launch_dequantize(self, out, stream_ptr(stream))
 
-    def rows(self, begin, end):
-        """Rows [begin, end) as a QuantizedArray of views (no copy)."""
-        return self.format.wrap(self.data[begin:end], self.scales[begin:end])
-
     def __repr__(self):
         return (f"{type(self).__name__}(format={self.format.name!r}, shape={self.shape}, "
                 f"data={type(self.data).__module__}.ndarray)")
