@@ -52,14 +52,14 @@ class Format:
     padding_scale: float = 0.0
     scale_modes: tuple = ()
     source: str = ""
-    _quantize: object = dataclasses.field(default=None, repr=False)
-    _dequantize: object = dataclasses.field(default=None, repr=False)
-    _array_class: object = dataclasses.field(default=None, repr=False)
+    _quantize: object = None
+    _dequantize: object = None
+    _array_class: object = None
     input_align: int = 1
-    _quantize_gather: object = dataclasses.field(default=None, repr=False)
-    _round_trip: object = dataclasses.field(default=None, repr=False)
-    _quantizer: object = dataclasses.field(default=None, repr=False)
-    _round_tripper: object = dataclasses.field(default=None, repr=False)
+    _quantize_gather: object = None
+    _round_trip: object = None
+    _quantizer: object = None
+    _round_tripper: object = None
 
     def _mode(self, scale_mode):
         return scale_mode or (self.scale_modes or (None,))[0]
