@@ -13,7 +13,7 @@ import numpy
 
 from mxcomm._array import bfloat16
 from mxcomm.bench import _timing
-from mxcomm.rowwise import launch_mx_to_rowwise_permute, launch_quantize_fp8_rowwise
+from mxcomm.rowwise import FP8_ROWWISE, launch_mx_to_rowwise_permute, launch_quantize_fp8_rowwise
 from mxcomm.mxfp8 import quantize_mxfp8
 
 SHARES = [0.25, 0.5, 0.75, 1.0]
@@ -50,7 +50,8 @@ def measure(m, d, shares):
     q_copy, p_copy = copy_gbps(q_bytes), copy_gbps(p_bytes)
     out = []
     for share in shares:
-        q_ms = median_ms(lambda: launch_quantize_fp8_rowwise(x, data, scales, stream, share))
+        q_ms = median_ms(lambda: launch_quantize_fp8_rowwise(x, FP8_ROWWISE.view(data, scales),
+                                                             stream, share))
         p_ms = median_ms(lambda: launch_mx_to_rowwise_permute(mx, indices, data, scales, stream,
                                                               share))
         out.append((share, q_ms, q_bytes / q_ms / 1e6 / q_copy, p_ms,

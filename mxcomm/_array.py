@@ -1,9 +1,6 @@
-"""Arrays in, arrays out: the one acceptance of caller arrays and streams, and the checks of rows,
-arrays and outputs, for the engine's public functions (docs/design.md "Arrays").
-
-Device arrays are CuPy arrays on a GPU and NumPy arrays on a CPU (the host backend, or Numba's CUDA
-simulator), as ``mxcomm._platform.gpu_arrays`` decides. A leaf: it imports only NumPy, ml_dtypes and
-``_platform``.
+"""The one acceptance of caller arrays and streams, and the checks of rows, arrays and outputs
+(docs/design.md "Arrays"). Device arrays are CuPy arrays on a GPU, NumPy arrays on a CPU
+(``_platform.gpu_arrays``). A leaf: NumPy, ml_dtypes and ``_platform`` only.
 """
 
 import ml_dtypes
@@ -17,8 +14,7 @@ float32 = numpy.dtype(numpy.float32)
 
 
 def as_device_array(x, name, *, device=None):
-    """``x`` as a CuPy (device) or NumPy (host) array, zero-copy: the one acceptance of a caller's
-    array.
+    """``x`` as a CuPy (device) or NumPy (host) array, zero-copy.
 
     Args:
         x: a CuPy/NumPy array, or any object exporting ``__cuda_array_interface__`` or DLPack
@@ -57,9 +53,9 @@ def as_device_array(x, name, *, device=None):
 
 
 def check_rows(x, name, multiple=1, dtypes=None, *, two_d=True):
-    """``x`` as a device array of rows, validated: 2-D (M, D) (``two_d`` False: at least 1-D), dtype
-    in ``dtypes`` (None: any), D % ``multiple`` == 0, C-contiguous: the one check of rows. Raises
-    TypeError (not an array, dtype) / ValueError (dimensions, D, not C-contiguous)."""
+    """``x`` as a device array of rows: 2-D (M, D) (``two_d`` False: at least 1-D), dtype in
+    ``dtypes`` (None: any), D % ``multiple`` == 0, C-contiguous. Raises TypeError (not an array,
+    dtype), ValueError (dimensions, D, not C-contiguous)."""
     x = as_device_array(x, name)
     if two_d and x.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D (M, D) array, "
@@ -77,10 +73,10 @@ def check_rows(x, name, multiple=1, dtypes=None, *, two_d=True):
     return x
 
 
-def check_array(a, name, dtype, shape, convert=as_device_array):
-    """``a`` through ``convert`` (default: a device array), of exactly ``dtype`` and ``shape``,
-    C-contiguous. Raises TypeError (not an array, dtype) / ValueError (shape, not C-contiguous)."""
-    a = convert(a, name)
+def check_array(a, name, dtype, shape):
+    """``a`` as a device array of exactly ``dtype`` and ``shape``, C-contiguous. Raises TypeError
+    (not an array, dtype), ValueError (shape, not C-contiguous)."""
+    a = as_device_array(a, name)
     if a.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype}")
     if tuple(a.shape) != tuple(shape):
@@ -109,22 +105,20 @@ def out_array(out, shape, dtype):
     return check_array(out, "out", dtype, shape)
 
 
-def out_pair(out, data_shape, scales_shape, scales_dtype=float32):
-    """The ``out`` of a quantize: a (data uint8, scales) pair, new when None, else checked;
-    TypeError when not a pair."""
+def out_pair(out, data_shape, scales_shape):
+    """The ``out`` of an fp8 quantize: a (data uint8, scales float32) pair, new when None, else
+    checked; TypeError when not a pair."""
     if out is None:
-        from .kernels import array_module
-        xp = array_module()
-        return xp.empty(data_shape, dtype=numpy.uint8), xp.empty(scales_shape, dtype=scales_dtype)
+        return out_array(None, data_shape, numpy.uint8), out_array(None, scales_shape, float32)
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise TypeError(f"out: expected a (data, scales) pair or None, got {type(out).__name__}")
     return (check_array(out[0], "out[0] (data)", numpy.dtype(numpy.uint8), data_shape),
-            check_array(out[1], "out[1] (scales)", numpy.dtype(scales_dtype), scales_shape))
+            check_array(out[1], "out[1] (scales)", float32, scales_shape))
 
 
 def stream_ptr(stream=None):
-    """The raw CUDA stream handle (int) of ``stream``: None for CuPy's current stream, a CuPy stream
-    (``.ptr``), a torch stream (``.cuda_stream``) or an int; 0 without a GPU."""
+    """The raw CUDA stream handle (int) of ``stream``: None (CuPy's current), a CuPy stream, a torch
+    stream or an int; 0 without a GPU."""
     if not gpu_arrays():
         return 0
     if stream is None:

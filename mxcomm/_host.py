@@ -1,16 +1,11 @@
 """The host backend: vectorized NumPy twins of the kernels, bit-identical to them.
 
 Glossary: M rows, D hidden (a multiple of 32), E experts, E_local experts per rank, P permuted rows.
-
-MXFP8 (OCP Microscaling v1.0) as the kernels compute it, on the bits:
-- block amax from the magnitude bits; an Inf/NaN amax gives scale 0xFF and elements 0x7F;
-- scale s = clamp(exp(amax) - 8 (+1 in "rceil" mode where the mantissa exceeds 1.75), 0, 254);
-- element = e4m3 of the f32 product x * 2^(127 - s), round to nearest even, saturated to +-448:
-  normal results round the f32 bits (add 0x7FFFF plus the lowest kept bit, drop 20 bits),
-  results below 2^-6 round on a 2^-9 grid by an f32 addition of 2^14;
-- dequantize: e4m3 * 2^(s - 127) in f32 (exact, Inf past the f32 range), round to nearest even
-  to bf16, canonical NaN: 256 x 256 lookup tables (scale, element byte).
-Work goes in chunks of :data:`CHUNK_BLOCKS` MX blocks (cache-sized temporaries).
+MXFP8 (OCP Microscaling v1.0) is computed as the kernels do, on the bits: the block amax from the
+magnitude bits (Inf/NaN: scale 0xFF, elements 0x7F); scale s = clamp(exp(amax) - 8, 0, 254), +1
+in "rceil" mode where the mantissa exceeds 1.75; element = e4m3 of the f32 x * 2^(127 - s),
+rounded to nearest even and saturated (normal results round the f32 bits, results below 2^-6 by
+an f32 addition of 2^14); dequantize through 256 x 256 tables by (scale, element byte).
 """
 
 import functools
@@ -32,82 +27,58 @@ CHUNK_BLOCKS = 2048
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
 F32 = numpy.dtype(numpy.float32)
 _U32 = numpy.uint32
+_BITS = {BF16: (numpy.uint16, 7), F32: (numpy.uint32, 23)}  # input: (its bits, mantissa bits)
 
-# f32 bit patterns used by the e4m3 rounding (see the module docstring).
+# f32 bit patterns of the e4m3 rounding
 _F32_2_POW_M6 = _U32(0x3C800000)    # 2^-6: the smallest normal e4m3
 _F32_2_POW_14 = _U32(0x46800000)    # 2^14: its f32 ulp is 2^-9, the e4m3 subnormal step
 _E4M3_REBIAS = _U32((127 - 7) << 3)  # f32 exponent bias - e4m3 bias, in the e4m3 code's position
 
 
-class _Format:
-    """Bit fields of an input format: magnitude mask, mantissa bits, the mantissa of 1.75 (rceil:
-    above it, amax / 448 needs one more exponent), the Inf magnitude."""
-
-    def __init__(self, uint, mant_bits):
-        self.uint = numpy.dtype(uint)
-        bits = 8 * self.uint.itemsize
-        self.abs_mask = self.uint.type((1 << (bits - 1)) - 1)
-        self.mant_bits = mant_bits
-        self.mant_mask = (1 << mant_bits) - 1
-        self.mant_1_75 = 3 << (mant_bits - 2)
-        self.inf = 0xFF << mant_bits
-
-
-_FORMATS = {BF16: _Format(numpy.uint16, 7), F32: _Format(numpy.uint32, 23)}
-
-
-def quantize_mxfp8(x, data, scales, rceil):
-    """MXFP8-quantize ``x`` (M, D) bf16/fp32 into ``data`` (M, D) uint8 e4m3fn bits and ``scales``
-    (M, D // 32) uint8 e8m0 bits, all C-contiguous and checked by the caller; ``rceil``: the "rceil"
-    scale, else "floor". Returns ``(data, scales)``."""
-    fmt = _FORMATS[x.dtype]
-    bits = x.reshape(-1).view(fmt.uint).reshape(-1, MX_BLOCK)
-    codes = data.reshape(-1, MX_BLOCK)
-    block_scales = scales.reshape(-1)
-    for b in range(0, bits.shape[0], CHUNK_BLOCKS):
-        end = b + CHUNK_BLOCKS
-        _quantize_blocks(bits[b:end], fmt, rceil, codes[b:end], block_scales[b:end])
+def quantize_mxfp8(x, data, scales, rows=None, stream=None, *, rceil):
+    """MXFP8-quantize rows [0, ``rows``) (None: all) of ``x`` (M, D) bf16/fp32 into ``data`` (M, D)
+    uint8 e4m3fn bits and ``scales`` (M, D // 32) uint8 e8m0 bits, all C-contiguous and checked by
+    the caller; ``rceil``: the "rceil" scale, else "floor". ``stream`` is unused: the arguments
+    are those of ``Format.quantizer``'s call, which this function is. Returns ``(data, scales)``."""
+    uint, mant_bits = _BITS[x.dtype]
+    abs_mask = uint((1 << (8 * numpy.dtype(uint).itemsize - 1)) - 1)
+    blocks = (x.shape[0] if rows is None else rows) * x.shape[1] // MX_BLOCK
+    all_bits = x.reshape(-1).view(uint).reshape(-1, MX_BLOCK)
+    all_codes, all_scales = data.reshape(-1, MX_BLOCK), scales.reshape(-1)
+    for b in range(0, blocks, CHUNK_BLOCKS):  # cache-sized temporaries
+        bits = all_bits[b:min(b + CHUNK_BLOCKS, blocks)]
+        amax = (bits & abs_mask).max(axis=1)
+        nonfinite = amax >= 0xFF << mant_bits
+        e = (amax >> mant_bits).astype(numpy.int32)
+        if rceil:  # above a mantissa of 1.75, amax / 448 needs one more exponent
+            e += (amax & ((1 << mant_bits) - 1)) > 3 << (mant_bits - 2)
+        s = numpy.clip(e - 8, 0, 254)
+        mult = ((254 - s).astype(_U32) << 23).view(numpy.float32)  # 2^(127 - s)
+        if uint is numpy.uint16:
+            v = (bits.astype(_U32) << 16).view(numpy.float32)  # bf16 -> f32, exact
+        else:
+            v = bits.view(numpy.float32).copy()
+        with numpy.errstate(over="ignore", invalid="ignore"):  # Inf/NaN blocks, overwritten below
+            v *= mult[:, None]
+        a = v.view(_U32)
+        sign = (a >> 24) & _U32(0x80)
+        a &= _U32(0x7FFFFFFF)  # v is |v| from here on
+        small = a < _F32_2_POW_M6
+        code = (a >> 20) & _U32(1)  # normal e4m3: round to nearest even on bit 20, rebias
+        code += a
+        code += _U32(0x7FFFF)
+        code >>= 20
+        code -= _E4M3_REBIAS  # wraps around for small values: replaced below
+        numpy.minimum(code, _U32(E4M3_MAX_CODE), out=code)  # satfinite: 480 and above -> 448
+        v += numpy.float32(2.0 ** 14)  # subnormal e4m3: the f32 add rounds to a multiple of 2^-9
+        a -= _F32_2_POW_14
+        numpy.copyto(code, a, where=small)
+        code |= sign
+        code[nonfinite] = E4M3_NAN
+        s[nonfinite] = E8M0_NAN
+        all_codes[b:b + len(bits)] = code
+        all_scales[b:b + len(bits)] = s
     return data, scales
-
-
-def quantize_mxfp8_launch(rceil, stream, rows, x, data, scales):
-    """:func:`quantize_mxfp8` with a prepared launch's arguments (``stream``, ``rows`` unused)."""
-    quantize_mxfp8(x, data, scales, rceil)
-
-
-def _quantize_blocks(bits, fmt, rceil, codes, scales):
-    """Quantize (n, 32) blocks of input bits into (n, 32) e4m3 codes and (n,) scales."""
-    amax = (bits & fmt.abs_mask).max(axis=1)
-    nonfinite = amax >= fmt.inf
-    e = (amax >> fmt.mant_bits).astype(numpy.int32)
-    if rceil:
-        e += (amax & fmt.mant_mask) > fmt.mant_1_75
-    s = numpy.clip(e - 8, 0, 254)
-    mult = ((254 - s).astype(_U32) << 23).view(numpy.float32)  # 2^(127 - s)
-    if fmt.uint.itemsize == 2:
-        v = (bits.astype(_U32) << 16).view(numpy.float32)  # bf16 -> f32, exact
-    else:
-        v = bits.view(numpy.float32).copy()
-    with numpy.errstate(over="ignore", invalid="ignore"):  # Inf/NaN blocks, overwritten below
-        v *= mult[:, None]
-    a = v.view(_U32)
-    sign = (a >> 24) & _U32(0x80)
-    a &= _U32(0x7FFFFFFF)  # v is |v| from here on
-    small = a < _F32_2_POW_M6
-    code = (a >> 20) & _U32(1)  # normal e4m3: round to nearest even on bit 20, rebias
-    code += a
-    code += _U32(0x7FFFF)
-    code >>= 20
-    code -= _E4M3_REBIAS  # wraps around for small values: replaced below
-    numpy.minimum(code, _U32(E4M3_MAX_CODE), out=code)  # satfinite: 480 and above -> 448
-    v += numpy.float32(2.0 ** 14)  # subnormal e4m3: the f32 add rounds |v| to a multiple of 2^-9
-    a -= _F32_2_POW_14
-    numpy.copyto(code, a, where=small)
-    code |= sign
-    codes[...] = code
-    codes[nonfinite] = E4M3_NAN
-    s[nonfinite] = E8M0_NAN
-    scales[...] = s
 
 
 @functools.cache
@@ -233,13 +204,6 @@ _F32_INF_BITS = 0x7F800000
 _PLAIN_AMAX_MIN = numpy.float32(448.0 * 2.0 ** -126)
 
 
-def _abs_f32_bits(x):
-    """uint32 fp32 bits of |x| for bf16 / fp32 ``x`` (bf16 widened exactly)."""
-    if x.dtype == BF16:
-        return (x.view(numpy.uint16).astype(_U32) & numpy.uint32(0x7FFF)) << numpy.uint32(16)
-    return x.view(_U32) & numpy.uint32(0x7FFFFFFF)
-
-
 def _e4m3(y):
     """e4m3fn bits (uint8) of the float32 ``y``: round to nearest even, saturated to +-448."""
     return numpy.clip(y, -448.0, 448.0).astype(_E4M3).view(numpy.uint8)
@@ -251,7 +215,8 @@ def _quantize_scaled(x, block, pow2):
     m, d = x.shape
     nb = d // block if block else 0
     xb = x.reshape(m, nb, block)
-    amax = _abs_f32_bits(xb).max(axis=-1, initial=0)
+    bits = xb.view(numpy.uint16).astype(_U32) << 16 if x.dtype == BF16 else xb.view(_U32)
+    amax = (bits & _U32(0x7FFFFFFF)).max(axis=-1, initial=0)  # as fp32 bits, bf16 widened exactly
     nonfinite = amax >= _F32_INF_BITS
     with numpy.errstate(invalid="ignore", over="ignore"):  # non-finite blocks, overwritten below
         if pow2:  # the e8m0 "rceil" exponent: exp - 8, plus 1 above a mantissa of 1.75

@@ -1,20 +1,10 @@
-"""Where array work runs: the one place that decides (a leaf: stdlib and ctypes only, no numba).
+"""Where array work runs, decided once per process from ``MXCOMM_BACKEND`` (a leaf: stdlib only).
 
-``kernels``, ``comm`` and the ``mxcomm`` wrappers ask this module and never read the environment
-themselves. Decided once per process, on first use (``import mxcomm`` asks first, so a bad value
-fails there), from ``MXCOMM_BACKEND``:
-
-    MXCOMM_BACKEND    backend()    arrays  MXFP8 and permute work runs in
-    auto (unset)      "cuda"       CuPy    the CUDA kernels, on the GPU (a CUDA device present)
-                      "host"       NumPy   the host backend (no CUDA device)
-    cuda              "cuda"       CuPy    the CUDA kernels (RuntimeError without a device)
-    host              "host"       NumPy   the host backend: vectorized NumPy, bit-identical to
-                                           the CUDA kernels (``mxcomm._host``)
-    simulator         "simulator"  NumPy   the CUDA kernels in Numba's CUDA simulator (a Python
-                                           call per CUDA thread: tiny shapes only)
-
-Whenever the backend is not ``"cuda"``, ``mxcomm.kernels`` turns Numba's CUDA simulator on before
-numba loads, so tests can compare the kernels' bits with the host backend's.
+``auto`` (unset) is ``"cuda"`` where a CUDA device is present (CuPy arrays, the CUDA kernels),
+else ``"host"`` (NumPy arrays, the vectorized NumPy twins of ``mxcomm._host``, bit-identical);
+``simulator`` runs the CUDA kernels in Numba's CUDA simulator on NumPy arrays (tiny shapes only),
+which ``mxcomm.kernels`` turns on before numba loads whenever the backend is not ``"cuda"``.
+Nobody else reads the environment; ``import mxcomm`` asks first, so a bad value fails there.
 """
 
 import ctypes
@@ -43,13 +33,8 @@ def gpu_present():
 
 @functools.cache
 def backend():
-    """Where array work runs in this process: ``"cuda"``, ``"host"`` or ``"simulator"``, read once
-    from ``MXCOMM_BACKEND``.
-
-    Raises:
-        ValueError: ``MXCOMM_BACKEND`` holds none of :data:`CHOICES`.
-        RuntimeError: ``MXCOMM_BACKEND=cuda`` where no CUDA device is present.
-    """
+    """``"cuda"``, ``"host"`` or ``"simulator"``, read once from ``MXCOMM_BACKEND``. Raises
+    ValueError for a value not in :data:`CHOICES`, RuntimeError for ``cuda`` without a device."""
     choice = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
     if choice not in CHOICES:
         raise ValueError(f"{ENV_VAR}: expected one of {', '.join(CHOICES)}, "

@@ -3,8 +3,8 @@
 Glossary: M rows, D hidden (D % 128 == 0); data (M, D) uint8 bits, scales (M, D // 128) float32,
 row-major, ``x ~= e4m3 * scale``: DeepSeek-V3's activation format (DeepEP's fp8 dispatch; DeepGEMM
 wants the scales transposed, M-major and TMA-aligned: a copy for its adapter to make). Rules and
-sources: ``kernels.fp8_block``. The ``launch_*`` functions (arguments checked by the caller) run the
-host twin (``mxcomm._host``) on the host backend, else the kernel.
+sources: ``kernels.fp8_block``. The ``launch_*`` functions take checked arguments and run the host
+twin (``mxcomm._host``) on the host backend.
 """
 
 import numpy
@@ -12,10 +12,9 @@ import numpy
 from .kernels import (UNBOUNDED, SizedLaunch, Words,  # first: decides simulator vs GPU
                       prepared, resident_launch)
 from . import _host
-from ._array import bfloat16, check_array, check_rows, float32, out_array, out_dtype, out_pair, \
-    stream_ptr
+from ._array import bfloat16, float32
 from ._platform import host_backend
-from .formats import Format, register
+from .formats import Format, QuantizedArray, RowLaunch, quantize_pair, register
 from .kernels import fp8_block
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels.fp8_block import (FP8_BLOCK, UNITS_PER_THREAD, WORDS_PER_THREAD,
@@ -28,7 +27,6 @@ BLOCK_SCALE_MODES = _host.BLOCK_SCALE_MODES
 #: The scale of a padding row (its elements are zeros).
 PADDING_SCALE = _host.PADDING_SCALE
 
-_DTYPES = (bfloat16, float32)
 _U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uint64))
 
 
@@ -41,43 +39,32 @@ def quantize_fp8_block128(x, scale_mode="plain", *, out=None, stream=None):
       "pow2" (DeepGEMM's UE8M0): scale = 2^clamp(ceil(log2(amax / 448)), -126, 127).
     Elements saturate to +-448. A block holding NaN or +-Inf gets scale NaN and elements 0x7F.
 
-    Args:
-        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 128 == 0. Read.
-        scale_mode: "plain" or "pow2".
-        out: a (data, scales) pair, (M, D) uint8 and (M, D // 128) float32, C-contiguous, or
-            None. Written.
-        stream: the stream to launch on (None: CuPy's current); not synchronized.
-    Returns:
-        (data, scales): (M, D) uint8 e4m3fn bits and (M, D // 128) float32 scales.
-    Raises:
-        TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not a pair, or of other
-        dtypes.
-        ValueError: ``x`` not 2-D, D % 128 != 0 or not C-contiguous; unknown ``scale_mode``;
-            ``out`` of other shapes.
+    Arguments, result and errors as :func:`mxcomm.rowwise.quantize_fp8_rowwise`, but for
+    ``scales`` (M, D // 128) float32, D % 128 == 0, ``x`` 8-byte aligned, and ``scale_mode``
+    ("plain" or "pow2"; ValueError otherwise).
     """
-    x = check_rows(x, "x", FP8_BLOCK, _DTYPES)
     if scale_mode not in BLOCK_SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {BLOCK_SCALE_MODES}, got {scale_mode!r}")
-    m, d = x.shape
-    data, scales = out_pair(out, (m, d), (m, d // FP8_BLOCK))
-    return launch_quantize_fp8_block128(x, data, scales, scale_mode, stream_ptr(stream))
+    return quantize_pair(FP8_BLOCK128_POW2 if scale_mode == "pow2" else FP8_BLOCK128, x, out,
+                         stream)
 
 
-def launch_quantize_fp8_block128(x, data, scales, scale_mode, stream, share=1.0):
-    """Quantize ``x`` (M, D) bf16/fp32 into ``data`` (M, D) uint8 and ``scales`` (M, D // 128)
-    float32. Returns (data, scales)."""
-    if x.size == 0:
-        return data, scales
-    if host_backend():
-        return _host.quantize_fp8_block128(x, scale_mode, out=(data, scales))
-    _block_quantize_launch(x.dtype, scale_mode == "pow2", share)(stream, x.size // FP8_BLOCK, x,
-                                                                 data, scales)
-    return data, scales
+def _launch_quantize(scale_mode):
+    """``Format._quantize`` of the block128 format of ``scale_mode``."""
+    def launch(x, out, stream, share, _):
+        if not x.size:
+            return
+        if host_backend():
+            _host.quantize_fp8_block128(x, scale_mode, out=(out.data, out.scales))
+            return
+        _block_quantize_launch(x.dtype, scale_mode == "pow2", share)(
+            stream, x.size // FP8_BLOCK, x, out.data, out.scales)
+    return launch
 
 
 @prepared
 def _block_quantize_launch(dtype, pow2, share):
-    """The prepared block128 quantize launch of ``dtype`` rows, per 128-element block."""
+    """Block128 quantize of ``dtype`` rows, per 128-element block."""
     if dtype == bfloat16:
         kernel, registers = quantize_fp8_block128_bf16_kernel, fp8_block.QUANTIZE_BF16_REGISTERS
     else:
@@ -91,43 +78,25 @@ def _block_quantize_launch(dtype, pow2, share):
 
 def dequantize_fp8_block128(data, scales, dtype=bfloat16, *, out=None, stream=None):
     """Decode fp8 block128 rows: x = e4m3 * its block's scale in fp32, round-to-nearest-even to
-    bf16; NaN canonical.
-
-    Args:
-        data: (M, D) uint8 e4m3fn bits, C-contiguous, D % 128 == 0. Read.
-        scales: (M, D // 128) float32, C-contiguous. Read.
-        dtype: bf16 (``mxcomm.bfloat16``, default) or fp32.
-        out: (M, D) ``dtype`` C-contiguous device array, or None to allocate. Written.
-        stream: the stream to launch on (None: CuPy's current); not synchronized.
-    Returns:
-        ``out``: (M, D) ``dtype``.
-    Raises:
-        TypeError: ``data``/``scales`` not device arrays or of other dtypes; ``dtype`` not
-            bf16/fp32; ``out`` of another dtype.
-        ValueError: ``data`` not 2-D, D % 128 != 0, or not C-contiguous; ``scales`` or ``out`` of
-            another shape or not C-contiguous.
+    bf16; NaN canonical. As :func:`mxcomm.rowwise.dequantize_fp8_rowwise` (arguments, result,
+    errors) but for ``scales`` (M, D // 128) float32 and D % 128 == 0.
     """
-    data = check_rows(data, "data", FP8_BLOCK, (_U8,))
-    m, d = data.shape
-    scales = check_array(scales, "scales", float32, (m, d // FP8_BLOCK))
-    out = out_array(out, (m, d), out_dtype(dtype))
-    return launch_dequantize_fp8_block128(data, scales, out, stream_ptr(stream))
+    return QuantizedArray(data, scales, FP8_BLOCK128).dequantize(dtype, out=out, stream=stream)
 
 
-def launch_dequantize_fp8_block128(data, scales, out, stream, share=1.0):
-    """Decode ``data`` (M, D) uint8 and ``scales`` (M, D // 128) float32 into ``out`` (M, D)
-    bf16/fp32. Returns ``out``."""
-    if out.size == 0:
-        return out
+def _launch_dequantize(q, out, stream, share):
+    """``Format._dequantize`` of the block128 formats."""
+    if not out.size:
+        return
     if host_backend():
-        return _host.dequantize_fp8_block128(data, scales, out.dtype, out=out)
-    _block_dequantize_launch(out.dtype, share)(stream, out.size // FP8_BLOCK, data, scales, out)
-    return out
+        _host.dequantize_fp8_block128(q.data, q.scales, out.dtype, out=out)
+        return
+    _block_dequantize_launch(out.dtype, share)(stream, out.size // FP8_BLOCK, q.data, q.scales, out)
 
 
 @prepared
 def _block_dequantize_launch(dtype, share):
-    """The prepared block128 dequantize launch into ``dtype``, per 128-element block."""
+    """Block128 dequantize into ``dtype``, per 128-element block."""
     data = Words(0, (FP8_BLOCK // 8,), _U64)
     kernel = dequantize_fp8_block128_bf16_kernel if dtype == bfloat16 else \
         dequantize_fp8_block128_f32_kernel
@@ -137,34 +106,22 @@ def _block_dequantize_launch(dtype, share):
                        Words(0, (FP8_BLOCK * dtype.itemsize // 8,), _U64))
 
 
-def _block128_quantize(mode):
-    def quantize(x, out, stream, share, scale_mode):
-        launch_quantize_fp8_block128(x, out.data, out.scales, mode, stream, share)
-    return quantize
-
-
-def _block128_dequantize(q, out, stream, share):
-    launch_dequantize_fp8_block128(q.data, q.scales, out, stream, share)
-
-
-def _block128_sized_quantize(mode):
-    def sized(dtype, width, scale_mode, share):
+def _register(name, scale_mode, source):
+    """Register the block128 Format of ``scale_mode``, whose launches fix it."""
+    def quantizer(dtype, width, _, share):  # the sized launch (None on the host: the general)
         if host_backend():
             return None
-        return _block_quantize_launch(dtype, mode == "pow2", share), width // FP8_BLOCK
-    return sized
+        return RowLaunch(_block_quantize_launch(dtype, scale_mode == "pow2", share),
+                         width // FP8_BLOCK)
+
+    return register(Format(name, "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
+                           source, _launch_quantize(scale_mode), _launch_dequantize,
+                           input_align=8, _quantizer=quantizer))
 
 
 #: ``"fp8_block128"`` and ``"fp8_block128_pow2"`` (``mxcomm.formats``).
-FP8_BLOCK128 = register(Format(
-    "fp8_block128", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
-    "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448",
-    _block128_quantize("plain"), _block128_dequantize, input_align=8,
-    _sized_quantize=_block128_sized_quantize("plain")))
-FP8_BLOCK128_POW2 = register(Format(
-    "fp8_block128_pow2", "e4m3fn", _U8, float32, FP8_BLOCK, FP8_BLOCK, PADDING_SCALE, (),
-    "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))",
-    _block128_quantize("pow2"), _block128_dequantize, input_align=8,
-    _sized_quantize=_block128_sized_quantize("pow2")))
-
-
+FP8_BLOCK128 = _register("fp8_block128", "plain",
+                         "DeepSeek-V3 / DeepEP dispatch: scale = amax / 448")
+FP8_BLOCK128_POW2 = _register(
+    "fp8_block128_pow2", "pow2",
+    "DeepGEMM UE8M0 / DeepEP round_scale: scale = 2^ceil(log2(amax / 448))")

@@ -1,8 +1,7 @@
-"""Row formats (one :class:`Format` object each), quantized rows, and the SQNR that measures them.
+"""Row formats (one :class:`Format` each, registered by name), quantized rows, and the SQNR.
 
-Glossary: M rows, D hidden (row width). The formats and their sources are tabled in docs/design.md
-"Formats". This leaf module holds the registry and the unscaled formats; each quantized format's
-module (``mxcomm.mxfp8``, ``rowwise``, ``block128``) registers its Format when imported.
+Glossary: M rows, D hidden. The unscaled formats live here; each quantized format's module
+(``mxcomm.mxfp8``, ``rowwise``, ``block128``) registers its Format when imported.
 """
 
 import dataclasses
@@ -11,8 +10,8 @@ import math
 
 import numpy
 
-from ._array import (bfloat16, check_array, check_rows, float32, out_array,
-                     out_dtype, stream_ptr)
+from ._array import (bfloat16, check_array, check_rows, float32, out_array, out_dtype, out_pair,
+                     stream_ptr)
 from .kernels import address, array_module
 
 #: ``Format.scale_block`` of a format with one scale per row.
@@ -31,16 +30,17 @@ class Format:
         scale_dtype: dtype of the scales (uint8 e8m0 bits, or float32), None if unscaled.
         scale_block: elements per scale (32, 128), :data:`PER_ROW`, or None if unscaled.
         d_multiple: D must be a multiple of it.
-        padding_scale: the scale of the zero padding rows ``permute`` writes (e8m0 code 0 for
-            MXFP8; 1.0 for the fp32-scaled formats, finite so consumers that invert scales get 0).
+        padding_scale: the scale of the zero rows ``permute`` pads with (e8m0 code 0; 1.0 for fp32
+            scales, so consumers that invert scales get 0).
         scale_modes: the scale roundings a caller may pick (MXFP8's ``"rceil"``, ``"floor"``);
             empty where the format fixes its own (the caller's is ignored).
         source: where its definition comes from.
-        input_align: bytes the address of rows to quantize must be a multiple of (the kernel
-            loads 8 or 16 bytes at a time); 1 for the unscaled formats.
+        input_align: bytes the address of rows to quantize must be a multiple of (the kernel's
+            loads); 1 for the unscaled formats.
 
-    The private fields are the format module's launchers (``_sized_*``: ``(sized launch, units per
-    row)``, or None on the host backend).
+    The private fields are the format module's launchers, called with the ``launch_*`` methods'
+    arguments; ``_quantizer`` and ``_round_tripper`` return a call prepared for a signature, or
+    None where the general launcher serves.
     """
 
     name: str
@@ -52,17 +52,16 @@ class Format:
     padding_scale: float = 0.0
     scale_modes: tuple = ()
     source: str = ""
-    _quantize: object = dataclasses.field(default=None, repr=False)
-    _dequantize: object = dataclasses.field(default=None, repr=False)
-    _array_class: object = dataclasses.field(default=None, repr=False)
+    _quantize: object = None
+    _dequantize: object = None
+    _array_class: object = None
     input_align: int = 1
-    _quantize_gather: object = dataclasses.field(default=None, repr=False)
-    _round_trip: object = dataclasses.field(default=None, repr=False)
-    _sized_quantize: object = dataclasses.field(default=None, repr=False)
-    _sized_round_trip: object = dataclasses.field(default=None, repr=False)
+    _quantize_gather: object = None
+    _round_trip: object = None
+    _quantizer: object = None
+    _round_tripper: object = None
 
     def _mode(self, scale_mode):
-        """``scale_mode``, or the format's first (None where it fixes its own)."""
         return scale_mode or (self.scale_modes or (None,))[0]
 
     @property
@@ -78,8 +77,8 @@ class Format:
 
     @functools.lru_cache(maxsize=256)  # asked per exchange; formats live as long as the process
     def row_arrays(self, d, input_dtype=bfloat16):
-        """``((row shape, dtype), ...)`` one row of width ``d`` travels as (the ``mxcomm.comm``
-        exchange protocol); a per-row scale travels as a (1,) row."""
+        """``((row shape, dtype), ...)`` one row of width ``d`` travels as in ``mxcomm.comm``'s
+        exchange; a per-row scale as a (1,) row."""
         if not self.quantized:
             dtype = numpy.dtype(self.element_dtype or input_dtype)
             return (((d,), dtype),)
@@ -111,26 +110,28 @@ class Format:
             QuantizedArray(data, scales, self)
 
     def view(self, data, scales):
-        """:meth:`wrap` unchecked, for arrays this package made with this format's dtypes and
-        shapes."""
+        """:meth:`wrap` unchecked, for arrays made with this format's dtypes and shapes."""
         q = object.__new__(self._array_class or QuantizedArray)
         q.data, q.scales, q.format = data, scales, self
         return q
 
     def empty(self, m, d, alloc=None):
-        """An uninitialized (m, d) QuantizedArray, arrays from ``alloc(shape, dtype)`` or the
-        backend's."""
+        """An uninitialized (m, d) QuantizedArray from ``alloc(shape, dtype)`` (None: the backend's)."""
         alloc = alloc or array_module().empty
         return self.view(alloc((m, d), self.element_dtype),
                          alloc(self.scales_shape(m, d), self.scale_dtype))
 
+    def _needs(self, launcher, what):
+        if launcher is None:
+            raise RuntimeError(f"format {self.name!r} does not {what}")
+        return launcher
+
     def launch_quantize(self, x, out, stream, share=1.0, scale_mode=None):
-        """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, D checked, into ``out`` of this format on
-        raw stream ``stream`` with ``share`` of the grid (done on return on the host backend).
-        ``scale_mode``: one of ``scale_modes`` (None: the first). Returns ``out``."""
-        if not self.quantized:
-            raise RuntimeError(f"format {self.name!r} does not quantize")
-        self._quantize(x, out, stream, share, self._mode(scale_mode))
+        """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, checked, into the QuantizedArray ``out`` on
+        raw stream ``stream`` with ``share`` of the grid (done on return on the host backend);
+        ``scale_mode`` None: the first of ``scale_modes``. Returns ``out``. Raises RuntimeError
+        for an unquantized format."""
+        self._needs(self._quantize, "quantize")(x, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizes_gathered(self, dtype):
@@ -140,56 +141,29 @@ class Format:
     def launch_quantize_gather(self, x, rows, out, stream, share=1.0, scale_mode=None):
         """:meth:`launch_quantize` of rows ``rows`` (R,) int32 of ``x`` (M, D) into ``out`` (R, D)
         in one pass. Returns ``out``."""
-        if self._quantize_gather is None:
-            raise RuntimeError(f"format {self.name!r} does not quantize gathered rows")
-        self._quantize_gather(x, rows, out, stream, share, self._mode(scale_mode))
+        self._needs(self._quantize_gather, "quantize gathered rows")(
+            x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def quantizer(self, dtype, width, scale_mode=None, share=1.0):
-        """The quantize of rows of ``dtype`` (bf16/fp32), width ``width``, prepared once per
-        signature (docs/design.md, "A direct call's launch, prepared with its signature"):
-        ``quantize(x, data, scales, rows, stream)`` as :meth:`launch_quantize` into C-contiguous
-        ``data``, ``scales`` (``Words``, CuPy or NumPy); nothing for 0 rows."""
-        if not self.quantized:
-            raise RuntimeError(f"format {self.name!r} does not quantize")
-        dtype = numpy.dtype(dtype)
+        """:meth:`launch_quantize` of ``dtype`` (bf16/fp32) rows of width ``width``, prepared once
+        (docs/design.md, "A direct call's launch, prepared with its signature"):
+        ``quantize(x, data, scales, rows, stream)`` quantizes ``rows`` rows of ``x`` into
+        C-contiguous ``data`` and ``scales`` (``Words``, CuPy or NumPy); nothing for 0 rows.
+        Raises RuntimeError for an unquantized format."""
         scale_mode = self._mode(scale_mode)
-        sized = self._sized_quantize and self._sized_quantize(dtype, width, scale_mode, share)
-        if sized:
-            launch, per_row = sized
-
-            def quantize(x, data, scales, rows, stream):
-                if rows:
-                    launch(stream, rows * per_row, x, data, scales)
-            return quantize
-        general, view = self._quantize, self.view
-
-        def quantize(x, data, scales, rows, stream):
-            if rows:
-                general(x, view(data, scales), stream, share, scale_mode)
-        return quantize
+        prepared = self._needs(self._quantizer, "quantize")(numpy.dtype(dtype), width,
+                                                              scale_mode, share)
+        return prepared or functools.partial(_quantize_rows, self, scale_mode, share)
 
     def round_tripper(self, width, scale_mode=None):
         """:meth:`launch_round_trip` of bf16 rows of width ``width`` prepared once, as
-        :meth:`quantizer`: ``round_trip(x, out, rows, stream)``; None without
-        ``round_trips(bf16)``."""
+        :meth:`quantizer`: ``round_trip(x, out, rows, stream)``; None if not ``round_trips(bf16)``."""
         if not self.round_trips(bfloat16):
             return None
         scale_mode = self._mode(scale_mode)
-        sized = self._sized_round_trip and self._sized_round_trip(bfloat16, width, scale_mode)
-        if sized:
-            launch, per_row = sized
-
-            def round_trip(x, out, rows, stream):
-                if rows:
-                    launch(stream, rows * per_row, x, out)
-            return round_trip
-        general = self._round_trip
-
-        def round_trip(x, out, rows, stream):
-            if rows:
-                general(x, None, out, stream, 1.0, scale_mode)
-        return round_trip
+        return self._round_tripper(width, scale_mode) or \
+            functools.partial(_round_trip_rows, self, scale_mode)
 
     def round_trips(self, dtype):
         """True if :meth:`launch_round_trip` takes rows of ``dtype`` (MXFP8 of bf16 so far)."""
@@ -200,23 +174,20 @@ class Format:
         bit for bit :meth:`launch_quantize` then :meth:`launch_dequantize`: row r of ``out`` is row
         r of ``x`` (``rows`` None) or row ``rows[r]`` (``rows`` (R,) int32). ``out``: C-contiguous,
         16-byte aligned. Returns ``out``."""
-        if self._round_trip is None:
-            raise RuntimeError(f"format {self.name!r} has no one-pass round trip")
-        self._round_trip(x, rows, out, stream, share, self._mode(scale_mode))
+        self._needs(self._round_trip, "round trip in one pass")(
+            x, rows, out, stream, share, self._mode(scale_mode))
         return out
 
     def launch_dequantize(self, q, out, stream, share=1.0):
         """Decode the QuantizedArray ``q`` (M, D) into ``out`` (M, D) bf16/fp32, C-contiguous.
         Returns ``out``."""
-        if not self.quantized:
-            raise RuntimeError(f"format {self.name!r} does not dequantize")
-        self._dequantize(q, out, stream, share)
+        self._needs(self._dequantize, "dequantize")(q, out, stream, share)
         return out
 
     def quantize(self, x, *, scale_mode=None, out=None, stream=None):
         """Quantize ``x`` (M, D) bf16/fp32 device array, C-contiguous, D % ``d_multiple`` == 0, into
-        a new (or the given) QuantizedArray. Raises TypeError (dtype, ``out`` of another
-        format) / ValueError (shape, address alignment, ``scale_mode``)."""
+        a new (or the given) QuantizedArray. Raises TypeError (dtype, ``out`` of another format),
+        ValueError (shape, address alignment, ``scale_mode``)."""
         x = check_rows(x, "x", 1, _OUT_DTYPES)
         self.check_input(x)
         if out is None:
@@ -234,16 +205,51 @@ class Format:
         return f"Format({self.name!r})"
 
 
-class QuantizedArray:
-    """(M, D) rows of a quantized format: element bits, scales, and the format.
+def quantize_pair(fmt, x, out, stream):
+    """:meth:`Format.quantize` of ``x`` into ``out``, a (data, scales) pair (None: new): the fp8
+    formats' public quantize, D checked first. Returns (data, scales); raises as ``quantize``
+    does, and TypeError for ``out`` not a pair."""
+    x = check_rows(x, "x", fmt.d_multiple, _OUT_DTYPES)
+    m, d = x.shape
+    q = fmt.view(*out_pair(out, (m, d), fmt.scales_shape(m, d)))
+    fmt.quantize(x, out=q, stream=stream)
+    return q.data, q.scales
 
-    Attributes:
-        data: (M, D) ``format.element_dtype`` (uint8 e4m3fn bits), C-contiguous.
-        scales: ``format.scales_shape(M, D)`` of ``format.scale_dtype``, C-contiguous.
-        format: the :class:`Format`.
+
+def _quantize_rows(fmt, scale_mode, share, x, data, scales, rows, stream):
+    """``Format.quantizer``'s call where the format prepares none: its general launcher."""
+    if rows:
+        fmt._quantize(x, fmt.view(data, scales), stream, share, scale_mode)
+
+
+def _round_trip_rows(fmt, scale_mode, x, out, rows, stream):
+    """``Format.round_tripper``'s call where the format prepares none: its general launcher."""
+    if rows:
+        fmt._round_trip(x, None, out, stream, 1.0, scale_mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLaunch:
+    """A kernel's sized launch called per row (``Format.quantizer``'s call on the kernels):
+    ``(*arrays, rows, stream)`` launches ``rows * per_row`` units, nothing for 0 rows."""
+
+    launch: object
+    per_row: int
+
+    def __call__(self, *args):
+        *arrays, rows, stream = args
+        if rows:
+            self.launch(stream, rows * self.per_row, *arrays)
+
+
+class QuantizedArray:
+    """(M, D) rows of a quantized format: ``data`` (M, D) ``format.element_dtype`` (uint8 e4m3fn
+    bits), ``scales`` ``format.scales_shape(M, D)`` of ``format.scale_dtype``, both C-contiguous,
+    and the :class:`Format` ``format``.
+
     Raises:
         TypeError: not device arrays, wrong dtypes, or ``format`` not a quantized Format.
-        ValueError: ``data`` not 2-D, D not a multiple of the format's, scales of another shape,
+        ValueError: ``data`` not 2-D or D not a multiple of the format's; scales of another shape;
             not C-contiguous.
     """
 
@@ -263,32 +269,24 @@ class QuantizedArray:
         return tuple(self.data.shape)
 
     def dequantize(self, dtype=bfloat16, *, out=None, stream=None):
-        """These rows as (M, D) ``dtype`` (bf16 or fp32); ``out`` to write, or None.
-
-        Raises:
-            TypeError: ``dtype`` not bf16/fp32, ``out`` of another dtype.
-            ValueError: ``out`` of another shape or not C-contiguous.
-        """
+        """These rows as (M, D) ``dtype`` (bf16 or fp32) into ``out`` (None: allocated), on
+        ``stream`` (None: CuPy's current), not synchronized. Raises TypeError (``dtype``, ``out``'s
+        dtype), ValueError (``out``'s shape, not C-contiguous)."""
         out = out_array(out, self.shape, out_dtype(dtype))
         return self.format.launch_dequantize(self, out, stream_ptr(stream))
-
-    def rows(self, begin, end):
-        """Rows [begin, end) as a QuantizedArray of views (no copy)."""
-        return self.format.wrap(self.data[begin:end], self.scales[begin:end])
 
     def __repr__(self):
         return (f"{type(self).__name__}(format={self.format.name!r}, shape={self.shape}, "
                 f"data={type(self.data).__module__}.ndarray)")
 
 
-# ------------------------------------------------------------------------------------ registry
 _FORMATS = {}  # name -> Format, in the order registered
 _CONVERSIONS = {}  # (source name, target name) -> the gather that permutes and converts
 
 
 def register(fmt):
-    """Add ``fmt`` to the names :func:`get_format` accepts; return it. Each quantized format's
-    module calls it when imported. Raises ValueError if the name is registered already."""
+    """Add ``fmt`` to the names :func:`get_format` accepts; return it. Raises ValueError if the
+    name is registered already."""
     if fmt.name in _FORMATS:
         raise ValueError(f"format {fmt.name!r} is registered already")
     _FORMATS[fmt.name] = fmt

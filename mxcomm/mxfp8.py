@@ -2,10 +2,8 @@
 
 Glossary: M rows, D hidden (a multiple of 32). One MX block is 32 consecutive elements of a row;
 ``data`` (M, D) uint8 holds e4m3fn bits, ``scales`` (M, D // 32) uint8 e8m0 bits (2^(s - 127),
-0xFF = NaN); uint8 because fp8 has no CuPy dtype. The ``launch_*`` functions take arguments checked
-by the caller, a raw stream handle and, where they have it, ``share`` of the grid
-(``kernels.launch_1d``), and return ``out``; on the host backend they run the host twin
-(``mxcomm._host``), done on return.
+0xFF = NaN). The ``launch_*`` functions take checked arguments, a raw stream handle and ``share``
+of the grid, return ``out``, and run the host twin (``mxcomm._host``) on the host backend.
 """
 
 import functools
@@ -15,9 +13,9 @@ import numpy
 # .kernels first: it sets up the simulator before numba loads
 from .kernels import UNBOUNDED, SizedLaunch, Words, array_module, launch_1d, prepared
 from . import _host
-from ._array import bfloat16, check_rows, float32, out_array, out_dtype, stream_ptr
+from ._array import bfloat16, check_rows, float32
 from ._platform import host_backend
-from .formats import Format, QuantizedArray, register, register_conversion
+from .formats import Format, QuantizedArray, RowLaunch, register, register_conversion
 from .kernels._fp8 import MX_BLOCK
 from .kernels._launch import RESIDENT_THREADS_PER_SM, THREADS_PER_BLOCK
 from .kernels._memory import PAIR_BYTES
@@ -35,27 +33,14 @@ _DTYPES = (bfloat16, float32)
 
 
 class MXFP8Array(QuantizedArray):
-    """An (M, D) MXFP8 tensor: the ``"mxfp8"`` case of :class:`~mxcomm.formats.QuantizedArray`.
-
-    Attributes:
-        data: (M, D) uint8, e4m3fn bit patterns, C-contiguous.
-        scales: (M, D // 32) uint8, e8m0 bit patterns (2^(s - 127); 0xFF = NaN), C-contiguous.
-    Raises:
-        TypeError: ``data`` or ``scales`` is not a device uint8 array.
-        ValueError: not 2-D, D % 32 != 0, scales shape not (M, D // 32), or not C-contiguous.
-    """
+    """An (M, D) MXFP8 tensor, the ``"mxfp8"`` case of :class:`~mxcomm.formats.QuantizedArray`
+    (which says what it raises): ``data`` (M, D) uint8 e4m3fn bits, ``scales`` (M, D // 32) uint8
+    e8m0 bits (2^(s - 127); 0xFF = NaN), both C-contiguous device arrays."""
 
     __slots__ = ()
 
     def __init__(self, data, scales):
         super().__init__(data, scales, MXFP8)
-
-    def dequantize(self, dtype=bfloat16, *, out=None, stream=None):
-        """This tensor as (M, D) ``dtype`` (bf16 or fp32); see :func:`dequantize_mxfp8`."""
-        return dequantize_mxfp8(self, dtype, out=out, stream=stream)
-
-    def __repr__(self):
-        return f"MXFP8Array(shape={self.shape}, data={type(self.data).__module__}.ndarray)"
 
 
 def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
@@ -70,7 +55,8 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
     0x7F (dequantizes to NaN). Bit-identical to a float64 evaluation of these formulas.
 
     Args:
-        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 32 == 0. Read.
+        x: (M, D) bf16 or fp32 device array, C-contiguous, D % 32 == 0, address a multiple of 8
+            bytes. Read.
         scale_mode: "rceil" or "floor".
         out: an (M, D) MXFP8Array to write, or None to allocate. Written.
         stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
@@ -79,46 +65,38 @@ def quantize_mxfp8(x, scale_mode="rceil", *, out=None, stream=None):
         The MXFP8Array written.
     Raises:
         TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not an MXFP8Array.
-        ValueError: ``x`` not 2-D, D % 32 != 0 or not C-contiguous; unknown ``scale_mode``;
-            ``out`` of another shape.
+        ValueError: ``x`` not 2-D, D % 32 != 0, not C-contiguous or misaligned; unknown
+            ``scale_mode``; ``out`` of another shape.
     """
     x = check_rows(x, "x", MX_BLOCK, _DTYPES)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
-    m, d = x.shape
-    if out is None:
-        xp = array_module()
-        out = MXFP8Array(xp.empty((m, d), dtype="uint8"), xp.empty((m, d // MX_BLOCK), dtype="uint8"))
-    elif not isinstance(out, MXFP8Array):
+    if out is not None and not isinstance(out, MXFP8Array):
         raise TypeError(f"out: expected an MXFP8Array or None, got {type(out).__name__}")
-    elif out.shape != (m, d):
-        raise ValueError(f"out: expected shape {(m, d)}, got {out.shape}")
-    return launch_quantize(x, out, scale_mode, stream_ptr(stream))
+    return MXFP8.quantize(x, scale_mode=scale_mode, out=out, stream=stream)
 
 
-def launch_quantize(x, out, scale_mode, stream, share=1.0):
+def launch_quantize(x, out, stream, share=1.0, scale_mode="rceil"):
     """Quantize ``x`` (M, D) bf16/fp32, C-contiguous, into the MXFP8Array ``out``."""
     if x.size == 0:
         return out
     if host_backend():
-        _host.quantize_mxfp8(x, out.data, out.scales, scale_mode == "rceil")
+        _host.quantize_mxfp8(x, out.data, out.scales, rceil=scale_mode == "rceil")
         return out
     _quantize_launch(x.dtype, scale_mode == "rceil", share)(stream, x.size // MX_BLOCK, x,
                                                             out.data, out.scales)
     return out
 
 
-def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
+def launch_quantize_gather(x, rows, out, stream, share=1.0, scale_mode="rceil"):
     """Quantize rows ``rows`` (R,) int32 of ``x`` (M, D) bf16, C-contiguous, 16-byte aligned rows,
-    into ``out`` (R, D), each row exactly as :func:`launch_quantize` does: the quantized dispatch
-    gradient's producer (``permutation.GatheredRows``)."""
+    into ``out`` (R, D), each row exactly as :func:`launch_quantize` does."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
-    if host_backend():
+    if host_backend():  # the rows gathered first
         picked = numpy.ascontiguousarray(numpy.asarray(x)[numpy.asarray(rows)])
-        _host.quantize_mxfp8(picked, out.data, out.scales, scale_mode == "rceil")
-        return out
+        return launch_quantize(picked, out, stream, share, scale_mode)
     _quantize_gather_launch(d, scale_mode == "rceil", share)(stream, (count, x.shape[0]), rows, x,
                                                               out.data, out.scales)
     return out
@@ -126,8 +104,7 @@ def launch_quantize_gather(x, rows, out, scale_mode, stream, share=1.0):
 
 @prepared
 def _quantize_gather_launch(d, rceil, share):
-    """The prepared gather-quantize launch of bf16 rows of width ``d``; counts: output rows, then
-    input rows."""
+    """Gather-quantize of bf16 rows of width ``d``; counts: output rows, then input rows."""
     pairs = d // 8
     return SizedLaunch(gather_quantize_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (pairs, PAIRS_PER_THREAD), Words(0, (1,), numpy.dtype(numpy.int32)),
@@ -137,7 +114,7 @@ def _quantize_gather_launch(d, rceil, share):
 
 @prepared
 def _quantize_launch(dtype, rceil, share):
-    """The prepared quantize launch of ``dtype`` rows, per MX block."""
+    """Quantize of ``dtype`` rows, per MX block."""
     x = Words(0, (MX_BLOCK * dtype.itemsize // 8,), _U64)
     scales = Words(0, (1,), _U8)
     # bf16: pairs of input words (8 elements) -> 8 e4m3 bytes (uint64); fp32: 2 -> 2 bytes (uint16)
@@ -151,27 +128,20 @@ def _quantize_launch(dtype, rceil, share):
                        rceil)
 
 
-def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
+def launch_round_trip(x, rows, out, stream, share=1.0, scale_mode="rceil"):
     """bf16 rows through MXFP8 and back in one pass: ``out`` (R, D) bf16 is bit for bit
     :func:`launch_quantize` then :func:`launch_dequantize` of row r of ``x`` (``rows`` None) or row
     ``rows[r]`` (``rows`` (R,) int32). ``x`` (M, D) bf16 C-contiguous (16-byte aligned rows with
-    ``rows``); ``out`` C-contiguous, 16-byte aligned.
-
-    Raises:
-        ValueError: on a GPU, an address the kernel cannot load or store 16 bytes at.
-    """
+    ``rows``); ``out`` C-contiguous, 16-byte aligned (else ValueError on a GPU)."""
     count, d = out.shape
     if count == 0 or d == 0:
         return out
     rceil = scale_mode == "rceil"
-    if host_backend():
+    if host_backend():  # the rows gathered first, quantized, then decoded
         picked = numpy.asarray(x) if rows is None else \
             numpy.ascontiguousarray(numpy.asarray(x)[numpy.asarray(rows)])
-        data = numpy.empty((count, d), _U8)
-        scales = numpy.empty((count, d // MX_BLOCK), _U8)
-        _host.quantize_mxfp8(picked, data, scales, rceil)
-        _host.dequantize_mxfp8(data, scales, out)
-        return out
+        return launch_dequantize(launch_quantize(picked, MXFP8.empty(count, d), stream, share,
+                                                 scale_mode), out, stream)
     if rows is None:
         _round_trip_launch(rceil, share)(stream, out.size // MX_BLOCK, x, out)
     else:
@@ -181,7 +151,7 @@ def launch_round_trip(x, rows, out, scale_mode, stream, share=1.0):
 
 @prepared
 def _round_trip_launch(rceil, share):
-    """The prepared bf16 -> MXFP8 -> bf16 launch, per MX block."""
+    """bf16 -> MXFP8 -> bf16, per MX block."""
     words = MX_BLOCK * 2 // 8
     return SizedLaunch(round_trip_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (MX_BLOCK // 8, PAIRS_PER_THREAD), Words(0, (words,), _U64),
@@ -190,8 +160,7 @@ def _round_trip_launch(rceil, share):
 
 @prepared
 def _gather_round_trip_launch(d, rceil, share):
-    """The prepared gathered round trip of rows of width ``d``; counts: output rows, then input
-    rows."""
+    """Gathered round trip of rows of width ``d``; counts: output rows, then input rows."""
     return SizedLaunch(gather_round_trip_mxfp8_bf16_kernel, launch_1d(UNBOUNDED, share=share),
                        (d // 8, PAIRS_PER_THREAD), Words(0, (1,), numpy.dtype(numpy.int32)),
                        (Words(0, (1, d // 4), _U64, PAIR_BYTES), 1),  # loaded in pairs
@@ -216,8 +185,7 @@ def dequantize_mxfp8(mx, dtype=bfloat16, *, out=None, stream=None):
     """
     if not isinstance(mx, MXFP8Array):
         raise TypeError(f"mx: expected an MXFP8Array, got {type(mx).__name__}")
-    out = out_array(out, mx.shape, out_dtype(dtype))
-    return launch_dequantize(mx, out, stream_ptr(stream))
+    return mx.dequantize(dtype, out=out, stream=stream)
 
 
 def launch_dequantize(mx, out, stream, share=1.0):
@@ -233,7 +201,7 @@ def launch_dequantize(mx, out, stream, share=1.0):
 
 @prepared
 def _dequantize_launch(dtype, share):
-    """The prepared dequantize launch into ``dtype``, per MX block."""
+    """Dequantize into ``dtype``, per MX block."""
     kernel = dequantize_mxfp8_bf16_kernel if dtype == bfloat16 else dequantize_mxfp8_f32_kernel
     data = Words(0, (MX_BLOCK // 8,), _U64)
     return SizedLaunch(kernel, launch_1d(UNBOUNDED, share=share), (data.size, WORDS_PER_THREAD),
@@ -242,34 +210,23 @@ def _dequantize_launch(dtype, share):
 
 
 def launch_gather_dequantize(mx, indices, out, stream):
-    """Row p of ``out`` (P, D) bf16 = row ``indices[p]`` of ``mx`` (N, D) dequantized as
-    :func:`dequantize_mxfp8` does, zeros where the index is < 0 or >= N; one pass. ``indices`` (P,)
-    int32 and ``out`` C-contiguous.
-
-    Raises:
-        ValueError: on a GPU, ``mx.data`` or ``out`` at an address not a multiple of 16 bytes.
-    """
+    """Row p of ``out`` (P, D) bf16 = row ``indices[p]`` of ``mx`` (N, D) dequantized, zeros where
+    the index is < 0 or >= N; one pass. ``indices`` (P,) int32 and ``out`` C-contiguous;
+    ``mx.data`` and ``out`` 16-byte aligned (else ValueError on a GPU)."""
     p, d = out.shape
     if p == 0 or d == 0:
         return out
-    if host_backend():
-        n = mx.shape[0]
-        idx = numpy.asarray(indices)
-        keep = (idx >= 0) & (idx < n)
-        rows = idx[keep]
-        decoded = numpy.empty((rows.shape[0], d), bfloat16)
-        _host.dequantize_mxfp8(mx.data[rows], mx.scales[rows], decoded)
-        out.view(_U16)[...] = 0
-        out[keep] = decoded
-        return out
+    if host_backend():  # gathered first: padding rows of zero bits decode to +0
+        picked = MXFP8.empty(p, d)
+        _host.gather_rows(indices, (mx.data, mx.scales), (picked.data, picked.scales))
+        return launch_dequantize(picked, out, stream)
     _gather_dequantize_launch(d)(stream, (p, mx.shape[0]), indices, mx.data, mx.scales, out)
     return out
 
 
 @prepared
 def _gather_dequantize_launch(d):
-    """The prepared MXFP8 -> bf16 gather of rows of width ``d``; counts: P (one warp per row), then
-    N."""
+    """MXFP8 -> bf16 gather of rows of width ``d``; counts: P (a warp per row), then N."""
     # one warp per row (the simulator's blocks are one warp), GATHER_BLOCKS_PER_SM blocks per SM
     share = GATHER_BLOCKS_PER_SM * THREADS_PER_BLOCK / RESIDENT_THREADS_PER_SM + 1e-9
     return SizedLaunch(gather_dequantize_mxfp8_bf16_kernel,
@@ -286,38 +243,24 @@ def _mx_to_bf16(x, indices, stream, alloc):
     return launch_gather_dequantize(x, indices, out, stream)
 
 
-def _format_quantize(x, out, stream, share, scale_mode):
-    launch_quantize(x, out, scale_mode, stream, share)
-
-
-def _format_dequantize(q, out, stream, share):
-    launch_dequantize(q, out, stream, share)
-
-
-def _format_quantize_gather(x, rows, out, stream, share, scale_mode):
-    launch_quantize_gather(x, rows, out, scale_mode, stream, share)
-
-
-def _format_round_trip(x, rows, out, stream, share, scale_mode):
-    launch_round_trip(x, rows, out, scale_mode, stream, share)
-
-
-def _sized_quantize(dtype, width, scale_mode, share):
+def _quantizer(dtype, width, scale_mode, share):
+    """``Format._quantizer`` of MXFP8: the host twin itself, or the kernel's sized launch."""
     if host_backend():
-        return functools.partial(_host.quantize_mxfp8_launch, scale_mode == "rceil"), 1
-    return _quantize_launch(dtype, scale_mode == "rceil", share), width // MX_BLOCK
+        return functools.partial(_host.quantize_mxfp8, rceil=scale_mode == "rceil")
+    return RowLaunch(_quantize_launch(dtype, scale_mode == "rceil", share), width // MX_BLOCK)
 
 
-def _sized_round_trip(dtype, width, scale_mode):
+def _round_tripper(width, scale_mode):
+    """``Format._round_tripper`` of MXFP8: the sized launch (None on the host: the general)."""
     if host_backend():
         return None
-    return _round_trip_launch(scale_mode == "rceil", 1.0), width // MX_BLOCK
+    return RowLaunch(_round_trip_launch(scale_mode == "rceil", 1.0), width // MX_BLOCK)
 
 
 #: The ``"mxfp8"`` Format (registered with ``mxcomm.formats`` when this module is imported).
 MXFP8 = register(Format("mxfp8", "e4m3fn", _U8, _U8, MX_BLOCK, MX_BLOCK, 0, SCALE_MODES,
-                        "OCP MX v1.0", _format_quantize, _format_dequantize, MXFP8Array,
-                        input_align=8, _quantize_gather=_format_quantize_gather,
-                        _round_trip=_format_round_trip, _sized_quantize=_sized_quantize,
-                        _sized_round_trip=_sized_round_trip))
+                        "OCP MX v1.0", launch_quantize, launch_dequantize, MXFP8Array,
+                        input_align=8, _quantize_gather=launch_quantize_gather,
+                        _round_trip=launch_round_trip, _quantizer=_quantizer,
+                        _round_tripper=_round_tripper))
 register_conversion("mxfp8", "bf16", _mx_to_bf16)

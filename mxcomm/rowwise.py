@@ -1,10 +1,9 @@
 """The fp8 rowwise format (e4m3fn elements, one power-of-two fp32 scale per row: the A operand of
 Hopper's ``torch._scaled_grouped_mm``), and the permute's MXFP8 -> fp8 rowwise gather.
 
-Glossary: M rows, D hidden (D % 16 == 0), N source rows, P permuted rows; ``x ~= e4m3 * scale``,
-data as uint8 bits, scales (M,) float32. The ``launch_*`` functions (arguments checked by the
-caller, raw stream handle, ``share`` of the grid) run the host twin (``mxcomm._host``) on the host
-backend, else the kernel.
+Glossary: M rows, D hidden (D % 16 == 0), N source rows, P permuted rows; ``x ~= e4m3 * scale``.
+The launchers take checked arguments, a raw stream handle and ``share`` of the grid, and run the
+host twin (``mxcomm._host``) on the host backend.
 """
 
 import numpy
@@ -12,10 +11,10 @@ import numpy
 from .kernels import (UNBOUNDED, SizedLaunch, Words, address,  # first: decides simulator vs GPU
                       prepared, resident_launch, simulated, words)
 from . import _host
-from ._array import (as_device_array, bfloat16, check_array, check_rows, float32, out_array,
-                     out_dtype, out_pair, stream_ptr)
+from ._array import as_device_array, bfloat16, check_array, float32, out_pair, stream_ptr
 from ._platform import host_backend
-from .formats import PER_ROW, Format, register, register_conversion
+from .formats import (PER_ROW, Format, QuantizedArray, RowLaunch, quantize_pair, register,
+                      register_conversion)
 from .kernels import fp8_rowwise
 from .kernels._launch import THREADS_PER_BLOCK
 from .kernels._memory import PAIR_BYTES
@@ -30,7 +29,6 @@ ROWWISE_MULTIPLE = 16
 #: The scale of a padding row written by mx_to_rowwise_permute (its elements are zeros).
 PADDING_SCALE = _host.PADDING_SCALE
 
-_DTYPES = (bfloat16, float32)
 _U8, _U32, _U64 = (numpy.dtype(t) for t in (numpy.uint8, numpy.uint32, numpy.uint64))
 _WARP = 32
 
@@ -53,38 +51,35 @@ def quantize_fp8_rowwise(x, *, out=None, stream=None):
         (data, scales): (M, D) uint8 e4m3fn bits and (M,) float32 scales.
     Raises:
         TypeError: ``x`` not a device array or not bf16/fp32; ``out`` not a pair, or of other
-        dtypes.
+            dtypes.
         ValueError: ``x`` not 2-D, D % 16 != 0, not C-contiguous or misaligned; ``out`` of other
             shapes.
     """
-    x = check_rows(x, "x", ROWWISE_MULTIPLE, _DTYPES)
-    FP8_ROWWISE.check_input(x)
-    m, d = x.shape
-    data, scales = out_pair(out, (m, d), (m,))
-    return launch_quantize_fp8_rowwise(x, data, scales, stream_ptr(stream))
+    return quantize_pair(FP8_ROWWISE, x, out, stream)
 
 
-def launch_quantize_fp8_rowwise(x, data, scales, stream, share=1.0):
-    """Quantize ``x`` (M, D) bf16/fp32 into ``data`` (M, D) uint8 and ``scales`` (M,) float32.
-    Returns (data, scales)."""
+def launch_quantize_fp8_rowwise(x, out, stream, share=1.0, scale_mode=None):
+    """Quantize ``x`` (M, D) bf16/fp32 into the QuantizedArray ``out`` (``scale_mode`` unused).
+    Returns ``out``."""
     m, d = x.shape
     if m == 0:
-        return data, scales
+        return out
     if host_backend():
-        return _host.quantize_fp8_rowwise(x, out=(data, scales))
-    _rowwise_quantize_launch(d, x.dtype, share)(stream, m, x, data, scales)
-    return data, scales
+        _host.quantize_fp8_rowwise(x, out=(out.data, out.scales))
+        return out
+    _quantize_launch(d, x.dtype, share)(stream, m, x, out.data, out.scales)
+    return out
 
 
 @prepared
-def _rowwise_quantize_launch(d, dtype, share):
-    """The prepared rowwise quantize launch of ``dtype`` rows of width ``d``, per row."""
+def _quantize_launch(d, dtype, share):
+    """Rowwise quantize of ``dtype`` rows of width ``d``, a warp per row."""
     if dtype == bfloat16:  # units of 8 elements -> one uint64 of e4m3
         kernel, data = quantize_fp8_rowwise_bf16_kernel, Words(0, (1, d // 8), _U64)
     else:  # units of 4 elements -> one uint32
         kernel, data = quantize_fp8_rowwise_f32_kernel, Words(0, (1, d // 4), _U32)
-    # a warp per row, ROWS_PER_BLOCK rows per block; up to STASH_BLOCK_BYTES of each row stay in
-    # shared memory between the passes (the rest is re-read)
+    # ROWS_PER_BLOCK rows per block; up to STASH_BLOCK_BYTES of each row stay in shared memory
+    # between the passes (the rest is re-read)
     units = data.shape[1]
     rows = 1 if simulated() else ROWS_PER_BLOCK  # the simulator's blocks are one warp
     stash_units = min(units, fp8_rowwise.STASH_BLOCK_BYTES // (rows * fp8_rowwise.STASH_UNIT_BYTES))
@@ -115,28 +110,23 @@ def dequantize_fp8_rowwise(data, scales, dtype=bfloat16, *, out=None, stream=Non
         ValueError: ``data`` not 2-D, D % 16 != 0, or not C-contiguous; ``scales`` or ``out`` of
             another shape or not C-contiguous.
     """
-    data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
-    m, d = data.shape
-    scales = check_array(scales, "scales", float32, (m,))
-    out = out_array(out, (m, d), out_dtype(dtype))
-    return launch_dequantize_fp8_rowwise(data, scales, out, stream_ptr(stream))
+    return QuantizedArray(data, scales, FP8_ROWWISE).dequantize(dtype, out=out, stream=stream)
 
 
-def launch_dequantize_fp8_rowwise(data, scales, out, stream, share=1.0):
-    """Decode ``data`` (M, D) uint8 and ``scales`` (M,) float32 into ``out`` (M, D) bf16/fp32.
-    Returns ``out``."""
+def _launch_dequantize(q, out, stream, share):
+    """``Format._dequantize`` of fp8 rowwise."""
     if out.size == 0:
-        return out
+        return
     if host_backend():
-        return _host.dequantize_fp8_rowwise(data, scales, out.dtype, out=out)
-    m, d = data.shape
-    _rowwise_dequantize_launch(d, out.dtype, share)(stream, m, data, scales, out)
-    return out
+        _host.dequantize_fp8_rowwise(q.data, q.scales, out.dtype, out=out)
+        return
+    m, d = q.shape
+    _dequantize_launch(d, out.dtype, share)(stream, m, q.data, q.scales, out)
 
 
 @prepared
-def _rowwise_dequantize_launch(d, dtype, share):
-    """The prepared rowwise dequantize launch of rows of width ``d`` into ``dtype``, per row."""
+def _dequantize_launch(d, dtype, share):
+    """Rowwise dequantize of rows of width ``d`` into ``dtype``, per row."""
     words = d // 8
     kernel = dequantize_fp8_rowwise_bf16_kernel if dtype == bfloat16 else \
         dequantize_fp8_rowwise_f32_kernel
@@ -179,8 +169,7 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
                          f"got shape {tuple(indices.shape)}")
     indices = check_array(indices, "permuted_indices", numpy.dtype(numpy.int32), indices.shape)
     p = indices.shape[0]
-    d = mx.shape[1]
-    data, scales = out_pair(out, (p, d), (p,))
+    data, scales = out_pair(out, (p, mx.shape[1]), (p,))
     for a, name in ((mx.data, "mx.data"), (data, "out[0] (data)")):
         if a.size and address(a) % PAIR_BYTES:
             raise ValueError(f"{name}: expected an address that is a multiple of {PAIR_BYTES} "
@@ -205,26 +194,18 @@ def launch_mx_to_rowwise_permute(mx, indices, data, scales, stream, share=1.0):
     return data, scales
 
 
-def _rowwise_quantize(x, out, stream, share, scale_mode):
-    launch_quantize_fp8_rowwise(x, out.data, out.scales, stream, share)
-
-
-def _rowwise_dequantize(q, out, stream, share):
-    launch_dequantize_fp8_rowwise(q.data, q.scales, out, stream, share)
-
-
-def _rowwise_sized_quantize(dtype, width, scale_mode, share):
-    if host_backend():
-        return None
-    return _rowwise_quantize_launch(width, dtype, share), 1  # per row
+def _quantizer(dtype, width, scale_mode, share):
+    """``Format._quantizer`` of fp8 rowwise: the sized launch, per row (None on the host)."""
+    return None if host_backend() else RowLaunch(_quantize_launch(width, dtype, share), 1)
 
 
 #: ``"fp8_rowwise"`` (``mxcomm.formats``).
 FP8_ROWWISE = register(Format(
     "fp8_rowwise", "e4m3fn", _U8, float32, PER_ROW, ROWWISE_MULTIPLE, PADDING_SCALE, (),
     "SM90 torch._scaled_grouped_mm's A operand (fp32 row scales, K % 16)",
-    _rowwise_quantize, _rowwise_dequantize, input_align=PAIR_BYTES,
-    _sized_quantize=_rowwise_sized_quantize))
+    launch_quantize_fp8_rowwise, _launch_dequantize, input_align=PAIR_BYTES,
+    _quantizer=_quantizer))
+
 
 def _mx_to_rowwise(x, indices, stream, alloc):
     """The permute's MXFP8 -> fp8 rowwise gather (``mxcomm.formats.conversion``)."""

@@ -113,7 +113,7 @@ def _quantize_gathered(x, rows, mode):
     xp = array_module()
     out = MXFP8Array(xp.empty((rows.shape[0], x.shape[1]), np.uint8),
                      xp.empty((rows.shape[0], x.shape[1] // 32), np.uint8))
-    mxfp8.launch_quantize_gather(x, rows, out, mode, 0)
+    mxfp8.launch_quantize_gather(x, rows, out, 0, scale_mode=mode)
     return out, quantize_mxfp8(xp.ascontiguousarray(x[rows]), mode)
 
 
@@ -140,9 +140,10 @@ def _round_trips(x, rows, mode):
     from mxcomm.kernels import array_module
     xp = array_module()
     whole = xp.empty_like(x)
-    mxfp8.launch_round_trip(x, None, whole, mode, 0)
+    mxfp8.launch_round_trip(x, None, whole, 0, scale_mode=mode)
     padded = xp.zeros((rows.shape[0] + 4, x.shape[1]), x.dtype)
-    mxfp8.launch_round_trip(x, rows, row_range(padded, 2, 2 + rows.shape[0]), mode, 0)
+    mxfp8.launch_round_trip(x, rows, row_range(padded, 2, 2 + rows.shape[0]), 0,
+                           scale_mode=mode)
     return (whole, padded[2:-2], dequantize_mxfp8(quantize_mxfp8(x, mode)),
             dequantize_mxfp8(quantize_mxfp8(xp.ascontiguousarray(x[rows]), mode)))
 

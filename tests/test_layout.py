@@ -364,23 +364,23 @@ def test_permute_backward_folds_into_the_quantized_dispatch_gradient(comm, monke
     explicit-splits calls (which scatter, then quantize). With a second use of the received
     rows the gradients are summed first, which gathers them: identical again."""
     torch = pytest.importorskip("torch")
-    import mxcomm.mxfp8
     import mxcomm.torch as mxt
+    from mxcomm.formats import Format
     gathered = []  # rows read through the index: peers' rows quantized, own rows round-tripped
-    quantize_gather = mxcomm.mxfp8.launch_quantize_gather
-    round_trip = mxcomm.mxfp8.launch_round_trip
+    quantize_gather = Format.launch_quantize_gather
+    round_trip = Format.launch_round_trip
 
-    def spy(*args, **kwargs):
-        gathered.append(args[1].shape[0])
-        return quantize_gather(*args, **kwargs)
+    def spy(fmt, x, rows, *args, **kwargs):
+        gathered.append(rows.shape[0])
+        return quantize_gather(fmt, x, rows, *args, **kwargs)
 
-    def spy_round_trip(*args, **kwargs):
-        if args[1] is not None:
-            gathered.append(args[1].shape[0])
-        return round_trip(*args, **kwargs)
+    def spy_round_trip(fmt, x, rows, *args, **kwargs):
+        if rows is not None:
+            gathered.append(rows.shape[0])
+        return round_trip(fmt, x, rows, *args, **kwargs)
 
-    monkeypatch.setattr(mxcomm.mxfp8, "launch_quantize_gather", spy)
-    monkeypatch.setattr(mxcomm.mxfp8, "launch_round_trip", spy_round_trip)
+    monkeypatch.setattr(Format, "launch_quantize_gather", spy)
+    monkeypatch.setattr(Format, "launch_round_trip", spy_round_trip)
     w, me = comm.size, comm.rank
     counts = random_counts(numpy.random.default_rng(SEED + 5), w, 3)
     layout = mxt.exchange_layout(torch.from_numpy(counts[me].astype(numpy.int64)), comm)
