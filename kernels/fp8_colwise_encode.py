@@ -21,8 +21,9 @@ from numba import cuda, float32, int32, uint16, uint32
 from ._fp8 import (F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, cvt_e4m3x2_f16x2, cvt_f16x2_e4m3x2,
                    f32_from_bits, f32_from_e4m3, mul_f16x2)
 from ._launch import THREADS_PER_BLOCK, kernel
-from ._memory import load_flat, load_item, load_word, store_flat, store_item
+from ._memory import load_flat, load_item, load_word, store_item
 from .fp8_colwise import _ABS, GROUP_ALIGN, RESCALE_EXP_MAX
+from .fp8_transpose import store_tile
 
 #: Token positions and data words (4 columns each) of one tile of the encode kernel.
 TILE_POSITIONS = 64
@@ -294,15 +295,11 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                     store_item(tile, at + 32, out2)
                     store_item(tile, at + 48, out3)
             cuda.syncthreads()
-            # store, position-contiguous: thread tid takes word k = tid % 16 of columns
-            # tid / 16 + j * nthreads / 16 (int32 throughout: a range's int64 counter costs more)
+            # store, position-contiguous: thread tid takes word tid % 16 of columns
+            # tid / 16 + j * nthreads / 16
             if store_quad < positions:
                 c = int32(tid >> 4)
-                c_end = int32(min(4 * TILE_WORDS, d - 4 * w0))  # the tile's columns
-                at = int32((4 * w0 + c) * out_stride + (store_quad >> 2))
-                while c < c_end:
-                    store_flat(out_words, at,
-                               load_item(tile, (c << 4) + ((k_store + (c >> 2)) & 15)))
-                    c = int32(c + c_step)
-                    at = int32(at + at_step)
+                store_tile(out_words, tile, c, int32(min(4 * TILE_WORDS, d - 4 * w0)),
+                           int32((4 * w0 + c) * out_stride + (store_quad >> 2)), k_store, c_step,
+                           at_step)
             cuda.syncthreads()

@@ -16,14 +16,14 @@ Dequantize: flat over the data words (:func:`row_of`). The word decoders take an
 serve ``fp8_block`` too.
 """
 
-from numba import cuda, float64, int64, uint16, uint32, uint64
+from numba import cuda, float64, int64, uint32, uint64
 
 from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits, bits_from_f32,
                    e8m0_from_bf16_amax, e8m0_from_f32_amax, f32_from_bits, f32_from_e4m3,
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import SHARED_PAIR_ALIGN, load_pair, load_pair_flat, store_pair_flat, store_word
-from .mx_dequantize import bf16x2_from_e4m3x2
+from .mx_dequantize import bf16x4_from_e4m3x4
 from .mx_quantize import WARP, bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
 
 #: Units (16 input bytes: 8 bf16 or 4 fp32) each thread loads per step, all in flight at once.
@@ -214,11 +214,7 @@ def dequantize_e4m3x8_bf16(d, scale, finite):
     lo = uint32(d & uint64(0xFFFFFFFF))
     hi = uint32(d >> uint64(32))
     if finite and nan_byte_mask(d) == uint64(0):
-        w0 = uint64(bf16x2_from_e4m3x2(uint16(lo & uint32(0xFFFF)), scale)) | (
-            uint64(bf16x2_from_e4m3x2(uint16(lo >> uint32(16)), scale)) << uint64(32))
-        w1 = uint64(bf16x2_from_e4m3x2(uint16(hi & uint32(0xFFFF)), scale)) | (
-            uint64(bf16x2_from_e4m3x2(uint16(hi >> uint32(16)), scale)) << uint64(32))
-        return w0, w1
+        return bf16x4_from_e4m3x4(lo, scale), bf16x4_from_e4m3x4(hi, scale)
     return scaled_e4m3x4_bf16(lo, scale), scaled_e4m3x4_bf16(hi, scale)
 
 
@@ -265,22 +261,9 @@ def store_word_f32(out_words, i, d, sbits):
     out_words[4 * i + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)
 
 
-@cuda.jit(device=True)
-def store_words(out_words, base, nthreads, n, words, sbits, f32):
-    """The store half of a dequantize tile (rowwise and 1x128): words ``words[k]`` at
-    base + k * nthreads below ``n`` under scale bits ``sbits[k]`` into bf16 or (``f32``) fp32
-    ``out_words``."""
-    for k in range(WORDS_PER_THREAD):
-        i = base + k * nthreads
-        if i < n:
-            if f32:
-                store_word_f32(out_words, i, words[k], sbits[k])
-            else:
-                store_word_bf16(out_words, i, words[k], sbits[k])
-
-
-def _dequantize_fp8_rowwise(f32):
-    """The rowwise dequantize kernel into bf16 or (``f32``) fp32, a compile-time constant."""
+def _dequantize_fp8_rowwise(store):
+    """The rowwise dequantize kernel whose device function ``store`` decodes a word (into bf16 or
+    fp32)."""
 
     @kernel
     def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row):
@@ -312,11 +295,14 @@ def _dequantize_fp8_rowwise(f32):
                 while col >= words_per_row:
                     col -= words_per_row
                     row += 1
-            store_words(out_words, base, nthreads, n, words, sbits, f32)
+            for k in range(WORDS_PER_THREAD):
+                i = base + k * nthreads
+                if i < n:
+                    store(out_words, i, words[k], sbits[k])
 
     return dequantize_fp8_rowwise_kernel
 
 
 #: fp8 rowwise -> bf16 and -> fp32 (:func:`_dequantize_fp8_rowwise`).
-dequantize_fp8_rowwise_bf16_kernel = _dequantize_fp8_rowwise(False)
-dequantize_fp8_rowwise_f32_kernel = _dequantize_fp8_rowwise(True)
+dequantize_fp8_rowwise_bf16_kernel = _dequantize_fp8_rowwise(store_word_bf16)
+dequantize_fp8_rowwise_f32_kernel = _dequantize_fp8_rowwise(store_word_f32)

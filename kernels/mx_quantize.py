@@ -3,9 +3,8 @@ encode and lane helpers the other fp8 kernels share.
 
 Layout of an (M, D) tensor of N = M * D elements, D % 32 == 0, flat, C order: MX block b covers
 elements 32b .. 32b + 31 (never straddling rows), its scale ``scales[b]``. Consecutive threads load
-consecutive 8-byte words; a block's lanes meet their partial max-abs through ``lanes_max`` (warp
-shuffles on a GPU, shared memory under the simulator), in a grid-stride loop uniform per CUDA block
-so every lane reaches every shuffle. The block max is integer arithmetic on the bits.
+consecutive 8-byte words; a block's lanes meet their partial max-abs (integer arithmetic on the
+bits) through ``lanes_max``, in a grid-stride loop uniform per CUDA block so every lane reaches it.
 """
 
 from numba import cuda, int32, uint8, uint16, uint32, uint64
@@ -25,9 +24,8 @@ WORDS_PER_THREAD = 4
 PAIRS_PER_THREAD = 2
 BF16_PAIRS_PER_BLOCK = 4
 BF16_PAIRS_PER_BLOCK_LOG2 = 2
-#: 8-byte words per MX block: bf16 (4 per word) and fp32 (2 per word).
+#: 8-byte words per MX block of fp32 (2 per word), and its log2 (indices are never negative).
 F32_WORDS_PER_BLOCK = 16
-#: log2 of the words per MX block (block index = word index >> log2; indices are never negative).
 F32_WORDS_PER_BLOCK_LOG2 = 4
 #: Lanes of a warp.
 WARP = 32
@@ -57,7 +55,7 @@ if simulated():
     @cuda.jit(device=True)
     def lanes_max(v, scratch, width):
         """Max of ``v`` over each aligned group of ``width`` threads, met in the shared ``scratch``
-        (one uint32 per thread; the simulator has no shuffles). Every thread of the block must call
+        (one uint32 per thread; the simulator has no shuffles). Every thread of the block calls
         it."""
         tid = cuda.threadIdx.x
         scratch[tid] = v
@@ -72,13 +70,45 @@ else:
     @cuda.jit(device=True)
     def lanes_max(v, scratch, width):
         """Max of ``v`` (uint32 < 2^31) over each aligned group of ``width`` (a power of two <= 32)
-        lanes: a butterfly of warp shuffles. Every lane of the warp must call it."""
+        lanes: a butterfly of warp shuffles. Every lane of the warp calls it."""
         m = int32(v)
         lane = 1
         while lane < width:
             m = max(m, cuda.shfl_xor_sync(FULL_WARP, m, lane))
             lane *= 2
         return uint32(m)
+
+
+@cuda.jit(device=True)
+def pairs_amax(first, second, k, scratch, width):
+    """:func:`lanes_max` over ``width`` lanes of the max-abs bits of the 8 bf16 in ``first[k]``,
+    ``second[k]``."""
+    return lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch, width)
+
+
+@cuda.jit(device=True)
+def load_pairs(x_words, base, nthreads, n, first, second):
+    """Pairs of words p = base + k * nthreads (k < PAIRS_PER_THREAD) of the flat ``x_words`` into
+    ``first[k]``, ``second[k]``, zeros from ``n`` on; all loads first."""
+    for k in range(PAIRS_PER_THREAD):
+        p = base + k * nthreads
+        first[k] = x_words[2 * p] if p < n else uint64(0)
+        second[k] = x_words[2 * p + 1] if p < n else uint64(0)
+
+
+@cuda.jit(device=True)
+def gather_pairs(rows, x_words, base, nthreads, n, first, second):
+    """:func:`load_pairs` of output pair p, taken from row ``rows[r]`` of the 2-D ``x_words``
+    (output row r of p)."""
+    per_row = x_words.shape[1] >> 1
+    for k in range(PAIRS_PER_THREAD):
+        p = base + k * nthreads
+        if p < n:
+            r = p // per_row
+            first[k], second[k] = load_pair(x_words, load_item(rows, r), p - r * per_row)
+        else:
+            first[k] = uint64(0)
+            second[k] = uint64(0)
 
 
 @cuda.jit(device=True)
@@ -122,20 +152,18 @@ def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
 @kernel
 def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
     """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64
-    formulas.
-
-    Scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil:
+    formulas: scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil:
     ceil(log2(amax / 448)); clamped to [-127, 127], biased by 127); element = RNE(x * 2^(127 - s))
-    saturated to +-448. A NaN/Inf block gets s = 0xFF and elements 0x7F. A block is 4 pairs of input
-    words on 4 consecutive lanes.
+    saturated to +-448. A NaN/Inf block gets s = 0xFF and elements 0x7F.
 
     Args:
         x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Read.
         data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
         scales: (N // 32,) uint8, e8m0 bits, one per MX block. Written.
         rceil: bool; True for the rceil scale, False for floor.
-    Launch: launch_1d(ceil(N / 8 / PAIRS_PER_THREAD)), blockDim.x a multiple of 32: pairs
-        t + k * blockDim.x, k < PAIRS_PER_THREAD, of each tile per thread, grid-stride over tiles.
+    Launch: launch_1d(ceil(N / 8 / PAIRS_PER_THREAD)), blockDim.x a multiple of 32: pairs of input
+        words t + k * blockDim.x, k < PAIRS_PER_THREAD, of each tile per thread (a block's 4 pairs
+        on 4 consecutive lanes), grid-stride over tiles.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     first = cuda.local.array(PAIRS_PER_THREAD, uint64)
@@ -146,13 +174,9 @@ def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
     tile = nthreads * PAIRS_PER_THREAD
     lead = tid % BF16_PAIRS_PER_BLOCK == 0
     for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
-            p = base + k * nthreads
-            first[k] = x_words[2 * p] if p < n else uint64(0)
-            second[k] = x_words[2 * p + 1] if p < n else uint64(0)
+        load_pairs(x_words, base, nthreads, n, first, second)
         for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
-                             BF16_PAIRS_PER_BLOCK)
+            amax = pairs_amax(first, second, k, scratch, BF16_PAIRS_PER_BLOCK)
             p = base + k * nthreads
             if p < n:
                 quantize_bf16_pair(data_words, scales, p, first[k], second[k], amax, lead, rceil)
@@ -169,30 +193,20 @@ def gather_quantize_mxfp8_bf16_kernel(rows, x_words, data_words, scales, rceil):
         data_words: (R * D // 8,) uint64, e4m3fn bits, output row-major. Written.
         scales: (R * D // 32,) uint8, e8m0 bits. Written.
         rceil: bool; True for the rceil scale, False for floor.
-    Launch: as :func:`quantize_mxfp8_bf16_kernel`, over the output's pairs (a block's 4 lanes read
-        one input row).
+    Launch: as :func:`quantize_mxfp8_bf16_kernel`, over the output's pairs.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     first = cuda.local.array(PAIRS_PER_THREAD, uint64)
     second = cuda.local.array(PAIRS_PER_THREAD, uint64)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    per_row = x_words.shape[1] >> 1
     n = data_words.shape[0]
     tile = nthreads * PAIRS_PER_THREAD
     lead = tid % BF16_PAIRS_PER_BLOCK == 0
     for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
-            p = base + k * nthreads
-            if p < n:
-                r = p // per_row
-                first[k], second[k] = load_pair(x_words, load_item(rows, r), p - r * per_row)
-            else:
-                first[k] = uint64(0)
-                second[k] = uint64(0)
+        gather_pairs(rows, x_words, base, nthreads, n, first, second)
         for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
-                             BF16_PAIRS_PER_BLOCK)
+            amax = pairs_amax(first, second, k, scratch, BF16_PAIRS_PER_BLOCK)
             p = base + k * nthreads
             if p < n:
                 quantize_bf16_pair(data_words, scales, p, first[k], second[k], amax, lead, rceil)
