@@ -278,3 +278,12 @@ def f32_from_e4m3(b):
     callers test for them."""
     bits = ((b & uint32(0x80)) << uint32(24)) | ((b & uint32(0x7F)) << uint32(20))
     return f32_from_bits(bits) * E4M3_F32_SHIFT
+
+
+@cuda.jit(device=True)
+def rescale_e4m3x4(d, mult_lo, mult_hi):
+    """The 4 e4m3 in the uint32 ``d`` times f16 pairs (uint32 bits), bytes 0 and 1 by ``mult_lo``,
+    2 and 3 by ``mult_hi``: exact decode to f16, f16 products, one RNE to e4m3 (satfinite)."""
+    lo = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d & uint32(0xFFFF))), mult_lo))
+    hi = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d >> uint32(16))), mult_hi))
+    return uint32(lo) | (uint32(hi) << uint32(16))

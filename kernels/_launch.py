@@ -1,9 +1,7 @@
-"""Kernel launches: grid sizing (one helper, no block sizes scattered around) and the launcher.
-
-On a GPU a :class:`Kernel` compiles each argument-type combination once (``cuda.compile_ptx`` for
-the device's compute capability), loads the PTX through CuPy and launches it through
-``mxcomm._driver.PackedLaunch``, bypassing numba's dispatcher (docs/design.md "Arrays"). Under the
-simulator it is numba's dispatcher.
+"""Kernel launches: grid sizing and the launcher. On a GPU a :class:`Kernel` compiles each
+argument-type combination once (``cuda.compile_ptx``), loads the PTX through CuPy and launches it
+through ``mxcomm._driver.PackedLaunch``, bypassing numba's dispatcher (docs/design.md "Arrays");
+under the simulator it is numba's dispatcher.
 """
 
 import functools
@@ -117,20 +115,9 @@ def words(a, dtype, name, *, rows=False, align=None):
     return Words(ptr, (row_bytes // dtype.itemsize,), dtype, align)
 
 
-def _argument_type(a):
-    """The numba type of a kernel argument: a device array (or :class:`Words`), a bool or an int."""
-    if isinstance(a, Words):
-        return types.Array(from_dtype(a.dtype), a.ndim, "C")
-    if isinstance(a, (bool, numpy.bool_)):
-        return types.boolean
-    if isinstance(a, (int, numpy.integer)):
-        return types.int64
-    layout = "C" if a.flags.c_contiguous else "A"
-    return types.Array(from_dtype(a.dtype), a.ndim, layout)
-
-
 def _argument_key(a):
-    """A hashable key equal for arguments of the same numba type."""
+    """A hashable key equal for kernel arguments of the same numba type: ``"b"`` (a bool), ``"i"``
+    (an int), or (dtype, ndim, C-contiguous) of a device array or :class:`Words`."""
     if isinstance(a, Words):
         return a.dtype, a.ndim, True
     if isinstance(a, (bool, numpy.bool_)):
@@ -140,16 +127,22 @@ def _argument_key(a):
     return a.dtype, a.ndim, a.flags.c_contiguous
 
 
+def _argument_type(a):
+    """The numba type of a kernel argument (:func:`_argument_key`)."""
+    key = _argument_key(a)
+    if isinstance(key, str):
+        return types.boolean if key == "b" else types.int64
+    dtype, ndim, contiguous = key
+    return types.Array(from_dtype(dtype), ndim, "C" if contiguous else "A")
+
+
 def _abi_format(a):
     """The ``struct`` codes of ``a`` in numba's kernel ABI: an array is (meminfo, parent, nitems,
     itemsize, data, *shape, *strides), 8 bytes each; a bool one byte, an int 8."""
-    if isinstance(a, Words):
-        return "QQqqQ" + "q" * (2 * a.ndim)
-    if isinstance(a, (bool, numpy.bool_)):
-        return "B"
-    if isinstance(a, (int, numpy.integer)):
-        return "q"
-    return "QQqqQ" + "q" * (2 * a.ndim)
+    key = _argument_key(a)
+    if isinstance(key, str):
+        return "B" if key == "b" else "q"
+    return "QQqqQ" + "q" * (2 * key[1])
 
 
 def _abi_values(args):

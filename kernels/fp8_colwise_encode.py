@@ -16,10 +16,10 @@ takes the fp32 path: the byte in fp32 times the row scale and the column's inver
 2^RESCALE_EXP_MAX).
 """
 
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, uint32
 
-from ._fp8 import (F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, cvt_e4m3x2_f16x2, cvt_f16x2_e4m3x2,
-                   f32_from_bits, f32_from_e4m3, mul_f16x2)
+from ._fp8 import (F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, f32_from_bits, f32_from_e4m3,
+                   rescale_e4m3x4)
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_flat, load_item, load_word, store_item
 from .fp8_colwise import _ABS, GROUP_ALIGN, RESCALE_EXP_MAX
@@ -115,11 +115,7 @@ def rescale_column(col, drop_ab, drop_cd, col_term):
     ``drop_ab`` / ``drop_cd`` = (hi - r) << 10 per position (high half: b, d), col_term - drop is
     the f16 pair 2^(r - s) (fields in 1..30: no borrow); bytes times it in f16, rounded once to
     e4m3."""
-    lo = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(col & uint32(0xFFFF))),
-                                    col_term - drop_ab))
-    hi = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(col >> uint32(16))),
-                                    col_term - drop_cd))
-    return uint32(lo) | (uint32(hi) << uint32(16))
+    return rescale_e4m3x4(col, col_term - drop_ab, col_term - drop_cd)
 
 
 @cuda.jit(device=True)

@@ -1,6 +1,6 @@
-"""Token permutation kernels of the EP path: received order <-> expert-major order, padded groups
-(layout: ``mxcomm.permutation``). The index is built on the device (no host sync); rows move as
-machine words, one CUDA block per row, threads striding over the row's words."""
+"""Token permutation kernels: received order <-> expert-major order, padded groups (layout:
+``mxcomm.permutation``), the index built on the device; rows move as machine words, one CUDA block
+per row."""
 
 from numba import cuda, int32
 
@@ -64,14 +64,13 @@ def permute_indices_kernel(counts, src_start, dst_start, group_offsets, num_rows
         indices[p] = int32(src)
 
 
-#: Words each thread loads before storing, in the row copy (independent loads in flight).
+#: Words each thread loads before storing in the row copy.
 ROW_UNROLL = 4
 
 
 @cuda.jit(device=True)
 def copy_row(src, i, dst, p, ncols, tid, nthreads):
-    """dst[p, :ncols] = src[i, :ncols]; thread ``tid`` of ``nthreads`` takes words
-    tid + k * nthreads, ROW_UNROLL loads in flight."""
+    """dst[p, :ncols] = src[i, :ncols]; thread ``tid`` of ``nthreads`` takes every nthreads-th."""
     step = nthreads * ROW_UNROLL
     w = tid
     while w + step - nthreads < ncols:  # ROW_UNROLL full words
@@ -91,16 +90,15 @@ def copy_row(src, i, dst, p, ncols, tid, nthreads):
 
 @kernel
 def gather_rows_kernel(indices, src0, dst0, src1, dst1, fill1):
-    """dst[p, :] = src[indices[p], :] for two (src, dst) pairs at once; where indices[p] < 0 dst0's
-    row gets zeros and dst1's every word ``fill1``.
+    """dst[p, :] = src[indices[p], :] for two (src, dst) pairs; where indices[p] < 0, zeros in
+    dst0's row and ``fill1`` in every word of dst1's.
 
     Args:
         indices: (P,) int32 source rows or -1; a row >= src.shape[0] counts as -1. Read.
         src0, dst0: (M, W0) and (P, W0) words (uint64/32/16/8), C-contiguous. Read / written.
         src1, dst1: a second pair (the scales) of the same rows, or an empty (0, 0) pair.
         fill1: int, a word of dst1's padding rows (the padding scale repeated; 0 for e8m0).
-    Launch: launch_1d(P * blockDim): one CUDA block per row, grid-stride over rows, threads
-        striding over the row's words.
+    Launch: launch_1d(P * blockDim): a CUDA block per row, grid-stride.
     """
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
@@ -145,8 +143,7 @@ def scatter_rows_kernel(indices, src0, dst0, src1, dst1):
 
 @kernel
 def zero_rows_kernel(indices, dst0, dst1, fill1):
-    """The padding rows (indices[p] < 0) as :func:`gather_rows_kernel` writes them: dst0's zeros,
-    dst1's every word ``fill1``; other rows untouched.
+    """The padding rows (indices[p] < 0) of :func:`gather_rows_kernel`; other rows untouched.
 
     Args:
         indices: (P,) int32 source rows or -1. Read.
