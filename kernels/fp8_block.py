@@ -30,15 +30,15 @@ from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bits_from_f32, f32_from
 from ._launch import THREADS_PER_BLOCK, kernel
 from .fp8_rowwise import rowwise_scale_exp, store_word_bf16, store_word_f32
 from .mx_dequantize import WORDS_PER_THREAD, flat_dequantize_kernel  # noqa: F401 (block128)
-from .mx_quantize import (PAIRS_PER_THREAD, encode_bf16x4, encode_f32x2, f32x2_absmax,
-                          lanes_max, load_pairs, pairs_amax)
+from .mx_quantize import (PAIRS_PER_THREAD, bf16_quantize_kernel, encode_bf16x4, encode_f32x2,
+                          f32x2_absmax, lanes_max)
 
 #: Elements per scale block along the last dimension.
 FP8_BLOCK = 128
 #: Units of 8 elements per block (lanes meeting in lanes_max).
 BLOCK_UNITS = 16
 BLOCK_UNITS_LOG2 = 4
-#: Units each thread loads per tile (independent loads in flight; bf16: :func:`load_pairs`).
+#: Units each thread loads per tile (independent loads in flight; bf16: PAIRS_PER_THREAD).
 UNITS_PER_THREAD = PAIRS_PER_THREAD
 #: fp32 input words (uint64, 2 elements) per unit, and per thread per tile (UNITS_PER_THREAD units).
 F32_UNIT_WORDS = 4
@@ -69,46 +69,32 @@ def block_scale(amax_bits, pow2):
     return bits_from_f32(scale), _ONE / scale
 
 
-@kernel
-def quantize_fp8_block128_bf16_kernel(x_words, data_words, scales, pow2):
-    """1x128-block fp8 quantize of bf16 input (formulas in the module docstring).
+@cuda.jit(device=True)
+def quantize_bf16_unit(data_words, scales, p, w0, w1, amax, lead, pow2):
+    """Write unit ``p``'s 8 e4m3 bytes (input words ``w0``, ``w1``) from its block's bf16 amax,
+    and the block's scale bits when ``lead``."""
+    if amax >= uint32(BF16_INF):
+        data_words[p] = _E4M3_NAN_X8
+        scale_bits = uint32(F32_NAN)
+    else:
+        scale_bits, mult = block_scale(amax << uint32(16), pow2)
+        data_words[p] = uint64(encode_bf16x4(w0, mult)) | (uint64(encode_bf16x4(w1, mult))
+                                                          << uint64(32))
+    if lead:
+        scales[p >> BLOCK_UNITS_LOG2] = scale_bits
 
-    Args:
-        x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest), N % 128 == 0. Read.
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
-        scales: (N // 128,) uint32, fp32 bits of the block scales. Written.
-        pow2: bool; True for "pow2" scales, False for "plain".
-    Launch: launch_1d(ceil(N / 8 / UNITS_PER_THREAD)), blockDim.x a multiple of 32: units
-        t + k * blockDim.x, k < UNITS_PER_THREAD, of each tile per thread, grid-stride over tiles.
-    """
-    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    first = cuda.local.array(UNITS_PER_THREAD, uint64)
-    second = cuda.local.array(UNITS_PER_THREAD, uint64)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    n = data_words.shape[0]
-    tile = nthreads * UNITS_PER_THREAD
-    lead = tid % BLOCK_UNITS == 0
-    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        load_pairs(x_words, base, nthreads, n, first, second)
-        for k in range(UNITS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = pairs_amax(first, second, k, scratch, BLOCK_UNITS)
-            p = base + k * nthreads
-            if p < n:
-                if amax >= uint32(BF16_INF):
-                    data_words[p] = _E4M3_NAN_X8
-                    scale_bits = uint32(F32_NAN)
-                else:
-                    scale_bits, mult = block_scale(amax << uint32(16), pow2)
-                    data_words[p] = uint64(encode_bf16x4(first[k], mult)) | (
-                        uint64(encode_bf16x4(second[k], mult)) << uint64(32))
-                if lead:
-                    scales[p >> BLOCK_UNITS_LOG2] = scale_bits
+
+#: 1x128-block fp8 quantize of bf16 input (formulas in the module docstring;
+#: :func:`~kernels.mx_quantize.bf16_quantize_kernel`, a unit one pair of input words). x_words
+#: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest), N % 128 == 0; data_words (N // 8,)
+#: uint64, e4m3fn bits, 8 per word; scales (N // 128,) uint32, fp32 bits of the block scales; flag
+#: ``pow2``: True for "pow2" scales, False for "plain".
+quantize_fp8_block128_bf16_kernel = bf16_quantize_kernel(BLOCK_UNITS, quantize_bf16_unit)
 
 
 @kernel
 def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
-    """As :func:`quantize_fp8_block128_bf16_kernel`, of fp32 input: ``x_words`` (N // 2,) uint64, 2
+    """As :data:`quantize_fp8_block128_bf16_kernel`, of fp32 input: ``x_words`` (N // 2,) uint64, 2
     f32 per word; a unit is 4 input words."""
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     words = cuda.local.array(F32_TILE_WORDS, uint64)

@@ -149,42 +149,48 @@ def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
         scales[p >> BF16_PAIRS_PER_BLOCK_LOG2] = uint8(s)
 
 
-@kernel
-def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
-    """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64
-    formulas: scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil:
-    ceil(log2(amax / 448)); clamped to [-127, 127], biased by 127); element = RNE(x * 2^(127 - s))
-    saturated to +-448. A NaN/Inf block gets s = 0xFF and elements 0x7F.
+def bf16_quantize_kernel(width, emit):
+    """A quantize kernel ``(x_words, data_words, scales, flag)`` of bf16 input whose scale blocks
+    are ``width`` pairs of input words (8 bf16 each) on consecutive lanes: a block's amax met in
+    :func:`lanes_max`, the device function ``emit(data_words, scales, p, w0, w1, amax, lead,
+    flag)`` writes pair p (``lead``: the lane of its block's first pair). Launch:
+    launch_1d(ceil(N / 8 / PAIRS_PER_THREAD)), blockDim.x a multiple of 32: pairs t + k *
+    blockDim.x, k < PAIRS_PER_THREAD, of each tile per thread, grid-stride over tiles."""
 
-    Args:
-        x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Read.
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
-        scales: (N // 32,) uint8, e8m0 bits, one per MX block. Written.
-        rceil: bool; True for the rceil scale, False for floor.
-    Launch: launch_1d(ceil(N / 8 / PAIRS_PER_THREAD)), blockDim.x a multiple of 32: pairs of input
-        words t + k * blockDim.x, k < PAIRS_PER_THREAD, of each tile per thread (a block's 4 pairs
-        on 4 consecutive lanes), grid-stride over tiles.
-    """
-    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    first = cuda.local.array(PAIRS_PER_THREAD, uint64)
-    second = cuda.local.array(PAIRS_PER_THREAD, uint64)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    n = x_words.shape[0] >> 1
-    tile = nthreads * PAIRS_PER_THREAD
-    lead = tid % BF16_PAIRS_PER_BLOCK == 0
-    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        load_pairs(x_words, base, nthreads, n, first, second)
-        for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = pairs_amax(first, second, k, scratch, BF16_PAIRS_PER_BLOCK)
-            p = base + k * nthreads
-            if p < n:
-                quantize_bf16_pair(data_words, scales, p, first[k], second[k], amax, lead, rceil)
+    @kernel
+    def quantize_kernel(x_words, data_words, scales, flag):
+        scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+        first = cuda.local.array(PAIRS_PER_THREAD, uint64)
+        second = cuda.local.array(PAIRS_PER_THREAD, uint64)
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        n = x_words.shape[0] >> 1
+        tile = nthreads * PAIRS_PER_THREAD
+        lead = tid % width == 0
+        for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+            load_pairs(x_words, base, nthreads, n, first, second)
+            for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: all lanes meet lanes_max
+                amax = pairs_amax(first, second, k, scratch, width)
+                p = base + k * nthreads
+                if p < n:
+                    emit(data_words, scales, p, first[k], second[k], amax, lead, flag)
+
+    return quantize_kernel
+
+
+#: MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64 formulas
+#: (:func:`bf16_quantize_kernel`): scale s (e8m0) from the block's max |x| (floor:
+#: floor(log2 amax) - 8; rceil: ceil(log2(amax / 448)); clamped to [-127, 127], biased by 127);
+#: element = RNE(x * 2^(127 - s)) saturated to +-448; a NaN/Inf block gets s = 0xFF and elements
+#: 0x7F. x_words (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest); data_words (N // 8,)
+#: uint64, e4m3fn bits, 8 per word; scales (N // 32,) uint8, e8m0 bits; flag ``rceil``: True for
+#: the rceil scale, False for floor.
+quantize_mxfp8_bf16_kernel = bf16_quantize_kernel(BF16_PAIRS_PER_BLOCK, quantize_bf16_pair)
 
 
 @kernel
 def gather_quantize_mxfp8_bf16_kernel(rows, x_words, data_words, scales, rceil):
-    """:func:`quantize_mxfp8_bf16_kernel` of rows picked by an index: output row r is input row
+    """:data:`quantize_mxfp8_bf16_kernel` of rows picked by an index: output row r is input row
     ``rows[r]`` quantized, bit for bit.
 
     Args:
@@ -193,7 +199,7 @@ def gather_quantize_mxfp8_bf16_kernel(rows, x_words, data_words, scales, rceil):
         data_words: (R * D // 8,) uint64, e4m3fn bits, output row-major. Written.
         scales: (R * D // 32,) uint8, e8m0 bits. Written.
         rceil: bool; True for the rceil scale, False for floor.
-    Launch: as :func:`quantize_mxfp8_bf16_kernel`, over the output's pairs.
+    Launch: as :data:`quantize_mxfp8_bf16_kernel`, over the output's pairs.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     first = cuda.local.array(PAIRS_PER_THREAD, uint64)
@@ -227,7 +233,7 @@ def quantize_f32_word(data_half, scales, i, w, amax, lead, rceil):
 
 @kernel
 def quantize_mxfp8_f32_kernel(x_words, data_half, scales, rceil):
-    """MXFP8-quantize fp32 input (formulas of :func:`quantize_mxfp8_bf16_kernel`).
+    """MXFP8-quantize fp32 input (formulas of :data:`quantize_mxfp8_bf16_kernel`).
 
     Args:
         x_words: (N // 2,) uint64, f32 bits, 2 per word (element 0 lowest). Read.
