@@ -187,20 +187,15 @@ class Kernel:
             raise ValueError("dynamic shared memory: launch through a prepared Launch")
         return functools.partial(self._launch, blocks, threads, stream)
 
-    def compile(self, argument_types):
-        """PTX of the kernel specialised for ``argument_types`` (numba types), for this device."""
-        ptx, _ = cuda.compile_ptx(self.py_func, argument_types, cc=_device_properties()[1],
-                                  launch_bounds=self.launch_bounds)
-        return ptx
-
     def _function(self, args):
         """The launcher of the compiled function for ``args``, found by a cheap key of their kinds;
-        numba types are built only on a kind's first launch."""
+        compiled for this device on a kind's first launch."""
         key = tuple(map(_argument_key, args))
         function = self._functions.get(key)
         if function is None:
             import cupy
-            ptx = self.compile(tuple(map(_argument_type, args)))
+            ptx, _ = cuda.compile_ptx(self.py_func, tuple(map(_argument_type, args)),
+                                      cc=_device_properties()[1], launch_bounds=self.launch_bounds)
             name = re.search(r"\.entry\s+([\w$]+)\s*\(", ptx).group(1)
             module = cupy.cuda.function.Module()
             module.load(ptx.encode())
