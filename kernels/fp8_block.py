@@ -89,7 +89,8 @@ def quantize_bf16_unit(data_words, scales, p, w0, w1, amax, lead, pow2):
 #: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest), N % 128 == 0; data_words (N // 8,)
 #: uint64, e4m3fn bits, 8 per word; scales (N // 128,) uint32, fp32 bits of the block scales; flag
 #: ``pow2``: True for "pow2" scales, False for "plain".
-quantize_fp8_block128_bf16_kernel = bf16_quantize_kernel(BLOCK_UNITS, quantize_bf16_unit)
+quantize_fp8_block128_bf16_kernel = bf16_quantize_kernel("quantize_fp8_block128_bf16_kernel",
+                                                         BLOCK_UNITS, quantize_bf16_unit)
 
 
 @kernel
@@ -135,7 +136,7 @@ def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
 #: canonical NaN. data_words (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest); scales
 #: (N // 128,) uint32, fp32 bits of the block scales; out_words (N // 4,) uint64 of bf16 bits, or
 #: (N // 2,) of f32 bits.
-dequantize_fp8_block128_bf16_kernel = flat_dequantize_kernel(DATA_WORDS_PER_BLOCK_LOG2,
-                                                             store_word_bf16)
-dequantize_fp8_block128_f32_kernel = flat_dequantize_kernel(DATA_WORDS_PER_BLOCK_LOG2,
-                                                            store_word_f32)
+dequantize_fp8_block128_bf16_kernel = flat_dequantize_kernel(
+    "dequantize_fp8_block128_bf16_kernel", DATA_WORDS_PER_BLOCK_LOG2, store_word_bf16)
+dequantize_fp8_block128_f32_kernel = flat_dequantize_kernel(
+    "dequantize_fp8_block128_f32_kernel", DATA_WORDS_PER_BLOCK_LOG2, store_word_f32)

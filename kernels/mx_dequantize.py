@@ -6,8 +6,8 @@ the flat dequantize loop the 1x128-block format shares (:func:`flat_dequantize_k
 from numba import cuda, uint16, uint32, uint64
 
 from ._fp8 import (BF16_NAN, E4M3_NAN, E8M0_NAN, F32_NAN, bf16_bits_from_f32_bits, bits_from_f32,
-                   cvt_bf16x2_f32, cvt_f16x2_e4m3x2, f32_from_bits, f32_from_e4m3, f32_from_f16_bits,
-                   scale_f32_bits)
+                   cvt_bf16x2_f32, cvt_f16x2_e4m3x2, f32_from_bits, f32_from_e4m3,
+                   f32_from_f16_bits, scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_item, load_pair, load_word, store_pair, store_pair_flat
 from .mx_quantize import (BF16_PAIRS_PER_BLOCK, PAIRS_PER_THREAD, WARP, WORDS_PER_THREAD,
@@ -88,14 +88,13 @@ def bf16_words_of_e4m3x8(d, s):
     return bf16x4_from_e4m3x4(lo, mult), bf16x4_from_e4m3x4(hi, mult)
 
 
-def flat_dequantize_kernel(scale_shift, store):
-    """A dequantize kernel ``(data_words, scales, out_words)`` over flat data words (uint64, 8 e4m3
-    each): word i under scale ``scales[i >> scale_shift]``, decoded into ``out_words`` by the device
-    function ``store(out_words, i, word, scale)``. Launch: launch_1d(ceil(N / 8 /
+def flat_dequantize_kernel(name, scale_shift, store):
+    """The dequantize kernel ``name(data_words, scales, out_words)`` over flat data words (uint64, 8
+    e4m3 each): word i under scale ``scales[i >> scale_shift]``, decoded into ``out_words`` by the
+    device function ``store(out_words, i, word, scale)``. Launch: launch_1d(ceil(N / 8 /
     WORDS_PER_THREAD)): words t + k * blockDim.x, k < WORDS_PER_THREAD, of each tile per thread,
     all loads first, grid-stride."""
 
-    @kernel
     def dequantize_kernel(data_words, scales, out_words):
         words = cuda.local.array(WORDS_PER_THREAD, uint64)
         svals = cuda.local.array(WORDS_PER_THREAD, uint32)
@@ -113,7 +112,8 @@ def flat_dequantize_kernel(scale_shift, store):
                 if i < n:
                     store(out_words, i, words[k], svals[k])
 
-    return dequantize_kernel
+    dequantize_kernel.__name__ = dequantize_kernel.__qualname__ = name  # the PTX entry's name
+    return kernel(dequantize_kernel)
 
 
 @cuda.jit(device=True)
@@ -128,7 +128,8 @@ def store_bf16_word(out_words, i, d, s):
 #: f32, then RNE to bf16; a NaN scale (0xFF) or element gives NaN (0x7FC0). data_words (N // 8,)
 #: uint64, e4m3fn bits, 8 per word (element 0 lowest); scales (N // 32,) uint8, e8m0 bits;
 #: out_words (N // 4,) uint64, bf16 bits, 4 per word.
-dequantize_mxfp8_bf16_kernel = flat_dequantize_kernel(E4M3_WORDS_PER_BLOCK_LOG2, store_bf16_word)
+dequantize_mxfp8_bf16_kernel = flat_dequantize_kernel("dequantize_mxfp8_bf16_kernel",
+                                                      E4M3_WORDS_PER_BLOCK_LOG2, store_bf16_word)
 
 
 @kernel
@@ -267,4 +268,5 @@ def store_f32_word(out_words, i, d, s):
 #: MXFP8 -> fp32 (:func:`flat_dequantize_kernel`): x = e4m3 * 2^(s - 127), exact; NaN scale or
 #: element -> NaN (0x7FC00000). Arrays as :data:`dequantize_mxfp8_bf16_kernel`'s but out_words
 #: (N // 2,) uint64, f32 bits, 2 per word.
-dequantize_mxfp8_f32_kernel = flat_dequantize_kernel(E4M3_WORDS_PER_BLOCK_LOG2, store_f32_word)
+dequantize_mxfp8_f32_kernel = flat_dequantize_kernel("dequantize_mxfp8_f32_kernel",
+                                                     E4M3_WORDS_PER_BLOCK_LOG2, store_f32_word)

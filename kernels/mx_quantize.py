@@ -149,15 +149,14 @@ def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
         scales[p >> BF16_PAIRS_PER_BLOCK_LOG2] = uint8(s)
 
 
-def bf16_quantize_kernel(width, emit):
-    """A quantize kernel ``(x_words, data_words, scales, flag)`` of bf16 input whose scale blocks
-    are ``width`` pairs of input words (8 bf16 each) on consecutive lanes: a block's amax met in
-    :func:`lanes_max`, the device function ``emit(data_words, scales, p, w0, w1, amax, lead,
+def bf16_quantize_kernel(name, width, emit):
+    """The quantize kernel ``name(x_words, data_words, scales, flag)`` of bf16 input whose scale
+    blocks are ``width`` pairs of input words (8 bf16 each) on consecutive lanes: a block's amax met
+    in :func:`lanes_max`, the device function ``emit(data_words, scales, p, w0, w1, amax, lead,
     flag)`` writes pair p (``lead``: the lane of its block's first pair). Launch:
     launch_1d(ceil(N / 8 / PAIRS_PER_THREAD)), blockDim.x a multiple of 32: pairs t + k *
     blockDim.x, k < PAIRS_PER_THREAD, of each tile per thread, grid-stride over tiles."""
 
-    @kernel
     def quantize_kernel(x_words, data_words, scales, flag):
         scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
         first = cuda.local.array(PAIRS_PER_THREAD, uint64)
@@ -175,7 +174,8 @@ def bf16_quantize_kernel(width, emit):
                 if p < n:
                     emit(data_words, scales, p, first[k], second[k], amax, lead, flag)
 
-    return quantize_kernel
+    quantize_kernel.__name__ = quantize_kernel.__qualname__ = name  # the PTX entry's name
+    return kernel(quantize_kernel)
 
 
 #: MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64 formulas
@@ -185,7 +185,8 @@ def bf16_quantize_kernel(width, emit):
 #: 0x7F. x_words (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest); data_words (N // 8,)
 #: uint64, e4m3fn bits, 8 per word; scales (N // 32,) uint8, e8m0 bits; flag ``rceil``: True for
 #: the rceil scale, False for floor.
-quantize_mxfp8_bf16_kernel = bf16_quantize_kernel(BF16_PAIRS_PER_BLOCK, quantize_bf16_pair)
+quantize_mxfp8_bf16_kernel = bf16_quantize_kernel("quantize_mxfp8_bf16_kernel",
+                                                  BF16_PAIRS_PER_BLOCK, quantize_bf16_pair)
 
 
 @kernel
