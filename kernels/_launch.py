@@ -33,10 +33,9 @@ def _device_properties():
 
 
 def launch_1d(n, stream=0, *, threads=None, share=1.0):
-    """Launch configuration ``(blocks, threads, stream)`` for ``n`` work items, grid-stride.
-
-    Kernels launched with it loop ``for i in range(start, n, stride)``: the grid is never empty and
-    is capped at ``share`` of ``RESIDENT_THREADS_PER_SM`` threads per multiprocessor (persistent).
+    """Launch configuration ``(blocks, threads, stream)`` for ``n`` work items of a grid-stride
+    kernel: a grid never empty, capped at ``share`` of ``RESIDENT_THREADS_PER_SM`` threads per
+    multiprocessor (persistent).
 
     Args:
         n: work items, >= 0.
@@ -175,8 +174,7 @@ class Kernel:
         self.launch_bounds = launch_bounds
         self._dispatcher = cuda.jit(pyfunc) if simulated() else None
         self._functions = {}  # argument kinds -> PackedLaunch
-        #: The kernel's parameter names, for messages.
-        self.parameters = tuple(inspect.signature(pyfunc).parameters)
+        self.parameters = tuple(inspect.signature(pyfunc).parameters)  # for messages
 
     def __getitem__(self, config):
         blocks, threads, stream = config[:3]
@@ -288,11 +286,10 @@ class Launch:
 
 
 class SizedLaunch(Launch):
-    """A :class:`Launch` whose arrays' sizes and grid scale with counts given at each call.
-
-    Prepared once per what stays fixed (kernel, dtypes, row width, grid share), it is told the
-    *units* of work at each call (MX blocks, 128-element blocks or rows), since row counts change
-    with every layout (docs/design.md "What a call builds, and what it reuses").
+    """A :class:`Launch` whose arrays' sizes and grid scale with counts given at each call: prepared
+    once per what stays fixed (kernel, dtypes, row width, grid share), told the *units* of work
+    (MX blocks, 128-element blocks or rows) at each call (docs/design.md "What a call builds, and
+    what it reuses").
 
     Args:
         kernel: the :class:`Kernel`.

@@ -1,17 +1,13 @@
-"""Loads and stores of row words with the least address arithmetic (docs/design.md "Arrays").
-
-``load_word(words, row, col)`` / ``store_word(words, row, col, value)``: an element of a 2-D array;
-``load_item(items, i)`` / ``store_item(items, i, value)``: of a 1-D array (global, shared or
-local); ``load_flat(words, i)`` / ``store_flat(words, i, value)``: element ``i`` of a C-contiguous
-array of any dimensions counted flat (one load, no row and column products: index with an int32
-where it fits); ``load_pair(words, row, col)`` / ``store_pair(words, row, col, first, second)``:
-words ``2 col`` and ``2 col + 1`` of a row of a 2-D uint64 array, ``load_pair_flat(words, i)`` /
-``store_pair_flat(words, i, first, second)`` words ``2 i`` and ``2 i + 1`` of a 1-D one, each pair
-in one 16-byte access (the address a multiple of 16 bytes, checked by the caller).
-
-Non-negative indices only, unlike numba's indexing, which wraps them. On a GPU each is a Numba
-intrinsic; under the simulator a device function with the same result that refuses a negative
-index (so misuse fails in the simulator's tests).
+"""Loads and stores of row words with the least address arithmetic (docs/design.md "Arrays"):
+``load_word(words, row, col)``, ``store_word(words, row, col, value)`` (2-D);
+``load_item(items, i)``, ``store_item(items, i, value)`` (1-D: global, shared or local);
+``load_flat(words, i)``, ``store_flat(words, i, value)`` (element i of a C-contiguous array of any
+dimensions counted flat: no row and column products; index with an int32 where it fits); and in one
+16-byte access (the address a multiple of 16, checked by the caller) the uint64 words 2 col and
+2 col + 1 of a row, ``load_pair(words, row, col)``, ``store_pair(words, row, col, first, second)``,
+or 2 i and 2 i + 1 of a 1-D array, ``load_pair_flat(words, i)``, ``store_pair_flat(words, i,
+first, second)``. Non-negative indices only (numba's indexing wraps them): Numba intrinsics on a
+GPU, device functions with the same results under the simulator, refusing a negative index.
 """
 
 from numba import cuda
