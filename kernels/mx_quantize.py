@@ -55,7 +55,7 @@ if simulated():
     @cuda.jit(device=True)
     def lanes_max(v, scratch, width):
         """Max of ``v`` over each aligned group of ``width`` threads, met in the shared ``scratch``
-        (one uint32 per thread; the simulator has no shuffles). Every thread of the block calls
+        (one uint32 per thread; the simulator has no shuffles). Every thread of the block must call
         it."""
         tid = cuda.threadIdx.x
         scratch[tid] = v
@@ -70,7 +70,7 @@ else:
     @cuda.jit(device=True)
     def lanes_max(v, scratch, width):
         """Max of ``v`` (uint32 < 2^31) over each aligned group of ``width`` (a power of two <= 32)
-        lanes: a butterfly of warp shuffles. Every lane of the warp calls it."""
+        lanes: a butterfly of warp shuffles. Every lane of the warp must call it."""
         m = int32(v)
         lane = 1
         while lane < width:
