@@ -22,8 +22,6 @@ from ._device import simulated
 MX_BLOCK = 32
 #: Largest finite e4m3fn magnitude.
 E4M3_MAX = 448.0
-#: Bias of the e8m0 scale: scale bits s stand for 2^(s - E8M0_BIAS).
-E8M0_BIAS = 127
 #: e8m0 NaN: the scale of a block holding NaN or +-Inf.
 E8M0_NAN = 0xFF
 #: e4m3fn NaN (positive); every element of a non-finite block is set to it.
@@ -43,10 +41,6 @@ E4M3_F32_SHIFT = float32(2.0 ** 120)
 #: floor(log2(448)) = 8: the e4m3 exponent of the block's largest element.
 E4M3_EMAX = 8
 
-
-# ---------------------------------------------------------------------------------------------
-# Hardware-dependent helpers: inline PTX on a GPU, identical bits in pure Python in the simulator.
-# ---------------------------------------------------------------------------------------------
 
 def _e4m3_value_py(b):
     """The value of the non-NaN e4m3fn byte ``b`` as a Python float (the simulator's decoder)."""
@@ -79,32 +73,27 @@ def _e4m3_bits_py(x):
     return (exp << 3) | (q - 8) | sign
 
 
-if simulated():
+if simulated():  # each the Python twin of the GPU form below, bit for bit
     @cuda.jit(device=True)
     def cvt_e4m3x2(a, b):
-        """PTX ``cvt.rn.satfinite.e4m3x2.f32`` in Python, bit for bit (see the GPU form)."""
         return uint16((_e4m3_bits_py(a) << 8) | _e4m3_bits_py(b))
 
     @cuda.jit(device=True)
     def f32_from_bits(bits):
-        """The float32 whose bit pattern is the uint32 ``bits``."""
         return float32(struct.unpack("<f", struct.pack("<I", int(bits) & 0xFFFFFFFF))[0])
 
     @cuda.jit(device=True)
     def bits_from_f32(x):
-        """The uint32 bit pattern of the float32 ``x``."""
         return uint32(struct.unpack("<I", struct.pack("<f", float32(x)))[0])
 
     @cuda.jit(device=True)
     def cvt_f16x2_e4m3x2(a):
-        """PTX ``cvt.rn.f16x2.e4m3x2`` in Python, bit for bit (see the GPU form)."""
         hi = numpy.float16(_e4m3_value_py(int(a) >> 8)).view(numpy.uint16)
         lo = numpy.float16(_e4m3_value_py(int(a) & 0xFF)).view(numpy.uint16)
         return uint32((int(hi) << 16) | int(lo))
 
     @cuda.jit(device=True)
     def f32_from_f16_bits(h):
-        """PTX ``cvt.f32.f16`` in Python, bit for bit (see the GPU form)."""
         return float32(numpy.uint16(h).view(numpy.float16))
 
     def _f16_py(h):
@@ -115,7 +104,6 @@ if simulated():
 
     @cuda.jit(device=True)
     def mul_f16x2(a, b):
-        """PTX ``mul.rn.f16x2`` in Python, bit for bit (see the GPU form)."""
         with numpy.errstate(all="ignore"):
             hi = _f16_bits_py(_f16_py(int(a) >> 16) * _f16_py(int(b) >> 16))
             lo = _f16_bits_py(_f16_py(int(a) & 0xFFFF) * _f16_py(int(b) & 0xFFFF))
@@ -123,25 +111,21 @@ if simulated():
 
     @cuda.jit(device=True)
     def cvt_e4m3x2_f16x2(h):
-        """PTX ``cvt.rn.satfinite.e4m3x2.f16x2`` in Python, bit for bit (see the GPU form)."""
         return uint16((_e4m3_bits_py(_f16_py(int(h) >> 16)) << 8)
                       | _e4m3_bits_py(_f16_py(int(h) & 0xFFFF)))
 
     @cuda.jit(device=True)
     def cvt_bf16x2_f32(a, b):
-        """PTX ``cvt.rn.bf16x2.f32`` in Python, bit for bit (see the GPU form)."""
         return uint32((int(bf16_bits_from_f32_bits(bits_from_f32(a))) << 16)
                       | int(bf16_bits_from_f32_bits(bits_from_f32(b))))
 
     @cuda.jit(device=True)
     def max_u16x2(a, b):
-        """PTX ``max.u16x2`` in Python, bit for bit (see the GPU form)."""
         a, b = int(a), int(b)
         return uint32(max(a & 0xFFFF, b & 0xFFFF) | (max(a >> 16, b >> 16) << 16))
 
     @cuda.jit(device=True)
     def byte_perm(a, b, selector):
-        """PTX ``prmt.b32`` in Python, bit for bit (see the GPU form)."""
         both = (int(b) << 32) | int(a)
         sel = int(selector)
         return uint32(sum(((both >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k)
@@ -164,6 +148,14 @@ else:
 
         return signature, codegen
 
+    def _bitcast(signature, llvm_type):
+        """An intrinsic's (signature, codegen) reading its one argument's bits as ``llvm_type``."""
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], llvm_type)
+
+        return signature, codegen
+
     @intrinsic
     def cvt_e4m3x2(typingctx, a, b):
         """e4m3fn bits of f32 ``a`` (upper byte) and ``b`` (lower) in one uint16: PTX
@@ -175,12 +167,7 @@ else:
     @intrinsic
     def f32_from_bits(typingctx, bits):
         """The float32 whose bit pattern is the uint32 ``bits``."""
-        sig = types.float32(types.uint32)
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.FloatType())
-
-        return sig, codegen
+        return _bitcast(types.float32(types.uint32), ir.FloatType())
 
     @intrinsic
     def cvt_f16x2_e4m3x2(typingctx, a):
@@ -233,17 +220,8 @@ else:
     @intrinsic
     def bits_from_f32(typingctx, x):
         """The uint32 bit pattern of the float32 ``x``."""
-        sig = types.uint32(types.float32)
+        return _bitcast(types.uint32(types.float32), ir.IntType(32))
 
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-
-        return sig, codegen
-
-
-# ---------------------------------------------------------------------------------------------
-# Integer helpers (the same code on a GPU and in the simulator).
-# ---------------------------------------------------------------------------------------------
 
 @cuda.jit(device=True)
 def e8m0_from_bf16_amax(amax_bits, rceil):
@@ -300,3 +278,12 @@ def f32_from_e4m3(b):
     callers test for them."""
     bits = ((b & uint32(0x80)) << uint32(24)) | ((b & uint32(0x7F)) << uint32(20))
     return f32_from_bits(bits) * E4M3_F32_SHIFT
+
+
+@cuda.jit(device=True)
+def rescale_e4m3x4(d, mult_lo, mult_hi):
+    """The 4 e4m3 in the uint32 ``d`` times f16 pairs (uint32 bits), bytes 0 and 1 by ``mult_lo``,
+    2 and 3 by ``mult_hi``: exact decode to f16, f16 products, one RNE to e4m3 (satfinite)."""
+    lo = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d & uint32(0xFFFF))), mult_lo))
+    hi = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d >> uint32(16))), mult_hi))
+    return uint32(lo) | (uint32(hi) << uint32(16))

@@ -1,9 +1,7 @@
-"""Kernel launches: grid sizing (one helper, no block sizes scattered around) and the launcher.
-
-On a GPU a :class:`Kernel` compiles each argument-type combination once (``cuda.compile_ptx`` for
-the device's compute capability), loads the PTX through CuPy and launches it through
-``mxcomm._driver.PackedLaunch``, bypassing numba's dispatcher (docs/design.md "Arrays"). Under the
-simulator it is numba's dispatcher.
+"""Kernel launches: grid sizing and the launcher. On a GPU a :class:`Kernel` compiles each
+argument-type combination once (``cuda.compile_ptx``), loads the PTX through CuPy and launches it
+through ``mxcomm._driver.PackedLaunch``, bypassing numba's dispatcher (docs/design.md "Arrays");
+under the simulator it is numba's dispatcher.
 """
 
 import functools
@@ -35,10 +33,9 @@ def _device_properties():
 
 
 def launch_1d(n, stream=0, *, threads=None, share=1.0):
-    """Launch configuration ``(blocks, threads, stream)`` for ``n`` work items, grid-stride.
-
-    Kernels launched with it loop ``for i in range(start, n, stride)``: the grid is never empty and
-    is capped at ``share`` of ``RESIDENT_THREADS_PER_SM`` threads per multiprocessor (persistent).
+    """Launch configuration ``(blocks, threads, stream)`` for ``n`` work items of a grid-stride
+    kernel: a grid never empty, capped at ``share`` of ``RESIDENT_THREADS_PER_SM`` threads per
+    multiprocessor (persistent).
 
     Args:
         n: work items, >= 0.
@@ -117,20 +114,9 @@ def words(a, dtype, name, *, rows=False, align=None):
     return Words(ptr, (row_bytes // dtype.itemsize,), dtype, align)
 
 
-def _argument_type(a):
-    """The numba type of a kernel argument: a device array (or :class:`Words`), a bool or an int."""
-    if isinstance(a, Words):
-        return types.Array(from_dtype(a.dtype), a.ndim, "C")
-    if isinstance(a, (bool, numpy.bool_)):
-        return types.boolean
-    if isinstance(a, (int, numpy.integer)):
-        return types.int64
-    layout = "C" if a.flags.c_contiguous else "A"
-    return types.Array(from_dtype(a.dtype), a.ndim, layout)
-
-
 def _argument_key(a):
-    """A hashable key equal for arguments of the same numba type."""
+    """A hashable key equal for kernel arguments of the same numba type: ``"b"`` (a bool), ``"i"``
+    (an int), or (dtype, ndim, C-contiguous) of a device array or :class:`Words`."""
     if isinstance(a, Words):
         return a.dtype, a.ndim, True
     if isinstance(a, (bool, numpy.bool_)):
@@ -140,16 +126,22 @@ def _argument_key(a):
     return a.dtype, a.ndim, a.flags.c_contiguous
 
 
+def _argument_type(a):
+    """The numba type of a kernel argument (:func:`_argument_key`)."""
+    key = _argument_key(a)
+    if isinstance(key, str):
+        return types.boolean if key == "b" else types.int64
+    dtype, ndim, contiguous = key
+    return types.Array(from_dtype(dtype), ndim, "C" if contiguous else "A")
+
+
 def _abi_format(a):
     """The ``struct`` codes of ``a`` in numba's kernel ABI: an array is (meminfo, parent, nitems,
     itemsize, data, *shape, *strides), 8 bytes each; a bool one byte, an int 8."""
-    if isinstance(a, Words):
-        return "QQqqQ" + "q" * (2 * a.ndim)
-    if isinstance(a, (bool, numpy.bool_)):
-        return "B"
-    if isinstance(a, (int, numpy.integer)):
-        return "q"
-    return "QQqqQ" + "q" * (2 * a.ndim)
+    key = _argument_key(a)
+    if isinstance(key, str):
+        return "B" if key == "b" else "q"
+    return "QQqqQ" + "q" * (2 * key[1])
 
 
 def _abi_values(args):
@@ -182,8 +174,7 @@ class Kernel:
         self.launch_bounds = launch_bounds
         self._dispatcher = cuda.jit(pyfunc) if simulated() else None
         self._functions = {}  # argument kinds -> PackedLaunch
-        #: The kernel's parameter names, for messages.
-        self.parameters = tuple(inspect.signature(pyfunc).parameters)
+        self.parameters = tuple(inspect.signature(pyfunc).parameters)  # for messages
 
     def __getitem__(self, config):
         blocks, threads, stream = config[:3]
@@ -194,20 +185,15 @@ class Kernel:
             raise ValueError("dynamic shared memory: launch through a prepared Launch")
         return functools.partial(self._launch, blocks, threads, stream)
 
-    def compile(self, argument_types):
-        """PTX of the kernel specialised for ``argument_types`` (numba types), for this device."""
-        ptx, _ = cuda.compile_ptx(self.py_func, argument_types, cc=_device_properties()[1],
-                                  launch_bounds=self.launch_bounds)
-        return ptx
-
     def _function(self, args):
         """The launcher of the compiled function for ``args``, found by a cheap key of their kinds;
-        numba types are built only on a kind's first launch."""
+        compiled for this device on a kind's first launch."""
         key = tuple(map(_argument_key, args))
         function = self._functions.get(key)
         if function is None:
             import cupy
-            ptx = self.compile(tuple(map(_argument_type, args)))
+            ptx, _ = cuda.compile_ptx(self.py_func, tuple(map(_argument_type, args)),
+                                      cc=_device_properties()[1], launch_bounds=self.launch_bounds)
             name = re.search(r"\.entry\s+([\w$]+)\s*\(", ptx).group(1)
             module = cupy.cuda.function.Module()
             module.load(ptx.encode())
@@ -300,11 +286,10 @@ class Launch:
 
 
 class SizedLaunch(Launch):
-    """A :class:`Launch` whose arrays' sizes and grid scale with counts given at each call.
-
-    Prepared once per what stays fixed (kernel, dtypes, row width, grid share), it is told the
-    *units* of work at each call (MX blocks, 128-element blocks or rows), since row counts change
-    with every layout (docs/design.md "What a call builds, and what it reuses").
+    """A :class:`Launch` whose arrays' sizes and grid scale with counts given at each call: prepared
+    once per what stays fixed (kernel, dtypes, row width, grid share), told the *units* of work
+    (MX blocks, 128-element blocks or rows) at each call (docs/design.md "What a call builds, and
+    what it reuses").
 
     Args:
         kernel: the :class:`Kernel`.

@@ -28,16 +28,18 @@ from numba import cuda, float32, uint32, uint64
 from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bits_from_f32, f32_from_bits,
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
-from .fp8_rowwise import rowwise_scale_exp, store_words
-from .mx_quantize import bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
+from .fp8_rowwise import rowwise_scale_exp, store_word_bf16, store_word_f32
+from .mx_dequantize import WORDS_PER_THREAD, flat_dequantize_kernel  # noqa: F401 (block128)
+from .mx_quantize import (PAIRS_PER_THREAD, bf16_quantize_kernel, encode_bf16x4, encode_f32x2,
+                          f32x2_absmax, lanes_max)
 
 #: Elements per scale block along the last dimension.
 FP8_BLOCK = 128
 #: Units of 8 elements per block (lanes meeting in lanes_max).
 BLOCK_UNITS = 16
 BLOCK_UNITS_LOG2 = 4
-#: Units each thread loads per tile (independent loads in flight).
-UNITS_PER_THREAD = 2
+#: Units each thread loads per tile (independent loads in flight; bf16: PAIRS_PER_THREAD).
+UNITS_PER_THREAD = PAIRS_PER_THREAD
 #: fp32 input words (uint64, 2 elements) per unit, and per thread per tile (UNITS_PER_THREAD units).
 F32_UNIT_WORDS = 4
 F32_TILE_WORDS = 8
@@ -53,8 +55,6 @@ QUANTIZE_F32_REGISTERS = 38
 DEQUANTIZE_REGISTERS = 40
 _ONE = float32(1.0)
 _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
-#: Dequantize: data words (8 e4m3) each thread loads per tile.
-WORDS_PER_THREAD = 4
 
 
 @cuda.jit(device=True)
@@ -69,50 +69,33 @@ def block_scale(amax_bits, pow2):
     return bits_from_f32(scale), _ONE / scale
 
 
-@kernel
-def quantize_fp8_block128_bf16_kernel(x_words, data_words, scales, pow2):
-    """1x128-block fp8 quantize of bf16 input (formulas in the module docstring).
+@cuda.jit(device=True)
+def quantize_bf16_unit(data_words, scales, p, w0, w1, amax, lead, pow2):
+    """Write unit ``p``'s 8 e4m3 bytes (input words ``w0``, ``w1``) from its block's bf16 amax,
+    and the block's scale bits when ``lead``."""
+    if amax >= uint32(BF16_INF):
+        data_words[p] = _E4M3_NAN_X8
+        scale_bits = uint32(F32_NAN)
+    else:
+        scale_bits, mult = block_scale(amax << uint32(16), pow2)
+        data_words[p] = uint64(encode_bf16x4(w0, mult)) | (uint64(encode_bf16x4(w1, mult))
+                                                          << uint64(32))
+    if lead:
+        scales[p >> BLOCK_UNITS_LOG2] = scale_bits
 
-    Args:
-        x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest), N % 128 == 0. Read.
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
-        scales: (N // 128,) uint32, fp32 bits of the block scales. Written.
-        pow2: bool; True for "pow2" scales, False for "plain".
-    Launch: launch_1d(ceil(N / 8 / UNITS_PER_THREAD)), blockDim.x a multiple of 32: units
-        t + k * blockDim.x, k < UNITS_PER_THREAD, of each tile per thread, grid-stride over tiles.
-    """
-    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    first = cuda.local.array(UNITS_PER_THREAD, uint64)
-    second = cuda.local.array(UNITS_PER_THREAD, uint64)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    n = data_words.shape[0]
-    tile = nthreads * UNITS_PER_THREAD
-    lead = tid % BLOCK_UNITS == 0
-    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        for k in range(UNITS_PER_THREAD):  # all loads first
-            p = base + k * nthreads
-            first[k] = x_words[2 * p] if p < n else uint64(0)
-            second[k] = x_words[2 * p + 1] if p < n else uint64(0)
-        for k in range(UNITS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
-                             BLOCK_UNITS)
-            p = base + k * nthreads
-            if p < n:
-                if amax >= uint32(BF16_INF):
-                    data_words[p] = _E4M3_NAN_X8
-                    scale_bits = uint32(F32_NAN)
-                else:
-                    scale_bits, mult = block_scale(amax << uint32(16), pow2)
-                    data_words[p] = uint64(encode_bf16x4(first[k], mult)) | (
-                        uint64(encode_bf16x4(second[k], mult)) << uint64(32))
-                if lead:
-                    scales[p >> BLOCK_UNITS_LOG2] = scale_bits
+
+#: 1x128-block fp8 quantize of bf16 input (formulas in the module docstring;
+#: :func:`~kernels.mx_quantize.bf16_quantize_kernel`, a unit one pair of input words). x_words
+#: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest), N % 128 == 0; data_words (N // 8,)
+#: uint64, e4m3fn bits, 8 per word; scales (N // 128,) uint32, fp32 bits of the block scales; flag
+#: ``pow2``: True for "pow2" scales, False for "plain".
+quantize_fp8_block128_bf16_kernel = bf16_quantize_kernel("quantize_fp8_block128_bf16_kernel",
+                                                         BLOCK_UNITS, quantize_bf16_unit)
 
 
 @kernel
 def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
-    """As :func:`quantize_fp8_block128_bf16_kernel`, of fp32 input: ``x_words`` (N // 2,) uint64, 2
+    """As :data:`quantize_fp8_block128_bf16_kernel`, of fp32 input: ``x_words`` (N // 2,) uint64, 2
     f32 per word; a unit is 4 input words."""
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     words = cuda.local.array(F32_TILE_WORDS, uint64)
@@ -148,38 +131,12 @@ def quantize_fp8_block128_f32_kernel(x_words, data_words, scales, pow2):
                     scales[p >> BLOCK_UNITS_LOG2] = scale_bits
 
 
-def _dequantize_fp8_block128(f32):
-    """The 1x128-block dequantize kernel into bf16 or (``f32``) fp32, a compile-time constant."""
-
-    @kernel
-    def dequantize_fp8_block128_kernel(data_words, scales, out_words):
-        """1x128-block fp8 -> bf16 or fp32: x = e4m3 * scale in f32 (one rounding), then RNE for
-        bf16; a NaN scale or element gives the canonical NaN.
-
-        Args:
-            data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
-            scales: (N // 128,) uint32, fp32 bits of the block scales. Read.
-            out_words: (N // 4,) uint64 of bf16 bits, or (N // 2,) of f32 bits with ``f32``.
-            Written.
-        Launch: launch_1d(ceil(N / 8 / 4)): words t + k * blockDim.x, k < 4, of each tile per
-            thread (loads first), grid-stride.
-        """
-        words = cuda.local.array(WORDS_PER_THREAD, uint64)
-        sbits = cuda.local.array(WORDS_PER_THREAD, uint32)
-        n = data_words.shape[0]
-        nthreads = cuda.blockDim.x
-        tile = nthreads * WORDS_PER_THREAD
-        for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-            for k in range(WORDS_PER_THREAD):  # all loads first
-                i = base + k * nthreads
-                if i < n:
-                    words[k] = data_words[i]
-                    sbits[k] = scales[i >> DATA_WORDS_PER_BLOCK_LOG2]
-            store_words(out_words, base, nthreads, n, words, sbits, f32)
-
-    return dequantize_fp8_block128_kernel
-
-
-#: 1x128 block fp8 -> bf16 and -> fp32 (:func:`_dequantize_fp8_block128`).
-dequantize_fp8_block128_bf16_kernel = _dequantize_fp8_block128(False)
-dequantize_fp8_block128_f32_kernel = _dequantize_fp8_block128(True)
+#: 1x128 block fp8 -> bf16 and -> fp32 (:func:`~kernels.mx_dequantize.flat_dequantize_kernel`):
+#: x = e4m3 * scale in f32 (one rounding), then RNE for bf16; a NaN scale or element gives the
+#: canonical NaN. data_words (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest); scales
+#: (N // 128,) uint32, fp32 bits of the block scales; out_words (N // 4,) uint64 of bf16 bits, or
+#: (N // 2,) of f32 bits.
+dequantize_fp8_block128_bf16_kernel = flat_dequantize_kernel(
+    "dequantize_fp8_block128_bf16_kernel", DATA_WORDS_PER_BLOCK_LOG2, store_word_bf16)
+dequantize_fp8_block128_f32_kernel = flat_dequantize_kernel(
+    "dequantize_fp8_block128_f32_kernel", DATA_WORDS_PER_BLOCK_LOG2, store_word_f32)

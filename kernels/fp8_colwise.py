@@ -1,30 +1,27 @@
 """fp8 rowwise rows -> fp8 scaled per (group, column), transposed: the wgrad operands of a grouped
-GEMM (the amax and scale kernels; the encode is ``kernels.fp8_colwise_encode``).
+GEMM (amax and scale kernels; the encode is ``kernels.fp8_colwise_encode``).
 
-dw[g] = x[g]^T @ grad[g] reduces over each group's tokens, so its fp8 operands are scaled along the
-token axis, one scale per (group, column), tokens contiguous (``torch._scaled_grouped_mm``'s 2d-2d
-case: A (K, T) row-major, B (T, N) column-major, offsets multiples of 16). Input: fp8 rowwise rows
-(P, D), e4m3 bytes and power-of-two row scales 2^(r_p - 127), sorted into G groups by ``group_ends``
-(G,) int32 (rows from ``group_ends[G - 1]`` on belong to no group). With
-v[p, d] = e4m3[p, d] * 2^(r_p - 127) (exact) and amax = max |v| over group g's rows in column d:
+dw[g] = x[g]^T @ grad[g] reduces over each group's tokens, so its operands are scaled along the
+token axis, tokens contiguous (``torch._scaled_grouped_mm``'s 2d-2d case: A (K, T) row-major, B
+(T, N) column-major, offsets multiples of 16). Input: fp8 rowwise rows (P, D), power-of-two row
+scales 2^(r_p - 127), in G groups ending at ``group_ends`` (G,) int32 (rows from
+``group_ends[G - 1]`` on in none). With v[p, d] = e4m3[p, d] * 2^(r_p - 127) and amax = max |v|
+over group g's rows in column d, the fp8 rowwise rule along the other axis:
 
     s[g, d]      = clamp(ceil(log2(amax / 448)), -126, 127) + 127   (biased; amax = 0: 1)
     scales[g, d] = 2^(s - 127)                                       (float32, (G, D))
     out[d, t]    = RNE_e4m3(v[p, d] / scales[g, d])                  ((D, T) uint8)
 
-the fp8 rowwise rule along the other axis; v / scale = e4m3 * 2^(r_p - s) is exact, rounded once
-(the exponent difference clamped to [RESCALE_EXP_MIN, RESCALE_EXP_MAX]: 33 or more binades below the
-column's maximum an element rounds to a signed zero anyway).
+v / scale = e4m3 * 2^(r_p - s) is exact, rounded once (the exponent difference clamped to
+[RESCALE_EXP_MIN, RESCALE_EXP_MAX]: 33 or more binades below the column's maximum an element
+rounds to a signed zero anyway). Each group starts at a multiple of GROUP_ALIGN token positions and
+takes max(16, 16 ceil(n_g / 16)) (``aligned_ends``): its rows, then zeros; T = 16 ceil(P / 16) +
+16 G bounds them. A row with a NaN/Inf scale or NaN element makes its group's column NaN (scale
+0x7FC00000, elements 0x7F). Row scales must be powers of two, 0 or NaN.
 
-Token positions: each group starts at a multiple of GROUP_ALIGN and takes max(16, 16 ceil(n_g / 16))
-positions (``aligned_ends``): its rows, then zeros; T = 16 ceil(P / 16) + 16 G bounds them. A row
-with a NaN/Inf scale or a NaN element makes its group's column NaN (scale 0x7FC00000, elements
-0x7F). Scales must be powers of two, 0 or NaN.
-
-The amax compares integer keys: a nonzero e4m3 times a power of two is 2^E (1 + M / 8), its key 8
-(E + KEY_BIAS) + M orders such values exactly (zero 0, NaN KEY_NAN), below 2^12 (two keys per
-uint32). Kernels: :func:`group_colwise_amax_kernel` (atomic max per (group, column) into ``keys``),
-:func:`group_colwise_scales_kernel` (keys -> scale bits, ``aligned_ends``), the encode.
+The amax compares integer keys: a nonzero e4m3 times a power of two is 2^E (1 + M / 8), its key
+8 (E + KEY_BIAS) + M orders such values exactly (zero 0, NaN KEY_NAN), below 2^12 (two keys per
+uint32).
 """
 
 from numba import cuda, int32, uint32, uint64

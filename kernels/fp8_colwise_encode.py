@@ -16,13 +16,14 @@ takes the fp32 path: the byte in fp32 times the row scale and the column's inver
 2^RESCALE_EXP_MAX).
 """
 
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, uint32
 
-from ._fp8 import (F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, cvt_e4m3x2_f16x2, cvt_f16x2_e4m3x2,
-                   f32_from_bits, f32_from_e4m3, mul_f16x2)
+from ._fp8 import (F32_INF, F32_NAN, byte_perm, cvt_e4m3x2, f32_from_bits, f32_from_e4m3,
+                   rescale_e4m3x4)
 from ._launch import THREADS_PER_BLOCK, kernel
-from ._memory import load_flat, load_item, load_word, store_flat, store_item
+from ._memory import load_flat, load_item, load_word, store_item
 from .fp8_colwise import _ABS, GROUP_ALIGN, RESCALE_EXP_MAX
+from .fp8_transpose import store_tile
 
 #: Token positions and data words (4 columns each) of one tile of the encode kernel.
 TILE_POSITIONS = 64
@@ -114,11 +115,7 @@ def rescale_column(col, drop_ab, drop_cd, col_term):
     ``drop_ab`` / ``drop_cd`` = (hi - r) << 10 per position (high half: b, d), col_term - drop is
     the f16 pair 2^(r - s) (fields in 1..30: no borrow); bytes times it in f16, rounded once to
     e4m3."""
-    lo = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(col & uint32(0xFFFF))),
-                                    col_term - drop_ab))
-    hi = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(col >> uint32(16))),
-                                    col_term - drop_cd))
-    return uint32(lo) | (uint32(hi) << uint32(16))
+    return rescale_e4m3x4(col, col_term - drop_ab, col_term - drop_cd)
 
 
 @cuda.jit(device=True)
@@ -294,15 +291,11 @@ def group_colwise_encode_kernel(data_words, row_scales, group_ends, scale_bits, 
                     store_item(tile, at + 32, out2)
                     store_item(tile, at + 48, out3)
             cuda.syncthreads()
-            # store, position-contiguous: thread tid takes word k = tid % 16 of columns
-            # tid / 16 + j * nthreads / 16 (int32 throughout: a range's int64 counter costs more)
+            # store, position-contiguous: thread tid takes word tid % 16 of columns
+            # tid / 16 + j * nthreads / 16
             if store_quad < positions:
                 c = int32(tid >> 4)
-                c_end = int32(min(4 * TILE_WORDS, d - 4 * w0))  # the tile's columns
-                at = int32((4 * w0 + c) * out_stride + (store_quad >> 2))
-                while c < c_end:
-                    store_flat(out_words, at,
-                               load_item(tile, (c << 4) + ((k_store + (c >> 2)) & 15)))
-                    c = int32(c + c_step)
-                    at = int32(at + at_step)
+                store_tile(out_words, tile, c, int32(min(4 * TILE_WORDS, d - 4 * w0)),
+                           int32((4 * w0 + c) * out_stride + (store_quad >> 2)), k_store, c_step,
+                           at_step)
             cuda.syncthreads()

@@ -8,25 +8,22 @@ e4m3fn, D % 16 == 0, scales (M,) float32, ``x ~= e4m3 * scale``. With amax = max
 
 MXFP8's "rceil" rounding over the whole row; the clamp keeps the scale and its reciprocal normal
 (DeepGEMM's ``ceil_to_ue8m0`` clamps alike). NaN/Inf rows: scale NaN, elements 0x7F. Dequantization:
-``e4m3 * scale`` in fp32 (one rounding), RNE to bf16, NaN canonical.
-
-Quantize: one warp per row, grid-stride; a 16-byte-load pass for the amax (met by warp shuffles)
-keeps the row's first units in dynamic shared memory (:data:`STASH_BLOCK_BYTES`), a second encodes.
-Dequantize: flat over the data words (:func:`row_of`). The word decoders take any fp32 scale and
-serve ``fp8_block`` too.
+``e4m3 * scale`` in fp32 (one rounding), RNE to bf16, NaN canonical. Quantize: a warp per row, a
+first pass for the amax keeping the row's first units in shared memory, a second encoding.
+Dequantize: flat over the data words; its word decoders take any fp32 scale (``fp8_block`` too).
 """
 
-from numba import cuda, float64, int64, uint16, uint32, uint64
+from numba import cuda, float64, int64, uint32, uint64
 
 from ._fp8 import (BF16_INF, E4M3_NAN, F32_INF, F32_NAN, bf16_bits_from_f32_bits, bits_from_f32,
                    e8m0_from_bf16_amax, e8m0_from_f32_amax, f32_from_bits, f32_from_e4m3,
                    inv_scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import SHARED_PAIR_ALIGN, load_pair, load_pair_flat, store_pair_flat, store_word
-from .mx_dequantize import bf16x2_from_e4m3x2
+from .mx_dequantize import bf16x4_from_e4m3x4
 from .mx_quantize import WARP, bf16x4_absmax, encode_bf16x4, encode_f32x2, f32x2_absmax, lanes_max
 
-#: Units (16 input bytes: 8 bf16 or 4 fp32) each thread loads per step, all in flight at once.
+#: Units (16 input bytes: 8 bf16 or 4 fp32) each thread loads per step, all in flight.
 PASS_UNITS = 4
 #: Rows (one warp each) per CUDA block of the quantize kernels.
 ROWS_PER_BLOCK = 8
@@ -36,12 +33,12 @@ WORDS_PER_THREAD = 4
 SCALE_EXP_MIN = 1
 #: f32 bits of 1.0.
 F32_ONE = 0x3F800000
-#: Registers per thread of the quantize / dequantize kernels (ptxas -v, sm_90, numba-cuda 0.30.4,
-#: CUDA 13.0): the wrappers cap the one-row-per-block grids at the blocks that stay resident.
+#: Registers per thread of the quantize / dequantize kernels (ptxas -v, sm_90): the wrappers cap
+#: the persistent grids at the blocks that stay resident.
 QUANTIZE_REGISTERS = 72
 DEQUANTIZE_REGISTERS = 40
 #: Dynamic shared memory of a quantize block's ROWS_PER_BLOCK rows (three blocks per
-#: multiprocessor; the sweep that chose it: bench/NOTES.md, --stash-kib).
+#: multiprocessor; bench/NOTES.md, --stash-kib).
 STASH_BLOCK_BYTES = 75 * 1024
 #: Bytes of shared memory one unit takes in the stash (two uint64 words).
 STASH_UNIT_BYTES = 16
@@ -55,8 +52,7 @@ _HIGH_X8 = uint64(0x8080808080808080)
 
 @cuda.jit(device=True)
 def rowwise_scale_exp(amax_f32_bits):
-    """Biased fp32 exponent s (>= 1) of the rowwise scale 2^(s - 127) of a finite f32 amax (bits):
-    MXFP8's rceil e8m0 scale."""
+    """Biased exponent s >= 1 of the rowwise scale 2^(s - 127) of a finite f32 amax (bits)."""
     return max(e8m0_from_f32_amax(amax_f32_bits, True), uint32(SCALE_EXP_MIN))
 
 
@@ -87,8 +83,8 @@ def encode_units_f32(first, second, mult):
 
 @cuda.jit(device=True)
 def load_units(x_words, row, start, units, first, second):
-    """Load PASS_UNITS units start + k * WARP of ``row`` (one 16-byte load each) into ``first``,
-    ``second`` (zeros past ``units``), all loads issued first."""
+    """Units start + k * WARP (k < PASS_UNITS) of ``row`` into ``first``, ``second``, one 16-byte
+    load each (zeros past ``units``)."""
     for k in range(PASS_UNITS):
         u = start + k * WARP
         if u < units:
@@ -99,8 +95,7 @@ def load_units(x_words, row, start, units, first, second):
 
 
 def _quantize_fp8_rowwise(f32):
-    """The rowwise quantize kernel of bf16 or (``f32``) fp32 rows, the input's helpers compile-time
-    constants."""
+    """The rowwise quantize kernel of bf16 or (``f32``) fp32 rows."""
     absmax = f32x2_absmax if f32 else bf16x4_absmax
     inf = uint32(F32_INF if f32 else BF16_INF)
     scale_exp = rowwise_scale_exp if f32 else rowwise_scale_exp_bf16
@@ -123,7 +118,6 @@ def _quantize_fp8_rowwise(f32):
             uniform per block; lane l takes units (16 input bytes) l + 32 k, PASS_UNITS per step.
         """
         scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-        # per warp: stash_units pairs of words
         stash = cuda.shared.array(0, uint64, alignment=SHARED_PAIR_ALIGN)
         first = cuda.local.array(PASS_UNITS, uint64)
         second = cuda.local.array(PASS_UNITS, uint64)
@@ -133,8 +127,7 @@ def _quantize_fp8_rowwise(f32):
         m = x_words.shape[0]
         units = data_words.shape[1]
         step = WARP * PASS_UNITS
-        at = warp * stash_units  # a unit u < stash_units: pair at + u of the stash (words
-        # 2 (at + u) and 2 (at + u) + 1), only ever touched by the lane owning u
+        at = warp * stash_units  # unit u < stash_units: pair at + u of the stash (its lane's)
         for base in range(cuda.blockIdx.x * rows_per_block, m, cuda.gridDim.x * rows_per_block):
             row = base + warp
             live = row < m
@@ -181,10 +174,6 @@ quantize_fp8_rowwise_bf16_kernel = _quantize_fp8_rowwise(False)
 quantize_fp8_rowwise_f32_kernel = _quantize_fp8_rowwise(True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Dequantization with an fp32 scale (shared with the 1x128 block format).
-# ---------------------------------------------------------------------------------------------
-
 @cuda.jit(device=True)
 def scaled_e4m3_f32_bits(b, scale):
     """f32 bits of the e4m3 byte ``b`` times ``scale``, rounded once; F32_NAN for a NaN byte or
@@ -197,8 +186,7 @@ def scaled_e4m3_f32_bits(b, scale):
 
 @cuda.jit(device=True)
 def scaled_e4m3x4_bf16(d, scale):
-    """4 bf16 (uint64, element 0 lowest) of the 4 e4m3 in ``d`` times ``scale``, rounded to f32 then
-    bf16, NaN canonical: the integer path."""
+    """4 bf16 (uint64) of the 4 e4m3 in ``d`` times ``scale``, integer arithmetic, NaN canonical."""
     b0 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits(d & uint32(0xFF), scale))
     b1 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits((d >> uint32(8)) & uint32(0xFF), scale))
     b2 = bf16_bits_from_f32_bits(scaled_e4m3_f32_bits((d >> uint32(16)) & uint32(0xFF), scale))
@@ -208,17 +196,12 @@ def scaled_e4m3x4_bf16(d, scale):
 
 @cuda.jit(device=True)
 def dequantize_e4m3x8_bf16(d, scale, finite):
-    """Two uint64 of 4 bf16 each of the 8 e4m3 in ``d`` times the f32 ``scale`` (rounded to f32,
-    then bf16; NaN -> 0x7FC0). With a ``finite`` scale and no NaN byte the hardware conversions run,
-    else the integer path (canonical NaN bits)."""
+    """Two uint64 of 4 bf16 of the 8 e4m3 in ``d`` times the f32 ``scale`` (NaN -> 0x7FC0): the
+    hardware conversions for a ``finite`` scale and no NaN byte, else the integer path."""
     lo = uint32(d & uint64(0xFFFFFFFF))
     hi = uint32(d >> uint64(32))
     if finite and nan_byte_mask(d) == uint64(0):
-        w0 = uint64(bf16x2_from_e4m3x2(uint16(lo & uint32(0xFFFF)), scale)) | (
-            uint64(bf16x2_from_e4m3x2(uint16(lo >> uint32(16)), scale)) << uint64(32))
-        w1 = uint64(bf16x2_from_e4m3x2(uint16(hi & uint32(0xFFFF)), scale)) | (
-            uint64(bf16x2_from_e4m3x2(uint16(hi >> uint32(16)), scale)) << uint64(32))
-        return w0, w1
+        return bf16x4_from_e4m3x4(lo, scale), bf16x4_from_e4m3x4(hi, scale)
     return scaled_e4m3x4_bf16(lo, scale), scaled_e4m3x4_bf16(hi, scale)
 
 
@@ -265,22 +248,9 @@ def store_word_f32(out_words, i, d, sbits):
     out_words[4 * i + 3] = dequantize_e4m3x2_f32(hi >> uint32(16), scale)
 
 
-@cuda.jit(device=True)
-def store_words(out_words, base, nthreads, n, words, sbits, f32):
-    """The store half of a dequantize tile (rowwise and 1x128): words ``words[k]`` at
-    base + k * nthreads below ``n`` under scale bits ``sbits[k]`` into bf16 or (``f32``) fp32
-    ``out_words``."""
-    for k in range(WORDS_PER_THREAD):
-        i = base + k * nthreads
-        if i < n:
-            if f32:
-                store_word_f32(out_words, i, words[k], sbits[k])
-            else:
-                store_word_bf16(out_words, i, words[k], sbits[k])
-
-
-def _dequantize_fp8_rowwise(f32):
-    """The rowwise dequantize kernel into bf16 or (``f32``) fp32, a compile-time constant."""
+def _dequantize_fp8_rowwise(store):
+    """The rowwise dequantize kernel whose device function ``store`` decodes a word (into bf16 or
+    fp32)."""
 
     @kernel
     def dequantize_fp8_rowwise_kernel(data_words, scales, out_words, words_per_row):
@@ -290,8 +260,7 @@ def _dequantize_fp8_rowwise(f32):
         Args:
             data_words: (N // 8,) uint64, e4m3fn bits of the (M, D) rows, 8 per word. Read.
             scales: (M,) uint32, fp32 bits of the row scales. Read.
-            out_words: (N // 4,) uint64 of bf16 bits, or (N // 2,) of f32 bits with ``f32``.
-            Written.
+            out_words: (N // 4,) uint64 of bf16 bits, or (N // 2,) of f32 bits. Written.
             words_per_row: D // 8.
         Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): words t + k * blockDim.x of each tile per
             thread (loads first), grid-stride; a word's row found once per tile, then stepped.
@@ -312,11 +281,14 @@ def _dequantize_fp8_rowwise(f32):
                 while col >= words_per_row:
                     col -= words_per_row
                     row += 1
-            store_words(out_words, base, nthreads, n, words, sbits, f32)
+            for k in range(WORDS_PER_THREAD):
+                i = base + k * nthreads
+                if i < n:
+                    store(out_words, i, words[k], sbits[k])
 
     return dequantize_fp8_rowwise_kernel
 
 
 #: fp8 rowwise -> bf16 and -> fp32 (:func:`_dequantize_fp8_rowwise`).
-dequantize_fp8_rowwise_bf16_kernel = _dequantize_fp8_rowwise(False)
-dequantize_fp8_rowwise_f32_kernel = _dequantize_fp8_rowwise(True)
+dequantize_fp8_rowwise_bf16_kernel = _dequantize_fp8_rowwise(store_word_bf16)
+dequantize_fp8_rowwise_f32_kernel = _dequantize_fp8_rowwise(store_word_f32)

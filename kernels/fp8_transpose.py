@@ -98,6 +98,17 @@ def column_bf16(word, j, mult):
     return f32_from_bits(bits) * mult
 
 
+@cuda.jit(device=True)
+def store_tile(out_words, tile, c, c_end, at, k, c_step, at_step):
+    """Word ``k`` of columns c, c + c_step, ... below ``c_end`` of the swizzled shared ``tile``
+    (word (c, k) at 16 c + (k + c / 4) mod 16) into the flat ``out_words`` at ``at``,
+    ``at + at_step``, ... (int32 throughout: a range's int64 counter costs more)."""
+    while c < c_end:
+        store_flat(out_words, at, load_item(tile, (c << 4) + ((k + (c >> 2)) & 15)))
+        c = int32(c + c_step)
+        at = int32(at + at_step)
+
+
 @kernel
 def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
     """bf16 matrices -> (B * C, R) e4m3 scaled per column, transposed (module docstring).
@@ -181,15 +192,11 @@ def transpose_encode_kernel(x_words, rows, keys, out_words, scales):
                             out = uint32(lo) | (uint32(hi) << uint32(16))
                     store_item(tile, at + 16 * j, out)
         cuda.syncthreads()
-        # store, row-contiguous: thread tid takes word q = tid % 16 of columns c = tid / 16,
-        # tid / 16 + nthreads / 16, ... (int32 throughout, as fp8_colwise's encode)
+        # store, row-contiguous: thread tid takes word tid % 16 of columns
+        # tid / 16 + j * nthreads / 16
         if r0 + 4 * q_store < rows:
             c = int32(tid >> 4)
-            c_end = int32(min(4 * TILE_WORDS, cols - 4 * w0))  # the tile's columns
-            at = int32((b * cols + 4 * w0 + c) * out_stride + (r0 >> 2) + q_store)
-            while c < c_end:
-                store_flat(out_words, at,
-                           load_item(tile, (c << 4) + ((q_store + (c >> 2)) & 15)))
-                c = int32(c + c_step)
-                at = int32(at + at_step)
+            store_tile(out_words, tile, c, int32(min(4 * TILE_WORDS, cols - 4 * w0)),
+                       int32((b * cols + 4 * w0 + c) * out_stride + (r0 >> 2) + q_store),
+                       q_store, c_step, at_step)
         cuda.syncthreads()

@@ -1,17 +1,17 @@
 """MXFP8 dequantize kernels (OCP Microscaling v1.0): plain, gathered by a permutation (the permute's
-MXFP8 -> bf16), and the quantize-dequantize round trips. Memory layout and coalescing as in
-``kernels.mx_quantize``.
+MXFP8 -> bf16), and the quantize-dequantize round trips; layout as in ``kernels.mx_quantize``. Also
+the flat dequantize loop the 1x128-block format shares (:func:`flat_dequantize_kernel`).
 """
 
 from numba import cuda, uint16, uint32, uint64
 
 from ._fp8 import (BF16_NAN, E4M3_NAN, E8M0_NAN, F32_NAN, bf16_bits_from_f32_bits, bits_from_f32,
-                   cvt_bf16x2_f32, cvt_f16x2_e4m3x2, f32_from_bits, f32_from_e4m3, f32_from_f16_bits,
-                   scale_f32_bits)
+                   cvt_bf16x2_f32, cvt_f16x2_e4m3x2, f32_from_bits, f32_from_e4m3,
+                   f32_from_f16_bits, scale_f32_bits)
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_item, load_pair, load_word, store_pair, store_pair_flat
 from .mx_quantize import (BF16_PAIRS_PER_BLOCK, PAIRS_PER_THREAD, WARP, WORDS_PER_THREAD,
-                          _HIGH16, bf16x4_absmax, encode_bf16_pair, lanes_max)
+                          _HIGH16, encode_bf16_pair, gather_pairs, load_pairs, pairs_amax)
 
 #: log2 of the e4m3 words (8 elements) and of their pairs (16 elements, one 16-byte load) per MX
 #: block (block index = word index >> log2; indices are never negative).
@@ -67,6 +67,14 @@ def bf16x2_from_e4m3x2(pair, mult):
 
 
 @cuda.jit(device=True)
+def bf16x4_from_e4m3x4(w, mult):
+    """The 4 bf16 (one uint64) of the 4 e4m3 in the uint32 ``w`` times ``mult`` by the hardware
+    conversions (:func:`bf16x2_from_e4m3x2`; no NaN byte)."""
+    return uint64(bf16x2_from_e4m3x2(uint16(w & uint32(0xFFFF)), mult)) | (
+        uint64(bf16x2_from_e4m3x2(uint16(w >> uint32(16)), mult)) << uint64(32))
+
+
+@cuda.jit(device=True)
 def bf16_words_of_e4m3x8(d, s):
     """The 8 bf16 (two uint64) of the 8 e4m3 in ``d`` with block scale ``s``: words without NaN take
     the hardware conversions, the rest the integer path (identical NaN bits)."""
@@ -77,42 +85,51 @@ def bf16_words_of_e4m3x8(d, s):
     if nan_byte or s == uint32(E8M0_NAN):
         return bf16_word_of_e4m3x4(lo, s), bf16_word_of_e4m3x4(hi, s)
     mult = f32_from_bits(scale_f32_bits(s))
-    first = uint64(bf16x2_from_e4m3x2(uint16(lo & uint32(0xFFFF)), mult)) | (
-        uint64(bf16x2_from_e4m3x2(uint16(lo >> uint32(16)), mult)) << uint64(32))
-    second = uint64(bf16x2_from_e4m3x2(uint16(hi & uint32(0xFFFF)), mult)) | (
-        uint64(bf16x2_from_e4m3x2(uint16(hi >> uint32(16)), mult)) << uint64(32))
-    return first, second
+    return bf16x4_from_e4m3x4(lo, mult), bf16x4_from_e4m3x4(hi, mult)
 
 
-@kernel
-def dequantize_mxfp8_bf16_kernel(data_words, scales, out_words):
-    """MXFP8 -> bf16: x = e4m3 * 2^(s - 127) (OCP MX v1.0), exact in f32, then round-to-nearest-even
-    to bf16. A NaN scale (0xFF) or NaN element gives NaN (0x7FC0).
+def flat_dequantize_kernel(name, scale_shift, store):
+    """The dequantize kernel ``name(data_words, scales, out_words)`` over flat data words (uint64, 8
+    e4m3 each): word i under scale ``scales[i >> scale_shift]``, decoded into ``out_words`` by the
+    device function ``store(out_words, i, word, scale)``. Launch: launch_1d(ceil(N / 8 /
+    WORDS_PER_THREAD)): words t + k * blockDim.x, k < WORDS_PER_THREAD, of each tile per thread,
+    all loads first, grid-stride."""
 
-    Args:
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
-        scales: (N // 32,) uint8, e8m0 bits. Read.
-        out_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Written.
-    Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): words t + k * blockDim.x, k <
-        WORDS_PER_THREAD, of each tile per thread (all loads issued first), grid-stride.
-    """
-    words = cuda.local.array(WORDS_PER_THREAD, uint64)
-    svals = cuda.local.array(WORDS_PER_THREAD, uint32)
-    n = data_words.shape[0]
-    nthreads = cuda.blockDim.x
-    tile = nthreads * WORDS_PER_THREAD
-    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-        for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
-            i = base + k * nthreads
-            if i < n:
-                words[k] = data_words[i]
-                svals[k] = uint32(scales[i >> E4M3_WORDS_PER_BLOCK_LOG2])
-        for k in range(WORDS_PER_THREAD):
-            i = base + k * nthreads
-            if i < n:  # 8 elements of one MX block
-                first, second = bf16_words_of_e4m3x8(words[k], svals[k])
-                out_words[2 * i] = first
-                out_words[2 * i + 1] = second
+    def dequantize_kernel(data_words, scales, out_words):
+        words = cuda.local.array(WORDS_PER_THREAD, uint64)
+        svals = cuda.local.array(WORDS_PER_THREAD, uint32)
+        n = data_words.shape[0]
+        nthreads = cuda.blockDim.x
+        tile = nthreads * WORDS_PER_THREAD
+        for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
+            for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
+                i = base + k * nthreads
+                if i < n:
+                    words[k] = data_words[i]
+                    svals[k] = uint32(scales[i >> scale_shift])
+            for k in range(WORDS_PER_THREAD):
+                i = base + k * nthreads
+                if i < n:
+                    store(out_words, i, words[k], svals[k])
+
+    dequantize_kernel.__name__ = dequantize_kernel.__qualname__ = name  # the PTX entry's name
+    return kernel(dequantize_kernel)
+
+
+@cuda.jit(device=True)
+def store_bf16_word(out_words, i, d, s):
+    """Decode data word ``i`` (``d``, one MX block's scale ``s``) into ``out_words[2i:2i + 2]``."""
+    first, second = bf16_words_of_e4m3x8(d, s)
+    out_words[2 * i] = first
+    out_words[2 * i + 1] = second
+
+
+#: MXFP8 -> bf16 (:func:`flat_dequantize_kernel`): x = e4m3 * 2^(s - 127) (OCP MX v1.0), exact in
+#: f32, then RNE to bf16; a NaN scale (0xFF) or element gives NaN (0x7FC0). data_words (N // 8,)
+#: uint64, e4m3fn bits, 8 per word (element 0 lowest); scales (N // 32,) uint8, e8m0 bits;
+#: out_words (N // 4,) uint64, bf16 bits, 4 per word.
+dequantize_mxfp8_bf16_kernel = flat_dequantize_kernel("dequantize_mxfp8_bf16_kernel",
+                                                      E4M3_WORDS_PER_BLOCK_LOG2, store_bf16_word)
 
 
 @kernel
@@ -136,17 +153,12 @@ def round_trip_mxfp8_bf16_kernel(x_words, out_words, rceil):
     n = x_words.shape[0] >> 1
     tile = nthreads * PAIRS_PER_THREAD
     for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
-            p = base + k * nthreads
-            first[k] = x_words[2 * p] if p < n else uint64(0)
-            second[k] = x_words[2 * p + 1] if p < n else uint64(0)
+        load_pairs(x_words, base, nthreads, n, first, second)
         for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
-                             BF16_PAIRS_PER_BLOCK)
+            amax = pairs_amax(first, second, k, scratch, BF16_PAIRS_PER_BLOCK)
             p = base + k * nthreads
             if p < n:
-                d, s = encode_bf16_pair(first[k], second[k], amax, rceil)
-                a, b = bf16_words_of_e4m3x8(d, s)
+                a, b = bf16_words_of_e4m3x8(*encode_bf16_pair(first[k], second[k], amax, rceil))
                 store_pair_flat(out_words, p, a, b)
 
 
@@ -167,25 +179,15 @@ def gather_round_trip_mxfp8_bf16_kernel(rows, x_words, out_words, rceil):
     second = cuda.local.array(PAIRS_PER_THREAD, uint64)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    per_row = x_words.shape[1] >> 1
     n = out_words.shape[0] >> 1
     tile = nthreads * PAIRS_PER_THREAD
     for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
-            p = base + k * nthreads
-            if p < n:
-                r = p // per_row
-                first[k], second[k] = load_pair(x_words, load_item(rows, r), p - r * per_row)
-            else:
-                first[k] = uint64(0)
-                second[k] = uint64(0)
+        gather_pairs(rows, x_words, base, nthreads, n, first, second)
         for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
-                             BF16_PAIRS_PER_BLOCK)
+            amax = pairs_amax(first, second, k, scratch, BF16_PAIRS_PER_BLOCK)
             p = base + k * nthreads
             if p < n:
-                d, s = encode_bf16_pair(first[k], second[k], amax, rceil)
-                a, b = bf16_words_of_e4m3x8(d, s)
+                a, b = bf16_words_of_e4m3x8(*encode_bf16_pair(first[k], second[k], amax, rceil))
                 store_pair_flat(out_words, p, a, b)
 
 
@@ -256,30 +258,15 @@ def dequantize_word_f32(d, s, out_words, i):
     out_words[2 * i + 1] = f2 | (f3 << uint64(32))
 
 
-@kernel
-def dequantize_mxfp8_f32_kernel(data_words, scales, out_words):
-    """MXFP8 -> fp32: x = e4m3 * 2^(s - 127) (OCP MX v1.0), exact; NaN scale or element -> NaN
-    (0x7FC00000).
+@cuda.jit(device=True)
+def store_f32_word(out_words, i, d, s):
+    """Decode data word ``i`` (``d``, one MX block's scale ``s``) into ``out_words[4i:4i + 4]``."""
+    dequantize_word_f32(uint32(d & uint64(0xFFFFFFFF)), s, out_words, 2 * i)
+    dequantize_word_f32(uint32(d >> uint64(32)), s, out_words, 2 * i + 1)
 
-    Args:
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word (element 0 lowest). Read.
-        scales: (N // 32,) uint8, e8m0 bits. Read.
-        out_words: (N // 2,) uint64, f32 bits, 2 per word (element 0 lowest). Written.
-    Launch: launch_1d(ceil(N / 8 / WORDS_PER_THREAD)): as :func:`dequantize_mxfp8_bf16_kernel`.
-    """
-    words = cuda.local.array(WORDS_PER_THREAD, uint64)
-    svals = cuda.local.array(WORDS_PER_THREAD, uint32)
-    n = data_words.shape[0]
-    nthreads = cuda.blockDim.x
-    tile = nthreads * WORDS_PER_THREAD
-    for base in range(cuda.blockIdx.x * tile + cuda.threadIdx.x, n, cuda.gridDim.x * tile):
-        for k in range(WORDS_PER_THREAD):  # all loads first: WORDS_PER_THREAD in flight
-            i = base + k * nthreads
-            if i < n:
-                words[k] = data_words[i]
-                svals[k] = uint32(scales[i >> E4M3_WORDS_PER_BLOCK_LOG2])
-        for k in range(WORDS_PER_THREAD):
-            i = base + k * nthreads
-            if i < n:  # 8 elements of one MX block: two halves of 4
-                dequantize_word_f32(uint32(words[k] & uint64(0xFFFFFFFF)), svals[k], out_words, 2 * i)
-                dequantize_word_f32(uint32(words[k] >> uint64(32)), svals[k], out_words, 2 * i + 1)
+
+#: MXFP8 -> fp32 (:func:`flat_dequantize_kernel`): x = e4m3 * 2^(s - 127), exact; NaN scale or
+#: element -> NaN (0x7FC00000). Arrays as :data:`dequantize_mxfp8_bf16_kernel`'s but out_words
+#: (N // 2,) uint64, f32 bits, 2 per word.
+dequantize_mxfp8_f32_kernel = flat_dequantize_kernel("dequantize_mxfp8_f32_kernel",
+                                                     E4M3_WORDS_PER_BLOCK_LOG2, store_f32_word)

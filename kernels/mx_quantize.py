@@ -3,9 +3,8 @@ encode and lane helpers the other fp8 kernels share.
 
 Layout of an (M, D) tensor of N = M * D elements, D % 32 == 0, flat, C order: MX block b covers
 elements 32b .. 32b + 31 (never straddling rows), its scale ``scales[b]``. Consecutive threads load
-consecutive 8-byte words; a block's lanes meet their partial max-abs through ``lanes_max`` (warp
-shuffles on a GPU, shared memory under the simulator), in a grid-stride loop uniform per CUDA block
-so every lane reaches every shuffle. The block max is integer arithmetic on the bits.
+consecutive 8-byte words; a block's lanes meet their partial max-abs (integer arithmetic on the
+bits) through ``lanes_max``, in a grid-stride loop uniform per CUDA block so every lane reaches it.
 """
 
 from numba import cuda, int32, uint8, uint16, uint32, uint64
@@ -25,9 +24,8 @@ WORDS_PER_THREAD = 4
 PAIRS_PER_THREAD = 2
 BF16_PAIRS_PER_BLOCK = 4
 BF16_PAIRS_PER_BLOCK_LOG2 = 2
-#: 8-byte words per MX block: bf16 (4 per word) and fp32 (2 per word).
+#: 8-byte words per MX block of fp32 (2 per word), and its log2 (indices are never negative).
 F32_WORDS_PER_BLOCK = 16
-#: log2 of the words per MX block (block index = word index >> log2; indices are never negative).
 F32_WORDS_PER_BLOCK_LOG2 = 4
 #: Lanes of a warp.
 WARP = 32
@@ -82,6 +80,38 @@ else:
 
 
 @cuda.jit(device=True)
+def pairs_amax(first, second, k, scratch, width):
+    """:func:`lanes_max` over ``width`` lanes of the max-abs bits of the 8 bf16 in ``first[k]``,
+    ``second[k]``."""
+    return lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch, width)
+
+
+@cuda.jit(device=True)
+def load_pairs(x_words, base, nthreads, n, first, second):
+    """Pairs of words p = base + k * nthreads (k < PAIRS_PER_THREAD) of the flat ``x_words`` into
+    ``first[k]``, ``second[k]``, zeros from ``n`` on; all loads first."""
+    for k in range(PAIRS_PER_THREAD):
+        p = base + k * nthreads
+        first[k] = x_words[2 * p] if p < n else uint64(0)
+        second[k] = x_words[2 * p + 1] if p < n else uint64(0)
+
+
+@cuda.jit(device=True)
+def gather_pairs(rows, x_words, base, nthreads, n, first, second):
+    """:func:`load_pairs` of output pair p, taken from row ``rows[r]`` of the 2-D ``x_words``
+    (output row r of p)."""
+    per_row = x_words.shape[1] >> 1
+    for k in range(PAIRS_PER_THREAD):
+        p = base + k * nthreads
+        if p < n:
+            r = p // per_row
+            first[k], second[k] = load_pair(x_words, load_item(rows, r), p - r * per_row)
+        else:
+            first[k] = uint64(0)
+            second[k] = uint64(0)
+
+
+@cuda.jit(device=True)
 def encode_bf16x4(w, mult):
     """4 e4m3 bytes (in a uint32, element 0 lowest) of the 4 bf16 in ``w`` times ``mult``."""
     lo = uint32(w & uint64(0xFFFFFFFF))
@@ -119,48 +149,49 @@ def quantize_bf16_pair(data_words, scales, p, w0, w1, amax, lead, rceil):
         scales[p >> BF16_PAIRS_PER_BLOCK_LOG2] = uint8(s)
 
 
-@kernel
-def quantize_mxfp8_bf16_kernel(x_words, data_words, scales, rceil):
-    """MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64
-    formulas.
+def bf16_quantize_kernel(name, width, emit):
+    """The quantize kernel ``name(x_words, data_words, scales, flag)`` of bf16 input whose scale
+    blocks are ``width`` pairs of input words (8 bf16 each) on consecutive lanes: a block's amax met
+    in :func:`lanes_max`, the device function ``emit(data_words, scales, p, w0, w1, amax, lead,
+    flag)`` writes pair p (``lead``: the lane of its block's first pair). Launch:
+    launch_1d(ceil(N / 8 / PAIRS_PER_THREAD)), blockDim.x a multiple of 32: pairs t + k *
+    blockDim.x, k < PAIRS_PER_THREAD, of each tile per thread, grid-stride over tiles."""
 
-    Scale s (e8m0) from the block's max |x| (floor: floor(log2 amax) - 8; rceil:
-    ceil(log2(amax / 448)); clamped to [-127, 127], biased by 127); element = RNE(x * 2^(127 - s))
-    saturated to +-448. A NaN/Inf block gets s = 0xFF and elements 0x7F. A block is 4 pairs of input
-    words on 4 consecutive lanes.
+    def quantize_kernel(x_words, data_words, scales, flag):
+        scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
+        first = cuda.local.array(PAIRS_PER_THREAD, uint64)
+        second = cuda.local.array(PAIRS_PER_THREAD, uint64)
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        n = x_words.shape[0] >> 1
+        tile = nthreads * PAIRS_PER_THREAD
+        lead = tid % width == 0
+        for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
+            load_pairs(x_words, base, nthreads, n, first, second)
+            for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: all lanes meet lanes_max
+                amax = pairs_amax(first, second, k, scratch, width)
+                p = base + k * nthreads
+                if p < n:
+                    emit(data_words, scales, p, first[k], second[k], amax, lead, flag)
 
-    Args:
-        x_words: (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest). Read.
-        data_words: (N // 8,) uint64, e4m3fn bits, 8 per word. Written.
-        scales: (N // 32,) uint8, e8m0 bits, one per MX block. Written.
-        rceil: bool; True for the rceil scale, False for floor.
-    Launch: launch_1d(ceil(N / 8 / PAIRS_PER_THREAD)), blockDim.x a multiple of 32: pairs
-        t + k * blockDim.x, k < PAIRS_PER_THREAD, of each tile per thread, grid-stride over tiles.
-    """
-    scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
-    first = cuda.local.array(PAIRS_PER_THREAD, uint64)
-    second = cuda.local.array(PAIRS_PER_THREAD, uint64)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    n = x_words.shape[0] >> 1
-    tile = nthreads * PAIRS_PER_THREAD
-    lead = tid % BF16_PAIRS_PER_BLOCK == 0
-    for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
-            p = base + k * nthreads
-            first[k] = x_words[2 * p] if p < n else uint64(0)
-            second[k] = x_words[2 * p + 1] if p < n else uint64(0)
-        for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
-                             BF16_PAIRS_PER_BLOCK)
-            p = base + k * nthreads
-            if p < n:
-                quantize_bf16_pair(data_words, scales, p, first[k], second[k], amax, lead, rceil)
+    quantize_kernel.__name__ = quantize_kernel.__qualname__ = name  # the PTX entry's name
+    return kernel(quantize_kernel)
+
+
+#: MXFP8-quantize bf16 input, 32-element blocks (OCP MX v1.0), bit-exact to the float64 formulas
+#: (:func:`bf16_quantize_kernel`): scale s (e8m0) from the block's max |x| (floor:
+#: floor(log2 amax) - 8; rceil: ceil(log2(amax / 448)); clamped to [-127, 127], biased by 127);
+#: element = RNE(x * 2^(127 - s)) saturated to +-448; a NaN/Inf block gets s = 0xFF and elements
+#: 0x7F. x_words (N // 4,) uint64, bf16 bits, 4 per word (element 0 lowest); data_words (N // 8,)
+#: uint64, e4m3fn bits, 8 per word; scales (N // 32,) uint8, e8m0 bits; flag ``rceil``: True for
+#: the rceil scale, False for floor.
+quantize_mxfp8_bf16_kernel = bf16_quantize_kernel("quantize_mxfp8_bf16_kernel",
+                                                  BF16_PAIRS_PER_BLOCK, quantize_bf16_pair)
 
 
 @kernel
 def gather_quantize_mxfp8_bf16_kernel(rows, x_words, data_words, scales, rceil):
-    """:func:`quantize_mxfp8_bf16_kernel` of rows picked by an index: output row r is input row
+    """:data:`quantize_mxfp8_bf16_kernel` of rows picked by an index: output row r is input row
     ``rows[r]`` quantized, bit for bit.
 
     Args:
@@ -169,30 +200,20 @@ def gather_quantize_mxfp8_bf16_kernel(rows, x_words, data_words, scales, rceil):
         data_words: (R * D // 8,) uint64, e4m3fn bits, output row-major. Written.
         scales: (R * D // 32,) uint8, e8m0 bits. Written.
         rceil: bool; True for the rceil scale, False for floor.
-    Launch: as :func:`quantize_mxfp8_bf16_kernel`, over the output's pairs (a block's 4 lanes read
-        one input row).
+    Launch: as :data:`quantize_mxfp8_bf16_kernel`, over the output's pairs.
     """
     scratch = cuda.shared.array(THREADS_PER_BLOCK, uint32)  # simulator only (lanes_max)
     first = cuda.local.array(PAIRS_PER_THREAD, uint64)
     second = cuda.local.array(PAIRS_PER_THREAD, uint64)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    per_row = x_words.shape[1] >> 1
     n = data_words.shape[0]
     tile = nthreads * PAIRS_PER_THREAD
     lead = tid % BF16_PAIRS_PER_BLOCK == 0
     for base in range(cuda.blockIdx.x * tile + tid, n + tid, cuda.gridDim.x * tile):
-        for k in range(PAIRS_PER_THREAD):  # all loads first: 2 * PAIRS_PER_THREAD in flight
-            p = base + k * nthreads
-            if p < n:
-                r = p // per_row
-                first[k], second[k] = load_pair(x_words, load_item(rows, r), p - r * per_row)
-            else:
-                first[k] = uint64(0)
-                second[k] = uint64(0)
+        gather_pairs(rows, x_words, base, nthreads, n, first, second)
         for k in range(PAIRS_PER_THREAD):  # uniform per CUDA block: every lane meets lanes_max
-            amax = lanes_max(max(bf16x4_absmax(first[k]), bf16x4_absmax(second[k])), scratch,
-                             BF16_PAIRS_PER_BLOCK)
+            amax = pairs_amax(first, second, k, scratch, BF16_PAIRS_PER_BLOCK)
             p = base + k * nthreads
             if p < n:
                 quantize_bf16_pair(data_words, scales, p, first[k], second[k], amax, lead, rceil)
@@ -213,7 +234,7 @@ def quantize_f32_word(data_half, scales, i, w, amax, lead, rceil):
 
 @kernel
 def quantize_mxfp8_f32_kernel(x_words, data_half, scales, rceil):
-    """MXFP8-quantize fp32 input (formulas of :func:`quantize_mxfp8_bf16_kernel`).
+    """MXFP8-quantize fp32 input (formulas of :data:`quantize_mxfp8_bf16_kernel`).
 
     Args:
         x_words: (N // 2,) uint64, f32 bits, 2 per word (element 0 lowest). Read.

@@ -9,20 +9,16 @@ scales s_b (N, D / 32)):
                                    scale = 2^(r - 127)                 (>= 2^-126, as fp8 rowwise)
                                    element = RNE_e4m3(v * 2^(s_b - r)) for element v of block b
 
-v * 2^(s_b - r) is computed in f16 pairs, exact wherever the result can be nonzero (4 significant
-bits times a power of two; every element of a block 19 or more binades below the row's maximum
-rounds to a signed zero anyway, :func:`rescale_e4m3x4`), so each element is rounded once, and
-|result| <= |v| <= 448 needs no saturation. A block at the row's scale is copied bit for bit;
-e4m3 NaN elements stay as they are. For "rceil" MXFP8 the row scale is exactly the rowwise scale
-of the original row (docs/design.md, "Formats").
-
-Work split: one warp per permuted row, grid-stride; the row's scale max meets through warp
-shuffles, then each lane streams 16-byte pairs of data words with their blocks' scales.
+computed in f16 pairs and rounded once (:func:`rescale_e4m3x8`); |result| <= |v| needs no
+saturation; a block at the row's scale is copied bit for bit, NaN elements stay. For "rceil" MXFP8
+the row scale is the rowwise scale of the original row (docs/design.md, "Formats"). One warp per
+permuted row, grid-stride: the row's scale max met through warp shuffles, then each lane streams
+16-byte pairs of data words with their blocks' scales.
 """
 
-from numba import cuda, int32, uint16, uint32, uint64
+from numba import cuda, int32, uint32, uint64
 
-from ._fp8 import E4M3_NAN, E8M0_NAN, F32_NAN, cvt_e4m3x2_f16x2, cvt_f16x2_e4m3x2, mul_f16x2
+from ._fp8 import E4M3_NAN, E8M0_NAN, F32_NAN, rescale_e4m3x4
 from ._launch import THREADS_PER_BLOCK, kernel
 from ._memory import load_pair, load_word, store_pair
 from .fp8_rowwise import F32_ONE, SCALE_EXP_MIN, WARP, nan_byte_mask
@@ -30,11 +26,10 @@ from .mx_quantize import lanes_max
 
 #: Pairs of data words (16 e4m3, one 16-byte load) each thread loads per step, all in flight.
 PASS_PAIRS = 4
-#: CUDA blocks (of 256 threads) per multiprocessor the gather is compiled for (launch bounds;
-#: bench/NOTES.md has the profile behind it).
+#: CUDA blocks (of 256 threads) per multiprocessor the gather is compiled for (launch bounds).
 GATHER_BLOCKS_PER_SM = 3
-#: Registers per thread of the gather kernel (ptxas -v, sm_90, numba-cuda 0.30.4, CUDA 13.0; 76
-#: under those bounds, no spills): the wrapper caps its grid at the blocks that stay resident.
+#: Registers per thread of the gather kernel (ptxas -v, sm_90; 76 under those bounds): the wrapper
+#: caps its grid at the blocks that stay resident.
 GATHER_REGISTERS = 80
 #: log2 of the pairs of data words per MX block (32 elements = 4 words = 2 pairs).
 MX_PAIRS_PER_BLOCK_LOG2 = 1
@@ -42,17 +37,6 @@ MX_PAIRS_PER_BLOCK_LOG2 = 1
 #: is an f16, a subnormal one).
 RESCALE_EXP_MIN = -19
 _E4M3_NAN_X8 = uint64(E4M3_NAN * 0x0101010101010101)
-
-
-@cuda.jit(device=True)
-def rescale_e4m3x4(d, mult):
-    """The 4 e4m3 in ``d`` times ``mult`` (the f16 pair of 2^k, -19 <= k <= 0): exact decode to f16,
-    f16 products, one RNE to e4m3. The products are exact wherever the result can be nonzero
-    (v * 2^k is a multiple of 2^-24 unless below 2^-21, and below 2^-10 everything rounds to
-    zero)."""
-    p01 = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d & uint32(0xFFFF))), mult))
-    p23 = cvt_e4m3x2_f16x2(mul_f16x2(cvt_f16x2_e4m3x2(uint16(d >> uint32(16))), mult))
-    return uint32(p01) | (uint32(p23) << uint32(16))
 
 
 @cuda.jit(device=True)
@@ -67,9 +51,11 @@ def f16x2_pow2(k):
 
 @cuda.jit(device=True)
 def rescale_e4m3x8(d, mult):
-    """The 8 e4m3 of the uint64 ``d`` times ``mult`` (:func:`rescale_e4m3x4`); NaN bytes kept."""
-    lo = rescale_e4m3x4(uint32(d & uint64(0xFFFFFFFF)), mult)
-    hi = rescale_e4m3x4(uint32(d >> uint64(32)), mult)
+    """The 8 e4m3 of the uint64 ``d`` times ``mult`` (the f16 pair of 2^k, -19 <= k <= 0), NaN
+    bytes kept. The f16 products are exact wherever the result can be nonzero (v * 2^k is a multiple
+    of 2^-24 unless below 2^-21, and below 2^-10 everything rounds to zero)."""
+    lo = rescale_e4m3x4(uint32(d & uint64(0xFFFFFFFF)), mult, mult)
+    hi = rescale_e4m3x4(uint32(d >> uint64(32)), mult, mult)
     nan = nan_byte_mask(d)
     return ((uint64(lo) | (uint64(hi) << uint64(32))) & ~nan) | (d & nan)
 

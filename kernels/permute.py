@@ -1,6 +1,6 @@
-"""Token permutation kernels of the EP path: received order <-> expert-major order, padded groups
-(layout: ``mxcomm.permutation``). The index is built on the device (no host sync); rows move as
-machine words, one CUDA block per row, threads striding over the row's words."""
+"""Token permutation kernels: received order <-> expert-major order, padded groups (layout:
+``mxcomm.permutation``), the index built on the device; rows move as machine words, one CUDA block
+per row."""
 
 from numba import cuda, int32
 
@@ -64,60 +64,64 @@ def permute_indices_kernel(counts, src_start, dst_start, group_offsets, num_rows
         indices[p] = int32(src)
 
 
-#: Words each thread loads before storing, in the row copy (independent loads in flight).
+#: Words each thread loads before storing in the row copy.
 ROW_UNROLL = 4
 
 
 @cuda.jit(device=True)
-def copy_row(src, i, dst, p, ncols, tid, nthreads):
-    """dst[p, :ncols] = src[i, :ncols]; thread ``tid`` of ``nthreads`` takes words
-    tid + k * nthreads, ROW_UNROLL loads in flight."""
+def copy_rows(src0, src1, i, dst0, dst1, p, tid, nthreads):
+    """Rows p of ``dst0``, ``dst1`` = rows i of ``src0``, ``src1``; thread ``tid`` of ``nthreads``
+    takes every nthreads-th word, ROW_UNROLL of dst0's loaded at a time."""
+    ncols = dst0.shape[1]
     step = nthreads * ROW_UNROLL
     w = tid
     while w + step - nthreads < ncols:  # ROW_UNROLL full words
-        a = src[i, w]
-        b = src[i, w + nthreads]
-        c = src[i, w + 2 * nthreads]
-        d = src[i, w + 3 * nthreads]
-        dst[p, w] = a
-        dst[p, w + nthreads] = b
-        dst[p, w + 2 * nthreads] = c
-        dst[p, w + 3 * nthreads] = d
+        a = src0[i, w]
+        b = src0[i, w + nthreads]
+        c = src0[i, w + 2 * nthreads]
+        d = src0[i, w + 3 * nthreads]
+        dst0[p, w] = a
+        dst0[p, w + nthreads] = b
+        dst0[p, w + 2 * nthreads] = c
+        dst0[p, w + 3 * nthreads] = d
         w += step
     while w < ncols:
-        dst[p, w] = src[i, w]
+        dst0[p, w] = src0[i, w]
         w += nthreads
+    for w in range(tid, dst1.shape[1], nthreads):
+        dst1[p, w] = src1[i, w]
+
+
+@cuda.jit(device=True)
+def pad_row(dst0, dst1, p, fill1, tid, nthreads):
+    """Row p of ``dst0`` zeros, of ``dst1`` every word ``fill1`` (threads as :func:`copy_rows`)."""
+    for w in range(tid, dst0.shape[1], nthreads):
+        dst0[p, w] = 0
+    for w in range(tid, dst1.shape[1], nthreads):
+        dst1[p, w] = fill1
 
 
 @kernel
 def gather_rows_kernel(indices, src0, dst0, src1, dst1, fill1):
-    """dst[p, :] = src[indices[p], :] for two (src, dst) pairs at once; where indices[p] < 0 dst0's
-    row gets zeros and dst1's every word ``fill1``.
+    """dst[p, :] = src[indices[p], :] for two (src, dst) pairs; where indices[p] < 0, zeros in
+    dst0's row and ``fill1`` in every word of dst1's.
 
     Args:
         indices: (P,) int32 source rows or -1; a row >= src.shape[0] counts as -1. Read.
         src0, dst0: (M, W0) and (P, W0) words (uint64/32/16/8), C-contiguous. Read / written.
         src1, dst1: a second pair (the scales) of the same rows, or an empty (0, 0) pair.
         fill1: int, a word of dst1's padding rows (the padding scale repeated; 0 for e8m0).
-    Launch: launch_1d(P * blockDim): one CUDA block per row, grid-stride over rows, threads
-        striding over the row's words.
+    Launch: launch_1d(P * blockDim): a CUDA block per row, grid-stride.
     """
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     nsrc = src0.shape[0]
-    ncols0 = dst0.shape[1]
-    ncols1 = dst1.shape[1]
     for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
         i = indices[p]
         if i >= 0 and i < nsrc:
-            copy_row(src0, i, dst0, p, ncols0, tid, nthreads)
-            for w in range(tid, ncols1, nthreads):
-                dst1[p, w] = src1[i, w]
+            copy_rows(src0, src1, i, dst0, dst1, p, tid, nthreads)
         else:
-            for w in range(tid, ncols0, nthreads):
-                dst0[p, w] = 0
-            for w in range(tid, ncols1, nthreads):
-                dst1[p, w] = fill1
+            pad_row(dst0, dst1, p, fill1, tid, nthreads)
 
 
 @kernel
@@ -133,20 +137,15 @@ def scatter_rows_kernel(indices, src0, dst0, src1, dst1):
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     ndst = dst0.shape[0]
-    ncols0 = dst0.shape[1]
-    ncols1 = dst1.shape[1]
     for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
         i = indices[p]
         if i >= 0 and i < ndst:
-            copy_row(src0, p, dst0, i, ncols0, tid, nthreads)
-            for w in range(tid, ncols1, nthreads):
-                dst1[i, w] = src1[p, w]
+            copy_rows(src0, src1, p, dst0, dst1, i, tid, nthreads)
 
 
 @kernel
 def zero_rows_kernel(indices, dst0, dst1, fill1):
-    """The padding rows (indices[p] < 0) as :func:`gather_rows_kernel` writes them: dst0's zeros,
-    dst1's every word ``fill1``; other rows untouched.
+    """The padding rows (indices[p] < 0) of :func:`gather_rows_kernel`; other rows untouched.
 
     Args:
         indices: (P,) int32 source rows or -1. Read.
@@ -156,11 +155,6 @@ def zero_rows_kernel(indices, dst0, dst1, fill1):
     """
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    ncols0 = dst0.shape[1]
-    ncols1 = dst1.shape[1]
     for p in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
         if indices[p] < 0:
-            for w in range(tid, ncols0, nthreads):
-                dst0[p, w] = 0
-            for w in range(tid, ncols1, nthreads):
-                dst1[p, w] = fill1
+            pad_row(dst0, dst1, p, fill1, tid, nthreads)
