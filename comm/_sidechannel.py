@@ -1,7 +1,7 @@
 """The host side channel: small host collectives (bootstrap, layout exchange, votes), each bounded
 by ``timeout``, then ``on_timeout`` (the communicator aborts) and TimeoutError. MPI and gloo cannot
-cancel a collective, so a timed-out one is kept alive with its buffers in ``abandoned`` (a late peer
-may still write into them). ``_torchside`` has the torch implementation."""
+cancel a collective: a timed-out one is kept in ``abandoned`` with its buffers, which a late peer
+may still write. ``_torchside`` has the torch implementation."""
 
 import abc
 import pickle
@@ -15,14 +15,14 @@ from ._board import ArrivalBoard
 _SPIN_S = 2e-3
 _MIN_SLEEP_S = 5e-5
 _MAX_SLEEP_S = 5e-3
-#: Message tag: ``_TAG`` + bytes mod ``_TAGS``, so ranks in gathers of another size (another
-#: call) time out naming the rank instead of MPI failing on a truncated message.
+#: Message tag: ``_TAG`` + bytes mod ``_TAGS``, so ranks in gathers of another size time out
+#: naming the rank instead of MPI failing on a truncated message.
 _TAG = 17
 _TAGS = 16384
 
 
 def _not_bound(reason):
-    """``on_timeout`` of a channel no communicator has bound yet: nothing to abort."""
+    """``on_timeout`` before a communicator binds the channel: nothing to abort."""
 
 
 class SideChannel(abc.ABC):
@@ -34,14 +34,12 @@ class SideChannel(abc.ABC):
         abandoned: ``(operations, buffers)`` of timed-out operations, kept alive.
         on_timeout: ``on_timeout(reason)``, called before TimeoutError; the communicator's abort.
         kind: ``"mpi"`` or ``"torch"``.
-        shared_windows: whether MPI shared windows can be made (the host pull transport).
         group: the torch.distributed group built over, or None.
         board: the arrival board once :meth:`open_board` made it, else None.
         nodes: the agreed ``_nodes.Nodes`` once ``init`` set them, else None."""
 
     kind = None
     nodes = None
-    shared_windows = False
     group = None
     board = None
 
@@ -54,8 +52,7 @@ class SideChannel(abc.ABC):
         self.on_timeout = _not_bound
 
     def open_board(self):
-        """Make the arrival board of each node's ranks (collective), so timeouts name the ranks
-        behind."""
+        """Make the arrival board (collective), so timeouts name the ranks behind."""
         self.board = ArrivalBoard(self)
 
     @abc.abstractmethod
@@ -78,8 +75,8 @@ class SideChannel(abc.ABC):
         return table
 
     def allgather_into(self, mine, table, what, counted=True):
-        """Allgather ``mine`` into ``table`` ((W, n), rank order), buffers reused by the vote;
-        ``counted=False`` leaves it out of :attr:`collectives`."""
+        """Allgather ``mine`` into the (W, n) ``table``; ``counted=False``: not in
+        :attr:`collectives`."""
         collectives = self.collectives
         self._gather(mine, table, what)
         if not counted:
@@ -113,12 +110,11 @@ class SideChannel(abc.ABC):
 
 
 class MpiSideChannel(SideChannel):
-    """Bounded host collectives over a private duplicate of ``mpi_comm`` (None: ``COMM_WORLD``),
-    polling each request (``Test``); its duplicate ``mpi`` also carries the MPI backend's data.
-    Collective to construct (``MPI_Comm_dup``, unbounded)."""
+    """Bounded host collectives over ``mpi``, a private duplicate of ``mpi_comm`` (None:
+    ``COMM_WORLD``) that also carries the MPI backend's data. Collective to construct
+    (``MPI_Comm_dup``, unbounded)."""
 
     kind = "mpi"
-    shared_windows = True
 
     def __init__(self, mpi_comm, timeout):
         from mpi4py import MPI
@@ -128,9 +124,9 @@ class MpiSideChannel(SideChannel):
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
 
     def wait(self, requests, what, keep=(), peers=None):
-        """Poll MPI ``requests`` until all complete or ``timeout`` s pass, then TimeoutError (after
-        ``on_timeout``), abandoning them with the buffers ``keep``; ``peers`` (the source of each
-        request, or None) lets the message name the ranks that did not arrive."""
+        """Poll MPI ``requests`` until all complete; after ``timeout`` s abandon them with the
+        buffers ``keep`` and raise TimeoutError naming the ``peers`` (each request's source, or
+        None) that did not arrive."""
         if len(requests) == 1:
             test = requests[0].Test
         else:
@@ -186,13 +182,11 @@ class MpiSideChannel(SideChannel):
         return pickle.loads(buf.tobytes())
 
     def node_info(self):
-        """:meth:`SideChannel.node_info` by an MPI shared-memory split."""
         node = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
         info = node.Get_rank(), node.Get_size() == self.size
         node.Free()
         return info
 
     def free(self):
-        """Free the duplicate, unless a timed-out request may still touch it (then leak it)."""
         if not self.abandoned:
             self.mpi.Free()

@@ -1,6 +1,6 @@
-"""torch.distributed host communicator (CPU under ``torchrun``): the MPI backend's contract, with
-each array moved as a zero-copy uint8 tensor in one gloo ``alltoall_base`` over the side channel's
-private group. Exchanges take the grouped transport (no MPI shared windows)."""
+"""torch.distributed host communicator (CPU under ``torchrun``): the MPI backend's contract, each
+array moved as a zero-copy uint8 tensor in one gloo ``alltoall_base`` over the side channel's
+private group; exchanges take the grouped transport."""
 
 import math
 import warnings
@@ -16,24 +16,19 @@ class TorchHostCommunicator(HostCommunicator):
 
     Args:
         side: a ``TorchSideChannel`` (built by ``mxcomm.comm.init(group=...)``).
-        validate: as :class:`~mxcomm.comm.Communicator`.
-        peer_memory: None or False; True raises RuntimeError on every rank (no peer memory).
-        small_exchange_bytes, medium_exchange_bytes: see ``mxcomm.comm.init``; None: 0.
+        options: keywords of :class:`~mxcomm.comm.Communicator`; ``peer_memory=True`` raises
+            RuntimeError on every rank (no peer memory).
 
     Collective to construct. Every method that moves data is collective and blocks the host until
     done (or ``timeout``)."""
 
-    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
-                 medium_exchange_bytes=None):
-        super().__init__(side, validate=validate, peer_memory=peer_memory,
-                         small_exchange_bytes=small_exchange_bytes,
-                         medium_exchange_bytes=medium_exchange_bytes)
+    def __init__(self, side, **options):
+        super().__init__(side, **options)
         import torch
         self._torch = torch
         self._options = torch.distributed.AllToAllOptions
         self._choose_transport()
 
-    # --------------------------------------------------------------------------------- hooks
     def _bytes(self, a):
         """A 1-D uint8 tensor on the memory of C-contiguous ``a`` (read-only arrays too)."""
         flat = a.reshape(-1).view(numpy.uint8)
@@ -43,7 +38,6 @@ class TorchHostCommunicator(HostCommunicator):
             warnings.simplefilter("ignore", UserWarning)
             return self._torch.from_numpy(flat)
 
-    # ----------------------------------------------------------------------------- collectives
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
         call = self._enter_exchange()
         works, keep, unpack = [], [], []
@@ -67,19 +61,15 @@ class TorchHostCommunicator(HostCommunicator):
         for packed, o_flat in unpack:
             _scatter(packed, o_flat, rc, ro)
 
-    def alltoall_counts(self, counts, *, stream=None):
-        """:meth:`Communicator.alltoall_counts` in one gloo ``alltoall_base``; blocks until done."""
-        def move(counts, out, nbytes):
-            splits = [nbytes] * self.size
-            return [self._side.pg.alltoall_base(self._bytes(out), self._bytes(counts), splits,
-                                                splits, self._options())]
-        return self._host_alltoall_counts(counts, move)
+    def _move_counts(self, counts, out, nbytes):
+        splits = [nbytes] * self.size
+        return [self._side.pg.alltoall_base(self._bytes(out), self._bytes(counts), splits, splits,
+                                            self._options())]
 
 
 def _packed(rows, counts, offsets, gather):
-    """``(regions, packed)``: each rank's region of ``rows`` one after another in rank order; a view
-    where they already follow each other (``packed`` False), else a new array (filled from ``rows``
-    if ``gather``)."""
+    """``(regions, packed)``: each rank's region of ``rows`` in rank order: a view where they already
+    follow each other, else a new array (filled from ``rows`` if ``gather``)."""
     begin = offsets[0] if offsets else 0
     if list(offsets) == [begin + o for o in exclusive_cumsum(counts)]:
         return rows[begin:begin + sum(counts)], False

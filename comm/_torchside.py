@@ -1,8 +1,7 @@
 """The host side channel over ``torch.distributed`` (``init(group=...)``): a private
 ``ProcessGroupGloo`` over a group's ranks, rendezvoused through the group's store under a prefix
-each rank numbers alike (``mxcomm/side/<rank>/count``), so any group works (NCCL's cannot carry host
-bytes), only its members take part, and a timed-out operation stays off the caller's group. gloo
-does not say which peer it waits for: timeouts name late ranks by the arrival board."""
+each rank numbers alike, so any group works (NCCL's cannot carry host bytes) and a timed-out
+operation stays off the caller's group. Timeouts name late ranks by the arrival board."""
 
 import datetime
 import pickle
@@ -47,16 +46,15 @@ class TorchSideChannel(SideChannel):
     """Bounded host collectives over a private gloo group spanning ``group``'s ranks (a ProcessGroup
     of any backend or a 1-D DeviceMesh; torch.distributed initialized).
 
-    Collective to construct (one store counter update, then gloo connects, bounded by ``timeout``).
-    Attributes beside :class:`SideChannel`'s: ``group`` (the caller's ProcessGroup), ``pg`` (the
-    private gloo group, which the torch host backend moves data on), ``global_ranks``.
+    Collective to construct (a store counter update, then gloo connects, bounded by ``timeout``).
+    Attributes beside :class:`SideChannel`'s: ``pg``, the private gloo group, which the torch host
+    backend moves data on.
 
     Raises:
         TypeError, ValueError: as :func:`resolve_group`.
         TimeoutError: the ranks did not connect within ``timeout`` s."""
 
     kind = "torch"
-    shared_windows = False  # MPI shared windows only: the host takes the grouped transport
 
     def __init__(self, group, timeout):
         import torch
@@ -66,7 +64,6 @@ class TorchSideChannel(SideChannel):
         pg = resolve_group(group)
         super().__init__(pg.rank(), pg.size(), timeout)
         self.group = pg
-        self.global_ranks = list(dist.get_process_group_ranks(pg))
         self._timedelta = datetime.timedelta
         store = pg.get_group_store()
         index = store.add(f"{_PREFIX}/{self.rank}/count", 1)
@@ -79,16 +76,10 @@ class TorchSideChannel(SideChannel):
                                   f" gloo: {_first_line(exc)};") from None
         self._tensors = {}  # id(array) -> (array, tensor): the vote's buffers, wrapped once
 
-    # ----------------------------------------------------------------------------- waiting
     def wait(self, works, what, keep=()):
-        """Wait for gloo ``works`` (of :attr:`pg`) until all complete or ``timeout`` s pass,
-        abandoning them with the buffers ``keep`` otherwise.
-
-        Raises:
-            TimeoutError: not complete in time, naming this node's ranks that had not entered the
-                collective (arrival board).
-            RuntimeError: gloo failed (a peer crashed or gave up). Either way ``on_timeout``
-                first."""
+        """Wait for gloo ``works`` until all complete, else abandon them with the buffers ``keep``,
+        call ``on_timeout`` and raise TimeoutError (late, naming by the arrival board this node's
+        ranks that had not entered) or RuntimeError (gloo failed: a peer crashed or gave up)."""
         call = self.board.enter(SIDE) if self.board is not None else None
         deadline = time.monotonic() + self.timeout
         for i, work in enumerate(works):
@@ -125,7 +116,6 @@ class TorchSideChannel(SideChannel):
             entry = self._tensors[id(a)] = (a, self._tensor(a))
         return entry[1]
 
-    # --------------------------------------------------------------------------- collectives
     def _gather(self, mine, table, what):
         """One gloo allgather into ``table`` (zero-copy views of both buffers)."""
         self.collectives += 1
@@ -153,14 +143,12 @@ class TorchSideChannel(SideChannel):
         return pickle.loads(buf.tobytes())
 
     def node_info(self):
-        """``(local_rank, one_node)`` from an allgather of every rank's host name and boot id."""
         keys = self.allgather_bytes(node_key(), "node discovery (host names)")
         keys = [keys[20 * r:20 * (r + 1)] for r in range(self.size)]
         mine = keys[self.rank]
         return sum(k == mine for k in keys[:self.rank]), all(k == mine for k in keys)
 
     def free(self):
-        """Drop the private gloo group, unless an abandoned work may still use it (then leak it)."""
         self._tensors.clear()
         if not self.abandoned:
             self.pg = None
