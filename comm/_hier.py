@@ -9,7 +9,8 @@ for its node are one run ``[s0, s1)`` of its send order, those from it one ``[r0
 
 The node's part is the pull transport on a *node plan* (the counts among the node's ranks) over rows
 shifted by ``s0`` / ``r0``; the remote ``alltoallv`` is its ``beside``, running while the copy
-engines pull. Every rank reserves the largest node staging of any rank: staging grows collectively."""
+engines pull. Every rank reserves the largest node staging of any rank (staging grows
+collectively)."""
 
 import collections
 import re
@@ -102,7 +103,7 @@ class _Split:
         self.node = Plan(plan.rank - a, [row[a:b] for row in sent[a:b]])
         self.node._staging_rows = max(sum(row[lo:hi]) for row, (lo, hi) in zip(sent, spans))
         self.s0, s1 = plan.send_offsets[a], plan.send_offsets[b - 1] + plan.send_counts[b - 1]
-        self.r0, r1 = plan.recv_offsets[a], plan.recv_offsets[b - 1] + plan.recv_counts[b - 1]
+        self.r0 = plan.recv_offsets[a]
         self.remote_sends = [(lo, hi) for lo, hi in ((0, self.s0), (s1, plan.rows_sent))
                              if hi > lo]
         self.remote_receives = [(plan.recv_offsets[p], plan.recv_offsets[p] + plan.recv_counts[p])

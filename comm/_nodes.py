@@ -77,7 +77,7 @@ def discover(side, node_size=None):
     mine[2:] = numpy.frombuffer(words, numpy.int64)
     table = side.allgather_array(mine, "node discovery")
     sizes = table[:, 0].tolist()
-    rank, where = side.rank, f"on rank {side.rank}"
+    where = f"on rank {side.rank}"
     hosts = [table[r, 2:].tobytes()[:_KEY] for r in range(side.size)]
     hostids = [table[r, 2:].tobytes()[_KEY:2 * _KEY] if table[r, 1] else None
                for r in range(side.size)]

@@ -68,8 +68,8 @@ class TorchHostCommunicator(HostCommunicator):
 
 
 def _packed(rows, counts, offsets, gather):
-    """``(regions, packed)``: each rank's region of ``rows`` in rank order: a view where they already
-    follow each other, else a new array (filled from ``rows`` if ``gather``)."""
+    """``(regions, packed)``: each rank's region of ``rows`` in rank order: a view where they
+    already follow each other, else a new array (filled from ``rows`` if ``gather``)."""
     begin = offsets[0] if offsets else 0
     if list(offsets) == [begin + o for o in exclusive_cumsum(counts)]:
         return rows[begin:begin + sum(counts)], False
