@@ -2,6 +2,8 @@
 
 import numpy
 
+from mxcomm._array import as_device_array
+
 from ._agreement import counts_verdict
 from ._board import EXCHANGE
 from ._communicator import Communicator
@@ -13,13 +15,7 @@ class HostCommunicator(Communicator):
     supplies ``_move_rows`` and ``_move_counts(counts, out, nbytes)`` (the requests to wait for)."""
 
     def _as_array(self, x, name):
-        if isinstance(x, numpy.ndarray):
-            return x
-        if hasattr(x, "__cuda_array_interface__") or not (
-                hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
-            raise TypeError(f"{name} on rank {self.rank}: {type(self).__name__} moves host "
-                            f"arrays (NumPy), got {type(x).__name__}")
-        return numpy.asarray(x)
+        return as_device_array(x, f"{name} on rank {self.rank}", device=False)
 
     def _empty(self, shape, dtype):
         return numpy.empty(shape, dtype=dtype)

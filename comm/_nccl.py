@@ -11,6 +11,7 @@ import warnings
 
 import numpy
 
+from mxcomm._array import as_device_array
 from mxcomm._driver import address, external_stream
 
 from ._board import EXCHANGE
@@ -78,7 +79,7 @@ class NcclCommunicator(Watchdog, Communicator):
         self._uint8 = nccl.NCCL_UINT8
         self._current_stream = cupy.cuda.get_current_stream
         self._external = {}  # raw handle -> ExternalStream, reused
-        self.local_rank, _ = self._side.node_info()
+        self.local_rank = self._side.local_rank()
         if device is None:
             device = self.local_rank % self._runtime.getDeviceCount()
         self.device = int(device)
@@ -97,18 +98,7 @@ class NcclCommunicator(Watchdog, Communicator):
         self._choose_transport()
 
     def _as_array(self, x, name):
-        cupy = self._cupy
-        if isinstance(x, cupy.ndarray):
-            return x
-        if hasattr(x, "__cuda_array_interface__"):
-            return cupy.asarray(x)
-        if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
-            try:
-                return cupy.from_dlpack(x)
-            except Exception:
-                pass
-        raise TypeError(f"{name} on rank {self.rank}: NcclCommunicator moves device arrays "
-                        f"(CuPy, DLPack or __cuda_array_interface__), got {type(x).__name__}")
+        return as_device_array(x, f"{name} on rank {self.rank}", device=True)
 
     def _empty(self, shape, dtype):
         return self._cupy.empty(shape, dtype=dtype)

@@ -9,7 +9,7 @@ import time
 
 import numpy
 
-from ._board import ArrivalBoard
+from ._board import ArrivalBoard, node_key
 
 # MPI requests are polled: spin this long, then sleep between tests, doubling to the longest.
 _SPIN_S = 2e-3
@@ -86,14 +86,19 @@ class SideChannel(abc.ABC):
         """Block until every rank has arrived (bounded)."""
         self._gather(numpy.zeros(1, numpy.uint8), numpy.zeros((self.size, 1), numpy.uint8), what)
 
-    @abc.abstractmethod
     def bcast_object(self, obj, what, root=0):
-        """Broadcast a picklable ``obj`` from ``root``; one collective, counted."""
+        """A picklable ``obj`` from ``root`` (two allgathers: its size, then its bytes)."""
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        n = int(self.allgather_array(numpy.array([len(payload)], numpy.int64), what)[root, 0])
+        table = self.allgather_bytes(payload.ljust(n, b"\0"), what)  # n bytes from every rank
+        return pickle.loads(table[root * n:(root + 1) * n])
 
-    @abc.abstractmethod
-    def node_info(self):
-        """``(local_rank, one_node)``: this rank among its node's ranks, and whether every rank
-        shares that node (collective)."""
+    def local_rank(self):
+        """This rank among the ranks on its host (host name and boot id); one allgather."""
+        keys = self.allgather_bytes(node_key(), "node discovery (host names)")
+        n = len(keys) // self.size
+        return sum(keys[r * n:(r + 1) * n] == keys[self.rank * n:(self.rank + 1) * n]
+                   for r in range(self.rank))
 
     @abc.abstractmethod
     def free(self):
@@ -168,24 +173,6 @@ class MpiSideChannel(SideChannel):
         self.collectives += 1
         if requests:
             self.wait(requests, what, keep=(mine, table), peers=peers)
-
-    def bcast_object(self, obj, what, root=0):
-        """Broadcast a picklable ``obj`` from ``root`` (two bounded broadcasts: size, bytes)."""
-        size = numpy.zeros(1, dtype=numpy.int64)
-        payload = pickle.dumps(obj) if self.rank == root else b""
-        size[0] = len(payload)
-        self.collectives += 1
-        self.wait([self.mpi.Ibcast(size, root=root)], what, keep=(size,))
-        buf = numpy.frombuffer(payload, dtype=numpy.uint8).copy() if self.rank == root else \
-            numpy.empty(int(size[0]), dtype=numpy.uint8)
-        self.wait([self.mpi.Ibcast(buf, root=root)], what, keep=(buf,))
-        return pickle.loads(buf.tobytes())
-
-    def node_info(self):
-        node = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
-        info = node.Get_rank(), node.Get_size() == self.size
-        node.Free()
-        return info
 
     def free(self):
         if not self.abandoned:

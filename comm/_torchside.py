@@ -4,12 +4,11 @@ each rank numbers alike, so any group works (NCCL's cannot carry host bytes) and
 operation stays off the caller's group. Timeouts name late ranks by the arrival board."""
 
 import datetime
-import pickle
 import time
 
 import numpy
 
-from ._board import SIDE, node_key
+from ._board import SIDE
 from ._sidechannel import SideChannel
 
 #: Store prefix of the channels' keys (under the group's own store prefix).
@@ -60,7 +59,6 @@ class TorchSideChannel(SideChannel):
         import torch
         import torch.distributed as dist
         self._torch = torch
-        self._dist = dist
         pg = resolve_group(group)
         super().__init__(pg.rank(), pg.size(), timeout)
         self.group = pg
@@ -124,29 +122,6 @@ class TorchSideChannel(SideChannel):
             return
         out, inp = self._cached(table), self._cached(mine)
         self.wait([self.pg._allgather_base(out, inp)], what, keep=(mine, table))
-
-    def bcast_object(self, obj, what, root=0):
-        """Broadcast a picklable ``obj`` from ``root`` (two bounded broadcasts: size, bytes)."""
-        self.collectives += 1
-        if self.size == 1:
-            return pickle.loads(pickle.dumps(obj))
-        dist = self._dist
-        payload = pickle.dumps(obj) if self.rank == root else b""
-        size = numpy.array([len(payload)], dtype=numpy.int64)
-        options = dist.BroadcastOptions()
-        options.rootRank = root
-        self.wait([self.pg.broadcast([self._tensor(size)], options)], what, keep=(size,))
-        buf = numpy.frombuffer(payload, dtype=numpy.uint8).copy() if self.rank == root else \
-            numpy.empty(int(size[0]), dtype=numpy.uint8)
-        if buf.size:
-            self.wait([self.pg.broadcast([self._tensor(buf)], options)], what, keep=(buf,))
-        return pickle.loads(buf.tobytes())
-
-    def node_info(self):
-        keys = self.allgather_bytes(node_key(), "node discovery (host names)")
-        keys = [keys[20 * r:20 * (r + 1)] for r in range(self.size)]
-        mine = keys[self.rank]
-        return sum(k == mine for k in keys[:self.rank]), all(k == mine for k in keys)
 
     def free(self):
         self._tensors.clear()
