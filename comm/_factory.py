@@ -105,10 +105,10 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
                          "mpi_comm")
 
     if group is not None:
-        from ._torchside import TorchSideChannel
+        from ._torchdist import TorchSideChannel
         side = TorchSideChannel(group, timeout)
     else:
-        from ._sidechannel import MpiSideChannel
+        from ._mpi import MpiSideChannel
         side = MpiSideChannel(mpi_comm, timeout)
     side.open_board()
     side.nodes = discover(side, node_size)

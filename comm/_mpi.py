@@ -1,6 +1,7 @@
-"""MPI communicator: all-to-all of rows of host (NumPy) arrays with mpi4py (the CPU path and CI), by
-nonblocking ``Ialltoallv`` with one row as the MPI datatype (counts stay in rows, far below MPI's
-int32 limit), every request polled until ``timeout``."""
+"""The MPI backend: the side channel over an mpi4py communicator, and the communicator of rows of
+host (NumPy) arrays (the CPU path and CI), by nonblocking ``Ialltoallv`` with one row as the MPI
+datatype (counts stay in rows, far below MPI's int32 limit), every request polled until
+``timeout``."""
 
 import atexit
 import math
@@ -8,12 +9,87 @@ import operator
 import os
 import signal
 import sys
+import time
 
 import numpy
 
 from ._hostcomm import HostCommunicator
+from ._sidechannel import SideChannel
 
 _INT32_MAX = 2**31 - 1
+# MPI requests are polled: spin this long, then sleep between tests, doubling to the longest.
+_SPIN_S = 2e-3
+_MIN_SLEEP_S = 5e-5
+_MAX_SLEEP_S = 5e-3
+#: Message tag: ``_TAG`` + bytes mod ``_TAGS``, so ranks in gathers of another size time out
+#: naming the rank instead of MPI failing on a truncated message.
+_TAG = 17
+_TAGS = 16384
+
+
+class MpiSideChannel(SideChannel):
+    """Bounded host collectives over ``mpi``, a private duplicate of ``mpi_comm`` (None:
+    ``COMM_WORLD``) that also carries the MPI backend's data. Collective to construct
+    (``MPI_Comm_dup``, unbounded)."""
+
+    kind = "mpi"
+
+    def __init__(self, mpi_comm, timeout):
+        from mpi4py import MPI
+        self.MPI = MPI
+        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.mpi = parent.Dup()
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
+
+    def wait(self, requests, what, keep=(), peers=None):
+        """Poll MPI ``requests`` until all complete; after ``timeout`` s abandon them with the
+        buffers ``keep`` and raise TimeoutError naming the ``peers`` (each request's source, or
+        None) that did not arrive."""
+        if len(requests) == 1:
+            test = requests[0].Test
+        else:
+            def test(testall=self.MPI.Request.Testall):
+                return testall(requests)
+        if test():
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout
+        sleep = _MIN_SLEEP_S
+        while not test():
+            now = time.monotonic()
+            if now > deadline:
+                self.abandoned.append((list(requests), keep))
+                missing = ""
+                if peers is not None:
+                    late = sorted({p for p, r in zip(peers, requests)
+                                   if p is not None and not r.Test()})
+                    if late:
+                        missing = (f" rank{'s' if len(late) > 1 else ''} "
+                                   f"{', '.join(map(str, late))} did not arrive;")
+                raise self._timed_out(what, missing)
+            if now - start > _SPIN_S:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, _MAX_SLEEP_S)
+
+    def _gather(self, mine, table, what):
+        """Point to point, so a timeout names the ranks that did not arrive."""
+        table[self.rank] = mine
+        tag = _TAG + mine.nbytes % _TAGS
+        requests, peers = [], []
+        for step in range(1, self.size):
+            source = (self.rank - step) % self.size
+            dest = (self.rank + step) % self.size
+            requests.append(self.mpi.Irecv(table[source], source=source, tag=tag))
+            peers.append(source)
+            requests.append(self.mpi.Isend(mine, dest=dest, tag=tag))
+            peers.append(None)
+        self.collectives += 1
+        if requests:
+            self.wait(requests, what, keep=(mine, table), peers=peers)
+
+    def free(self):
+        if not self.abandoned:
+            self.mpi.Free()
 
 
 class MpiCommunicator(HostCommunicator):

@@ -1,25 +1,14 @@
 """The host side channel: small host collectives (bootstrap, layout exchange, votes), each bounded
 by ``timeout``, then ``on_timeout`` (the communicator aborts) and TimeoutError. MPI and gloo cannot
 cancel a collective: a timed-out one is kept in ``abandoned`` with its buffers, which a late peer
-may still write. ``_torchside`` has the torch implementation."""
+may still write. Implementations: ``_mpi.MpiSideChannel``, ``_torchdist.TorchSideChannel``."""
 
 import abc
 import pickle
-import time
 
 import numpy
 
 from ._board import ArrivalBoard, node_key
-
-# MPI requests are polled: spin this long, then sleep between tests, doubling to the longest.
-_SPIN_S = 2e-3
-_MIN_SLEEP_S = 5e-5
-_MAX_SLEEP_S = 5e-3
-#: Message tag: ``_TAG`` + bytes mod ``_TAGS``, so ranks in gathers of another size time out
-#: naming the rank instead of MPI failing on a truncated message.
-_TAG = 17
-_TAGS = 16384
-
 
 def _not_bound(reason):
     """``on_timeout`` before a communicator binds the channel: nothing to abort."""
@@ -112,68 +101,3 @@ class SideChannel(abc.ABC):
             f"{what}: did not finish within {self.timeout:g} s on rank {self.rank} of "
             f"{self.size};{missing} the communicator is aborted (a rank may have "
             f"stopped calling it, failed before it, or called another collective)")
-
-
-class MpiSideChannel(SideChannel):
-    """Bounded host collectives over ``mpi``, a private duplicate of ``mpi_comm`` (None:
-    ``COMM_WORLD``) that also carries the MPI backend's data. Collective to construct
-    (``MPI_Comm_dup``, unbounded)."""
-
-    kind = "mpi"
-
-    def __init__(self, mpi_comm, timeout):
-        from mpi4py import MPI
-        self.MPI = MPI
-        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        self.mpi = parent.Dup()
-        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
-
-    def wait(self, requests, what, keep=(), peers=None):
-        """Poll MPI ``requests`` until all complete; after ``timeout`` s abandon them with the
-        buffers ``keep`` and raise TimeoutError naming the ``peers`` (each request's source, or
-        None) that did not arrive."""
-        if len(requests) == 1:
-            test = requests[0].Test
-        else:
-            def test(testall=self.MPI.Request.Testall):
-                return testall(requests)
-        if test():
-            return
-        start = time.monotonic()
-        deadline = start + self.timeout
-        sleep = _MIN_SLEEP_S
-        while not test():
-            now = time.monotonic()
-            if now > deadline:
-                self.abandoned.append((list(requests), keep))
-                missing = ""
-                if peers is not None:
-                    late = sorted({p for p, r in zip(peers, requests)
-                                   if p is not None and not r.Test()})
-                    if late:
-                        missing = (f" rank{'s' if len(late) > 1 else ''} "
-                                   f"{', '.join(map(str, late))} did not arrive;")
-                raise self._timed_out(what, missing)
-            if now - start > _SPIN_S:
-                time.sleep(sleep)
-                sleep = min(2 * sleep, _MAX_SLEEP_S)
-
-    def _gather(self, mine, table, what):
-        """Point to point, so a timeout names the ranks that did not arrive."""
-        table[self.rank] = mine
-        tag = _TAG + mine.nbytes % _TAGS
-        requests, peers = [], []
-        for step in range(1, self.size):
-            source = (self.rank - step) % self.size
-            dest = (self.rank + step) % self.size
-            requests.append(self.mpi.Irecv(table[source], source=source, tag=tag))
-            peers.append(source)
-            requests.append(self.mpi.Isend(mine, dest=dest, tag=tag))
-            peers.append(None)
-        self.collectives += 1
-        if requests:
-            self.wait(requests, what, keep=(mine, table), peers=peers)
-
-    def free(self):
-        if not self.abandoned:
-            self.mpi.Free()
