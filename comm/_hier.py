@@ -41,10 +41,7 @@ class HierTransport:
         self.memory = _NamedMemory(memory, node_comm.world_names)
         self._splits = weakref.WeakKeyDictionary()  # plan -> _Split
         # per rank, its node's ranks [first, end): nodes are runs of consecutive ranks
-        spans = {n: (comm.size, 0) for n in nodes.of_rank}
-        for r, n in enumerate(nodes.of_rank):
-            spans[n] = (min(spans[n][0], r), max(spans[n][1], r + 1))
-        self._spans = [spans[n] for n in nodes.of_rank]
+        self._spans = [(ranks[0], ranks[-1] + 1) for ranks in map(nodes.ranks, nodes.of_rank)]
 
     @property
     def kinds(self):

@@ -68,7 +68,6 @@ class TorchSideChannel(SideChannel):
         pg = resolve_group(group)
         super().__init__(pg.rank(), pg.size(), timeout)
         self.group = pg
-        self._timedelta = datetime.timedelta
         store = pg.get_group_store()
         index = store.add(f"{_PREFIX}/{self.rank}/count", 1)
         try:
@@ -90,7 +89,7 @@ class TorchSideChannel(SideChannel):
             remaining = deadline - time.monotonic()
             try:
                 if remaining > 0:
-                    work.wait(self._timedelta(seconds=remaining))
+                    work.wait(datetime.timedelta(seconds=remaining))
                     continue
                 if work.is_completed():
                     continue

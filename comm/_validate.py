@@ -26,12 +26,7 @@ def as_counts(values, name, rank, size):
         out = values.tolist()
         if not size or (min(out) >= 0 and max(out) <= _INT64_MAX):
             return out
-    return _as_counts_numpy(values, name, rank, size).tolist()
-
-
-def _as_counts_numpy(values, name, rank, size):
-    """:func:`as_counts` for any input, as a (W,) int64 array, wording the errors."""
-    try:
+    try:  # any other input, or an error to word
         arr = numpy.asarray(values)
     except Exception:  # ragged or exotic input: report it, do not crash the vote
         raise TypeError(f"{name} on rank {rank} is not a sequence of integers") from None
@@ -50,7 +45,7 @@ def _as_counts_numpy(values, name, rank, size):
     if size and arr.min() < 0:
         r = int(numpy.argmin(arr))
         raise ValueError(f"{name} on rank {rank} is negative for rank {r}: {int(arr[r])}")
-    return arr
+    return arr.tolist()
 
 
 def exclusive_cumsum(counts):
