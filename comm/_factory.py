@@ -18,9 +18,10 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
          medium_exchange_bytes=None, node_size=None):
     """A communicator over the ranks of ``mpi_comm`` or of the torch.distributed ``group``.
 
-    Collective: every rank of ``mpi_comm`` (or ``group``) calls it, with the same ``backend``. The
-    ranks come from ``group`` (a private gloo group over its ranks: no MPI needed), from
-    ``mpi_comm`` (duplicated), else from ``MPI.COMM_WORLD`` (torch's default group under torchrun).
+    Collective: every rank of ``mpi_comm`` (or ``group``) calls it, with the same ``backend``
+    (and the same exchange limits and ``node_size``: checked). The ranks come from ``group`` (a
+    private gloo group over its ranks: no MPI needed), from ``mpi_comm`` (duplicated), else from
+    ``MPI.COMM_WORLD`` (torch's default group under torchrun).
 
     Args:
         backend: ``"nccl"`` (:class:`NcclCommunicator`, device arrays), ``"mpi"``
@@ -53,8 +54,6 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             real ones (docs/design.md, "EP across nodes"). None: ``$MXCOMM_NODE_SIZE``, else
             ``$NCCL_HOSTID`` where every rank sets it, else the hosts. With NCCL an emulation sets
             ``NCCL_HOSTID=node<k>`` in this process before NCCL is built.
-        ``small_exchange_bytes``, ``medium_exchange_bytes`` and ``node_size`` must be equal on
-            every rank (checked).
     Returns:
         A communicator (:class:`~mxcomm.comm.Communicator`); usable as a context manager.
     Raises:
