@@ -51,10 +51,7 @@ class SideChannel(abc.ABC):
 
     def allgather_bytes(self, payload, what):
         """Every rank's ``payload`` (bytes, one length on all ranks), concatenated in rank order."""
-        mine = numpy.frombuffer(payload, dtype=numpy.uint8).copy()
-        table = numpy.empty((self.size, mine.size), dtype=numpy.uint8)
-        self._gather(mine, table, what)
-        return table.tobytes()
+        return self.allgather_array(numpy.frombuffer(payload, numpy.uint8).copy(), what).tobytes()
 
     def allgather_array(self, mine, what):
         """Every rank's 1-D array ``mine`` (one length and dtype on all ranks) as (W, n) rows."""
