@@ -1,33 +1,25 @@
 """The agreement round (``Communicator.agree``): every rank checks its arguments locally, then all
 exchange one fixed-size ``int64`` *ballot* in one side-channel allgather:
 
-======================  =========================================================================
-words                   content
-======================  =========================================================================
-``[0]``                 verdict: 0 valid, 1 ``ValueError``, 2 ``TypeError`` (local checks)
-``[1]``                 the operation (an ``OP_*`` code), to catch ranks calling different
-                        collectives
-``[2 : 2+n]``           the caller's n words (an ``alltoallv``: the W counts this rank sends,
-                        then the W it expects; a layout: E, then the counts per expert)
-``[2+n : ]``            ``TEXT_BYTES`` of UTF-8: the local error message if the verdict is not 0,
-                        else a description of the rows (dtypes and row shapes), compared across
-                        ranks
-======================  =========================================================================
+==============  ===============================================================================
+words           content
+==============  ===============================================================================
+``[0]``         verdict: 0 valid, 1 ``ValueError``, 2 ``TypeError`` (local checks)
+``[1]``         the operation (an ``OP_CODES`` code), to catch ranks calling different collectives
+``[2 : 2+n]``   the caller's n words (an ``alltoallv``: the W counts sent, then the W expected)
+``[2+n : ]``    ``TEXT_BYTES`` of UTF-8: the local error if the verdict is not 0, else the rows'
+                description (dtypes and row shapes), compared across ranks
+==============  ===============================================================================
 
 Every rank composes the same message from the same table, so a problem anywhere raises the same
-exception on every rank and no rank moves data while another gave up. Cross-rank conditions on the
-words (matching counts, one E) the caller checks on the returned table."""
+exception on every rank. Cross-rank conditions on the words the caller checks on the table."""
 
 import struct
 
 import numpy
 
 #: Operation codes carried in a ballot.
-OP_ALLTOALLV = 1
-OP_ALLTOALL_COUNTS = 2
-OP_EXCHANGE_LAYOUT = 3
-OP_NAMES = {OP_ALLTOALLV: "alltoallv", OP_ALLTOALL_COUNTS: "alltoall_counts",
-            OP_EXCHANGE_LAYOUT: "exchange_layout"}
+OP_NAMES = {1: "alltoallv", 2: "alltoall_counts", 3: "exchange_layout"}
 OP_CODES = {name: code for code, name in OP_NAMES.items()}
 
 #: Verdict codes carried in a ballot, and the exception each one raises.
@@ -36,7 +28,6 @@ _ERRORS = {BAD_VALUE: ValueError, BAD_TYPE: TypeError}
 
 #: Bytes of message text in a ballot (longer messages are cut, ending in "...").
 TEXT_BYTES = 256
-_TEXT_WORDS = TEXT_BYTES // 8
 _HEADER = 2
 
 
@@ -49,20 +40,18 @@ def _text_bytes(text):
 
 
 def _decode_text(words):
-    """The text of a ballot's ``TEXT_BYTES // 8`` words."""
     return numpy.ascontiguousarray(words).tobytes().rstrip(b"\0").decode("utf-8", "replace")
 
 
 class Ballot:
-    """One rank's ballot of ``n`` words (equal on every rank) and the gathered table, in buffers
-    reused from call to call. The valid path packs and reads them with one ``struct`` call each;
-    only an invalid call's messages use NumPy."""
+    """One rank's ballot of ``n`` words and the gathered table, in buffers reused from call to call;
+    the valid path packs and reads them with one ``struct`` call each."""
 
     def __init__(self, rank, size, n):
         self.rank = rank
         self.size = size
         self.n = n
-        width = _HEADER + n + _TEXT_WORDS
+        width = _HEADER + n + TEXT_BYTES // 8
         self.mine = numpy.zeros(width, dtype=numpy.int64)
         self.table = numpy.zeros((size, width), dtype=numpy.int64)
         self._text_cache = {}
@@ -72,8 +61,8 @@ class Ballot:
         self._stride = _HEADER + n + 1  # items per rank in the unpacked table
 
     def fill(self, op, error, words, text):
-        """Write this rank's ballot: ``op`` (an ``OP_*`` code), the local ``error`` or None, ``n``
-        ints (ignored with an error), and ``text`` naming the rows."""
+        """Write this rank's ballot: ``op`` code, local ``error`` or None, ``n`` ints (ignored with
+        an error), and ``text`` naming the rows."""
         mine = self.mine
         if error is not None:
             mine[0] = BAD_TYPE if isinstance(error, TypeError) else BAD_VALUE
@@ -89,8 +78,7 @@ class Ballot:
         self._pack(mine, 0, VALID, op, *words, raw)
 
     def all_valid(self):
-        """True when the table shows no local error, one operation and one text (the fast test);
-        :meth:`verdict` says what is wrong."""
+        """True when the table shows no local error, one operation and one text (the fast test)."""
         stride = self._stride
         flat = self._unpack(self.table)
         if any(flat[0::stride]):
@@ -100,8 +88,7 @@ class Ballot:
         return ops.count(ops[0]) == self.size and texts.count(texts[0]) == self.size
 
     def verdict(self, name):
-        """The exception every rank raises for the table (``name`` prefixed; identical message on
-        every rank), or None when :meth:`all_valid`."""
+        """The exception every rank raises for the table (message prefixed by ``name``), or None."""
         table, n = self.table, self.n
         status = table[:, 0]
         ops = table[:, 1]
@@ -133,7 +120,7 @@ class Ballot:
 def counts_verdict(sent, expected, name, unit):
     """The ValueError every rank raises when some rank expects other counts than its peers send, or
     None. ``sent[j][i]``: units rank j sends to rank i; ``expected[i][j]``: units rank i expects
-    from rank j (every rank's, W lists of W ints)."""
+    from rank j."""
     if all(list(column) == row for row, column in zip(expected, zip(*sent))):
         return None
     pairs = [(i, j) for i, row in enumerate(expected) for j, e in enumerate(row)

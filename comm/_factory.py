@@ -18,17 +18,16 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
          medium_exchange_bytes=None, node_size=None):
     """A communicator over the ranks of ``mpi_comm`` or of the torch.distributed ``group``.
 
-    Collective: every rank of ``mpi_comm`` (or ``group``) calls it, with the same ``backend``. The
-    ranks (the host side channel) come from ``group`` (a private gloo group over its ranks, so an EP
-    group inside a larger world works, no MPI needed), from ``mpi_comm`` (duplicated), or by default
-    from ``MPI.COMM_WORLD``, or torch.distributed's default group under ``torchrun``.
+    Collective: every rank of ``mpi_comm`` (or ``group``) calls it, with the same ``backend``
+    (and the same exchange limits and ``node_size``: checked). The ranks come from ``group`` (a
+    private gloo group over its ranks: no MPI needed), from ``mpi_comm`` (duplicated), else from
+    ``MPI.COMM_WORLD`` (torch's default group under torchrun).
 
     Args:
         backend: ``"nccl"`` (:class:`NcclCommunicator`, device arrays), ``"mpi"``
             (:class:`MpiCommunicator`, NumPy arrays over MPI), ``"torch"``
             (``TorchHostCommunicator``, NumPy arrays over gloo), or ``"auto"``: NCCL where every
-            rank has a real GPU and CuPy's NCCL (agreed), else the host backend of the ranks'
-            source.
+            rank has a GPU and CuPy's NCCL, else the host backend of the ranks' source.
         mpi_comm: an mpi4py communicator, or None.
         group: a torch ``ProcessGroup`` (any backend) or a 1-D ``DeviceMesh`` (``mesh["ep"]``), or
             None. Not with ``mpi_comm``.
@@ -45,29 +44,24 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
         nccl_init: NCCL only: ``"eager"`` or ``"lazy"`` (see :class:`NcclCommunicator`). None:
             ``$MXCOMM_NCCL_INIT``, else ``"eager"``.
         small_exchange_bytes: a quantized exchange of bf16/fp32 rows in which no rank sends more
-            than this many bytes to its peers moves them unquantized in one ``alltoallv`` and
-            quantizes on arrival, bit for bit the same (docs/design.md, "Small exchanges travel
-            unquantized"); 0 never. Equal on every rank (checked). None: the backend's default on
-            one node (64 MiB for NCCL, 0 on the host backends), 0 across nodes.
-        medium_exchange_bytes: the same limit for a larger exchange whose result stays quantized
-            (``a2a_dispatch``, ``a2a_combine_backward``): quantized on the caller's stream and moved
-            in one ``alltoallv`` instead of staged (docs/design.md, "Medium exchanges travel
-            quantized in one alltoallv"). None: 128 MiB for NCCL on one node, else 0.
-        node_size: None, or an int > 0, equal on every rank: emulate nodes of ``node_size``
-            consecutive ranks (the last may be smaller) inside the real ones. None:
-            ``$MXCOMM_NODE_SIZE``, else ``$NCCL_HOSTID`` where every rank sets it, else the hosts.
-            Across nodes the exchange takes the ``hier`` transport (docs/design.md, "EP across
-            nodes"). With NCCL an emulation sets ``NCCL_HOSTID=node<k>`` in this process before NCCL
-            is built (and leaves it set).
+            than this many bytes moves them unquantized in one ``alltoallv`` and quantizes on
+            arrival, bit for bit the same (docs/design.md, "Small exchanges travel unquantized");
+            0 never. None: on one node the backend's default (64 MiB for NCCL, else 0), 0 across.
+        medium_exchange_bytes: the same limit for an exchange whose result stays quantized: moved
+            quantized in one ``alltoallv`` instead of staged (docs/design.md, "Medium exchanges
+            travel quantized in one alltoallv"). None: 128 MiB for NCCL on one node, else 0.
+        node_size: None or an int > 0: emulate nodes of ``node_size`` consecutive ranks inside the
+            real ones (docs/design.md, "EP across nodes"). None: ``$MXCOMM_NODE_SIZE``, else
+            ``$NCCL_HOSTID`` where every rank sets it, else the hosts. With NCCL an emulation sets
+            ``NCCL_HOSTID=node<k>`` in this process before NCCL is built.
     Returns:
         A communicator (:class:`~mxcomm.comm.Communicator`); usable as a context manager.
     Raises:
-        ValueError: an unknown ``backend``, a non-positive ``timeout``, a bad ``peer_memory``,
-            ``nccl_init``, ``small_exchange_bytes``, ``medium_exchange_bytes`` or ``node_size`` (or
-            ranks giving different ones; an emulated node spanning two hosts; ``NCCL_HOSTID`` on
-            some ranks only, or splitting unlike ``node_size``), both ``mpi_comm`` and ``group``, a
-            backend unlike the ranks' source (``"mpi"`` with a group, ``"torch"`` with
-            ``mpi_comm``), a DeviceMesh of several dimensions, or this process not in ``group``.
+        ValueError: a bad argument (or ranks giving different ones; an emulated node spanning two
+            hosts; ``NCCL_HOSTID`` on some ranks only, or splitting unlike ``node_size``), both
+            ``mpi_comm`` and ``group``, a backend unlike the ranks' source (``"mpi"`` with a group,
+            ``"torch"`` with ``mpi_comm``), a DeviceMesh of several dimensions, or this process not
+            in ``group``.
         TypeError: ``group`` is neither a ProcessGroup nor a DeviceMesh.
         RuntimeError: ``backend="nccl"`` without CuPy's NCCL; ``peer_memory=True`` where a rank
             cannot map its peers' memory; under torchrun with neither argument, torch.distributed
@@ -87,8 +81,12 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
     if nccl_init not in ("eager", "lazy"):
         raise ValueError(f"nccl_init: expected 'eager' or 'lazy' (None: ${_NCCL_INIT_ENV}, "
                          f"else 'eager'), got {nccl_init!r}")
-    _check_exchange_bytes(small_exchange_bytes, "small_exchange_bytes")
-    _check_exchange_bytes(medium_exchange_bytes, "medium_exchange_bytes")
+    for name, value in (("small_exchange_bytes", small_exchange_bytes),
+                        ("medium_exchange_bytes", medium_exchange_bytes)):
+        if value is not None and (type(value) is bool or not isinstance(value, int) or
+                                  not 0 <= value < 2**63):  # agreed as int64
+            raise ValueError(f"{name}: expected None or a non-negative int (bytes, below 2**63), "
+                             f"got {value!r}")
     if node_size is not None and (type(node_size) is bool or not isinstance(node_size, int) or
                                   node_size < 1):
         raise ValueError(f"node_size: expected None or a positive int (ranks per emulated "
@@ -106,10 +104,10 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
                          "mpi_comm")
 
     if group is not None:
-        from ._torchside import TorchSideChannel
+        from ._torchdist import TorchSideChannel
         side = TorchSideChannel(group, timeout)
     else:
-        from ._sidechannel import MpiSideChannel
+        from ._mpi import MpiSideChannel
         side = MpiSideChannel(mpi_comm, timeout)
     side.open_board()
     side.nodes = discover(side, node_size)
@@ -117,23 +115,20 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
         # Every rank must pick the same backend: NCCL only if it works everywhere.
         votes = side.allgather_bytes(bytes([_nccl_available()]), "backend choice (vote)")
         backend = "nccl" if all(votes) else side.kind
+    options = dict(validate=validate, peer_memory=peer_memory,
+                   small_exchange_bytes=small_exchange_bytes,
+                   medium_exchange_bytes=medium_exchange_bytes)
     if backend == "nccl":
         side.nodes.export_hostid(side.rank)  # before NCCL is built
         from ._nccl import NcclCommunicator
         if device is None and side.kind == "torch":
             device = _torch_device()
-        return NcclCommunicator(side, validate=validate, device=device, peer_memory=peer_memory,
-                                nccl_init=nccl_init, small_exchange_bytes=small_exchange_bytes,
-                                medium_exchange_bytes=medium_exchange_bytes)
+        return NcclCommunicator(side, device=device, nccl_init=nccl_init, **options)
     if side.kind == "torch":
         from ._torchdist import TorchHostCommunicator
-        return TorchHostCommunicator(side, validate=validate, peer_memory=peer_memory,
-                                     small_exchange_bytes=small_exchange_bytes,
-                                     medium_exchange_bytes=medium_exchange_bytes)
+        return TorchHostCommunicator(side, **options)
     from ._mpi import MpiCommunicator
-    return MpiCommunicator(side, validate=validate, peer_memory=peer_memory,
-                           small_exchange_bytes=small_exchange_bytes,
-                           medium_exchange_bytes=medium_exchange_bytes)
+    return MpiCommunicator(side, **options)
 
 
 def _default_torch_group(backend):
@@ -149,8 +144,8 @@ def _default_torch_group(backend):
 
 
 def _torch_device():
-    """The CUDA device of a torch group's process: torch's current device once CUDA is initialized,
-    else ``LOCAL_RANK`` modulo the devices, else None (the node-local rank)."""
+    """A torch group's CUDA device: torch's current one once CUDA is initialized, else
+    ``LOCAL_RANK`` modulo the devices, else None."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return torch.cuda.current_device()
@@ -171,12 +166,3 @@ def _nccl_available():
         return bool(nccl.available) and nccl.get_version() > 0
     except Exception:  # no CuPy, no NCCL library, no driver: fall back to the host backend
         return False
-
-
-def _check_exchange_bytes(value, name):
-    """Check ``init``'s small or medium exchange bytes: None or an int in [0, 2**63) (agreed as
-    int64)."""
-    if value is not None and (type(value) is bool or not isinstance(value, int) or
-                              not 0 <= value < 2**63):
-        raise ValueError(f"{name}: expected None or a non-negative int (bytes, below 2**63), "
-                         f"got {value!r}")

@@ -24,9 +24,7 @@ class GroupedTransport:
         if landing is not None:  # received in order, then each run copied into place
             received = comm._new_arrays(rows.arrays, plan.rows_received)
             comm.alltoallv_plan(staging, received, plan, stream)
-            for r, at, n in landed(landing, 0, plan.rows_received):
-                for src, dst in zip(received, outs):
-                    copy_bytes(row_range(dst, at, at + n), row_range(src, r, r + n), stream)
+            land(received, outs, landing, 0, plan.rows_received, stream)
             return outs
         comm.alltoallv_plan(staging, outs, plan, stream)
         if in_place:
@@ -40,3 +38,11 @@ class GroupedTransport:
 
     def close(self):
         pass
+
+
+def land(received, outs, landing, lo, hi, stream):
+    """Copy received rows ``[lo, hi)`` of ``received`` to where ``landing`` puts them in
+    ``outs``."""
+    for r, at, n in landed(landing, lo, hi):
+        for src, dst in zip(received, outs):
+            copy_bytes(row_range(dst, at, at + n), row_range(src, r, r + n), stream)

@@ -1,6 +1,6 @@
 """The NCCL backend's call header (docs/design.md, "Error model"): eight 32-bit words each rank
-sends every peer it moves rows with, in the same NCCL group before the rows, so ranks at other calls
-or with other rows find out on the device without a host sync:
+sends every peer it moves rows with, in the NCCL group before the rows, so a mis-paired call is
+found on the device without a host sync:
 
 ======  ========================================================================================
 word    content
@@ -13,10 +13,11 @@ word    content
 7       ``MAGIC``: a header received this call (the receive area is cleared before)
 ======  ========================================================================================
 
-A mismatch is reported in pinned host memory (:meth:`CallHeaders.failure`) and the results are
-filled with 0xFF (NaN in bf16, fp32, e4m3, e8m0). Rows of another size stall NCCL before the check
-runs: the watchdog's timeout then reads the headers that arrived (:meth:`stalled`)."""
+A mismatch is reported in pinned host memory and fills the results with 0xFF (NaN in bf16, fp32,
+e4m3, e8m0). Rows of another size stall NCCL before the check: the watchdog's timeout then reads
+the headers that arrived (:meth:`CallHeaders.stalled`)."""
 
+import math
 import pathlib
 import zlib
 
@@ -24,17 +25,17 @@ import numpy
 
 from mxcomm._driver import PackedLaunch, address
 
-#: 32-bit words of one header, and its bytes.
+from ._validate import rows_text
+
 HEADER_WORDS = 8
 HEADER_BYTES = 4 * HEADER_WORDS
-#: The last word of a header sent this call.
 MAGIC = 0x4D584844
 #: Header slots used in turn, so up to this many calls in flight on other streams keep theirs.
 _SLOTS = 16
 _HOST_ALLOC_MAPPED = 0x2      # cudaHostAllocMapped
 _MEMCPY_DEVICE_TO_HOST = 2    # cudaMemcpyDeviceToHost
 _MISMATCH = 3                 # status code of mx_header_check
-#: dtypes a message can name from their hash (word 3) when this rank has not moved them itself
+#: dtypes a message can name from their hash (word 3) when this rank has not moved them
 _DTYPES = ("bfloat16", "float16", "float32", "float64", "uint8", "int8", "int32", "int64",
            "uint16", "uint32", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
@@ -45,21 +46,17 @@ def _crc(text):
 
 
 def describe_rows(sends):
-    """Words 2 to 6 of a header for the arrays ``sends`` (CuPy arrays or ``Words``), and the text of
-    word 2, e.g. "bfloat16 rows of shape (7168,)"."""
-    text = " + ".join(f"{numpy.dtype(a.dtype).name} rows of shape {tuple(a.shape[1:])}"
-                      for a in sends)
+    """Words 2 to 6 of a header for the arrays ``sends``, and the text of word 2."""
+    text = rows_text(sends)
     first = sends[0]
-    elements = 1
-    for n in first.shape[1:]:
-        elements *= n
+    elements = math.prod(first.shape[1:])
     return (_crc(text), _crc(numpy.dtype(first.dtype).name), elements & 0xFFFFFFFF,
             len(sends), 0), text
 
 
 class CallHeaders:
     """One NCCL communicator's call headers: device memory, kernels, and the pinned status a failed
-    check writes. Not collective; device memory, so made before any CUDA graph capture."""
+    check writes. Not collective; made before any CUDA graph capture."""
 
     def __init__(self, comm):
         import cupy
@@ -91,9 +88,9 @@ class CallHeaders:
         self._dtypes = {_crc(name): name for name in _DTYPES}
 
     def begin(self, sends, plan, stream):
-        """Enqueue this call's header on ``stream`` before its NCCL group; returns ``(sent,
-        received, words)``: the addresses of this rank's header and of the received ones (rank r's
-        at ``received + HEADER_BYTES * r``), and this rank's words but the last."""
+        """Enqueue this call's header on ``stream`` before its NCCL group: ``(sent, received,
+        words)``, the addresses of this rank's header and of the received ones (rank r's at
+        ``received + HEADER_BYTES * r``), and this rank's words but the last."""
         key = tuple([(a.dtype, a.shape[1:]) for a in sends])
         rows = self._rows.get(key)
         if rows is None:
@@ -124,8 +121,8 @@ class CallHeaders:
                                             *ptrs, *pad, *nbytes, *pad, count))
 
     def failure(self):
-        """The error a failed check left (RuntimeError naming the peer and what each has), or None.
-        Reads pinned host memory: no sync."""
+        """The RuntimeError a failed check left (naming the peer and what each has), or None; no
+        sync."""
         if int(self._status[0]) != _MISMATCH:
             return None
         values = [int(v) for v in self._status]
@@ -135,9 +132,8 @@ class CallHeaders:
 
     def stalled(self):
         """The mismatch the headers received so far show, or None, for the watchdog's timeout of a
-        stalled NCCL group. Copies the headers on a stream of its own (bounded by the copy) and
-        compares each slot as the device holds it, since the host may have enqueued later calls of a
-        slot behind the stalled one."""
+        stalled NCCL group: copies them on a stream of its own and compares each slot as the device
+        holds it (the host may have enqueued later calls of a slot behind the stalled one)."""
         total = self._slot_bytes * _SLOTS
         self._runtime.memcpyAsync(self._host.ptr, self._base, total, _MEMCPY_DEVICE_TO_HOST,
                                   self._copies.ptr)

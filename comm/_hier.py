@@ -8,16 +8,15 @@ for its node are one run ``[s0, s1)`` of its send order, those from it one ``[r0
     side stream:                          wait(peer) pull(peer) ...                 done
 
 The node's part is the pull transport on a *node plan* (the counts among the node's ranks) over rows
-shifted by ``s0`` / ``r0``; the remote ``alltoallv`` is its ``beside``, so it runs while the copy
-engines pull. Every rank reserves the same staging (the largest node staging of any rank), since the
-staging grows collectively over the whole side channel."""
+shifted by ``s0`` / ``r0``; the remote ``alltoallv`` is its ``beside``, running while the copy
+engines pull. Every rank reserves the largest node staging of any rank (staging grows
+collectively)."""
 
 import collections
 import re
 import weakref
 
-from mxcomm._driver import copy_bytes, row_range
-
+from ._grouped import land
 from ._pull import PullTransport
 from ._staged import Plan, call_tag, landed
 
@@ -27,8 +26,8 @@ _Moves = collections.namedtuple("_Moves", "send_counts send_offsets recv_counts 
 
 
 class HierTransport:
-    """Pull inside this rank's node, one ``alltoallv`` to the other nodes; the node's peer memory is
-    the backend's, made over the node's view of the communicator (collective)."""
+    """Pull inside this rank's node, one ``alltoallv`` to the other nodes (collective to
+    construct)."""
 
     name = "hier"
 
@@ -42,14 +41,10 @@ class HierTransport:
         self.memory = _NamedMemory(memory, node_comm.world_names)
         self._splits = weakref.WeakKeyDictionary()  # plan -> _Split
         # per rank, its node's ranks [first, end): nodes are runs of consecutive ranks
-        spans = {n: (comm.size, 0) for n in nodes.of_rank}
-        for r, n in enumerate(nodes.of_rank):
-            spans[n] = (min(spans[n][0], r), max(spans[n][1], r + 1))
-        self._spans = [spans[n] for n in nodes.of_rank]
+        self._spans = [(ranks[0], ranks[-1] + 1) for ranks in map(nodes.ranks, nodes.of_rank)]
 
     @property
     def kinds(self):
-        """16-bit kind hash -> kind text, for mismatch messages (the node's pull transport's)."""
         return self._pull.kinds
 
     def run(self, rows, plan, outs, in_place, stream, landing=None):
@@ -68,7 +63,7 @@ class HierTransport:
                 if in_place:
                     rows.consume(lo, hi, tuple(o[lo:hi] for o in into), stream)
                 elif into is not outs:
-                    _land(into, outs, landing, lo, hi, stream)
+                    land(into, outs, landing, lo, hi, stream)
 
         node_landing = None if in_place else split.landing(landing)
         self._pull.run(_Shifted(rows, split.s0, split.r0), split.node, outs, in_place, stream,
@@ -87,22 +82,13 @@ class HierTransport:
         self._node_side.free()
 
 
-def _land(received, outs, landing, lo, hi, stream):
-    """Copy received rows ``[lo, hi)`` of ``received`` to where ``landing`` puts them in
-    ``outs``."""
-    for r, at, n in landed(landing, lo, hi):
-        for src, dst in zip(received, outs):
-            copy_bytes(row_range(dst, at, at + n), row_range(src, r, r + n), stream)
-
-
 class _Split:
     """One plan cut into this node's part and the rest; ``spans``: per rank, its node's ranks
     ``[first, end)``.
 
     Attributes:
-        node: the node plan, its staging sized for the largest node staging of any rank (so the
-            staging grows on every rank at once).
-        s0, r0: the first row of this rank's rows for / from its node in its send / receive order.
+        node: the node plan, its staging the largest node staging of any rank.
+        s0, r0: the first of this rank's rows for / from its node in send / receive order.
         remote_sends, remote_receives: the runs ``(lo, hi)`` that travel between nodes.
         moves: the ``alltoallv`` of the remote rows (the node's counts zeroed)."""
 
@@ -114,7 +100,7 @@ class _Split:
         self.node = Plan(plan.rank - a, [row[a:b] for row in sent[a:b]])
         self.node._staging_rows = max(sum(row[lo:hi]) for row, (lo, hi) in zip(sent, spans))
         self.s0, s1 = plan.send_offsets[a], plan.send_offsets[b - 1] + plan.send_counts[b - 1]
-        self.r0, r1 = plan.recv_offsets[a], plan.recv_offsets[b - 1] + plan.recv_counts[b - 1]
+        self.r0 = plan.recv_offsets[a]
         self.remote_sends = [(lo, hi) for lo, hi in ((0, self.s0), (s1, plan.rows_sent))
                              if hi > lo]
         self.remote_receives = [(plan.recv_offsets[p], plan.recv_offsets[p] + plan.recv_counts[p])
@@ -128,8 +114,7 @@ class _Split:
         self._landings = {}
 
     def landing(self, landing):
-        """The node part's landing (received rows numbered from ``r0``), from the exchange's
-        ``landing``."""
+        """The node part's landing (received rows numbered from ``r0``)."""
         node = self._landings.get(landing)
         if node is None:
             rows = self.node.rows_received
@@ -159,8 +144,7 @@ class _Shifted:
 
 class _NodeComm:
     """The communicator as one node's peer memory sees it: ``rank``, ``size`` and side channel
-    within the node, the rest the communicator's; errors name ranks as the communicator numbers
-    them."""
+    within the node, the rest the communicator's; errors name the communicator's ranks."""
 
     def __init__(self, comm, ranks):
         self._comm = comm
@@ -173,8 +157,7 @@ class _NodeComm:
         return getattr(self._comm, name)
 
     def world_names(self, error):
-        """``error`` (naming ranks within the node) with each rank renamed as the communicator
-        numbers it."""
+        """``error``, naming ranks within the node, renamed to the communicator's ranks."""
         def named(match):
             return match.group(1) + ", ".join(str(self._ranks[int(r)])
                                               for r in match.group(2).split(", "))
@@ -186,8 +169,7 @@ class _NodeComm:
 
 
 class _NamedMemory:
-    """A node's peer memory whose device-wait failures name ranks as the communicator numbers
-    them."""
+    """A node's peer memory whose device-wait failures name the communicator's ranks."""
 
     def __init__(self, memory, world_names):
         self._memory = memory
@@ -203,9 +185,8 @@ class _NamedMemory:
 
 
 class _NodeSide:
-    """A side channel whose collectives run over every rank (all set up their node's memory
-    together) and keep the entries of ``ranks``; ``mpi``: a split over the node's ranks (shared
-    windows)."""
+    """A side channel whose collectives run over every rank and keep the entries of ``ranks``;
+    ``mpi``: a split over the node's ranks (shared windows)."""
 
     def __init__(self, side, ranks):
         self._side = side

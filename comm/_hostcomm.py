@@ -2,54 +2,49 @@
 
 import numpy
 
+from mxcomm._array import as_device_array
+
 from ._agreement import counts_verdict
 from ._board import EXCHANGE
 from ._communicator import Communicator
-from ._validate import check_counts_array
+from ._validate import check_counts_array, rows_text
 
 
 class HostCommunicator(Communicator):
-    """A communicator of host (NumPy) arrays: the array hooks the MPI and gloo backends share."""
+    """A communicator of host (NumPy) arrays: what the MPI and gloo backends share. A subclass
+    supplies ``_move_rows`` and ``_move_counts(counts, out, nbytes)`` (the requests to wait for)."""
 
     def _as_array(self, x, name):
-        if isinstance(x, numpy.ndarray):
-            return x
-        if hasattr(x, "__cuda_array_interface__") or not (
-                hasattr(x, "__array__") or hasattr(x, "__array_interface__")):
-            raise TypeError(f"{name} on rank {self.rank}: {type(self).__name__} moves host "
-                            f"arrays (NumPy), got {type(x).__name__}")
-        return numpy.asarray(x)
+        return as_device_array(x, f"{name} on rank {self.rank}", device=False)
 
     def _empty(self, shape, dtype):
         return numpy.empty(shape, dtype=dtype)
 
-    def _host_alltoall_counts(self, counts, move, what="alltoall_counts"):
-        """:meth:`alltoall_counts` of the host backends: check ``counts`` (locally and across
-        ranks), then wait (bounded) for the requests ``move(counts, out, nbytes)`` returns."""
+    def alltoall_counts(self, counts, *, stream=None):
+        """:meth:`Communicator.alltoall_counts` (same arguments, returns and errors) in one host
+        collective; blocks until done (bounded)."""
         self.check_usable()
         counts, k = check_counts_array(self, counts)
         counts = numpy.ascontiguousarray(counts)
         out = numpy.empty_like(counts)
         nbytes = k * counts.dtype.itemsize
         if nbytes:
-            self._side.wait(move(counts, out, nbytes), what, keep=(counts, out))
+            self._side.wait(self._move_counts(counts, out, nbytes), "alltoall_counts",
+                            keep=(counts, out))
         return out
 
     def alltoallv_plan(self, sends, outs, plan, stream_ptr):
         """:meth:`Communicator.alltoallv_plan`; a layout's plan (``plan.generation`` set) is first
-        checked across ranks in one agreement round not counted in ``host_collectives``, since MPI
-        would move garbage and gloo abort the process: every rank shows its layout, call number
-        (``plan.calls``), rows' dtypes and row shapes, and counts.
+        checked in one agreement round not counted in ``host_collectives`` (MPI would move garbage
+        and gloo abort the process): every rank shows its layout, call number, rows and counts.
 
         Raises:
-            ValueError (on every rank, before any data moves): the ranks use different layouts, rows
-                of other dtypes or row shapes, or are at different calls of the layout; the message
-                names the ranks and what each has.
+            ValueError (on every rank, before any data moves): the ranks use different layouts,
+                rows of other dtypes or row shapes, or are at different calls of the layout.
             TimeoutError, RuntimeError: as :meth:`alltoallv`."""
         self.check_usable()
         if plan.generation is not None:
-            text = f"layout {plan.generation}, call {plan.calls} of it, " + " + ".join(
-                f"{a.dtype.name} rows of shape {a.shape[1:]}" for a in sends)
+            text = f"layout {plan.generation}, call {plan.calls} of it, " + rows_text(sends)
             size = self.size
             table = self.agree("alltoallv", None, (*plan.send_counts, *plan.recv_counts),
                                text=text, what="alltoallv of a layout", counted=False)
@@ -61,14 +56,13 @@ class HostCommunicator(Communicator):
                         plan.recv_offsets, stream_ptr)
 
     def _enter_exchange(self):
-        """Count this rank into the next exchange call on the arrival board; its number (0 without
-        one)."""
+        """Count this rank into the next exchange call on the arrival board: its number."""
         board = self._side.board
         return board.enter(EXCHANGE) if board is not None else 0
 
     def _wait_moved(self, requests, keep, call):
-        """Wait (bounded) for exchange call ``call``'s data movement; a timeout names, by the
-        arrival board, this node's ranks that had not entered it."""
+        """Wait (bounded) for exchange call ``call``'s requests; a timeout names, by the arrival
+        board, this node's ranks that had not entered it."""
         try:
             self._side.wait(requests, "alltoallv", keep=keep)
         except TimeoutError as exc:

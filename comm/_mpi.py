@@ -1,6 +1,7 @@
-"""MPI communicator: all-to-all of rows of host (NumPy) arrays with mpi4py (the CPU path and CI).
-Data moves by nonblocking ``Ialltoallv`` with one row as the MPI datatype, so counts stay in rows,
-far below MPI's int32 limit; every request is polled until ``timeout``."""
+"""The MPI backend: the side channel over an mpi4py communicator, and the communicator of rows of
+host (NumPy) arrays (the CPU path and CI), by nonblocking ``Ialltoallv`` with one row as the MPI
+datatype (counts stay in rows, far below MPI's int32 limit), every request polled until
+``timeout``."""
 
 import atexit
 import math
@@ -8,12 +9,87 @@ import operator
 import os
 import signal
 import sys
+import time
 
 import numpy
 
 from ._hostcomm import HostCommunicator
+from ._sidechannel import SideChannel
 
 _INT32_MAX = 2**31 - 1
+# MPI requests are polled: spin this long, then sleep between tests, doubling to the longest.
+_SPIN_S = 2e-3
+_MIN_SLEEP_S = 5e-5
+_MAX_SLEEP_S = 5e-3
+#: Message tag: ``_TAG`` + bytes mod ``_TAGS``, so ranks in gathers of another size time out
+#: naming the rank instead of MPI failing on a truncated message.
+_TAG = 17
+_TAGS = 16384
+
+
+class MpiSideChannel(SideChannel):
+    """Bounded host collectives over ``mpi``, a private duplicate of ``mpi_comm`` (None:
+    ``COMM_WORLD``) that also carries the MPI backend's data. Collective to construct
+    (``MPI_Comm_dup``, unbounded)."""
+
+    kind = "mpi"
+
+    def __init__(self, mpi_comm, timeout):
+        from mpi4py import MPI
+        self.MPI = MPI
+        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.mpi = parent.Dup()
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
+
+    def wait(self, requests, what, keep=(), peers=None):
+        """Poll MPI ``requests`` until all complete; after ``timeout`` s abandon them with the
+        buffers ``keep`` and raise TimeoutError naming the ``peers`` (each request's source, or
+        None) that did not arrive."""
+        if len(requests) == 1:
+            test = requests[0].Test
+        else:
+            def test(testall=self.MPI.Request.Testall):
+                return testall(requests)
+        if test():
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout
+        sleep = _MIN_SLEEP_S
+        while not test():
+            now = time.monotonic()
+            if now > deadline:
+                self.abandoned.append((list(requests), keep))
+                missing = ""
+                if peers is not None:
+                    late = sorted({p for p, r in zip(peers, requests)
+                                   if p is not None and not r.Test()})
+                    if late:
+                        missing = (f" rank{'s' if len(late) > 1 else ''} "
+                                   f"{', '.join(map(str, late))} did not arrive;")
+                raise self._timed_out(what, missing)
+            if now - start > _SPIN_S:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, _MAX_SLEEP_S)
+
+    def _gather(self, mine, table, what):
+        """Point to point, so a timeout names the ranks that did not arrive."""
+        table[self.rank] = mine
+        tag = _TAG + mine.nbytes % _TAGS
+        requests, peers = [], []
+        for step in range(1, self.size):
+            source = (self.rank - step) % self.size
+            dest = (self.rank + step) % self.size
+            requests.append(self.mpi.Irecv(table[source], source=source, tag=tag))
+            peers.append(source)
+            requests.append(self.mpi.Isend(mine, dest=dest, tag=tag))
+            peers.append(None)
+        self.collectives += 1
+        if requests:
+            self.wait(requests, what, keep=(mine, table), peers=peers)
+
+    def free(self):
+        if not self.abandoned:
+            self.mpi.Free()
 
 
 class MpiCommunicator(HostCommunicator):
@@ -21,23 +97,17 @@ class MpiCommunicator(HostCommunicator):
 
     Args:
         side: an ``MpiSideChannel`` (built by ``mxcomm.comm.init``); data moves on its duplicate.
-        validate: as :class:`~mxcomm.comm.Communicator`.
-        peer_memory: None (auto) pulls from MPI shared windows where every rank is on this node;
-            True requires that; False uses one ``alltoallv``.
-        small_exchange_bytes, medium_exchange_bytes: see ``mxcomm.comm.init``; None: 0.
+        options: keywords of :class:`~mxcomm.comm.Communicator`; ``peer_memory`` pulls from MPI
+            shared windows (every rank is on this node).
 
     Collective to construct. Every method that moves data is collective and blocks the host until
     done (or ``timeout``)."""
 
-    def __init__(self, side, *, validate=True, peer_memory=None, small_exchange_bytes=None,
-                 medium_exchange_bytes=None):
-        super().__init__(side, validate=validate, peer_memory=peer_memory,
-                         small_exchange_bytes=small_exchange_bytes,
-                         medium_exchange_bytes=medium_exchange_bytes)
+    def __init__(self, side, **options):
+        super().__init__(side, **options)
         self._row_types = {}  # row bytes -> committed MPI contiguous datatype
         self._choose_transport()
 
-    # --------------------------------------------------------------------------------- hooks
     def _peer_memory_here(self):
         return True  # every rank is on this node: the window is plain shared memory
 
@@ -46,8 +116,8 @@ class MpiCommunicator(HostCommunicator):
         return HostPeerMemory(self)
 
     def _abort_backend(self):
-        """Bound the process's exit (:class:`_BoundedExit`: ``MPI_Finalize`` would wait for a stuck
-        peer), and with the pull transport tell the peers this rank gave up its exchange."""
+        """Bound the process's exit (``MPI_Finalize`` would wait for a stuck peer); tell the pull
+        transport's peers this rank gave up."""
         _BOUNDED_EXIT.arm(self.timeout)
         memory = getattr(self._transport, "memory", None)
         if memory is not None:  # the pull transport: a late peer learns it at once
@@ -66,7 +136,6 @@ class MpiCommunicator(HostCommunicator):
             self._row_types[row_bytes] = datatype
         return datatype
 
-    # ----------------------------------------------------------------------------- collectives
     def _move_rows(self, sends, outs, sc, so, rc, ro, stream_ptr):
         call = self._enter_exchange()
         requests = []
@@ -82,24 +151,20 @@ class MpiCommunicator(HostCommunicator):
                                          f"{self.rank}")
             datatype = self._row_type(row_bytes)
             requests.append(self._side.mpi.Ialltoallv([_bytes(s), (sc, so), datatype],
-                                                 [_bytes(o), (rc, ro), datatype]))
+                                                      [_bytes(o), (rc, ro), datatype]))
         if requests:
             self._wait_moved(requests, (sends, outs), call)
 
-    def alltoall_counts(self, counts, *, stream=None):
-        """:meth:`Communicator.alltoall_counts` in one MPI ``Ialltoall``; blocks until done."""
-        def move(counts, out, nbytes):
-            byte = self._side.MPI.BYTE
-            return [self._side.mpi.Ialltoall([_bytes(counts), nbytes, byte],
-                                             [_bytes(out), nbytes, byte])]
-        return self._host_alltoall_counts(counts, move)
+    def _move_counts(self, counts, out, nbytes):
+        byte = self._side.MPI.BYTE
+        return [self._side.mpi.Ialltoall([_bytes(counts), nbytes, byte],
+                                         [_bytes(out), nbytes, byte])]
 
 
 class _BoundedExit:
-    """The exit of a process one of whose MPI communicators was aborted (process-wide). mpi4py's
-    ``MPI_Finalize`` at exit waits for every peer, a stuck one too; so once armed, an uncaught
-    exception ends the process with status 1 after its traceback (mpiexec then ends the job), and
-    any other exit finalizes under an alarm of ``timeout`` s, keeping its status."""
+    """The exit of a process one of whose MPI communicators was aborted (``MPI_Finalize`` would
+    wait for a stuck peer): once armed, an uncaught exception ends the process with status 1 after
+    its traceback; any other exit finalizes under an alarm of ``timeout`` s."""
 
     def __init__(self):
         self.seconds = 0
@@ -136,5 +201,3 @@ _BOUNDED_EXIT = _BoundedExit()
 def _bytes(a):
     """A 1-D uint8 view of C-contiguous ``a`` (MPI sees bytes; any dtype, ml_dtypes included)."""
     return a.reshape(-1).view(numpy.uint8)
-
-

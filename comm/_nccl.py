@@ -1,11 +1,7 @@
 """NCCL communicator: all-to-all of rows of CuPy device arrays, one process per GPU; the only module
-that imports ``cupy.cuda.nccl``.
-
-``alltoallv`` is one NCCL group of send/recv pairs per peer and array (zero-size ones skipped), rows
-as bytes (``NCCL_UINT8``), so every dtype travels. Only :meth:`NcclCommunicator.wait` blocks the
-host. The watchdog (``_watchdog``) aborts NCCL when an event recorded after a group is not done
-``timeout`` s after it became the oldest outstanding, or a device wait of the pull transport failed;
-the next call raises."""
+that imports ``cupy.cuda.nccl``. ``alltoallv`` is one NCCL group of send/recv pairs per peer and
+array (zero-size ones skipped), rows as bytes (``NCCL_UINT8``). Only :meth:`NcclCommunicator.wait`
+blocks the host; the watchdog (``_watchdog``) aborts NCCL on a timeout or fault."""
 
 import contextlib
 import math
@@ -15,6 +11,7 @@ import warnings
 
 import numpy
 
+from mxcomm._array import as_device_array
 from mxcomm._driver import address, external_stream
 
 from ._board import EXCHANGE
@@ -29,8 +26,7 @@ _NULL_CONTEXT = contextlib.nullcontext()
 
 def _bounded(fn, seconds, name):
     """``fn()`` on a daemon thread waited for at most ``seconds``: ``(True, result)``, or ``(False,
-    None)`` if still running (the thread stays blocked); an exception raised in time is re-raised.
-    For NCCL calls that block until the peers take part."""
+    None)`` if still running; an exception raised in time is re-raised."""
     outcome = []
 
     def run():
@@ -54,16 +50,13 @@ class NcclCommunicator(Watchdog, Communicator):
     """All-to-all of rows of CuPy device arrays over NCCL, one process per GPU.
 
     Args:
-        side, validate: as :class:`~mxcomm.comm.Communicator`; the side channel bootstraps NCCL.
-        device: the CUDA device; None for ``local_rank % device_count`` (``init(group=...)`` passes
-            torch's current device, or LOCAL_RANK's).
-        peer_memory: None (auto) pulls over CUDA IPC where every rank is on this node and every pair
-            of GPUs has peer access; True requires that; False uses one NCCL group.
+        side, options: as :class:`~mxcomm.comm.Communicator`; the side channel bootstraps NCCL;
+            the pull runs over CUDA IPC (every pair of GPUs with peer access); ranks sharing a GPU
+            need the exchange limits 0.
+        device: the CUDA device; None for ``local_rank % device_count``.
         nccl_init: ``"eager"`` builds NCCL's communicator here; ``"lazy"`` in the first call that
-            moves data over NCCL, on every rank. A job whose exchanges all pull never builds it
-            (ranks may then share a GPU, which NCCL refuses).
-        small_exchange_bytes, medium_exchange_bytes: see ``mxcomm.comm.init``; these exchanges move
-            over NCCL, so ranks sharing a GPU need 0.
+            moves data over NCCL, on every rank (a job whose exchanges all pull never builds it,
+            so ranks may share a GPU).
 
     Attributes:
         device: the CUDA device ordinal (made current by the constructor).
@@ -71,17 +64,13 @@ class NcclCommunicator(Watchdog, Communicator):
 
     Collective: every rank constructs it (bounded by ``timeout``, NCCL's own init included)."""
 
-    #: Chosen on H100s over NVLink: docs/design.md, "Small exchanges travel unquantized" and
-    #: "Medium exchanges travel quantized in one alltoallv"; figures in bench/NOTES.md.
+    #: Chosen on H100s over NVLink (docs/design.md, "Small exchanges travel unquantized").
     SMALL_EXCHANGE_BYTES = 64 << 20
     MEDIUM_EXCHANGE_BYTES = 128 << 20
     _headers = None  # the call headers (``_header``)
 
-    def __init__(self, side, *, validate=True, device=None, peer_memory=None,
-                 nccl_init="eager", small_exchange_bytes=None, medium_exchange_bytes=None):
-        super().__init__(side, validate=validate, peer_memory=peer_memory,
-                         small_exchange_bytes=small_exchange_bytes,
-                         medium_exchange_bytes=medium_exchange_bytes)
+    def __init__(self, side, *, device=None, nccl_init="eager", **options):
+        super().__init__(side, **options)
         import cupy
         from cupy.cuda import nccl
         self._cupy = cupy
@@ -90,7 +79,7 @@ class NcclCommunicator(Watchdog, Communicator):
         self._uint8 = nccl.NCCL_UINT8
         self._current_stream = cupy.cuda.get_current_stream
         self._external = {}  # raw handle -> ExternalStream, reused
-        self.local_rank, _ = self._side.node_info()
+        self.local_rank = self._side.local_rank()
         if device is None:
             device = self.local_rank % self._runtime.getDeviceCount()
         self.device = int(device)
@@ -108,20 +97,8 @@ class NcclCommunicator(Watchdog, Communicator):
                               for r in range(self.size) if r != self.rank]
         self._choose_transport()
 
-    # --------------------------------------------------------------------------------- hooks
     def _as_array(self, x, name):
-        cupy = self._cupy
-        if isinstance(x, cupy.ndarray):
-            return x
-        if hasattr(x, "__cuda_array_interface__"):
-            return cupy.asarray(x)
-        if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
-            try:
-                return cupy.from_dlpack(x)
-            except Exception:
-                pass
-        raise TypeError(f"{name} on rank {self.rank}: NcclCommunicator moves device arrays "
-                        f"(CuPy, DLPack or __cuda_array_interface__), got {type(x).__name__}")
+        return as_device_array(x, f"{name} on rank {self.rank}", device=True)
 
     def _empty(self, shape, dtype):
         return self._cupy.empty(shape, dtype=dtype)
@@ -136,7 +113,7 @@ class NcclCommunicator(Watchdog, Communicator):
 
     def _connect(self):
         """Build NCCL's communicator (collective): rank 0's unique id over the side channel, then
-        ``ncclCommInitRank`` bounded by the timeout."""
+        ``ncclCommInitRank``."""
         nccl = self._nccl_mod
         # pickled as CuPy returned it: its type differs between CuPy versions
         unique_id = self._side.bcast_object(nccl.get_unique_id() if self.rank == 0 else None,
@@ -144,10 +121,8 @@ class NcclCommunicator(Watchdog, Communicator):
         return self._init_bounded(nccl, unique_id)
 
     def _connected(self, stream_ptr):
-        """Build NCCL's communicator if ``nccl_init="lazy"`` has not yet: called at the top of every
-        call that may use it, before any rank can decide it has nothing to move (so every rank
-        joins). Raises RuntimeError inside a CUDA graph capture, TimeoutError (aborted) if a rank
-        does not join."""
+        """Build NCCL's communicator if ``nccl_init="lazy"`` has not yet: at the top of every call
+        that may use it, before a rank can find it has nothing to move (so every rank joins)."""
         if self._nccl is not None:
             return
         if self._runtime.streamIsCapturing(stream_ptr):
@@ -164,19 +139,18 @@ class NcclCommunicator(Watchdog, Communicator):
 
     def nccl_comm(self, stream=None):
         """NCCL's own communicator (``cupy.cuda.nccl.NcclCommunicator``), for probes that time NCCL
-        itself; what is enqueued on it bypasses this communicator's checks and watchdog. Collective
-        where ``nccl_init="lazy"`` has not built it yet.
+        itself, bypassing this communicator's checks and watchdog. Collective where
+        ``nccl_init="lazy"`` has not built it yet.
 
         Raises:
-            RuntimeError, TimeoutError: as the bootstrap (a graph capture on ``stream``, a rank that
-                did not join within ``timeout`` s)."""
+            RuntimeError: inside a CUDA graph capture on ``stream`` (lazy init).
+            TimeoutError: a rank did not join within ``timeout`` s."""
         self._connected(self.stream_ptr(stream))
         return self._nccl
 
     def _init_bounded(self, nccl, unique_id):
-        """``ncclCommInitRank`` on a helper thread, bounded by ``timeout``: it blocks until every
-        rank joins, so a peer dead after the unique id went out would hang forever. Raises
-        TimeoutError."""
+        """``ncclCommInitRank`` bounded by ``timeout`` (a peer dead after the unique id went out
+        would hang it forever); TimeoutError."""
         def init():
             self._cupy.cuda.Device(self.device).use()
             return nccl.NcclCommunicator(self.size, unique_id, self.rank)
@@ -188,9 +162,6 @@ class NcclCommunicator(Watchdog, Communicator):
                                f"(a peer died or stopped after the unique id was shared)")
         return comm
 
-    def stream_ptr(self, stream):
-        return self._stream(stream)
-
     def on_stream(self, stream_ptr):
         if stream_ptr == self._current_stream().ptr:
             return _NULL_CONTEXT
@@ -201,9 +172,7 @@ class NcclCommunicator(Watchdog, Communicator):
             stream = self._external[stream_ptr] = external_stream(stream_ptr)
         return stream
 
-    def _stream(self, stream):
-        """The raw handle of ``stream``: None for CuPy's current stream, ``.ptr``, ``.cuda_stream``,
-        or an int."""
+    def stream_ptr(self, stream):
         if type(stream) is int:
             return stream
         if stream is None:
@@ -246,9 +215,9 @@ class NcclCommunicator(Watchdog, Communicator):
             self._runtime.eventDestroy(event)
 
     def _release_nccl(self, clean):
-        """``ncclCommDestroy`` (``clean``) or ``ncclCommAbort``, bounded by ``timeout``: NCCL waits
-        in both until every CUDA graph that captured this communicator's work is destroyed. Past the
-        timeout the helper thread stays blocked and a ``RuntimeWarning`` says why."""
+        """``ncclCommDestroy`` (``clean``) or ``ncclCommAbort``, bounded by ``timeout`` (NCCL waits
+        until every CUDA graph that captured this communicator's work is destroyed); past it a
+        ``RuntimeWarning`` says why."""
         release = self._nccl.destroy if clean else self._abort_backend
         done, _ = _bounded(release, self.timeout, f"mxcomm-nccl-close-{self.rank}")
         if not done:
@@ -263,30 +232,27 @@ class NcclCommunicator(Watchdog, Communicator):
 
     def to_host(self, a, stream):
         """:meth:`Communicator.to_host` as one copy into pinned memory enqueued on ``stream``, then
-        the bounded wait (no pageable copy, no second sync; bench/NOTES.md has the cost saved)."""
+        the bounded wait."""
         if not a.flags.c_contiguous:
             return super().to_host(a, stream)
         nbytes = a.nbytes
         if self._pinned is None or self._pinned_bytes < nbytes:
             self._pinned_bytes = max(nbytes, 4096)
             self._pinned = self._cupy.cuda.alloc_pinned_memory(self._pinned_bytes)
-        stream_ptr = self._stream(stream)
+        stream_ptr = self.stream_ptr(stream)
         self._runtime.memcpyAsync(self._pinned.ptr, a.data.ptr, nbytes,
                                   _MEMCPY_DEVICE_TO_HOST, stream_ptr)
         self.wait(stream_ptr)
         return numpy.frombuffer(self._pinned, a.dtype, a.size).copy()
 
-    # ----------------------------------------------------------------------------- collectives
     def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,
                   recv_offsets=None, stream=None, validate=None):
         """:meth:`Communicator.alltoallv` (same arguments, returns and errors), enqueued on
-        ``stream`` as ONE NCCL group (every array of a tuple included); never syncs the host.
-
-        ``send``: CuPy arrays, DLPack or ``__cuda_array_interface__`` exporters, ready on
-        ``stream``; ``out`` is ready on it after. TimeoutError also reports an earlier exchange the
-        watchdog found unfinished; TypeError a non-device array."""
+        ``stream`` as one NCCL group; never syncs the host. ``send``: device arrays (CuPy, DLPack or
+        ``__cuda_array_interface__``) ready on ``stream``. TimeoutError also reports an earlier
+        exchange the watchdog found unfinished."""
         self.check_usable()
-        stream_ptr = self._stream(stream)
+        stream_ptr = self.stream_ptr(stream)
         self._connected(stream_ptr)
         with self.on_stream(stream_ptr):  # allocate out stream-ordered
             plan = self._plan(send, send_counts, recv_counts, out, send_offsets, recv_offsets,
@@ -296,12 +262,10 @@ class NcclCommunicator(Watchdog, Communicator):
         return outs[0] if single else outs
 
     def alltoallv_plan(self, sends, outs, plan, stream_ptr):
-        """:meth:`Communicator.alltoallv_plan` with the call header (``_header``): each peer
-        receives, in the same NCCL group before the rows, this call's layout and call numbers and
-        its rows' dtypes and row shapes, compared on the device. A mismatch (another call, a stale
-        layout, other dtypes or widths) fills the results with 0xFF (NaN) and aborts the
-        communicator (raised by the next call or :meth:`wait`); no host sync. A plan without a call
-        number (hier's moves between nodes) moves without a header.
+        """:meth:`Communicator.alltoallv_plan` with the call header (``_header``), compared on the
+        device: a mis-paired call fills the results with 0xFF (NaN) and aborts the communicator
+        (raised by the next call or :meth:`wait`); no host sync. A plan without a call number
+        (hier's moves between nodes) moves without a header.
 
         Raises:
             TimeoutError, RuntimeError: as :meth:`alltoallv`; RuntimeError naming the peer and both
@@ -318,8 +282,7 @@ class NcclCommunicator(Watchdog, Communicator):
         return failure
 
     def _stalled(self):
-        """The mismatch the call headers received so far show (rows of another size stall NCCL
-        before the check), for a timeout's message, or None; never raises."""
+        """The mismatch the call headers received so far show, for a timeout's message, or None."""
         try:
             return self._headers.stalled()
         except Exception:  # noqa: BLE001 (read on the way to raising the timeout)
@@ -339,11 +302,11 @@ class NcclCommunicator(Watchdog, Communicator):
             self._group(blocks, sc, so, rc, ro, stream_ptr, call, header)
 
     def alltoall_counts(self, counts, *, stream=None):
-        """:meth:`Communicator.alltoall_counts` as one NCCL group on ``stream`` (int32 or int64
-        device arrays): read the result on the host only after :meth:`wait` or a sync of ``stream``.
-        TimeoutError also reports an earlier exchange the watchdog found unfinished."""
+        """:meth:`Communicator.alltoall_counts` as one NCCL group on ``stream``: read the result on
+        the host only after :meth:`wait`. TimeoutError also reports an earlier unfinished
+        exchange."""
         self.check_usable()
-        self._connected(self._stream(stream))
+        self._connected(self.stream_ptr(stream))
         counts, k = check_counts_array(self, counts)
         call = self._board.enter(EXCHANGE)
         counts = self._cupy.ascontiguousarray(counts)
@@ -353,14 +316,13 @@ class NcclCommunicator(Watchdog, Communicator):
         if k:
             chunk = k * counts.itemsize
             self._group([(counts.data.ptr, out.data.ptr, chunk)], ones, offsets, ones, offsets,
-                        self._stream(stream), call)
+                        self.stream_ptr(stream), call)
         return out
 
     def _group(self, blocks, sc, so, rc, ro, stream_ptr, call, header=None):
-        """Enqueue one NCCL group sending and receiving each block's rows as bytes per peer.
-        ``blocks``: (send ptr, recv ptr, row bytes) per array; ``call``: the arrival board's number;
-        ``header``: None or ``(CallHeaders, sends, outs, plan)``, sent first to each peer moved
-        with."""
+        """Enqueue one NCCL group moving the rows of each of ``blocks`` ((send ptr, recv ptr, row
+        bytes)) as bytes; ``call``: the arrival board's number; ``header``: None or
+        ``(CallHeaders, sends, outs, plan)``, sent first to each peer moved with."""
         send, recv = self._nccl.send, self._nccl.recv
         uint8 = self._uint8
         nccl = self._nccl_mod

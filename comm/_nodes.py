@@ -1,8 +1,8 @@
-"""Node membership: which ranks may map each other's memory (and share NCCL's intra-node
-transports), agreed in one side-channel round from, in order: ``node_size`` (``init``'s, else
-``$MXCOMM_NODE_SIZE``: consecutive groups, *emulated* nodes inside real ones); ``NCCL_HOSTID`` where
-every rank sets it; else host name and boot id. NCCL's host hash (``getHostHash``,
-``src/misc/utils.cc``) reads ``NCCL_HOSTID``, so the NCCL backend sets it for an emulation."""
+"""Node membership: which ranks may map each other's memory, agreed in one side-channel round from,
+in order: ``node_size`` (``init``'s, else ``$MXCOMM_NODE_SIZE``: *emulated* nodes of consecutive
+ranks inside real ones); ``NCCL_HOSTID`` where every rank sets it; else host name and boot id.
+NCCL's host hash (``getHostHash``, ``src/misc/utils.cc``) reads ``NCCL_HOSTID``, so the NCCL
+backend sets it for an emulation."""
 
 import dataclasses
 import hashlib
@@ -12,45 +12,39 @@ import numpy
 
 from ._board import node_key
 
-#: The environment's default of ``init``'s ``node_size``.
 NODE_SIZE_ENV = "MXCOMM_NODE_SIZE"
-#: NCCL's override of its host hash (src/misc/utils.cc, ``getHostHash``).
 NCCL_HOSTID_ENV = "NCCL_HOSTID"
 _KEY = 20  # bytes of a host key (sha1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Nodes:
-    """Which node each rank is on (the same record on every rank): ``of_rank``, W ints numbered by
-    their first rank; ``emulated``: the split came from ``node_size``."""
+    """Which node each rank is on: ``of_rank``, W ints numbered by their first rank; ``emulated``:
+    the split came from ``node_size``."""
 
     of_rank: tuple
     emulated: bool = False
 
     @property
     def count(self):
-        """The number of nodes."""
         return max(self.of_rank) + 1
 
     def export_hostid(self, rank):
-        """Set ``NCCL_HOSTID=node<k>`` for ``rank`` of emulated nodes, so NCCL built later here sees
-        it."""
+        """Set ``NCCL_HOSTID=node<k>`` for ``rank`` of emulated nodes, for NCCL built later."""
         if self.emulated:
             os.environ[NCCL_HOSTID_ENV] = f"node{self.of_rank[rank]}"
 
     def ranks(self, node):
-        """The ranks of ``node``, ascending."""
         return [r for r, n in enumerate(self.of_rank) if n == node]
 
     @property
     def consecutive(self):
-        """Whether every node's ranks are consecutive, so a rank's rows for / from one node are one
-        run."""
+        """Whether every node's ranks are consecutive (a rank's rows for one node are one run)."""
         return all(b - a in (0, 1) for a, b in zip(self.of_rank, self.of_rank[1:]))
 
 
 def _node_size_here(node_size):
-    """This rank's override as an int (0: none; -1: ``$MXCOMM_NODE_SIZE`` not an int)."""
+    """This rank's node size (0: none; -1: ``$MXCOMM_NODE_SIZE`` not an int)."""
     if node_size is not None:
         return node_size
     text = os.environ.get(NODE_SIZE_ENV, "").strip()
@@ -63,19 +57,16 @@ def _node_size_here(node_size):
 
 
 def _numbered(keys):
-    """Node numbers of ``keys`` (one per rank), by their first rank."""
     first = {}
     return tuple(first.setdefault(k, len(first)) for k in keys)
 
 
 def discover(side, node_size=None):
-    """The :class:`Nodes` of the side channel's ranks (collective: one allgather); ``node_size``:
-    None or an int > 0 (see the module).
+    """The :class:`Nodes` of the side channel's ranks (collective: one allgather).
 
     Raises:
-        ValueError (on every rank): different or non-positive node sizes; an emulated node spanning
-            two hosts; ``NCCL_HOSTID`` on some ranks only, or splitting unlike ``node_size``, or a
-            ``NCCL_HOSTID`` node spanning two hosts.
+        ValueError (on every rank): different or non-positive node sizes; ``NCCL_HOSTID`` on some
+            ranks only, or splitting unlike ``node_size``; a node spanning two hosts.
         TimeoutError: a rank did not join within the side channel's timeout."""
     hostid = os.environ.get(NCCL_HOSTID_ENV)
     mine = numpy.zeros(2 + 2 * _KEY // 8, numpy.int64)
@@ -86,7 +77,7 @@ def discover(side, node_size=None):
     mine[2:] = numpy.frombuffer(words, numpy.int64)
     table = side.allgather_array(mine, "node discovery")
     sizes = table[:, 0].tolist()
-    rank, where = side.rank, f"on rank {side.rank}"
+    where = f"on rank {side.rank}"
     hosts = [table[r, 2:].tobytes()[:_KEY] for r in range(side.size)]
     hostids = [table[r, 2:].tobytes()[_KEY:2 * _KEY] if table[r, 1] else None
                for r in range(side.size)]

@@ -1,28 +1,17 @@
 """The host side channel: small host collectives (bootstrap, layout exchange, votes), each bounded
 by ``timeout``, then ``on_timeout`` (the communicator aborts) and TimeoutError. MPI and gloo cannot
-cancel a collective, so a timed-out one is kept alive with its buffers in ``abandoned`` (a late peer
-may still write into them). ``_torchside`` has the torch implementation."""
+cancel a collective: a timed-out one is kept in ``abandoned`` with its buffers, which a late peer
+may still write. Implementations: ``_mpi.MpiSideChannel``, ``_torchdist.TorchSideChannel``."""
 
 import abc
 import pickle
-import time
 
 import numpy
 
-from ._board import ArrivalBoard
-
-# MPI requests are polled: spin this long, then sleep between tests, doubling to the longest.
-_SPIN_S = 2e-3
-_MIN_SLEEP_S = 5e-5
-_MAX_SLEEP_S = 5e-3
-#: Message tag: ``_TAG`` + bytes mod ``_TAGS``, so ranks in gathers of another size (another
-#: call) time out naming the rank instead of MPI failing on a truncated message.
-_TAG = 17
-_TAGS = 16384
-
+from ._board import ArrivalBoard, node_key
 
 def _not_bound(reason):
-    """``on_timeout`` of a channel no communicator has bound yet: nothing to abort."""
+    """``on_timeout`` before a communicator binds the channel: nothing to abort."""
 
 
 class SideChannel(abc.ABC):
@@ -34,14 +23,12 @@ class SideChannel(abc.ABC):
         abandoned: ``(operations, buffers)`` of timed-out operations, kept alive.
         on_timeout: ``on_timeout(reason)``, called before TimeoutError; the communicator's abort.
         kind: ``"mpi"`` or ``"torch"``.
-        shared_windows: whether MPI shared windows can be made (the host pull transport).
         group: the torch.distributed group built over, or None.
         board: the arrival board once :meth:`open_board` made it, else None.
         nodes: the agreed ``_nodes.Nodes`` once ``init`` set them, else None."""
 
     kind = None
     nodes = None
-    shared_windows = False
     group = None
     board = None
 
@@ -54,8 +41,7 @@ class SideChannel(abc.ABC):
         self.on_timeout = _not_bound
 
     def open_board(self):
-        """Make the arrival board of each node's ranks (collective), so timeouts name the ranks
-        behind."""
+        """Make the arrival board (collective), so timeouts name the ranks behind."""
         self.board = ArrivalBoard(self)
 
     @abc.abstractmethod
@@ -65,10 +51,7 @@ class SideChannel(abc.ABC):
 
     def allgather_bytes(self, payload, what):
         """Every rank's ``payload`` (bytes, one length on all ranks), concatenated in rank order."""
-        mine = numpy.frombuffer(payload, dtype=numpy.uint8).copy()
-        table = numpy.empty((self.size, mine.size), dtype=numpy.uint8)
-        self._gather(mine, table, what)
-        return table.tobytes()
+        return self.allgather_array(numpy.frombuffer(payload, numpy.uint8).copy(), what).tobytes()
 
     def allgather_array(self, mine, what):
         """Every rank's 1-D array ``mine`` (one length and dtype on all ranks) as (W, n) rows."""
@@ -78,8 +61,8 @@ class SideChannel(abc.ABC):
         return table
 
     def allgather_into(self, mine, table, what, counted=True):
-        """Allgather ``mine`` into ``table`` ((W, n), rank order), buffers reused by the vote;
-        ``counted=False`` leaves it out of :attr:`collectives`."""
+        """Allgather ``mine`` into the (W, n) ``table``; ``counted=False``: not in
+        :attr:`collectives`."""
         collectives = self.collectives
         self._gather(mine, table, what)
         if not counted:
@@ -89,14 +72,19 @@ class SideChannel(abc.ABC):
         """Block until every rank has arrived (bounded)."""
         self._gather(numpy.zeros(1, numpy.uint8), numpy.zeros((self.size, 1), numpy.uint8), what)
 
-    @abc.abstractmethod
     def bcast_object(self, obj, what, root=0):
-        """Broadcast a picklable ``obj`` from ``root``; one collective, counted."""
+        """A picklable ``obj`` from ``root`` (two allgathers: its size, then its bytes)."""
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        n = int(self.allgather_array(numpy.array([len(payload)], numpy.int64), what)[root, 0])
+        table = self.allgather_bytes(payload.ljust(n, b"\0"), what)  # n bytes from every rank
+        return pickle.loads(table[root * n:(root + 1) * n])
 
-    @abc.abstractmethod
-    def node_info(self):
-        """``(local_rank, one_node)``: this rank among its node's ranks, and whether every rank
-        shares that node (collective)."""
+    def local_rank(self):
+        """This rank among the ranks on its host (host name and boot id); one allgather."""
+        keys = self.allgather_bytes(node_key(), "node discovery (host names)")
+        n = len(keys) // self.size
+        return sum(keys[r * n:(r + 1) * n] == keys[self.rank * n:(self.rank + 1) * n]
+                   for r in range(self.rank))
 
     @abc.abstractmethod
     def free(self):
@@ -110,89 +98,3 @@ class SideChannel(abc.ABC):
             f"{what}: did not finish within {self.timeout:g} s on rank {self.rank} of "
             f"{self.size};{missing} the communicator is aborted (a rank may have "
             f"stopped calling it, failed before it, or called another collective)")
-
-
-class MpiSideChannel(SideChannel):
-    """Bounded host collectives over a private duplicate of ``mpi_comm`` (None: ``COMM_WORLD``),
-    polling each request (``Test``); its duplicate ``mpi`` also carries the MPI backend's data.
-    Collective to construct (``MPI_Comm_dup``, unbounded)."""
-
-    kind = "mpi"
-    shared_windows = True
-
-    def __init__(self, mpi_comm, timeout):
-        from mpi4py import MPI
-        self.MPI = MPI
-        parent = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        self.mpi = parent.Dup()
-        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
-
-    def wait(self, requests, what, keep=(), peers=None):
-        """Poll MPI ``requests`` until all complete or ``timeout`` s pass, then TimeoutError (after
-        ``on_timeout``), abandoning them with the buffers ``keep``; ``peers`` (the source of each
-        request, or None) lets the message name the ranks that did not arrive."""
-        if len(requests) == 1:
-            test = requests[0].Test
-        else:
-            def test(testall=self.MPI.Request.Testall):
-                return testall(requests)
-        if test():
-            return
-        start = time.monotonic()
-        deadline = start + self.timeout
-        sleep = _MIN_SLEEP_S
-        while not test():
-            now = time.monotonic()
-            if now > deadline:
-                self.abandoned.append((list(requests), keep))
-                missing = ""
-                if peers is not None:
-                    late = sorted({p for p, r in zip(peers, requests)
-                                   if p is not None and not r.Test()})
-                    if late:
-                        missing = (f" rank{'s' if len(late) > 1 else ''} "
-                                   f"{', '.join(map(str, late))} did not arrive;")
-                raise self._timed_out(what, missing)
-            if now - start > _SPIN_S:
-                time.sleep(sleep)
-                sleep = min(2 * sleep, _MAX_SLEEP_S)
-
-    def _gather(self, mine, table, what):
-        """Point to point, so a timeout names the ranks that did not arrive."""
-        table[self.rank] = mine
-        tag = _TAG + mine.nbytes % _TAGS
-        requests, peers = [], []
-        for step in range(1, self.size):
-            source = (self.rank - step) % self.size
-            dest = (self.rank + step) % self.size
-            requests.append(self.mpi.Irecv(table[source], source=source, tag=tag))
-            peers.append(source)
-            requests.append(self.mpi.Isend(mine, dest=dest, tag=tag))
-            peers.append(None)
-        self.collectives += 1
-        if requests:
-            self.wait(requests, what, keep=(mine, table), peers=peers)
-
-    def bcast_object(self, obj, what, root=0):
-        """Broadcast a picklable ``obj`` from ``root`` (two bounded broadcasts: size, bytes)."""
-        size = numpy.zeros(1, dtype=numpy.int64)
-        payload = pickle.dumps(obj) if self.rank == root else b""
-        size[0] = len(payload)
-        self.collectives += 1
-        self.wait([self.mpi.Ibcast(size, root=root)], what, keep=(size,))
-        buf = numpy.frombuffer(payload, dtype=numpy.uint8).copy() if self.rank == root else \
-            numpy.empty(int(size[0]), dtype=numpy.uint8)
-        self.wait([self.mpi.Ibcast(buf, root=root)], what, keep=(buf,))
-        return pickle.loads(buf.tobytes())
-
-    def node_info(self):
-        """:meth:`SideChannel.node_info` by an MPI shared-memory split."""
-        node = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
-        info = node.Get_rank(), node.Get_size() == self.size
-        node.Free()
-        return info
-
-    def free(self):
-        """Free the duplicate, unless a timed-out request may still touch it (then leak it)."""
-        if not self.abandoned:
-            self.mpi.Free()

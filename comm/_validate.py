@@ -1,6 +1,7 @@
 """Argument checks of the communicators' calls: local checks first, then (unless validation is off)
 one agreement round, so an error on any rank raises the same exception on every rank."""
 
+import itertools
 import operator
 
 import numpy
@@ -11,12 +12,9 @@ _INT64_MAX = 2**63 - 1
 
 
 def as_counts(values, name, rank, size):
-    """``values`` (a sequence or 1-D array of ``size`` integers) as a list of non-negative Python
-    ints fitting int64; ``name`` and ``rank`` go into messages.
-
-    Raises:
-        TypeError: not a sequence of integers.
-        ValueError: wrong length or a negative entry."""
+    """``values`` (``size`` integers) as a list of non-negative Python ints fitting int64.
+    TypeError: not a sequence of integers; ValueError: wrong length or a negative entry (messages
+    name ``name`` and ``rank``)."""
     # fast paths: ints in a list/tuple, or a 1-D integer array; else NumPy words the errors
     kind = type(values)
     if kind is list or kind is tuple:
@@ -28,12 +26,7 @@ def as_counts(values, name, rank, size):
         out = values.tolist()
         if not size or (min(out) >= 0 and max(out) <= _INT64_MAX):
             return out
-    return _as_counts_numpy(values, name, rank, size).tolist()
-
-
-def _as_counts_numpy(values, name, rank, size):
-    """:func:`as_counts` for any input, as a (W,) int64 array; words the argument errors."""
-    try:
+    try:  # any other input, or an error to word
         arr = numpy.asarray(values)
     except Exception:  # ragged or exotic input: report it, do not crash the vote
         raise TypeError(f"{name} on rank {rank} is not a sequence of integers") from None
@@ -52,23 +45,18 @@ def _as_counts_numpy(values, name, rank, size):
     if size and arr.min() < 0:
         r = int(numpy.argmin(arr))
         raise ValueError(f"{name} on rank {rank} is negative for rank {r}: {int(arr[r])}")
-    return arr
+    return arr.tolist()
 
 
 def exclusive_cumsum(counts):
     """Offsets of consecutive blocks of ``counts`` units: ``[0, c0, c0+c1, ...]`` (length W)."""
-    offsets = []
-    total = 0
-    for c in counts:
-        offsets.append(total)
-        total += c
-    return offsets
+    return list(itertools.accumulate(counts, initial=0))[:-1]
 
 
 def check_region(counts, offsets, rows, what, rank, explicit):
-    """Check that blocks ``[offsets[r], offsets[r] + counts[r])`` fit in ``rows`` rows (``what``:
-    ``"send"`` or ``"recv"``). With ``explicit`` offsets, bounds and (receive side) overlaps are
-    checked; else the consecutive blocks must cover exactly ``rows``. Raises ValueError."""
+    """ValueError unless blocks ``[offsets[r], offsets[r] + counts[r])`` fit in ``rows`` rows:
+    ``explicit`` offsets are checked for bounds and (``what="recv"``) overlaps; else the blocks
+    must cover exactly ``rows``."""
     noun = "out" if what == "recv" else "send"
     if not explicit:
         total = sum(counts)
@@ -90,10 +78,8 @@ def check_region(counts, offsets, rows, what, rank, explicit):
 
 
 def vote_counts(comm, op, error, send_counts, recv_counts, description, what, unit="rows"):
-    """The vote of a call with explicit counts (``op`` as ``comm.agree`` takes it): one agreement
-    round, then the check that every rank expects what its peers send. Returns ``sent[j][i]``, the
-    units rank j sends to rank i. Raises on every rank alike: the first invalid rank's error,
-    another collective or rows description, or counts not matching the peers' (ValueError)."""
+    """One agreement round (``comm.agree``), then the check that every rank expects what its peers
+    send; returns ``sent[j][i]``, units rank j sends to rank i. Raises on every rank alike."""
     w = comm.size
     words = comm.agree(op, error, (0,) * 2 * w if error is not None else
                        (*send_counts, *recv_counts), text=description, what=what).tolist()
@@ -104,8 +90,15 @@ def vote_counts(comm, op, error, send_counts, recv_counts, description, what, un
     return sent
 
 
+def rows_text(arrays):
+    """What the ranks compare of arrays moved together, e.g. "bfloat16 rows of shape (7168,)"."""
+    return " + ".join(f"{numpy.dtype(a.dtype).name} rows of shape {tuple(a.shape[1:])}"
+                      for a in arrays)
+
+
 def check_arrays(arrays, name, rank):
-    """Check arrays moved together: at least 1-D, C-contiguous, equal rows; return the rows."""
+    """The rows of arrays moved together; ValueError unless at least 1-D, C-contiguous, equal
+    rows."""
     rows = None
     for i, a in enumerate(arrays):
         label = name if len(arrays) == 1 else f"{name}[{i}]"
@@ -123,7 +116,7 @@ def check_arrays(arrays, name, rank):
 
 def _local_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, recv_offsets):
     """The local checks of an ``alltoallv`` call: ``(sends, outs, single, sc, rc, so, ro)``
-    (``outs`` empty for None); raises the argument errors."""
+    (``outs`` empty for None)."""
     rank, size = comm.rank, comm.size
     single = not isinstance(send, (tuple, list))
     sends = (comm._as_array(send, "send"),) if single else \
@@ -162,9 +155,8 @@ def _local_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, re
 def check_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, recv_offsets,
                     validate, descriptions):
     """Check an ``alltoallv`` call locally and, if ``validate``, across ranks; allocate ``out`` if
-    None. ``descriptions``: the caller's cache of row texts by (dtype, row shape). Returns ``(sends,
-    outs, single, sc, rc, so, ro)``: backend arrays, whether ``send`` was one array, counts and
-    offsets in rows (W ints each)."""
+    None. ``descriptions``: the caller's cache of row texts. Returns ``(sends, outs, single, sc,
+    rc, so, ro)``: backend arrays, whether ``send`` was one array, counts and offsets in rows."""
     error = None
     sends = outs = ()
     single, sc, rc, so, ro = True, None, None, None, None
@@ -181,8 +173,7 @@ def check_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, rec
             if description is None:
                 if len(descriptions) > 64:
                     descriptions.clear()
-                description = descriptions[key] = " + ".join(
-                    f"{dtype.name} rows of shape {shape}" for dtype, shape in key)
+                description = descriptions[key] = rows_text(sends)
         vote_counts(comm, "alltoallv", error, sc, rc, description, "alltoallv")
     elif error is not None:
         raise type(error)(f"alltoallv: {error}")
@@ -194,7 +185,7 @@ def check_alltoallv(comm, send, send_counts, recv_counts, out, send_offsets, rec
 
 
 def check_counts_array(comm, counts):
-    """Check an ``alltoall_counts`` input locally and, if ``comm.validate``, across ranks; returns
+    """Check an ``alltoall_counts`` input locally and, if ``comm.validate``, across ranks:
     ``(counts, k)``, the backend array and its entries per rank."""
     error = None
     k = 0

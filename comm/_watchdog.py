@@ -12,20 +12,17 @@ from ._board import EXCHANGE
 _CUDA_SUCCESS = 0
 _CUDA_NOT_READY = 600          # cudaErrorNotReady
 _EVENT_DISABLE_TIMING = 0x2    # cudaEventDisableTiming
-#: Polling period while work is in flight: only how late a timeout is noticed (the calls recycle
-#: events themselves); faster polls cost the caller the GIL (bench/NOTES.md).
+#: Polling period while work is in flight (faster polls cost the caller the GIL).
 _WATCH_POLL_S = 0.05
 _ASYNC_CHECK_S = 1.0           # period of ncclCommGetAsyncError checks while in flight
 _IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in flight
-#: ``wait`` spins this long before sleeping (doubling to 1 ms): the layout exchange's host read
-#: waits here, and a sleep's overshoot would idle the device.
+#: ``wait`` spins this long before sleeping (doubling to 1 ms): a sleep's overshoot idles the GPU.
 _WAIT_SPIN_S = 2e-3
 
 
 class Watchdog:
     """The watchdog's part of :class:`~mxcomm.comm.NcclCommunicator` (a base of it): event pool and
-    queue, the thread, :meth:`wait`. The communicator supplies the runtime, board, streams, NCCL,
-    the lifecycle and ``_stalled``."""
+    queue, the thread, :meth:`wait`."""
 
     def _start_watchdog(self):
         """The watchdog's state, shared with its thread under ``self._lock``, and the thread."""
@@ -42,7 +39,7 @@ class Watchdog:
 
     def _record(self, stream_ptr, call):
         """Record a pooled event on ``stream_ptr`` after exchange call ``call`` and queue it (not
-        during a CUDA graph capture: the graph's launches are the caller's)."""
+        during a CUDA graph capture)."""
         if self._runtime.streamIsCapturing(stream_ptr):
             self._captured = True  # a CUDA graph now holds NCCL work of this communicator
             return
@@ -62,9 +59,7 @@ class Watchdog:
 
     def _retire_finished(self):
         """Return the finished events at the queue's head to the pool (under the lock); how many. On
-        one stream they finish in order, so a binary search finds them in O(log n) queries and the
-        thread competes less with the caller for the GIL; on several streams, one query each from
-        the head."""
+        one stream they finish in order: a binary search finds them in O(log n) queries."""
         flight, query = self._in_flight, self._runtime.eventQuery
         if not flight or query(flight[0][0]) != _CUDA_SUCCESS:
             return 0
@@ -153,26 +148,23 @@ class Watchdog:
             time.sleep(_WATCH_POLL_S)
 
     def wait(self, stream=None):
-        """Block the host until the work enqueued on ``stream`` so far is done, or ``timeout``: the
-        only method that syncs the host. Use it before the host reads a result (e.g. of
-        :meth:`alltoall_counts`) instead of a device synchronize, so a peer that never joins raises
-        instead of hanging.
+        """Block the host until the work enqueued on ``stream`` (None: CuPy's current stream, a
+        stream object, or a raw handle) so far is done: the only method that syncs the host. Use
+        it instead of a device synchronize, so a peer that never joins raises instead of hanging.
 
-        Args:
-            stream: None for CuPy's current stream, a stream object, or a raw handle.
         Raises:
-            TimeoutError: a device wait of an exchange on the stream gave up after ``timeout`` s
-                (naming the rank), or the work is not done within ``1.25 * timeout + 1`` s (naming
-                by the arrival board this node's ranks behind); the communicator is aborted.
+            TimeoutError: a device wait of an exchange gave up after ``timeout`` s (naming the
+                rank), or the work is not done within ``1.25 * timeout + 1`` s (naming by the
+                arrival board this node's ranks behind); the communicator is aborted.
             RuntimeError: the communicator is aborted or closed; a peer called another exchange or
-                is at another call of it (then the mis-paired call's results hold 0xFF bytes)."""
+                is at another call of it (the mis-paired call's results hold 0xFF bytes)."""
         self.check_usable()
         runtime = self._runtime
         with self._lock:
             event = self._free_events.pop() if self._free_events else None
         if event is None:
             event = runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING)
-        runtime.eventRecord(event, self._stream(stream))
+        runtime.eventRecord(event, self.stream_ptr(stream))
         start = time.monotonic()
         sleep = 1e-5
         try:

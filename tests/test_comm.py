@@ -1088,6 +1088,17 @@ def test_landed_matches_row_by_row_placement():
         assert landed(None, lo, hi) == ([(lo, lo, hi - lo)] if hi > lo else [])
 
 
+@pytest.mark.mpi
+def test_side_channel_broadcast_and_local_rank(comm):
+    """The MPI side channel (the torch one: test_torchdist.py) broadcasts each root's object of
+    its own size to every rank; all ranks run on this host, so each one's local rank is its rank."""
+    side = comm._side
+    for root in range(comm.size):
+        sent = {"root": root, "bytes": bytes(range(7 * root + 1))}
+        assert side.bcast_object(sent if comm.rank == root else None, "test", root=root) == sent
+    assert side.local_rank() == comm.rank
+
+
 # ------------------------------------------------------------------------------- arrival board
 @pytest.mark.mpi
 def test_arrival_board_names_the_ranks_behind(comm):

@@ -219,6 +219,15 @@ def gpu_world_checks(rank, size):
         return c.transport
 
 
+def _side_channel_checks(side, rank, size):
+    """The side channel's broadcast carries each root's object of its own size to every rank;
+    every rank is on this host, so its local rank is its rank."""
+    for root in range(size):
+        sent = {"root": root, "bytes": bytes(range(7 * root + 1))}
+        assert side.bcast_object(sent if rank == root else None, "test", root=root) == sent
+    assert side.local_rank() == rank
+
+
 def world_checks(rank, size):
     """Rank ``rank`` of the whole world: the communicator, its errors, the drop-in."""
     import mxcomm.comm as mxc
@@ -229,6 +238,7 @@ def world_checks(rank, size):
         assert (c.rank, c.size, c.group) == (rank, size, group)
         _alltoallv_checks(c, rank, size)
         _layout_checks(c, rank, size, SEED + 1)
+        _side_channel_checks(c._side, rank, size)
         # one rank's bad counts: the same ValueError on every rank, before any data moves
         send = rows_of(rank, 4, BF16, (2,))
         bad = [4] + [0] * (size - 1) if rank != 1 else [1] * (size + 1)  # rank 1: W + 1 counts
