@@ -20,6 +20,7 @@ weights reading the same rows are one GEMM over ``[w_1 | w_2 | ...]`` along N, t
 docs/design.md, "EP semantics", "Recipes and the expert-parallel object", "The experts' GEMMs".
 """
 
+import functools
 import weakref
 
 import torch
@@ -42,7 +43,14 @@ def fp8_gemm_available(device):
     that has it."""
     device = torch.device(device)
     return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(device)[0] == 9)
+            and _major(device.index if device.index is not None
+                       else torch.cuda.current_device()) == 9)
+
+
+@functools.cache
+def _major(index):
+    """The compute capability's major number of CUDA device ``index`` (asked once)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def quantize_rows_pow2(t):
@@ -110,22 +118,18 @@ def _plain(t):
     return (t.dequantize() if hasattr(t, "qdata") else t).detach().to(torch.bfloat16)
 
 
-def _group_colwise(data, scales, offs):
-    """fp8 rowwise rows (P, C) as a wgrad operand: ((C, T) e4m3fn, (G * C,) float32 scales per
-    (group, column), (G,) int32 aligned group ends)."""
-    data_t, scales_t, aligned = colwise.fp8_rowwise_to_group_colwise(
-        _array(data, "data"), _array(scales, "scales"), _array(offs, "offs"),
-        stream=_stream(data))
-    return (_tensor(data_t, torch.float8_e4m3fn), _tensor(scales_t).reshape(-1),
-            _tensor(aligned))
-
-
 def _fp8_wgrad(x_rows, grad_rows, offs, fast):
-    """dw (G, K, N) bf16 = x^T grad per group from (data, scales) fp8 rowwise pairs."""
-    a, scale_a, aligned = _group_colwise(*x_rows, offs)       # x^T (K, T), scales (G * K,)
-    b, scale_b, _ = _group_colwise(*grad_rows, offs)          # grad^T (N, T), scales (G * N,)
-    return torch._scaled_grouped_mm(a, b.t(), scale_a, scale_b, offs=aligned,
-                                    out_dtype=torch.bfloat16, use_fast_accum=fast)
+    """dw (G, K, N) bf16 = x^T grad per group from (data, scales) fp8 rowwise pairs, both
+    rescaled per (group, column) and transposed (``colwise``) with the checks done here."""
+    ends, stream = _array(offs, "offs"), _stream(offs)
+    a, scale_a, aligned = colwise._to_group_colwise(                 # x^T (K, T), (G, K)
+        _array(x_rows[0], "x"), _array(x_rows[1], "x scales"), ends, stream)
+    b, scale_b, _ = colwise._to_group_colwise(                       # grad^T (N, T), (G, N)
+        _array(grad_rows[0], "grad"), _array(grad_rows[1], "grad scales"), ends, stream)
+    return torch._scaled_grouped_mm(
+        _tensor(a, torch.float8_e4m3fn), _tensor(b, torch.float8_e4m3fn).t(),
+        _tensor(scale_a).reshape(-1), _tensor(scale_b).reshape(-1), offs=_tensor(aligned),
+        out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
 class WeightCache:
@@ -167,14 +171,15 @@ class WeightCache:
             operand: the name of what ``make`` makes (part of the key).
             make: ``w -> value``.
         """
-        ws = w if isinstance(w, tuple) else (w,)
-        owners = [t._base if t._base is not None else t for t in ws]
-        key = (operand,) + tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
-                                  t.device) for t in ws)
+        key, version, owners = [operand], [], []
+        for t in w if isinstance(w, tuple) else (w,):
+            owners.append(t if t._base is None else t._base)
+            key.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device))
+            version.append(t._version)
+        key = tuple(key)
         entries = self._entries.get(owners[0])
         if entries is None:
             entries = self._entries[owners[0]] = {}
-        version = tuple(t._version for t in ws)
         found = entries.get(key)
         # the other weights are held weakly: the entry lives as long as the first one does
         if found is not None and found[0] == version and \
@@ -183,7 +188,7 @@ class WeightCache:
             return found[1]
         self.misses += 1
         value = make(w)
-        entries[key] = (version, value, tuple(weakref.ref(o) for o in owners[1:]))
+        entries[key] = (version, value, [weakref.ref(o) for o in owners[1:]])
         return value
 
     def clear(self):

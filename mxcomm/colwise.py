@@ -58,24 +58,29 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
             kernel indexes words in int32).
     """
     data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
-    p, d = data.shape
-    scales = check_array(scales, "scales", float32, (p,))
+    scales = check_array(scales, "scales", float32, (data.shape[0],))
     ends = as_device_array(group_ends, "group_ends")
     if ends.ndim != 1 or ends.shape[0] == 0:
         raise ValueError(f"group_ends: expected a 1-D array of G >= 1 group ends, got shape "
                          f"{tuple(ends.shape)}")
     ends = check_array(ends, "group_ends", numpy.dtype(numpy.int32), ends.shape)
-    if group_colwise_positions(p, ends.shape[0]) * d // 4 > ENCODE_MAX_WORDS:
-        raise ValueError(f"data: {p} x {d} rows in {ends.shape[0]} groups give an output of "
-                         f"{group_colwise_positions(p, ends.shape[0])} x {d} bytes, above the "
-                         f"{4 * ENCODE_MAX_WORDS} the encode kernel indexes (int32 "
-                         f"words); split the rows")
+    return _to_group_colwise(data, scales, ends, stream)
+
+
+def _to_group_colwise(data, scales, ends, stream):
+    """:func:`fp8_rowwise_to_group_colwise` of arrays of the checked dtypes and shapes (the fp8
+    GEMM's own operands): only the output's size checked here."""
+    p, d = data.shape
+    g = ends.shape[0]
+    t = group_colwise_positions(p, g)
+    if t * d // 4 > ENCODE_MAX_WORDS:
+        raise ValueError(f"data: {p} x {d} rows in {g} groups give an output of {t} x {d} "
+                         f"bytes, above the {4 * ENCODE_MAX_WORDS} the encode kernel indexes "
+                         f"(int32 words); split the rows")
     if host_backend():
         return _host.fp8_rowwise_to_group_colwise(data, scales, ends)
     stream = stream_ptr(stream)
     xp = array_module()
-    g = ends.shape[0]
-    t = group_colwise_positions(p, g)
     data_t = xp.empty((d, t), dtype=_U8)
     scales_t = xp.empty((g, d), dtype=float32)
     aligned = xp.empty(g, dtype=numpy.int32)

@@ -129,10 +129,9 @@ def expert_order(layout, align, stream):
     indices, offsets = _layout_index(layout, align, stream)
     n = layout.num_received
     xp = array_module()
-    with _on_stream(stream):
+    with _on_stream(stream):  # padding's -1 writes the spare last entry
         inverse = xp.empty(n + 1, dtype=numpy.int32)
-        inverse[xp.where(indices >= 0, indices, n)] = xp.arange(indices.shape[0],
-                                                                 dtype=numpy.int32)
+        inverse[indices] = xp.arange(indices.shape[0], dtype=numpy.int32)
     cached = layout._cache[key] = (indices, offsets, inverse[:n])
     return cached
 
