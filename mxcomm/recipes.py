@@ -383,10 +383,7 @@ class Chooser:
 
     def __call__(self, layout):
         """The recipe for ``layout`` (its agreed ``sent`` table; no host sync)."""
-        if not self.bounds:
-            return self.answers[0]
-        return self.answers[bisect.bisect_right(self.bounds,
-                                                rows_per_rank(layout) * self._scale)]
+        return self.for_rows(rows_per_rank(layout))
 
     def for_rows(self, rows):
         """The recipe for ``rows`` rows per rank (an int, or a traced size: plain comparisons

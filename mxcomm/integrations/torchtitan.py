@@ -142,8 +142,6 @@ def _define_classes():
 def _converted(config, fields_):
     """The mxcomm twin of a dispatcher config, ``fields_`` set (those TorchAO's lacks, such as
     ``permute_align``, dropped). ValueError: an unknown precision; ``"auto"`` on TorchAO's."""
-    import dataclasses
-
     from torchtitan.models.common import token_dispatcher as td
     _define_classes()
     module = sys.modules[__name__]
@@ -153,22 +151,18 @@ def _converted(config, fields_):
         raise ValueError("recipe 'auto': needs torchtitan's AllToAllTokenDispatcher (the TorchAO "
                          "dispatcher pads its groups for torchao's quantized experts); pin a "
                          "recipe, or use the AllToAll dispatcher")
-    fields = {f.name for f in dataclasses.fields(target.Config) if f.init}
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-              if f.init and f.name in fields}
-    values.update((k, v) for k, v in fields_.items() if k in fields)
-    new = target.Config(**values)
+    new = _twin(config, target, fields_)
     precisions(new)  # an unknown precision fails here, at configuration time
     return new
 
 
-def _experts(config, gemm, wgrad="fp8"):
-    """The :class:`MxcommGroupedExperts` twin of a ``GroupedExperts.Config``."""
+def _twin(config, target, changes):
+    """``target.Config`` of ``config``'s fields, ``changes`` made (fields it lacks dropped)."""
     import dataclasses
-    _define_classes()
-    target = sys.modules[__name__].MxcommGroupedExperts
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values.update(gemm=gemm, wgrad=wgrad)
+    names = {f.name for f in dataclasses.fields(target.Config) if f.init}
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.init and f.name in names}
+    values.update((k, v) for k, v in changes.items() if k in names)
     return target.Config(**values)
 
 
@@ -182,7 +176,8 @@ def _recipe(recipe):
     return (dict(dispatch_precision=recipe.dispatch, combine_precision=recipe.combine,
                  dispatch_grad_precision=recipe.dispatch_grad,
                  combine_grad_precision=recipe.combine_grad,
-                 permute_align=RECIPE_ALIGN if recipe.fused else 0), recipe.gemm, recipe.wgrad)
+                 permute_align=RECIPE_ALIGN if recipe.fused else 0), recipe.gemm,
+            getattr(recipe, "wgrad", "fp8"))
 
 
 def _replace(config, cls, make):
@@ -245,7 +240,9 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
     count = _replace(config, td.AllToAllTokenDispatcher.Config,
                      lambda node: _converted(node, fields))
     if gemm is not None:
-        _replace(config, GroupedExperts.Config, lambda node: _experts(node, gemm, wgrad))
+        experts = sys.modules[__name__].MxcommGroupedExperts
+        _replace(config, GroupedExperts.Config,
+                 lambda node: _twin(node, experts, dict(gemm=gemm, wgrad=wgrad)))
     if gemm == "auto":  # each dispatcher predicts with its experts' width
         from torchtitan.models.common.moe import RoutedExperts
         ours = sys.modules[__name__].MxcommTokenDispatcher.Config
