@@ -14,7 +14,8 @@ E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align
     group_offsets  [4, 8]
 
 A group with no rows takes no padding. No host sync: P is a static bound, and the index is built on
-the device where the counts are.
+the device where the counts are. ``stream``: the stream to launch on (None: CuPy's current), not
+synchronized; on a CPU the work is done when the call returns.
 """
 
 import contextlib
@@ -160,9 +161,7 @@ def permuted_landing(layout, align):
 def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *, out_format=None,
             stream=None):
     """Received rows -> expert-major order, each expert's group zero-padded to a multiple of
-    ``align``.
-
-    Layout: the module docstring. Rows of a group keep their received order (by source rank).
+    ``align`` (the module docstring's table); a group's rows keep their received order.
 
     Args:
         x: (M_recv, ...) C-contiguous device array of any dtype, or a QuantizedArray (any format;
@@ -176,8 +175,7 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         out_format: None (or ``x``'s format) to move rows as they are; or a format to convert the
             QuantizedArray ``x`` to in the same pass (``"fp8_rowwise"`` or ``"bf16"`` from
             ``"mxfp8"``; ``mxcomm.formats.conversion``).
-        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
-            is done when the call returns.
+        stream: as the module docstring says.
     Returns:
         ``(permuted, permuted_indices, group_offsets)``: permuted (P, ...) of ``x``'s dtype or
         format (or ``out_format``; padding rows have data 0 and the format's ``padding_scale``, so
@@ -188,7 +186,8 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
         ValueError: no conversion to ``out_format``; counts not 1-D or their length not a multiple
             of ``num_local_experts``; ``num_local_experts`` or ``align`` < 1; ``x`` not
-            C-contiguous; on the host backend, a negative count.
+            C-contiguous; on the host backend, a negative count; with a layout, rows or
+            ``num_local_experts`` other than its.
     """
     return _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_format, stream,
                     None)
@@ -307,8 +306,7 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
         num_rows: M_recv, an int >= 0 (rows no index names are zero; indices >= num_rows are
             dropped), or the layout (its ``num_received``; no fill needed).
-        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
-            is done when the call returns.
+        stream: as the module docstring says.
     Returns:
         (num_rows, H...) array of ``y``'s dtype, or a QuantizedArray (any format).
     Raises:
@@ -339,9 +337,8 @@ def _unpermute(y, permuted_indices, num_rows, stream, alloc):
 
 
 def permute_backward(grad, permuted_indices, num_rows, *, stream=None):
-    """Backward of :func:`permute`: the :func:`unpermute` scatter of ``grad`` (P, D...) to
-    (num_rows, D...) received order, padding rows' gradient ignored; arguments and errors as
-    there."""
+    """Backward of :func:`permute`: :func:`unpermute` of ``grad`` (P, D...) (padding rows'
+    gradient ignored); arguments and errors as there."""
     return unpermute(grad, permuted_indices, num_rows, stream=stream)
 
 
@@ -352,8 +349,7 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
         grad: (M_recv, H...) C-contiguous device array or a QuantizedArray (any format; padding
             rows get data 0 and the format's padding scale). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
-        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
-            is done when the call returns.
+        stream: as the module docstring says.
     Returns:
         (P, H...) array of ``grad``'s dtype, or a QuantizedArray (any format).
     Raises:

@@ -338,7 +338,7 @@ class Chooser:
 
     Predictions are piecewise linear, so the answer changes only at a point or a crossing,
     found once: ``bounds`` (ascending, in the table's scaled rows) and ``answers`` (the
-    :class:`Recipe` of each of the ``len(bounds) + 1`` intervals); a choice is a bisection.
+    :class:`Recipe` of each of the ``len(bounds) + 1`` intervals); a choice compares with them.
     """
 
     def __init__(self, dim, hidden, *, device="cpu", table=H100_TABLE, margin=0.02):
