@@ -10,8 +10,19 @@ to back), and the SQNR (dB) of each fp8 product against the bf16 one of the same
 
 import torch
 
-from mxcomm import _torch_gemm as g, sqnr
+from mxcomm import _torch_gemm as g, colwise, sqnr
+from mxcomm._torch_arrays import _array, _stream, _tensor
 from mxcomm.bench._timing import Clock, measure_back_to_back
+
+
+def group_colwise(data, scales, offs):
+    """fp8 rowwise rows (P, C) as the wgrad's operand: ((C, T) e4m3fn, (G * C,) float32, (G,)
+    int32 aligned group ends), as ``grouped_mm``'s backward makes them."""
+    data_t, scales_t, aligned = colwise.fp8_rowwise_to_group_colwise(
+        _array(data, "data"), _array(scales, "scales"), _array(offs, "offs"),
+        stream=_stream(data))
+    return (_tensor(data_t, torch.float8_e4m3fn), _tensor(scales_t).reshape(-1),
+            _tensor(aligned))
 
 
 def median_ms(fn):
@@ -37,8 +48,8 @@ def shape(rows, groups, k, n):
     ga, gs = g.quantize_rows_pow2(grad)
     b, sb = g._fp8_weight(w)
     bt, sbt = g._fp8_weight_t(w)
-    xt = g._group_colwise(a, sa, offs)
-    gt = g._group_colwise(ga, gs, offs)
+    xt = group_colwise(a, sa, offs)
+    gt = group_colwise(ga, gs, offs)
     y_ref = torch._grouped_mm(x, w, offs=offs)
     dx_ref = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
     dw_ref = torch._grouped_mm(x.t(), grad, offs=offs)
@@ -62,8 +73,8 @@ def shape(rows, groups, k, n):
          lambda: g.quantize_rows_pow2(w.contiguous()), None, None),
         ("weight quantize, dgrad (along N, transposed kernel)", lambda: g._fp8_weight_t(w),
          None, None),
-        ("x conversion for the fp8 wgrad", lambda: g._group_colwise(a, sa, offs), None, None),
-        ("grad conversion for the fp8 wgrad", lambda: g._group_colwise(ga, gs, offs), None,
+        ("x conversion for the fp8 wgrad", lambda: group_colwise(a, sa, offs), None, None),
+        ("grad conversion for the fp8 wgrad", lambda: group_colwise(ga, gs, offs), None,
          None),
         ("forward bf16", lambda: torch._grouped_mm(x, w, offs=offs), None, None),
         ("dgrad bf16", lambda: torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs), None,

@@ -24,6 +24,11 @@ from ._torch_gemm import fp8_gemm_available
 # (``self._p``), so either may be imported first.
 
 
+def _ranks(ranks):
+    """``"rank 3"`` or ``"ranks 0, 2"``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 class EPHandle(typing.NamedTuple):
     """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine`.
 
@@ -95,13 +100,16 @@ class ExpertParallel:
         self.num_local_experts = int(num_local_experts)
         self.align = int(align)
         self.hidden = hidden
-        device = self._local_device_class()
+        index = getattr(self.comm, "device", None)  # this rank's GPU, or None
+        device = "cpu" if index is None else \
+            "sm90" if fp8_gemm_available(torch.device("cuda", int(index))) else "cuda"
         #: ``"auto"``'s cost tables (``mxcomm.recipes.TableSet``), agreed across ranks.
         self.tables, failure = None, None
         if recipe == _recipes.AUTO:
-            try:
-                self.tables = _recipes.find_tables(self._local_device_name(), self.comm.size,
-                                                   table)
+            try:  # the device's name as cost tables record it
+                self.tables = _recipes.find_tables(
+                    "cpu" if index is None else torch.cuda.get_device_name(int(index)),
+                    self.comm.size, table)
             except ValueError as e:
                 failure = e
         mine = numpy.array([names.index(recipe) if recipe in names else -1,
@@ -114,9 +122,7 @@ class ExpertParallel:
         table_ = self.comm.allgather(mine, "ExpertParallel (arguments)")
         unknown = numpy.flatnonzero(table_[:, 0] < 0).tolist()
         if unknown:
-            raise ValueError(f"ExpertParallel: unknown recipe on rank"
-                             f"{'s' if len(unknown) > 1 else ''} "
-                             f"{', '.join(map(str, unknown))}"
+            raise ValueError(f"ExpertParallel: unknown recipe on {_ranks(unknown)}"
                              f"{f' ({recipe!r} here)' if recipe not in names else ''}; "
                              f"expected one of {', '.join(names)}")
         bad = numpy.flatnonzero(table_[:, 7] < 0).tolist()
@@ -132,9 +138,9 @@ class ExpertParallel:
                                  f"{differs[0]}); every rank of the group passes the same")
         failed = numpy.flatnonzero(table_[:, 5]).tolist()
         if failed:
-            raise ValueError(f"ExpertParallel: auto's cost table failed to load on rank"
-                             f"{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
-                             f"{f' (here: {failure})' if failure is not None else ''}")
+            here = f" (here: {failure})" if failure is not None else ""
+            raise ValueError(f"ExpertParallel: auto's cost table failed to load on "
+                             f"{_ranks(failed)}{here}")
         differs = numpy.flatnonzero(table_[:, 6] != table_[0, 6]).tolist()
         if differs:
             raise ValueError(f"ExpertParallel: auto's cost tables differ across ranks (rank 0 "
@@ -146,11 +152,10 @@ class ExpertParallel:
         self.recipe_name = recipe
         #: None, or the ``mxcomm._torch_overlap.BackwardOverlap`` of ``overlap=True`` (its side
         #: streams; ``beside`` / ``behind`` count the backwards that overlapped / waited).
+        self.overlap = None
         if overlap:
             from ._torch_overlap import BackwardOverlap
             self.overlap = BackwardOverlap()
-        else:
-            self.overlap = None
         self._choosers = {}  # D -> mxcomm.recipes.Chooser ("auto")
         self._pinned = None if recipe == _recipes.AUTO else _recipes.get_recipe(recipe)
         if self._pinned is not None and not gemm_fallback and \
@@ -160,19 +165,6 @@ class ExpertParallel:
                                f"which the group's devices ({self.device_class}) lack; pass "
                                f"gemm_fallback=True to run its GEMM in bf16, or choose another "
                                f"recipe")
-
-    def _local_device_class(self):
-        """This rank's device class: its communicator's GPU, else ``"cpu"``."""
-        device = getattr(self.comm, "device", None)
-        if device is None:
-            return "cpu"
-        device = torch.device("cuda", int(device))
-        return "sm90" if fp8_gemm_available(device) else "cuda"
-
-    def _local_device_name(self):
-        """This rank's device name, as cost tables record it: the GPU's, else ``"cpu"``."""
-        device = getattr(self.comm, "device", None)
-        return "cpu" if device is None else torch.cuda.get_device_name(int(device))
 
     def chooser(self, dim):
         """``"auto"``'s :class:`mxcomm.recipes.Chooser` for rows of width ``dim`` (cached per
@@ -258,19 +250,14 @@ class ExpertParallel:
 
 
 def grouped_experts_class(parent_cls):
-    """A subclass of torchtitan 0.3's ``GroupedExperts`` (``parent_cls``) whose grouped GEMMs are
-    ``mxcomm.torch.grouped_mm``, fed the rows :meth:`ExpertParallel.dispatch` returns as they are.
+    """The subclass (one per ``parent_cls``, cached) of torchtitan 0.3's ``GroupedExperts`` whose
+    grouped GEMMs are ``mxcomm.torch.grouped_mm``, fed :meth:`ExpertParallel.dispatch`'s rows.
 
-    Its ``forward(x_RD, num_tokens_per_expert_E)`` (the padded group sizes) computes
-    torchtitan's SwiGLU, ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert; on quantized rows in two
-    GEMMs: one over [w1 | w3] (the weights stay two parameters; one dgrad, so the backward
-    overlap engages), and w2's in bf16 (fp8 there costs the weight gradients SQNR: bench/NOTES.md,
-    "The expert weight gradients"). docs/design.md, "The experts' GEMMs".
-    Plain rows, a False :meth:`_uses_mxcomm_gemm`, or spmd_types type checking: torchtitan's
-    forward (with ``grouped_mm`` in its ``_grouped_mm`` seam where mxcomm's GEMMs are used).
-
-    Returns:
-        The subclass, one per ``parent_cls`` (cached).
+    ``forward(x_RD, num_tokens_per_expert_E)`` (the padded group sizes) computes torchtitan's
+    SwiGLU ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert; on quantized rows in two GEMMs: one
+    over [w1 | w3] (one dgrad, so the backward overlap engages) and w2's in bf16 (docs/design.md,
+    "The experts' GEMMs"). Plain rows, a False :meth:`_uses_mxcomm_gemm` or spmd_types type
+    checking: torchtitan's forward (``grouped_mm`` in its ``_grouped_mm`` seam where used).
     """
     cached = _EXPERTS_CLASSES.get(parent_cls)
     if cached is not None:

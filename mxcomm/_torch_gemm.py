@@ -1,25 +1,21 @@
 """A differentiable grouped GEMM of pre-quantized fp8 rowwise rows (re-exported by mxcomm.torch).
 
 Glossary: P permuted rows, K the reduction width (D), N the output width (H), G = E_local groups,
-``offs`` (G,) int32 cumulative group ends (``permute``'s ``group_offsets``).
-
-On SM90 it is thin over ``torch._scaled_grouped_mm``'s rowwise recipe
-(aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.11-2.13): A (M, K) e4m3fn row-major with
-``scale_a`` (M,) float32, B (G, K, N) e4m3fn column-major with ``scale_b`` (G, N) float32,
-K % 16 == 0, bf16 output; its 2d-2d case (wgrad) takes A (M, T), B (T, N) with ``scale_a``
-(G * M,), ``scale_b`` (G * N,) and needs every group of T a multiple of 16::
+``offs`` (G,) int32 cumulative group ends (``permute``'s ``group_offsets``). On SM90, thin over
+``torch._scaled_grouped_mm``'s rowwise recipe (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch
+2.11-2.13: e4m3fn operands, float32 scales per row of A and per (group, column) of B, K % 16 == 0;
+its 2d-2d wgrad case needs every group of tokens a multiple of 16)::
 
     forward  y  (P, N)    = x (P, K) fp8 rowwise (as permuted) x w (G, K, N), quantized along K
-    dgrad    dx (P, K)    = grad (P, N) fp8 rowwise (as delivered, else quantized here)
-                            x w^T (G, N, K), quantized along N
+    dgrad    dx (P, K)    = grad (P, N) fp8 rowwise x w^T (G, N, K), quantized along N
     wgrad    dw (G, K, N) = x^T (K, T) x grad (T, N), both scaled per (group, column) along the
                             tokens (``wgrad="fp8"``), or in bf16 (``wgrad="bf16"``)
 
-Elsewhere the fallback is ``torch._grouped_mm`` on the dequantized rows for all three. Several
-weights reading the same rows are one GEMM over ``[w_1 | w_2 | ...]`` along N, the wgrad split.
-docs/design.md, "EP semantics", "Recipes and the expert-parallel object", "The experts' GEMMs".
+Elsewhere ``torch._grouped_mm`` on the dequantized rows. Several weights reading the same rows
+are one GEMM over ``[w_1 | w_2 | ...]`` along N. docs/design.md, "The experts' GEMMs".
 """
 
+import functools
 import weakref
 
 import torch
@@ -27,13 +23,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import colwise, rowwise
 from ._torch_arrays import _array, _stream, _tensor
+from .recipes import GEMMS
 
 E4M3_MAX = 448.0
 _SCALE_EXP_MIN, _SCALE_EXP_MAX = -126, 127
-#: The products of :func:`grouped_mm`, the names ``fast_accum`` takes.
-GEMMS = ("forward", "dgrad", "wgrad")
-#: The attribute of overlapped-dispatch rows holding where the backward marks its dgrad
-#: (``mxcomm._torch_overlap``).
+#: The attribute of overlapped-dispatch rows where the backward marks its dgrad (_torch_overlap).
 OVERLAP_ATTRIBUTE = "_mxcomm_overlap"
 
 
@@ -42,7 +36,14 @@ def fp8_gemm_available(device):
     that has it."""
     device = torch.device(device)
     return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(device)[0] == 9)
+            and _major(device.index if device.index is not None
+                       else torch.cuda.current_device()) == 9)
+
+
+@functools.cache
+def _major(index):
+    """The compute capability's major number of CUDA device ``index`` (asked once)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def quantize_rows_pow2(t):
@@ -52,12 +53,9 @@ def quantize_rows_pow2(t):
         t: (..., K) float tensor. Read.
     Returns:
         (q, scale): (..., K) float8_e4m3fn and (...,) float32 with t ~= q * scale[..., None];
-        scale = 2^clamp(ceil(log2(amax / 448)), -126, 127) (amax 0: 2^-126). Non-finite rows give
-        NaN scales.
-
-    On CUDA, for bf16/fp32 with K % 16 == 0: ``mxcomm.rowwise.quantize_fp8_rowwise`` (exact);
-    elsewhere torch ops in float32 (at a power-of-two boundary of amax / 448 the scale may differ
-    from the exact rule by one binade).
+        scale = 2^clamp(ceil(log2(amax / 448)), -126, 127) (amax 0: 2^-126; non-finite: NaN).
+        On CUDA, bf16/fp32 with K % 16 == 0: ``mxcomm.rowwise.quantize_fp8_rowwise`` (exact);
+        else torch ops in float32 (at a power of two of amax / 448, maybe one binade off).
     """
     k = t.shape[-1]
     if t.is_cuda and t.dtype in (torch.bfloat16, torch.float32) and k % 16 == 0 and t.numel():
@@ -110,22 +108,18 @@ def _plain(t):
     return (t.dequantize() if hasattr(t, "qdata") else t).detach().to(torch.bfloat16)
 
 
-def _group_colwise(data, scales, offs):
-    """fp8 rowwise rows (P, C) as a wgrad operand: ((C, T) e4m3fn, (G * C,) float32 scales per
-    (group, column), (G,) int32 aligned group ends)."""
-    data_t, scales_t, aligned = colwise.fp8_rowwise_to_group_colwise(
-        _array(data, "data"), _array(scales, "scales"), _array(offs, "offs"),
-        stream=_stream(data))
-    return (_tensor(data_t, torch.float8_e4m3fn), _tensor(scales_t).reshape(-1),
-            _tensor(aligned))
-
-
 def _fp8_wgrad(x_rows, grad_rows, offs, fast):
-    """dw (G, K, N) bf16 = x^T grad per group from (data, scales) fp8 rowwise pairs."""
-    a, scale_a, aligned = _group_colwise(*x_rows, offs)       # x^T (K, T), scales (G * K,)
-    b, scale_b, _ = _group_colwise(*grad_rows, offs)          # grad^T (N, T), scales (G * N,)
-    return torch._scaled_grouped_mm(a, b.t(), scale_a, scale_b, offs=aligned,
-                                    out_dtype=torch.bfloat16, use_fast_accum=fast)
+    """dw (G, K, N) bf16 = x^T grad per group from (data, scales) fp8 rowwise pairs, converted
+    by ``colwise`` without its checks (these are the GEMM's own operands)."""
+    ends, stream = _array(offs, "offs"), _stream(offs)
+    a, scale_a, aligned = colwise._to_group_colwise(                 # x^T (K, T), (G, K)
+        _array(x_rows[0], "x"), _array(x_rows[1], "x scales"), ends, stream)
+    b, scale_b, _ = colwise._to_group_colwise(                       # grad^T (N, T), (G, N)
+        _array(grad_rows[0], "grad"), _array(grad_rows[1], "grad scales"), ends, stream)
+    return torch._scaled_grouped_mm(
+        _tensor(a, torch.float8_e4m3fn), _tensor(b, torch.float8_e4m3fn).t(),
+        _tensor(scale_a).reshape(-1), _tensor(scale_b).reshape(-1), offs=_tensor(aligned),
+        out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
 class WeightCache:
@@ -167,14 +161,15 @@ class WeightCache:
             operand: the name of what ``make`` makes (part of the key).
             make: ``w -> value``.
         """
-        ws = w if isinstance(w, tuple) else (w,)
-        owners = [t._base if t._base is not None else t for t in ws]
-        key = (operand,) + tuple((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
-                                  t.device) for t in ws)
+        key, version, owners = [operand], [], []
+        for t in w if isinstance(w, tuple) else (w,):
+            owners.append(t if t._base is None else t._base)
+            key.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device))
+            version.append(t._version)
+        key = tuple(key)
         entries = self._entries.get(owners[0])
         if entries is None:
             entries = self._entries[owners[0]] = {}
-        version = tuple(t._version for t in ws)
         found = entries.get(key)
         # the other weights are held weakly: the entry lives as long as the first one does
         if found is not None and found[0] == version and \
@@ -183,7 +178,7 @@ class WeightCache:
             return found[1]
         self.misses += 1
         value = make(w)
-        entries[key] = (version, value, tuple(weakref.ref(o) for o in owners[1:]))
+        entries[key] = (version, value, [weakref.ref(o) for o in owners[1:]])
         return value
 
     def clear(self):
@@ -197,9 +192,9 @@ default_weight_cache = WeightCache()
 
 def _weight_operand(cache, ws, operand, make):
     """``make(joined(ws))``, through ``cache`` (None: made afresh)."""
-    def joined_make(ws):
+    if cache is None:
         return make(joined(ws))
-    return joined_make(ws) if cache is None else cache.get(ws, operand, joined_make)
+    return cache.get(ws, operand, lambda ws: make(joined(ws)))
 
 
 def joined(ws):
@@ -288,6 +283,23 @@ def _fast_set(fast_accum):
     return chosen
 
 
+def _decide_fp8(fp8, ws, quantized):
+    """``grouped_mm``'s ``fp8`` (None: SM90 fp8 GEMMs for ``quantized`` rows where available)
+    as a bool for weights ``ws``; raises as :func:`grouped_mm` documents."""
+    device = ws[0].device
+    available = fp8_gemm_available(device)
+    if fp8 and not available:
+        raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
+                           f"torch._scaled_grouped_mm; {device} has none (pass fp8=None for "
+                           f"the bf16 fallback)")
+    fp8 = available and quantized if fp8 is None else bool(fp8)
+    n = sum(wi.shape[2] for wi in ws)
+    if fp8 and n % 16:
+        raise ValueError(f"grouped_mm: N = {n} is not a multiple of 16, which the fp8 "
+                         f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
+    return fp8
+
+
 def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cache=True):
     """Differentiable grouped GEMM of pre-quantized permuted rows and bf16 expert weights.
 
@@ -329,7 +341,6 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         if wi.dtype != torch.bfloat16:
             raise TypeError(f"grouped_mm: {name}: expected dtype bfloat16, got {wi.dtype}")
     w = ws[0]
-    n = sum(wi.shape[2] for wi in ws)
     if x.shape[1] % 16:
         raise ValueError(f"grouped_mm: K = {x.shape[1]} is not a multiple of 16")
     if wgrad not in ("fp8", "bf16"):
@@ -345,15 +356,7 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         if len(ws) == 2:
             return torch.ops.mxcomm.grouped_mm(x, ws[0], offs, fp8, wgrad, flags, w_b=ws[1])
         return torch.ops.mxcomm.grouped_mm(x, joined(ws), offs, fp8, wgrad, flags)
-    available = fp8_gemm_available(w.device)
-    if fp8 and not available:
-        raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
-                           f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
-                           f"the bf16 fallback)")
-    fp8 = available and hasattr(x, "qdata") if fp8 is None else bool(fp8)
-    if fp8 and n % 16:
-        raise ValueError(f"grouped_mm: N = {n} is not a multiple of 16, which the fp8 "
-                         f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
+    fp8 = _decide_fp8(fp8, ws, hasattr(x, "qdata"))
     if weight_cache is True:
         cache = default_weight_cache
     elif weight_cache is False:

@@ -10,11 +10,10 @@ One step's backward, on one rank (``|`` orders work on a stream; ``wait`` is an 
     main:  combine bwd | dgrad | MARK | wgrad | AccumulateGrad(w) | wait DONE | router bwd ...
     side:                        wait MARK | permute bwd | dispatch-grad exchange | DONE
 
-The rows an overlapped dispatch returns carry a :class:`_Slot` (:data:`ATTRIBUTE`);
-``grouped_mm``'s backward marks its dgrad there. The side stream waits for the mark only when
-autograd hands it exactly the marked tensor at its version, else for the whole main stream; the
-same bits either way. Without a GPU the marks are still matched and counted (``beside``,
-``behind``) for the CPU tests.
+The rows an overlapped dispatch returns carry a :class:`_Slot` (:data:`ATTRIBUTE`) where
+``grouped_mm``'s backward marks its dgrad. The side stream waits for the mark only when autograd
+hands it exactly the marked tensor at its version, else for the whole main stream: the same bits
+either way. Without a GPU the marks are still matched and counted (``beside``, ``behind``).
 """
 
 import weakref
@@ -48,8 +47,7 @@ class BackwardOverlap:
         self.behind = 0
 
     def side_stream(self, device):
-        """The side stream on ``device`` (high priority: the exchange is on the critical path),
-        or None for a CPU device."""
+        """The high-priority side stream on ``device`` (None for a CPU device)."""
         if device.type != "cuda":
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -60,8 +58,8 @@ class BackwardOverlap:
         return stream
 
     def cupy_stream(self, side):
-        """CuPy's stream over ``side``, made current while the side work runs: CuPy's pool then
-        allocates from the side stream's free list, never blocks the main stream may still read."""
+        """CuPy's stream over ``side``, current while the side work runs (so that CuPy's pool
+        never hands out blocks the main stream may still read)."""
         ptr = side.cuda_stream
         stream = self._cupy_streams.get(ptr)
         if stream is None:
@@ -71,19 +69,10 @@ class BackwardOverlap:
 
     def dispatch(self, x, layout, *, precision, grad_precision, align, fused, out_format=None):
         """``a2a_dispatch`` then ``permute`` (``fused``: ``a2a_dispatch(..., permute_align=
-        align)``), bit for bit, their backward on the side stream.
-
-        Args:
-            x: (M, D) bf16 tensor, rows sorted by global expert. Read; differentiable.
-            layout: the step's Layout (eager: not a ``LayoutHandle``).
-            precision, grad_precision, align, out_format: as the primitives'.
-        Returns:
-            ``(rows (P, D), permuted_indices (P,) int32, group_offsets (E_local,) int32)``;
-            ``rows`` carries its :class:`_Slot`.
-        Raises:
-            As ``mxcomm.torch.a2a_dispatch`` and ``permute``.
-        Host syncs and collectives: none (the layout's exchange is the caller's).
-        """
+        align)``), bit for bit, their backward on the side stream; arguments and errors as
+        theirs (``layout``: the step's Layout). Returns ``(rows (P, D), permuted_indices (P,)
+        int32, group_offsets (E_local,) int32)``, ``rows`` carrying its :class:`_Slot`. No host
+        sync, no collective."""
         _a2a._check_precision(precision)
         _a2a._check_precision(grad_precision, "grad_precision")
         slot = _Slot(self, self.side_stream(x.device))
@@ -124,9 +113,8 @@ class _Slot:
         self._event = event
 
     def run_beside(self, grad, work):
-        """``work()`` (a backward reading ``grad``) on the side stream, after the mark if
-        ``grad`` is the marked tensor, else after the current stream; the current stream waits
-        for it and its first result is marked for the next. Returns ``work()``'s value."""
+        """``work()`` (a backward reading ``grad``) on the side stream after the mark (``grad``
+        the marked tensor) or the current stream, which waits for it; its first result marked."""
         # no side stream while a CUDA graph captures (that failed with
         # cudaErrorStreamCaptureInvalidated): the backward runs here, counted behind
         capturing = (self.side is not None and torch.cuda.is_available()
@@ -169,10 +157,7 @@ def _record_stream(t, stream):
 
 
 class _OverlappedDispatch(_A2ADispatch):
-    """``_A2ADispatch`` with its backward on the overlap's side stream.
-
-    Forward: as ``_A2ADispatch`` (plus ``slot``). Backward: by :meth:`_Slot.run_beside`.
-    """
+    """``_A2ADispatch`` (plus ``slot``), its backward by :meth:`_Slot.run_beside`."""
 
     @staticmethod
     def forward(ctx, x, call, slot):
@@ -186,11 +171,8 @@ class _OverlappedDispatch(_A2ADispatch):
 
 
 class _OverlappedPermute(_Permute):
-    """``_Permute`` with its backward on the overlap's side stream.
-
-    Forward: as ``_Permute`` (plus ``slot``). Backward: by :meth:`_Slot.run_beside` (never
-    folded into the dispatch's pending gather).
-    """
+    """``_Permute`` (plus ``slot``), its backward by :meth:`_Slot.run_beside` (never folded into
+    the dispatch's pending gather)."""
 
     @staticmethod
     def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align, out_format, fold,

@@ -40,13 +40,11 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     Args:
         data: (P, D) uint8 e4m3fn bits, C-contiguous, D % 16 == 0: fp8 rowwise rows sorted by
             group (a permute's output). Read.
-        scales: (P,) float32 row scales: powers of two (as the fp8 rowwise quantizers write
-            them), 0 or NaN. Read.
+        scales: (P,) float32 row scales: powers of two, 0 or NaN. Read.
         group_ends: (G,) int32 device array, G >= 1: cumulative group ends (``permute``'s
-            ``group_offsets``), non-decreasing, the last <= P; rows past the last are ignored.
-            Read on the device (no host sync). Unsorted ends or ends past P are not detected
-            (that needs a host sync): rows land in the wrong groups or are ignored, never
-            written out of bounds.
+            ``group_offsets``), non-decreasing, the last <= P (rows past it ignored). Read on the
+            device: unsorted ends or ends past P are not detected (no host sync); rows then land
+            in the wrong groups or are ignored, never written out of bounds.
         stream: the stream to launch on (None: CuPy's current); not synchronized.
     Returns:
         (data_t, scales_t, aligned_ends): (D, T) uint8 e4m3fn bits, (G, D) float32 and (G,)
@@ -58,33 +56,33 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
             kernel indexes words in int32).
     """
     data = check_rows(data, "data", ROWWISE_MULTIPLE, (_U8,))
-    p, d = data.shape
-    scales = check_array(scales, "scales", float32, (p,))
+    scales = check_array(scales, "scales", float32, (data.shape[0],))
     ends = as_device_array(group_ends, "group_ends")
     if ends.ndim != 1 or ends.shape[0] == 0:
         raise ValueError(f"group_ends: expected a 1-D array of G >= 1 group ends, got shape "
                          f"{tuple(ends.shape)}")
     ends = check_array(ends, "group_ends", numpy.dtype(numpy.int32), ends.shape)
-    if group_colwise_positions(p, ends.shape[0]) * d // 4 > ENCODE_MAX_WORDS:
-        raise ValueError(f"data: {p} x {d} rows in {ends.shape[0]} groups give an output of "
-                         f"{group_colwise_positions(p, ends.shape[0])} x {d} bytes, above the "
-                         f"{4 * ENCODE_MAX_WORDS} the encode kernel indexes (int32 "
-                         f"words); split the rows")
+    return _to_group_colwise(data, scales, ends, stream)
+
+
+def _to_group_colwise(data, scales, ends, stream):
+    """:func:`fp8_rowwise_to_group_colwise` of arrays of the checked dtypes and shapes (the fp8
+    GEMM's own operands): only the output's size checked here."""
+    p, d = data.shape
+    g = ends.shape[0]
+    t = group_colwise_positions(p, g)
+    if t * d // 4 > ENCODE_MAX_WORDS:
+        raise ValueError(f"data: {p} x {d} rows in {g} groups give an output of {t} x {d} "
+                         f"bytes, above the {4 * ENCODE_MAX_WORDS} the encode kernel indexes "
+                         f"(int32 words); split the rows")
     if host_backend():
         return _host.fp8_rowwise_to_group_colwise(data, scales, ends)
     stream = stream_ptr(stream)
     xp = array_module()
-    g = ends.shape[0]
-    t = group_colwise_positions(p, g)
     data_t = xp.empty((d, t), dtype=_U8)
     scales_t = xp.empty((g, d), dtype=float32)
     aligned = xp.empty(g, dtype=numpy.int32)
-    keys = scales_t.view(_U32)
-    if simulated():
-        keys[...] = 0
-    elif keys.size:
-        import cupy
-        cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
+    keys = _zeroed(scales_t.view(_U32), stream)
     row_scales = scales.view(_U32)
     # the simulator: one thread per block takes whole columns (atomics serialize its threads)
     sim = simulated()
@@ -100,12 +98,20 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     return data_t, scales_t, aligned
 
 
-def quantize_fp8_rowwise_transposed(x, *, stream=None):
-    """fp8-rowwise-quantize the columns of each matrix of ``x`` and write them as rows.
+def _zeroed(keys, stream):
+    """``keys`` (the amax kernels' uint32 accumulators) zeroed on raw ``stream``."""
+    if simulated():
+        keys[...] = 0
+    elif keys.size:
+        import cupy
+        cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
+    return keys
 
-    Bit-identical to ``rowwise.quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous,
-    without that copy (``kernels.fp8_transpose``): the fp8 dgrad's B operand from weights kept as
-    (G, N, K).
+
+def quantize_fp8_rowwise_transposed(x, *, stream=None):
+    """fp8-rowwise-quantize the columns of each matrix of ``x`` and write them as rows: the bits
+    of ``rowwise.quantize_fp8_rowwise`` of ``x.transpose(0, 2, 1)`` made contiguous, without that
+    copy (``kernels.fp8_transpose``; the fp8 dgrad's B operand from weights kept as (G, N, K)).
 
     Args:
         x: (B, R, C) bf16 device array, C-contiguous, R % 16 == 0 and C % 16 == 0. Read.
@@ -141,12 +147,7 @@ def quantize_fp8_rowwise_transposed(x, *, stream=None):
     if data.size == 0:
         scales[...] = 2.0 ** -126  # an empty column's amax is 0
         return data, scales
-    keys = xp.empty(b * c, dtype=_U32)
-    if simulated():
-        keys[...] = 0
-    else:
-        import cupy
-        cupy.cuda.runtime.memsetAsync(keys.data.ptr, 0, keys.nbytes, stream)
+    keys = _zeroed(xp.empty(b * c, dtype=_U32), stream)
     x_words = x.reshape(b * r, c).view(_U64)
     # the simulator: one thread per column (no atomics: they serialize its Python threads)
     sim = simulated()

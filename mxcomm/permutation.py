@@ -14,7 +14,8 @@ E_local = 2, counts [2, 1, 0, 3] (rank 0: e0 2, e1 1; rank 1: e0 0, e1 3), align
     group_offsets  [4, 8]
 
 A group with no rows takes no padding. No host sync: P is a static bound, and the index is built on
-the device where the counts are.
+the device where the counts are. ``stream``: the stream to launch on (None: CuPy's current), not
+synchronized; on a CPU the work is done when the call returns.
 """
 
 import contextlib
@@ -45,21 +46,16 @@ def _check_int(value, name, minimum):
 
 
 def _rows(x, name):
-    """The row arrays of ``x`` (data, and scales of a QuantizedArray), validated, and its Format
-    (None for a plain array)."""
+    """``([data] or [data, scales], Format or None)`` of ``x``, validated."""
     if isinstance(x, QuantizedArray):
         return [x.data, x.scales], x.format
     return [check_rows(x, name, two_d=False)], None
 
 
 class GatheredRows:
-    """Rows ``source[index[i]]`` not yet written anywhere: the gradient permute's backward owes
-    dispatch's backward (docs/design.md, "The permute's backward folded into a quantized dispatch
-    gradient").
-
-    Attributes:
-        source: (M, D) C-contiguous device array. index: (N,) int32, 0 <= index[i] < M.
-        shape: (N, D). dtype: ``source``'s.
+    """Rows ``source[index[i]]`` not yet written: the gradient permute's backward owes dispatch's
+    backward (docs/design.md, "The permute's backward folded into a quantized dispatch
+    gradient"). ``source`` (M, D) C-contiguous; ``index`` (N,) int32 in [0, M); ``shape`` (N, D).
     """
 
     __slots__ = ("source", "index", "shape", "dtype")
@@ -74,24 +70,22 @@ class GatheredRows:
         return int(numpy.prod(self.shape))
 
     def materialize(self, stream, alloc=None):
-        """The rows as a new (N, D) array from ``alloc`` (None: the array module's ``empty``),
-        gathered on raw stream ``stream``."""
+        """The rows as a new (N, D) array from ``alloc`` (None: ``empty``), on raw ``stream``."""
         out = (alloc or array_module().empty)(self.shape, self.dtype)
         if self.shape[0]:
             move_rows(gather_rows_kernel, self.index, (self.source,), (out,), stream)
         return out
 
     def write(self, begin, end, out, stream, share=1.0):
-        """Rows ``[begin, end)`` gathered into ``out`` (an array or ``Words``) on raw stream
-        ``stream`` with ``share`` of the grid: a producer of the staged exchange."""
+        """Rows ``[begin, end)`` into ``out`` (an array or ``Words``) on raw ``stream`` with
+        ``share`` of the grid: a producer of the staged exchange."""
         if end > begin:
             move_rows(gather_rows_kernel, row_range(self.index, begin, end), (self.source,),
                        (out,), stream, share)
 
 
 def _on_stream(stream):
-    """A context where CuPy allocates and fills on ``stream``, so a fill is ordered before the
-    kernels launched there; nothing on the host backend."""
+    """A context where CuPy allocates and fills on ``stream`` (nothing on the host backend)."""
     if stream is None or host_backend() or simulated():
         return contextlib.nullcontext()
     from ._driver import external_stream
@@ -119,8 +113,8 @@ def _wrap(arrays, fmt):
 
 def expert_order(layout, align, stream):
     """``(permuted_indices (P,), group_offsets (E_local,), inverse (N,))`` int32 device arrays of
-    ``layout``'s permute for ``align``; ``inverse`` maps received row -> permuted row. Built on the
-    device once per layout and ``align`` (no host sync) and cached on the layout."""
+    ``layout``'s permute for ``align`` (``inverse``: received row -> permuted row), built on the
+    device (no host sync) once per layout and ``align``."""
     align = _check_int(align, "align", 1)
     key = ("expert order", align)
     cached = layout._cache.get(key)
@@ -129,19 +123,17 @@ def expert_order(layout, align, stream):
     indices, offsets = _layout_index(layout, align, stream)
     n = layout.num_received
     xp = array_module()
-    with _on_stream(stream):
+    with _on_stream(stream):  # padding's -1 writes the spare last entry
         inverse = xp.empty(n + 1, dtype=numpy.int32)
-        inverse[xp.where(indices >= 0, indices, n)] = xp.arange(indices.shape[0],
-                                                                 dtype=numpy.int32)
+        inverse[indices] = xp.arange(indices.shape[0], dtype=numpy.int32)
     cached = layout._cache[key] = (indices, offsets, inverse[:n])
     return cached
 
 
 def permuted_landing(layout, align):
-    """Where each received row lands in :func:`permute`'s order for ``align``: ``((received row,
-    permuted row, rows), ...)``, one run per (source rank, local expert) with rows, in received
-    order (``Communicator.exchange``'s ``landing``). Computed on the host from the layout's counts
-    (the same rows ``permute_layout_kernel`` gives), cached per layout and ``align``."""
+    """Where received rows land in :func:`permute`'s order for ``align``: ``((received row,
+    permuted row, rows), ...)`` per (source rank, local expert) with rows, in received order
+    (``Communicator.exchange``'s ``landing``); on the host from the layout's counts, cached."""
     align = _check_int(align, "align", 1)
     key = ("landing", align)
     cached = layout._cache.get(key)
@@ -169,9 +161,7 @@ def permuted_landing(layout, align):
 def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *, out_format=None,
             stream=None):
     """Received rows -> expert-major order, each expert's group zero-padded to a multiple of
-    ``align``.
-
-    Layout: the module docstring. Rows of a group keep their received order (by source rank).
+    ``align`` (the module docstring's table); a group's rows keep their received order.
 
     Args:
         x: (M_recv, ...) C-contiguous device array of any dtype, or a QuantizedArray (any format;
@@ -185,8 +175,7 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         out_format: None (or ``x``'s format) to move rows as they are; or a format to convert the
             QuantizedArray ``x`` to in the same pass (``"fp8_rowwise"`` or ``"bf16"`` from
             ``"mxfp8"``; ``mxcomm.formats.conversion``).
-        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
-            is done when the call returns.
+        stream: as the module docstring says.
     Returns:
         ``(permuted, permuted_indices, group_offsets)``: permuted (P, ...) of ``x``'s dtype or
         format (or ``out_format``; padding rows have data 0 and the format's ``padding_scale``, so
@@ -197,7 +186,8 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         TypeError: counts not int32; ``x`` not an array; non-int ``num_local_experts``/``align``.
         ValueError: no conversion to ``out_format``; counts not 1-D or their length not a multiple
             of ``num_local_experts``; ``num_local_experts`` or ``align`` < 1; ``x`` not
-            C-contiguous; on the host backend, a negative count.
+            C-contiguous; on the host backend, a negative count; with a layout, rows or
+            ``num_local_experts`` other than its.
     """
     return _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_format, stream,
                     None)
@@ -205,13 +195,22 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
 
 def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_format, stream,
              alloc):
-    """:func:`permute`, its results (but a conversion's) from ``alloc(shape, dtype)`` (None: the
-    array module's ``empty``; ``mxcomm.torch`` hands in torch's allocator)."""
+    """:func:`permute`, its results (but a conversion's) from ``alloc(shape, dtype)`` (None:
+    ``empty``; ``mxcomm.torch`` hands in torch's allocator)."""
     srcs, fmt = _rows(x, "x")
     convert = _conversion(fmt, out_format, srcs)
-    if isinstance(num_tokens_per_expert_group, Layout):
-        return _permute_on_layout(x, srcs, fmt, convert, num_tokens_per_expert_group,
-                                  num_local_experts, align, stream, alloc)
+    m_recv = srcs[0].shape[0]
+    layout = num_tokens_per_expert_group
+    if isinstance(layout, Layout):  # rows checked against it; the index cached per align
+        if num_local_experts not in (None, layout.num_local_experts):
+            raise ValueError(f"permute: num_local_experts = {num_local_experts}, but the layout "
+                             f"has {layout.num_local_experts}")
+        align = _check_int(align, "align", 1)
+        if m_recv != layout.num_received:
+            raise ValueError(f"permute: x on rank {layout.comm.rank} has {m_recv} rows, but the "
+                             f"layout receives {layout.num_received}")
+        indices, group_offsets = _layout_index(layout, align, stream, alloc)
+        return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
     if num_local_experts is None:
         raise TypeError("permute: num_local_experts is required without a layout")
     counts = as_device_array(num_tokens_per_expert_group, "num_tokens_per_expert_group")
@@ -228,7 +227,6 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
     if not counts.flags.c_contiguous:  # the kernels take contiguous counts
         with _on_stream(stream):
             counts = counts.copy()
-    m_recv = srcs[0].shape[0]
     p = -(-(m_recv + e_local * align) // align) * align
     indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream, alloc)
     return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
@@ -236,7 +234,7 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
 
 def _conversion(fmt, out_format, srcs):
     """The gather converting rows of ``fmt`` (None: plain) into ``out_format``, or None where they
-    move as they are. Raises ValueError where no conversion exists."""
+    move as they are; ValueError where none exists."""
     if out_format is None:
         return None
     target = get_format(out_format, "out_format")
@@ -247,8 +245,7 @@ def _conversion(fmt, out_format, srcs):
 
 
 def _gather(x, srcs, fmt, convert, indices, stream, alloc):
-    """Rows ``indices`` of ``x`` (padding: zeros and the padding scale), converted by ``convert`` if
-    given, in one pass."""
+    """Rows ``indices`` of ``x`` (padding: zeros, the padding scale), by ``convert`` if given."""
     if convert is not None:
         return convert(x, indices, stream_ptr(stream), alloc)
     alloc = alloc or array_module().empty
@@ -256,21 +253,6 @@ def _gather(x, srcs, fmt, convert, indices, stream, alloc):
     dsts = [alloc((p,) + tuple(s.shape[1:]), s.dtype) for s in srcs]
     move_rows(gather_rows_kernel, indices, srcs, dsts, stream, fill=padding_scale(fmt))
     return _wrap(dsts, fmt)
-
-
-def _permute_on_layout(x, srcs, fmt, convert, layout, num_local_experts, align, stream, alloc):
-    """:func:`permute` given the layout: rows checked against it; the index cached per ``align``."""
-    e_local = layout.num_local_experts
-    if num_local_experts not in (None, e_local):
-        raise ValueError(f"permute: num_local_experts = {num_local_experts}, but the layout has "
-                         f"{e_local}")
-    align = _check_int(align, "align", 1)
-    m_recv = srcs[0].shape[0]
-    if m_recv != layout.num_received:
-        raise ValueError(f"permute: x on rank {layout.comm.rank} has {m_recv} rows, but the "
-                         f"layout receives {layout.num_received}")
-    indices, group_offsets = _layout_index(layout, align, stream, alloc)
-    return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
 
 def _layout_index(layout, align, stream, alloc=None):
@@ -285,8 +267,8 @@ def _layout_index(layout, align, stream, alloc=None):
 
 
 def _layout(counts, e_local, align, m_recv, p, stream, alloc=None):
-    """``(indices (P,) int32, group_offsets (E_local,) int32)`` of :func:`permute`, from the host
-    backend or the kernels' prepared launches, into arrays from ``alloc`` (None: ``empty``)."""
+    """``(indices (P,) int32, group_offsets (E_local,) int32)`` of :func:`permute`, into arrays
+    from ``alloc`` (None: ``empty``)."""
     if host_backend():
         return _host.permute_layout(counts, e_local, align, m_recv, p)
     alloc = alloc or array_module().empty
@@ -324,8 +306,7 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
         permuted_indices: (P,) int32 device array from :func:`permute`. Read.
         num_rows: M_recv, an int >= 0 (rows no index names are zero; indices >= num_rows are
             dropped), or the layout (its ``num_received``; no fill needed).
-        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
-            is done when the call returns.
+        stream: as the module docstring says.
     Returns:
         (num_rows, H...) array of ``y``'s dtype, or a QuantizedArray (any format).
     Raises:
@@ -336,7 +317,7 @@ def unpermute(y, permuted_indices, num_rows, *, stream=None):
 
 
 def _unpermute(y, permuted_indices, num_rows, stream, alloc):
-    """:func:`unpermute`, its result from ``alloc(shape, dtype)`` (None: the array module's)."""
+    """:func:`unpermute` into arrays from ``alloc(shape, dtype)`` (None: ``empty``)."""
     srcs, fmt = _rows(y, "y")
     idx = _check_indices(permuted_indices, srcs[0].shape[0], "y", stream)
     # with the layout its permute names every received row once: no fill
@@ -356,9 +337,8 @@ def _unpermute(y, permuted_indices, num_rows, stream, alloc):
 
 
 def permute_backward(grad, permuted_indices, num_rows, *, stream=None):
-    """Backward of :func:`permute`: the :func:`unpermute` scatter of ``grad`` (P, D...) to
-    (num_rows, D...) received order, padding rows' gradient ignored; arguments and errors as
-    there."""
+    """Backward of :func:`permute`: :func:`unpermute` of ``grad`` (P, D...) (padding rows'
+    gradient ignored); arguments and errors as there."""
     return unpermute(grad, permuted_indices, num_rows, stream=stream)
 
 
@@ -369,8 +349,7 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
         grad: (M_recv, H...) C-contiguous device array or a QuantizedArray (any format; padding
             rows get data 0 and the format's padding scale). Read.
         permuted_indices: (P,) int32, from :func:`permute`. Read.
-        stream: the stream to launch on (None: CuPy's current); not synchronized. On a CPU the work
-            is done when the call returns.
+        stream: as the module docstring says.
     Returns:
         (P, H...) array of ``grad``'s dtype, or a QuantizedArray (any format).
     Raises:
@@ -381,8 +360,7 @@ def unpermute_backward(grad, permuted_indices, *, stream=None):
 
 
 def _unpermute_backward(grad, permuted_indices, stream, alloc, out_format=None):
-    """:func:`unpermute_backward`, from ``alloc`` (None: the array module's), converted to
-    ``out_format`` in the gather as :func:`permute` converts."""
+    """:func:`unpermute_backward` from ``alloc``, converted to ``out_format`` as in permute."""
     srcs, fmt = _rows(grad, "grad")
     idx = _check_indices(permuted_indices, None, "grad", stream)
     return _gather(grad, srcs, fmt, _conversion(fmt, out_format, srcs), idx, stream, alloc)

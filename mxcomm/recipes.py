@@ -1,7 +1,7 @@
 """Recipes: the formats of a whole EP token path by name, and the ``"auto"`` choice among them.
 
-A :class:`Recipe` maps onto the primitives' per-direction keywords one to one (docs/design.md,
-"Recipes and the expert-parallel object")::
+A :class:`Recipe` maps onto the primitives' keywords one to one (docs/design.md, "Recipes and
+the expert-parallel object")::
 
     exchange_layout(counts, comm)                                   -> layout
     fused:      a2a_dispatch(x, layout, precision=dispatch, grad_precision=dispatch_grad,
@@ -13,8 +13,8 @@ A :class:`Recipe` maps onto the primitives' per-direction keywords one to one (d
                 unpermute(y, indices, layout, grad_format=unpermute_grad_format)
                 a2a_combine(unpermuted, layout, precision=combine, grad_precision=combine_grad)
 
-``"auto"``: per layout, :func:`choose_recipe` picks the recipe a cost model (:class:`CostTable`,
-found by :func:`find_tables`) predicts fastest. No torch import here.
+``"auto"``: per layout, :func:`choose_recipe` picks what a :class:`CostTable` predicts fastest.
+No torch import here.
 """
 
 import bisect
@@ -63,8 +63,7 @@ class Recipe:
     def describe(self):
         """One line: the four directions, the layout of the expert side, the GEMM."""
         side = "fused (permute_align)" if self.fused else "permuted separately"
-        gemm = (f"fp8 rowwise GEMM ({self.wgrad} wgrad)" if self.gemm == "fp8"
-                else "bf16 GEMM")
+        gemm = f"fp8 rowwise GEMM ({self.wgrad} wgrad)" if self.gemm == "fp8" else "bf16 GEMM"
         return (f"{self.name}: dispatch {self.dispatch}, combine {self.combine}, dispatch_grad "
                 f"{self.dispatch_grad}, combine_grad {self.combine_grad}, {side}, {gemm}")
 
@@ -89,11 +88,8 @@ def recipe_names():
 
 
 def get_recipe(name):
-    """The :class:`Recipe` named ``name`` (not ``"auto"``, which is chosen per layout).
-
-    Raises:
-        ValueError: an unknown name (the message lists the recipes).
-    """
+    """The :class:`Recipe` named ``name`` (not ``"auto"``); ValueError listing the recipes for an
+    unknown name."""
     recipe = _BY_NAME.get(name)
     if recipe is None:
         raise ValueError(f"recipe: unknown recipe {name!r}; expected one of "
@@ -109,16 +105,13 @@ def runnable(recipe, device):
 
 @dataclasses.dataclass(frozen=True)
 class CostTable:
-    """Measured fwd + bwd times (ms) of the whole EP layer, per recipe, at one shape.
-
-    ``predict`` scales rows by ``dim * hidden / (ref_dim * ref_hidden)`` and interpolates
-    linearly between the points (flat below the first, the last segment extended above).
+    """Measured fwd + bwd times (ms) of the whole EP layer per recipe at one shape (D, H).
 
     Attributes:
         rows: two or more ascending rows per rank. ms: recipe -> times, one per row, bf16 among
             them. ref_dim, ref_hidden: the (D, H) measured. device: ``torch.cuda.
-            get_device_name`` or ``"cpu"``; ``""`` for a hand-made table (never checked).
-            world_size, experts_per_rank: 0 when not recorded.
+            get_device_name`` or ``"cpu"``; ``""``: hand-made, never checked. world_size,
+            experts_per_rank: 0 when not recorded.
     """
 
     rows: tuple
@@ -131,7 +124,9 @@ class CostTable:
     experts_per_rank: int = 0
 
     def predict(self, name, rows, dim, hidden):
-        """Predicted ms of recipe ``name`` at ``rows`` rows per rank, D ``dim``, H ``hidden``."""
+        """Predicted ms of recipe ``name`` at ``rows`` rows per rank, D ``dim``, H ``hidden``:
+        rows scaled by D H / (ref_dim ref_hidden), interpolated linearly (flat below the first
+        point, the last segment extended above)."""
         x = rows * dim * hidden / (self.ref_dim * self.ref_hidden)
         points, ms = self.rows, self.ms[name]
         i = bisect.bisect_right(points, x)
@@ -167,11 +162,8 @@ def _digest(objects):
 
 
 def table_from_dict(obj, where="cost table"):
-    """The :class:`CostTable` of a JSON object :meth:`CostTable.to_dict` wrote.
-
-    Raises:
-        ValueError: a field missing, of the wrong type or value (naming ``where`` and it).
-    """
+    """The :class:`CostTable` of a JSON object :meth:`CostTable.to_dict` wrote; ValueError
+    naming ``where`` and the field for a field missing, of the wrong type or value."""
     def bad(field, expected, got):
         return ValueError(f"{where}: {field}: expected {expected}, got {got!r}")
     if not isinstance(obj, dict):
@@ -205,11 +197,8 @@ def table_from_dict(obj, where="cost table"):
 
 
 def load_table(path):
-    """The :class:`CostTable` in the JSON file ``path``.
-
-    Raises:
-        ValueError: unreadable, not JSON, or not a cost table; naming the path.
-    """
+    """The :class:`CostTable` in the JSON file ``path``; ValueError naming the path where it is
+    unreadable, not JSON, or not a cost table."""
     where = f"cost table {os.fspath(path)}"
     try:
         with open(path, encoding="utf-8") as f:
@@ -250,12 +239,9 @@ def cache_path(device, world_size, dim, hidden, environ=None):
 
 
 class TableSet:
-    """The cost tables ``"auto"`` reads for one group (:func:`find_tables`).
-
-    Attributes:
-        pinned: a :class:`CostTable` for every shape, or None. cached: ``{(dim, hidden):
-            CostTable}`` from the cache. origin: where ``pinned`` came from, or the folder.
-    """
+    """The cost tables ``"auto"`` reads for one group (:func:`find_tables`): ``pinned`` (a
+    :class:`CostTable` for every shape, or None), ``cached`` (``{(dim, hidden): CostTable}``),
+    ``origin`` (where ``pinned`` came from, or the cache folder)."""
 
     def __init__(self, pinned=None, cached=None, origin="built-in"):
         self.pinned, self.cached, self.origin = pinned, dict(cached or {}), origin
@@ -295,13 +281,9 @@ def find_tables(device, world_size, table=None, environ=None):
     4. for shapes none of these covers, the built-in :data:`H100_TABLE`.
 
     ``device``: ``torch.cuda.get_device_name`` or ``"cpu"``; ``environ``: default
-    ``os.environ``. Returns a :class:`TableSet`.
-
-    Raises:
-        ValueError: ``table`` not a CostTable or path; a table of 1. or 2. unreadable,
-            malformed, or of another device or world size (the user named it: no fallback).
-    Warns:
-        RuntimeWarning: a cached table so, skipped (a stale cache should not stop training).
+    ``os.environ``. Returns a :class:`TableSet`. Raises ValueError for ``table`` not a CostTable
+    or path, or a table of 1. or 2. unreadable, malformed, or of another device or world size;
+    warns (RuntimeWarning) and skips a cached table so.
     """
     environ = os.environ if environ is None else environ
     named = ""
@@ -354,12 +336,9 @@ def rows_per_rank(layout):
 class Chooser:
     """``"auto"``'s answer for one shape and device class (arguments as :func:`choose_recipe`).
 
-    Predictions are piecewise linear, so the answer changes only at a point or a crossing:
-    found once, then each choice is a bisection.
-
-    Attributes:
-        bounds: ascending points where the answer changes, in the table's (scaled) rows.
-        answers: the :class:`Recipe` of each interval (``len(bounds) + 1``).
+    Predictions are piecewise linear, so the answer changes only at a point or a crossing,
+    found once: ``bounds`` (ascending, in the table's scaled rows) and ``answers`` (the
+    :class:`Recipe` of each of the ``len(bounds) + 1`` intervals); a choice compares with them.
     """
 
     def __init__(self, dim, hidden, *, device="cpu", table=H100_TABLE, margin=0.02):
@@ -404,10 +383,7 @@ class Chooser:
 
     def __call__(self, layout):
         """The recipe for ``layout`` (its agreed ``sent`` table; no host sync)."""
-        if not self.bounds:
-            return self.answers[0]
-        return self.answers[bisect.bisect_right(self.bounds,
-                                                rows_per_rank(layout) * self._scale)]
+        return self.for_rows(rows_per_rank(layout))
 
     def for_rows(self, rows):
         """The recipe for ``rows`` rows per rank (an int, or a traced size: plain comparisons
@@ -431,10 +407,8 @@ def choose_recipe(layout, dim, hidden, *, device="cpu", table=H100_TABLE, margin
     Args:
         layout: from ``mxcomm.exchange_layout``; its ``sent`` table is read.
         dim, hidden: D (token rows' width) and H (the expert GEMM's output width).
-        device: the agreed device class (:data:`DEVICE_CLASSES`).
+        device: the agreed device class (:data:`DEVICE_CLASSES`); ValueError otherwise.
     Returns:
         A :class:`Recipe`.
-    Raises:
-        ValueError: ``device`` not a device class.
     """
     return Chooser(dim, hidden, device=device, table=table, margin=margin)(layout)

@@ -631,6 +631,23 @@ def test_group_colwise_rejects_bad_input(kernels):
         fp8_rowwise_to_group_colwise(data[:, :24], scales, ends)
 
 
+def test_group_colwise_refuses_outputs_past_the_encode_kernels_reach(kernels, monkeypatch):
+    """The bound on the output (the encode kernel indexes int32 words) holds on both entries: the
+    checked public function and the fp8 wgrad's unchecked one, before anything is launched."""
+    from mxcomm import colwise
+    xp = kernels
+    data, scales = xp.zeros((32, 32), np.uint8), xp.ones(32, np.float32)
+    ends = xp.asarray(np.array([32], np.int32))
+    words = colwise.group_colwise_positions(32, 1) * 32 // 4
+    monkeypatch.setattr(colwise, "ENCODE_MAX_WORDS", words - 1)
+    for convert in (lambda: fp8_rowwise_to_group_colwise(data, scales, ends),
+                    lambda: colwise._to_group_colwise(data, scales, ends, None)):
+        with pytest.raises(ValueError, match=f"above the {4 * (words - 1)} the encode kernel"):
+            convert()
+    monkeypatch.setattr(colwise, "ENCODE_MAX_WORDS", words)
+    assert fp8_rowwise_to_group_colwise(data, scales, ends)[0].shape == (32, words * 4 // 32)
+
+
 # --- bf16 matrices quantized along their columns, transposed (the dgrad's weight operand) ------
 
 def transposed_test_matrices(rng, b, r, c, specials=KERNEL_SPECIALS):

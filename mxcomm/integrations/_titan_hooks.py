@@ -1,8 +1,8 @@
 """The exchange hooks of torchtitan's token dispatcher on mxcomm (mxcomm.integrations.torchtitan).
 
 One path, eager and compiled: the layout replaces torchtitan's count exchange, the dispatch and
-combine with ``permute_align=A`` its permute and unpermute; what varies per call is a
-:class:`_Path`. docs/design.md, "torchtitan 0.3".
+combine with ``permute_align=A`` its permute and unpermute; a :class:`_Path` is what varies per
+call. docs/design.md, "torchtitan 0.3".
 
 Glossary (torchtitan's suffixes): N routed rows this rank sends, R rows it receives, P the
 permuted bound (``layout.permuted_rows(A)``), D dim, E experts, e local experts.
@@ -35,18 +35,9 @@ class _Path:
     recipe: object = None
 
 
-def recipe_path(recipe):
-    """The :class:`_Path` of an ``mxcomm.recipes.Recipe``."""
-    return _Path(recipe.dispatch, recipe.combine, recipe.dispatch_grad, recipe.combine_grad,
-                 RECIPE_ALIGN if recipe.fused else 1, recipe.gemm == "fp8", recipe.name)
-
-
 def precisions(config):
-    """The four wire formats of a dispatcher config, the backward ones resolved by direction.
-
-    Raises:
-        ValueError: an unknown precision (naming the field).
-    """
+    """The four wire formats of a dispatcher config, the backward ones resolved by direction;
+    ValueError naming the field of an unknown precision."""
     from mxcomm import a2a
     dispatch = config.dispatch_precision
     combine = config.combine_precision
@@ -66,15 +57,6 @@ class _Fused:
         self.layout = layout
         self.path = None
         self.offsets = None
-
-
-def _non_strict_tracing():
-    """``torch.compiler._is_non_strict_tracing()`` where torch has it (2.12 on), else False."""
-    import torch
-    if torch.compiler.is_compiling():  # dynamo, not export's non-strict tracing
-        return False
-    probe = getattr(torch.compiler, "_is_non_strict_tracing", None)
-    return probe is not None and probe()
 
 
 def plain(t, dtype):
@@ -151,22 +133,24 @@ class MxcommExchanges:
         recipe = chooser(layout) if isinstance(layout, Layout) else chooser.for_rows(x.shape[0])
         path = self._paths.get(recipe.name)
         if path is None:
-            path = self._paths[recipe.name] = recipe_path(recipe)
+            path = self._paths[recipe.name] = _Path(
+                recipe.dispatch, recipe.combine, recipe.dispatch_grad, recipe.combine_grad,
+                RECIPE_ALIGN if recipe.fused else 1, recipe.gemm == "fp8", recipe.name)
         return path
 
     @staticmethod
     def _torchtitan_path():
         """True under SPMD type checking (mxcomm's results carry no SPMD type): torchtitan's
         exchanges run. RuntimeError under torch.export's non-strict tracing."""
-        if _non_strict_tracing():
+        import torch
+        # dynamo is not export's non-strict tracing; torch 2.11 has no probe
+        probe = getattr(torch.compiler, "_is_non_strict_tracing", None)
+        if not torch.compiler.is_compiling() and probe is not None and probe():
             raise RuntimeError("mxcomm's token exchanges do not run under torch.export's "
                                "non-strict tracing; use torch.compile, or torchtitan's own "
                                "dispatcher for export")
-        from torchtitan.distributed.utils import get_spmd_backend
-        if get_spmd_backend() == "spmd_types":
-            import spmd_types
-            return spmd_types.is_type_checking()
-        return False
+        from mxcomm._torch_ep import _spmd_type_checking
+        return _spmd_type_checking()
 
     def _token_count_exchange(self, num_local_tokens_per_expert_E, pg, ep_size):
         if self._torchtitan_path():

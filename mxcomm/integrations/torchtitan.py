@@ -1,49 +1,31 @@
 """mxcomm in torchtitan's MoE: the expert-parallel dispatch and combine in low precision.
 
-torchtitan 0.3: a token dispatcher, :class:`MxcommTokenDispatcher` (a subclass of torchtitan's
-``AllToAllTokenDispatcher``; :class:`MxcommTorchAOTokenDispatcher` for ``TorchAOTokenDispatcher``,
-the padded one of the MX/float8 grouped GEMMs), with the dispatch and combine precisions chosen
-separately. Swap it in from the command line through torchtitan's overrides::
+torchtitan 0.3: :class:`MxcommTokenDispatcher` (a subclass of torchtitan's
+``AllToAllTokenDispatcher``; :class:`MxcommTorchAOTokenDispatcher` of the padded
+``TorchAOTokenDispatcher``), swapped in by torchtitan's overrides::
 
     torchrun --nproc-per-node 8 -m torchtitan.train ... --override.imports \\
         'mxcomm.integrations.torchtitan.mxcomm_token_dispatcher={"dispatch_precision": "mxfp8", "combine_precision": "bf16"}'
 
-or in Python, on the model config before the Trainer builds the model::
+or on the model config before the Trainer builds the model: ``use_mxcomm(config.model_spec.model,
+dispatch_precision="mxfp8", combine_precision="bf16")``. torchtitan 0.2.x (one precision, the
+counts keep torch's exchange): :func:`patch_expert_parallel`.
 
-    from mxcomm.integrations.torchtitan import use_mxcomm
-    use_mxcomm(config.model_spec.model, dispatch_precision="mxfp8", combine_precision="bf16")
-
-torchtitan 0.2.x (``ExpertParallel`` calls the module-level ``all_to_all_single_autograd`` for
-the token exchanges; the counts keep torch's exchange): one line before the model is
-parallelized, one precision for dispatch and combine::
-
-    import torchtitan.distributed.expert_parallel as ep, mxcomm.torch
-    ep.all_to_all_single_autograd = mxcomm.torch.all_to_all_single_fn("mxfp8")
-
-(:func:`patch_expert_parallel` does the same and returns the function it replaced.)
-
-Precisions (any format of ``mxcomm.formats``; ``"native"``: the activations' dtype as torchtitan
-sends them) name a *direction*: ``dispatch_precision`` the dispatch and the combine's backward,
-``combine_precision`` the combine and the dispatch's backward; ``dispatch_grad_precision`` /
-``combine_grad_precision`` override one backward alone. Defaults ``"mxfp8"`` / ``"bf16"``
-(torchao's).
+Precisions (any ``mxcomm.formats`` name; ``"native"``: the activations' dtype) name a direction:
+``dispatch_precision`` the dispatch and the combine's backward, ``combine_precision`` the combine
+and the dispatch's backward; ``dispatch_grad_precision`` / ``combine_grad_precision`` override one
+backward. Defaults ``"mxfp8"`` / ``"bf16"`` (torchao's).
 
 The dispatcher replaces torchtitan's count exchange by ``exchange_layout`` (one device-to-host
-copy, one host allgather) and its token exchanges and permute by ``a2a_dispatch`` / ``a2a_combine``
-with ``permute_align``, eager and compiled alike (custom ops; no host vote per exchange); its
-token reorder, scores and scatter-add stay torchtitan's. The communicator is
-``mxcomm.torch.communicator_for``'s for the EP group (either spmd backend; built collectively on
-the first step). Under spmd_types type checking torchtitan's own exchanges run; under
-torch.export's non-strict tracing mxcomm's raise ``RuntimeError``.
-
-With a recipe (``use_mxcomm(config, recipe="fp8_rowwise")``, or the override
+copy, one host allgather), its token exchanges and permute by ``a2a_dispatch`` / ``a2a_combine``
+with ``permute_align``, eager and compiled alike; the communicator is
+``mxcomm.torch.communicator_for``'s of the EP group. Under spmd_types type checking torchtitan's
+own exchanges run; under torch.export's non-strict tracing mxcomm's raise ``RuntimeError``. With a
+recipe (``use_mxcomm(config, recipe="fp8_rowwise")``, or the override
 ``'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``) the experts are
-mxcomm's too (:class:`MxcommGroupedExperts`); ``"auto"`` chooses per call as
-``mxcomm.torch.ExpertParallel`` does; ``overlap=True`` runs the dispatch's backward beside the
-experts' weight-gradient GEMM (eager). docs/design.md, "torchtitan 0.3".
-
-Importing this module with torchtitan installed registers the overrides; it imports without
-torchtitan, and the classes import it when first used.
+mxcomm's too (:class:`MxcommGroupedExperts`); ``"auto"`` chooses per call; ``overlap=True`` runs
+the dispatch's backward beside the experts' weight-gradient GEMM (eager). docs/design.md,
+"torchtitan 0.3". Importing this module registers the overrides where torchtitan is installed.
 """
 
 import sys
@@ -81,11 +63,10 @@ def _define_classes():
 
         Config fields beyond torchtitan's: the four precisions (:data:`PRECISION_FIELDS`);
         ``permute_align`` (0: plain rows, groups unpadded; A > 0: groups padded to A rows, rows
-        kept in the dispatch precision for :class:`MxcommGroupedExperts`); ``recipe`` (None or
-        ``"auto"``: the precisions unused, chosen per call); ``dim``, ``hidden`` (the experts'
-        widths, for ``"auto"``'s chooser; 0: unknown, eager only); ``overlap`` (needs mxcomm to
-        permute: ``permute_align`` > 0 or ``"auto"``; eager only). ``ValueError`` at build for
-        an unknown precision or recipe, or ``overlap`` where mxcomm does not permute.
+        kept quantized for :class:`MxcommGroupedExperts`); ``recipe`` (None, or ``"auto"``:
+        chosen per call); ``dim``, ``hidden`` (the experts' widths for ``"auto"``; 0: unknown,
+        eager only); ``overlap`` (where mxcomm permutes; eager only). ``ValueError`` at build
+        for an unknown precision or recipe, or ``overlap`` where mxcomm does not permute.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -125,11 +106,10 @@ def _define_classes():
     class MxcommGroupedExperts(grouped_experts_class(GroupedExperts)):
         """torchtitan's ``GroupedExperts`` with ``mxcomm.torch.grouped_mm`` as its GEMMs.
 
-        Config fields beyond torchtitan's: ``gemm``: ``"fp8"`` (the delivered fp8 rowwise rows
-        feed one grouped GEMM over [w1 | w3], no bf16 pass; w2 reads the SwiGLU's bf16
-        product; ``grouped_mm``'s bf16 fallback off SM90), ``"bf16"`` (torchtitan's forward)
-        or ``"auto"`` (mxcomm's for quantized rows, torchtitan's for plain); ``wgrad``: the
-        w1|w3 weight gradient, ``"fp8"`` or ``"bf16"``. ValueError at build otherwise.
+        Config fields beyond torchtitan's: ``gemm``: ``"fp8"`` (mxcomm's GEMMs,
+        :func:`mxcomm._torch_ep.grouped_experts_class`), ``"bf16"`` (torchtitan's forward) or
+        ``"auto"`` (mxcomm's for quantized rows); ``wgrad``: the w1|w3 weight gradient,
+        ``"fp8"`` or ``"bf16"``. ValueError at build otherwise.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -162,8 +142,6 @@ def _define_classes():
 def _converted(config, fields_):
     """The mxcomm twin of a dispatcher config, ``fields_`` set (those TorchAO's lacks, such as
     ``permute_align``, dropped). ValueError: an unknown precision; ``"auto"`` on TorchAO's."""
-    import dataclasses
-
     from torchtitan.models.common import token_dispatcher as td
     _define_classes()
     module = sys.modules[__name__]
@@ -173,22 +151,18 @@ def _converted(config, fields_):
         raise ValueError("recipe 'auto': needs torchtitan's AllToAllTokenDispatcher (the TorchAO "
                          "dispatcher pads its groups for torchao's quantized experts); pin a "
                          "recipe, or use the AllToAll dispatcher")
-    fields = {f.name for f in dataclasses.fields(target.Config) if f.init}
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-              if f.init and f.name in fields}
-    values.update((k, v) for k, v in fields_.items() if k in fields)
-    new = target.Config(**values)
+    new = _twin(config, target, fields_)
     precisions(new)  # an unknown precision fails here, at configuration time
     return new
 
 
-def _experts(config, gemm, wgrad="fp8"):
-    """The :class:`MxcommGroupedExperts` twin of a ``GroupedExperts.Config``."""
+def _twin(config, target, changes):
+    """``target.Config`` of ``config``'s fields, ``changes`` made (fields it lacks dropped)."""
     import dataclasses
-    _define_classes()
-    target = sys.modules[__name__].MxcommGroupedExperts
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values.update(gemm=gemm, wgrad=wgrad)
+    names = {f.name for f in dataclasses.fields(target.Config) if f.init}
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.init and f.name in names}
+    values.update((k, v) for k, v in changes.items() if k in names)
     return target.Config(**values)
 
 
@@ -199,12 +173,11 @@ def _recipe(recipe):
     if isinstance(recipe, str):
         from mxcomm.recipes import get_recipe
         recipe = get_recipe(recipe)
-    chosen = recipe
-    return (dict(dispatch_precision=chosen.dispatch, combine_precision=chosen.combine,
-                 dispatch_grad_precision=chosen.dispatch_grad,
-                 combine_grad_precision=chosen.combine_grad,
-                 permute_align=RECIPE_ALIGN if chosen.fused else 0), chosen.gemm,
-            getattr(chosen, "wgrad", "fp8"))
+    return (dict(dispatch_precision=recipe.dispatch, combine_precision=recipe.combine,
+                 dispatch_grad_precision=recipe.dispatch_grad,
+                 combine_grad_precision=recipe.combine_grad,
+                 permute_align=RECIPE_ALIGN if recipe.fused else 0), recipe.gemm,
+            getattr(recipe, "wgrad", "fp8"))
 
 
 def _replace(config, cls, make):
@@ -254,11 +227,9 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
     if recipe is not None:
         fields, gemm, wgrad = _recipe(recipe)
     else:
-        fields = dict(dispatch_precision=dispatch_precision,
-                          combine_precision=combine_precision,
-                          dispatch_grad_precision=dispatch_grad_precision,
-                          combine_grad_precision=combine_grad_precision,
-                          permute_align=permute_align)
+        fields = dict(dispatch_precision=dispatch_precision, combine_precision=combine_precision,
+                      dispatch_grad_precision=dispatch_grad_precision,
+                      combine_grad_precision=combine_grad_precision, permute_align=permute_align)
     if not isinstance(overlap, bool) or (overlap and not fields.get("permute_align")
                                          and fields.get("recipe") != "auto"):
         raise ValueError(f"overlap: expected False, or True with a recipe whose exchange "
@@ -269,7 +240,9 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
     count = _replace(config, td.AllToAllTokenDispatcher.Config,
                      lambda node: _converted(node, fields))
     if gemm is not None:
-        _replace(config, GroupedExperts.Config, lambda node: _experts(node, gemm, wgrad))
+        experts = sys.modules[__name__].MxcommGroupedExperts
+        _replace(config, GroupedExperts.Config,
+                 lambda node: _twin(node, experts, dict(gemm=gemm, wgrad=wgrad)))
     if gemm == "auto":  # each dispatcher predicts with its experts' width
         from torchtitan.models.common.moe import RoutedExperts
         ours = sys.modules[__name__].MxcommTokenDispatcher.Config
@@ -348,7 +321,6 @@ def _torchtitan_installed():
         return False
 
 
-# Registered now: a module imported before torchtitan's config is not run again when torchtitan
-# imports it by name for an override.
+# now: a module imported before torchtitan's config is not run again for an override by name
 if _torchtitan_installed():
     register()

@@ -1,21 +1,16 @@
 """The grouped GEMM (``mxcomm.torch.grouped_mm``) as torch custom ops, for ``torch.compile``.
 
-Glossary: P permuted rows, K the GEMM's reduction width, N its output width, G groups (local
-experts).
+Glossary: P permuted rows, K the reduction width, N the output width, G groups.
 
-    mxcomm::grouped_mm(Tensor x, Tensor w, Tensor offs, bool? fp8, str wgrad,
-                       bool[] fast_accum, ..., Tensor? w_b=None) -> Tensor
-    mxcomm::grouped_mm_backward(Tensor grad, Tensor x, Tensor w, Tensor offs, bool? fp8,
-                                str wgrad, bool[] fast_accum, bool needs_dx, bool needs_dw,
-                                ..., Tensor? w_b=None) -> (Tensor dx, Tensor dw, Tensor dw_b)
+    mxcomm::grouped_mm(x, w, offs, fp8, wgrad, fast_accum, x_scales=None, x_format="bf16",
+                       w_b=None) -> y
+    mxcomm::grouped_mm_backward(grad, x, w, offs, fp8, wgrad, fast_accum, needs_dx, needs_dw,
+                                x_scales=None, x_format="bf16", w_b=None) -> (dx, dw, dw_b)
 
-``w_b``: a second weight of the same GEMM, joined inside the op as eager does (no joined copy
-in the graph or saved); ``dw_b`` is (0,) without it. A QuantizedTensor ``x`` arrives as its data
-with ``x_scales`` and ``x_format`` (its ``__torch_dispatch__``).
-
-The bodies are ``_torch_gemm._GroupedMM``'s forward and backward with a plain ``ctx``; ``fp8``
-None is decided when the op runs, so the graph asks nothing of the device. The backward op
-quantizes the forward's rows again for the fp8 wgrad: one pass more than eager.
+``w_b``: a second weight joined inside the op as eager does (``dw_b`` is (0,) without it). A
+QuantizedTensor ``x`` arrives as its data with ``x_scales`` and ``x_format``. The bodies are
+``_torch_gemm._GroupedMM``'s with a plain ``ctx``; ``fp8`` None is decided when the op runs. The
+backward quantizes the forward's rows again for the fp8 wgrad (one pass more than eager).
 """
 
 import torch
@@ -37,21 +32,10 @@ class _Context:
         self.saved_tensors = tensors
 
 
-def _resolved(fp8, ws, wgrad, fast_accum, quantized):
-    """``(fp8 decided on the weights' device, the fast_accum flags as a set of GEMMS names)``;
-    raises as ``grouped_mm`` does."""
-    w = ws[0]
-    available = _torch_gemm.fp8_gemm_available(w.device)
-    if fp8 and not available:
-        raise RuntimeError(f"grouped_mm: fp8=True needs an SM90 CUDA GPU and "
-                           f"torch._scaled_grouped_mm; {w.device} has none (pass fp8=None for "
-                           f"the bf16 fallback)")
-    fp8 = (available and quantized) if fp8 is None else fp8
-    n = sum(wi.shape[2] for wi in ws)
-    if fp8 and n % 16:
-        raise ValueError(f"grouped_mm: N = {n} is not a multiple of 16, which the fp8 "
-                         f"dgrad needs (its reduction width); pass fp8=False for the bf16 GEMMs")
-    return fp8, frozenset(name for name, fast in zip(_torch_gemm.GEMMS, fast_accum) if fast)
+def _resolved(fp8, ws, fast_accum, quantized):
+    """``(fp8 decided on the weights' device, the fast_accum flags as a set of GEMMS names)``."""
+    return (_torch_gemm._decide_fp8(fp8, ws, quantized),
+            frozenset(name for name, fast in zip(_torch_gemm.GEMMS, fast_accum) if fast))
 
 
 @torch.library.custom_op("mxcomm::grouped_mm", mutates_args=())
@@ -61,7 +45,7 @@ def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8: bo
     """y (P, N) bf16 = x (P, K) @ w (G, K, N) per group (``_GroupedMM.forward``), or
     @ [w | w_b]; ``x`` with ``x_scales``: quantized rows of ``x_format``."""
     ws = (w,) if w_b is None else (w, w_b)
-    fp8, fast = _resolved(fp8, ws, wgrad, fast_accum, x_scales is not None)
+    fp8, fast = _resolved(fp8, ws, fast_accum, x_scales is not None)
     # no weight cache inside the op: a compiled graph's weight operand is made per call
     return _torch_gemm._GroupedMM.forward(_Context(), _rows(x, x_scales, x_format), offs,
                                           fp8, wgrad, fast, None, *ws)
@@ -91,7 +75,7 @@ def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     """``(dx (P, K) bf16, dw (G, K, N) of w's dtype, dw_b of w_b's)``, each (0,) where not
     needed or absent (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
     ws = (w,) if w_b is None else (w, w_b)
-    fp8, fast = _resolved(fp8, ws, wgrad, fast_accum, x_scales is not None)
+    fp8, fast = _resolved(fp8, ws, fast_accum, x_scales is not None)
     ctx = _Context(needs_dx, needs_dw, len(ws))
     ctx.fp8, ctx.fp8_wgrad, ctx.fast = fp8, fp8 and wgrad == "fp8", fast
     ctx.cache = ctx.weights = None
