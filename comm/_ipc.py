@@ -152,22 +152,24 @@ class CudaPeerMemory:
         self._rt.eventRecord(self._forked, stream)
         self._rt.streamWaitEvent(self._side_ptr, self._forked, 0)
 
-    def signal_ready(self, signals, stream):
+    def signal_ready(self, signals, tag, stream):
         """In one launch on ``stream``, signal each ``(peer, piece, kind)`` of ``signals`` (at most
-        ``MAX_BATCH``) that its rows of ``piece`` are in this rank's staging."""
+        ``MAX_BATCH``; the call's ``tag`` OR-ed into each kind) that its rows of ``piece`` are in
+        this rank's staging."""
         me = self._rank * MAX_PIECES
         self._signal_k(1, 32, stream, (
             self._gen_ptr, *_batch([self._peer_flags[p] + 8 * (me + k) for p, k, _ in signals]),
-            *_batch([kind for _, _, kind in signals]), *_batch([0] * len(signals)),
+            *_batch([kind | tag for _, _, kind in signals]), *_batch([0] * len(signals)),
             len(signals)))
 
-    def await_ready(self, awaits):
+    def await_ready(self, awaits, tag):
         """In one launch, order the side stream after each ``(peer, piece, kind)`` of ``awaits`` (at
-        most ``MAX_BATCH``, each kind checked); returns the side stream's handle."""
+        most ``MAX_BATCH``, each kind checked, the call's ``tag`` OR-ed in); returns the side
+        stream's handle."""
         base = self._flags.ptr
         self._wait_k(1, 32, self._side_ptr, (
             self._gen_ptr, *_batch([base + 8 * (p * MAX_PIECES + k) for p, k, _ in awaits]),
-            *_batch([kind for _, _, kind in awaits]), *_batch([p for p, _, _ in awaits]),
+            *_batch([kind | tag for _, _, kind in awaits]), *_batch([p for p, _, _ in awaits]),
             len(awaits), self._timeout_ns, self._status_ptr))
         return self._side_ptr
 

@@ -116,24 +116,26 @@ class HostPeerMemory:
                 break
         self.generation = (want + 1) & _MASK
 
-    def signal_ready(self, signals, stream):
-        """Signal each ``(peer, piece, kind)`` of ``signals``: its rows of ``piece`` are staged
-        here."""
+    def signal_ready(self, signals, tag, stream):
+        """Signal each ``(peer, piece, kind)`` of ``signals``, the call's ``tag`` OR-ed into the
+        kind: its rows of ``piece`` are staged here."""
         self._flags_window.Sync()  # the rows are stored before the flags
         for peer, piece, kind in signals:
             self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
-                (self.generation << 32) | kind)
+                (self.generation << 32) | kind | tag)
 
-    def await_ready(self, awaits):
-        """Wait until each ``(peer, piece, kind)`` of ``awaits`` is signalled; returns 0 (the host's
-        stream). RuntimeError at once for another kind or a peer that gave up or found the exchange
-        mis-paired; TimeoutError naming the ranks still missing."""
+    def await_ready(self, awaits, tag):
+        """Wait until each ``(peer, piece, kind)`` of ``awaits`` is signalled, the call's ``tag``
+        OR-ed into the kind; returns 0 (the host's stream). RuntimeError at once for another kind
+        or a peer that gave up or found the exchange mis-paired; TimeoutError naming the ranks
+        still missing."""
         flags = self._flags[self._rank]
         gen = self.generation
 
         def missing():
             late, gave_up, mispaired = [], [], []
             for peer, piece, kind in awaits:
+                kind |= tag
                 value = int(flags[peer * MAX_PIECES + piece])
                 if value >> 32 != gen:
                     late.append(peer)
@@ -174,7 +176,7 @@ class HostPeerMemory:
             return late
 
         for peer, piece, kind in awaits:  # no spin where every peer has signalled
-            if int(flags[peer * MAX_PIECES + piece]) != (gen << 32) | kind:
+            if int(flags[peer * MAX_PIECES + piece]) != (gen << 32) | kind | tag:
                 self._spin(missing, "send its rows")
                 break
         self._flags_window.Sync()

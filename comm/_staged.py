@@ -158,10 +158,16 @@ def kind_word(base):
 
 
 def call_tag(plan):
-    """The 16-bit tag of this rank's current call of ``plan``: ``plan.generation`` mod 256 (0 for a
-    vote's plan) in the high byte, ``plan.calls`` mod 256 in the low one. The pull transport ORs it
-    into its ready words; NCCL sends it in a header (``_header``)."""
-    return ((plan.generation or 0) & 0xFF) << 8 | (plan.calls & 0xFF)
+    """The 16-bit tag of this rank's current call of ``plan``: :func:`layout_tag` in the high byte,
+    ``plan.calls`` mod 256 in the low one. The pull transport ORs it into its ready words; NCCL
+    sends it in a header (``_header``)."""
+    return layout_tag(plan) | (plan.calls & 0xFF)
+
+
+def layout_tag(plan):
+    """The high byte of :func:`call_tag`, fixed per plan: ``plan.generation`` mod 256 (0 for a
+    vote's plan)."""
+    return ((plan.generation or 0) & 0xFF) << 8
 
 
 def describe_tag(tag):
@@ -185,60 +191,3 @@ def describe_mismatch(peer, expected, got, kinds):
     return (f"rank {peer} is at {describe_tag(got & 0xFFFF)} where this rank is at "
             f"{describe_tag(expected & 0xFFFF)}: the exchange is mis-paired (a rank failed or "
             f"skipped a call alone and went on, or uses another layout)")
-
-
-class StagedExchange:
-    """The staged exchange's entry on a :class:`~mxcomm.comm.Communicator` (a base of it)."""
-
-    @property
-    def nodes(self):
-        """The node of each rank (W ints, numbered by their first rank), as ``init`` agreed; peer
-        memory is used only within a node."""
-        return self._side.nodes.of_rank
-
-    @property
-    def transport(self):
-        """``"pull"``, ``"hier"`` or ``"grouped"``: how :meth:`exchange` moves rows."""
-        return self._transport.name
-
-    def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
-        """Move rows a producer writes where they travel from, to a consumer (module ``_staged``).
-
-        Collective, on the devices only: no host collective or barrier (except the rare collective
-        growth of the staging). ``plan`` must be the same on every rank; a peer calling another
-        exchange, kind or plan is detected where the transport can (kind words, call headers) and
-        raises, else times out.
-
-        Args:
-            rows: the rows object (``_staged``): ``arrays``, ``kind``, ``produce``; ``consume`` for
-                ``in_place``.
-            plan: a :class:`~mxcomm.comm.Plan`, every rank's counts.
-            out: one array of ``plan.rows_received`` rows per entry of ``rows.arrays``, or None to
-                allocate. Written. None with ``in_place``.
-            in_place: the consumer reads each sender's rows where they are (pull: over NVLink on a
-                side stream) instead of a copy into ``out``.
-            landing: None (received row r is row r of ``out``), or runs ``((received row, row of
-                out, rows), ...)`` sorted by received row, covering every received row once; ``out``
-                may have more rows, left as they are. Needs ``out``; not with ``in_place``.
-            stream: the caller's stream (NCCL: as in :meth:`alltoallv`; host backends: ignored).
-        Returns:
-            The tuple of ``out`` arrays (complete on ``stream``), or None with ``in_place``.
-        Raises:
-            ValueError: ``landing`` without ``out`` or with ``in_place``.
-            TimeoutError: a peer did not arrive within ``timeout`` s (on a GPU found by this or a
-                later call, or :meth:`wait`); the communicator is aborted.
-            RuntimeError: a peer called a different exchange; the communicator is aborted or
-                closed."""
-        self.check_usable()
-        if landing is not None and (in_place or out is None):
-            raise ValueError("landing: needs out arrays and in_place=False")
-        stream_ptr = self.stream_ptr(stream)
-        with self.on_stream(stream_ptr):  # allocations ordered on the caller's stream
-            outs = self._transport.run(rows, plan, None if out is None else tuple(out), in_place,
-                                       stream_ptr, landing)
-        # no watchdog event: pull's device waits time out themselves, grouped's alltoallv records
-        return None if in_place else outs
-
-    def _new_arrays(self, arrays, rows):
-        """One new array of ``rows`` rows per ``(row shape, dtype)`` of ``arrays``."""
-        return tuple(self._empty((rows,) + shape, dtype) for shape, dtype in arrays)

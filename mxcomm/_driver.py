@@ -1,7 +1,7 @@
-"""Kernel launches through the CUDA driver with one packed parameter buffer (GPU only), and
-:class:`Words`, a device array named by address without a CuPy view (docs/design.md "Arrays"). The
-driver copies the parameters at launch, so the buffer is reused at once. Leaf module: imports CuPy
-lazily, and NumPy; nothing of this package.
+"""Kernel launches through the CUDA driver with one packed parameter buffer (GPU only),
+:class:`Words`, a device array named by address without a CuPy view (docs/design.md "Arrays"), and
+:class:`LaunchRows`, the rows a prepared launch quantizes into ``mxcomm.comm``'s staged exchange.
+Leaf module: imports CuPy lazily, and NumPy; nothing of this package.
 """
 
 import ctypes
@@ -148,6 +148,33 @@ def flat(a):
     if isinstance(a, numpy.ndarray):
         return a.reshape(-1)
     return Words(a.ptr if type(a) is Words else a.data.ptr, (a.size,), a.dtype)
+
+
+class LaunchRows:
+    """Plain rows that a prepared launch quantizes where the staged exchange moves them from (the
+    ``produce`` of ``comm._staged``'s rows protocol). A leaf, so a transport producing rows calls
+    nothing above ``comm``.
+
+    Args:
+        x: (M, D) C-contiguous rows (CuPy, NumPy or :class:`Words`). Read.
+        quantize: ``quantize(x, data, scales, rows, stream)``, the format's launch prepared for
+            the signature (``Format.quantizer``).
+        arrays, kind: the rows protocol's (``Format.row_arrays``; the exchange in words).
+        per_row: the format has one scale per row: it travels as (rows, 1), the launch writes
+            (rows,).
+    """
+
+    __slots__ = ("arrays", "kind", "_x", "_quantize", "_per_row")
+
+    def __init__(self, x, quantize, arrays, kind, per_row):
+        self.arrays, self.kind = arrays, kind
+        self._x, self._quantize, self._per_row = x, quantize, per_row
+
+    def produce(self, begin, end, slots, stream):
+        data, scales = slots
+        if self._per_row:
+            scales = flat(scales)
+        self._quantize(row_range(self._x, begin, end), data, scales, end - begin, stream)
 
 
 def copy_bytes(dst, src, stream):

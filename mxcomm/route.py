@@ -12,7 +12,7 @@ import functools
 import numpy
 
 from ._array import bfloat16, float32
-from ._driver import Words, copy_bytes, flat, row_range
+from ._driver import LaunchRows, Words, copy_bytes, flat, row_range
 from .formats import PER_ROW, QuantizedArray, get_format
 from .kernels import array_module
 from .mxfp8 import SCALE_MODES
@@ -53,7 +53,8 @@ class Route:
         width: D; row_bytes: bytes of a plain row; kind: :func:`kind`'s text; quantize,
         round_trip: the format's launches for the signature (None: a plain format, or no
         one-pass round trip); scales_shape: a quantized row's scales, ``(D // block,)`` or
-        ``()``; kept: a quantized format whose result stays quantized.
+        ``()``; kept: a quantized format whose result stays quantized; arrays: a quantized row
+        as the staged exchange moves it (``Format.row_arrays``).
     """
 
     fmt: object
@@ -69,6 +70,7 @@ class Route:
     round_trip: object
     scales_shape: tuple
     kept: bool
+    arrays: tuple
 
     def path(self, comm, plan, staged=True):
         """``"alltoallv"``, ``"medium"``, ``"staged"`` (only with ``staged``) or None, for
@@ -110,15 +112,16 @@ def route(function, precision, scale_mode, dtype, width):
     if not fmt.quantized and numpy.dtype(fmt.element_dtype or dtype) != dtype:
         return None
     _, direction, dequantize = CALLS[function]
-    quantize = round_trip = scales_shape = None
+    quantize = round_trip = scales_shape = arrays = None
     if fmt.quantized:
+        arrays = fmt.row_arrays(width)
         quantize = quantizer(fmt, dtype, width, scale_mode, 1.0)
         if dequantize and dtype == bfloat16:
             round_trip = fmt.round_tripper(width, scale_mode)
         scales_shape = fmt.scales_shape(1, width)[1:]
     return Route(fmt, function, direction == "dispatch", dequantize, dtype, width, scale_mode,
                  width * dtype.itemsize, kind(function, fmt, width), quantize, round_trip,
-                 scales_shape, fmt.quantized and not dequantize)
+                 scales_shape, fmt.quantized and not dequantize, arrays)
 
 
 def choose(function, fmt, scale_mode, comm, plan, x, *, agreed, align):
@@ -172,10 +175,24 @@ def run(r, path, comm, plan, x, stream, buffers):
     """Take ``path`` for the (``plan.rows_sent``, D) rows ``x`` into ``buffers`` (:func:`arrays`'
     list: ``Words`` on a GPU, NumPy arrays on the host), enqueued on the raw ``stream``; no host
     sync. The result is the first of ``buffers`` (two where ``r.kept``)."""
-    if path == "staged":
-        staged_kept(x, r.fmt, plan, comm, stream, r.scale_mode, r.kind, *buffers)
-    else:
+    if path != "staged":
         _PATHS[path](r, comm, plan, x, stream, buffers)
+        return
+    # plain rows kept quantized: the format's launch, prepared for the signature, produces them
+    data, scales = buffers
+    per_row = not r.scales_shape
+    if per_row:
+        scales = _travelling_scales(scales, plan.rows_received)
+    share = PULLED_SHARE if comm.transport == "pull" else 1.0
+    rows = LaunchRows(x, quantizer(r.fmt, r.dtype, r.width, r.scale_mode, share), r.arrays,
+                      r.kind, per_row)
+    comm.exchange(rows, plan, out=(data, scales), stream=stream)
+
+
+def _travelling_scales(scales, n):
+    """Per-row scales (n,) as they travel in the staged exchange: (n, 1)."""
+    return Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
+        scales.reshape(n, 1)
 
 
 def _alltoallv(r, comm, plan, x, stream, buffers):
@@ -206,37 +223,34 @@ _PATHS = {"alltoallv": _alltoallv, "medium": _medium}
 
 
 def staged_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):
-    """The staged quantized exchange of ``x`` into ``data`` and ``scales`` (kept quantized),
-    enqueued on ``stream``."""
-    if fmt.scale_block == PER_ROW:  # per-row scales travel as (rows, 1)
-        n = plan.rows_received
-        scales = Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
-            scales.reshape(n, 1)
+    """The staged quantized exchange of ``x`` (plain rows, a QuantizedArray of ``fmt`` or
+    GatheredRows) into ``data`` and ``scales`` (kept quantized), enqueued on ``stream``."""
+    if fmt.scale_block == PER_ROW:
+        scales = _travelling_scales(scales, plan.rows_received)
     share = PULLED_SHARE if comm.transport == "pull" else 1.0
     comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, stream, share), plan,
                   out=(data, scales), stream=stream)
 
 
-class QuantizedRows:
-    """The quantized exchange's rows protocol (``Communicator.exchange``): quantize (or copy)
-    each peer's rows into the memory they travel from; in place, dequantize each sender's rows
-    where they are, and this rank's own through the format's round trip where it has one."""
+class QuantizedRows(LaunchRows):
+    """The quantized exchange's rows protocol (``Communicator.exchange``) for any rows: quantize
+    (or copy) each peer's rows into the memory they travel from; in place, dequantize each
+    sender's rows where they are, and this rank's own through the format's round trip where it
+    has one."""
 
-    __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share",
-                 "_quantize")
+    __slots__ = ("_format", "_out", "_scale_mode", "_caller", "_share")
 
     def __init__(self, x, fmt, kind, scale_mode, out, caller, share):
-        self.arrays = fmt.row_arrays(x.shape[1])
-        self.kind = kind
-        self._x = x
+        # plain rows: the format's quantize prepared for their signature and this grid share
+        quantize = None if isinstance(x, (QuantizedArray, GatheredRows)) else \
+            quantizer(fmt, x.dtype, x.shape[1], scale_mode, share)
+        super().__init__(x, quantize, fmt.row_arrays(x.shape[1]), kind,
+                         fmt.scale_block == PER_ROW)
         self._format = fmt
         self._out = out
         self._scale_mode = scale_mode
         self._caller = caller
         self._share = share
-        # plain rows: the format's quantize prepared for their signature and this grid share
-        self._quantize = None if isinstance(x, (QuantizedArray, GatheredRows)) else \
-            quantizer(fmt, x.dtype, x.shape[1], scale_mode, share)
 
     @property
     def results(self):
@@ -261,9 +275,7 @@ class QuantizedRows:
                                                 self._rows(data, scales), stream, self._share,
                                                 self._scale_mode)
         else:
-            if self._format.scale_block == PER_ROW:
-                scales = flat(scales)
-            self._quantize(row_range(x, begin, end), data, scales, end - begin, stream)
+            super().produce(begin, end, slots, stream)
 
     def consume(self, begin, end, rows, stream):
         # beside the producer on the side stream: the share of the SMs it leaves

@@ -11,7 +11,7 @@ from .. import permutation as _permutation
 from .._array import bfloat16
 from .._torch_arrays import _array, _stream
 from ..formats import get_format
-from ._a2a import _A2ADispatch
+from ._ops import _A2ADispatch
 from ._tensors import _Alloc, _index_array, _index_tensors, _PendingGather, _rows, _wrap
 
 
