@@ -1,9 +1,8 @@
-"""The staged exchange (docs/design.md, "The staged exchange"): rows a producer writes where they
-travel from and a consumer reads where they arrive, moved by a transport (``_pull``, ``_hier``,
-``_grouped``) by a :class:`Plan`. Here: what the transports share (the plan, a staging region's byte
-layout, the send order, pieces, the kind and the call tag).
+"""What the transports of the staged exchange (``Communicator.exchange``; ``_pull``, ``_hier``,
+``_grouped``) share: the :class:`Plan`, a staging region's byte layout, the send order, pieces, the
+kind and the call tag. docs/design.md, "The staged exchange".
 
-A *rows* object (the engine's are in ``mxcomm.a2a``) has:
+A *rows* object (``mxcomm._driver.LaunchRows``, ``mxcomm.route``'s) has:
 
 - ``arrays``: ``((row shape, dtype), ...)``, the arrays moved together (MXFP8: data, scales);
 - ``kind``: text naming the exchange (operation, format, D), compared across ranks;
@@ -17,8 +16,7 @@ A *rows* object (the engine's are in ``mxcomm.a2a``) has:
   ``produce`` then ``consume`` at received row ``at`` would, in one pass where it can.
 
 All enqueue on the raw stream handle ``stream``. Slots and rows are C-contiguous ``(rows,) + row
-shape``: on a GPU the pull transport passes addresses (``mxcomm._driver.Words``, no CuPy view's host
-time), the grouped one CuPy arrays; on the host, NumPy arrays."""
+shape``: ``mxcomm._driver.Words`` (pull) or CuPy arrays (grouped) on a GPU, NumPy on the host."""
 
 import bisect
 import math
@@ -89,17 +87,13 @@ class Plan:
         return max(ALIGN, regions(row_bytes, self._staging_rows)[1])
 
 
-def _align(n):
-    return -(-n // ALIGN) * ALIGN
-
-
 def regions(layout, rows):
     """Byte offsets of each array of ``layout`` (``(row_bytes, ...)``) in a staging region of
     ``rows`` rows, and the region's size: ``([offset per array], total bytes)``."""
     offsets, total = [], 0
     for row_bytes in layout:
         offsets.append(total)
-        total += _align(rows * row_bytes)
+        total += -(-rows * row_bytes // ALIGN) * ALIGN
     return offsets, total
 
 
@@ -110,15 +104,13 @@ def send_order(rank, size):
 
 def pieces(rows, layout):
     """Row ranges ``[(lo, hi), ...]`` a peer's ``rows`` are produced and pulled in: about
-    ``PIECE_BYTES`` each, at most ``MAX_PIECES``, at least one (maybe empty); sender and receiver
-    compute the same."""
+    ``PIECE_BYTES`` each, 1 to ``MAX_PIECES`` (maybe empty)."""
     k = min(MAX_PIECES, max(1, -(-rows * sum(layout) // PIECE_BYTES)))
     return [(rows * i // k, rows * (i + 1) // k) for i in range(k)]
 
 
 def batched(rows, layout):
-    """Whether ``rows`` rows of ``layout``, a rank's rows for or from all its peers, fit one launch
-    (``BATCH_BYTES``, and one piece)."""
+    """Whether a rank's ``rows`` rows of ``layout`` for (or from) all its peers fit one launch."""
     return rows * sum(layout) <= min(BATCH_BYTES, PIECE_BYTES)
 
 
@@ -152,8 +144,7 @@ def kind_base(text):
 
 
 def kind_word(base):
-    """The high half of the 32-bit kind a sender signals: the kind's hash (the low half is the
-    :func:`call_tag`, OR-ed in per call)."""
+    """The 32-bit kind a sender signals: the kind's hash high, :func:`call_tag` OR-ed in per call."""
     return base << 16
 
 
@@ -179,9 +170,8 @@ def describe_tag(tag):
 
 
 def describe_mismatch(peer, expected, got, kinds):
-    """The message for a ready word of the right generation but the wrong kind: ``expected`` and
-    ``got`` are 32-bit words (kind hash, call tag); ``kinds`` maps hashes to kind texts seen
-    here."""
+    """The message for a ready word of the right generation but the wrong kind (32-bit words:
+    kind hash, call tag); ``kinds``: hashes to the kind texts seen here."""
     if expected >> 16 != got >> 16:
         theirs = kinds.get(got >> 16)
         theirs = f"'{theirs}'" if theirs else "an exchange of another kind"

@@ -1,9 +1,8 @@
 """How an exchange of rows travels: its route, decided once per signature, and its paths.
 
-A :class:`Route` is made once per signature (:func:`route`); per call :meth:`Route.path` names
-the path from the plan (the same on every rank) and :func:`run` takes it. The paths, when each is
-taken and what each buys: docs/design.md, "One route". The caller allocates what :func:`arrays`
-lists; no call goes back up into the caller.
+A :class:`Route` is made once per signature (:func:`route`); :meth:`Route.path` names the path
+for a plan (the same on every rank) and :func:`run` takes it into the arrays :func:`arrays` lists.
+The paths, when each is taken and what each buys: docs/design.md, "One route".
 """
 
 import dataclasses
@@ -32,6 +31,7 @@ BESIDE_SHARE_MANY = 0.5
 def beside_share(size):
     """The grid share of the dequantize beside the quantize, at ``size`` ranks."""
     return BESIDE_SHARE if size <= 2 else BESIDE_SHARE_MANY
+
 
 #: Each public function: the name of the rows it takes, the direction it sends, and whether it
 #: returns them dequantized (``mxcomm.a2a``'s table).
@@ -189,6 +189,15 @@ def run(r, path, comm, plan, x, stream, buffers):
     comm.exchange(rows, plan, out=(data, scales), stream=stream)
 
 
+def _producer(x, fmt, kind, scale_mode, share):
+    """The rows object producing ``x`` in ``fmt`` for a copying staged exchange: a
+    :class:`LaunchRows` for plain rows, else a :class:`QuantizedRows`."""
+    if isinstance(x, (QuantizedArray, GatheredRows)):
+        return QuantizedRows(x, fmt, kind, scale_mode, None, None, share)
+    return LaunchRows(x, quantizer(fmt, x.dtype, x.shape[1], scale_mode, share),
+                      fmt.row_arrays(x.shape[1]), kind, fmt.scale_block == PER_ROW)
+
+
 def _travelling_scales(scales, n):
     """Per-row scales (n,) as they travel in the staged exchange: (n, 1)."""
     return Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
@@ -228,8 +237,8 @@ def staged_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):
     if fmt.scale_block == PER_ROW:
         scales = _travelling_scales(scales, plan.rows_received)
     share = PULLED_SHARE if comm.transport == "pull" else 1.0
-    comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, stream, share), plan,
-                  out=(data, scales), stream=stream)
+    comm.exchange(_producer(x, fmt, kind, scale_mode, share), plan, out=(data, scales),
+                  stream=stream)
 
 
 class QuantizedRows(LaunchRows):
@@ -327,7 +336,8 @@ def staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, a
     pull = comm.transport == "pull"
     with comm.on_stream(caller):
         if dequantize:
-            out = (alloc or xp.empty)((plan.rows_received, width), dtype_of(x))
+            dtype = bfloat16 if isinstance(x, QuantizedArray) else x.dtype  # decoded
+            out = (alloc or xp.empty)((plan.rows_received, width), dtype)
             share = 1.0 - beside_share(comm.size) if pull else 1.0
             comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
                           in_place=True, stream=caller)
@@ -346,15 +356,11 @@ def landed(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):
     p = indices.shape[0]
     with comm.on_stream(caller):
         permuted = fmt.empty(p, x.shape[1], alloc)
-        scales = permuted.scales  # per-row scales travel as (rows, 1)
-        dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)
+        scales = permuted.scales
+        dsts = (permuted.data,
+                _travelling_scales(scales, p) if fmt.scale_block == PER_ROW else scales)
         pad_rows(dsts, fmt, indices, caller)
         share = PULLED_SHARE if comm.transport == "pull" else 1.0
-        comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, caller, share), plan,
-                      out=dsts, landing=permuted_landing(layout, align), stream=caller)
+        comm.exchange(_producer(x, fmt, kind, scale_mode, share), plan, out=dsts,
+                      landing=permuted_landing(layout, align), stream=caller)
     return permuted, indices, offsets
-
-
-def dtype_of(x):
-    """The dtype a dequantized result of ``x`` takes: ``x``'s, or bf16 for a QuantizedArray."""
-    return bfloat16 if isinstance(x, QuantizedArray) else x.dtype
