@@ -76,9 +76,10 @@ class PullTransport:
                 rows.keep(begin, end, at, slots, stream)
             else:
                 for first, last, out_row in lands:
-                    rows_out = out_row + last - first
-                    produce(first, last, tuple([row_range(o, out_row, rows_out) for o in outs]),
-                            stream)
+                    slots = ()
+                    for o in outs:
+                        slots += (row_range(o, out_row, out_row + last - first),)
+                    produce(first, last, slots, stream)
         if beside is not None:
             beside(stream)
         # where a device wait failed, the end poisons what the copies or the consumer wrote

@@ -132,6 +132,16 @@ class HostPeerMemory:
         flags = self._flags[self._rank]
         gen = self.generation
 
+        def fail(what, mispaired):
+            self._mispaired = self._mispaired or mispaired
+            error = RuntimeError(f"exchange on rank {self._rank}: {what}; the communicator is "
+                                 f"aborted")
+            self._comm._fail(error, raised=True)
+            raise error
+
+        def ranks(peers):
+            return f"rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
+
         def missing():
             late, gave_up, mispaired = [], [], []
             for peer, piece, kind in awaits:
@@ -139,40 +149,20 @@ class HostPeerMemory:
                 value = int(flags[peer * MAX_PIECES + piece])
                 if value >> 32 != gen:
                     late.append(peer)
-                elif value & _MASK == _GAVE_UP:
-                    if peer not in gave_up:
-                        gave_up.append(peer)
-                elif value & _MASK == _MISPAIRED:
-                    if peer not in mispaired:
-                        mispaired.append(peer)
+                elif value & _MASK in (_GAVE_UP, _MISPAIRED):
+                    seen = gave_up if value & _MASK == _GAVE_UP else mispaired
+                    if peer not in seen:
+                        seen.append(peer)
                 elif value & _MASK != kind:
-                    error = RuntimeError(
-                        f"exchange on rank {self._rank}: "
-                        + describe_mismatch(peer, kind, value & _MASK,
-                                            self._comm._transport.kinds)
-                        + "; the communicator is aborted")
-                    self._mispaired = True
-                    self._comm._fail(error, raised=True)
-                    raise error
+                    fail(describe_mismatch(peer, kind, value & _MASK,
+                                           self._comm._transport.kinds), True)
             if mispaired and not late:  # every peer came; some found the exchange mis-paired
-                ranks = ", ".join(map(str, mispaired))
-                error = RuntimeError(
-                    f"exchange on rank {self._rank}: rank{'s' if len(mispaired) > 1 else ''} "
-                    f"{ranks} found this exchange (generation {gen}) mis-paired, a rank at "
-                    f"another call or kind of exchange, and gave up on it; the communicator "
-                    f"is aborted")
-                self._mispaired = True
-                self._comm._fail(error, raised=True)
-                raise error
+                fail(f"{ranks(mispaired)} found this exchange (generation {gen}) mis-paired, a "
+                     f"rank at another call or kind of exchange, and gave up on it", True)
             if gave_up and not late:  # the others gave up, and no other rank is missing
-                ranks = ", ".join(map(str, gave_up))
-                error = RuntimeError(
-                    f"exchange on rank {self._rank}: rank{'s' if len(gave_up) > 1 else ''} "
-                    f"{ranks} had given up on this exchange (generation {gen}) before this "
-                    f"rank came to it: this rank is late (its peers timed out waiting for it), "
-                    f"or they failed; the communicator is aborted")
-                self._comm._fail(error, raised=True)
-                raise error
+                fail(f"{ranks(gave_up)} had given up on this exchange (generation {gen}) before "
+                     f"this rank came to it: this rank is late (its peers timed out waiting for "
+                     f"it), or they failed", False)
             return late
 
         for peer, piece, kind in awaits:  # no spin where every peer has signalled

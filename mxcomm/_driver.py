@@ -23,18 +23,11 @@ _ERROR_INVALID_CONTEXT = 201
 
 
 class PackedLaunch:
-    """Launch one compiled function with parameters packed by a ``struct`` format.
-
-    Args:
-        function: a CuPy ``Function`` (its ``ptr`` is the ``CUfunction``; kept alive, with its
-            module, as long as this object).
-        fmt: the parameters as ``struct`` codes, e.g. ``"QQIi"`` (``Q`` pointer or uint64, ``q``
-            int64, ``I``/``i`` 32-bit, ``B`` uint8/bool), native alignment.
-
-    ``launch(grid, block, stream, values, shared=0)``: 1-D ``grid`` and ``block``, a raw stream
-    handle, ints matching ``fmt``, dynamic shared bytes (above 48 KiB only after
-    :meth:`allow_shared`). Enqueues on ``stream``; no synchronization. Thread-safe.
-    """
+    """Launch one compiled function (a CuPy ``Function``, kept alive) with parameters packed by
+    the ``struct`` codes ``fmt`` (``"QQIi"``: ``Q`` pointer or uint64, ``q`` int64, ``I``/``i``
+    32-bit, ``B`` uint8/bool; native alignment). ``launch(grid, block, stream, values, shared=0)``:
+    1-D grid and block, a raw stream, ints matching ``fmt``, dynamic shared bytes (above 48 KiB
+    only after :meth:`allow_shared`); enqueues, no sync. Thread-safe."""
 
     __slots__ = ("_function", "_ptr", "_pack_into", "_buffer", "_size", "_extra", "_extra_ptr",
                  "_lock", "_launch", "_shared_cap", "fmt")
@@ -89,18 +82,10 @@ def _bind_primary_context():
 
 
 class Words:
-    """A C-contiguous device array named by its address: all a launch or a copy needs of it.
-
-    The GPU side of ``mxcomm.kernels.words``; the engine also names rows by it (:func:`row_range`),
-    where a "word" is an element.
-
-    Attributes:
-        ptr: device address of the first word.
-        shape: ``(size,)`` or ``(rows, words per row)``.
-        dtype: NumPy dtype of a word.
-        align: bytes the address must be a multiple of: the word's size by default; 16 for a kernel
-            that loads two 8-byte words at once (``_memory.load_pair``).
-    """
+    """A C-contiguous device array named by its address: all a launch or a copy needs of it (the
+    GPU side of ``mxcomm.kernels.words``; a "word" is an element). ``ptr``: the first word's
+    address; ``shape``: ``(size,)`` or ``(rows, words per row)``; ``dtype``: a word's; ``align``:
+    bytes the address is a multiple of (the word's size, or 16 for ``_memory.load_pair``)."""
 
     __slots__ = ("ptr", "shape", "dtype", "align", "size", "ndim")
 
@@ -151,18 +136,11 @@ def flat(a):
 
 
 class LaunchRows:
-    """Plain rows that a prepared launch quantizes where the staged exchange moves them from (the
-    ``produce`` of ``comm._staged``'s rows protocol). A leaf, so a transport producing rows calls
-    nothing above ``comm``.
-
-    Args:
-        x: (M, D) C-contiguous rows (CuPy, NumPy or :class:`Words`). Read.
-        quantize: ``quantize(x, data, scales, rows, stream)``, the format's launch prepared for
-            the signature (``Format.quantizer``).
-        arrays, kind: the rows protocol's (``Format.row_arrays``; the exchange in words).
-        per_row: the format has one scale per row: it travels as (rows, 1), the launch writes
-            (rows,).
-    """
+    """Plain rows ``x`` (M, D) that the format's prepared launch ``quantize(x, data, scales, rows,
+    stream)`` (``Format.quantizer``) writes where the staged exchange moves them from: the rows
+    protocol of ``comm._staged`` (``arrays``, ``kind``, ``produce``). A leaf, so a transport
+    producing rows calls nothing above ``comm``. ``per_row``: one scale per row, travelling as
+    (rows, 1) where the launch writes (rows,)."""
 
     __slots__ = ("arrays", "kind", "_x", "_quantize", "_per_row")
 

@@ -93,6 +93,7 @@ def small(comm, rows, row_bytes):
     return rows * row_bytes <= comm.small_exchange_bytes
 
 
+@functools.lru_cache(maxsize=256)
 def kind(function, fmt, width):
     """An exchange in words: the kind the staged exchange's peers compare (and name in errors)."""
     return f"{function} {fmt.name} rows of D = {width}"

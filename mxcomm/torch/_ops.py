@@ -106,24 +106,13 @@ _registry = _Registry()
 
 def group_key(group):
     """The string key an op takes for ``group`` (module docstring; a communicator registered
-    when called outside a trace).
-
-    Raises:
-        TypeError: ``group`` of another type.
-    """
-    import torch.distributed as dist
-    if isinstance(group, dist.ProcessGroup):
-        return _PG + group.group_name
-    from torch.distributed.device_mesh import DeviceMesh
-    if isinstance(group, DeviceMesh):
-        return _PG + group.get_group().group_name
-    from ..comm import Communicator
-    if isinstance(group, Communicator):
-        if torch.compiler.is_compiling():
-            return f"{_COMM}{id(group)}"
-        return _registry.register(group)
-    raise TypeError(f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or an "
-                    f"mxcomm communicator, got {type(group).__name__}")
+    when called outside a trace). Raises as :func:`communicator_for`."""
+    comm, pg = _resolve_group(group)
+    if comm is None:
+        return _PG + pg.group_name
+    if torch.compiler.is_compiling():
+        return f"{_COMM}{id(comm)}"
+    return _registry.register(comm)
 
 
 def _group_size(group):

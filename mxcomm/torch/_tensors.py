@@ -13,7 +13,7 @@ from .. import route as _route
 from .._torch_arrays import _TORCH_DTYPES, _array, _stream, _tensor, _view
 from ..formats import QuantizedArray
 from ..kernels import array_module
-from ._quantized import _DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor
+from ._quantized import _DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _quantized_tensor
 
 
 class _Alloc:
@@ -54,13 +54,13 @@ def _rows(t, name):
 
 
 def _wrap(result, alloc=None):
-    """An array API result as a tensor (a QuantizedTensor for a QuantizedArray), reusing the
-    tensors ``alloc`` made."""
+    """An array API result as a tensor (a QuantizedTensor for a QuantizedArray, made unchecked),
+    reusing the tensors ``alloc`` made."""
     tensor = _tensor if alloc is None else alloc.tensor
     if isinstance(result, QuantizedArray):
-        return QuantizedTensor(tensor(result.data, _DATA_DTYPE),
-                               tensor(result.scales, _SCALE_DTYPES[result.scales.dtype]),
-                               result.format)
+        return _quantized_tensor(tensor(result.data, _DATA_DTYPE),
+                                 tensor(result.scales, _SCALE_DTYPES[result.scales.dtype]),
+                                 result.format)
     return tensor(result)
 
 
