@@ -1,7 +1,7 @@
 """The communicator interface shared by the backends (NCCL, MPI, torch.distributed): its lifecycle
 (open, aborted, closed), the calls the engine makes (the staged exchange among them), and the
-backends' hooks. Counts and offsets are host ints counting rows
-(first-axis slices), never bytes. Terms: docs/design.md, "Glossary of `comm/`"."""
+backends' hooks. Counts and offsets are host ints counting rows, never bytes. Terms:
+docs/design.md, "Glossary of `comm/`"."""
 
 import abc
 import contextlib
@@ -25,15 +25,13 @@ class Communicator(abc.ABC):
     Attributes:
         rank, size: this rank in ``[0, W)``, and W.
         timeout: seconds a collective or device wait may take before the communicator is aborted.
-        validate: as the argument.
         transport: ``"pull"``, ``"hier"`` or ``"grouped"`` (how :meth:`exchange` moves rows).
-        nodes: the node of each rank (W ints), agreed by ``init``.
         host_collectives: host collectives made so far; a layout-path exchange adds none.
         group: the torch.distributed group built over, or None (MPI).
         layout_experts: E of the last layout agreed (set by ``mxcomm.exchange_layout``), or None.
-        closed: True once :meth:`close` ran.
         small_exchange_bytes, medium_exchange_bytes: limits of the small and medium routes
-            (``mxcomm.route``), in bytes of plain rows the largest sender sends; 0 never."""
+            (``mxcomm.route``), in bytes of plain rows the largest sender sends; 0 never.
+        validate, nodes, aborted, closed: as the argument and the properties."""
 
     #: The limits' defaults on one node (0 across nodes): 0 on the host backends, which exist to
     #: test the transports; the NCCL backend sets its own.
@@ -44,8 +42,7 @@ class Communicator(abc.ABC):
         if peer_memory not in (None, True, False):
             raise ValueError(f"peer_memory: expected None (auto), True or False, got "
                              f"{peer_memory!r}")
-        #: None until ``_choose_transport`` resolves the default
-        self.small_exchange_bytes = small_exchange_bytes
+        self.small_exchange_bytes = small_exchange_bytes  # None until _choose_transport
         self.medium_exchange_bytes = medium_exchange_bytes
         self.layout_experts = None
         #: layouts agreed on this communicator (``next_layout_number``)
@@ -179,24 +176,21 @@ class Communicator(abc.ABC):
     def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
         """Move rows a producer writes where they travel from, to a consumer (module ``_staged``).
 
-        Collective, on the devices only: no host collective or barrier (except the rare collective
-        growth of the staging). ``plan`` must be the same on every rank; a peer calling another
-        exchange, kind or plan is detected where the transport can (kind words, call headers) and
-        raises, else times out.
+        Collective on the devices only: no host collective or barrier (but the rare growth of the
+        staging). ``plan`` must be the same on every rank; a peer at another exchange, kind or
+        plan is found where the transport can (kind words, call headers), else times out.
 
         Args:
-            rows: the rows object (``_staged``): ``arrays``, ``kind``, ``produce``; ``consume`` for
-                ``in_place``.
+            rows: the rows object (``_staged``): ``arrays``, ``kind``, ``produce``; ``consume`` and
+                ``keep`` for ``in_place``.
             plan: a :class:`~mxcomm.comm.Plan`, every rank's counts.
-            out: one array of ``plan.rows_received`` rows per entry of ``rows.arrays``, or None to
-                allocate. Written. None with ``in_place``.
+            out: one array of ``plan.rows_received`` rows per entry of ``rows.arrays`` (None:
+                allocated; with ``in_place``: None). Written.
             in_place: the consumer reads each sender's rows where they are (pull: over NVLink on a
                 side stream) instead of a copy into ``out``.
             landing: None (received row r is row r of ``out``), or runs ``((received row, row of
-                out, rows), ...)`` sorted by received row, covering every received row once; ``out``
-                may have more rows, left as they are. Needs ``out``; not with ``in_place``.
-            stream: the caller's stream: a raw handle (int), or as in :meth:`alltoallv`; host
-                backends: ignored.
+                out, rows), ...)`` sorted by received row, covering each once; needs ``out``.
+            stream: a raw handle (int), or as in :meth:`alltoallv`; ignored on the host.
         Returns:
             The tuple of ``out`` arrays (complete on ``stream``), or None with ``in_place``.
         Raises:

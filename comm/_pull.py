@@ -117,16 +117,15 @@ class _Schedule:
 
     Attributes:
         sends: ``(begin, end, slots, signals)`` per producer launch, in send order: rows ``[begin,
-            end)`` into ``slots`` (this rank's staging), then ``signals`` (``(peer, piece, kind)``
-            words) signalled. One piece of one peer per entry, or, when batched
-            (``_staged.batched``), one or two ranges with every peer signalled after the last.
+            end)`` into ``slots`` (this rank's staging), then ``(peer, piece, kind)`` words
+            signalled; one per peer and piece, or (``_staged.batched``) one or two ranges, every
+            peer signalled after the last.
         own: ``(begin, end, at, slots, lands)`` of the own rows (produced last, received at row
-            ``at``; ``slots`` in place only; ``lands``: ``[(first, last, result row), ...]``
-            produced straight into the result), or None.
-        receives: ``(awaits, work)`` in pull order: wait for ``awaits``, then ``work``: copies
-            ``[(peer, staging offset, array index, result byte offset, bytes), ...]``, or in place
-            ``[(begin, end, views of the sender's staging), ...]``. One entry per sender and piece,
-            or one awaiting every sender when batched.
+            ``at``; ``slots`` in place only; ``lands``: ``[(first, last, result row), ...]``), or
+            None.
+        receives: ``(awaits, work)`` in pull order: copies ``[(peer, staging offset, array index,
+            result byte offset, bytes), ...]``, or in place ``[(begin, end, views of the sender's
+            staging), ...]``; one per sender and piece, or one for all when batched.
         layout_tag: ``_staged.layout_tag`` of the plan."""
 
     __slots__ = ("sends", "own", "receives", "layout_tag")

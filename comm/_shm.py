@@ -9,6 +9,7 @@ import time
 
 import numpy
 
+from ._board import _ranks
 from ._staged import MAX_PIECES, describe_mismatch
 
 _GROWTH = 1.25
@@ -139,9 +140,6 @@ class HostPeerMemory:
             self._comm._fail(error, raised=True)
             raise error
 
-        def ranks(peers):
-            return f"rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
-
         def missing():
             late, gave_up, mispaired = [], [], []
             for peer, piece, kind in awaits:
@@ -157,10 +155,10 @@ class HostPeerMemory:
                     fail(describe_mismatch(peer, kind, value & _MASK,
                                            self._comm._transport.kinds), True)
             if mispaired and not late:  # every peer came; some found the exchange mis-paired
-                fail(f"{ranks(mispaired)} found this exchange (generation {gen}) mis-paired, a "
+                fail(f"{_ranks(mispaired)} found this exchange (generation {gen}) mis-paired, a "
                      f"rank at another call or kind of exchange, and gave up on it", True)
             if gave_up and not late:  # the others gave up, and no other rank is missing
-                fail(f"{ranks(gave_up)} had given up on this exchange (generation {gen}) before "
+                fail(f"{_ranks(gave_up)} had given up on this exchange (generation {gen}) before "
                      f"this rank came to it: this rank is late (its peers timed out waiting for "
                      f"it), or they failed", False)
             return late
@@ -205,9 +203,9 @@ class HostPeerMemory:
             now = time.monotonic()
             if now - start > comm.timeout:
                 error = TimeoutError(
-                    f"exchange on rank {self._rank}: rank{'s' if len(late) > 1 else ''} "
-                    f"{', '.join(map(str, late))} did not {what} within {comm.timeout:g} s "
-                    f"(generation {self.generation}); the communicator is aborted")
+                    f"exchange on rank {self._rank}: {_ranks(late)} did not {what} within "
+                    f"{comm.timeout:g} s (generation {self.generation}); the communicator is "
+                    f"aborted")
                 comm._fail(error, raised=True)
                 raise error
             if now - start > _SPIN_S:

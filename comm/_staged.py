@@ -39,23 +39,18 @@ MAX_BATCH = 8
 
 
 class Plan:
-    """Every rank's counts of one exchange, agreed across ranks (by a layout or a vote).
-
-    Args:
-        rank: this rank.
-        sent: W lists of W non-negative ints, ``sent[j][i]`` rows rank j sends to rank i.
+    """Every rank's counts of one exchange, agreed (by a layout or a vote): ``sent[j][i]`` rows
+    rank j sends rank i; ``rank`` this one.
 
     Attributes:
-        sent, send_counts, recv_counts, send_offsets, recv_offsets (W ints each), rows_sent,
+        send_counts, recv_counts, send_offsets, recv_offsets (W ints each), rows_sent,
         rows_received.
-        largest_peer_rows: the most rows any rank sends to its peers (own rows not counted); the
-            same on every rank, so ranks choose alike by it.
-        generation: the number of the communicator's layout this plan is a direction of (equal on
-            every rank), or None (a vote's plan).
-        calls: a layout's plan: this rank's calls given it, counted on entry (failed ones too); a
-            vote's plan: its vote's host-collective number. With ``generation`` it forms the call
-            tag (:func:`call_tag`) every transport carries, so a mis-paired call is found on every
-            rank."""
+        largest_peer_rows: the most rows any rank sends to its peers (own rows not counted), so
+            every rank chooses alike by it.
+        generation: the number of the communicator's layout this plan is a direction of, or None
+            (a vote's plan).
+        calls: this rank's calls given a layout's plan, counted on entry (failed ones too); a
+            vote's host-collective number. With ``generation``, the call tag (:func:`call_tag`)."""
 
     __slots__ = ("rank", "size", "sent", "send_counts", "recv_counts", "send_offsets",
                  "recv_offsets", "rows_sent", "rows_received", "largest_peer_rows", "_staging_rows",

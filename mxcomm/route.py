@@ -46,16 +46,11 @@ CALLS = {
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Route:
-    """The route of one signature.
-
-    Attributes:
-        dispatch: True in the dispatch direction; dequantize: a quantized result is decoded;
-        width: D; row_bytes: bytes of a plain row; kind: :func:`kind`'s text; quantize,
-        round_trip: the format's launches for the signature (None: a plain format, or no
-        one-pass round trip); scales_shape: a quantized row's scales, ``(D // block,)`` or
-        ``()``; kept: a quantized format whose result stays quantized; arrays: a quantized row
-        as the staged exchange moves it (``Format.row_arrays``).
-    """
+    """The route of one signature: ``dispatch`` (the direction), ``dequantize`` (a quantized
+    result decoded), ``width`` D, ``row_bytes`` of a plain row, ``kind`` (:func:`kind`),
+    ``quantize`` and ``round_trip`` (the format's prepared launches, or None), ``scales_shape`` of
+    a quantized row (``(D // block,)`` or ``()``), ``kept`` (a quantized result stays so),
+    ``arrays`` (a quantized row as the staged exchange moves it)."""
 
     fmt: object
     function: str
