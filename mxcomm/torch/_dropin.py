@@ -7,7 +7,7 @@ import torch
 
 from .. import a2a as _a2a
 from .._torch_arrays import _array, _stream, _tensor
-from ._ops import _communicators, _resolve_group, exchange
+from ._ops import _registry, _resolve_group, exchange
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -104,7 +104,7 @@ def all_to_all_single(input, output_split_sizes=None, input_split_sizes=None, gr
         return all_to_all_single_autograd(input, output_split_sizes, input_split_sizes, pg, tag)
     _a2a._check_precision(precision)
     if comm is None:  # in a compiled region the op finds the group's communicator
-        comm = pg if torch.compiler.is_compiling() else _communicators.get(pg)
+        comm = pg if torch.compiler.is_compiling() else _registry.of_group(pg)
     output_split_sizes = _splits(output_split_sizes, "output_split_sizes")
     input_split_sizes = _splits(input_split_sizes, "input_split_sizes")
     rows = input if input.dim() == 2 else input.reshape(input.shape[0], -1)

@@ -55,10 +55,12 @@ class LayoutHandle:
 
 
 class _Registry:
-    """The ops' state that is not a tensor: communicators by group key, layouts by handle."""
+    """The ops' state that is not a tensor: communicators by group key and by process group,
+    layouts by handle."""
 
     def __init__(self):
         self._comms = weakref.WeakValueDictionary()
+        self._by_group = weakref.WeakKeyDictionary()
         self._layouts = {}
         self._ids = itertools.count(1)
         self.warned = set()
@@ -86,6 +88,16 @@ class _Registry:
         key = f"{_COMM}{id(comm)}"
         self._comms[key] = comm
         return key
+
+    def of_group(self, pg):
+        """The open communicator of the ``ProcessGroup`` ``pg``, built on first use (collective)
+        and kept as long as the group; an aborted one stays (its calls raise), a closed one is
+        rebuilt."""
+        comm = self._by_group.get(pg)
+        if comm is None or comm.closed:
+            from ..comm import init
+            comm = self._by_group[pg] = init(group=pg)
+        return comm
 
     def communicator(self, key):
         """The communicator a group key names (module docstring)."""
@@ -128,26 +140,6 @@ def _warn_once(key, message):
         warnings.warn(message, stacklevel=2)
 
 
-class _Communicators:
-    """The mxcomm communicator of each process group, built collectively on first use and kept
-    as long as the group (weak keys). An aborted one stays (its calls raise); a closed one is
-    rebuilt.
-    """
-
-    def __init__(self):
-        import weakref
-        self._by_group = weakref.WeakKeyDictionary()
-
-    def get(self, pg):
-        """The open communicator of ``pg`` (a ``ProcessGroup``), built if needed."""
-        comm = self._by_group.get(pg)
-        if comm is None or comm.closed:
-            from ..comm import init
-            comm = self._by_group[pg] = init(group=pg)
-        return comm
-
-
-_communicators = _Communicators()
 
 
 def communicator_for(group):
@@ -173,7 +165,7 @@ def communicator_for(group):
                            "up inside torch.compile; call it outside the compiled region, or "
                            "pass the ProcessGroup itself (mxcomm's ops find its communicator "
                            "when they run)")
-    comm = comm if comm is not None else _communicators.get(pg)
+    comm = comm if comm is not None else _registry.of_group(pg)
     if not torch.compiler.is_compiling():
         _registry.register(comm)  # so a compiled region's ops find it (docs/design.md)
     return comm
