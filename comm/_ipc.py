@@ -1,11 +1,9 @@
-"""Peer memory of the pull transport on GPUs: CUDA IPC among one node's processes; the only module
-calling CUDA's IPC functions (docs/design.md, "Signals on the device").
-
-Each rank ``cudaMalloc``s a staging and a flags buffer (outside CuPy's pool, so a handle names
-exactly that allocation) and maps its peers'. Ranks order themselves on the devices only: the
-kernels of ``_signal.cu`` write and await "ready" and "done" words, reading the generation from a
-device counter so a captured CUDA graph replays correctly. A wait past the timeout records what it
-missed in pinned host memory and lets its stream go on (:meth:`CudaPeerMemory.failure`)."""
+"""Peer memory of the pull transport on GPUs: CUDA IPC among one node's processes, the only module
+calling CUDA's IPC functions (docs/design.md, "Signals on the device"). Each rank ``cudaMalloc``s
+a staging and a flags buffer (outside CuPy's pool: a handle names exactly that allocation) and
+maps its peers'; ``_signal.cu``'s kernels write and await "ready" and "done" words, the generation
+read from a device counter (so a captured CUDA graph replays). A wait past the timeout records
+what it missed in pinned host memory and lets its stream go on (:meth:`CudaPeerMemory.failure`)."""
 
 import pathlib
 
@@ -28,6 +26,8 @@ _IPC_GRANULE = 2 << 20
 def _exported_bytes(nbytes):
     """``nbytes`` rounded up to whole :data:`_IPC_GRANULE` s (at least one)."""
     return max(1, -(-nbytes // _IPC_GRANULE)) * _IPC_GRANULE
+
+
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
 
 

@@ -1,7 +1,5 @@
 """Tensors as the array API's rows and back, and the array API's exchanges on tensors
-(mxcomm.torch).
-
-Glossary: M rows sent by this rank, N = M_recv rows received, P permuted rows, D hidden.
+(mxcomm.torch). Glossary: N = M_recv rows received, P permuted rows, D hidden.
 """
 
 import torch
