@@ -68,11 +68,10 @@ class Layout(tuple):
 def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
     """Agree on the step's layout: every rank learns every rank's per-expert counts.
 
-    Collective. Host sync: the counts are read to the host (one device-to-host copy, the only host
-    synchronization of the token path, its wait bounded by ``comm.timeout``); then one agreement
-    round over the host side channel, plus an allgather of the counts for the communicator's first
-    layout or a new E (docs/design.md, "The layout object"). Every rank checks the same table, so
-    bad counts on any rank raise the same exception on every rank, naming the rank.
+    Collective. Host sync: the counts are read to the host (the token path's only host
+    synchronization, bounded by ``comm.timeout``); then one agreement round over the host side
+    channel, plus an allgather of the counts for the communicator's first layout or a new E
+    (docs/design.md, "The layout object"), so bad counts anywhere raise on every rank.
 
     Args:
         num_tokens_per_expert: (E,) integer array (any integer dtype holding the values; device
