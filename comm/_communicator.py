@@ -1,17 +1,17 @@
-"""The communicator interface shared by the backends (NCCL, MPI, torch.distributed): lifecycle, the
-calls the engine makes, and the backends' hooks. Counts and offsets are host ints counting rows
-(first-axis slices), never bytes. Terms: docs/design.md, "Glossary of `comm/`"."""
+"""The communicator interface shared by the backends (NCCL, MPI, torch.distributed): its lifecycle
+(open, aborted, closed), the calls the engine makes (the staged exchange among them), and the
+backends' hooks. Counts and offsets are host ints counting rows, never bytes. Terms:
+docs/design.md, "Glossary of `comm/`"."""
 
 import abc
 import contextlib
 
 from . import _transport, _validate
 from ._agreement import OP_CODES, Ballot
-from ._lifecycle import Lifecycle
-from ._staged import Plan, StagedExchange
+from ._staged import Plan
 
 
-class Communicator(Lifecycle, StagedExchange, abc.ABC):
+class Communicator(abc.ABC):
     """Base of the communicators: the side channel, the vote, the staged exchange and the state.
 
     Args:
@@ -25,15 +25,13 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
     Attributes:
         rank, size: this rank in ``[0, W)``, and W.
         timeout: seconds a collective or device wait may take before the communicator is aborted.
-        validate: as the argument.
         transport: ``"pull"``, ``"hier"`` or ``"grouped"`` (how :meth:`exchange` moves rows).
-        nodes: the node of each rank (W ints), agreed by ``init``.
         host_collectives: host collectives made so far; a layout-path exchange adds none.
         group: the torch.distributed group built over, or None (MPI).
         layout_experts: E of the last layout agreed (set by ``mxcomm.exchange_layout``), or None.
-        closed: True once :meth:`close` ran.
         small_exchange_bytes, medium_exchange_bytes: limits of the small and medium routes
-            (``mxcomm.route``), in bytes of plain rows the largest sender sends; 0 never."""
+            (``mxcomm.route``), in bytes of plain rows the largest sender sends; 0 never.
+        validate, nodes, aborted, closed: as the argument and the properties."""
 
     #: The limits' defaults on one node (0 across nodes): 0 on the host backends, which exist to
     #: test the transports; the NCCL backend sets its own.
@@ -44,8 +42,7 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         if peer_memory not in (None, True, False):
             raise ValueError(f"peer_memory: expected None (auto), True or False, got "
                              f"{peer_memory!r}")
-        #: None until ``_choose_transport`` resolves the default
-        self.small_exchange_bytes = small_exchange_bytes
+        self.small_exchange_bytes = small_exchange_bytes  # None until _choose_transport
         self.medium_exchange_bytes = medium_exchange_bytes
         self.layout_experts = None
         #: layouts agreed on this communicator (``next_layout_number``)
@@ -59,17 +56,168 @@ class Communicator(Lifecycle, StagedExchange, abc.ABC):
         self.validate = bool(validate)
         self._ballots = {}            # words per rank -> Ballot (agree)
         self._descriptions = {}       # (dtype, row shape) per array -> text for the vote
-        self._open()
+        self._state = "open"          # "open" | "aborted" | "closed"
+        self._reason = ""             # why it was aborted
+        self._pending_error = None    # raised by the next call (e.g. found by a watchdog)
         self._peer_memory = peer_memory
         self._transport = None        # of exchange(), chosen by _choose_transport
+        self.transport = None         # its name
 
     @property
     def host_collectives(self):
         return self._side.collectives
 
+    # ----------------------------------------------------------------------------- lifecycle
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(rank={self.rank}, size={self.size}, "
+                f"timeout={self.timeout}, state={self._state!r})")
+
+    @property
+    def aborted(self):
+        """True once aborted (by :meth:`abort`, a timeout or a fault)."""
+        return self._state == "aborted"
+
+    @property
+    def closed(self):
+        """True once :meth:`close` ran."""
+        return self._state == "closed"
+
+    def check_usable(self):
+        """Raise what the next call must raise: a stored error once, then a state error."""
+        if self._pending_error is None and self._state == "open":
+            failure = self._device_failure()
+            if failure is None:
+                return
+            self._fail(failure)
+        error = self._pending_error
+        if error is not None:
+            self._pending_error = None
+            raise error
+        if self._state == "closed":
+            raise RuntimeError(f"{type(self).__name__} on rank {self.rank}: communicator closed")
+        raise RuntimeError(f"{type(self).__name__} on rank {self.rank}: communicator aborted "
+                           f"({self._reason})")
+
+    def _device_failure(self):
+        """A failure a device wait of the pull transport left, or None; no sync."""
+        failure = getattr(getattr(self._transport, "memory", None), "failure", None)
+        return failure(self._transport.kinds) if failure is not None else None
+
+    def _mark_aborted(self, reason):
+        if self._state == "open":
+            self._state = "aborted"
+            self._reason = reason
+
+    def _mark_aborted_by_timeout(self, reason):
+        self._mark_aborted(reason)
+        self._abort_backend()
+
+    def _fail(self, error, raised=False):
+        """Abort from any thread; keep ``error`` for the next call unless the caller raises it
+        (``raised``)."""
+        with self._state_lock():
+            if self._state != "open":
+                return
+            if not raised:
+                self._pending_error = error
+            self._mark_aborted(str(error))
+        self._abort_backend()
+
+    def _state_lock(self):
+        """Backend hook: the lock guarding the state against a watchdog thread (default none)."""
+        return contextlib.nullcontext()
+
+    def abort(self):
+        """Abort the communicator: later calls raise RuntimeError. Local, never blocks.
+
+        NCCL: ``ncclCommAbort`` ends the operations in flight. MPI cannot cancel a collective: a
+        pending one is abandoned (its buffers stay referenced); ``MPI.COMM_WORLD.Abort()`` ends the
+        job."""
+        self._mark_aborted("abort() called")
+        self._abort_backend()
+
+    def close(self):
+        """Release the communicator's resources; idempotent; later calls raise RuntimeError.
+
+        Does not block, except on NCCL: it waits (bounded by ``timeout``) for the operations in
+        flight and for NCCL's release, which waits until every CUDA graph that captured an exchange
+        is destroyed (past the timeout, a RuntimeWarning). With the ``"pull"`` transport on MPI,
+        freeing the shared windows is collective: close on every rank."""
+        if self._state == "closed":
+            return
+        clean = self._state == "open" and not self._side.abandoned
+        if self._transport is not None and clean:
+            self._transport.close()
+        self._close_backend(clean)
+        if clean:
+            self._side.free()
+        self._state = "closed"
+
+    def _abort_backend(self):
+        """Backend hook: abort device-side operations (default: nothing)."""
+
+    def _close_backend(self, clean):
+        """Backend hook: release backend resources; ``clean`` is False after an abort."""
+
+    # ------------------------------------------------------------------------ staged exchange
+    @property
+    def nodes(self):
+        """The node of each rank (W ints, numbered by their first rank), as ``init`` agreed; peer
+        memory is used only within a node."""
+        return self._side.nodes.of_rank
+
+    def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
+        """Move rows a producer writes where they travel from, to a consumer (module ``_staged``).
+
+        Collective on the devices only: no host collective or barrier (but the rare growth of the
+        staging). ``plan`` must be the same on every rank; a peer at another exchange, kind or
+        plan is found where the transport can (kind words, call headers), else times out.
+
+        Args:
+            rows: the rows object (``_staged``): ``arrays``, ``kind``, ``produce``; ``consume`` and
+                ``keep`` for ``in_place``.
+            plan: a :class:`~mxcomm.comm.Plan`, every rank's counts.
+            out: one array of ``plan.rows_received`` rows per entry of ``rows.arrays`` (None:
+                allocated; with ``in_place``: None). Written.
+            in_place: the consumer reads each sender's rows where they are (pull: over NVLink on a
+                side stream) instead of a copy into ``out``.
+            landing: None (received row r is row r of ``out``), or runs ``((received row, row of
+                out, rows), ...)`` sorted by received row, covering each once; needs ``out``.
+            stream: a raw handle (int), or as in :meth:`alltoallv`; ignored on the host.
+        Returns:
+            The tuple of ``out`` arrays (complete on ``stream``), or None with ``in_place``.
+        Raises:
+            ValueError: ``landing`` without ``out`` or with ``in_place``.
+            TimeoutError: a peer did not arrive within ``timeout`` s (on a GPU found by this or a
+                later call, or :meth:`wait`); the communicator is aborted.
+            RuntimeError: a peer called a different exchange; the communicator is aborted or
+                closed."""
+        self.check_usable()
+        if landing is not None and (in_place or out is None):
+            raise ValueError("landing: needs out arrays and in_place=False")
+        if type(stream) is not int:
+            stream = self.stream_ptr(stream)
+        with self.on_stream(stream):  # allocations ordered on the caller's stream
+            outs = self._transport.run(rows, plan, None if out is None else tuple(out), in_place,
+                                       stream, landing)
+        # no watchdog event: pull's device waits time out themselves, grouped's alltoallv records
+        return None if in_place else outs
+
+    def _new_arrays(self, arrays, rows):
+        """One new array of ``rows`` rows per ``(row shape, dtype)`` of ``arrays``."""
+        return tuple(self._empty((rows,) + shape, dtype) for shape, dtype in arrays)
+
     def _choose_transport(self):
         """Pick the transport of :meth:`exchange` (``_transport.choose``); collective."""
         self._transport = _transport.choose(self, self._peer_memory)
+        self.transport = self._transport.name
 
     # ------------------------------------------------------------------------- backend hooks
     def alltoallv(self, send, send_counts, recv_counts, out=None, *, send_offsets=None,

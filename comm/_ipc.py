@@ -1,11 +1,9 @@
-"""Peer memory of the pull transport on GPUs: CUDA IPC among one node's processes; the only module
-calling CUDA's IPC functions (docs/design.md, "Signals on the device").
-
-Each rank ``cudaMalloc``s a staging and a flags buffer (outside CuPy's pool, so a handle names
-exactly that allocation) and maps its peers'. Ranks order themselves on the devices only: the
-kernels of ``_signal.cu`` write and await "ready" and "done" words, reading the generation from a
-device counter so a captured CUDA graph replays correctly. A wait past the timeout records what it
-missed in pinned host memory and lets its stream go on (:meth:`CudaPeerMemory.failure`)."""
+"""Peer memory of the pull transport on GPUs: CUDA IPC among one node's processes, the only module
+calling CUDA's IPC functions (docs/design.md, "Signals on the device"). Each rank ``cudaMalloc``s
+a staging and a flags buffer (outside CuPy's pool: a handle names exactly that allocation) and
+maps its peers'; ``_signal.cu``'s kernels write and await "ready" and "done" words, the generation
+read from a device counter (so a captured CUDA graph replays). A wait past the timeout records
+what it missed in pinned host memory and lets its stream go on (:meth:`CudaPeerMemory.failure`)."""
 
 import pathlib
 
@@ -28,6 +26,8 @@ _IPC_GRANULE = 2 << 20
 def _exported_bytes(nbytes):
     """``nbytes`` rounded up to whole :data:`_IPC_GRANULE` s (at least one)."""
     return max(1, -(-nbytes // _IPC_GRANULE)) * _IPC_GRANULE
+
+
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
 
 
@@ -152,22 +152,24 @@ class CudaPeerMemory:
         self._rt.eventRecord(self._forked, stream)
         self._rt.streamWaitEvent(self._side_ptr, self._forked, 0)
 
-    def signal_ready(self, signals, stream):
+    def signal_ready(self, signals, tag, stream):
         """In one launch on ``stream``, signal each ``(peer, piece, kind)`` of ``signals`` (at most
-        ``MAX_BATCH``) that its rows of ``piece`` are in this rank's staging."""
+        ``MAX_BATCH``; the call's ``tag`` OR-ed into each kind) that its rows of ``piece`` are in
+        this rank's staging."""
         me = self._rank * MAX_PIECES
         self._signal_k(1, 32, stream, (
             self._gen_ptr, *_batch([self._peer_flags[p] + 8 * (me + k) for p, k, _ in signals]),
-            *_batch([kind for _, _, kind in signals]), *_batch([0] * len(signals)),
+            *_batch([kind | tag for _, _, kind in signals]), *_batch([0] * len(signals)),
             len(signals)))
 
-    def await_ready(self, awaits):
+    def await_ready(self, awaits, tag):
         """In one launch, order the side stream after each ``(peer, piece, kind)`` of ``awaits`` (at
-        most ``MAX_BATCH``, each kind checked); returns the side stream's handle."""
+        most ``MAX_BATCH``, each kind checked, the call's ``tag`` OR-ed in); returns the side
+        stream's handle."""
         base = self._flags.ptr
         self._wait_k(1, 32, self._side_ptr, (
             self._gen_ptr, *_batch([base + 8 * (p * MAX_PIECES + k) for p, k, _ in awaits]),
-            *_batch([kind for _, _, kind in awaits]), *_batch([p for p, _, _ in awaits]),
+            *_batch([kind | tag for _, _, kind in awaits]), *_batch([p for p, _, _ in awaits]),
             len(awaits), self._timeout_ns, self._status_ptr))
         return self._side_ptr
 

@@ -13,8 +13,10 @@ import weakref
 
 from mxcomm._driver import row_range
 
-from ._staged import (MAX_BATCH, batched, call_tag, kind_base, kind_word, landed, pieces,
+from ._staged import (MAX_BATCH, batched, kind_base, kind_word, landed, layout_tag, pieces,
                       regions, row_bytes_of, send_order)
+
+_NONE = {}  # no schedule of a plan yet
 
 
 class PullTransport:
@@ -28,19 +30,11 @@ class PullTransport:
         self._comm = comm
         self.memory = memory
         self.kinds = {}  # 16-bit kind hash -> kind text, for mismatch messages
-        self._bases = {}  # kind text -> 16-bit hash
-        self._schedules = weakref.WeakKeyDictionary()  # plan -> {key: _Schedule}
+        self._schedules = weakref.WeakKeyDictionary()  # plan -> {run's key: _Schedule}
         self._epoch = memory.epoch
 
-    def _kind(self, text):
-        base = self._bases.get(text)
-        if base is None:
-            base = self._bases[text] = kind_base(text)
-            self.kinds.setdefault(base, text)
-        return base
-
     def run(self, rows, plan, outs, in_place, stream, landing=None, beside=None, tag=None):
-        """The exchange of ``plan`` (``StagedExchange.exchange``'s arguments, ``outs`` a tuple or
+        """The exchange of ``plan`` (``Communicator.exchange``'s arguments, ``outs`` a tuple or
         None). ``beside(stream)``: work enqueued after the own rows, before the join, overlapping
         the pulls (hier's exchange between nodes); ``tag``: the call tag, None for ``plan``'s.
 
@@ -48,36 +42,33 @@ class PullTransport:
         found before a row is read (host: RuntimeError at once; GPU: the watchdog aborts, the next
         call raises)."""
         memory = self.memory
-        if tag is None:
-            tag = call_tag(plan)
-        arrays = rows.arrays
-        row_bytes = row_bytes_of(arrays)
-        base = self._kind(rows.kind + ", read in place" if in_place else rows.kind)
-        memory.reserve(plan.staging_bytes(row_bytes), stream)
-        schedule = self._schedule(plan, arrays, row_bytes, base, in_place, landing)
+        key = (rows.arrays, rows.kind, in_place, landing)
+        schedule = self._schedules.get(plan, _NONE).get(key) \
+            if memory.epoch == self._epoch else None
+        if schedule is None:  # the first call of these rows with this staging
+            schedule = self._schedule(plan, key, stream)
+        if tag is None:  # call_tag(plan)
+            tag = schedule.layout_tag | (plan.calls & 0xFF)
         if outs is None and not in_place:
-            outs = self._comm._new_arrays(arrays, plan.rows_received)
+            outs = self._comm._new_arrays(rows.arrays, plan.rows_received)
         memory.begin(stream)
         produce = rows.produce
-        signal = memory.signal_ready
         for begin, end, slots, signals in schedule.sends:
             if end > begin:
                 produce(begin, end, slots, stream)
             if signals:
-                signal(_tagged(signals, tag), stream)
+                memory.signal_ready(signals, tag, stream)
         # pulls are enqueued before the own rows' launches, so copies need not wait for the host
-        await_ready = memory.await_ready
         if in_place:
             consume = rows.consume
             for awaits, views in schedule.receives:
-                side = await_ready(_tagged(awaits, tag))
+                side = memory.await_ready(awaits, tag)
                 for begin, end, held in views:
                     if end > begin:
                         consume(begin, end, held, side)
         else:
-            copy_all = memory.copy_all
             for awaits, copies in schedule.receives:
-                copy_all(copies, outs, await_ready(_tagged(awaits, tag)))
+                memory.copy_all(copies, outs, memory.await_ready(awaits, tag))
         own = schedule.own
         if own is not None:  # own rows, last: straight to the result, or kept by the consumer
             begin, end, at, slots, lands = own
@@ -85,27 +76,35 @@ class PullTransport:
                 rows.keep(begin, end, at, slots, stream)
             else:
                 for first, last, out_row in lands:
-                    produce(first, last, tuple(row_range(o, out_row, out_row + last - first)
-                                               for o in outs), stream)
+                    slots = ()
+                    for o in outs:
+                        slots += (row_range(o, out_row, out_row + last - first),)
+                    produce(first, last, slots, stream)
         if beside is not None:
             beside(stream)
         # where a device wait failed, the end poisons what the copies or the consumer wrote
         memory.end(stream, getattr(rows, "results", ()) if in_place else outs)
         return outs
 
-    def _schedule(self, plan, arrays, row_bytes, base, in_place, landing=None):
-        """The :class:`_Schedule` of ``plan`` for these rows, cached until the staging moves."""
-        if self.memory.epoch != self._epoch:  # the staging moved: forget every view of it
+    def _schedule(self, plan, key, stream):
+        """The :class:`_Schedule` of ``plan`` for ``key`` (row arrays, kind, in place, landing),
+        cached until the staging moves; a new one after the staging is grown for it (collective
+        where it grows)."""
+        arrays, kind, in_place, landing = key
+        row_bytes = row_bytes_of(arrays)
+        memory = self.memory
+        memory.reserve(plan.staging_bytes(row_bytes), stream)
+        if memory.epoch != self._epoch:  # the staging moved: forget every view of it
             self._schedules.clear()
-            self._epoch = self.memory.epoch
-        by_key = self._schedules.get(plan)
-        if by_key is None:
-            by_key = self._schedules[plan] = {}
-        key = (arrays, base, in_place, landing)
+            self._epoch = memory.epoch
+        by_key = self._schedules.setdefault(plan, {})
         schedule = by_key.get(key)
         if schedule is None:
-            schedule = by_key[key] = _Schedule(plan, self.memory, arrays, row_bytes, base,
-                                               in_place, landing)
+            text = kind + ", read in place" if in_place else kind
+            base = kind_base(text)
+            self.kinds.setdefault(base, text)
+            schedule = by_key[key] = _Schedule(plan, memory, arrays, row_bytes, base, in_place,
+                                               landing)
         return schedule
 
     def close(self):
@@ -113,28 +112,23 @@ class PullTransport:
         self.memory.close()
 
 
-def _tagged(words, tag):
-    """The schedule's ``(peer, piece, kind)`` words with the call's ``tag`` OR-ed into each kind."""
-    return tuple([(peer, piece, kind | tag) for peer, piece, kind in words])
-
-
 class _Schedule:
     """One plan's exchange for one row layout, worked out.
 
     Attributes:
         sends: ``(begin, end, slots, signals)`` per producer launch, in send order: rows ``[begin,
-            end)`` into ``slots`` (this rank's staging), then ``signals`` (``(peer, piece, kind)``
-            words) signalled. One piece of one peer per entry, or, when batched
-            (``_staged.batched``), one or two ranges with every peer signalled after the last.
+            end)`` into ``slots`` (this rank's staging), then ``(peer, piece, kind)`` words
+            signalled; one per peer and piece, or (``_staged.batched``) one or two ranges, every
+            peer signalled after the last.
         own: ``(begin, end, at, slots, lands)`` of the own rows (produced last, received at row
-            ``at``; ``slots`` in place only; ``lands``: ``[(first, last, result row), ...]``
-            produced straight into the result), or None.
-        receives: ``(awaits, work)`` in pull order: wait for ``awaits``, then ``work``: copies
-            ``[(peer, staging offset, array index, result byte offset, bytes), ...]``, or in place
-            ``[(begin, end, views of the sender's staging), ...]``. One entry per sender and piece,
-            or one awaiting every sender when batched."""
+            ``at``; ``slots`` in place only; ``lands``: ``[(first, last, result row), ...]``), or
+            None.
+        receives: ``(awaits, work)`` in pull order: copies ``[(peer, staging offset, array index,
+            result byte offset, bytes), ...]``, or in place ``[(begin, end, views of the sender's
+            staging), ...]``; one per sender and piece, or one for all when batched.
+        layout_tag: ``_staged.layout_tag`` of the plan."""
 
-    __slots__ = ("sends", "own", "receives")
+    __slots__ = ("sends", "own", "receives", "layout_tag")
 
     def __init__(self, plan, memory, arrays, row_bytes, base, in_place, landing):
         rank, size = plan.rank, plan.size
@@ -145,7 +139,8 @@ class _Schedule:
                          for b, rb, (shape, dtype) in zip(bases, row_bytes, arrays))
 
         self.sends, self.own, self.receives = [], None, []
-        kind = kind_word(base)  # each call ORs its tag in (``_tagged``)
+        self.layout_tag = layout_tag(plan)
+        kind = kind_word(base)  # each call's tag is OR-ed in by the memory's signals and waits
         peers = size - 1
         begin, count = plan.send_offsets[rank], plan.send_counts[rank]
         if count:

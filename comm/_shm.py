@@ -9,6 +9,7 @@ import time
 
 import numpy
 
+from ._board import _ranks
 from ._staged import MAX_PIECES, describe_mismatch
 
 _GROWTH = 1.25
@@ -116,65 +117,54 @@ class HostPeerMemory:
                 break
         self.generation = (want + 1) & _MASK
 
-    def signal_ready(self, signals, stream):
-        """Signal each ``(peer, piece, kind)`` of ``signals``: its rows of ``piece`` are staged
-        here."""
+    def signal_ready(self, signals, tag, stream):
+        """Signal each ``(peer, piece, kind)`` of ``signals``, the call's ``tag`` OR-ed into the
+        kind: its rows of ``piece`` are staged here."""
         self._flags_window.Sync()  # the rows are stored before the flags
         for peer, piece, kind in signals:
             self._flags[peer][self._rank * MAX_PIECES + piece] = numpy.uint64(
-                (self.generation << 32) | kind)
+                (self.generation << 32) | kind | tag)
 
-    def await_ready(self, awaits):
-        """Wait until each ``(peer, piece, kind)`` of ``awaits`` is signalled; returns 0 (the host's
-        stream). RuntimeError at once for another kind or a peer that gave up or found the exchange
-        mis-paired; TimeoutError naming the ranks still missing."""
+    def await_ready(self, awaits, tag):
+        """Wait until each ``(peer, piece, kind)`` of ``awaits`` is signalled, the call's ``tag``
+        OR-ed into the kind; returns 0 (the host's stream). RuntimeError at once for another kind
+        or a peer that gave up or found the exchange mis-paired; TimeoutError naming the ranks
+        still missing."""
         flags = self._flags[self._rank]
         gen = self.generation
+
+        def fail(what, mispaired):
+            self._mispaired = self._mispaired or mispaired
+            error = RuntimeError(f"exchange on rank {self._rank}: {what}; the communicator is "
+                                 f"aborted")
+            self._comm._fail(error, raised=True)
+            raise error
 
         def missing():
             late, gave_up, mispaired = [], [], []
             for peer, piece, kind in awaits:
+                kind |= tag
                 value = int(flags[peer * MAX_PIECES + piece])
                 if value >> 32 != gen:
                     late.append(peer)
-                elif value & _MASK == _GAVE_UP:
-                    if peer not in gave_up:
-                        gave_up.append(peer)
-                elif value & _MASK == _MISPAIRED:
-                    if peer not in mispaired:
-                        mispaired.append(peer)
+                elif value & _MASK in (_GAVE_UP, _MISPAIRED):
+                    seen = gave_up if value & _MASK == _GAVE_UP else mispaired
+                    if peer not in seen:
+                        seen.append(peer)
                 elif value & _MASK != kind:
-                    error = RuntimeError(
-                        f"exchange on rank {self._rank}: "
-                        + describe_mismatch(peer, kind, value & _MASK,
-                                            self._comm._transport.kinds)
-                        + "; the communicator is aborted")
-                    self._mispaired = True
-                    self._comm._fail(error, raised=True)
-                    raise error
+                    fail(describe_mismatch(peer, kind, value & _MASK,
+                                           self._comm._transport.kinds), True)
             if mispaired and not late:  # every peer came; some found the exchange mis-paired
-                ranks = ", ".join(map(str, mispaired))
-                error = RuntimeError(
-                    f"exchange on rank {self._rank}: rank{'s' if len(mispaired) > 1 else ''} "
-                    f"{ranks} found this exchange (generation {gen}) mis-paired, a rank at "
-                    f"another call or kind of exchange, and gave up on it; the communicator "
-                    f"is aborted")
-                self._mispaired = True
-                self._comm._fail(error, raised=True)
-                raise error
+                fail(f"{_ranks(mispaired)} found this exchange (generation {gen}) mis-paired, a "
+                     f"rank at another call or kind of exchange, and gave up on it", True)
             if gave_up and not late:  # the others gave up, and no other rank is missing
-                ranks = ", ".join(map(str, gave_up))
-                error = RuntimeError(
-                    f"exchange on rank {self._rank}: rank{'s' if len(gave_up) > 1 else ''} "
-                    f"{ranks} had given up on this exchange (generation {gen}) before this "
-                    f"rank came to it: this rank is late (its peers timed out waiting for it), "
-                    f"or they failed; the communicator is aborted")
-                self._comm._fail(error, raised=True)
-                raise error
+                fail(f"{_ranks(gave_up)} had given up on this exchange (generation {gen}) before "
+                     f"this rank came to it: this rank is late (its peers timed out waiting for "
+                     f"it), or they failed", False)
             return late
 
         for peer, piece, kind in awaits:  # no spin where every peer has signalled
-            if int(flags[peer * MAX_PIECES + piece]) != (gen << 32) | kind:
+            if int(flags[peer * MAX_PIECES + piece]) != (gen << 32) | kind | tag:
                 self._spin(missing, "send its rows")
                 break
         self._flags_window.Sync()
@@ -213,9 +203,9 @@ class HostPeerMemory:
             now = time.monotonic()
             if now - start > comm.timeout:
                 error = TimeoutError(
-                    f"exchange on rank {self._rank}: rank{'s' if len(late) > 1 else ''} "
-                    f"{', '.join(map(str, late))} did not {what} within {comm.timeout:g} s "
-                    f"(generation {self.generation}); the communicator is aborted")
+                    f"exchange on rank {self._rank}: {_ranks(late)} did not {what} within "
+                    f"{comm.timeout:g} s (generation {self.generation}); the communicator is "
+                    f"aborted")
                 comm._fail(error, raised=True)
                 raise error
             if now - start > _SPIN_S:

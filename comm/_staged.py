@@ -1,9 +1,8 @@
-"""The staged exchange (docs/design.md, "The staged exchange"): rows a producer writes where they
-travel from and a consumer reads where they arrive, moved by a transport (``_pull``, ``_hier``,
-``_grouped``) by a :class:`Plan`. Here: what the transports share (the plan, a staging region's byte
-layout, the send order, pieces, the kind and the call tag).
+"""What the transports of the staged exchange (``Communicator.exchange``; ``_pull``, ``_hier``,
+``_grouped``) share: the :class:`Plan`, a staging region's byte layout, the send order, pieces, the
+kind and the call tag. docs/design.md, "The staged exchange".
 
-A *rows* object (the engine's are in ``mxcomm.a2a``) has:
+A *rows* object (``mxcomm._driver.LaunchRows``, ``mxcomm.route``'s) has:
 
 - ``arrays``: ``((row shape, dtype), ...)``, the arrays moved together (MXFP8: data, scales);
 - ``kind``: text naming the exchange (operation, format, D), compared across ranks;
@@ -17,8 +16,7 @@ A *rows* object (the engine's are in ``mxcomm.a2a``) has:
   ``produce`` then ``consume`` at received row ``at`` would, in one pass where it can.
 
 All enqueue on the raw stream handle ``stream``. Slots and rows are C-contiguous ``(rows,) + row
-shape``: on a GPU the pull transport passes addresses (``mxcomm._driver.Words``, no CuPy view's host
-time), the grouped one CuPy arrays; on the host, NumPy arrays."""
+shape``: ``mxcomm._driver.Words`` (pull) or CuPy arrays (grouped) on a GPU, NumPy on the host."""
 
 import bisect
 import math
@@ -41,23 +39,18 @@ MAX_BATCH = 8
 
 
 class Plan:
-    """Every rank's counts of one exchange, agreed across ranks (by a layout or a vote).
-
-    Args:
-        rank: this rank.
-        sent: W lists of W non-negative ints, ``sent[j][i]`` rows rank j sends to rank i.
+    """Every rank's counts of one exchange, agreed (by a layout or a vote): ``sent[j][i]`` rows
+    rank j sends rank i; ``rank`` this one.
 
     Attributes:
-        sent, send_counts, recv_counts, send_offsets, recv_offsets (W ints each), rows_sent,
+        send_counts, recv_counts, send_offsets, recv_offsets (W ints each), rows_sent,
         rows_received.
-        largest_peer_rows: the most rows any rank sends to its peers (own rows not counted); the
-            same on every rank, so ranks choose alike by it.
-        generation: the number of the communicator's layout this plan is a direction of (equal on
-            every rank), or None (a vote's plan).
-        calls: a layout's plan: this rank's calls given it, counted on entry (failed ones too); a
-            vote's plan: its vote's host-collective number. With ``generation`` it forms the call
-            tag (:func:`call_tag`) every transport carries, so a mis-paired call is found on every
-            rank."""
+        largest_peer_rows: the most rows any rank sends to its peers (own rows not counted), so
+            every rank chooses alike by it.
+        generation: the number of the communicator's layout this plan is a direction of, or None
+            (a vote's plan).
+        calls: this rank's calls given a layout's plan, counted on entry (failed ones too); a
+            vote's host-collective number. With ``generation``, the call tag (:func:`call_tag`)."""
 
     __slots__ = ("rank", "size", "sent", "send_counts", "recv_counts", "send_offsets",
                  "recv_offsets", "rows_sent", "rows_received", "largest_peer_rows", "_staging_rows",
@@ -89,17 +82,13 @@ class Plan:
         return max(ALIGN, regions(row_bytes, self._staging_rows)[1])
 
 
-def _align(n):
-    return -(-n // ALIGN) * ALIGN
-
-
 def regions(layout, rows):
     """Byte offsets of each array of ``layout`` (``(row_bytes, ...)``) in a staging region of
     ``rows`` rows, and the region's size: ``([offset per array], total bytes)``."""
     offsets, total = [], 0
     for row_bytes in layout:
         offsets.append(total)
-        total += _align(rows * row_bytes)
+        total += -(-rows * row_bytes // ALIGN) * ALIGN
     return offsets, total
 
 
@@ -110,15 +99,13 @@ def send_order(rank, size):
 
 def pieces(rows, layout):
     """Row ranges ``[(lo, hi), ...]`` a peer's ``rows`` are produced and pulled in: about
-    ``PIECE_BYTES`` each, at most ``MAX_PIECES``, at least one (maybe empty); sender and receiver
-    compute the same."""
+    ``PIECE_BYTES`` each, 1 to ``MAX_PIECES`` (maybe empty)."""
     k = min(MAX_PIECES, max(1, -(-rows * sum(layout) // PIECE_BYTES)))
     return [(rows * i // k, rows * (i + 1) // k) for i in range(k)]
 
 
 def batched(rows, layout):
-    """Whether ``rows`` rows of ``layout``, a rank's rows for or from all its peers, fit one launch
-    (``BATCH_BYTES``, and one piece)."""
+    """Whether a rank's ``rows`` rows of ``layout`` for (or from) all its peers fit one launch."""
     return rows * sum(layout) <= min(BATCH_BYTES, PIECE_BYTES)
 
 
@@ -152,16 +139,21 @@ def kind_base(text):
 
 
 def kind_word(base):
-    """The high half of the 32-bit kind a sender signals: the kind's hash (the low half is the
-    :func:`call_tag`, OR-ed in per call)."""
+    """The 32-bit kind a sender signals: the kind's hash high, :func:`call_tag` OR-ed in per call."""
     return base << 16
 
 
 def call_tag(plan):
-    """The 16-bit tag of this rank's current call of ``plan``: ``plan.generation`` mod 256 (0 for a
-    vote's plan) in the high byte, ``plan.calls`` mod 256 in the low one. The pull transport ORs it
-    into its ready words; NCCL sends it in a header (``_header``)."""
-    return ((plan.generation or 0) & 0xFF) << 8 | (plan.calls & 0xFF)
+    """The 16-bit tag of this rank's current call of ``plan``: :func:`layout_tag` in the high byte,
+    ``plan.calls`` mod 256 in the low one. The pull transport ORs it into its ready words; NCCL
+    sends it in a header (``_header``)."""
+    return layout_tag(plan) | (plan.calls & 0xFF)
+
+
+def layout_tag(plan):
+    """The high byte of :func:`call_tag`, fixed per plan: ``plan.generation`` mod 256 (0 for a
+    vote's plan)."""
+    return ((plan.generation or 0) & 0xFF) << 8
 
 
 def describe_tag(tag):
@@ -173,9 +165,8 @@ def describe_tag(tag):
 
 
 def describe_mismatch(peer, expected, got, kinds):
-    """The message for a ready word of the right generation but the wrong kind: ``expected`` and
-    ``got`` are 32-bit words (kind hash, call tag); ``kinds`` maps hashes to kind texts seen
-    here."""
+    """The message for a ready word of the right generation but the wrong kind (32-bit words:
+    kind hash, call tag); ``kinds``: hashes to the kind texts seen here."""
     if expected >> 16 != got >> 16:
         theirs = kinds.get(got >> 16)
         theirs = f"'{theirs}'" if theirs else "an exchange of another kind"
@@ -185,60 +176,3 @@ def describe_mismatch(peer, expected, got, kinds):
     return (f"rank {peer} is at {describe_tag(got & 0xFFFF)} where this rank is at "
             f"{describe_tag(expected & 0xFFFF)}: the exchange is mis-paired (a rank failed or "
             f"skipped a call alone and went on, or uses another layout)")
-
-
-class StagedExchange:
-    """The staged exchange's entry on a :class:`~mxcomm.comm.Communicator` (a base of it)."""
-
-    @property
-    def nodes(self):
-        """The node of each rank (W ints, numbered by their first rank), as ``init`` agreed; peer
-        memory is used only within a node."""
-        return self._side.nodes.of_rank
-
-    @property
-    def transport(self):
-        """``"pull"``, ``"hier"`` or ``"grouped"``: how :meth:`exchange` moves rows."""
-        return self._transport.name
-
-    def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
-        """Move rows a producer writes where they travel from, to a consumer (module ``_staged``).
-
-        Collective, on the devices only: no host collective or barrier (except the rare collective
-        growth of the staging). ``plan`` must be the same on every rank; a peer calling another
-        exchange, kind or plan is detected where the transport can (kind words, call headers) and
-        raises, else times out.
-
-        Args:
-            rows: the rows object (``_staged``): ``arrays``, ``kind``, ``produce``; ``consume`` for
-                ``in_place``.
-            plan: a :class:`~mxcomm.comm.Plan`, every rank's counts.
-            out: one array of ``plan.rows_received`` rows per entry of ``rows.arrays``, or None to
-                allocate. Written. None with ``in_place``.
-            in_place: the consumer reads each sender's rows where they are (pull: over NVLink on a
-                side stream) instead of a copy into ``out``.
-            landing: None (received row r is row r of ``out``), or runs ``((received row, row of
-                out, rows), ...)`` sorted by received row, covering every received row once; ``out``
-                may have more rows, left as they are. Needs ``out``; not with ``in_place``.
-            stream: the caller's stream (NCCL: as in :meth:`alltoallv`; host backends: ignored).
-        Returns:
-            The tuple of ``out`` arrays (complete on ``stream``), or None with ``in_place``.
-        Raises:
-            ValueError: ``landing`` without ``out`` or with ``in_place``.
-            TimeoutError: a peer did not arrive within ``timeout`` s (on a GPU found by this or a
-                later call, or :meth:`wait`); the communicator is aborted.
-            RuntimeError: a peer called a different exchange; the communicator is aborted or
-                closed."""
-        self.check_usable()
-        if landing is not None and (in_place or out is None):
-            raise ValueError("landing: needs out arrays and in_place=False")
-        stream_ptr = self.stream_ptr(stream)
-        with self.on_stream(stream_ptr):  # allocations ordered on the caller's stream
-            outs = self._transport.run(rows, plan, None if out is None else tuple(out), in_place,
-                                       stream_ptr, landing)
-        # no watchdog event: pull's device waits time out themselves, grouped's alltoallv records
-        return None if in_place else outs
-
-    def _new_arrays(self, arrays, rows):
-        """One new array of ``rows`` rows per ``(row shape, dtype)`` of ``arrays``."""
-        return tuple(self._empty((rows,) + shape, dtype) for shape, dtype in arrays)

@@ -1,7 +1,7 @@
-"""Kernel launches through the CUDA driver with one packed parameter buffer (GPU only), and
-:class:`Words`, a device array named by address without a CuPy view (docs/design.md "Arrays"). The
-driver copies the parameters at launch, so the buffer is reused at once. Leaf module: imports CuPy
-lazily, and NumPy; nothing of this package.
+"""Kernel launches through the CUDA driver with one packed parameter buffer (GPU only),
+:class:`Words`, a device array named by address without a CuPy view (docs/design.md "Arrays"), and
+:class:`LaunchRows`, the rows a prepared launch quantizes into ``mxcomm.comm``'s staged exchange.
+Leaf module: imports CuPy lazily, and NumPy; nothing of this package.
 """
 
 import ctypes
@@ -23,18 +23,11 @@ _ERROR_INVALID_CONTEXT = 201
 
 
 class PackedLaunch:
-    """Launch one compiled function with parameters packed by a ``struct`` format.
-
-    Args:
-        function: a CuPy ``Function`` (its ``ptr`` is the ``CUfunction``; kept alive, with its
-            module, as long as this object).
-        fmt: the parameters as ``struct`` codes, e.g. ``"QQIi"`` (``Q`` pointer or uint64, ``q``
-            int64, ``I``/``i`` 32-bit, ``B`` uint8/bool), native alignment.
-
-    ``launch(grid, block, stream, values, shared=0)``: 1-D ``grid`` and ``block``, a raw stream
-    handle, ints matching ``fmt``, dynamic shared bytes (above 48 KiB only after
-    :meth:`allow_shared`). Enqueues on ``stream``; no synchronization. Thread-safe.
-    """
+    """Launch one compiled function (a CuPy ``Function``, kept alive) with parameters packed by
+    the ``struct`` codes ``fmt`` (``"QQIi"``: ``Q`` pointer or uint64, ``q`` int64, ``I``/``i``
+    32-bit, ``B`` uint8/bool; native alignment). ``launch(grid, block, stream, values, shared=0)``:
+    1-D grid and block, a raw stream, ints matching ``fmt``, dynamic shared bytes (above 48 KiB
+    only after :meth:`allow_shared`); enqueues, no sync. Thread-safe."""
 
     __slots__ = ("_function", "_ptr", "_pack_into", "_buffer", "_size", "_extra", "_extra_ptr",
                  "_lock", "_launch", "_shared_cap", "fmt")
@@ -89,18 +82,10 @@ def _bind_primary_context():
 
 
 class Words:
-    """A C-contiguous device array named by its address: all a launch or a copy needs of it.
-
-    The GPU side of ``mxcomm.kernels.words``; the engine also names rows by it (:func:`row_range`),
-    where a "word" is an element.
-
-    Attributes:
-        ptr: device address of the first word.
-        shape: ``(size,)`` or ``(rows, words per row)``.
-        dtype: NumPy dtype of a word.
-        align: bytes the address must be a multiple of: the word's size by default; 16 for a kernel
-            that loads two 8-byte words at once (``_memory.load_pair``).
-    """
+    """A C-contiguous device array named by its address: all a launch or a copy needs of it (the
+    GPU side of ``mxcomm.kernels.words``; a "word" is an element). ``ptr``: the first word's
+    address; ``shape``: ``(size,)`` or ``(rows, words per row)``; ``dtype``: a word's; ``align``:
+    bytes the address is a multiple of (the word's size, or 16 for ``_memory.load_pair``)."""
 
     __slots__ = ("ptr", "shape", "dtype", "align", "size", "ndim")
 
@@ -148,6 +133,26 @@ def flat(a):
     if isinstance(a, numpy.ndarray):
         return a.reshape(-1)
     return Words(a.ptr if type(a) is Words else a.data.ptr, (a.size,), a.dtype)
+
+
+class LaunchRows:
+    """Plain rows ``x`` (M, D) that the format's prepared launch ``quantize(x, data, scales, rows,
+    stream)`` (``Format.quantizer``) writes where the staged exchange moves them from: the rows
+    protocol of ``comm._staged`` (``arrays``, ``kind``, ``produce``). A leaf, so a transport
+    producing rows calls nothing above ``comm``. ``per_row``: one scale per row, travelling as
+    (rows, 1) where the launch writes (rows,)."""
+
+    __slots__ = ("arrays", "kind", "_x", "_quantize", "_per_row")
+
+    def __init__(self, x, quantize, arrays, kind, per_row):
+        self.arrays, self.kind = arrays, kind
+        self._x, self._quantize, self._per_row = x, quantize, per_row
+
+    def produce(self, begin, end, slots, stream):
+        data, scales = slots
+        if self._per_row:
+            scales = flat(scales)
+        self._quantize(row_range(self._x, begin, end), data, scales, end - begin, stream)
 
 
 def copy_bytes(dst, src, stream):

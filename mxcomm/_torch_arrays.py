@@ -1,9 +1,7 @@
 """Torch tensors as arrays and back, zero-copy (a leaf module: of this package only ``_array``
-and ``_platform``).
-
-A CUDA tensor is seen as a CuPy array built over its ``data_ptr`` (cheaper on the host than
-DLPack: bench/NOTES.md), a CPU tensor as a NumPy array; bf16 as ml_dtypes', fp8 as uint8 bits.
-Arrays become tensors through DLPack.
+and ``_platform``). A CUDA tensor is seen as a CuPy array over its ``data_ptr`` (cheaper on the
+host than DLPack: bench/NOTES.md), a CPU tensor as a NumPy array; bf16 as ml_dtypes', fp8 as
+uint8 bits. Arrays become tensors through DLPack.
 """
 
 import numpy

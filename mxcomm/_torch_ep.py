@@ -84,7 +84,7 @@ class ExpertParallel:
 
     def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
                  align=32, hidden=None, gemm_fallback=False, table=None, overlap=False):
-        from .torch._a2a import a2a_combine, a2a_dispatch
+        from .torch._ops import a2a_combine, a2a_dispatch
         from .torch._layout import exchange_layout
         from .torch._ops import communicator_for
         from .torch._permute import permute, unpermute

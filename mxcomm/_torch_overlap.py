@@ -23,7 +23,7 @@ import torch
 from . import a2a as _a2a
 from ._torch_gemm import OVERLAP_ATTRIBUTE as ATTRIBUTE
 from .formats import get_format
-from .torch._a2a import _A2ADispatch
+from .torch._ops import _A2ADispatch
 from .torch._permute import _Permute
 
 

@@ -301,8 +301,7 @@ a2a_dispatch.__doc__ = _doc("""Step 1: send routed token rows to the ranks holdi
 
 def a2a_dispatch_backward(grad, input_splits=None, output_splits=None, comm=None,
                           precision="bf16", *, scale_mode="rceil", stream=None, layout=None,
-                          validate=None,
-                          permute_align=None):
+                          validate=None, permute_align=None):
     return _call("a2a_dispatch_backward", grad, input_splits, output_splits, comm, precision,
                  layout, scale_mode=scale_mode, stream=stream, validate=validate,
                  permute_align=permute_align)
@@ -346,8 +345,7 @@ a2a_combine.__doc__ = _doc("""Step 5: return expert outputs to the ranks their t
 
 def a2a_combine_backward(grad, input_splits=None, output_splits=None, comm=None,
                          precision="mxfp8", *, scale_mode="rceil", stream=None, layout=None,
-                         validate=None,
-                         permute_align=None):
+                         validate=None, permute_align=None):
     return _call("a2a_combine_backward", grad, input_splits, output_splits, comm, precision,
                  layout, scale_mode=scale_mode, stream=stream, validate=validate,
                  permute_align=permute_align)
@@ -364,8 +362,7 @@ a2a_combine_backward.__doc__ = _doc("""Backward of :func:`a2a_combine`: send the
         precision: wire format, ``"mxfp8"`` (default) or any of ``PRECISIONS``.{common}
     Returns:
         (N, H) QuantizedArray for a quantized format (so ``unpermute_backward`` permutes data
-        and scales
-        together), else (N, H) bf16 array.
+        and scales together), else (N, H) bf16 array.
     """)
 
 

@@ -68,11 +68,10 @@ class Layout(tuple):
 def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
     """Agree on the step's layout: every rank learns every rank's per-expert counts.
 
-    Collective. Host sync: the counts are read to the host (one device-to-host copy, the only host
-    synchronization of the token path, its wait bounded by ``comm.timeout``); then one agreement
-    round over the host side channel, plus an allgather of the counts for the communicator's first
-    layout or a new E (docs/design.md, "The layout object"). Every rank checks the same table, so
-    bad counts on any rank raise the same exception on every rank, naming the rank.
+    Collective. Host sync: the counts are read to the host (the token path's only host
+    synchronization, bounded by ``comm.timeout``); then one agreement round over the host side
+    channel, plus an allgather of the counts for the communicator's first layout or a new E
+    (docs/design.md, "The layout object"), so bad counts anywhere raise on every rank.
 
     Args:
         num_tokens_per_expert: (E,) integer array (any integer dtype holding the values; device
@@ -97,7 +96,7 @@ def exchange_layout(num_tokens_per_expert, comm, *, stream=None):
 def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
     """:func:`exchange_layout`, the layout made as ``cls`` (e.g. ``mxcomm.torch``'s subclass), this
     rank's group counts put on the device by ``upload(host array)`` (None: the array module's)."""
-    comm.check_usable()  # an aborted communicator refuses at once, as the exchanges do
+    comm.check_usable()
     error, host = None, None
     try:
         host = _local_counts(num_tokens_per_expert, comm, stream, comm.rank, comm.size)
@@ -123,14 +122,8 @@ def _exchange(num_tokens_per_expert, comm, stream, cls, upload):
     else:
         counts = comm.allgather(host, "exchange_layout (counts)")
         comm.layout_experts = lengths[0]
-    return _made(cls, comm, counts, lengths[0], stream, upload)
-
-
-def _made(cls, comm, counts, num_experts, stream, upload):
-    """The layout (``cls``) of the agreed, checked ``counts`` (W, E) int64, this rank's group counts
-    on the device."""
-    rank, world = comm.rank, comm.size
-    local_experts = num_experts // world
+    local_experts = lengths[0] // comm.size
+    rank = comm.rank
     mine = counts[:, rank * local_experts:(rank + 1) * local_experts].reshape(-1)
     mine = mine.astype(numpy.int32)
     if upload is not None:
@@ -159,8 +152,7 @@ def _local_counts(num_tokens_per_expert, comm, stream, rank, world):
         host = counts
     else:  # bounded: the counts may come from work still running
         host = comm.to_host(counts, stream)
-    # two reductions; the expert a message names is looked up only when a check fails
-    # (uint64 compared before the int64 conversion, which would wrap it)
+    # uint64 compared before the int64 conversion, which would wrap it
     if int(host.max()) > _INT32_MAX:
         e = int(numpy.flatnonzero(host > _INT32_MAX)[0])
         raise ValueError(f"{name} on rank {rank}: count {int(host[e])} for expert {e} is beyond "

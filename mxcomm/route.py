@@ -1,9 +1,8 @@
 """How an exchange of rows travels: its route, decided once per signature, and its paths.
 
-A :class:`Route` is made once per signature (:func:`route`); per call :meth:`Route.path` names
-the path from the plan (the same on every rank) and :func:`run` takes it. The paths, when each is
-taken and what each buys: docs/design.md, "One route". The caller allocates what :func:`arrays`
-lists; no call goes back up into the caller.
+A :class:`Route` is made once per signature (:func:`route`); :meth:`Route.path` names the path
+for a plan (the same on every rank) and :func:`run` takes it into the arrays :func:`arrays` lists.
+The paths, when each is taken and what each buys: docs/design.md, "One route".
 """
 
 import dataclasses
@@ -12,7 +11,7 @@ import functools
 import numpy
 
 from ._array import bfloat16, float32
-from ._driver import Words, copy_bytes, flat, row_range
+from ._driver import LaunchRows, Words, copy_bytes, flat, row_range
 from .formats import PER_ROW, QuantizedArray, get_format
 from .kernels import array_module
 from .mxfp8 import SCALE_MODES
@@ -33,6 +32,7 @@ def beside_share(size):
     """The grid share of the dequantize beside the quantize, at ``size`` ranks."""
     return BESIDE_SHARE if size <= 2 else BESIDE_SHARE_MANY
 
+
 #: Each public function: the name of the rows it takes, the direction it sends, and whether it
 #: returns them dequantized (``mxcomm.a2a``'s table).
 CALLS = {
@@ -46,15 +46,11 @@ CALLS = {
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Route:
-    """The route of one signature.
-
-    Attributes:
-        dispatch: True in the dispatch direction; dequantize: a quantized result is decoded;
-        width: D; row_bytes: bytes of a plain row; kind: :func:`kind`'s text; quantize,
-        round_trip: the format's launches for the signature (None: a plain format, or no
-        one-pass round trip); scales_shape: a quantized row's scales, ``(D // block,)`` or
-        ``()``; kept: a quantized format whose result stays quantized.
-    """
+    """The route of one signature: ``dispatch`` (the direction), ``dequantize`` (a quantized
+    result decoded), ``width`` D, ``row_bytes`` of a plain row, ``kind`` (:func:`kind`),
+    ``quantize`` and ``round_trip`` (the format's prepared launches, or None), ``scales_shape`` of
+    a quantized row (``(D // block,)`` or ``()``), ``kept`` (a quantized result stays so),
+    ``arrays`` (a quantized row as the staged exchange moves it)."""
 
     fmt: object
     function: str
@@ -69,6 +65,7 @@ class Route:
     round_trip: object
     scales_shape: tuple
     kept: bool
+    arrays: tuple
 
     def path(self, comm, plan, staged=True):
         """``"alltoallv"``, ``"medium"``, ``"staged"`` (only with ``staged``) or None, for
@@ -91,6 +88,7 @@ def small(comm, rows, row_bytes):
     return rows * row_bytes <= comm.small_exchange_bytes
 
 
+@functools.lru_cache(maxsize=256)
 def kind(function, fmt, width):
     """An exchange in words: the kind the staged exchange's peers compare (and name in errors)."""
     return f"{function} {fmt.name} rows of D = {width}"
@@ -110,15 +108,16 @@ def route(function, precision, scale_mode, dtype, width):
     if not fmt.quantized and numpy.dtype(fmt.element_dtype or dtype) != dtype:
         return None
     _, direction, dequantize = CALLS[function]
-    quantize = round_trip = scales_shape = None
+    quantize = round_trip = scales_shape = arrays = None
     if fmt.quantized:
+        arrays = fmt.row_arrays(width)
         quantize = quantizer(fmt, dtype, width, scale_mode, 1.0)
         if dequantize and dtype == bfloat16:
             round_trip = fmt.round_tripper(width, scale_mode)
         scales_shape = fmt.scales_shape(1, width)[1:]
     return Route(fmt, function, direction == "dispatch", dequantize, dtype, width, scale_mode,
                  width * dtype.itemsize, kind(function, fmt, width), quantize, round_trip,
-                 scales_shape, fmt.quantized and not dequantize)
+                 scales_shape, fmt.quantized and not dequantize, arrays)
 
 
 def choose(function, fmt, scale_mode, comm, plan, x, *, agreed, align):
@@ -172,10 +171,33 @@ def run(r, path, comm, plan, x, stream, buffers):
     """Take ``path`` for the (``plan.rows_sent``, D) rows ``x`` into ``buffers`` (:func:`arrays`'
     list: ``Words`` on a GPU, NumPy arrays on the host), enqueued on the raw ``stream``; no host
     sync. The result is the first of ``buffers`` (two where ``r.kept``)."""
-    if path == "staged":
-        staged_kept(x, r.fmt, plan, comm, stream, r.scale_mode, r.kind, *buffers)
-    else:
+    if path != "staged":
         _PATHS[path](r, comm, plan, x, stream, buffers)
+        return
+    # plain rows kept quantized: the format's launch, prepared for the signature, produces them
+    data, scales = buffers
+    per_row = not r.scales_shape
+    if per_row:
+        scales = _travelling_scales(scales, plan.rows_received)
+    share = PULLED_SHARE if comm.transport == "pull" else 1.0
+    rows = LaunchRows(x, quantizer(r.fmt, r.dtype, r.width, r.scale_mode, share), r.arrays,
+                      r.kind, per_row)
+    comm.exchange(rows, plan, out=(data, scales), stream=stream)
+
+
+def _producer(x, fmt, kind, scale_mode, share):
+    """The rows object producing ``x`` in ``fmt`` for a copying staged exchange: a
+    :class:`LaunchRows` for plain rows, else a :class:`QuantizedRows`."""
+    if isinstance(x, (QuantizedArray, GatheredRows)):
+        return QuantizedRows(x, fmt, kind, scale_mode, None, None, share)
+    return LaunchRows(x, quantizer(fmt, x.dtype, x.shape[1], scale_mode, share),
+                      fmt.row_arrays(x.shape[1]), kind, fmt.scale_block == PER_ROW)
+
+
+def _travelling_scales(scales, n):
+    """Per-row scales (n,) as they travel in the staged exchange: (n, 1)."""
+    return Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
+        scales.reshape(n, 1)
 
 
 def _alltoallv(r, comm, plan, x, stream, buffers):
@@ -206,37 +228,34 @@ _PATHS = {"alltoallv": _alltoallv, "medium": _medium}
 
 
 def staged_kept(x, fmt, plan, comm, stream, scale_mode, kind, data, scales):
-    """The staged quantized exchange of ``x`` into ``data`` and ``scales`` (kept quantized),
-    enqueued on ``stream``."""
-    if fmt.scale_block == PER_ROW:  # per-row scales travel as (rows, 1)
-        n = plan.rows_received
-        scales = Words(scales.ptr, (n, 1), scales.dtype) if type(scales) is Words else \
-            scales.reshape(n, 1)
+    """The staged quantized exchange of ``x`` (plain rows, a QuantizedArray of ``fmt`` or
+    GatheredRows) into ``data`` and ``scales`` (kept quantized), enqueued on ``stream``."""
+    if fmt.scale_block == PER_ROW:
+        scales = _travelling_scales(scales, plan.rows_received)
     share = PULLED_SHARE if comm.transport == "pull" else 1.0
-    comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, stream, share), plan,
-                  out=(data, scales), stream=stream)
+    comm.exchange(_producer(x, fmt, kind, scale_mode, share), plan, out=(data, scales),
+                  stream=stream)
 
 
-class QuantizedRows:
-    """The quantized exchange's rows protocol (``Communicator.exchange``): quantize (or copy)
-    each peer's rows into the memory they travel from; in place, dequantize each sender's rows
-    where they are, and this rank's own through the format's round trip where it has one."""
+class QuantizedRows(LaunchRows):
+    """The quantized exchange's rows protocol (``Communicator.exchange``) for any rows: quantize
+    (or copy) each peer's rows into the memory they travel from; in place, dequantize each
+    sender's rows where they are, and this rank's own through the format's round trip where it
+    has one."""
 
-    __slots__ = ("arrays", "kind", "_x", "_format", "_out", "_scale_mode", "_caller", "_share",
-                 "_quantize")
+    __slots__ = ("_format", "_out", "_scale_mode", "_caller", "_share")
 
     def __init__(self, x, fmt, kind, scale_mode, out, caller, share):
-        self.arrays = fmt.row_arrays(x.shape[1])
-        self.kind = kind
-        self._x = x
+        # plain rows: the format's quantize prepared for their signature and this grid share
+        quantize = None if isinstance(x, (QuantizedArray, GatheredRows)) else \
+            quantizer(fmt, x.dtype, x.shape[1], scale_mode, share)
+        super().__init__(x, quantize, fmt.row_arrays(x.shape[1]), kind,
+                         fmt.scale_block == PER_ROW)
         self._format = fmt
         self._out = out
         self._scale_mode = scale_mode
         self._caller = caller
         self._share = share
-        # plain rows: the format's quantize prepared for their signature and this grid share
-        self._quantize = None if isinstance(x, (QuantizedArray, GatheredRows)) else \
-            quantizer(fmt, x.dtype, x.shape[1], scale_mode, share)
 
     @property
     def results(self):
@@ -261,9 +280,7 @@ class QuantizedRows:
                                                 self._rows(data, scales), stream, self._share,
                                                 self._scale_mode)
         else:
-            if self._format.scale_block == PER_ROW:
-                scales = flat(scales)
-            self._quantize(row_range(x, begin, end), data, scales, end - begin, stream)
+            super().produce(begin, end, slots, stream)
 
     def consume(self, begin, end, rows, stream):
         # beside the producer on the side stream: the share of the SMs it leaves
@@ -315,7 +332,8 @@ def staged_quantized(x, fmt, plan, comm, caller, dequantize, scale_mode, kind, a
     pull = comm.transport == "pull"
     with comm.on_stream(caller):
         if dequantize:
-            out = (alloc or xp.empty)((plan.rows_received, width), dtype_of(x))
+            dtype = bfloat16 if isinstance(x, QuantizedArray) else x.dtype  # decoded
+            out = (alloc or xp.empty)((plan.rows_received, width), dtype)
             share = 1.0 - beside_share(comm.size) if pull else 1.0
             comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, out, caller, share), plan,
                           in_place=True, stream=caller)
@@ -334,15 +352,11 @@ def landed(x, fmt, plan, comm, caller, scale_mode, kind, alloc, layout, align):
     p = indices.shape[0]
     with comm.on_stream(caller):
         permuted = fmt.empty(p, x.shape[1], alloc)
-        scales = permuted.scales  # per-row scales travel as (rows, 1)
-        dsts = (permuted.data, scales.reshape(p, 1) if fmt.scale_block == PER_ROW else scales)
+        scales = permuted.scales
+        dsts = (permuted.data,
+                _travelling_scales(scales, p) if fmt.scale_block == PER_ROW else scales)
         pad_rows(dsts, fmt, indices, caller)
         share = PULLED_SHARE if comm.transport == "pull" else 1.0
-        comm.exchange(QuantizedRows(x, fmt, kind, scale_mode, None, caller, share), plan,
-                      out=dsts, landing=permuted_landing(layout, align), stream=caller)
+        comm.exchange(_producer(x, fmt, kind, scale_mode, share), plan, out=dsts,
+                      landing=permuted_landing(layout, align), stream=caller)
     return permuted, indices, offsets
-
-
-def dtype_of(x):
-    """The dtype a dequantized result of ``x`` takes: ``x``'s, or bf16 for a QuantizedArray."""
-    return bfloat16 if isinstance(x, QuantizedArray) else x.dtype

@@ -947,6 +947,10 @@ class _FakePeerMemory:
 
     def __init__(self):
         self.epoch = 1
+        self.capacity = 1 << 30
+
+    def reserve(self, nbytes, stream):
+        assert nbytes <= self.capacity
 
     def local(self, offset, shape, dtype):
         return numpy.zeros(shape, dtype)
@@ -970,15 +974,16 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     row_bytes = _staged.row_bytes_of(arrays)
     sent = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     plan = Plan(1, sent)
-    first = transport._schedule(plan, arrays, row_bytes, 0x1234, False)
-    assert transport._schedule(plan, arrays, row_bytes, 0x1234, False) is first
-    assert transport._schedule(plan, arrays, row_bytes, 0x1234, True) is not first
+    first = transport._schedule(plan, (arrays, "rows", False, None), 0)
+    assert transport._schedule(plan, (arrays, "rows", False, None), 0) is first
+    assert transport._schedule(plan, (arrays, "rows", True, None), 0) is not first
     # per sender, every piece's copies land the sender's rows for rank 1 at their place
     covered = {0: [], 1: []}
     assert max(awaits[0][1] for awaits, _ in first.receives) > 0  # several pieces
     for awaits, copies in first.receives:
         ((peer, piece, kind),) = awaits
-        assert kind == _staged.kind_word(0x1234)  # the call's tag is OR-ed in per call
+        # the kind text's hash; the call's tag is OR-ed in per call
+        assert kind == _staged.kind_word(_staged.kind_base("rows"))
         for sender, offset, index, out_offset, nbytes in copies:
             assert sender == peer
             covered[index].append((out_offset // row_bytes[index], nbytes // row_bytes[index]))
@@ -997,9 +1002,9 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     # own whose copies put every received row of the peers, piece by piece, where its run says
     # (received rows 0-1 from rank 0, 2-6 own, 7-14 from rank 2; runs cut inside senders)
     landing = ((0, 20, 1), (1, 5, 1), (2, 0, 5), (7, 30, 3), (10, 10, 5))
-    landed = transport._schedule(plan, arrays, row_bytes, 0x1234, False, landing)
-    assert landed is not first and transport._schedule(plan, arrays, row_bytes, 0x1234, False,
-                                                        landing) is landed
+    landed = transport._schedule(plan, (arrays, "rows", False, landing), 0)
+    assert landed is not first and \
+        transport._schedule(plan, (arrays, "rows", False, landing), 0) is landed
     place = {r + i: at + i for r, at, n in landing for i in range(n)}
     for index in (0, 1):
         seen = []
@@ -1017,7 +1022,7 @@ def test_pull_schedule_is_made_once_per_plan_and_dropped_with_it_or_the_staging(
     own_begin, own_end, own_at, _, lands = landed.own
     assert [(a, b, at) for a, b, at in lands] == [(own_begin, own_end, 0)]  # rows 2-6 -> 0-4
     memory.epoch += 1  # the staging moved: every schedule is made anew
-    assert transport._schedule(plan, arrays, row_bytes, 0x1234, False) is not first
+    assert transport._schedule(plan, (arrays, "rows", False, None), 0) is not first
     assert len(transport._schedules) == 1
     del plan, first, landed
     gc.collect()

@@ -14,22 +14,23 @@ gradients; any other torch op sees its dequantized values::
                  --GEMM bwd--> bf16 --permute bwd--> bf16 --a2a_dispatch bwd--> grad(x) bf16
 
 Modules, one per autograd Function family: ``_quantized`` (QuantizedTensor), ``_tensors``
-(tensors as rows, the direct route), ``_layout`` (step 0), ``_a2a`` (steps 1 and 5), ``_permute``
-(steps 2 and 4), ``_dropin`` (``all_to_all_single``), ``_ops`` (the custom ops ``torch.compile``
-traces, the groups' communicators). ``import mxcomm`` never imports torch.
+(tensors as the array API's rows), ``_layout`` (step 0), ``_ops`` (steps 1 and 5: the exchange on
+tensors, its direct route, the custom ops ``torch.compile`` traces, the groups' communicators),
+``_permute`` (steps 2 and 4), ``_dropin`` (``all_to_all_single``). ``import mxcomm`` never
+imports torch.
 """
 
 # the private names below are re-exported for the benchmarks' probes and the tests
 from .._torch_arrays import _array, _stream, _tensor
 from .._torch_gemm import WeightCache, fp8_gemm_available, grouped_mm
 from . import _gemm_op  # noqa: F401 (registers mxcomm::grouped_mm, which grouped_mm calls)
-from ._a2a import _A2ACombine, _A2ADispatch, a2a_combine, a2a_dispatch
 from ._dropin import all_to_all_single, all_to_all_single_fn
 from ._layout import TensorLayout, exchange_layout
-from ._ops import LayoutHandle, communicator_for
+from ._ops import (_A2ACombine, _A2ADispatch, LayoutHandle, _exchange_direct, a2a_combine,
+                   a2a_dispatch, communicator_for)
 from ._permute import permute, unpermute
 from ._quantized import MXFP8Tensor, QuantizedTensor, _quantized_tensor
-from ._tensors import _Alloc, _exchange_direct, _index_array
+from ._tensors import _Alloc, _index_array
 
 __all__ = ["QuantizedTensor", "MXFP8Tensor", "grouped_mm", "fp8_gemm_available",
            "TensorLayout", "LayoutHandle", "exchange_layout", "a2a_dispatch", "permute",

@@ -7,7 +7,7 @@ import torch
 
 from .. import a2a as _a2a
 from .._torch_arrays import _array, _stream, _tensor
-from ._ops import _communicators, _resolve_group, exchange
+from ._ops import _registry, _resolve_group, exchange
 
 
 class _AllToAllSingle(torch.autograd.Function):
@@ -63,16 +63,12 @@ def _exact_over(comm, input, output_split_sizes, input_split_sizes):
 def all_to_all_single(input, output_split_sizes=None, input_split_sizes=None, group=None,
                       tag="", *, precision="mxfp8"):
     """torch's ``all_to_all_single_autograd`` (same signature and result), the rows in
-    ``precision`` on the wire. Differentiable: the backward is the same exchange with the
-    splits swapped, in the same precision.
-
-    Passed to torch's own collective unchanged: integer and bool tensors, ``None`` splits (even
-    splits), ``"native"`` on dtypes other than bf16/fp32; over a communicator with no torch
-    group (MPI) these move exactly through it, without autograd.
+    ``precision`` on the wire; the backward is the same exchange, splits swapped. Integer and
+    bool tensors, ``None`` (even) splits and ``"native"`` on dtypes but bf16/fp32 go to torch's
+    own collective unchanged (over an MPI communicator: moved exactly, without autograd).
 
     Host syncs and collectives: the first call on a group builds its communicator (collective);
-    an explicit-splits call votes (one host allgather), so bad splits raise on every rank; the
-    exchange is the communicator's.
+    each call votes on its splits (one host allgather), so bad splits raise on every rank.
 
     Args:
         input: (M, ...) tensor: bf16/fp32 for a low precision (a row's elements a multiple of
@@ -104,7 +100,7 @@ def all_to_all_single(input, output_split_sizes=None, input_split_sizes=None, gr
         return all_to_all_single_autograd(input, output_split_sizes, input_split_sizes, pg, tag)
     _a2a._check_precision(precision)
     if comm is None:  # in a compiled region the op finds the group's communicator
-        comm = pg if torch.compiler.is_compiling() else _communicators.get(pg)
+        comm = pg if torch.compiler.is_compiling() else _registry.of_group(pg)
     output_split_sizes = _splits(output_split_sizes, "output_split_sizes")
     input_split_sizes = _splits(input_split_sizes, "input_split_sizes")
     rows = input if input.dim() == 2 else input.reshape(input.shape[0], -1)

@@ -24,12 +24,16 @@ import torch
 from .. import a2a as _a2a
 from .. import route as _route
 from .. import layout as _layout
-from .._torch_arrays import _TORCH_DTYPES
-from ._quantized import (_DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _dequantized,
-                         _quantized_tensor)
-from ._tensors import _exchange, _exchange_direct
+from .._driver import Words
+from .._platform import backend
+from .._torch_arrays import _ARRAY_DTYPES, _INT_OF_SIZE, _TORCH_DTYPES, _current_stream
+from ._quantized import (_DATA_DTYPE, _DIRECT_DTYPES, _SCALE_DTYPES, _SCALE_MODE,
+                         QuantizedTensor, _dequantized, _quantized_tensor)
+from ._tensors import _exchange
 
 NAMESPACE = "mxcomm"
+# element size -> the NumPy integer dtype torch sees a NumPy array of that element size through
+_NUMPY_INTS = {1: numpy.uint8, 2: numpy.int16, 4: numpy.int32, 8: numpy.int64}
 #: The group key prefixes (module docstring).
 _PG, _COMM = "pg:", "comm:"
 
@@ -51,10 +55,12 @@ class LayoutHandle:
 
 
 class _Registry:
-    """The ops' state that is not a tensor: communicators by group key, layouts by handle."""
+    """The ops' state that is not a tensor: communicators by group key and by process group,
+    layouts by handle."""
 
     def __init__(self):
         self._comms = weakref.WeakValueDictionary()
+        self._by_group = weakref.WeakKeyDictionary()
         self._layouts = {}
         self._ids = itertools.count(1)
         self.warned = set()
@@ -83,6 +89,16 @@ class _Registry:
         self._comms[key] = comm
         return key
 
+    def of_group(self, pg):
+        """The open communicator of the ``ProcessGroup`` ``pg``, built on first use (collective)
+        and kept as long as the group; an aborted one stays (its calls raise), a closed one is
+        rebuilt."""
+        comm = self._by_group.get(pg)
+        if comm is None or comm.closed:
+            from ..comm import init
+            comm = self._by_group[pg] = init(group=pg)
+        return comm
+
     def communicator(self, key):
         """The communicator a group key names (module docstring)."""
         if key.startswith(_PG):
@@ -102,24 +118,13 @@ _registry = _Registry()
 
 def group_key(group):
     """The string key an op takes for ``group`` (module docstring; a communicator registered
-    when called outside a trace).
-
-    Raises:
-        TypeError: ``group`` of another type.
-    """
-    import torch.distributed as dist
-    if isinstance(group, dist.ProcessGroup):
-        return _PG + group.group_name
-    from torch.distributed.device_mesh import DeviceMesh
-    if isinstance(group, DeviceMesh):
-        return _PG + group.get_group().group_name
-    from ..comm import Communicator
-    if isinstance(group, Communicator):
-        if torch.compiler.is_compiling():
-            return f"{_COMM}{id(group)}"
-        return _registry.register(group)
-    raise TypeError(f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or an "
-                    f"mxcomm communicator, got {type(group).__name__}")
+    when called outside a trace). Raises as :func:`communicator_for`."""
+    comm, pg = _resolve_group(group)
+    if comm is None:
+        return _PG + pg.group_name
+    if torch.compiler.is_compiling():
+        return f"{_COMM}{id(comm)}"
+    return _registry.register(comm)
 
 
 def _group_size(group):
@@ -135,26 +140,6 @@ def _warn_once(key, message):
         warnings.warn(message, stacklevel=2)
 
 
-class _Communicators:
-    """The mxcomm communicator of each process group, built collectively on first use and kept
-    as long as the group (weak keys). An aborted one stays (its calls raise); a closed one is
-    rebuilt.
-    """
-
-    def __init__(self):
-        import weakref
-        self._by_group = weakref.WeakKeyDictionary()
-
-    def get(self, pg):
-        """The open communicator of ``pg`` (a ``ProcessGroup``), built if needed."""
-        comm = self._by_group.get(pg)
-        if comm is None or comm.closed:
-            from ..comm import init
-            comm = self._by_group[pg] = init(group=pg)
-        return comm
-
-
-_communicators = _Communicators()
 
 
 def communicator_for(group):
@@ -180,7 +165,7 @@ def communicator_for(group):
                            "up inside torch.compile; call it outside the compiled region, or "
                            "pass the ProcessGroup itself (mxcomm's ops find its communicator "
                            "when they run)")
-    comm = comm if comm is not None else _communicators.get(pg)
+    comm = comm if comm is not None else _registry.of_group(pg)
     if not torch.compiler.is_compiling():
         _registry.register(comm)  # so a compiled region's ops find it (docs/design.md)
     return comm
@@ -318,3 +303,165 @@ def exchange(function, rows, input_splits, output_splits, comm, precision, layou
     if permute_align and _route.CALLS[function][1] == "dispatch":
         return out, indices, offsets
     return out
+
+
+def _exchange_direct(function, t, layout, precision):
+    """The exchange of the plain tensor ``t`` given ``layout`` on its route, ``t`` passed by its
+    address after O(1) checks; None where the array API must take it (docs/design.md, "One
+    route")."""
+    dtype = _ARRAY_DTYPES.get(t.dtype)
+    shape = t.shape
+    if dtype is None or len(shape) != 2:
+        return None
+    r = _route.route(function, precision, _SCALE_MODE, dtype, shape[1])
+    if r is None:
+        return None
+    comm = layout.comm
+    plan = layout.dispatch_plan if r.dispatch else layout.combine_plan
+    cuda = t.is_cuda
+    if shape[0] != plan.rows_sent or cuda != (backend() == "cuda") or not t.is_contiguous():
+        return None
+    # the path and the arrays it needs are fixed by the route and the layout: worked out once
+    taken = layout._cache.get(r)
+    if taken is None:
+        path = r.path(comm, plan)
+        taken = layout._cache[r] = (path, path and _route.arrays(r, path, plan))
+    path, specs = taken
+    if path is None:
+        return None
+    device = t.device
+    if cuda:
+        ptr = t.data_ptr()
+        if ptr % r.fmt.input_align:
+            return None
+        x = Words(ptr, (plan.rows_sent, r.width), dtype)
+        stream = _current_stream(device)  # a raw handle: what comm.stream_ptr makes of it
+    else:  # as _view does
+        x = t.view(_INT_OF_SIZE[t.element_size()]).numpy().view(dtype)
+        stream = 0  # the host backends' stream
+    plan.calls += 1  # this call's number, as the engine counts it (comm's call tag)
+    tensors, buffers = [], []
+    for shape, dtype, kind in specs:
+        if cuda:
+            made = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
+            buffers.append(Words(made.data_ptr(), shape, dtype))
+        else:  # a NumPy array, seen by torch through its integer twin
+            buffers.append(numpy.empty(shape, dtype))
+            made = torch.from_numpy(buffers[-1].view(_NUMPY_INTS[dtype.itemsize])).view(
+                _DIRECT_DTYPES[kind, dtype])
+        tensors.append(made)
+    _route.run(r, path, comm, plan, x, stream, buffers)
+    return _quantized_tensor(tensors[0], tensors[1], r.fmt) if r.kept else tensors[0]
+
+
+# ----------------------------------------------------------- steps 1 and 5, differentiable
+class _A2ADispatch(torch.autograd.Function):
+    """Step 1, the dispatch all-to-all.
+
+    Forward:  x (M, D) bf16 -> (N, D) QuantizedTensor of ``precision`` (MXFP8Tensor for
+              ``"mxfp8"``) or a plain tensor (``"bf16"``, ``"native"``); sends
+              ``input_splits``, receives ``output_splits``. With ``permute_align``: ``permute``'s
+              triple, permuted (P, D) rows (indices and offsets not differentiable).
+    Backward: grad (N, D), or (P, D) permuted -> (M, D) bf16 in ``grad_precision``.
+
+    The arguments but ``x`` travel as one tuple ``call`` (autograd's ``apply`` spends host time
+    per argument): (input_splits, output_splits, comm, precision, grad_precision, layout,
+    permute_align).
+    """
+
+    @staticmethod
+    def forward(ctx, x, call):
+        input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align,
+                    x.shape[0])
+        if type(layout) is LayoutHandle:  # the combine's result rows, in a compiled region
+            layout.rows = x.shape[0]
+        out = exchange("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
+                       permute_align)
+        if type(out) is tuple:
+            ctx.mark_non_differentiable(*out[1:])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad, *index_grads):
+        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
+        dx = exchange("a2a_dispatch_backward", grad, input_splits, output_splits, comm,
+                      grad_precision, layout, permute_align, rows)
+        return dx, None  # None for the call's tuple
+
+
+class _A2ACombine(torch.autograd.Function):
+    """Step 5, the combine all-to-all.
+
+    Forward:  y (N, H) bf16, or (P, H) permuted with ``permute_align`` -> (M, H) bf16 in
+              ``precision``. ``call`` as :class:`_A2ADispatch`'s.
+    Backward: grad (M, H) bf16 -> (N, H), or (P, H) permuted, a QuantizedTensor of a quantized
+              ``grad_precision``, else a plain tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, y, call):
+        input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
+        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align,
+                    y.shape[0])
+        return exchange("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
+                        permute_align, layout.rows if type(layout) is LayoutHandle else -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
+        dy = exchange("a2a_combine_backward", grad, input_splits, output_splits, comm,
+                      grad_precision, layout, permute_align, rows)
+        if type(dy) is tuple:  # the permuted gradient (the index is the forward's)
+            dy = dy[0]
+        return dy, None  # None for the call's tuple
+
+
+def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8",
+                 grad_precision="bf16", *, layout=None, permute_align=None):
+    """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
+
+    Arguments, shapes and errors as :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the
+    backward's wire format. With a layout, no host collective.
+
+    ``permute_align=A`` (with the layout): bit for bit ``permute(a2a_dispatch(x, layout, ...),
+    layout, align=A)``, forward and backward, in one pass: returns ``(permuted (P, D),
+    permuted_indices (P,) int32, group_offsets (E_local,) int32)``; the backward takes the
+    permuted gradient. For an ``out_format``, call :func:`permute` separately.
+
+    Under ``torch.compile``: the custom op ``mxcomm::exchange``, with the :class:`LayoutHandle`
+    :func:`exchange_layout` returns there (or splits and a ``comm`` that may be a ProcessGroup);
+    docs/design.md, "torch.compile and custom ops".
+    """
+    if precision not in _a2a.PRECISIONS or grad_precision not in _a2a.PRECISIONS:
+        _a2a._check_precision(precision)  # a Format, or an unknown name: ValueError
+        _a2a._check_precision(grad_precision, "grad_precision")
+    if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
+        layout, input_splits = input_splits, None
+    return _A2ADispatch.apply(x, (input_splits, output_splits, comm, precision, grad_precision,
+                                 layout, permute_align))
+
+
+def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16",
+                grad_precision="mxfp8", *, layout=None, permute_align=None):
+    """Step 5, differentiable: (N, H) -> (M, H); splits (or the layout) as given to
+    :func:`a2a_dispatch`.
+
+    The gradient of ``y`` is a QuantizedTensor of a quantized ``grad_precision``.
+
+    ``permute_align=A`` (with the layout): bit for bit ``a2a_combine(unpermute(y,
+    permuted_indices, layout), layout, ...)`` in one pass: ``y`` is the permuted (P, H) rows
+    (padding ignored) and its gradient comes back permuted (padding rows zero, the format's
+    padding scale). For a ``grad_format``, call :func:`unpermute` separately. Under
+    ``torch.compile``: as :func:`a2a_dispatch`, the quantized gradient dequantized to bf16
+    (warned once).
+    """
+    if precision not in _a2a.PRECISIONS or grad_precision not in _a2a.PRECISIONS:
+        _a2a._check_precision(precision)  # a Format, or an unknown name: ValueError
+        _a2a._check_precision(grad_precision, "grad_precision")
+    if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
+        layout, input_splits = input_splits, None
+    return _A2ACombine.apply(y, (input_splits, output_splits, comm, precision, grad_precision,
+                                layout, permute_align))
+
+

@@ -11,7 +11,7 @@ from .. import permutation as _permutation
 from .._array import bfloat16
 from .._torch_arrays import _array, _stream
 from ..formats import get_format
-from ._a2a import _A2ADispatch
+from ._ops import _A2ADispatch
 from ._tensors import _Alloc, _index_array, _index_tensors, _PendingGather, _rows, _wrap
 
 
@@ -150,17 +150,16 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
         TypeError: no layout and no ``num_local_experts``.
     """
     _not_compiled("permute")
-    if isinstance(num_tokens_per_expert_group, _layout.Layout):
-        layout = num_tokens_per_expert_group
-        if x.shape[0] != layout.num_received:  # here too: before autograd records anything
-            raise ValueError(f"permute: x on rank {layout.comm.rank} has {x.shape[0]} rows, but "
-                             f"the layout receives {layout.num_received}")
-    elif num_local_experts is None:
-        raise TypeError("permute: num_local_experts is required without a layout")
+    layout = num_tokens_per_expert_group
+    if not isinstance(layout, _layout.Layout):
+        layout = None
+        if num_local_experts is None:
+            raise TypeError("permute: num_local_experts is required without a layout")
+    elif x.shape[0] != layout.num_received:  # here too: before autograd records anything
+        raise ValueError(f"permute: x on rank {layout.comm.rank} has {x.shape[0]} rows, but "
+                         f"the layout receives {layout.num_received}")
     if out_format is not None:
         get_format(out_format, "out_format")
-    layout = num_tokens_per_expert_group if isinstance(num_tokens_per_expert_group,
-                                                      _layout.Layout) else None
     return _Permute.apply(x, num_tokens_per_expert_group, num_local_experts, align, out_format,
                           _folds_into_dispatch(x, layout))
 

@@ -38,12 +38,6 @@ def _dequantized(t):
 
 
 # ------------------------------------------------------------------------- QuantizedTensor
-def _scales_shape_text(fmt):
-    """The scale shape of a format in words: "(M,)" or "(M, D // 32)"."""
-    return "(M,)" if len(fmt.scales_shape(1, fmt.d_multiple)) == 1 else \
-        f"(M, D // {fmt.scale_block})"
-
-
 class QuantizedTensor(torch.Tensor):
     """An (M, D) tensor of a quantized format (``mxcomm.formats``) that autograd and torch ops see
     as bf16.
@@ -81,8 +75,10 @@ class QuantizedTensor(torch.Tensor):
                             f"scales ({fmt.name}), got {qdata.dtype} and {scales.dtype}")
         if qdata.dim() != 2 or qdata.shape[1] % fmt.d_multiple or \
                 tuple(scales.shape) != fmt.scales_shape(*qdata.shape):
+            scales_text = "(M,)" if len(fmt.scales_shape(1, fmt.d_multiple)) == 1 else \
+                f"(M, D // {fmt.scale_block})"
             raise ValueError(f"{cls.__name__}: expected data (M, D) with D % {fmt.d_multiple} "
-                             f"== 0 and scales {_scales_shape_text(fmt)} ({fmt.name}), got "
+                             f"== 0 and scales {scales_text} ({fmt.name}), got "
                              f"{tuple(qdata.shape)} and {tuple(scales.shape)}")
         return _quantized_tensor(qdata, scales, fmt, cls, requires_grad)
 

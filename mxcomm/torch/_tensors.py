@@ -1,26 +1,17 @@
-"""Tensors as the array API's rows and back, and the exchanges on tensors (mxcomm.torch).
-
-Glossary: M rows sent by this rank, N = M_recv rows received, P permuted rows, D hidden.
+"""Tensors as the array API's rows and back, and the array API's exchanges on tensors
+(mxcomm.torch). Glossary: N = M_recv rows received, P permuted rows, D hidden.
 """
 
-import numpy
 import torch
 from torch.utils._pytree import tree_map
 
 from .. import a2a as _a2a
 from .. import permutation as _permutation
 from .. import route as _route
-from .._driver import Words
-from .._platform import backend
-from .._torch_arrays import (_ARRAY_DTYPES, _INT_OF_SIZE, _TORCH_DTYPES, _array, _current_stream,
-                             _stream, _tensor, _view)
+from .._torch_arrays import _TORCH_DTYPES, _array, _stream, _tensor, _view
 from ..formats import QuantizedArray
 from ..kernels import array_module
-from ._quantized import (_DATA_DTYPE, _DIRECT_DTYPES, _SCALE_DTYPES, _SCALE_MODE,
-                         QuantizedTensor, _quantized_tensor)
-
-# element size -> the NumPy integer dtype torch sees a NumPy array of that element size through
-_NUMPY_INTS = {1: numpy.uint8, 2: numpy.int16, 4: numpy.int32, 8: numpy.int64}
+from ._quantized import _DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _quantized_tensor
 
 
 class _Alloc:
@@ -61,13 +52,13 @@ def _rows(t, name):
 
 
 def _wrap(result, alloc=None):
-    """An array API result as a tensor (a QuantizedTensor for a QuantizedArray), reusing the
-    tensors ``alloc`` made."""
+    """An array API result as a tensor (a QuantizedTensor for a QuantizedArray, made unchecked),
+    reusing the tensors ``alloc`` made."""
     tensor = _tensor if alloc is None else alloc.tensor
     if isinstance(result, QuantizedArray):
-        return QuantizedTensor(tensor(result.data, _DATA_DTYPE),
-                               tensor(result.scales, _SCALE_DTYPES[result.scales.dtype]),
-                               result.format)
+        return _quantized_tensor(tensor(result.data, _DATA_DTYPE),
+                                 tensor(result.scales, _SCALE_DTYPES[result.scales.dtype]),
+                                 result.format)
     return tensor(result)
 
 
@@ -83,53 +74,6 @@ def _exchange(function, rows, input_splits, output_splits, comm, precision, layo
         permuted, indices, offsets = result
         return (_wrap(permuted, alloc),) + _index_tensors(layout, permute_align, indices, offsets)
     return _wrap(result, alloc)
-
-
-def _exchange_direct(function, t, layout, precision):
-    """The exchange of the plain tensor ``t`` given ``layout`` on its route, ``t`` passed by its
-    address after O(1) checks; None where the array API must take it (docs/design.md, "One
-    route")."""
-    dtype = _ARRAY_DTYPES.get(t.dtype)
-    shape = t.shape
-    if dtype is None or len(shape) != 2:
-        return None
-    r = _route.route(function, precision, _SCALE_MODE, dtype, shape[1])
-    if r is None:
-        return None
-    comm = layout.comm
-    plan = layout.dispatch_plan if r.dispatch else layout.combine_plan
-    cuda = t.is_cuda
-    if shape[0] != plan.rows_sent or cuda != (backend() == "cuda") or not t.is_contiguous():
-        return None
-    path = r.path(comm, plan)
-    if path is None:
-        return None
-    device = t.device
-    if cuda:
-        ptr = t.data_ptr()
-        if ptr % r.fmt.input_align:
-            return None
-        x = Words(ptr, (plan.rows_sent, r.width), dtype)
-        stream = comm.stream_ptr(_current_stream(device))
-    else:  # as _view does
-        x = t.view(_INT_OF_SIZE[t.element_size()]).numpy().view(dtype)
-        stream = comm.stream_ptr(None)
-    plan.calls += 1  # this call's number, as the engine counts it (comm's call tag)
-    specs = layout._cache.get((r, path))
-    if specs is None:
-        specs = layout._cache[r, path] = _route.arrays(r, path, plan)
-    tensors, buffers = [], []
-    for shape, dtype, kind in specs:
-        if cuda:
-            made = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
-            buffers.append(Words(made.data_ptr(), shape, dtype))
-        else:  # a NumPy array, seen by torch through its integer twin
-            buffers.append(numpy.empty(shape, dtype))
-            made = torch.from_numpy(buffers[-1].view(_NUMPY_INTS[dtype.itemsize])).view(
-                _DIRECT_DTYPES[kind, dtype])
-        tensors.append(made)
-    _route.run(r, path, comm, plan, x, stream, buffers)
-    return _quantized_tensor(tensors[0], tensors[1], r.fmt) if r.kept else tensors[0]
 
 
 def _index_tensors(layout, align, indices, offsets, alloc=None):

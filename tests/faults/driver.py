@@ -180,7 +180,7 @@ def _mid(comm, how, direction):
 
 def HostPeerMemory_await(comm):
     from mxcomm.comm._shm import HostPeerMemory
-    HostPeerMemory.await_ready(None, ((0, 0, 0),))
+    HostPeerMemory.await_ready(None, ((0, 0, 0),), 0)
 
 
 def case_raise_mid_dispatch(comm):
