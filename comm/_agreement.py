@@ -18,6 +18,9 @@ import struct
 
 import numpy
 
+from . import _validate
+from ._staged import Plan
+
 #: Operation codes carried in a ballot.
 OP_NAMES = {1: "alltoallv", 2: "alltoall_counts", 3: "exchange_layout"}
 OP_CODES = {name: code for code, name in OP_NAMES.items()}
@@ -117,17 +120,79 @@ class Ballot:
         return self.table[:, _HEADER:_HEADER + self.n]
 
 
-def counts_verdict(sent, expected, name, unit):
-    """The ValueError every rank raises when some rank expects other counts than its peers send, or
-    None. ``sent[j][i]``: units rank j sends to rank i; ``expected[i][j]``: units rank i expects
-    from rank j."""
-    if all(list(column) == row for row, column in zip(expected, zip(*sent))):
-        return None
-    pairs = [(i, j) for i, row in enumerate(expected) for j, e in enumerate(row)
-             if e != sent[j][i]]
-    i, j = pairs[0]
-    text = (f"{name}: rank {i} expects {expected[i][j]} {unit} from rank {j}, but rank {j} "
-            f"sends {sent[j][i]}")
-    if len(pairs) > 1:
-        text += f" ({len(pairs)} mismatched (receiver, sender) pairs in all)"
-    return ValueError(text)
+class Agreement:
+    """The communicators' agreement calls (a mixin of ``Communicator``): the layouts' numbers, the
+    agreement round and the vote of explicit-splits calls. Reads the communicator's ``rank``,
+    ``size``, ``validate``, ``_side``, ``_ballots``, ``_layouts``, ``_descriptions`` and
+    ``check_usable``."""
+
+    def next_layout_number(self):
+        """Number the next layout agreed here (1, 2, ...); equal across ranks
+        (``Plan.generation``)."""
+        self._layouts += 1
+        return self._layouts
+
+    def agree(self, op, error, words, *, text="", what=None, counted=True):
+        """One agreement round (one host allgather): every rank shows its local verdict, ``words``
+        and ``text``, so bad arguments anywhere raise the same exception on every rank before data
+        moves.
+
+        Args:
+            op: ``"alltoallv"``, ``"alltoall_counts"`` or ``"exchange_layout"``; ranks calling
+                different ones raise ValueError.
+            error: this rank's local ``TypeError``/``ValueError``, or None.
+            words: n ints (n equal on every rank); not read with an error.
+            text: names this rank's rows (dtypes, row shapes); must match on every rank.
+            what: the call, prefixed to messages (default ``op``).
+            counted: False leaves the round out of ``host_collectives``.
+        Returns:
+            (W, n) int64 NumPy array, row r from rank r: a view valid until the next round of n
+            words.
+        Raises:
+            TypeError, ValueError: the first invalid rank's error (naming the invalid ranks),
+                another collective or another ``text`` on some rank: the same message on every rank.
+            TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted.
+            RuntimeError: the communicator is aborted or closed."""
+        self.check_usable()
+        what = what or op
+        ballot = self._ballots.get(len(words))
+        if ballot is None:
+            ballot = self._ballots[len(words)] = Ballot(self.rank, self.size, len(words))
+        ballot.fill(OP_CODES[op], error, words, text)
+        self._side.allgather_into(ballot.mine, ballot.table, f"{what} (agreement)", counted)
+        if not ballot.all_valid():
+            raise ballot.verdict(what)
+        return ballot.words()
+
+    def check(self, send_counts, recv_counts, description, *, error=None, validate=None,
+              what="alltoallv"):
+        """The vote of an explicit-splits call: one agreement round (:meth:`agree`) unless
+        validation is off; every rank raises the same exception if a local ``error``, counts not
+        matching the peers', or a differing ``description`` is found anywhere.
+
+        Args:
+            send_counts, recv_counts: W ints each (rows), or None with ``error``.
+            description: this rank's rows in the user's terms (precision, dtype, D); compared.
+            error: this rank's local ``TypeError``/``ValueError``, or None.
+            validate: False skips the vote (``error`` raised locally, no plan); None: the default.
+            what: the call, prefixed to messages.
+        Returns:
+            The :class:`~mxcomm.comm.Plan` of every rank's counts (None without a vote).
+        Raises:
+            ValueError, TypeError: invalid here or on another rank (same message everywhere).
+            TimeoutError: a rank did not join within ``timeout`` s; the communicator is aborted."""
+        self.check_usable()
+        if not (self.validate if validate is None else validate):
+            if error is not None:
+                raise error
+            return None
+        plan = Plan(self.rank, _validate.vote_counts(self, "alltoallv", error, send_counts,
+                                                     recv_counts, description, what))
+        plan.calls = self._side.collectives  # the vote's number: what the transports carry
+        return plan
+
+    def _plan(self, send, send_counts, recv_counts, out, send_offsets, recv_offsets, validate):
+        """``_validate.check_alltoallv`` of an ``alltoallv`` call (locally, then the vote)."""
+        return _validate.check_alltoallv(
+            self, send, send_counts, recv_counts, out, send_offsets, recv_offsets,
+            self.validate if validate is None else validate, self._descriptions)

@@ -4,7 +4,7 @@ import numpy
 
 from mxcomm._array import as_device_array
 
-from ._agreement import counts_verdict
+from ._validate import counts_verdict
 from ._board import EXCHANGE
 from ._communicator import Communicator
 from ._validate import check_counts_array, rows_text

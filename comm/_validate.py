@@ -6,7 +6,6 @@ import operator
 
 import numpy
 
-from ._agreement import counts_verdict
 
 _INT64_MAX = 2**63 - 1
 
@@ -209,3 +208,19 @@ def check_counts_array(comm, counts):
     elif error is not None:
         raise error
     return counts, k
+
+
+def counts_verdict(sent, expected, name, unit):
+    """The ValueError every rank raises when some rank expects other counts than its peers send, or
+    None. ``sent[j][i]``: units rank j sends to rank i; ``expected[i][j]``: units rank i expects
+    from rank j."""
+    if all(list(column) == row for row, column in zip(expected, zip(*sent))):
+        return None
+    pairs = [(i, j) for i, row in enumerate(expected) for j, e in enumerate(row)
+             if e != sent[j][i]]
+    i, j = pairs[0]
+    text = (f"{name}: rank {i} expects {expected[i][j]} {unit} from rank {j}, but rank {j} "
+            f"sends {sent[j][i]}")
+    if len(pairs) > 1:
+        text += f" ({len(pairs)} mismatched (receiver, sender) pairs in all)"
+    return ValueError(text)
