@@ -67,6 +67,9 @@ class CallHeaders:
         self._slot_bytes = HEADER_BYTES * (self._size + 1)
         self._memory = cupy.cuda.memory.alloc(self._slot_bytes * _SLOTS)
         self._base = self._memory.ptr
+        # cleared: a pool block may hold an earlier communicator's headers, which ``stalled``
+        # would read as this one's
+        self._runtime.memset(self._base, 0, self._slot_bytes * _SLOTS)
         self._next = 0
         nbytes = 4 * (2 + 2 * (HEADER_WORDS - 1))
         status = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(nbytes, _HOST_ALLOC_MAPPED),
