@@ -620,7 +620,16 @@ def test_gpu_backward_that_starts_in_mxcomm(comm, device):
         thread.join(120)
         assert "grads" in box, f"rank {comm.rank}: the backward raised or hung"
         results.append(box["grads"])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    problems = []
+    for name, a, b in zip(("x.grad", "w.grad"), *results):
+        if not torch.equal(a, b):  # say how they differ: NaN (poisoned), a few rows, or ulps
+            diff = (a.float() - b.float()).abs()
+            rows = torch.nonzero(diff.reshape(diff.shape[0], -1).amax(dim=1) != 0).flatten()
+            problems.append(f"{name}: {int((diff != 0).sum())} of {diff.numel()} elements differ "
+                            f"(max {diff.nan_to_num(float('inf')).max().item():.3g}; NaN "
+                            f"{int(a.isnan().sum())} started in mxcomm, {int(b.isnan().sum())} "
+                            f"in torch; rows {rows[:8].tolist()} of {a.shape[0]})")
+    assert not problems, f"rank {comm.rank}: " + "; ".join(problems)
 
 
 # ------------------------------------------------------------- torch.distributed groups
