@@ -16,7 +16,7 @@ import numpy
 import pytest
 
 from mxcomm import _platform
-from mxcomm.kernels import array_module
+from mxcomm.kernels import array_module, simulated
 
 SEED = 1234
 
@@ -108,3 +108,24 @@ def use_backend(monkeypatch):
             m.setattr(_platform, "backend", lambda: name)
             yield array_module()
     return switch
+
+
+@pytest.fixture(scope="module")
+def comm():
+    """The default backend's communicator for one module's tests (NCCL on GPUs, one process
+    each, its GPU made torch's current device; else MPI), closed after the module. Modules that
+    test communicators themselves define their own."""
+    from mxcomm import comm as mxc
+    c = mxc.init(timeout=60.0)
+    if not simulated():
+        import torch
+        torch.cuda.set_device(c.device)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def device(comm):
+    """torch's device for ``comm``'s rows: the current CUDA device, or the CPU."""
+    import torch
+    return torch.device("cpu") if simulated() else torch.device("cuda", torch.cuda.current_device())

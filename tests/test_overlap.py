@@ -23,32 +23,15 @@ torch = pytest.importorskip("torch")
 
 import mxcomm.torch as mt  # noqa: E402
 from mxcomm import _torch_gemm  # noqa: E402
-from mxcomm import comm as mxc  # noqa: E402
-from mxcomm.kernels import simulated  # noqa: E402
 from reference_gemm import scaled_grouped_mm_float64 as _emulated_scaled_grouped_mm  # noqa: E402
 
 SEED = 8642
-TIMEOUT_S = 60.0
 E_LOCAL = 2
 D, H = 64, 32
 ALIGN = 16
 RECIPES = ("bf16", "mxfp8", "fp8_rowwise")
 #: Overlapped backwards per micro-batch: the dispatch's, and a separate permute's before it.
 BACKWARDS = {"bf16": 2, "mxfp8": 2, "fp8_rowwise": 1}
-
-
-@pytest.fixture(scope="module")
-def comm():
-    c = mxc.init(timeout=TIMEOUT_S)
-    if not simulated():
-        torch.cuda.set_device(c.device)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def device(comm):
-    return torch.device("cpu") if simulated() else torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.fixture(params=["bf16 GEMM", "fp8 GEMM"])

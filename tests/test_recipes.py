@@ -26,13 +26,10 @@ torch = pytest.importorskip("torch")
 
 import mxcomm.torch as mt  # noqa: E402
 from mxcomm import _torch_gemm  # noqa: E402
-from mxcomm import comm as mxc  # noqa: E402
 from mxcomm import recipes  # noqa: E402
-from mxcomm.kernels import simulated  # noqa: E402
 from reference_gemm import scaled_grouped_mm_float64 as _emulated_scaled_grouped_mm  # noqa: E402
 
 SEED = 4321
-TIMEOUT_S = 60.0
 E_LOCAL = 2
 D, H = 64, 32
 ALIGN = 16
@@ -348,20 +345,6 @@ def test_grouped_mm_bf16_rows_take_the_bf16_gemm(monkeypatch):
 
 
 # ----------------------------------------------------------------------- MPI: the object
-@pytest.fixture(scope="module")
-def comm():
-    c = mxc.init(timeout=TIMEOUT_S)
-    if not simulated():
-        torch.cuda.set_device(c.device)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def device(comm):
-    return torch.device("cpu") if simulated() else torch.device("cuda", torch.cuda.current_device())
-
-
 def _routed(rank, world, device, tokens_max=24):
     """This rank's routed rows (M, D) bf16 sorted by expert, its counts (E,), output gradient
     (M, H) and its local experts' weights (E_local, D, H); seeded per rank, sizes per rank."""

@@ -18,7 +18,6 @@ torch = pytest.importorskip("torch")
 import mxcomm.formats  # noqa: E402
 import mxcomm.torch as mt  # noqa: E402
 from mxcomm import comm as mxc, sqnr  # noqa: E402
-from mxcomm.kernels import simulated  # noqa: E402
 from reference import dequantize_mxfp8_ref, quantize_mxfp8_ref  # noqa: E402
 from test_formats import dequantize_ref, quantize_ref  # noqa: E402
 from test_ep import (BF16, D, E_LOCAL, H, SEED, TIMEOUT_S, Routed, expert_ref,  # noqa: E402
@@ -98,25 +97,11 @@ def expert_loop(permuted, weights, offsets):
 
 
 @pytest.fixture(scope="module")
-def comm():
-    c = mxc.init(timeout=TIMEOUT_S)
-    if not simulated():
-        torch.cuda.set_device(c.device)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def small_comm():
     """A communicator that moves every quantized exchange unquantized (small_exchange_bytes)."""
     c = mxc.init(timeout=TIMEOUT_S, small_exchange_bytes=1 << 40)
     yield c
     c.close()
-
-
-@pytest.fixture(scope="module")
-def device(comm):
-    return torch.device("cpu") if simulated() else torch.device("cuda", torch.cuda.current_device())
 
 
 # ------------------------------------------------------------------------- serial: tensors
