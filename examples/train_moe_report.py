@@ -233,8 +233,9 @@ def summarize(runs, variants, cfg=None):
         gemm = getattr(v, "gemm", "bf16")
         if any(r.get("gemm_ran", gemm) != gemm for r in mine if gemm in ("bf16", "fp8")):
             gemm += " (ran bf16)"
-        flats = [flattened(r.get("evals", []), k, pct)[0] for r in mine]
-        judged = [f for f in flats if f is not None]
+        flats = [flattened(r.get("evals", []), k, pct) for r in mine]
+        judged = [f for f, _ in flats if f is not None]
+        change = _mean([c for f, c in flats if f is not None])
         final.append({"variant": v.name, "precisions": v.wire(), "gemm": gemm,
                       "seeds": len(deltas) if v.name != BASELINE else len(heldout),
                       "heldout": _mean(list(heldout.values())),
@@ -242,7 +243,8 @@ def summarize(runs, variants, cfg=None):
                       "delta_pct": interval["mean"], "delta_std_pct": interval["std"],
                       "ci_low_pct": interval["low"], "ci_high_pct": interval["high"],
                       "t": interval["t"], "within_target": meets_target(interval),
-                      "flattened": f"{sum(judged)}/{len(judged)}" if judged else "n/a",
+                      "flattened": (f"{sum(judged)}/{len(judged)} ({change:+.2f} %)" if judged
+                                    else "n/a"),
                       "train_loss": _mean([final_loss(r["losses"]) for r in first.values()
                                            if r["variant"] == v.name]),
                       "tokens_per_s": rate, "speedup": rate / base_rate})
@@ -253,7 +255,39 @@ def summarize(runs, variants, cfg=None):
             sqnr.append({"variant": v.name, "step": step,
                          "mean_db": _mean_db(layers), "min_db": min(layers, default=math.nan)})
     return {"final": final, "paired": paired, "bf16_spread_pct": spread,
-            "floor": repeat_floor(done), "sqnr": sqnr}
+            "floor": repeat_floor(done), "sqnr": sqnr, "trajectory": trajectory(first)}
+
+
+def trajectory(first, points=(0.25, 0.5, 0.75, 1.0)):
+    """The paired difference to bf16 along training: at the evaluation nearest each fraction of
+    the steps, per variant, :func:`paired_interval` of the per-seed (variant - bf16) / bf16 of
+    the held-out loss at that evaluation, in %. A gap that holds still over the last part of
+    training says the final comparison does not hang on where training stopped.
+
+    Args:
+        first: ``{(variant, seed): run}`` (:func:`_first_repeats` of the finished runs).
+    Returns:
+        ``[{"variant", "step", "n", "mean", "low", "high"}]``, steps ascending per variant.
+    """
+    evals = {key: {e["step"]: e["loss"] for e in r.get("evals", [])}
+             for key, r in first.items()}
+    base = {seed: ev for (name, seed), ev in evals.items() if name == BASELINE}
+    steps = sorted(set.intersection(*map(set, base.values()))) if base else []
+    if not steps:
+        return []
+    chosen = list(dict.fromkeys(min(steps, key=lambda s: abs(s - f * steps[-1]))
+                                for f in points))
+    rows = []
+    for name in dict.fromkeys(n for n, _ in evals if n != BASELINE):
+        for step in chosen:
+            deltas = [(ev[step] - base[seed][step]) / base[seed][step] * 100
+                      for (n, seed), ev in evals.items()
+                      if n == name and seed in base and step in ev]
+            interval = paired_interval(deltas)
+            rows.append({"variant": name, "step": step, "n": interval["n"],
+                         "mean": interval["mean"], "low": interval["low"],
+                         "high": interval["high"]})
+    return rows
 
 
 def _mean_db(values):
@@ -417,6 +451,24 @@ def readme_line(result):
             + (f"{floor['spread_pct']:.2f} %" if floor else "n/a") + ".")
 
 
+def trajectory_table(result):
+    """:func:`trajectory` as Markdown lines: mean [95 % CI] per variant and step, %."""
+    rows = result["summary"].get("trajectory") or []
+    if not rows:
+        return ["(no variant paired with bf16)"]
+    steps = sorted({r["step"] for r in rows})
+    cells = {(r["variant"], r["step"]): r for r in rows}
+    lines = ["| variant | " + " | ".join(f"step {s}" for s in steps) + " |",
+             "| --- |" + " --- |" * len(steps)]
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        row = [cells.get((name, s)) for s in steps]
+        lines.append(f"| {name} | " + " | ".join(
+            "n/a" if c is None or not _finite(c["mean"]) else
+            f"{c['mean']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]" if _finite(c["low"]) else
+            f"{c['mean']:+.2f}" for c in row) + " |")
+    return lines
+
+
 def sqnr_table(result):
     """SQNR of the MoE output vs bf16 at the probed steps, as Markdown lines."""
     rows = result["summary"]["sqnr"]
@@ -445,6 +497,8 @@ def render_summary(result):
     """The closing text printed by rank 0."""
     return "\n".join(["", CRITERION, *final_table(result), floor_line(result), "",
                       "paired differences per seed (%):", *paired_table(result), "",
+                      "paired difference along training (%, mean [95 % CI]):",
+                      *trajectory_table(result), "",
                       "README: " + readme_line(result), "",
                       "SQNR (dB) of the MoE layer output vs the bf16 baseline's layer (torch "
                       "all-to-all, bf16 GEMMs) on the same input, mean over layers and seeds "
@@ -467,11 +521,18 @@ def write_markdown(path, result):
         f"The {CRITERION}. Held-out loss: evaluated every {s.get('eval_every', 'n/a')} steps "
         f"and after the last on {s.get('eval_batches')} batches per rank of the held-out split. "
         f"Flattened: runs whose held-out loss changed by less than {s.get('flat_pct', 0.5)} % "
-        f"over their last {s.get('flat_evals', 5)} evaluations. Training loss: mean of the last "
+        f"over their last {s.get('flat_evals', 5)} evaluations (in brackets: the mean change "
+        f"over that window). Training loss: mean of the last "
         f"10 % of steps. tokens/s: all ranks, after the first 10 steps, evaluations excluded, "
         f"SQNR probes included. Runs cut short by --max-minutes are left out.", "",
         *final_table(result), "", floor_line(result) + ".", "",
         "## Paired differences per seed (%)", "", *paired_table(result), "",
+        "## The paired difference along training (%)", "",
+        "At the evaluations nearest 25, 50, 75 and 100 % of the steps: per variant the mean "
+        "over seeds of (variant - bf16) / bf16 of the held-out loss at that step, with its 95 % "
+        "Student-t interval. A difference that holds still over the last half says the final "
+        "comparison does not hang on where training stopped.", "",
+        *trajectory_table(result), "",
         "## For README.md", "", readme_line(result), "",
         "## SQNR of the MoE layer output", "",
         "SQNR (dB) of each MoE layer's output against the bf16 baseline's layer (torch's bf16 "
@@ -510,7 +571,7 @@ def write_plot(path, result):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in result["runs"] if r.get("evals")]
+    runs = [r for r in result["runs"] if r.get("evals") and not r["truncated"]]
     names = list(dict.fromkeys(r["variant"] for r in runs))
     others = [n for n in names if n != BASELINE]
     colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(others)}
@@ -637,6 +698,13 @@ def _differences(a, b, prefix=""):
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def _span(dates):
+    """ISO dates as one, two joined by `` / ``, or the first and last of more (``a … b``)."""
+    distinct = sorted(set(dates))
+    return distinct[0] if len(distinct) == 1 else (
+        " / ".join(distinct) if len(distinct) == 2 else f"{distinct[0]} … {distinct[-1]}")
+
+
 def _joined(values):
     """The one value, or the different ones joined by `` / `` (first appearance first)."""
     distinct = list(dict.fromkeys(str(v) for v in values))
@@ -721,7 +789,7 @@ def merge(paths, note=None):
     meta = dict(first["meta"])
     meta.update(
         preset=_joined([m["preset"] for m in metas]),
-        date=_joined([m["date"] for m in metas]), commit=_joined([m["commit"] for m in metas]),
+        date=_span([m["date"] for m in metas]), commit=_joined([m["commit"] for m in metas]),
         versions={k: _joined([m["versions"].get(k, "-") for m in metas])
                   for k in dict.fromkeys(k for m in metas for k in m["versions"])},
         seeds=seeds, repeats=sorted(repeats),

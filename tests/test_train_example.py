@@ -521,6 +521,32 @@ def test_students_t_interval_of_paired_differences():
     assert meets({"mean": 0.1, "low": math.nan, "high": math.nan}) is None
 
 
+def test_paired_difference_along_training():
+    """At the evaluations nearest 25/50/75/100 % of the steps, each variant's mean paired
+    difference to bf16 of that evaluation's held-out loss, with its interval."""
+    result = _fake_result(["bf16", "mxfp8"], [0, 1, 2], steps=8)
+    gaps = {1: 0.04, 2: 0.02, 4: 0.01, 6: 0.01, 8: 0.0}     # step -> mxfp8 above bf16, relative
+    for r in result["runs"]:
+        for e in r["evals"]:
+            e["loss"] = 2.0 + r["seed"] * 0.1
+            if r["variant"] == "mxfp8":
+                e["loss"] *= 1 + gaps.get(e["step"], 0.5) * (1 + 0.5 * (r["seed"] - 1))
+    first = train_moe_report._first_repeats(result["runs"])
+    rows = train_moe_report.trajectory(first)
+    assert [(r["variant"], r["step"], r["n"]) for r in rows] == [
+        ("mxfp8", 2, 3), ("mxfp8", 4, 3), ("mxfp8", 6, 3), ("mxfp8", 8, 3)]
+    by_step = {r["step"]: r for r in rows}
+    assert by_step[2]["mean"] == pytest.approx(2.0)                     # seeds: 1 %, 2 %, 3 %
+    half = train_moe_report.t_975(2) * 1.0 / math.sqrt(3)
+    assert (by_step[2]["low"], by_step[2]["high"]) == (pytest.approx(2 - half),
+                                                      pytest.approx(2 + half))
+    assert by_step[4]["mean"] == pytest.approx(1.0) and by_step[8]["mean"] == 0.0
+    table = train_moe_report.trajectory_table({"summary": {"trajectory": rows}})
+    assert table[0] == "| variant | step 2 | step 4 | step 6 | step 8 |"
+    assert table[2].startswith("| mxfp8 | +2.00 [") and table[2].endswith("+0.00 [+0.00, +0.00] |")
+    assert train_moe_report.trajectory({}) == []
+
+
 def test_t_table_matches_scipy_where_installed():
     stats = pytest.importorskip("scipy.stats", reason="scipy is optional")
     for df, t in enumerate(train_moe_report.T_975, start=1):
@@ -553,7 +579,7 @@ def test_summary_pairs_by_seed_and_measures_the_repeat_floor():
     assert floor["range_pct"] == pytest.approx(0.4, rel=1e-6)
     assert floor["spread_pct"] == pytest.approx(0.2, rel=1e-6)
     # the fake evals fall by 1/i: over the last 3 of 10 that is under 0.5 % of ~5: flattened
-    assert row["flattened"] == "3/3"
+    assert row["flattened"].startswith("3/3 (+")
     assert train_moe_report.flattened([{"loss": 2.0}, {"loss": 1.9}], 2, 0.5) == \
         (False, pytest.approx(100 * 0.1 / 1.9))
     assert train_moe_report.flattened([{"loss": 2.0}], 2, 0.5)[0] is None
