@@ -110,6 +110,33 @@ def use_backend(monkeypatch):
     return switch
 
 
+#: What says where the nodes are (comm/_nodes.py).
+_NODE_ENV = ("NCCL_HOSTID", "MXCOMM_NODE_SIZE")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _node_environment_kept(request):
+    """Every test module leaves ``NCCL_HOSTID`` and ``MXCOMM_NODE_SIZE`` as it found them, else
+    an error at its teardown names it (and the values are put back): left set, every later
+    communicator of the process sees the nodes they name (``init("nccl", node_size=k)``
+    exports ``NCCL_HOSTID`` for the rest of the process). tests/test_nodes.py's GPU test left
+    each rank its own node, so the whole GPU suite ran the later modules over ``hier``
+    (bench/NOTES.md, 2026-11-27)."""
+    before = {name: os.environ.get(name) for name in _NODE_ENV}
+    yield
+    after = {name: os.environ.get(name) for name in _NODE_ENV}
+    if after != before:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        changed = {name: (before[name], after[name]) for name in _NODE_ENV
+                   if before[name] != after[name]}
+        pytest.fail(f"{request.module.__name__} changed the node environment (before, after): "
+                    f"{changed}; restored", pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def comm():
     """The default backend's communicator for one module's tests (NCCL on GPUs, one process

@@ -612,7 +612,8 @@ def test_gpu_backward_that_starts_in_mxcomm(comm, device):
                             f"(max {diff.nan_to_num(float('inf')).max().item():.3g}; NaN "
                             f"{int(a.isnan().sum())} started in mxcomm, {int(b.isnan().sum())} "
                             f"in torch; rows {rows[:8].tolist()} of {a.shape[0]})")
-    assert not problems, f"rank {comm.rank}: " + "; ".join(problems)
+    assert not problems, f"rank {comm.rank} ({comm.transport} transport, small exchanges up " \
+        f"to {comm.small_exchange_bytes} bytes): " + "; ".join(problems)
 
 
 # ------------------------------------------------------------- torch.distributed groups
