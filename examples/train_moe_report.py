@@ -451,22 +451,29 @@ def readme_line(result):
             + (f"{floor['spread_pct']:.2f} %" if floor else "n/a") + ".")
 
 
+def _step_table(rows, header, cell):
+    """Markdown lines of ``rows`` (dicts with ``variant`` and ``step``): a row per variant, a
+    column per step (``header(step)``), each cell ``cell(row)`` or "n/a" where none."""
+    steps = sorted({r["step"] for r in rows})
+    cells = {(r["variant"], r["step"]): r for r in rows}
+    lines = ["| variant | " + " | ".join(header(s) for s in steps) + " |",
+             "| --- |" + " --- |" * len(steps)]
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        row = [cells.get((name, s)) for s in steps]
+        lines.append(f"| {name} | " + " | ".join(
+            "n/a" if c is None else cell(c) for c in row) + " |")
+    return lines
+
+
 def trajectory_table(result):
     """:func:`trajectory` as Markdown lines: mean [95 % CI] per variant and step, %."""
     rows = result["summary"].get("trajectory") or []
     if not rows:
         return ["(no variant paired with bf16)"]
-    steps = sorted({r["step"] for r in rows})
-    cells = {(r["variant"], r["step"]): r for r in rows}
-    lines = ["| variant | " + " | ".join(f"step {s}" for s in steps) + " |",
-             "| --- |" + " --- |" * len(steps)]
-    for name in dict.fromkeys(r["variant"] for r in rows):
-        row = [cells.get((name, s)) for s in steps]
-        lines.append(f"| {name} | " + " | ".join(
-            "n/a" if c is None or not _finite(c["mean"]) else
-            f"{c['mean']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]" if _finite(c["low"]) else
-            f"{c['mean']:+.2f}" for c in row) + " |")
-    return lines
+    return _step_table(rows, lambda s: f"step {s}", lambda c: (
+        "n/a" if not _finite(c["mean"]) else
+        f"{c['mean']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]" if _finite(c["low"]) else
+        f"{c['mean']:+.2f}"))
 
 
 def sqnr_table(result):
@@ -474,17 +481,8 @@ def sqnr_table(result):
     rows = result["summary"]["sqnr"]
     if not rows:
         return ["(only the baseline ran)"]
-    steps = sorted({r["step"] for r in rows})
-    cells = {(r["variant"], r["step"]): r for r in rows}
-    lines = ["| variant | " + " | ".join(f"step {s + 1}" for s in steps) + " |",
-             "| --- |" + " --- |" * len(steps)]
-    for name in dict.fromkeys(r["variant"] for r in rows):
-        row = [cells.get((name, s)) for s in steps]
-        lines.append(f"| {name} | " + " | ".join(
-            "n/a" if c is None
-            else f"{_cell(c['mean_db'], '.1f')} (min {_cell(c['min_db'], '.1f')})" for c in row)
-            + " |")
-    return lines
+    return _step_table(rows, lambda s: f"step {s + 1}", lambda c: (
+        f"{_cell(c['mean_db'], '.1f')} (min {_cell(c['min_db'], '.1f')})"))
 
 
 CRITERION = ("criterion: final held-out loss (the last evaluation, on the same held-out batches "
