@@ -25,7 +25,8 @@ into one report, the one a single invocation of all their runs would write (:fun
         --markdown all.md --plot all.png --note "one 2-rank job per call, at commit ..."
 
 The files must agree on what makes their runs comparable (:data:`MATCHING`); a (variant, seed,
-repeat) run in two files is refused. The merged ``meta`` lists every source file (its commit, date,
+repeat) run finished in two files is refused, and one cut short (``--max-minutes``) gives way to
+the same run finished in another. The merged ``meta`` lists every source file (its commit, date,
 device, variants, seeds) under ``sources``, and ``note`` (``--note``) says how the jobs ran.
 """
 
@@ -769,10 +770,16 @@ def merge(paths, note=None):
         for run in data["runs"]:
             key = (run["variant"], run["seed"], run["repeat"])
             if key in owner:
-                raise ValueError(f"merge: variant {key[0]!r} seed {key[1]} repeat {key[2]} ran "
-                                 f"in both {owner[key]} and {path}; merge each run once (a "
-                                 f"rerun of the same seed: another --repeats index)")
-            owner[key] = path
+                kept = runs[owner[key][1]]
+                if not (kept["truncated"] or run["truncated"]):
+                    raise ValueError(f"merge: variant {key[0]!r} seed {key[1]} repeat {key[2]} "
+                                     f"ran in both {owner[key][0]} and {path}; merge each run "
+                                     f"once (a rerun of the same seed: another --repeats index)")
+                if kept["truncated"] and not run["truncated"]:  # a cut-short run, run again
+                    runs[owner[key][1]] = run
+                    owner[key] = (path, owner[key][1])
+                continue
+            owner[key] = (path, len(runs))
             variants.setdefault(run["variant"], train_moe.parse_variant(run["variant"]))
             if run["seed"] not in seeds:
                 seeds.append(run["seed"])

@@ -338,6 +338,15 @@ def test_merge_refuses_incompatible_files_and_duplicate_runs(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"variant 'bf16' seed 0 repeat 0 ran in both .*a\.json "
                                          r"and .*e\.json"):
         train_moe_report.merge([base, twice])
+    # a run cut short (--max-minutes) gives way to the same run finished, in either order
+    cut = _fake_result(["bf16"], [0])
+    cut["runs"][0].update(truncated=True, steps_done=7, val_loss=9.0)
+    cut = _write(tmp_path, "cut.json", cut)
+    finished = train_moe_report.read_run_file(base)["runs"][0]
+    for order in ([cut, base], [base, cut]):
+        runs = train_moe_report.merge(order)["runs"]
+        assert [(r["truncated"], r["val_loss"]) for r in runs] == [
+            (False, finished["val_loss"])], order
     (tmp_path / "f.json").write_text('{"x": 1}')
     with pytest.raises(ValueError, match="f.json: not a train_moe JSON result"):
         train_moe_report.merge([base, str(tmp_path / "f.json")])
