@@ -6,6 +6,7 @@ read from a device counter (so a captured CUDA graph replays). A wait past the t
 what it missed in pinned host memory and lets its stream go on (:meth:`CudaPeerMemory.failure`)."""
 
 import pathlib
+import warnings
 
 import numpy
 
@@ -29,6 +30,8 @@ def _exported_bytes(nbytes):
 
 
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
+#: Buffers of closes whose meeting timed out: a peer may still map them, so they are never freed.
+_KEPT = []
 
 
 def _batch(values):
@@ -110,8 +113,10 @@ class CudaPeerMemory:
         if self._memory is not None:
             comm.wait(self._side)
             comm.wait(stream)
-            comm._side.barrier("peer memory growth")
-            self._unmap()
+            self._close_peers(self._peer_ptr)
+            comm._side.barrier("peer memory growth")  # no rank maps the old buffers any more
+            self._memory = None
+            self._capacity = 0
         capacity = _exported_bytes(int(nbytes * _GROWTH))
         self.epoch += 1
         self._memory = self._cupy.cuda.memory.Memory(capacity)
@@ -203,21 +208,28 @@ class CudaPeerMemory:
                             + describe_mismatch(peer, expected, seen, kinds)
                             + "; the communicator is aborted")
 
-    def _unmap(self):
-        for ptr in self._peer_ptr.values():
+    def _close_peers(self, mapped):
+        """Close this rank's mappings of the peers' buffers in ``mapped`` (peer: address)."""
+        for ptr in mapped.values():
             self._rt.ipcCloseMemHandle(ptr)
-        self._peer_ptr.clear()
-        self._memory = None
-        self._capacity = 0
+        mapped.clear()
 
     def close(self):
-        """Unmap the peers' buffers and free this rank's (after its side stream is done)."""
+        """Unmap the peers' buffers, meet the node's ranks, then free this rank's (after its side
+        stream is done): a buffer freed before every importer closed its mapping is undefined
+        behaviour (CUDA's ``cudaIpcOpenMemHandle``). The meeting is bounded by the timeout;
+        past it this rank's buffers are kept, never freed, and a RuntimeWarning says so."""
         self._side.synchronize()
-        if self._memory is not None:
-            self._unmap()
-        for ptr in self._peer_flags.values():
-            self._rt.ipcCloseMemHandle(ptr)
-        self._peer_flags.clear()
+        self._close_peers(self._peer_ptr)
+        self._close_peers(self._peer_flags)
         for event in (self._forked, self._joined):
             self._rt.eventDestroy(event)
         self._forked = self._joined = None
+        try:
+            self._comm._side.barrier("peer memory release")
+        except TimeoutError as exc:
+            _KEPT.append((self._memory, self._flags))  # a peer may still map them
+            warnings.warn(f"peer memory on rank {self._rank}: {exc}; its buffers stay allocated",
+                          RuntimeWarning, stacklevel=2)
+        self._memory = self._flags = None
+        self._capacity = 0

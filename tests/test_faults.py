@@ -649,6 +649,73 @@ def test_pull_end_poisons_by_the_kernels_format():
     assert events == [("rec", 5), ("wait", 9)] * 2
 
 
+def _peer_memory_with_fakes(calls, barrier):
+    """A ``CudaPeerMemory`` of rank 1 of 3 whose CUDA calls, buffers and side channel record into
+    ``calls`` (no GPU); ``barrier(what)`` stands for the side channel's."""
+    from mxcomm.comm._ipc import CudaPeerMemory
+
+    class Buffer:  # a cudaMalloc'ed buffer: freed when the last reference goes
+        ptr = 1 << 24
+
+        def __init__(self, name):
+            self.name = name
+
+        def __del__(self):
+            calls.append(("free", self.name))
+
+    rt = type("Rt", (), {
+        "ipcCloseMemHandle": lambda self, ptr: calls.append(("close", ptr)),
+        "eventDestroy": lambda self, event: None,
+        "ipcGetMemHandle": lambda self, ptr: b"h" * 64,
+        "ipcOpenMemHandle": lambda self, handle: calls.append(("open",)) or 300})()
+    side = type("Side", (), {"barrier": lambda self, what: barrier(what),
+                             "allgather_bytes": lambda self, payload, what: payload * 3})()
+    memory = object.__new__(CudaPeerMemory)
+    memory._rank, memory._rt, memory._forked, memory._joined = 1, rt, 7, 8
+    memory._side = type("Stream", (), {"synchronize": lambda self: None})()
+    memory._comm = type("Comm", (), {"_side": side, "rank": 1, "size": 3,
+                                     "wait": lambda self, stream: None})()
+    memory._cupy = type("Cupy", (), {"cuda": type("Cuda", (), {"memory": type(
+        "M", (), {"Memory": staticmethod(lambda n: Buffer(f"staging of {n} bytes"))})})})()
+    memory._peer_ptr, memory._peer_flags = {0: 100, 2: 102}, {0: 200, 2: 202}
+    memory._memory, memory._flags, memory._capacity = Buffer("staging"), Buffer("flags"), 1 << 21
+    memory.epoch = 0
+    return memory
+
+
+def test_peer_memory_is_freed_only_after_every_rank_unmapped_it():
+    """CUDA leaves a buffer freed before an importer closes its mapping undefined
+    (``cudaIpcOpenMemHandle``): close and growth close this rank's mappings of its peers'
+    buffers, meet the peers, and only then free this rank's; a meeting past the timeout keeps
+    them allocated and warns."""
+    import gc
+    from mxcomm.comm import _ipc
+    calls = []
+    memory = _peer_memory_with_fakes(calls, lambda what: calls.append(("barrier", what)))
+    memory.reserve(4 << 20, stream=0)  # growth: a new staging, mapped anew
+    gc.collect()
+    assert calls[:4] == [("close", 100), ("close", 102), ("barrier", "peer memory growth"),
+                         ("free", "staging")], calls
+    assert calls[4:] == [("open",), ("open",)] and memory._peer_ptr == {0: 300, 2: 300}
+    calls.clear()
+    memory.close()
+    gc.collect()
+    assert calls[:5] == [("close", 300), ("close", 300), ("close", 200), ("close", 202),
+                         ("barrier", "peer memory release")], calls
+    # 4 MiB asked, 1.25 times that in whole 2 MiB granules: 6 MiB
+    assert sorted(calls[5:]) == [("free", "flags"), ("free", f"staging of {3 << 21} bytes")]
+
+    def late(what):
+        raise TimeoutError("rank 2 did not arrive")
+    calls.clear()
+    memory = _peer_memory_with_fakes(calls, late)
+    with pytest.warns(RuntimeWarning, match="rank 2 did not arrive; its buffers stay allocated"):
+        memory.close()
+    gc.collect()
+    assert not [c for c in calls if c[0] == "free"], calls
+    assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["nccl", "pull"])
 def test_gpu_rank_killed_mid_call(path):
