@@ -214,6 +214,18 @@ class CudaPeerMemory:
             self._rt.ipcCloseMemHandle(ptr)
         mapped.clear()
 
+    def abandon(self):
+        """After an abort (the communicator closes without meeting its peers): keep this rank's
+        buffers, never freed. A peer may still map them, and a late one still signal into the flags
+        or copy from the staging; the pinned status and the "done" addresses stay for this rank's
+        device waits and signals still queued (a pool block reused under ``mx_end`` would have it
+        write to whatever addresses it then holds). Dropping them would free them once the
+        communicator is collected."""
+        if self._memory is not None or self._flags is not None:
+            _KEPT.append((self._memory, self._flags, self._status_memory, self._done_addresses))
+        self._memory = self._flags = None
+        self._capacity = 0
+
     def close(self):
         """Unmap the peers' buffers, meet the node's ranks, then free this rank's (after its side
         stream is done): a buffer freed before every importer closed its mapping is undefined

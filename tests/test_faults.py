@@ -716,6 +716,37 @@ def test_peer_memory_is_freed_only_after_every_rank_unmapped_it():
     assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
 
 
+def test_an_aborted_communicators_peer_memory_is_never_freed():
+    """An aborted communicator closes without meeting its peers, which may still map its buffers
+    (and a late one signal into its flags): closing keeps them, so collecting the communicator
+    frees nothing; a clean close still frees them after the meeting."""
+    import gc
+    import types
+    from mxcomm.comm import _ipc
+    from mxcomm.comm._communicator import Communicator
+    from mxcomm.comm._pull import PullTransport
+    calls = []
+    for state, frees in (("aborted", []), ("open", ["flags", "staging"])):
+        memory = _peer_memory_with_fakes(calls, lambda what: None)
+        memory._status_memory, memory._done_addresses = "pinned status", "done addresses"
+        side = types.SimpleNamespace(abandoned=False, free=lambda: None)
+        comm = types.SimpleNamespace(_state=state, _side=side, _close_backend=lambda clean: None,
+                                     _transport=PullTransport(None, memory))
+        kept = len(_ipc._KEPT)
+        calls.clear()
+        Communicator.close(comm)
+        assert comm._state == "closed"
+        del comm, memory
+        gc.collect()
+        assert sorted(c[1] for c in calls if c[0] == "free") == frees, (state, calls)
+        if state == "aborted":
+            assert len(_ipc._KEPT) == kept + 1
+            assert [getattr(b, "name", b) for b in _ipc._KEPT.pop()] == \
+                ["staging", "flags", "pinned status", "done addresses"]
+        else:
+            assert len(_ipc._KEPT) == kept
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["nccl", "pull"])
 def test_gpu_rank_killed_mid_call(path):
