@@ -350,8 +350,14 @@ class NcclCommunicator(Watchdog, Communicator):
                                  stream_ptr)
             finally:
                 nccl.groupEnd()
-        except Exception:
-            self.check_usable()  # the watchdog's TimeoutError, if it aborted us meanwhile
+        except BaseException as exc:
+            if isinstance(exc, Exception):  # an interrupt stays what it is
+                self.check_usable()  # the watchdog's TimeoutError, if it aborted us meanwhile
+            # A call that raised between groupStart and groupEnd (an NCCL error, an interrupt)
+            # left groupEnd to launch the calls made so far: a part of the exchange that its
+            # peers' next calls would pair with. Abort: NCCL ends it, later calls here raise.
+            self._fail(RuntimeError(f"an NCCL group on rank {self.rank} failed or was cut short "
+                                    f"({type(exc).__name__}: {exc})"), raised=True)
             raise
         finally:
             self._host_since = None

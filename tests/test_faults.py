@@ -579,6 +579,46 @@ def test_nccl_group_sends_the_call_header_first():
     assert len(headers._put.launches) == 1 and len(headers._check.launches) == 1
 
 
+def test_nccl_group_cut_short_aborts_the_communicator():
+    """A call that raises inside the NCCL group (an NCCL error, or an interrupt between its send
+    and recv calls) leaves groupEnd to launch the part enqueued so far, which the peers' next
+    calls would pair with: the group is still ended (groupStart/groupEnd balanced), the
+    communicator is aborted (NCCL ends the part), the error propagates, no event is recorded,
+    and the rank's next call raises RuntimeError saying why (no GPU: NCCL stands in)."""
+    import threading
+    from mxcomm.comm._nccl import NcclCommunicator
+    ops = []
+
+    class Nccl:
+        def send(self, ptr, n, dtype, peer, stream):
+            ops.append(("send", peer))
+            if len(ops) == 4:
+                raise KeyboardInterrupt
+
+        def recv(self, ptr, n, dtype, peer, stream):
+            ops.append(("recv", peer))
+
+        def groupStart(self):
+            ops.append(("start",))
+
+        def groupEnd(self):
+            ops.append(("end",))
+
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size, comm._uint8 = 1, 3, 0
+    comm._nccl = comm._nccl_mod = Nccl()
+    comm._state, comm._reason, comm._pending_error = "open", "", None
+    comm._lock, comm._transport, comm._headers = threading.Lock(), None, None
+    comm._abort_backend = lambda: ops.append(("abort",))
+    comm._record = lambda stream, call: ops.append(("record", call))
+    with pytest.raises(KeyboardInterrupt):
+        comm._group([(0x1000, 0x9000, 64)], [1, 1, 1], [0, 1, 2], [1, 1, 1], [0, 1, 2], 77, 5)
+    assert ops == [("start",), ("send", 0), ("recv", 0), ("send", 1), ("end",), ("abort",)], ops
+    assert comm._host_since is None and comm.aborted
+    with pytest.raises(RuntimeError, match="rank 1 failed or was cut short .KeyboardInterrupt"):
+        comm.check_usable()
+
+
 def test_stalled_group_names_the_mismatch_from_the_device_headers():
     """A stalled NCCL group's timeout reads the call headers as the device holds them (no GPU:
     the copy stands in): a slot whose peer header (received this call: the magic word) differs
