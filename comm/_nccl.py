@@ -232,7 +232,9 @@ class NcclCommunicator(Watchdog, Communicator):
 
     def to_host(self, a, stream):
         """:meth:`Communicator.to_host` as one copy into pinned memory enqueued on ``stream``, then
-        the bounded wait."""
+        the bounded wait. The pinned buffer is reused (grown) only on a usable communicator: after
+        a failed wait its copy may still be queued, and CuPy's pinned pool is not stream-ordered."""
+        self.check_usable()
         if not a.flags.c_contiguous:
             return super().to_host(a, stream)
         nbytes = a.nbytes

@@ -619,6 +619,33 @@ def test_nccl_group_cut_short_aborts_the_communicator():
         comm.check_usable()
 
 
+def test_to_host_on_an_aborted_communicator_copies_nothing():
+    """After an abort (e.g. a wait of ``to_host`` timed out, its copy into the pinned buffer still
+    queued), ``to_host`` raises at once: it neither enqueues a copy nor grows the pinned buffer,
+    which would hand the old one back to CuPy's pinned pool (not stream-ordered) under that copy
+    (no GPU: the CUDA calls stand in)."""
+    import threading
+    from mxcomm.comm._nccl import NcclCommunicator
+    calls = []
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size = 1, 2
+    comm._state, comm._reason, comm._pending_error = "open", "", None
+    comm._lock, comm._transport, comm._headers = threading.Lock(), None, None
+    comm._abort_backend = lambda: None
+    comm._pinned, comm._pinned_bytes = "pinned of 4096 bytes", 4096
+    comm._runtime = type("Rt", (), {"memcpyAsync": lambda self, *a: calls.append("copy")})()
+    comm._cupy = type("Cupy", (), {"cuda": type("Cuda", (), {"alloc_pinned_memory": staticmethod(
+        lambda n: calls.append("pinned") or type("P", (), {"ptr": 0x2000})())})})()
+    comm._fail(TimeoutError("rank 0 did not arrive"))
+    a = type("A", (), {"nbytes": 1 << 20, "flags": type("F", (), {"c_contiguous": True})(),
+                       "data": type("D", (), {"ptr": 0x1000})()})()
+    with pytest.raises(TimeoutError, match="rank 0 did not arrive"):
+        comm.to_host(a, 77)
+    with pytest.raises(RuntimeError, match="aborted"):
+        comm.to_host(a, 77)
+    assert calls == [] and comm._pinned == "pinned of 4096 bytes"
+
+
 def test_stalled_group_names_the_mismatch_from_the_device_headers():
     """A stalled NCCL group's timeout reads the call headers as the device holds them (no GPU:
     the copy stands in): a slot whose peer header (received this call: the magic word) differs
