@@ -308,17 +308,21 @@ class NcclCommunicator(Watchdog, Communicator):
         the host only after :meth:`wait`. TimeoutError also reports an earlier unfinished
         exchange."""
         self.check_usable()
-        self._connected(self.stream_ptr(stream))
+        stream_ptr = self.stream_ptr(stream)
+        self._connected(stream_ptr)
         counts, k = check_counts_array(self, counts)
         call = self._board.enter(EXCHANGE)
-        counts = self._cupy.ascontiguousarray(counts)
-        out = self._cupy.empty_like(counts)
+        # the copy and the result from ``stream``'s pool, ordered with the group (as alltoallv):
+        # a block of the current stream's pool may still be in use there when NCCL writes it
+        with self.on_stream(stream_ptr):
+            counts = self._cupy.ascontiguousarray(counts)
+            out = self._cupy.empty_like(counts)
         ones = [1] * self.size
         offsets = list(range(self.size))
         if k:
             chunk = k * counts.itemsize
             self._group([(counts.data.ptr, out.data.ptr, chunk)], ones, offsets, ones, offsets,
-                        self.stream_ptr(stream), call)
+                        stream_ptr, call)
         return out
 
     def _group(self, blocks, sc, so, rc, ro, stream_ptr, call, header=None):

@@ -646,6 +646,43 @@ def test_to_host_on_an_aborted_communicator_copies_nothing():
     assert calls == [] and comm._pinned == "pinned of 4096 bytes"
 
 
+def test_nccl_alltoall_counts_allocates_on_the_stream_of_its_group(monkeypatch):
+    """``alltoall_counts(counts, stream=s)`` takes its contiguous copy and its result from the
+    pool of ``s``, where its NCCL group runs (as ``alltoallv`` does): from the current stream's
+    pool, a block still in use there could be written by NCCL unordered (no GPU: CuPy and NCCL
+    stand in)."""
+    import contextlib
+    from mxcomm.comm import _nccl
+    from mxcomm.comm._nccl import NcclCommunicator
+    current = [0]  # CuPy's current stream, as the stand-in's allocations see it
+    allocations, groups = [], []
+
+    @contextlib.contextmanager
+    def on_stream(ptr):
+        before, current[0] = current[0], ptr
+        yield
+        current[0] = before
+
+    def allocate(what):
+        def alloc(a):
+            allocations.append((what, current[0]))
+            return type("A", (), {"itemsize": 4, "data": type("D", (), {"ptr": 0x1000})()})()
+        return alloc
+
+    monkeypatch.setattr(_nccl, "check_counts_array", lambda comm, counts: (counts, 2))
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size = 0, 2
+    comm.check_usable = lambda: None
+    comm._connected = lambda stream: None
+    comm._board = type("Board", (), {"enter": lambda self, kind: 3})()
+    comm._cupy = type("Cupy", (), {"ascontiguousarray": staticmethod(allocate("copy")),
+                                   "empty_like": staticmethod(allocate("out"))})()
+    comm.on_stream = on_stream
+    comm._group = lambda blocks, sc, so, rc, ro, stream, call: groups.append((stream, call))
+    comm.alltoall_counts("counts", stream=77)
+    assert allocations == [("copy", 77), ("out", 77)] and groups == [(77, 3)], allocations
+
+
 def test_stalled_group_names_the_mismatch_from_the_device_headers():
     """A stalled NCCL group's timeout reads the call headers as the device holds them (no GPU:
     the copy stands in): a slot whose peer header (received this call: the magic word) differs
