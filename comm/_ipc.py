@@ -60,17 +60,6 @@ class CudaPeerMemory:
         init[-1] = generation & 0xFFFFFFFF
         rt.memcpy(self._flags.ptr, init.ctypes.data, init.nbytes, 1)  # host to device
         self._gen_ptr = self._flags.ptr + 8 * (words - 1)
-        table = comm._side.allgather_bytes(rt.ipcGetMemHandle(self._flags.ptr),
-                                           "peer memory setup (flag handles)")
-        self._peer_flags = {}
-        for peer in range(size):
-            if peer != rank:
-                handle = table[peer * _HANDLE_BYTES:(peer + 1) * _HANDLE_BYTES]
-                self._peer_flags[peer] = rt.ipcOpenMemHandle(handle)
-        # "done" words of this rank in every peer's flags, for the one-launch done signal.
-        done_at = [self._peer_flags[p] + 8 * (self._ready_words + rank) for p in range(size)
-                   if p != rank]
-        self._done_addresses = cupy.asarray(numpy.array(done_at, dtype=numpy.uint64))
         status = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(16, _HOST_ALLOC_MAPPED), 0)
         self._status_memory = status
         self._status = numpy.frombuffer(status, dtype=numpy.uint32, count=4)
@@ -96,6 +85,25 @@ class CudaPeerMemory:
         self._peer_ptr = {}
         #: Counts the staging allocations: views of the staging are valid while it stays.
         self.epoch = 0
+        # Last, once nothing local can fail: the flags' handle goes out and the peers map it. A
+        # failure from here on keeps the flags, never freed (a peer may map them already).
+        self._peer_flags = {}
+        try:
+            table = comm._side.allgather_bytes(rt.ipcGetMemHandle(self._flags.ptr),
+                                               "peer memory setup (flag handles)")
+            for peer in range(size):
+                if peer != rank:
+                    handle = table[peer * _HANDLE_BYTES:(peer + 1) * _HANDLE_BYTES]
+                    self._peer_flags[peer] = rt.ipcOpenMemHandle(handle)
+            # "done" words of this rank in every peer's flags, for the one-launch done signal.
+            done_at = [self._peer_flags[p] + 8 * (self._ready_words + rank) for p in range(size)
+                       if p != rank]
+            self._done_addresses = cupy.asarray(numpy.array(done_at, dtype=numpy.uint64))
+        except BaseException:
+            self._close_peers(self._peer_flags)
+            _KEPT.append((self._flags,))
+            self._flags = None
+            raise
 
     @property
     def capacity(self):

@@ -820,6 +820,64 @@ def test_peer_memory_is_freed_only_after_every_rank_unmapped_it():
     assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
 
 
+def test_peer_memory_setup_failing_after_its_handle_went_out_keeps_the_flags(monkeypatch):
+    """Once this rank's flags handle has gone to its peers they may map the flags: a setup that
+    fails after that (here: opening rank 2's handle) unmaps what it mapped and keeps the flags,
+    never freed; what can fail locally (the kernels' module, pinned status, stream, events) comes
+    before the handle goes out (no GPU: CuPy's calls stand in)."""
+    import gc
+    import sys
+    import types
+    from mxcomm.comm import _ipc
+    calls = []
+
+    class Buffer:
+        ptr = 1 << 24
+
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+        def __del__(self):
+            calls.append(("free", self.nbytes))
+
+    class Pinned(bytearray):
+        ptr = 1 << 30
+
+    def open_handle(handle):
+        if handle == b"2" * 64:
+            raise RuntimeError("cudaErrorMapBufferObjectFailed")
+        calls.append(("open", handle[:1]))
+        return 500
+
+    kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=9))
+    runtime = types.SimpleNamespace(
+        memcpy=lambda *a: None, eventCreateWithFlags=lambda flags: calls.append(("event",)) or 7,
+        ipcGetMemHandle=lambda ptr: calls.append(("export",)) or b"1" * 64,
+        ipcOpenMemHandle=open_handle, ipcCloseMemHandle=lambda ptr: calls.append(("close", ptr)))
+    cuda = types.SimpleNamespace(
+        runtime=runtime, memory=types.SimpleNamespace(Memory=Buffer),
+        PinnedMemory=lambda n, flags: None, PinnedMemoryPointer=lambda mem, at: Pinned(16),
+        Stream=lambda non_blocking: calls.append(("stream",)) or types.SimpleNamespace(ptr=5),
+        driver=types.SimpleNamespace(launchKernel=None))
+    cupy = types.SimpleNamespace(
+        cuda=cuda, asarray=lambda a: a,
+        RawModule=lambda code, options: calls.append(("module",)) or types.SimpleNamespace(
+            get_function=lambda name: kernel))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    side = types.SimpleNamespace(allgather_bytes=lambda payload, what: b"0" * 64 + payload
+                                 + b"2" * 64)
+    comm = types.SimpleNamespace(rank=1, size=3, timeout=1.0, _side=side)
+    kept = len(_ipc._KEPT)
+    with pytest.raises(RuntimeError, match="MapBufferObjectFailed"):
+        _ipc.CudaPeerMemory(comm)
+    gc.collect()
+    assert ("free", 2 << 20) not in calls, calls
+    assert calls.index(("export",)) > max(calls.index(c) for c in
+                                          [("module",), ("stream",), ("event",)]), calls
+    assert calls[-2:] == [("open", b"0"), ("close", 500)], calls
+    assert len(_ipc._KEPT) == kept + 1 and _ipc._KEPT.pop()[0].nbytes == 2 << 20
+
+
 def test_an_aborted_communicators_peer_memory_is_never_freed():
     """An aborted communicator closes without meeting its peers, which may still map its buffers
     (and a late one signal into its flags): closing keeps them, so collecting the communicator
