@@ -197,6 +197,7 @@ class NcclCommunicator(Watchdog, Communicator):
         if clean:
             try:
                 self.wait()
+                self._drain()  # groups on other streams: ncclCommDestroy would wait, unbounded
             except (TimeoutError, RuntimeError):
                 clean = False
         with self._lock:
