@@ -147,13 +147,18 @@ class Communicator(Agreement, abc.ABC):
 
         Does not block, except on NCCL: it waits (bounded by ``timeout``) for the operations in
         flight and for NCCL's release, which waits until every CUDA graph that captured an exchange
-        is destroyed (past the timeout, a RuntimeWarning). With the ``"pull"`` transport on MPI,
-        freeing the shared windows is collective: close on every rank."""
+        is destroyed (past the timeout, a RuntimeWarning). With peer memory (the ``"pull"`` and
+        ``"hier"`` transports), freeing it is collective: close on every rank (on GPUs the ranks
+        of a node meet, bounded, before any frees the buffers the others map). An aborted
+        communicator's GPU peer memory is never freed: its peers may still map it."""
         if self._state == "closed":
             return
         clean = self._state == "open" and not self._side.abandoned
-        if self._transport is not None and clean:
-            self._transport.close()
+        if self._transport is not None:
+            if clean:
+                self._transport.close()
+            else:
+                self._transport.abandon()
         self._close_backend(clean)
         if clean:
             self._side.free()

@@ -39,6 +39,9 @@ class GroupedTransport:
     def close(self):
         pass
 
+    def abandon(self):
+        pass
+
 
 def land(received, outs, landing, lo, hi, stream):
     """Copy received rows ``[lo, hi)`` of ``received`` to where ``landing`` puts them in

@@ -81,6 +81,11 @@ class HierTransport:
         self._pull.close()
         self._node_side.free()
 
+    def abandon(self):
+        """After an abort: the node's peer memory is kept (``PullTransport.abandon``)."""
+        self._splits.clear()
+        self._pull.abandon()
+
 
 class _Split:
     """One plan cut into this node's part and the rest; ``spans``: per rank, its node's ranks

@@ -6,6 +6,7 @@ read from a device counter (so a captured CUDA graph replays). A wait past the t
 what it missed in pinned host memory and lets its stream go on (:meth:`CudaPeerMemory.failure`)."""
 
 import pathlib
+import warnings
 
 import numpy
 
@@ -29,6 +30,8 @@ def _exported_bytes(nbytes):
 
 
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
+#: Buffers of closes whose meeting timed out: a peer may still map them, so they are never freed.
+_KEPT = []
 
 
 def _batch(values):
@@ -57,17 +60,6 @@ class CudaPeerMemory:
         init[-1] = generation & 0xFFFFFFFF
         rt.memcpy(self._flags.ptr, init.ctypes.data, init.nbytes, 1)  # host to device
         self._gen_ptr = self._flags.ptr + 8 * (words - 1)
-        table = comm._side.allgather_bytes(rt.ipcGetMemHandle(self._flags.ptr),
-                                           "peer memory setup (flag handles)")
-        self._peer_flags = {}
-        for peer in range(size):
-            if peer != rank:
-                handle = table[peer * _HANDLE_BYTES:(peer + 1) * _HANDLE_BYTES]
-                self._peer_flags[peer] = rt.ipcOpenMemHandle(handle)
-        # "done" words of this rank in every peer's flags, for the one-launch done signal.
-        done_at = [self._peer_flags[p] + 8 * (self._ready_words + rank) for p in range(size)
-                   if p != rank]
-        self._done_addresses = cupy.asarray(numpy.array(done_at, dtype=numpy.uint64))
         status = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(16, _HOST_ALLOC_MAPPED), 0)
         self._status_memory = status
         self._status = numpy.frombuffer(status, dtype=numpy.uint32, count=4)
@@ -93,6 +85,25 @@ class CudaPeerMemory:
         self._peer_ptr = {}
         #: Counts the staging allocations: views of the staging are valid while it stays.
         self.epoch = 0
+        # Last, once nothing local can fail: the flags' handle goes out and the peers map it. A
+        # failure from here on keeps the flags, never freed (a peer may map them already).
+        self._peer_flags = {}
+        try:
+            table = comm._side.allgather_bytes(rt.ipcGetMemHandle(self._flags.ptr),
+                                               "peer memory setup (flag handles)")
+            for peer in range(size):
+                if peer != rank:
+                    handle = table[peer * _HANDLE_BYTES:(peer + 1) * _HANDLE_BYTES]
+                    self._peer_flags[peer] = rt.ipcOpenMemHandle(handle)
+            # "done" words of this rank in every peer's flags, for the one-launch done signal.
+            done_at = [self._peer_flags[p] + 8 * (self._ready_words + rank) for p in range(size)
+                       if p != rank]
+            self._done_addresses = cupy.asarray(numpy.array(done_at, dtype=numpy.uint64))
+        except BaseException:
+            self._close_peers(self._peer_flags)
+            _KEPT.append((self._flags,))
+            self._flags = None
+            raise
 
     @property
     def capacity(self):
@@ -110,8 +121,10 @@ class CudaPeerMemory:
         if self._memory is not None:
             comm.wait(self._side)
             comm.wait(stream)
-            comm._side.barrier("peer memory growth")
-            self._unmap()
+            self._close_peers(self._peer_ptr)
+            comm._side.barrier("peer memory growth")  # no rank maps the old buffers any more
+            self._memory = None
+            self._capacity = 0
         capacity = _exported_bytes(int(nbytes * _GROWTH))
         self.epoch += 1
         self._memory = self._cupy.cuda.memory.Memory(capacity)
@@ -203,21 +216,40 @@ class CudaPeerMemory:
                             + describe_mismatch(peer, expected, seen, kinds)
                             + "; the communicator is aborted")
 
-    def _unmap(self):
-        for ptr in self._peer_ptr.values():
+    def _close_peers(self, mapped):
+        """Close this rank's mappings of the peers' buffers in ``mapped`` (peer: address)."""
+        for ptr in mapped.values():
             self._rt.ipcCloseMemHandle(ptr)
-        self._peer_ptr.clear()
-        self._memory = None
+        mapped.clear()
+
+    def abandon(self):
+        """After an abort (the communicator closes without meeting its peers): keep this rank's
+        buffers, never freed. A peer may still map them, and a late one still signal into the flags
+        or copy from the staging; the pinned status and the "done" addresses stay for this rank's
+        device waits and signals still queued (a pool block reused under ``mx_end`` would have it
+        write to whatever addresses it then holds). Dropping them would free them once the
+        communicator is collected."""
+        if self._memory is not None or self._flags is not None:
+            _KEPT.append((self._memory, self._flags, self._status_memory, self._done_addresses))
+        self._memory = self._flags = None
         self._capacity = 0
 
     def close(self):
-        """Unmap the peers' buffers and free this rank's (after its side stream is done)."""
+        """Unmap the peers' buffers, meet the node's ranks, then free this rank's (after its side
+        stream is done): a buffer freed before every importer closed its mapping is undefined
+        behaviour (CUDA's ``cudaIpcOpenMemHandle``). The meeting is bounded by the timeout;
+        past it this rank's buffers are kept, never freed, and a RuntimeWarning says so."""
         self._side.synchronize()
-        if self._memory is not None:
-            self._unmap()
-        for ptr in self._peer_flags.values():
-            self._rt.ipcCloseMemHandle(ptr)
-        self._peer_flags.clear()
+        self._close_peers(self._peer_ptr)
+        self._close_peers(self._peer_flags)
         for event in (self._forked, self._joined):
             self._rt.eventDestroy(event)
         self._forked = self._joined = None
+        try:
+            self._comm._side.barrier("peer memory release")
+        except TimeoutError as exc:
+            _KEPT.append((self._memory, self._flags))  # a peer may still map them
+            warnings.warn(f"peer memory on rank {self._rank}: {exc}; its buffers stay allocated",
+                          RuntimeWarning, stacklevel=2)
+        self._memory = self._flags = None
+        self._capacity = 0

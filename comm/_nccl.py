@@ -197,6 +197,7 @@ class NcclCommunicator(Watchdog, Communicator):
         if clean:
             try:
                 self.wait()
+                self._drain()  # groups on other streams: ncclCommDestroy would wait, unbounded
             except (TimeoutError, RuntimeError):
                 clean = False
         with self._lock:
@@ -232,7 +233,9 @@ class NcclCommunicator(Watchdog, Communicator):
 
     def to_host(self, a, stream):
         """:meth:`Communicator.to_host` as one copy into pinned memory enqueued on ``stream``, then
-        the bounded wait."""
+        the bounded wait. The pinned buffer is reused (grown) only on a usable communicator: after
+        a failed wait its copy may still be queued, and CuPy's pinned pool is not stream-ordered."""
+        self.check_usable()
         if not a.flags.c_contiguous:
             return super().to_host(a, stream)
         nbytes = a.nbytes
@@ -306,17 +309,21 @@ class NcclCommunicator(Watchdog, Communicator):
         the host only after :meth:`wait`. TimeoutError also reports an earlier unfinished
         exchange."""
         self.check_usable()
-        self._connected(self.stream_ptr(stream))
+        stream_ptr = self.stream_ptr(stream)
+        self._connected(stream_ptr)
         counts, k = check_counts_array(self, counts)
         call = self._board.enter(EXCHANGE)
-        counts = self._cupy.ascontiguousarray(counts)
-        out = self._cupy.empty_like(counts)
+        # the copy and the result from ``stream``'s pool, ordered with the group (as alltoallv):
+        # a block of the current stream's pool may still be in use there when NCCL writes it
+        with self.on_stream(stream_ptr):
+            counts = self._cupy.ascontiguousarray(counts)
+            out = self._cupy.empty_like(counts)
         ones = [1] * self.size
         offsets = list(range(self.size))
         if k:
             chunk = k * counts.itemsize
             self._group([(counts.data.ptr, out.data.ptr, chunk)], ones, offsets, ones, offsets,
-                        self.stream_ptr(stream), call)
+                        stream_ptr, call)
         return out
 
     def _group(self, blocks, sc, so, rc, ro, stream_ptr, call, header=None):
@@ -350,8 +357,14 @@ class NcclCommunicator(Watchdog, Communicator):
                                  stream_ptr)
             finally:
                 nccl.groupEnd()
-        except Exception:
-            self.check_usable()  # the watchdog's TimeoutError, if it aborted us meanwhile
+        except BaseException as exc:
+            if isinstance(exc, Exception):  # an interrupt stays what it is
+                self.check_usable()  # the watchdog's TimeoutError, if it aborted us meanwhile
+            # A call that raised between groupStart and groupEnd (an NCCL error, an interrupt)
+            # left groupEnd to launch the calls made so far: a part of the exchange that its
+            # peers' next calls would pair with. Abort: NCCL ends it, later calls here raise.
+            self._fail(RuntimeError(f"an NCCL group on rank {self.rank} failed or was cut short "
+                                    f"({type(exc).__name__}: {exc})"), raised=True)
             raise
         finally:
             self._host_since = None

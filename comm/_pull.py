@@ -111,6 +111,11 @@ class PullTransport:
         self._schedules.clear()
         self.memory.close()
 
+    def abandon(self):
+        """After an abort: forget the schedules; the memory keeps what peers may still map."""
+        self._schedules.clear()
+        self.memory.abandon()
+
 
 class _Schedule:
     """One plan's exchange for one row layout, worked out.

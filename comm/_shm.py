@@ -219,6 +219,9 @@ class HostPeerMemory:
         self._window = None
         self.capacity = 0
 
+    def abandon(self):
+        """After an abort: nothing (a window is freed only collectively, by :meth:`close`)."""
+
     def close(self):
         """Free the windows (collective, as their allocation was)."""
         if self._window is not None:

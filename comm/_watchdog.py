@@ -147,6 +147,25 @@ class Watchdog:
                     return
             time.sleep(_WATCH_POLL_S)
 
+    def _drain(self):
+        """Block until every NCCL group in the queue, on any stream, is done: bounded as
+        :meth:`wait` (past ``1.25 * timeout + 1`` s TimeoutError, the communicator aborted)."""
+        start = time.monotonic()
+        while True:
+            with self._lock:
+                self._retire_finished()
+                if not self._in_flight:
+                    return
+                call = self._in_flight[0][2]
+            self.check_usable()
+            if time.monotonic() - start > self.timeout * 1.25 + 1.0:
+                late = self._board.describe(EXCHANGE, call)
+                self._fail(TimeoutError(
+                    f"close: an NCCL exchange did not finish within {self.timeout:g} s on rank "
+                    f"{self.rank} ({late}); the communicator is aborted"))
+                self.check_usable()
+            time.sleep(1e-3)
+
     def wait(self, stream=None):
         """Block the host until the work enqueued on ``stream`` (None: CuPy's current stream, a
         stream object, or a raw handle) so far is done: the only method that syncs the host. Use

@@ -809,6 +809,45 @@ class _WatchdogStandIn:
         return 0 if event in self.done else 600  # cudaSuccess, cudaErrorNotReady
 
 
+@pytest.mark.parametrize("finishes", [True, False])
+def test_nccl_close_waits_for_groups_on_every_stream(finishes):
+    """A clean close waits (bounded) for the NCCL groups in flight on every stream, not only the
+    current one, before ncclCommDestroy (which would wait for them unbounded, the watchdog
+    stopped); a group that does not finish within ``1.25 * timeout + 1`` s makes the close abort
+    NCCL instead (CPU stand-ins for CUDA and NCCL)."""
+    import collections
+    import threading
+    import types
+    from mxcomm.comm._nccl import NcclCommunicator
+    ops, done = [], set()
+    runtime = types.SimpleNamespace(
+        eventQuery=lambda event: 0 if event in done else 600, eventDestroy=lambda event: None)
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size, comm.timeout = 0, 2, 0.05
+    comm._runtime, comm._lock = runtime, threading.Lock()
+    comm._wake = threading.Condition(comm._lock)
+    comm._state, comm._reason, comm._pending_error = "open", "", None
+    comm._transport, comm._headers, comm._captured = None, None, False
+    comm._free_events, comm._mixed = [], False
+    comm._in_flight = collections.deque([(41, 0.0, 3, 5)])  # (event, recorded, call, stream)
+    comm._watchdog = threading.current_thread()  # no thread to stop
+    comm._board = types.SimpleNamespace(describe=lambda kind, call: f"call {call}")
+    comm.wait = lambda stream=None: None  # the current stream is done
+    comm._nccl = types.SimpleNamespace(destroy=lambda: ops.append(("destroy", 41 in done)),
+                                       abort=lambda: ops.append(("abort", 41 in done)))
+    if finishes:
+        threading.Timer(0.2, done.add, (41,)).start()
+    start = time.monotonic()
+    NcclCommunicator._close_backend(comm, True)
+    if finishes:
+        assert ops == [("destroy", True)] and 0.15 < time.monotonic() - start < 1.0, ops
+    else:
+        # aborted by the drain's timeout, then released by abort (a no-op in CuPy once aborted)
+        assert set(ops) == {("abort", False)} and time.monotonic() - start < 5, ops
+        assert "close: an NCCL exchange did not finish within 0.05 s on rank 0 (call 3)" in \
+            comm._reason
+
+
 def test_nccl_watchdog_retires_finished_events():
     """The NCCL watchdog's event queue (CPU stand-in): on one stream events finish in record
     order, so the finished head of 1000 is found in O(log n) queries, exactly; on several

@@ -579,6 +579,110 @@ def test_nccl_group_sends_the_call_header_first():
     assert len(headers._put.launches) == 1 and len(headers._check.launches) == 1
 
 
+def test_nccl_group_cut_short_aborts_the_communicator():
+    """A call that raises inside the NCCL group (an NCCL error, or an interrupt between its send
+    and recv calls) leaves groupEnd to launch the part enqueued so far, which the peers' next
+    calls would pair with: the group is still ended (groupStart/groupEnd balanced), the
+    communicator is aborted (NCCL ends the part), the error propagates, no event is recorded,
+    and the rank's next call raises RuntimeError saying why (no GPU: NCCL stands in)."""
+    import threading
+    from mxcomm.comm._nccl import NcclCommunicator
+    ops = []
+
+    class Nccl:
+        def send(self, ptr, n, dtype, peer, stream):
+            ops.append(("send", peer))
+            if len(ops) == 4:
+                raise KeyboardInterrupt
+
+        def recv(self, ptr, n, dtype, peer, stream):
+            ops.append(("recv", peer))
+
+        def groupStart(self):
+            ops.append(("start",))
+
+        def groupEnd(self):
+            ops.append(("end",))
+
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size, comm._uint8 = 1, 3, 0
+    comm._nccl = comm._nccl_mod = Nccl()
+    comm._state, comm._reason, comm._pending_error = "open", "", None
+    comm._lock, comm._transport, comm._headers = threading.Lock(), None, None
+    comm._abort_backend = lambda: ops.append(("abort",))
+    comm._record = lambda stream, call: ops.append(("record", call))
+    with pytest.raises(KeyboardInterrupt):
+        comm._group([(0x1000, 0x9000, 64)], [1, 1, 1], [0, 1, 2], [1, 1, 1], [0, 1, 2], 77, 5)
+    assert ops == [("start",), ("send", 0), ("recv", 0), ("send", 1), ("end",), ("abort",)], ops
+    assert comm._host_since is None and comm.aborted
+    with pytest.raises(RuntimeError, match="rank 1 failed or was cut short .KeyboardInterrupt"):
+        comm.check_usable()
+
+
+def test_to_host_on_an_aborted_communicator_copies_nothing():
+    """After an abort (e.g. a wait of ``to_host`` timed out, its copy into the pinned buffer still
+    queued), ``to_host`` raises at once: it neither enqueues a copy nor grows the pinned buffer,
+    which would hand the old one back to CuPy's pinned pool (not stream-ordered) under that copy
+    (no GPU: the CUDA calls stand in)."""
+    import threading
+    from mxcomm.comm._nccl import NcclCommunicator
+    calls = []
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size = 1, 2
+    comm._state, comm._reason, comm._pending_error = "open", "", None
+    comm._lock, comm._transport, comm._headers = threading.Lock(), None, None
+    comm._abort_backend = lambda: None
+    comm._pinned, comm._pinned_bytes = "pinned of 4096 bytes", 4096
+    comm._runtime = type("Rt", (), {"memcpyAsync": lambda self, *a: calls.append("copy")})()
+    comm._cupy = type("Cupy", (), {"cuda": type("Cuda", (), {"alloc_pinned_memory": staticmethod(
+        lambda n: calls.append("pinned") or type("P", (), {"ptr": 0x2000})())})})()
+    comm._fail(TimeoutError("rank 0 did not arrive"))
+    a = type("A", (), {"nbytes": 1 << 20, "flags": type("F", (), {"c_contiguous": True})(),
+                       "data": type("D", (), {"ptr": 0x1000})()})()
+    with pytest.raises(TimeoutError, match="rank 0 did not arrive"):
+        comm.to_host(a, 77)
+    with pytest.raises(RuntimeError, match="aborted"):
+        comm.to_host(a, 77)
+    assert calls == [] and comm._pinned == "pinned of 4096 bytes"
+
+
+def test_nccl_alltoall_counts_allocates_on_the_stream_of_its_group(monkeypatch):
+    """``alltoall_counts(counts, stream=s)`` takes its contiguous copy and its result from the
+    pool of ``s``, where its NCCL group runs (as ``alltoallv`` does): from the current stream's
+    pool, a block still in use there could be written by NCCL unordered (no GPU: CuPy and NCCL
+    stand in)."""
+    import contextlib
+    from mxcomm.comm import _nccl
+    from mxcomm.comm._nccl import NcclCommunicator
+    current = [0]  # CuPy's current stream, as the stand-in's allocations see it
+    allocations, groups = [], []
+
+    @contextlib.contextmanager
+    def on_stream(ptr):
+        before, current[0] = current[0], ptr
+        yield
+        current[0] = before
+
+    def allocate(what):
+        def alloc(a):
+            allocations.append((what, current[0]))
+            return type("A", (), {"itemsize": 4, "data": type("D", (), {"ptr": 0x1000})()})()
+        return alloc
+
+    monkeypatch.setattr(_nccl, "check_counts_array", lambda comm, counts: (counts, 2))
+    comm = object.__new__(NcclCommunicator)
+    comm.rank, comm.size = 0, 2
+    comm.check_usable = lambda: None
+    comm._connected = lambda stream: None
+    comm._board = type("Board", (), {"enter": lambda self, kind: 3})()
+    comm._cupy = type("Cupy", (), {"ascontiguousarray": staticmethod(allocate("copy")),
+                                   "empty_like": staticmethod(allocate("out"))})()
+    comm.on_stream = on_stream
+    comm._group = lambda blocks, sc, so, rc, ro, stream, call: groups.append((stream, call))
+    comm.alltoall_counts("counts", stream=77)
+    assert allocations == [("copy", 77), ("out", 77)] and groups == [(77, 3)], allocations
+
+
 def test_stalled_group_names_the_mismatch_from_the_device_headers():
     """A stalled NCCL group's timeout reads the call headers as the device holds them (no GPU:
     the copy stands in): a slot whose peer header (received this call: the magic word) differs
@@ -647,6 +751,162 @@ def test_pull_end_poisons_by_the_kernels_format():
     assert values[4:8] == (0x4000, 0x8000, 0, 0) and values[8:12] == (256, 8, 0, 0)
     assert values[-1] == 2 and values1[-1] == 0
     assert events == [("rec", 5), ("wait", 9)] * 2
+
+
+def _peer_memory_with_fakes(calls, barrier):
+    """A ``CudaPeerMemory`` of rank 1 of 3 whose CUDA calls, buffers and side channel record into
+    ``calls`` (no GPU); ``barrier(what)`` stands for the side channel's."""
+    from mxcomm.comm._ipc import CudaPeerMemory
+
+    class Buffer:  # a cudaMalloc'ed buffer: freed when the last reference goes
+        ptr = 1 << 24
+
+        def __init__(self, name):
+            self.name = name
+
+        def __del__(self):
+            calls.append(("free", self.name))
+
+    rt = type("Rt", (), {
+        "ipcCloseMemHandle": lambda self, ptr: calls.append(("close", ptr)),
+        "eventDestroy": lambda self, event: None,
+        "ipcGetMemHandle": lambda self, ptr: b"h" * 64,
+        "ipcOpenMemHandle": lambda self, handle: calls.append(("open",)) or 300})()
+    side = type("Side", (), {"barrier": lambda self, what: barrier(what),
+                             "allgather_bytes": lambda self, payload, what: payload * 3})()
+    memory = object.__new__(CudaPeerMemory)
+    memory._rank, memory._rt, memory._forked, memory._joined = 1, rt, 7, 8
+    memory._side = type("Stream", (), {"synchronize": lambda self: None})()
+    memory._comm = type("Comm", (), {"_side": side, "rank": 1, "size": 3,
+                                     "wait": lambda self, stream: None})()
+    memory._cupy = type("Cupy", (), {"cuda": type("Cuda", (), {"memory": type(
+        "M", (), {"Memory": staticmethod(lambda n: Buffer(f"staging of {n} bytes"))})})})()
+    memory._peer_ptr, memory._peer_flags = {0: 100, 2: 102}, {0: 200, 2: 202}
+    memory._memory, memory._flags, memory._capacity = Buffer("staging"), Buffer("flags"), 1 << 21
+    memory.epoch = 0
+    return memory
+
+
+def test_peer_memory_is_freed_only_after_every_rank_unmapped_it():
+    """CUDA leaves a buffer freed before an importer closes its mapping undefined
+    (``cudaIpcOpenMemHandle``): close and growth close this rank's mappings of its peers'
+    buffers, meet the peers, and only then free this rank's; a meeting past the timeout keeps
+    them allocated and warns."""
+    import gc
+    from mxcomm.comm import _ipc
+    calls = []
+    memory = _peer_memory_with_fakes(calls, lambda what: calls.append(("barrier", what)))
+    memory.reserve(4 << 20, stream=0)  # growth: a new staging, mapped anew
+    gc.collect()
+    assert calls[:4] == [("close", 100), ("close", 102), ("barrier", "peer memory growth"),
+                         ("free", "staging")], calls
+    assert calls[4:] == [("open",), ("open",)] and memory._peer_ptr == {0: 300, 2: 300}
+    calls.clear()
+    memory.close()
+    gc.collect()
+    assert calls[:5] == [("close", 300), ("close", 300), ("close", 200), ("close", 202),
+                         ("barrier", "peer memory release")], calls
+    # 4 MiB asked, 1.25 times that in whole 2 MiB granules: 6 MiB
+    assert sorted(calls[5:]) == [("free", "flags"), ("free", f"staging of {3 << 21} bytes")]
+
+    def late(what):
+        raise TimeoutError("rank 2 did not arrive")
+    calls.clear()
+    memory = _peer_memory_with_fakes(calls, late)
+    with pytest.warns(RuntimeWarning, match="rank 2 did not arrive; its buffers stay allocated"):
+        memory.close()
+    gc.collect()
+    assert not [c for c in calls if c[0] == "free"], calls
+    assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
+
+
+def test_peer_memory_setup_failing_after_its_handle_went_out_keeps_the_flags(monkeypatch):
+    """Once this rank's flags handle has gone to its peers they may map the flags: a setup that
+    fails after that (here: opening rank 2's handle) unmaps what it mapped and keeps the flags,
+    never freed; what can fail locally (the kernels' module, pinned status, stream, events) comes
+    before the handle goes out (no GPU: CuPy's calls stand in)."""
+    import gc
+    import sys
+    import types
+    from mxcomm.comm import _ipc
+    calls = []
+
+    class Buffer:
+        ptr = 1 << 24
+
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+        def __del__(self):
+            calls.append(("free", self.nbytes))
+
+    class Pinned(bytearray):
+        ptr = 1 << 30
+
+    def open_handle(handle):
+        if handle == b"2" * 64:
+            raise RuntimeError("cudaErrorMapBufferObjectFailed")
+        calls.append(("open", handle[:1]))
+        return 500
+
+    kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=9))
+    runtime = types.SimpleNamespace(
+        memcpy=lambda *a: None, eventCreateWithFlags=lambda flags: calls.append(("event",)) or 7,
+        ipcGetMemHandle=lambda ptr: calls.append(("export",)) or b"1" * 64,
+        ipcOpenMemHandle=open_handle, ipcCloseMemHandle=lambda ptr: calls.append(("close", ptr)))
+    cuda = types.SimpleNamespace(
+        runtime=runtime, memory=types.SimpleNamespace(Memory=Buffer),
+        PinnedMemory=lambda n, flags: None, PinnedMemoryPointer=lambda mem, at: Pinned(16),
+        Stream=lambda non_blocking: calls.append(("stream",)) or types.SimpleNamespace(ptr=5),
+        driver=types.SimpleNamespace(launchKernel=None))
+    cupy = types.SimpleNamespace(
+        cuda=cuda, asarray=lambda a: a,
+        RawModule=lambda code, options: calls.append(("module",)) or types.SimpleNamespace(
+            get_function=lambda name: kernel))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    side = types.SimpleNamespace(allgather_bytes=lambda payload, what: b"0" * 64 + payload
+                                 + b"2" * 64)
+    comm = types.SimpleNamespace(rank=1, size=3, timeout=1.0, _side=side)
+    kept = len(_ipc._KEPT)
+    with pytest.raises(RuntimeError, match="MapBufferObjectFailed"):
+        _ipc.CudaPeerMemory(comm)
+    gc.collect()
+    assert ("free", 2 << 20) not in calls, calls
+    assert calls.index(("export",)) > max(calls.index(c) for c in
+                                          [("module",), ("stream",), ("event",)]), calls
+    assert calls[-2:] == [("open", b"0"), ("close", 500)], calls
+    assert len(_ipc._KEPT) == kept + 1 and _ipc._KEPT.pop()[0].nbytes == 2 << 20
+
+
+def test_an_aborted_communicators_peer_memory_is_never_freed():
+    """An aborted communicator closes without meeting its peers, which may still map its buffers
+    (and a late one signal into its flags): closing keeps them, so collecting the communicator
+    frees nothing; a clean close still frees them after the meeting."""
+    import gc
+    import types
+    from mxcomm.comm import _ipc
+    from mxcomm.comm._communicator import Communicator
+    from mxcomm.comm._pull import PullTransport
+    calls = []
+    for state, frees in (("aborted", []), ("open", ["flags", "staging"])):
+        memory = _peer_memory_with_fakes(calls, lambda what: None)
+        memory._status_memory, memory._done_addresses = "pinned status", "done addresses"
+        side = types.SimpleNamespace(abandoned=False, free=lambda: None)
+        comm = types.SimpleNamespace(_state=state, _side=side, _close_backend=lambda clean: None,
+                                     _transport=PullTransport(None, memory))
+        kept = len(_ipc._KEPT)
+        calls.clear()
+        Communicator.close(comm)
+        assert comm._state == "closed"
+        del comm, memory
+        gc.collect()
+        assert sorted(c[1] for c in calls if c[0] == "free") == frees, (state, calls)
+        if state == "aborted":
+            assert len(_ipc._KEPT) == kept + 1
+            assert [getattr(b, "name", b) for b in _ipc._KEPT.pop()] == \
+                ["staging", "flags", "pinned status", "done addresses"]
+        else:
+            assert len(_ipc._KEPT) == kept
 
 
 @pytest.mark.gpu
