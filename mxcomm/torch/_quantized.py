@@ -8,20 +8,13 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .._array import bfloat16
-from .._torch_arrays import _TORCH_DTYPES, _array, _stream, _view
+from .._torch_arrays import _array, _stream, _view
 from ..formats import get_format
 
 # array dtype of a quantized format's scales -> torch dtype (uint8 bits are e8m0; data e4m3fn)
 _DATA_DTYPE = torch.float8_e4m3fn
 _SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
                  numpy.dtype(numpy.float32): torch.float32}
-#: The scale rounding of every exchange made through this module (the array API's default).
-_SCALE_MODE = "rceil"
-# (kind, array dtype) of an array ``mxcomm.route.arrays`` lists -> its torch dtype
-_DIRECT_DTYPES = {("rows", dtype): torch_dtype for dtype, torch_dtype in _TORCH_DTYPES.items()}
-_DIRECT_DTYPES.update({("data", numpy.dtype(numpy.uint8)): _DATA_DTYPE})
-_DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
-                       in _SCALE_DTYPES.items()})
 
 
 def _dequantized(t):
