@@ -1,13 +1,8 @@
 """The expert-parallel object (``mxcomm.torch.ExpertParallel``): the ``mxcomm.torch`` primitives
-called as a recipe says (docs/design.md, "Recipes and the expert-parallel object").
-
-Glossary: M rows this rank routes, D dim, H the expert GEMM's output width, E experts, E_local
-experts per rank, W ranks, P permuted rows (``layout.permuted_rows(align)``)::
-
-    ep = ExpertParallel(group, num_local_experts=8)            # recipe="auto"
-    rows, offsets, handle = ep.dispatch(x, num_tokens_per_expert)
-    y = mxcomm.torch.grouped_mm(rows, w, offsets)              # w (E_local, D, H) -> (P, H)
-    out = ep.combine(y, handle)                                # (M, H) bf16
+called as a recipe says, and torchtitan's experts on its rows (docs/design.md, "Recipes and the
+expert-parallel object"). Glossary: M rows this rank routes, D dim, H the expert GEMM's output
+width, E experts, E_local experts per rank, W ranks, P permuted rows
+(``layout.permuted_rows(align)``).
 """
 
 import types
@@ -84,9 +79,8 @@ class ExpertParallel:
 
     def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
                  align=32, hidden=None, gemm_fallback=False, table=None, overlap=False):
-        from .torch._ops import a2a_combine, a2a_dispatch
         from .torch._layout import exchange_layout
-        from .torch._ops import communicator_for
+        from .torch._ops import a2a_combine, a2a_dispatch, communicator_for
         from .torch._permute import permute, unpermute
         self._p = types.SimpleNamespace(a2a_dispatch=a2a_dispatch, a2a_combine=a2a_combine,
                                         exchange_layout=exchange_layout, permute=permute,

@@ -1,18 +1,18 @@
-"""A differentiable grouped GEMM of pre-quantized fp8 rowwise rows (re-exported by mxcomm.torch).
+"""A differentiable grouped GEMM of pre-quantized fp8 rowwise rows (``mxcomm.torch.grouped_mm``).
 
 Glossary: P permuted rows, K the reduction width (D), N the output width (H), G = E_local groups,
-``offs`` (G,) int32 cumulative group ends (``permute``'s ``group_offsets``). On SM90, thin over
-``torch._scaled_grouped_mm``'s rowwise recipe (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch
-2.11-2.13: e4m3fn operands, float32 scales per row of A and per (group, column) of B, K % 16 == 0;
-its 2d-2d wgrad case needs every group of tokens a multiple of 16)::
+``offs`` (G,) int32 cumulative group ends. On SM90, over ``torch._scaled_grouped_mm``'s rowwise
+recipe (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.11-2.13: e4m3fn operands, float32
+scales per row of A and per (group, column) of B, K % 16 == 0; its 2d-2d wgrad needs every group
+of tokens a multiple of 16)::
 
     forward  y  (P, N)    = x (P, K) fp8 rowwise (as permuted) x w (G, K, N), quantized along K
     dgrad    dx (P, K)    = grad (P, N) fp8 rowwise x w^T (G, N, K), quantized along N
     wgrad    dw (G, K, N) = x^T (K, T) x grad (T, N), both scaled per (group, column) along the
                             tokens (``wgrad="fp8"``), or in bf16 (``wgrad="bf16"``)
 
-Elsewhere ``torch._grouped_mm`` on the dequantized rows. Several weights reading the same rows
-are one GEMM over ``[w_1 | w_2 | ...]`` along N. docs/design.md, "The experts' GEMMs".
+Elsewhere ``torch._grouped_mm`` on the dequantized rows. Weights reading the same rows are one
+GEMM over ``[w_1 | w_2 | ...]`` along N. docs/design.md, "The experts' GEMMs".
 """
 
 import functools
@@ -59,9 +59,7 @@ def quantize_rows_pow2(t):
     """
     k = t.shape[-1]
     if t.is_cuda and t.dtype in (torch.bfloat16, torch.float32) and k % 16 == 0 and t.numel():
-        rows = t.detach().reshape(-1, k)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        rows = t.detach().reshape(-1, k)  # _array makes it contiguous
         data, scales = rowwise.quantize_fp8_rowwise(_array(rows, "t"), stream=_stream(rows))
         return (_tensor(data, torch.float8_e4m3fn).view(t.shape),
                 _tensor(scales).view(t.shape[:-1]))
@@ -272,9 +270,8 @@ def _fast_set(fast_accum):
     """``fast_accum`` as a frozenset of :data:`GEMMS` names; else ValueError."""
     if fast_accum is True or fast_accum is False:
         return frozenset(GEMMS if fast_accum else ())
-    names = (fast_accum,) if isinstance(fast_accum, str) else fast_accum
     try:
-        chosen = frozenset(names)
+        chosen = frozenset((fast_accum,) if isinstance(fast_accum, str) else fast_accum)
     except TypeError:
         chosen = None
     if chosen is None or not chosen <= set(GEMMS):
@@ -357,13 +354,9 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
             return torch.ops.mxcomm.grouped_mm(x, ws[0], offs, fp8, wgrad, flags, w_b=ws[1])
         return torch.ops.mxcomm.grouped_mm(x, joined(ws), offs, fp8, wgrad, flags)
     fp8 = _decide_fp8(fp8, ws, hasattr(x, "qdata"))
-    if weight_cache is True:
-        cache = default_weight_cache
-    elif weight_cache is False:
-        cache = None
-    elif isinstance(weight_cache, WeightCache):
-        cache = weight_cache
-    else:
+    cache = default_weight_cache if weight_cache is True else \
+        None if weight_cache is False else weight_cache
+    if cache is not None and not isinstance(cache, WeightCache):
         raise TypeError(f"grouped_mm: weight_cache: expected True, False or a WeightCache, got "
                         f"{type(weight_cache).__name__}")
     return _GroupedMM.apply(x, offs, fp8, wgrad, fast, cache, *ws)

@@ -1,19 +1,10 @@
-"""The expert-parallel layer's backward overlap: the dispatch's gradient exchange (and the
-permute's backward before it) on a side stream, beside the expert weight-gradient GEMM
-(``ExpertParallel(overlap=True)``; docs/design.md, "Overlap").
-
-Glossary: M rows this rank routes, N rows it receives, P permuted rows, D dim, E_local experts
-per rank.
-
-One step's backward, on one rank (``|`` orders work on a stream; ``wait`` is an event wait)::
-
-    main:  combine bwd | dgrad | MARK | wgrad | AccumulateGrad(w) | wait DONE | router bwd ...
-    side:                        wait MARK | permute bwd | dispatch-grad exchange | DONE
-
-The rows an overlapped dispatch returns carry a :class:`_Slot` (:data:`ATTRIBUTE`) where
-``grouped_mm``'s backward marks its dgrad. The side stream waits for the mark only when autograd
-hands it exactly the marked tensor at its version, else for the whole main stream: the same bits
-either way. Without a GPU the marks are still matched and counted (``beside``, ``behind``).
+"""The expert-parallel layer's backward overlap (``ExpertParallel(overlap=True)``): the
+dispatch's gradient exchange (and the permute's backward before it) on a side stream, beside the
+expert weight-gradient GEMM (docs/design.md, "Overlap"). The rows an overlapped dispatch returns
+carry a :class:`_Slot` (:data:`ATTRIBUTE`) where ``grouped_mm``'s backward marks its dgrad; the
+side stream waits for the mark only when autograd hands it exactly the marked tensor at its
+version, else for the whole main stream: the same bits either way. Without a GPU the marks are
+still matched and counted (``beside``, ``behind``). Glossary: P permuted rows, D dim.
 """
 
 import weakref

@@ -1,17 +1,9 @@
-"""The exchanges (steps 1 and 5) as differentiable torch functions, their custom ops (what
-``torch.compile`` traces; docs/design.md, "torch.compile and custom ops") and the communicator of
-a torch group (:func:`communicator_for`). The ops (the layout's is in ``_layout``, the GEMM's in
-``_gemm_op``)::
-
-    mxcomm::exchange(Tensor rows, Tensor? layout, str function, SymInt[]? input_splits,
-                     SymInt[]? output_splits, str group, str precision, int permute_align,
-                     SymInt out_rows, int num_local_experts, bool keep_quantized)
-        -> (Tensor rows, Tensor scales, Tensor permuted_indices, Tensor group_offsets)
-    mxcomm::dequantize(Tensor data, Tensor scales, str format) -> Tensor
-
-A group travels as a string key (``"pg:<group_name>"``: a ProcessGroup; ``"comm:<id>"``: a
-communicator registered outside the trace), a layout as a (1,) int64 CPU handle naming it in
-:data:`_registry` while the handle lives. Eager calls run the ops' body (:func:`exchange`) directly.
+"""The exchanges (steps 1 and 5) as differentiable torch functions, their custom ops
+``mxcomm::exchange`` and ``mxcomm::dequantize`` (what ``torch.compile`` traces; eager calls run
+their body, :func:`exchange`, directly) and the communicator of a torch group
+(:func:`communicator_for`). An op takes a group as a string key (``"pg:<group_name>"``: a
+ProcessGroup; ``"comm:<id>"``: a communicator registered outside the trace), a layout as a (1,)
+int64 CPU handle naming it in :data:`_registry`. docs/design.md, "torch.compile and custom ops".
 """
 
 import itertools
@@ -45,12 +37,8 @@ _DIRECT_DTYPES["data", numpy.dtype(numpy.uint8)] = _DATA_DTYPE
 
 class LayoutHandle:
     """What :func:`mxcomm.torch.exchange_layout` returns while ``torch.compile`` traces; pass it
-    where a layout goes.
-
-    Attributes:
-        handle: (1,) int64 CPU tensor naming the layout in the registry.
-        num_local_experts: E_local.
-        rows: M, set by the dispatch made with it (the combine's result rows), or -1 before.
+    where a layout goes. Attributes: ``handle``, (1,) int64 CPU tensor naming the layout in the
+    registry; ``num_local_experts``; ``rows``, M, set by the dispatch made with it, else -1.
     """
 
     def __init__(self, handle, num_local_experts):
@@ -358,19 +346,17 @@ def _exchange_direct(function, t, layout, precision):
 
 # ----------------------------------------------------------- steps 1 and 5, differentiable
 class _A2A(torch.autograd.Function):
-    """Steps 1 and 5, the dispatch and combine all-to-alls; each one's backward is the other
-    direction's exchange, in ``grad_precision``.
+    """Steps 1 and 5, the dispatch and combine all-to-alls (``function``); each one's backward
+    is the other direction's exchange, in ``grad_precision``.
 
-    Forward:  ``"a2a_dispatch"``: x (M, D) bf16 -> (N, D) QuantizedTensor of ``precision``
-              (MXFP8Tensor for ``"mxfp8"``) or a plain tensor (``"bf16"``, ``"native"``); with
-              ``permute_align``, ``permute``'s triple, permuted (P, D) rows (indices and offsets
-              not differentiable). ``"a2a_combine"``: y (N, H) bf16, or (P, H) permuted with
-              ``permute_align`` -> (M, H) bf16.
-    Backward: the dispatch: grad (N, D), or (P, D) permuted -> (M, D) bf16. The combine: grad
-              (M, H) bf16 -> (N, H), or (P, H) permuted, a QuantizedTensor of a quantized
-              ``grad_precision``, else a plain tensor.
+    Forward:  dispatch: x (M, D) bf16 -> (N, D) QuantizedTensor of ``precision`` or a plain
+              tensor; with ``permute_align``, ``permute``'s triple (P, D) (the index and offsets
+              not differentiable). Combine: y (N, H) bf16, or (P, H) permuted -> (M, H) bf16.
+    Backward: dispatch: grad (N, D), or (P, D) permuted -> (M, D) bf16. Combine: grad (M, H)
+              bf16 -> (N, H), or (P, H) permuted, a QuantizedTensor of a quantized
+              ``grad_precision``, else plain.
 
-    The arguments but the rows travel as one tuple ``call`` (autograd's ``apply`` spends host
+    All arguments but the rows travel as one tuple ``call`` (autograd's ``apply`` spends host
     time per argument): (function, input_splits, output_splits, comm, precision,
     grad_precision, layout, permute_align).
     """
@@ -407,16 +393,12 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
     """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
 
     Arguments, shapes and errors as :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the
-    backward's wire format. With a layout, no host collective.
-
-    ``permute_align=A`` (with the layout): bit for bit ``permute(a2a_dispatch(x, layout, ...),
-    layout, align=A)``, forward and backward, in one pass: returns ``(permuted (P, D),
-    permuted_indices (P,) int32, group_offsets (E_local,) int32)``; the backward takes the
-    permuted gradient. For an ``out_format``, call :func:`permute` separately.
-
-    Under ``torch.compile``: the custom op ``mxcomm::exchange``, with the :class:`LayoutHandle`
-    :func:`exchange_layout` returns there (or splits and a ``comm`` that may be a ProcessGroup);
-    docs/design.md, "torch.compile and custom ops".
+    backward's wire format. With a layout, no host collective. ``permute_align=A`` (with the
+    layout): bit for bit ``permute(a2a_dispatch(x, layout, ...), layout, align=A)``, forward and
+    backward, in one pass: returns ``(permuted (P, D), permuted_indices (P,) int32,
+    group_offsets (E_local,) int32)``; for an ``out_format``, call :func:`permute` separately.
+    Under ``torch.compile``: the op ``mxcomm::exchange``, given the :class:`LayoutHandle` of
+    :func:`exchange_layout` there (or splits and a ``comm`` that may be a ProcessGroup).
     """
     if precision not in _a2a.PRECISIONS or grad_precision not in _a2a.PRECISIONS:
         _a2a._check_precision(precision)  # a Format, or an unknown name: ValueError
@@ -430,14 +412,11 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
 def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16",
                 grad_precision="mxfp8", *, layout=None, permute_align=None):
     """Step 5, differentiable: (N, H) -> (M, H); splits (or the layout) as given to
-    :func:`a2a_dispatch`.
-
-    The gradient of ``y`` is a QuantizedTensor of a quantized ``grad_precision``.
-
-    ``permute_align=A`` (with the layout): bit for bit ``a2a_combine(unpermute(y,
-    permuted_indices, layout), layout, ...)`` in one pass: ``y`` is the permuted (P, H) rows
-    (padding ignored) and its gradient comes back permuted (padding rows zero, the format's
-    padding scale). For a ``grad_format``, call :func:`unpermute` separately. Under
+    :func:`a2a_dispatch`. The gradient of ``y`` is a QuantizedTensor of a quantized
+    ``grad_precision``. ``permute_align=A`` (with the layout): bit for bit
+    ``a2a_combine(unpermute(y, permuted_indices, layout), layout, ...)`` in one pass: ``y`` is
+    the permuted (P, H) rows (padding ignored), its gradient permuted (padding rows zero, the
+    format's padding scale); for a ``grad_format``, call :func:`unpermute` separately. Under
     ``torch.compile``: as :func:`a2a_dispatch`, the quantized gradient dequantized to bf16
     (warned once).
     """
