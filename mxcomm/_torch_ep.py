@@ -275,8 +275,6 @@ def grouped_experts_class(parent_cls):
             if not (self._uses_mxcomm_gemm(x_RD) and hasattr(x_RD, "qdata")) or \
                     _spmd_type_checking():
                 return super().forward(x_RD, num_tokens_per_expert_E)
-            import torch.nn.functional as F
-
             from ._torch_gemm import grouped_mm
             w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
                           for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
@@ -286,7 +284,7 @@ def grouped_experts_class(parent_cls):
                              wgrad=self.mxcomm_wgrad)
             if torch.compiler.is_compiling():  # the compiler fuses torch's ops itself
                 h1, h3 = h13.split(w1.shape[-2], dim=-1)
-                h = F.silu(h1) * h3
+                h = torch.nn.functional.silu(h1) * h3
             else:
                 h = _SwiGLU.apply(h13)
             return grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs).type_as(x_RD)

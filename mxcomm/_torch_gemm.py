@@ -319,10 +319,10 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         wgrad (docs/design.md, "Overlap").
     Raises:
         RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
-        ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0,
-            or N % 16 != 0 on the fp8 path, weights of different G or K); ``wgrad`` not "fp8"
-            or "bf16"; ``fast_accum`` naming something else; an empty tuple of weights.
-        TypeError: ``w`` not bf16, ``offs`` not int32.
+        ValueError: shapes that do not fit (K mismatch, K % 16 != 0, or N % 16 != 0 on the
+            fp8 path, weights of different G or K); ``wgrad`` not "fp8" or "bf16";
+            ``fast_accum`` naming something else; an empty tuple of weights.
+        TypeError: ``w`` not bf16; ``offs`` not (G,) int32; ``weight_cache`` of another type.
     """
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     if not ws:
