@@ -13,10 +13,7 @@ gradients; any other torch op sees its dequantized values::
     backward:  grad(out) --a2a_combine bwd--> MXFP8Tensor --unpermute bwd--> MXFP8Tensor
                  --GEMM bwd--> bf16 --permute bwd--> bf16 --a2a_dispatch bwd--> grad(x) bf16
 
-Modules, one per autograd Function family: ``_quantized`` (QuantizedTensor), ``_tensors``
-(tensors as the array API's rows), ``_layout`` (step 0), ``_ops`` (steps 1 and 5, their custom
-ops, the groups' communicators), ``_permute`` (steps 2 and 4), ``_dropin``
-(``all_to_all_single``), ``_gemm_op`` (``grouped_mm``'s custom ops). ``import mxcomm`` never
+One module per autograd Function family (docs/design.md, "Layers"). ``import mxcomm`` never
 imports torch.
 """
 

@@ -57,9 +57,7 @@ class _Permute(torch.autograd.Function):
                                                            _stream(x), alloc)
         indices, offsets = _index_tensors(layout, align, indices, offsets, alloc)
         ctx.save_for_backward(indices)
-        # a layout's indices name every received row once: the backward's scatter needs no
-        # zero fill
-        ctx.layout = layout
+        ctx.layout = layout  # its indices name every received row once: no zero fill
         ctx.num_rows = layout if layout is not None else x.shape[0]
         ctx.inverse = _inverse_index(layout, align, indices) if fold else None
         ctx.mark_non_differentiable(indices, offsets)
@@ -132,14 +130,13 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
     """Step 2, differentiable: received rows -> expert-major, ``align``-padded groups.
 
     Args:
-        x: (N, D) bf16 tensor or QuantizedTensor.
+        x: (N, D) bf16 tensor or QuantizedTensor; its gradient is bf16.
         num_tokens_per_expert_group: (E,) int32 tensor (``exchange_layout``), or the layout
             itself (then ``num_local_experts`` is the layout's, and N is checked against it).
         num_local_experts: E_local (not needed with a layout).
         align: rows each group is padded to a multiple of.
         out_format: None, or a format to convert quantized rows to in the same pass
-            (:func:`mxcomm.permute`; ``"bf16"``: dequantized in the gather). The gradient of
-            ``x`` is bf16 either way.
+            (:func:`mxcomm.permute`; ``"bf16"``: dequantized in the gather).
     Returns:
         ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``
         (``group_offsets``: ``torch._grouped_mm``'s ``offs``). Where ``x`` is
@@ -170,10 +167,8 @@ def unpermute(y, permuted_indices, num_rows, *, grad_format=None):
 
     ``num_rows``: N, or the layout whose permute made ``permuted_indices`` (no zero fill then).
     ``grad_format``: None, or a format the backward converts a quantized gradient to in its
-    gather, as :func:`permute`'s ``out_format``.
-
-    Raises:
-        ValueError: ``grad_format`` is not a format.
+    gather, as :func:`permute`'s ``out_format``. Raises ValueError: ``grad_format`` is not a
+    format.
     """
     _not_compiled("unpermute")
     if grad_format is not None:
