@@ -152,13 +152,8 @@ class WeightCache:
             hook.remove()
 
     def get(self, w, operand, make):
-        """``make(w)`` for ``w`` of this version and geometry, made once and then reused.
-
-        Args:
-            w: a tensor (or view), or a tuple of them (every one part of the key). Read.
-            operand: the name of what ``make`` makes (part of the key).
-            make: ``w -> value``.
-        """
+        """``make(w)`` for ``w`` (a tensor or view, or a tuple of them) of this version and
+        geometry and the name ``operand``, made once and then reused."""
         key, version, owners = [operand], [], []
         for t in w if isinstance(w, tuple) else (w,):
             owners.append(t if t._base is None else t._base)
