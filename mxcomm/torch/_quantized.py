@@ -33,17 +33,15 @@ def _dequantized(t):
 # ------------------------------------------------------------------------- QuantizedTensor
 class QuantizedTensor(torch.Tensor):
     """An (M, D) tensor of a quantized format (``mxcomm.formats``) that autograd and torch ops see
-    as bf16.
+    as bf16: its gradients are bf16, :meth:`dequantize` is straight-through, any other torch op but
+    ``detach`` runs on its dequantized values. The ``"mxfp8"`` format gives an
+    :class:`MXFP8Tensor`.
 
-    Holds ``qdata`` (M, D) ``torch.float8_e4m3fn``, ``scales`` (``format.scales_shape(M, D)``:
-    float8_e8m0fnu (M, D // 32) for mxfp8, float32 (M,) for fp8_rowwise, (M, D // 128) for the
-    block128 formats) and ``format``. Its dtype is bf16, so its gradients are bf16;
-    :meth:`dequantize` is straight-through; any other torch op but ``detach`` runs on its
-    dequantized values. The ``"mxfp8"`` format gives an :class:`MXFP8Tensor`.
-
-    Args:
+    Args (kept as the attributes ``qdata``, ``scales``, ``format``):
         qdata: (M, D) float8_e4m3fn (or uint8 bits) tensor.
-        scales: the format's scales (uint8 bits accepted for e8m0), same device.
+        scales: the format's scales, ``format.scales_shape(M, D)``: float8_e8m0fnu (M, D // 32)
+            for mxfp8 (uint8 bits accepted), float32 (M,) for fp8_rowwise, (M, D // 128) for the
+            block128 formats; same device.
         format: a quantized Format or its name.
         requires_grad: as for any tensor.
     Raises:
