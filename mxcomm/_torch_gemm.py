@@ -351,7 +351,7 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
     fp8 = _decide_fp8(fp8, ws, hasattr(x, "qdata"))
     cache = default_weight_cache if weight_cache is True else \
         None if weight_cache is False else weight_cache
-    if cache is not None and not isinstance(cache, WeightCache):
+    if weight_cache is not False and not isinstance(cache, WeightCache):  # None included
         raise TypeError(f"grouped_mm: weight_cache: expected True, False or a WeightCache, got "
                         f"{type(weight_cache).__name__}")
     return _GroupedMM.apply(x, offs, fp8, wgrad, fast, cache, *ws)
