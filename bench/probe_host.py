@@ -248,10 +248,7 @@ def ablations():
         "driver's kernel launch": [(PackedLaunch, "__call__", launch_without_driver)],
         "QuantizedTensor": [(mxt, "_quantized_tensor",
                              lambda data, scales, fmt, cls=None, requires_grad=False: data)],
-        "autograd Function.apply": [(mxt._A2ADispatch, "apply",
-                                     classmethod(apply_without_autograd)),
-                                    (mxt._A2ACombine, "apply",
-                                     classmethod(apply_without_autograd))],
+        "autograd Function.apply": [(mxt._A2A, "apply", classmethod(apply_without_autograd))],
         "Python's garbage collector": [(_NoGC, "off", True)],
     }
     ablated["all of the above"] = [p for patch in list(ablated.values()) for p in patch]

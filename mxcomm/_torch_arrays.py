@@ -32,9 +32,7 @@ _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def _stream(t):
     """torch's current stream on ``t``'s device (raw handle), or None for CPU tensors."""
-    if not t.is_cuda:
-        return None
-    return _current_stream(t.device)
+    return _current_stream(t.device) if t.is_cuda else None
 
 
 def _current_stream(device):

@@ -1,13 +1,8 @@
 """The expert-parallel object (``mxcomm.torch.ExpertParallel``): the ``mxcomm.torch`` primitives
-called as a recipe says (docs/design.md, "Recipes and the expert-parallel object").
-
-Glossary: M rows this rank routes, D dim, H the expert GEMM's output width, E experts, E_local
-experts per rank, W ranks, P permuted rows (``layout.permuted_rows(align)``)::
-
-    ep = ExpertParallel(group, num_local_experts=8)            # recipe="auto"
-    rows, offsets, handle = ep.dispatch(x, num_tokens_per_expert)
-    y = mxcomm.torch.grouped_mm(rows, w, offsets)              # w (E_local, D, H) -> (P, H)
-    out = ep.combine(y, handle)                                # (M, H) bf16
+called as a recipe says, and torchtitan's experts on its rows (docs/design.md, "Recipes and the
+expert-parallel object"). Glossary: M rows this rank routes, D dim, H the expert GEMM's output
+width, E experts, E_local experts per rank, W ranks, P permuted rows
+(``layout.permuted_rows(align)``).
 """
 
 import types
@@ -30,14 +25,10 @@ def _ranks(ranks):
 
 
 class EPHandle(typing.NamedTuple):
-    """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine`.
-
-    Attributes:
-        layout: this dispatch's layout. recipe: the :class:`mxcomm.recipes.Recipe` that ran.
-        permuted_indices: (P,) int32 tensor, the received row of each permuted row (-1: padding).
-        group_offsets: (E_local,) int32 tensor, cumulative group ends.
-        align: rows each expert group is padded to a multiple of.
-    """
+    """What :meth:`ExpertParallel.dispatch` hands to :meth:`ExpertParallel.combine`: its
+    ``layout``, the :class:`mxcomm.recipes.Recipe` that ran, ``permuted_indices`` (P,) int32 (the
+    received row of each permuted row, -1: padding), ``group_offsets`` (E_local,) int32
+    (cumulative group ends) and ``align``."""
 
     layout: object
     recipe: object
@@ -69,24 +60,22 @@ class ExpertParallel:
 
     Collectives at construction: the group's communicator (first use of a group), and one
     small host allgather agreeing on the recipe, E_local, ``align``, ``hidden``, the device
-    class (the least capable rank's) and ``"auto"``'s table fingerprints; so bad arguments on
-    any rank raise on every rank, before any data moves.
+    class (the least capable rank's) and ``"auto"``'s table fingerprints, so that what follows
+    raises on every rank alike, before any data moves.
 
     Raises:
-        ValueError: ``num_local_experts`` or ``align`` not positive (this rank); on every rank
-            alike: an unknown recipe, arguments that differ across ranks, ``overlap`` not a
-            bool, for ``"auto"`` a table that fails to load (:func:`mxcomm.recipes.find_tables`)
-            on some rank or tables that differ across ranks.
-        RuntimeError: a pinned recipe the devices cannot run without ``gemm_fallback``, on
-            every rank alike.
+        ValueError: ``num_local_experts`` or ``align`` not positive (this rank only); an unknown
+            recipe, arguments that differ across ranks, ``overlap`` not a bool, for ``"auto"`` a
+            table that fails to load (:func:`mxcomm.recipes.find_tables`) on some rank or
+            tables that differ across ranks.
+        RuntimeError: a pinned recipe the devices cannot run without ``gemm_fallback``.
         TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).
     """
 
     def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
                  align=32, hidden=None, gemm_fallback=False, table=None, overlap=False):
-        from .torch._ops import a2a_combine, a2a_dispatch
         from .torch._layout import exchange_layout
-        from .torch._ops import communicator_for
+        from .torch._ops import a2a_combine, a2a_dispatch, communicator_for
         from .torch._permute import permute, unpermute
         self._p = types.SimpleNamespace(a2a_dispatch=a2a_dispatch, a2a_combine=a2a_combine,
                                         exchange_layout=exchange_layout, permute=permute,
@@ -240,22 +229,20 @@ class ExpertParallel:
             raise TypeError(f"combine: handle: expected the EPHandle dispatch returned, got "
                             f"{type(handle).__name__}")
         p, recipe, layout = self._p, handle.recipe, handle.layout
-        if recipe.fused:
-            return p.a2a_combine(y, layout, precision=recipe.combine,
-                                 grad_precision=recipe.combine_grad, permute_align=handle.align)
-        back = p.unpermute(y, handle.permuted_indices, layout,
-                           grad_format=recipe.unpermute_grad_format)
-        return p.a2a_combine(back, layout, precision=recipe.combine,
-                             grad_precision=recipe.combine_grad)
+        if not recipe.fused:
+            y = p.unpermute(y, handle.permuted_indices, layout,
+                            grad_format=recipe.unpermute_grad_format)
+        return p.a2a_combine(y, layout, precision=recipe.combine,
+                             grad_precision=recipe.combine_grad,
+                             permute_align=handle.align if recipe.fused else None)
 
 
 def grouped_experts_class(parent_cls):
     """The subclass (one per ``parent_cls``, cached) of torchtitan 0.3's ``GroupedExperts`` whose
     grouped GEMMs are ``mxcomm.torch.grouped_mm``, fed :meth:`ExpertParallel.dispatch`'s rows.
-
     ``forward(x_RD, num_tokens_per_expert_E)`` (the padded group sizes) computes torchtitan's
-    SwiGLU ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert; on quantized rows in two GEMMs: one
-    over [w1 | w3] (one dgrad, so the backward overlap engages) and w2's in bf16 (docs/design.md,
+    SwiGLU ``(silu(x w1^T) * (x w3^T)) w2^T`` per expert; on quantized rows in two GEMMs, over
+    [w1 | w3] (one dgrad, so the backward overlap engages) and w2's in bf16 (docs/design.md,
     "The experts' GEMMs"). Plain rows, a False :meth:`_uses_mxcomm_gemm` or spmd_types type
     checking: torchtitan's forward (``grouped_mm`` in its ``_grouped_mm`` seam where used).
     """
@@ -281,8 +268,6 @@ def grouped_experts_class(parent_cls):
             if not (self._uses_mxcomm_gemm(x_RD) and hasattr(x_RD, "qdata")) or \
                     _spmd_type_checking():
                 return super().forward(x_RD, num_tokens_per_expert_E)
-            import torch.nn.functional as F
-
             from ._torch_gemm import grouped_mm
             w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
                           for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
@@ -292,7 +277,7 @@ def grouped_experts_class(parent_cls):
                              wgrad=self.mxcomm_wgrad)
             if torch.compiler.is_compiling():  # the compiler fuses torch's ops itself
                 h1, h3 = h13.split(w1.shape[-2], dim=-1)
-                h = F.silu(h1) * h3
+                h = torch.nn.functional.silu(h1) * h3
             else:
                 h = _SwiGLU.apply(h13)
             return grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs).type_as(x_RD)

@@ -1,18 +1,18 @@
-"""A differentiable grouped GEMM of pre-quantized fp8 rowwise rows (re-exported by mxcomm.torch).
+"""A differentiable grouped GEMM of pre-quantized fp8 rowwise rows (``mxcomm.torch.grouped_mm``).
 
 Glossary: P permuted rows, K the reduction width (D), N the output width (H), G = E_local groups,
-``offs`` (G,) int32 cumulative group ends (``permute``'s ``group_offsets``). On SM90, thin over
-``torch._scaled_grouped_mm``'s rowwise recipe (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch
-2.11-2.13: e4m3fn operands, float32 scales per row of A and per (group, column) of B, K % 16 == 0;
-its 2d-2d wgrad case needs every group of tokens a multiple of 16)::
+``offs`` (G,) int32 cumulative group ends. On SM90, over ``torch._scaled_grouped_mm``'s rowwise
+recipe (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.11-2.13: e4m3fn operands, float32
+scales per row of A and per (group, column) of B, K % 16 == 0; its 2d-2d wgrad needs every group
+of tokens a multiple of 16)::
 
     forward  y  (P, N)    = x (P, K) fp8 rowwise (as permuted) x w (G, K, N), quantized along K
     dgrad    dx (P, K)    = grad (P, N) fp8 rowwise x w^T (G, N, K), quantized along N
     wgrad    dw (G, K, N) = x^T (K, T) x grad (T, N), both scaled per (group, column) along the
                             tokens (``wgrad="fp8"``), or in bf16 (``wgrad="bf16"``)
 
-Elsewhere ``torch._grouped_mm`` on the dequantized rows. Several weights reading the same rows
-are one GEMM over ``[w_1 | w_2 | ...]`` along N. docs/design.md, "The experts' GEMMs".
+Elsewhere ``torch._grouped_mm`` on the dequantized rows. Weights reading the same rows are one
+GEMM over ``[w_1 | w_2 | ...]`` along N. docs/design.md, "The experts' GEMMs".
 """
 
 import functools
@@ -59,9 +59,7 @@ def quantize_rows_pow2(t):
     """
     k = t.shape[-1]
     if t.is_cuda and t.dtype in (torch.bfloat16, torch.float32) and k % 16 == 0 and t.numel():
-        rows = t.detach().reshape(-1, k)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        rows = t.detach().reshape(-1, k)  # _array makes it contiguous
         data, scales = rowwise.quantize_fp8_rowwise(_array(rows, "t"), stream=_stream(rows))
         return (_tensor(data, torch.float8_e4m3fn).view(t.shape),
                 _tensor(scales).view(t.shape[:-1]))
@@ -154,13 +152,8 @@ class WeightCache:
             hook.remove()
 
     def get(self, w, operand, make):
-        """``make(w)`` for ``w`` of this version and geometry, made once and then reused.
-
-        Args:
-            w: a tensor (or view), or a tuple of them (every one part of the key). Read.
-            operand: the name of what ``make`` makes (part of the key).
-            make: ``w -> value``.
-        """
+        """``make(w)`` for ``w`` (a tensor or view, or a tuple of them) of this version and
+        geometry and the name ``operand``, made once and then reused."""
         key, version, owners = [operand], [], []
         for t in w if isinstance(w, tuple) else (w,):
             owners.append(t if t._base is None else t._base)
@@ -272,9 +265,8 @@ def _fast_set(fast_accum):
     """``fast_accum`` as a frozenset of :data:`GEMMS` names; else ValueError."""
     if fast_accum is True or fast_accum is False:
         return frozenset(GEMMS if fast_accum else ())
-    names = (fast_accum,) if isinstance(fast_accum, str) else fast_accum
     try:
-        chosen = frozenset(names)
+        chosen = frozenset((fast_accum,) if isinstance(fast_accum, str) else fast_accum)
     except TypeError:
         chosen = None
     if chosen is None or not chosen <= set(GEMMS):
@@ -322,10 +314,10 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
         wgrad (docs/design.md, "Overlap").
     Raises:
         RuntimeError: ``fp8=True`` where SM90 fp8 grouped GEMMs are unavailable.
-        ValueError: shapes that do not fit (K mismatch, offs of another length, K % 16 != 0,
-            or N % 16 != 0 on the fp8 path, weights of different G or K); ``wgrad`` not "fp8"
-            or "bf16"; ``fast_accum`` naming something else; an empty tuple of weights.
-        TypeError: ``w`` not bf16, ``offs`` not int32.
+        ValueError: shapes that do not fit (K mismatch, K % 16 != 0, or N % 16 != 0 on the
+            fp8 path, weights of different G or K); ``wgrad`` not "fp8" or "bf16";
+            ``fast_accum`` naming something else; an empty tuple of weights.
+        TypeError: ``w`` not bf16; ``offs`` not (G,) int32; ``weight_cache`` of another type.
     """
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     if not ws:
@@ -357,13 +349,9 @@ def grouped_mm(x, w, offs, *, fp8=None, wgrad="fp8", fast_accum=True, weight_cac
             return torch.ops.mxcomm.grouped_mm(x, ws[0], offs, fp8, wgrad, flags, w_b=ws[1])
         return torch.ops.mxcomm.grouped_mm(x, joined(ws), offs, fp8, wgrad, flags)
     fp8 = _decide_fp8(fp8, ws, hasattr(x, "qdata"))
-    if weight_cache is True:
-        cache = default_weight_cache
-    elif weight_cache is False:
-        cache = None
-    elif isinstance(weight_cache, WeightCache):
-        cache = weight_cache
-    else:
+    cache = default_weight_cache if weight_cache is True else \
+        None if weight_cache is False else weight_cache
+    if weight_cache is not False and not isinstance(cache, WeightCache):  # None included
         raise TypeError(f"grouped_mm: weight_cache: expected True, False or a WeightCache, got "
                         f"{type(weight_cache).__name__}")
     return _GroupedMM.apply(x, offs, fp8, wgrad, fast, cache, *ws)

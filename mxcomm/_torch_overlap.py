@@ -1,19 +1,10 @@
-"""The expert-parallel layer's backward overlap: the dispatch's gradient exchange (and the
-permute's backward before it) on a side stream, beside the expert weight-gradient GEMM
-(``ExpertParallel(overlap=True)``; docs/design.md, "Overlap").
-
-Glossary: M rows this rank routes, N rows it receives, P permuted rows, D dim, E_local experts
-per rank.
-
-One step's backward, on one rank (``|`` orders work on a stream; ``wait`` is an event wait)::
-
-    main:  combine bwd | dgrad | MARK | wgrad | AccumulateGrad(w) | wait DONE | router bwd ...
-    side:                        wait MARK | permute bwd | dispatch-grad exchange | DONE
-
-The rows an overlapped dispatch returns carry a :class:`_Slot` (:data:`ATTRIBUTE`) where
-``grouped_mm``'s backward marks its dgrad. The side stream waits for the mark only when autograd
-hands it exactly the marked tensor at its version, else for the whole main stream: the same bits
-either way. Without a GPU the marks are still matched and counted (``beside``, ``behind``).
+"""The expert-parallel layer's backward overlap (``ExpertParallel(overlap=True)``): the
+dispatch's gradient exchange (and the permute's backward before it) on a side stream, beside the
+expert weight-gradient GEMM (docs/design.md, "Overlap"). The rows an overlapped dispatch returns
+carry a :class:`_Slot` (:data:`ATTRIBUTE`) where ``grouped_mm``'s backward marks its dgrad; the
+side stream waits for the mark only when autograd hands it exactly the marked tensor at its
+version, else for the whole main stream: the same bits either way. Without a GPU the marks are
+still matched and counted (``beside``, ``behind``). Glossary: P permuted rows, D dim.
 """
 
 import weakref
@@ -23,7 +14,7 @@ import torch
 from . import a2a as _a2a
 from ._torch_gemm import OVERLAP_ATTRIBUTE as ATTRIBUTE
 from .formats import get_format
-from .torch._ops import _A2ADispatch
+from .torch._ops import _A2A
 from .torch._permute import _Permute
 
 
@@ -76,16 +67,17 @@ class BackwardOverlap:
         _a2a._check_precision(precision)
         _a2a._check_precision(grad_precision, "grad_precision")
         slot = _Slot(self, self.side_stream(x.device))
-        call = (None, None, None, precision, grad_precision, layout, align if fused else None)
+        call = ("a2a_dispatch", None, None, None, precision, grad_precision, layout,
+                align if fused else None)
         if fused:
-            rows, indices, offsets = _OverlappedDispatch.apply(x, call, slot)
+            rows, indices, offsets = _OverlappedA2A.apply(slot, x, call)
         else:
             if out_format is not None:
                 get_format(out_format, "out_format")
-            received = _OverlappedDispatch.apply(x, call, slot)
+            received = _OverlappedA2A.apply(slot, x, call)
             # the received rows are this layout's (permute's own check holds by construction)
-            rows, indices, offsets = _OverlappedPermute.apply(received, layout, None, align,
-                                                              out_format, False, slot)
+            rows, indices, offsets = _OverlappedPermute.apply(slot, received, layout, None, align,
+                                                              out_format, False)
         setattr(rows, ATTRIBUTE, slot)
         return rows, indices, offsets
 
@@ -156,33 +148,24 @@ def _record_stream(t, stream):
             part.record_stream(stream)
 
 
-class _OverlappedDispatch(_A2ADispatch):
-    """``_A2ADispatch`` (plus ``slot``), its backward by :meth:`_Slot.run_beside`."""
+def _overlapped(function):
+    """The autograd Function ``function`` with a :class:`_Slot` as its first argument, its
+    backward run by :meth:`_Slot.run_beside` (a permute's never folded into the dispatch's
+    pending gather)."""
 
-    @staticmethod
-    def forward(ctx, x, call, slot):
-        ctx.slot = slot
-        return _A2ADispatch.forward(ctx, x, call)
+    class Overlapped(function):
+        @staticmethod
+        def forward(ctx, slot, *args):
+            ctx.slot = slot
+            return function.forward(ctx, *args)
 
-    @staticmethod
-    def backward(ctx, grad, *index_grads):
-        out = ctx.slot.run_beside(grad, lambda: _A2ADispatch.backward(ctx, grad, *index_grads))
-        return (*out, None)  # None for the slot
+        @staticmethod
+        def backward(ctx, grad, *grads):
+            out = ctx.slot.run_beside(grad, lambda: function.backward(ctx, grad, *grads))
+            return (None, *out)  # None for the slot
+
+    return Overlapped
 
 
-class _OverlappedPermute(_Permute):
-    """``_Permute`` (plus ``slot``), its backward by :meth:`_Slot.run_beside` (never folded into
-    the dispatch's pending gather)."""
-
-    @staticmethod
-    def forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align, out_format, fold,
-                slot):
-        ctx.slot = slot
-        return _Permute.forward(ctx, x, num_tokens_per_expert_group, num_local_experts, align,
-                                out_format, fold)
-
-    @staticmethod
-    def backward(ctx, grad, grad_indices, grad_offsets):
-        out = ctx.slot.run_beside(
-            grad, lambda: _Permute.backward(ctx, grad, grad_indices, grad_offsets))
-        return (*out, None)  # None for the slot
+_OverlappedA2A = _overlapped(_A2A)
+_OverlappedPermute = _overlapped(_Permute)

@@ -13,10 +13,7 @@ gradients; any other torch op sees its dequantized values::
     backward:  grad(out) --a2a_combine bwd--> MXFP8Tensor --unpermute bwd--> MXFP8Tensor
                  --GEMM bwd--> bf16 --permute bwd--> bf16 --a2a_dispatch bwd--> grad(x) bf16
 
-Modules, one per autograd Function family: ``_quantized`` (QuantizedTensor), ``_tensors``
-(tensors as the array API's rows), ``_layout`` (step 0), ``_ops`` (steps 1 and 5: the exchange on
-tensors, its direct route, the custom ops ``torch.compile`` traces, the groups' communicators),
-``_permute`` (steps 2 and 4), ``_dropin`` (``all_to_all_single``). ``import mxcomm`` never
+One module per autograd Function family (docs/design.md, "Layers"). ``import mxcomm`` never
 imports torch.
 """
 
@@ -26,8 +23,7 @@ from .._torch_gemm import WeightCache, fp8_gemm_available, grouped_mm
 from . import _gemm_op  # noqa: F401 (registers mxcomm::grouped_mm, which grouped_mm calls)
 from ._dropin import all_to_all_single, all_to_all_single_fn
 from ._layout import TensorLayout, exchange_layout
-from ._ops import (_A2ACombine, _A2ADispatch, LayoutHandle, _exchange_direct, a2a_combine,
-                   a2a_dispatch, communicator_for)
+from ._ops import _A2A, LayoutHandle, _exchange_direct, a2a_combine, a2a_dispatch, communicator_for
 from ._permute import permute, unpermute
 from ._quantized import MXFP8Tensor, QuantizedTensor, _quantized_tensor
 from ._tensors import _Alloc, _index_array

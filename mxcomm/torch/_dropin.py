@@ -24,15 +24,10 @@ class _AllToAllSingle(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits, comm, precision = ctx.args
-        # the same exchange with the splits swapped (the rows are named x in messages)
+        # the rows are named x in messages
         dx = exchange("all_to_all_single", grad, output_splits, input_splits, comm, precision,
                       out_rows=sum(input_splits))
-        # None for: output_splits, input_splits, comm, precision
-        return dx, None, None, None, None
-
-
-#: The precision that keeps the input's dtype (sent as is, exactly).
-_NATIVE = "native"
+        return dx, None, None, None, None  # None for the splits, comm and precision
 
 
 def _splits(splits, name):
@@ -53,10 +48,9 @@ def _exact_over(comm, input, output_split_sizes, input_split_sizes):
             raise ValueError(f"input on rank {comm.rank}: {rows} rows do not split evenly over "
                              f"{world} ranks (None splits)")
         output_split_sizes = input_split_sizes = [rows // world] * world
-    x = input.detach().contiguous()
-    out = comm.alltoallv(_array(x, "input"), _splits(input_split_sizes, "input_split_sizes"),
+    out = comm.alltoallv(_array(input, "input"), _splits(input_split_sizes, "input_split_sizes"),
                          _splits(output_split_sizes, "output_split_sizes"),
-                         stream=_stream(x))
+                         stream=_stream(input))
     return _tensor(out)
 
 
@@ -89,11 +83,9 @@ def all_to_all_single(input, output_split_sizes=None, input_split_sizes=None, gr
         TimeoutError: a peer did not arrive within the communicator's timeout.
     """
     comm, pg = _resolve_group(group)
-    exact = not (input.is_floating_point() or input.is_complex()) or \
-        output_split_sizes is None or input_split_sizes is None or \
-        (precision == _NATIVE and (_NATIVE not in _a2a.PRECISIONS or
-                                   input.dtype not in (torch.bfloat16, torch.float32)))
-    if exact:
+    if not (input.is_floating_point() or input.is_complex()) or \
+            output_split_sizes is None or input_split_sizes is None or \
+            (precision == "native" and input.dtype not in (torch.bfloat16, torch.float32)):
         if pg is None:
             return _exact_over(comm, input, output_split_sizes, input_split_sizes)
         from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -119,8 +111,7 @@ def all_to_all_single_fn(precision="mxfp8", group=None):
         import torchtitan.distributed.expert_parallel as ep
         ep.all_to_all_single_autograd = mxcomm.torch.all_to_all_single_fn("mxfp8")
     """
-    if precision != _NATIVE or _NATIVE in _a2a.PRECISIONS:
-        _a2a._check_precision(precision)
+    _a2a._check_precision(precision)
     bound = group
 
     def all_to_all_single_autograd(input, output_split_sizes=None, input_split_sizes=None,

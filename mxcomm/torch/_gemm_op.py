@@ -1,16 +1,10 @@
-"""The grouped GEMM (``mxcomm.torch.grouped_mm``) as torch custom ops, for ``torch.compile``.
-
-Glossary: P permuted rows, K the reduction width, N the output width, G groups.
-
-    mxcomm::grouped_mm(x, w, offs, fp8, wgrad, fast_accum, x_scales=None, x_format="bf16",
-                       w_b=None) -> y
-    mxcomm::grouped_mm_backward(grad, x, w, offs, fp8, wgrad, fast_accum, needs_dx, needs_dw,
-                                x_scales=None, x_format="bf16", w_b=None) -> (dx, dw, dw_b)
-
-``w_b``: a second weight joined inside the op as eager does (``dw_b`` is (0,) without it). A
-QuantizedTensor ``x`` arrives as its data with ``x_scales`` and ``x_format``. The bodies are
-``_torch_gemm._GroupedMM``'s with a plain ``ctx``; ``fp8`` None is decided when the op runs. The
+"""The grouped GEMM (``mxcomm.torch.grouped_mm``) as the custom ops ``mxcomm::grouped_mm`` and
+``mxcomm::grouped_mm_backward``, for ``torch.compile`` (docs/design.md, "torch.compile and custom
+ops"). ``w_b``: a second weight joined inside the op as eager does (``dw_b`` is (0,) without it).
+A QuantizedTensor ``x`` arrives as its data with ``x_scales`` and ``x_format``. The bodies are
+``_torch_gemm._GroupedMM``'s with a plain ``ctx``; ``fp8`` None is decided when the op runs; the
 backward quantizes the forward's rows again for the fp8 wgrad (one pass more than eager).
+Glossary: P permuted rows, K the reduction width, N the output width, G groups.
 """
 
 import torch
@@ -32,10 +26,16 @@ class _Context:
         self.saved_tensors = tensors
 
 
-def _resolved(fp8, ws, fast_accum, quantized):
-    """``(fp8 decided on the weights' device, the fast_accum flags as a set of GEMMS names)``."""
-    return (_torch_gemm._decide_fp8(fp8, ws, quantized),
-            frozenset(name for name, fast in zip(_torch_gemm.GEMMS, fast_accum) if fast))
+def _operands(x, x_scales, x_format, w, w_b, fp8, fast_accum):
+    """An op's ``(rows, weights, fp8 decided on the weights' device, fast_accum as a set of
+    GEMMS names)``; the rows a QuantizedTensor of data ``x`` where ``x_scales`` is given."""
+    ws = (w,) if w_b is None else (w, w_b)
+    fp8 = _torch_gemm._decide_fp8(fp8, ws, x_scales is not None)
+    fast = frozenset(name for name, fast in zip(_torch_gemm.GEMMS, fast_accum) if fast)
+    if x_scales is not None:
+        from ..formats import get_format
+        x = _quantized_tensor(x, x_scales, get_format(x_format))
+    return x, ws, fp8, fast
 
 
 @torch.library.custom_op("mxcomm::grouped_mm", mutates_args=())
@@ -44,19 +44,9 @@ def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8: bo
                    x_format: str = "bf16", w_b: torch.Tensor | None = None) -> torch.Tensor:
     """y (P, N) bf16 = x (P, K) @ w (G, K, N) per group (``_GroupedMM.forward``), or
     @ [w | w_b]; ``x`` with ``x_scales``: quantized rows of ``x_format``."""
-    ws = (w,) if w_b is None else (w, w_b)
-    fp8, fast = _resolved(fp8, ws, fast_accum, x_scales is not None)
+    x, ws, fp8, fast = _operands(x, x_scales, x_format, w, w_b, fp8, fast_accum)
     # no weight cache inside the op: a compiled graph's weight operand is made per call
-    return _torch_gemm._GroupedMM.forward(_Context(), _rows(x, x_scales, x_format), offs,
-                                          fp8, wgrad, fast, None, *ws)
-
-
-def _rows(x, x_scales, x_format):
-    """The GEMM's rows: ``x``, or the QuantizedTensor of data ``x`` and ``x_scales``."""
-    if x_scales is None:
-        return x
-    from ..formats import get_format
-    return _quantized_tensor(x, x_scales, get_format(x_format))
+    return _torch_gemm._GroupedMM.forward(_Context(), x, offs, fp8, wgrad, fast, None, *ws)
 
 
 @_grouped_mm_op.register_fake
@@ -74,12 +64,10 @@ def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx (P, K) bf16, dw (G, K, N) of w's dtype, dw_b of w_b's)``, each (0,) where not
     needed or absent (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
-    ws = (w,) if w_b is None else (w, w_b)
-    fp8, fast = _resolved(fp8, ws, fast_accum, x_scales is not None)
+    x, ws, fp8, fast = _operands(x, x_scales, x_format, w, w_b, fp8, fast_accum)
     ctx = _Context(needs_dx, needs_dw, len(ws))
     ctx.fp8, ctx.fp8_wgrad, ctx.fast = fp8, fp8 and wgrad == "fp8", fast
     ctx.cache = ctx.weights = None
-    x = _rows(x, x_scales, x_format)
     rows = _torch_gemm._fp8_operand_a(x) if ctx.fp8_wgrad else (x,)
     ctx.rows = len(rows)
     ctx.save_for_backward(*rows, offs, *ws)

@@ -10,7 +10,6 @@ from .._torch_arrays import _array, _stream, _tensor
 from . import _ops
 
 
-# ---------------------------------------------------------------------------------- public
 class TensorLayout(_layout.Layout):
     """:class:`mxcomm.layout.Layout` whose ``group_tensor`` is its (E,) int32
     ``num_tokens_per_expert_group``; unpacks as ``(group tensor, input_splits, output_splits)``."""
@@ -43,7 +42,11 @@ def exchange_layout(num_tokens_per_expert, comm):
         which the exchanges take with ``permute_align``.
     """
     if torch.compiler.is_compiling():
-        return traced_layout(num_tokens_per_expert, comm)
+        import torch.distributed as dist
+        size = comm.size() if isinstance(comm, dist.ProcessGroup) else \
+            comm.size() if callable(comm.size) else comm.size  # W, traceable
+        handle = torch.ops.mxcomm.exchange_layout(num_tokens_per_expert, _ops.group_key(comm))
+        return _ops.LayoutHandle(handle, num_tokens_per_expert.shape[0] // size)
     if not hasattr(comm, "alltoallv"):  # a ProcessGroup or a DeviceMesh: its communicator
         comm = _ops.communicator_for(comm)
     _ops._registry.register(comm)  # found again by a compiled region's ops
@@ -78,10 +81,3 @@ def _exchange_layout_op(num_tokens_per_expert: torch.Tensor, group: str) -> torc
 @_exchange_layout_op.register_fake
 def _(num_tokens_per_expert, group):
     return torch.empty(1, dtype=torch.int64, device="cpu")
-
-
-def traced_layout(num_tokens_per_expert, group):
-    """:func:`exchange_layout` while ``torch.compile`` traces: the op's :class:`LayoutHandle`."""
-    num_local_experts = num_tokens_per_expert.shape[0] // _ops._group_size(group)
-    handle = torch.ops.mxcomm.exchange_layout(num_tokens_per_expert, _ops.group_key(group))
-    return _ops.LayoutHandle(handle, num_local_experts)

@@ -1,17 +1,9 @@
-"""mxcomm's token path as torch custom ops (``torch.library``), what ``torch.compile`` traces, and
-the communicator of a torch group (:func:`communicator_for`). docs/design.md, "torch.compile and
-custom ops", has the design; the ops (the layout's is in ``_layout``, the GEMM's in ``_gemm_op``):
-
-    mxcomm::exchange(Tensor rows, Tensor? layout, str function, SymInt[]? input_splits,
-                     SymInt[]? output_splits, str group, str precision, int permute_align,
-                     SymInt out_rows, int num_local_experts, bool keep_quantized)
-        -> (Tensor rows, Tensor scales, Tensor permuted_indices, Tensor group_offsets)
-    mxcomm::dequantize(Tensor data, Tensor scales, str format) -> Tensor
-
-A group travels as a string key (``"pg:<group_name>"`` for a ProcessGroup, ``"comm:<id>"`` for a
-communicator registered outside the trace), a layout as a (1,) int64 CPU handle naming it in
-:data:`_registry` while the handle lives. Eager calls run the ops' body directly (:func:`exchange`),
-not through torch's dispatcher.
+"""The exchanges (steps 1 and 5) as differentiable torch functions, their custom ops
+``mxcomm::exchange`` and ``mxcomm::dequantize`` (what ``torch.compile`` traces; eager calls run
+their body, :func:`exchange`, directly) and the communicator of a torch group
+(:func:`communicator_for`). An op takes a group as a string key (``"pg:<group_name>"``: a
+ProcessGroup; ``"comm:<id>"``: a communicator registered outside the trace), a layout as a (1,)
+int64 CPU handle naming it in :data:`_registry`. docs/design.md, "torch.compile and custom ops".
 """
 
 import itertools
@@ -26,26 +18,27 @@ from .. import route as _route
 from .. import layout as _layout
 from .._driver import Words
 from .._platform import backend
-from .._torch_arrays import _ARRAY_DTYPES, _INT_OF_SIZE, _TORCH_DTYPES, _current_stream
-from ._quantized import (_DATA_DTYPE, _DIRECT_DTYPES, _SCALE_DTYPES, _SCALE_MODE,
-                         QuantizedTensor, _dequantized, _quantized_tensor)
-from ._tensors import _exchange
+from .._torch_arrays import _ARRAY_DTYPES, _INT_OF_SIZE, _TORCH_DTYPES, _current_stream, _stream
+from ._quantized import (_DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _dequantized,
+                         _quantized_tensor)
+from ._tensors import _Alloc, _index_tensors, _rows, _wrap
 
 NAMESPACE = "mxcomm"
-# element size -> the NumPy integer dtype torch sees a NumPy array of that element size through
-_NUMPY_INTS = {1: numpy.uint8, 2: numpy.int16, 4: numpy.int32, 8: numpy.int64}
 #: The group key prefixes (module docstring).
 _PG, _COMM = "pg:", "comm:"
+#: The scale rounding of every exchange made through this package (the array API's default).
+_SCALE_MODE = "rceil"
+# (kind, array dtype) of an array ``mxcomm.route.arrays`` lists -> its torch dtype
+_DIRECT_DTYPES = {("rows", dtype): torch_dtype for dtype, torch_dtype in _TORCH_DTYPES.items()}
+_DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
+                       in _SCALE_DTYPES.items()})
+_DIRECT_DTYPES["data", numpy.dtype(numpy.uint8)] = _DATA_DTYPE
 
 
 class LayoutHandle:
     """What :func:`mxcomm.torch.exchange_layout` returns while ``torch.compile`` traces; pass it
-    where a layout goes.
-
-    Attributes:
-        handle: (1,) int64 CPU tensor naming the layout in the registry.
-        num_local_experts: E_local.
-        rows: M, set by the dispatch made with it (the combine's result rows), or -1 before.
+    where a layout goes. Attributes: ``handle``, (1,) int64 CPU tensor naming the layout in the
+    registry; ``num_local_experts``; ``rows``, M, set by the dispatch made with it, else -1.
     """
 
     def __init__(self, handle, num_local_experts):
@@ -56,7 +49,7 @@ class LayoutHandle:
 
 class _Registry:
     """The ops' state that is not a tensor: communicators by group key and by process group,
-    layouts by handle."""
+    layouts by handle, the warnings given."""
 
     def __init__(self):
         self._comms = weakref.WeakValueDictionary()
@@ -117,29 +110,14 @@ _registry = _Registry()
 
 
 def group_key(group):
-    """The string key an op takes for ``group`` (module docstring; a communicator registered
-    when called outside a trace). Raises as :func:`communicator_for`."""
+    """The string key an op takes for ``group`` (a communicator registered when called outside a
+    trace). Raises as :func:`communicator_for`."""
     comm, pg = _resolve_group(group)
     if comm is None:
         return _PG + pg.group_name
     if torch.compiler.is_compiling():
         return f"{_COMM}{id(comm)}"
     return _registry.register(comm)
-
-
-def _group_size(group):
-    """W of a ProcessGroup, a DeviceMesh or a communicator (traceable)."""
-    import torch.distributed as dist
-    return group.size() if isinstance(group, dist.ProcessGroup) else \
-        group.size() if callable(group.size) else group.size
-
-
-def _warn_once(key, message):
-    if key not in _registry.warned:
-        _registry.warned.add(key)
-        warnings.warn(message, stacklevel=2)
-
-
 
 
 def communicator_for(group):
@@ -167,7 +145,7 @@ def communicator_for(group):
                            "when they run)")
     comm = comm if comm is not None else _registry.of_group(pg)
     if not torch.compiler.is_compiling():
-        _registry.register(comm)  # so a compiled region's ops find it (docs/design.md)
+        _registry.register(comm)  # so a compiled region's ops find it
     return comm
 
 
@@ -240,11 +218,12 @@ def _(rows, layout, function, input_splits, output_splits, group, precision, per
                                 dtype=_SCALE_DTYPES[numpy.dtype(fmt.scale_dtype)])
     elif fmt.quantized:
         dtype = rows.dtype if dequantize else torch.bfloat16
-        if not dequantize:  # here, not in the traced Python: dynamo does not trace warnings
-            _warn_once(("dequantized", precision),
-                       f"mxcomm: under torch.compile the {precision!r} rows of {function} come "
-                       f"back dequantized to bf16 (one pass more than eager, the same values): "
-                       f"a QuantizedTensor does not cross a custom op")
+        # warned here, not in the traced Python: dynamo does not trace warnings
+        if not dequantize and ("dequantized", precision) not in _registry.warned:
+            _registry.warned.add(("dequantized", precision))
+            warnings.warn(f"mxcomm: under torch.compile the {precision!r} rows of {function} "
+                          f"come back dequantized to bf16 (one pass more than eager, the same "
+                          f"values): a QuantizedTensor does not cross a custom op")
     else:
         dtype = rows.dtype if fmt.element_dtype is None else \
             _TORCH_DTYPES.get(numpy.dtype(fmt.element_dtype), rows.dtype)
@@ -305,6 +284,21 @@ def exchange(function, rows, input_splits, output_splits, comm, precision, layou
     return out
 
 
+def _exchange(function, rows, input_splits, output_splits, comm, precision, layout,
+              permute_align):
+    """The array API's ``function`` on the tensor ``rows``, on torch's current stream, results
+    allocated by torch: a tensor, or ``permute``'s triple of tensors."""
+    alloc = _Alloc(rows.device)
+    result = _a2a._call(function, _rows(rows, _route.CALLS[function][0]), input_splits,
+                        output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc,
+                        permute_align=permute_align)
+    if type(result) is tuple:
+        permuted, indices, offsets = result
+        return (_wrap(permuted, alloc),) + _index_tensors(layout, permute_align, indices, offsets,
+                                                          alloc)
+    return _wrap(result, alloc)
+
+
 def _exchange_direct(function, t, layout, precision):
     """The exchange of the plain tensor ``t`` given ``layout`` on its route, ``t`` passed by its
     address after O(1) checks; None where the array API must take it (docs/design.md, "One
@@ -342,79 +336,56 @@ def _exchange_direct(function, t, layout, precision):
     plan.calls += 1  # this call's number, as the engine counts it (comm's call tag)
     tensors, buffers = [], []
     for shape, dtype, kind in specs:
-        if cuda:
-            made = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
-            buffers.append(Words(made.data_ptr(), shape, dtype))
-        else:  # a NumPy array, seen by torch through its integer twin
-            buffers.append(numpy.empty(shape, dtype))
-            made = torch.from_numpy(buffers[-1].view(_NUMPY_INTS[dtype.itemsize])).view(
-                _DIRECT_DTYPES[kind, dtype])
+        made = torch.empty(shape, dtype=_DIRECT_DTYPES[kind, dtype], device=device)
         tensors.append(made)
+        buffers.append(Words(made.data_ptr(), shape, dtype) if cuda else
+                       made.view(_INT_OF_SIZE[dtype.itemsize]).numpy().view(dtype))
     _route.run(r, path, comm, plan, x, stream, buffers)
     return _quantized_tensor(tensors[0], tensors[1], r.fmt) if r.kept else tensors[0]
 
 
 # ----------------------------------------------------------- steps 1 and 5, differentiable
-class _A2ADispatch(torch.autograd.Function):
-    """Step 1, the dispatch all-to-all.
+class _A2A(torch.autograd.Function):
+    """Steps 1 and 5, the dispatch and combine all-to-alls (``function``); each one's backward
+    is the other direction's exchange, in ``grad_precision``.
 
-    Forward:  x (M, D) bf16 -> (N, D) QuantizedTensor of ``precision`` (MXFP8Tensor for
-              ``"mxfp8"``) or a plain tensor (``"bf16"``, ``"native"``); sends
-              ``input_splits``, receives ``output_splits``. With ``permute_align``: ``permute``'s
-              triple, permuted (P, D) rows (indices and offsets not differentiable).
-    Backward: grad (N, D), or (P, D) permuted -> (M, D) bf16 in ``grad_precision``.
+    Forward:  dispatch: x (M, D) bf16 -> (N, D) QuantizedTensor of ``precision`` or a plain
+              tensor; with ``permute_align``, ``permute``'s triple (P, D) (the index and offsets
+              not differentiable). Combine: y (N, H) bf16, or (P, H) permuted -> (M, H) bf16.
+    Backward: dispatch: grad (N, D), or (P, D) permuted -> (M, D) bf16. Combine: grad (M, H)
+              bf16 -> (N, H), or (P, H) permuted, a QuantizedTensor of a quantized
+              ``grad_precision``, else plain.
 
-    The arguments but ``x`` travel as one tuple ``call`` (autograd's ``apply`` spends host time
-    per argument): (input_splits, output_splits, comm, precision, grad_precision, layout,
-    permute_align).
+    All arguments but the rows travel as one tuple ``call`` (autograd's ``apply`` spends host
+    time per argument): (function, input_splits, output_splits, comm, precision,
+    grad_precision, layout, permute_align).
     """
 
     @staticmethod
-    def forward(ctx, x, call):
-        input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
-        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align,
-                    x.shape[0])
-        if type(layout) is LayoutHandle:  # the combine's result rows, in a compiled region
-            layout.rows = x.shape[0]
-        out = exchange("a2a_dispatch", x, input_splits, output_splits, comm, precision, layout,
-                       permute_align)
+    def forward(ctx, rows, call):
+        function, input_splits, output_splits, comm, precision, _, layout, permute_align = call
+        ctx.call, ctx.rows = call, rows.shape[0]
+        out_rows = -1
+        if type(layout) is LayoutHandle:  # compiled: the combine's result rows, the dispatch's
+            if function == "a2a_dispatch":
+                layout.rows = rows.shape[0]
+            else:
+                out_rows = layout.rows
+        out = exchange(function, rows, input_splits, output_splits, comm, precision, layout,
+                       permute_align, out_rows)
         if type(out) is tuple:
             ctx.mark_non_differentiable(*out[1:])
         return out
 
     @staticmethod
     def backward(ctx, grad, *index_grads):
-        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
-        dx = exchange("a2a_dispatch_backward", grad, input_splits, output_splits, comm,
-                      grad_precision, layout, permute_align, rows)
-        return dx, None  # None for the call's tuple
-
-
-class _A2ACombine(torch.autograd.Function):
-    """Step 5, the combine all-to-all.
-
-    Forward:  y (N, H) bf16, or (P, H) permuted with ``permute_align`` -> (M, H) bf16 in
-              ``precision``. ``call`` as :class:`_A2ADispatch`'s.
-    Backward: grad (M, H) bf16 -> (N, H), or (P, H) permuted, a QuantizedTensor of a quantized
-              ``grad_precision``, else a plain tensor.
-    """
-
-    @staticmethod
-    def forward(ctx, y, call):
-        input_splits, output_splits, comm, precision, grad_precision, layout, permute_align = call
-        ctx.args = (input_splits, output_splits, comm, grad_precision, layout, permute_align,
-                    y.shape[0])
-        return exchange("a2a_combine", y, input_splits, output_splits, comm, precision, layout,
-                        permute_align, layout.rows if type(layout) is LayoutHandle else -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        input_splits, output_splits, comm, grad_precision, layout, permute_align, rows = ctx.args
-        dy = exchange("a2a_combine_backward", grad, input_splits, output_splits, comm,
-                      grad_precision, layout, permute_align, rows)
-        if type(dy) is tuple:  # the permuted gradient (the index is the forward's)
-            dy = dy[0]
-        return dy, None  # None for the call's tuple
+        function, input_splits, output_splits, comm, _, grad_precision, layout, permute_align = \
+            ctx.call
+        out = exchange(function + "_backward", grad, input_splits, output_splits, comm,
+                       grad_precision, layout, permute_align, ctx.rows)
+        if type(out) is tuple:  # the combine's permuted gradient (the index is the forward's)
+            out = out[0]
+        return out, None  # None for the call's tuple
 
 
 def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision="mxfp8",
@@ -422,37 +393,30 @@ def a2a_dispatch(x, input_splits=None, output_splits=None, comm=None, precision=
     """Step 1, differentiable: (M, D) bf16 -> (N, D) MXFP8Tensor (``"mxfp8"``) or bf16.
 
     Arguments, shapes and errors as :func:`mxcomm.a2a_dispatch`; ``grad_precision`` is the
-    backward's wire format. With a layout, no host collective.
-
-    ``permute_align=A`` (with the layout): bit for bit ``permute(a2a_dispatch(x, layout, ...),
-    layout, align=A)``, forward and backward, in one pass: returns ``(permuted (P, D),
-    permuted_indices (P,) int32, group_offsets (E_local,) int32)``; the backward takes the
-    permuted gradient. For an ``out_format``, call :func:`permute` separately.
-
-    Under ``torch.compile``: the custom op ``mxcomm::exchange``, with the :class:`LayoutHandle`
-    :func:`exchange_layout` returns there (or splits and a ``comm`` that may be a ProcessGroup);
-    docs/design.md, "torch.compile and custom ops".
+    backward's wire format. With a layout, no host collective. ``permute_align=A`` (with the
+    layout): bit for bit ``permute(a2a_dispatch(x, layout, ...), layout, align=A)``, forward and
+    backward, in one pass: returns ``(permuted (P, D), permuted_indices (P,) int32,
+    group_offsets (E_local,) int32)``; for an ``out_format``, call :func:`permute` separately.
+    Under ``torch.compile``: the op ``mxcomm::exchange``, given the :class:`LayoutHandle` of
+    :func:`exchange_layout` there (or splits and a ``comm`` that may be a ProcessGroup).
     """
     if precision not in _a2a.PRECISIONS or grad_precision not in _a2a.PRECISIONS:
         _a2a._check_precision(precision)  # a Format, or an unknown name: ValueError
         _a2a._check_precision(grad_precision, "grad_precision")
     if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
         layout, input_splits = input_splits, None
-    return _A2ADispatch.apply(x, (input_splits, output_splits, comm, precision, grad_precision,
-                                 layout, permute_align))
+    return _A2A.apply(x, ("a2a_dispatch", input_splits, output_splits, comm, precision,
+                          grad_precision, layout, permute_align))
 
 
 def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="bf16",
                 grad_precision="mxfp8", *, layout=None, permute_align=None):
     """Step 5, differentiable: (N, H) -> (M, H); splits (or the layout) as given to
-    :func:`a2a_dispatch`.
-
-    The gradient of ``y`` is a QuantizedTensor of a quantized ``grad_precision``.
-
-    ``permute_align=A`` (with the layout): bit for bit ``a2a_combine(unpermute(y,
-    permuted_indices, layout), layout, ...)`` in one pass: ``y`` is the permuted (P, H) rows
-    (padding ignored) and its gradient comes back permuted (padding rows zero, the format's
-    padding scale). For a ``grad_format``, call :func:`unpermute` separately. Under
+    :func:`a2a_dispatch`. The gradient of ``y`` is a QuantizedTensor of a quantized
+    ``grad_precision``. ``permute_align=A`` (with the layout): bit for bit
+    ``a2a_combine(unpermute(y, permuted_indices, layout), layout, ...)`` in one pass: ``y`` is
+    the permuted (P, H) rows (padding ignored), its gradient permuted (padding rows zero, the
+    format's padding scale); for a ``grad_format``, call :func:`unpermute` separately. Under
     ``torch.compile``: as :func:`a2a_dispatch`, the quantized gradient dequantized to bf16
     (warned once).
     """
@@ -461,7 +425,5 @@ def a2a_combine(y, input_splits=None, output_splits=None, comm=None, precision="
         _a2a._check_precision(grad_precision, "grad_precision")
     if isinstance(input_splits, (_layout.Layout, LayoutHandle)):
         layout, input_splits = input_splits, None
-    return _A2ACombine.apply(y, (input_splits, output_splits, comm, precision, grad_precision,
-                                layout, permute_align))
-
-
+    return _A2A.apply(y, ("a2a_combine", input_splits, output_splits, comm, precision,
+                          grad_precision, layout, permute_align))

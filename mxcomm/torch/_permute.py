@@ -11,7 +11,7 @@ from .. import permutation as _permutation
 from .._array import bfloat16
 from .._torch_arrays import _array, _stream
 from ..formats import get_format
-from ._ops import _A2ADispatch
+from ._ops import _A2A
 from ._tensors import _Alloc, _index_array, _index_tensors, _PendingGather, _rows, _wrap
 
 
@@ -27,13 +27,13 @@ def _folds_into_dispatch(x, layout):
     """True where ``x`` is :func:`a2a_dispatch`'s output on ``layout`` with a gradient format that
     quantizes gathered rows: permute's backward then hands it a :class:`_PendingGather`."""
     node = x.grad_fn
-    backward = getattr(_A2ADispatch, "_backward_cls", None)
+    backward = getattr(_A2A, "_backward_cls", None)
     if layout is None or backward is None or not isinstance(node, backward):
         return False
-    _, _, _, grad_precision, dispatch_layout, permute_align, _ = node.args  # _A2ADispatch ctx.args
+    function, _, _, _, _, grad_precision, dispatch_layout, permute_align = node.call  # _A2A's
     fmt = get_format(grad_precision)
-    return dispatch_layout is layout and permute_align is None and fmt.quantized and \
-        fmt.quantizes_gathered(bfloat16)
+    return function == "a2a_dispatch" and dispatch_layout is layout and \
+        permute_align is None and fmt.quantized and fmt.quantizes_gathered(bfloat16)
 
 
 class _Permute(torch.autograd.Function):
@@ -57,9 +57,7 @@ class _Permute(torch.autograd.Function):
                                                            _stream(x), alloc)
         indices, offsets = _index_tensors(layout, align, indices, offsets, alloc)
         ctx.save_for_backward(indices)
-        # a layout's indices name every received row once: the backward's scatter needs no
-        # zero fill
-        ctx.layout = layout
+        ctx.layout = layout  # its indices name every received row once: no zero fill
         ctx.num_rows = layout if layout is not None else x.shape[0]
         ctx.inverse = _inverse_index(layout, align, indices) if fold else None
         ctx.mark_non_differentiable(indices, offsets)
@@ -72,12 +70,16 @@ class _Permute(torch.autograd.Function):
                 and grad.dtype == torch.bfloat16:
             dx = _PendingGather(grad, ctx.inverse)
         else:
-            alloc = _Alloc(grad.device)
-            dx = _wrap(_permutation._unpermute(_rows(grad, "grad"),
-                                               _index_array(indices, ctx.layout),
-                                               ctx.num_rows, _stream(grad), alloc), alloc)
+            dx = _unpermuted(grad, "grad", indices, ctx.layout, ctx.num_rows)
         # None for: num_tokens_per_expert_group, num_local_experts, align, out_format, fold
         return dx, None, None, None, None, None
+
+
+def _unpermuted(rows, name, indices, layout, num_rows):
+    """(num_rows, H): the permuted ``rows`` (P, H) back in received order, padding dropped."""
+    alloc = _Alloc(rows.device)
+    return _wrap(_permutation._unpermute(_rows(rows, name), _index_array(indices, layout),
+                                         num_rows, _stream(rows), alloc), alloc)
 
 
 def _inverse_index(layout, align, indices):
@@ -110,10 +112,7 @@ class _Unpermute(torch.autograd.Function):
         ctx.save_for_backward(permuted_indices)
         ctx.grad_format = grad_format
         ctx.layout = num_rows if isinstance(num_rows, _layout.Layout) else None
-        alloc = _Alloc(y.device)
-        return _wrap(_permutation._unpermute(_rows(y, "y"),
-                                             _index_array(permuted_indices, ctx.layout),
-                                             num_rows, _stream(y), alloc), alloc)
+        return _unpermuted(y, "y", permuted_indices, ctx.layout, num_rows)
 
     @staticmethod
     def backward(ctx, grad):
@@ -131,14 +130,13 @@ def permute(x, num_tokens_per_expert_group, num_local_experts=None, align=32, *,
     """Step 2, differentiable: received rows -> expert-major, ``align``-padded groups.
 
     Args:
-        x: (N, D) bf16 tensor or QuantizedTensor.
+        x: (N, D) bf16 tensor or QuantizedTensor; its gradient is bf16.
         num_tokens_per_expert_group: (E,) int32 tensor (``exchange_layout``), or the layout
             itself (then ``num_local_experts`` is the layout's, and N is checked against it).
         num_local_experts: E_local (not needed with a layout).
         align: rows each group is padded to a multiple of.
         out_format: None, or a format to convert quantized rows to in the same pass
-            (:func:`mxcomm.permute`; ``"bf16"``: dequantized in the gather). The gradient of
-            ``x`` is bf16 either way.
+            (:func:`mxcomm.permute`; ``"bf16"``: dequantized in the gather).
     Returns:
         ``(permuted (P, D) like x, permuted_indices (P,) int32, group_offsets (E_local,) int32)``
         (``group_offsets``: ``torch._grouped_mm``'s ``offs``). Where ``x`` is
@@ -169,10 +167,8 @@ def unpermute(y, permuted_indices, num_rows, *, grad_format=None):
 
     ``num_rows``: N, or the layout whose permute made ``permuted_indices`` (no zero fill then).
     ``grad_format``: None, or a format the backward converts a quantized gradient to in its
-    gather, as :func:`permute`'s ``out_format``.
-
-    Raises:
-        ValueError: ``grad_format`` is not a format.
+    gather, as :func:`permute`'s ``out_format``. Raises ValueError: ``grad_format`` is not a
+    format.
     """
     _not_compiled("unpermute")
     if grad_format is not None:

@@ -8,20 +8,13 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .._array import bfloat16
-from .._torch_arrays import _TORCH_DTYPES, _array, _stream, _view
+from .._torch_arrays import _array, _stream, _view
 from ..formats import get_format
 
 # array dtype of a quantized format's scales -> torch dtype (uint8 bits are e8m0; data e4m3fn)
 _DATA_DTYPE = torch.float8_e4m3fn
 _SCALE_DTYPES = {numpy.dtype(numpy.uint8): torch.float8_e8m0fnu,
                  numpy.dtype(numpy.float32): torch.float32}
-#: The scale rounding of every exchange made through this module (the array API's default).
-_SCALE_MODE = "rceil"
-# (kind, array dtype) of an array ``mxcomm.route.arrays`` lists -> its torch dtype
-_DIRECT_DTYPES = {("rows", dtype): torch_dtype for dtype, torch_dtype in _TORCH_DTYPES.items()}
-_DIRECT_DTYPES.update({("data", numpy.dtype(numpy.uint8)): _DATA_DTYPE})
-_DIRECT_DTYPES.update({("scales", dtype): torch_dtype for dtype, torch_dtype
-                       in _SCALE_DTYPES.items()})
 
 
 def _dequantized(t):
@@ -40,17 +33,15 @@ def _dequantized(t):
 # ------------------------------------------------------------------------- QuantizedTensor
 class QuantizedTensor(torch.Tensor):
     """An (M, D) tensor of a quantized format (``mxcomm.formats``) that autograd and torch ops see
-    as bf16.
+    as bf16: its gradients are bf16, :meth:`dequantize` is straight-through, any other torch op but
+    ``detach`` runs on its dequantized values. The ``"mxfp8"`` format gives an
+    :class:`MXFP8Tensor`.
 
-    Holds ``qdata`` (M, D) ``torch.float8_e4m3fn``, ``scales`` (``format.scales_shape(M, D)``:
-    float8_e8m0fnu (M, D // 32) for mxfp8, float32 (M,) for fp8_rowwise, (M, D // 128) for the
-    block128 formats) and ``format``. Its dtype is bf16, so its gradients are bf16;
-    :meth:`dequantize` is straight-through; any other torch op but ``detach`` runs on its
-    dequantized values. The ``"mxfp8"`` format gives an :class:`MXFP8Tensor`.
-
-    Args:
+    Args (kept as the attributes ``qdata``, ``scales``, ``format``):
         qdata: (M, D) float8_e4m3fn (or uint8 bits) tensor.
-        scales: the format's scales (uint8 bits accepted for e8m0), same device.
+        scales: the format's scales, ``format.scales_shape(M, D)``: float8_e8m0fnu (M, D // 32)
+            for mxfp8 (uint8 bits accepted), float32 (M,) for fp8_rowwise, (M, D // 128) for the
+            block128 formats; same device.
         format: a quantized Format or its name.
         requires_grad: as for any tensor.
     Raises:

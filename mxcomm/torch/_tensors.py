@@ -1,13 +1,11 @@
-"""Tensors as the array API's rows and back, and the array API's exchanges on tensors
-(mxcomm.torch). Glossary: N = M_recv rows received, P permuted rows, D hidden.
+"""Tensors as the array API's rows and back (mxcomm.torch). Glossary: N = M_recv rows received,
+P permuted rows, D hidden.
 """
 
 import torch
 from torch.utils._pytree import tree_map
 
-from .. import a2a as _a2a
 from .. import permutation as _permutation
-from .. import route as _route
 from .._torch_arrays import _TORCH_DTYPES, _array, _stream, _tensor, _view
 from ..formats import QuantizedArray
 from ..kernels import array_module
@@ -62,28 +60,13 @@ def _wrap(result, alloc=None):
     return tensor(result)
 
 
-def _exchange(function, rows, input_splits, output_splits, comm, precision, layout=None,
-              permute_align=None):
-    """The array API's ``function`` on the tensor ``rows``, on torch's current stream, results
-    allocated by torch: a tensor, or ``permute``'s triple of tensors."""
-    alloc = _Alloc(rows.device)
-    result = _a2a._call(function, _rows(rows, _route.CALLS[function][0]), input_splits,
-                        output_splits, comm, precision, layout, stream=_stream(rows), alloc=alloc,
-                        permute_align=permute_align)
-    if type(result) is tuple:
-        permuted, indices, offsets = result
-        return (_wrap(permuted, alloc),) + _index_tensors(layout, permute_align, indices, offsets)
-    return _wrap(result, alloc)
-
-
-def _index_tensors(layout, align, indices, offsets, alloc=None):
+def _index_tensors(layout, align, indices, offsets, alloc):
     """The permute index and group offsets of ``layout`` for ``align`` as tensors, cached on the
     layout with the arrays (so :func:`_index_array` finds the array again)."""
     key = ("torch permute index", align)
     cached = layout._cache.get(key) if layout is not None else None
     if cached is None or cached[0] is not indices:
-        tensor = _tensor if alloc is None else alloc.tensor
-        cached = (indices, tensor(indices), tensor(offsets))
+        cached = (indices, alloc.tensor(indices), alloc.tensor(offsets))
         if layout is not None:
             layout._cache[key] = cached
             layout._cache["torch index array", id(cached[1])] = (cached[1], indices)
