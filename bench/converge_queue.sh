@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 42's convergence runs on a machine of 4 GPUs: two 2-rank examples/train_moe.py jobs at once,
 # one on GPUs 0,1 and one on GPUs 2,3 (each set runs one job at a time: uncontended tokens/s), taking
-# runs "VARIANT SEED REPEAT" from QUEUE in order. No run starts that would not end within BUDGET_S
+# runs "VARIANT SEED REPEAT" from QUEUE in order; with RANKS=4, one 4-rank job at a time on all four. No run starts that would not end within BUDGET_S
 # seconds of the start (each variant's time is the last one measured, else ESTIMATES below); the
 # runs not started are listed at the end of calls.log, to queue in the next call.
 #   source .device-kit/env.sh && bash bench/converge_queue.sh QUEUE BUDGET_S
@@ -13,7 +13,10 @@ queue=$1; budget=$2; t0=$(date +%s)
 OUT=${OUT:-/tmp/out}; dir="$OUT/conv"; work=$(mktemp -d)
 mkdir -p "$dir"; cp "$queue" "$work/queue"
 # seconds per run on 2xH100 at 2026-11-27 (start-up included); unknown variants: 260
-printf '%s\n' "bf16 150" "recipe:auto 140" "recipe:fp8_rowwise 230" > "$work/est"
+printf '%s\n' "bf16 150" "recipe:auto 140" "recipe:fp8_rowwise 230" "mxfp8 160" "recipe:mxfp8 150" \
+    "bf16_fp8gemm 240" > "$work/est"
+ranks=${RANKS:-2}; more=()
+[ "$ranks" = 4 ] && more=(--batch 8)  # the same 16,384 tokens a step as 2 ranks of batch 16
 export MXCOMM_COMMIT=$(git rev-parse --short HEAD)
 { echo "start $(date -u +%FT%TZ) commit $MXCOMM_COMMIT budget ${budget}s"; nvidia-smi -L; } > "$dir/calls.log"
 locked() { flock "$work/lock" bash -c "$1"; }
@@ -30,14 +33,14 @@ worker() {  # worker GPUS NAME
             echo "$name: not started: $line (at ${now}s, ${est}s expected)" >> "$dir/calls.log"
             locked "echo '$line' >> '$work/left'"; continue
         fi
-        tag="w2_s${s}_r${r}_$(echo "$v" | tr -c 'A-Za-z0-9\n' '-')"
+        tag="w${ranks}_s${s}_r${r}_$(echo "$v" | tr -c 'A-Za-z0-9\n' '-')"
         echo "$name: start $line at ${now}s on GPUs $gpus" >> "$dir/calls.log"
         a=$(date +%s)
         CUDA_VISIBLE_DEVICES=$gpus timeout $(( budget - now + 60 )) mpirun --bind-to none -x PYTHONPATH \
             -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS \
             -x NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS -x PYTHONUNBUFFERED -x CUDA_VISIBLE_DEVICES \
-            -x MXCOMM_COMMIT -n 2 python3 examples/train_moe.py --corpus-dir bench/wheels \
-            --variants "$v" --seeds "$s" --repeats "$r" \
+            -x MXCOMM_COMMIT -n "$ranks" python3 examples/train_moe.py --corpus-dir bench/wheels \
+            --variants "$v" --seeds "$s" --repeats "$r" "${more[@]}" \
             --max-minutes "$(awk -v x=$(( budget - now - 10 )) 'BEGIN {printf "%.2f", x / 60}')" \
             --json "$dir/converge_$tag.json" > "$dir/log_$tag.txt" 2>&1
         rc=$?; d=$(( $(date +%s) - a ))
@@ -47,7 +50,7 @@ worker() {  # worker GPUS NAME
     done
 }
 
-worker 0,1 A & worker 2,3 B & wait
+if [ "$ranks" = 4 ]; then worker 0,1,2,3 A; else worker 0,1 A & worker 2,3 B & wait; fi
 { echo "not started (queue them next):"; cat "$work/left" "$work/queue" 2>/dev/null
   echo "end $(date -u +%FT%TZ)"; } >> "$dir/calls.log"
 tar -czf "$OUT/conv.tar.gz" -C "$OUT" conv

@@ -4,7 +4,7 @@
 # phases: tests1 faults2 ktests1 tests2 formats2 tests4 flaky4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
-#         compare with) overlap2 overlap4 (OVERLAP_TOKENS) overlapprobe2 (PROBE_ROWS) titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
+#         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -140,7 +140,7 @@ for phase in "$@"; do
         [ "$ngpu" -ge "$n" ] && step "bench pipeline, $n ranks, fp8_rowwise with and without overlap" 500 \
             "${mpirun_env[@]}" -n "$n" python3 -m mxcomm.bench pipeline \
             --tokens ${OVERLAP_TOKENS:-4096 16384 32768 65536 131072} --dim 7168 --hidden 2048 --experts 8 \
-            --no-stages --interleave --iters ${PIPE_ITERS:-20} --variants fp8_rowwise,fp8_rowwise_overlap \
+            --no-stages --interleave --iters ${PIPE_ITERS:-20} --variants ${OVERLAP_VARIANTS:-fp8_rowwise,fp8_rowwise_overlap} \
             --json "$res/pipeline_overlap_w$n.json" --markdown "$res/pipeline_overlap_w$n.md" \
         && [ "$n" = 2 ] && step "overlap gpu tests, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q \
             -rfE -p no:cacheprovider -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi \
@@ -148,8 +148,18 @@ for phase in "$@"; do
     overlapprobe2)  # the backward's timeline on its two streams, fp8_rowwise with and without
         # overlap (bench/probe_overlap.py): where the time goes if the A/B misses its target
         step "probe: the backward's timeline with and without overlap, 2 ranks" 300 \
-            env PROBE_MARKDOWN="$res/probe_overlap_w2.md" "${mpirun_env[@]}" -x PROBE_MARKDOWN -n 2 \
+            env PROBE_MARKDOWN="$res/probe_overlap${PROBE_DISPATCH_GRAD:+_$PROBE_DISPATCH_GRAD}_w2.md" \
+            PROBE_DISPATCH_GRAD="${PROBE_DISPATCH_GRAD:-}" "${mpirun_env[@]}" -x PROBE_MARKDOWN -x PROBE_DISPATCH_GRAD -n 2 \
             python3 bench/probe_overlap.py ${PROBE_ROWS:-131072} 7168 2048 8 20 ;;
+    chunks2|chunks4)  # issue 43: the forward's chunked overlap with the public primitives (token
+        # blocks; bench/probe_chunks.py): one chunk, C chunks on one stream, C chunks on two streams
+        n=${phase#chunks}
+        [ "$ngpu" -ge "$n" ] && for rows in ${CHUNK_ROWS:-32768 131072}; do
+            step "probe: chunked overlap, $n ranks, $rows rows, ${CHUNKS:-2} chunks" 200 \
+                env PROBE_MARKDOWN="$res/probe_chunks_${rows}_c${CHUNKS:-2}_pm${PROBE_PEER_MEMORY:-auto}_w$n.md" \
+                PROBE_PEER_MEMORY=${PROBE_PEER_MEMORY:-auto} "${mpirun_env[@]}" -x PROBE_MARKDOWN -x PROBE_PEER_MEMORY \
+                -n "$n" python3 bench/probe_chunks.py "$rows" 7168 2048 8 20 ${CHUNKS:-2}
+        done ;;
     pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w4.json" --markdown "$res/pipeline_w4.md" --plot "$res/pipeline_w4.png" ;;
     pipe2small) step "bench pipeline, 2 ranks, small batches" 500 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \

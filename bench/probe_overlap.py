@@ -18,11 +18,16 @@ events; on a CPU, host clocks after each step: the wiring only, nothing to read)
 - ``input grad``: the input gradient, joined to the main stream (a hook on x);
 - ``backward``: the end of ``backward()``'s work.
 
+``PROBE_DISPATCH_GRAD=bf16`` runs both with the dispatch gradient in bf16 (the recipe's other
+directions unchanged): an exchange of copy-engine pulls only, no quantize or dequantize beside
+the wgrad.
+
 Rank 0 prints a Markdown table of the medians, the slowest rank's of each, and writes it to
 ``$PROBE_MARKDOWN`` where set (docs/design.md,
 "Overlap": the timeline this checks; bench/NOTES.md, 2026-11-27: the prediction).
 """
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -81,6 +86,10 @@ def main():
                                       recipe="fp8_rowwise", gemm_fallback=not gpu,
                                       overlap=name == "overlap")
               for name in ("no overlap", "overlap")}
+    dgrad = os.environ.get("PROBE_DISPATCH_GRAD")
+    if dgrad:  # a probe's override of the pinned recipe; no public recipe has it
+        for ep in layers.values():
+            ep._pinned = dataclasses.replace(ep._pinned, dispatch_grad=dgrad)
     marks = {}
     _instrument(clock, marks)
     times = {name: [] for name in layers}
@@ -116,7 +125,8 @@ def main():
         slowest = {name: {key: max(m[name][key] for m in every) for key in medians[name]}
                    for name in medians}
         where = f"{world} x {torch.cuda.get_device_name()}" if gpu else f"{world} CPU ranks"
-        lines = [f"# The backward's timeline, fp8_rowwise, {ROWS} rows x {DIM} -> {HIDDEN}, "
+        recipe = "fp8_rowwise" + (f", dispatch_grad {dgrad}" if dgrad else "")
+        lines = [f"# The backward's timeline, {recipe}, {ROWS} rows x {DIM} -> {HIDDEN}, "
                  f"{E_LOCAL} experts per rank, {where}", "",
                  f"ms from the backward's start (forward: from the dispatch's); median of "
                  f"{ITERS} after {WARMUP}, the slowest rank's; commit "

@@ -573,6 +573,8 @@ def test_latency_on_a_cpu_runs_its_cpu_shapes_and_says_so(tmp_path):
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
                                              "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32, "
                                              "fp8_rowwise_overlap, "
+                                             "fp8_rowwise_bf16dgrad, "
+                                             "fp8_rowwise_bf16dgrad_overlap, "
                                              "fp8_rowwise_nocache"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
@@ -637,6 +639,13 @@ def test_variants_precisions_and_stages():
         default=False)
     assert [x.name for x in _moe.VARIANTS if not x.weight_cache] == ["fp8_rowwise_nocache"]
     assert "no weight cache" in v["fp8_rowwise_nocache"].describe()
+    # the dispatch gradient in bf16, without and with the overlap: fp8_rowwise otherwise
+    for name, overlap in (("fp8_rowwise_bf16dgrad", False), ("fp8_rowwise_bf16dgrad_overlap", True)):
+        assert v[name] == dataclasses.replace(
+            v["fp8_rowwise"], name=name, recipe=None, dispatch_grad="bf16", overlap=overlap,
+            default=False)
+    assert [x.name for x in _moe.VARIANTS if x.overlap] == ["fp8_rowwise_overlap",
+                                                           "fp8_rowwise_bf16dgrad_overlap"]
     with pytest.raises(ValueError, match="auto has no stages until resolved"):
         _moe.stages(v["auto"], None, 2, loop_gemm=True)
     layout = types.SimpleNamespace(sent=[[131072, 0], [0, 131072]])

@@ -46,6 +46,9 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     fp8_rowwise_overlap  mxcomm  the recipe fp8_rowwise with the backward overlap
                               (``ExpertParallel(overlap=True)``'s: the dispatch-gradient exchange
                               on a side stream beside the GEMM's wgrad)
+    fp8_rowwise_bf16dgrad  mxcomm  the recipe fp8_rowwise with dispatch_grad in bf16 (still
+                              fused): copy engines only, no quantize or dequantize
+    fp8_rowwise_bf16dgrad_overlap  mxcomm  the same beside the wgrad (the backward overlap)
     fp8_rowwise_nocache  mxcomm  the recipe fp8_rowwise with the weight cache off: both fp8
                               weight operands quantized on every call
 
@@ -189,8 +192,13 @@ def _recipe_variants():
 
 def _overlap_variants():
     from mxcomm import recipes
-    return (from_recipe(recipes.get_recipe("fp8_rowwise"), "fp8_rowwise_overlap", overlap=True,
-                        default=False),)
+    fp8 = recipes.get_recipe("fp8_rowwise")
+    # the dispatch gradient in bf16: pulled by the copy engines alone (no quantize before it,
+    # no dequantize after it), so beside the wgrad it takes no SMs
+    bf16_dgrad = dataclasses.replace(from_recipe(fp8, "fp8_rowwise_bf16dgrad", default=False),
+                                     dispatch_grad="bf16", recipe=None)
+    return (from_recipe(fp8, "fp8_rowwise_overlap", overlap=True, default=False), bf16_dgrad,
+            dataclasses.replace(bf16_dgrad, name="fp8_rowwise_bf16dgrad_overlap", overlap=True))
 
 
 VARIANTS = (
