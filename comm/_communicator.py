@@ -119,8 +119,7 @@ class Communicator(Agreement, abc.ABC):
         self._abort_backend()
 
     def _fail(self, error, raised=False):
-        """Abort from any thread; keep ``error`` for the next call unless the caller raises it
-        (``raised``)."""
+        """Abort from any thread; keep ``error`` for the next call unless ``raised``."""
         with self._state_lock():
             if self._state != "open":
                 return
@@ -147,10 +146,9 @@ class Communicator(Agreement, abc.ABC):
 
         Does not block, except on NCCL: it waits (bounded by ``timeout``) for the operations in
         flight and for NCCL's release, which waits until every CUDA graph that captured an exchange
-        is destroyed (past the timeout, a RuntimeWarning). With peer memory (the ``"pull"`` and
-        ``"hier"`` transports), freeing it is collective: close on every rank (on GPUs the ranks
-        of a node meet, bounded, before any frees the buffers the others map). An aborted
-        communicator's GPU peer memory is never freed: its peers may still map it."""
+        is destroyed (past the timeout, a RuntimeWarning). With peer memory (``"pull"``,
+        ``"hier"``) close is collective: a node's ranks meet, bounded, before any frees what
+        the others map; an aborted communicator's GPU peer memory is never freed."""
         if self._state == "closed":
             return
         clean = self._state == "open" and not self._side.abandoned
@@ -173,8 +171,7 @@ class Communicator(Agreement, abc.ABC):
     # ------------------------------------------------------------------------ staged exchange
     @property
     def nodes(self):
-        """The node of each rank (W ints, numbered by their first rank), as ``init`` agreed; peer
-        memory is used only within a node."""
+        """The node of each rank (W ints, numbered by their first rank), as ``init`` agreed."""
         return self._side.nodes.of_rank
 
     def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
@@ -323,8 +320,8 @@ class Communicator(Agreement, abc.ABC):
         self.check_usable()
 
     def to_host(self, a, stream):
-        """The 1-D device array ``a`` as a new NumPy array once ``stream``'s work is done: the
-        layout exchange's one host sync. Raises TimeoutError as :meth:`wait`."""
+        """The 1-D device array ``a`` as NumPy once ``stream``'s work is done (the layout
+        exchange's one host sync); TimeoutError as :meth:`wait`."""
         self.wait(stream)
         return a.get()
 
