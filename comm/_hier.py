@@ -155,6 +155,7 @@ class _NodeComm:
         self._comm = comm
         self._ranks = ranks
         self.rank, self.size = ranks.index(comm.rank), len(ranks)
+        self.world_rank = comm.rank
         self._side = _NodeSide(comm._side, ranks)
         self._transport = None  # the node's PullTransport, set by HierTransport
 

@@ -13,6 +13,7 @@ import numpy
 from mxcomm._driver import PackedLaunch, Words, address
 
 from ._staged import MAX_BATCH, MAX_PIECES, describe_mismatch
+from ._watchdog import _bounded
 
 _EVENT_DISABLE_TIMING = 0x2   # cudaEventDisableTiming
 _MEMCPY_DEFAULT = 4           # cudaMemcpyDefault (unified addressing picks the direction)
@@ -32,6 +33,8 @@ def _exported_bytes(nbytes):
 _SOURCE = pathlib.Path(__file__).with_name("_signal.cu")
 #: Buffers of closes whose meeting timed out: a peer may still map them, so they are never freed.
 _KEPT = []
+#: What a rank meets its node's ranks for (one byte each): growth and release must not pair.
+_GROW, _RELEASE = 1, 2
 
 
 def _batch(values):
@@ -53,6 +56,7 @@ class CudaPeerMemory:
         self._rt = rt = cupy.cuda.runtime
         self._comm = comm
         self._rank, self._size = rank, size = comm.rank, comm.size
+        self._world_rank = getattr(comm, "world_rank", rank)  # hier: comm is one node's view
         self._ready_words = size * MAX_PIECES
         words = self._ready_words + size + 1
         self._flags = cupy.cuda.memory.Memory(_exported_bytes(8 * words))
@@ -100,9 +104,9 @@ class CudaPeerMemory:
                        if p != rank]
             self._done_addresses = cupy.asarray(numpy.array(done_at, dtype=numpy.uint64))
         except BaseException:
-            self._close_peers(self._peer_flags)
-            _KEPT.append((self._flags,))
+            _KEPT.append((self._flags,))  # first: unmapping may raise too
             self._flags = None
+            self._close_peers(self._peer_flags)
             raise
 
     @property
@@ -122,7 +126,7 @@ class CudaPeerMemory:
             comm.wait(self._side)
             comm.wait(stream)
             self._close_peers(self._peer_ptr)
-            comm._side.barrier("peer memory growth")  # no rank maps the old buffers any more
+            self._meet(_GROW, "peer memory growth")  # no rank maps the old buffers any more
             self._memory = None
             self._capacity = 0
         capacity = _exported_bytes(int(nbytes * _GROWTH))
@@ -235,21 +239,59 @@ class CudaPeerMemory:
         self._capacity = 0
 
     def close(self):
-        """Unmap the peers' buffers, meet the node's ranks, then free this rank's (after its side
-        stream is done): a buffer freed before every importer closed its mapping is undefined
-        behaviour (CUDA's ``cudaIpcOpenMemHandle``). The meeting is bounded by the timeout;
-        past it this rank's buffers are kept, never freed, and a RuntimeWarning says so."""
-        self._side.synchronize()
-        self._close_peers(self._peer_ptr)
-        self._close_peers(self._peer_flags)
-        for event in (self._forked, self._joined):
-            self._rt.eventDestroy(event)
-        self._forked = self._joined = None
+        """Wait for this rank's device work (its signals into the peers' flags run on the callers'
+        streams), unmap the peers' buffers, meet the node's ranks, then free this rank's: a buffer
+        freed before every importer closed its mapping is undefined behaviour (CUDA's
+        ``cudaIpcOpenMemHandle``). The wait and the meeting are each bounded by the timeout; past
+        either, or if the meeting fails or pairs with a peer's growth, this rank's buffers are
+        kept, never freed, and a RuntimeWarning says so."""
         try:
-            self._comm._side.barrier("peer memory release")
-        except TimeoutError as exc:
-            _KEPT.append((self._memory, self._flags))  # a peer may still map them
-            warnings.warn(f"peer memory on rank {self._rank}: {exc}; its buffers stay allocated",
-                          RuntimeWarning, stacklevel=2)
+            if not self._device_idle():
+                raise TimeoutError(f"its device work did not finish within "
+                                   f"{self._comm.timeout:g} s")
+            self._close_peers(self._peer_ptr)
+            self._close_peers(self._peer_flags)
+            for event in (self._forked, self._joined):
+                self._rt.eventDestroy(event)
+            self._forked = self._joined = None
+            self._meet(_RELEASE, "peer memory release")
+        except Exception as exc:  # a late or dead peer, a growing one, a CUDA error
+            self._keep()
+            warnings.warn(f"peer memory on rank {self._world_rank}: {exc}; its buffers stay "
+                          f"allocated", RuntimeWarning, stacklevel=2)
+        except BaseException:
+            self._keep()
+            raise
         self._memory = self._flags = None
         self._capacity = 0
+
+    def _device_idle(self):
+        """Wait, at most the timeout, until this process's work on the device is done (every
+        stream: an exchange's signals run on its caller's); False past it."""
+        def sync():
+            self._cupy.cuda.Device(self._comm.device).use()  # a new thread: no device current
+            self._rt.deviceSynchronize()
+        done, _ = _bounded(sync, self._comm.timeout, f"mxcomm-peer-memory-close-{self._rank}")
+        return done
+
+    def _meet(self, why, what):
+        """Meet the node's ranks (bounded), each saying ``why`` (:data:`_GROW` or
+        :data:`_RELEASE`); RuntimeError where a rank met for the other reason (a peer closing
+        while this rank grows, or the reverse), and on growth the communicator is aborted."""
+        table = self._comm._side.allgather_bytes(bytes([why]), what)
+        others = [r for r, b in enumerate(table) if b != why]
+        if others:  # ranks of the node, renamed to the communicator's by _fail or world_names
+            error = RuntimeError(
+                f"{what} on rank {self._rank}: rank{'s' if len(others) > 1 else ''} "
+                f"{', '.join(map(str, others))} met to "
+                f"{'grow' if why == _RELEASE else 'release'} their peer memory instead (one rank "
+                f"closed the communicator while another still exchanged)")
+            if why == _GROW:
+                self._comm._fail(error, raised=True)
+            elif hasattr(self._comm, "world_names"):
+                self._comm.world_names(error)
+            raise error
+
+    def _keep(self):
+        """Keep this rank's buffers, never freed: a peer may still map them."""
+        _KEPT.append((self._memory, self._flags))

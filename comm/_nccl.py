@@ -18,32 +18,10 @@ from ._board import EXCHANGE
 from ._communicator import Communicator
 from ._header import HEADER_BYTES, CallHeaders
 from ._validate import check_counts_array
-from ._watchdog import _WATCH_POLL_S, Watchdog
+from ._watchdog import _WATCH_POLL_S, Watchdog, _bounded
 
 _MEMCPY_DEVICE_TO_HOST = 2     # cudaMemcpyDeviceToHost
 _NULL_CONTEXT = contextlib.nullcontext()
-
-
-def _bounded(fn, seconds, name):
-    """``fn()`` on a daemon thread waited for at most ``seconds``: ``(True, result)``, or ``(False,
-    None)`` if still running; an exception raised in time is re-raised."""
-    outcome = []
-
-    def run():
-        try:
-            outcome.append((True, fn()))
-        except BaseException as exc:  # noqa: BLE001 (raised on the caller's thread)
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if not outcome:
-        return False, None
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return True, value
 
 
 class NcclCommunicator(Watchdog, Communicator):

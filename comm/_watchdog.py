@@ -20,6 +20,28 @@ _IDLE_WAKE_S = 0.5             # watchdog wake-up period while nothing is in fli
 _WAIT_SPIN_S = 2e-3
 
 
+def _bounded(fn, seconds, name):
+    """``fn()`` on a daemon thread waited for at most ``seconds``: ``(True, result)``, or ``(False,
+    None)`` if still running; an exception raised in time is re-raised."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 (raised on the caller's thread)
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        return False, None
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return True, value
+
+
 class Watchdog:
     """The watchdog's part of :class:`~mxcomm.comm.NcclCommunicator` (a base of it): event pool and
     queue, the thread, :meth:`wait`."""

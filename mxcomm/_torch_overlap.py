@@ -153,18 +153,17 @@ def _overlapped(function):
     backward run by :meth:`_Slot.run_beside` (a permute's never folded into the dispatch's
     pending gather)."""
 
-    class Overlapped(function):
-        @staticmethod
-        def forward(ctx, slot, *args):
-            ctx.slot = slot
-            return function.forward(ctx, *args)
+    def forward(ctx, slot, *args):
+        ctx.slot = slot
+        return function.forward(ctx, *args)
 
-        @staticmethod
-        def backward(ctx, grad, *grads):
-            out = ctx.slot.run_beside(grad, lambda: function.backward(ctx, grad, *grads))
-            return (None, *out)  # None for the slot
+    def backward(ctx, grad, *grads):
+        out = ctx.slot.run_beside(grad, lambda: function.backward(ctx, grad, *grads))
+        return (None, *out)  # None for the slot
 
-    return Overlapped
+    # named per Function: torch names the backward node (profiles, anomaly mode) by the class
+    return type(f"_Overlapped{function.__name__.lstrip('_')}", (function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 _OverlappedA2A = _overlapped(_A2A)

@@ -770,17 +770,25 @@ def _peer_memory_with_fakes(calls, barrier):
     rt = type("Rt", (), {
         "ipcCloseMemHandle": lambda self, ptr: calls.append(("close", ptr)),
         "eventDestroy": lambda self, event: None,
+        "deviceSynchronize": lambda self: calls.append(("sync",)),
         "ipcGetMemHandle": lambda self, ptr: b"h" * 64,
         "ipcOpenMemHandle": lambda self, handle: calls.append(("open",)) or 300})()
-    side = type("Side", (), {"barrier": lambda self, what: barrier(what),
-                             "allgather_bytes": lambda self, payload, what: payload * 3})()
+
+    def allgather_bytes(payload, what):  # a meeting (one byte): what barrier says, else the same
+        return (len(payload) == 1 and barrier(what)) or payload * 3
+    side = type("Side", (), {"allgather_bytes": lambda self, payload, what:
+                             allgather_bytes(payload, what)})()
     memory = object.__new__(CudaPeerMemory)
-    memory._rank, memory._rt, memory._forked, memory._joined = 1, rt, 7, 8
-    memory._side = type("Stream", (), {"synchronize": lambda self: None})()
-    memory._comm = type("Comm", (), {"_side": side, "rank": 1, "size": 3,
-                                     "wait": lambda self, stream: None})()
-    memory._cupy = type("Cupy", (), {"cuda": type("Cuda", (), {"memory": type(
-        "M", (), {"Memory": staticmethod(lambda n: Buffer(f"staging of {n} bytes"))})})})()
+    memory._rank, memory._world_rank, memory._rt, memory._forked, memory._joined = 1, 1, rt, 7, 8
+    memory._side = "side stream"
+    memory._comm = type("Comm", (), {
+        "_side": side, "rank": 1, "size": 3, "timeout": 0.5, "device": 0,
+        "wait": lambda self, stream: None,
+        "_fail": lambda self, error, raised=False: calls.append(("fail", str(error)))})()
+    memory._cupy = type("Cupy", (), {"cuda": type("Cuda", (), {
+        "Device": staticmethod(lambda d: type("D", (), {"use": lambda self: None})()),
+        "memory": type("M", (), {"Memory": staticmethod(
+            lambda n: Buffer(f"staging of {n} bytes"))})})})()
     memory._peer_ptr, memory._peer_flags = {0: 100, 2: 102}, {0: 200, 2: 202}
     memory._memory, memory._flags, memory._capacity = Buffer("staging"), Buffer("flags"), 1 << 21
     memory.epoch = 0
@@ -804,27 +812,75 @@ def test_peer_memory_is_freed_only_after_every_rank_unmapped_it():
     calls.clear()
     memory.close()
     gc.collect()
-    assert calls[:5] == [("close", 300), ("close", 300), ("close", 200), ("close", 202),
-                         ("barrier", "peer memory release")], calls
+    # this rank's device work first (its signals write into the peers' flags)
+    assert calls[:6] == [("sync",), ("close", 300), ("close", 300), ("close", 200),
+                         ("close", 202), ("barrier", "peer memory release")], calls
     # 4 MiB asked, 1.25 times that in whole 2 MiB granules: 6 MiB
-    assert sorted(calls[5:]) == [("free", "flags"), ("free", f"staging of {3 << 21} bytes")]
+    assert sorted(calls[6:]) == [("free", "flags"), ("free", f"staging of {3 << 21} bytes")]
 
     def late(what):
         raise TimeoutError("rank 2 did not arrive")
-    calls.clear()
-    memory = _peer_memory_with_fakes(calls, late)
-    with pytest.warns(RuntimeWarning, match="rank 2 did not arrive; its buffers stay allocated"):
+
+    def dead(what):  # the torch side channel: a peer that exited is a RuntimeError
+        raise RuntimeError("rank 2 closed the connection")
+    for barrier, message in ((late, "rank 2 did not arrive"),
+                             (dead, "rank 2 closed the connection")):
+        calls.clear()
+        memory = _peer_memory_with_fakes(calls, barrier)
+        with pytest.warns(RuntimeWarning, match=f"rank 1: {message}; its buffers stay allocated"):
+            memory.close()
+        gc.collect()
+        assert not [c for c in calls if c[0] == "free"], calls
+        assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
+
+
+def test_peer_memory_close_waits_for_its_device_work_bounded():
+    """Close waits for this process's device work before it unmaps anything (an exchange's
+    signals into the peers' flags run on its caller's stream); a wait past the timeout keeps
+    every buffer and mapping, and warns."""
+    import gc
+    import threading
+    from mxcomm.comm import _ipc
+    calls, release = [], threading.Event()
+    memory = _peer_memory_with_fakes(calls, lambda what: calls.append(("barrier", what)))
+    memory._rt.deviceSynchronize = lambda: release.wait(5)  # a kernel still running
+    with pytest.warns(RuntimeWarning, match="its device work did not finish within 0.5 s"):
         memory.close()
+    release.set()
     gc.collect()
-    assert not [c for c in calls if c[0] == "free"], calls
+    assert calls == [], calls  # nothing unmapped, no meeting, nothing freed
     assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
 
 
-def test_peer_memory_setup_failing_after_its_handle_went_out_keeps_the_flags(monkeypatch):
+def test_peer_memory_growth_and_release_never_pair():
+    """A rank that closes while a peer grows its staging (it failed alone and closed): the two
+    meetings carry what each is for, so the growing rank raises and aborts instead of mapping
+    anew while the closing one frees, and the closing rank keeps its buffers."""
+    import gc
+    from mxcomm.comm import _ipc
+    calls = []
+    closing = _peer_memory_with_fakes(calls, lambda what: bytes([1, 2, 1]))  # ranks 0, 2 grow
+    with pytest.warns(RuntimeWarning, match="ranks 0, 2 met to grow their peer memory instead"):
+        closing.close()
+    gc.collect()
+    assert not [c for c in calls if c[0] == "free"], calls
+    assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
+    calls.clear()
+    growing = _peer_memory_with_fakes(calls, lambda what: bytes([2, 1, 1]))  # rank 0 releases
+    with pytest.raises(RuntimeError, match="growth on rank 1: rank 0 met to release"):
+        growing.reserve(4 << 20, stream=0)
+    assert [c[0] for c in calls] == ["close", "close", "fail"], calls
+    assert not [c for c in calls if c[0] == "open"]
+
+
+@pytest.mark.parametrize("unmap_fails", [False, True])
+def test_peer_memory_setup_failing_after_its_handle_went_out_keeps_the_flags(monkeypatch,
+                                                                             unmap_fails):
     """Once this rank's flags handle has gone to its peers they may map the flags: a setup that
     fails after that (here: opening rank 2's handle) unmaps what it mapped and keeps the flags,
     never freed; what can fail locally (the kernels' module, pinned status, stream, events) comes
-    before the handle goes out (no GPU: CuPy's calls stand in)."""
+    before the handle goes out (no GPU: CuPy's calls stand in). The flags are kept even if
+    unmapping fails too."""
     import gc
     import sys
     import types
@@ -849,11 +905,16 @@ def test_peer_memory_setup_failing_after_its_handle_went_out_keeps_the_flags(mon
         calls.append(("open", handle[:1]))
         return 500
 
+    def close_handle(ptr):
+        calls.append(("close", ptr))
+        if unmap_fails:
+            raise RuntimeError("cudaErrorIllegalAddress")
+
     kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=9))
     runtime = types.SimpleNamespace(
         memcpy=lambda *a: None, eventCreateWithFlags=lambda flags: calls.append(("event",)) or 7,
         ipcGetMemHandle=lambda ptr: calls.append(("export",)) or b"1" * 64,
-        ipcOpenMemHandle=open_handle, ipcCloseMemHandle=lambda ptr: calls.append(("close", ptr)))
+        ipcOpenMemHandle=open_handle, ipcCloseMemHandle=close_handle)
     cuda = types.SimpleNamespace(
         runtime=runtime, memory=types.SimpleNamespace(Memory=Buffer),
         PinnedMemory=lambda n, flags: None, PinnedMemoryPointer=lambda mem, at: Pinned(16),
@@ -868,7 +929,8 @@ def test_peer_memory_setup_failing_after_its_handle_went_out_keeps_the_flags(mon
                                  + b"2" * 64)
     comm = types.SimpleNamespace(rank=1, size=3, timeout=1.0, _side=side)
     kept = len(_ipc._KEPT)
-    with pytest.raises(RuntimeError, match="MapBufferObjectFailed"):
+    with pytest.raises(RuntimeError, match="IllegalAddress" if unmap_fails else
+                       "MapBufferObjectFailed"):
         _ipc.CudaPeerMemory(comm)
     gc.collect()
     assert ("free", 2 << 20) not in calls, calls
