@@ -157,6 +157,8 @@ def _layer(xs, grads, counts, w, comm, side):
         main.wait_stream(side)
     fwd = _mark(gpu)
     torch.autograd.backward(outs, grads)
+    if side is not None:  # the backward's side-stream work (its exchanges) ends the step too
+        torch.cuda.current_stream().wait_stream(side)
     return [o.detach() for o in outs], [x.grad for x in inputs], fwd
 
 
