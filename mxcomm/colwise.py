@@ -65,9 +65,10 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
     return _to_group_colwise(data, scales, ends, stream)
 
 
-def _to_group_colwise(data, scales, ends, stream):
+def _to_group_colwise(data, scales, ends, stream, alloc=None):
     """:func:`fp8_rowwise_to_group_colwise` of arrays of the checked dtypes and shapes (the fp8
-    GEMM's own operands): only the output's size checked here."""
+    GEMM's own operands): only the output's size checked here. ``alloc(shape, dtype)`` makes the
+    results (None: the array module's ``empty``)."""
     p, d = data.shape
     g = ends.shape[0]
     t = group_colwise_positions(p, g)
@@ -78,10 +79,10 @@ def _to_group_colwise(data, scales, ends, stream):
     if host_backend():
         return _host.fp8_rowwise_to_group_colwise(data, scales, ends)
     stream = stream_ptr(stream)
-    xp = array_module()
-    data_t = xp.empty((d, t), dtype=_U8)
-    scales_t = xp.empty((g, d), dtype=float32)
-    aligned = xp.empty(g, dtype=numpy.int32)
+    empty = alloc or array_module().empty
+    data_t = empty((d, t), _U8)
+    scales_t = empty((g, d), float32)
+    aligned = empty((g,), numpy.dtype(numpy.int32))
     keys = _zeroed(scales_t.view(_U32), stream)
     row_scales = scales.view(_U32)
     # the simulator: one thread per block takes whole columns (atomics serialize its threads)
@@ -138,16 +139,23 @@ def quantize_fp8_rowwise_transposed(x, *, stream=None):
         raise ValueError(f"x: {x.size} elements (shape {tuple(x.shape)}), above the "
                          f"{4 * fp8_transpose.ENCODE_MAX_WORDS} the encode kernel indexes "
                          f"(int32 words); quantize fewer matrices per call")
+    return _transposed(x, stream)
+
+
+def _transposed(x, stream, alloc=None):
+    """:func:`quantize_fp8_rowwise_transposed` of a checked ``x``; ``alloc(shape, dtype)`` makes
+    the results and the scratch (None: the array module's ``empty``)."""
     if host_backend():
         return _host.quantize_fp8_rowwise_transposed(x)
+    b, r, c = x.shape
     stream = stream_ptr(stream)
-    xp = array_module()
-    data = xp.empty((b, c, r), dtype=_U8)
-    scales = xp.empty((b, c), dtype=float32)
+    empty = alloc or array_module().empty
+    data = empty((b, c, r), _U8)
+    scales = empty((b, c), float32)
     if data.size == 0:
         scales[...] = 2.0 ** -126  # an empty column's amax is 0
         return data, scales
-    keys = _zeroed(xp.empty(b * c, dtype=_U32), stream)
+    keys = _zeroed(empty((b * c,), float32).view(_U32), stream)
     x_words = x.reshape(b * r, c).view(_U64)
     # the simulator: one thread per column (no atomics: they serialize its Python threads)
     sim = simulated()

@@ -682,6 +682,28 @@ def test_rowwise_transposed_kernels_bit_exact(kernels, rng, b, r, c):
     assert nan_cols.any() and np.isnan(to_host(scales)[nan_cols]).all()
 
 
+def test_gemm_operands_are_made_in_torchs_memory(kernels, rng):
+    """The fp8 GEMM's conversions write into arrays torch allocated (``_torch_gemm._Operands``:
+    its caching allocator is ordered on torch's stream and a CUDA graph's under capture, CuPy's
+    pool is neither), bit for bit what they write into the array module's."""
+    torch = pytest.importorskip("torch")
+    from mxcomm import _platform, colwise
+    from mxcomm._torch_gemm import _Operands
+    device = torch.device("cuda" if _platform.backend() == "cuda" else "cpu")
+    data, scales = grouped_rowwise_rows(rng, 48, 32, [16, 40])
+    ends = to_device(np.array([16, 40], dtype=np.int32))
+    x = to_device(transposed_test_matrices(rng, 2, 32, 48))
+    for convert, args in ((colwise._to_group_colwise,
+                           (to_device(data), to_device(scales), ends, None)),
+                          (colwise._transposed, (x, None))):
+        alloc = _Operands(device)
+        got, want = convert(*args, alloc), convert(*args)
+        for a, w in zip(got, want):
+            t = alloc.tensor(a)  # the tensor behind the array: one memory
+            assert t.device == device and t.data_ptr() == address(a)
+            np.testing.assert_array_equal(to_host(a), to_host(w))
+
+
 def test_rowwise_transposed_amax_atomic_chunks(kernels, rng):
     """The amax kernel in chunks smaller than the rows (its GPU configuration: keys merged by
     atomic max across threads), against the exclusive configuration the simulator launches."""
