@@ -135,16 +135,17 @@ def quantize_fp8_rowwise_transposed(x, *, stream=None):
                          f"{tuple(x.shape)}")
     if not x.flags.c_contiguous:
         raise ValueError(f"x: expected a C-contiguous array, got strides {x.strides}")
-    if x.size // 4 > fp8_transpose.ENCODE_MAX_WORDS:
-        raise ValueError(f"x: {x.size} elements (shape {tuple(x.shape)}), above the "
-                         f"{4 * fp8_transpose.ENCODE_MAX_WORDS} the encode kernel indexes "
-                         f"(int32 words); quantize fewer matrices per call")
     return _transposed(x, stream)
 
 
 def _transposed(x, stream, alloc=None):
-    """:func:`quantize_fp8_rowwise_transposed` of a checked ``x``; ``alloc(shape, dtype)`` makes
-    the results and the scratch (None: the array module's ``empty``)."""
+    """:func:`quantize_fp8_rowwise_transposed` of ``x`` of the checked dtype and shape: only its
+    size checked here; ``alloc(shape, dtype)`` makes the results and the scratch (None: the
+    array module's ``empty``)."""
+    if x.size // 4 > fp8_transpose.ENCODE_MAX_WORDS:
+        raise ValueError(f"x: {x.size} elements (shape {tuple(x.shape)}), above the "
+                         f"{4 * fp8_transpose.ENCODE_MAX_WORDS} the encode kernel indexes "
+                         f"(int32 words); quantize fewer matrices per call")
     if host_backend():
         return _host.quantize_fp8_rowwise_transposed(x)
     b, r, c = x.shape
