@@ -424,14 +424,30 @@ def paired_table(result):
 
 
 def floor_line(result):
-    """The bf16 spreads: over seeds, and over repeats of one seed (the nondeterminism floor)."""
+    """The bf16 spreads: over seeds, and over repeats of one seed (the nondeterminism floor),
+    with the interval the floor alone gives (:func:`noise_halfwidth`)."""
     summary = result["summary"]
     floor = summary.get("floor")
     text = f"bf16 seed-to-seed spread (std / mean): {_cell(summary['bf16_spread_pct'], '.3f')} %"
     if floor is None:
         return text + "; repeat floor: n/a (no seed of bf16 ran twice: --repeats)"
+    seeds = max([r["seeds"] for r in summary["final"] if r["variant"] != BASELINE], default=0)
+    half = noise_halfwidth(floor["spread_pct"], seeds)
+    noise = (f"; a variant with bf16's numerics would show a 95 % interval of about "
+             f"±{half:.2f} % at {seeds} seeds from that floor alone" if _finite(half) else "")
     return (text + f"; repeat floor, seed {floor['seed']}, {floor['repeats']} runs: std / mean "
-            f"{floor['spread_pct']:.3f} %, max - min {floor['range_pct']:.3f} %")
+            f"{floor['spread_pct']:.3f} %, max - min {floor['range_pct']:.3f} %" + noise)
+
+
+def noise_halfwidth(floor_pct, seeds):
+    """The expected half-width of :func:`paired_interval` at ``seeds`` seeds for a variant whose
+    runs differ from bf16's only by run-to-run nondeterminism: each paired difference is of two
+    runs of spread ``floor_pct``, so its std is ``floor_pct * sqrt(2)``; the half-width is
+    ``t(0.975, seeds - 1) * floor_pct * sqrt(2) / sqrt(seeds)`` (NaN below 2 seeds). An
+    estimate: the floor itself is measured on few runs."""
+    if seeds < 2:
+        return math.nan
+    return t_975(seeds - 1) * floor_pct * math.sqrt(2) / math.sqrt(seeds)
 
 
 def readme_line(result):

@@ -595,6 +595,10 @@ def test_summary_pairs_by_seed_and_measures_the_repeat_floor():
     line = train_moe_report.readme_line({"meta": result["meta"], "summary": summary})
     assert "mxfp8 +2.00 % [" in line and "(target missed)" in line and "3 seeds" in line
     assert "bf16 repeat floor 0.20 %" in line
+    half = train_moe_report.t_975(2) * 0.2 * math.sqrt(2) / math.sqrt(3)  # 3 seeds paired
+    assert f"about ±{half:.2f} % at 3 seeds" in train_moe_report.floor_line(
+        {"summary": summary})
+    assert math.isnan(train_moe_report.noise_halfwidth(0.2, 1))
 
 
 def test_recipe_variants_and_their_attribution():
