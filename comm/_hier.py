@@ -155,7 +155,7 @@ class _NodeComm:
         self._comm = comm
         self._ranks = ranks
         self.rank, self.size = ranks.index(comm.rank), len(ranks)
-        self.world_rank = comm.rank
+        self.world, self.world_rank = comm, comm.rank
         self._side = _NodeSide(comm._side, ranks)
         self._transport = None  # the node's PullTransport, set by HierTransport
 
@@ -212,6 +212,10 @@ class _NodeSide:
         table = self._side.allgather_bytes(payload, what)
         n = len(payload)
         return b"".join(table[r * n:(r + 1) * n] for r in self._ranks)
+
+    def allgather_world(self, payload, what):
+        """:meth:`allgather_bytes` with every rank's entry, not the node's only."""
+        return self._side.allgather_bytes(payload, what)
 
     def barrier(self, what="barrier"):
         self._side.barrier(what)

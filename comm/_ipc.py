@@ -267,7 +267,8 @@ class CudaPeerMemory:
 
     def _device_idle(self):
         """Wait, at most the timeout, until this process's work on the device is done (every
-        stream: an exchange's signals run on its caller's); False past it."""
+        stream: an exchange's signals run on its caller's); False past it. All of it: a
+        collective of another library still waiting for a peer holds this wait too."""
         def sync():
             self._cupy.cuda.Device(self._comm.device).use()  # a new thread: no device current
             self._rt.deviceSynchronize()
@@ -275,23 +276,24 @@ class CudaPeerMemory:
         return done
 
     def _meet(self, why, what):
-        """Meet the node's ranks (bounded), each saying ``why`` (:data:`_GROW` or
-        :data:`_RELEASE`); RuntimeError where a rank met for the other reason (a peer closing
-        while this rank grows, or the reverse), and on growth the communicator is aborted."""
-        table = self._comm._side.allgather_bytes(bytes([why]), what)
-        others = [r for r, b in enumerate(table) if b != why]
-        if others:  # ranks of the node, renamed to the communicator's by _fail or world_names
-            error = RuntimeError(
-                f"{what} on rank {self._rank}: rank{'s' if len(others) > 1 else ''} "
-                f"{', '.join(map(str, others))} met to "
-                f"{'grow' if why == _RELEASE else 'release'} their peer memory instead (one rank "
-                f"closed the communicator while another still exchanged)")
+        """Meet every rank (bounded; under ``hier`` the other nodes too, which meet alike), each
+        saying ``why`` (:data:`_GROW` or :data:`_RELEASE`); RuntimeError naming the ranks that
+        met for something else (a peer closing while this rank grows, or the reverse), and on
+        growth the communicator is aborted."""
+        side = self._comm._side
+        table = getattr(side, "allgather_world", side.allgather_bytes)(bytes([why]), what)
+        odd = {r: b for r, b in enumerate(table) if b != why}
+        if odd:  # the communicator's ranks
+            said = {_GROW: "grow their peer memory", _RELEASE: "release their peer memory"}
+            error = RuntimeError(f"{what} on rank {self._world_rank}: " + "; ".join(
+                f"rank {r} met to {said.get(b, f'do something else (byte {b})')}"
+                for r, b in odd.items()) + " (one rank closed the communicator while another "
+                "still exchanged)")
             if why == _GROW:
-                self._comm._fail(error, raised=True)
-            elif hasattr(self._comm, "world_names"):
-                self._comm.world_names(error)
+                getattr(self._comm, "world", self._comm)._fail(error, raised=True)
             raise error
 
     def _keep(self):
-        """Keep this rank's buffers, never freed: a peer may still map them."""
-        _KEPT.append((self._memory, self._flags))
+        """Keep this rank's buffers, never freed: a peer may still map them, and work still
+        queued may read the "done" addresses or write the pinned status (as :meth:`abandon`)."""
+        _KEPT.append((self._memory, self._flags, self._status_memory, self._done_addresses))

@@ -791,6 +791,7 @@ def _peer_memory_with_fakes(calls, barrier):
             lambda n: Buffer(f"staging of {n} bytes"))})})})()
     memory._peer_ptr, memory._peer_flags = {0: 100, 2: 102}, {0: 200, 2: 202}
     memory._memory, memory._flags, memory._capacity = Buffer("staging"), Buffer("flags"), 1 << 21
+    memory._status_memory, memory._done_addresses = "pinned status", "done addresses"
     memory.epoch = 0
     return memory
 
@@ -831,7 +832,15 @@ def test_peer_memory_is_freed_only_after_every_rank_unmapped_it():
             memory.close()
         gc.collect()
         assert not [c for c in calls if c[0] == "free"], calls
-        assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
+        assert _names(_ipc._KEPT.pop()) == KEPT_NAMES
+
+
+#: What a close that cannot free keeps: the buffers peers map, and what queued work still uses.
+KEPT_NAMES = ["staging", "flags", "pinned status", "done addresses"]
+
+
+def _names(kept):
+    return [getattr(b, "name", b) for b in kept]
 
 
 def test_peer_memory_close_waits_for_its_device_work_bounded():
@@ -849,7 +858,7 @@ def test_peer_memory_close_waits_for_its_device_work_bounded():
     release.set()
     gc.collect()
     assert calls == [], calls  # nothing unmapped, no meeting, nothing freed
-    assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
+    assert _names(_ipc._KEPT.pop()) == KEPT_NAMES
 
 
 def test_peer_memory_growth_and_release_never_pair():
@@ -859,18 +868,28 @@ def test_peer_memory_growth_and_release_never_pair():
     import gc
     from mxcomm.comm import _ipc
     calls = []
-    closing = _peer_memory_with_fakes(calls, lambda what: bytes([1, 2, 1]))  # ranks 0, 2 grow
-    with pytest.warns(RuntimeWarning, match="ranks 0, 2 met to grow their peer memory instead"):
+    closing = _peer_memory_with_fakes(calls, lambda what: bytes([1, 2, 0]))  # 0 grows, 2: other
+    with pytest.warns(RuntimeWarning, match="rank 0 met to grow their peer memory; rank 2 met to "
+                                            r"do something else \(byte 0\)"):
         closing.close()
     gc.collect()
     assert not [c for c in calls if c[0] == "free"], calls
-    assert [b.name for b in _ipc._KEPT.pop()] == ["staging", "flags"]
+    assert _names(_ipc._KEPT.pop()) == KEPT_NAMES
     calls.clear()
     growing = _peer_memory_with_fakes(calls, lambda what: bytes([2, 1, 1]))  # rank 0 releases
     with pytest.raises(RuntimeError, match="growth on rank 1: rank 0 met to release"):
         growing.reserve(4 << 20, stream=0)
     assert [c[0] for c in calls] == ["close", "close", "fail"], calls
     assert not [c for c in calls if c[0] == "open"]
+    # hier: the node's view of the side channel keeps its own ranks' entries; the meeting reads
+    # every rank's, so a rank of another node growing is seen too
+    calls.clear()
+    closing = _peer_memory_with_fakes(calls, lambda what: bytes([2, 2, 2]))
+    side = closing._comm._side
+    side.allgather_world = lambda payload, what: payload * 3 + bytes([1])  # rank 3 grows
+    with pytest.warns(RuntimeWarning, match="rank 3 met to grow their peer memory"):
+        closing.close()
+    assert _names(_ipc._KEPT.pop()) == KEPT_NAMES
 
 
 @pytest.mark.parametrize("unmap_fails", [False, True])
