@@ -56,7 +56,12 @@ def _gloo_rank(rank, size, cases):
         except Exception as e:  # noqa: BLE001 (reported: the test asserts on it)
             exc, msg = type(e).__name__, " ".join(str(e).split())
         results[case] = (exc, time.perf_counter() - t0, msg)
-        dist.barrier()  # every rank done with the case (the peers had their timeout)
+        if exc in ("TimeoutError", "RuntimeError"):
+            # a case that timed out: stay out of the group until every rank's own timeout has
+            # fired, so this rank's barrier below reaches no peer still waiting in the case (its
+            # pending gloo op would take the barrier's message and fail instead of timing out)
+            time.sleep(max(0.0, t0 + TIMEOUT + 1.0 - time.perf_counter()))
+        dist.barrier()  # every rank done with the case
     return results
 
 
