@@ -234,7 +234,7 @@ class CudaPeerMemory:
         write to whatever addresses it then holds). Dropping them would free them once the
         communicator is collected."""
         if self._memory is not None or self._flags is not None:
-            _KEPT.append((self._memory, self._flags, self._status_memory, self._done_addresses))
+            self._keep()
         self._memory = self._flags = None
         self._capacity = 0
 

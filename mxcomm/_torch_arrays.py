@@ -1,7 +1,8 @@
 """Torch tensors as arrays and back, zero-copy (a leaf module: of this package only ``_array``
 and ``_platform``). A CUDA tensor is seen as a CuPy array over its ``data_ptr`` (cheaper on the
 host than DLPack: bench/NOTES.md), a CPU tensor as a NumPy array; bf16 as ml_dtypes', fp8 as
-uint8 bits. Arrays become tensors through DLPack.
+uint8 bits. Arrays become tensors through DLPack; results the engine allocates are torch tensors
+(:class:`_Alloc`).
 """
 
 import numpy
@@ -72,3 +73,35 @@ def _tensor(a, dtype=None):
         return torch.from_dlpack(a.view(numpy.int16)).view(torch.bfloat16)
     t = torch.from_dlpack(a)
     return t if dtype is None else t.view(dtype)
+
+
+class _Alloc:
+    """The engine's ``alloc(shape, dtype)`` in a torch call: torch tensors on ``device`` seen as
+    arrays, handed back as those tensors by :meth:`tensor` (no DLPack, memory in torch's pool:
+    ordered on torch's stream, and a CUDA graph's own pool under capture, where CuPy's pool would
+    grow or lend blocks that outlive the graph). Dtypes torch lacks come from the array module."""
+
+    __slots__ = ("_device", "_made")
+
+    def __init__(self, device):
+        self._device = device
+        self._made = []
+
+    def __call__(self, shape, dtype):
+        torch_dtype = _TORCH_DTYPES.get(dtype)
+        if torch_dtype is None:
+            if gpu_arrays():
+                import cupy
+                return cupy.empty(shape, dtype)
+            return numpy.empty(shape, dtype)
+        t = torch.empty(shape, dtype=torch_dtype, device=self._device)
+        a = _view(t, dtype) if t.numel() else _array(t, "result")
+        self._made.append((a, t))
+        return a
+
+    def tensor(self, a, dtype=None):
+        """The tensor of an array made here (``dtype``: a bit view), else :func:`_tensor`'s."""
+        for made, t in self._made:
+            if made is a:
+                return t if dtype is None else t.view(dtype)
+        return _tensor(a, dtype)

@@ -18,44 +18,18 @@ GEMM over ``[w_1 | w_2 | ...]`` along N. docs/design.md, "The experts' GEMMs".
 import functools
 import weakref
 
+import numpy
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-import numpy
-
 from . import colwise, rowwise
-from ._torch_arrays import _TORCH_DTYPES, _array, _stream, _tensor, _view
+from ._torch_arrays import _Alloc, _array, _stream
 from .recipes import GEMMS
 
 E4M3_MAX = 448.0
 _SCALE_EXP_MIN, _SCALE_EXP_MAX = -126, 127
 #: The attribute of overlapped-dispatch rows where the backward marks its dgrad (_torch_overlap).
 OVERLAP_ATTRIBUTE = "_mxcomm_overlap"
-
-
-class _Operands:
-    """``alloc(shape, dtype)`` for the operand conversions' kernels: torch tensors on ``device``
-    seen as CuPy arrays. torch's caching allocator orders them on torch's stream and, inside a
-    CUDA graph capture, takes them from the graph's pool; CuPy's pool does neither (a capture
-    that grows it is invalidated, and blocks it hands back outlive the graph).
-    :meth:`tensor` returns the tensor of an array made here."""
-
-    __slots__ = ("_device", "_made")
-
-    def __init__(self, device):
-        self._device = device
-        self._made = []
-
-    def __call__(self, shape, dtype):
-        t = torch.empty(shape, dtype=_TORCH_DTYPES[numpy.dtype(dtype)], device=self._device)
-        a = _view(t, dtype) if t.numel() else _array(t, "operand")
-        self._made.append((a, t))
-        return a
-
-    def tensor(self, a, dtype=None):
-        """The tensor of the array ``a`` made here; ``dtype``: a bit view."""
-        t = next(t for made, t in self._made if made is a)
-        return t if dtype is None else t.view(dtype)
 
 
 def fp8_gemm_available(device):
@@ -87,8 +61,9 @@ def quantize_rows_pow2(t):
     k = t.shape[-1]
     if t.is_cuda and t.dtype in (torch.bfloat16, torch.float32) and k % 16 == 0 and t.numel():
         rows = t.detach().reshape(-1, k)  # _array makes it contiguous
-        alloc = _Operands(t.device)
-        data, scales = alloc(rows.shape, numpy.uint8), alloc(rows.shape[:1], numpy.float32)
+        alloc = _Alloc(t.device)  # torch's memory: stream-ordered, and a graph's under capture
+        data = alloc(rows.shape, numpy.dtype(numpy.uint8))
+        scales = alloc(rows.shape[:1], numpy.dtype(numpy.float32))
         rowwise.quantize_fp8_rowwise(_array(rows, "t"), out=(data, scales), stream=_stream(rows))
         return (alloc.tensor(data, torch.float8_e4m3fn).view(t.shape),
                 alloc.tensor(scales).view(t.shape[:-1]))
@@ -123,7 +98,7 @@ def _fp8_weight_t(w):
     stored = w.detach().transpose(-2, -1)  # (G, N, K)
     if (w.is_cuda and w.dtype == torch.bfloat16 and stored.is_contiguous() and stored.numel()
             and stored.shape[-1] % 16 == 0 and stored.shape[-2] % 16 == 0):
-        alloc = _Operands(w.device)
+        alloc = _Alloc(w.device)
         data, scales = colwise._transposed(_array(stored, "w"), _stream(stored), alloc)
         return alloc.tensor(data, torch.float8_e4m3fn).transpose(-2, -1), alloc.tensor(scales)
     q, scale = quantize_rows_pow2(w.detach().contiguous())  # (G, K, N) along N
@@ -138,12 +113,12 @@ def _plain(t):
 def _fp8_wgrad(x_rows, grad_rows, offs, fast):
     """dw (G, K, N) bf16 = x^T grad per group from (data, scales) fp8 rowwise pairs, converted
     by ``colwise`` without its checks (these are the GEMM's own operands)."""
-    ends, stream, alloc = _array(offs, "offs"), _stream(offs), _Operands(offs.device)
+    ends, stream, alloc = _array(offs, "offs"), _stream(offs), _Alloc(offs.device)
     a, scale_a, aligned = colwise._to_group_colwise(                 # x^T (K, T), (G, K)
         _array(x_rows[0], "x"), _array(x_rows[1], "x scales"), ends, stream, alloc)
     b, scale_b, _ = colwise._to_group_colwise(                       # grad^T (N, T), (G, N)
         _array(grad_rows[0], "grad"), _array(grad_rows[1], "grad scales"), ends, stream, alloc)
-    tensor = alloc.tensor if offs.is_cuda else _tensor  # the host backend makes its own
+    tensor = alloc.tensor  # the host backend's own arrays: through DLPack
     return torch._scaled_grouped_mm(
         tensor(a, torch.float8_e4m3fn), tensor(b, torch.float8_e4m3fn).t(),
         tensor(scale_a).reshape(-1), tensor(scale_b).reshape(-1), offs=tensor(aligned),

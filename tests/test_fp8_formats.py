@@ -683,12 +683,12 @@ def test_rowwise_transposed_kernels_bit_exact(kernels, rng, b, r, c):
 
 
 def test_gemm_operands_are_made_in_torchs_memory(kernels, rng):
-    """The fp8 GEMM's conversions write into arrays torch allocated (``_torch_gemm._Operands``:
+    """The fp8 GEMM's conversions write into arrays torch allocated (``_torch_arrays._Alloc``:
     its caching allocator is ordered on torch's stream and a CUDA graph's under capture, CuPy's
     pool is neither), bit for bit what they write into the array module's."""
     torch = pytest.importorskip("torch")
     from mxcomm import _platform, colwise
-    from mxcomm._torch_gemm import _Operands
+    from mxcomm._torch_arrays import _Alloc
     device = torch.device("cuda" if _platform.backend() == "cuda" else "cpu")
     data, scales = grouped_rowwise_rows(rng, 48, 32, [16, 40])
     ends = to_device(np.array([16, 40], dtype=np.int32))
@@ -696,7 +696,7 @@ def test_gemm_operands_are_made_in_torchs_memory(kernels, rng):
     for convert, args in ((colwise._to_group_colwise,
                            (to_device(data), to_device(scales), ends, None)),
                           (colwise._transposed, (x, None))):
-        alloc = _Operands(device)
+        alloc = _Alloc(device)
         got, want = convert(*args, alloc), convert(*args)
         for a, w in zip(got, want):
             t = alloc.tensor(a)  # the tensor behind the array: one memory

@@ -18,7 +18,7 @@ imports torch.
 """
 
 # the private names below are re-exported for the benchmarks' probes and the tests
-from .._torch_arrays import _array, _stream, _tensor
+from .._torch_arrays import _Alloc, _array, _stream, _tensor
 from .._torch_gemm import WeightCache, fp8_gemm_available, grouped_mm
 from . import _gemm_op  # noqa: F401 (registers mxcomm::grouped_mm, which grouped_mm calls)
 from ._dropin import all_to_all_single, all_to_all_single_fn
@@ -26,7 +26,7 @@ from ._layout import TensorLayout, exchange_layout
 from ._ops import _A2A, LayoutHandle, _exchange_direct, a2a_combine, a2a_dispatch, communicator_for
 from ._permute import permute, unpermute
 from ._quantized import MXFP8Tensor, QuantizedTensor, _quantized_tensor
-from ._tensors import _Alloc, _index_array
+from ._tensors import _index_array
 
 __all__ = ["QuantizedTensor", "MXFP8Tensor", "grouped_mm", "fp8_gemm_available",
            "TensorLayout", "LayoutHandle", "exchange_layout", "a2a_dispatch", "permute",

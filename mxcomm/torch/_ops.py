@@ -18,10 +18,11 @@ from .. import route as _route
 from .. import layout as _layout
 from .._driver import Words
 from .._platform import backend
-from .._torch_arrays import _ARRAY_DTYPES, _INT_OF_SIZE, _TORCH_DTYPES, _current_stream, _stream
+from .._torch_arrays import (_ARRAY_DTYPES, _INT_OF_SIZE, _TORCH_DTYPES, _Alloc, _current_stream,
+                             _stream)
 from ._quantized import (_DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _dequantized,
                          _quantized_tensor)
-from ._tensors import _Alloc, _index_tensors, _rows, _wrap
+from ._tensors import _index_tensors, _rows, _wrap
 
 NAMESPACE = "mxcomm"
 #: The group key prefixes (module docstring).

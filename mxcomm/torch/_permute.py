@@ -9,10 +9,10 @@ import torch
 from .. import layout as _layout
 from .. import permutation as _permutation
 from .._array import bfloat16
-from .._torch_arrays import _array, _stream
+from .._torch_arrays import _Alloc, _array, _stream
 from ..formats import get_format
 from ._ops import _A2A
-from ._tensors import _Alloc, _index_array, _index_tensors, _PendingGather, _rows, _wrap
+from ._tensors import _index_array, _index_tensors, _PendingGather, _rows, _wrap
 
 
 def _not_compiled(name):

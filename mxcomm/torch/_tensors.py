@@ -6,37 +6,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .. import permutation as _permutation
-from .._torch_arrays import _TORCH_DTYPES, _array, _stream, _tensor, _view
+from .._torch_arrays import _Alloc, _array, _stream, _tensor
 from ..formats import QuantizedArray
-from ..kernels import array_module
 from ._quantized import _DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _quantized_tensor
-
-
-class _Alloc:
-    """The engine's ``alloc(shape, dtype)`` in a torch call: torch tensors on ``device`` seen as
-    arrays, handed back as those tensors by :meth:`tensor` (no DLPack, memory in torch's pool)."""
-
-    __slots__ = ("_device", "_made")
-
-    def __init__(self, device):
-        self._device = device
-        self._made = []
-
-    def __call__(self, shape, dtype):
-        torch_dtype = _TORCH_DTYPES.get(dtype)
-        if torch_dtype is None:
-            return array_module().empty(shape, dtype)
-        t = torch.empty(shape, dtype=torch_dtype, device=self._device)
-        a = _view(t, dtype) if t.numel() else _array(t, "result")
-        self._made.append((a, t))
-        return a
-
-    def tensor(self, a, dtype=None):
-        """The tensor of an array made here (``dtype``: a bit view), else :func:`_tensor`'s."""
-        for made, t in self._made:
-            if made is a:
-                return t if dtype is None else t.view(dtype)
-        return _tensor(a, dtype)
 
 
 def _rows(t, name):
