@@ -431,12 +431,17 @@ def floor_line(result):
     text = f"bf16 seed-to-seed spread (std / mean): {_cell(summary['bf16_spread_pct'], '.3f')} %"
     if floor is None:
         return text + "; repeat floor: n/a (no seed of bf16 ran twice: --repeats)"
-    seeds = max([r["seeds"] for r in summary["final"] if r["variant"] != BASELINE], default=0)
+    seeds = _paired_seeds(summary)
     half = noise_halfwidth(floor["spread_pct"], seeds)
     noise = (f"; a variant with bf16's numerics would show a 95 % interval of about "
              f"±{half:.2f} % at {seeds} seeds from that floor alone" if _finite(half) else "")
     return (text + f"; repeat floor, seed {floor['seed']}, {floor['repeats']} runs: std / mean "
             f"{floor['spread_pct']:.3f} %, max - min {floor['range_pct']:.3f} %" + noise)
+
+
+def _paired_seeds(summary):
+    """The most seeds any variant paired with bf16 (0 if none)."""
+    return max([r["seeds"] for r in summary["final"] if r["variant"] != BASELINE], default=0)
 
 
 def noise_halfwidth(floor_pct, seeds):
@@ -460,7 +465,7 @@ def readme_line(result):
     if not parts:
         return "Convergence: no variant has an interval yet (at least 2 seeds paired with bf16)."
     floor = summary.get("floor")
-    seeds = max(r["seeds"] for r in summary["final"] if r["variant"] != BASELINE)
+    seeds = _paired_seeds(summary)
     return (f"Final held-out loss vs bf16 (paired, mean [95 % CI], {seeds} seeds; d {s['dim']}, "
             f"{s['experts']} experts top-{s['top_k']}, {meta['world_size']} ranks, "
             f"{s['steps'] * meta['tokens_per_step'] / 1e6:.1f} M tokens, commit "
