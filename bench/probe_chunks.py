@@ -25,11 +25,14 @@ GEMM whole): only this needs no library change. Every layout is exchanged before
 (its host sync would otherwise wait for the side stream). The schedules alternate, one iteration
 each after 3 warm-up rounds, each after a device sync and a barrier; CUDA events on the main
 stream (on a CPU: host clocks, the wiring only). Rank 0 prints the medians of the slowest rank
-and whether each schedule's outputs and input gradients equal the first's (bit for bit; the fp8 GEMM may choose
-other kernels for other group sizes: then the largest difference), and writes the table to
+and whether each schedule's outputs and input gradients equal the first's in the same iteration,
+every iteration (bit for bit; else the largest difference, in how many iterations, and where the
+first differing input-gradient rows lie: by token block and by the rank of their expert), and
+writes the table to
 ``$PROBE_MARKDOWN`` where set. ``PROBE_PEER_MEMORY=off``: the exchanges over NCCL (the grouped
 transport, whose kernels hold SMs for the whole exchange) instead of peer-memory pulls (copy
-engines): the GEMM's slowdown beside each.
+engines): the GEMM's slowdown beside each. ``PROBE_CUPY_POOL=off``: CuPy's memory pool off (a
+diagnostic: no block of CuPy's pool is handed out again while a stream may still use it).
 """
 
 import os
@@ -51,6 +54,9 @@ ALIGN = 32
 
 def main():
     peer = os.environ.get("PROBE_PEER_MEMORY", "auto")
+    if os.environ.get("PROBE_CUPY_POOL") == "off":  # every CuPy allocation its own cudaMalloc
+        import cupy
+        cupy.cuda.set_allocator(None)
     comm = mxcomm.comm.init(peer_memory={"auto": None, "on": True, "off": False}[peer])
     gpu = getattr(comm, "device", None) is not None
     if gpu:
@@ -82,8 +88,11 @@ def main():
         f"{CHUNKS} chunks, 2 streams": lambda: _layer(blocks, grads, counts_block, w, comm, side),
     }
     times = {name: [] for name in schedules}
-    outputs = {}
+    diffs = {name: [0.0, 0.0] for name in schedules}  # largest |difference| from 1 chunk's
+    missed = {name: 0 for name in schedules}  # iterations that differ from 1 chunk's
+    where = {}  # name -> the first differing iteration's rows, by block and the expert's rank
     for i in range(WARMUP + ITERS):
+        reference = None
         for name, run in schedules.items():
             if gpu:
                 torch.cuda.synchronize()
@@ -95,14 +104,19 @@ def main():
                 torch.cuda.synchronize()
             if i >= WARMUP:
                 times[name].append((_ms(gpu, start, fwd), _ms(gpu, start, end)))
-            if i == WARMUP:
-                outputs[name] = [_interleave(t, experts).float() for t in (outs, dxs)]
+            got = [_interleave(t, experts) for t in (outs, dxs)]
+            if reference is None:
+                reference = got
+                continue
+            rows = [(a != b).any(dim=1) for a, b in zip(got, reference)]
+            if any(bool(r.any()) for r in rows):
+                missed[name] += 1
+                for k, (a, b) in enumerate(zip(got, reference)):
+                    diffs[name][k] = max(diffs[name][k], float((a.float() - b.float()).abs().max()))
+                where.setdefault(name, (i, _rows_by_block(rows[1], experts, per)))
     medians = {name: [statistics.median(t[k] for t in rows) for k in (0, 1)]
                for name, rows in times.items()}
-    first = outputs["1 chunk"]
-    diffs = {name: [float((a - b).abs().max()) for a, b in zip(out, first)]
-             for name, out in outputs.items()}
-    every = MPI.COMM_WORLD.gather((medians, diffs), root=0)
+    every = MPI.COMM_WORLD.gather((medians, diffs, missed, where), root=0)
     if rank == 0:
         where = f"{world} x {torch.cuda.get_device_name()}" if gpu else f"{world} CPU ranks"
         lines = [f"# The forward's chunked overlap, probed: fp8_rowwise, {ROWS} rows x {DIM} -> "
@@ -111,13 +125,21 @@ def main():
                  f"{os.environ.get('MXCOMM_COMMIT', 'unknown')}", "",
                  "| schedule | forward | forward + backward | vs 1 chunk | output, input grad vs "
                  "1 chunk |", "| --- | --- | --- | --- | --- |"]
-        base = max(m["1 chunk"][1] for m, _ in every)
+        base = max(m["1 chunk"][1] for m, *_ in every)
         for name in schedules:
-            fwd = max(m[name][0] for m, _ in every)
-            both = max(m[name][1] for m, _ in every)
-            diff = [max(d[name][k] for _, d in every) for k in (0, 1)]
+            fwd = max(m[name][0] for m, *_ in every)
+            both = max(m[name][1] for m, *_ in every)
+            diff = [max(d[name][k] for _, d, *_ in every) for k in (0, 1)]
             same = ", ".join("equal" if x == 0 else f"max |diff| {x:.3g}" for x in diff)
+            worst = max(c[name] for _, _, c, _ in every)
+            if worst:
+                same += f" (in {worst} of {WARMUP + ITERS} iterations on the worst rank)"
             lines.append(f"| {name} | {fwd:.3f} | {both:.3f} | {base / both:.3f}x | {same} |")
+        for r, (_, _, _, w) in enumerate(every):
+            for name, (i, blocks) in w.items():
+                lines.append(f"- rank {r}, {name}: first difference at iteration {i}; input "
+                             f"gradient rows that differ, by (block, rank of their expert): "
+                             f"{blocks}")
         print("\n".join(lines))
         if os.environ.get("PROBE_MARKDOWN"):
             with open(os.environ["PROBE_MARKDOWN"], "w") as f:
@@ -178,6 +200,14 @@ def _interleave(blocks, experts):
         return blocks[0]
     runs = [b.view(experts, -1, b.shape[-1]) for b in blocks]
     return torch.cat(runs, dim=1).reshape(-1, blocks[0].shape[-1])
+
+
+def _rows_by_block(differ, experts, per):
+    """``{(block, rank of the expert): rows}`` of the boolean (rows,) ``differ`` in the whole
+    layer's order (expert-major, each expert's rows block after block)."""
+    counts = differ.view(experts, CHUNKS, per).sum(dim=2).view(-1, E_LOCAL, CHUNKS).sum(dim=1)
+    return {(c, r): int(counts[r, c]) for r in range(counts.shape[0]) for c in range(CHUNKS)
+            if int(counts[r, c])}
 
 
 def _record(stream):
