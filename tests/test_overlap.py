@@ -334,9 +334,6 @@ def test_gpu_overlap_equals_no_overlap(comm, device, name):
 
 @pytest.mark.gpu
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason="the capture fails on 2xH100 and 4xH100 (720e237, 1452169: "
-                   "cudaErrorStreamCaptureInvalidated) with the overlap stepping aside inside "
-                   "it: the fp8 GEMM path's capture is the suspect; cause not found")
 def test_gpu_cuda_graph_of_an_overlapped_step(comm, device):
     """The fp8_rowwise token path's forward and backward with the backward overlap, on one
     fixed batch and layout (the layout exchange, the path's one host sync, stays outside),

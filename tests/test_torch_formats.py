@@ -41,6 +41,51 @@ def test_quantized_tensor(name):
         assert t.data_e4m3 is t.qdata and t.scales_e8m0 is t.scales
 
 
+def test_quantized_tensor_records_its_parts_on_a_stream(monkeypatch):
+    """``record_stream`` (what autograd's engine calls on a gradient whose consumer runs on
+    another stream) reaches the data and the scales, and dequantizes nothing: the allocator then
+    keeps their memory until that stream has read it."""
+    from mxcomm.torch import _quantized
+    t = quantized_tensor(torch.randn(4, 256, dtype=torch.bfloat16), "fp8_rowwise")
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: recorded.append((self, stream)))
+    monkeypatch.setattr(_quantized, "_dequantized", lambda *a: pytest.fail("dequantized"))
+    stream = torch.Stream("cpu")
+    torch.ops.aten.record_stream.default(t, stream)
+    assert [(a is b, s == stream) for (a, s), b in zip(recorded, (t.qdata, t.scales))] == \
+        [(True, True)] * 2 and len(recorded) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_quantized_gradient_on_another_stream_keeps_its_memory():
+    """A QuantizedTensor made on a side stream and recorded on the main stream (as autograd does
+    for a gradient crossing streams): while the main stream is busy, new blocks of the same
+    sizes on the side stream are not the data's or the scales' (a plain tensor's block, freed
+    unrecorded, is: the control)."""
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        control = torch.empty(4096, 1024, dtype=torch.uint8, device="cuda")
+        ptr = control.data_ptr()
+        del control
+        again = torch.empty(4096, 1024, dtype=torch.uint8, device="cuda")
+        assert again.data_ptr() == ptr  # the allocator hands a freed block out again at once
+        del again
+        data = torch.randint(0, 127, (4096, 1024), dtype=torch.uint8, device="cuda")
+        scales = torch.rand(4096, device="cuda")
+        t = mt.QuantizedTensor(data, scales, "fp8_rowwise")
+    main.wait_stream(side)
+    torch.cuda._sleep(200_000_000)  # the main stream busy long after the host goes on
+    t.record_stream(main)
+    ptrs = {data.data_ptr(), scales.data_ptr()}
+    del t, data, scales
+    with torch.cuda.stream(side):
+        reused = {torch.empty(4096, 1024, dtype=torch.uint8, device="cuda").data_ptr(),
+                  torch.empty(4096, device="cuda").data_ptr()}
+    assert not ptrs & reused
+    torch.cuda.synchronize()
+
+
 def test_quantized_tensor_rejects_bad_parts():
     with pytest.raises(ValueError, match=r"scales \(M,\) \(fp8_rowwise\)"):
         mt.QuantizedTensor(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 2), "fp8_rowwise")

@@ -98,6 +98,15 @@ class QuantizedTensor(torch.Tensor):
         if func is torch.ops.aten.detach.default:
             (t,) = args
             return QuantizedTensor(t.qdata, t.scales, t.format)
+        if func is torch.ops.aten.record_stream.default:
+            # autograd's engine records a gradient on its consumer's stream when the two streams
+            # differ: the memory to keep is the data's and the scales' (the fallback below would
+            # record a dequantized copy, and the allocator could hand the data's blocks to the
+            # producer's stream while the consumer still reads them)
+            t, stream = args
+            t.qdata.record_stream(stream)
+            t.scales.record_stream(stream)
+            return None
         if func in _GEMM_OPS:  # the grouped GEMM's ops read the rows as they are (_gemm_op)
             names = [a.name for a in func._schema.arguments]
             bound = dict(zip(names, args), **(kwargs or {}))  # by name: any given positionally
