@@ -12,7 +12,13 @@ OUT=${OUT:-/tmp/out}
 res=/tmp/mxcomm-results
 mkdir -p "$OUT" "$res"
 log="$OUT/gpu.log"
-export MXCOMM_COMMIT=${MXCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# the commit that results name: set MXCOMM_COMMIT where the machine's git may lag the tree it runs
+# (a copied working tree over an older checkout); else HEAD, marked "+modified" if the tree differs
+if [ -z "${MXCOMM_COMMIT:-}" ]; then
+    MXCOMM_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+    git diff --quiet HEAD -- . 2>/dev/null || MXCOMM_COMMIT="$MXCOMM_COMMIT+modified"
+fi
+export MXCOMM_COMMIT
 ngpu=$(nvidia-smi -L | wc -l)
 FP8_VARIANTS=${FP8_VARIANTS:-auto,mxfp8,fp8_rowwise,mxfp8_all,bf16+fp8gemm,fp8_rowwise_bf16grad,mxfp8+rowwise,fp8_rowwise_mxgrad,fp8_rowwise_bf16wgrad,fp8_rowwise_acc32}
 # mpirun_env of the kit, as a command (timeout cannot run a shell function)

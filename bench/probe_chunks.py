@@ -27,7 +27,8 @@ each after 3 warm-up rounds, each after a device sync and a barrier; CUDA events
 stream (on a CPU: host clocks, the wiring only). Rank 0 prints the medians of the slowest rank
 and whether each schedule's outputs and input gradients equal the first's in the same iteration,
 every iteration (bit for bit; else the largest difference, in how many iterations, and where the
-first differing input-gradient rows lie: by token block and by the rank of their expert), and
+first differing input-gradient rows lie: by token block and the rank of their expert, and the
+first runs by expert with their positions), and
 writes the table to
 ``$PROBE_MARKDOWN`` where set. ``PROBE_PEER_MEMORY=off``: the exchanges over NCCL (the grouped
 transport, whose kernels hold SMs for the whole exchange) instead of peer-memory pulls (copy
@@ -139,7 +140,8 @@ def main():
             for name, (i, blocks) in w.items():
                 lines.append(f"- rank {r}, {name}: first difference at iteration {i}; input "
                              f"gradient rows that differ, by (block, rank of their expert): "
-                             f"{blocks}")
+                             f"{blocks[0]}; the first runs (block, expert, rows, first and last "
+                             f"position in the run): {blocks[1]}")
         print("\n".join(lines))
         if os.environ.get("PROBE_MARKDOWN"):
             with open(os.environ["PROBE_MARKDOWN"], "w") as f:
@@ -203,11 +205,18 @@ def _interleave(blocks, experts):
 
 
 def _rows_by_block(differ, experts, per):
-    """``{(block, rank of the expert): rows}`` of the boolean (rows,) ``differ`` in the whole
-    layer's order (expert-major, each expert's rows block after block)."""
-    counts = differ.view(experts, CHUNKS, per).sum(dim=2).view(-1, E_LOCAL, CHUNKS).sum(dim=1)
-    return {(c, r): int(counts[r, c]) for r in range(counts.shape[0]) for c in range(CHUNKS)
-            if int(counts[r, c])}
+    """Where the boolean (rows,) ``differ`` (the whole layer's order: expert-major, each expert's
+    rows block after block) is set: ``{(block, rank of the expert): rows}``, then the first 8
+    (block, expert) runs as ``(block, expert, rows, first and last position in the run)``."""
+    runs = differ.view(experts, CHUNKS, per)
+    counts = runs.sum(dim=2).view(-1, E_LOCAL, CHUNKS).sum(dim=1)
+    by_rank = {(c, r): int(counts[r, c]) for r in range(counts.shape[0]) for c in range(CHUNKS)
+               if int(counts[r, c])}
+    detail = []
+    for e, c in runs.any(dim=2).nonzero().tolist()[:8]:
+        at = runs[e, c].nonzero().flatten()
+        detail.append((c, e, int(at.numel()), int(at[0]), int(at[-1])))
+    return by_rank, detail
 
 
 def _record(stream):
