@@ -4,7 +4,7 @@
 # phases: tests1 faults2 ktests1 tests2 formats2 tests4 flaky4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
-#         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
+#         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) chunksbisect4 titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -165,6 +165,15 @@ for phase in "$@"; do
                 env PROBE_MARKDOWN="$res/probe_chunks_${rows}_c${CHUNKS:-2}_pm${PROBE_PEER_MEMORY:-auto}_w$n.md" \
                 PROBE_PEER_MEMORY=${PROBE_PEER_MEMORY:-auto} "${mpirun_env[@]}" -x PROBE_MARKDOWN -x PROBE_PEER_MEMORY \
                 -n "$n" python3 bench/probe_chunks.py "$rows" 7168 2048 8 20 ${CHUNKS:-2}
+        done ;;
+    chunksbisect4)  # the chunk probe's 4-rank input-gradient difference (bench/NOTES.md, 2026-11-28):
+        # one step's format changed at a time (the default, then the GEMM in bf16, the combine
+        # gradient in bf16, the dispatch gradient in bf16): which step it comes from
+        [ "$ngpu" -ge 4 ] && for v in "" PROBE_GEMM=bf16 PROBE_COMBINE_GRAD=bf16 PROBE_DISPATCH_GRAD=bf16; do
+            step "probe: chunked overlap, 4 ranks, 131072 rows, ${v:-default}" 120 \
+                env PROBE_MARKDOWN="$res/probe_chunks_bisect_${v:-default}_w4.md" $v "${mpirun_env[@]}" \
+                -x PROBE_MARKDOWN -x PROBE_GEMM -x PROBE_COMBINE_GRAD -x PROBE_DISPATCH_GRAD \
+                -n 4 python3 bench/probe_chunks.py 131072 7168 2048 8 5 2
         done ;;
     pipe4) [ "$ngpu" -ge 4 ] && step "bench pipeline, 4 ranks" 400 "${mpirun_env[@]}" -n 4 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w4.json" --markdown "$res/pipeline_w4.md" --plot "$res/pipeline_w4.png" ;;

@@ -34,6 +34,9 @@ writes the table to
 transport, whose kernels hold SMs for the whole exchange) instead of peer-memory pulls (copy
 engines): the GEMM's slowdown beside each. ``PROBE_CUPY_POOL=off``: CuPy's memory pool off (a
 diagnostic: no block of CuPy's pool is handed out again while a stream may still use it).
+``PROBE_DISPATCH_GRAD`` (default ``mxfp8``), ``PROBE_COMBINE_GRAD`` (``fp8_rowwise``) and
+``PROBE_GEMM`` (``fp8``, or ``bf16``: the grouped GEMM on the dequantized rows): one step's
+format changed at a time, to find which step a difference between the schedules comes from.
 """
 
 import os
@@ -120,7 +123,9 @@ def main():
     every = MPI.COMM_WORLD.gather((medians, diffs, missed, where), root=0)
     if rank == 0:
         where = f"{world} x {torch.cuda.get_device_name()}" if gpu else f"{world} CPU ranks"
-        lines = [f"# The forward's chunked overlap, probed: fp8_rowwise, {ROWS} rows x {DIM} -> "
+        lines = [f"# The forward's chunked overlap, probed: fp8_rowwise (dispatch gradient "
+                 f"{DISPATCH_GRAD}, combine gradient {COMBINE_GRAD}, {'fp8' if FP8_GEMM else 'bf16'} "
+                 f"GEMM), {ROWS} rows x {DIM} -> "
                  f"{HIDDEN}, {E_LOCAL} experts per rank, {where}, transport {comm.transport}", "",
                  f"ms, median of {ITERS} after {WARMUP}, the slowest rank's; commit "
                  f"{os.environ.get('MXCOMM_COMMIT', 'unknown')}", "",
@@ -160,7 +165,7 @@ def _layer(xs, grads, counts, w, comm, side):
         outs = []
         for x, layout in zip(inputs, layouts):
             rows, _, offs = _dispatch(x, layout)
-            outs.append(_combine(mt.grouped_mm(rows, w, offs), layout))
+            outs.append(_combine(_gemm(rows, w, offs), layout))
     else:
         main = torch.cuda.current_stream()
         side.wait_stream(main)
@@ -172,7 +177,7 @@ def _layer(xs, grads, counts, w, comm, side):
         ys, done = [], []
         for (rows, _, offs), event in zip(dispatched, landed):
             main.wait_event(event)
-            ys.append(mt.grouped_mm(rows, w, offs))
+            ys.append(_gemm(rows, w, offs))
             done.append(_record(main))
         with torch.cuda.stream(side):
             for y, event, layout in zip(ys, done, layouts):
@@ -186,13 +191,23 @@ def _layer(xs, grads, counts, w, comm, side):
     return [o.detach() for o in outs], [x.grad for x in inputs], fwd
 
 
+# the path's formats and GEMM, each changeable to find which step a difference comes from
+DISPATCH_GRAD = os.environ.get("PROBE_DISPATCH_GRAD", "mxfp8")
+COMBINE_GRAD = os.environ.get("PROBE_COMBINE_GRAD", "fp8_rowwise")
+FP8_GEMM = os.environ.get("PROBE_GEMM", "fp8") == "fp8"
+
+
 def _dispatch(x, layout):
-    return mt.a2a_dispatch(x, layout, precision="fp8_rowwise", grad_precision="mxfp8",
+    return mt.a2a_dispatch(x, layout, precision="fp8_rowwise", grad_precision=DISPATCH_GRAD,
                            permute_align=ALIGN)
 
 
+def _gemm(rows, w, offs):
+    return mt.grouped_mm(rows, w, offs) if FP8_GEMM else mt.grouped_mm(rows, w, offs, fp8=False)
+
+
 def _combine(y, layout):
-    return mt.a2a_combine(y, layout, precision="bf16", grad_precision="fp8_rowwise",
+    return mt.a2a_combine(y, layout, precision="bf16", grad_precision=COMBINE_GRAD,
                           permute_align=ALIGN)
 
 
