@@ -99,10 +99,9 @@ class QuantizedTensor(torch.Tensor):
             (t,) = args
             return QuantizedTensor(t.qdata, t.scales, t.format)
         if func is torch.ops.aten.record_stream.default:
-            # autograd's engine records a gradient on its consumer's stream when the two streams
-            # differ: the memory to keep is the data's and the scales' (the fallback below would
-            # record a dequantized copy, and the allocator could hand the data's blocks to the
-            # producer's stream while the consumer still reads them)
+            # an explicit record_stream: the memory to keep is the data's and the scales' (the
+            # fallback below would record a dequantized copy). Autograd's engine does not come
+            # here: it records a gradient's own storage, which this wrapper has not
             t, stream = args
             t.qdata.record_stream(stream)
             t.scales.record_stream(stream)
