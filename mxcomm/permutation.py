@@ -200,7 +200,7 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
         if m_recv != layout.num_received:
             raise ValueError(f"permute: x on rank {layout.comm.rank} has {m_recv} rows, but the "
                              f"layout receives {layout.num_received}")
-        with on_stream(stream):
+        with on_stream(stream if alloc is None else None):  # alloc: torch's, on its stream
             indices, group_offsets = _layout_index(layout, align, stream, alloc)
             return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
     if num_local_experts is None:
@@ -220,7 +220,7 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
         with on_stream(stream):
             counts = counts.copy()
     p = -(-(m_recv + e_local * align) // align) * align
-    with on_stream(stream):
+    with on_stream(stream if alloc is None else None):  # alloc: torch's, on its stream
         indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream, alloc)
         return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
@@ -356,5 +356,5 @@ def _unpermute_backward(grad, permuted_indices, stream, alloc, out_format=None):
     """:func:`unpermute_backward` from ``alloc``, converted to ``out_format`` as in permute."""
     srcs, fmt = _rows(grad, "grad")
     idx = _check_indices(permuted_indices, None, "grad", stream)
-    with on_stream(stream):
+    with on_stream(stream if alloc is None else None):  # alloc: torch's, on its stream
         return _gather(grad, srcs, fmt, _conversion(fmt, out_format, srcs), idx, stream, alloc)
