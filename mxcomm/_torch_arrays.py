@@ -47,6 +47,25 @@ def _current_stream(device):
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def _record(t, stream=None):
+    """``record_stream`` the memory of ``t`` (a tensor, a QuantizedTensor's data and scales, or
+    None: nothing) on ``stream`` (None: torch's current stream on its device): the caching
+    allocator hands its blocks out again only once that stream has done what it has enqueued so
+    far. Autograd's engine records a gradient that crosses streams by the tensor's own storage,
+    which a QuantizedTensor's wrapper has not, so mxcomm records the parts where it reads them.
+    No-op for CPU and traced tensors, and (in the allocator) on the stream that made them."""
+    if t is None:
+        return
+    parts = (t.qdata, t.scales) if hasattr(t, "qdata") else (t,)
+    first = parts[0]
+    if not first.is_cuda or type(first) is not torch.Tensor or torch.compiler.is_compiling():
+        return
+    if stream is None:
+        stream = torch.cuda.current_stream(first.device)
+    for part in parts:
+        part.record_stream(stream)
+
+
 def _view(t, dtype):
     """The contiguous tensor ``t``'s bytes as a CuPy or NumPy array of ``dtype``, zero-copy,
     keeping ``t`` alive. No stream synchronization."""
