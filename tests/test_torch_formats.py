@@ -42,9 +42,10 @@ def test_quantized_tensor(name):
 
 
 def test_quantized_tensor_records_its_parts_on_a_stream(monkeypatch):
-    """``record_stream`` (what autograd's engine calls on a gradient whose consumer runs on
-    another stream) reaches the data and the scales, and dequantizes nothing: the allocator then
-    keeps their memory until that stream has read it."""
+    """``record_stream`` on a QuantizedTensor reaches the data and the scales, and dequantizes
+    nothing: the allocator then keeps their memory until that stream has read it. (Autograd's
+    engine does not come through here: it records a gradient's own storage directly, which a
+    QuantizedTensor's wrapper has not; bench/NOTES.md, 2026-11-28.)"""
     from mxcomm.torch import _quantized
     t = quantized_tensor(torch.randn(4, 256, dtype=torch.bfloat16), "fp8_rowwise")
     recorded = []
@@ -59,10 +60,10 @@ def test_quantized_tensor_records_its_parts_on_a_stream(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_quantized_gradient_on_another_stream_keeps_its_memory():
-    """A QuantizedTensor made on a side stream and recorded on the main stream (as autograd does
-    for a gradient crossing streams): while the main stream is busy, new blocks of the same
-    sizes on the side stream are not the data's or the scales' (a plain tensor's block, freed
-    unrecorded, is: the control)."""
+    """A QuantizedTensor made on a side stream and recorded on the main stream by its
+    ``record_stream``: while the main stream is busy, new blocks of the same sizes on the side
+    stream are not the data's or the scales' (a plain tensor's block, freed unrecorded, is: the
+    control)."""
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
     with torch.cuda.stream(side):
         control = torch.empty(4096, 1024, dtype=torch.uint8, device="cuda")
