@@ -10,7 +10,8 @@ import numpy
 
 from .kernels import array_module, launch_1d, simulated, words  # first: decides simulator vs GPU
 from . import _host
-from ._array import as_device_array, bfloat16, check_array, check_rows, float32, on_stream, stream_ptr
+from ._array import (as_device_array, bfloat16, check_array, check_rows, float32, on_stream,
+                     stream_ptr)
 from ._platform import host_backend
 from .kernels import fp8_colwise, fp8_transpose
 from .kernels._launch import THREADS_PER_BLOCK

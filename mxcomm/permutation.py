@@ -18,7 +18,6 @@ the device where the counts are. ``stream``: the stream to launch on (None: CuPy
 synchronized; on a CPU the work is done when the call returns.
 """
 
-
 import numpy
 
 from .kernels import (UNBOUNDED, SizedLaunch, Words, array_module,  # first: sets up the simulator
