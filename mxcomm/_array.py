@@ -122,9 +122,9 @@ def out_pair(out, data_shape, scales_shape, stream=None):
 def on_stream(stream):
     """A context in which CuPy's current stream is ``stream`` (a raw handle or a stream object;
     None: leave CuPy's current stream): what CuPy allocates there comes from that stream's part of
-    its pool, and what it fills runs on that stream. A no-op without a GPU. CuPy's pool hands a freed
-    block out again to an allocation on the stream it was allocated under: an array made under
-    another stream than the one its kernels run on can be reused while they still use it."""
+    its pool, and what it fills runs on that stream. A no-op without a GPU. CuPy's pool hands a
+    freed block out again to an allocation on the stream it was allocated under: an array made
+    under another stream than the one its kernels run on can be reused while they still use it."""
     if stream is None or not gpu_arrays():
         import contextlib
         return contextlib.nullcontext()
