@@ -5,10 +5,12 @@ uint8 bits. Arrays become tensors through DLPack; results the engine allocates a
 (:class:`_Alloc`).
 """
 
+import functools
+
 import numpy
 import torch
 
-from ._array import as_device_array, bfloat16
+from ._array import as_device_array, bfloat16, on_stream
 from ._platform import gpu_arrays
 
 # torch dtype -> NumPy dtype of the array viewing the tensor's bytes (NumPy and CuPy have no fp8)
@@ -58,12 +60,21 @@ def _record(t, stream=None):
         return
     parts = (t.qdata, t.scales) if hasattr(t, "qdata") else (t,)
     first = parts[0]
-    if not first.is_cuda or type(first) is not torch.Tensor or torch.compiler.is_compiling():
+    if not first.is_cuda or type(first) is not torch.Tensor or torch.compiler.is_compiling() \
+            or not _native_allocator():
         return
     if stream is None:
         stream = torch.cuda.current_stream(first.device)
     for part in parts:
         part.record_stream(stream)
+
+
+@functools.cache
+def _native_allocator():
+    """Whether torch's CUDA caching allocator is its native one, whose ``record_stream`` skips
+    memory it did not allocate and a block's own stream (``cudaMallocAsync``'s asserts on the
+    one and warns on the other: there :func:`_record` records nothing)."""
+    return torch.cuda.get_allocator_backend() == "native"
 
 
 def _view(t, dtype):
@@ -115,7 +126,8 @@ class _Alloc:
         if torch_dtype is None:
             if gpu_arrays():
                 import cupy
-                return cupy.empty(shape, dtype)
+                with on_stream(_current_stream(self._device)):  # from torch's stream's part
+                    return cupy.empty(shape, dtype)
             return numpy.empty(shape, dtype)
         t = torch.empty(shape, dtype=torch_dtype, device=self._device)
         a = _view(t, dtype) if t.numel() else _array(t, "result")

@@ -233,6 +233,7 @@ def test_gpu_arrays_come_from_the_stream_their_kernels_run_on(rng):
     mx = quantize_mxfp8(x)
     rows = formats.get_format("fp8_rowwise").quantize(x)
     ends = to_device(np.array([100, 300, 571], np.int32))
+    every_row = to_device(np.arange(571, dtype=np.int32))
     calls = {
         "quantize": lambda: formats.get_format("fp8_rowwise").quantize(x, stream=stream),
         "dequantize": lambda: mx.dequantize(stream=stream),
@@ -242,8 +243,8 @@ def test_gpu_arrays_come_from_the_stream_their_kernels_run_on(rng):
         "unpermute and permute_backward": lambda: [
             f(p, i, 571, stream=stream) for p, i, _ in [permute(x, counts, 2, 32, stream=stream)]
             for f in (unpermute, permute_backward)],
-        "mx_to_rowwise_permute": lambda: rowwise.mx_to_rowwise_permute(
-            mx, to_device(np.arange(571, dtype=np.int32)), stream=stream),
+        "mx_to_rowwise_permute": lambda: rowwise.mx_to_rowwise_permute(mx, every_row,
+                                                                        stream=stream),
         "colwise": lambda: colwise.fp8_rowwise_to_group_colwise(rows.data, rows.scales, ends,
                                                                stream=stream),
     }

@@ -17,6 +17,8 @@ def _rows(t, name):
         _record(t)  # read on this stream: t may have been made on another
         return t.format.wrap(_array(t.qdata, f"{name}.qdata"), _array(t.scales, f"{name}.scales"))
     if isinstance(t, _PendingGather):
+        _record(t.source)  # read on this stream: made on the permute's
+        _record(t.inverse)
         return _permutation.GatheredRows(_array(t.source, f"{name}.source"),
                                          _array(t.inverse, f"{name}.inverse"))
     return _array(t, name)
