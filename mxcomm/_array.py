@@ -97,23 +97,39 @@ def out_dtype(dtype):
     return dtype
 
 
-def out_array(out, shape, dtype):
-    """The ``out`` argument: a new array of ``shape`` and ``dtype`` when None, else checked."""
+def out_array(out, shape, dtype, stream=None):
+    """The ``out`` argument: a new array of ``shape`` and ``dtype`` when None (from ``stream``'s
+    part of CuPy's pool: :func:`on_stream`), else checked."""
     if out is None:
         from .kernels import array_module
-        return array_module().empty(shape, dtype=dtype)
+        with on_stream(stream):
+            return array_module().empty(shape, dtype=dtype)
     return check_array(out, "out", dtype, shape)
 
 
-def out_pair(out, data_shape, scales_shape):
-    """The ``out`` of an fp8 quantize: a (data uint8, scales float32) pair, new when None, else
-    checked; TypeError when not a pair."""
+def out_pair(out, data_shape, scales_shape, stream=None):
+    """The ``out`` of an fp8 quantize: a (data uint8, scales float32) pair, new when None (as
+    :func:`out_array` makes them), else checked; TypeError when not a pair."""
     if out is None:
-        return out_array(None, data_shape, numpy.uint8), out_array(None, scales_shape, float32)
+        return (out_array(None, data_shape, numpy.uint8, stream),
+                out_array(None, scales_shape, float32, stream))
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise TypeError(f"out: expected a (data, scales) pair or None, got {type(out).__name__}")
     return (check_array(out[0], "out[0] (data)", numpy.dtype(numpy.uint8), data_shape),
             check_array(out[1], "out[1] (scales)", float32, scales_shape))
+
+
+def on_stream(stream):
+    """A context in which CuPy's current stream is ``stream`` (a raw handle or a stream object;
+    None: leave CuPy's current stream): what CuPy allocates there comes from that stream's part of
+    its pool, and what it fills runs on that stream. A no-op without a GPU. CuPy's pool hands a
+    freed block out again to an allocation on the stream it was allocated under: an array made
+    under another stream than the one its kernels run on can be reused while they still use it."""
+    if stream is None or not gpu_arrays():
+        import contextlib
+        return contextlib.nullcontext()
+    from ._driver import external_stream
+    return external_stream(stream_ptr(stream))
 
 
 def stream_ptr(stream=None):

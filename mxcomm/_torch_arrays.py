@@ -5,10 +5,12 @@ uint8 bits. Arrays become tensors through DLPack; results the engine allocates a
 (:class:`_Alloc`).
 """
 
+import functools
+
 import numpy
 import torch
 
-from ._array import as_device_array, bfloat16
+from ._array import as_device_array, bfloat16, on_stream
 from ._platform import gpu_arrays
 
 # torch dtype -> NumPy dtype of the array viewing the tensor's bytes (NumPy and CuPy have no fp8)
@@ -22,7 +24,11 @@ _ARRAY_DTYPES = {
 }
 # array dtype of a result the engine allocates -> the torch dtype it is allocated as
 _TORCH_DTYPES = {bfloat16: torch.bfloat16, numpy.dtype(numpy.float32): torch.float32,
-                 numpy.dtype(numpy.uint8): torch.uint8, numpy.dtype(numpy.int32): torch.int32}
+                 numpy.dtype(numpy.uint8): torch.uint8, numpy.dtype(numpy.int32): torch.int32,
+                 numpy.dtype(numpy.float16): torch.float16,
+                 numpy.dtype(numpy.float64): torch.float64,
+                 numpy.dtype(numpy.int8): torch.int8, numpy.dtype(numpy.int16): torch.int16,
+                 numpy.dtype(numpy.int64): torch.int64, numpy.dtype(numpy.bool_): torch.bool}
 # element size -> the integer torch dtype a CPU tensor is seen through by NumPy
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -41,6 +47,34 @@ def _current_stream(device):
     if _RAW_STREAM is not None:
         return _RAW_STREAM(device.index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def _record(t, stream=None):
+    """``record_stream`` the memory of ``t`` (a tensor, a QuantizedTensor's data and scales, or
+    None: nothing) on ``stream`` (None: torch's current stream on its device): the caching
+    allocator hands its blocks out again only once that stream has done what it has enqueued so
+    far. Autograd's engine records a gradient that crosses streams by the tensor's own storage,
+    which a QuantizedTensor's wrapper has not, so mxcomm records the parts where it reads them.
+    No-op for CPU and traced tensors, and (in the allocator) on the stream that made them."""
+    if t is None:
+        return
+    parts = (t.qdata, t.scales) if hasattr(t, "qdata") else (t,)
+    first = parts[0]
+    if not first.is_cuda or type(first) is not torch.Tensor or torch.compiler.is_compiling() \
+            or not _native_allocator():
+        return
+    if stream is None:
+        stream = torch.cuda.current_stream(first.device)
+    for part in parts:
+        part.record_stream(stream)
+
+
+@functools.cache
+def _native_allocator():
+    """Whether torch's CUDA caching allocator is its native one, whose ``record_stream`` skips
+    memory it did not allocate and a block's own stream (``cudaMallocAsync``'s asserts on the
+    one and warns on the other: there :func:`_record` records nothing)."""
+    return torch.cuda.get_allocator_backend() == "native"
 
 
 def _view(t, dtype):
@@ -92,7 +126,8 @@ class _Alloc:
         if torch_dtype is None:
             if gpu_arrays():
                 import cupy
-                return cupy.empty(shape, dtype)
+                with on_stream(_current_stream(self._device)):  # from torch's stream's part
+                    return cupy.empty(shape, dtype)
             return numpy.empty(shape, dtype)
         t = torch.empty(shape, dtype=torch_dtype, device=self._device)
         a = _view(t, dtype) if t.numel() else _array(t, "result")

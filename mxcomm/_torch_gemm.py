@@ -23,7 +23,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import colwise, rowwise
-from ._torch_arrays import _Alloc, _array, _stream
+from ._torch_arrays import _Alloc, _array, _record, _stream
 from .recipes import GEMMS
 
 E4M3_MAX = 448.0
@@ -81,6 +81,7 @@ def _fp8_operand_a(t):
     else quantized here."""
     fmt = getattr(t, "format", None)
     if fmt is not None and getattr(fmt, "name", None) == "fp8_rowwise":
+        _record(t)  # read on this stream (a gradient or rows made on another, kept for the wgrad)
         return t.qdata.contiguous(), t.scales.contiguous()
     plain = t.dequantize() if fmt is not None else t
     return quantize_rows_pow2(plain.detach().contiguous())

@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from . import a2a as _a2a
+from ._torch_arrays import _record
 from ._torch_gemm import OVERLAP_ATTRIBUTE as ATTRIBUTE
 from .formats import get_format
 from .torch._ops import _A2A
@@ -132,20 +133,11 @@ class _Slot:
             done.record(self.side)
             current.wait_event(done)
             for t in out if isinstance(out, tuple) else (out,):
-                _record_stream(t, current)
+                _record(t, current)
         first = out[0] if isinstance(out, tuple) else out
         if first is not None:
             self.mark(first, done)
         return out
-
-
-def _record_stream(t, stream):
-    """``record_stream`` ``t``'s parts on ``stream`` (they were made on the side stream)."""
-    if t is None:
-        return
-    for part in (t.qdata, t.scales) if hasattr(t, "qdata") else (t,):
-        if part.is_cuda:
-            part.record_stream(stream)
 
 
 def _overlapped(function):

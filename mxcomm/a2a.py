@@ -147,7 +147,9 @@ def _exchange(x, input_splits, output_splits, comm, precision, layout, *, functi
             x = _unpermute(x, indices, layout, caller, alloc) if isinstance(x, QuantizedArray) \
                 else GatheredRows(x, inverse)
     if isinstance(x, QuantizedArray) and x.format is not fmt:  # another format: via bf16
-        x = x.dequantize(bfloat16, stream=caller)
+        with comm.on_stream(caller):  # the bf16 rows from the caller's stream (or alloc)
+            x = x.dequantize(bfloat16, stream=caller,
+                             out=None if alloc is None else alloc(x.shape, bfloat16))
     agreed = plan is not None  # every rank's counts: ranks choose the small path alike
     if plan is None:  # validate=False on explicit splits: the peers' counts are not known
         if fmt.quantized and comm.transport != "grouped":

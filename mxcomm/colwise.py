@@ -10,7 +10,8 @@ import numpy
 
 from .kernels import array_module, launch_1d, simulated, words  # first: decides simulator vs GPU
 from . import _host
-from ._array import as_device_array, bfloat16, check_array, check_rows, float32, stream_ptr
+from ._array import (as_device_array, bfloat16, check_array, check_rows, float32, on_stream,
+                     stream_ptr)
 from ._platform import host_backend
 from .kernels import fp8_colwise, fp8_transpose
 from .kernels._launch import THREADS_PER_BLOCK
@@ -62,7 +63,8 @@ def fp8_rowwise_to_group_colwise(data, scales, group_ends, *, stream=None):
         raise ValueError(f"group_ends: expected a 1-D array of G >= 1 group ends, got shape "
                          f"{tuple(ends.shape)}")
     ends = check_array(ends, "group_ends", numpy.dtype(numpy.int32), ends.shape)
-    return _to_group_colwise(data, scales, ends, stream)
+    with on_stream(stream):  # results and scratch from the stream the kernels run on
+        return _to_group_colwise(data, scales, ends, stream)
 
 
 def _to_group_colwise(data, scales, ends, stream, alloc=None):
@@ -135,7 +137,8 @@ def quantize_fp8_rowwise_transposed(x, *, stream=None):
                          f"{tuple(x.shape)}")
     if not x.flags.c_contiguous:
         raise ValueError(f"x: expected a C-contiguous array, got strides {x.strides}")
-    return _transposed(x, stream)
+    with on_stream(stream):  # results and scratch from the stream the kernels run on
+        return _transposed(x, stream)
 
 
 def _transposed(x, stream, alloc=None):
@@ -154,7 +157,8 @@ def _transposed(x, stream, alloc=None):
     data = empty((b, c, r), _U8)
     scales = empty((b, c), float32)
     if data.size == 0:
-        scales[...] = 2.0 ** -126  # an empty column's amax is 0
+        with on_stream(stream):
+            scales[...] = 2.0 ** -126  # an empty column's amax is 0
         return data, scales
     keys = _zeroed(empty((b * c,), float32).view(_U32), stream)
     x_words = x.reshape(b * r, c).view(_U64)

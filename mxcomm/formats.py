@@ -10,8 +10,8 @@ import math
 
 import numpy
 
-from ._array import (bfloat16, check_array, check_rows, float32, out_array, out_dtype, out_pair,
-                     stream_ptr)
+from ._array import (bfloat16, check_array, check_rows, float32, on_stream, out_array, out_dtype,
+                     out_pair, stream_ptr)
 from .kernels import address, array_module
 
 #: ``Format.scale_block`` of a format with one scale per row.
@@ -191,7 +191,8 @@ class Format:
         x = check_rows(x, "x", 1, _OUT_DTYPES)
         self.check_input(x)
         if out is None:
-            out = self.empty(*x.shape)
+            with on_stream(stream):  # from the stream the quantize runs on
+                out = self.empty(*x.shape)
         elif not isinstance(out, QuantizedArray) or out.format is not self:
             raise TypeError(f"out: expected a {self.name} QuantizedArray, got {out!r}")
         elif out.shape != tuple(x.shape):
@@ -211,7 +212,7 @@ def quantize_pair(fmt, x, out, stream):
     does, and TypeError for ``out`` not a pair."""
     x = check_rows(x, "x", fmt.d_multiple, _OUT_DTYPES)
     m, d = x.shape
-    q = fmt.view(*out_pair(out, (m, d), fmt.scales_shape(m, d)))
+    q = fmt.view(*out_pair(out, (m, d), fmt.scales_shape(m, d), stream))
     fmt.quantize(x, out=q, stream=stream)
     return q.data, q.scales
 
@@ -272,7 +273,7 @@ class QuantizedArray:
         """These rows as (M, D) ``dtype`` (bf16 or fp32) into ``out`` (None: allocated), on
         ``stream`` (None: CuPy's current), not synchronized. Raises TypeError (``dtype``, ``out``'s
         dtype), ValueError (``out``'s shape, not C-contiguous)."""
-        out = out_array(out, self.shape, out_dtype(dtype))
+        out = out_array(out, self.shape, out_dtype(dtype), stream)
         return self.format.launch_dequantize(self, out, stream_ptr(stream))
 
     def __repr__(self):

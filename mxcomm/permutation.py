@@ -18,16 +18,14 @@ the device where the counts are. ``stream``: the stream to launch on (None: CuPy
 synchronized; on a CPU the work is done when the call returns.
 """
 
-import contextlib
-
 import numpy
 
 from .kernels import (UNBOUNDED, SizedLaunch, Words, array_module,  # first: sets up the simulator
-                      launch_1d, prepared, simulated)         # before numba loads
+                      launch_1d, prepared)                    # before numba loads
 from .kernels.permute import (gather_rows_kernel, permute_indices_kernel, permute_layout_kernel,
                               scatter_rows_kernel)
 from . import _host
-from ._array import as_device_array, check_rows, stream_ptr
+from ._array import as_device_array, check_rows, on_stream, stream_ptr
 from ._driver import row_range
 from ._platform import host_backend
 from ._row_moves import move_rows, padding_scale
@@ -84,14 +82,6 @@ class GatheredRows:
                        (out,), stream, share)
 
 
-def _on_stream(stream):
-    """A context where CuPy allocates and fills on ``stream`` (nothing on the host backend)."""
-    if stream is None or host_backend() or simulated():
-        return contextlib.nullcontext()
-    from ._driver import external_stream
-    return external_stream(stream_ptr(stream))
-
-
 def _check_indices(permuted_indices, rows, name, stream):
     idx = as_device_array(permuted_indices, "permuted_indices")
     if idx.dtype != numpy.int32:
@@ -99,7 +89,7 @@ def _check_indices(permuted_indices, rows, name, stream):
     if idx.ndim != 1:
         raise ValueError(f"permuted_indices: expected a 1-D array, got shape {tuple(idx.shape)}")
     if not idx.flags.c_contiguous:  # the kernels take contiguous indices: copied where they run
-        with _on_stream(stream):
+        with on_stream(stream):
             idx = idx.copy()
     if rows is not None and idx.shape[0] != rows:
         raise ValueError(f"permuted_indices: expected length {rows} (the rows of {name}), "
@@ -120,11 +110,11 @@ def expert_order(layout, align, stream):
     cached = layout._cache.get(key)
     if cached is not None:
         return cached
-    indices, offsets = _layout_index(layout, align, stream)
     n = layout.num_received
     xp = array_module()
-    with _on_stream(stream):  # padding's -1 writes the spare last entry
-        inverse = xp.empty(n + 1, dtype=numpy.int32)
+    with on_stream(stream):  # the index's arrays and scratch from the stream it is built on
+        indices, offsets = _layout_index(layout, align, stream)
+        inverse = xp.empty(n + 1, dtype=numpy.int32)  # padding's -1 writes the spare last entry
         inverse[indices] = xp.arange(indices.shape[0], dtype=numpy.int32)
     cached = layout._cache[key] = (indices, offsets, inverse[:n])
     return cached
@@ -209,8 +199,9 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
         if m_recv != layout.num_received:
             raise ValueError(f"permute: x on rank {layout.comm.rank} has {m_recv} rows, but the "
                              f"layout receives {layout.num_received}")
-        indices, group_offsets = _layout_index(layout, align, stream, alloc)
-        return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
+        with on_stream(stream if alloc is None else None):  # alloc: torch's, on its stream
+            indices, group_offsets = _layout_index(layout, align, stream, alloc)
+            return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
     if num_local_experts is None:
         raise TypeError("permute: num_local_experts is required without a layout")
     counts = as_device_array(num_tokens_per_expert_group, "num_tokens_per_expert_group")
@@ -225,11 +216,12 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
         raise ValueError(f"num_tokens_per_expert_group: expected a length that is a positive "
                          f"multiple of num_local_experts = {e_local}, got {counts.shape[0]}")
     if not counts.flags.c_contiguous:  # the kernels take contiguous counts
-        with _on_stream(stream):
+        with on_stream(stream):
             counts = counts.copy()
     p = -(-(m_recv + e_local * align) // align) * align
-    indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream, alloc)
-    return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
+    with on_stream(stream if alloc is None else None):  # alloc: torch's, on its stream
+        indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream, alloc)
+        return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
 
 def _conversion(fmt, out_format, srcs):
@@ -326,9 +318,9 @@ def _unpermute(y, permuted_indices, num_rows, stream, alloc):
         num_rows = num_rows.num_received
     num_rows = _check_int(num_rows, "num_rows", 0)
     alloc = alloc or array_module().empty
-    dsts = [alloc((num_rows,) + tuple(s.shape[1:]), s.dtype) for s in srcs]
-    if not covered and num_rows:
-        with _on_stream(stream):
+    with on_stream(stream):
+        dsts = [alloc((num_rows,) + tuple(s.shape[1:]), s.dtype) for s in srcs]
+        if not covered and num_rows:
             for d in dsts:
                 d.fill(0)
     if num_rows:
@@ -363,4 +355,5 @@ def _unpermute_backward(grad, permuted_indices, stream, alloc, out_format=None):
     """:func:`unpermute_backward` from ``alloc``, converted to ``out_format`` as in permute."""
     srcs, fmt = _rows(grad, "grad")
     idx = _check_indices(permuted_indices, None, "grad", stream)
-    return _gather(grad, srcs, fmt, _conversion(fmt, out_format, srcs), idx, stream, alloc)
+    with on_stream(stream if alloc is None else None):  # alloc: torch's, on its stream
+        return _gather(grad, srcs, fmt, _conversion(fmt, out_format, srcs), idx, stream, alloc)

@@ -169,7 +169,7 @@ def mx_to_rowwise_permute(mx, permuted_indices, *, out=None, stream=None):
                          f"got shape {tuple(indices.shape)}")
     indices = check_array(indices, "permuted_indices", numpy.dtype(numpy.int32), indices.shape)
     p = indices.shape[0]
-    data, scales = out_pair(out, (p, mx.shape[1]), (p,))
+    data, scales = out_pair(out, (p, mx.shape[1]), (p,), stream)
     for a, name in ((mx.data, "mx.data"), (data, "out[0] (data)")):
         if a.size and address(a) % PAIR_BYTES:
             raise ValueError(f"{name}: expected an address that is a multiple of {PAIR_BYTES} "

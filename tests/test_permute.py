@@ -214,3 +214,51 @@ def test_gpu_permute_on_a_stream_gives_padding_rows_their_scale(rng, fmt):
         scales = cupy.asnumpy(permuted.scales).reshape(len(pad), -1)
         assert pad.any() and np.all(scales[pad] == 1.0)
         assert not cupy.asnumpy(permuted.data)[pad].any()
+
+
+@pytest.mark.gpu
+def test_gpu_arrays_come_from_the_stream_their_kernels_run_on(rng):
+    """Every array the primitives take from CuPy's pool (results and scratch) is allocated while
+    their stream is CuPy's current one. CuPy's pool hands a freed block out again to allocations
+    under the stream it was allocated under, so a temporary allocated under another stream could
+    be handed out while the kernels still use it. An allocator that notes CuPy's current stream
+    records every allocation of: quantize, dequantize, permute (its index, scratch and rows),
+    unpermute, permute's backward, the MXFP8 -> fp8 rowwise permute and the fp8 wgrad's colwise
+    conversion, each given a non-blocking stream."""
+    import cupy
+    from mxcomm import colwise, formats, rowwise
+    stream = cupy.cuda.Stream(non_blocking=True)
+    counts = to_device(np.array([300, 0, 17, 1, 250, 3], np.int32))
+    x = to_device(rng.standard_normal((571, 256)).astype(BF16))
+    mx = quantize_mxfp8(x)
+    rows = formats.get_format("fp8_rowwise").quantize(x)
+    ends = to_device(np.array([100, 300, 571], np.int32))
+    every_row = to_device(np.arange(571, dtype=np.int32))
+    calls = {
+        "quantize": lambda: formats.get_format("fp8_rowwise").quantize(x, stream=stream),
+        "dequantize": lambda: mx.dequantize(stream=stream),
+        "permute": lambda: permute(mx, counts, 2, 32, stream=stream),
+        "permute to rowwise": lambda: permute(mx, counts, 2, 32, out_format="fp8_rowwise",
+                                              stream=stream),
+        "unpermute and permute_backward": lambda: [
+            f(p, i, 571, stream=stream) for p, i, _ in [permute(x, counts, 2, 32, stream=stream)]
+            for f in (unpermute, permute_backward)],
+        "mx_to_rowwise_permute": lambda: rowwise.mx_to_rowwise_permute(mx, every_row,
+                                                                        stream=stream),
+        "colwise": lambda: colwise.fp8_rowwise_to_group_colwise(rows.data, rows.scales, ends,
+                                                               stream=stream),
+    }
+    pool = cupy.get_default_memory_pool()
+    for name, call in calls.items():
+        call()  # first: what a first launch prepares and keeps is not this test's concern
+        stream.synchronize()
+        seen = []
+
+        def recording(nbytes, seen=seen):
+            seen.append(cupy.cuda.get_current_stream().ptr)
+            return pool.malloc(nbytes)
+
+        with cupy.cuda.using_allocator(recording):
+            call()
+        stream.synchronize()
+        assert seen and set(seen) == {stream.ptr}, name

@@ -87,6 +87,86 @@ def test_gpu_quantized_gradient_on_another_stream_keeps_its_memory():
     torch.cuda.synchronize()
 
 
+class _QuantizeGrad(torch.autograd.Function):
+    """Identity; its backward hands the gradient on as an fp8 rowwise QuantizedTensor (as the
+    combine's backward does)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return mt.QuantizedTensor(*_torch_gemm.quantize_rows_pow2(grad.contiguous()),
+                                  "fp8_rowwise")
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity; its backward keeps its stream busy (~0.1 s) before passing the gradient on."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(200_000_000)
+        return grad
+
+
+class _Scribble(torch.autograd.Function):
+    """Identity; its backward takes blocks of the given sizes and fills them with NaN bytes."""
+
+    @staticmethod
+    def forward(ctx, u, sizes):
+        ctx.sizes = sizes
+        return u.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        kept = [torch.full((n,), 255, dtype=torch.uint8, device=grad.device)
+                for n in ctx.sizes for _ in range(4)]
+        del kept
+        return grad, None
+
+
+@pytest.mark.gpu
+def test_gpu_quantized_gradient_from_another_stream_is_read_intact():
+    """A QuantizedTensor gradient made on a side stream and read by ``grouped_mm``'s backward on
+    the main stream, which is still busy when autograd frees it (the engine records a gradient
+    crossing streams by its own storage, which the wrapper has not): a side-stream node run
+    next takes blocks of the data's and the scales' sizes and fills them with NaN bytes. The
+    input and weight gradients equal those of the same graph on one stream, bit for bit."""
+    if not mt.fp8_gemm_available("cuda"):
+        pytest.skip("needs an SM90 GPU with torch._scaled_grouped_mm")
+    torch.manual_seed(0)
+    groups, k, n, rows = 4, 256, 512, 4096
+    offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * (rows // groups)
+    x0 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w0 = (torch.randn(groups, k, n, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    u0 = torch.randn(1024, device="cuda")
+    sizes = (rows * n, rows * 4)  # the gradient's data and scales, in bytes
+
+    def step(side):
+        x, w, u = (t.clone().requires_grad_() for t in (x0, w0, u0))
+        with torch.cuda.stream(side or torch.cuda.current_stream()):
+            scribbled = _Scribble.apply(u, sizes)  # made first: its backward runs last
+        y = _Sleep.apply(mt.grouped_mm(x, w, offs, fp8=True))
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side or torch.cuda.current_stream()):
+            out = _QuantizeGrad.apply(y)
+        torch.autograd.backward([out, scribbled], [grad, torch.ones_like(u0)])
+        torch.cuda.synchronize()
+        return x.grad, w.grad
+
+    want = step(None)
+    got = step(torch.cuda.Stream())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_quantized_tensor_rejects_bad_parts():
     with pytest.raises(ValueError, match=r"scales \(M,\) \(fp8_rowwise\)"):
         mt.QuantizedTensor(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 2), "fp8_rowwise")

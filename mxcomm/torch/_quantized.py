@@ -8,7 +8,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .._array import bfloat16
-from .._torch_arrays import _array, _stream, _view
+from .._torch_arrays import _array, _record, _stream, _view
 from ..formats import get_format
 
 # array dtype of a quantized format's scales -> torch dtype (uint8 bits are e8m0; data e4m3fn)
@@ -23,6 +23,7 @@ def _dequantized(t):
     if type(t.qdata) is not torch.Tensor or torch.compiler.is_compiling():
         # traced (fake or functional inner tensors): the op mxcomm::dequantize (torch._ops)
         return torch.ops.mxcomm.dequantize(t.qdata, t.scales, t.format_name)
+    _record(t)  # read on this stream: t may have been made on another
     out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.qdata.device)
     if out.numel():
         rows = t.format.wrap(_array(t.qdata, "qdata"), _array(t.scales, "scales"))
@@ -110,6 +111,7 @@ class QuantizedTensor(torch.Tensor):
             names = [a.name for a in func._schema.arguments]
             bound = dict(zip(names, args), **(kwargs or {}))  # by name: any given positionally
             t = bound[names[_GEMM_OPS[func]]]
+            _record(t)  # read on this stream: t may have been made on another
             bound.update({names[_GEMM_OPS[func]]: t.qdata, "x_scales": t.scales,
                           "x_format": t.format_name})
             return func(**bound)

@@ -6,7 +6,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .. import permutation as _permutation
-from .._torch_arrays import _Alloc, _array, _stream, _tensor
+from .._torch_arrays import _Alloc, _array, _record, _stream, _tensor
 from ..formats import QuantizedArray
 from ._quantized import _DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _quantized_tensor
 
@@ -14,8 +14,11 @@ from ._quantized import _DATA_DTYPE, _SCALE_DTYPES, QuantizedTensor, _quantized_
 def _rows(t, name):
     """A tensor as the array API's rows: QuantizedArray, GatheredRows or an array."""
     if isinstance(t, QuantizedTensor):
+        _record(t)  # read on this stream: t may have been made on another
         return t.format.wrap(_array(t.qdata, f"{name}.qdata"), _array(t.scales, f"{name}.scales"))
     if isinstance(t, _PendingGather):
+        _record(t.source)  # read on this stream: made on the permute's
+        _record(t.inverse)
         return _permutation.GatheredRows(_array(t.source, f"{name}.source"),
                                          _array(t.inverse, f"{name}.inverse"))
     return _array(t, name)
