@@ -451,13 +451,14 @@ for phase in "$@"; do
                 --json "$res/torchtitan_${tokens}_w$n.json" --markdown "$res/torchtitan_${tokens}_w$n.md"
         done ;;
     titanab2)  # torchtitan's layer (671B dims), 2 GPUs, TITAN_TOKENS (default 16384) per rank:
-        # mxcomm's fp8_rowwise; the same with the backward overlap (eager: it is eager only);
+        # mxcomm's fp8_rowwise without the backward overlap; with it (eager: it is eager only);
         # fp8_rowwise_gradbf16 (the expert weight gradients' recipe); each run times its own
         # torchtitan_bf16 reference beside it
         [ "$ngpu" -ge 2 ] && for tokens in ${TITAN_TOKENS:-16384}; do
-            for spec in "fp8_rowwise:" "fp8_rowwise:--mxcomm-overlap --modes eager" \
+            for spec in "fp8_rowwise:--mxcomm-overlap off" "fp8_rowwise:--mxcomm-overlap on --modes eager" \
                         "fp8_rowwise_gradbf16:"; do
-                recipe=${spec%%:*}; extra=${spec#*:}; tag=$recipe${extra:+_overlap}
+                recipe=${spec%%:*}; extra=${spec#*:}; tag=$recipe
+                case $extra in *"overlap on"*) tag=${recipe}_overlap ;; esac
                 step "bench torchtitan A/B, 2 ranks, $tokens tokens per rank, $recipe $extra" 560 \
                     env PYTHONPATH="${TITAN_SITE:-/tmp/site}:${PYTHONPATH:-}" torchrun --nproc-per-node 2 \
                     -m mxcomm.bench torchtitan --tokens "$tokens" --iters ${TITAN_ITERS:-20} \

@@ -1,4 +1,4 @@
-"""The EP layer's backward overlap (``ExpertParallel(overlap=True)``, ``mxcomm._torch_overlap``).
+"""The EP layer's backward overlap (``ExpertParallel``'s ``overlap``, ``mxcomm._torch_overlap``).
 
 Serial: ``grouped_mm``'s backward marks its dgrad between the dgrad and the wgrad; the side
 stream's waits, switch and join, with logging stand-ins for CUDA streams and events. MPI tests (2
@@ -8,7 +8,8 @@ every recipe, over two micro-batches of gradient accumulation (the GEMM's fp8 pa
 ``torch._scaled_grouped_mm`` emulated in float64 on the CPU). On a CPU there are no streams, so
 the tests check the decisions a GPU would act on: which backwards waited for the dgrad's mark
 only (``beside``) and which for the whole stream (``behind``): a gradient summed from two GEMMs,
-or made by another GEMM, must wait for everything. Bad ``overlap`` raises on every rank.
+or made by another GEMM, must wait for everything. The default overlaps the fp8 GEMM's recipes
+only. Bad ``overlap``, or one that differs across ranks, raises on every rank.
 GPU tests (2 GPUs): the same equalities with real side streams, and a CUDA graph of the layer's
 step with overlap replaying the eager results.
 
@@ -283,9 +284,32 @@ def test_bad_overlap_raises_on_every_rank(comm, where):
     """``overlap`` not a bool (on every rank, or on one) raises ValueError naming the rank on
     every rank, at construction."""
     bad = where == "every rank" or comm.rank == 0
-    with pytest.raises(ValueError, match="overlap on rank 0.*expected True or False"):
+    with pytest.raises(ValueError, match="overlap on rank 0.*expected None, True or False"):
         mt.ExpertParallel(comm=comm, num_local_experts=E_LOCAL, recipe="bf16",
                           overlap="yes" if bad else False)
+
+
+@pytest.mark.mpi
+def test_overlap_that_differs_across_ranks_raises_on_every_rank(comm):
+    """``overlap`` True on rank 0 and the default elsewhere raises ValueError on every rank."""
+    with pytest.raises(ValueError, match="overlap differs across ranks"):
+        mt.ExpertParallel(comm=comm, num_local_experts=E_LOCAL, recipe="bf16",
+                          **({"overlap": True} if comm.rank == 0 else {}))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", RECIPES)
+def test_default_overlaps_the_fp8_gemm_recipes_only(comm, device, gemm, name):
+    """``overlap`` left at its default: the recipe that runs the fp8 GEMM overlaps every
+    backward (``beside`` only), the others none; bit for bit as ``overlap=False``."""
+    from mxcomm.recipes import get_recipe
+    ep = mt.ExpertParallel(comm=comm, num_local_experts=E_LOCAL, recipe=name, align=ALIGN,
+                           gemm_fallback=True)
+    got = _steps(ep, device, **gemm)
+    _assert_same(got, _steps(_ep(comm, name, False), device, **gemm))
+    overlapped = get_recipe(name).gemm == "fp8"
+    assert (ep.overlap.beside, ep.overlap.behind) == \
+        ((2 * BACKWARDS[name], 0) if overlapped else (0, 0))
 
 
 @pytest.mark.mpi

@@ -412,13 +412,17 @@ def test_torchtitan_recipe_overlap_engages():
         assert counters == {"overlap": (1, 0), "no overlap": None, "three GEMMs": (0, 1)}, \
             (rank, counters)
     plain = types.SimpleNamespace(**dict(vars(FP8_ROWWISE), fused=False, gemm="bf16"))
-    with pytest.raises(ValueError, match="overlap: expected False, or True with a recipe"):
+    with pytest.raises(ValueError, match="overlap: expected None, False, or True with a recipe"):
         _recipe_moe(4, plain, overlap=True)
-    with pytest.raises(ValueError, match="overlap: expected False"):
+    with pytest.raises(ValueError, match="overlap: expected None, False"):
         _recipe_moe(4, FP8_ROWWISE, overlap="yes")
     config = _recipe_moe(4, FP8_ROWWISE, overlap=True)
     assert config.routed_experts.token_dispatcher.overlap is True
     assert type(config.routed_experts.inner_experts) is tt.MxcommGroupedExperts.Config
+    # the default: on with the fp8 GEMM's recipe and "auto", off with a bf16 GEMM's
+    for recipe, on in ((FP8_ROWWISE, True), ("auto", True), (plain, False), ("mxfp8", False)):
+        config = _recipe_moe(4, recipe)
+        assert config.routed_experts.token_dispatcher.overlap is on, recipe
 
 
 def weight_grad_checks(rank, size):

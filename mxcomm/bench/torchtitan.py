@@ -82,10 +82,11 @@ def add_arguments(parser):
                         choices=_recipes.recipe_names(),
                         help=f"the mxcomm variant's recipe, of "
                              f"{', '.join(_recipes.recipe_names())} (default auto)")
-    parser.add_argument("--mxcomm-overlap", action="store_true",
-                        help="the mxcomm variant with use_mxcomm(..., overlap=True): the "
-                             "dispatch's backward beside the experts' weight-gradient GEMM "
-                             "(eager; a recipe whose exchange permutes)")
+    parser.add_argument("--mxcomm-overlap", choices=("default", "on", "off"), default="default",
+                        help="the mxcomm variant's use_mxcomm(..., overlap=...): the dispatch's "
+                             "backward beside the experts' weight-gradient GEMM (eager; a recipe "
+                             "whose exchange permutes); default: use_mxcomm's (on with an fp8 "
+                             "GEMM's recipe or auto)")
     parser.add_argument("--spmd-backend", choices=("spmd_types", "full_dtensor"),
                         help="torchtitan's spmd backend (default: its own, spmd_types, on a GPU; "
                              "full_dtensor on a CPU, where spmd_types' exchange of uneven splits "
@@ -531,8 +532,9 @@ def measure(args, rt):
         keywords, shown, call = mxcomm_integration(args.mxcomm_recipe, base,
                                                    shape.tokens * layer.router.top_k, shape.dim,
                                                    shape.hidden, classed)
-        if args.mxcomm_overlap:
-            keywords, call = dict(keywords, overlap=True), f"{call}, overlap=True"
+        if args.mxcomm_overlap != "default":
+            on = args.mxcomm_overlap == "on"
+            keywords, call = dict(keywords, overlap=on), f"{call}, overlap={on}"
         calls += [call] if call not in calls else []
         gen = torch.Generator(device=device).manual_seed(SEED + 1000 + rt.rank)
         x = torch.randn(1, shape.tokens, shape.dim, generator=gen, device=device,

@@ -197,7 +197,7 @@ def _replace(config, cls, make):
 
 def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_precision="bf16",
                dispatch_grad_precision=None, combine_grad_precision=None, permute_align=0,
-               overlap=False):
+               overlap=None):
     """Replace every ``AllToAllTokenDispatcher.Config`` (TorchAO's too) in a torchtitan 0.3
     config tree by mxcomm's, in place; with a ``recipe``, every ``GroupedExperts.Config`` too.
 
@@ -209,12 +209,14 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
             below; ``"auto"``: chosen per call (the experts' widths copied to the dispatcher).
         dispatch_precision, ..., permute_align: without a recipe, the dispatcher's fields.
         overlap: the dispatch's backward beside the experts' weight-gradient GEMM (eager only;
-            same bits) where mxcomm permutes; dropped on TorchAO's dispatcher.
+            same bits) where mxcomm permutes; dropped on TorchAO's dispatcher. None (default):
+            on with a recipe that runs the fp8 GEMM (or ``"auto"``, whose calls overlap where
+            they do), as ``ExpertParallel``'s default; off otherwise.
     Returns:
         The number of dispatcher configs replaced (0 where EP uses another dispatcher).
     Raises:
         ValueError: an unknown precision or recipe; ``"auto"`` on TorchAO's dispatcher;
-            ``overlap`` not a bool, or True where mxcomm does not permute.
+            ``overlap`` not None or a bool, or True where mxcomm does not permute.
         TypeError: ``config`` holds no traversable config tree; or the tree's root is itself a
             dispatcher (or experts) config (assign mxcomm's config instead).
     """
@@ -230,9 +232,11 @@ def use_mxcomm(config, *, recipe=None, dispatch_precision="mxfp8", combine_preci
         fields = dict(dispatch_precision=dispatch_precision, combine_precision=combine_precision,
                       dispatch_grad_precision=dispatch_grad_precision,
                       combine_grad_precision=combine_grad_precision, permute_align=permute_align)
+    if overlap is None:
+        overlap = gemm in ("fp8", "auto")
     if not isinstance(overlap, bool) or (overlap and not fields.get("permute_align")
                                          and fields.get("recipe") != "auto"):
-        raise ValueError(f"overlap: expected False, or True with a recipe whose exchange "
+        raise ValueError(f"overlap: expected None, False, or True with a recipe whose exchange "
                          f"permutes (fused, such as 'fp8_rowwise'; or 'auto') or permute_align "
                          f"> 0, got {overlap!r} with permute_align "
                          f"{fields.get('permute_align', 0)}")
@@ -266,7 +270,7 @@ def mxcomm_token_dispatcher(cfg, *, dispatch_precision="mxfp8", combine_precisio
                                 permute_align=permute_align))
 
 
-def mxcomm_moe(cfg, *, recipe, overlap=False):
+def mxcomm_moe(cfg, *, recipe, overlap=None):
     """torchtitan 0.3 override on ``RoutedExperts.Config``: :func:`use_mxcomm` with ``recipe``
     and ``overlap``; returns ``cfg``, changed in place."""
     use_mxcomm(cfg, recipe=recipe, overlap=overlap)
