@@ -17,7 +17,7 @@ printf '%s\n' "bf16 150" "recipe:auto 140" "recipe:fp8_rowwise 230" "mxfp8 160" 
     "bf16_fp8gemm 240" > "$work/est"
 ranks=${RANKS:-2}; more=()
 [ "$ranks" = 4 ] && more=(--batch 8)  # the same 16,384 tokens a step as 2 ranks of batch 16
-export MXCOMM_COMMIT=$(git rev-parse --short HEAD)
+export MXCOMM_COMMIT=${MXCOMM_COMMIT:-$(git rev-parse --short HEAD)}  # set it where the machine's git lags the tree
 { echo "start $(date -u +%FT%TZ) commit $MXCOMM_COMMIT budget ${budget}s"; nvidia-smi -L; } > "$dir/calls.log"
 locked() { flock "$work/lock" bash -c "$1"; }
 
