@@ -68,9 +68,8 @@ class ExpertParallel:
     Raises:
         ValueError: ``num_local_experts`` or ``align`` not positive (this rank only); an unknown
             recipe, arguments that differ across ranks, ``overlap`` not None or a bool, for
-            ``"auto"`` a
-            table that fails to load (:func:`mxcomm.recipes.find_tables`) on some rank or
-            tables that differ across ranks.
+            ``"auto"`` a table that fails to load (:func:`mxcomm.recipes.find_tables`) on some
+            rank or tables that differ across ranks.
         RuntimeError: a pinned recipe the devices cannot run without ``gemm_fallback``.
         TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).
     """
@@ -121,8 +120,8 @@ class ExpertParallel:
         bad = numpy.flatnonzero(table_[:, 7] < 0).tolist()
         if bad:
             raise ValueError(f"ExpertParallel: overlap on rank {bad[0]}"
-                             f"{f' ({overlap!r})' if bad[0] == rank else ''}: expected None, True or "
-                             f"False")
+                             f"{f' ({overlap!r})' if bad[0] == rank else ''}: expected None, "
+                             f"True or False")
         for column, what in ((0, "recipe"), (2, "num_local_experts"), (3, "align"),
                              (4, "hidden"), (7, "overlap")):
             differs = numpy.flatnonzero(table_[:, column] != table_[0, column]).tolist()
