@@ -4,7 +4,7 @@
 # phases: tests1 faults2 ktests1 tests2 formats2 tests4 flaky4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
-#         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) chunksbisect4 titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
+#         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD, PROBE_PEER_MEMORY) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) chunksbisect4 titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -154,8 +154,9 @@ for phase in "$@"; do
     overlapprobe2)  # the backward's timeline on its two streams, fp8_rowwise with and without
         # overlap (bench/probe_overlap.py): where the time goes if the A/B misses its target
         step "probe: the backward's timeline with and without overlap, 2 ranks" 300 \
-            env PROBE_MARKDOWN="$res/probe_overlap${PROBE_DISPATCH_GRAD:+_$PROBE_DISPATCH_GRAD}_w2.md" \
-            PROBE_DISPATCH_GRAD="${PROBE_DISPATCH_GRAD:-}" "${mpirun_env[@]}" -x PROBE_MARKDOWN -x PROBE_DISPATCH_GRAD -n 2 \
+            env PROBE_MARKDOWN="$res/probe_overlap${PROBE_DISPATCH_GRAD:+_$PROBE_DISPATCH_GRAD}_pm${PROBE_PEER_MEMORY:-auto}_w2.md" \
+            PROBE_DISPATCH_GRAD="${PROBE_DISPATCH_GRAD:-}" PROBE_PEER_MEMORY=${PROBE_PEER_MEMORY:-auto} \
+            "${mpirun_env[@]}" -x PROBE_MARKDOWN -x PROBE_DISPATCH_GRAD -x PROBE_PEER_MEMORY -n 2 \
             python3 bench/probe_overlap.py ${PROBE_ROWS:-131072} 7168 2048 8 20 ;;
     chunks2|chunks4)  # issue 43: the forward's chunked overlap with the public primitives (token
         # blocks; bench/probe_chunks.py): one chunk, C chunks on one stream, C chunks on two streams

@@ -20,7 +20,9 @@ events; on a CPU, host clocks after each step: the wiring only, nothing to read)
 
 ``PROBE_DISPATCH_GRAD=bf16`` runs both with the dispatch gradient in bf16 (the recipe's other
 directions unchanged): an exchange of copy-engine pulls only, no quantize or dequantize beside
-the wgrad.
+the wgrad. ``PROBE_PEER_MEMORY=off`` moves the exchanges over NCCL (the grouped transport), whose
+kernels hold SMs for the whole exchange: the wgrad's slowdown beside them against beside the
+pulls (``on``/``auto``: the pull transport where peer memory works).
 
 Rank 0 prints a Markdown table of the medians, the slowest rank's of each, and writes it to
 ``$PROBE_MARKDOWN`` where set (docs/design.md,
@@ -66,7 +68,8 @@ class Clock:
 
 
 def main():
-    comm = mxcomm.comm.init()
+    peer = os.environ.get("PROBE_PEER_MEMORY", "auto")
+    comm = mxcomm.comm.init(peer_memory={"auto": None, "on": True, "off": False}[peer])
     gpu = getattr(comm, "device", None) is not None
     if gpu:
         torch.cuda.set_device(comm.device)
@@ -127,7 +130,7 @@ def main():
         where = f"{world} x {torch.cuda.get_device_name()}" if gpu else f"{world} CPU ranks"
         recipe = "fp8_rowwise" + (f", dispatch_grad {dgrad}" if dgrad else "")
         lines = [f"# The backward's timeline, {recipe}, {ROWS} rows x {DIM} -> {HIDDEN}, "
-                 f"{E_LOCAL} experts per rank, {where}", "",
+                 f"{E_LOCAL} experts per rank, {where}, transport {comm.transport}", "",
                  f"ms from the backward's start (forward: from the dispatch's); median of "
                  f"{ITERS} after {WARMUP}, the slowest rank's; commit "
                  f"{os.environ.get('MXCOMM_COMMIT', 'unknown')}; counters: "
