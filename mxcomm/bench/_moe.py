@@ -44,8 +44,8 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise_bf16grad          bf16 wgrad
     fp8_rowwise_acc32   mxcomm  as fp8_rowwise_bf16grad               sums promoted to fp32
     fp8_rowwise_overlap  mxcomm  the recipe fp8_rowwise with the backward overlap
-                              (``ExpertParallel(overlap=True)``'s: the dispatch-gradient exchange
-                              on a side stream beside the GEMM's wgrad)
+                              (``ExpertParallel``'s default for it: the dispatch-gradient exchange
+                              on a side stream beside the GEMM's wgrad; fp8_rowwise: without)
     fp8_rowwise_bf16dgrad  mxcomm  the recipe fp8_rowwise with dispatch_grad in bf16 (still
                               fused): copy engines only, no quantize or dequantize
     fp8_rowwise_bf16dgrad_overlap  mxcomm  the same beside the wgrad (the backward overlap)

@@ -33,7 +33,8 @@ dispatch / combine / dispatch_grad / combine_grad):
                  cache off (both weight operands quantized on every call): the crossover with
                  and without the cache side by side
   fp8_rowwise_overlap    (only by --variants) the recipe fp8_rowwise with the backward overlap
-                 (ExpertParallel(overlap=True): the dispatch gradient's exchange beside the wgrad)
+                 (the dispatch gradient's exchange beside the wgrad): as ExpertParallel runs the
+                 recipe by default; fp8_rowwise is the recipe without it (overlap=False)
   fp8_rowwise_bf16dgrad[_overlap]  (only by --variants) the recipe fp8_rowwise with its
                  dispatch gradient in bf16 (copy engines only), without and with the overlap
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16

@@ -23,8 +23,9 @@ with ``permute_align``, eager and compiled alike; the communicator is
 own exchanges run; under torch.export's non-strict tracing mxcomm's raise ``RuntimeError``. With a
 recipe (``use_mxcomm(config, recipe="fp8_rowwise")``, or the override
 ``'mxcomm.integrations.torchtitan.mxcomm_moe={"recipe": "fp8_rowwise"}'``) the experts are
-mxcomm's too (:class:`MxcommGroupedExperts`); ``"auto"`` chooses per call; ``overlap=True`` runs
-the dispatch's backward beside the experts' weight-gradient GEMM (eager). docs/design.md,
+mxcomm's too (:class:`MxcommGroupedExperts`); ``"auto"`` chooses per call; the dispatch's
+backward runs beside the experts' weight-gradient GEMM (eager) by default with an fp8 GEMM's
+recipe or ``"auto"`` (``overlap``). docs/design.md,
 "torchtitan 0.3". Importing this module registers the overrides where torchtitan is installed.
 """
 
