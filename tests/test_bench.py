@@ -653,6 +653,8 @@ def test_variants_precisions_and_stages():
         resolved = _moe.resolve(v["auto"], layout, 7168, 2048, device, recipes.H100_TABLE)
         assert (resolved.name, resolved.chose) == ("auto", chose)
         assert resolved.fused == (chose == "fp8_rowwise")
+        # run as ExpertParallel runs it by default: the fp8 GEMM's recipe with the overlap
+        assert resolved.overlap == (chose == "fp8_rowwise")
     for x in _moe.VARIANTS:
         if x.name == "auto":
             x = resolved

@@ -26,7 +26,8 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
 
     name           exchanges  wire                                    GEMM input
     bf16           torch      bf16 / bf16 / bf16 / bf16               bf16 (the reference)
-    auto           mxcomm     the recipe ``auto`` chooses for the shape (``chose``)
+    auto           mxcomm     the recipe ``auto`` chooses for the shape (``chose``), run as
+                              ExpertParallel runs it (fp8 GEMM: with the backward overlap)
     bf16_mxcomm    mxcomm     the recipe bf16: bf16 / bf16 / bf16 / bf16   bf16
     mxfp8          mxcomm     the recipe mxfp8: mxfp8 / bf16 / bf16 / mxfp8   mxfp8, dequantized
                                                                       to bf16 in the permute
@@ -179,7 +180,8 @@ def resolve(variant, layout, dim, hidden, device, table):
         return variant
     from mxcomm import recipes
     chosen = recipes.Chooser(dim, hidden, device=device, table=table)(layout)
-    return from_recipe(chosen, "auto", chose=chosen.name)
+    # as ExpertParallel runs it by default: the fp8 GEMM's recipes with the backward overlap
+    return from_recipe(chosen, "auto", chose=chosen.name, overlap=chosen.gemm == "fp8")
 
 
 def _recipe_variants():

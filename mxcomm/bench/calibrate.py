@@ -2,7 +2,8 @@
 
 For one shape (--dim, --hidden, --experts per rank) and a grid of rows per rank (--tokens), the
 whole EP layer forward + backward of every recipe the devices run (``mxcomm.recipes``; the fp8
-GEMM recipe on SM90 only), uniform routing, with the pipeline benchmark's machinery: its inputs,
+GEMM recipe on SM90 only), each as ``ExpertParallel`` runs it by default (the fp8 GEMM's recipes
+with the backward overlap), uniform routing, with the pipeline benchmark's machinery: its inputs,
 its stages per recipe, its end-to-end timing (each iteration after a barrier, CUDA events on a
 GPU, the host clock on a CPU; the recipes interleaved, one iteration of each in turn; the median
 of --iters after --warmup, the max over ranks). Rank 0 writes the medians as a cost table
@@ -122,8 +123,10 @@ def measure(args, rt):
     times = {r.name: [] for r in chosen}
     for m in rows:
         case = _pipeline._Case(args, rt, (m, dim, hidden, e_local))
-        stage_lists = {r.name: _moe.stages(_moe.from_recipe(r), rt.comm, e_local,
-                                           loop_gemm=case.loop_gemm) for r in chosen}
+        # each recipe as ExpertParallel runs it by default (the fp8 GEMM's with the overlap)
+        stage_lists = {r.name: _moe.stages(_moe.from_recipe(r, overlap=r.gemm == "fp8"),
+                                           rt.comm, e_local, loop_gemm=case.loop_gemm)
+                       for r in chosen}
         rt.log(f"calibrate {case.label}: {', '.join(stage_lists)}")
         for name, (_, _, total) in case.end_to_end(stage_lists, interleave=True).items():
             times[name].append(round(total.median, 4))
