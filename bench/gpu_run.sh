@@ -140,13 +140,14 @@ for phase in "$@"; do
         --json "$res/a2a_w4.json" --markdown "$res/a2a_w4.md" ;;
     pipe2) step "bench pipeline, 2 ranks" 400 "${mpirun_env[@]}" -n 2 python3 -m mxcomm.bench pipeline \
         --json "$res/pipeline_w2.json" --markdown "$res/pipeline_w2.md" --plot "$res/pipeline_w2.png" ;;
-    overlap2|overlap4)  # issue 43's A/B: the fp8 recipe with and without the backward overlap,
-        # interleaved, side by side (and bf16, the reference); then the overlap's gpu tests
+    overlap2|overlap4)  # issue 43's A/B: the fp8 recipe with and without the backward overlap, and
+        # with its former MXFP8 dispatch gradient, interleaved, side by side (and bf16, the
+        # reference); then the overlap's gpu tests
         n=${phase#overlap}
         [ "$ngpu" -ge "$n" ] && step "bench pipeline, $n ranks, fp8_rowwise with and without overlap" 500 \
             "${mpirun_env[@]}" -n "$n" python3 -m mxcomm.bench pipeline \
             --tokens ${OVERLAP_TOKENS:-4096 16384 32768 65536 131072} --dim 7168 --hidden 2048 --experts 8 \
-            --no-stages --interleave --iters ${PIPE_ITERS:-20} --variants ${OVERLAP_VARIANTS:-fp8_rowwise,fp8_rowwise_overlap} \
+            --no-stages --interleave --iters ${PIPE_ITERS:-20} --variants ${OVERLAP_VARIANTS:-fp8_rowwise,fp8_rowwise_serial,fp8_rowwise_mxdgrad} \
             --json "$res/pipeline_overlap_w$n.json" --markdown "$res/pipeline_overlap_w$n.md" \
         && [ "$n" = 2 ] && step "overlap gpu tests, 2 ranks" 200 "${mpirun_env[@]}" -n 2 python3 -m pytest -q \
             -rfE -p no:cacheprovider -o faulthandler_timeout=90 -W ignore::DeprecationWarning --with-mpi \

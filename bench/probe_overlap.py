@@ -18,9 +18,9 @@ events; on a CPU, host clocks after each step: the wiring only, nothing to read)
 - ``input grad``: the input gradient, joined to the main stream (a hook on x);
 - ``backward``: the end of ``backward()``'s work.
 
-``PROBE_DISPATCH_GRAD=bf16`` runs both with the dispatch gradient in bf16 (the recipe's other
-directions unchanged): an exchange of copy-engine pulls only, no quantize or dequantize beside
-the wgrad. ``PROBE_PEER_MEMORY=off`` moves the exchanges over NCCL (the grouped transport), whose
+``PROBE_DISPATCH_GRAD=mxfp8`` runs both with the dispatch gradient in MXFP8 (the recipe's until
+2026-11-28; its other directions unchanged): a quantize before the pulls and a dequantize after,
+on SMs beside the wgrad, where the recipe's bf16 gradient is copy-engine pulls only. ``PROBE_PEER_MEMORY=off`` moves the exchanges over NCCL (the grouped transport), whose
 kernels hold SMs for the whole exchange: the wgrad's slowdown beside them against beside the
 pulls (``on``/``auto``: the pull transport where peer memory works).
 

@@ -72,11 +72,13 @@ _RECIPES = (
     Recipe("bf16", "bf16", "bf16", "bf16", "bf16"),
     Recipe("mxfp8", "mxfp8", "bf16", "bf16", "mxfp8", permute_format="bf16",
            unpermute_grad_format="bf16"),
-    Recipe("fp8_rowwise", "fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", gemm="fp8",
+    # dispatch_grad bf16: beside the wgrad (the backward overlap) copy engines only, no quantize
+    # on SMs (docs/design.md, "Why the fp8 recipe's dispatch gradient travels in bf16")
+    Recipe("fp8_rowwise", "fp8_rowwise", "bf16", "bf16", "fp8_rowwise", gemm="fp8",
            fused=True),
     # combine_grad and wgrad in bf16 for torchtitan's weight gradients (bench/NOTES.md, "The
     # expert weight gradients"); not in the cost table, so "auto" never picks it
-    Recipe("fp8_rowwise_gradbf16", "fp8_rowwise", "bf16", "mxfp8", "bf16", gemm="fp8",
+    Recipe("fp8_rowwise_gradbf16", "fp8_rowwise", "bf16", "bf16", "bf16", gemm="fp8",
            fused=True, wgrad="bf16"),
 )
 _BY_NAME = {r.name: r for r in _RECIPES}

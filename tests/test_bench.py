@@ -240,7 +240,11 @@ def test_row_bytes_and_wire_rows():
                    "dispatch_grad": ("bf16", 4, 4 * 128), "combine_grad": ("mxfp8", 3, 3 * 33)}
     rows = _checks.wire_rows(by_name["fp8_rowwise"], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
     got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
-    assert got["dispatch_grad"] == ("mxfp8", 4 * 66)  # the recipe's dispatch_grad
+    assert got["dispatch_grad"] == ("bf16", 4 * 128)  # the recipe's dispatch_grad
+    rows = _checks.wire_rows(by_name["fp8_rowwise_mxdgrad"], Case, [2, 5, 1], [4, 7, 0], 1, same,
+                             same)
+    got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
+    assert got["dispatch_grad"] == ("mxfp8", 4 * 66)
     rows = _checks.wire_rows(by_name["fp8_rowwise_bf16grad"], Case, [2, 5, 1], [4, 7, 0], 1, same, same)
     got = {r["direction"]: (r["precision"], r["bytes"]) for r in rows}
     assert got == {"dispatch": ("fp8_rowwise", 3 * (64 + 4)), "combine": ("bf16", 4 * 64),
@@ -572,9 +576,7 @@ def test_latency_on_a_cpu_runs_its_cpu_shapes_and_says_so(tmp_path):
                                              "bf16+fp8gemm, fp8_rowwise_bf16grad, "
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
                                              "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32, "
-                                             "fp8_rowwise_overlap, "
-                                             "fp8_rowwise_bf16dgrad, "
-                                             "fp8_rowwise_bf16dgrad_overlap, "
+                                             "fp8_rowwise_serial, fp8_rowwise_mxdgrad, "
                                              "fp8_rowwise_nocache"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
@@ -639,13 +641,16 @@ def test_variants_precisions_and_stages():
         default=False)
     assert [x.name for x in _moe.VARIANTS if not x.weight_cache] == ["fp8_rowwise_nocache"]
     assert "no weight cache" in v["fp8_rowwise_nocache"].describe()
-    # the dispatch gradient in bf16, without and with the overlap: fp8_rowwise otherwise
-    for name, overlap in (("fp8_rowwise_bf16dgrad", False), ("fp8_rowwise_bf16dgrad_overlap", True)):
-        assert v[name] == dataclasses.replace(
-            v["fp8_rowwise"], name=name, recipe=None, dispatch_grad="bf16", overlap=overlap,
-            default=False)
-    assert [x.name for x in _moe.VARIANTS if x.overlap] == ["fp8_rowwise_overlap",
-                                                           "fp8_rowwise_bf16dgrad_overlap"]
+    # the recipe as ExpertParallel runs it (the overlap on, the dispatch gradient in bf16);
+    # without the overlap; with the dispatch gradient in MXFP8 (the recipe until 2026-11-28)
+    assert v["fp8_rowwise"].overlap and v["fp8_rowwise"].dispatch_grad == "bf16"
+    assert v["fp8_rowwise_serial"] == dataclasses.replace(
+        v["fp8_rowwise"], name="fp8_rowwise_serial", recipe=None, overlap=False, default=False)
+    assert v["fp8_rowwise_mxdgrad"] == dataclasses.replace(
+        v["fp8_rowwise"], name="fp8_rowwise_mxdgrad", recipe=None, dispatch_grad="mxfp8",
+        default=False)
+    assert [x.name for x in _moe.VARIANTS if x.overlap] == ["fp8_rowwise", "fp8_rowwise_mxdgrad",
+                                                           "fp8_rowwise_nocache"]
     with pytest.raises(ValueError, match="auto has no stages until resolved"):
         _moe.stages(v["auto"], None, 2, loop_gemm=True)
     layout = types.SimpleNamespace(sent=[[131072, 0], [0, 131072]])
@@ -668,10 +673,10 @@ def test_variants_precisions_and_stages():
         assert x.describe().startswith(f"{x.name} = " if x.chose is None else
                                        f"auto (chose {x.chose}) = ")
     assert "permute to fp8_rowwise" in v["mxfp8+rowwise"].describe()
-    # the recipe fp8_rowwise: the former fp8_rowwise_mxgrad_fused
+    # the recipe fp8_rowwise: fp8_rowwise_mxgrad fused, its dispatch gradient bf16, overlapped
     assert v["fp8_rowwise"] == dataclasses.replace(
         v["fp8_rowwise_mxgrad"], name="fp8_rowwise", fused=True, default=True,
-        recipe="fp8_rowwise")
+        recipe="fp8_rowwise", dispatch_grad="bf16", overlap=True)
     assert "permute_align" in v["fp8_rowwise"].describe()
     for name in ("bf16_mxcomm", "mxfp8", "fp8_rowwise"):  # each recipe's formats, as named
         recipe = recipes.get_recipe(v[name].recipe)
@@ -823,7 +828,7 @@ def test_pipeline_every_variant_exact_sane_sqnr_and_wire_bytes(pipeline_world):
     assert wire[("fp8_rowwise", "dispatch")]["bytes"] == rows * (dim + 4)
     assert wire[("mxfp8+rowwise", "dispatch")]["bytes"] == rows * (dim + dim // 32)
     rows = wire[("fp8_rowwise", "dispatch_grad")]["rows"]
-    assert wire[("fp8_rowwise", "dispatch_grad")]["bytes"] == rows * (dim + dim // 32)
+    assert wire[("fp8_rowwise", "dispatch_grad")]["bytes"] == rows * 2 * dim
     rows = wire[("fp8_rowwise", "combine_grad")]["rows"]
     for name in ("fp8_rowwise", "fp8_rowwise_bf16grad", "mxfp8+rowwise"):
         assert wire[(name, "combine_grad")]["bytes"] == rows * (hidden + 4)

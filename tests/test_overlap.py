@@ -314,14 +314,14 @@ def test_default_overlaps_the_fp8_gemm_recipes_only(comm, device, gemm, name):
 
 @pytest.mark.mpi
 def test_pipeline_overlap_variant_equals_its_recipe(comm, device, gemm):
-    """The pipeline benchmark's ``fp8_rowwise_overlap`` (``--variants``) equals ``fp8_rowwise``
-    bit for bit, forward and backward, and its dispatch's backward waited for the dgrad's mark
-    only."""
+    """The pipeline benchmark's ``fp8_rowwise`` (the recipe with its default overlap) equals
+    ``fp8_rowwise_serial`` (``--variants``: no overlap) bit for bit, forward and backward, and
+    its dispatch's backward waited for the dgrad's mark only."""
     from mxcomm.bench import _moe
     from mxcomm._torch_overlap import slot_of
     variants = {v.name: v for v in _moe.VARIANTS}
     results = []
-    for name in ("fp8_rowwise_overlap", "fp8_rowwise"):
+    for name in ("fp8_rowwise", "fp8_rowwise_serial"):
         stage_list = _moe.stages(variants[name], comm, E_LOCAL, loop_gemm=False)
         x, counts, grad = _routed(comm.rank, comm.size, device, 0)
         x.requires_grad_()
@@ -331,7 +331,7 @@ def test_pipeline_overlap_variant_equals_its_recipe(comm, device, gemm):
         out.backward(grad)
         results.append((out.detach(), x.grad, w.grad))
         slot = slot_of(state["p"])
-        if name == "fp8_rowwise_overlap":
+        if name == "fp8_rowwise":
             assert (slot.owner.beside, slot.owner.behind) == (1, 0)
         else:
             assert slot is None

@@ -46,7 +46,7 @@ def test_recipes_by_name():
     assert (r.permute_format, r.unpermute_grad_format) == ("bf16", "bf16")
     r = recipes.get_recipe("fp8_rowwise")
     assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
-        ("fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", "fp8", True)
+        ("fp8_rowwise", "bf16", "bf16", "fp8_rowwise", "fp8", True)
     r = recipes.get_recipe("bf16")
     assert {r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm} == {"bf16"}
     for bad in ("auto", "fp8", "BF16"):
@@ -365,7 +365,7 @@ def _by_hand(name, x, counts, w, grad, comm):
     layout = mt.exchange_layout(counts, comm)
     if name == "fp8_rowwise":
         rows, _, offs = mt.a2a_dispatch(x, layout, precision="fp8_rowwise",
-                                        grad_precision="mxfp8", permute_align=ALIGN)
+                                        grad_precision="bf16", permute_align=ALIGN)
         y = mt.grouped_mm(rows, w, offs)
         out = mt.a2a_combine(y, layout, precision="bf16", grad_precision="fp8_rowwise",
                              permute_align=ALIGN)

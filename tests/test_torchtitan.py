@@ -216,9 +216,9 @@ def test_torchtitan_0_2_patch(monkeypatch):
 
 # --------------------------------------------------- recipes, mxcomm's permute, torch.compile
 #: A recipe as ``mxcomm.recipes`` gives it (``use_mxcomm`` reads these fields): today's
-#: ``fp8_rowwise`` (the benchmark's fp8_rowwise_mxgrad_fused).
+#: ``fp8_rowwise``.
 FP8_ROWWISE = types.SimpleNamespace(name="fp8_rowwise", dispatch="fp8_rowwise", combine="bf16",
-                                    dispatch_grad="mxfp8", combine_grad="fp8_rowwise",
+                                    dispatch_grad="bf16", combine_grad="fp8_rowwise",
                                     gemm="fp8", fused=True)
 
 
@@ -518,7 +518,7 @@ def test_recipe_config_and_override():
     assert type(dispatcher) is tt.MxcommTokenDispatcher.Config
     assert (dispatcher.dispatch_precision, dispatcher.combine_precision,
             dispatcher.dispatch_grad_precision, dispatcher.combine_grad_precision,
-            dispatcher.permute_align) == ("fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", 32)
+            dispatcher.permute_align) == ("fp8_rowwise", "bf16", "bf16", "fp8_rowwise", 32)
     assert type(experts) is tt.MxcommGroupedExperts.Config and experts.gemm == "fp8"
     assert (experts.dim, experts.hidden_dim, experts.num_experts) == (DIM, HIDDEN, E_LOCAL)
     auto = _recipe_moe(4, "auto")

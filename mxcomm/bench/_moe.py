@@ -31,9 +31,10 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     bf16_mxcomm    mxcomm     the recipe bf16: bf16 / bf16 / bf16 / bf16   bf16
     mxfp8          mxcomm     the recipe mxfp8: mxfp8 / bf16 / bf16 / mxfp8   mxfp8, dequantized
                                                                       to bf16 in the permute
-    fp8_rowwise    mxcomm     the recipe fp8_rowwise: fp8_rowwise / bf16 / mxfp8 / fp8_rowwise,
+    fp8_rowwise    mxcomm     the recipe fp8_rowwise: fp8_rowwise / bf16 / bf16 / fp8_rowwise,
                               the exchanges' expert side in permute's order (permute_align:
-                              no permute or unpermute pass)       fp8 rowwise as received
+                              no permute or unpermute pass), with the backward overlap, as
+                              ExpertParallel runs it                fp8 rowwise as received
     -- comparisons (--variants) --
     mxfp8_all      mxcomm     mxfp8 / mxfp8 / mxfp8 / mxfp8           mxfp8, dequantized to bf16
     bf16+fp8gemm   torch      bf16 / bf16 / bf16 / bf16               bf16, quantized by the GEMM
@@ -41,15 +42,13 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
                                                                       fp8 rowwise as received
     mxfp8+rowwise  mxcomm     mxfp8 / bf16 / bf16 / fp8_rowwise       fp8 rowwise from the permute
                                                                       (gradient: as received)
-    fp8_rowwise_mxgrad  mxcomm  as the recipe fp8_rowwise, permuted separately (not fused)
+    fp8_rowwise_mxgrad  mxcomm  fp8_rowwise / bf16 / mxfp8 / fp8_rowwise, permuted separately
     fp8_rowwise_bf16wgrad  mxcomm  as fp8_rowwise_bf16grad          bf16 wgrad
     fp8_rowwise_acc32   mxcomm  as fp8_rowwise_bf16grad               sums promoted to fp32
-    fp8_rowwise_overlap  mxcomm  the recipe fp8_rowwise with the backward overlap
-                              (``ExpertParallel``'s default for it: the dispatch-gradient exchange
-                              on a side stream beside the GEMM's wgrad; fp8_rowwise: without)
-    fp8_rowwise_bf16dgrad  mxcomm  the recipe fp8_rowwise with dispatch_grad in bf16 (still
-                              fused): copy engines only, no quantize or dequantize
-    fp8_rowwise_bf16dgrad_overlap  mxcomm  the same beside the wgrad (the backward overlap)
+    fp8_rowwise_serial  mxcomm  the recipe fp8_rowwise without the backward overlap
+                              (``ExpertParallel(overlap=False)``): every exchange on one stream
+    fp8_rowwise_mxdgrad  mxcomm  the recipe fp8_rowwise with dispatch_grad in MXFP8, with the
+                              overlap (the recipe until 2026-11-28)
     fp8_rowwise_nocache  mxcomm  the recipe fp8_rowwise with the weight cache off: both fp8
                               weight operands quantized on every call
 
@@ -58,11 +57,11 @@ per (group, column) along the tokens from the fp8 rows the forward and dgrad rea
 ``fp8_rowwise_bf16wgrad``: the same run with the bf16 wgrad, to measure that choice side by
 side. Their accumulation is ``grouped_mm``'s default (every product's sums fast, as torchao's
 fp8 rowwise MoE GEMM), except ``fp8_rowwise_acc32`` (every product's sums promoted to fp32).
-The recipe ``fp8_rowwise`` sends dispatch_grad (the dgrad's bf16 output) in MXFP8: the
-backward's largest exchange halved, at the cost of a second quantization of the input gradient
-(MXFP8's 32-element blocks, about 31 dB, against rowwise's 28); ``fp8_rowwise_bf16grad`` is the
-same path with that exchange in bf16 and the permute separate (the benchmark's ``fp8_rowwise``
-before the recipes, 2026-11-27; the recipe is the former ``fp8_rowwise_mxgrad_fused``).
+The recipe ``fp8_rowwise`` sends dispatch_grad (the dgrad's bf16 output) in bf16, beside the
+wgrad: copy engines only (``fp8_rowwise_mxdgrad`` halves that exchange's bytes in MXFP8, whose
+quantize and dequantize share the SMs with the wgrad); ``fp8_rowwise_bf16grad`` is the same
+formats with the permute separate and no overlap (the benchmark's ``fp8_rowwise`` before the
+recipes, 2026-11-27).
 
 ``bf16`` is the reference of SQNR and speedups; ``bf16+fp8gemm`` (the same wire, the GEMM
 quantizing its bf16 rows and gradient per call) is the reference of the fp8 GEMM variants.
@@ -186,21 +185,19 @@ def resolve(variant, layout, dim, hidden, device, table):
 
 def _recipe_variants():
     from mxcomm import recipes
+    # each as ExpertParallel runs it by default: the fp8 GEMM's recipes with the backward overlap
     return (Variant("auto", recipe="auto"),
             from_recipe(recipes.get_recipe("bf16"), "bf16_mxcomm"),
             from_recipe(recipes.get_recipe("mxfp8")),
-            from_recipe(recipes.get_recipe("fp8_rowwise")))
+            from_recipe(recipes.get_recipe("fp8_rowwise"), overlap=True))
 
 
 def _overlap_variants():
-    from mxcomm import recipes
-    fp8 = recipes.get_recipe("fp8_rowwise")
-    # the dispatch gradient in bf16: pulled by the copy engines alone (no quantize before it,
-    # no dequantize after it), so beside the wgrad it takes no SMs
-    bf16_dgrad = dataclasses.replace(from_recipe(fp8, "fp8_rowwise_bf16dgrad", default=False),
-                                     dispatch_grad="bf16", recipe=None)
-    return (from_recipe(fp8, "fp8_rowwise_overlap", overlap=True, default=False), bf16_dgrad,
-            dataclasses.replace(bf16_dgrad, name="fp8_rowwise_bf16dgrad_overlap", overlap=True))
+    fp8 = _recipe_variants()[-1]
+    return (dataclasses.replace(fp8, name="fp8_rowwise_serial", overlap=False, recipe=None,
+                                default=False),
+            dataclasses.replace(fp8, name="fp8_rowwise_mxdgrad", dispatch_grad="mxfp8",
+                                recipe=None, default=False))
 
 
 VARIANTS = (

@@ -13,9 +13,10 @@ dispatch / combine / dispatch_grad / combine_grad):
   bf16_mxcomm    the recipe bf16: mxcomm's exchanges, bf16 every way, bf16 GEMM
   mxfp8          the recipe mxfp8: mxfp8 / bf16 / bf16 / mxfp8, bf16 GEMM on the rows
                  dequantized in the permute's gather
-  fp8_rowwise    the recipe fp8_rowwise: fp8_rowwise / bf16 / mxfp8 / fp8_rowwise, dispatch +
+  fp8_rowwise    the recipe fp8_rowwise: fp8_rowwise / bf16 / bf16 / fp8_rowwise, dispatch +
                  permute and unpermute + combine each in one call (permute_align), the fp8
-                 rowwise grouped GEMM (mxcomm.torch.grouped_mm) reading the rows as received
+                 rowwise grouped GEMM (mxcomm.torch.grouped_mm) reading the rows as received,
+                 the backward overlap on (as ExpertParallel runs it)
   mxfp8_all      (only by --variants) every direction mxfp8, bf16 GEMM
   bf16+fp8gemm   (only by --variants) the bf16 wire of bf16, then the fp8 rowwise grouped GEMM
                  quantizing its bf16 rows and gradient per call (the reference of the fp8
@@ -24,7 +25,8 @@ dispatch / combine / dispatch_grad / combine_grad):
                  separately (the benchmark's fp8_rowwise before the recipes)
   mxfp8+rowwise  (only by --variants) mxfp8 / bf16 / bf16 / fp8_rowwise: MXFP8 on the wire,
                  converted to fp8 rowwise inside the permute, then the fp8 GEMM
-  fp8_rowwise_mxgrad     (only by --variants) the recipe fp8_rowwise permuted separately
+  fp8_rowwise_mxgrad     (only by --variants) fp8_rowwise / bf16 / mxfp8 / fp8_rowwise, permuted
+                 separately, no overlap
   fp8_rowwise_bf16wgrad  (only by --variants) fp8_rowwise_bf16grad with the GEMM's weight
                  gradient in bf16 (the others': fp8, grouped_mm's default)
   fp8_rowwise_acc32      (only by --variants) fp8_rowwise_bf16grad with every fp8 product's sums
@@ -32,11 +34,10 @@ dispatch / combine / dispatch_grad / combine_grad):
   fp8_rowwise_nocache    (only by --variants) the recipe fp8_rowwise with grouped_mm's weight
                  cache off (both weight operands quantized on every call): the crossover with
                  and without the cache side by side
-  fp8_rowwise_overlap    (only by --variants) the recipe fp8_rowwise with the backward overlap
-                 (the dispatch gradient's exchange beside the wgrad): as ExpertParallel runs the
-                 recipe by default; fp8_rowwise is the recipe without it (overlap=False)
-  fp8_rowwise_bf16dgrad[_overlap]  (only by --variants) the recipe fp8_rowwise with its
-                 dispatch gradient in bf16 (copy engines only), without and with the overlap
+  fp8_rowwise_serial     (only by --variants) the recipe fp8_rowwise without the backward
+                 overlap (the dispatch gradient's exchange after the wgrad, on one stream)
+  fp8_rowwise_mxdgrad    (only by --variants) the recipe fp8_rowwise with its dispatch gradient
+                 in MXFP8, with the overlap (the recipe until 2026-11-28)
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
