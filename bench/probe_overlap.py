@@ -20,9 +20,10 @@ events; on a CPU, host clocks after each step: the wiring only, nothing to read)
 
 ``PROBE_DISPATCH_GRAD=mxfp8`` runs both with the dispatch gradient in MXFP8 (the recipe's until
 2026-11-28; its other directions unchanged): a quantize before the pulls and a dequantize after,
-on SMs beside the wgrad, where the recipe's bf16 gradient is copy-engine pulls only. ``PROBE_PEER_MEMORY=off`` moves the exchanges over NCCL (the grouped transport), whose
-kernels hold SMs for the whole exchange: the wgrad's slowdown beside them against beside the
-pulls (``on``/``auto``: the pull transport where peer memory works).
+on SMs beside the wgrad, where the recipe's bf16 gradient is copy-engine pulls only.
+``PROBE_PEER_MEMORY=off`` moves the exchanges over NCCL (the grouped transport), whose kernels
+hold SMs for the whole exchange: the wgrad's slowdown beside them against beside the pulls
+(``on``/``auto``: the pull transport where peer memory works).
 
 Rank 0 prints a Markdown table of the medians, the slowest rank's of each, and writes it to
 ``$PROBE_MARKDOWN`` where set (docs/design.md,
