@@ -4,7 +4,7 @@
 # phases: tests1 faults2 ktests1 tests2 formats2 tests4 flaky4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
-#         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD, PROBE_PEER_MEMORY) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) chunksbisect4 titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
+#         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD, PROBE_PEER_MEMORY) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) chunksnodes4 (CHUNK_ROWS, CHUNKS, CHUNK_ITERS, SOCKET_NTHREADS, NSOCKS_PERTHREAD) chunksbisect4 titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
 # Results (JSON, Markdown, PNG) go to $OUT/results.tar.gz, refreshed after every step so a run cut
 # short still returns what it finished; logs to $OUT/gpu.log.
 set -uo pipefail
@@ -24,6 +24,13 @@ FP8_VARIANTS=${FP8_VARIANTS:-auto,mxfp8,fp8_rowwise,mxfp8_all,bf16+fp8gemm,fp8_r
 # mpirun_env of the kit, as a command (timeout cannot run a shell function)
 mpirun_env=(mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
     -x NVSHMEM_DISABLE_NVLS -x NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS -x PYTHONUNBUFFERED -x MXCOMM_COMMIT)
+# 4 ranks as 2 emulated nodes x 2 (nodes4, chunksnodes4): MXCOMM_NODE_SIZE=2 for mxcomm,
+# NCCL_HOSTID=node<k> per pair (run the command under bash -c "$per_node"), NCCL's socket
+# transport between the pairs with its threads raised (SOCKET_NTHREADS x NSOCKS_PERTHREAD)
+emulated=(env MXCOMM_NODE_SIZE=2 NCCL_NET=Socket NCCL_IB_DISABLE=1 NCCL_DEBUG=${NODES_NCCL_DEBUG:-WARN}
+    "${mpirun_env[@]}" -x MXCOMM_NODE_SIZE -x NCCL_NET -x NCCL_IB_DISABLE -x NCCL_DEBUG)
+per_node='NCCL_HOSTID=node$((OMPI_COMM_WORLD_RANK / 2)) exec "$@"'
+raised=(env NCCL_SOCKET_NTHREADS=${SOCKET_NTHREADS:-8} NCCL_NSOCKS_PERTHREAD=${NSOCKS_PERTHREAD:-4})
 
 importable() {  # importable TREE: a source tree (git archive) importable by PYTHONPATH=TREE, its
     # kernels/ and comm/ linked where setup.cfg's package_dir installs them
@@ -168,10 +175,18 @@ for phase in "$@"; do
                 PROBE_PEER_MEMORY=${PROBE_PEER_MEMORY:-auto} "${mpirun_env[@]}" -x PROBE_MARKDOWN -x PROBE_PEER_MEMORY \
                 -n "$n" python3 bench/probe_chunks.py "$rows" 7168 2048 8 20 ${CHUNKS:-2}
         done ;;
+    chunksnodes4)  # the same probe at 2 emulated nodes x 2 (socket threads raised), where the
+        # exchanges are as long as the GEMMs: what chunking the forward buys across nodes
+        [ "$ngpu" -ge 4 ] && for rows in ${CHUNK_ROWS:-16384 131072}; do
+            step "probe: chunked overlap, 2 emulated nodes x 2, $rows rows, ${CHUNKS:-2} chunks" 400 \
+                "${raised[@]}" PROBE_MARKDOWN="$res/probe_chunks_nodes2x2_${rows}_c${CHUNKS:-2}_w4.md" \
+                "${emulated[@]}" -x NCCL_SOCKET_NTHREADS -x NCCL_NSOCKS_PERTHREAD -x PROBE_MARKDOWN -n 4 \
+                bash -c "$per_node" _ python3 bench/probe_chunks.py "$rows" 7168 2048 8 ${CHUNK_ITERS:-8} ${CHUNKS:-2}
+        done ;;
     chunksbisect4)  # the chunk probe's 4-rank input-gradient difference (bench/NOTES.md, 2026-11-28):
         # one step's format changed at a time (the default, then the GEMM in bf16, the combine
-        # gradient in bf16, the dispatch gradient in bf16): which step it comes from
-        [ "$ngpu" -ge 4 ] && for v in "" PROBE_GEMM=bf16 PROBE_COMBINE_GRAD=bf16 PROBE_DISPATCH_GRAD=bf16; do
+        # gradient in bf16, the dispatch gradient in MXFP8): which step it comes from
+        [ "$ngpu" -ge 4 ] && for v in "" PROBE_GEMM=bf16 PROBE_COMBINE_GRAD=bf16 PROBE_DISPATCH_GRAD=mxfp8; do
             step "probe: chunked overlap, 4 ranks, 131072 rows, ${v:-default}" 120 \
                 env PROBE_MARKDOWN="$res/probe_chunks_bisect_${v:-default}_w4.md" $v "${mpirun_env[@]}" \
                 -x PROBE_MARKDOWN -x PROBE_GEMM -x PROBE_COMBINE_GRAD -x PROBE_DISPATCH_GRAD \
@@ -478,9 +493,6 @@ for phase in "$@"; do
         # torch's bf16 all_to_all_single with socket defaults, then with the socket threads
         # raised (SOCKET_NTHREADS x NSOCKS_PERTHREAD); the pipeline by recipe with them raised.
         if [ "$ngpu" -lt 4 ]; then echo "=== $phase: needs 4 GPUs, $ngpu here" | tee -a "$log"; continue; fi
-        emulated=(env MXCOMM_NODE_SIZE=2 NCCL_NET=Socket NCCL_IB_DISABLE=1 NCCL_DEBUG=${NODES_NCCL_DEBUG:-WARN}
-            "${mpirun_env[@]}" -x MXCOMM_NODE_SIZE -x NCCL_NET -x NCCL_IB_DISABLE -x NCCL_DEBUG)
-        per_node='NCCL_HOSTID=node$((OMPI_COMM_WORLD_RANK / 2)) exec "$@"'
         step "gpu tests of the emulated nodes, 4 ranks" 300 "${mpirun_env[@]}" --output-filename "$OUT/ranks-nodes4" \
             -n 4 python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=200 \
             -W ignore::DeprecationWarning --with-mpi -m "gpu and mpi" tests/test_nodes.py

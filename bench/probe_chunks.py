@@ -5,7 +5,7 @@ library builds it (issue 43; docs/design.md, "The forward, designed (not built)"
 
 Defaults: 131072 rows per rank, 7168 -> 2048, 8 experts per rank, 20 iterations, 2 chunks. One
 EP layer in the recipe ``fp8_rowwise``'s formats, through ``mxcomm.torch``'s primitives
-(``exchange_layout``; ``a2a_dispatch`` fp8 rowwise with an MXFP8 gradient, landing in permute's
+(``exchange_layout``; ``a2a_dispatch`` fp8 rowwise with a bf16 gradient, landing in permute's
 order; ``grouped_mm``; ``a2a_combine`` bf16 with an fp8 rowwise gradient), uniform routing, in
 three schedules:
 
@@ -34,9 +34,10 @@ writes the table to
 transport, whose kernels hold SMs for the whole exchange) instead of peer-memory pulls (copy
 engines): the GEMM's slowdown beside each. ``PROBE_CUPY_POOL=off``: CuPy's memory pool off (a
 diagnostic: no block of CuPy's pool is handed out again while a stream may still use it).
-``PROBE_DISPATCH_GRAD`` (default ``mxfp8``), ``PROBE_COMBINE_GRAD`` (``fp8_rowwise``) and
-``PROBE_GEMM`` (``fp8``, or ``bf16``: the grouped GEMM on the dequantized rows): one step's
-format changed at a time, to find which step a difference between the schedules comes from.
+``PROBE_DISPATCH_GRAD`` (default ``bf16``, the recipe's since 2026-11-28; ``mxfp8`` before),
+``PROBE_COMBINE_GRAD`` (``fp8_rowwise``) and ``PROBE_GEMM`` (``fp8``, or ``bf16``: the grouped
+GEMM on the dequantized rows): one step's format changed at a time, to find which step a
+difference between the schedules comes from.
 """
 
 import os
@@ -192,7 +193,7 @@ def _layer(xs, grads, counts, w, comm, side):
 
 
 # the path's formats and GEMM, each changeable to find which step a difference comes from
-DISPATCH_GRAD = os.environ.get("PROBE_DISPATCH_GRAD", "mxfp8")
+DISPATCH_GRAD = os.environ.get("PROBE_DISPATCH_GRAD", "bf16")
 COMBINE_GRAD = os.environ.get("PROBE_COMBINE_GRAD", "fp8_rowwise")
 FP8_GEMM = os.environ.get("PROBE_GEMM", "fp8") == "fp8"
 
