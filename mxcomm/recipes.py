@@ -80,6 +80,11 @@ _RECIPES = (
     # expert weight gradients"); not in the cost table, so "auto" never picks it
     Recipe("fp8_rowwise_gradbf16", "fp8_rowwise", "bf16", "bf16", "bf16", gemm="fp8",
            fused=True, wgrad="bf16"),
+    # fp8_rowwise until 2026-11-28: the dispatch gradient in MXFP8, half that exchange's bytes,
+    # for slow links (across nodes: docs/design.md, "What bounds the layer across nodes"); not
+    # in the built-in table, so "auto" picks it only where a calibrated table has it fastest
+    Recipe("fp8_rowwise_mxdgrad", "fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", gemm="fp8",
+           fused=True),
 )
 _BY_NAME = {r.name: r for r in _RECIPES}
 

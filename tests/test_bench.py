@@ -647,8 +647,8 @@ def test_variants_precisions_and_stages():
     assert v["fp8_rowwise_serial"] == dataclasses.replace(
         v["fp8_rowwise"], name="fp8_rowwise_serial", recipe=None, overlap=False, default=False)
     assert v["fp8_rowwise_mxdgrad"] == dataclasses.replace(
-        v["fp8_rowwise"], name="fp8_rowwise_mxdgrad", recipe=None, dispatch_grad="mxfp8",
-        default=False)
+        v["fp8_rowwise"], name="fp8_rowwise_mxdgrad", recipe="fp8_rowwise_mxdgrad",
+        dispatch_grad="mxfp8", default=False)
     assert [x.name for x in _moe.VARIANTS if x.overlap] == ["fp8_rowwise", "fp8_rowwise_mxdgrad",
                                                            "fp8_rowwise_nocache"]
     with pytest.raises(ValueError, match="auto has no stages until resolved"):

@@ -39,7 +39,7 @@ ALIGN = 16
 def test_recipes_by_name():
     """The recipes the design names, with the formats of each direction."""
     assert recipes.recipe_names() == ("auto", "bf16", "mxfp8", "fp8_rowwise",
-                                      "fp8_rowwise_gradbf16")
+                                      "fp8_rowwise_gradbf16", "fp8_rowwise_mxdgrad")
     r = recipes.get_recipe("mxfp8")
     assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
         ("mxfp8", "bf16", "bf16", "mxfp8", "bf16", False)
@@ -47,6 +47,9 @@ def test_recipes_by_name():
     r = recipes.get_recipe("fp8_rowwise")
     assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
         ("fp8_rowwise", "bf16", "bf16", "fp8_rowwise", "fp8", True)
+    r = recipes.get_recipe("fp8_rowwise_mxdgrad")  # the same but for the dispatch gradient
+    assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
+        ("fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", "fp8", True)
     r = recipes.get_recipe("bf16")
     assert {r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm} == {"bf16"}
     for bad in ("auto", "fp8", "BF16"):
@@ -363,9 +366,10 @@ def _routed(rank, world, device, tokens_max=24):
 def _by_hand(name, x, counts, w, grad, comm):
     """The recipe's path from the validated primitives, keywords written out per recipe."""
     layout = mt.exchange_layout(counts, comm)
-    if name == "fp8_rowwise":
+    if name in ("fp8_rowwise", "fp8_rowwise_mxdgrad"):
         rows, _, offs = mt.a2a_dispatch(x, layout, precision="fp8_rowwise",
-                                        grad_precision="bf16", permute_align=ALIGN)
+                                        grad_precision="bf16" if name == "fp8_rowwise" else "mxfp8",
+                                        permute_align=ALIGN)
         y = mt.grouped_mm(rows, w, offs)
         out = mt.a2a_combine(y, layout, precision="bf16", grad_precision="fp8_rowwise",
                              permute_align=ALIGN)
@@ -395,7 +399,7 @@ def _leaves(x, w):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", ["bf16", "mxfp8", "fp8_rowwise"])
+@pytest.mark.parametrize("name", ["bf16", "mxfp8", "fp8_rowwise", "fp8_rowwise_mxdgrad"])
 def test_expert_parallel_equals_the_primitives(comm, device, name):
     """Forward, input and weight gradients through ExpertParallel equal the primitives called by
     hand with the recipe's keywords, bit for bit; the rows are what the recipe says."""
@@ -407,7 +411,7 @@ def test_expert_parallel_equals_the_primitives(comm, device, name):
     xb, wb = _leaves(x, w)
     ref = _by_hand(name, xb, counts, wb, grad, comm)
     assert handle.recipe.name == name
-    assert isinstance(rows, mt.QuantizedTensor) == (name == "fp8_rowwise")
+    assert isinstance(rows, mt.QuantizedTensor) == name.startswith("fp8_rowwise")
     assert rows.shape[0] == handle.layout.permuted_rows(ALIGN)
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
     assert torch.equal(xa.grad.view(torch.int16), xb.grad.view(torch.int16))
@@ -415,7 +419,7 @@ def test_expert_parallel_equals_the_primitives(comm, device, name):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", ["mxfp8", "fp8_rowwise"])
+@pytest.mark.parametrize("name", ["mxfp8", "fp8_rowwise", "fp8_rowwise_mxdgrad"])
 def test_quantized_recipes_meet_the_sqnr_thresholds(comm, device, name):
     """Against the bf16 recipe: output >= 28 dB, input gradient >= 26, weight gradient >= 25
     (torchao's thresholds; rows of 64 and ~60 per rank keep the estimates steady). The wire's

@@ -47,8 +47,8 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     fp8_rowwise_acc32   mxcomm  as fp8_rowwise_bf16grad               sums promoted to fp32
     fp8_rowwise_serial  mxcomm  the recipe fp8_rowwise without the backward overlap
                               (``ExpertParallel(overlap=False)``): every exchange on one stream
-    fp8_rowwise_mxdgrad  mxcomm  the recipe fp8_rowwise with dispatch_grad in MXFP8, with the
-                              overlap (the recipe until 2026-11-28)
+    fp8_rowwise_mxdgrad  mxcomm  the recipe fp8_rowwise_mxdgrad (fp8_rowwise until 2026-11-28):
+                              dispatch_grad in MXFP8, with the overlap
     fp8_rowwise_nocache  mxcomm  the recipe fp8_rowwise with the weight cache off: both fp8
                               weight operands quantized on every call
 
@@ -193,11 +193,10 @@ def _recipe_variants():
 
 
 def _overlap_variants():
-    fp8 = _recipe_variants()[-1]
-    return (dataclasses.replace(fp8, name="fp8_rowwise_serial", overlap=False, recipe=None,
-                                default=False),
-            dataclasses.replace(fp8, name="fp8_rowwise_mxdgrad", dispatch_grad="mxfp8",
-                                recipe=None, default=False))
+    from mxcomm import recipes
+    return (dataclasses.replace(_recipe_variants()[-1], name="fp8_rowwise_serial", overlap=False,
+                                recipe=None, default=False),
+            from_recipe(recipes.get_recipe("fp8_rowwise_mxdgrad"), overlap=True, default=False))
 
 
 VARIANTS = (

@@ -36,8 +36,8 @@ dispatch / combine / dispatch_grad / combine_grad):
                  and without the cache side by side
   fp8_rowwise_serial     (only by --variants) the recipe fp8_rowwise without the backward
                  overlap (the dispatch gradient's exchange after the wgrad, on one stream)
-  fp8_rowwise_mxdgrad    (only by --variants) the recipe fp8_rowwise with its dispatch gradient
-                 in MXFP8, with the overlap (the recipe until 2026-11-28)
+  fp8_rowwise_mxdgrad    (only by --variants) the recipe fp8_rowwise_mxdgrad: fp8_rowwise's
+                 formats with the dispatch gradient in MXFP8 (for slow links), with the overlap
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
