@@ -7,6 +7,7 @@ width, E experts, E_local experts per rank, W ranks, P permuted rows
 
 import types
 import typing
+import warnings
 import weakref
 
 import numpy
@@ -72,6 +73,12 @@ class ExpertParallel:
             rank or tables that differ across ranks.
         RuntimeError: a pinned recipe the devices cannot run without ``gemm_fallback``.
         TypeError: ``group`` of another type (``mxcomm.torch.communicator_for``).
+
+    Warns:
+        RuntimeWarning (rank 0): ``"auto"`` over a group that spans nodes with only the built-in
+        cost table, which was measured on one node: across nodes the network bounds the step,
+        and the table under-rates the recipes that send fewer bytes (docs/design.md, "What
+        bounds the layer across nodes").
     """
 
     def __init__(self, group=None, *, num_local_experts, recipe=_recipes.AUTO, comm=None,
@@ -139,6 +146,15 @@ class ExpertParallel:
                              f"and rank {differs[0]}; here from {self.tables.origin}), so the "
                              f"ranks could choose different recipes; give every rank the same "
                              f"table= or $MXCOMM_COST_TABLE, or the same cached tables")
+        if rank == 0 and self.tables is not None and self.tables.pinned is None and \
+                not self.tables.cached and len(set(getattr(self.comm, "nodes", ()))) > 1:
+            warnings.warn("ExpertParallel(recipe='auto'): the group spans several nodes, and "
+                          "auto has only its built-in cost table, measured on one node, where "
+                          "the network is not the step; across nodes it under-rates the recipes "
+                          "that send fewer bytes. Calibrate on these nodes (mpirun -n W python "
+                          "-m mxcomm.bench calibrate) or pin a recipe ('fp8_rowwise_mxdgrad' "
+                          "sends the fewest bytes of the fp8 GEMM's recipes)", RuntimeWarning,
+                          stacklevel=2)
         #: The agreed device class (``mxcomm.recipes.DEVICE_CLASSES``): the least capable rank's.
         self.device_class = _recipes.DEVICE_CLASSES[int(table_[:, 1].min())]
         self.recipe_name = recipe

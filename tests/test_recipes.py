@@ -649,3 +649,34 @@ def ep_group_checks(rank, size):
 def test_expert_parallel_over_torch_distributed_groups():
     from torch_world import run_world
     assert run_world(2, ep_group_checks) == [[True] * 3] * 2
+
+
+@pytest.mark.mpi
+def test_auto_across_nodes_with_only_the_built_in_table_warns(monkeypatch, tmp_path):
+    """``"auto"`` over a group that spans nodes (emulated: nodes of one rank) with only the
+    built-in table (measured on one node) warns once, on rank 0; not with a table given, not for
+    a pinned recipe, not on one node."""
+    import warnings
+    from mxcomm import comm as mxc
+    monkeypatch.setenv(recipes.CACHE_ENV, str(tmp_path))  # no cached tables
+    for name in (recipes.TABLE_ENV, "MXCOMM_NODE_SIZE", "NCCL_HOSTID"):
+        monkeypatch.delenv(name, raising=False)
+    across = mxc.init("mpi", timeout=60.0, node_size=1)
+    one = mxc.init("mpi", timeout=60.0)
+    assert len(set(across.nodes)) == across.size and set(one.nodes) == {0}
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            mt.ExpertParallel(comm=across, num_local_experts=E_LOCAL)
+            given = dataclasses.replace(recipes.H100_TABLE, device="", world_size=0)  # hand-made
+            mt.ExpertParallel(comm=across, num_local_experts=E_LOCAL, table=given)
+            mt.ExpertParallel(comm=across, num_local_experts=E_LOCAL, recipe="fp8_rowwise_mxdgrad",
+                              gemm_fallback=True)
+            mt.ExpertParallel(comm=one, num_local_experts=E_LOCAL)
+        mine = [w for w in got if "spans several nodes" in str(w.message)]
+        assert len(mine) == (1 if across.rank == 0 else 0)
+        for w in mine:
+            assert w.category is RuntimeWarning and "mxcomm.bench calibrate" in str(w.message)
+    finally:
+        across.close()
+        one.close()
