@@ -130,6 +130,17 @@ class _Scribble(torch.autograd.Function):
         return grad, None
 
 
+def _seeded_gemm_inputs(groups, k, n, rows, device="cuda"):
+    """Seeded inputs of a grouped GEMM: ``(offs, x, w, grad)``, ``groups`` equal groups of the
+    ``rows`` (k wide, bf16), weights (groups, k, n) scaled by 1/sqrt(k), the output's gradient."""
+    torch.manual_seed(0)
+    offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (rows // groups)
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(groups, k, n, device=device) / k ** 0.5).to(torch.bfloat16)
+    grad = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
+    return offs, x, w, grad
+
+
 @pytest.mark.gpu
 def test_gpu_quantized_gradient_from_another_stream_is_read_intact():
     """A QuantizedTensor gradient made on a side stream and read by ``grouped_mm``'s backward on
@@ -139,12 +150,8 @@ def test_gpu_quantized_gradient_from_another_stream_is_read_intact():
     input and weight gradients equal those of the same graph on one stream, bit for bit."""
     if not mt.fp8_gemm_available("cuda"):
         pytest.skip("needs an SM90 GPU with torch._scaled_grouped_mm")
-    torch.manual_seed(0)
-    groups, k, n, rows = 4, 256, 512, 4096
-    offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * (rows // groups)
-    x0 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    w0 = (torch.randn(groups, k, n, device="cuda") / k ** 0.5).to(torch.bfloat16)
-    grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    rows, n = 4096, 512
+    offs, x0, w0, grad = _seeded_gemm_inputs(4, 256, n, rows)
     u0 = torch.randn(1024, device="cuda")
     sizes = (rows * n, rows * 4)  # the gradient's data and scales, in bytes
 
@@ -275,12 +282,7 @@ def test_grouped_mm_fp8_sqnr_gpu(fast_accum):
     (the default, every product fast, none)."""
     if not mt.fp8_gemm_available("cuda"):
         pytest.skip("needs an SM90 GPU with torch._scaled_grouped_mm")
-    torch.manual_seed(0)
-    g_, k, n, rows = 8, 1024, 512, 8192
-    offs = torch.arange(1, g_ + 1, device="cuda", dtype=torch.int32) * (rows // g_)
-    xb = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(g_, k, n, device="cuda") / k ** 0.5).to(torch.bfloat16)
-    grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    offs, xb, w, grad = _seeded_gemm_inputs(8, 1024, 512, 8192)
     xr = xb.clone().requires_grad_(True)
     wr = w.clone().requires_grad_(True)
     torch._grouped_mm(xr, wr, offs=offs).backward(grad)
