@@ -46,7 +46,8 @@ class ExpertParallel:
             communicator, or None (torch.distributed's default group; or ``comm``).
         num_local_experts: E_local, the experts on each rank (the same on every rank).
         recipe: ``"auto"`` (default: per layout, ``mxcomm.recipes.choose_recipe``'s), or a
-            recipe name to pin the numerics.
+            recipe name to pin the numerics. Either runs as the group's topology asks
+            (``Recipe.for_nodes``: ``"fp8_rowwise"``'s dispatch gradient is MXFP8 across nodes).
         comm: an mxcomm communicator (instead of ``group``).
         align: rows each expert group is padded to a multiple of (32: MX GEMMs; 16: SM90 fp8).
         hidden: H, for ``"auto"``'s prediction (None: D times the table's H / D).
@@ -146,15 +147,17 @@ class ExpertParallel:
                              f"and rank {differs[0]}; here from {self.tables.origin}), so the "
                              f"ranks could choose different recipes; give every rank the same "
                              f"table= or $MXCOMM_COST_TABLE, or the same cached tables")
+        #: The nodes the group spans (``comm.nodes``, agreed at ``init``): the recipes run as
+        #: ``Recipe.for_nodes(nodes)``.
+        self.nodes = len(set(getattr(self.comm, "nodes", ()))) or 1
         if rank == 0 and self.tables is not None and self.tables.pinned is None and \
-                not self.tables.cached and len(set(getattr(self.comm, "nodes", ()))) > 1:
+                not self.tables.cached and self.nodes > 1:
             warnings.warn("ExpertParallel(recipe='auto'): the group spans several nodes, and "
                           "auto has only its built-in cost table, measured on one node, where "
                           "the network is not the step; across nodes it under-rates the recipes "
                           "that send fewer bytes. Calibrate on these nodes (mpirun -n W python "
-                          "-m mxcomm.bench calibrate) or pin a recipe ('fp8_rowwise_mxdgrad' "
-                          "sends the fewest bytes of the fp8 GEMM's recipes)", RuntimeWarning,
-                          stacklevel=2)
+                          "-m mxcomm.bench calibrate) or pin a recipe ('fp8_rowwise' sends the "
+                          "fewest bytes across nodes)", RuntimeWarning, stacklevel=2)
         #: The agreed device class (``mxcomm.recipes.DEVICE_CLASSES``): the least capable rank's.
         self.device_class = _recipes.DEVICE_CLASSES[int(table_[:, 1].min())]
         self.recipe_name = recipe
@@ -166,7 +169,9 @@ class ExpertParallel:
             from ._torch_overlap import BackwardOverlap
             self.overlap = BackwardOverlap()
         self._choosers = {}  # D -> mxcomm.recipes.Chooser ("auto")
-        self._pinned = None if recipe == _recipes.AUTO else _recipes.get_recipe(recipe)
+        self._pinned = None if recipe == _recipes.AUTO else \
+            _recipes.get_recipe(recipe).for_nodes(self.nodes)
+        self._as_run = {}  # "auto": chosen Recipe -> Recipe.for_nodes(self.nodes)
         if self._pinned is not None and not gemm_fallback and \
                 not _recipes.runnable(self._pinned, self.device_class):
             raise RuntimeError(f"ExpertParallel: recipe {recipe!r} needs SM90 fp8 grouped GEMMs "
@@ -191,11 +196,18 @@ class ExpertParallel:
         return chooser
 
     def recipe_for(self, layout, dim):
-        """The :class:`~mxcomm.recipes.Recipe` run for ``layout`` and rows of width ``dim``. No
-        host sync, no communication."""
+        """The :class:`~mxcomm.recipes.Recipe` run for ``layout`` and rows of width ``dim``, as
+        the group's nodes run it (``Recipe.for_nodes``). No host sync, no communication."""
         if self._pinned is not None:
             return self._pinned
-        return self.chooser(dim)(layout)
+        return self.as_run(self.chooser(dim)(layout))
+
+    def as_run(self, recipe):
+        """``recipe`` as this group runs it: ``recipe.for_nodes(self.nodes)``, made once."""
+        run = self._as_run.get(recipe)
+        if run is None:
+            run = self._as_run[recipe] = recipe.for_nodes(self.nodes)
+        return run
 
     def dispatch(self, x, num_tokens_per_expert):
         """Send routed rows to their experts, in the recipe's formats, in permuted order.

@@ -41,6 +41,8 @@ class Recipe:
 
     Attributes:
         dispatch, combine, dispatch_grad, combine_grad: ``mxcomm.formats`` names per direction.
+        dispatch_grad_across_nodes: None, or dispatch_grad's format where the group spans
+            several nodes (:meth:`for_nodes`).
         gemm: ``"bf16"`` or ``"fp8"`` (fp8 rowwise rows: ``grouped_mm``'s SM90 path).
         fused: the exchanges' expert side in permute's order: no separate (un)permute pass.
         permute_format: None, or what the separate permute converts received rows to.
@@ -59,32 +61,40 @@ class Recipe:
     unpermute_grad_format: object = None
     wgrad: str = "fp8"
     fast_accum: tuple = GEMMS
+    dispatch_grad_across_nodes: object = None
+
+    def for_nodes(self, nodes):
+        """The recipe as a group spanning ``nodes`` nodes (``len(set(comm.nodes))``) runs it:
+        ``dispatch_grad_across_nodes`` in place of ``dispatch_grad`` where set and ``nodes`` >
+        1, else itself (docs/design.md, "The dispatch gradient follows the topology")."""
+        across = self.dispatch_grad_across_nodes
+        if nodes > 1 and across is not None and across != self.dispatch_grad:
+            return dataclasses.replace(self, dispatch_grad=across)
+        return self
 
     def describe(self):
         """One line: the four directions, the layout of the expert side, the GEMM."""
         side = "fused (permute_align)" if self.fused else "permuted separately"
         gemm = f"fp8 rowwise GEMM ({self.wgrad} wgrad)" if self.gemm == "fp8" else "bf16 GEMM"
+        across = self.dispatch_grad_across_nodes
+        nodes = f" ({across} across nodes)" if across not in (None, self.dispatch_grad) else ""
         return (f"{self.name}: dispatch {self.dispatch}, combine {self.combine}, dispatch_grad "
-                f"{self.dispatch_grad}, combine_grad {self.combine_grad}, {side}, {gemm}")
+                f"{self.dispatch_grad}{nodes}, combine_grad {self.combine_grad}, {side}, {gemm}")
 
 
 _RECIPES = (
     Recipe("bf16", "bf16", "bf16", "bf16", "bf16"),
     Recipe("mxfp8", "mxfp8", "bf16", "bf16", "mxfp8", permute_format="bf16",
            unpermute_grad_format="bf16"),
-    # dispatch_grad bf16: beside the wgrad (the backward overlap) copy engines only, no quantize
-    # on SMs (docs/design.md, "Why the fp8 recipe's dispatch gradient travels in bf16")
+    # dispatch_grad bf16 on one node: beside the wgrad (the backward overlap) copy engines only,
+    # no quantize on SMs; MXFP8 across nodes, where bytes bound the step (docs/design.md, "Why
+    # the fp8 recipe's dispatch gradient travels in bf16")
     Recipe("fp8_rowwise", "fp8_rowwise", "bf16", "bf16", "fp8_rowwise", gemm="fp8",
-           fused=True),
+           fused=True, dispatch_grad_across_nodes="mxfp8"),
     # combine_grad and wgrad in bf16 for torchtitan's weight gradients (bench/NOTES.md, "The
     # expert weight gradients"); not in the cost table, so "auto" never picks it
     Recipe("fp8_rowwise_gradbf16", "fp8_rowwise", "bf16", "bf16", "bf16", gemm="fp8",
            fused=True, wgrad="bf16"),
-    # fp8_rowwise until 2026-11-28: the dispatch gradient in MXFP8, half that exchange's bytes,
-    # for slow links (across nodes: docs/design.md, "What bounds the layer across nodes"); not
-    # in the built-in table, so "auto" picks it only where a calibrated table has it fastest
-    Recipe("fp8_rowwise_mxdgrad", "fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", gemm="fp8",
-           fused=True),
 )
 _BY_NAME = {r.name: r for r in _RECIPES}
 

@@ -446,6 +446,29 @@ def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
     assert "ran its bf16 fallback" in out.stdout  # the report says the fp8 GEMM was not fp8
 
 
+def test_pipeline_across_nodes_runs_the_recipes_as_expert_parallel_does(tmp_path):
+    """2 ranks as 2 emulated nodes (host backend): the recipe fp8_rowwise sends its dispatch
+    gradient in MXFP8 (``Recipe.for_nodes``), as the comparison fp8_rowwise_mxdgrad does; the
+    wire table, the notes and the exactness checks say so."""
+    pytest.importorskip("torch")
+    path = tmp_path / "p.json"
+    env = dict(os.environ, MXCOMM_BACKEND="host", MXCOMM_NODE_SIZE="1")
+    out = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mxcomm.bench", "pipeline",
+                          "--tokens", "96", "--dim", "64", "--hidden", "32", "--experts", "2",
+                          "--variants", "fp8_rowwise,fp8_rowwise_mxdgrad,mxfp8",
+                          "--json", str(path)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    tables = json.loads(path.read_text())["tables"]
+    grads = {r["variant"]: r for r in tables["wire"] if r["direction"] == "dispatch_grad"}
+    assert grads["fp8_rowwise"]["precision"] == grads["fp8_rowwise_mxdgrad"]["precision"] == \
+        "mxfp8" and grads["mxfp8"]["precision"] == "bf16"
+    assert grads["fp8_rowwise"]["bytes"] == grads["fp8_rowwise_mxdgrad"]["bytes"] > 0
+    assert all(r["result"] in ("exact", "in the exchange") for r in tables["exactness"])
+    assert "fp8_rowwise = mxcomm, dispatch fp8_rowwise, combine bf16, dispatch_grad mxfp8" in \
+        out.stdout
+
+
 # ----------------------------------------------------------------------------------- CLI
 def test_cli_parses_every_subcommand():
     p = build_parser()
@@ -647,8 +670,15 @@ def test_variants_precisions_and_stages():
     assert v["fp8_rowwise_serial"] == dataclasses.replace(
         v["fp8_rowwise"], name="fp8_rowwise_serial", recipe=None, overlap=False, default=False)
     assert v["fp8_rowwise_mxdgrad"] == dataclasses.replace(
-        v["fp8_rowwise"], name="fp8_rowwise_mxdgrad", recipe="fp8_rowwise_mxdgrad",
-        dispatch_grad="mxfp8", default=False)
+        v["fp8_rowwise"], name="fp8_rowwise_mxdgrad", recipe=None, dispatch_grad="mxfp8",
+        default=False)
+    # across nodes the recipes' variants run as ExpertParallel runs them (Recipe.for_nodes):
+    # fp8_rowwise's dispatch gradient in MXFP8; comparisons and the other recipes unchanged
+    for nodes, grad in ((1, "bf16"), (2, "mxfp8")):
+        assert _moe.resolve(v["fp8_rowwise"], None, 0, 0, None, None, nodes) == \
+            dataclasses.replace(v["fp8_rowwise"], dispatch_grad=grad)
+        for name in ("bf16_mxcomm", "mxfp8", "fp8_rowwise_serial", "fp8_rowwise_bf16grad"):
+            assert _moe.resolve(v[name], None, 0, 0, None, None, nodes) == v[name]
     assert [x.name for x in _moe.VARIANTS if x.overlap] == ["fp8_rowwise", "fp8_rowwise_mxdgrad",
                                                            "fp8_rowwise_nocache"]
     with pytest.raises(ValueError, match="auto has no stages until resolved"):
@@ -660,6 +690,8 @@ def test_variants_precisions_and_stages():
         assert resolved.fused == (chose == "fp8_rowwise")
         # run as ExpertParallel runs it by default: the fp8 GEMM's recipe with the overlap
         assert resolved.overlap == (chose == "fp8_rowwise")
+        across = _moe.resolve(v["auto"], layout, 7168, 2048, device, recipes.H100_TABLE, 2)
+        assert across.dispatch_grad == ("mxfp8" if chose == "fp8_rowwise" else "bf16")
     for x in _moe.VARIANTS:
         if x.name == "auto":
             x = resolved

@@ -15,6 +15,7 @@ Run: ``python -m pytest -q -m "not mpi" tests/test_recipes.py``;
 ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_recipes.py`` (and ``-n 3``).
 """
 
+import contextlib
 import dataclasses
 
 import numpy
@@ -39,7 +40,7 @@ ALIGN = 16
 def test_recipes_by_name():
     """The recipes the design names, with the formats of each direction."""
     assert recipes.recipe_names() == ("auto", "bf16", "mxfp8", "fp8_rowwise",
-                                      "fp8_rowwise_gradbf16", "fp8_rowwise_mxdgrad")
+                                      "fp8_rowwise_gradbf16")
     r = recipes.get_recipe("mxfp8")
     assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
         ("mxfp8", "bf16", "bf16", "mxfp8", "bf16", False)
@@ -47,9 +48,12 @@ def test_recipes_by_name():
     r = recipes.get_recipe("fp8_rowwise")
     assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
         ("fp8_rowwise", "bf16", "bf16", "fp8_rowwise", "fp8", True)
-    r = recipes.get_recipe("fp8_rowwise_mxdgrad")  # the same but for the dispatch gradient
-    assert (r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm, r.fused) == \
-        ("fp8_rowwise", "bf16", "mxfp8", "fp8_rowwise", "fp8", True)
+    # across nodes the same but for the dispatch gradient; the other recipes everywhere alike
+    across = r.for_nodes(2)
+    assert across == dataclasses.replace(r, dispatch_grad="mxfp8") and r.for_nodes(1) is r
+    assert across.for_nodes(2) == across and "mxfp8 across nodes" in r.describe()
+    for name in ("bf16", "mxfp8", "fp8_rowwise_gradbf16"):
+        assert recipes.get_recipe(name).for_nodes(3) is recipes.get_recipe(name)
     r = recipes.get_recipe("bf16")
     assert {r.dispatch, r.combine, r.dispatch_grad, r.combine_grad, r.gemm} == {"bf16"}
     for bad in ("auto", "fp8", "BF16"):
@@ -366,7 +370,7 @@ def _routed(rank, world, device, tokens_max=24):
 def _by_hand(name, x, counts, w, grad, comm):
     """The recipe's path from the validated primitives, keywords written out per recipe."""
     layout = mt.exchange_layout(counts, comm)
-    if name in ("fp8_rowwise", "fp8_rowwise_mxdgrad"):
+    if name.startswith("fp8_rowwise"):  # across nodes: the dispatch gradient in MXFP8
         rows, _, offs = mt.a2a_dispatch(x, layout, precision="fp8_rowwise",
                                         grad_precision="bf16" if name == "fp8_rowwise" else "mxfp8",
                                         permute_align=ALIGN)
@@ -398,19 +402,43 @@ def _leaves(x, w):
     return x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
 
 
+#: ``"fp8_rowwise"`` on a group spanning nodes (emulated: a node per rank), where its dispatch
+#: gradient is MXFP8 (``Recipe.for_nodes``)
+ACROSS = "fp8_rowwise@nodes"
+
+
+@contextlib.contextmanager
+def _group(comm, name):
+    """``(communicator, recipe)`` of a case: ``comm`` and ``name``, or for :data:`ACROSS` a new
+    communicator with a node per rank (closed after) and ``"fp8_rowwise"``."""
+    if name != ACROSS:
+        yield comm, name
+        return
+    from mxcomm import comm as mxc
+    across = mxc.init(timeout=60.0, node_size=1)
+    try:
+        assert len(set(across.nodes)) == across.size
+        yield across, "fp8_rowwise"
+    finally:
+        across.close()
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", ["bf16", "mxfp8", "fp8_rowwise", "fp8_rowwise_mxdgrad"])
+@pytest.mark.parametrize("name", ["bf16", "mxfp8", "fp8_rowwise", ACROSS])
 def test_expert_parallel_equals_the_primitives(comm, device, name):
     """Forward, input and weight gradients through ExpertParallel equal the primitives called by
-    hand with the recipe's keywords, bit for bit; the rows are what the recipe says."""
+    hand with the recipe's keywords, bit for bit (across nodes: fp8_rowwise's dispatch gradient
+    in MXFP8); the rows are what the recipe says."""
     x, counts, grad, w = _routed(comm.rank, comm.size, device)
-    ep = mt.ExpertParallel(comm=comm, num_local_experts=E_LOCAL, recipe=name, align=ALIGN,
-                           gemm_fallback=True)
-    xa, wa = _leaves(x, w)
-    out, rows, handle = _through_ep(ep, xa, counts, wa, grad)
-    xb, wb = _leaves(x, w)
-    ref = _by_hand(name, xb, counts, wb, grad, comm)
-    assert handle.recipe.name == name
+    with _group(comm, name) as (group, recipe):
+        ep = mt.ExpertParallel(comm=group, num_local_experts=E_LOCAL, recipe=recipe,
+                               align=ALIGN, gemm_fallback=True)
+        xa, wa = _leaves(x, w)
+        out, rows, handle = _through_ep(ep, xa, counts, wa, grad)
+        xb, wb = _leaves(x, w)
+        ref = _by_hand(name, xb, counts, wb, grad, group)
+    assert handle.recipe.name == recipe
+    assert handle.recipe.dispatch_grad == ("mxfp8" if name == ACROSS else "bf16")
     assert isinstance(rows, mt.QuantizedTensor) == name.startswith("fp8_rowwise")
     assert rows.shape[0] == handle.layout.permuted_rows(ALIGN)
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
@@ -419,7 +447,7 @@ def test_expert_parallel_equals_the_primitives(comm, device, name):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", ["mxfp8", "fp8_rowwise", "fp8_rowwise_mxdgrad"])
+@pytest.mark.parametrize("name", ["mxfp8", "fp8_rowwise", ACROSS])
 def test_quantized_recipes_meet_the_sqnr_thresholds(comm, device, name):
     """Against the bf16 recipe: output >= 28 dB, input gradient >= 26, weight gradient >= 25
     (torchao's thresholds; rows of 64 and ~60 per rank keep the estimates steady). The wire's
@@ -427,12 +455,13 @@ def test_quantized_recipes_meet_the_sqnr_thresholds(comm, device, name):
     tests/test_torch_formats.py's)."""
     x, counts, grad, w = _routed(comm.rank, comm.size, device, tokens_max=48)
     results = []
-    for recipe in ("bf16", name):
-        ep = mt.ExpertParallel(comm=comm, num_local_experts=E_LOCAL, recipe=recipe, align=ALIGN,
-                               gemm_fallback=True)
-        xa, wa = _leaves(x, w)
-        out, _, _ = _through_ep(ep, xa, counts, wa, grad, fp8=False)
-        results.append((out, xa.grad, wa.grad))
+    with _group(comm, name) as (group, recipe):
+        for name_ in ("bf16", recipe):
+            ep = mt.ExpertParallel(comm=group, num_local_experts=E_LOCAL, recipe=name_,
+                                   align=ALIGN, gemm_fallback=True)
+            xa, wa = _leaves(x, w)
+            out, _, _ = _through_ep(ep, xa, counts, wa, grad, fp8=False)
+            results.append((out, xa.grad, wa.grad))
     (ref, dx_ref, dw_ref), (out, dx, dw) = results
     assert sqnr(ref, out) >= 28
     assert sqnr(dx_ref, dx) >= 26
@@ -667,13 +696,17 @@ def test_auto_across_nodes_with_only_the_built_in_table_warns(monkeypatch, tmp_p
     try:
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
-            mt.ExpertParallel(comm=across, num_local_experts=E_LOCAL)
+            auto = mt.ExpertParallel(comm=across, num_local_experts=E_LOCAL)
             given = dataclasses.replace(recipes.H100_TABLE, device="", world_size=0)  # hand-made
             mt.ExpertParallel(comm=across, num_local_experts=E_LOCAL, table=given)
-            mt.ExpertParallel(comm=across, num_local_experts=E_LOCAL, recipe="fp8_rowwise_mxdgrad",
-                              gemm_fallback=True)
+            pinned = mt.ExpertParallel(comm=across, num_local_experts=E_LOCAL,
+                                       recipe="fp8_rowwise", gemm_fallback=True)
             mt.ExpertParallel(comm=one, num_local_experts=E_LOCAL)
         mine = [w for w in got if "spans several nodes" in str(w.message)]
+        # what runs across nodes: fp8_rowwise's dispatch gradient in MXFP8, pinned or chosen
+        assert pinned.nodes == across.size and pinned.recipe_for(None, D).dispatch_grad == "mxfp8"
+        assert auto.as_run(recipes.get_recipe("fp8_rowwise")).dispatch_grad == "mxfp8"
+        assert auto.as_run(recipes.get_recipe("mxfp8")) is recipes.get_recipe("mxfp8")
         assert len(mine) == (1 if across.rank == 0 else 0)
         for w in mine:
             assert w.category is RuntimeWarning and "mxcomm.bench calibrate" in str(w.message)

@@ -47,8 +47,9 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     fp8_rowwise_acc32   mxcomm  as fp8_rowwise_bf16grad               sums promoted to fp32
     fp8_rowwise_serial  mxcomm  the recipe fp8_rowwise without the backward overlap
                               (``ExpertParallel(overlap=False)``): every exchange on one stream
-    fp8_rowwise_mxdgrad  mxcomm  the recipe fp8_rowwise_mxdgrad (fp8_rowwise until 2026-11-28):
-                              dispatch_grad in MXFP8, with the overlap
+    fp8_rowwise_mxdgrad  mxcomm  the recipe fp8_rowwise with dispatch_grad in MXFP8 on any
+                              topology (the recipe's on one node until 2026-11-28; across
+                              nodes it is the recipe's), with the overlap
     fp8_rowwise_nocache  mxcomm  the recipe fp8_rowwise with the weight cache off: both fp8
                               weight operands quantized on every call
 
@@ -57,9 +58,10 @@ per (group, column) along the tokens from the fp8 rows the forward and dgrad rea
 ``fp8_rowwise_bf16wgrad``: the same run with the bf16 wgrad, to measure that choice side by
 side. Their accumulation is ``grouped_mm``'s default (every product's sums fast, as torchao's
 fp8 rowwise MoE GEMM), except ``fp8_rowwise_acc32`` (every product's sums promoted to fp32).
-The recipe ``fp8_rowwise`` sends dispatch_grad (the dgrad's bf16 output) in bf16, beside the
-wgrad: copy engines only (``fp8_rowwise_mxdgrad`` halves that exchange's bytes in MXFP8, whose
-quantize and dequantize share the SMs with the wgrad); ``fp8_rowwise_bf16grad`` is the same
+The recipe ``fp8_rowwise`` sends dispatch_grad (the dgrad's bf16 output) in bf16 on one node,
+beside the wgrad: copy engines only (``fp8_rowwise_mxdgrad`` halves that exchange's bytes in
+MXFP8, whose quantize and dequantize share the SMs with the wgrad; the recipe's format across
+nodes, where the variants of recipes run as :func:`resolve` makes them); ``fp8_rowwise_bf16grad`` is the same
 formats with the permute separate and no overlap (the benchmark's ``fp8_rowwise`` before the
 recipes, 2026-11-27).
 
@@ -171,16 +173,20 @@ def from_recipe(recipe, name=None, **fields):
                    recipe=recipe.name, **fields)
 
 
-def resolve(variant, layout, dim, hidden, device, table):
-    """``variant``, or for ``auto`` the variant of the recipe it chooses for ``layout``
-    (``mxcomm.recipes.Chooser`` of ``table`` on the agreed ``device`` class), still named
-    ``auto``."""
-    if variant.recipe != "auto":
-        return variant
+def resolve(variant, layout, dim, hidden, device, table, nodes=1):
+    """``variant`` as ``ExpertParallel`` runs it on a group spanning ``nodes`` nodes: a
+    recipe's with ``Recipe.for_nodes``'s formats; ``auto`` as the recipe it chooses for
+    ``layout`` (``mxcomm.recipes.Chooser`` of ``table`` on the agreed ``device`` class), still
+    named ``auto``; a comparison (no recipe) as it is."""
     from mxcomm import recipes
-    chosen = recipes.Chooser(dim, hidden, device=device, table=table)(layout)
-    # as ExpertParallel runs it by default: the fp8 GEMM's recipes with the backward overlap
-    return from_recipe(chosen, "auto", chose=chosen.name, overlap=chosen.gemm == "fp8")
+    if variant.recipe == "auto":
+        chosen = recipes.Chooser(dim, hidden, device=device, table=table)(layout).for_nodes(nodes)
+        # as ExpertParallel runs it by default: the fp8 GEMM's recipes with the backward overlap
+        return from_recipe(chosen, "auto", chose=chosen.name, overlap=chosen.gemm == "fp8")
+    if variant.recipe is None or nodes == 1:
+        return variant
+    run = recipes.get_recipe(variant.recipe).for_nodes(nodes)
+    return dataclasses.replace(variant, dispatch_grad=run.dispatch_grad)
 
 
 def _recipe_variants():
@@ -196,7 +202,8 @@ def _overlap_variants():
     from mxcomm import recipes
     return (dataclasses.replace(_recipe_variants()[-1], name="fp8_rowwise_serial", overlap=False,
                                 recipe=None, default=False),
-            from_recipe(recipes.get_recipe("fp8_rowwise_mxdgrad"), overlap=True, default=False))
+            dataclasses.replace(_recipe_variants()[-1], name="fp8_rowwise_mxdgrad",
+                                dispatch_grad="mxfp8", recipe=None, default=False))
 
 
 VARIANTS = (

@@ -120,11 +120,13 @@ def measure(args, rt):
     chosen = [r for r in (recipes.get_recipe(n) for n in recipes.recipe_names()[1:])
               if recipes.runnable(r, device_class)]
     args.routing = "uniform"  # the table's rows per rank: every rank sends and receives them
+    nodes = len(set(rt.comm.nodes))  # each recipe as the group's nodes run it
     times = {r.name: [] for r in chosen}
     for m in rows:
         case = _pipeline._Case(args, rt, (m, dim, hidden, e_local))
         # each recipe as ExpertParallel runs it by default (the fp8 GEMM's with the overlap)
-        stage_lists = {r.name: _moe.stages(_moe.from_recipe(r, overlap=r.gemm == "fp8"),
+        stage_lists = {r.name: _moe.stages(_moe.from_recipe(r.for_nodes(nodes),
+                                                            overlap=r.gemm == "fp8"),
                                            rt.comm, e_local, loop_gemm=case.loop_gemm)
                        for r in chosen}
         rt.log(f"calibrate {case.label}: {', '.join(stage_lists)}")

@@ -36,8 +36,8 @@ dispatch / combine / dispatch_grad / combine_grad):
                  and without the cache side by side
   fp8_rowwise_serial     (only by --variants) the recipe fp8_rowwise without the backward
                  overlap (the dispatch gradient's exchange after the wgrad, on one stream)
-  fp8_rowwise_mxdgrad    (only by --variants) the recipe fp8_rowwise_mxdgrad: fp8_rowwise's
-                 formats with the dispatch gradient in MXFP8 (for slow links), with the overlap
+  fp8_rowwise_mxdgrad    (only by --variants) fp8_rowwise with the dispatch gradient in MXFP8
+                 on any topology (the recipe's format across nodes), with the overlap
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
@@ -408,7 +408,10 @@ def measure(args, rt):
         del case, reference
     names = [v.name for v in variants]
     notes = [ONE_RANK] if rt.size == 1 else []
-    notes += ["variants: " + "; ".join(v.describe() for v in variants) + ". All share mxcomm's "
+    nodes = len(set(rt.comm.nodes))  # the recipes' variants as they ran on these nodes
+    ran = [v if v.recipe == "auto" else _moe.resolve(v, None, 0, 0, None, None, nodes)
+           for v in variants]
+    notes += ["variants: " + "; ".join(v.describe() for v in ran) + ". All share mxcomm's "
              "layout exchange, permute and unpermute; bf16 is the reference of SQNR and speedups",
              f"E_local experts per rank, W * E_local in all; routing: {args.routing}; "
              f"rows padded to {_moe.ALIGN} per expert group"]
@@ -451,20 +454,22 @@ def measure(args, rt):
 
 
 def _resolved(variants, case, rt, fp8_gemm):
-    """``variants`` for ``case``: ``auto`` as the recipe it chooses for the shape's layout (one
-    layout exchange, collective; every rank decides alike from it), the others as they are."""
-    if not any(v.recipe == "auto" for v in variants):
-        return variants
-    from mxcomm import recipes
-    from mxcomm.torch import exchange_layout
-    layout = exchange_layout(case.counts, rt.comm)
-    device = "sm90" if fp8_gemm else ("cuda" if rt.gpu else "cpu")
-    name = "cpu"
-    if rt.gpu:
-        import torch
-        name = torch.cuda.get_device_name(rt.torch_device())
-    table = recipes.find_tables(name, rt.size).table_for(case.dim, case.hidden)
-    return tuple(_moe.resolve(v, layout, case.dim, case.hidden, device, table)
+    """``variants`` for ``case`` as ``ExpertParallel`` runs them on the group's nodes
+    (``_moe.resolve``): ``auto`` as the recipe it chooses for the shape's layout (one layout
+    exchange, collective; every rank decides alike from it)."""
+    nodes = len(set(rt.comm.nodes))
+    layout = device = table = None
+    if any(v.recipe == "auto" for v in variants):
+        from mxcomm import recipes
+        from mxcomm.torch import exchange_layout
+        layout = exchange_layout(case.counts, rt.comm)
+        device = "sm90" if fp8_gemm else ("cuda" if rt.gpu else "cpu")
+        name = "cpu"
+        if rt.gpu:
+            import torch
+            name = torch.cuda.get_device_name(rt.torch_device())
+        table = recipes.find_tables(name, rt.size).table_for(case.dim, case.hidden)
+    return tuple(_moe.resolve(v, layout, case.dim, case.hidden, device, table, nodes)
                  for v in variants)
 
 

@@ -130,7 +130,8 @@ class MxcommExchanges:
                                "(torchtitan calls wire_meshes when it parallelizes the model)")
         from mxcomm.layout import Layout
         chooser = self._ep.chooser(x.shape[-1])
-        recipe = chooser(layout) if isinstance(layout, Layout) else chooser.for_rows(x.shape[0])
+        recipe = self._ep.as_run(chooser(layout) if isinstance(layout, Layout)
+                                 else chooser.for_rows(x.shape[0]))
         path = self._paths.get(recipe.name)
         if path is None:
             path = self._paths[recipe.name] = _Path(
