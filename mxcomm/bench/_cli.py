@@ -166,8 +166,10 @@ def main(argv=None):
             meta["transport"] = rt.comm.transport
             meta["nodes"] = list(rt.comm.nodes)
             if len(set(rt.comm.nodes)) > 1:
-                meta["notes"].append(f"nodes {list(rt.comm.nodes)} (node of each rank): peer "
-                                     f"memory inside a node, the backend between nodes")
+                how = ("peer memory inside a node, the backend between nodes"
+                       if rt.comm.transport == "hier" else
+                       f"every exchange through the {rt.comm.transport} transport")
+                meta["notes"].append(f"nodes {list(rt.comm.nodes)} (node of each rank): {how}")
             if peer_memory is not None:
                 meta["notes"].append(f"--peer-memory {args.peer_memory}: the communicator's "
                                      f"exchanges use the {rt.comm.transport} transport")
