@@ -534,6 +534,9 @@ def test_recipe_config_and_override():
         tt.use_mxcomm(torchao, recipe="auto")
     with pytest.raises(ValueError, match="recipe: expected None or 'auto'"):
         tt.MxcommTokenDispatcher.Config(num_experts=4, top_k=2, recipe="mxfp8").build()
+    with pytest.raises(ValueError, match="dispatch_grad_across_nodes"):
+        tt.MxcommTokenDispatcher.Config(num_experts=4, top_k=2,
+                                        dispatch_grad_across_nodes="fp4").build()
     with pytest.raises(ValueError, match="gemm"):
         tt.MxcommGroupedExperts.Config(dim=8, hidden_dim=8, num_experts=1, gemm="fp4").build()
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -552,6 +555,34 @@ def test_recipe_config_and_override():
     assert len(log) == 1
     assert type(moe.routed_experts.token_dispatcher) is tt.MxcommTokenDispatcher.Config
     assert type(moe.routed_experts.inner_experts) is tt.MxcommGroupedExperts.Config
+
+
+def across_nodes_checks(rank, size):
+    """The dispatch gradient's format a pinned ``"fp8_rowwise"`` runs with after
+    ``wire_meshes`` (the group's nodes: ``$MXCOMM_NODE_SIZE``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mxcomm.recipes import get_recipe
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
+    moe = _recipe_moe(E_LOCAL * size, get_recipe("fp8_rowwise")).build()
+    dispatcher = moe.routed_experts.token_dispatcher
+    before = dispatcher._path.dispatch_grad
+    dispatcher.wire_meshes(ep_mesh=mesh)
+    return before, dispatcher._path.dispatch_grad
+
+
+@pytest.mark.parametrize("node_size, want", [(None, "bf16"), (1, "mxfp8")])
+def test_pinned_recipe_follows_the_topology(monkeypatch, node_size, want):
+    """``use_mxcomm(recipe="fp8_rowwise")``: on one node the dispatch gradient stays bf16; where
+    the EP group spans nodes (emulated: a node per rank) ``wire_meshes`` makes it MXFP8, as
+    ``ExpertParallel`` runs the recipe (``Recipe.for_nodes``)."""
+    from torch_world import run_world
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    if node_size is None:
+        monkeypatch.delenv("MXCOMM_NODE_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("MXCOMM_NODE_SIZE", str(node_size))
+    assert run_world(2, across_nodes_checks) == [("bf16", want)] * 2
 
 
 def default_compiled_checks(rank, size):

@@ -85,6 +85,12 @@ class MxcommExchanges:
         for field, value in precisions(config).items():
             setattr(self, field, value)
         self.permute_align = getattr(config, "permute_align", 0)
+        #: None, or the dispatch gradient's format where the EP group spans nodes (a pinned
+        #: recipe's ``Recipe.for_nodes``; taken at :meth:`wire_meshes`)
+        self.dispatch_grad_across_nodes = getattr(config, "dispatch_grad_across_nodes", None)
+        if self.dispatch_grad_across_nodes is not None:
+            from mxcomm import a2a
+            a2a._check_precision(self.dispatch_grad_across_nodes, "dispatch_grad_across_nodes")
         self.recipe = getattr(config, "recipe", None)
         self.hidden = getattr(config, "hidden", 0) or None
         self.dim = getattr(config, "dim", 0)
@@ -112,8 +118,15 @@ class MxcommExchanges:
         """torchtitan's hook, on every rank outside any trace. With ``"auto"`` and EP > 1 it
         builds the ``ExpertParallel`` that chooses (one host allgather) and the chooser of
         ``dim`` now, so a compiled region only reads it; ValueError (a bad cost table) on
-        every rank."""
+        every rank. With ``dispatch_grad_across_nodes`` it takes the group's communicator
+        (collective on its first use) and, where the group spans nodes, that format for the
+        dispatch gradient."""
         super().wire_meshes(ep_mesh=ep_mesh)
+        across = self.dispatch_grad_across_nodes
+        if across is not None and ep_mesh is not None and self.recipe != "auto":
+            from mxcomm.torch import communicator_for  # the group's nodes, agreed at its init
+            if len(set(communicator_for(ep_mesh).nodes)) > 1:
+                self._path = dataclasses.replace(self._path, dispatch_grad=across)
         if self.recipe == "auto" and ep_mesh is not None:
             from mxcomm.torch import ExpertParallel
             self._ep = ExpertParallel(ep_mesh, hidden=self.hidden,

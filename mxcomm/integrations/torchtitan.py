@@ -66,8 +66,11 @@ def _define_classes():
         ``permute_align`` (0: plain rows, groups unpadded; A > 0: groups padded to A rows, rows
         kept quantized for :class:`MxcommGroupedExperts`); ``recipe`` (None, or ``"auto"``:
         chosen per call); ``dim``, ``hidden`` (the experts' widths for ``"auto"``; 0: unknown,
-        eager only); ``overlap`` (where mxcomm permutes; eager only). ``ValueError`` at build
-        for an unknown precision or recipe, or ``overlap`` where mxcomm does not permute.
+        eager only); ``overlap`` (where mxcomm permutes; eager only);
+        ``dispatch_grad_across_nodes`` (None, or the dispatch gradient's format where the EP
+        group spans nodes: a pinned recipe's ``Recipe.for_nodes``, applied at ``wire_meshes``).
+        ``ValueError`` at build for an unknown precision or recipe, or ``overlap`` where mxcomm
+        does not permute.
         """
 
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -81,6 +84,7 @@ def _define_classes():
             dim: int = 0
             hidden: int = 0
             overlap: bool = False
+            dispatch_grad_across_nodes: str | None = None
 
         def __init__(self, config):
             if config.recipe not in (None, "auto"):
@@ -99,6 +103,7 @@ def _define_classes():
             combine_precision: str = PRECISION_FIELDS["combine_precision"]
             dispatch_grad_precision: str | None = None
             combine_grad_precision: str | None = None
+            dispatch_grad_across_nodes: str | None = None
 
     from torchtitan.models.common.moe import GroupedExperts
 
@@ -177,8 +182,9 @@ def _recipe(recipe):
     return (dict(dispatch_precision=recipe.dispatch, combine_precision=recipe.combine,
                  dispatch_grad_precision=recipe.dispatch_grad,
                  combine_grad_precision=recipe.combine_grad,
-                 permute_align=RECIPE_ALIGN if recipe.fused else 0), recipe.gemm,
-            getattr(recipe, "wgrad", "fp8"))
+                 permute_align=RECIPE_ALIGN if recipe.fused else 0,
+                 dispatch_grad_across_nodes=getattr(recipe, "dispatch_grad_across_nodes", None)),
+            recipe.gemm, getattr(recipe, "wgrad", "fp8"))
 
 
 def _replace(config, cls, make):
