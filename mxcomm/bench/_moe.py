@@ -61,9 +61,9 @@ fp8 rowwise MoE GEMM), except ``fp8_rowwise_acc32`` (every product's sums promot
 The recipe ``fp8_rowwise`` sends dispatch_grad (the dgrad's bf16 output) in bf16 on one node,
 beside the wgrad: copy engines only (``fp8_rowwise_mxdgrad`` halves that exchange's bytes in
 MXFP8, whose quantize and dequantize share the SMs with the wgrad; the recipe's format across
-nodes, where the variants of recipes run as :func:`resolve` makes them); ``fp8_rowwise_bf16grad`` is the same
-formats with the permute separate and no overlap (the benchmark's ``fp8_rowwise`` before the
-recipes, 2026-11-27).
+nodes, where :func:`resolve` gives the recipes' variants their formats);
+``fp8_rowwise_bf16grad`` is the same formats with the permute separate and no overlap (the
+benchmark's ``fp8_rowwise`` before the recipes, 2026-11-27).
 
 ``bf16`` is the reference of SQNR and speedups; ``bf16+fp8gemm`` (the same wire, the GEMM
 quantizing its bf16 rows and gradient per call) is the reference of the fp8 GEMM variants.
