@@ -3,7 +3,6 @@ that imports ``cupy.cuda.nccl``. ``alltoallv`` is one NCCL group of send/recv pa
 array (zero-size ones skipped), rows as bytes (``NCCL_UINT8``). Only :meth:`NcclCommunicator.wait`
 blocks the host; the watchdog (``_watchdog``) aborts NCCL on a timeout or fault."""
 
-import contextlib
 import math
 import threading
 import time
@@ -11,8 +10,8 @@ import warnings
 
 import numpy
 
-from mxcomm._array import as_device_array
-from mxcomm._driver import address, external_stream
+from mxcomm._array import as_device_array, on_stream
+from mxcomm._driver import address
 
 from ._board import EXCHANGE
 from ._communicator import Communicator
@@ -21,7 +20,6 @@ from ._validate import check_counts_array
 from ._watchdog import _WATCH_POLL_S, Watchdog, _bounded
 
 _MEMCPY_DEVICE_TO_HOST = 2     # cudaMemcpyDeviceToHost
-_NULL_CONTEXT = contextlib.nullcontext()
 
 
 class NcclCommunicator(Watchdog, Communicator):
@@ -56,7 +54,6 @@ class NcclCommunicator(Watchdog, Communicator):
         self._nccl_mod = nccl
         self._uint8 = nccl.NCCL_UINT8
         self._current_stream = cupy.cuda.get_current_stream
-        self._external = {}  # raw handle -> ExternalStream, reused
         self.local_rank = self._side.local_rank()
         if device is None:
             device = self.local_rank % self._runtime.getDeviceCount()
@@ -141,14 +138,7 @@ class NcclCommunicator(Watchdog, Communicator):
         return comm
 
     def on_stream(self, stream_ptr):
-        if stream_ptr == self._current_stream().ptr:
-            return _NULL_CONTEXT
-        stream = self._external.get(stream_ptr)
-        if stream is None:  # one wrapper per stream, reused (nothing built per call)
-            if len(self._external) > 64:
-                self._external.clear()
-            stream = self._external[stream_ptr] = external_stream(stream_ptr)
-        return stream
+        return on_stream(stream_ptr)
 
     def stream_ptr(self, stream):
         if type(stream) is int:

@@ -3,6 +3,8 @@
 (``_platform.gpu_arrays``). A leaf: NumPy, ml_dtypes and ``_platform`` only.
 """
 
+import contextlib
+
 import ml_dtypes
 import numpy
 
@@ -126,10 +128,22 @@ def on_stream(stream):
     freed block out again to an allocation on the stream it was allocated under: an array made
     under another stream than the one its kernels run on can be reused while they still use it."""
     if stream is None or not gpu_arrays():
-        import contextlib
-        return contextlib.nullcontext()
-    from ._driver import external_stream
-    return external_stream(stream_ptr(stream))
+        return _NO_STREAM
+    import cupy
+    ptr = stream_ptr(stream)
+    if ptr == cupy.cuda.get_current_stream().ptr:
+        return _NO_STREAM
+    wrapper = _STREAMS.get(ptr)
+    if wrapper is None:  # one CuPy stream over each raw handle, reused (nothing made per call)
+        from ._driver import external_stream
+        if len(_STREAMS) > 64:
+            _STREAMS.clear()
+        wrapper = _STREAMS[ptr] = external_stream(ptr)
+    return wrapper
+
+
+_NO_STREAM = contextlib.nullcontext()
+_STREAMS = {}  # raw stream handle -> the CuPy stream over it (on_stream)
 
 
 def stream_ptr(stream=None):

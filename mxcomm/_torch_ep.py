@@ -204,6 +204,8 @@ class ExpertParallel:
 
     def as_run(self, recipe):
         """``recipe`` as this group runs it: ``recipe.for_nodes(self.nodes)``, made once."""
+        if self.nodes == 1:  # on one node every recipe runs as named
+            return recipe
         run = self._as_run.get(recipe)
         if run is None:
             run = self._as_run[recipe] = recipe.for_nodes(self.nodes)

@@ -216,6 +216,27 @@ def test_gpu_permute_on_a_stream_gives_padding_rows_their_scale(rng, fmt):
         assert not cupy.asnumpy(permuted.data)[pad].any()
 
 
+def test_on_stream_makes_one_wrapper_per_stream_and_skips_the_current_one(monkeypatch):
+    """``on_stream`` (the primitives' and the NCCL communicator's): no stream, or CuPy's current
+    one, gives no context; another stream gives one CuPy stream over its handle, made once and
+    reused, however the stream is named (a raw handle or an object with ``ptr``)."""
+    import sys
+    import types
+    from mxcomm import _array, _driver
+    current = types.SimpleNamespace(ptr=7)
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(get_current_stream=lambda: current)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(_array, "gpu_arrays", lambda: True)
+    monkeypatch.setattr(_array, "_STREAMS", {})
+    made = []
+    monkeypatch.setattr(_driver, "external_stream", lambda ptr: made.append(ptr) or ("on", ptr))
+    assert _array.on_stream(None) is _array.on_stream(7) is _array._NO_STREAM
+    first = _array.on_stream(9)
+    assert first == ("on", 9) and _array.on_stream(types.SimpleNamespace(ptr=9)) is first
+    assert _array.on_stream(11) == ("on", 11) and made == [9, 11]
+
+
 @pytest.mark.gpu
 def test_gpu_arrays_come_from_the_stream_their_kernels_run_on(rng):
     """Every array the primitives take from CuPy's pool (results and scratch) is allocated while
