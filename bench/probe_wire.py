@@ -11,7 +11,9 @@ the slowest rank's:
 
 - ``torch bf16 x``: ``all_to_all_single`` of the (M, D) bf16 rows: the pipeline's bf16 dispatch;
 - ``torch bytes of fp8_rowwise x``: the same splits, uint8 rows of fp8_rowwise's bytes (D + 4);
-- ``comm.alltoallv bytes of fp8_rowwise x``: those uint8 rows through the communicator's NCCL group;
+- ``comm.alltoallv bytes of fp8_rowwise x``: those uint8 rows through the communicator's NCCL group
+  (into a given array, or into one it allocates), and through ``alltoallv_plan`` with and without
+  the call header (eight words each rank sends each peer before the rows);
 - ``mxcomm bf16 dispatch``: ``a2a_dispatch(x, layout, "bf16")`` (torch bf16 x's bytes);
 - ``mxcomm fp8_rowwise dispatch`` and ``..., permute_align 32`` (the pipeline's fused dispatch);
 - ``torch bf16 u`` / ``mxcomm bf16 combine`` / ``..., permute_align 32``: the combine's (M, H) rows.
@@ -57,6 +59,21 @@ def torch_a2a(t, out, send, recv):
     dist.all_to_all_single(out, t, recv, send)
 
 
+calls = [0]
+
+
+def plan_call(cb, chb, send, header):
+    """``comm.alltoallv_plan`` of uniform counts (every rank sends ``send``), with the call header
+    (a plan with a layout number and a call number, as a layout's exchanges) or without."""
+    plan = mxcomm.comm.Plan(comm.rank, [list(send)] * W)
+    if header:
+        calls[0] += 1
+        plan.generation, plan.calls = 1 << 20, calls[0]
+    else:
+        plan.calls = None
+    comm.alltoallv_plan((cb,), (chb,), plan, stream.cuda_stream)
+
+
 def variants(M):
     counts = torch.full((E,), M // E, dtype=torch.int32, device="cuda")
     layout = mxt.exchange_layout(counts, comm)
@@ -80,6 +97,12 @@ def variants(M):
         "torch bytes of fp8_rowwise x": ("b", lambda: torch_a2a(b, hb, send, recv)),
         "comm.alltoallv bytes of fp8_rowwise x": ("b", lambda: comm.alltoallv(
             cb, send, recv, out=chb, stream=ptr)),
+        "comm.alltoallv bytes of fp8_rowwise x, out allocated": ("b", lambda: comm.alltoallv(
+            cb, send, recv, stream=ptr)),
+        "comm.alltoallv_plan bytes of fp8_rowwise x, no call header": ("b", lambda: plan_call(
+            cb, chb, send, False)),
+        "comm.alltoallv_plan bytes of fp8_rowwise x, call header": ("b", lambda: plan_call(
+            cb, chb, send, True)),
         "mxcomm bf16 dispatch": ("x", lambda: mxt.a2a_dispatch(x, layout, precision="bf16")),
         "mxcomm fp8_rowwise dispatch": ("b", lambda: mxt.a2a_dispatch(
             x, layout, precision="fp8_rowwise")),
@@ -117,7 +140,9 @@ with torch.no_grad():
                 times[name].append(start.elapsed_time(end))
         mine = numpy.array([statistics.median(times[n]) for n in names])
         worst = comm.allgather(mine, "probe_wire").max(axis=0)
-        ref = {"x": worst[0], "b": worst[1], "u": worst[6]}
+        by = dict(zip(names, worst))
+        ref = {"x": by["torch bf16 x"], "b": by["torch bytes of fp8_rowwise x"],
+               "u": by["torch bf16 u"]}
         for n, ms in zip(names, worst):
             rows_out.append((M, n, ms, ms / ref[vs[n][0]]))
         del vs
