@@ -44,6 +44,7 @@ class NcclCommunicator(Watchdog, Communicator):
     SMALL_EXCHANGE_BYTES = 64 << 20
     MEDIUM_EXCHANGE_BYTES = 128 << 20
     _headers = None  # the call headers (``_header``)
+    _group_per_block = False
 
     def __init__(self, side, *, device=None, nccl_init="eager", **options):
         super().__init__(side, **options)
@@ -71,6 +72,8 @@ class NcclCommunicator(Watchdog, Communicator):
         self._peer_devices = [int.from_bytes(devices[4 * r:4 * r + 4], "little")
                               for r in range(self.size) if r != self.rank]
         self._choose_transport()
+        #: across nodes, each array of an exchange (and the call headers) in an NCCL group of its own
+        self._group_per_block = len(set(self.nodes)) > 1
 
     def _as_array(self, x, name):
         return as_device_array(x, f"{name} on rank {self.rank}", device=True)
@@ -295,9 +298,13 @@ class NcclCommunicator(Watchdog, Communicator):
         return out
 
     def _group(self, blocks, sc, so, rc, ro, stream_ptr, call, header=None):
-        """Enqueue one NCCL group moving the rows of each of ``blocks`` ((send ptr, recv ptr, row
-        bytes)) as bytes; ``call``: the arrival board's number; ``header``: None or
-        ``(CallHeaders, sends, outs, plan)``, sent first to each peer moved with."""
+        """Enqueue the NCCL group(s) moving the rows of each of ``blocks`` ((send ptr, recv ptr,
+        row bytes)) as bytes; ``call``: the arrival board's number; ``header``: None or
+        ``(CallHeaders, sends, outs, plan)``, sent to each peer moved with, before the rows.
+
+        On one node, one group; across nodes, one group per block, the headers' first: over
+        NCCL's network transport a second send to a peer in one group cost ~20 % of the bandwidth
+        (docs/design.md, "One send per peer across nodes")."""
         send, recv = self._nccl.send, self._nccl.recv
         uint8 = self._uint8
         nccl = self._nccl_mod
@@ -305,26 +312,32 @@ class NcclCommunicator(Watchdog, Communicator):
             headers, sends, outs, plan = header
             sent, received, words = headers.begin(sends, plan, stream_ptr)
             nbytes = HEADER_BYTES
+        if self._group_per_block:  # (with the header, blocks)
+            parts = ((True, ()),) if header is not None else ()
+            parts += tuple((False, (block,)) for block in blocks)
+        else:
+            parts = ((header is not None, blocks),)
         # ncclGroupEnd may block the host (first connection to a peer): the watchdog watches it.
         self._host_call = call
         self._host_since = time.monotonic()
         try:
-            nccl.groupStart()
-            try:
-                for peer in range(self.size):
-                    n_send, n_recv = sc[peer], rc[peer]
-                    if header is not None and peer != self.rank and (n_send or n_recv):
-                        send(sent, nbytes, uint8, peer, stream_ptr)
-                        recv(received + peer * nbytes, nbytes, uint8, peer, stream_ptr)
-                    for send_ptr, recv_ptr, row in blocks:
-                        if n_send:
-                            send(send_ptr + so[peer] * row, n_send * row, uint8, peer,
-                                 stream_ptr)
-                        if n_recv:
-                            recv(recv_ptr + ro[peer] * row, n_recv * row, uint8, peer,
-                                 stream_ptr)
-            finally:
-                nccl.groupEnd()
+            for with_header, part in parts:
+                nccl.groupStart()
+                try:
+                    for peer in range(self.size):
+                        n_send, n_recv = sc[peer], rc[peer]
+                        if with_header and peer != self.rank and (n_send or n_recv):
+                            send(sent, nbytes, uint8, peer, stream_ptr)
+                            recv(received + peer * nbytes, nbytes, uint8, peer, stream_ptr)
+                        for send_ptr, recv_ptr, row in part:
+                            if n_send:
+                                send(send_ptr + so[peer] * row, n_send * row, uint8, peer,
+                                     stream_ptr)
+                            if n_recv:
+                                recv(recv_ptr + ro[peer] * row, n_recv * row, uint8, peer,
+                                     stream_ptr)
+                finally:
+                    nccl.groupEnd()
         except BaseException as exc:
             if isinstance(exc, Exception):  # an interrupt stays what it is
                 self.check_usable()  # the watchdog's TimeoutError, if it aborted us meanwhile

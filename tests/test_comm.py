@@ -13,6 +13,7 @@ The reference never uses MPI: every rank regenerates every peer's send data from
 import subprocess
 import sys
 import time
+import types
 
 import ml_dtypes
 import numpy
@@ -486,6 +487,70 @@ def test_import_needs_no_cupy_nor_mpi():
 
 
 # ------------------------------------------------------------------------------- GPU (H200s)
+class _RecordedNccl:
+    """A stand-in for CuPy's NCCL module and communicator: records each group's sends and
+    receives as ``(op, peer, bytes)``."""
+
+    NCCL_UINT8 = 0
+
+    def __init__(self):
+        self.groups = []
+
+    def groupStart(self):  # noqa: N802 (CuPy's name)
+        self.groups.append([])
+
+    def groupEnd(self):  # noqa: N802
+        pass
+
+    def send(self, ptr, nbytes, dtype, peer, stream):
+        self.groups[-1].append(("send", peer, nbytes))
+
+    def recv(self, ptr, nbytes, dtype, peer, stream):
+        self.groups[-1].append(("recv", peer, nbytes))
+
+
+@pytest.mark.parametrize("across_nodes", [False, True], ids=["one_node", "across_nodes"])
+def test_nccl_groups_send_once_per_peer_across_nodes(across_nodes):
+    """NCCL's groups of an exchange of two arrays with the call header, 3 ranks: on one node one
+    group with the header and both arrays per peer; across nodes the headers' group, then one
+    group per array, so no group sends a peer twice (a second send to a peer in one group cost
+    ~20 % of the network transport's bandwidth, bench/probe_wire.py). Every rank sends the same
+    ops in the same order either way. No GPU: the NCCL module is a recorder."""
+    from mxcomm.comm._header import HEADER_BYTES
+    from mxcomm.comm._nccl import NcclCommunicator
+    nccl = _RecordedNccl()
+    comm = object.__new__(NcclCommunicator)
+    comm._nccl, comm._nccl_mod, comm._uint8 = nccl, nccl, nccl.NCCL_UINT8
+    comm.rank, comm.size = 1, 3
+    comm._group_per_block = across_nodes
+    recorded = []
+    comm._record = lambda stream, call: recorded.append(call)
+
+    class Headers:
+        def begin(self, sends, plan, stream):
+            return 1000, 2000, (0,) * 7
+
+        def check(self, received, words, outs, stream):
+            recorded.append("checked")
+
+    data, scales = (10, 20, 64), (30, 40, 2)  # (send ptr, recv ptr, row bytes)
+    sc, rc = [2, 0, 3], [1, 4, 0]  # rank 1 keeps nothing; sends 2 and 3, receives 1 and 4
+    so, ro = [0, 2, 2], [0, 1, 5]
+    comm._group([data, scales], sc, so, rc, ro, 7, 5, (Headers(), (), (), None))
+    header = [("send", 0, HEADER_BYTES), ("recv", 0, HEADER_BYTES),
+              ("send", 2, HEADER_BYTES), ("recv", 2, HEADER_BYTES)]
+    rows = {row: [("send", 0, 2 * row), ("recv", 0, 1 * row), ("recv", 1, 4 * row),
+                  ("send", 2, 3 * row)] for row in (64, 2)}
+    if across_nodes:
+        assert nccl.groups == [header, rows[64], rows[2]]
+    else:
+        assert nccl.groups == [header[:2] + [("send", 0, 128), ("recv", 0, 64),
+                                             ("send", 0, 4), ("recv", 0, 2),
+                                             ("recv", 1, 256), ("recv", 1, 8)]
+                               + header[2:] + [("send", 2, 192), ("send", 2, 6)]]
+    assert recorded == ["checked", 5]
+
+
 @pytest.fixture(scope="module")
 def torch_dist():
     """torch.distributed over NCCL on this process's GPU (node-local rank), rendezvous address
@@ -817,7 +882,6 @@ def test_nccl_close_waits_for_groups_on_every_stream(finishes):
     NCCL instead (CPU stand-ins for CUDA and NCCL)."""
     import collections
     import threading
-    import types
     from mxcomm.comm._nccl import NcclCommunicator
     ops, done = [], set()
     runtime = types.SimpleNamespace(
