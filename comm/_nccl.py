@@ -312,7 +312,7 @@ class NcclCommunicator(Watchdog, Communicator):
             headers, sends, outs, plan = header
             sent, received, words = headers.begin(sends, plan, stream_ptr)
             nbytes = HEADER_BYTES
-        if self._group_per_block:  # (with the header, blocks)
+        if self._group_per_block:  # parts: (the header goes in it, its blocks)
             parts = ((True, ()),) if header is not None else ()
             parts += tuple((False, (block,)) for block in blocks)
         else:
