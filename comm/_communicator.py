@@ -174,6 +174,11 @@ class Communicator(Agreement, abc.ABC):
         """The node of each rank (W ints, numbered by their first rank), as ``init`` agreed."""
         return self._side.nodes.of_rank
 
+    @property
+    def node_count(self):
+        """How many nodes the ranks span (1 on one node), as ``init`` agreed."""
+        return self._side.nodes.count
+
     def exchange(self, rows, plan, *, out=None, in_place=False, landing=None, stream=None):
         """Move rows a producer writes where they travel from, to a consumer (module ``_staged``).
 

@@ -73,7 +73,7 @@ class NcclCommunicator(Watchdog, Communicator):
                               for r in range(self.size) if r != self.rank]
         self._choose_transport()
         #: across nodes, each array of an exchange (and the call headers) in an NCCL group of its own
-        self._group_per_block = len(set(self.nodes)) > 1
+        self._group_per_block = self.node_count > 1
 
     def _as_array(self, x, name):
         return as_device_array(x, f"{name} on rank {self.rank}", device=True)

@@ -147,9 +147,9 @@ class ExpertParallel:
                              f"and rank {differs[0]}; here from {self.tables.origin}), so the "
                              f"ranks could choose different recipes; give every rank the same "
                              f"table= or $MXCOMM_COST_TABLE, or the same cached tables")
-        #: The nodes the group spans (``comm.nodes``, agreed at ``init``): the recipes run as
+        #: The nodes the group spans (``comm.node_count``, agreed at ``init``): the recipes run as
         #: ``Recipe.for_nodes(nodes)``.
-        self.nodes = len(set(getattr(self.comm, "nodes", ()))) or 1
+        self.nodes = self.comm.node_count
         if rank == 0 and self.tables is not None and self.tables.pinned is None and \
                 not self.tables.cached and self.nodes > 1:
             warnings.warn("ExpertParallel(recipe='auto'): the group spans several nodes, and "

@@ -64,7 +64,7 @@ class Recipe:
     dispatch_grad_across_nodes: object = None
 
     def for_nodes(self, nodes):
-        """The recipe as a group spanning ``nodes`` nodes (``len(set(comm.nodes))``) runs it:
+        """The recipe as a group spanning ``nodes`` nodes (``comm.node_count``) runs it:
         ``dispatch_grad_across_nodes`` in place of ``dispatch_grad`` where set and ``nodes`` >
         1, else itself (docs/design.md, "The dispatch gradient follows the topology")."""
         across = self.dispatch_grad_across_nodes

@@ -165,7 +165,7 @@ def main(argv=None):
         if rt.comm is not None:
             meta["transport"] = rt.comm.transport
             meta["nodes"] = list(rt.comm.nodes)
-            if len(set(rt.comm.nodes)) > 1:
+            if rt.comm.node_count > 1:
                 how = ("peer memory inside a node, the backend between nodes"
                        if rt.comm.transport == "hier" else
                        f"every exchange through the {rt.comm.transport} transport")

@@ -120,7 +120,7 @@ def measure(args, rt):
     chosen = [r for r in (recipes.get_recipe(n) for n in recipes.recipe_names()[1:])
               if recipes.runnable(r, device_class)]
     args.routing = "uniform"  # the table's rows per rank: every rank sends and receives them
-    nodes = len(set(rt.comm.nodes))  # each recipe as the group's nodes run it
+    nodes = rt.comm.node_count  # each recipe as the group's nodes run it
     times = {r.name: [] for r in chosen}
     for m in rows:
         case = _pipeline._Case(args, rt, (m, dim, hidden, e_local))

@@ -408,7 +408,7 @@ def measure(args, rt):
         del case, reference
     names = [v.name for v in variants]
     notes = [ONE_RANK] if rt.size == 1 else []
-    nodes = len(set(rt.comm.nodes))  # the recipes' variants as they ran on these nodes
+    nodes = rt.comm.node_count  # the recipes' variants as they ran on these nodes
     ran = [v if v.recipe == "auto" else _moe.resolve(v, None, 0, 0, None, None, nodes)
            for v in variants]
     notes += ["variants: " + "; ".join(v.describe() for v in ran) + ". All share mxcomm's "
@@ -457,7 +457,7 @@ def _resolved(variants, case, rt, fp8_gemm):
     """``variants`` for ``case`` as ``ExpertParallel`` runs them on the group's nodes
     (``_moe.resolve``): ``auto`` as the recipe it chooses for the shape's layout (one layout
     exchange, collective; every rank decides alike from it)."""
-    nodes = len(set(rt.comm.nodes))
+    nodes = rt.comm.node_count
     layout = device = table = None
     if any(v.recipe == "auto" for v in variants):
         from mxcomm import recipes

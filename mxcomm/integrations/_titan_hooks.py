@@ -125,7 +125,7 @@ class MxcommExchanges:
         across = self.dispatch_grad_across_nodes
         if across is not None and ep_mesh is not None and self.recipe != "auto":
             from mxcomm.torch import communicator_for  # the group's nodes, agreed at its init
-            if len(set(communicator_for(ep_mesh).nodes)) > 1:
+            if communicator_for(ep_mesh).node_count > 1:
                 self._path = dataclasses.replace(self._path, dispatch_grad=across)
         if self.recipe == "auto" and ep_mesh is not None:
             from mxcomm.torch import ExpertParallel
