@@ -13,12 +13,22 @@ forward's stages in its three slowest and three fastest iterations: a slow mode 
 stage or in all, and where a stage's device time tracks its host time the device waited for the
 host.
 
+``--trace DIR``: then, per variant, ``--trace-steps`` steps under torch.profiler (CPU and CUDA
+activity): rank r's chrome trace in ``DIR/trace_<variant>_r<r>.json.gz`` (perfetto opens it), and
+per rank the last step's forward as a timeline (``_timeline.forward_timeline``: each stage's host
+and device spans, the device's idle time waiting for the host or on a stream, event or peer, the
+host's synchronizations, every device operation with its launch).
+
 ``--pieces``: then, per variant, the same steps again under cProfile: us per step of each library
 function entered (and ``time.sleep``), inclusive, and its calls per step, per rank.
 """
 import argparse
+import contextlib
 import cProfile
 import gc
+import gzip
+import json
+import os
 import pstats
 import time
 
@@ -37,6 +47,8 @@ parser.add_argument("--iters", type=int, default=30)
 parser.add_argument("--routing", default="uniform")
 parser.add_argument("--gc", choices=("on", "off"), default="on")
 parser.add_argument("--pieces", action="store_true")
+parser.add_argument("--trace", metavar="DIR")
+parser.add_argument("--trace-steps", type=int, default=3)
 args = parser.parse_args()
 if args.gc == "off":
     gc.disable()
@@ -53,8 +65,9 @@ def event():
     return e
 
 
-def step(stage_list, host, device):
-    """One synced iteration; ``host`` and ``device``: {stage: [us or ms]} appended to."""
+def step(stage_list, host, device, mark=lambda name: contextlib.nullcontext()):
+    """One synced iteration; ``host`` and ``device``: {stage: [us or ms]} appended to; ``mark``:
+    a context manager per name, around the forward and each stage (``--trace``'s annotations)."""
     x = case.x.detach().clone().requires_grad_(True)
     w = case.w.detach().clone().requires_grad_(True)
     state = case._state(x, w)
@@ -62,13 +75,16 @@ def step(stage_list, host, device):
         torch.cuda.synchronize()
     rt.barrier()
     marks = [("start", event() if rt.gpu else None)]
-    for stage in stage_list:
-        t = time.perf_counter()
-        state.update(stage.fn(state, *(state[k] for k in stage.inputs)))
-        host.setdefault(stage.name, []).append((time.perf_counter() - t) * 1e6)
-        marks.append((stage.name, event() if rt.gpu else None))
+    with mark("forward"):
+        for stage in stage_list:
+            t = time.perf_counter()
+            with mark("stage:" + stage.name):
+                state.update(stage.fn(state, *(state[k] for k in stage.inputs)))
+            host.setdefault(stage.name, []).append((time.perf_counter() - t) * 1e6)
+            marks.append((stage.name, event() if rt.gpu else None))
     t = time.perf_counter()
-    state["out"].backward(case.grad_out)
+    with mark("backward"):
+        state["out"].backward(case.grad_out)
     host.setdefault("backward", []).append((time.perf_counter() - t) * 1e6)
     if not rt.gpu:
         return
@@ -136,6 +152,32 @@ if args.pieces:
         mine = instrumented(stage_list)
         lines = sum(rt.allgather(mine), [])
         rt.print("\n".join([f"==== {name}: the host path's pieces, {args.iters} steps"] + lines))
+
+def traced(name, stage_list):
+    """``args.trace_steps`` steps under torch.profiler; this rank's trace written, its last
+    forward's timeline returned as lines."""
+    from _timeline import forward_timeline
+    activities = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if rt.gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.trace_steps):
+            step(stage_list, {}, {}, mark=torch.profiler.record_function)
+    path = os.path.join(args.trace, f"trace_{name}_r{rt.rank}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+        g.write(f.read())
+    os.remove(path)
+    return [f"  rank {rt.rank}: " + line for line in forward_timeline(events)]
+
+
+if args.trace:
+    os.makedirs(args.trace, exist_ok=True)
+    for name, stage_list in lists.items():
+        lines = sum(rt.allgather(traced(name, stage_list)), [])
+        rt.print("\n".join([f"==== {name}: the last of {args.trace_steps} traced steps' forward "
+                            f"(us from its start)"] + lines))
 
 profiled = lists.get(args.profiled)
 if profiled is not None:

@@ -1,0 +1,92 @@
+"""One traced step's forward as a timeline, from a torch.profiler (Kineto) chrome trace, for
+``profile_step.py --trace``: when each device operation was launched by the host and when it ran,
+which stream it ran on, and where the device stood idle and why.
+
+An operation that starts within ``HOST_LAG_US`` of its launch call's return found the device
+waiting for the host: the idle time before it is the host's. One launched long before it ran
+waited for the work before it on its stream, an event of another stream, or (the pull transport's
+``cuStreamWaitValue``) a peer's signal: idle time before it is a wait. The host's blocking calls
+(stream, event and device synchronizations) are listed with their durations."""
+
+HOST_LAG_US = 15.0
+_GPU = ("kernel", "gpu_memcpy", "gpu_memset")
+_API = ("cuda_runtime", "cuda_driver")
+
+
+def forward_timeline(events, width=48, listed=80):
+    """Lines describing the last ``forward`` annotation's step in ``events`` (the trace's
+    ``traceEvents``): per stage the host's span and the device's, the device operations in
+    start order, the idle gaps by cause, and the host's synchronizations."""
+    fwd = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == "forward"]
+    if not fwd:
+        return ["(no forward annotation in the trace)"]
+    f = fwd[-1]
+    t0, t1 = f["ts"], f["ts"] + f["dur"]
+    stages = sorted((e for e in events if e.get("cat") == "user_annotation"
+                     and e.get("name", "").startswith("stage:") and t0 <= e["ts"] <= t1),
+                    key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in _API and "correlation" in e.get("args", {})}
+    syncs = [e for e in events if e.get("cat") in _API and "ynchronize" in e.get("name", "")
+             and t0 <= e["ts"] <= t1]
+    ops = []
+    for e in events:
+        if e.get("cat") not in _GPU:
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is None or not t0 <= launch["ts"] <= t1:
+            continue
+        ops.append((e["ts"], e["ts"] + e["dur"], e["args"].get("stream", "?"), e["name"],
+                    launch["ts"], launch["ts"] + launch["dur"]))
+    ops.sort()
+    if not ops:
+        return ["(no device operation launched in the forward)"]
+    end = max(op[1] for op in ops)
+    lines = [f"forward: host {f['dur']:.0f} us, device (host start to last op's end) "
+             f"{end - t0:.0f} us, {len(ops)} device operations"]
+    lines.append("  stage            host begin..end us   device ops  first start..last end us  "
+                 "busy us")
+    for s in stages:
+        a, b = s["ts"], s["ts"] + s["dur"]
+        mine = [op for op in ops if a <= op[4] <= b]
+        busy = _union([(op[0], op[1]) for op in mine])
+        first = min((op[0] for op in mine), default=a) - t0
+        last = max((op[1] for op in mine), default=a) - t0
+        lines.append(f"  {s['name'][6:]:16s} {a - t0:8.0f}..{b - t0:<8.0f}  {len(mine):10d}  "
+                     f"{first:10.0f}..{last:<10.0f}  {busy:7.0f}")
+    # idle gaps of the device (every stream together) between the forward's start and its end
+    idle = {"host": 0.0, "wait": 0.0}
+    gaps, at = [], t0
+    for op in ops:
+        if op[0] > at:
+            cause = "host" if op[0] - op[5] < HOST_LAG_US else "wait"
+            idle[cause] += op[0] - at
+            gaps.append((op[0] - at, at - t0, cause, op[3]))
+        at = max(at, op[1])
+    lines.append(f"  device idle: {idle['host']:.0f} us waiting for the host, {idle['wait']:.0f} "
+                 f"us waiting on a stream, event or peer")
+    for dur, when, cause, name in sorted(gaps, reverse=True)[:8]:
+        lines.append(f"    {dur:7.0f} us at {when:7.0f} ({cause}) before {name[:width]}")
+    for s in syncs:
+        lines.append(f"  host blocked in {s['name']} at {s['ts'] - t0:.0f} us for "
+                     f"{s['dur']:.0f} us")
+    lines.append("  start us    dur  stream  launched us  lag us  operation")
+    for op in ops[:listed]:
+        lines.append(f"  {op[0] - t0:8.0f} {op[1] - op[0]:6.0f} {str(op[2]):>7s} {op[4] - t0:11.0f} "
+                     f"{op[0] - op[5]:7.0f}  {op[3][:width]}")
+    if len(ops) > listed:
+        lines.append(f"  ... {len(ops) - listed} more")
+    return lines
+
+
+def _union(intervals):
+    """The total length covered by ``intervals`` [(begin, end), ...]."""
+    total, at = 0.0, None
+    for a, b in sorted(intervals):
+        if at is None or a > at:
+            total += b - a
+            at = b
+        elif b > at:
+            total += b - at
+            at = b
+    return total
