@@ -13,13 +13,14 @@ _GPU = ("kernel", "gpu_memcpy", "gpu_memset")
 _API = ("cuda_runtime", "cuda_driver")
 
 
-def forward_timeline(events, width=48, listed=80):
-    """Lines describing the last ``forward`` annotation's step in ``events`` (the trace's
-    ``traceEvents``): per stage the host's span and the device's, the device operations in
-    start order, the idle gaps by cause, and the host's synchronizations."""
-    fwd = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == "forward"]
+def timeline(events, phase="forward", width=48, listed=80):
+    """Lines describing the last ``phase`` annotation (``"forward"`` or ``"backward"``) in
+    ``events`` (the trace's ``traceEvents``): per stage the host's span and the device's, the
+    device operations launched in it (from any thread: autograd's too) in start order, the idle
+    gaps by cause, and the host's synchronizations."""
+    fwd = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == phase]
     if not fwd:
-        return ["(no forward annotation in the trace)"]
+        return [f"(no {phase} annotation in the trace)"]
     f = fwd[-1]
     t0, t1 = f["ts"], f["ts"] + f["dur"]
     stages = sorted((e for e in events if e.get("cat") == "user_annotation"
@@ -40,9 +41,9 @@ def forward_timeline(events, width=48, listed=80):
                     launch["ts"], launch["ts"] + launch["dur"]))
     ops.sort()
     if not ops:
-        return ["(no device operation launched in the forward)"]
+        return [f"(no device operation launched in the {phase})"]
     end = max(op[1] for op in ops)
-    lines = [f"forward: host {f['dur']:.0f} us, device (host start to last op's end) "
+    lines = [f"{phase}: host {f['dur']:.0f} us, device (host start to last op's end) "
              f"{end - t0:.0f} us, {len(ops)} device operations"]
     lines.append("  stage            host begin..end us   device ops  first start..last end us  "
                  "busy us")

@@ -111,19 +111,33 @@ def _plain(t):
     return (t.dequantize() if hasattr(t, "qdata") else t).detach().to(torch.bfloat16)
 
 
-def _fp8_wgrad(x_rows, grad_rows, offs, fast):
+def _fp8_wgrad(x_rows, grad_rows, offs, fast, transposed):
     """dw (G, K, N) bf16 = x^T grad per group from (data, scales) fp8 rowwise pairs, converted
-    by ``colwise`` without its checks (these are the GEMM's own operands)."""
+    by ``colwise`` without its checks (these are the GEMM's own operands). ``transposed``: made
+    as grad^T x (G, N, K) and returned as its transposed view (:func:`_weights_transposed`)."""
     ends, stream, alloc = _array(offs, "offs"), _stream(offs), _Alloc(offs.device)
     a, scale_a, aligned = colwise._to_group_colwise(                 # x^T (K, T), (G, K)
         _array(x_rows[0], "x"), _array(x_rows[1], "x scales"), ends, stream, alloc)
     b, scale_b, _ = colwise._to_group_colwise(                       # grad^T (N, T), (G, N)
         _array(grad_rows[0], "grad"), _array(grad_rows[1], "grad scales"), ends, stream, alloc)
     tensor = alloc.tensor  # the host backend's own arrays: through DLPack
-    return torch._scaled_grouped_mm(
-        tensor(a, torch.float8_e4m3fn), tensor(b, torch.float8_e4m3fn).t(),
-        tensor(scale_a).reshape(-1), tensor(scale_b).reshape(-1), offs=tensor(aligned),
-        out_dtype=torch.bfloat16, use_fast_accum=fast)
+    a, b = tensor(a, torch.float8_e4m3fn), tensor(b, torch.float8_e4m3fn)
+    scale_a, scale_b = tensor(scale_a).reshape(-1), tensor(scale_b).reshape(-1)
+    if transposed:
+        return torch._scaled_grouped_mm(b, a.t(), scale_b, scale_a, offs=tensor(aligned),
+                                        out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast).transpose(-2, -1)
+    return torch._scaled_grouped_mm(a, b.t(), scale_a, scale_b, offs=tensor(aligned),
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+
+def _weights_transposed(ws):
+    """Whether every (G, K, N_i) weight is stored as (G, N_i, K) (a transposed view: torchtitan's
+    ``w.transpose(-2, -1)``). Their gradient is then made as (G, N, K) and handed over as its
+    transposed view, in the weights' own layout: made (G, K, N), autograd's accumulation into
+    such a weight copied it transposed, 0.73 ms per step at 32768 rows of 7168 -> 2048 and 8
+    experts per rank on H200 (bench/NOTES.md, 2026-11-28)."""
+    return all(w.stride(-2) == 1 and w.stride(-1) != 1 for w in ws)
 
 
 class WeightCache:
@@ -209,7 +223,8 @@ class _GroupedMM(torch.autograd.Function):
 
     Forward:  x (P, K), ws (G, K, N_i) bf16, offs (G,) int32 -> y (P, sum N_i) bf16. Saved:
               x (bf16 wgrad) or its fp8 rowwise rows (fp8 wgrad).
-    Backward: grad (P, sum N_i) -> dx (P, K), dw_i (G, K, N_i) bf16. dgrad first, then dx is
+    Backward: grad (P, sum N_i) -> dx (P, K), dw_i (G, K, N_i) bf16 in the weights' layout
+              (:func:`_weights_transposed`). dgrad first, then dx is
               marked for an overlapped dispatch (its gradient exchange waits for dgrad only).
     """
 
@@ -257,8 +272,12 @@ class _GroupedMM(torch.autograd.Function):
                 overlap.mark(dx)
         dws = (None,) * len(ws)
         if any(ctx.needs_input_grad[6:]):
+            transposed = _weights_transposed(ws)
             if ctx.fp8_wgrad:
-                dw = _fp8_wgrad(rows, (g, scale_g), offs, "wgrad" in ctx.fast)
+                dw = _fp8_wgrad(rows, (g, scale_g), offs, "wgrad" in ctx.fast, transposed)
+            elif transposed:
+                dw = torch._grouped_mm(_plain(grad).t(), _plain(rows[0]), offs=offs) \
+                    .transpose(-2, -1)
             else:
                 dw = torch._grouped_mm(_plain(rows[0]).t(), _plain(grad), offs=offs)
             dws = tuple(d.to(w.dtype) for d, w in

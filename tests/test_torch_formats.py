@@ -235,6 +235,59 @@ def test_grouped_mm_fallback_autograd(monkeypatch):
                       torch.tensor([4], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("path", ["fp8", "fp8, bf16 wgrad", "bf16"])
+@pytest.mark.parametrize("stored", ["(G, N, K)", "(G, K, N)"])
+@pytest.mark.parametrize("pair", [False, True], ids=["one weight", "a pair"])
+def test_weight_gradient_comes_in_the_weights_layout(monkeypatch, path, stored, pair):
+    """The GEMM's weight gradient comes in the layout the weight is stored in: stored (G, N, K)
+    (torchtitan's ``w.transpose(-2, -1)``), the gradient of the leaf needs no transposing copy;
+    its values within bf16 rounding of a float64 reference, either layout, every path (the fp8
+    one with SM90's GEMM emulated in float64)."""
+    from reference_gemm import scaled_grouped_mm_float64
+    if path != "bf16":
+        monkeypatch.setattr(_torch_gemm, "fp8_gemm_available", lambda device: True)
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_float64,
+                            raising=False)
+    torch.manual_seed(5)
+    k, widths = 64, (32, 16) if pair else (32,)
+    offs = torch.tensor([16, 16, 48], dtype=torch.int32)
+    x = quantized_tensor(torch.randn(48, k, dtype=torch.bfloat16), "fp8_rowwise")
+    leaves, views = [], []
+    for n in widths:
+        shape = (3, n, k) if stored == "(G, N, K)" else (3, k, n)
+        leaf = (torch.randn(shape) / 8).to(torch.bfloat16).requires_grad_(True)
+        view = leaf.transpose(-2, -1) if stored == "(G, N, K)" else leaf * 1
+        seen = []
+        view.register_hook(seen.append)  # the gradient the GEMM hands over, before the leaf's
+        leaves.append(leaf)
+        views.append((view, seen))
+    w = tuple(v for v, _ in views) if pair else views[0][0]
+    y = mt.grouped_mm(x, w, offs, fp8=path != "bf16", wgrad="bf16" if "bf16" in path else "fp8",
+                      weight_cache=False)
+    g = torch.randn(48, sum(widths), dtype=torch.bfloat16)
+    y.backward(g)
+    xd = x.dequantize().detach().double()
+    if "bf16" in path:  # the bf16 wgrad reads the gradient as given, the fp8 one quantized
+        gd = g.double()
+    else:
+        q, scale = _torch_gemm.quantize_rows_pow2(g)
+        gd = q.double() * scale.double()[:, None]
+    lo = 0
+    for (view, seen), n in zip(views, widths):
+        handed = seen[0]
+        if stored == "(G, N, K)" and not pair:  # the leaf's own layout: no copy needed
+            assert handed.transpose(-2, -1).is_contiguous()
+        elif stored == "(G, N, K)":  # a row block of one (G, N, K) product
+            assert handed.stride(-2) == 1
+        else:
+            assert handed.stride(-1) == 1
+        for lo_row, hi_row, e in ((0, 16, 0), (16, 48, 2)):
+            ref = xd[lo_row:hi_row].t() @ gd[lo_row:hi_row, lo:lo + n]
+            assert sqnr(ref, handed[e]) > 40
+        assert (handed[1] == 0).all()
+        lo += n
+
+
 @pytest.mark.parametrize("fast_accum,wgrad,expected", [
     (("forward",), "bf16", [True, False]),      # torchao's dense float8 recipe
     (True, "fp8", [True, True, True]),           # the default: torchao's fp8 rowwise MoE GEMM
