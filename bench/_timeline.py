@@ -1,5 +1,5 @@
-"""One traced step's forward as a timeline, from a torch.profiler (Kineto) chrome trace, for
-``profile_step.py --trace``: when each device operation was launched by the host and when it ran,
+"""One traced step's forward or backward as a timeline, from a torch.profiler (Kineto) chrome
+trace, for ``profile_step.py --trace``: when each device operation was launched by the host and when it ran,
 which stream it ran on, and where the device stood idle and why.
 
 An operation that starts within ``HOST_LAG_US`` of its launch call's return found the device

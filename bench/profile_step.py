@@ -15,9 +15,9 @@ host.
 
 ``--trace DIR``: then, per variant, ``--trace-steps`` steps under torch.profiler (CPU and CUDA
 activity): rank r's chrome trace in ``DIR/trace_<variant>_r<r>.json.gz`` (perfetto opens it), and
-per rank the last step's forward as a timeline (``_timeline.forward_timeline``: each stage's host
-and device spans, the device's idle time waiting for the host or on a stream, event or peer, the
-host's synchronizations, every device operation with its launch).
+per rank the last step's forward and backward as timelines (``_timeline.timeline``: each
+stage's host and device spans, the device's idle time waiting for the host or on a stream, event
+or peer, the host's synchronizations, every device operation with its launch).
 
 ``--pieces``: then, per variant, the same steps again under cProfile: us per step of each library
 function entered (and ``time.sleep``), inclusive, and its calls per step, per rank.
@@ -155,8 +155,8 @@ if args.pieces:
 
 def traced(name, stage_list):
     """``args.trace_steps`` steps under torch.profiler; this rank's trace written, its last
-    forward's timeline returned as lines."""
-    from _timeline import forward_timeline
+    step's forward and backward timelines returned as lines."""
+    from _timeline import timeline
     activities = [torch.profiler.ProfilerActivity.CPU] + \
         ([torch.profiler.ProfilerActivity.CUDA] if rt.gpu else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -169,15 +169,16 @@ def traced(name, stage_list):
     with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
         g.write(f.read())
     os.remove(path)
-    return [f"  rank {rt.rank}: " + line for line in forward_timeline(events)]
+    return [f"  rank {rt.rank}: " + line
+            for phase in ("forward", "backward") for line in timeline(events, phase)]
 
 
 if args.trace:
     os.makedirs(args.trace, exist_ok=True)
     for name, stage_list in lists.items():
         lines = sum(rt.allgather(traced(name, stage_list)), [])
-        rt.print("\n".join([f"==== {name}: the last of {args.trace_steps} traced steps' forward "
-                            f"(us from its start)"] + lines))
+        rt.print("\n".join([f"==== {name}: the last of {args.trace_steps} traced steps, forward "
+                            f"and backward (us from each one's start)"] + lines))
 
 profiled = lists.get(args.profiled)
 if profiled is not None:
