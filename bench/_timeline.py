@@ -1,6 +1,6 @@
 """One traced step's forward or backward as a timeline, from a torch.profiler (Kineto) chrome
-trace, for ``profile_step.py --trace``: when each device operation was launched by the host and when it ran,
-which stream it ran on, and where the device stood idle and why.
+trace, for ``profile_step.py --trace``: when each device operation was launched by the host and
+when it ran, which stream it ran on, and where the device stood idle and why.
 
 An operation that starts within ``HOST_LAG_US`` of its launch call's return found the device
 waiting for the host: the idle time before it is the host's. One launched long before it ran
@@ -73,8 +73,8 @@ def timeline(events, phase="forward", width=48, listed=80):
                      f"{s['dur']:.0f} us")
     lines.append("  start us    dur  stream  launched us  lag us  operation")
     for op in ops[:listed]:
-        lines.append(f"  {op[0] - t0:8.0f} {op[1] - op[0]:6.0f} {str(op[2]):>7s} {op[4] - t0:11.0f} "
-                     f"{op[0] - op[5]:7.0f}  {op[3][:width]}")
+        lines.append(f"  {op[0] - t0:8.0f} {op[1] - op[0]:6.0f} {str(op[2]):>7s} "
+                     f"{op[4] - t0:11.0f} {op[0] - op[5]:7.0f}  {op[3][:width]}")
     if len(ops) > listed:
         lines.append(f"  ... {len(ops) - listed} more")
     return lines
