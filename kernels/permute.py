@@ -37,14 +37,18 @@ def permute_layout_kernel(counts, num_local, align, src_start, dst_start, group_
 
 
 @kernel
-def permute_indices_kernel(counts, src_start, dst_start, group_offsets, num_rows, indices):
-    """``indices[p]``: the received row landing on permuted row p, or -1 (padding, or past the end).
+def permute_indices_kernel(counts, src_start, dst_start, group_offsets, num_rows, indices,
+                           inverse):
+    """``indices[p]``: the received row landing on permuted row p, or -1 (padding, or past the end);
+    ``inverse[r] = p`` for every received row r that lands.
 
     Args:
         counts, src_start, dst_start: (E,) int32, from :func:`permute_layout_kernel`. Read.
         group_offsets: (E_local,) int32. Read.
         num_rows: M_recv; a source row at or beyond it gives -1.
         indices: (P,) int32. Written.
+        inverse: (M_recv,) int32. Written where a row lands (every row, where the counts add up
+            to M_recv).
     Launch: launch_1d(P): one thread per permuted row, grid-stride.
     """
     num_local = group_offsets.shape[0]
@@ -62,6 +66,8 @@ def permute_indices_kernel(counts, src_start, dst_start, group_offsets, num_rows
         if src >= num_rows:
             src = -1
         indices[p] = int32(src)
+        if src >= 0:
+            inverse[src] = int32(p)
 
 
 #: Words each thread loads before storing in the row copy.

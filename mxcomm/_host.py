@@ -115,10 +115,11 @@ def dequantize_mxfp8(data, scales, out):
 
 
 def permute_layout(counts, num_local_experts, align, num_rows, num_permuted):
-    """``(indices (P,) int32, group_offsets (E_local,) int32)`` of ``mxcomm.permutation.permute``,
-    the same as ``kernels.permute``'s layout and index kernels. ``counts`` (E,) rank-major; source
-    rows >= ``num_rows`` give -1; destinations >= ``num_permuted`` are dropped. Raises ValueError
-    for a negative count."""
+    """``(indices (P,) int32, group_offsets (E_local,) int32, inverse (num_rows,) int32)`` of
+    ``mxcomm.permutation.permute``, the same as ``kernels.permute``'s layout and index kernels
+    (``inverse``: the permuted row of each received row that lands, -1 for others). ``counts``
+    (E,) rank-major; source rows >= ``num_rows`` give -1; destinations >= ``num_permuted`` are
+    dropped. Raises ValueError for a negative count."""
     counts = numpy.asarray(counts, dtype=numpy.int64)
     if (counts < 0).any():
         raise ValueError(f"num_tokens_per_expert_group: expected non-negative counts, got "
@@ -139,7 +140,10 @@ def permute_layout(counts, num_local_experts, align, num_rows, num_permuted):
     keep = dst < num_permuted
     indices = numpy.full(num_permuted, -1, dtype=numpy.int32)
     indices[dst[keep]] = src[keep]
-    return indices, group_ends.astype(numpy.int32)
+    inverse = numpy.full(num_rows, -1, dtype=numpy.int32)
+    lands = keep & (src >= 0)
+    inverse[src[lands]] = dst[lands]
+    return indices, group_ends.astype(numpy.int32), inverse
 
 
 def _byte_rows(a):

@@ -106,18 +106,8 @@ def expert_order(layout, align, stream):
     ``layout``'s permute for ``align`` (``inverse``: received row -> permuted row), built on the
     device (no host sync) once per layout and ``align``."""
     align = _check_int(align, "align", 1)
-    key = ("expert order", align)
-    cached = layout._cache.get(key)
-    if cached is not None:
-        return cached
-    n = layout.num_received
-    xp = array_module()
-    with on_stream(stream):  # the index's arrays and scratch from the stream it is built on
-        indices, offsets = _layout_index(layout, align, stream)
-        inverse = xp.empty(n + 1, dtype=numpy.int32)  # padding's -1 writes the spare last entry
-        inverse[indices] = xp.arange(indices.shape[0], dtype=numpy.int32)
-    cached = layout._cache[key] = (indices, offsets, inverse[:n])
-    return cached
+    with on_stream(stream):  # the index's arrays from the stream it is built on
+        return _layout_index(layout, align, stream)
 
 
 def permuted_landing(layout, align):
@@ -200,7 +190,7 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
             raise ValueError(f"permute: x on rank {layout.comm.rank} has {m_recv} rows, but the "
                              f"layout receives {layout.num_received}")
         with on_stream(stream if alloc is None else None):  # alloc: torch's, on its stream
-            indices, group_offsets = _layout_index(layout, align, stream, alloc)
+            indices, group_offsets, _ = _layout_index(layout, align, stream, alloc)
             return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
     if num_local_experts is None:
         raise TypeError("permute: num_local_experts is required without a layout")
@@ -220,7 +210,7 @@ def _permute(x, num_tokens_per_expert_group, num_local_experts, align, out_forma
             counts = counts.copy()
     p = -(-(m_recv + e_local * align) // align) * align
     with on_stream(stream if alloc is None else None):  # alloc: torch's, on its stream
-        indices, group_offsets = _layout(counts, e_local, align, m_recv, p, stream, alloc)
+        indices, group_offsets, _ = _layout(counts, e_local, align, m_recv, p, stream, alloc)
         return _gather(x, srcs, fmt, convert, indices, stream, alloc), indices, group_offsets
 
 
@@ -248,7 +238,8 @@ def _gather(x, srcs, fmt, convert, indices, stream, alloc):
 
 
 def _layout_index(layout, align, stream, alloc=None):
-    """``(indices, group_offsets)`` of ``layout``'s permute for ``align``, cached on the layout."""
+    """``(indices, group_offsets, inverse)`` of ``layout``'s permute for ``align`` (:func:`_layout`),
+    cached on the layout."""
     key = ("permute", align)
     cached = layout._cache.get(key)
     if cached is None:
@@ -259,8 +250,9 @@ def _layout_index(layout, align, stream, alloc=None):
 
 
 def _layout(counts, e_local, align, m_recv, p, stream, alloc=None):
-    """``(indices (P,) int32, group_offsets (E_local,) int32)`` of :func:`permute`, into arrays
-    from ``alloc`` (None: ``empty``)."""
+    """``(indices (P,) int32, group_offsets (E_local,) int32, inverse (M_recv,) int32)`` of
+    :func:`permute` (``inverse``: the permuted row of each received row, written where the counts
+    place it), into arrays from ``alloc`` (None: ``empty``)."""
     if host_backend():
         return _host.permute_layout(counts, e_local, align, m_recv, p)
     alloc = alloc or array_module().empty
@@ -268,13 +260,14 @@ def _layout(counts, e_local, align, m_recv, p, stream, alloc=None):
     starts = alloc((2 * e,), _INT32)  # each segment's first received, then permuted row
     group_offsets = alloc((e_local,), _INT32)
     indices = alloc((p,), _INT32)
+    inverse = alloc((m_recv,), _INT32)
     layout_launch, index_launch = _index_launches(align)
     ptr = stream_ptr(stream)
     src_start, dst_start = row_range(starts, 0, e), row_range(starts, e, 2 * e)
     layout_launch(ptr, (1, e, e_local), counts, src_start, dst_start, group_offsets)
     index_launch(ptr, (p, e, e_local, m_recv), counts, src_start, dst_start, group_offsets,
-                 indices)
-    return indices, group_offsets
+                 indices, inverse)
+    return indices, group_offsets, inverse
 
 
 @prepared
@@ -286,7 +279,7 @@ def _index_launches(align):
     layout = SizedLaunch(permute_layout_kernel, launch_1d(1, threads=32), (0, 1), words(1),
                          (None, 2), align, words(1), words(1), words(2))
     index = SizedLaunch(permute_indices_kernel, launch_1d(UNBOUNDED), (1, 1), words(1),
-                        words(1), words(1), words(2), (None, 3), words(0))
+                        words(1), words(1), words(2), (None, 3), words(0), words(3))
     return layout, index
 
 

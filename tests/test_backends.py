@@ -271,6 +271,26 @@ def test_permute_identical(use_backend, rng, ranks, e_local, align, dtype, row):
     assert_identical(run_both(use_backend, steps, x, counts))
 
 
+@pytest.mark.parametrize("ranks,e_local,align", [(2, 2, 4), (3, 2, 8), (1, 3, 1), (2, 4, 32)])
+def test_permute_index_and_its_inverse_identical(use_backend, rng, ranks, e_local, align):
+    """The permute index, group offsets and inverse index (received row -> permuted row) of one
+    launch: the same on each backend, and the inverse undoes the index (one empty expert)."""
+    counts = random_counts(rng, ranks, e_local)
+    counts[1] = 0
+    m = int(counts.sum())
+    p = -(-(m + e_local * align) // align) * align
+
+    def index(counts):
+        from mxcomm.permutation import _layout
+        return _layout(counts, e_local, align, m, p, None)
+
+    results = run_both(use_backend, index, counts)
+    assert_identical(results)
+    indices, _, inverse = (a.view(np.int32) for a in results["host"])
+    assert sorted(inverse.tolist()) == sorted(np.flatnonzero(indices >= 0).tolist())
+    np.testing.assert_array_equal(indices[inverse], np.arange(m))
+
+
 def test_permute_mxfp8_identical(use_backend, rng):
     counts = random_counts(rng, 2, 2)
     m = int(counts.sum())

@@ -59,7 +59,7 @@ class _Permute(torch.autograd.Function):
         ctx.save_for_backward(indices)
         ctx.layout = layout  # its indices name every received row once: no zero fill
         ctx.num_rows = layout if layout is not None else x.shape[0]
-        ctx.inverse = _inverse_index(layout, align, indices) if fold else None
+        ctx.inverse = _inverse_index(layout, align, _stream(x), alloc) if fold else None
         ctx.mark_non_differentiable(indices, offsets)
         return _wrap(permuted, alloc), indices, offsets
 
@@ -82,21 +82,15 @@ def _unpermuted(rows, name, indices, layout, num_rows):
                                          num_rows, _stream(rows), alloc), alloc)
 
 
-def _inverse_index(layout, align, indices):
-    """(N,) int32: the permuted row of each received row, the inverse of ``indices`` (P,);
-    cached on the layout per ``align``, built on the device (no host sync)."""
+def _inverse_index(layout, align, stream, alloc):
+    """(N,) int32 tensor: the permuted row of each received row, the inverse of the layout's
+    permute index for ``align`` (made beside it by the same launch), cached on the layout."""
     key = ("torch permute inverse", align)
     cached = layout._cache.get(key)
-    if cached is not None and cached[0] is indices:
-        return cached[1]
-    n = layout.num_received
-    inverse = torch.empty(n + 1, dtype=torch.int32, device=indices.device)
-    slots = torch.where(indices >= 0, indices, n).long()
-    inverse.scatter_(0, slots, torch.arange(indices.shape[0], dtype=torch.int32,
-                                            device=indices.device))
-    inverse = inverse[:n]
-    layout._cache[key] = (indices, inverse)
-    return inverse
+    if cached is None:
+        inverse = _permutation._layout_index(layout, align, stream, alloc)[2]
+        cached = layout._cache[key] = alloc.tensor(inverse)
+    return cached
 
 
 class _Unpermute(torch.autograd.Function):
