@@ -128,6 +128,8 @@ def report(name, host, device):
 
 lists = {}
 for variant in _pipeline.parse_variants(args.variants):
+    # a recipe as the pipeline runs it on these nodes (its dispatch gradient across nodes)
+    variant = _moe.resolve(variant, None, 0, 0, None, None, rt.comm.node_count)
     stage_list = _moe.stages(variant, rt.comm, case.e_local, loop_gemm=case.loop_gemm)
     lists[variant.name] = stage_list
     host, device = {}, {}
