@@ -290,6 +290,37 @@ def test_opcheck_grouped_mm():
     assert torch.equal(y, mt.grouped_mm(rows, (w.detach(), w.detach() * 2), offs))
 
 
+@pytest.mark.parametrize("pair", [False, True], ids=["one weight", "a pair"])
+def test_grouped_mm_op_hands_the_weight_gradient_in_the_weights_layout(pair):
+    """Weights stored (G, N, K) and handed over transposed (torchtitan's layout): the op's
+    weight gradients come in that layout, as its fake says (opcheck), equal to eager's, so the
+    leaf's gradient needs no transposing copy (the one a weight gradient made (G, K, N) took,
+    twice under compile)."""
+    import mxcomm.torch as mt
+    x, w, offs = _grouped_mm_inputs("cpu", True)
+    stored = [w.detach().transpose(-2, -1).contiguous().requires_grad_(True)]
+    if pair:
+        stored.append((stored[0].detach() * 2).requires_grad_(True))
+    views = [s.transpose(-2, -1) for s in stored]
+    kwargs = {"w_b": views[1]} if pair else {}
+    flags = [True, True, True]
+    torch.library.opcheck(torch.ops.mxcomm.grouped_mm, (x, views[0], offs, None, "fp8", flags),
+                          kwargs)
+    handed = []
+    for v in views:
+        v.register_hook(handed.append)
+    torch.ops.mxcomm.grouped_mm(x, views[0], offs, None, "fp8", flags, **kwargs) \
+        .float().square().sum().backward()
+    assert [h.stride() for h in handed] == [v.stride() for v in views]
+    assert all(s.grad.is_contiguous() for s in stored)
+    again = [s.detach().clone().requires_grad_(True) for s in stored]
+    x2 = x.detach().clone().requires_grad_(True)
+    weights = tuple(a.transpose(-2, -1) for a in again)
+    mt.grouped_mm(x2, weights if pair else weights[0], offs).float().square().sum().backward()
+    for a, b in zip(stored + [x], again + [x2]):
+        assert torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.gpu
 def test_gpu_compiled_fp8_grouped_mm_equals_eager():
     """On an SM90 GPU the compiled ``grouped_mm`` (the op, fp8 GEMMs) equals eager bit for bit,

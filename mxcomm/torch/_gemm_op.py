@@ -62,8 +62,8 @@ def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor
                             x_scales: torch.Tensor | None = None, x_format: str = "bf16",
                             w_b: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx (P, K) bf16, dw (G, K, N) of w's dtype, dw_b of w_b's)``, each (0,) where not
-    needed or absent (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
+    """``(dx (P, K) bf16, dw (G, K, N) of w's dtype and layout, dw_b of w_b's)``, each (0,) where
+    not needed or absent (``_GroupedMM.backward``, its saved tensors made again from ``x``)."""
     x, ws, fp8, fast = _operands(x, x_scales, x_format, w, w_b, fp8, fast_accum)
     ctx = _Context(needs_dx, needs_dw, len(ws))
     ctx.fp8, ctx.fp8_wgrad, ctx.fast = fp8, fp8 and wgrad == "fp8", fast
@@ -75,15 +75,22 @@ def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     dx, _, _, _, _, _, *dws = _torch_gemm._GroupedMM.backward(ctx, grad.contiguous())
     dws += [None] * (2 - len(dws))
     return (w.new_empty(0) if dx is None else dx,
-            *(w.new_empty(0) if d is None else d.contiguous() for d in dws))
+            *(w.new_empty(0) if d is None else _layout_of(d, wi) for d, wi in zip(dws, (w, w_b))))
+
+
+def _layout_of(d, w):
+    """``d`` in ``torch.empty_like(w)``'s layout (the fake's: ``w``'s strides where ``w`` is
+    dense), copied only where it is not: a weight stored (G, N, K) gets its gradient as made."""
+    out = torch.empty_like(w)
+    return d if d.stride() == out.stride() else out.copy_(d)
 
 
 @_grouped_mm_backward_op.register_fake
 def _(grad, x, w, offs, fp8, wgrad, fast_accum, needs_dx, needs_dw, x_scales=None,
       x_format="bf16", w_b=None):
     dx = x.new_empty(x.shape, dtype=torch.bfloat16) if needs_dx else w.new_empty(0)
-    dw = w.new_empty(w.shape) if needs_dw else w.new_empty(0)
-    dw_b = w_b.new_empty(w_b.shape) if needs_dw and w_b is not None else w.new_empty(0)
+    dw = torch.empty_like(w) if needs_dw else w.new_empty(0)
+    dw_b = torch.empty_like(w_b) if needs_dw and w_b is not None else w.new_empty(0)
     return dx, dw, dw_b
 
 
