@@ -369,11 +369,13 @@ def test_grouped_mm_dgrad_weight_of_a_transposed_view_gpu():
 
 
 @pytest.mark.gpu
-def test_grouped_mm_fp8_wgrad_any_groups_gpu():
+@pytest.mark.parametrize("stored", ["(G, K, N)", "(G, N, K)"])
+def test_grouped_mm_fp8_wgrad_any_groups_gpu(stored):
     """SM90, groups of any size (not multiples of 16, an empty one, rows past the last group):
     the fp8 wgrad is the product of the fp8 rows it was given (x as quantized, the gradient as
     dgrad quantized it) to > 40 dB (its operands are those rows rescaled between power-of-two
-    scales), >= 25 dB from the bf16 rows' wgrad, and zero for the empty group."""
+    scales), >= 25 dB from the bf16 rows' wgrad, and zero for the empty group; the weight
+    stored either way (stored (G, N, K), the GEMM runs with its operands swapped)."""
     if not mt.fp8_gemm_available("cuda"):
         pytest.skip("needs an SM90 GPU with torch._scaled_grouped_mm")
     torch.manual_seed(1)
@@ -390,10 +392,14 @@ def test_grouped_mm_fp8_wgrad_any_groups_gpu():
     grads = {}
     for wgrad in ("fp8", "bf16"):
         xq = mt.QuantizedTensor(a, s, "fp8_rowwise").requires_grad_(True)
-        wq = w.clone().requires_grad_(True)
+        if stored == "(G, K, N)":
+            leaf = wq = w.clone().requires_grad_(True)
+        else:
+            leaf = w.transpose(-2, -1).contiguous().requires_grad_(True)
+            wq = leaf.transpose(-2, -1)
         # every sum promoted: the operands' conversion is what this checks to > 40 dB
         mt.grouped_mm(xq, wq, offs, fp8=True, wgrad=wgrad, fast_accum=False).backward(grad)
-        grads[wgrad] = wq.grad
+        grads[wgrad] = leaf.grad if leaf is wq else leaf.grad.transpose(-2, -1)
     wr = w.clone().requires_grad_(True)
     torch._grouped_mm(xb, wr, offs=offs).backward(grad)
     xd = (a.double() * s.double()[:, None])
