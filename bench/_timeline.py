@@ -30,16 +30,19 @@ def timeline(events, phase="forward", width=48, listed=80):
                 if e.get("cat") in _API and "correlation" in e.get("args", {})}
     syncs = [e for e in events if e.get("cat") in _API and "ynchronize" in e.get("name", "")
              and t0 <= e["ts"] <= t1]
-    ops = []
+    ops, every = [], []  # the phase's device operations; every one of the trace
     for e in events:
         if e.get("cat") not in _GPU:
             continue
         launch = launches.get(e.get("args", {}).get("correlation"))
-        if launch is None or not t0 <= launch["ts"] <= t1:
-            continue
-        ops.append((e["ts"], e["ts"] + e["dur"], e["args"].get("stream", "?"), e["name"],
-                    launch["ts"], launch["ts"] + launch["dur"]))
+        op = (e["ts"], e["ts"] + e["dur"], e["args"].get("stream", "?"), e["name"],
+              launch["ts"] if launch else e["ts"], launch["ts"] + launch["dur"] if launch
+              else e["ts"])
+        every.append(op)
+        if launch is not None and t0 <= launch["ts"] <= t1:
+            ops.append(op)
     ops.sort()
+    every.sort()
     if not ops:
         return [f"(no device operation launched in the {phase})"]
     end = max(op[1] for op in ops)
@@ -71,6 +74,7 @@ def timeline(events, phase="forward", width=48, listed=80):
     for s in syncs:
         lines.append(f"  host blocked in {s['name']} at {s['ts'] - t0:.0f} us for "
                      f"{s['dur']:.0f} us")
+    lines += _waits(ops, every, t0, width)
     lines.append("  start us    dur  stream  launched us  lag us  operation")
     for op in ops[:listed]:
         lines.append(f"  {op[0] - t0:8.0f} {op[1] - op[0]:6.0f} {str(op[2]):>7s} "
@@ -78,6 +82,27 @@ def timeline(events, phase="forward", width=48, listed=80):
     if len(ops) > listed:
         lines.append(f"  ... {len(ops) - listed} more")
     return lines
+
+
+def _waits(ops, every, t0, width, listed=12):
+    """Which stream waited on which: each of ``ops`` that started more than ``HOST_LAG_US`` after
+    its launch returned and after the end of the work before it on its stream (any of ``every``,
+    the trace's operations: an earlier phase's too), with the operation of another stream that
+    ended last before it started (what it most likely waited for: an event, a stream wait, or a
+    peer's signal behind that work)."""
+    lines = []
+    for begin, end, stream, name, _, launched in ops:
+        ready = max([launched] + [op[1] for op in every if op[2] == stream and op[0] < begin])
+        if begin - ready > HOST_LAG_US:
+            before = [op for op in every if op[2] != stream and op[1] <= begin]
+            cause = max(before, key=lambda op: op[1]) if before else None
+            after = f"stream {cause[2]}'s {cause[3][:width]} (ended at {cause[1] - t0:.0f})" \
+                if cause is not None else "nothing on another stream (a peer)"
+            lines.append(f"    {begin - ready:7.0f} us at {begin - t0:7.0f}: stream {stream}'s "
+                         f"{name[:width]} after {after}")
+    head = [f"  waits on another stream, an event or a peer: {len(lines)}"]
+    return head + lines[:listed] + ([f"    ... {len(lines) - listed} more"]
+                                    if len(lines) > listed else [])
 
 
 def _union(intervals):

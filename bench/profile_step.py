@@ -3,6 +3,7 @@ per variant and iteration, beside the backward's; then rank 0's cProfile of a va
 
     mpirun -n 2 python bench/profile_step.py [rows] [variants] [profiled variant|none]
         [--dim D] [--hidden H] [--iters N] [--routing uniform|topk] [--gc on|off]
+        [--peer-memory auto|on|off] [--pieces] [--trace DIR [--trace-steps N]]
 
 The step is the pipeline benchmark's (``python -m mxcomm.bench pipeline``: the same stages, inputs
 and routing, 8 experts per rank), each iteration after a device sync and a barrier as there.
@@ -47,12 +48,13 @@ parser.add_argument("--iters", type=int, default=30)
 parser.add_argument("--routing", default="uniform")
 parser.add_argument("--gc", choices=("on", "off"), default="on")
 parser.add_argument("--pieces", action="store_true")
+parser.add_argument("--peer-memory", choices=("auto", "on", "off"), default="auto")
 parser.add_argument("--trace", metavar="DIR")
 parser.add_argument("--trace-steps", type=int, default=3)
 args = parser.parse_args()
 if args.gc == "off":
     gc.disable()
-rt = _runtime.Runtime()
+rt = _runtime.Runtime(peer_memory={"auto": None, "on": True, "off": False}[args.peer_memory])
 rt.init_torch_distributed()
 run = argparse.Namespace(warmup=5, iters=args.iters, routing=args.routing)
 case = _pipeline._Case(run, rt, (args.rows, args.dim, args.hidden, 8))
