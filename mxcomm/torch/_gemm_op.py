@@ -80,9 +80,11 @@ def _grouped_mm_backward_op(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor
 
 def _layout_of(d, w):
     """``d`` in ``torch.empty_like(w)``'s layout (the fake's: ``w``'s strides where ``w`` is
-    dense), copied only where it is not: a weight stored (G, N, K) gets its gradient as made."""
-    out = torch.empty_like(w)
-    return d if d.stride() == out.stride() else out.copy_(d)
+    dense), copied only where it is not: a weight stored (G, N, K) gets its gradient as made.
+    The layout is read off a meta tensor: no weight-sized allocation where none is needed."""
+    if d.stride() == torch.empty_like(w, device="meta").stride():
+        return d
+    return torch.empty_like(w).copy_(d)
 
 
 @_grouped_mm_backward_op.register_fake
