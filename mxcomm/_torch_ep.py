@@ -146,7 +146,8 @@ class ExpertParallel:
             raise ValueError(f"ExpertParallel: auto's cost tables differ across ranks (rank 0 "
                              f"and rank {differs[0]}; here from {self.tables.origin}), so the "
                              f"ranks could choose different recipes; give every rank the same "
-                             f"table= or $MXCOMM_COST_TABLE, or the same cached tables")
+                             f"table= or $MXCOMM_COST_TABLE, or the same cached tables (ranks "
+                             f"on GPUs of different models hold different built-in tables)")
         #: The nodes the group spans (``comm.node_count``, agreed at ``init``): the recipes run as
         #: ``Recipe.for_nodes(nodes)``.
         self.nodes = self.comm.node_count

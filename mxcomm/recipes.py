@@ -260,23 +260,27 @@ class TableSet:
     :class:`CostTable` for every shape, or None), ``cached`` (``{(dim, hidden): CostTable}``),
     ``origin`` (where ``pinned`` came from, or the cache folder)."""
 
-    def __init__(self, pinned=None, cached=None, origin="built-in"):
+    def __init__(self, pinned=None, cached=None, origin="built-in", built_in=None):
         self.pinned, self.cached, self.origin = pinned, dict(cached or {}), origin
+        #: The built-in table for shapes nothing else covers (:data:`BUILT_IN`).
+        self.built_in = H100_TABLE if built_in is None else built_in
 
     def table_for(self, dim, hidden):
         """The pinned table; else the cached one of (``dim``, ``hidden``) (``hidden`` None: the
-        only one of width ``dim``); else :data:`H100_TABLE`."""
+        only one of width ``dim``); else :attr:`built_in`."""
         if self.pinned is not None:
             return self.pinned
         if hidden is not None:
-            return self.cached.get((dim, int(hidden)), H100_TABLE)
+            return self.cached.get((dim, int(hidden)), self.built_in)
         widths = [t for (d, _), t in self.cached.items() if d == dim]
-        return widths[0] if len(widths) == 1 else H100_TABLE
+        return widths[0] if len(widths) == 1 else self.built_in
 
     def fingerprint(self):
-        """A 63-bit integer of every table held (ranks compare them to agree)."""
-        return _digest([None if self.pinned is None else self.pinned.to_dict()] +
-                       [self.cached[k].to_dict() for k in sorted(self.cached)])
+        """A 63-bit integer of every table read (ranks compare them to agree)."""
+        if self.pinned is not None:
+            return _digest([self.pinned.to_dict()])
+        return _digest([None] + [self.cached[k].to_dict() for k in sorted(self.cached)] +
+                       [self.built_in.to_dict()])
 
 
 def _check_describes(table, device, world_size, where):
@@ -295,7 +299,8 @@ def find_tables(device, world_size, table=None, environ=None):
     2. else the file named by ``$MXCOMM_COST_TABLE``, for every shape;
     3. else the per-user cache (:func:`cache_path`): the tables of ``device`` and
        ``world_size``, each for its own dims;
-    4. for shapes none of these covers, the built-in :data:`H100_TABLE`.
+    4. for shapes none of these covers, the built-in table of ``device`` (:data:`BUILT_IN`),
+       :data:`H100_TABLE` for a device with none.
 
     ``device``: ``torch.cuda.get_device_name`` or ``"cpu"``; ``environ``: default
     ``os.environ``. Returns a :class:`TableSet`. Raises ValueError for ``table`` not a CostTable
@@ -318,7 +323,7 @@ def find_tables(device, world_size, table=None, environ=None):
             except ValueError as e:
                 raise ValueError(f"{e}{named}") from None
         _check_describes(table, device, world_size, where)
-        return TableSet(pinned=table, origin=where)
+        return TableSet(pinned=table, origin=where, built_in=BUILT_IN.get(device))
     folder = cache_dir(environ)
     cached = {}
     for path in sorted(folder.glob(f"{_slug(device)}_w{world_size}_d*_h*.json")):
@@ -330,10 +335,11 @@ def find_tables(device, world_size, table=None, environ=None):
                           stacklevel=2)
             continue
         cached[(found.ref_dim, found.ref_hidden)] = found
-    return TableSet(cached=cached, origin=str(folder))
+    return TableSet(cached=cached, origin=str(folder), built_in=BUILT_IN.get(device))
 
 
-#: The fallback table: bench/results/2026-11-27/pipeline_recipes_194096a_uniform_w2_h100.json
+#: The built-in table of H100s, and of devices with none of their own:
+#: bench/results/2026-11-27/pipeline_recipes_194096a_uniform_w2_h100.json
 #: (``python -m mxcomm.bench pipeline --interleave``; bf16 is the variant bf16_mxcomm).
 H100_TABLE = CostTable(
     rows=(4096, 16384, 32768, 65536, 131072),
@@ -343,6 +349,19 @@ H100_TABLE = CostTable(
     ref_dim=7168, ref_hidden=2048,
     source="2 x H100 at 194096a (2026-11-27), dim 7168, hidden 2048, 8 experts per rank, "
            "uniform routing", device="NVIDIA H100 80GB HBM3", world_size=2, experts_per_rank=8)
+#: The built-in table of H200s: bench/results/2026-11-28/calibrate_21726bb_w2_h200.json
+#: (``python -m mxcomm.bench calibrate``; the recipes of :data:`H100_TABLE`).
+H200_TABLE = CostTable(
+    rows=(4096, 16384, 32768, 65536, 131072),
+    ms={"bf16": (2.946, 3.995, 7.163, 13.852, 27.419),
+        "mxfp8": (3.198, 4.167, 6.870, 12.983, 25.594),
+        "fp8_rowwise": (4.626, 4.321, 5.274, 9.100, 16.588)},
+    ref_dim=7168, ref_hidden=2048,
+    source="2 x H200 at 21726bb (2026-11-28), dim 7168, hidden 2048, 8 experts per rank, "
+           "uniform routing", device="NVIDIA H200", world_size=2, experts_per_rank=8)
+#: The built-in tables by device name (``torch.cuda.get_device_name``); other devices get
+#: :data:`H100_TABLE`.
+BUILT_IN = {table.device: table for table in (H100_TABLE, H200_TABLE)}
 
 
 def rows_per_rank(layout):

@@ -157,6 +157,46 @@ def test_h100_table_crossovers():
                                                                              7168, 2048)
 
 
+
+def test_h200_table_is_the_committed_calibration():
+    """The H200 built-in table is the committed ``calibrate`` run (2 x H200 at 21726bb, its
+    bf16, mxfp8 and fp8_rowwise columns), and its answers at that shape are the fastest recipe
+    measured there: bf16 at 4096 and 16384 rows, fp8_rowwise from 32768; the fp8 recipe's
+    crossover with bf16 between 16384 and 32768 rows."""
+    import json
+    import pathlib
+    results = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results" / \
+        "2026-11-28" / "calibrate_21726bb_w2_h200.json"
+    rows = json.loads(results.read_text())["tables"]["calibration"]
+    table = recipes.H200_TABLE
+    assert table.rows == tuple(r["rows"] for r in rows)
+    for name in ("bf16", "mxfp8", "fp8_rowwise"):
+        assert table.ms[name] == tuple(round(r[f"{name}_ms"], 3) for r in rows)
+    chooser = recipes.Chooser(7168, 2048, device="sm90", table=table)
+    assert [chooser.for_rows(r).name for r in table.rows] == \
+        ["bf16", "bf16", "fp8_rowwise", "fp8_rowwise", "fp8_rowwise"]
+    assert [r["auto"] for r in rows] == [chooser.for_rows(r["rows"]).name for r in rows]
+    assert [round(b) for b in chooser.bounds] == [19475]
+
+
+def test_built_in_table_follows_the_device(tmp_path):
+    """With nothing pinned or cached, an H200 reads the H200 table, an H100 and any other
+    device the H100 one; a pinned table is read whatever the device, and its fingerprint does
+    not depend on the built-in one (ranks on different GPU models may share a pinned table)."""
+    env = {recipes.CACHE_ENV: str(tmp_path)}
+    assert recipes.find_tables("NVIDIA H200", 2, environ=env).table_for(D, H) \
+        is recipes.H200_TABLE
+    for device in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "cpu"):
+        assert recipes.find_tables(device, 2, environ=env).table_for(D, H) is recipes.H100_TABLE
+    h200, h100 = (recipes.find_tables(d, 2, environ=env)
+                  for d in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
+    assert h200.fingerprint() != h100.fingerprint()
+    hand_made = dataclasses.replace(CPU_TABLE, device="", world_size=0)
+    pinned = [recipes.find_tables(d, 2, table=hand_made, environ=env)
+              for d in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")]
+    assert pinned[0].table_for(4 * D, H) is hand_made
+    assert pinned[0].fingerprint() == pinned[1].fingerprint()
+
 def test_chooser_for_rows_equals_the_layout_choice():
     """``Chooser.for_rows`` (the compiled torchtitan path's, plain comparisons) answers as the
     layout's bisection at every rows per rank, bounds included."""
