@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 faults2 ktests1 tests2 formats2 tests4 flaky4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD, NODES_A2A, NODES_VARIANTS) nodestransport4 (NODES_TOKENS, NODES_VARIANTS, NODES_STAGES) tracenodes4 (NODES_TOKENS, PEER_MEMORY) wire4 (NODES_TOKENS, NODES_NCCL_DEBUG, NODES_NCCL_SUBSYS) wireone4 (WIRE_ROWS) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: tests1 faults2 ktests1 tests2 formats2 tests4 flaky4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD, NODES_A2A, NODES_VARIANTS) nodestransport4 (NODES_TOKENS, NODES_VARIANTS, NODES_STAGES, NODES_ROUNDS) tracenodes4 (NODES_TOKENS, PEER_MEMORY) wire4 (NODES_TOKENS, NODES_NCCL_DEBUG, NODES_NCCL_SUBSYS) wireone4 (WIRE_ROWS) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD, PROBE_PEER_MEMORY) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) chunksnodes4 (CHUNK_ROWS, CHUNKS, CHUNK_ITERS, SOCKET_NTHREADS, NSOCKS_PERTHREAD) chunksbisect4 titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
@@ -489,16 +489,19 @@ for phase in "$@"; do
         --tokens 16384 --dim 7168 --hidden 2048 --experts 8 --no-stages \
         --json "$res/pipeline_torchrun_w2.json" --markdown "$res/pipeline_torchrun_w2.md" ;;
     nodestransport4)  # issue 43: hier against grouped across 2 emulated nodes x 2 (socket threads
-        # raised): the pipeline with its stages timed one by one, --peer-memory auto (hier) then off
-        # (grouped, NCCL's own split), one job each on the same host: which stage differs
-        [ "$ngpu" -ge 4 ] && for pm in auto off; do
-            step "bench pipeline with stages, 2 emulated nodes x 2, --peer-memory $pm" 300 "${raised[@]}" \
-                "${emulated[@]}" -x NCCL_SOCKET_NTHREADS -x NCCL_NSOCKS_PERTHREAD -n 4 bash -c "$per_node" _ \
+        # raised): the pipeline with its stages timed one by one, --peer-memory on (hier) then off
+        # (grouped, NCCL's own split), one job each on the same host, NODES_ROUNDS times (ABAB...):
+        # which transport, and which stage, differs beyond the jobs' spread
+        [ "$ngpu" -ge 4 ] && for round in $(seq ${NODES_ROUNDS:-1}); do for pm in on off; do
+            step "bench pipeline with stages, 2 emulated nodes x 2, --peer-memory $pm, round $round" 300 \
+                "${raised[@]}" "${emulated[@]}" -x NCCL_SOCKET_NTHREADS -x NCCL_NSOCKS_PERTHREAD -n 4 \
+                bash -c "$per_node" _ \
                 python3 -m mxcomm.bench pipeline --peer-memory $pm --tokens ${NODES_TOKENS:-16384 131072} \
                 --dim 7168 --hidden 2048 --experts 8 --interleave --iters ${PIPE_ITERS:-10} --warmup 2 \
                 --variants ${NODES_VARIANTS:-fp8_rowwise,mxfp8} $([ "${NODES_STAGES:-1}" = 0 ] && echo --no-stages) \
-                --json "$res/pipeline_nodes2x2_stages_pm$pm.json" --markdown "$res/pipeline_nodes2x2_stages_pm$pm.md"
-        done ;;
+                --json "$res/pipeline_nodes2x2_stages_pm${pm}_$round.json" \
+                --markdown "$res/pipeline_nodes2x2_stages_pm${pm}_$round.md"
+        done; done ;;
     tracenodes4)  # issue 43: one step of the layer across 2 emulated nodes x 2 (socket threads
         # raised) as a timeline per rank (profile_step --trace): which stream waits on what
         [ "$ngpu" -ge 4 ] && step "profile_step --trace, 2 emulated nodes x 2" 200 "${raised[@]}" \
