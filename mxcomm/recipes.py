@@ -262,7 +262,7 @@ class TableSet:
 
     def __init__(self, pinned=None, cached=None, origin="built-in", built_in=None):
         self.pinned, self.cached, self.origin = pinned, dict(cached or {}), origin
-        #: The built-in table for shapes nothing else covers (:data:`BUILT_IN`).
+        #: The built-in table for shapes nothing else covers (:func:`built_in_table`).
         self.built_in = H100_TABLE if built_in is None else built_in
 
     def table_for(self, dim, hidden):
@@ -299,8 +299,8 @@ def find_tables(device, world_size, table=None, environ=None):
     2. else the file named by ``$MXCOMM_COST_TABLE``, for every shape;
     3. else the per-user cache (:func:`cache_path`): the tables of ``device`` and
        ``world_size``, each for its own dims;
-    4. for shapes none of these covers, the built-in table of ``device`` (:data:`BUILT_IN`),
-       :data:`H100_TABLE` for a device with none.
+    4. for shapes none of these covers, the built-in table of ``device`` and ``world_size``
+       (:func:`built_in_table`), :data:`H100_TABLE` for a device with none.
 
     ``device``: ``torch.cuda.get_device_name`` or ``"cpu"``; ``environ``: default
     ``os.environ``. Returns a :class:`TableSet`. Raises ValueError for ``table`` not a CostTable
@@ -323,7 +323,8 @@ def find_tables(device, world_size, table=None, environ=None):
             except ValueError as e:
                 raise ValueError(f"{e}{named}") from None
         _check_describes(table, device, world_size, where)
-        return TableSet(pinned=table, origin=where, built_in=BUILT_IN.get(device))
+        return TableSet(pinned=table, origin=where,
+                        built_in=built_in_table(device, world_size))
     folder = cache_dir(environ)
     cached = {}
     for path in sorted(folder.glob(f"{_slug(device)}_w{world_size}_d*_h*.json")):
@@ -335,7 +336,8 @@ def find_tables(device, world_size, table=None, environ=None):
                           stacklevel=2)
             continue
         cached[(found.ref_dim, found.ref_hidden)] = found
-    return TableSet(cached=cached, origin=str(folder), built_in=BUILT_IN.get(device))
+    return TableSet(cached=cached, origin=str(folder),
+                    built_in=built_in_table(device, world_size))
 
 
 #: The built-in table of H100s, and of devices with none of their own:
@@ -359,9 +361,28 @@ H200_TABLE = CostTable(
     ref_dim=7168, ref_hidden=2048,
     source="2 x H200 at 21726bb (2026-11-28), dim 7168, hidden 2048, 8 experts per rank, "
            "uniform routing", device="NVIDIA H200", world_size=2, experts_per_rank=8)
-#: The built-in tables by device name (``torch.cuda.get_device_name``); other devices get
-#: :data:`H100_TABLE`.
-BUILT_IN = {table.device: table for table in (H100_TABLE, H200_TABLE)}
+#: The built-in table of 4 or more H200s: bench/results/2026-11-28/calibrate_7e2edbd_w4_h200.json,
+#: measured before the weight gradient's layout fix (``6fd69b1``), which took ~0.7 ms off the fp8
+#: recipe's step from 32768 rows: its crossovers err towards bf16.
+H200_W4_TABLE = CostTable(
+    rows=(4096, 8192, 16384, 32768, 65536, 131072),
+    ms={"bf16": (2.955, 3.377, 4.435, 8.035, 15.551, 30.555),
+        "mxfp8": (3.232, 3.674, 4.676, 7.580, 14.256, 27.946),
+        "fp8_rowwise": (4.825, 5.406, 6.329, 7.171, 10.993, 19.328)},
+    ref_dim=7168, ref_hidden=2048,
+    source="4 x H200 at 7e2edbd (2026-11-28), dim 7168, hidden 2048, 8 experts per rank, "
+           "uniform routing", device="NVIDIA H200", world_size=4, experts_per_rank=8)
+#: The built-in tables by device name (``torch.cuda.get_device_name``), one per world size
+#: measured (:func:`built_in_table`); other devices get :data:`H100_TABLE`.
+BUILT_IN = {"NVIDIA H100 80GB HBM3": (H100_TABLE,), "NVIDIA H200": (H200_TABLE, H200_W4_TABLE)}
+
+
+def built_in_table(device, world_size):
+    """The built-in table of ``device`` measured at the largest world size not above
+    ``world_size`` (else its smallest); :data:`H100_TABLE` for a device without one."""
+    tables = sorted(BUILT_IN.get(device, (H100_TABLE,)), key=lambda t: t.world_size)
+    fitting = [t for t in tables if t.world_size <= world_size]
+    return fitting[-1] if fitting else tables[0]
 
 
 def rows_per_rank(layout):

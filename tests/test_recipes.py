@@ -179,15 +179,39 @@ def test_h200_table_is_the_committed_calibration():
     assert [round(b) for b in chooser.bounds] == [19475]
 
 
+def test_h200_w4_table_is_the_committed_calibration():
+    """The built-in table of 4 or more H200s is the committed 4-rank ``calibrate`` run (7e2edbd),
+    and its answers at each point are the fastest recipe measured there (bf16 within 2 %)."""
+    import json
+    import pathlib
+    results = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results" / \
+        "2026-11-28" / "calibrate_7e2edbd_w4_h200.json"
+    rows = json.loads(results.read_text())["tables"]["calibration"]
+    table = recipes.H200_W4_TABLE
+    assert table.rows == tuple(r["rows"] for r in rows) and table.world_size == 4
+    for name in ("bf16", "mxfp8", "fp8_rowwise"):
+        assert table.ms[name] == tuple(round(r[f"{name}_ms"], 3) for r in rows)
+    chooser = recipes.Chooser(7168, 2048, device="sm90", table=table)
+    for i, m in enumerate(table.rows):
+        fastest = min(("bf16", "mxfp8", "fp8_rowwise"),
+                      key=lambda n: table.ms[n][i] * (0.98 if n == "bf16" else 1.0))
+        assert chooser.for_rows(m).name == fastest
+
+
 def test_built_in_table_follows_the_device(tmp_path):
-    """With nothing pinned or cached, an H200 reads the H200 table, an H100 and any other
-    device the H100 one; a pinned table is read whatever the device, and its fingerprint does
-    not depend on the built-in one (ranks on different GPU models may share a pinned table)."""
+    """With nothing pinned or cached, H200s read the H200 table of the largest world size
+    measured not above theirs (2 at 2 and 3 ranks, 4 from 4), an H100 and any other device the
+    H100 one; a pinned table is read whatever the device, and its fingerprint does not depend
+    on the built-in one (ranks on different GPU models may share a pinned table)."""
     env = {recipes.CACHE_ENV: str(tmp_path)}
-    assert recipes.find_tables("NVIDIA H200", 2, environ=env).table_for(D, H) \
-        is recipes.H200_TABLE
+    for world, table in ((1, recipes.H200_TABLE), (2, recipes.H200_TABLE),
+                         (3, recipes.H200_TABLE), (4, recipes.H200_W4_TABLE),
+                         (8, recipes.H200_W4_TABLE)):
+        assert recipes.find_tables("NVIDIA H200", world, environ=env).table_for(D, H) is table
     for device in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "cpu"):
-        assert recipes.find_tables(device, 2, environ=env).table_for(D, H) is recipes.H100_TABLE
+        for world in (2, 8):
+            assert recipes.find_tables(device, world, environ=env).table_for(D, H) \
+                is recipes.H100_TABLE
     h200, h100 = (recipes.find_tables(d, 2, environ=env)
                   for d in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
     assert h200.fingerprint() != h100.fingerprint()
