@@ -524,7 +524,8 @@ for phase in "$@"; do
         # per pair for torch's NCCL and mxcomm's alike (NCCL's host hash), so both take NVLink
         # inside a pair and NCCL's socket transport between pairs (IB off). The drop-in against
         # torch's bf16 all_to_all_single with socket defaults, then with the socket threads
-        # raised (SOCKET_NTHREADS x NSOCKS_PERTHREAD); the pipeline by recipe with them raised.
+        # raised (SOCKET_NTHREADS x NSOCKS_PERTHREAD); the pipeline by recipe with them raised
+        # (NODES_A2A=0 NODES_PIPELINE=0: the tests alone).
         if [ "$ngpu" -lt 4 ]; then echo "=== $phase: needs 4 GPUs, $ngpu here" | tee -a "$log"; continue; fi
         step "gpu tests of the emulated nodes, 4 ranks" 300 "${mpirun_env[@]}" --output-filename "$OUT/ranks-nodes4" \
             -n 4 python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=200 \
@@ -536,7 +537,7 @@ for phase in "$@"; do
             NCCL_NSOCKS_PERTHREAD=${NSOCKS_PERTHREAD:-4} "${emulated[@]}" -x NCCL_SOCKET_NTHREADS -x NCCL_NSOCKS_PERTHREAD \
             -n 4 bash -c "$per_node" _ python3 -m mxcomm.bench a2a --rows 4096 16384 --dim 7168 \
             --json "$res/a2a_nodes2x2_threads.json" --markdown "$res/a2a_nodes2x2_threads.md"
-        step "bench pipeline by recipe, 2 emulated nodes x 2, socket threads raised" 500 \
+        [ "${NODES_PIPELINE:-1}" = 1 ] && step "bench pipeline by recipe, 2 emulated nodes x 2, socket threads raised" 500 \
             env NCCL_SOCKET_NTHREADS=${SOCKET_NTHREADS:-8} NCCL_NSOCKS_PERTHREAD=${NSOCKS_PERTHREAD:-4} \
             "${emulated[@]}" -x NCCL_SOCKET_NTHREADS -x NCCL_NSOCKS_PERTHREAD -n 4 bash -c "$per_node" _ \
             python3 -m mxcomm.bench pipeline --tokens 16384 131072 --dim 7168 --hidden 2048 --experts 8 \
