@@ -17,10 +17,11 @@ Configurations, in this order (those emulating nodes last: ``init("nccl", node_s
 
 - ``pull``: ``init()``, one node, small and medium exchanges on (the test's file alone);
 - ``pull-staged``: both limits 0: one node, every quantized exchange staged over CUDA IPC;
-- ``hier-1``: ``node_size=1``: every rank its own node, so the ``hier`` transport with both
-  limits 0 and NCCL over its network transport: what the whole GPU suite ran after
-  tests/test_nodes.py left ``NCCL_HOSTID=node<rank>`` set;
-- ``hier-2``: ``node_size=2`` (4 ranks and more).
+- ``hier-1``: ``node_size=1, peer_memory=True``: every rank its own node, so the ``hier``
+  transport with both limits 0 and NCCL over its network transport: what the whole GPU suite
+  ran after tests/test_nodes.py left ``NCCL_HOSTID=node<rank>`` set (``hier`` was then the
+  default across nodes);
+- ``hier-2``: ``node_size=2, peer_memory=True`` (4 ranks and more).
 
 ``PROBE_CONFIGS`` (comma-separated names) picks some. Each rank prints one line per run that
 differs (which gradient, how many elements, NaNs, the largest difference, the first rows); rank 0
@@ -42,7 +43,8 @@ from mxcomm import comm as mxc
 SEED, E_LOCAL, D, H, ALIGN = 4321, 2, 64, 32, 16  # tests/test_recipes.py's
 NODE_ENV = ("NCCL_HOSTID", "MXCOMM_NODE_SIZE")
 CONFIGS = {"pull": {}, "pull-staged": dict(small_exchange_bytes=0, medium_exchange_bytes=0),
-           "hier-1": dict(node_size=1), "hier-2": dict(node_size=2)}
+           "hier-1": dict(node_size=1, peer_memory=True),
+           "hier-2": dict(node_size=2, peer_memory=True)}
 WAYS = [(thread, direct) for thread in (True, False) for direct in (True, False)]
 
 

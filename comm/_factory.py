@@ -37,7 +37,9 @@ def init(backend="auto", mpi_comm=None, *, group=None, timeout=300.0, validate=T
             allgather per call). Calls given a layout never vote.
         peer_memory: transport of the staged exchanges: None (auto) pulls from peer memory where
             every rank is on one node (CUDA IPC; on the host an MPI shared window, which a torch
-            group lacks), else one ``alltoallv``; True requires the pull; False never pulls.
+            group lacks), else one ``alltoallv``; True requires peer memory: the pull on one
+            node, across nodes ``hier`` (the pull inside a node, one ``alltoallv`` between
+            nodes; docs/design.md, "EP across nodes"); False never pulls.
         device: NCCL only: this process's CUDA device. None: over a torch group torch's current
             device if CUDA is initialized, else ``LOCAL_RANK``; else the node-local rank (modulo the
             devices).

@@ -8,21 +8,24 @@ from ._nodes import discover
 from ._pull import PullTransport
 
 
-def transport_of(nodes, votes):
-    """The transport's name from the agreed ``_nodes.Nodes`` and every rank's vote that it can map
-    its node's peer memory:
+def transport_of(nodes, votes, peer_memory=None):
+    """The transport's name from the agreed ``_nodes.Nodes``, every rank's vote that it can map
+    its node's peer memory, and the communicator's ``peer_memory`` (None, True or False):
 
-    | nodes | peer memory on every rank | transport |
-    | --- | --- | --- |
-    | one | yes | ``"pull"`` |
-    | several, each a run of consecutive ranks | yes | ``"hier"`` |
-    | otherwise | | ``"grouped"`` |
-    """
+    | nodes | peer memory on every rank | ``peer_memory`` | transport |
+    | --- | --- | --- | --- |
+    | one | yes | None or True | ``"pull"`` |
+    | several, each a run of consecutive ranks | yes | True | ``"hier"`` |
+    | otherwise | | | ``"grouped"`` |
+
+    Across nodes ``hier`` is asked for, not chosen: on 2 emulated nodes × 2 H200s NCCL's own
+    alltoallv (NVLink inside a node, its network between) ran the fp8 recipe's layer 1.66-1.71×
+    over bf16 at 131072 rows where ``hier`` ran 1.49-1.52× (docs/design.md, "The choice")."""
     if not all(votes):
         return "grouped"
     if nodes.count == 1:
         return "pull"
-    if nodes.consecutive:
+    if nodes.consecutive and peer_memory:
         return "hier"
     return "grouped"
 
@@ -55,7 +58,7 @@ def choose(comm, peer_memory):
         if len(set(limits)) > 1:
             raise ValueError(f"{name} on rank {comm.rank}: the ranks must agree, but they gave "
                              f"{dict(enumerate(limits))} (rank: bytes)")
-    name = transport_of(nodes, votes)
+    name = transport_of(nodes, votes, peer_memory)
     if peer_memory and name == "grouped":
         ranks = [r for r, v in enumerate(votes) if not v]
         raise RuntimeError(f"peer_memory=True on rank {comm.rank}: ranks {ranks} cannot map "

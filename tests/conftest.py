@@ -120,7 +120,7 @@ def _node_environment_kept(request):
     an error at its teardown names it (and the values are put back): left set, every later
     communicator of the process sees the nodes they name (``init("nccl", node_size=k)``
     exports ``NCCL_HOSTID`` for the rest of the process). tests/test_nodes.py's GPU test left
-    each rank its own node, so the whole GPU suite ran the later modules over ``hier``
+    each rank its own node, so the whole GPU suite ran the later modules across nodes
     (bench/NOTES.md, 2026-11-27)."""
     before = {name: os.environ.get(name) for name in _NODE_ENV}
     yield

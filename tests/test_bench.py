@@ -461,8 +461,9 @@ def test_pipeline_across_nodes_runs_the_recipes_as_expert_parallel_does(tmp_path
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(path.read_text())
     tables, meta = result["tables"], result["meta"]
-    assert meta["nodes"] == [0, 1] and meta["transport"] == "hier"
-    assert "nodes [0, 1] (node of each rank): peer memory inside a node" in out.stdout
+    assert meta["nodes"] == [0, 1] and meta["transport"] == "grouped"
+    assert "nodes [0, 1] (node of each rank): every exchange through the grouped transport" \
+        in out.stdout
     grads = {r["variant"]: r for r in tables["wire"] if r["direction"] == "dispatch_grad"}
     assert grads["fp8_rowwise"]["precision"] == grads["fp8_rowwise_mxdgrad"]["precision"] == \
         "mxfp8" and grads["mxfp8"]["precision"] == "bf16"

@@ -1,7 +1,8 @@
 """EP across (emulated) nodes on the host: ranks split into nodes of ``node_size`` consecutive
-ranks take the ``hier`` transport (the pull inside a node, one alltoallv between nodes), whose
-results equal the flat exchange's (the pull over every rank) bit for bit, in every format and
-direction; the split is agreed on every rank; peer memory never spans two nodes.
+ranks take the ``grouped`` transport (one alltoallv), or with ``peer_memory=True`` the ``hier``
+one (the pull inside a node, one alltoallv between nodes); both give the flat exchange's results
+(the pull over every rank) bit for bit, in every format and direction; the split is agreed on
+every rank; peer memory never spans two nodes.
 
 Run: ``mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_nodes.py`` (and ``-n 3``,
 ``-n 4``).
@@ -49,16 +50,21 @@ def node_env_cleared():
                 os.environ[name] = value
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["nodes_of_1", "nodes_of_2"])
+@pytest.fixture(scope="module", params=[(1, True), (2, True), (1, None), (2, None)],
+                ids=["hier_nodes_of_1", "hier_nodes_of_2", "grouped_nodes_of_1",
+                     "grouped_nodes_of_2"])
 def pair(request):
     """The flat communicator (every rank pulls from every rank) and one over emulated nodes of
-    ``request.param`` ranks."""
+    ``node_size`` ranks: ``hier`` where ``peer_memory=True`` asks for it, else (the default
+    across nodes) ``grouped``."""
+    node_size, peer_memory = request.param
     flat = mxc.init("mpi", timeout=60.0)
-    hier = mxc.init("mpi", timeout=60.0, node_size=request.param)
+    split = mxc.init("mpi", timeout=60.0, node_size=node_size, peer_memory=peer_memory)
     assert flat.transport == "pull"
-    assert hier.transport == ("pull" if request.param >= hier.size else "hier")
-    yield flat, hier
-    hier.close()
+    assert split.transport == ("pull" if node_size >= split.size
+                               else "hier" if peer_memory else "grouped")
+    yield flat, split
+    split.close()
     flat.close()
 
 
@@ -94,14 +100,15 @@ def _every_direction(comm, counts, precision, step):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_hier_equals_flat_in_every_format_and_direction(pair, precision):
+def test_across_nodes_equals_flat_in_every_format_and_direction(pair, precision):
     """Layouts with empty ranks, empty experts and one rank receiving everything: every
-    direction of the hierarchical exchange equals the flat one bit for bit."""
-    flat, hier = pair
+    direction of the exchange across nodes (``hier`` or ``grouped``) equals the flat one bit for
+    bit."""
+    flat, split = pair
     rng = numpy.random.default_rng(SEED)
     for step in range(4):
         counts = random_counts(rng, flat.size, step)
-        for got, want in zip(_every_direction(hier, counts, precision, step),
+        for got, want in zip(_every_direction(split, counts, precision, step),
                              _every_direction(flat, counts, precision, step)):
             _same(got, want)
 
@@ -113,7 +120,7 @@ def test_between_nodes_only_remote_rows_travel(pair, monkeypatch):
     from mpi4py import MPI
     _, hier = pair
     if hier.transport != "hier":
-        pytest.skip("one node: the flat pull transport")
+        pytest.skip(f"the {hier.transport} transport")
     me, w = hier.rank, hier.size
     transport = hier._transport
     node = transport.ranks
@@ -154,7 +161,7 @@ def test_node_size_from_the_environment(monkeypatch):
     monkeypatch.setenv("MXCOMM_NODE_SIZE", "1")
     with mxc.init("mpi", timeout=30.0) as c:
         assert c._side.nodes.of_rank == tuple(range(c.size))
-        assert c.transport == "hier"
+        assert c.transport == "grouped"
     monkeypatch.setenv("MXCOMM_NODE_SIZE", "two" if me == 1 else "1")
     with pytest.raises(ValueError, match=r"node_size on rank \d+: .* 1: -1"):
         mxc.init("mpi", timeout=30.0)
@@ -175,7 +182,7 @@ def test_nccl_hostid_must_split_the_ranks_alike(monkeypatch):
     monkeypatch.setenv("NCCL_HOSTID", f"host{me}")
     with pytest.raises(ValueError, match=r"node_size on rank \d+: \$NCCL_HOSTID puts the ranks"):
         mxc.init("mpi", timeout=30.0, node_size=w)
-    with mxc.init("mpi", timeout=30.0) as c:
+    with mxc.init("mpi", timeout=30.0, peer_memory=True) as c:
         assert c._side.nodes.of_rank == tuple(range(w))
         assert c.transport == "hier"
 
@@ -186,7 +193,8 @@ def test_an_emulated_init_leaves_the_next_communicator_on_one_node(before, monke
     the same call) does not outlive :func:`node_env_cleared`, as the GPU test of this module
     uses it: NCCL_HOSTID is as before (unset, or the launcher's value on every rank) and the
     next communicator is on one node, over the flat pull transport. Left behind, every rank
-    was its own node, so the next modules' communicators took ``hier`` with no small or medium
+    was its own node, so the next modules' communicators took ``hier`` (then the default across
+    nodes) with no small or medium
     exchanges and NCCL its network transport (bench/NOTES.md, 2026-11-27)."""
     from mxcomm.comm._nodes import Nodes
     from mpi4py import MPI
@@ -202,7 +210,7 @@ def test_an_emulated_init_leaves_the_next_communicator_on_one_node(before, monke
         Nodes(tuple(range(w)), emulated=True).export_hostid(me)
         assert os.environ["NCCL_HOSTID"] == f"node{me}"
         with mxc.init("mpi", timeout=30.0) as c:  # what the export tells a communicator
-            assert c.transport == ("hier" if w > 1 else "pull")
+            assert c.transport == ("grouped" if w > 1 else "pull")
     assert os.environ.get("NCCL_HOSTID") == before
     with mxc.init("mpi", timeout=30.0) as c:
         assert c._side.nodes.of_rank == (0,) * w
@@ -220,7 +228,7 @@ def test_rank_skipping_a_hier_call_times_out():
     w, me = w0.Get_size(), w0.Get_rank()
     node_size = 1 if w <= 2 else 2
     timeout = 2.0
-    c = mxc.init("mpi", timeout=timeout, node_size=node_size)
+    c = mxc.init("mpi", timeout=timeout, node_size=node_size, peer_memory=True)
     assert c.transport == "hier"
     late = w - 1
     counts = numpy.full((w, w * 2), 2)
@@ -252,7 +260,7 @@ def test_gpu_hier_equals_flat_in_every_format_and_direction(node_size):
     limits = dict(timeout=60.0, small_exchange_bytes=0, medium_exchange_bytes=0)
     # the export of NCCL_HOSTID undone after: the next modules' communicators on one node
     with node_env_cleared(), mxc.init("nccl", **limits) as flat, \
-            mxc.init("nccl", node_size=node_size, **limits) as hier:
+            mxc.init("nccl", node_size=node_size, peer_memory=True, **limits) as hier:
         w, me = hier.size, hier.rank
         if node_size >= w:
             pytest.skip("one node")

@@ -65,8 +65,9 @@ def build_parser():
         if name != "kernels":
             p.add_argument("--peer-memory", choices=("auto", "on", "off"), default="auto",
                            help="the communicator's peer_memory (mxcomm.comm.init): auto "
-                                "(default: pull from the peers' memory where every rank can), on "
-                                "(require it), off (never: the grouped transport, one NCCL group "
+                                "(default: pull from the peers' memory where every rank is on "
+                                "one node and can), on (require it: across nodes the hier "
+                                "transport), off (never: the grouped transport, one NCCL group "
                                 "per exchange)")
             p.add_argument("--small-exchange-bytes", type=int, metavar="BYTES",
                            help="the communicator's small_exchange_bytes (mxcomm.comm.init): "
