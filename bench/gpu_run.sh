@@ -542,7 +542,7 @@ for phase in "$@"; do
             "${emulated[@]}" -x NCCL_SOCKET_NTHREADS -x NCCL_NSOCKS_PERTHREAD -n 4 bash -c "$per_node" _ \
             python3 -m mxcomm.bench pipeline --tokens 16384 131072 --dim 7168 --hidden 2048 --experts 8 \
             --no-stages --interleave --iters ${PIPE_ITERS:-12} --warmup 3 \
-            --variants ${NODES_VARIANTS:-mxfp8,fp8_rowwise,fp8_rowwise_mxdgrad} \
+            --variants ${NODES_VARIANTS:-mxfp8,fp8_rowwise,fp8_rowwise_mxcombine} \
             --json "$res/pipeline_nodes2x2.json" --markdown "$res/pipeline_nodes2x2.md" ;;
     *) echo "unknown phase $phase" | tee -a "$log" ;;
     esac

@@ -449,14 +449,15 @@ def test_pipeline_run_writes_files_and_says_what_it_is(tmp_path):
 def test_pipeline_across_nodes_runs_the_recipes_as_expert_parallel_does(tmp_path):
     """2 ranks as 2 emulated nodes (host backend): the recipe fp8_rowwise sends its dispatch
     gradient in MXFP8 (``Recipe.for_nodes``), as the comparison fp8_rowwise_mxdgrad does; the
-    wire table, the notes and the exactness checks say so."""
+    wire table, the notes and the exactness checks say so. fp8_rowwise_mxcombine's combine
+    travels in MXFP8, its data movement exact."""
     pytest.importorskip("torch")
     path = tmp_path / "p.json"
     env = dict(os.environ, MXCOMM_BACKEND="host", MXCOMM_NODE_SIZE="1")
     out = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mxcomm.bench", "pipeline",
                           "--tokens", "96", "--dim", "64", "--hidden", "32", "--experts", "2",
-                          "--variants", "fp8_rowwise,fp8_rowwise_mxdgrad,mxfp8",
-                          "--json", str(path)],
+                          "--variants", "fp8_rowwise,fp8_rowwise_mxdgrad,mxfp8,"
+                          "fp8_rowwise_mxcombine", "--json", str(path)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(path.read_text())
@@ -468,6 +469,10 @@ def test_pipeline_across_nodes_runs_the_recipes_as_expert_parallel_does(tmp_path
     assert grads["fp8_rowwise"]["precision"] == grads["fp8_rowwise_mxdgrad"]["precision"] == \
         "mxfp8" and grads["mxfp8"]["precision"] == "bf16"
     assert grads["fp8_rowwise"]["bytes"] == grads["fp8_rowwise_mxdgrad"]["bytes"] > 0
+    combines = {r["variant"]: r for r in tables["wire"] if r["direction"] == "combine"}
+    assert combines["fp8_rowwise_mxcombine"]["precision"] == "mxfp8"
+    assert 0 < combines["fp8_rowwise_mxcombine"]["bytes"] < combines["fp8_rowwise"]["bytes"]
+    assert {r["variant"] for r in tables["exactness"]} >= {"fp8_rowwise_mxcombine"}
     assert all(r["result"] in ("exact", "in the exchange") for r in tables["exactness"])
     assert "fp8_rowwise = mxcomm, dispatch fp8_rowwise, combine bf16, dispatch_grad mxfp8" in \
         out.stdout
@@ -604,7 +609,7 @@ def test_latency_on_a_cpu_runs_its_cpu_shapes_and_says_so(tmp_path):
                                              "mxfp8+rowwise, fp8_rowwise_mxgrad, "
                                              "fp8_rowwise_bf16wgrad, fp8_rowwise_acc32, "
                                              "fp8_rowwise_serial, fp8_rowwise_mxdgrad, "
-                                             "fp8_rowwise_nocache"),
+                                             "fp8_rowwise_mxcombine, fp8_rowwise_nocache"),
     (["pipeline", "--variants", " , "], "--variants: expected comma-separated variant names"),
 ])
 def test_cli_rejects_bad_shapes_in_one_line(capsys, argv, message):
@@ -676,6 +681,8 @@ def test_variants_precisions_and_stages():
     assert v["fp8_rowwise_mxdgrad"] == dataclasses.replace(
         v["fp8_rowwise"], name="fp8_rowwise_mxdgrad", recipe=None, dispatch_grad="mxfp8",
         default=False)
+    assert v["fp8_rowwise_mxcombine"] == dataclasses.replace(
+        v["fp8_rowwise_mxdgrad"], name="fp8_rowwise_mxcombine", combine="mxfp8")
     # across nodes the recipes' variants run as ExpertParallel runs them (Recipe.for_nodes):
     # fp8_rowwise's dispatch gradient in MXFP8; comparisons and the other recipes unchanged
     for nodes, grad in ((1, "bf16"), (2, "mxfp8")):
@@ -684,6 +691,7 @@ def test_variants_precisions_and_stages():
         for name in ("bf16_mxcomm", "mxfp8", "fp8_rowwise_serial", "fp8_rowwise_bf16grad"):
             assert _moe.resolve(v[name], None, 0, 0, None, None, nodes) == v[name]
     assert [x.name for x in _moe.VARIANTS if x.overlap] == ["fp8_rowwise", "fp8_rowwise_mxdgrad",
+                                                           "fp8_rowwise_mxcombine",
                                                            "fp8_rowwise_nocache"]
     with pytest.raises(ValueError, match="auto has no stages until resolved"):
         _moe.stages(v["auto"], None, 2, loop_gemm=True)

@@ -50,6 +50,9 @@ first; the others are comparisons of one choice, run when ``--variants`` names t
     fp8_rowwise_mxdgrad  mxcomm  the recipe fp8_rowwise with dispatch_grad in MXFP8 on any
                               topology (the recipe's on one node until 2026-11-28; across
                               nodes it is the recipe's), with the overlap
+    fp8_rowwise_mxcombine  mxcomm  fp8_rowwise_mxdgrad with the combine in MXFP8 as well (the
+                              expert outputs quantized before the exchange): the lever left
+                              across nodes, where the combine is the one bf16 exchange
     fp8_rowwise_nocache  mxcomm  the recipe fp8_rowwise with the weight cache off: both fp8
                               weight operands quantized on every call
 
@@ -203,7 +206,10 @@ def _overlap_variants():
     return (dataclasses.replace(_recipe_variants()[-1], name="fp8_rowwise_serial", overlap=False,
                                 recipe=None, default=False),
             dataclasses.replace(_recipe_variants()[-1], name="fp8_rowwise_mxdgrad",
-                                dispatch_grad="mxfp8", recipe=None, default=False))
+                                dispatch_grad="mxfp8", recipe=None, default=False),
+            dataclasses.replace(_recipe_variants()[-1], name="fp8_rowwise_mxcombine",
+                                combine="mxfp8", dispatch_grad="mxfp8", recipe=None,
+                                default=False))
 
 
 VARIANTS = (

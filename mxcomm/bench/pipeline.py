@@ -38,6 +38,8 @@ dispatch / combine / dispatch_grad / combine_grad):
                  overlap (the dispatch gradient's exchange after the wgrad, on one stream)
   fp8_rowwise_mxdgrad    (only by --variants) fp8_rowwise with the dispatch gradient in MXFP8
                  on any topology (the recipe's format across nodes), with the overlap
+  fp8_rowwise_mxcombine  (only by --variants) fp8_rowwise_mxdgrad with the combine in MXFP8
+                 too: every exchange quantized (a numerics change; issue 43's lever across nodes)
 The fp8 GEMM runs torch._scaled_grouped_mm on SM90 GPUs; elsewhere (CPU, other GPUs) its bf16
 fallback (the report says which).
 
