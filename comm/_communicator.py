@@ -44,8 +44,7 @@ class Communicator(Agreement, abc.ABC):
         self.small_exchange_bytes = small_exchange_bytes  # None until _choose_transport
         self.medium_exchange_bytes = medium_exchange_bytes
         self.layout_experts = None
-        #: layouts agreed on this communicator (``next_layout_number``)
-        self._layouts = 0
+        self._layouts = 0             # layouts agreed on it (next_layout_number)
         self._side = side
         side.on_timeout = self._mark_aborted_by_timeout
         self.rank = side.rank
@@ -99,10 +98,8 @@ class Communicator(Agreement, abc.ABC):
         if error is not None:
             self._pending_error = None
             raise error
-        if self._state == "closed":
-            raise RuntimeError(f"{type(self).__name__} on rank {self.rank}: communicator closed")
-        raise RuntimeError(f"{type(self).__name__} on rank {self.rank}: communicator aborted "
-                           f"({self._reason})")
+        what = "closed" if self._state == "closed" else f"aborted ({self._reason})"
+        raise RuntimeError(f"{type(self).__name__} on rank {self.rank}: communicator {what}")
 
     def _device_failure(self):
         """A failure a device wait of the pull transport left, or None; no sync."""
@@ -208,8 +205,7 @@ class Communicator(Agreement, abc.ABC):
         self.check_usable()
         if landing is not None and (in_place or out is None):
             raise ValueError("landing: needs out arrays and in_place=False")
-        if type(stream) is not int:
-            stream = self.stream_ptr(stream)
+        stream = stream if type(stream) is int else self.stream_ptr(stream)
         with self.on_stream(stream):  # allocations ordered on the caller's stream
             outs = self._transport.run(rows, plan, None if out is None else tuple(out), in_place,
                                        stream, landing)
@@ -230,9 +226,6 @@ class Communicator(Agreement, abc.ABC):
                   recv_offsets=None, stream=None, validate=None):
         """Send ``send_counts[r]`` rows of ``send`` to each rank ``r``. Collective.
 
-        Rows for rank ``r`` start at row ``send_offsets[r]`` of ``send``; rows from rank ``r`` land
-        at row ``recv_offsets[r]`` of ``out`` (so one exchange can be pipelined in row ranges).
-
         Args:
             send: (M, ...) C-contiguous array of any dtype, or a tuple of such arrays with equal M
                 moved together (e.g. MXFP8 data (M, D) uint8 and scales (M, D/32) uint8). Device
@@ -240,8 +233,10 @@ class Communicator(Agreement, abc.ABC):
             send_counts, recv_counts: W non-negative host ints (rows) to / from each rank.
             out: (N, ...) arrays like ``send``, or None to allocate N = sum(recv_counts) rows
                 (max(recv_offsets + recv_counts) with explicit offsets). Written.
-            send_offsets, recv_offsets: W host ints; default the exclusive cumsums of the counts
-                (then the counts must add up to the rows).
+            send_offsets, recv_offsets: W host ints: rows for rank ``r`` start at row
+                ``send_offsets[r]`` of ``send``, rows from rank ``r`` land at row
+                ``recv_offsets[r]`` of ``out`` (one exchange can be pipelined in row ranges);
+                default the exclusive cumsums of the counts (then they must add up to the rows).
             stream: NCCL: None (CuPy's current stream), a stream object or a raw handle; else
                 ignored.
             validate: check counts across ranks first (one small host allgather); None: the default.
