@@ -40,6 +40,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 
 #: The baseline's name: torch's bf16 all-to-all, bf16 GEMMs.
 BASELINE = "bf16"
@@ -651,7 +652,9 @@ def write_plot(path, result):
     paired.legend(fontsize=7, loc="upper right")
     paired.grid(alpha=0.3)
     lines = header_lines(result["meta"])
-    note = [f"note: {result['meta']['note']}"] if result["meta"].get("note") else []
+    # the note wrapped to the figure's width, two lines at most (in full in the Markdown report)
+    note = textwrap.TextWrapper(width=190, max_lines=2, placeholder=" … (in full: the report)").wrap(
+        f"note: {result['meta']['note']}") if result["meta"].get("note") else []
     fig.suptitle("MoE training with mxcomm EP: held-out loss\n"
                  + "\n".join(lines[:2] + lines[4:5] + note), fontsize=8)
     fig.tight_layout()
