@@ -233,6 +233,22 @@ def staged_comm(request):
     c.close()
 
 
+def test_transport_from_the_nodes_the_votes_and_peer_memory():
+    """``transport_of``'s table: one node pulls; across nodes ``grouped`` unless
+    ``peer_memory=True`` asks for ``hier``, which needs runs of consecutive ranks and peer
+    memory on every rank."""
+    from mxcomm.comm._nodes import Nodes
+    from mxcomm.comm._transport import transport_of
+    one, pairs, alternating = Nodes((0, 0)), Nodes((0, 0, 1, 1)), Nodes((0, 1, 0, 1))
+    every = [True] * 4
+    assert [transport_of(one, every[:2], pm) for pm in (None, True)] == ["pull", "pull"]
+    assert transport_of(one, [True, False], None) == "grouped"  # peer_memory=False votes no
+    assert [transport_of(pairs, every, pm) for pm in (None, True, False)] == \
+        ["grouped", "hier", "grouped"]
+    assert transport_of(pairs, [True, True, False, True], True) == "grouped"
+    assert transport_of(alternating, every, True) == "grouped"
+
+
 @pytest.fixture(params=[False, True], ids=["whole", "pieces"])
 def pieces(request, monkeypatch):
     """``pieces``: every peer's rows move in up to MAX_PIECES pieces (as large exchanges do)."""
