@@ -123,12 +123,11 @@ def _fp8_wgrad(x_rows, grad_rows, offs, fast, transposed):
     tensor = alloc.tensor  # the host backend's own arrays: through DLPack
     a, b = tensor(a, torch.float8_e4m3fn), tensor(b, torch.float8_e4m3fn)
     scale_a, scale_b = tensor(scale_a).reshape(-1), tensor(scale_b).reshape(-1)
-    if transposed:
-        return torch._scaled_grouped_mm(b, a.t(), scale_b, scale_a, offs=tensor(aligned),
-                                        out_dtype=torch.bfloat16,
-                                        use_fast_accum=fast).transpose(-2, -1)
-    return torch._scaled_grouped_mm(a, b.t(), scale_a, scale_b, offs=tensor(aligned),
-                                    out_dtype=torch.bfloat16, use_fast_accum=fast)
+    if transposed:  # grad^T x
+        a, b, scale_a, scale_b = b, a, scale_b, scale_a
+    dw = torch._scaled_grouped_mm(a, b.t(), scale_a, scale_b, offs=tensor(aligned),
+                                  out_dtype=torch.bfloat16, use_fast_accum=fast)
+    return dw.transpose(-2, -1) if transposed else dw
 
 
 def _weights_transposed(ws):
