@@ -361,16 +361,14 @@ H200_TABLE = CostTable(
     ref_dim=7168, ref_hidden=2048,
     source="2 x H200 at 21726bb (2026-11-28), dim 7168, hidden 2048, 8 experts per rank, "
            "uniform routing", device="NVIDIA H200", world_size=2, experts_per_rank=8)
-#: The built-in table of 4 or more H200s: bench/results/2026-11-28/calibrate_7e2edbd_w4_h200.json,
-#: measured before the weight gradient's layout fix (``6fd69b1``), which took ~0.7 ms off the fp8
-#: recipe's step from 32768 rows: its crossovers err towards bf16.
+#: The built-in table of 4 or more H200s: bench/results/2026-11-28/calibrate_cd34cd7_w4_h200.json.
 H200_W4_TABLE = CostTable(
     rows=(4096, 8192, 16384, 32768, 65536, 131072),
-    ms={"bf16": (2.955, 3.377, 4.435, 8.035, 15.551, 30.555),
-        "mxfp8": (3.232, 3.674, 4.676, 7.580, 14.256, 27.946),
-        "fp8_rowwise": (4.825, 5.406, 6.329, 7.171, 10.993, 19.328)},
+    ms={"bf16": (2.746, 3.221, 4.449, 8.066, 15.518, 30.473),
+        "mxfp8": (2.936, 3.381, 4.479, 7.574, 14.112, 27.734),
+        "fp8_rowwise": (3.849, 4.072, 4.927, 5.986, 9.746, 17.928)},
     ref_dim=7168, ref_hidden=2048,
-    source="4 x H200 at 7e2edbd (2026-11-28), dim 7168, hidden 2048, 8 experts per rank, "
+    source="4 x H200 at cd34cd7 (2026-11-28), dim 7168, hidden 2048, 8 experts per rank, "
            "uniform routing", device="NVIDIA H200", world_size=4, experts_per_rank=8)
 #: The built-in tables by device name (``torch.cuda.get_device_name``), one per world size
 #: measured (:func:`built_in_table`); other devices get :data:`H100_TABLE`.

@@ -180,12 +180,12 @@ def test_h200_table_is_the_committed_calibration():
 
 
 def test_h200_w4_table_is_the_committed_calibration():
-    """The built-in table of 4 or more H200s is the committed 4-rank ``calibrate`` run (7e2edbd),
+    """The built-in table of 4 or more H200s is the committed 4-rank ``calibrate`` run (cd34cd7),
     and its answers at each point are the fastest recipe measured there (bf16 within 2 %)."""
     import json
     import pathlib
     results = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results" / \
-        "2026-11-28" / "calibrate_7e2edbd_w4_h200.json"
+        "2026-11-28" / "calibrate_cd34cd7_w4_h200.json"
     rows = json.loads(results.read_text())["tables"]["calibration"]
     table = recipes.H200_W4_TABLE
     assert table.rows == tuple(r["rows"] for r in rows) and table.world_size == 4
