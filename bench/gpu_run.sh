@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: gpu tests and benchmarks, logs and results under $OUT.
 #   source .device-kit/env.sh && bash bench/gpu_run.sh PHASE...
-# phases: tests1 faults2 ktests1 tests2 formats2 tests4 flaky4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD, NODES_A2A, NODES_VARIANTS) nodestransport4 (NODES_TOKENS, NODES_VARIANTS, NODES_STAGES, NODES_ROUNDS) tracenodes4 (NODES_TOKENS, PEER_MEMORY) wire4 (NODES_TOKENS, NODES_NCCL_DEBUG, NODES_NCCL_SUBSYS) wireone4 (WIRE_ROWS) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
+# phases: every4 tests1 faults2 ktests1 tests2 formats2 tests4 flaky4 graph4 formats4 nodes4 (SOCKET_NTHREADS, NSOCKS_PERTHREAD, NODES_A2A, NODES_VARIANTS) nodestransport4 (NODES_TOKENS, NODES_VARIANTS, NODES_STAGES, NODES_ROUNDS) tracenodes4 (NODES_TOKENS, PEER_MEMORY) wire4 (NODES_TOKENS, NODES_NCCL_DEBUG, NODES_NCCL_SUBSYS) wireone4 (WIRE_ROWS) pipe4fp8 pipe4fp8i pipe4small fused4 pmsmall2 pmsmall4 sxsmall2 sxsmall4 (SMALL_ROUTING) sxsweep2 sxsweep4 (SX_VALUES, SWEEP_TOKENS) mxsweep2 mxsweep4 (MX_VALUES) stepfp8_4 profile4fresh step4 pipe4fp8stages dequant4 kernels a2a2 a2a4 pipe2 pipe4 pipe2small pipe2topk latency2 latency4
 #         converge2check converge2 converge4 (CONVERGE_VARIANTS, CONVERGE_SEEDS, CONVERGE_REPEATS) soak2 profile2 profile2fresh step2 steppieces2 torch1 torchrun2 titan2 titanbench2 titanbench4 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS) graph2 pipe2fp8 pipe1fp8 row1
 #         pipeab1fp8 pipe2fp8i pipe2fp8stages gcab2 gcsmall2 fused2 dequant2 stepfp8_2 stepfp8small2 colwise1 ncu1 gather1 ncugather1 gemm1 host1 host2 host4 self2 self4 hostab1 pipeab1 colwiseab1 pull2on1 host2on1 latency1 latencyab2 smallab2 layoutab2 stepab2 (AB_OLD, AB_FLOAT: source trees to
 #         compare with) overlap2 overlap4 (OVERLAP_TOKENS, OVERLAP_VARIANTS) overlapprobe2 (PROBE_ROWS, PROBE_DISPATCH_GRAD, PROBE_PEER_MEMORY) chunks2 chunks4 (CHUNK_ROWS, CHUNKS, PROBE_PEER_MEMORY) chunksnodes4 (CHUNK_ROWS, CHUNKS, CHUNK_ITERS, SOCKET_NTHREADS, NSOCKS_PERTHREAD) chunksbisect4 titanab2 (TITAN_SITE, TITAN_TOKENS, TITAN_ITERS)
@@ -54,6 +54,15 @@ print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba-cuda', numba_
 
 for phase in "$@"; do
     case $phase in
+    every4)  # every GPU test set on a 4-GPU machine (~380 s on 4xH200): the 1-process set on GPUs
+        # 2,3 beside the 2-rank sets on GPUs 0,1 (logs in $OUT/gpus23, $OUT/gpus01), then the 4-rank
+        # sets and the emulated nodes' tests here
+        if [ "$ngpu" -lt 4 ]; then echo "=== $phase: needs 4 GPUs, $ngpu here" | tee -a "$log"; continue; fi
+        CUDA_VISIBLE_DEVICES=2,3 OUT="$OUT/gpus23" bash "$0" tests1 > /dev/null 2>&1 &
+        CUDA_VISIBLE_DEVICES=0,1 OUT="$OUT/gpus01" bash "$0" tests2 graph2 faults2 > /dev/null 2>&1 &
+        wait
+        grep -h "^=== .* exit" "$OUT/gpus23/gpu.log" "$OUT/gpus01/gpu.log" | tee -a "$log"
+        NODES_A2A=0 NODES_PIPELINE=0 bash "$0" tests4 graph4 nodes4 ;;
     tests1) step "gpu tests, 1 process" 400 python3 -m pytest -q -m "gpu and not mpi and not faults" tests ;;
     faults2) step "gpu fault cases, 2 ranks each (issue 44)" 300 env FAULTS_RANKS=2 \
         FAULTS_MPIEXEC="mpirun --bind-to none -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED" \
