@@ -22,13 +22,10 @@ _ARRAY_DTYPES = {
     torch.int16: numpy.dtype(numpy.int16), torch.int32: numpy.dtype(numpy.int32),
     torch.int64: numpy.dtype(numpy.int64), torch.bool: numpy.dtype(numpy.bool_),
 }
-# array dtype of a result the engine allocates -> the torch dtype it is allocated as
-_TORCH_DTYPES = {bfloat16: torch.bfloat16, numpy.dtype(numpy.float32): torch.float32,
-                 numpy.dtype(numpy.uint8): torch.uint8, numpy.dtype(numpy.int32): torch.int32,
-                 numpy.dtype(numpy.float16): torch.float16,
-                 numpy.dtype(numpy.float64): torch.float64,
-                 numpy.dtype(numpy.int8): torch.int8, numpy.dtype(numpy.int16): torch.int16,
-                 numpy.dtype(numpy.int64): torch.int64, numpy.dtype(numpy.bool_): torch.bool}
+# array dtype of a result the engine allocates -> the torch dtype it is allocated as (fp8 bits:
+# torch.uint8)
+_TORCH_DTYPES = {a: t for t, a in _ARRAY_DTYPES.items()
+                 if t not in (torch.float8_e4m3fn, torch.float8_e8m0fnu)}
 # element size -> the integer torch dtype a CPU tensor is seen through by NumPy
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
