@@ -157,21 +157,27 @@ def test_h100_table_crossovers():
                                                                              7168, 2048)
 
 
+def _committed_calibration(table, name):
+    """The rows of the committed ``calibrate`` run bench/results/2026-11-28/``name``, after
+    asserting that ``table`` holds its rows and its bf16, mxfp8 and fp8_rowwise columns."""
+    import json
+    import pathlib
+    results = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results" / \
+        "2026-11-28" / name
+    rows = json.loads(results.read_text())["tables"]["calibration"]
+    assert table.rows == tuple(r["rows"] for r in rows)
+    for recipe in ("bf16", "mxfp8", "fp8_rowwise"):
+        assert table.ms[recipe] == tuple(round(r[f"{recipe}_ms"], 3) for r in rows)
+    return rows
+
 
 def test_h200_table_is_the_committed_calibration():
     """The H200 built-in table is the committed ``calibrate`` run (2 x H200 at 21726bb, its
     bf16, mxfp8 and fp8_rowwise columns), and its answers at that shape are the fastest recipe
     measured there: bf16 at 4096 and 16384 rows, fp8_rowwise from 32768; the fp8 recipe's
     crossover with bf16 between 16384 and 32768 rows."""
-    import json
-    import pathlib
-    results = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results" / \
-        "2026-11-28" / "calibrate_21726bb_w2_h200.json"
-    rows = json.loads(results.read_text())["tables"]["calibration"]
     table = recipes.H200_TABLE
-    assert table.rows == tuple(r["rows"] for r in rows)
-    for name in ("bf16", "mxfp8", "fp8_rowwise"):
-        assert table.ms[name] == tuple(round(r[f"{name}_ms"], 3) for r in rows)
+    rows = _committed_calibration(table, "calibrate_21726bb_w2_h200.json")
     chooser = recipes.Chooser(7168, 2048, device="sm90", table=table)
     assert [chooser.for_rows(r).name for r in table.rows] == \
         ["bf16", "bf16", "fp8_rowwise", "fp8_rowwise", "fp8_rowwise"]
@@ -182,15 +188,9 @@ def test_h200_table_is_the_committed_calibration():
 def test_h200_w4_table_is_the_committed_calibration():
     """The built-in table of 4 or more H200s is the committed 4-rank ``calibrate`` run (cd34cd7),
     and its answers at each point are the fastest recipe measured there (bf16 within 2 %)."""
-    import json
-    import pathlib
-    results = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results" / \
-        "2026-11-28" / "calibrate_cd34cd7_w4_h200.json"
-    rows = json.loads(results.read_text())["tables"]["calibration"]
     table = recipes.H200_W4_TABLE
-    assert table.rows == tuple(r["rows"] for r in rows) and table.world_size == 4
-    for name in ("bf16", "mxfp8", "fp8_rowwise"):
-        assert table.ms[name] == tuple(round(r[f"{name}_ms"], 3) for r in rows)
+    _committed_calibration(table, "calibrate_cd34cd7_w4_h200.json")
+    assert table.world_size == 4
     chooser = recipes.Chooser(7168, 2048, device="sm90", table=table)
     for i, m in enumerate(table.rows):
         fastest = min(("bf16", "mxfp8", "fp8_rowwise"),
@@ -220,6 +220,7 @@ def test_built_in_table_follows_the_device(tmp_path):
               for d in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")]
     assert pinned[0].table_for(4 * D, H) is hand_made
     assert pinned[0].fingerprint() == pinned[1].fingerprint()
+
 
 def test_chooser_for_rows_equals_the_layout_choice():
     """``Chooser.for_rows`` (the compiled torchtitan path's, plain comparisons) answers as the
